@@ -1,0 +1,51 @@
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "server/engine/model_weights.h"
+#include "server/status.h"
+#include "server/types.h"
+
+namespace attnserve {
+
+/// Where the engine writes one request's results: buffers owned by the caller (the response
+/// message), resized and filled by Forward, so the result becomes response bytes in one copy.
+struct AttendOutputs {
+  std::string* output = nullptr;        ///< Required.
+  std::vector<int64_t> output_shape;    ///< Set by Forward.
+  std::string* weights = nullptr;       ///< Required when weights were requested.
+  std::vector<int64_t> weights_shape;   ///< Set by Forward when weights were requested.
+};
+
+/// One loaded multi-head attention model. Thread-safe: Forward may run on many threads at once.
+class AttentionModel {
+ public:
+  virtual ~AttentionModel() = default;
+  /// What the model is.
+  virtual const ModelSpec& spec() const = 0;
+  /// Computes nn.MultiheadAttention's forward for a call that passed Validate. Output dtype is the
+  /// query's. Never throws: engine failures come back as INTERNAL or RESOURCE_EXHAUSTED.
+  virtual Status Forward(const AttendCall& call, AttendOutputs* out) const = 0;
+};
+
+/// Device and precision for the LibTorch engine.
+struct EngineOptions {
+  std::string device = "cpu";        ///< "cpu", "cuda" or "cuda:N".
+  DType compute_dtype = DType::kFloat32;
+};
+
+/// Builds a LibTorch model from host weights. FAILED_PRECONDITION when the device is unusable
+/// (e.g. "cuda" on a build or machine without CUDA).
+StatusOr<std::unique_ptr<AttentionModel>> CreateTorchModel(const ModelWeights& weights,
+                                                           const EngineOptions& options);
+
+/// "LibTorch 1.13.0 (CPU)" or "LibTorch 2.5.1 (CUDA 12.4)", for the start-up log.
+std::string EngineDescription();
+
+/// Reads a torch.save()'d state_dict (zip format) with LibTorch's pickle loader; tensors come back
+/// as float32 host tensors keyed by state_dict name.
+StatusOr<NamedTensors> ReadTorchStateDict(const std::string& path);
+
+}  // namespace attnserve

@@ -1,0 +1,98 @@
+#include "server/engine/model_loader.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "server/engine/attention_model.h"
+#include "server/engine/safetensors.h"
+
+namespace attnserve {
+namespace fs = std::filesystem;
+namespace {
+
+Status Fail(const std::string& what) { return {StatusCode::kFailedPrecondition, what}; }
+
+bool IsWeightsFile(const fs::path& p) {
+  const std::string ext = p.extension().string();
+  return ext == ".safetensors" || ext == ".pt" || ext == ".pth";
+}
+
+}  // namespace
+
+StatusOr<ModelWeights> LoadModel(const std::string& model_dir, const std::string& name) {
+  const fs::path dir(model_dir);
+  const std::string config_path = (dir / "config.json").string();
+  ASSIGN_OR_RETURN(std::string config_text, ReadFile(config_path));
+  nlohmann::json j = nlohmann::json::parse(config_text, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object()) return Fail(config_path + ": not a JSON object");
+  static const char* kKnown[] = {"num_heads", "weights", "add_zero_attn"};
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    if (std::find_if(std::begin(kKnown), std::end(kKnown),
+                     [&](const char* k) { return it.key() == k; }) == std::end(kKnown)) {
+      return Fail(config_path + ": unknown key '" + it.key() +
+                  "'; allowed: num_heads, weights, add_zero_attn");
+    }
+  }
+  ModelConfig config;
+  if (!j.contains("num_heads") || !j["num_heads"].is_number_integer()) {
+    return Fail(config_path + ": num_heads (an integer) is required");
+  }
+  config.num_heads = j["num_heads"].get<int64_t>();
+  if (j.contains("add_zero_attn")) {
+    if (!j["add_zero_attn"].is_boolean()) return Fail(config_path + ": add_zero_attn must be true or false");
+    config.add_zero_attn = j["add_zero_attn"].get<bool>();
+  }
+  fs::path weights_path;
+  if (j.contains("weights")) {
+    if (!j["weights"].is_string()) return Fail(config_path + ": weights must be a file name");
+    weights_path = dir / j["weights"].get<std::string>();
+  } else {
+    std::vector<fs::path> found;
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(dir, ec)) {
+      if (e.is_regular_file() && IsWeightsFile(e.path())) found.push_back(e.path());
+    }
+    if (found.size() != 1) {
+      return Fail(config_path + ": found " + std::to_string(found.size()) +
+                  " weights files (.safetensors, .pt, .pth); name one with \"weights\"");
+    }
+    weights_path = found[0];
+  }
+  const std::string where = weights_path.string();
+  ASSIGN_OR_RETURN(std::string bytes, ReadFile(where));
+  NamedTensors tensors;
+  if (bytes.size() >= 2 && bytes[0] == 'P' && bytes[1] == 'K') {  // torch.save's zip format.
+    bytes.clear();
+    ASSIGN_OR_RETURN(tensors, ReadTorchStateDict(where));
+  } else if (weights_path.extension() == ".safetensors") {
+    ASSIGN_OR_RETURN(tensors, ParseSafetensors(bytes, where));
+  } else {
+    return Fail(where + ": neither a safetensors file (by its name) nor a torch.save() zip archive");
+  }
+  ASSIGN_OR_RETURN(ModelWeights w, CanonicalizeWeights(tensors, config, where));
+  w.spec.name = name;
+  w.spec.source = where;
+  return w;
+}
+
+StatusOr<std::vector<ModelWeights>> LoadModelDirectory(const std::string& dir) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return Fail("--models " + dir + ": not a directory");
+  std::vector<fs::path> model_dirs;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    if (e.is_directory() && fs::exists(e.path() / "config.json")) model_dirs.push_back(e.path());
+  }
+  std::sort(model_dirs.begin(), model_dirs.end());
+  if (model_dirs.empty()) {
+    return Fail("--models " + dir + ": no model found (expected subdirectories with a config.json)");
+  }
+  std::vector<ModelWeights> models;
+  for (const auto& p : model_dirs) {
+    ASSIGN_OR_RETURN(ModelWeights w, LoadModel(p.string(), p.filename().string()));
+    models.push_back(std::move(w));
+  }
+  return models;
+}
+
+}  // namespace attnserve

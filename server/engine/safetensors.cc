@@ -1,0 +1,130 @@
+#include "server/engine/safetensors.h"
+
+#include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+namespace attnserve {
+namespace {
+
+float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f;
+  uint32_t mant = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // Subnormal: normalize.
+      exp = 127 - 15 + 1;
+      while ((mant & 0x400) == 0) {
+        mant <<= 1;
+        --exp;
+      }
+      bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+    }
+  } else if (exp == 0x1f) {
+    bits = sign | 0x7f800000 | (mant << 13);
+  } else {
+    bits = sign | ((exp - 15 + 127) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+}  // namespace
+
+StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Status(StatusCode::kFailedPrecondition, path + ": cannot open");
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+StatusOr<NamedTensors> ParseSafetensors(const std::string& bytes, const std::string& where) {
+  auto fail = [&](const std::string& what) {
+    return Status(StatusCode::kFailedPrecondition, where + ": " + what);
+  };
+  if (bytes.size() < 8) return fail("truncated: " + std::to_string(bytes.size()) + " bytes, no header");
+  uint64_t header_len = 0;
+  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | static_cast<uint8_t>(bytes[i]);
+  if (header_len > bytes.size() - 8) {
+    return fail("header length " + std::to_string(header_len) + " runs past the end of the " +
+                std::to_string(bytes.size()) + "-byte file (truncated?)");
+  }
+  nlohmann::json header = nlohmann::json::parse(bytes.begin() + 8, bytes.begin() + 8 + header_len,
+                                                nullptr, /*allow_exceptions=*/false);
+  if (!header.is_object()) return fail("header is not a JSON object");
+  const char* data = bytes.data() + 8 + header_len;
+  const uint64_t data_len = bytes.size() - 8 - header_len;
+  NamedTensors out;
+  for (auto it = header.begin(); it != header.end(); ++it) {
+    if (it.key() == "__metadata__") continue;
+    const std::string name = it.key();
+    const nlohmann::json& e = it.value();
+    if (!e.is_object() || !e.contains("dtype") || !e.contains("shape") ||
+        !e.contains("data_offsets") || !e["dtype"].is_string() || !e["shape"].is_array() ||
+        !e["data_offsets"].is_array() || e["data_offsets"].size() != 2) {
+      return fail("'" + name + "': header entry needs dtype, shape and data_offsets [begin, end]");
+    }
+    const std::string dtype = e["dtype"].get<std::string>();
+    size_t elem = 0;
+    if (dtype == "F32") elem = 4;
+    else if (dtype == "F16" || dtype == "BF16") elem = 2;
+    else if (dtype == "F64") elem = 8;
+    else return fail("'" + name + "': dtype " + dtype + " is not supported; expected F32, F16, BF16 or F64");
+    HostTensor t;
+    uint64_t numel = 1;
+    for (const auto& d : e["shape"]) {
+      if (!d.is_number_unsigned() || d.get<uint64_t>() > (uint64_t{1} << 32)) {
+        return fail("'" + name + "': shape must hold non-negative integers");
+      }
+      t.shape.push_back(static_cast<int64_t>(d.get<uint64_t>()));
+      numel *= d.get<uint64_t>();
+      if (numel > (uint64_t{1} << 34)) return fail("'" + name + "': shape is too large");
+    }
+    const auto& off = e["data_offsets"];
+    if (!off[0].is_number_unsigned() || !off[1].is_number_unsigned()) {
+      return fail("'" + name + "': data_offsets must be non-negative integers");
+    }
+    const uint64_t begin = off[0].get<uint64_t>(), end = off[1].get<uint64_t>();
+    if (begin > end || end > data_len) {
+      return fail("'" + name + "': data_offsets [" + std::to_string(begin) + ", " +
+                  std::to_string(end) + "] lie outside the " + std::to_string(data_len) +
+                  "-byte data section");
+    }
+    if (end - begin != numel * elem) {
+      return fail("'" + name + "': data_offsets span " + std::to_string(end - begin) +
+                  " bytes, but shape " + ShapeString(t.shape) + " of " + dtype + " needs " +
+                  std::to_string(numel * elem));
+    }
+    t.values.resize(numel);
+    const char* src = data + begin;
+    for (uint64_t i = 0; i < numel; ++i) {
+      if (elem == 4) {
+        std::memcpy(&t.values[i], src + 4 * i, 4);
+      } else if (elem == 8) {
+        double d;
+        std::memcpy(&d, src + 8 * i, 8);
+        t.values[i] = static_cast<float>(d);
+      } else {
+        uint16_t h;
+        std::memcpy(&h, src + 2 * i, 2);
+        if (dtype == "BF16") {
+          const uint32_t bits = static_cast<uint32_t>(h) << 16;
+          std::memcpy(&t.values[i], &bits, 4);
+        } else {
+          t.values[i] = HalfToFloat(h);
+        }
+      }
+    }
+    out.emplace(name, std::move(t));
+  }
+  if (out.empty()) return fail("holds no tensors");
+  return out;
+}
+
+}  // namespace attnserve

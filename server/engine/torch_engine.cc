@@ -1,0 +1,272 @@
+// The LibTorch forward: nn.MultiheadAttention's computation over request bytes. One of the two
+// translation units that include LibTorch (with torch_pickle.cc).
+#include <ATen/ATen.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/core/InferenceMode.h>
+
+#include <cmath>
+#include <limits>
+
+#include "server/engine/attention_model.h"
+#include "server/engine/torch_compat.h"
+
+namespace attnserve {
+namespace {
+
+at::ScalarType ToScalarType(DType d) {
+  switch (d) {
+    case DType::kFloat32: return at::kFloat;
+    case DType::kFloat16: return at::kHalf;
+    case DType::kBFloat16: return at::kBFloat16;
+    case DType::kBool: return at::kByte;  // Wire bools are bytes: any non-zero is true.
+  }
+  return at::kFloat;
+}
+
+// A tensor over the request's bytes, without a copy. Wire bools become a real bool tensor.
+at::Tensor Wrap(const TensorView& v) {
+  at::Tensor t = at::from_blob(const_cast<void*>(v.data), v.shape,
+                               at::TensorOptions().dtype(ToScalarType(v.dtype)));
+  return v.dtype == DType::kBool ? t.ne(0) : t;
+}
+
+at::Tensor FromHost(const HostTensor& h, const at::TensorOptions& opts) {
+  return at::from_blob(const_cast<float*>(h.values.data()), h.shape, at::kFloat)
+      .to(opts, /*non_blocking=*/false, /*copy=*/true);
+}
+
+class TorchModel final : public AttentionModel {
+ public:
+  TorchModel(const ModelWeights& w, at::Device device, DType dtype)
+      : spec_(w.spec), device_(device), dtype_(ToScalarType(dtype)) {
+    spec_.device = device.str();
+    spec_.compute_dtype = dtype;
+    const auto opts = at::TensorOptions().device(device).dtype(dtype_);
+    const int64_t e = spec_.embed_dim;
+    packed_ = spec_.kdim == e && spec_.vdim == e;
+    if (packed_) {
+      // One [3E, E] matrix: self-attention projects q, k and v in a single matmul.
+      w_in_ = at::cat({FromHost(w.q_proj, opts), FromHost(w.k_proj, opts), FromHost(w.v_proj, opts)});
+      w_q_ = w_in_.narrow(0, 0, e);
+      w_k_ = w_in_.narrow(0, e, e);
+      w_v_ = w_in_.narrow(0, 2 * e, e);
+    } else {
+      w_q_ = FromHost(w.q_proj, opts);
+      w_k_ = FromHost(w.k_proj, opts);
+      w_v_ = FromHost(w.v_proj, opts);
+    }
+    if (w.in_proj_bias) {
+      b_in_ = FromHost(*w.in_proj_bias, opts);
+      b_q_ = b_in_.narrow(0, 0, e);
+      b_k_ = b_in_.narrow(0, e, e);
+      b_v_ = b_in_.narrow(0, 2 * e, e);
+    }
+    w_out_t_ = FromHost(w.out_proj, opts).t().contiguous();
+    if (w.out_proj_bias) b_out_ = FromHost(*w.out_proj_bias, opts);
+    if (w.bias_k) {
+      bias_k_ = FromHost(*w.bias_k, opts);
+      bias_v_ = FromHost(*w.bias_v, opts);
+    }
+  }
+
+  const ModelSpec& spec() const override { return spec_; }
+
+  Status Forward(const AttendCall& call, AttendOutputs* out) const override {
+    try {
+      c10::InferenceMode guard;
+      ForwardImpl(call, out);
+      return Status::Ok();
+    } catch (const c10::Error& e) {
+      const std::string what = e.what_without_backtrace();
+      if (what.find("out of memory") != std::string::npos) {
+        return Status(StatusCode::kResourceExhausted, "device out of memory: " + what);
+      }
+      return Internal("engine: " + what);
+    } catch (const std::exception& e) {
+      return Internal(std::string("engine: ") + e.what());
+    }
+  }
+
+ private:
+  // [batch, len, feat] (batch-first) or [len, batch, feat] (sequence-first) on the compute device.
+  at::Tensor Input(const AttendCall& call, const TensorView& v) const {
+    at::Tensor t = Wrap(v);
+    if (!call.batched) t = t.unsqueeze(0);  // Unbatched is batch-first with batch 1.
+    return t.to(device_, dtype_);           // A no-op for float32 on CPU.
+  }
+
+  // [B, L, E] or [L, B, E] -> [B, H, L, D] (a view).
+  at::Tensor SplitHeads(const at::Tensor& x, bool batch_first, int64_t b, int64_t len) const {
+    const int64_t h = spec_.num_heads, d = spec_.head_dim();
+    return batch_first ? x.view({b, len, h, d}).transpose(1, 2)
+                       : x.view({len, b, h, d}).permute({1, 2, 0, 3});
+  }
+
+  // A float mask (0 = attend, -inf = masked, else added) over `v`'s bytes.
+  at::Tensor Additive(const TensorView& v) const {
+    at::Tensor m = Wrap(v).to(device_);
+    if (m.scalar_type() == at::kBool) {
+      return at::zeros(m.sizes(), m.options().dtype(dtype_))
+          .masked_fill_(m, -std::numeric_limits<double>::infinity());
+    }
+    return m.to(dtype_);
+  }
+
+  void ForwardImpl(const AttendCall& call, AttendOutputs* out) const {
+    const int64_t b = call.batch, lq = call.query_len, lk = call.key_len;
+    const int64_t e = spec_.embed_dim, h = spec_.num_heads, d = spec_.head_dim();
+    const int64_t extra = spec_.extra_keys();
+    const bool batch_first = call.layout == Layout::kBatchFirst || !call.batched;
+
+    // 1. Projections, in the wire layout (no transpose copies).
+    at::Tensor q, k, v;
+    const at::Tensor q_in = Input(call, call.query);
+    if (call.self_attention() && packed_) {
+      auto qkv = at::linear(q_in, w_in_, b_in_).chunk(3, -1);
+      q = qkv[0];
+      k = qkv[1];
+      v = qkv[2];
+    } else {
+      const at::Tensor k_in = call.self_attention() ? q_in : Input(call, *call.key);
+      const at::Tensor v_in = call.self_attention() ? q_in : Input(call, *call.value);
+      q = at::linear(q_in, w_q_, b_q_);
+      k = at::linear(k_in, w_k_, b_k_);
+      v = at::linear(v_in, w_v_, b_v_);
+    }
+    at::Tensor qh = SplitHeads(q, batch_first, b, lq);
+    at::Tensor kh = SplitHeads(k, batch_first, b, lk);
+    at::Tensor vh = SplitHeads(v, batch_first, b, lk);
+
+    // 2. bias_k/bias_v, then the zero key/value, appended along the key sequence.
+    if (bias_k_.defined()) {
+      kh = at::cat({kh, bias_k_.view({1, h, 1, d}).expand({b, h, 1, d})}, 2);
+      vh = at::cat({vh, bias_v_.view({1, h, 1, d}).expand({b, h, 1, d})}, 2);
+    }
+    if (spec_.add_zero_attn) {
+      kh = at::cat({kh, at::zeros({b, h, 1, d}, kh.options())}, 2);
+      vh = at::cat({vh, at::zeros({b, h, 1, d}, vh.options())}, 2);
+    }
+
+    // 3. One additive mask, broadcastable to [B, H, Lq, S]; the appended keys are never masked.
+    at::Tensor mask;
+    auto add = [&mask](const at::Tensor& m) { mask = mask.defined() ? mask + m : m; };
+    if (call.attn_mask) {
+      at::Tensor m = Additive(*call.attn_mask);
+      add(m.dim() == 2 ? m.view({1, 1, lq, lk}) : m.view({b, h, lq, lk}));
+    }
+    if (call.key_padding_mask) add(Additive(*call.key_padding_mask).view({b, 1, 1, lk}));
+    const bool want_weights = call.weights != WeightsMode::kNone;
+    const bool fused = compat::kHasFusedSdpa && !want_weights;
+    // The fused kernel applies a plain causal mask by itself; anything more needs it spelled out.
+    const bool fused_causal = fused && call.is_causal && !mask.defined() && extra == 0;
+    if (call.is_causal && !fused_causal) {
+      const at::Tensor upper = at::ones({lq, lk}, at::TensorOptions().dtype(at::kBool).device(device_)).triu(1);
+      add(at::zeros({1, 1, lq, lk}, qh.options())
+              .masked_fill_(upper.view({1, 1, lq, lk}), -std::numeric_limits<double>::infinity()));
+    }
+    if (mask.defined() && extra > 0) mask = at::constant_pad_nd(mask, {0, extra}, 0);
+
+    // (head, query) rows whose every key is masked: PyTorch's softmax gives NaN there; we give 0.
+    at::Tensor dead;
+    bool any_dead = false;
+    if (mask.defined()) {
+      dead = mask.eq(-std::numeric_limits<double>::infinity()).all(-1, /*keepdim=*/true);
+      any_dead = dead.any().item<bool>();
+    }
+
+    // 4. Attention per head: [B, H, Lq, D].
+    at::Tensor attn, weights;
+    if (fused) {
+      attn = compat::FusedSdpa(qh, kh, vh, mask, fused_causal);
+    } else {
+      at::Tensor scores = at::matmul(qh * (1.0 / std::sqrt(static_cast<double>(d))), kh.transpose(-2, -1));
+      if (mask.defined()) scores.add_(mask);
+      weights = at::softmax(scores, -1);
+      if (any_dead) weights.masked_fill_(dead, 0);
+      attn = at::matmul(weights, vh);
+    }
+    if (any_dead && fused) attn.masked_fill_(dead, 0);
+
+    // 5. Merge heads in the output's row order, then project straight into the response bytes.
+    const at::Tensor merged = batch_first ? attn.transpose(1, 2).reshape({b * lq, e})
+                                          : attn.permute({2, 0, 1, 3}).reshape({lq * b, e});
+    const DType out_dtype = call.query.dtype;
+    out->output->resize(static_cast<size_t>(b * lq * e) * DTypeSize(out_dtype));
+    at::Tensor dst = at::from_blob(out->output->data(), {b * lq, e}, ToScalarType(out_dtype));
+    if (device_.is_cpu() && dst.scalar_type() == dtype_) {
+      if (b_out_.defined()) {
+        at::addmm_out(dst, b_out_, merged, w_out_t_);
+      } else {
+        at::mm_out(dst, merged, w_out_t_);
+      }
+    } else {
+      dst.copy_(b_out_.defined() ? at::addmm(b_out_, merged, w_out_t_) : at::mm(merged, w_out_t_));
+    }
+    if (any_dead) {
+      // A query masked in every head gets a zero row (not the output bias).
+      at::Tensor rows = dead.squeeze(-1).all(1).expand({b, lq});  // [B, Lq]
+      if (!batch_first) rows = rows.t();
+      dst.masked_fill_(rows.reshape({b * lq, 1}).to(at::kCPU), 0);
+    }
+    if (!call.batched) {
+      out->output_shape = {lq, e};
+    } else {
+      out->output_shape = batch_first ? std::vector<int64_t>{b, lq, e} : std::vector<int64_t>{lq, b, e};
+    }
+
+    // 6. Attention weights, when asked for.
+    if (want_weights) {
+      at::Tensor w = call.weights == WeightsMode::kAveraged ? weights.mean(1) : weights;
+      if (!call.batched) w = w.squeeze(0);
+      out->weights_shape = w.sizes().vec();
+      out->weights->resize(static_cast<size_t>(w.numel()) * DTypeSize(out_dtype));
+      at::from_blob(out->weights->data(), w.sizes(), ToScalarType(out_dtype)).copy_(w);
+    }
+  }
+
+  ModelSpec spec_;
+  at::Device device_;
+  at::ScalarType dtype_;
+  bool packed_ = false;
+  at::Tensor w_in_, w_q_, w_k_, w_v_;  // [3E, E] and its row blocks (or three separate matrices)
+  at::Tensor b_in_, b_q_, b_k_, b_v_;  // undefined without input biases
+  at::Tensor w_out_t_, b_out_;         // out_proj.weight transposed: [E, E]
+  at::Tensor bias_k_, bias_v_;         // [E], undefined without add_bias_kv
+};
+
+}  // namespace
+
+StatusOr<std::unique_ptr<AttentionModel>> CreateTorchModel(const ModelWeights& weights,
+                                                           const EngineOptions& options) {
+  const auto fail = [](const std::string& m) { return Status(StatusCode::kFailedPrecondition, m); };
+  try {
+    at::Device device(options.device);
+    if (device.is_cuda()) {
+      const int n = at::detail::getCUDAHooks().getNumGPUs();
+      if (!at::hasCUDA() || n == 0) {
+        return fail("--device " + options.device + ": CUDA is not available (" +
+                    EngineDescription() + "); use --device cpu");
+      }
+      if (device.has_index() && device.index() >= n) {
+        return fail("--device " + options.device + ": only " + std::to_string(n) + " CUDA device(s)");
+      }
+    } else if (!device.is_cpu()) {
+      return fail("--device " + options.device + ": expected cpu, cuda or cuda:N");
+    }
+    if (device.is_cpu() && options.compute_dtype != DType::kFloat32) {
+      return fail(std::string("--dtype ") + DTypeName(options.compute_dtype) +
+                  ": the CPU computes in float32 only");
+    }
+    c10::InferenceMode guard;
+    auto model = std::make_unique<TorchModel>(weights, device, options.compute_dtype);
+    return std::unique_ptr<AttentionModel>(std::move(model));
+  } catch (const c10::Error& e) {
+    return fail("--device " + options.device + ": " + e.what_without_backtrace());
+  }
+}
+
+std::string EngineDescription() {
+  return std::string("LibTorch ") + TORCH_VERSION + (at::hasCUDA() ? " (CUDA)" : " (CPU)");
+}
+
+}  // namespace attnserve

@@ -1,0 +1,22 @@
+#pragma once
+
+#include <grpcpp/support/status.h>
+
+#include "server/status.h"
+
+namespace attnserve {
+
+/// The one mapping from internal status to gRPC status (README "Errors"):
+/// INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE (draining: retryable), RESOURCE_EXHAUSTED (queue full,
+/// device memory), DEADLINE_EXCEEDED, CANCELLED; anything else is INTERNAL.
+grpc::StatusCode ToGrpcCode(StatusCode code);
+
+/// `status` as a grpc::Status with the same (already capped) message.
+grpc::Status ToGrpcStatus(const Status& status);
+
+}  // namespace attnserve
+
+namespace attnserve {
+/// The gRPC name of the code `status` maps to, e.g. "INVALID_ARGUMENT" (a metrics label).
+const char* GrpcCodeName(const Status& status);
+}  // namespace attnserve

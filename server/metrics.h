@@ -1,0 +1,43 @@
+#pragma once
+
+#include <prometheus/counter.h>
+#include <prometheus/family.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+
+#include <string>
+
+#include "server/types.h"
+
+namespace attnserve {
+
+/// The server's Prometheus metrics (README "Metrics"). Registers its families once in the registry
+/// it is given. Thread-safe.
+class ServerMetrics {
+ public:
+  explicit ServerMetrics(prometheus::Registry& registry);
+
+  /// One finished RPC (or one request inside AttendStream): count and latency, success or not.
+  /// `model` is "" when the request named no loaded model.
+  void RecordRequest(const std::string& model, const std::string& method, const std::string& code,
+                     double seconds);
+  /// Requests accepted and not yet answered, by method.
+  void AddInFlight(const std::string& method, double delta);
+  /// Time from acceptance to compute start, and compute time, of one computed request.
+  void RecordCompute(const std::string& model, double queue_seconds, double compute_seconds,
+                     int batch_size);
+  /// Sets attnserve_model_info{...} 1 for a loaded model.
+  void AddModelInfo(const ModelSpec& spec);
+
+ private:
+  prometheus::Family<prometheus::Histogram>& latency_;
+  prometheus::Family<prometheus::Counter>& requests_;
+  prometheus::Family<prometheus::Gauge>& in_flight_;
+  prometheus::Family<prometheus::Histogram>& queue_;
+  prometheus::Family<prometheus::Histogram>& compute_;
+  prometheus::Family<prometheus::Histogram>& batch_size_;
+  prometheus::Family<prometheus::Gauge>& model_info_;
+};
+
+}  // namespace attnserve

@@ -1,0 +1,134 @@
+#include "server/server.h"
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <prometheus/exposer.h>
+#include <prometheus/registry.h>
+
+#include <mutex>
+
+#include "server/attention_service.h"
+#include "server/engine/model_loader.h"
+#include "server/metrics.h"
+#include "server/work_queue.h"
+
+namespace attnserve {
+
+/// Health service names: "" (overall), the service, and "<service>/<model>" per model.
+static constexpr char kServiceName[] = "attnserve.v1.AttentionService";
+
+struct Server::Impl {
+  ServerOptions options;
+  ModelMap models;
+  std::shared_ptr<prometheus::Registry> registry = std::make_shared<prometheus::Registry>();
+  std::unique_ptr<ServerMetrics> metrics;
+  std::unique_ptr<prometheus::Exposer> exposer;
+  std::unique_ptr<WorkQueue> queue;
+  std::unique_ptr<AttentionServiceImpl> service;
+  std::unique_ptr<grpc::Server> grpc_server;
+  int port = 0;
+  int metrics_port = 0;
+  std::once_flag shutdown_once;
+};
+
+Server::Server(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Server::~Server() { Shutdown(); }
+
+StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  const auto fail = [](const std::string& m) { return Status(StatusCode::kFailedPrecondition, m); };
+  if (options.workers < 1) return fail("--workers must be >= 1");
+
+  std::vector<ModelWeights> weights;
+  if (options.models_dir.empty()) {
+    weights.push_back(DemoModelWeights());
+  } else {
+    ASSIGN_OR_RETURN(weights, LoadModelDirectory(options.models_dir));
+  }
+  EngineOptions engine_options;
+  engine_options.device = options.device;
+  for (const ModelWeights& w : weights) {
+    ASSIGN_OR_RETURN(auto model, CreateTorchModel(w, engine_options));
+    impl->models.emplace(w.spec.name, std::move(model));
+  }
+  weights.clear();
+
+  impl->metrics = std::make_unique<ServerMetrics>(*impl->registry);
+  for (const auto& [name, model] : impl->models) impl->metrics->AddModelInfo(model->spec());
+  if (!options.metrics_address.empty()) {
+    try {
+      impl->exposer = std::make_unique<prometheus::Exposer>(options.metrics_address);
+    } catch (const std::exception& e) {
+      return fail("--metrics-address " + options.metrics_address + ": cannot listen: " + e.what());
+    }
+    impl->exposer->RegisterCollectable(impl->registry);
+    const auto ports = impl->exposer->GetListeningPorts();
+    impl->metrics_port = ports.empty() ? 0 : ports.front();
+  }
+
+  WorkQueueOptions queue_options;
+  queue_options.workers = options.workers;
+  queue_options.max_queue_size = options.max_queue_size;
+  impl->queue = std::make_unique<WorkQueue>(queue_options);
+  impl->service = std::make_unique<AttentionServiceImpl>(impl->models, *impl->queue,
+                                                         *impl->metrics, options.limits);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options.address, grpc::InsecureServerCredentials(), &impl->port);
+  builder.RegisterService(impl->service.get());
+  builder.SetMaxReceiveMessageSize(options.max_message_bytes);
+  builder.SetMaxSendMessageSize(options.max_message_bytes);
+  impl->grpc_server = builder.BuildAndStart();
+  if (!impl->grpc_server || impl->port == 0) {
+    return fail("--address " + options.address + ": cannot listen (in use, or not an address)");
+  }
+  auto* health = impl->grpc_server->GetHealthCheckService();
+  health->SetServingStatus(true);
+  health->SetServingStatus(kServiceName, true);
+  for (const auto& [name, model] : impl->models) {
+    health->SetServingStatus(std::string(kServiceName) + "/" + name, true);
+  }
+  return std::unique_ptr<Server>(new Server(std::move(impl)));
+}
+
+int Server::port() const { return impl_->port; }
+int Server::metrics_port() const { return impl_->metrics_port; }
+
+std::string Server::Describe() const {
+  std::string s = "attnserve: serving";
+  for (const auto& [name, model] : impl_->models) {
+    const ModelSpec& m = model->spec();
+    s += " " + name + " (E=" + std::to_string(m.embed_dim) + ", H=" + std::to_string(m.num_heads) +
+         ", " + m.weights_hash.substr(0, 19) + ")";
+  }
+  const std::string host = impl_->options.address.substr(0, impl_->options.address.rfind(':'));
+  s += " on " + host + ":" + std::to_string(impl_->port);
+  s += impl_->exposer ? ", metrics on http://" +
+                            impl_->options.metrics_address.substr(
+                                0, impl_->options.metrics_address.rfind(':')) +
+                            ":" + std::to_string(impl_->metrics_port) + "/metrics"
+                      : ", metrics off";
+  s += ", device " + impl_->options.device + ", " + std::to_string(impl_->options.workers) +
+       " workers, " + EngineDescription();
+  return s;
+}
+
+void Server::Shutdown() {
+  std::call_once(impl_->shutdown_once, [this] {
+    // Stop accepting and let calls in flight finish; the queue keeps computing meanwhile.
+    impl_->grpc_server->GetHealthCheckService()->Shutdown();
+    const auto grace = std::chrono::duration_cast<std::chrono::system_clock::duration>(
+        std::chrono::duration<double>(impl_->options.shutdown_grace_seconds));
+    impl_->grpc_server->Shutdown(std::chrono::system_clock::now() + grace);
+    impl_->queue->Drain();
+    impl_->grpc_server->Wait();
+    impl_->exposer.reset();
+    impl_->models.clear();
+  });
+}
+
+}  // namespace attnserve

@@ -1,0 +1,48 @@
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "server/status.h"
+#include "server/types.h"
+
+namespace attnserve {
+
+/// Everything `attnserve` can be told on its command line; defaults are the flags' defaults.
+struct ServerOptions {
+  std::string address = "127.0.0.1:50051";          ///< gRPC listen address; port 0 picks one.
+  std::string metrics_address = "127.0.0.1:9464";   ///< /metrics listen address; "" disables.
+  std::string models_dir;                           ///< "" serves the built-in demo model.
+  std::string device = "cpu";
+  int workers = 2;                                  ///< Compute threads.
+  size_t max_queue_size = 1024;                     ///< Requests waiting for compute.
+  int max_message_bytes = 64 << 20;                 ///< gRPC send/receive limit.
+  AttendLimits limits;
+  double shutdown_grace_seconds = 30;               ///< In-flight requests get this long to finish.
+};
+
+/// A running attnserve: models loaded, gRPC and metrics listening. Thread-safe.
+class Server {
+ public:
+  /// Loads the models and starts listening. FAILED_PRECONDITION (with the file, flag or address
+  /// at fault) when anything is wrong: nothing is served half-broken.
+  static StatusOr<std::unique_ptr<Server>> Start(const ServerOptions& options);
+  ~Server();  ///< Shuts down if still running.
+
+  /// The bound gRPC port (useful with port 0).
+  int port() const;
+  /// The bound metrics port, or 0 when metrics are disabled.
+  int metrics_port() const;
+  /// The start-up log line: models, addresses, device, LibTorch version.
+  std::string Describe() const;
+  /// Graceful shutdown: health goes NOT_SERVING, no new calls are taken, calls in flight finish
+  /// (up to the grace period), the queue drains, the engine is released. Idempotent.
+  void Shutdown();
+
+ private:
+  struct Impl;
+  explicit Server(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace attnserve

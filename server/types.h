@@ -1,0 +1,88 @@
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace attnserve {
+
+/// Element type of tensor bytes on the wire and in models.
+enum class DType { kFloat32, kFloat16, kBFloat16, kBool };
+
+/// Bytes per element of `dtype`.
+size_t DTypeSize(DType dtype);
+/// Lower-case name, e.g. "float32".
+const char* DTypeName(DType dtype);
+/// True for the floating-point types.
+inline bool IsFloating(DType dtype) { return dtype != DType::kBool; }
+
+/// "[2, 7, 512]".
+std::string ShapeString(const std::vector<int64_t>& shape);
+
+/// A non-owning view of a tensor's bytes, which stay where they arrived (the request message): the
+/// owner must outlive every use of the view.
+struct TensorView {
+  DType dtype = DType::kFloat32;
+  std::vector<int64_t> shape;
+  const void* data = nullptr;
+  size_t nbytes = 0;
+};
+
+/// Which attention weights a request wants back.
+enum class WeightsMode { kNone, kAveraged, kPerHead };
+
+/// Memory layout of query, key, value and output.
+enum class Layout { kBatchFirst, kSequenceFirst };
+
+/// What a model is: the nn.MultiheadAttention constructor arguments plus where and how it runs.
+struct ModelSpec {
+  std::string name;
+  int64_t embed_dim = 0;
+  int64_t num_heads = 0;
+  int64_t kdim = 0;
+  int64_t vdim = 0;
+  bool bias = false;           ///< Any projection has a bias.
+  bool add_bias_kv = false;
+  bool add_zero_attn = false;
+  DType compute_dtype = DType::kFloat32;
+  std::string device = "cpu";
+  std::string weights_hash;    ///< "sha256:<hex>" over the canonical weights.
+  std::string source;          ///< File the weights came from, or "built-in".
+
+  int64_t head_dim() const { return num_heads > 0 ? embed_dim / num_heads : 0; }
+  /// Keys after bias_k and the zero key are appended.
+  int64_t extra_keys() const { return (add_bias_kv ? 1 : 0) + (add_zero_attn ? 1 : 0); }
+};
+
+/// One attention request as the engine sees it. The views point into the wire message. The
+/// fields under "filled by Validate" are derived; the engine relies on Validate having run.
+struct AttendCall {
+  TensorView query;
+  std::optional<TensorView> key;    ///< Absent with value: self-attention.
+  std::optional<TensorView> value;
+  std::optional<TensorView> key_padding_mask;
+  std::optional<TensorView> attn_mask;
+  bool is_causal = false;
+  WeightsMode weights = WeightsMode::kNone;
+  Layout layout = Layout::kBatchFirst;
+
+  // Filled by Validate.
+  bool batched = true;
+  int64_t batch = 0;
+  int64_t query_len = 0;
+  int64_t key_len = 0;
+
+  bool self_attention() const { return !key.has_value(); }
+};
+
+/// Per-request limits, set by server flags.
+struct AttendLimits {
+  /// Most tokens one request may carry: batch * (query_len + key_len).
+  int64_t max_tokens = 1 << 16;
+  /// Most attention scores one request may need: batch * num_heads * query_len * key_len.
+  int64_t max_attention_scores = int64_t{1} << 28;
+};
+
+}  // namespace attnserve

@@ -1,0 +1,202 @@
+#include "server/validator.h"
+
+#include <string>
+
+namespace attnserve {
+namespace {
+
+std::string Expected(const char* names[], const int64_t* dims, int rank) {
+  std::string s = "[";
+  for (int i = 0; i < rank; ++i) {
+    if (i) s += ", ";
+    s += names[i];
+    if (dims[i] > 0) s += "=" + std::to_string(dims[i]);
+  }
+  return s + "]";
+}
+
+// Checks every dim >= 1 and that the bytes hold exactly product(shape) elements of the dtype.
+Status CheckStorage(const char* field, const TensorView& t) {
+  int64_t numel = 1;
+  for (int64_t d : t.shape) {
+    if (d < 1) {
+      return InvalidArgument(std::string(field) + ": shape " + ShapeString(t.shape) +
+                             " has a dimension < 1; every dimension must be >= 1");
+    }
+    if (__builtin_mul_overflow(numel, d, &numel) || numel > (int64_t{1} << 40)) {
+      return InvalidArgument(std::string(field) + ": shape " + ShapeString(t.shape) +
+                             " has too many elements");
+    }
+  }
+  const uint64_t want = static_cast<uint64_t>(numel) * DTypeSize(t.dtype);
+  if (want != t.nbytes) {
+    return InvalidArgument(std::string(field) + ": data has " + std::to_string(t.nbytes) +
+                           " bytes, expected " + std::to_string(want) + " for shape " +
+                           ShapeString(t.shape) + " of " + DTypeName(t.dtype));
+  }
+  return Status::Ok();
+}
+
+// Checks rank and, where `want[i] > 0`, the size of dim i.
+Status CheckShape(const char* field, const TensorView& t, const char* names[], const int64_t* want,
+                  int rank) {
+  const std::string expected = Expected(names, want, rank);
+  if (static_cast<int>(t.shape.size()) != rank) {
+    return InvalidArgument(std::string(field) + ": shape " + ShapeString(t.shape) + " has " +
+                           std::to_string(t.shape.size()) + " dims, expected " + expected);
+  }
+  for (int i = 0; i < rank; ++i) {
+    if (want[i] > 0 && t.shape[i] != want[i]) {
+      return InvalidArgument(std::string(field) + ": shape " + ShapeString(t.shape) + " has " +
+                             names[i] + "=" + std::to_string(t.shape[i]) + ", expected " +
+                             expected);
+    }
+  }
+  return Status::Ok();
+}
+
+Status CheckMaskDtype(const char* field, const TensorView& t) {
+  if (t.dtype == DType::kBool || IsFloating(t.dtype)) return Status::Ok();
+  return InvalidArgument(std::string(field) + ": dtype " + DTypeName(t.dtype) +
+                         " is not allowed; expected BOOL or a floating-point dtype");
+}
+
+// Indexes of the batch and length dims of a rank-3 input in `layout`.
+struct Axes {
+  int batch;
+  int len;
+};
+
+}  // namespace
+
+Status Validate(const ModelSpec& model, const AttendLimits& limits, AttendCall* call) {
+  const TensorView& q = call->query;
+  if (q.shape.empty()) return InvalidArgument("query: missing; expected a tensor");
+  if (!IsFloating(q.dtype)) {
+    return InvalidArgument(std::string("query: dtype ") + DTypeName(q.dtype) +
+                           " is not allowed; expected FLOAT32, FLOAT16 or BFLOAT16");
+  }
+  const bool batch_first = call->layout == Layout::kBatchFirst;
+  const Axes axes = batch_first ? Axes{0, 1} : Axes{1, 0};
+  const char* layout_names[3] = {batch_first ? "batch" : "query_len",
+                                 batch_first ? "query_len" : "batch", "embed_dim"};
+  const int64_t any = 0;
+  if (q.shape.size() == 3) {
+    const int64_t want[3] = {any, any, model.embed_dim};
+    RETURN_IF_ERROR(CheckShape("query", q, layout_names, want, 3));
+  } else if (q.shape.size() == 2) {
+    const char* names[2] = {"query_len", "embed_dim"};
+    const int64_t want[2] = {any, model.embed_dim};
+    RETURN_IF_ERROR(CheckShape("query", q, names, want, 2));
+  } else {
+    const int64_t want[3] = {any, any, model.embed_dim};
+    return InvalidArgument("query: shape " + ShapeString(q.shape) + " has " +
+                           std::to_string(q.shape.size()) + " dims, expected " +
+                           Expected(layout_names, want, 3) +
+                           " or unbatched [query_len, embed_dim=" +
+                           std::to_string(model.embed_dim) + "]");
+  }
+  RETURN_IF_ERROR(CheckStorage("query", q));
+  call->batched = q.shape.size() == 3;
+  call->batch = call->batched ? q.shape[axes.batch] : 1;
+  call->query_len = call->batched ? q.shape[axes.len] : q.shape[0];
+  call->key_len = call->query_len;
+
+  if (call->key.has_value() != call->value.has_value()) {
+    return InvalidArgument(std::string(call->key ? "value" : "key") +
+                           ": missing; key and value must be both present (cross-attention) or "
+                           "both absent (self-attention)");
+  }
+  if (!call->key && (model.kdim != model.embed_dim || model.vdim != model.embed_dim)) {
+    return InvalidArgument("key: missing; model '" + model.name + "' has kdim=" +
+                           std::to_string(model.kdim) + ", vdim=" + std::to_string(model.vdim) +
+                           " != embed_dim=" + std::to_string(model.embed_dim) +
+                           ", so it needs key and value (cross-attention)");
+  }
+  if (call->key) {
+    const int rank = call->batched ? 3 : 2;
+    int64_t key_len = 0;
+    for (int which = 0; which < 2; ++which) {
+      const char* field = which == 0 ? "key" : "value";
+      const TensorView& t = which == 0 ? *call->key : *call->value;
+      const int64_t feat = which == 0 ? model.kdim : model.vdim;
+      const char* feat_name = which == 0 ? "kdim" : "vdim";
+      if (t.dtype != q.dtype) {
+        return InvalidArgument(std::string(field) + ": dtype " + DTypeName(t.dtype) +
+                               " differs from the query's " + DTypeName(q.dtype) +
+                               "; query, key and value must share one dtype");
+      }
+      // For value, the length must equal the key's.
+      if (call->batched) {
+        const char* names[3] = {batch_first ? "batch" : "key_len", batch_first ? "key_len" : "batch",
+                                feat_name};
+        int64_t want[3];
+        want[axes.batch] = call->batch;
+        want[axes.len] = key_len;
+        want[2] = feat;
+        RETURN_IF_ERROR(CheckShape(field, t, names, want, rank));
+        key_len = t.shape[axes.len];
+      } else {
+        const char* names[2] = {"key_len", feat_name};
+        const int64_t want[2] = {key_len, feat};
+        RETURN_IF_ERROR(CheckShape(field, t, names, want, rank));
+        key_len = t.shape[0];
+      }
+      RETURN_IF_ERROR(CheckStorage(field, t));
+    }
+    call->key_len = key_len;
+  }
+
+  if (call->key_padding_mask) {
+    const TensorView& m = *call->key_padding_mask;
+    RETURN_IF_ERROR(CheckMaskDtype("key_padding_mask", m));
+    if (call->batched) {
+      const char* names[2] = {"batch", "key_len"};
+      const int64_t want[2] = {call->batch, call->key_len};
+      RETURN_IF_ERROR(CheckShape("key_padding_mask", m, names, want, 2));
+    } else {
+      const char* names[1] = {"key_len"};
+      const int64_t want[1] = {call->key_len};
+      RETURN_IF_ERROR(CheckShape("key_padding_mask", m, names, want, 1));
+    }
+    RETURN_IF_ERROR(CheckStorage("key_padding_mask", m));
+  }
+
+  if (call->attn_mask) {
+    const TensorView& m = *call->attn_mask;
+    RETURN_IF_ERROR(CheckMaskDtype("attn_mask", m));
+    if (m.shape.size() == 2) {
+      const char* names[2] = {"query_len", "key_len"};
+      const int64_t want[2] = {call->query_len, call->key_len};
+      RETURN_IF_ERROR(CheckShape("attn_mask", m, names, want, 2));
+    } else {
+      const char* names[3] = {call->batched ? "batch*num_heads" : "num_heads", "query_len",
+                              "key_len"};
+      const int64_t want[3] = {call->batch * model.num_heads, call->query_len, call->key_len};
+      Status st = CheckShape("attn_mask", m, names, want, 3);
+      if (!st.ok()) {
+        return InvalidArgument(st.message() + " or [query_len=" + std::to_string(call->query_len) +
+                               ", key_len=" + std::to_string(call->key_len) + "]");
+      }
+    }
+    RETURN_IF_ERROR(CheckStorage("attn_mask", m));
+  }
+
+  const int64_t tokens = call->batch * (call->query_len + (call->key ? call->key_len : 0));
+  if (tokens > limits.max_tokens) {
+    return InvalidArgument("request: " + std::to_string(tokens) +
+                           " tokens (batch * (query_len + key_len)) is over the per-request limit of " +
+                           std::to_string(limits.max_tokens) + " (server flag --max-request-tokens)");
+  }
+  const int64_t scores = call->batch * model.num_heads * call->query_len *
+                         (call->key_len + model.extra_keys());
+  if (scores > limits.max_attention_scores) {
+    return InvalidArgument("request: " + std::to_string(scores) +
+                           " attention scores (batch * num_heads * query_len * key_len) is over the "
+                           "per-request limit of " + std::to_string(limits.max_attention_scores) +
+                           " (server flag --max-attention-scores)");
+  }
+  return Status::Ok();
+}
+
+}  // namespace attnserve

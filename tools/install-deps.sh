@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Installs attnserve's build, test and runtime dependencies from Debian's packages.
+# Idempotent: when every package is already present it returns in well under a second, without apt.
+set -euo pipefail
+
+packages=(
+  build-essential cmake pkg-config
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libtorch-dev
+  # The fast BLAS must be named explicitly: libtorch only recommends one, and the reference BLAS
+  # is ~40x slower. The serial OpenBLAS is chosen on purpose: see server/metrics_exposer.cc for why
+  # the pthread variant is also handled, and README "BLAS" for the measurements.
+  libopenblas0-serial
+  prometheus-cpp-dev
+  libgtest-dev libgmock-dev libbenchmark-dev
+  libcli11-dev nlohmann-json3-dev
+  # Test peers: PyTorch itself (conformance), Python gRPC (client path), a real Prometheus and promtool.
+  python3-torch python3-grpcio python3-grpc-tools python3-numpy
+  prometheus curl
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}\n' "$p" 2>/dev/null | grep -q '^install ok installed$' || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "install-deps: installing ${missing[*]}" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get -o DPkg::Lock::Timeout=600 update -q
+  apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends "${missing[@]}"
+fi
