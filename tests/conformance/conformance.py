@@ -1,0 +1,216 @@
+#!/usr/bin/python3
+"""PyTorch conformance: attnserve's answers against torch.nn.MultiheadAttention itself.
+
+For each configuration: build the module with fixed-seed random weights (biases too), export it with
+tools/export_model.py, start one real attnserve serving every model, send fresh fixed-seed inputs
+through Python gRPC stubs generated from the .proto, and compare output and attention weights with the
+module's own forward in float32. Tolerance: max|out - ref| / max|ref| <= 1e-5 for float32 on the wire,
+<= 1e-3 for float16 on the wire (the answer is rounded to float16); weights: max abs error <= 1e-5.
+
+usage: conformance.py PATH/TO/attnserve
+"""
+import math
+import os
+import sys
+import tempfile
+
+import grpc
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools"))
+import attnserve_py as lib  # noqa: E402
+import export_model  # noqa: E402
+
+
+class Seed000(torch.nn.Module):
+    """The seed-000/002 formulation: W_q/W_k/W_v/W_o, batch-first, no bias."""
+
+    def __init__(self, d_model, num_heads, bias=False):
+        super().__init__()
+        self.num_heads, self.d_k = num_heads, d_model // num_heads
+        self.W_q, self.W_k, self.W_v, self.W_o = (torch.nn.Linear(d_model, d_model, bias=bias)
+                                                  for _ in range(4))
+
+    def forward(self, q, k, v):
+        b = q.shape[0]
+        split = lambda x: x.view(b, -1, self.num_heads, self.d_k).transpose(1, 2)
+        qh, kh, vh = split(self.W_q(q)), split(self.W_k(k)), split(self.W_v(v))
+        p = torch.softmax(qh @ kh.transpose(-2, -1) / math.sqrt(self.d_k), dim=-1)
+        return self.W_o((p @ vh).transpose(1, 2).reshape(b, -1, self.num_heads * self.d_k))
+
+
+class Seed003(torch.nn.Module):
+    """The seed-003 formulation: query/key/value.linear + output, sequence-first; the value
+    projection always has a bias, query/key only with bias=True."""
+
+    def __init__(self, heads, d_model, bias=True):
+        super().__init__()
+        self.heads, self.d_k = heads, d_model // heads
+        self.query = torch.nn.Module()
+        self.query.linear = torch.nn.Linear(d_model, d_model, bias=bias)
+        self.key = torch.nn.Module()
+        self.key.linear = torch.nn.Linear(d_model, d_model, bias=bias)
+        self.value = torch.nn.Module()
+        self.value.linear = torch.nn.Linear(d_model, d_model, bias=True)
+        self.output = torch.nn.Linear(d_model, d_model)
+
+    def forward(self, q, k, v):
+        prep = lambda m, x: m.linear(x).view(*x.shape[:-1], self.heads, self.d_k)
+        qh, kh, vh = prep(self.query, q), prep(self.key, k), prep(self.value, v)
+        scores = torch.einsum("ibhd,jbhd->ijbh", qh, kh) / math.sqrt(self.d_k)
+        attn = torch.softmax(scores, dim=1)
+        x = torch.einsum("ijbh,jbhd->ibhd", attn, vh)
+        return self.output(x.reshape(q.shape[0], q.shape[1], -1))
+
+
+# name, constructor args, request shape and options.
+CONFIGS = [
+    dict(name="self_bias_avgweights", E=64, H=4, B=3, Lq=7, weights="avg"),
+    dict(name="self_nobias", E=64, H=8, B=2, Lq=9, bias=False),
+    dict(name="cross_lq_ne_lk", E=64, H=4, B=2, Lq=5, Lk=11),
+    dict(name="cross_kdim_vdim", E=48, H=6, B=2, Lq=6, Lk=4, kdim=32, vdim=40, weights="head"),
+    dict(name="bias_kv_zero_attn", E=32, H=4, B=2, Lq=5, Lk=6, bias_kv=True, zero_attn=True,
+         weights="avg", kpm="bool"),
+    dict(name="key_padding_bool", E=64, H=4, B=4, Lq=8, kpm="bool", weights="head"),
+    dict(name="attn_mask_bool_2d", E=64, H=4, B=2, Lq=6, Lk=6, mask="bool2d", weights="avg"),
+    dict(name="attn_mask_float_3d", E=32, H=2, B=3, Lq=5, Lk=7, mask="float3d", weights="head"),
+    dict(name="attn_mask_bool_3d_kpm", E=32, H=4, B=2, Lq=5, mask="bool3d", kpm="bool"),
+    dict(name="causal_self", E=64, H=4, B=2, Lq=10, causal=True),
+    dict(name="causal_cross_weights", E=64, H=4, B=2, Lq=6, Lk=9, causal=True, weights="head"),
+    dict(name="causal_with_kpm", E=32, H=4, B=3, Lq=6, causal=True, kpm="bool", weights="avg"),
+    dict(name="seq_first", E=64, H=4, B=3, Lq=5, Lk=8, layout="sf", weights="avg"),
+    dict(name="unbatched", E=64, H=4, Lq=6, Lk=5, unbatched=True, weights="head", kpm="bool"),
+    dict(name="torch_save_format", E=64, H=4, B=2, Lq=6, fmt="pt", bias_kv=True, weights="avg"),
+    dict(name="float16_wire", E=64, H=4, B=2, Lq=8, dtype="float16"),
+    dict(name="seed000_pt", E=64, H=8, B=2, Lq=7, Lk=5, seed="000", fmt="pt"),
+    dict(name="seed003_nobias", E=64, H=4, B=2, Lq=6, Lk=6, seed="003", bias=False, layout="sf"),
+]
+
+
+def build_module(c, seed):
+    torch.manual_seed(seed)
+    e = c["E"]
+    if c.get("seed") == "000":
+        m = Seed000(e, c["H"], bias=c.get("bias", False))
+    elif c.get("seed") == "003":
+        m = Seed003(c["H"], e, bias=c.get("bias", True))
+    else:
+        m = torch.nn.MultiheadAttention(e, c["H"], bias=c.get("bias", True),
+                                        add_bias_kv=c.get("bias_kv", False),
+                                        add_zero_attn=c.get("zero_attn", False),
+                                        kdim=c.get("kdim"), vdim=c.get("vdim"),
+                                        batch_first=c.get("layout", "bf") == "bf")
+    with torch.no_grad():  # nn.MultiheadAttention starts its biases at 0: make them count.
+        for name, p in m.named_parameters():
+            if "bias" in name:
+                p.uniform_(-0.5, 0.5)
+    # dropout is 0, so train() computes the same as eval(); it keeps PyTorch 1.13 off its
+    # _native_multi_head_attention fast path, which crashes on bias=False (qkv_bias None).
+    return m.train()
+
+
+def make_inputs(c, rng):
+    e, b, lq = c["E"], c.get("B", 1), c["Lq"]
+    lk = c.get("Lk")
+    cross = lk is not None
+    lk = lk or lq
+    sf = c.get("layout", "bf") == "sf"
+    shape = lambda length, dim: (length, dim) if c.get("unbatched") else (
+        (length, b, dim) if sf else (b, length, dim))
+    q = rng.standard_normal(shape(lq, e)).astype(np.float32)
+    k = rng.standard_normal(shape(lk, c.get("kdim") or e)).astype(np.float32) if cross else None
+    v = rng.standard_normal(shape(lk, c.get("vdim") or e)).astype(np.float32) if cross else None
+    if c.get("dtype") == "float16":  # The reference sees exactly what the server receives.
+        q = q.astype(np.float16).astype(np.float32)
+    kpm = mask = None
+    if c.get("kpm") == "bool":
+        valid = rng.integers(1, lk + 1, size=b)  # Every row keeps >= 1 key: no NaN in PyTorch.
+        kpm = np.arange(lk)[None, :] >= valid[:, None]
+        if c.get("unbatched"):
+            kpm = kpm[0]
+    h = c["H"]
+    if c.get("mask") == "bool2d":
+        mask = rng.random((lq, lk)) < 0.4
+        mask[:, 0] = False
+    elif c.get("mask") == "bool3d":
+        mask = rng.random((b * h, lq, lk)) < 0.4
+        mask[:, :, 0] = False
+    elif c.get("mask") == "float3d":
+        mask = rng.standard_normal((b * h, lq, lk)).astype(np.float32)
+    return q, k, v, kpm, mask
+
+
+def reference(c, m, q, k, v, kpm, mask):
+    t = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a))
+    qt, kt, vt = t(q), t(k), t(v)
+    if kt is None:
+        kt = vt = qt
+    with torch.no_grad():
+        if c.get("seed"):
+            return m(qt, kt, vt).numpy().astype(np.float64), None
+        am = t(mask)
+        if c.get("causal"):  # PyTorch 1.13's module has no is_causal: spell the mask out.
+            lq, lk = c["Lq"], c.get("Lk") or c["Lq"]
+            causal = torch.ones(lq, lk, dtype=torch.bool).triu(1)
+            am = causal if am is None else (am | causal if am.dtype == torch.bool else
+                                            am.masked_fill(causal, float("-inf")))
+        w = c.get("weights", "none")
+        out, weights = m(qt, kt, vt, key_padding_mask=t(kpm), attn_mask=am,
+                         need_weights=w != "none", average_attn_weights=w == "avg")
+    return out.numpy().astype(np.float64), None if weights is None else weights.numpy().astype(np.float64)
+
+
+def main():
+    binary = sys.argv[1]
+    pb, rpc = lib.load_stubs()
+    tmp = tempfile.mkdtemp(prefix="attnserve-conformance-")
+    modules = {}
+    for i, c in enumerate(CONFIGS):
+        m = build_module(c, seed=1000 + i)
+        modules[c["name"]] = m
+        export_model.export(m, os.path.join(tmp, c["name"]), fmt=c.get("fmt", "safetensors"))
+    server = lib.Server(binary, "--models", tmp)
+    stub = rpc.AttentionServiceStub(grpc.insecure_channel(server.target))
+    failures = 0
+    print(f"{'configuration':28s} {'output rel err':>14s} {'weights abs err':>15s} {'tolerance':>9s}")
+    try:
+        for i, c in enumerate(CONFIGS):
+            rng = np.random.default_rng(2000 + i)
+            q, k, v, kpm, mask = make_inputs(c, rng)
+            want, want_w = reference(c, modules[c["name"]], q, k, v, kpm, mask)
+            dtype = c.get("dtype", "float32")
+            req = pb.AttendRequest(
+                model=c["name"], query=lib.to_wire(pb, q, dtype), is_causal=c.get("causal", False),
+                attn_weights={"none": 0, "avg": 1, "head": 2}[c.get("weights", "none")],
+                layout=2 if c.get("layout") == "sf" else 1, request_id=i)
+            if k is not None:
+                req.key.CopyFrom(lib.to_wire(pb, k, dtype))
+                req.value.CopyFrom(lib.to_wire(pb, v, dtype))
+            if kpm is not None:
+                req.key_padding_mask.CopyFrom(lib.to_wire(pb, kpm))
+            if mask is not None:
+                req.attn_mask.CopyFrom(lib.to_wire(pb, mask))
+            resp = stub.Attend(req, timeout=30)
+            got = lib.from_wire(pb, resp.output)
+            tol = 1e-5 if dtype == "float32" else 1e-3
+            assert got.shape == want.shape, (c["name"], got.shape, want.shape)
+            err = float(np.abs(got - want).max() / np.abs(want).max())
+            werr = float("nan")
+            ok = err <= tol and resp.request_id == i
+            if want_w is not None:
+                gw = lib.from_wire(pb, resp.attn_weights)
+                ok = ok and gw.shape == want_w.shape
+                werr = float(np.abs(gw - want_w).max()) if gw.shape == want_w.shape else float("inf")
+                ok = ok and werr <= 1e-5
+            failures += not ok
+            print(f"{c['name']:28s} {err:14.2e} {werr:15.2e} {tol:9.0e} {'ok' if ok else 'FAIL'}")
+    finally:
+        server.stop()
+    print(f"conformance: {len(CONFIGS) - failures} passed, {failures} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
