@@ -1,1 +1,195 @@
+#include "attnserve/client.h"
 
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+
+#include <future>
+
+#include "attnserve/v1/attention.grpc.pb.h"
+
+namespace attnserve {
+namespace pb = ::attnserve::v1;
+namespace {
+
+void ToWire(const Tensor& t, pb::Tensor* out) {
+  out->set_dtype(static_cast<pb::DataType>(t.dtype));
+  out->mutable_shape()->Assign(t.shape.begin(), t.shape.end());
+  out->set_data(t.data);
+}
+
+Tensor FromWire(pb::Tensor* t) {
+  Tensor out;
+  out.dtype = static_cast<DataType>(t->dtype());
+  out.shape.assign(t->shape().begin(), t->shape().end());
+  out.data = std::move(*t->mutable_data());  // A move, not a copy: the response is heap-allocated.
+  return out;
+}
+
+void ToWire(const AttendRequest& r, pb::AttendRequest* out) {
+  out->set_model(r.model);
+  ToWire(r.query, out->mutable_query());
+  if (r.key) ToWire(*r.key, out->mutable_key());
+  if (r.value) ToWire(*r.value, out->mutable_value());
+  if (r.key_padding_mask) ToWire(*r.key_padding_mask, out->mutable_key_padding_mask());
+  if (r.attn_mask) ToWire(*r.attn_mask, out->mutable_attn_mask());
+  out->set_is_causal(r.is_causal);
+  out->set_attn_weights(static_cast<pb::AttnWeights>(r.attn_weights));
+  out->set_layout(static_cast<pb::Layout>(r.layout));
+  out->set_request_id(r.request_id);
+}
+
+AttendResult FromWire(pb::AttendResponse* r) {
+  AttendResult out;
+  out.output = FromWire(r->mutable_output());
+  if (r->has_attn_weights()) out.attn_weights = FromWire(r->mutable_attn_weights());
+  out.request_id = r->request_id();
+  out.model = r->model();
+  out.weights_hash = r->weights_hash();
+  out.queue_seconds = r->timing().queue_seconds();
+  out.compute_seconds = r->timing().compute_seconds();
+  out.batch_size = r->timing().batch_size();
+  return out;
+}
+
+ModelInfo FromWire(const pb::ModelInfo& m) {
+  ModelInfo out;
+  out.name = m.name();
+  out.embed_dim = m.embed_dim();
+  out.num_heads = m.num_heads();
+  out.kdim = m.kdim();
+  out.vdim = m.vdim();
+  out.bias = m.bias();
+  out.add_bias_kv = m.add_bias_kv();
+  out.add_zero_attn = m.add_zero_attn();
+  out.compute_dtype = static_cast<DataType>(m.compute_dtype());
+  out.device = m.device();
+  out.weights_hash = m.weights_hash();
+  out.source = m.source();
+  return out;
+}
+
+CallStatus FromGrpc(const grpc::Status& s) {
+  return CallStatus{static_cast<int>(s.error_code()), s.error_message()};
+}
+
+}  // namespace
+
+const char* StatusCodeName(int code) {
+  static const char* kNames[] = {"OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT",
+                                 "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
+                                 "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+                                 "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL",
+                                 "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"};
+  return code >= 0 && code <= 16 ? kNames[code] : "UNKNOWN";
+}
+
+std::string CallStatus::ToString() const {
+  return ok() ? "OK" : std::string(StatusCodeName(code)) + ": " + message;
+}
+
+struct Client::Impl {
+  ClientOptions options;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<pb::AttentionService::Stub> stub;
+  std::unique_ptr<grpc::GenericStub> generic;
+
+  void Prepare(grpc::ClientContext* ctx, const CallOptions& call) const {
+    const auto deadline = call.deadline.value_or(options.deadline);
+    if (deadline.count() > 0) ctx->set_deadline(std::chrono::system_clock::now() + deadline);
+  }
+};
+
+Client::Client(const ClientOptions& options) : impl_(std::make_shared<Impl>()) {
+  impl_->options = options;
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(options.max_message_bytes);
+  args.SetMaxSendMessageSize(options.max_message_bytes);
+  for (const auto& [name, value] : options.channel_args) args.SetInt(name, value);
+  impl_->channel = grpc::CreateCustomChannel(options.target, grpc::InsecureChannelCredentials(), args);
+  impl_->stub = pb::AttentionService::NewStub(impl_->channel);
+  impl_->generic = std::make_unique<grpc::GenericStub>(impl_->channel);
+}
+
+Client::~Client() = default;
+
+CallStatus Client::Attend(const AttendRequest& request, AttendResult* result,
+                          const CallOptions& call) {
+  std::promise<CallStatus> promise;
+  AttendAsync(request,
+              [&](CallStatus status, AttendResult r) {
+                if (status.ok()) *result = std::move(r);
+                promise.set_value(std::move(status));
+              },
+              call);
+  return promise.get_future().get();
+}
+
+void Client::AttendAsync(const AttendRequest& request,
+                         std::function<void(CallStatus, AttendResult)> done,
+                         const CallOptions& call) {
+  struct State {
+    grpc::ClientContext ctx;
+    pb::AttendRequest request;
+    pb::AttendResponse response;
+  };
+  auto state = std::make_shared<State>();
+  impl_->Prepare(&state->ctx, call);
+  ToWire(request, &state->request);
+  impl_->stub->async()->Attend(&state->ctx, &state->request, &state->response,
+                               [state, done = std::move(done)](grpc::Status s) {
+                                 done(FromGrpc(s), s.ok() ? FromWire(&state->response)
+                                                          : AttendResult{});
+                               });
+}
+
+CallStatus Client::ListModels(std::vector<ModelInfo>* models, const CallOptions& call) {
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx, call);
+  pb::ListModelsResponse resp;
+  const grpc::Status s = impl_->stub->ListModels(&ctx, pb::ListModelsRequest(), &resp);
+  models->clear();
+  for (const auto& m : resp.models()) models->push_back(FromWire(m));
+  return FromGrpc(s);
+}
+
+CallStatus Client::GetModel(const std::string& name, ModelInfo* model, const CallOptions& call) {
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx, call);
+  pb::GetModelRequest req;
+  req.set_name(name);
+  pb::ModelInfo resp;
+  const grpc::Status s = impl_->stub->GetModel(&ctx, req, &resp);
+  if (s.ok()) *model = FromWire(resp);
+  return FromGrpc(s);
+}
+
+CallStatus Client::Health(const std::string& service, bool* serving, const CallOptions& call) {
+  // grpc.health.v1 by hand (two one-field messages), so no health.proto copy is needed:
+  // HealthCheckRequest{string service = 1}, HealthCheckResponse{ServingStatus status = 1}.
+  if (service.size() > 127) return CallStatus{3, "service: name longer than 127 bytes"};
+  std::string req_bytes;
+  if (!service.empty()) {
+    req_bytes.push_back('\x0a');
+    req_bytes.push_back(static_cast<char>(service.size()));
+    req_bytes += service;
+  }
+  grpc::Slice slice(req_bytes);
+  grpc::ByteBuffer request(&slice, 1), response;
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx, call);
+  std::promise<grpc::Status> done;
+  impl_->generic->UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request,
+                            &response, [&](grpc::Status s) { done.set_value(s); });
+  const grpc::Status s = done.get_future().get();
+  if (!s.ok()) return FromGrpc(s);
+  std::vector<grpc::Slice> slices;
+  std::string bytes;
+  if (response.Dump(&slices).ok()) {
+    for (const auto& sl : slices) bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+  }
+  // status field: tag 0x08, then a one-byte varint (1 = SERVING, 2 = NOT_SERVING).
+  *serving = bytes.size() >= 2 && bytes[0] == '\x08' && bytes[1] == '\x01';
+  return CallStatus{};
+}
+
+}  // namespace attnserve

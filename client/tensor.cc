@@ -1,1 +1,134 @@
+#include <cstring>
+#include <stdexcept>
 
+#include "attnserve/tensor.h"
+
+namespace attnserve {
+namespace {
+
+uint16_t FloatToHalf(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000;
+  const uint32_t abs = x & 0x7fffffff;
+  if (abs >= 0x7f800000) return static_cast<uint16_t>(sign | 0x7c00 | (abs > 0x7f800000 ? 0x200 : 0));
+  if (abs >= 0x477ff000) return static_cast<uint16_t>(sign | 0x7c00);  // Overflow to inf.
+  if (abs < 0x38800000) {  // Subnormal or zero in half precision.
+    const int shift = 113 - static_cast<int>(abs >> 23);
+    if (shift > 24) return static_cast<uint16_t>(sign);
+    const uint32_t mant = (abs & 0x7fffff) | 0x800000;
+    uint32_t half = mant >> (shift + 13);
+    const uint32_t rem = mant & ((1u << (shift + 13)) - 1);
+    const uint32_t mid = 1u << (shift + 12);
+    if (rem > mid || (rem == mid && (half & 1))) ++half;
+    return static_cast<uint16_t>(sign | half);
+  }
+  uint32_t half = ((abs - 0x38000000) >> 13);
+  const uint32_t rem = abs & 0x1fff;
+  if (rem > 0x1000 || (rem == 0x1000 && (half & 1))) ++half;
+  return static_cast<uint16_t>(sign | half);
+}
+
+float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {
+      exp = 113;
+      while (!(mant & 0x400)) {
+        mant <<= 1;
+        --exp;
+      }
+      bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+    }
+  } else if (exp == 0x1f) {
+    bits = sign | 0x7f800000 | (mant << 13);
+  } else {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+void CheckCount(const std::vector<int64_t>& shape, size_t n) {
+  int64_t want = 1;
+  for (int64_t d : shape) want *= d;
+  if (static_cast<size_t>(want) != n) {
+    throw std::invalid_argument("attnserve::Tensor: " + std::to_string(n) +
+                                " values for a shape of " + std::to_string(want) + " elements");
+  }
+}
+
+}  // namespace
+
+size_t DataTypeSize(DataType dtype) {
+  switch (dtype) {
+    case DataType::kFloat32: return 4;
+    case DataType::kFloat16:
+    case DataType::kBFloat16: return 2;
+    case DataType::kBool: return 1;
+  }
+  return 0;
+}
+
+int64_t Tensor::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+Tensor Tensor::Float32(std::vector<int64_t> shape, const std::vector<float>& values) {
+  CheckCount(shape, values.size());
+  Tensor t{DataType::kFloat32, std::move(shape), {}};
+  t.data.assign(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(float));
+  return t;
+}
+
+Tensor Tensor::Float16(std::vector<int64_t> shape, const std::vector<float>& values) {
+  CheckCount(shape, values.size());
+  Tensor t{DataType::kFloat16, std::move(shape), {}};
+  t.data.resize(values.size() * 2);
+  for (size_t i = 0; i < values.size(); ++i) {
+    const uint16_t h = FloatToHalf(values[i]);
+    std::memcpy(&t.data[2 * i], &h, 2);
+  }
+  return t;
+}
+
+Tensor Tensor::Bool(std::vector<int64_t> shape, const std::vector<bool>& values) {
+  CheckCount(shape, values.size());
+  Tensor t{DataType::kBool, std::move(shape), {}};
+  t.data.resize(values.size());
+  for (size_t i = 0; i < values.size(); ++i) t.data[i] = values[i] ? 1 : 0;
+  return t;
+}
+
+std::vector<float> Tensor::ToFloats() const {
+  const size_t n = data.size() / DataTypeSize(dtype);
+  std::vector<float> out(n);
+  for (size_t i = 0; i < n; ++i) {
+    switch (dtype) {
+      case DataType::kFloat32: std::memcpy(&out[i], &data[4 * i], 4); break;
+      case DataType::kFloat16: {
+        uint16_t h;
+        std::memcpy(&h, &data[2 * i], 2);
+        out[i] = HalfToFloat(h);
+        break;
+      }
+      case DataType::kBFloat16: {
+        uint16_t h;
+        std::memcpy(&h, &data[2 * i], 2);
+        const uint32_t bits = static_cast<uint32_t>(h) << 16;
+        std::memcpy(&out[i], &bits, 4);
+        break;
+      }
+      case DataType::kBool: out[i] = data[i] ? 1.f : 0.f; break;
+    }
+  }
+  return out;
+}
+
+}  // namespace attnserve

@@ -1,1 +1,157 @@
+// attnserve-cli: list models, describe one, send an attention request, check health.
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <random>
 
+#include "attnserve/client.h"
+
+namespace {
+
+int Fail(const attnserve::CallStatus& s) {
+  std::cerr << "attnserve-cli: " << s.ToString() << "\n";
+  return 1;
+}
+
+std::string Shape(const std::vector<int64_t>& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+void PrintModel(const attnserve::ModelInfo& m) {
+  std::printf("%s: embed_dim=%lld num_heads=%lld kdim=%lld vdim=%lld bias=%d add_bias_kv=%d "
+              "add_zero_attn=%d device=%s\n  weights %s from %s\n",
+              m.name.c_str(), static_cast<long long>(m.embed_dim),
+              static_cast<long long>(m.num_heads), static_cast<long long>(m.kdim),
+              static_cast<long long>(m.vdim), m.bias, m.add_bias_kv, m.add_zero_attn,
+              m.device.c_str(), m.weights_hash.c_str(), m.source.c_str());
+}
+
+attnserve::Tensor RandomTensor(std::mt19937& rng, std::vector<int64_t> shape, bool half) {
+  std::normal_distribution<float> normal;
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  std::vector<float> v(static_cast<size_t>(n));
+  for (float& x : v) x = normal(rng);
+  return half ? attnserve::Tensor::Float16(std::move(shape), v)
+              : attnserve::Tensor::Float32(std::move(shape), v);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"attnserve-cli: talk to an attnserve server", "attnserve-cli"};
+  attnserve::ClientOptions options;
+  app.add_option("--target", options.target, "Server address host:port")->capture_default_str();
+  int64_t deadline_ms = 30000;
+  app.add_option("--deadline-ms", deadline_ms, "Per-call deadline in ms (0 = none)")
+      ->capture_default_str();
+  app.require_subcommand(1);
+
+  auto* list = app.add_subcommand("list", "List the served models");
+  std::string info_model;
+  auto* info = app.add_subcommand("info", "Describe one model");
+  info->add_option("model", info_model, "Model name")->required();
+  std::string service;
+  auto* health = app.add_subcommand("health", "gRPC health check; exit 0 only when SERVING");
+  health->add_option("--service", service,
+                     "\"\" for the server, or attnserve.v1.AttentionService[/MODEL]");
+
+  auto* attend = app.add_subcommand("attend", "Send one request (random inputs, or a file's)");
+  std::string model = "demo", query_file, weights = "none", dtype = "float32";
+  int64_t batch = 1, query_len = 16, key_len = 0;
+  bool causal = false;
+  uint64_t seed = 0;
+  attend->add_option("--model", model, "Model name")->capture_default_str();
+  attend->add_option("--batch", batch, "Batch size")->check(CLI::PositiveNumber)->capture_default_str();
+  attend->add_option("--query-len", query_len, "Query length")->check(CLI::PositiveNumber)->capture_default_str();
+  attend->add_option("--key-len", key_len, "Key/value length; 0 = self-attention")->capture_default_str();
+  attend->add_option("--query-file", query_file,
+                     "Raw little-endian float32 query of shape [batch, query_len, embed_dim] "
+                     "(instead of random values)");
+  attend->add_option("--weights", weights, "Attention weights to return: none, avg, head")
+      ->check(CLI::IsMember({"none", "avg", "head"}))->capture_default_str();
+  attend->add_option("--dtype", dtype, "Wire dtype: float32 or float16")
+      ->check(CLI::IsMember({"float32", "float16"}))->capture_default_str();
+  attend->add_flag("--causal", causal, "Apply a causal mask");
+  attend->add_option("--seed", seed, "Seed of the random inputs")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+
+  options.deadline = std::chrono::milliseconds(deadline_ms);
+  attnserve::Client client(options);
+
+  if (*list) {
+    std::vector<attnserve::ModelInfo> models;
+    auto s = client.ListModels(&models);
+    if (!s.ok()) return Fail(s);
+    for (const auto& m : models) PrintModel(m);
+    return 0;
+  }
+  if (*info) {
+    attnserve::ModelInfo m;
+    auto s = client.GetModel(info_model, &m);
+    if (!s.ok()) return Fail(s);
+    PrintModel(m);
+    return 0;
+  }
+  if (*health) {
+    bool serving = false;
+    auto s = client.Health(service, &serving);
+    if (!s.ok()) return Fail(s);
+    std::printf("%s\n", serving ? "SERVING" : "NOT_SERVING");
+    return serving ? 0 : 1;
+  }
+
+  attnserve::ModelInfo m;
+  auto s = client.GetModel(model, &m);
+  if (!s.ok()) return Fail(s);
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  const bool half = dtype == "float16";
+  attnserve::AttendRequest req;
+  req.model = model;
+  if (!query_file.empty()) {
+    std::ifstream in(query_file, std::ios::binary);
+    std::vector<float> v(static_cast<size_t>(batch * query_len * m.embed_dim));
+    if (!in.read(reinterpret_cast<char*>(v.data()), static_cast<std::streamsize>(v.size() * 4))) {
+      std::cerr << "attnserve-cli: " << query_file << ": expected " << v.size() * 4
+                << " bytes of float32 for [" << batch << ", " << query_len << ", " << m.embed_dim
+                << "]\n";
+      return 1;
+    }
+    req.query = half ? attnserve::Tensor::Float16({batch, query_len, m.embed_dim}, v)
+                     : attnserve::Tensor::Float32({batch, query_len, m.embed_dim}, v);
+  } else {
+    req.query = RandomTensor(rng, {batch, query_len, m.embed_dim}, half);
+  }
+  if (key_len > 0) {
+    req.key = RandomTensor(rng, {batch, key_len, m.kdim}, half);
+    req.value = RandomTensor(rng, {batch, key_len, m.vdim}, half);
+  }
+  req.is_causal = causal;
+  req.attn_weights = weights == "avg"    ? attnserve::AttnWeights::kAveraged
+                     : weights == "head" ? attnserve::AttnWeights::kPerHead
+                                         : attnserve::AttnWeights::kNone;
+  attnserve::AttendResult r;
+  const auto start = std::chrono::steady_clock::now();
+  s = client.Attend(req, &r);
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  if (!s.ok()) return Fail(s);
+  double sum = 0, abs_sum = 0;
+  for (float x : r.output.ToFloats()) {
+    sum += x;
+    abs_sum += std::fabs(x);
+  }
+  std::printf("model %s (%s)\nquery %s -> output %s%s\n", r.model.c_str(),
+              r.weights_hash.substr(0, 19).c_str(), Shape(req.query.shape).c_str(),
+              Shape(r.output.shape).c_str(),
+              r.attn_weights ? (", weights " + Shape(r.attn_weights->shape)).c_str() : "");
+  std::printf("latency %.3f ms (server: queue %.3f ms, compute %.3f ms)\n", ms,
+              r.queue_seconds * 1e3, r.compute_seconds * 1e3);
+  std::printf("checksum sum=%.6f abs_sum=%.6f\n", sum, abs_sum);
+  return 0;
+}

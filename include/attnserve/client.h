@@ -1,0 +1,116 @@
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "attnserve/tensor.h"
+
+namespace attnserve {
+
+/// Which attention weights to return.
+enum class AttnWeights { kNone = 0, kAveraged = 1, kPerHead = 2 };
+
+/// Layout of query, key, value and output.
+enum class Layout { kBatchFirst = 1, kSequenceFirst = 2 };
+
+/// The arguments of nn.MultiheadAttention.forward (see proto/attnserve/v1/attention.proto for every
+/// shape). Bool masks: true = masked out.
+struct AttendRequest {
+  std::string model = "demo";
+  Tensor query;                              ///< [B, Lq, E] (batch-first), [Lq, B, E], or [Lq, E]
+  std::optional<Tensor> key;                 ///< Absent with value: self-attention.
+  std::optional<Tensor> value;
+  std::optional<Tensor> key_padding_mask;    ///< [B, Lk]
+  std::optional<Tensor> attn_mask;           ///< [Lq, Lk] or [B*H, Lq, Lk]
+  bool is_causal = false;
+  AttnWeights attn_weights = AttnWeights::kNone;
+  Layout layout = Layout::kBatchFirst;
+  uint64_t request_id = 0;
+};
+
+/// A successful answer.
+struct AttendResult {
+  Tensor output;
+  std::optional<Tensor> attn_weights;
+  uint64_t request_id = 0;
+  std::string model;
+  std::string weights_hash;
+  double queue_seconds = 0;    ///< Server-side wait before compute.
+  double compute_seconds = 0;  ///< Server-side compute.
+  uint32_t batch_size = 0;     ///< Requests computed together with this one.
+};
+
+/// What a loaded model is.
+struct ModelInfo {
+  std::string name;
+  int64_t embed_dim = 0, num_heads = 0, kdim = 0, vdim = 0;
+  bool bias = false, add_bias_kv = false, add_zero_attn = false;
+  DataType compute_dtype = DataType::kFloat32;
+  std::string device;
+  std::string weights_hash;
+  std::string source;
+};
+
+/// A call's outcome: `code` is a gRPC status code (0 = OK), `message` says what was wrong.
+struct CallStatus {
+  int code = 0;
+  std::string message;
+  bool ok() const { return code == 0; }
+  /// "INVALID_ARGUMENT: key: shape [2, 7] has 2 dims, ..." or "OK".
+  std::string ToString() const;
+};
+
+/// gRPC status code names, e.g. 3 -> "INVALID_ARGUMENT".
+const char* StatusCodeName(int code);
+
+/// How to reach a server.
+struct ClientOptions {
+  std::string target = "127.0.0.1:50051";  ///< host:port (any gRPC target string).
+  /// Default per-call deadline; zero means none.
+  std::chrono::milliseconds deadline{30000};
+  int max_message_bytes = 64 << 20;         ///< Largest message sent or received.
+  /// Extra integer channel arguments (gRPC channel arg names, e.g. "grpc.keepalive_time_ms").
+  std::map<std::string, int> channel_args;
+};
+
+/// Per-call settings.
+struct CallOptions {
+  /// Overrides ClientOptions::deadline when set; zero means none.
+  std::optional<std::chrono::milliseconds> deadline;
+};
+
+/// A client of one attnserve server over one insecure channel. Thread-safe: calls may be made from
+/// many threads at once; async callbacks run on gRPC's threads.
+class Client {
+ public:
+  /// Creates the channel (connection is lazy).
+  explicit Client(const ClientOptions& options = {});
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  /// One attention forward; blocks.
+  CallStatus Attend(const AttendRequest& request, AttendResult* result,
+                    const CallOptions& call = {});
+  /// One attention forward without blocking; `done` runs once, on a gRPC thread.
+  void AttendAsync(const AttendRequest& request,
+                   std::function<void(CallStatus, AttendResult)> done,
+                   const CallOptions& call = {});
+  /// Every model the server holds.
+  CallStatus ListModels(std::vector<ModelInfo>* models, const CallOptions& call = {});
+  /// One model; NOT_FOUND (5) when absent.
+  CallStatus GetModel(const std::string& name, ModelInfo* model, const CallOptions& call = {});
+  /// gRPC health: `service` "" for the server, "attnserve.v1.AttentionService/<model>" for a model.
+  CallStatus Health(const std::string& service, bool* serving, const CallOptions& call = {});
+
+ private:
+  struct Impl;
+  std::shared_ptr<Impl> impl_;
+};
+
+}  // namespace attnserve

@@ -1,0 +1,34 @@
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace attnserve {
+
+/// Element type of a Tensor's bytes (the wire's DataType).
+enum class DataType { kFloat32 = 1, kFloat16 = 2, kBFloat16 = 3, kBool = 4 };
+
+/// Bytes per element of `dtype`.
+size_t DataTypeSize(DataType dtype);
+
+/// A dense row-major tensor as it travels: dtype, shape and little-endian raw bytes.
+/// A value type; not thread-safe to mutate from several threads.
+struct Tensor {
+  DataType dtype = DataType::kFloat32;
+  std::vector<int64_t> shape;
+  std::string data;
+
+  /// Number of elements: the product of shape (1 for an empty shape).
+  int64_t numel() const;
+  /// A float32 tensor holding `values` (size must equal the shape's product).
+  static Tensor Float32(std::vector<int64_t> shape, const std::vector<float>& values);
+  /// A float16 tensor from float values (rounded to nearest even).
+  static Tensor Float16(std::vector<int64_t> shape, const std::vector<float>& values);
+  /// A BOOL tensor (true = masked out, PyTorch's convention).
+  static Tensor Bool(std::vector<int64_t> shape, const std::vector<bool>& values);
+  /// The values as float, whatever the floating dtype (BOOL gives 0/1).
+  std::vector<float> ToFloats() const;
+};
+
+}  // namespace attnserve
