@@ -1,0 +1,408 @@
+// The LibTorch engine against an independent float64 reference written here in plain loops.
+// Every case draws fresh inputs and weights from a fixed seed. Tolerance: max |engine - reference|
+// <= 1e-5 * max |reference| (float32 compute); attention weights: max abs error <= 1e-5.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
+
+#include "server/engine/attention_model.h"
+#include "server/engine/model_loader.h"
+#include "server/validator.h"
+#include "tests/unit/test_util.h"
+
+namespace attnserve {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+struct Case {
+  const char* name;
+  int64_t e = 16, h = 4, kdim = 0, vdim = 0;  // 0 = embed_dim
+  bool bias = true, bias_kv = false, zero_attn = false;
+  int64_t b = 2, lq = 5, lk = 0;  // lk 0 = self-attention
+  enum Mask { kNone, kBool2d, kBool3d, kFloat2d, kFloat3d } mask = kNone;
+  enum Kpm { kNoKpm, kBoolKpm, kFloatKpm } kpm = kNoKpm;
+  bool causal = false;
+  WeightsMode weights = WeightsMode::kNone;
+  bool seq_first = false, unbatched = false;
+  bool kill_row = false;  // Masks every key of query row 0 of batch 0 (in every head).
+};
+
+std::ostream& operator<<(std::ostream& os, const Case& c) { return os << c.name; }
+
+using Vec = std::vector<double>;
+
+// nn.MultiheadAttention in float64, batch-first [B, L, *] inputs, additive mask [B, H, Lq, Lk]
+// (+inf-free; -inf = masked). Returns output [B, Lq, E] and weights [B, H, Lq, S].
+void Reference(const ModelWeights& w, int64_t b, int64_t lq, int64_t lk, const Vec& q,
+               const Vec& k, const Vec& v, const Vec& mask, Vec* out, Vec* weights) {
+  const ModelSpec& s = w.spec;
+  const int64_t e = s.embed_dim, h = s.num_heads, d = e / h;
+  const int64_t extra = s.extra_keys(), sl = lk + extra;
+  auto linear = [&](const Vec& x, int64_t rows, int64_t in, const HostTensor& wt, const float* bias) {
+    Vec y(rows * e);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t o = 0; o < e; ++o) {
+        double acc = bias ? bias[o] : 0.0;
+        for (int64_t j = 0; j < in; ++j) acc += x[r * in + j] * wt.values[o * in + j];
+        y[r * e + o] = acc;
+      }
+    return y;
+  };
+  const float* bi = w.in_proj_bias ? w.in_proj_bias->values.data() : nullptr;
+  Vec qp = linear(q, b * lq, e, w.q_proj, bi);
+  Vec kp = linear(k, b * lk, s.kdim, w.k_proj, bi ? bi + e : nullptr);
+  Vec vp = linear(v, b * lk, s.vdim, w.v_proj, bi ? bi + 2 * e : nullptr);
+  // Keys/values with bias_k/v and the zero row appended: [B, S, E].
+  Vec ks(b * sl * e, 0.0), vs(b * sl * e, 0.0);
+  for (int64_t bb = 0; bb < b; ++bb) {
+    for (int64_t j = 0; j < lk; ++j)
+      for (int64_t c = 0; c < e; ++c) {
+        ks[(bb * sl + j) * e + c] = kp[(bb * lk + j) * e + c];
+        vs[(bb * sl + j) * e + c] = vp[(bb * lk + j) * e + c];
+      }
+    if (s.add_bias_kv)
+      for (int64_t c = 0; c < e; ++c) {
+        ks[(bb * sl + lk) * e + c] = w.bias_k->values[c];
+        vs[(bb * sl + lk) * e + c] = w.bias_v->values[c];
+      }
+  }
+  Vec attn(b * lq * e, 0.0);
+  weights->assign(b * h * lq * sl, 0.0);
+  std::vector<bool> dead_everywhere(b * lq, true);
+  for (int64_t bb = 0; bb < b; ++bb)
+    for (int64_t hh = 0; hh < h; ++hh)
+      for (int64_t i = 0; i < lq; ++i) {
+        Vec sc(sl);
+        double mx = -kInf;
+        for (int64_t j = 0; j < sl; ++j) {
+          double acc = 0;
+          for (int64_t c = 0; c < d; ++c)
+            acc += qp[(bb * lq + i) * e + hh * d + c] * ks[(bb * sl + j) * e + hh * d + c];
+          acc /= std::sqrt(static_cast<double>(d));
+          if (j < lk) acc += mask[((bb * h + hh) * lq + i) * lk + j];
+          sc[j] = acc;
+          mx = std::max(mx, acc);
+        }
+        if (mx == -kInf) continue;  // Every key masked: weights stay 0.
+        dead_everywhere[bb * lq + i] = false;
+        double z = 0;
+        for (double& x : sc) z += (x = std::exp(x - mx));
+        for (int64_t j = 0; j < sl; ++j) {
+          const double p = sc[j] / z;
+          (*weights)[((bb * h + hh) * lq + i) * sl + j] = p;
+          for (int64_t c = 0; c < d; ++c)
+            attn[(bb * lq + i) * e + hh * d + c] += p * vs[(bb * sl + j) * e + hh * d + c];
+        }
+      }
+  *out = linear(attn, b * lq, e, w.out_proj, w.out_proj_bias ? w.out_proj_bias->values.data() : nullptr);
+  for (int64_t r = 0; r < b * lq; ++r)
+    if (dead_everywhere[r])
+      for (int64_t c = 0; c < e; ++c) (*out)[r * e + c] = 0;
+}
+
+HostTensor RandomHost(std::mt19937& rng, std::vector<int64_t> shape, float scale) {
+  HostTensor t;
+  t.values = testing::RandomFloats(rng, testing::Numel(shape), scale);
+  t.shape = std::move(shape);
+  return t;
+}
+
+// [B, L, F] batch-first values -> the wire layout the case asks for.
+std::vector<float> ToLayout(const Vec& x, int64_t b, int64_t l, int64_t f, bool seq_first) {
+  std::vector<float> out(x.size());
+  for (int64_t bb = 0; bb < b; ++bb)
+    for (int64_t i = 0; i < l; ++i)
+      for (int64_t c = 0; c < f; ++c)
+        out[(seq_first ? (i * b + bb) : (bb * l + i)) * f + c] = static_cast<float>(x[(bb * l + i) * f + c]);
+  return out;
+}
+
+class EngineTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(EngineTest, MatchesFloat64Reference) {
+  const Case& c = GetParam();
+  std::mt19937 rng(static_cast<uint32_t>(std::hash<std::string>()(c.name)));
+  const int64_t e = c.e, h = c.h, kdim = c.kdim ? c.kdim : e, vdim = c.vdim ? c.vdim : e;
+  const bool cross = c.lk > 0;
+  const int64_t b = c.unbatched ? 1 : c.b, lq = c.lq, lk = cross ? c.lk : c.lq;
+
+  ModelWeights w;
+  w.spec.name = c.name;
+  w.spec.embed_dim = e;
+  w.spec.num_heads = h;
+  w.spec.kdim = kdim;
+  w.spec.vdim = vdim;
+  w.spec.bias = c.bias;
+  w.spec.add_bias_kv = c.bias_kv;
+  w.spec.add_zero_attn = c.zero_attn;
+  const float ws = 1.0f / std::sqrt(static_cast<float>(e));
+  w.q_proj = RandomHost(rng, {e, e}, ws);
+  w.k_proj = RandomHost(rng, {e, kdim}, ws);
+  w.v_proj = RandomHost(rng, {e, vdim}, ws);
+  w.out_proj = RandomHost(rng, {e, e}, ws);
+  if (c.bias) {
+    w.in_proj_bias = RandomHost(rng, {3 * e}, 0.5f);
+    w.out_proj_bias = RandomHost(rng, {e}, 0.5f);
+  }
+  if (c.bias_kv) {
+    w.bias_k = RandomHost(rng, {e}, 1.f);
+    w.bias_v = RandomHost(rng, {e}, 1.f);
+  }
+  auto model = CreateTorchModel(w, EngineOptions{});
+  ASSERT_TRUE(model.ok()) << model.status().message();
+
+  auto draw = [&](int64_t n) {
+    std::vector<float> f = testing::RandomFloats(rng, n);
+    return Vec(f.begin(), f.end());
+  };
+  const Vec q = draw(b * lq * e);
+  const Vec k = cross ? draw(b * lk * kdim) : q;
+  const Vec v = cross ? draw(b * lk * vdim) : q;
+
+  // Masks: the wire forms, and the reference's combined additive [B, H, Lq, Lk].
+  Vec combined(b * h * lq * lk, 0.0);
+  auto add = [&](int64_t bb, int64_t hh, int64_t i, int64_t j, double x) {
+    combined[((bb * h + hh) * lq + i) * lk + j] += x;
+  };
+  std::uniform_real_distribution<double> unif;
+  testing::Buffer attn_mask, kpm;
+  const bool mask3d = c.mask == Case::kBool3d || c.mask == Case::kFloat3d;
+  const bool mask_bool = c.mask == Case::kBool2d || c.mask == Case::kBool3d;
+  if (c.mask != Case::kNone) {
+    const int64_t n0 = mask3d ? b * h : 1;
+    std::vector<int64_t> shape = mask3d ? std::vector<int64_t>{n0, lq, lk} : std::vector<int64_t>{lq, lk};
+    if (mask3d && c.unbatched) shape[0] = h;
+    attn_mask = testing::Zeros(shape, mask_bool ? DType::kBool : DType::kFloat32);
+    for (int64_t m = 0; m < n0; ++m)
+      for (int64_t i = 0; i < lq; ++i)
+        for (int64_t j = 0; j < lk; ++j) {
+          const size_t at = static_cast<size_t>((m * lq + i) * lk + j);
+          double add_value;
+          if (mask_bool) {
+            const bool masked = j > 0 && unif(rng) < 0.4;  // Key 0 stays visible.
+            attn_mask.bytes[at] = masked ? 7 : 0;            // Any non-zero byte means true.
+            add_value = masked ? -kInf : 0.0;
+          } else {
+            const float x = static_cast<float>(unif(rng) * 4 - 2);
+            std::memcpy(&attn_mask.bytes[at * 4], &x, 4);
+            add_value = x;
+          }
+          for (int64_t bb = 0; bb < b; ++bb)
+            for (int64_t hh = 0; hh < h; ++hh)
+              if (!mask3d || m == bb * h + hh) add(bb, hh, i, j, add_value);
+        }
+  }
+  if (c.kpm != Case::kNoKpm) {
+    const bool is_bool = c.kpm == Case::kBoolKpm;
+    kpm = testing::Zeros(c.unbatched ? std::vector<int64_t>{lk} : std::vector<int64_t>{b, lk},
+                         is_bool ? DType::kBool : DType::kFloat32);
+    for (int64_t bb = 0; bb < b; ++bb)
+      for (int64_t j = 0; j < lk; ++j) {
+        const size_t at = static_cast<size_t>(bb * lk + j);
+        double add_value;
+        if (is_bool) {
+          const bool masked = j >= 1 + bb % lk;  // Batch bb keeps its first bb+1 keys.
+          kpm.bytes[at] = masked;
+          add_value = masked ? -kInf : 0.0;
+        } else {
+          const float x = static_cast<float>(unif(rng) * 2 - 1);
+          std::memcpy(&kpm.bytes[at * 4], &x, 4);
+          add_value = x;
+        }
+        for (int64_t hh = 0; hh < h; ++hh)
+          for (int64_t i = 0; i < lq; ++i) add(bb, hh, i, j, add_value);
+      }
+  }
+  if (c.causal)
+    for (int64_t bb = 0; bb < b; ++bb)
+      for (int64_t hh = 0; hh < h; ++hh)
+        for (int64_t i = 0; i < lq; ++i)
+          for (int64_t j = i + 1; j < lk; ++j) add(bb, hh, i, j, -kInf);
+
+  std::vector<testing::Buffer> bufs;
+  bufs.reserve(3);
+  auto shape3 = [&](int64_t l, int64_t f) {
+    if (c.unbatched) return std::vector<int64_t>{l, f};
+    return c.seq_first ? std::vector<int64_t>{l, b, f} : std::vector<int64_t>{b, l, f};
+  };
+  AttendCall call;
+  bufs.push_back(testing::Floats(shape3(lq, e), ToLayout(q, b, lq, e, c.seq_first)));
+  call.query = bufs.back().view();
+  if (cross) {
+    bufs.push_back(testing::Floats(shape3(lk, kdim), ToLayout(k, b, lk, kdim, c.seq_first)));
+    call.key = bufs.back().view();
+    bufs.push_back(testing::Floats(shape3(lk, vdim), ToLayout(v, b, lk, vdim, c.seq_first)));
+    call.value = bufs.back().view();
+  }
+  if (c.mask != Case::kNone) call.attn_mask = attn_mask.view();
+  if (c.kpm != Case::kNoKpm) call.key_padding_mask = kpm.view();
+  call.is_causal = c.causal;
+  call.weights = c.weights;
+  call.layout = c.seq_first ? Layout::kSequenceFirst : Layout::kBatchFirst;
+  if (c.kill_row) {
+    // A float mask of -inf over every key of query row 0: given as a [Lq, Lk] float attn_mask.
+    attn_mask = testing::Zeros({lq, lk}, DType::kFloat32);
+    const float ninf = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < lk; ++j) {
+      std::memcpy(&attn_mask.bytes[j * 4], &ninf, 4);
+      for (int64_t bb = 0; bb < b; ++bb)
+        for (int64_t hh = 0; hh < h; ++hh) add(bb, hh, 0, j, -kInf);
+    }
+    call.attn_mask = attn_mask.view();
+  }
+  ASSERT_TRUE(Validate(w.spec, AttendLimits{}, &call).ok()) << Validate(w.spec, AttendLimits{}, &call).message();
+
+  std::string out_bytes, weight_bytes;
+  AttendOutputs out{&out_bytes, {}, &weight_bytes, {}};
+  const Status st = (*model)->Forward(call, &out);
+  ASSERT_TRUE(st.ok()) << st.message();
+
+  Vec ref_out, ref_w;
+  Reference(w, b, lq, lk, q, k, v, combined, &ref_out, &ref_w);
+  const std::vector<int64_t> want_shape = shape3(lq, e);
+  ASSERT_EQ(out.output_shape, want_shape);
+  ASSERT_EQ(out_bytes.size(), ref_out.size() * 4);
+  const std::vector<float> expected = ToLayout(ref_out, b, lq, e, c.seq_first);
+  const float* got = reinterpret_cast<const float*>(out_bytes.data());
+  double scale = 0, err = 0;
+  for (size_t i = 0; i < expected.size(); ++i) {
+    scale = std::max(scale, std::fabs(static_cast<double>(expected[i])));
+    err = std::max(err, std::fabs(static_cast<double>(got[i]) - expected[i]));
+    ASSERT_FALSE(std::isnan(got[i])) << "NaN at " << i;
+  }
+  EXPECT_GT(scale, 0.1);  // The data is real, not zeros.
+  EXPECT_LE(err, 1e-5 * scale) << "max abs error " << err << " at output scale " << scale;
+  if (c.kill_row) {
+    for (int64_t bb = 0; bb < b; ++bb)
+      for (int64_t col = 0; col < e; ++col) {
+        const int64_t row = c.seq_first ? bb : bb * lq;
+        EXPECT_EQ(got[row * e + col], 0.f);
+      }
+  }
+
+  if (c.weights == WeightsMode::kNone) {
+    EXPECT_TRUE(weight_bytes.empty());
+    return;
+  }
+  const int64_t sl = lk + w.spec.extra_keys();
+  Vec want_w = ref_w;
+  std::vector<int64_t> want_wshape = {b, h, lq, sl};
+  if (c.weights == WeightsMode::kAveraged) {
+    want_w.assign(b * lq * sl, 0.0);
+    for (int64_t bb = 0; bb < b; ++bb)
+      for (int64_t hh = 0; hh < h; ++hh)
+        for (int64_t i = 0; i < lq * sl; ++i) want_w[bb * lq * sl + i] += ref_w[(bb * h + hh) * lq * sl + i] / h;
+    want_wshape = {b, lq, sl};
+  }
+  if (c.unbatched) want_wshape.erase(want_wshape.begin());
+  ASSERT_EQ(out.weights_shape, want_wshape);
+  ASSERT_EQ(weight_bytes.size(), want_w.size() * 4);
+  const float* gw = reinterpret_cast<const float*>(weight_bytes.data());
+  double werr = 0;
+  for (size_t i = 0; i < want_w.size(); ++i) werr = std::max(werr, std::fabs(gw[i] - want_w[i]));
+  EXPECT_LE(werr, 1e-5);
+}
+
+Case Make(const char* name, std::function<void(Case&)> f) {
+  Case c;
+  c.name = name;
+  f(c);
+  return c;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Matrix, EngineTest,
+    ::testing::Values(
+        Make("SelfBias", [](Case&) {}),
+        Make("SelfNoBias", [](Case& c) { c.bias = false; }),
+        Make("CrossLqNeLk", [](Case& c) { c.lk = 9; }),
+        Make("CrossKdimVdim", [](Case& c) { c.lk = 6; c.kdim = 8; c.vdim = 12; c.weights = WeightsMode::kPerHead; }),
+        Make("BoolMask2d", [](Case& c) { c.mask = Case::kBool2d; c.weights = WeightsMode::kAveraged; }),
+        Make("BoolMask3d", [](Case& c) { c.mask = Case::kBool3d; c.lk = 7; }),
+        Make("FloatMask2d", [](Case& c) { c.mask = Case::kFloat2d; c.weights = WeightsMode::kPerHead; }),
+        Make("FloatMask3d", [](Case& c) { c.mask = Case::kFloat3d; c.lk = 4; c.weights = WeightsMode::kAveraged; }),
+        Make("BoolKeyPadding", [](Case& c) { c.kpm = Case::kBoolKpm; c.b = 4; }),
+        Make("FloatKeyPadding", [](Case& c) { c.kpm = Case::kFloatKpm; c.weights = WeightsMode::kPerHead; }),
+        Make("Causal", [](Case& c) { c.causal = true; c.lq = 8; }),
+        Make("CausalCrossWithMasks", [](Case& c) { c.causal = true; c.lk = 10; c.kpm = Case::kBoolKpm; c.mask = Case::kFloat3d; c.weights = WeightsMode::kAveraged; }),
+        Make("BiasKv", [](Case& c) { c.bias_kv = true; c.lk = 6; c.weights = WeightsMode::kPerHead; }),
+        Make("ZeroAttn", [](Case& c) { c.zero_attn = true; c.kpm = Case::kBoolKpm; c.weights = WeightsMode::kAveraged; }),
+        Make("BiasKvZeroAttnCausal", [](Case& c) { c.bias_kv = true; c.zero_attn = true; c.causal = true; }),
+        Make("Unbatched", [](Case& c) { c.unbatched = true; c.lk = 7; c.kpm = Case::kBoolKpm; c.weights = WeightsMode::kPerHead; }),
+        Make("UnbatchedMask3d", [](Case& c) { c.unbatched = true; c.mask = Case::kBool3d; c.weights = WeightsMode::kAveraged; }),
+        Make("SequenceFirst", [](Case& c) { c.seq_first = true; c.lk = 6; c.mask = Case::kBool3d; c.weights = WeightsMode::kAveraged; }),
+        Make("FullyMaskedRowGivesZeros", [](Case& c) { c.kill_row = true; c.weights = WeightsMode::kPerHead; }),
+        Make("FullyMaskedRowSequenceFirst", [](Case& c) { c.kill_row = true; c.seq_first = true; })),
+    [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
+
+TEST(EngineTest, Float16InOutMatchesFloat32Compute) {
+  ModelWeights w;
+  std::mt19937 rng(99);
+  w.spec.name = "h";
+  w.spec.embed_dim = w.spec.kdim = w.spec.vdim = 16;
+  w.spec.num_heads = 2;
+  for (HostTensor* t : {&w.q_proj, &w.k_proj, &w.v_proj, &w.out_proj}) *t = RandomHost(rng, {16, 16}, 0.25f);
+  auto model = CreateTorchModel(w, EngineOptions{});
+  ASSERT_TRUE(model.ok());
+  const std::vector<float> x = testing::RandomFloats(rng, 2 * 3 * 16);
+  // The same values in float16 and float32 (they are representable after rounding once).
+  testing::Buffer h16 = testing::Zeros({2, 3, 16}, DType::kFloat16);
+  std::vector<float> rounded(x.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    // Round to float16 through the bit pattern of a float with 10 mantissa bits.
+    uint32_t bits;
+    std::memcpy(&bits, &x[i], 4);
+    bits &= 0xffffe000u;
+    std::memcpy(&rounded[i], &bits, 4);
+    const uint32_t sign = (bits >> 16) & 0x8000, exp = ((bits >> 23) & 0xff) - 112, mant = (bits >> 13) & 0x3ff;
+    const uint16_t half = static_cast<uint16_t>(sign | (exp << 10) | mant);
+    std::memcpy(&h16.bytes[2 * i], &half, 2);
+  }
+  testing::Buffer f32 = testing::Floats({2, 3, 16}, rounded);
+  std::string o16, o32;
+  AttendCall c16, c32;
+  c16.query = h16.view();
+  c32.query = f32.view();
+  ASSERT_TRUE(Validate(w.spec, {}, &c16).ok());
+  ASSERT_TRUE(Validate(w.spec, {}, &c32).ok());
+  AttendOutputs a{&o16, {}, nullptr, {}}, b{&o32, {}, nullptr, {}};
+  ASSERT_TRUE((*model)->Forward(c16, &a).ok());
+  ASSERT_TRUE((*model)->Forward(c32, &b).ok());
+  ASSERT_EQ(o16.size() * 2, o32.size());
+  const float* f = reinterpret_cast<const float*>(o32.data());
+  for (size_t i = 0; i < o16.size() / 2; ++i) {
+    uint16_t hv;
+    std::memcpy(&hv, &o16[2 * i], 2);
+    const uint32_t exp = (hv >> 10) & 0x1f;
+    const float mag = exp ? std::ldexp(1.0f + (hv & 0x3ff) / 1024.0f, static_cast<int>(exp) - 15)
+                          : std::ldexp((hv & 0x3ff) / 1024.0f, -14);
+    const float got = (hv & 0x8000) ? -mag : mag;
+    EXPECT_NEAR(got, f[i], 1e-3 * std::max(1.0f, std::fabs(f[i]))) << i;
+  }
+}
+
+TEST(EngineTest, DeviceFlagIsCheckedAtCreation) {
+  const ModelWeights w = DemoModelWeights();
+  auto bad = CreateTorchModel(w, EngineOptions{"tpu", DType::kFloat32});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_THAT(bad.status().message(), ::testing::HasSubstr("--device tpu"));
+  auto cuda = CreateTorchModel(w, EngineOptions{"cuda", DType::kFloat32});
+  if (EngineDescription().find("(CPU)") != std::string::npos) {
+    ASSERT_FALSE(cuda.ok());
+    EXPECT_THAT(cuda.status().message(), ::testing::HasSubstr("--device cuda: CUDA is not available"));
+  } else {
+    ASSERT_TRUE(cuda.ok()) << cuda.status().message();
+    EXPECT_EQ(cuda.value()->spec().device, "cuda");
+  }
+  auto half_cpu = CreateTorchModel(w, EngineOptions{"cpu", DType::kFloat16});
+  EXPECT_FALSE(half_cpu.ok());
+}
+
+}  // namespace
+}  // namespace attnserve
