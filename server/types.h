@@ -34,7 +34,7 @@ struct TensorView {
 enum class WeightsMode { kNone, kAveraged, kPerHead };
 
 /// Memory layout of query, key, value and output.
-enum class Layout { kBatchFirst, kSequenceFirst };
+enum class TensorLayout { kBatchFirst, kSequenceFirst };
 
 /// What a model is: the nn.MultiheadAttention constructor arguments plus where and how it runs.
 struct ModelSpec {
@@ -66,7 +66,7 @@ struct AttendCall {
   std::optional<TensorView> attn_mask;
   bool is_causal = false;
   WeightsMode weights = WeightsMode::kNone;
-  Layout layout = Layout::kBatchFirst;
+  TensorLayout layout = TensorLayout::kBatchFirst;
 
   // Filled by Validate.
   bool batched = true;

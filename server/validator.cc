@@ -76,7 +76,7 @@ Status Validate(const ModelSpec& model, const AttendLimits& limits, AttendCall* 
     return InvalidArgument(std::string("query: dtype ") + DTypeName(q.dtype) +
                            " is not allowed; expected FLOAT32, FLOAT16 or BFLOAT16");
   }
-  const bool batch_first = call->layout == Layout::kBatchFirst;
+  const bool batch_first = call->layout == TensorLayout::kBatchFirst;
   const Axes axes = batch_first ? Axes{0, 1} : Axes{1, 0};
   const char* layout_names[3] = {batch_first ? "batch" : "query_len",
                                  batch_first ? "query_len" : "batch", "embed_dim"};

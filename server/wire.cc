@@ -50,8 +50,8 @@ Status FromWire(const pb::AttendRequest& r, AttendCall* call) {
   }
   switch (r.layout()) {
     case pb::LAYOUT_UNSPECIFIED:
-    case pb::LAYOUT_BATCH_FIRST: call->layout = Layout::kBatchFirst; break;
-    case pb::LAYOUT_SEQUENCE_FIRST: call->layout = Layout::kSequenceFirst; break;
+    case pb::LAYOUT_BATCH_FIRST: call->layout = TensorLayout::kBatchFirst; break;
+    case pb::LAYOUT_SEQUENCE_FIRST: call->layout = TensorLayout::kSequenceFirst; break;
     default:
       return InvalidArgument("layout: " + std::to_string(r.layout()) +
                              " is not allowed; expected BATCH_FIRST (1) or SEQUENCE_FIRST (2)");

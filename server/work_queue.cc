@@ -62,12 +62,13 @@ void WorkQueue::Run(WorkItem& item) {
   item.queue_seconds = Seconds(start - item.accepted);
   item.batch_size = 1;
   Status status;
-  if (item.cancelled && item.cancelled()) {
-    status = Status(StatusCode::kCancelled, "cancelled by the client before compute");
-  } else if (start >= item.deadline) {
+  // The deadline first: gRPC also marks a call whose deadline passed as cancelled.
+  if (start >= item.deadline) {
     status = Status(StatusCode::kDeadlineExceeded,
                     "deadline passed after " + std::to_string(item.queue_seconds) +
                         " s in the queue, before compute started");
+  } else if (item.cancelled && item.cancelled()) {
+    status = Status(StatusCode::kCancelled, "cancelled by the client before compute");
   } else {
     status = item.model->Forward(item.call, &item.outputs);
     item.compute_seconds = Seconds(SteadyClock::now() - start);

@@ -116,7 +116,7 @@ class TorchModel final : public AttentionModel {
     const int64_t b = call.batch, lq = call.query_len, lk = call.key_len;
     const int64_t e = spec_.embed_dim, h = spec_.num_heads, d = spec_.head_dim();
     const int64_t extra = spec_.extra_keys();
-    const bool batch_first = call.layout == Layout::kBatchFirst || !call.batched;
+    const bool batch_first = call.layout == TensorLayout::kBatchFirst || !call.batched;
 
     // 1. Projections, in the wire layout (no transpose copies).
     at::Tensor q, k, v;

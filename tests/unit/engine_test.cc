@@ -243,7 +243,7 @@ TEST_P(EngineTest, MatchesFloat64Reference) {
   if (c.kpm != Case::kNoKpm) call.key_padding_mask = kpm.view();
   call.is_causal = c.causal;
   call.weights = c.weights;
-  call.layout = c.seq_first ? Layout::kSequenceFirst : Layout::kBatchFirst;
+  call.layout = c.seq_first ? TensorLayout::kSequenceFirst : TensorLayout::kBatchFirst;
   if (c.kill_row) {
     // A float mask of -inf over every key of query row 0: given as a [Lq, Lk] float attn_mask.
     attn_mask = testing::Zeros({lq, lk}, DType::kFloat32);

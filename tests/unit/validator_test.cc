@@ -61,7 +61,7 @@ TEST(ValidatorTest, AcceptsSelfAttentionAndFillsDims) {
 
 TEST(ValidatorTest, ReadsSequenceFirstLayout) {
   Call c = CrossCall({5, 2, 16}, {7, 2, 16}, {7, 2, 16});
-  c.call.layout = Layout::kSequenceFirst;
+  c.call.layout = TensorLayout::kSequenceFirst;
   ASSERT_TRUE(Check(c).ok()) << Check(c).message();
   EXPECT_EQ(c.call.batch, 2);
   EXPECT_EQ(c.call.query_len, 5);

@@ -1,0 +1,433 @@
+// The real server in-process on 127.0.0.1:0, the real C++ client over the real wire, and a real
+// /metrics scrape. Servers are few and shared: each start costs ~2 s of exporter shutdown.
+#include <arpa/inet.h>
+#include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cmath>
+#include <future>
+#include <random>
+#include <regex>
+#include <thread>
+
+#include "attnserve/client.h"
+#include "attnserve/v1/attention.grpc.pb.h"
+#include "server/grpc_status.h"
+#include "server/server.h"
+#include "server/work_queue.h"
+
+namespace attnserve {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::string HttpGet(int port, const std::string& path) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    close(fd);
+    return "";
+  }
+  const std::string req = "GET " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+  (void)!write(fd, req.data(), req.size());
+  std::string out;
+  char buf[65536];
+  ssize_t n;
+  while ((n = read(fd, buf, sizeof buf)) > 0) out.append(buf, static_cast<size_t>(n));
+  close(fd);
+  return out;
+}
+
+// The value of the first sample line that starts with `prefix` (name and labels), or -1.
+double Sample(const std::string& text, const std::string& prefix) {
+  const size_t at = text.find("\n" + prefix);
+  if (at == std::string::npos) return -1;
+  const size_t space = text.find(' ', at + 1 + prefix.size());
+  return std::stod(text.substr(space + 1));
+}
+
+Tensor RandomTensor(std::mt19937& rng, std::vector<int64_t> shape) {
+  std::normal_distribution<float> normal;
+  std::vector<float> v(static_cast<size_t>(std::accumulate(shape.begin(), shape.end(), int64_t{1},
+                                                           std::multiplies<int64_t>())));
+  for (float& x : v) x = normal(rng);
+  return Tensor::Float32(std::move(shape), v);
+}
+
+class ServerTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    ServerOptions o;
+    o.address = "127.0.0.1:0";
+    o.metrics_address = "127.0.0.1:0";
+    o.workers = 2;
+    auto s = Server::Start(o);
+    ASSERT_TRUE(s.ok()) << s.status().message();
+    server_ = std::move(s).value().release();
+    ClientOptions c;
+    c.target = "127.0.0.1:" + std::to_string(server_->port());
+    client_ = new Client(c);
+  }
+  static void TearDownTestSuite() {
+    delete client_;
+    delete server_;
+  }
+
+  AttendRequest Request(int64_t b, int64_t lq, int64_t lk = 0, uint32_t seed = 1) {
+    std::mt19937 rng(seed);
+    AttendRequest r;
+    r.model = "demo";
+    r.query = RandomTensor(rng, {b, lq, 512});
+    if (lk) {
+      r.key = RandomTensor(rng, {b, lk, 512});
+      r.value = RandomTensor(rng, {b, lk, 512});
+    }
+    return r;
+  }
+
+  static Server* server_;
+  static Client* client_;
+};
+Server* ServerTest::server_ = nullptr;
+Client* ServerTest::client_ = nullptr;
+
+TEST_F(ServerTest, ListsAndDescribesModels) {
+  std::vector<ModelInfo> models;
+  ASSERT_TRUE(client_->ListModels(&models).ok());
+  ASSERT_EQ(models.size(), 1u);
+  EXPECT_EQ(models[0].name, "demo");
+  EXPECT_EQ(models[0].embed_dim, 512);
+  EXPECT_EQ(models[0].num_heads, 8);
+  EXPECT_EQ(models[0].device, "cpu");
+  ModelInfo m;
+  CallStatus s = client_->GetModel("nope", &m);
+  EXPECT_EQ(s.code, 5);
+  EXPECT_THAT(s.message, HasSubstr("model 'nope' is not loaded"));
+}
+
+TEST_F(ServerTest, AttendsSelfAndCrossDeterministically) {
+  AttendRequest r = Request(2, 7, 0, 3);
+  r.request_id = 42;
+  r.attn_weights = AttnWeights::kPerHead;
+  AttendResult a, b;
+  ASSERT_TRUE(client_->Attend(r, &a).ok());
+  ASSERT_TRUE(client_->Attend(r, &b).ok());
+  EXPECT_EQ(a.output.shape, (std::vector<int64_t>{2, 7, 512}));
+  EXPECT_EQ(a.output.data, b.output.data);
+  EXPECT_EQ(a.request_id, 42u);
+  EXPECT_EQ(a.model, "demo");
+  ASSERT_TRUE(a.attn_weights.has_value());
+  EXPECT_EQ(a.attn_weights->shape, (std::vector<int64_t>{2, 8, 7, 7}));
+  double row = 0;
+  for (int j = 0; j < 7; ++j) row += a.attn_weights->ToFloats()[j];
+  EXPECT_NEAR(row, 1.0, 1e-5);
+  EXPECT_GT(a.compute_seconds, 0);
+
+  AttendResult c;
+  ASSERT_TRUE(client_->Attend(Request(3, 4, 9), &c).ok());
+  EXPECT_EQ(c.output.shape, (std::vector<int64_t>{3, 4, 512}));
+  for (float x : c.output.ToFloats()) ASSERT_TRUE(std::isfinite(x));
+}
+
+TEST_F(ServerTest, Float16RoundTripsCloseToFloat32) {
+  AttendRequest r32 = Request(1, 5, 0, 9);
+  AttendRequest r16 = r32;
+  r16.query = Tensor::Float16(r32.query.shape, r32.query.ToFloats());
+  AttendResult a, b;
+  ASSERT_TRUE(client_->Attend(r32, &a).ok());
+  ASSERT_TRUE(client_->Attend(r16, &b).ok());
+  ASSERT_EQ(b.output.dtype, DataType::kFloat16);
+  const auto fa = a.output.ToFloats(), fb = b.output.ToFloats();
+  for (size_t i = 0; i < fa.size(); ++i) ASSERT_NEAR(fa[i], fb[i], 2e-2 * std::max(1.f, std::fabs(fa[i])));
+}
+
+TEST_F(ServerTest, BadRequestsGetInvalidArgumentNamingTheField) {
+  AttendResult out;
+  AttendRequest r = Request(2, 5, 3);
+  r.key->shape = {2, 3 * 512};
+  CallStatus s = client_->Attend(r, &out);
+  EXPECT_EQ(s.code, 3);
+  EXPECT_THAT(s.message, HasSubstr("key: shape [2, 1536] has 2 dims, expected [batch=2, key_len, kdim=512]"));
+
+  r = Request(1, 5);
+  r.query.data.pop_back();
+  s = client_->Attend(r, &out);
+  EXPECT_EQ(s.code, 3);
+  EXPECT_THAT(s.message, HasSubstr("query: data has 10239 bytes, expected 10240"));
+
+  r = Request(1, 5);
+  r.attn_mask = Tensor::Bool({5, 4}, std::vector<bool>(20, false));
+  s = client_->Attend(r, &out);
+  EXPECT_THAT(s.message, HasSubstr("attn_mask: shape [5, 4] has key_len=4"));
+
+  r = Request(1, 5);
+  r.model = "missing";
+  s = client_->Attend(r, &out);
+  EXPECT_EQ(s.code, 5);
+  EXPECT_THAT(s.message, HasSubstr("available: demo"));
+}
+
+TEST_F(ServerTest, StreamCompletesOutOfOrderAndSurvivesBadRequests) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(64 << 20);
+  auto channel = grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(server_->port()),
+                                           grpc::InsecureChannelCredentials(), args);
+  auto stub = v1::AttentionService::NewStub(channel);
+  grpc::ClientContext ctx;
+  auto stream = stub->AttendStream(&ctx);
+  std::mt19937 rng(5);
+  auto send = [&](uint64_t id, int64_t b, int64_t len) {
+    v1::AttendRequest req;
+    req.set_model("demo");
+    req.set_request_id(id);
+    const Tensor q = RandomTensor(rng, {b, len, 512});
+    req.mutable_query()->set_dtype(v1::DATA_TYPE_FLOAT32);
+    req.mutable_query()->mutable_shape()->Assign(q.shape.begin(), q.shape.end());
+    req.mutable_query()->set_data(q.data);
+    ASSERT_TRUE(stream->Write(req));
+  };
+  send(0, 16, 384);  // Long: one worker stays busy with it.
+  for (uint64_t id = 1; id <= 5; ++id) send(id, 1, 4);
+  v1::AttendRequest bad;
+  bad.set_model("demo");
+  bad.set_request_id(99);
+  ASSERT_TRUE(stream->Write(bad));  // No query.
+  stream->WritesDone();
+  std::vector<uint64_t> order;
+  v1::AttendResponse resp;
+  while (stream->Read(&resp)) {
+    order.push_back(resp.request_id());
+    if (resp.request_id() == 99) {
+      EXPECT_EQ(resp.error().code(), 3);
+      EXPECT_THAT(resp.error().message(), HasSubstr("query: missing"));
+    } else {
+      EXPECT_FALSE(resp.has_error()) << resp.error().message();
+      EXPECT_EQ(resp.output().shape(2), 512);
+    }
+  }
+  EXPECT_TRUE(stream->Finish().ok());
+  ASSERT_EQ(order.size(), 7u);
+  EXPECT_NE(order.front(), 0u) << "the long request should not come back first";
+  EXPECT_EQ(std::count(order.begin(), order.end(), 0u), 1);
+}
+
+TEST_F(ServerTest, HealthReportsServerServiceAndModels) {
+  bool serving = false;
+  ASSERT_TRUE(client_->Health("", &serving).ok());
+  EXPECT_TRUE(serving);
+  ASSERT_TRUE(client_->Health("attnserve.v1.AttentionService", &serving).ok());
+  EXPECT_TRUE(serving);
+  ASSERT_TRUE(client_->Health("attnserve.v1.AttentionService/demo", &serving).ok());
+  EXPECT_TRUE(serving);
+  EXPECT_EQ(client_->Health("attnserve.v1.AttentionService/nope", &serving).code, 5);
+}
+
+TEST_F(ServerTest, MetricsMoveAfterRequests) {
+  const std::string ok_count =
+      "attnserve_request_duration_seconds_count{code=\"OK\",method=\"Attend\",model=\"demo\"}";
+  const std::string bad_total =
+      "attnserve_requests_total{code=\"INVALID_ARGUMENT\",method=\"Attend\",model=\"demo\"}";
+  const std::string before = HttpGet(server_->metrics_port(), "/metrics");
+  ASSERT_THAT(before, HasSubstr("200 OK"));
+  const double ok0 = std::max(0.0, Sample(before, ok_count));
+  const double bad0 = std::max(0.0, Sample(before, bad_total));
+  AttendResult out;
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(client_->Attend(Request(1, 8), &out).ok());
+  AttendRequest bad = Request(1, 8);
+  bad.query.shape = {1, 8, 511};
+  EXPECT_EQ(client_->Attend(bad, &out).code, 3);
+  const std::string after = HttpGet(server_->metrics_port(), "/metrics");
+  EXPECT_EQ(Sample(after, ok_count), ok0 + 3);
+  EXPECT_EQ(Sample(after, bad_total), bad0 + 1);
+  EXPECT_GT(Sample(after, "attnserve_queue_wait_seconds_count{model=\"demo\"}"), 0);
+  EXPECT_GT(Sample(after, "attnserve_compute_seconds_sum{model=\"demo\"}"), 0);
+  EXPECT_GT(Sample(after, "attnserve_batch_size_requests_count{model=\"demo\"}"), 0);
+  EXPECT_EQ(Sample(after, "attnserve_requests_in_flight{method=\"Attend\"}"), 0);
+  EXPECT_THAT(after, HasSubstr("attnserve_model_info{"));
+  // Histogram buckets are cumulative and end at the count.
+  std::regex bucket(
+      R"re(attnserve_request_duration_seconds_bucket\{code="OK",method="Attend",model="demo",le="([^"]+)"\} (\d+))re");
+  double last = -1;
+  for (auto it = std::sregex_iterator(after.begin(), after.end(), bucket); it != std::sregex_iterator(); ++it) {
+    const double v = std::stod((*it)[2]);
+    EXPECT_GE(v, last);
+    last = v;
+  }
+  EXPECT_EQ(last, Sample(after, ok_count));
+}
+
+// A model whose Forward waits for a gate: drives the queue deterministically.
+class GatedModel : public AttentionModel {
+ public:
+  const ModelSpec& spec() const override { return spec_; }
+  Status Forward(const AttendCall&, AttendOutputs*) const override {
+    ++started;
+    gate.wait();
+    return result;
+  }
+  ModelSpec spec_;
+  mutable std::atomic<int> started{0};
+  std::shared_future<void> gate;
+  Status result;
+};
+
+std::unique_ptr<WorkItem> Item(const AttentionModel* m, std::vector<Status>* log, std::mutex* mu) {
+  auto item = std::make_unique<WorkItem>();
+  item->model = m;
+  item->accepted = SteadyClock::now();
+  item->done = [log, mu](const Status& s, const WorkItem&) {
+    std::lock_guard<std::mutex> lock(*mu);
+    log->push_back(s);
+  };
+  return item;
+}
+
+TEST(WorkQueueTest, RefusesWhenFullDropsExpiredAndCancelledAndDrains) {
+  std::promise<void> open;
+  GatedModel model;
+  model.gate = open.get_future().share();
+  model.result = Internal("engine broke");
+  std::vector<Status> log;
+  std::mutex mu;
+  WorkQueue queue(WorkQueueOptions{1, 3});
+  queue.Submit(Item(&model, &log, &mu));  // Taken by the single worker, held at the gate.
+  while (model.started == 0) std::this_thread::yield();
+  auto expired = Item(&model, &log, &mu);
+  expired->deadline = SteadyClock::now();
+  queue.Submit(std::move(expired));
+  auto cancelled = Item(&model, &log, &mu);
+  cancelled->cancelled = [] { return true; };
+  queue.Submit(std::move(cancelled));
+  queue.Submit(Item(&model, &log, &mu));
+  queue.Submit(Item(&model, &log, &mu));  // Queue holds 3: this one is refused at once.
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    ASSERT_EQ(log.size(), 1u);
+    EXPECT_EQ(log[0].code(), StatusCode::kResourceExhausted);
+    EXPECT_THAT(log[0].message(), HasSubstr("queue full"));
+  }
+  open.set_value();
+  queue.Drain();
+  queue.Submit(Item(&model, &log, &mu));
+  ASSERT_EQ(log.size(), 6u);
+  EXPECT_EQ(log[1].code(), StatusCode::kInternal);          // The gated one.
+  EXPECT_EQ(log[2].code(), StatusCode::kDeadlineExceeded);  // Dropped before compute.
+  EXPECT_EQ(log[3].code(), StatusCode::kCancelled);
+  EXPECT_EQ(log[4].code(), StatusCode::kInternal);          // Queued before Drain: still run.
+  EXPECT_EQ(log[5].code(), StatusCode::kUnavailable);       // After Drain.
+  EXPECT_EQ(model.started, 2);
+}
+
+TEST(GrpcStatusTest, OneMappingForEveryCode) {
+  const std::pair<StatusCode, grpc::StatusCode> table[] = {
+      {StatusCode::kOk, grpc::StatusCode::OK},
+      {StatusCode::kInvalidArgument, grpc::StatusCode::INVALID_ARGUMENT},
+      {StatusCode::kNotFound, grpc::StatusCode::NOT_FOUND},
+      {StatusCode::kUnavailable, grpc::StatusCode::UNAVAILABLE},
+      {StatusCode::kResourceExhausted, grpc::StatusCode::RESOURCE_EXHAUSTED},
+      {StatusCode::kDeadlineExceeded, grpc::StatusCode::DEADLINE_EXCEEDED},
+      {StatusCode::kCancelled, grpc::StatusCode::CANCELLED},
+      {StatusCode::kFailedPrecondition, grpc::StatusCode::INTERNAL},
+      {StatusCode::kInternal, grpc::StatusCode::INTERNAL}};
+  for (const auto& [ours, theirs] : table) {
+    const grpc::Status g = ToGrpcStatus(Status(ours, ours == StatusCode::kOk ? "" : "why"));
+    EXPECT_EQ(g.error_code(), theirs) << StatusCodeName(ours);
+  }
+  EXPECT_EQ(Status(StatusCode::kInternal, std::string(5000, 'x')).message().size(), kMaxStatusMessage);
+}
+
+// Overload and deadlines end to end: one worker, a queue of 2, requests that take a while.
+TEST(ServerLoadTest, OverloadIsRefusedQuicklyAndExpiredRequestsAreDropped) {
+  ServerOptions o;
+  o.address = "127.0.0.1:0";
+  o.metrics_address = "127.0.0.1:0";
+  o.workers = 1;
+  o.max_queue_size = 2;
+  auto server = Server::Start(o);
+  ASSERT_TRUE(server.ok()) << server.status().message();
+  ClientOptions co;
+  co.target = "127.0.0.1:" + std::to_string((*server)->port());
+  Client client(co);
+  std::mt19937 rng(8);
+  AttendRequest big;
+  big.query = RandomTensor(rng, {16, 256, 512});
+  std::mutex mu;
+  std::map<int, int> codes;
+  std::atomic<int> pending{0};
+  std::vector<double> refuse_ms;
+  for (int i = 0; i < 8; ++i) {
+    ++pending;
+    const auto sent = std::chrono::steady_clock::now();
+    client.AttendAsync(big, [&, sent](CallStatus s, AttendResult) {
+      std::lock_guard<std::mutex> lock(mu);
+      ++codes[s.code];
+      if (s.code == 8) {
+        refuse_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - sent).count());
+      }
+      --pending;
+    });
+  }
+  while (pending > 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_GE(codes[0], 1);
+  EXPECT_GE(codes[8], 1) << "RESOURCE_EXHAUSTED expected under overload";
+  EXPECT_EQ(codes[0] + codes[8], 8);
+  for (double ms : refuse_ms) EXPECT_LT(ms, 1000) << "refusals must be quick";
+
+  // A request whose deadline passes while it waits behind a long one is dropped before compute.
+  std::promise<void> first_done;
+  client.AttendAsync(big, [&](CallStatus, AttendResult) { first_done.set_value(); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  AttendRequest small;
+  small.query = RandomTensor(rng, {1, 4, 512});
+  AttendResult out;
+  CallOptions call;
+  call.deadline = std::chrono::milliseconds(30);
+  EXPECT_EQ(client.Attend(small, &out, call).code, 4);
+  first_done.get_future().wait();
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const std::string m = HttpGet((*server)->metrics_port(), "/metrics");
+  EXPECT_EQ(Sample(m, "attnserve_requests_total{code=\"DEADLINE_EXCEEDED\",method=\"Attend\",model=\"demo\"}"), 1)
+      << m.substr(0, 4000);
+  EXPECT_GE(Sample(m, "attnserve_requests_total{code=\"RESOURCE_EXHAUSTED\",method=\"Attend\",model=\"demo\"}"), 1);
+}
+
+TEST(ServerShutdownTest, InFlightRequestsFinishOnShutdown) {
+  ServerOptions o;
+  o.address = "127.0.0.1:0";
+  o.metrics_address = "";
+  o.workers = 1;
+  auto server = Server::Start(o);
+  ASSERT_TRUE(server.ok());
+  ClientOptions co;
+  co.target = "127.0.0.1:" + std::to_string((*server)->port());
+  Client client(co);
+  std::mt19937 rng(4);
+  AttendRequest r;
+  r.query = RandomTensor(rng, {8, 128, 512});
+  std::atomic<int> ok{0}, done{0};
+  for (int i = 0; i < 4; ++i) {
+    client.AttendAsync(r, [&](CallStatus s, AttendResult res) {
+      if (s.ok() && res.output.shape.size() == 3) ++ok;
+      ++done;
+    });
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // All four accepted.
+  (*server)->Shutdown();
+  while (done < 4) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_EQ(ok, 4);
+  AttendResult out;
+  CallOptions call;
+  call.deadline = std::chrono::milliseconds(500);
+  EXPECT_NE(client.Attend(r, &out, call).code, 0) << "a stopped server takes no new calls";
+}
+
+}  // namespace
+}  // namespace attnserve
