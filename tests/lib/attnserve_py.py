@@ -28,15 +28,18 @@ class Server:
     """Starts `attnserve` on free ports and stops it with SIGTERM, checking the exit code."""
 
     def __init__(self, binary, *args):
-        self.proc = subprocess.Popen([binary, "--address", "127.0.0.1:0", "--metrics-address",
-                                      "127.0.0.1:0", *args], stdout=subprocess.PIPE,
+        if "--metrics-address" not in args:
+            args = ("--metrics-address", "127.0.0.1:0") + tuple(args)
+        self.proc = subprocess.Popen([binary, "--address", "127.0.0.1:0", *args], stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
         self.banner = self.proc.stdout.readline()
-        m = re.search(r" on [\d.]+:(\d+), metrics on http://[\d.]+:(\d+)/metrics", self.banner)
+        m = re.search(r" on [\d.]+:(\d+), (?:metrics on http://[\d.]+:(\d+)/metrics|metrics off)",
+                      self.banner)
         if not m:
             rest = self.proc.stdout.read() if self.proc.poll() is not None else ""
             raise RuntimeError("attnserve did not start: " + self.banner + rest)
-        self.port, self.metrics_port = int(m.group(1)), int(m.group(2))
+        self.port = int(m.group(1))
+        self.metrics_port = int(m.group(2)) if m.group(2) else None
         self.target = f"127.0.0.1:{self.port}"
 
     def stop(self):

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Builds docker/Dockerfile, runs the image, and asks it from the host with attnserve-cli:
+# health (SERVING), an attend request, a non-root user, the image's own HEALTHCHECK, and a
+# graceful stop (exit 0). Without a Docker engine it uses podman through ../shared/tools/container-env.sh.
+# usage: container_test.sh PATH/TO/attnserve-cli   (run from the repository root)
+set -euo pipefail
+cli=$1
+image=localhost/attnserve:test
+name=attnserve-test-$$
+port=$((20000 + $$ % 10000)); metrics=$((port + 1))
+
+if ! docker info >/dev/null 2>&1; then
+  eval "$(../shared/tools/container-env.sh --docker)"
+fi
+passed=0; failed=0
+check() { if eval "$2"; then echo "ok   $1"; passed=$((passed+1)); else echo "FAIL $1"; failed=$((failed+1)); fi; }
+cleanup() { docker rm -f "$name" >/dev/null 2>&1 || true; }
+trap cleanup EXIT
+
+start=$(date +%s)
+docker build -q -f docker/Dockerfile -t "$image" . >/dev/null
+echo "container: image built in $(( $(date +%s) - start )) s ($(docker image inspect "$image" --format '{{.Size}}' | awk '{printf "%.0f MiB", $1/1048576}'))"
+
+# Host networking: this machine's container runtime has no port publishing to rely on.
+docker run -d --name "$name" --network host "$image" \
+  attnserve --address "127.0.0.1:$port" --metrics-address "127.0.0.1:$metrics" >/dev/null
+for _ in $(seq 120); do
+  "$cli" --target "127.0.0.1:$port" --deadline-ms 1000 health >/dev/null 2>&1 && break
+  sleep 0.5
+done
+check "health is SERVING" '"$cli" --target 127.0.0.1:$port health | grep -qx SERVING'
+out=$("$cli" --target "127.0.0.1:$port" attend --model demo --batch 2 --query-len 16 --weights avg)
+echo "$out"
+check "attend answers [2, 16, 512]" 'grep -q "output \[2, 16, 512\], weights \[2, 16, 16\]" <<<"$out"'
+check "metrics served" 'curl -sf "http://127.0.0.1:$metrics/metrics" | grep -q "attnserve_requests_total{code=\"OK\""'
+check "runs as non-root" '[ "$(docker exec "$name" id -u)" != 0 ]'
+check "default command serves the demo on 0.0.0.0" \
+  '[ "$(docker image inspect "$image" --format "{{json .Config.Cmd}}")" = "[\"attnserve\",\"--address\",\"0.0.0.0:50051\",\"--metrics-address\",\"0.0.0.0:9464\"]" ]'
+check "image HEALTHCHECK uses attnserve-cli" \
+  'docker image inspect "$image" --format "{{json .Config.Healthcheck}}" | grep -q attnserve-cli'
+check "image HEALTHCHECK passes in the container" 'docker exec "$name" attnserve-cli --deadline-ms 3000 health >/dev/null'
+docker stop -t 30 "$name" >/dev/null
+check "SIGTERM stops it with exit 0" '[ "$(docker inspect "$name" --format "{{.State.ExitCode}}")" = 0 ]'
+echo "container_test: $passed passed, $failed failed"
+[ "$failed" = 0 ]
