@@ -3,6 +3,8 @@
 
 #include "attnserve/tensor.h"
 
+#include "attnserve/half.h"
+
 namespace attnserve {
 namespace {
 
@@ -27,30 +29,6 @@ uint16_t FloatToHalf(float f) {
   const uint32_t rem = abs & 0x1fff;
   if (rem > 0x1000 || (rem == 0x1000 && (half & 1))) ++half;
   return static_cast<uint16_t>(sign | half);
-}
-
-float HalfToFloat(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
-  uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
-  if (exp == 0) {
-    if (mant == 0) {
-      bits = sign;
-    } else {
-      exp = 113;
-      while (!(mant & 0x400)) {
-        mant <<= 1;
-        --exp;
-      }
-      bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
-    }
-  } else if (exp == 0x1f) {
-    bits = sign | 0x7f800000 | (mant << 13);
-  } else {
-    bits = sign | ((exp + 112) << 23) | (mant << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
 }
 
 void CheckCount(const std::vector<int64_t>& shape, size_t n) {
@@ -121,8 +99,7 @@ std::vector<float> Tensor::ToFloats() const {
       case DataType::kBFloat16: {
         uint16_t h;
         std::memcpy(&h, &data[2 * i], 2);
-        const uint32_t bits = static_cast<uint32_t>(h) << 16;
-        std::memcpy(&out[i], &bits, 4);
+        out[i] = BFloat16ToFloat(h);
         break;
       }
       case DataType::kBool: out[i] = data[i] ? 1.f : 0.f; break;

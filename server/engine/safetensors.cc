@@ -1,40 +1,13 @@
 #include "server/engine/safetensors.h"
 
+#include "attnserve/half.h"
+
 #include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
 namespace attnserve {
-namespace {
-
-float HalfToFloat(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
-  uint32_t exp = (h >> 10) & 0x1f;
-  uint32_t mant = h & 0x3ff;
-  uint32_t bits;
-  if (exp == 0) {
-    if (mant == 0) {
-      bits = sign;
-    } else {  // Subnormal: normalize.
-      exp = 127 - 15 + 1;
-      while ((mant & 0x400) == 0) {
-        mant <<= 1;
-        --exp;
-      }
-      bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
-    }
-  } else if (exp == 0x1f) {
-    bits = sign | 0x7f800000 | (mant << 13);
-  } else {
-    bits = sign | ((exp - 15 + 127) << 23) | (mant << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-}  // namespace
 
 StatusOr<std::string> ReadFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -113,12 +86,7 @@ StatusOr<NamedTensors> ParseSafetensors(const std::string& bytes, const std::str
       } else {
         uint16_t h;
         std::memcpy(&h, src + 2 * i, 2);
-        if (dtype == "BF16") {
-          const uint32_t bits = static_cast<uint32_t>(h) << 16;
-          std::memcpy(&t.values[i], &bits, 4);
-        } else {
-          t.values[i] = HalfToFloat(h);
-        }
+        t.values[i] = dtype == "BF16" ? BFloat16ToFloat(h) : HalfToFloat(h);
       }
     }
     out.emplace(name, std::move(t));
