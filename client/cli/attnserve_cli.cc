@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <random>
@@ -46,7 +47,11 @@ attnserve::Tensor RandomTensor(std::mt19937& rng, std::vector<int64_t> shape, bo
 int main(int argc, char** argv) {
   CLI::App app{"attnserve-cli: talk to an attnserve server", "attnserve-cli"};
   attnserve::ClientOptions options;
-  app.add_option("--target", options.target, "Server address host:port")->capture_default_str();
+  // The image's HEALTHCHECK runs plain `attnserve-cli health`: ATTNSERVE_TARGET lets a container
+  // that serves on another address point it there.
+  if (const char* env = std::getenv("ATTNSERVE_TARGET")) options.target = env;
+  app.add_option("--target", options.target, "Server address host:port (env ATTNSERVE_TARGET)")
+      ->capture_default_str();
   int64_t deadline_ms = 30000;
   app.add_option("--deadline-ms", deadline_ms, "Per-call deadline in ms (0 = none)")
       ->capture_default_str();
