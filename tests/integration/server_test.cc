@@ -137,7 +137,7 @@ TEST_F(ServerTest, AttendsSelfAndCrossDeterministically) {
   for (float x : c.output.ToFloats()) ASSERT_TRUE(std::isfinite(x));
 }
 
-TEST_F(ServerTest, Float16RoundTripsCloseToFloat32) {
+TEST_F(ServerTest, HalfPrecisionWireRoundTripsCloseToFloat32) {
   AttendRequest r32 = Request(1, 5, 0, 9);
   AttendRequest r16 = r32;
   r16.query = Tensor::Float16(r32.query.shape, r32.query.ToFloats());
@@ -147,6 +147,18 @@ TEST_F(ServerTest, Float16RoundTripsCloseToFloat32) {
   ASSERT_EQ(b.output.dtype, DataType::kFloat16);
   const auto fa = a.output.ToFloats(), fb = b.output.ToFloats();
   for (size_t i = 0; i < fa.size(); ++i) ASSERT_NEAR(fa[i], fb[i], 2e-2 * std::max(1.f, std::fabs(fa[i])));
+
+  // bfloat16: the upper half of each float32 (truncation), answered in bfloat16.
+  AttendRequest rb = r32;
+  rb.query.dtype = DataType::kBFloat16;
+  rb.query.data.clear();
+  for (size_t i = 0; i < r32.query.data.size(); i += 4) rb.query.data.append(r32.query.data, i + 2, 2);
+  AttendResult c;
+  ASSERT_TRUE(client_->Attend(rb, &c).ok());
+  ASSERT_EQ(c.output.dtype, DataType::kBFloat16);
+  ASSERT_EQ(c.output.data.size(), a.output.data.size() / 2);
+  const auto fc = c.output.ToFloats();
+  for (size_t i = 0; i < fa.size(); ++i) ASSERT_NEAR(fa[i], fc[i], 5e-2 * std::max(1.f, std::fabs(fa[i])));
 }
 
 TEST_F(ServerTest, BadRequestsGetInvalidArgumentNamingTheField) {
