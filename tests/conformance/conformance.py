@@ -205,7 +205,8 @@ def main():
                 werr = float(np.abs(gw - want_w).max()) if gw.shape == want_w.shape else float("inf")
                 ok = ok and werr <= 1e-5
             failures += not ok
-            print(f"{c['name']:28s} {err:14.2e} {werr:15.2e} {tol:9.0e} {'ok' if ok else 'FAIL'}")
+            wtext = "-" if want_w is None else f"{werr:.2e}"
+            print(f"{c['name']:28s} {err:14.2e} {wtext:>15s} {tol:9.0e} {'ok' if ok else 'FAIL'}")
     finally:
         server.stop()
     print(f"conformance: {len(CONFIGS) - failures} passed, {failures} failed")
