@@ -29,9 +29,9 @@ void SetTensorMeta(v1::Tensor* t, DType dtype, const std::vector<int64_t>& shape
 
 }  // namespace
 
-AttentionServiceImpl::AttentionServiceImpl(const ModelMap& models, WorkQueue& queue,
+AttentionServiceImpl::AttentionServiceImpl(const ModelMap& models, Batcher& batcher,
                                            ServerMetrics& metrics, const AttendLimits& limits)
-    : models_(models), queue_(queue), metrics_(metrics), limits_(limits) {}
+    : models_(models), batcher_(batcher), metrics_(metrics), limits_(limits) {}
 
 void AttentionServiceImpl::Dispatch(const char* method, const v1::AttendRequest& request,
                                     v1::AttendResponse* response,
@@ -84,14 +84,13 @@ void AttentionServiceImpl::Dispatch(const char* method, const v1::AttendRequest&
       timing->set_queue_seconds(w.queue_seconds);
       timing->set_compute_seconds(w.compute_seconds);
       timing->set_batch_size(static_cast<uint32_t>(w.batch_size));
-      metrics_.RecordCompute(spec.name, w.queue_seconds, w.compute_seconds, w.batch_size);
     } else {
       response->clear_output();
       response->clear_attn_weights();
     }
     finish(st);
   };
-  queue_.Submit(std::move(item));
+  batcher_.Submit(std::move(item));
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerContext* ctx,

@@ -8,7 +8,7 @@
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "server/engine/attention_model.h"
 #include "server/metrics.h"
-#include "server/work_queue.h"
+#include "server/batcher.h"
 
 namespace attnserve {
 
@@ -16,11 +16,11 @@ namespace attnserve {
 using ModelMap = std::map<std::string, std::unique_ptr<AttentionModel>>;
 
 /// The gRPC AttentionService on the callback API. Handlers only translate: the request path is
-/// model lookup -> FromWire -> Validate -> WorkQueue -> engine -> response. Thread-safe.
+/// model lookup -> FromWire -> Validate -> Batcher -> engine -> response. Thread-safe.
 class AttentionServiceImpl final : public v1::AttentionService::CallbackService {
  public:
   /// Borrows everything; all must outlive the service.
-  AttentionServiceImpl(const ModelMap& models, WorkQueue& queue, ServerMetrics& metrics,
+  AttentionServiceImpl(const ModelMap& models, Batcher& batcher, ServerMetrics& metrics,
                        const AttendLimits& limits);
 
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* ctx, const v1::AttendRequest* req,
@@ -44,7 +44,7 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   class StreamReactor;
 
   const ModelMap& models_;
-  WorkQueue& queue_;
+  Batcher& batcher_;
   ServerMetrics& metrics_;
   const AttendLimits limits_;
 };

@@ -23,13 +23,29 @@ int main(int argc, char** argv) {
                  "Directory of models: one subdirectory per model with config.json and weights "
                  "(README \"Models\"); default: the built-in demo model");
   app.add_option("--device", o.device, "Compute device: cpu, cuda or cuda:N")->capture_default_str();
-  o.workers = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  app.add_option("--workers", o.workers, "Compute threads (default: one per core)")
+  o.batcher.workers = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  app.add_option("--workers", o.batcher.workers, "Compute threads (default: one per core)")
       ->check(CLI::Range(1, 256))
       ->capture_default_str();
-  app.add_option("--max-queue-size", o.max_queue_size,
+  app.add_option("--max-queue-size", o.batcher.max_queue_size,
                  "Requests that may wait for compute; beyond it new ones get RESOURCE_EXHAUSTED")
       ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
+  bool no_batching = false;
+  app.add_flag("--no-batching", no_batching,
+               "Compute every request on its own, at once (default: dynamic batching)");
+  app.add_option("--max-batch-tokens", o.batcher.max_batch_tokens,
+                 "Most query + key tokens one batch packs together")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--max-batch-attention", o.batcher.max_batch_attention,
+                 "Most attention cost in one batch: sum of batch * query_len * key_len")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  int64_t delay_us = o.batcher.max_queue_delay.count();
+  app.add_option("--max-queue-delay-us", delay_us,
+                 "Longest the oldest request waits for company before its batch closes, in us")
+      ->check(CLI::Range(int64_t{0}, int64_t{10000000}))
       ->capture_default_str();
   app.add_option("--max-message-bytes", o.max_message_bytes,
                  "Largest gRPC message received or sent, in bytes")
@@ -48,6 +64,8 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  o.batcher.enabled = !no_batching;
+  o.batcher.max_queue_delay = std::chrono::microseconds(delay_us);
 
   // Every thread started from here on inherits the blocked signals; this one waits for them.
   sigset_t signals;

@@ -18,6 +18,12 @@ const prometheus::Histogram::BucketBoundaries& BatchBuckets() {
   return *kBuckets;
 }
 
+const prometheus::Histogram::BucketBoundaries& TokenBuckets() {
+  static const auto* kBuckets = new prometheus::Histogram::BucketBoundaries{
+      16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536};
+  return *kBuckets;
+}
+
 }  // namespace
 
 ServerMetrics::ServerMetrics(prometheus::Registry& registry)
@@ -39,11 +45,23 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
                  .Register(registry)),
       compute_(prometheus::BuildHistogram()
                    .Name("attnserve_compute_seconds")
-                   .Help("Engine time of the batch a request was computed in.")
+                   .Help("Engine time of one batch.")
                    .Register(registry)),
       batch_size_(prometheus::BuildHistogram()
                       .Name("attnserve_batch_size_requests")
                       .Help("Requests computed together in one engine call.")
+                      .Register(registry)),
+      batch_tokens_(prometheus::BuildHistogram()
+                        .Name("attnserve_batch_size_tokens")
+                        .Help("Query plus key tokens computed together in one engine call.")
+                        .Register(registry)),
+      padding_(prometheus::BuildGauge()
+                   .Name("attnserve_batch_padding_fraction")
+                   .Help("Fraction of padding rows in the last batch (ragged packing: 0).")
+                   .Register(registry)),
+      rejections_(prometheus::BuildCounter()
+                      .Name("attnserve_rejections_total")
+                      .Help("Requests refused or dropped before compute, by reason.")
                       .Register(registry)),
       model_info_(prometheus::BuildGauge()
                       .Name("attnserve_model_info")
@@ -61,11 +79,24 @@ void ServerMetrics::AddInFlight(const std::string& method, double delta) {
   in_flight_.Add({{"method", method}}).Increment(delta);
 }
 
-void ServerMetrics::RecordCompute(const std::string& model, double queue_seconds,
-                                  double compute_seconds, int batch_size) {
-  queue_.Add({{"model", model}}, LatencyBuckets()).Observe(queue_seconds);
-  compute_.Add({{"model", model}}, LatencyBuckets()).Observe(compute_seconds);
-  batch_size_.Add({{"model", model}}, BatchBuckets()).Observe(batch_size);
+void ServerMetrics::RecordBatch(const std::string& model, const std::vector<WorkItem*>& batch,
+                                double seconds) {
+  const prometheus::Labels labels{{"model", model}};
+  auto& queue = queue_.Add(labels, LatencyBuckets());
+  int64_t tokens = 0;
+  for (const WorkItem* item : batch) {
+    queue.Observe(item->queue_seconds);
+    tokens += item->tokens();
+  }
+  compute_.Add(labels, LatencyBuckets()).Observe(seconds);
+  batch_size_.Add(labels, BatchBuckets()).Observe(static_cast<double>(batch.size()));
+  batch_tokens_.Add(labels, TokenBuckets()).Observe(static_cast<double>(tokens));
+  // The engine packs every request's rows with no padding rows at all.
+  padding_.Add(labels).Set(0);
+}
+
+void ServerMetrics::RecordRejection(const std::string& model, const char* reason) {
+  rejections_.Add({{"model", model}, {"reason", reason}}).Increment();
 }
 
 void ServerMetrics::AddModelInfo(const ModelSpec& s) {

@@ -8,6 +8,7 @@
 
 #include <string>
 
+#include "server/batcher.h"
 #include "server/types.h"
 
 namespace attnserve {
@@ -24,9 +25,11 @@ class ServerMetrics {
                      double seconds);
   /// Requests accepted and not yet answered, by method.
   void AddInFlight(const std::string& method, double delta);
-  /// Time from acceptance to compute start, and compute time, of one computed request.
-  void RecordCompute(const std::string& model, double queue_seconds, double compute_seconds,
-                     int batch_size);
+  /// One computed batch: its size in requests and tokens, compute time, padding (none: packed),
+  /// and each request's queue wait.
+  void RecordBatch(const std::string& model, const std::vector<WorkItem*>& batch, double seconds);
+  /// A request refused or dropped before compute; reason: queue_full, draining, deadline, cancelled.
+  void RecordRejection(const std::string& model, const char* reason);
   /// Sets attnserve_model_info{...} 1 for a loaded model.
   void AddModelInfo(const ModelSpec& spec);
 
@@ -37,6 +40,9 @@ class ServerMetrics {
   prometheus::Family<prometheus::Histogram>& queue_;
   prometheus::Family<prometheus::Histogram>& compute_;
   prometheus::Family<prometheus::Histogram>& batch_size_;
+  prometheus::Family<prometheus::Histogram>& batch_tokens_;
+  prometheus::Family<prometheus::Gauge>& padding_;
+  prometheus::Family<prometheus::Counter>& rejections_;
   prometheus::Family<prometheus::Gauge>& model_info_;
 };
 

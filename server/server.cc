@@ -11,7 +11,6 @@
 #include "server/attention_service.h"
 #include "server/engine/model_loader.h"
 #include "server/metrics.h"
-#include "server/work_queue.h"
 
 namespace attnserve {
 
@@ -24,7 +23,7 @@ struct Server::Impl {
   std::shared_ptr<prometheus::Registry> registry = std::make_shared<prometheus::Registry>();
   std::unique_ptr<ServerMetrics> metrics;
   std::unique_ptr<prometheus::Exposer> exposer;
-  std::unique_ptr<WorkQueue> queue;
+  std::unique_ptr<Batcher> batcher;
   std::unique_ptr<AttentionServiceImpl> service;
   std::unique_ptr<grpc::Server> grpc_server;
   int port = 0;
@@ -39,7 +38,7 @@ StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   const auto fail = [](const std::string& m) { return Status(StatusCode::kFailedPrecondition, m); };
-  if (options.workers < 1) return fail("--workers must be >= 1");
+  RETURN_IF_ERROR(options.batcher.Validate());
 
   std::vector<ModelWeights> weights;
   if (options.models_dir.empty()) {
@@ -68,11 +67,17 @@ StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
     impl->metrics_port = ports.empty() ? 0 : ports.front();
   }
 
-  WorkQueueOptions queue_options;
-  queue_options.workers = options.workers;
-  queue_options.max_queue_size = options.max_queue_size;
-  impl->queue = std::make_unique<WorkQueue>(queue_options);
-  impl->service = std::make_unique<AttentionServiceImpl>(impl->models, *impl->queue,
+  BatcherOptions batcher_options = options.batcher;
+  ServerMetrics* metrics = impl->metrics.get();
+  batcher_options.on_batch = [metrics](const std::string& model,
+                                       const std::vector<WorkItem*>& batch, double seconds) {
+    metrics->RecordBatch(model, batch, seconds);
+  };
+  batcher_options.on_reject = [metrics](const std::string& model, const char* reason) {
+    metrics->RecordRejection(model, reason);
+  };
+  impl->batcher = std::make_unique<Batcher>(std::move(batcher_options));
+  impl->service = std::make_unique<AttentionServiceImpl>(impl->models, *impl->batcher,
                                                          *impl->metrics, options.limits);
 
   grpc::EnableDefaultHealthCheckService(true);
@@ -112,8 +117,12 @@ std::string Server::Describe() const {
                                 0, impl_->options.metrics_address.rfind(':')) +
                             ":" + std::to_string(impl_->metrics_port) + "/metrics"
                       : ", metrics off";
-  s += ", device " + impl_->options.device + ", " + std::to_string(impl_->options.workers) +
-       " workers, " + EngineDescription();
+  const BatcherOptions& b = impl_->options.batcher;
+  s += ", device " + impl_->options.device + ", " + std::to_string(b.workers) + " workers, batching " +
+       (b.enabled ? std::to_string(b.max_batch_tokens) + " tokens/" +
+                        std::to_string(b.max_queue_delay.count()) + " us"
+                  : std::string("off")) +
+       ", " + EngineDescription();
   return s;
 }
 
@@ -124,7 +133,7 @@ void Server::Shutdown() {
     const auto grace = std::chrono::duration_cast<std::chrono::system_clock::duration>(
         std::chrono::duration<double>(impl_->options.shutdown_grace_seconds));
     impl_->grpc_server->Shutdown(std::chrono::system_clock::now() + grace);
-    impl_->queue->Drain();
+    impl_->batcher->Drain();
     impl_->grpc_server->Wait();
     impl_->exposer.reset();
     impl_->models.clear();

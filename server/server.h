@@ -3,6 +3,7 @@
 #include <memory>
 #include <string>
 
+#include "server/batcher.h"
 #include "server/status.h"
 #include "server/types.h"
 
@@ -14,8 +15,7 @@ struct ServerOptions {
   std::string metrics_address = "127.0.0.1:9464";   ///< /metrics listen address; "" disables.
   std::string models_dir;                           ///< "" serves the built-in demo model.
   std::string device = "cpu";
-  int workers = 2;                                  ///< Compute threads.
-  size_t max_queue_size = 1024;                     ///< Requests waiting for compute.
+  BatcherOptions batcher;                           ///< Batching, queue and compute threads.
   int max_message_bytes = 64 << 20;                 ///< gRPC send/receive limit.
   AttendLimits limits;
   double shutdown_grace_seconds = 30;               ///< In-flight requests get this long to finish.

@@ -28,6 +28,14 @@ class AttentionModel {
   /// Computes nn.MultiheadAttention's forward for a call that passed Validate. Output dtype is the
   /// query's. Never throws: engine failures come back as INTERNAL or RESOURCE_EXHAUSTED.
   virtual Status Forward(const AttendCall& call, AttendOutputs* out) const = 0;
+  /// Computes several calls together (same query dtype and weights mode), one Status each. The
+  /// default runs them one by one; engines override it to share work across the batch.
+  virtual std::vector<Status> ForwardBatch(const std::vector<const AttendCall*>& calls,
+                                           const std::vector<AttendOutputs*>& outs) const {
+    std::vector<Status> statuses;
+    for (size_t i = 0; i < calls.size(); ++i) statuses.push_back(Forward(*calls[i], outs[i]));
+    return statuses;
+  }
 };
 
 /// Device and precision for the LibTorch engine.

@@ -72,9 +72,37 @@ class TorchModel final : public AttentionModel {
   const ModelSpec& spec() const override { return spec_; }
 
   Status Forward(const AttendCall& call, AttendOutputs* out) const override {
+    return Guarded([&] {
+      const Rows r = Project(call);
+      Attended a = AttendRows(call, r.q, r.k, r.v, at::Tensor());
+      WriteOutput(call, a, at::Tensor(), out);
+    });
+  }
+
+  std::vector<Status> ForwardBatch(const std::vector<const AttendCall*>& calls,
+                                   const std::vector<AttendOutputs*>& outs) const override {
+    if (calls.size() == 1) return {Forward(*calls[0], outs[0])};
+    const Status st = Guarded([&] { ForwardPacked(calls, outs); });
+    return std::vector<Status>(calls.size(), st);
+  }
+
+ private:
+  // One call's projected rows, in the wire's row order: q [B*Lq, E], k and v [B*Lk, E].
+  struct Rows {
+    at::Tensor q, k, v;
+  };
+  // One call's attention result before the output projection.
+  struct Attended {
+    at::Tensor merged;   // [B*Lq, E] in the wire's row order (undefined when written to a dst)
+    at::Tensor weights;  // [B, H, Lq, S] when requested
+    at::Tensor dead;     // [B*Lq, 1] bool: query masked in every head (undefined: none)
+  };
+
+  template <typename F>
+  Status Guarded(F&& f) const {
     try {
       c10::InferenceMode guard;
-      ForwardImpl(call, out);
+      f();
       return Status::Ok();
     } catch (const c10::Error& e) {
       const std::string what = e.what_without_backtrace();
@@ -87,15 +115,92 @@ class TorchModel final : public AttentionModel {
     }
   }
 
- private:
-  // [batch, len, feat] (batch-first) or [len, batch, feat] (sequence-first) on the compute device.
-  at::Tensor Input(const AttendCall& call, const TensorView& v) const {
-    at::Tensor t = Wrap(v);
-    if (!call.batched) t = t.unsqueeze(0);  // Unbatched is batch-first with batch 1.
-    return t.to(device_, dtype_);           // A no-op for float32 on CPU.
+  // The wire bytes as [rows, features] on the compute device, without a copy where possible.
+  at::Tensor InputRows(const TensorView& v) const {
+    return Wrap(v).view({-1, v.shape.back()}).to(device_, dtype_);
   }
 
-  // [B, L, E] or [L, B, E] -> [B, H, L, D] (a view).
+  Rows Project(const AttendCall& call) const {
+    const at::Tensor q_in = InputRows(call.query);
+    if (call.self_attention() && packed_) {
+      auto qkv = at::linear(q_in, w_in_, b_in_).chunk(3, -1);
+      return {qkv[0], qkv[1], qkv[2]};
+    }
+    const at::Tensor k_in = call.self_attention() ? q_in : InputRows(*call.key);
+    const at::Tensor v_in = call.self_attention() ? q_in : InputRows(*call.value);
+    return {at::linear(q_in, w_q_, b_q_), at::linear(k_in, w_k_, b_k_), at::linear(v_in, w_v_, b_v_)};
+  }
+
+  // Packs every call's rows into one matrix per projection (no padding rows), runs attention per
+  // call over views of them, projects all outputs in one GEMM and splits the rows into responses.
+  void ForwardPacked(const std::vector<const AttendCall*>& calls,
+                     const std::vector<AttendOutputs*>& outs) const {
+    const int64_t e = spec_.embed_dim;
+    const auto opts = at::TensorOptions().device(device_).dtype(dtype_);
+    // Self-attention calls first (their q, k, v come from one packed [rows, 3E] GEMM), then cross.
+    std::vector<size_t> order;
+    for (size_t i = 0; i < calls.size(); ++i)
+      if (calls[i]->self_attention()) order.push_back(i);
+    const size_t n_self = order.size();
+    for (size_t i = 0; i < calls.size(); ++i)
+      if (!calls[i]->self_attention()) order.push_back(i);
+    std::vector<int64_t> q_off(calls.size()), k_off(calls.size());
+    int64_t q_rows = 0, self_rows = 0, k_rows = 0;
+    for (size_t j = 0; j < order.size(); ++j) {
+      const AttendCall& c = *calls[order[j]];
+      q_off[order[j]] = q_rows;
+      q_rows += c.batch * c.query_len;
+      if (j + 1 == n_self) self_rows = q_rows;
+      if (!c.self_attention()) {
+        k_off[order[j]] = k_rows;
+        k_rows += c.batch * c.key_len;
+      }
+    }
+    at::Tensor x = at::empty({q_rows, e}, opts);
+    at::Tensor kx = k_rows ? at::empty({k_rows, spec_.kdim}, opts) : at::Tensor();
+    at::Tensor vx = k_rows ? at::empty({k_rows, spec_.vdim}, opts) : at::Tensor();
+    for (size_t i = 0; i < calls.size(); ++i) {
+      const AttendCall& c = *calls[i];
+      x.narrow(0, q_off[i], c.batch * c.query_len).copy_(Wrap(c.query).view({-1, e}));
+      if (!c.self_attention()) {
+        kx.narrow(0, k_off[i], c.batch * c.key_len).copy_(Wrap(*c.key).view({-1, spec_.kdim}));
+        vx.narrow(0, k_off[i], c.batch * c.key_len).copy_(Wrap(*c.value).view({-1, spec_.vdim}));
+      }
+    }
+    std::vector<at::Tensor> qkv_self;
+    if (self_rows) qkv_self = at::linear(x.narrow(0, 0, self_rows), w_in_, b_in_).chunk(3, -1);
+    at::Tensor q_cross, k_cross, v_cross;
+    if (self_rows < q_rows) {
+      q_cross = at::linear(x.narrow(0, self_rows, q_rows - self_rows), w_q_, b_q_);
+      k_cross = at::linear(kx, w_k_, b_k_);
+      v_cross = at::linear(vx, w_v_, b_v_);
+    }
+    at::Tensor merged = at::empty({q_rows, e}, opts);
+    std::vector<Attended> attended(calls.size());
+    for (size_t i = 0; i < calls.size(); ++i) {
+      const AttendCall& c = *calls[i];
+      const int64_t rq = c.batch * c.query_len;
+      at::Tensor q, k, v;
+      if (c.self_attention()) {
+        q = qkv_self[0].narrow(0, q_off[i], rq);
+        k = qkv_self[1].narrow(0, q_off[i], rq);
+        v = qkv_self[2].narrow(0, q_off[i], rq);
+      } else {
+        const int64_t rk = c.batch * c.key_len;
+        q = q_cross.narrow(0, q_off[i] - self_rows, rq);
+        k = k_cross.narrow(0, k_off[i], rk);
+        v = v_cross.narrow(0, k_off[i], rk);
+      }
+      attended[i] = AttendRows(c, q, k, v, merged.narrow(0, q_off[i], rq));
+    }
+    const at::Tensor y = b_out_.defined() ? at::addmm(b_out_, merged, w_out_t_) : at::mm(merged, w_out_t_);
+    for (size_t i = 0; i < calls.size(); ++i) {
+      const AttendCall& c = *calls[i];
+      WriteOutput(c, attended[i], y.narrow(0, q_off[i], c.batch * c.query_len), outs[i]);
+    }
+  }
+
+  // [B*L, E] rows in the wire's order -> [B, H, L, D] (a view).
   at::Tensor SplitHeads(const at::Tensor& x, bool batch_first, int64_t b, int64_t len) const {
     const int64_t h = spec_.num_heads, d = spec_.head_dim();
     return batch_first ? x.view({b, len, h, d}).transpose(1, 2)
@@ -112,32 +217,19 @@ class TorchModel final : public AttentionModel {
     return m.to(dtype_);
   }
 
-  void ForwardImpl(const AttendCall& call, AttendOutputs* out) const {
+  // Attention of one call over its projected rows. The merged heads go to `dst` ([B*Lq, E] rows)
+  // when it is defined, else to Attended::merged.
+  Attended AttendRows(const AttendCall& call, const at::Tensor& q, const at::Tensor& k,
+                      const at::Tensor& v, const at::Tensor& dst) const {
     const int64_t b = call.batch, lq = call.query_len, lk = call.key_len;
     const int64_t e = spec_.embed_dim, h = spec_.num_heads, d = spec_.head_dim();
     const int64_t extra = spec_.extra_keys();
     const bool batch_first = call.layout == TensorLayout::kBatchFirst || !call.batched;
-
-    // 1. Projections, in the wire layout (no transpose copies).
-    at::Tensor q, k, v;
-    const at::Tensor q_in = Input(call, call.query);
-    if (call.self_attention() && packed_) {
-      auto qkv = at::linear(q_in, w_in_, b_in_).chunk(3, -1);
-      q = qkv[0];
-      k = qkv[1];
-      v = qkv[2];
-    } else {
-      const at::Tensor k_in = call.self_attention() ? q_in : Input(call, *call.key);
-      const at::Tensor v_in = call.self_attention() ? q_in : Input(call, *call.value);
-      q = at::linear(q_in, w_q_, b_q_);
-      k = at::linear(k_in, w_k_, b_k_);
-      v = at::linear(v_in, w_v_, b_v_);
-    }
     at::Tensor qh = SplitHeads(q, batch_first, b, lq);
     at::Tensor kh = SplitHeads(k, batch_first, b, lk);
     at::Tensor vh = SplitHeads(v, batch_first, b, lk);
 
-    // 2. bias_k/bias_v, then the zero key/value, appended along the key sequence.
+    // bias_k/bias_v, then the zero key/value, appended along the key sequence.
     if (bias_k_.defined()) {
       kh = at::cat({kh, bias_k_.view({1, h, 1, d}).expand({b, h, 1, d})}, 2);
       vh = at::cat({vh, bias_v_.view({1, h, 1, d}).expand({b, h, 1, d})}, 2);
@@ -147,7 +239,7 @@ class TorchModel final : public AttentionModel {
       vh = at::cat({vh, at::zeros({b, h, 1, d}, vh.options())}, 2);
     }
 
-    // 3. One additive mask, broadcastable to [B, H, Lq, S]; the appended keys are never masked.
+    // One additive mask, broadcastable to [B, H, Lq, S]; the appended keys are never masked.
     at::Tensor mask;
     auto add = [&mask](const at::Tensor& m) { mask = mask.defined() ? mask + m : m; };
     if (call.attn_mask) {
@@ -160,7 +252,8 @@ class TorchModel final : public AttentionModel {
     // The fused kernel applies a plain causal mask by itself; anything more needs it spelled out.
     const bool fused_causal = fused && call.is_causal && !mask.defined() && extra == 0;
     if (call.is_causal && !fused_causal) {
-      const at::Tensor upper = at::ones({lq, lk}, at::TensorOptions().dtype(at::kBool).device(device_)).triu(1);
+      const at::Tensor upper =
+          at::ones({lq, lk}, at::TensorOptions().dtype(at::kBool).device(device_)).triu(1);
       add(at::zeros({1, 1, lq, lk}, qh.options())
               .masked_fill_(upper.view({1, 1, lq, lk}), -std::numeric_limits<double>::infinity()));
     }
@@ -174,49 +267,64 @@ class TorchModel final : public AttentionModel {
       any_dead = dead.any().item<bool>();
     }
 
-    // 4. Attention per head: [B, H, Lq, D].
-    at::Tensor attn, weights;
+    Attended result;
+    at::Tensor attn;  // [B, H, Lq, D]
     if (fused) {
       attn = compat::FusedSdpa(qh, kh, vh, mask, fused_causal);
+      if (any_dead) attn = attn.masked_fill(dead, 0);
     } else {
-      at::Tensor scores = at::matmul(qh * (1.0 / std::sqrt(static_cast<double>(d))), kh.transpose(-2, -1));
+      at::Tensor scores =
+          at::matmul(qh * (1.0 / std::sqrt(static_cast<double>(d))), kh.transpose(-2, -1));
       if (mask.defined()) scores.add_(mask);
-      weights = at::softmax(scores, -1);
-      if (any_dead) weights.masked_fill_(dead, 0);
-      attn = at::matmul(weights, vh);
+      result.weights = at::softmax(scores, -1);
+      if (any_dead) result.weights.masked_fill_(dead, 0);
+      attn = at::matmul(result.weights, vh);
     }
-    if (any_dead && fused) attn.masked_fill_(dead, 0);
+    // Merge heads in the wire's row order.
+    const at::Tensor heads_last = batch_first ? attn.transpose(1, 2) : attn.permute({2, 0, 1, 3});
+    if (dst.defined()) {
+      dst.view(heads_last.sizes()).copy_(heads_last);
+    } else {
+      result.merged = heads_last.reshape({b * lq, e});
+    }
+    if (any_dead) {
+      // A query masked in every head gets a zero output row (not the output bias).
+      at::Tensor rows = dead.squeeze(-1).all(1).expand({b, lq});  // [B, Lq]
+      if (!batch_first) rows = rows.t();
+      result.dead = rows.reshape({b * lq, 1}).to(at::kCPU);
+    }
+    return result;
+  }
 
-    // 5. Merge heads in the output's row order, then project straight into the response bytes.
-    const at::Tensor merged = batch_first ? attn.transpose(1, 2).reshape({b * lq, e})
-                                          : attn.permute({2, 0, 1, 3}).reshape({lq * b, e});
+  // Writes one call's output (and weights) into its response bytes. `y` holds the projected rows
+  // when the caller projected a whole batch; otherwise the projection writes straight into the
+  // response.
+  void WriteOutput(const AttendCall& call, const Attended& a, const at::Tensor& y,
+                   AttendOutputs* out) const {
+    const int64_t b = call.batch, lq = call.query_len, e = spec_.embed_dim;
+    const bool batch_first = call.layout == TensorLayout::kBatchFirst || !call.batched;
     const DType out_dtype = call.query.dtype;
     out->output->resize(static_cast<size_t>(b * lq * e) * DTypeSize(out_dtype));
     at::Tensor dst = at::from_blob(out->output->data(), {b * lq, e}, ToScalarType(out_dtype));
-    if (device_.is_cpu() && dst.scalar_type() == dtype_) {
+    if (y.defined()) {
+      dst.copy_(y);
+    } else if (device_.is_cpu() && dst.scalar_type() == dtype_) {
       if (b_out_.defined()) {
-        at::addmm_out(dst, b_out_, merged, w_out_t_);
+        at::addmm_out(dst, b_out_, a.merged, w_out_t_);
       } else {
-        at::mm_out(dst, merged, w_out_t_);
+        at::mm_out(dst, a.merged, w_out_t_);
       }
     } else {
-      dst.copy_(b_out_.defined() ? at::addmm(b_out_, merged, w_out_t_) : at::mm(merged, w_out_t_));
+      dst.copy_(b_out_.defined() ? at::addmm(b_out_, a.merged, w_out_t_) : at::mm(a.merged, w_out_t_));
     }
-    if (any_dead) {
-      // A query masked in every head gets a zero row (not the output bias).
-      at::Tensor rows = dead.squeeze(-1).all(1).expand({b, lq});  // [B, Lq]
-      if (!batch_first) rows = rows.t();
-      dst.masked_fill_(rows.reshape({b * lq, 1}).to(at::kCPU), 0);
-    }
+    if (a.dead.defined()) dst.masked_fill_(a.dead, 0);
     if (!call.batched) {
       out->output_shape = {lq, e};
     } else {
       out->output_shape = batch_first ? std::vector<int64_t>{b, lq, e} : std::vector<int64_t>{lq, b, e};
     }
-
-    // 6. Attention weights, when asked for.
-    if (want_weights) {
-      at::Tensor w = call.weights == WeightsMode::kAveraged ? weights.mean(1) : weights;
+    if (call.weights != WeightsMode::kNone) {
+      at::Tensor w = call.weights == WeightsMode::kAveraged ? a.weights.mean(1) : a.weights;
       if (!call.batched) w = w.squeeze(0);
       out->weights_shape = w.sizes().vec();
       out->weights->resize(static_cast<size_t>(w.numel()) * DTypeSize(out_dtype));

@@ -19,7 +19,7 @@
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "server/grpc_status.h"
 #include "server/server.h"
-#include "server/work_queue.h"
+#include "server/batcher.h"
 
 namespace attnserve {
 namespace {
@@ -68,7 +68,7 @@ class ServerTest : public ::testing::Test {
     ServerOptions o;
     o.address = "127.0.0.1:0";
     o.metrics_address = "127.0.0.1:0";
-    o.workers = 2;
+    o.batcher.workers = 2;
     auto s = Server::Start(o);
     ASSERT_TRUE(s.ok()) << s.status().message();
     server_ = std::move(s).value().release();
@@ -276,68 +276,6 @@ TEST_F(ServerTest, MetricsMoveAfterRequests) {
   EXPECT_EQ(last, Sample(after, ok_count));
 }
 
-// A model whose Forward waits for a gate: drives the queue deterministically.
-class GatedModel : public AttentionModel {
- public:
-  const ModelSpec& spec() const override { return spec_; }
-  Status Forward(const AttendCall&, AttendOutputs*) const override {
-    ++started;
-    gate.wait();
-    return result;
-  }
-  ModelSpec spec_;
-  mutable std::atomic<int> started{0};
-  std::shared_future<void> gate;
-  Status result;
-};
-
-std::unique_ptr<WorkItem> Item(const AttentionModel* m, std::vector<Status>* log, std::mutex* mu) {
-  auto item = std::make_unique<WorkItem>();
-  item->model = m;
-  item->accepted = SteadyClock::now();
-  item->done = [log, mu](const Status& s, const WorkItem&) {
-    std::lock_guard<std::mutex> lock(*mu);
-    log->push_back(s);
-  };
-  return item;
-}
-
-TEST(WorkQueueTest, RefusesWhenFullDropsExpiredAndCancelledAndDrains) {
-  std::promise<void> open;
-  GatedModel model;
-  model.gate = open.get_future().share();
-  model.result = Internal("engine broke");
-  std::vector<Status> log;
-  std::mutex mu;
-  WorkQueue queue(WorkQueueOptions{1, 3});
-  queue.Submit(Item(&model, &log, &mu));  // Taken by the single worker, held at the gate.
-  while (model.started == 0) std::this_thread::yield();
-  auto expired = Item(&model, &log, &mu);
-  expired->deadline = SteadyClock::now();
-  queue.Submit(std::move(expired));
-  auto cancelled = Item(&model, &log, &mu);
-  cancelled->cancelled = [] { return true; };
-  queue.Submit(std::move(cancelled));
-  queue.Submit(Item(&model, &log, &mu));
-  queue.Submit(Item(&model, &log, &mu));  // Queue holds 3: this one is refused at once.
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    ASSERT_EQ(log.size(), 1u);
-    EXPECT_EQ(log[0].code(), StatusCode::kResourceExhausted);
-    EXPECT_THAT(log[0].message(), HasSubstr("queue full"));
-  }
-  open.set_value();
-  queue.Drain();
-  queue.Submit(Item(&model, &log, &mu));
-  ASSERT_EQ(log.size(), 6u);
-  EXPECT_EQ(log[1].code(), StatusCode::kInternal);          // The gated one.
-  EXPECT_EQ(log[2].code(), StatusCode::kDeadlineExceeded);  // Dropped before compute.
-  EXPECT_EQ(log[3].code(), StatusCode::kCancelled);
-  EXPECT_EQ(log[4].code(), StatusCode::kInternal);          // Queued before Drain: still run.
-  EXPECT_EQ(log[5].code(), StatusCode::kUnavailable);       // After Drain.
-  EXPECT_EQ(model.started, 2);
-}
-
 TEST(GrpcStatusTest, OneMappingForEveryCode) {
   const std::pair<StatusCode, grpc::StatusCode> table[] = {
       {StatusCode::kOk, grpc::StatusCode::OK},
@@ -361,8 +299,9 @@ TEST(ServerLoadTest, OverloadIsRefusedQuicklyAndExpiredRequestsAreDropped) {
   ServerOptions o;
   o.address = "127.0.0.1:0";
   o.metrics_address = "127.0.0.1:0";
-  o.workers = 1;
-  o.max_queue_size = 2;
+  o.batcher.workers = 1;
+  o.batcher.max_queue_size = 2;
+  o.batcher.enabled = false;  // One request per batch: the queue fills.
   auto server = Server::Start(o);
   ASSERT_TRUE(server.ok()) << server.status().message();
   ClientOptions co;
@@ -415,7 +354,7 @@ TEST(ServerShutdownTest, InFlightRequestsFinishOnShutdown) {
   ServerOptions o;
   o.address = "127.0.0.1:0";
   o.metrics_address = "";
-  o.workers = 1;
+  o.batcher.workers = 1;
   auto server = Server::Start(o);
   ASSERT_TRUE(server.ok());
   ClientOptions co;

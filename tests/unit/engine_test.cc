@@ -406,3 +406,88 @@ TEST(EngineTest, DeviceFlagIsCheckedAtCreation) {
 
 }  // namespace
 }  // namespace attnserve
+
+namespace attnserve {
+namespace {
+
+// Packed batches (ragged, no padding) must answer exactly what each request gets alone.
+// Tolerance: max abs difference <= 1e-5 * max |output| (the GEMMs block differently).
+TEST(EngineBatchTest, PackedBatchEqualsOneByOne) {
+  std::mt19937 rng(123);
+  ModelWeights w;
+  w.spec.name = "b";
+  w.spec.embed_dim = w.spec.kdim = w.spec.vdim = 32;
+  w.spec.num_heads = 4;
+  w.spec.bias = true;
+  for (HostTensor* t : {&w.q_proj, &w.k_proj, &w.v_proj, &w.out_proj}) *t = RandomHost(rng, {32, 32}, 0.2f);
+  w.in_proj_bias = RandomHost(rng, {96}, 0.5f);
+  w.out_proj_bias = RandomHost(rng, {32}, 0.5f);
+  auto model = CreateTorchModel(w, EngineOptions{});
+  ASSERT_TRUE(model.ok());
+
+  struct Req {
+    std::vector<testing::Buffer> bufs;
+    AttendCall call;
+  };
+  std::vector<Req> reqs(6);
+  auto floats = [&](std::vector<int64_t> shape) {
+    return testing::Floats(shape, testing::RandomFloats(rng, testing::Numel(shape)));
+  };
+  for (auto& r : reqs) r.bufs.reserve(4);
+  // Mixed lengths, self and cross, sequence-first, unbatched, masks, causal.
+  reqs[0].bufs.push_back(floats({2, 7, 32}));
+  reqs[1].bufs.push_back(floats({1, 3, 32}));
+  reqs[1].bufs.push_back(floats({1, 11, 32}));
+  reqs[1].bufs.push_back(floats({1, 11, 32}));
+  reqs[2].bufs.push_back(floats({5, 3, 32}));  // sequence-first [L=5, B=3, E]
+  reqs[3].bufs.push_back(floats({9, 32}));     // unbatched
+  reqs[4].bufs.push_back(floats({2, 6, 32}));
+  reqs[4].bufs.push_back(testing::Zeros({2, 6}, DType::kBool));
+  reqs[4].bufs.back().bytes[5] = 1;  // batch 0 pads its last key
+  reqs[5].bufs.push_back(floats({1, 4, 32}));
+  reqs[5].bufs.push_back(floats({1, 8, 32}));
+  reqs[5].bufs.push_back(floats({1, 8, 32}));
+  reqs[5].bufs.push_back(floats({4, 8}));      // float attn_mask
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    AttendCall& c = reqs[i].call;
+    c.query = reqs[i].bufs[0].view();
+    if (i == 1 || i == 5) {
+      c.key = reqs[i].bufs[1].view();
+      c.value = reqs[i].bufs[2].view();
+    }
+    if (i == 2) c.layout = TensorLayout::kSequenceFirst;
+    if (i == 3) c.is_causal = true;
+    if (i == 4) c.key_padding_mask = reqs[i].bufs[1].view();
+    if (i == 5) c.attn_mask = reqs[i].bufs[3].view();
+    ASSERT_TRUE(Validate(w.spec, {}, &c).ok()) << i << Validate(w.spec, {}, &c).message();
+  }
+  std::vector<std::string> alone(reqs.size()), together(reqs.size());
+  std::vector<AttendOutputs> outs_alone(reqs.size()), outs_together(reqs.size());
+  std::vector<const AttendCall*> calls;
+  std::vector<AttendOutputs*> outs;
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    outs_alone[i].output = &alone[i];
+    ASSERT_TRUE((*model)->Forward(reqs[i].call, &outs_alone[i]).ok());
+    outs_together[i].output = &together[i];
+    calls.push_back(&reqs[i].call);
+    outs.push_back(&outs_together[i]);
+  }
+  const std::vector<Status> statuses = (*model)->ForwardBatch(calls, outs);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    ASSERT_TRUE(statuses[i].ok()) << statuses[i].message();
+    ASSERT_EQ(outs_together[i].output_shape, outs_alone[i].output_shape) << i;
+    ASSERT_EQ(together[i].size(), alone[i].size());
+    const float* a = reinterpret_cast<const float*>(alone[i].data());
+    const float* b = reinterpret_cast<const float*>(together[i].data());
+    double scale = 0, err = 0;
+    for (size_t j = 0; j < alone[i].size() / 4; ++j) {
+      scale = std::max(scale, std::fabs(static_cast<double>(a[j])));
+      err = std::max(err, std::fabs(static_cast<double>(a[j]) - b[j]));
+    }
+    EXPECT_GT(scale, 0.1);
+    EXPECT_LE(err, 1e-5 * scale) << "request " << i;
+  }
+}
+
+}  // namespace
+}  // namespace attnserve

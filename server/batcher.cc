@@ -1,0 +1,228 @@
+#include "server/batcher.h"
+
+#include <algorithm>
+
+namespace attnserve {
+namespace {
+
+double Seconds(SteadyClock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+bool Compatible(const WorkItem& a, const WorkItem& b) {
+  return a.call.query.dtype == b.call.query.dtype && a.call.weights == b.call.weights;
+}
+
+}  // namespace
+
+int64_t WorkItem::tokens() const {
+  return call.batch * (call.query_len + (call.self_attention() ? 0 : call.key_len));
+}
+
+int64_t WorkItem::attention_cost() const { return call.batch * call.query_len * call.key_len; }
+
+Status BatcherOptions::Validate() const {
+  const auto fail = [](const std::string& m) { return Status(StatusCode::kFailedPrecondition, m); };
+  if (max_batch_tokens < 1) return fail("--max-batch-tokens must be >= 1");
+  if (max_batch_attention < 1) return fail("--max-batch-attention must be >= 1");
+  if (max_queue_delay.count() < 0) return fail("--max-queue-delay-us must be >= 0");
+  if (max_queue_size < 1) return fail("--max-queue-size must be >= 1");
+  if (workers < 1) return fail("--workers must be >= 1");
+  return Status::Ok();
+}
+
+// ---- BatchQueue ---------------------------------------------------------------------------------
+
+void BatchQueue::DropDead(SteadyClock::time_point now, Dropped* dropped) {
+  std::deque<std::unique_ptr<WorkItem>> alive;
+  for (auto& item : items_) {
+    // The deadline first: gRPC also marks a call whose deadline passed as cancelled.
+    if (now >= item->deadline) {
+      const std::string waited = std::to_string(Seconds(now - item->accepted));
+      dropped->emplace_back(std::move(item),
+                            Status(StatusCode::kDeadlineExceeded,
+                                   "deadline passed after " + waited +
+                                       " s in the queue, before compute started"));
+    } else if (item->cancelled && item->cancelled()) {
+      dropped->emplace_back(std::move(item),
+                            Status(StatusCode::kCancelled, "cancelled by the client before compute"));
+    } else {
+      alive.push_back(std::move(item));
+    }
+  }
+  items_.swap(alive);
+}
+
+std::unique_ptr<WorkItem> BatchQueue::Add(std::unique_ptr<WorkItem> item,
+                                          SteadyClock::time_point now, Dropped* dropped) {
+  if (items_.size() >= options_->max_queue_size) DropDead(now, dropped);  // Frees their places.
+  if (items_.size() >= options_->max_queue_size) return item;
+  items_.push_back(std::move(item));
+  return nullptr;
+}
+
+bool BatchQueue::BudgetFull() const {
+  const WorkItem& first = *items_.front();
+  int64_t tokens = 0, cost = 0;
+  for (const auto& item : items_) {
+    if (!Compatible(first, *item)) continue;
+    tokens += item->tokens();
+    cost += item->attention_cost();
+    if (tokens >= options_->max_batch_tokens || cost >= options_->max_batch_attention) return true;
+  }
+  return false;
+}
+
+bool BatchQueue::Ready(SteadyClock::time_point now, SteadyClock::time_point* wake) const {
+  *wake = SteadyClock::time_point::max();
+  if (items_.empty()) return false;
+  if (!options_->enabled || BudgetFull()) return true;
+  const auto due = items_.front()->accepted + options_->max_queue_delay;
+  if (now >= due) return true;
+  *wake = due;
+  return false;
+}
+
+std::vector<std::unique_ptr<WorkItem>> BatchQueue::Take(SteadyClock::time_point now,
+                                                        Dropped* dropped) {
+  DropDead(now, dropped);
+  std::vector<std::unique_ptr<WorkItem>> batch;
+  if (items_.empty()) return batch;
+  batch.push_back(std::move(items_.front()));
+  items_.pop_front();
+  if (!options_->enabled) return batch;
+  int64_t tokens = batch[0]->tokens(), cost = batch[0]->attention_cost();
+  std::deque<std::unique_ptr<WorkItem>> rest;
+  for (auto& item : items_) {
+    const bool fits = tokens + item->tokens() <= options_->max_batch_tokens &&
+                      cost + item->attention_cost() <= options_->max_batch_attention;
+    if (item && fits && Compatible(*batch[0], *item)) {
+      tokens += item->tokens();
+      cost += item->attention_cost();
+      batch.push_back(std::move(item));
+    } else {
+      rest.push_back(std::move(item));
+    }
+  }
+  items_.swap(rest);
+  return batch;
+}
+
+// ---- Batcher ------------------------------------------------------------------------------------
+
+Batcher::Batcher(BatcherOptions options) : options_(std::move(options)) {
+  for (int i = 0; i < options_.workers; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+}
+
+Batcher::~Batcher() { Drain(); }
+
+void Batcher::Finish(Dropped* dropped) {
+  for (auto& [item, status] : *dropped) {
+    if (options_.on_reject) {
+      options_.on_reject(item->model->spec().name,
+                         status.code() == StatusCode::kDeadlineExceeded ? "deadline" : "cancelled");
+    }
+    item->queue_seconds = Seconds(SteadyClock::now() - item->accepted);
+    item->done(status, *item);
+  }
+  dropped->clear();
+}
+
+void Batcher::Submit(std::unique_ptr<WorkItem> item) {
+  Dropped dropped;
+  Status refused;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (draining_) {
+      refused = Status(StatusCode::kUnavailable, "server is shutting down; retry on another replica");
+    } else {
+      auto it = queues_.try_emplace(item->model, options_).first;
+      item = it->second.Add(std::move(item), SteadyClock::now(), &dropped);
+      if (item) {
+        refused = Status(StatusCode::kResourceExhausted,
+                         "queue full: " + std::to_string(it->second.size()) +
+                             " requests waiting (server flag --max-queue-size); retry later");
+      }
+    }
+  }
+  Finish(&dropped);
+  if (!refused.ok()) {
+    if (options_.on_reject) {
+      options_.on_reject(item->model->spec().name,
+                         refused.code() == StatusCode::kUnavailable ? "draining" : "queue_full");
+    }
+    item->done(refused, *item);
+    return;
+  }
+  cv_.notify_one();
+}
+
+void Batcher::Drain() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    draining_ = true;
+  }
+  cv_.notify_all();
+  for (auto& t : workers_) {
+    if (t.joinable()) t.join();
+  }
+}
+
+void Batcher::WorkerLoop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    const auto now = SteadyClock::now();
+    auto wake = SteadyClock::time_point::max();
+    BatchQueue* best = nullptr;
+    bool any = false;
+    for (auto& [model, queue] : queues_) {
+      if (queue.size() == 0) continue;
+      any = true;
+      SteadyClock::time_point w;
+      // While draining nothing waits for company.
+      if (queue.Ready(now, &w) || draining_) {
+        if (!best || queue.oldest() < best->oldest()) best = &queue;
+      } else {
+        wake = std::min(wake, w);
+      }
+    }
+    if (best) {
+      Dropped dropped;
+      auto batch = best->Take(now, &dropped);
+      if (best->size() > 0) cv_.notify_one();  // More may be ready for another worker.
+      lock.unlock();
+      Finish(&dropped);
+      if (!batch.empty()) Run(std::move(batch));
+      lock.lock();
+      continue;
+    }
+    if (draining_ && !any) return;
+    if (wake == SteadyClock::time_point::max()) {
+      cv_.wait(lock);
+    } else {
+      cv_.wait_until(lock, wake);
+    }
+  }
+}
+
+void Batcher::Run(std::vector<std::unique_ptr<WorkItem>> batch) {
+  const auto start = SteadyClock::now();
+  std::vector<const AttendCall*> calls;
+  std::vector<AttendOutputs*> outs;
+  for (auto& item : batch) {
+    item->queue_seconds = Seconds(start - item->accepted);
+    item->batch_size = static_cast<int>(batch.size());
+    calls.push_back(&item->call);
+    outs.push_back(&item->outputs);
+  }
+  const AttentionModel* model = batch[0]->model;
+  const std::vector<Status> statuses = model->ForwardBatch(calls, outs);
+  const double compute = Seconds(SteadyClock::now() - start);
+  std::vector<WorkItem*> raw;
+  for (auto& item : batch) {
+    item->compute_seconds = compute;
+    raw.push_back(item.get());
+  }
+  if (options_.on_batch) options_.on_batch(model->spec().name, raw, compute);
+  for (size_t i = 0; i < batch.size(); ++i) batch[i]->done(statuses[i], *batch[i]);
+}
+
+}  // namespace attnserve

@@ -1,0 +1,134 @@
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "server/engine/attention_model.h"
+#include "server/status.h"
+#include "server/types.h"
+
+namespace attnserve {
+
+using SteadyClock = std::chrono::steady_clock;
+
+/// One accepted request on its way to the engine. Owns nothing on the wire: `call` and `outputs`
+/// point into the RPC's request and response, which live until `done` has run.
+struct WorkItem {
+  const AttentionModel* model = nullptr;
+  AttendCall call;
+  AttendOutputs outputs;
+  SteadyClock::time_point accepted;
+  SteadyClock::time_point deadline = SteadyClock::time_point::max();
+  /// Polled while queued; true drops the item with CANCELLED.
+  std::function<bool()> cancelled;
+  /// Runs exactly once, on a worker thread (or the submitter's when refused), with the outcome.
+  std::function<void(const Status&, const WorkItem&)> done;
+
+  // Filled on completion.
+  double queue_seconds = 0;
+  double compute_seconds = 0;
+  int batch_size = 0;
+
+  /// Tokens this request brings to a batch: batch * (query_len + key_len).
+  int64_t tokens() const;
+  /// Attention scores it needs: batch * query_len * key_len (per head).
+  int64_t attention_cost() const;
+};
+
+/// Items dropped before compute, each with the reason (DEADLINE_EXCEEDED or CANCELLED).
+using Dropped = std::vector<std::pair<std::unique_ptr<WorkItem>, Status>>;
+
+/// How batches are formed. Defaults suit this 2-core machine (bench/RESULTS.md).
+struct BatcherOptions {
+  /// Most query + key tokens in one batch. A single larger request still runs, alone.
+  int64_t max_batch_tokens = 4096;
+  /// Most Σ batch·Lq·Lk in one batch (bounds the attention part).
+  int64_t max_batch_attention = int64_t{1} << 22;
+  /// How long the oldest request may wait for company before its batch closes anyway.
+  std::chrono::microseconds max_queue_delay{500};
+  /// Accepted, not yet started requests per model; beyond: RESOURCE_EXHAUSTED.
+  size_t max_queue_size = 1024;
+  /// false: every request is its own batch and none waits for company.
+  bool enabled = true;
+  /// Compute threads, shared by all models.
+  int workers = 2;
+  /// Called once per computed batch (for metrics), on the worker thread.
+  std::function<void(const std::string& model, const std::vector<WorkItem*>& batch,
+                     double compute_seconds)>
+      on_batch;
+  /// Called for each request refused or dropped before compute: reason is "queue_full",
+  /// "draining", "deadline" or "cancelled".
+  std::function<void(const std::string& model, const char* reason)> on_reject;
+
+  /// Checks the options: FAILED_PRECONDITION naming the flag at fault.
+  Status Validate() const;
+};
+
+/// The batch-forming rules for one model's queue, without threads or clocks of its own: every
+/// method takes `now`, so tests drive it deterministically. Not thread-safe.
+///
+/// Rules: requests leave in arrival order. A batch starts with the oldest request and takes each
+/// later one that is compatible with it (same wire dtype and same attention-weights mode) while the
+/// token and attention budgets hold; incompatible requests wait for a later batch. A batch is ready
+/// when the compatible requests fill the budget, or when the oldest has waited max_queue_delay.
+/// Expired and cancelled requests are dropped when a batch is taken and whenever the queue is full.
+class BatchQueue {
+ public:
+  explicit BatchQueue(const BatcherOptions& options) : options_(&options) {}
+
+  /// Adds an item; when the queue stays full after dropping dead items, returns the item (refused).
+  std::unique_ptr<WorkItem> Add(std::unique_ptr<WorkItem> item, SteadyClock::time_point now,
+                                Dropped* dropped);
+  /// True when a batch should be taken now; otherwise `*wake` is when one will be (max if empty).
+  bool Ready(SteadyClock::time_point now, SteadyClock::time_point* wake) const;
+  /// Takes the next batch (empty when nothing is queued). Dead items go to `dropped`.
+  std::vector<std::unique_ptr<WorkItem>> Take(SteadyClock::time_point now,
+                                              Dropped* dropped);
+  size_t size() const { return items_.size(); }
+  /// The oldest item's acceptance time (queue must not be empty).
+  SteadyClock::time_point oldest() const { return items_.front()->accepted; }
+
+ private:
+  void DropDead(SteadyClock::time_point now, Dropped* dropped);
+  bool BudgetFull() const;
+
+  const BatcherOptions* options_;
+  std::deque<std::unique_ptr<WorkItem>> items_;
+};
+
+/// Per-model BatchQueues served by a pool of compute threads. Thread-safe.
+class Batcher {
+ public:
+  explicit Batcher(BatcherOptions options);
+  ~Batcher();  ///< Drains.
+  Batcher(const Batcher&) = delete;
+  Batcher& operator=(const Batcher&) = delete;
+
+  /// Takes the item. When it is refused (queue full: RESOURCE_EXHAUSTED; draining: UNAVAILABLE)
+  /// its `done` runs before Submit returns.
+  void Submit(std::unique_ptr<WorkItem> item);
+
+  /// Stops accepting, computes everything queued, joins the workers. Idempotent.
+  void Drain();
+
+ private:
+  void WorkerLoop();
+  void Finish(Dropped* dropped);
+  void Run(std::vector<std::unique_ptr<WorkItem>> batch);
+
+  const BatcherOptions options_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<const AttentionModel*, BatchQueue> queues_;
+  bool draining_ = false;
+  std::vector<std::thread> workers_;
+};
+
+}  // namespace attnserve

@@ -1,0 +1,204 @@
+// Batch formation, driven deterministically: BatchQueue takes the clock as an argument, and a fake
+// engine records what the threaded Batcher hands it.
+#include "server/batcher.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <future>
+
+namespace attnserve {
+namespace {
+
+using namespace std::chrono_literals;
+using ::testing::ElementsAre;
+
+class FakeModel : public AttentionModel {
+ public:
+  FakeModel() { spec_.name = "fake"; }
+  const ModelSpec& spec() const override { return spec_; }
+  Status Forward(const AttendCall&, AttendOutputs*) const override { return Status::Ok(); }
+  std::vector<Status> ForwardBatch(const std::vector<const AttendCall*>& calls,
+                                   const std::vector<AttendOutputs*>&) const override {
+    std::lock_guard<std::mutex> lock(mu);
+    std::vector<int64_t> ids;
+    for (const AttendCall* c : calls) ids.push_back(c->query_len);  // query_len doubles as an id
+    batches.push_back(ids);
+    return std::vector<Status>(calls.size(), Status::Ok());
+  }
+  ModelSpec spec_;
+  mutable std::mutex mu;
+  mutable std::vector<std::vector<int64_t>> batches;
+};
+
+const SteadyClock::time_point kT0 = SteadyClock::time_point(1000s);
+
+// A self-attention item of `tokens` tokens (batch 1), id = query_len.
+std::unique_ptr<WorkItem> Item(const AttentionModel* m, int64_t tokens,
+                               SteadyClock::time_point accepted = kT0,
+                               DType dtype = DType::kFloat32,
+                               WeightsMode weights = WeightsMode::kNone) {
+  auto item = std::make_unique<WorkItem>();
+  item->model = m;
+  item->accepted = accepted;
+  item->call.batch = 1;
+  item->call.query_len = item->call.key_len = tokens;
+  item->call.query.dtype = dtype;
+  item->call.weights = weights;
+  item->done = [](const Status&, const WorkItem&) {};
+  return item;
+}
+
+std::vector<int64_t> Ids(const std::vector<std::unique_ptr<WorkItem>>& batch) {
+  std::vector<int64_t> ids;
+  for (const auto& i : batch) ids.push_back(i->call.query_len);
+  return ids;
+}
+
+class BatchQueueTest : public ::testing::Test {
+ protected:
+  BatchQueueTest() {
+    options_.max_batch_tokens = 100;
+    options_.max_queue_delay = 500us;
+    options_.max_queue_size = 4;
+  }
+  void Add(std::unique_ptr<WorkItem> item, SteadyClock::time_point now = kT0) {
+    ASSERT_EQ(queue_.Add(std::move(item), now, &dropped_), nullptr);
+  }
+  FakeModel model_;
+  BatcherOptions options_;
+  BatchQueue queue_{options_};
+  Dropped dropped_;
+};
+
+TEST_F(BatchQueueTest, FlushesPartialBatchAfterDelay) {
+  Add(Item(&model_, 10));
+  Add(Item(&model_, 20, kT0 + 100us), kT0 + 100us);
+  SteadyClock::time_point wake;
+  EXPECT_FALSE(queue_.Ready(kT0 + 499us, &wake));
+  EXPECT_EQ(wake, kT0 + 500us);
+  EXPECT_TRUE(queue_.Ready(kT0 + 500us, &wake));
+  EXPECT_THAT(Ids(queue_.Take(kT0 + 500us, &dropped_)), ElementsAre(10, 20));
+  EXPECT_EQ(queue_.size(), 0u);
+}
+
+TEST_F(BatchQueueTest, FlushesAsSoonAsTheTokenBudgetIsReached) {
+  Add(Item(&model_, 40));
+  Add(Item(&model_, 41));
+  SteadyClock::time_point wake;
+  EXPECT_FALSE(queue_.Ready(kT0, &wake));
+  Add(Item(&model_, 42));  // 123 tokens >= 100: ready before any delay.
+  EXPECT_TRUE(queue_.Ready(kT0, &wake));
+  EXPECT_THAT(Ids(queue_.Take(kT0, &dropped_)), ElementsAre(40, 41));  // 42 does not fit.
+  EXPECT_THAT(Ids(queue_.Take(kT0, &dropped_)), ElementsAre(42));
+}
+
+TEST_F(BatchQueueTest, AnOversizedRequestRunsAlone) {
+  Add(Item(&model_, 500));
+  Add(Item(&model_, 5));
+  SteadyClock::time_point wake;
+  EXPECT_TRUE(queue_.Ready(kT0, &wake));
+  EXPECT_THAT(Ids(queue_.Take(kT0, &dropped_)), ElementsAre(500));
+}
+
+TEST_F(BatchQueueTest, BoundsTheAttentionCost) {
+  options_.max_batch_tokens = 1000;
+  options_.max_batch_attention = 30 * 30 + 20 * 20;
+  Add(Item(&model_, 30));
+  Add(Item(&model_, 20));
+  Add(Item(&model_, 10));
+  EXPECT_THAT(Ids(queue_.Take(kT0 + 1s, &dropped_)), ElementsAre(30, 20));
+}
+
+TEST_F(BatchQueueTest, KeepsArrivalOrderAndSeparatesIncompatibleRequests) {
+  options_.max_queue_size = 10;
+  Add(Item(&model_, 1));
+  Add(Item(&model_, 2, kT0, DType::kFloat16));
+  Add(Item(&model_, 3));
+  Add(Item(&model_, 4, kT0, DType::kFloat32, WeightsMode::kAveraged));
+  Add(Item(&model_, 5));
+  const auto later = kT0 + 1ms;
+  EXPECT_THAT(Ids(queue_.Take(later, &dropped_)), ElementsAre(1, 3, 5));
+  EXPECT_THAT(Ids(queue_.Take(later, &dropped_)), ElementsAre(2));
+  EXPECT_THAT(Ids(queue_.Take(later, &dropped_)), ElementsAre(4));
+}
+
+TEST_F(BatchQueueTest, DropsExpiredAndCancelledRequestsBeforeCompute) {
+  auto expired = Item(&model_, 1);
+  expired->deadline = kT0 + 200us;
+  auto cancelled = Item(&model_, 2);
+  cancelled->cancelled = [] { return true; };
+  Add(std::move(expired));
+  Add(std::move(cancelled));
+  Add(Item(&model_, 3));
+  EXPECT_THAT(Ids(queue_.Take(kT0 + 600us, &dropped_)), ElementsAre(3));
+  ASSERT_EQ(dropped_.size(), 2u);
+  EXPECT_EQ(dropped_[0].second.code(), StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(dropped_[1].second.code(), StatusCode::kCancelled);
+}
+
+TEST_F(BatchQueueTest, FullQueueRefusesButFreesThePlacesOfDeadRequests) {
+  for (int i = 1; i <= 4; ++i) Add(Item(&model_, i));
+  auto refused = queue_.Add(Item(&model_, 5), kT0, &dropped_);
+  ASSERT_NE(refused, nullptr);
+  EXPECT_EQ(refused->call.query_len, 5);
+  // Once one of them is cancelled, its place goes to the newcomer.
+  auto newcomer = Item(&model_, 6);
+  BatchQueue q(options_);
+  Dropped d;
+  for (int i = 1; i <= 3; ++i) ASSERT_EQ(q.Add(Item(&model_, i), kT0, &d), nullptr);
+  auto gone = Item(&model_, 4);
+  gone->cancelled = [] { return true; };
+  ASSERT_EQ(q.Add(std::move(gone), kT0, &d), nullptr);
+  EXPECT_EQ(q.Add(std::move(newcomer), kT0, &d), nullptr);
+  ASSERT_EQ(d.size(), 1u);
+  EXPECT_EQ(d[0].second.code(), StatusCode::kCancelled);
+}
+
+TEST_F(BatchQueueTest, DisabledBatchingTakesOneRequestAtOnce) {
+  options_.enabled = false;
+  Add(Item(&model_, 1));
+  Add(Item(&model_, 2));
+  SteadyClock::time_point wake;
+  EXPECT_TRUE(queue_.Ready(kT0, &wake));
+  EXPECT_THAT(Ids(queue_.Take(kT0, &dropped_)), ElementsAre(1));
+}
+
+TEST(BatcherTest, FakeEngineSeesBudgetSizedBatchesAndDrainComputesTheRest) {
+  FakeModel model;
+  BatcherOptions options;
+  options.workers = 1;
+  options.max_batch_tokens = 30;   // Three 10-token requests.
+  options.max_queue_delay = 10s;   // Only the budget (or Drain) closes a batch.
+  std::vector<int> batch_sizes;
+  options.on_batch = [&](const std::string& m, const std::vector<WorkItem*>& b, double) {
+    EXPECT_EQ(m, "fake");
+    batch_sizes.push_back(static_cast<int>(b.size()));
+  };
+  Batcher batcher(options);
+  std::atomic<int> done{0};
+  std::vector<Status> statuses(8);
+  for (int i = 0; i < 7; ++i) {
+    auto item = Item(&model, 10);
+    item->call.query_len = 10;
+    item->accepted = SteadyClock::now();
+    item->done = [&, i](const Status& s, const WorkItem& w) {
+      statuses[i] = s;
+      EXPECT_EQ(w.batch_size, i < 6 ? 3 : 1);
+      ++done;
+    };
+    batcher.Submit(std::move(item));
+  }
+  while (done < 6) std::this_thread::sleep_for(1ms);
+  EXPECT_EQ(done, 6);  // The seventh waits for company (10 s) ...
+  batcher.Drain();     // ... until Drain computes it.
+  EXPECT_EQ(done, 7);
+  EXPECT_THAT(batch_sizes, ElementsAre(3, 3, 1));
+  auto late = Item(&model, 10);
+  late->done = [&](const Status& s, const WorkItem&) { statuses[7] = s; };
+  batcher.Submit(std::move(late));
+  EXPECT_EQ(statuses[7].code(), StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace attnserve
