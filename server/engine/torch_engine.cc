@@ -4,6 +4,7 @@
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/InferenceMode.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -79,11 +80,34 @@ class TorchModel final : public AttentionModel {
     });
   }
 
+  // Requests of up to this many query (and key) rows share packed projection GEMMs. Larger ones
+  // already fill a GEMM well, so packing would only add copies: they run alone, straight into
+  // their responses (bench/RESULTS.md has the measurements behind the number).
+  static constexpr int64_t kPackRows = 128;
+
   std::vector<Status> ForwardBatch(const std::vector<const AttendCall*>& calls,
                                    const std::vector<AttendOutputs*>& outs) const override {
-    if (calls.size() == 1) return {Forward(*calls[0], outs[0])};
-    const Status st = Guarded([&] { ForwardPacked(calls, outs); });
-    return std::vector<Status>(calls.size(), st);
+    std::vector<Status> statuses(calls.size());
+    std::vector<const AttendCall*> small_calls;
+    std::vector<AttendOutputs*> small_outs;
+    std::vector<size_t> small_index;
+    for (size_t i = 0; i < calls.size(); ++i) {
+      const AttendCall& c = *calls[i];
+      if (c.batch * std::max(c.query_len, c.self_attention() ? 0 : c.key_len) <= kPackRows) {
+        small_calls.push_back(&c);
+        small_outs.push_back(outs[i]);
+        small_index.push_back(i);
+      } else {
+        statuses[i] = Forward(c, outs[i]);
+      }
+    }
+    if (small_calls.size() == 1) {
+      statuses[small_index[0]] = Forward(*small_calls[0], small_outs[0]);
+    } else if (!small_calls.empty()) {
+      const Status st = Guarded([&] { ForwardPacked(small_calls, small_outs); });
+      for (size_t i : small_index) statuses[i] = st;
+    }
+    return statuses;
   }
 
  private:

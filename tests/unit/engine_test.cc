@@ -444,6 +444,7 @@ TEST(EngineBatchTest, PackedBatchEqualsOneByOne) {
   reqs[4].bufs.push_back(floats({2, 6, 32}));
   reqs[4].bufs.push_back(testing::Zeros({2, 6}, DType::kBool));
   reqs[4].bufs.back().bytes[5] = 1;  // batch 0 pads its last key
+  for (int j = 6; j < 12; ++j) reqs[4].bufs.back().bytes[j] = 1;  // batch 1 sees no key: zeros
   reqs[5].bufs.push_back(floats({1, 4, 32}));
   reqs[5].bufs.push_back(floats({1, 8, 32}));
   reqs[5].bufs.push_back(floats({1, 8, 32}));
@@ -487,6 +488,8 @@ TEST(EngineBatchTest, PackedBatchEqualsOneByOne) {
     EXPECT_GT(scale, 0.1);
     EXPECT_LE(err, 1e-5 * scale) << "request " << i;
   }
+  const float* dead = reinterpret_cast<const float*>(together[4].data()) + 6 * 32;
+  for (int j = 0; j < 6 * 32; ++j) ASSERT_EQ(dead[j], 0.f) << "fully masked rows are zeros";
 }
 
 }  // namespace

@@ -1,0 +1,293 @@
+// attnserve-bench: load generator for attnserve (through the C++ client library) or for the engine
+// in-process (the compute floor, no gRPC). Closed loop (N callers) or open loop (fixed rate);
+// fixed, uniform or long-tail lengths; self- or cross-attention. Prints throughput and latency
+// percentiles, a progress line while running, and writes JSON.
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <deque>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <thread>
+
+#include "attnserve/client.h"
+#include "server/engine/attention_model.h"
+#include "server/engine/model_loader.h"
+#include "server/validator.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Sample {
+  double latency_ms;
+  int code;
+  int64_t tokens;
+};
+
+// One prepared request: the client's form, plus views for the in-process engine.
+struct Prepared {
+  attnserve::AttendRequest request;
+  int64_t tokens = 0;
+};
+
+// Where requests go. `done(code)` runs once per call, on any thread.
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual void Call(const Prepared& p, std::function<void(int)> done) = 0;
+};
+
+class ClientBackend : public Backend {
+ public:
+  explicit ClientBackend(const std::string& target) {
+    attnserve::ClientOptions o;
+    o.target = target;
+    o.deadline = std::chrono::milliseconds(60000);
+    client_ = std::make_unique<attnserve::Client>(o);
+  }
+  void Call(const Prepared& p, std::function<void(int)> done) override {
+    client_->AttendAsync(p.request, [done = std::move(done)](attnserve::CallStatus s,
+                                                             attnserve::AttendResult) { done(s.code); });
+  }
+
+ private:
+  std::unique_ptr<attnserve::Client> client_;
+};
+
+// The engine with no gRPC and no batching: `workers` threads call Forward directly.
+class EngineBackend : public Backend {
+ public:
+  explicit EngineBackend(int workers) {
+    auto model = attnserve::CreateTorchModel(attnserve::DemoModelWeights(), {});
+    if (!model.ok()) throw std::runtime_error(model.status().message());
+    model_ = std::move(model).value();
+    for (int i = 0; i < workers; ++i) threads_.emplace_back([this] { Loop(); });
+  }
+  ~EngineBackend() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+  void Call(const Prepared& p, std::function<void(int)> done) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.emplace_back(&p, std::move(done));
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  static attnserve::TensorView View(const attnserve::Tensor& t) {
+    return {attnserve::DType::kFloat32, t.shape, t.data.data(), t.data.size()};
+  }
+  void Loop() {
+    for (;;) {
+      std::pair<const Prepared*, std::function<void(int)>> job;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        job = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      const attnserve::AttendRequest& r = job.first->request;
+      attnserve::AttendCall call;
+      call.query = View(r.query);
+      if (r.key) {
+        call.key = View(*r.key);
+        call.value = View(*r.value);
+      }
+      std::string out;
+      attnserve::AttendOutputs outs;
+      outs.output = &out;
+      attnserve::Status st = attnserve::Validate(model_->spec(), {}, &call);
+      if (st.ok()) st = model_->Forward(call, &outs);
+      job.second(st.ok() ? 0 : 13);
+    }
+  }
+  std::unique_ptr<attnserve::AttentionModel> model_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::pair<const Prepared*, std::function<void(int)>>> queue_;
+  bool stop_ = false;
+  std::vector<std::thread> threads_;
+};
+
+// "fixed:128", "uniform:8:64", or "longtail" (70% 16-64, 25% 64-256, 5% 256-1024).
+std::function<int64_t(std::mt19937&)> LengthDistribution(const std::string& spec) {
+  if (spec.rfind("fixed:", 0) == 0) {
+    const int64_t n = std::stoll(spec.substr(6));
+    return [n](std::mt19937&) { return n; };
+  }
+  if (spec.rfind("uniform:", 0) == 0) {
+    const size_t colon = spec.find(':', 8);
+    const int64_t lo = std::stoll(spec.substr(8, colon - 8)), hi = std::stoll(spec.substr(colon + 1));
+    return [lo, hi](std::mt19937& rng) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  }
+  if (spec == "longtail") {
+    return [](std::mt19937& rng) {
+      const double u = std::uniform_real_distribution<double>()(rng);
+      auto uni = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+      return u < 0.70 ? uni(16, 64) : u < 0.95 ? uni(64, 256) : uni(256, 1024);
+    };
+  }
+  throw std::invalid_argument("--lengths " + spec + ": expected fixed:N, uniform:LO:HI or longtail");
+}
+
+double Percentile(std::vector<double>& v, double q) {
+  if (v.empty()) return 0;
+  const size_t i = std::min(v.size() - 1, static_cast<size_t>(q * static_cast<double>(v.size())));
+  std::nth_element(v.begin(), v.begin() + static_cast<long>(i), v.end());
+  return v[i];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"attnserve-bench: load generator for attnserve", "attnserve-bench"};
+  std::string target = "127.0.0.1:50051", lengths = "uniform:8:64", label = "run", json_path;
+  int callers = 32, workers = 2, pool_size = 64, embed = 512;
+  double rate = 0, duration = 10, warmup = 2, cross = 0;
+  uint32_t seed = 1;
+  app.add_option("--target", target, "host:port of attnserve, or \"inprocess\" for the engine alone")
+      ->capture_default_str();
+  app.add_option("--callers", callers, "Closed loop: concurrent callers")->capture_default_str();
+  app.add_option("--rate", rate, "Open loop: requests per second (0 = closed loop)")->capture_default_str();
+  app.add_option("--lengths", lengths, "fixed:N, uniform:LO:HI or longtail")->capture_default_str();
+  app.add_option("--cross", cross, "Fraction of cross-attention requests (key length drawn alike)")
+      ->capture_default_str();
+  app.add_option("--duration", duration, "Measured seconds")->capture_default_str();
+  app.add_option("--warmup", warmup, "Unmeasured seconds first")->capture_default_str();
+  app.add_option("--workers", workers, "inprocess: compute threads")->capture_default_str();
+  app.add_option("--pool", pool_size, "Distinct prepared requests cycled through")->capture_default_str();
+  app.add_option("--embed-dim", embed, "Model embed_dim (demo: 512)")->capture_default_str();
+  app.add_option("--label", label, "Name in the output")->capture_default_str();
+  app.add_option("--json", json_path, "Append the result as one JSON line to this file");
+  app.add_option("--seed", seed, "Seed of lengths and data")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+
+  std::mt19937 rng(seed);
+  const auto draw_len = LengthDistribution(lengths);
+  std::normal_distribution<float> normal;
+  std::vector<Prepared> pool(static_cast<size_t>(pool_size));
+  for (Prepared& p : pool) {
+    const int64_t lq = draw_len(rng);
+    auto tensor = [&](int64_t len) {
+      std::vector<float> v(static_cast<size_t>(len * embed));
+      for (float& x : v) x = normal(rng);
+      return attnserve::Tensor::Float32({1, len, embed}, v);
+    };
+    p.request.model = "demo";
+    p.request.query = tensor(lq);
+    p.tokens = lq;
+    if (std::uniform_real_distribution<double>()(rng) < cross) {
+      const int64_t lk = draw_len(rng);
+      p.request.key = tensor(lk);
+      p.request.value = tensor(lk);
+      p.tokens += lk;
+    }
+  }
+  std::unique_ptr<Backend> backend;
+  if (target == "inprocess") {
+    backend = std::make_unique<EngineBackend>(workers);
+  } else {
+    backend = std::make_unique<ClientBackend>(target);
+  }
+
+  std::mutex mu;
+  std::vector<Sample> samples;
+  std::atomic<bool> stop{false};
+  std::atomic<int> outstanding{0};
+  std::atomic<uint64_t> next{0};
+  const auto start = Clock::now();
+  const auto measure_from = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(warmup));
+  const auto end = measure_from + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(duration));
+
+  auto issue = [&](auto&& self, Clock::time_point sent) -> void {
+    const Prepared& p = pool[next++ % pool.size()];
+    ++outstanding;
+    backend->Call(p, [&, sent, tokens = p.tokens, self](int code) {
+      const auto now = Clock::now();
+      if (sent >= measure_from && now <= end) {
+        std::lock_guard<std::mutex> lock(mu);
+        samples.push_back({std::chrono::duration<double, std::milli>(now - sent).count(), code, tokens});
+      }
+      --outstanding;
+      if (rate <= 0 && !stop && now < end) self(self, Clock::now());  // Closed loop: next call.
+    });
+  };
+
+  if (rate <= 0) {
+    for (int i = 0; i < callers; ++i) issue(issue, Clock::now());
+  }
+  std::thread pacer;
+  if (rate > 0) {
+    pacer = std::thread([&] {
+      const auto step = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(1.0 / rate));
+      auto due = Clock::now();
+      while (!stop && due < end) {
+        std::this_thread::sleep_until(due);
+        issue(issue, due);  // Latency counts from the scheduled time: no coordinated omission.
+        due += step;
+      }
+    });
+  }
+  size_t last = 0;
+  while (Clock::now() < end) {
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+    std::lock_guard<std::mutex> lock(mu);
+    const double t = std::chrono::duration<double>(Clock::now() - start).count();
+    std::fprintf(stderr, "\r[%s] %5.1fs  measured %zu (+%zu/s)  in flight %d   ", label.c_str(), t,
+                 samples.size(), samples.size() - last, outstanding.load());
+    last = samples.size();
+  }
+  stop = true;
+  if (pacer.joinable()) pacer.join();
+  const auto drain_until = Clock::now() + std::chrono::seconds(60);
+  while (outstanding > 0 && Clock::now() < drain_until) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  std::fprintf(stderr, "\n");
+
+  std::vector<double> lat;
+  std::map<std::string, int> errors;
+  int64_t tokens = 0;
+  for (const Sample& s : samples) {
+    if (s.code == 0) {
+      lat.push_back(s.latency_ms);
+      tokens += s.tokens;
+    } else {
+      ++errors[attnserve::StatusCodeName(s.code)];
+    }
+  }
+  nlohmann::json j;
+  j["label"] = label;
+  j["target"] = target;
+  j["mode"] = rate > 0 ? "open" : "closed";
+  j["callers"] = callers;
+  j["rate"] = rate;
+  j["lengths"] = lengths;
+  j["cross"] = cross;
+  j["duration_s"] = duration;
+  j["ok"] = lat.size();
+  j["errors"] = errors;
+  j["requests_per_s"] = static_cast<double>(lat.size()) / duration;
+  j["tokens_per_s"] = static_cast<double>(tokens) / duration;
+  const double mx = lat.empty() ? 0 : *std::max_element(lat.begin(), lat.end());
+  j["latency_ms"] = {{"p50", Percentile(lat, 0.50)}, {"p90", Percentile(lat, 0.90)},
+                     {"p99", Percentile(lat, 0.99)}, {"max", mx}};
+  std::printf("%-28s %9.1f req/s %10.0f tok/s  p50 %7.2f  p90 %7.2f  p99 %7.2f  max %7.2f ms  errors %s\n",
+              label.c_str(), j["requests_per_s"].get<double>(), j["tokens_per_s"].get<double>(),
+              j["latency_ms"]["p50"].get<double>(), j["latency_ms"]["p90"].get<double>(),
+              j["latency_ms"]["p99"].get<double>(), mx, j["errors"].dump().c_str());
+  if (!json_path.empty()) std::ofstream(json_path, std::ios::app) << j.dump() << "\n";
+  return 0;
+}
