@@ -71,10 +71,11 @@ bool BatchQueue::BudgetFull() const {
   return false;
 }
 
-bool BatchQueue::Ready(SteadyClock::time_point now, SteadyClock::time_point* wake) const {
+bool BatchQueue::Ready(SteadyClock::time_point now, int busy_workers,
+                       SteadyClock::time_point* wake) const {
   *wake = SteadyClock::time_point::max();
   if (items_.empty()) return false;
-  if (!options_->enabled || BudgetFull()) return true;
+  if (!options_->enabled || busy_workers == 0 || BudgetFull()) return true;
   const auto due = items_.front()->accepted + options_->max_queue_delay;
   if (now >= due) return true;
   *wake = due;
@@ -178,7 +179,7 @@ void Batcher::WorkerLoop() {
       any = true;
       SteadyClock::time_point w;
       // While draining nothing waits for company.
-      if (queue.Ready(now, &w) || draining_) {
+      if (queue.Ready(now, busy_, &w) || draining_) {
         if (!best || queue.oldest() < best->oldest()) best = &queue;
       } else {
         wake = std::min(wake, w);
@@ -188,10 +189,12 @@ void Batcher::WorkerLoop() {
       Dropped dropped;
       auto batch = best->Take(now, &dropped);
       if (best->size() > 0) cv_.notify_one();  // More may be ready for another worker.
+      ++busy_;
       lock.unlock();
       Finish(&dropped);
       if (!batch.empty()) Run(std::move(batch));
       lock.lock();
+      --busy_;
       continue;
     }
     if (draining_ && !any) return;

@@ -47,8 +47,9 @@ using Dropped = std::vector<std::pair<std::unique_ptr<WorkItem>, Status>>;
 
 /// How batches are formed. Defaults suit this 2-core machine (bench/RESULTS.md).
 struct BatcherOptions {
-  /// Most query + key tokens in one batch. A single larger request still runs, alone.
-  int64_t max_batch_tokens = 4096;
+  /// Most query + key tokens in one batch. A single larger request still runs, alone. Past ~1k
+  /// tokens the engine's GEMMs are efficient anyway, and smaller batches keep every worker busy.
+  int64_t max_batch_tokens = 1024;
   /// Most Σ batch·Lq·Lk in one batch (bounds the attention part).
   int64_t max_batch_attention = int64_t{1} << 22;
   /// How long the oldest request may wait for company before its batch closes anyway.
@@ -77,7 +78,8 @@ struct BatcherOptions {
 /// Rules: requests leave in arrival order. A batch starts with the oldest request and takes each
 /// later one that is compatible with it (same wire dtype and same attention-weights mode) while the
 /// token and attention budgets hold; incompatible requests wait for a later batch. A batch is ready
-/// when the compatible requests fill the budget, or when the oldest has waited max_queue_delay.
+/// when the compatible requests fill the budget, when the oldest has waited max_queue_delay, or at
+/// once when no worker is computing (waiting for company only pays off under load).
 /// Expired and cancelled requests are dropped when a batch is taken and whenever the queue is full.
 class BatchQueue {
  public:
@@ -87,7 +89,8 @@ class BatchQueue {
   std::unique_ptr<WorkItem> Add(std::unique_ptr<WorkItem> item, SteadyClock::time_point now,
                                 Dropped* dropped);
   /// True when a batch should be taken now; otherwise `*wake` is when one will be (max if empty).
-  bool Ready(SteadyClock::time_point now, SteadyClock::time_point* wake) const;
+  /// `busy_workers`: how many workers are computing right now.
+  bool Ready(SteadyClock::time_point now, int busy_workers, SteadyClock::time_point* wake) const;
   /// Takes the next batch (empty when nothing is queued). Dead items go to `dropped`.
   std::vector<std::unique_ptr<WorkItem>> Take(SteadyClock::time_point now,
                                               Dropped* dropped);
@@ -128,6 +131,7 @@ class Batcher {
   std::condition_variable cv_;
   std::map<const AttentionModel*, BatchQueue> queues_;
   bool draining_ = false;
+  int busy_ = 0;  // Workers computing a batch.
   std::vector<std::thread> workers_;
 };
 

@@ -20,6 +20,7 @@ class FakeModel : public AttentionModel {
   Status Forward(const AttendCall&, AttendOutputs*) const override { return Status::Ok(); }
   std::vector<Status> ForwardBatch(const std::vector<const AttendCall*>& calls,
                                    const std::vector<AttendOutputs*>&) const override {
+    if (started++ == 0 && gate.valid()) gate.wait();  // The first batch may be held.
     std::lock_guard<std::mutex> lock(mu);
     std::vector<int64_t> ids;
     for (const AttendCall* c : calls) ids.push_back(c->query_len);  // query_len doubles as an id
@@ -27,6 +28,8 @@ class FakeModel : public AttentionModel {
     return std::vector<Status>(calls.size(), Status::Ok());
   }
   ModelSpec spec_;
+  std::shared_future<void> gate;
+  mutable std::atomic<int> started{0};
   mutable std::mutex mu;
   mutable std::vector<std::vector<int64_t>> batches;
 };
@@ -75,9 +78,9 @@ TEST_F(BatchQueueTest, FlushesPartialBatchAfterDelay) {
   Add(Item(&model_, 10));
   Add(Item(&model_, 20, kT0 + 100us), kT0 + 100us);
   SteadyClock::time_point wake;
-  EXPECT_FALSE(queue_.Ready(kT0 + 499us, &wake));
+  EXPECT_FALSE(queue_.Ready(kT0 + 499us, /*busy_workers=*/1, &wake));
   EXPECT_EQ(wake, kT0 + 500us);
-  EXPECT_TRUE(queue_.Ready(kT0 + 500us, &wake));
+  EXPECT_TRUE(queue_.Ready(kT0 + 500us, 1, &wake));
   EXPECT_THAT(Ids(queue_.Take(kT0 + 500us, &dropped_)), ElementsAre(10, 20));
   EXPECT_EQ(queue_.size(), 0u);
 }
@@ -86,9 +89,9 @@ TEST_F(BatchQueueTest, FlushesAsSoonAsTheTokenBudgetIsReached) {
   Add(Item(&model_, 40));
   Add(Item(&model_, 41));
   SteadyClock::time_point wake;
-  EXPECT_FALSE(queue_.Ready(kT0, &wake));
+  EXPECT_FALSE(queue_.Ready(kT0, 1, &wake));
   Add(Item(&model_, 42));  // 123 tokens >= 100: ready before any delay.
-  EXPECT_TRUE(queue_.Ready(kT0, &wake));
+  EXPECT_TRUE(queue_.Ready(kT0, 1, &wake));
   EXPECT_THAT(Ids(queue_.Take(kT0, &dropped_)), ElementsAre(40, 41));  // 42 does not fit.
   EXPECT_THAT(Ids(queue_.Take(kT0, &dropped_)), ElementsAre(42));
 }
@@ -97,7 +100,7 @@ TEST_F(BatchQueueTest, AnOversizedRequestRunsAlone) {
   Add(Item(&model_, 500));
   Add(Item(&model_, 5));
   SteadyClock::time_point wake;
-  EXPECT_TRUE(queue_.Ready(kT0, &wake));
+  EXPECT_TRUE(queue_.Ready(kT0, 1, &wake));
   EXPECT_THAT(Ids(queue_.Take(kT0, &dropped_)), ElementsAre(500));
 }
 
@@ -155,21 +158,30 @@ TEST_F(BatchQueueTest, FullQueueRefusesButFreesThePlacesOfDeadRequests) {
   EXPECT_EQ(d[0].second.code(), StatusCode::kCancelled);
 }
 
+TEST_F(BatchQueueTest, DoesNotWaitForCompanyWhenNoWorkerIsComputing) {
+  Add(Item(&model_, 10));
+  SteadyClock::time_point wake;
+  EXPECT_TRUE(queue_.Ready(kT0, /*busy_workers=*/0, &wake));
+  EXPECT_FALSE(queue_.Ready(kT0, /*busy_workers=*/1, &wake));
+}
+
 TEST_F(BatchQueueTest, DisabledBatchingTakesOneRequestAtOnce) {
   options_.enabled = false;
   Add(Item(&model_, 1));
   Add(Item(&model_, 2));
   SteadyClock::time_point wake;
-  EXPECT_TRUE(queue_.Ready(kT0, &wake));
+  EXPECT_TRUE(queue_.Ready(kT0, 1, &wake));
   EXPECT_THAT(Ids(queue_.Take(kT0, &dropped_)), ElementsAre(1));
 }
 
-TEST(BatcherTest, FakeEngineSeesBudgetSizedBatchesAndDrainComputesTheRest) {
+TEST(BatcherTest, IdleWorkerTakesAtOnceBusyWorkerLetsBatchesFillToBudget) {
   FakeModel model;
+  std::promise<void> open;
+  model.gate = open.get_future().share();
   BatcherOptions options;
   options.workers = 1;
   options.max_batch_tokens = 30;   // Three 10-token requests.
-  options.max_queue_delay = 10s;   // Only the budget (or Drain) closes a batch.
+  options.max_queue_delay = 10s;   // Only the budget, an idle worker or Drain closes a batch.
   std::vector<int> batch_sizes;
   options.on_batch = [&](const std::string& m, const std::vector<WorkItem*>& b, double) {
     EXPECT_EQ(m, "fake");
@@ -177,27 +189,28 @@ TEST(BatcherTest, FakeEngineSeesBudgetSizedBatchesAndDrainComputesTheRest) {
   };
   Batcher batcher(options);
   std::atomic<int> done{0};
-  std::vector<Status> statuses(8);
-  for (int i = 0; i < 7; ++i) {
+  auto submit = [&] {
     auto item = Item(&model, 10);
-    item->call.query_len = 10;
     item->accepted = SteadyClock::now();
-    item->done = [&, i](const Status& s, const WorkItem& w) {
-      statuses[i] = s;
-      EXPECT_EQ(w.batch_size, i < 6 ? 3 : 1);
+    item->done = [&](const Status& s, const WorkItem&) {
+      EXPECT_TRUE(s.ok());
       ++done;
     };
     batcher.Submit(std::move(item));
-  }
-  while (done < 6) std::this_thread::sleep_for(1ms);
-  EXPECT_EQ(done, 6);  // The seventh waits for company (10 s) ...
-  batcher.Drain();     // ... until Drain computes it.
-  EXPECT_EQ(done, 7);
-  EXPECT_THAT(batch_sizes, ElementsAre(3, 3, 1));
+  };
+  submit();  // The worker is idle: it takes this one alone, then blocks at the gate.
+  while (model.started == 0) std::this_thread::sleep_for(1ms);
+  for (int i = 0; i < 7; ++i) submit();  // They queue while the worker is busy.
+  open.set_value();
+  while (done < 8) std::this_thread::sleep_for(1ms);
+  // 7 queued: two budget-full batches of 3, then the last one as soon as the worker is idle.
+  EXPECT_THAT(batch_sizes, ElementsAre(1, 3, 3, 1));
+  batcher.Drain();
+  std::vector<Status> late_status(1);
   auto late = Item(&model, 10);
-  late->done = [&](const Status& s, const WorkItem&) { statuses[7] = s; };
+  late->done = [&](const Status& s, const WorkItem&) { late_status[0] = s; };
   batcher.Submit(std::move(late));
-  EXPECT_EQ(statuses[7].code(), StatusCode::kUnavailable);
+  EXPECT_EQ(late_status[0].code(), StatusCode::kUnavailable);
 }
 
 }  // namespace

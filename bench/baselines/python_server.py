@@ -1,0 +1,56 @@
+#!/usr/bin/python3
+"""What a user might write instead of attnserve: a Python gRPC server (Debian's python3-grpcio) that
+wraps torch.nn.MultiheadAttention behind the same .proto. Float32, batch-first, unary Attend only.
+
+usage: python_server.py --port PORT [--workers N]
+"""
+import argparse
+import os
+import sys
+from concurrent import futures
+
+import grpc
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "lib"))
+import attnserve_py as lib  # noqa: E402  (stubs generated from proto/ at start)
+
+pb, rpc = lib.load_stubs()
+
+
+class Servicer(rpc.AttentionServiceServicer):
+    def __init__(self):
+        torch.manual_seed(0)
+        self.mha = torch.nn.MultiheadAttention(512, 8, batch_first=True).eval()
+
+    def Attend(self, request, context):
+        def tensor(t):
+            return torch.from_numpy(np.frombuffer(t.data, dtype=np.float32).reshape(tuple(t.shape)))
+        q = tensor(request.query)
+        k = tensor(request.key) if request.HasField("key") else q
+        v = tensor(request.value) if request.HasField("value") else q
+        with torch.inference_mode():
+            out, _ = self.mha(q, k, v, need_weights=False)
+        return pb.AttendResponse(request_id=request.request_id, model="demo",
+                                 output=pb.Tensor(dtype=pb.DATA_TYPE_FLOAT32, shape=out.shape,
+                                                  data=out.numpy().tobytes()))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--workers", type=int, default=8)
+    a = p.parse_args()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=a.workers),
+                         options=[("grpc.max_receive_message_length", 64 << 20),
+                                  ("grpc.max_send_message_length", 64 << 20)])
+    rpc.add_AttentionServiceServicer_to_server(Servicer(), server)
+    server.add_insecure_port(f"127.0.0.1:{a.port}")
+    server.start()
+    print(f"python baseline serving on 127.0.0.1:{a.port}", flush=True)
+    server.wait_for_termination()
+
+
+if __name__ == "__main__":
+    main()
