@@ -23,6 +23,7 @@ Status BatcherOptions::Validate() const {
   const auto fail = [](const std::string& m) { return Status(StatusCode::kFailedPrecondition, m); };
   if (max_batch_tokens < 1) return fail("--max-batch-tokens must be >= 1");
   if (max_batch_attention < 1) return fail("--max-batch-attention must be >= 1");
+  if (max_shared_request_tokens < 0) return fail("--max-shared-request-tokens must be >= 0");
   if (max_queue_delay.count() < 0) return fail("--max-queue-delay-us must be >= 0");
   if (max_queue_size < 1) return fail("--max-queue-size must be >= 1");
   if (workers < 1) return fail("--workers must be >= 1");
@@ -59,11 +60,16 @@ std::unique_ptr<WorkItem> BatchQueue::Add(std::unique_ptr<WorkItem> item,
   return nullptr;
 }
 
+bool BatchQueue::Shares(const WorkItem& item) const {
+  return item.tokens() <= options_->max_shared_request_tokens;
+}
+
 bool BatchQueue::BudgetFull() const {
   const WorkItem& first = *items_.front();
+  if (!Shares(first)) return true;  // Alone, at once.
   int64_t tokens = 0, cost = 0;
   for (const auto& item : items_) {
-    if (!Compatible(first, *item)) continue;
+    if (!Compatible(first, *item) || !Shares(*item)) continue;
     tokens += item->tokens();
     cost += item->attention_cost();
     if (tokens >= options_->max_batch_tokens || cost >= options_->max_batch_attention) return true;
@@ -89,13 +95,13 @@ std::vector<std::unique_ptr<WorkItem>> BatchQueue::Take(SteadyClock::time_point 
   if (items_.empty()) return batch;
   batch.push_back(std::move(items_.front()));
   items_.pop_front();
-  if (!options_->enabled) return batch;
+  if (!options_->enabled || !Shares(*batch[0])) return batch;
   int64_t tokens = batch[0]->tokens(), cost = batch[0]->attention_cost();
   std::deque<std::unique_ptr<WorkItem>> rest;
   for (auto& item : items_) {
     const bool fits = tokens + item->tokens() <= options_->max_batch_tokens &&
                       cost + item->attention_cost() <= options_->max_batch_attention;
-    if (item && fits && Compatible(*batch[0], *item)) {
+    if (fits && Shares(*item) && Compatible(*batch[0], *item)) {
       tokens += item->tokens();
       cost += item->attention_cost();
       batch.push_back(std::move(item));

@@ -50,6 +50,9 @@ struct BatcherOptions {
   /// Most query + key tokens in one batch. A single larger request still runs, alone. Past ~1k
   /// tokens the engine's GEMMs are efficient anyway, and smaller batches keep every worker busy.
   int64_t max_batch_tokens = 1024;
+  /// Requests with more tokens than this are computed alone and never wait for company: they fill
+  /// the engine's GEMMs by themselves, and sharing a batch would only hold their answers back.
+  int64_t max_shared_request_tokens = 256;
   /// Most Σ batch·Lq·Lk in one batch (bounds the attention part).
   int64_t max_batch_attention = int64_t{1} << 22;
   /// How long the oldest request may wait for company before its batch closes anyway.
@@ -79,7 +82,8 @@ struct BatcherOptions {
 /// later one that is compatible with it (same wire dtype and same attention-weights mode) while the
 /// token and attention budgets hold; incompatible requests wait for a later batch. A batch is ready
 /// when the compatible requests fill the budget, when the oldest has waited max_queue_delay, or at
-/// once when no worker is computing (waiting for company only pays off under load).
+/// once when no worker is computing (waiting for company only pays off under load). Requests over
+/// max_shared_request_tokens always form a batch of their own, at once.
 /// Expired and cancelled requests are dropped when a batch is taken and whenever the queue is full.
 class BatchQueue {
  public:
@@ -101,6 +105,7 @@ class BatchQueue {
  private:
   void DropDead(SteadyClock::time_point now, Dropped* dropped);
   bool BudgetFull() const;
+  bool Shares(const WorkItem& item) const;
 
   const BatcherOptions* options_;
   std::deque<std::unique_ptr<WorkItem>> items_;

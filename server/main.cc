@@ -38,6 +38,10 @@ int main(int argc, char** argv) {
                  "Most query + key tokens one batch packs together")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  app.add_option("--max-shared-request-tokens", o.batcher.max_shared_request_tokens,
+                 "Requests with more tokens are computed alone, at once")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_option("--max-batch-attention", o.batcher.max_batch_attention,
                  "Most attention cost in one batch: sum of batch * query_len * key_len")
       ->check(CLI::PositiveNumber)

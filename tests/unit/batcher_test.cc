@@ -96,12 +96,18 @@ TEST_F(BatchQueueTest, FlushesAsSoonAsTheTokenBudgetIsReached) {
   EXPECT_THAT(Ids(queue_.Take(kT0, &dropped_)), ElementsAre(42));
 }
 
-TEST_F(BatchQueueTest, AnOversizedRequestRunsAlone) {
+TEST_F(BatchQueueTest, LargeRequestsRunAloneAtOnce) {
+  options_.max_batch_tokens = 1000;
+  options_.max_shared_request_tokens = 300;
   Add(Item(&model_, 500));
   Add(Item(&model_, 5));
+  Add(Item(&model_, 400));
+  Add(Item(&model_, 6));
   SteadyClock::time_point wake;
-  EXPECT_TRUE(queue_.Ready(kT0, 1, &wake));
+  EXPECT_TRUE(queue_.Ready(kT0, 1, &wake));  // No waiting for the large one.
   EXPECT_THAT(Ids(queue_.Take(kT0, &dropped_)), ElementsAre(500));
+  EXPECT_THAT(Ids(queue_.Take(kT0 + 1s, &dropped_)), ElementsAre(5, 6));  // 400 never shares.
+  EXPECT_THAT(Ids(queue_.Take(kT0 + 1s, &dropped_)), ElementsAre(400));
 }
 
 TEST_F(BatchQueueTest, BoundsTheAttentionCost) {
