@@ -41,24 +41,51 @@ struct Prepared {
 class Backend {
  public:
   virtual ~Backend() = default;
-  virtual void Call(const Prepared& p, std::function<void(int)> done) = 0;
+  /// `caller` is the closed-loop caller's index (0 in open loop).
+  virtual void Call(int caller, const Prepared& p, std::function<void(int)> done) = 0;
 };
 
 class ClientBackend : public Backend {
  public:
-  explicit ClientBackend(const std::string& target) {
+  // With `streams` > 0 each caller sends on its own AttendStream, one request at a time.
+  ClientBackend(const std::string& target, int streams) {
     attnserve::ClientOptions o;
     o.target = target;
-    o.deadline = std::chrono::milliseconds(60000);
+    o.deadline = std::chrono::milliseconds(120000);
     client_ = std::make_unique<attnserve::Client>(o);
+    pending_.resize(static_cast<size_t>(streams));
+    for (int i = 0; i < streams; ++i) {
+      streams_.push_back(client_->OpenStream([this, i](attnserve::CallStatus s, attnserve::AttendResult) {
+        std::function<void(int)> done;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          done = std::move(pending_[static_cast<size_t>(i)]);
+        }
+        done(s.code);
+      }));
+    }
   }
-  void Call(const Prepared& p, std::function<void(int)> done) override {
-    client_->AttendAsync(p.request, [done = std::move(done)](attnserve::CallStatus s,
-                                                             attnserve::AttendResult) { done(s.code); });
+  ~ClientBackend() override {
+    for (auto& s : streams_) s->Finish();
+  }
+  void Call(int caller, const Prepared& p, std::function<void(int)> done) override {
+    if (streams_.empty()) {
+      client_->AttendAsync(p.request, [done = std::move(done)](attnserve::CallStatus s,
+                                                               attnserve::AttendResult) { done(s.code); });
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      pending_[static_cast<size_t>(caller)] = done;
+    }
+    if (!streams_[static_cast<size_t>(caller)]->Send(p.request)) done(14);
   }
 
  private:
   std::unique_ptr<attnserve::Client> client_;
+  std::vector<std::unique_ptr<attnserve::AttendStream>> streams_;
+  std::mutex mu_;
+  std::vector<std::function<void(int)>> pending_;
 };
 
 // The engine with no gRPC and no batching: `workers` threads call Forward directly.
@@ -78,7 +105,7 @@ class EngineBackend : public Backend {
     cv_.notify_all();
     for (auto& t : threads_) t.join();
   }
-  void Call(const Prepared& p, std::function<void(int)> done) override {
+  void Call(int, const Prepared& p, std::function<void(int)> done) override {
     {
       std::lock_guard<std::mutex> lock(mu_);
       queue_.emplace_back(&p, std::move(done));
@@ -159,6 +186,7 @@ int main(int argc, char** argv) {
   int callers = 32, workers = 2, pool_size = 64, embed = 512;
   double rate = 0, duration = 10, warmup = 2, cross = 0;
   uint32_t seed = 1;
+  bool stream = false;
   app.add_option("--target", target, "host:port of attnserve, or \"inprocess\" for the engine alone")
       ->capture_default_str();
   app.add_option("--callers", callers, "Closed loop: concurrent callers")->capture_default_str();
@@ -166,6 +194,7 @@ int main(int argc, char** argv) {
   app.add_option("--lengths", lengths, "fixed:N, uniform:LO:HI or longtail")->capture_default_str();
   app.add_option("--cross", cross, "Fraction of cross-attention requests (key length drawn alike)")
       ->capture_default_str();
+  app.add_flag("--stream", stream, "Closed loop over AttendStream: one stream per caller");
   app.add_option("--duration", duration, "Measured seconds")->capture_default_str();
   app.add_option("--warmup", warmup, "Unmeasured seconds first")->capture_default_str();
   app.add_option("--workers", workers, "inprocess: compute threads")->capture_default_str();
@@ -175,6 +204,10 @@ int main(int argc, char** argv) {
   app.add_option("--json", json_path, "Append the result as one JSON line to this file");
   app.add_option("--seed", seed, "Seed of lengths and data")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  if (stream && (rate > 0 || target == "inprocess")) {
+    std::fprintf(stderr, "attnserve-bench: --stream needs a closed loop against a server\n");
+    return 2;
+  }
 
   std::mt19937 rng(seed);
   const auto draw_len = LengthDistribution(lengths);
@@ -201,7 +234,7 @@ int main(int argc, char** argv) {
   if (target == "inprocess") {
     backend = std::make_unique<EngineBackend>(workers);
   } else {
-    backend = std::make_unique<ClientBackend>(target);
+    backend = std::make_unique<ClientBackend>(target, stream ? callers : 0);
   }
 
   std::mutex mu;
@@ -213,22 +246,22 @@ int main(int argc, char** argv) {
   const auto measure_from = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(warmup));
   const auto end = measure_from + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(duration));
 
-  auto issue = [&](auto&& self, Clock::time_point sent) -> void {
+  auto issue = [&](auto&& self, int caller, Clock::time_point sent) -> void {
     const Prepared& p = pool[next++ % pool.size()];
     ++outstanding;
-    backend->Call(p, [&, sent, tokens = p.tokens, self](int code) {
+    backend->Call(caller, p, [&, caller, sent, tokens = p.tokens, self](int code) {
       const auto now = Clock::now();
       if (sent >= measure_from && now <= end) {
         std::lock_guard<std::mutex> lock(mu);
         samples.push_back({std::chrono::duration<double, std::milli>(now - sent).count(), code, tokens});
       }
       --outstanding;
-      if (rate <= 0 && !stop && now < end) self(self, Clock::now());  // Closed loop: next call.
+      if (rate <= 0 && !stop && now < end) self(self, caller, Clock::now());  // Closed loop: next.
     });
   };
 
   if (rate <= 0) {
-    for (int i = 0; i < callers; ++i) issue(issue, Clock::now());
+    for (int i = 0; i < callers; ++i) issue(issue, i, Clock::now());
   }
   std::thread pacer;
   if (rate > 0) {
@@ -237,7 +270,7 @@ int main(int argc, char** argv) {
       auto due = Clock::now();
       while (!stop && due < end) {
         std::this_thread::sleep_until(due);
-        issue(issue, due);  // Latency counts from the scheduled time: no coordinated omission.
+        issue(issue, 0, due);  // Latency counts from the scheduled time: no coordinated omission.
         due += step;
       }
     });
@@ -271,7 +304,7 @@ int main(int argc, char** argv) {
   nlohmann::json j;
   j["label"] = label;
   j["target"] = target;
-  j["mode"] = rate > 0 ? "open" : "closed";
+  j["mode"] = rate > 0 ? "open" : stream ? "closed-stream" : "closed";
   j["callers"] = callers;
   j["rate"] = rate;
   j["lengths"] = lengths;

@@ -3,7 +3,10 @@
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
+#include <condition_variable>
+#include <deque>
 #include <future>
+#include <mutex>
 
 #include "attnserve/v1/attention.grpc.pb.h"
 
@@ -140,6 +143,94 @@ void Client::AttendAsync(const AttendRequest& request,
                                  done(FromGrpc(s), s.ok() ? FromWire(&state->response)
                                                           : AttendResult{});
                                });
+}
+
+namespace {
+
+// Writes one at a time from a queue; reads until the server ends the stream.
+class StreamReactor final : public grpc::ClientBidiReactor<pb::AttendRequest, pb::AttendResponse>,
+                            public AttendStream {
+ public:
+  StreamReactor(pb::AttentionService::Stub* stub,
+                std::function<void(CallStatus, AttendResult)> on_response,
+                std::chrono::milliseconds deadline)
+      : on_response_(std::move(on_response)) {
+    if (deadline.count() > 0) ctx_.set_deadline(std::chrono::system_clock::now() + deadline);
+    stub->async()->AttendStream(&ctx_, this);
+    StartRead(&response_);
+    StartCall();
+  }
+  ~StreamReactor() override { Finish(); }
+
+  bool Send(const AttendRequest& request) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (done_ || closing_) return false;
+    ToWire(request, &pending_.emplace_back());
+    if (!writing_) {
+      writing_ = true;
+      StartWrite(&pending_.front());
+    }
+    return true;
+  }
+
+  CallStatus Finish() override {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!closing_) {
+      closing_ = true;
+      if (!writing_) StartWritesDone();
+    }
+    cv_.wait(lock, [this] { return done_; });
+    return status_;
+  }
+
+  void OnWriteDone(bool ok) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending_.pop_front();
+    if (ok && !pending_.empty()) {
+      StartWrite(&pending_.front());
+      return;
+    }
+    writing_ = false;
+    if (closing_ && ok) StartWritesDone();
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) return;
+    CallStatus status;
+    if (response_.has_error()) status = CallStatus{response_.error().code(), response_.error().message()};
+    AttendResult result = status.ok() ? FromWire(&response_) : AttendResult{};
+    result.request_id = response_.request_id();
+    on_response_(std::move(status), std::move(result));
+    response_.Clear();
+    StartRead(&response_);
+  }
+
+  void OnDone(const grpc::Status& s) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    status_ = FromGrpc(s);
+    done_ = true;
+    cv_.notify_all();
+  }
+
+ private:
+  grpc::ClientContext ctx_;
+  std::function<void(CallStatus, AttendResult)> on_response_;
+  pb::AttendResponse response_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<pb::AttendRequest> pending_;  // Front is being written.
+  bool writing_ = false;
+  bool closing_ = false;
+  bool done_ = false;
+  CallStatus status_;
+};
+
+}  // namespace
+
+std::unique_ptr<AttendStream> Client::OpenStream(
+    std::function<void(CallStatus, AttendResult)> on_response, const CallOptions& call) {
+  return std::make_unique<StreamReactor>(impl_->stub.get(), std::move(on_response),
+                                         call.deadline.value_or(impl_->options.deadline));
 }
 
 CallStatus Client::ListModels(std::vector<ModelInfo>* models, const CallOptions& call) {

@@ -84,6 +84,17 @@ struct CallOptions {
   std::optional<std::chrono::milliseconds> deadline;
 };
 
+/// One AttendStream call: many requests on one stream, answered in completion order (match them
+/// by request_id). Thread-safe: Send may be called from many threads.
+class AttendStream {
+ public:
+  virtual ~AttendStream() = default;
+  /// Queues `request` for sending; false once the stream has ended.
+  virtual bool Send(const AttendRequest& request) = 0;
+  /// Half-closes, waits for every answer, and returns the stream's own status.
+  virtual CallStatus Finish() = 0;
+};
+
 /// A client of one attnserve server over one insecure channel. Thread-safe: calls may be made from
 /// many threads at once; async callbacks run on gRPC's threads.
 class Client {
@@ -101,6 +112,11 @@ class Client {
   void AttendAsync(const AttendRequest& request,
                    std::function<void(CallStatus, AttendResult)> done,
                    const CallOptions& call = {});
+  /// Opens an AttendStream. `on_response` runs once per answer, on a gRPC thread, with that
+  /// request's own status (a bad request does not end the stream). The stream's deadline, if
+  /// any, covers the whole stream. Destroying the stream finishes it.
+  std::unique_ptr<AttendStream> OpenStream(std::function<void(CallStatus, AttendResult)> on_response,
+                                           const CallOptions& call = {});
   /// Every model the server holds.
   CallStatus ListModels(std::vector<ModelInfo>* models, const CallOptions& call = {});
   /// One model; NOT_FOUND (5) when absent.

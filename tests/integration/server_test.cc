@@ -231,6 +231,27 @@ TEST_F(ServerTest, StreamCompletesOutOfOrderAndSurvivesBadRequests) {
   EXPECT_EQ(std::count(order.begin(), order.end(), 0u), 1);
 }
 
+TEST_F(ServerTest, ClientStreamAnswersEveryRequestWithItsOwnStatus) {
+  std::mutex mu;
+  std::map<uint64_t, CallStatus> got;
+  auto stream = client_->OpenStream([&](CallStatus s, AttendResult r) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (s.ok()) EXPECT_EQ(r.output.shape, (std::vector<int64_t>{1, 3 + r.request_id, 512}));
+    got[r.request_id] = s;
+  });
+  for (uint64_t id = 0; id < 4; ++id) {
+    AttendRequest r = Request(1, 3 + static_cast<int64_t>(id));
+    r.request_id = id;
+    if (id == 2) r.model = "nope";
+    ASSERT_TRUE(stream->Send(r));
+  }
+  EXPECT_TRUE(stream->Finish().ok());
+  EXPECT_FALSE(stream->Send(Request(1, 3)));
+  ASSERT_EQ(got.size(), 4u);
+  EXPECT_TRUE(got[0].ok() && got[1].ok() && got[3].ok());
+  EXPECT_EQ(got[2].code, 5);
+}
+
 TEST_F(ServerTest, HealthReportsServerServiceAndModels) {
   bool serving = false;
   ASSERT_TRUE(client_->Health("", &serving).ok());
