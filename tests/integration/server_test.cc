@@ -283,6 +283,8 @@ TEST_F(ServerTest, MetricsMoveAfterRequests) {
   EXPECT_GT(Sample(after, "attnserve_queue_wait_seconds_count{model=\"demo\"}"), 0);
   EXPECT_GT(Sample(after, "attnserve_compute_seconds_sum{model=\"demo\"}"), 0);
   EXPECT_GT(Sample(after, "attnserve_batch_size_requests_count{model=\"demo\"}"), 0);
+  EXPECT_GT(Sample(after, "attnserve_batch_size_tokens_sum{model=\"demo\"}"), 0);
+  EXPECT_EQ(Sample(after, "attnserve_batch_padding_fraction{model=\"demo\"}"), 0);
   EXPECT_EQ(Sample(after, "attnserve_requests_in_flight{method=\"Attend\"}"), 0);
   EXPECT_THAT(after, HasSubstr("attnserve_model_info{"));
   // Histogram buckets are cumulative and end at the count.
@@ -369,6 +371,8 @@ TEST(ServerLoadTest, OverloadIsRefusedQuicklyAndExpiredRequestsAreDropped) {
   EXPECT_EQ(Sample(m, "attnserve_requests_total{code=\"DEADLINE_EXCEEDED\",method=\"Attend\",model=\"demo\"}"), 1)
       << m.substr(0, 4000);
   EXPECT_GE(Sample(m, "attnserve_requests_total{code=\"RESOURCE_EXHAUSTED\",method=\"Attend\",model=\"demo\"}"), 1);
+  EXPECT_GE(Sample(m, "attnserve_rejections_total{model=\"demo\",reason=\"queue_full\"}"), 1);
+  EXPECT_EQ(Sample(m, "attnserve_rejections_total{model=\"demo\",reason=\"deadline\"}"), 1);
 }
 
 TEST(ServerShutdownTest, InFlightRequestsFinishOnShutdown) {
