@@ -23,6 +23,13 @@ int main(int argc, char** argv) {
                  "Directory of models: one subdirectory per model with config.json and weights "
                  "(README \"Models\"); default: the built-in demo model");
   app.add_option("--device", o.device, "Compute device: cpu, cuda or cuda:N")->capture_default_str();
+  std::string dtype = "float32";
+  app.add_option("--dtype", dtype,
+                 "Weights and compute dtype: float32, float16 or bfloat16 (the CPU: float32 only)")
+      ->check(CLI::IsMember({"float32", "float16", "bfloat16"}))
+      ->capture_default_str();
+  app.add_flag("--tf32", o.allow_tf32,
+               "CUDA float32: let matmuls use TF32 tensor cores (faster, ~1e-3 relative error)");
   o.batcher.workers = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   app.add_option("--workers", o.batcher.workers, "Compute threads (default: one per core)")
       ->check(CLI::Range(1, 256))
@@ -69,6 +76,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   o.batcher.enabled = !no_batching;
+  o.compute_dtype = dtype == "float16"    ? attnserve::DType::kFloat16
+                    : dtype == "bfloat16" ? attnserve::DType::kBFloat16
+                                          : attnserve::DType::kFloat32;
   o.batcher.max_queue_delay = std::chrono::microseconds(delay_us);
 
   // Every thread started from here on inherits the blocked signals; this one waits for them.

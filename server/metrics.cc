@@ -63,6 +63,23 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
                       .Name("attnserve_rejections_total")
                       .Help("Requests refused or dropped before compute, by reason.")
                       .Register(registry)),
+      backend_(prometheus::BuildCounter()
+                   .Name("attnserve_attention_backend_total")
+                   .Help("Computed requests by the attention kernel that ran (math, flash, "
+                         "efficient, cudnn).")
+                   .Register(registry)),
+      flops_(prometheus::BuildCounter()
+                 .Name("attnserve_flops_total")
+                 .Help("Floating-point operations computed (projections, QK^T, PV).")
+                 .Register(registry)),
+      flops_rate_(prometheus::BuildGauge()
+                      .Name("attnserve_achieved_flops_per_second")
+                      .Help("FLOP/s achieved by the last batch: its FLOPs over its compute time.")
+                      .Register(registry)),
+      device_memory_(prometheus::BuildGauge()
+                         .Name("attnserve_device_memory_bytes")
+                         .Help("CUDA caching allocator memory, by kind: allocated or reserved.")
+                         .Register(registry)),
       model_info_(prometheus::BuildGauge()
                       .Name("attnserve_model_info")
                       .Help("A loaded model (value 1), described by its labels.")
@@ -84,15 +101,26 @@ void ServerMetrics::RecordBatch(const std::string& model, const std::vector<Work
   const prometheus::Labels labels{{"model", model}};
   auto& queue = queue_.Add(labels, LatencyBuckets());
   int64_t tokens = 0;
+  double flops = 0;
   for (const WorkItem* item : batch) {
     queue.Observe(item->queue_seconds);
     tokens += item->tokens();
+    flops += ForwardFlops(item->model->spec(), item->call);
+    backend_.Add({{"model", model}, {"backend", item->outputs.attention_backend}}).Increment();
   }
+  flops_.Add(labels).Increment(flops);
+  if (seconds > 0) flops_rate_.Add(labels).Set(flops / seconds);
   compute_.Add(labels, LatencyBuckets()).Observe(seconds);
   batch_size_.Add(labels, BatchBuckets()).Observe(static_cast<double>(batch.size()));
   batch_tokens_.Add(labels, TokenBuckets()).Observe(static_cast<double>(tokens));
   // The engine packs every request's rows with no padding rows at all.
   padding_.Add(labels).Set(0);
+}
+
+void ServerMetrics::SetDeviceMemory(const std::string& device, int64_t allocated,
+                                    int64_t reserved) {
+  device_memory_.Add({{"device", device}, {"kind", "allocated"}}).Set(static_cast<double>(allocated));
+  device_memory_.Add({{"device", device}, {"kind", "reserved"}}).Set(static_cast<double>(reserved));
 }
 
 void ServerMetrics::RecordRejection(const std::string& model, const char* reason) {

@@ -28,6 +28,8 @@ class ServerMetrics {
   /// One computed batch: its size in requests and tokens, compute time, padding (none: packed),
   /// and each request's queue wait.
   void RecordBatch(const std::string& model, const std::vector<WorkItem*>& batch, double seconds);
+  /// Allocated and reserved bytes of a CUDA device's caching allocator.
+  void SetDeviceMemory(const std::string& device, int64_t allocated, int64_t reserved);
   /// A request refused or dropped before compute; reason: queue_full, draining, deadline, cancelled.
   void RecordRejection(const std::string& model, const char* reason);
   /// Sets attnserve_model_info{...} 1 for a loaded model.
@@ -43,6 +45,10 @@ class ServerMetrics {
   prometheus::Family<prometheus::Histogram>& batch_tokens_;
   prometheus::Family<prometheus::Gauge>& padding_;
   prometheus::Family<prometheus::Counter>& rejections_;
+  prometheus::Family<prometheus::Counter>& backend_;
+  prometheus::Family<prometheus::Counter>& flops_;
+  prometheus::Family<prometheus::Gauge>& flops_rate_;
+  prometheus::Family<prometheus::Gauge>& device_memory_;
   prometheus::Family<prometheus::Gauge>& model_info_;
 };
 

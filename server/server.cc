@@ -9,6 +9,7 @@
 #include <mutex>
 
 #include "server/attention_service.h"
+#include "server/engine/device_support.h"
 #include "server/engine/model_loader.h"
 #include "server/metrics.h"
 
@@ -48,6 +49,8 @@ StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   }
   EngineOptions engine_options;
   engine_options.device = options.device;
+  engine_options.compute_dtype = options.compute_dtype;
+  engine_options.allow_tf32 = options.allow_tf32;
   for (const ModelWeights& w : weights) {
     ASSIGN_OR_RETURN(auto model, CreateTorchModel(w, engine_options));
     impl->models.emplace(w.spec.name, std::move(model));
@@ -69,9 +72,19 @@ StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
 
   BatcherOptions batcher_options = options.batcher;
   ServerMetrics* metrics = impl->metrics.get();
-  batcher_options.on_batch = [metrics](const std::string& model,
-                                       const std::vector<WorkItem*>& batch, double seconds) {
+  // On CUDA, each batch also refreshes the device's allocator gauges.
+  int cuda_index = -1;
+  if (options.device.rfind("cuda", 0) == 0) {
+    cuda_index = options.device.size() > 5 ? std::atoi(options.device.c_str() + 5) : 0;
+  }
+  batcher_options.on_batch = [metrics, cuda_index](const std::string& model,
+                                                   const std::vector<WorkItem*>& batch,
+                                                   double seconds) {
     metrics->RecordBatch(model, batch, seconds);
+    DeviceMemory memory;
+    if (cuda_index >= 0 && ReadDeviceMemory(cuda_index, &memory)) {
+      metrics->SetDeviceMemory("cuda:" + std::to_string(cuda_index), memory.allocated, memory.reserved);
+    }
   };
   batcher_options.on_reject = [metrics](const std::string& model, const char* reason) {
     metrics->RecordRejection(model, reason);

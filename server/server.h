@@ -15,6 +15,8 @@ struct ServerOptions {
   std::string metrics_address = "127.0.0.1:9464";   ///< /metrics listen address; "" disables.
   std::string models_dir;                           ///< "" serves the built-in demo model.
   std::string device = "cpu";
+  DType compute_dtype = DType::kFloat32;            ///< Weights and compute (CUDA: any float).
+  bool allow_tf32 = false;                          ///< CUDA float32 matmuls on TF32 tensor cores.
   BatcherOptions batcher;                           ///< Batching, queue and compute threads.
   int max_message_bytes = 64 << 20;                 ///< gRPC send/receive limit.
   AttendLimits limits;

@@ -22,6 +22,18 @@ const char* DTypeName(DType dtype) {
   return "unknown";
 }
 
+double ForwardFlops(const ModelSpec& m, const AttendCall& c) {
+  const double rows_q = static_cast<double>(c.batch * c.query_len);
+  const double rows_k = static_cast<double>(c.batch * c.key_len);
+  const double e = static_cast<double>(m.embed_dim);
+  const double keys = static_cast<double>(c.key_len + m.extra_keys());
+  const double projections = 2 * rows_q * e * e                                   // q
+                             + 2 * rows_k * e * static_cast<double>(m.kdim + m.vdim)  // k, v
+                             + 2 * rows_q * e * e;                                // output
+  const double attention = 4 * rows_q * keys * e;  // QK^T and PV over all heads
+  return projections + attention;
+}
+
 std::string ShapeString(const std::vector<int64_t>& shape) {
   std::string s = "[";
   for (size_t i = 0; i < shape.size(); ++i) {

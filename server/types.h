@@ -77,6 +77,10 @@ struct AttendCall {
   bool self_attention() const { return !key.has_value(); }
 };
 
+/// Floating-point operations of nn.MultiheadAttention's forward for a validated call: the four
+/// projections, QK^T and PV (softmax and masks not counted). For achieved-FLOP/s metrics.
+double ForwardFlops(const ModelSpec& model, const AttendCall& call);
+
 /// Per-request limits, set by server flags.
 struct AttendLimits {
   /// Most tokens one request may carry: batch * (query_len + key_len).

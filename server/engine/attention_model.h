@@ -17,6 +17,9 @@ struct AttendOutputs {
   std::vector<int64_t> output_shape;    ///< Set by Forward.
   std::string* weights = nullptr;       ///< Required when weights were requested.
   std::vector<int64_t> weights_shape;   ///< Set by Forward when weights were requested.
+  /// The attention kernel that ran: "math", or on LibTorch 2.x the fused SDPA backend chosen
+  /// ("flash", "efficient", "cudnn", ...). Set by Forward.
+  const char* attention_backend = "math";
 };
 
 /// One loaded multi-head attention model. Thread-safe: Forward may run on many threads at once.
@@ -42,6 +45,8 @@ class AttentionModel {
 struct EngineOptions {
   std::string device = "cpu";        ///< "cpu", "cuda" or "cuda:N".
   DType compute_dtype = DType::kFloat32;
+  /// CUDA float32 only: let matmuls use TF32 tensor cores (faster, ~1e-3 relative error).
+  bool allow_tf32 = false;
 };
 
 /// Builds a LibTorch model from host weights. FAILED_PRECONDITION when the device is unusable

@@ -3,12 +3,15 @@
 #include <ATen/ATen.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/InferenceMode.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
 
 #include "server/engine/attention_model.h"
+#include "server/engine/device_support.h"
 #include "server/engine/torch_compat.h"
 
 namespace attnserve {
@@ -30,6 +33,24 @@ at::Tensor Wrap(const TensorView& v) {
                                at::TensorOptions().dtype(ToScalarType(v.dtype)));
   return v.dtype == DType::kBool ? t.ne(0) : t;
 }
+
+// On a CUDA device, makes a stream from LibTorch's pool current for this thread: each compute
+// worker keeps its own stream, so workers overlap and a worker's synchronous copy back waits for its
+// own stream only. Device-generic (c10), so it compiles in CPU builds, where it does nothing.
+class WorkerStream {
+ public:
+  explicit WorkerStream(at::Device device) {
+    if (!device.is_cuda()) return;
+    thread_local c10::optional<c10::Stream> stream;
+    if (!stream || stream->device() != device) {
+      stream = c10::impl::getDeviceGuardImpl(device.type())->getStreamFromGlobalPool(device);
+    }
+    guard_.emplace(*stream);
+  }
+
+ private:
+  c10::optional<c10::StreamGuard> guard_;
+};
 
 at::Tensor FromHost(const HostTensor& h, const at::TensorOptions& opts) {
   return at::from_blob(const_cast<float*>(h.values.data()), h.shape, at::kFloat)
@@ -120,17 +141,21 @@ class TorchModel final : public AttentionModel {
     at::Tensor merged;   // [B*Lq, E] in the wire's row order (undefined when written to a dst)
     at::Tensor weights;  // [B, H, Lq, S] when requested
     at::Tensor dead;     // [B*Lq, 1] bool: query masked in every head (undefined: none)
+    const char* backend = "math";
   };
 
   template <typename F>
   Status Guarded(F&& f) const {
     try {
       c10::InferenceMode guard;
+      WorkerStream stream(device_);
       f();
       return Status::Ok();
     } catch (const c10::Error& e) {
       const std::string what = e.what_without_backtrace();
       if (what.find("out of memory") != std::string::npos) {
+        // Give the cached blocks back so the next batches can fit; this batch is refused.
+        ReleaseCachedDeviceMemory();
         return Status(StatusCode::kResourceExhausted, "device out of memory: " + what);
       }
       return Internal("engine: " + what);
@@ -139,9 +164,15 @@ class TorchModel final : public AttentionModel {
     }
   }
 
-  // The wire bytes as [rows, features] on the compute device, without a copy where possible.
+  // The wire bytes as [rows, features] on the compute device: no copy on CPU in float32; on CUDA
+  // through a pinned staging buffer (LibTorch's caching host allocator) and a non-blocking copy on
+  // the worker's stream.
   at::Tensor InputRows(const TensorView& v) const {
-    return Wrap(v).view({-1, v.shape.back()}).to(device_, dtype_);
+    const at::Tensor host = Wrap(v).view({-1, v.shape.back()});
+    if (!device_.is_cuda()) return host.to(dtype_);
+    at::Tensor pinned = at::empty(host.sizes(), host.options().pinned_memory(true));
+    pinned.copy_(host);
+    return pinned.to(device_, dtype_, /*non_blocking=*/true);
   }
 
   Rows Project(const AttendCall& call) const {
@@ -294,6 +325,7 @@ class TorchModel final : public AttentionModel {
     Attended result;
     at::Tensor attn;  // [B, H, Lq, D]
     if (fused) {
+      result.backend = compat::FusedSdpaBackend(qh, kh, vh, mask, fused_causal);
       attn = compat::FusedSdpa(qh, kh, vh, mask, fused_causal);
       if (any_dead) attn = attn.masked_fill(dead, 0);
     } else {
@@ -328,6 +360,7 @@ class TorchModel final : public AttentionModel {
     const int64_t b = call.batch, lq = call.query_len, e = spec_.embed_dim;
     const bool batch_first = call.layout == TensorLayout::kBatchFirst || !call.batched;
     const DType out_dtype = call.query.dtype;
+    out->attention_backend = a.backend;
     out->output->resize(static_cast<size_t>(b * lq * e) * DTypeSize(out_dtype));
     at::Tensor dst = at::from_blob(out->output->data(), {b * lq, e}, ToScalarType(out_dtype));
     if (y.defined()) {
@@ -389,6 +422,8 @@ StatusOr<std::unique_ptr<AttentionModel>> CreateTorchModel(const ModelWeights& w
       return fail(std::string("--dtype ") + DTypeName(options.compute_dtype) +
                   ": the CPU computes in float32 only");
     }
+    if (!device.is_cuda() && options.allow_tf32) return fail("--tf32: needs a CUDA device");
+    if (device.is_cuda()) at::globalContext().setAllowTF32CuBLAS(options.allow_tf32);
     c10::InferenceMode guard;
     auto model = std::make_unique<TorchModel>(weights, device, options.compute_dtype);
     return std::unique_ptr<AttentionModel>(std::move(model));
