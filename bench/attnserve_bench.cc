@@ -29,12 +29,14 @@ struct Sample {
   double latency_ms;
   int code;
   int64_t tokens;
+  double flops;
 };
 
 // One prepared request: the client's form, plus views for the in-process engine.
 struct Prepared {
   attnserve::AttendRequest request;
   int64_t tokens = 0;
+  double flops = 0;  // Projections + QK^T + PV, as the server's ForwardFlops counts them.
 };
 
 // Where requests go. `done(code)` runs once per call, on any thread.
@@ -91,8 +93,17 @@ class ClientBackend : public Backend {
 // The engine with no gRPC and no batching: `workers` threads call Forward directly.
 class EngineBackend : public Backend {
  public:
-  explicit EngineBackend(int workers) {
-    auto model = attnserve::CreateTorchModel(attnserve::DemoModelWeights(), {});
+  EngineBackend(int workers, const std::string& models_dir, const std::string& name,
+                const attnserve::EngineOptions& options) {
+    attnserve::ModelWeights weights;
+    if (models_dir.empty()) {
+      weights = attnserve::DemoModelWeights();
+    } else {
+      auto loaded = attnserve::LoadModel(models_dir + "/" + name, name);
+      if (!loaded.ok()) throw std::runtime_error(loaded.status().message());
+      weights = std::move(loaded).value();
+    }
+    auto model = attnserve::CreateTorchModel(weights, options);
     if (!model.ok()) throw std::runtime_error(model.status().message());
     model_ = std::move(model).value();
     for (int i = 0; i < workers; ++i) threads_.emplace_back([this] { Loop(); });
@@ -183,6 +194,7 @@ double Percentile(std::vector<double>& v, double q) {
 int main(int argc, char** argv) {
   CLI::App app{"attnserve-bench: load generator for attnserve", "attnserve-bench"};
   std::string target = "127.0.0.1:50051", lengths = "uniform:8:64", label = "run", json_path;
+  std::string model_name = "demo", models_dir, device = "cpu", dtype = "float32";
   int callers = 32, workers = 2, pool_size = 64, embed = 512;
   double rate = 0, duration = 10, warmup = 2, cross = 0;
   uint32_t seed = 1;
@@ -200,6 +212,11 @@ int main(int argc, char** argv) {
   app.add_option("--workers", workers, "inprocess: compute threads")->capture_default_str();
   app.add_option("--pool", pool_size, "Distinct prepared requests cycled through")->capture_default_str();
   app.add_option("--embed-dim", embed, "Model embed_dim (demo: 512)")->capture_default_str();
+  app.add_option("--model", model_name, "Model name")->capture_default_str();
+  app.add_option("--models", models_dir, "inprocess: the server's --models directory (default: demo)");
+  app.add_option("--device", device, "inprocess: cpu, cuda or cuda:N")->capture_default_str();
+  app.add_option("--dtype", dtype, "inprocess: compute dtype float32, float16 or bfloat16")
+      ->capture_default_str();
   app.add_option("--label", label, "Name in the output")->capture_default_str();
   app.add_option("--json", json_path, "Append the result as one JSON line to this file");
   app.add_option("--seed", seed, "Seed of lengths and data")->capture_default_str();
@@ -220,19 +237,27 @@ int main(int argc, char** argv) {
       for (float& x : v) x = normal(rng);
       return attnserve::Tensor::Float32({1, len, embed}, v);
     };
-    p.request.model = "demo";
+    p.request.model = model_name;
     p.request.query = tensor(lq);
     p.tokens = lq;
+    int64_t lk = lq;
     if (std::uniform_real_distribution<double>()(rng) < cross) {
-      const int64_t lk = draw_len(rng);
+      lk = draw_len(rng);
       p.request.key = tensor(lk);
       p.request.value = tensor(lk);
       p.tokens += lk;
     }
+    const double e = embed;
+    p.flops = 2.0 * lq * e * e * 2 + 2.0 * lk * e * e * 2 + 4.0 * lq * lk * e;
   }
   std::unique_ptr<Backend> backend;
   if (target == "inprocess") {
-    backend = std::make_unique<EngineBackend>(workers);
+    attnserve::EngineOptions options;
+    options.device = device;
+    options.compute_dtype = dtype == "float16"    ? attnserve::DType::kFloat16
+                            : dtype == "bfloat16" ? attnserve::DType::kBFloat16
+                                                  : attnserve::DType::kFloat32;
+    backend = std::make_unique<EngineBackend>(workers, models_dir, model_name, options);
   } else {
     backend = std::make_unique<ClientBackend>(target, stream ? callers : 0);
   }
@@ -249,11 +274,11 @@ int main(int argc, char** argv) {
   auto issue = [&](auto&& self, int caller, Clock::time_point sent) -> void {
     const Prepared& p = pool[next++ % pool.size()];
     ++outstanding;
-    backend->Call(caller, p, [&, caller, sent, tokens = p.tokens, self](int code) {
+    backend->Call(caller, p, [&, caller, sent, tokens = p.tokens, flops = p.flops, self](int code) {
       const auto now = Clock::now();
       if (sent >= measure_from && now <= end) {
         std::lock_guard<std::mutex> lock(mu);
-        samples.push_back({std::chrono::duration<double, std::milli>(now - sent).count(), code, tokens});
+        samples.push_back({std::chrono::duration<double, std::milli>(now - sent).count(), code, tokens, flops});
       }
       --outstanding;
       if (rate <= 0 && !stop && now < end) self(self, caller, Clock::now());  // Closed loop: next.
@@ -293,10 +318,12 @@ int main(int argc, char** argv) {
   std::vector<double> lat;
   std::map<std::string, int> errors;
   int64_t tokens = 0;
+  double flops = 0;
   for (const Sample& s : samples) {
     if (s.code == 0) {
       lat.push_back(s.latency_ms);
       tokens += s.tokens;
+      flops += s.flops;
     } else {
       ++errors[attnserve::StatusCodeName(s.code)];
     }
@@ -314,11 +341,13 @@ int main(int argc, char** argv) {
   j["errors"] = errors;
   j["requests_per_s"] = static_cast<double>(lat.size()) / duration;
   j["tokens_per_s"] = static_cast<double>(tokens) / duration;
+  j["tflops"] = flops / duration / 1e12;
   const double mx = lat.empty() ? 0 : *std::max_element(lat.begin(), lat.end());
   j["latency_ms"] = {{"p50", Percentile(lat, 0.50)}, {"p90", Percentile(lat, 0.90)},
                      {"p99", Percentile(lat, 0.99)}, {"max", mx}};
-  std::printf("%-28s %9.1f req/s %10.0f tok/s  p50 %7.2f  p90 %7.2f  p99 %7.2f  max %7.2f ms  errors %s\n",
+  std::printf("%-28s %9.1f req/s %10.0f tok/s %7.3f TFLOP/s  p50 %7.2f  p90 %7.2f  p99 %7.2f  max %7.2f ms  errors %s\n",
               label.c_str(), j["requests_per_s"].get<double>(), j["tokens_per_s"].get<double>(),
+              j["tflops"].get<double>(),
               j["latency_ms"]["p50"].get<double>(), j["latency_ms"]["p90"].get<double>(),
               j["latency_ms"]["p99"].get<double>(), mx, j["errors"].dump().c_str());
   if (!json_path.empty()) std::ofstream(json_path, std::ios::app) << j.dump() << "\n";

@@ -7,8 +7,13 @@ through Python gRPC stubs generated from the .proto, and compare output and atte
 module's own forward in float32. Tolerance: max|out - ref| / max|ref| <= 1e-5 for float32 on the wire,
 <= 1e-3 for float16 on the wire (the answer is rounded to float16); weights: max abs error <= 1e-5.
 
-usage: conformance.py PATH/TO/attnserve
+usage: conformance.py PATH/TO/attnserve [--server-args "--device cuda --dtype float16"]
+                      [--reference float64] [--tolerance 1e-2]
+On a GPU (bench/gpu_check.sh) the server computes on CUDA at each dtype and the reference is the module
+in float64 on the CPU; the tolerance is then the one given for that dtype.
 """
+import argparse
+import shlex
 import math
 import os
 import sys
@@ -142,8 +147,12 @@ def make_inputs(c, rng):
     return q, k, v, kpm, mask
 
 
-def reference(c, m, q, k, v, kpm, mask):
-    t = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a))
+def reference(c, m, q, k, v, kpm, mask, dtype=torch.float32):
+    def t(a):
+        if a is None:
+            return None
+        x = torch.from_numpy(np.ascontiguousarray(a))
+        return x.to(dtype) if x.is_floating_point() else x
     qt, kt, vt = t(q), t(k), t(v)
     if kt is None:
         kt = vt = qt
@@ -163,7 +172,15 @@ def reference(c, m, q, k, v, kpm, mask):
 
 
 def main():
-    binary = sys.argv[1]
+    ap = argparse.ArgumentParser()
+    ap.add_argument("binary")
+    ap.add_argument("--server-args", default="", help="extra attnserve flags, e.g. --device cuda")
+    ap.add_argument("--reference", choices=["float32", "float64"], default="float32")
+    ap.add_argument("--tolerance", type=float, default=None,
+                    help="max |out-ref|/max|ref| (default 1e-5; 1e-3 for float16 on the wire)")
+    args = ap.parse_args()
+    binary = args.binary
+    ref_dtype = torch.float64 if args.reference == "float64" else torch.float32
     pb, rpc = lib.load_stubs()
     tmp = tempfile.mkdtemp(prefix="attnserve-conformance-")
     modules = {}
@@ -171,7 +188,9 @@ def main():
         m = build_module(c, seed=1000 + i)
         modules[c["name"]] = m
         export_model.export(m, os.path.join(tmp, c["name"]), fmt=c.get("fmt", "safetensors"))
-    server = lib.Server(binary, "--models", tmp)
+    server = lib.Server(binary, "--models", tmp, *shlex.split(args.server_args))
+    print(f"server: {server.banner.strip()}")
+    print(f"reference: nn.MultiheadAttention in {args.reference} on the CPU")
     stub = rpc.AttentionServiceStub(grpc.insecure_channel(server.target))
     failures = 0
     print(f"{'configuration':28s} {'output rel err':>14s} {'weights abs err':>15s} {'tolerance':>9s}")
@@ -179,7 +198,8 @@ def main():
         for i, c in enumerate(CONFIGS):
             rng = np.random.default_rng(2000 + i)
             q, k, v, kpm, mask = make_inputs(c, rng)
-            want, want_w = reference(c, modules[c["name"]], q, k, v, kpm, mask)
+            module = modules[c["name"]].to(ref_dtype)
+            want, want_w = reference(c, module, q, k, v, kpm, mask, ref_dtype)
             dtype = c.get("dtype", "float32")
             req = pb.AttendRequest(
                 model=c["name"], query=lib.to_wire(pb, q, dtype), is_causal=c.get("causal", False),
@@ -194,7 +214,8 @@ def main():
                 req.attn_mask.CopyFrom(lib.to_wire(pb, mask))
             resp = stub.Attend(req, timeout=30)
             got = lib.from_wire(pb, resp.output)
-            tol = 1e-5 if dtype == "float32" else 1e-3
+            tol = args.tolerance or (1e-5 if dtype == "float32" else 1e-3)
+            wtol = max(tol, 1e-5)
             assert got.shape == want.shape, (c["name"], got.shape, want.shape)
             err = float(np.abs(got - want).max() / np.abs(want).max())
             werr = float("nan")
@@ -203,7 +224,7 @@ def main():
                 gw = lib.from_wire(pb, resp.attn_weights)
                 ok = ok and gw.shape == want_w.shape
                 werr = float(np.abs(gw - want_w).max()) if gw.shape == want_w.shape else float("inf")
-                ok = ok and werr <= 1e-5
+                ok = ok and werr <= wtol
             failures += not ok
             wtext = "-" if want_w is None else f"{werr:.2e}"
             print(f"{c['name']:28s} {err:14.2e} {wtext:>15s} {tol:9.0e} {'ok' if ok else 'FAIL'}")

@@ -285,6 +285,9 @@ TEST_F(ServerTest, MetricsMoveAfterRequests) {
   EXPECT_GT(Sample(after, "attnserve_batch_size_requests_count{model=\"demo\"}"), 0);
   EXPECT_GT(Sample(after, "attnserve_batch_size_tokens_sum{model=\"demo\"}"), 0);
   EXPECT_EQ(Sample(after, "attnserve_batch_padding_fraction{model=\"demo\"}"), 0);
+  EXPECT_GT(Sample(after, "attnserve_attention_backend_total{backend=\"math\",model=\"demo\"}"), 0);
+  EXPECT_GT(Sample(after, "attnserve_flops_total{model=\"demo\"}"), 1e6);
+  EXPECT_GT(Sample(after, "attnserve_achieved_flops_per_second{model=\"demo\"}"), 1e6);
   EXPECT_EQ(Sample(after, "attnserve_requests_in_flight{method=\"Attend\"}"), 0);
   EXPECT_THAT(after, HasSubstr("attnserve_model_info{"));
   // Histogram buckets are cumulative and end at the count.

@@ -13,10 +13,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def load_stubs():
     """Generates the Python gRPC stubs from proto/ into a temp dir and imports them."""
-    from grpc_tools import protoc
     out = tempfile.mkdtemp(prefix="attnserve-py-")
-    rc = protoc.main(["protoc", "-I" + os.path.join(ROOT, "proto"), "--python_out=" + out,
-                      "--grpc_python_out=" + out, "attnserve/v1/attention.proto"])
+    args = ["-I" + os.path.join(ROOT, "proto"), "--python_out=" + out, "--grpc_python_out=" + out,
+            "attnserve/v1/attention.proto"]
+    try:
+        from grpc_tools import protoc
+        rc = protoc.main(["protoc"] + args)
+    except ImportError:  # No grpcio-tools (the GPU machine): protoc and grpc_python_plugin on PATH.
+        import shutil
+        plugin = shutil.which("grpc_python_plugin")
+        rc = subprocess.run(["protoc", f"--plugin=protoc-gen-grpc_python={plugin}"] + args).returncode
     if rc != 0:
         raise RuntimeError("protoc failed")
     sys.path.insert(0, out)
