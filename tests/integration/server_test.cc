@@ -62,6 +62,13 @@ Tensor RandomTensor(std::mt19937& rng, std::vector<int64_t> shape) {
   return Tensor::Float32(std::move(shape), v);
 }
 
+// Client options that reach `server`.
+ClientOptions TargetOf(const Server& server) {
+  ClientOptions c;
+  c.target = "127.0.0.1:" + std::to_string(server.port());
+  return c;
+}
+
 class ServerTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -72,9 +79,7 @@ class ServerTest : public ::testing::Test {
     auto s = Server::Start(o);
     ASSERT_TRUE(s.ok()) << s.status().message();
     server_ = std::move(s).value().release();
-    ClientOptions c;
-    c.target = "127.0.0.1:" + std::to_string(server_->port());
-    client_ = new Client(c);
+    client_ = new Client(TargetOf(*server_));
   }
   static void TearDownTestSuite() {
     delete client_;
@@ -330,9 +335,7 @@ TEST(ServerLoadTest, OverloadIsRefusedQuicklyAndExpiredRequestsAreDropped) {
   o.batcher.enabled = false;  // One request per batch: the queue fills.
   auto server = Server::Start(o);
   ASSERT_TRUE(server.ok()) << server.status().message();
-  ClientOptions co;
-  co.target = "127.0.0.1:" + std::to_string((*server)->port());
-  Client client(co);
+  Client client(TargetOf(**server));
   std::mt19937 rng(8);
   AttendRequest big;
   big.query = RandomTensor(rng, {16, 256, 512});
@@ -385,9 +388,7 @@ TEST(ServerShutdownTest, InFlightRequestsFinishOnShutdown) {
   o.batcher.workers = 1;
   auto server = Server::Start(o);
   ASSERT_TRUE(server.ok());
-  ClientOptions co;
-  co.target = "127.0.0.1:" + std::to_string((*server)->port());
-  Client client(co);
+  Client client(TargetOf(**server));
   std::mt19937 rng(4);
   AttendRequest r;
   r.query = RandomTensor(rng, {8, 128, 512});
