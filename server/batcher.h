@@ -36,7 +36,8 @@ struct WorkItem {
   double compute_seconds = 0;
   int batch_size = 0;
 
-  /// Tokens this request brings to a batch: batch * (query_len + key_len).
+  /// Tokens this request brings to a batch: batch * query_len, plus batch * key_len for
+  /// cross-attention (self-attention's keys are its queries).
   int64_t tokens() const;
   /// Attention scores it needs: batch * query_len * key_len (per head).
   int64_t attention_cost() const;
@@ -47,7 +48,7 @@ using Dropped = std::vector<std::pair<std::unique_ptr<WorkItem>, Status>>;
 
 /// How batches are formed. Defaults suit this 2-core machine (bench/RESULTS.md).
 struct BatcherOptions {
-  /// Most query + key tokens in one batch. A single larger request still runs, alone. Past ~1k
+  /// Most tokens (WorkItem::tokens) in one batch. A single larger request still runs, alone. Past ~1k
   /// tokens the engine's GEMMs are efficient anyway, and smaller batches keep every worker busy.
   int64_t max_batch_tokens = 1024;
   /// Requests with more tokens than this are computed alone and never wait for company: they fill

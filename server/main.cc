@@ -42,7 +42,8 @@ int main(int argc, char** argv) {
   app.add_flag("--no-batching", no_batching,
                "Compute every request on its own, at once (default: dynamic batching)");
   app.add_option("--max-batch-tokens", o.batcher.max_batch_tokens,
-                 "Most query + key tokens one batch packs together")
+                 "Most tokens one batch packs together: query tokens, plus key tokens of "
+                 "cross-attention requests")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app.add_option("--max-shared-request-tokens", o.batcher.max_shared_request_tokens,
@@ -63,7 +64,8 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1 << 20, 1 << 30))
       ->capture_default_str();
   app.add_option("--max-request-tokens", o.limits.max_tokens,
-                 "Most tokens in one request: batch * (query_len + key_len)")
+                 "Most tokens in one request: batch * query_len, plus batch * key_len for "
+                 "cross-attention")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app.add_option("--max-attention-scores", o.limits.max_attention_scores,

@@ -83,7 +83,7 @@ double ForwardFlops(const ModelSpec& model, const AttendCall& call);
 
 /// Per-request limits, set by server flags.
 struct AttendLimits {
-  /// Most tokens one request may carry: batch * (query_len + key_len).
+  /// Most tokens one request may carry: batch * query_len, plus batch * key_len for cross-attention.
   int64_t max_tokens = 1 << 16;
   /// Most attention scores one request may need: batch * num_heads * query_len * key_len.
   int64_t max_attention_scores = int64_t{1} << 28;

@@ -185,7 +185,8 @@ Status Validate(const ModelSpec& model, const AttendLimits& limits, AttendCall* 
   const int64_t tokens = call->batch * (call->query_len + (call->key ? call->key_len : 0));
   if (tokens > limits.max_tokens) {
     return InvalidArgument("request: " + std::to_string(tokens) +
-                           " tokens (batch * (query_len + key_len)) is over the per-request limit of " +
+                           " tokens (batch * query_len, plus batch * key_len for cross-attention) is over the "
+                           "per-request limit of " +
                            std::to_string(limits.max_tokens) + " (server flag --max-request-tokens)");
   }
   const int64_t scores = call->batch * model.num_heads * call->query_len *

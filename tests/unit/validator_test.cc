@@ -176,7 +176,7 @@ TEST(ValidatorTest, RejectsRequestOverTokenLimit) {
   Call c = SelfCall({4, 100, 16});
   AttendLimits limits;
   limits.max_tokens = 399;
-  EXPECT_THAT(Check(c, Model(), limits).message(), HasSubstr("400 tokens (batch * (query_len + key_len)) is over the per-request limit of 399"));
+  EXPECT_THAT(Check(c, Model(), limits).message(), HasSubstr("400 tokens (batch * query_len, plus batch * key_len for cross-attention) is over the per-request limit of 399"));
 }
 
 TEST(ValidatorTest, RejectsRequestOverAttentionScoreLimit) {
