@@ -89,7 +89,7 @@ bool BatchQueue::Ready(SteadyClock::time_point now, int busy_workers,
 }
 
 std::vector<std::unique_ptr<WorkItem>> BatchQueue::Take(SteadyClock::time_point now,
-                                                        Dropped* dropped) {
+                                                        Dropped* dropped, size_t max_requests) {
   DropDead(now, dropped);
   std::vector<std::unique_ptr<WorkItem>> batch;
   if (items_.empty()) return batch;
@@ -101,7 +101,7 @@ std::vector<std::unique_ptr<WorkItem>> BatchQueue::Take(SteadyClock::time_point 
   for (auto& item : items_) {
     const bool fits = tokens + item->tokens() <= options_->max_batch_tokens &&
                       cost + item->attention_cost() <= options_->max_batch_attention;
-    if (fits && Shares(*item) && Compatible(*batch[0], *item)) {
+    if (batch.size() < max_requests && fits && Shares(*item) && Compatible(*batch[0], *item)) {
       tokens += item->tokens();
       cost += item->attention_cost();
       batch.push_back(std::move(item));
@@ -193,7 +193,8 @@ void Batcher::WorkerLoop() {
     }
     if (best) {
       Dropped dropped;
-      auto batch = best->Take(now, &dropped);
+      const size_t workers = static_cast<size_t>(options_.workers);
+      auto batch = best->Take(now, &dropped, (best->size() + workers - 1) / workers);
       if (best->size() > 0) cv_.notify_one();  // More may be ready for another worker.
       ++busy_;
       lock.unlock();

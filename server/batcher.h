@@ -1,6 +1,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstdint>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -84,7 +85,9 @@ struct BatcherOptions {
 /// token and attention budgets hold; incompatible requests wait for a later batch. A batch is ready
 /// when the compatible requests fill the budget, when the oldest has waited max_queue_delay, or at
 /// once when no worker is computing (waiting for company only pays off under load). Requests over
-/// max_shared_request_tokens always form a batch of their own, at once.
+/// max_shared_request_tokens always form a batch of their own, at once. A worker takes at most
+/// its share of the queue, ⌈queued / workers⌉ requests, so that below saturation requests spread
+/// over the cores instead of queueing behind each other in one batch.
 /// Expired and cancelled requests are dropped when a batch is taken and whenever the queue is full.
 class BatchQueue {
  public:
@@ -96,9 +99,10 @@ class BatchQueue {
   /// True when a batch should be taken now; otherwise `*wake` is when one will be (max if empty).
   /// `busy_workers`: how many workers are computing right now.
   bool Ready(SteadyClock::time_point now, int busy_workers, SteadyClock::time_point* wake) const;
-  /// Takes the next batch (empty when nothing is queued). Dead items go to `dropped`.
-  std::vector<std::unique_ptr<WorkItem>> Take(SteadyClock::time_point now,
-                                              Dropped* dropped);
+  /// Takes the next batch (empty when nothing is queued), of at most `max_requests` requests.
+  /// Dead items go to `dropped`.
+  std::vector<std::unique_ptr<WorkItem>> Take(SteadyClock::time_point now, Dropped* dropped,
+                                              size_t max_requests = SIZE_MAX);
   size_t size() const { return items_.size(); }
   /// The oldest item's acceptance time (queue must not be empty).
   SteadyClock::time_point oldest() const { return items_.front()->accepted; }

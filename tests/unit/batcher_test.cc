@@ -110,6 +110,12 @@ TEST_F(BatchQueueTest, LargeRequestsRunAloneAtOnce) {
   EXPECT_THAT(Ids(queue_.Take(kT0 + 1s, &dropped_)), ElementsAre(400));
 }
 
+TEST_F(BatchQueueTest, TakesAtMostTheRequestedNumberOfRequests) {
+  for (int i = 1; i <= 4; ++i) Add(Item(&model_, i));
+  EXPECT_THAT(Ids(queue_.Take(kT0 + 1s, &dropped_, 2)), ElementsAre(1, 2));
+  EXPECT_THAT(Ids(queue_.Take(kT0 + 1s, &dropped_, 2)), ElementsAre(3, 4));
+}
+
 TEST_F(BatchQueueTest, BoundsTheAttentionCost) {
   options_.max_batch_tokens = 1000;
   options_.max_batch_attention = 30 * 30 + 20 * 20;
