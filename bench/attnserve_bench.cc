@@ -313,6 +313,10 @@ int main(int argc, char** argv) {
   if (pacer.joinable()) pacer.join();
   const auto drain_until = Clock::now() + std::chrono::seconds(60);
   while (outstanding > 0 && Clock::now() < drain_until) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  // Tear the client down (it waits for its callbacks), then give gRPC's threads a moment to leave
+  // their completion code before the process exits.
+  backend.reset();
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
   std::fprintf(stderr, "\n");
 
   std::vector<double> lat;

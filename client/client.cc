@@ -92,6 +92,10 @@ std::string CallStatus::ToString() const {
 
 struct Client::Impl {
   ClientOptions options;
+  // Async unary calls whose callback has not returned yet: ~Client waits for them.
+  std::mutex mu;
+  std::condition_variable idle;
+  int in_flight = 0;
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<pb::AttentionService::Stub> stub;
   std::unique_ptr<grpc::GenericStub> generic;
@@ -113,7 +117,10 @@ Client::Client(const ClientOptions& options) : impl_(std::make_shared<Impl>()) {
   impl_->generic = std::make_unique<grpc::GenericStub>(impl_->channel);
 }
 
-Client::~Client() = default;
+Client::~Client() {
+  std::unique_lock<std::mutex> lock(impl_->mu);
+  impl_->idle.wait(lock, [this] { return impl_->in_flight == 0; });
+}
 
 CallStatus Client::Attend(const AttendRequest& request, AttendResult* result,
                           const CallOptions& call) {
@@ -138,11 +145,17 @@ void Client::AttendAsync(const AttendRequest& request,
   auto state = std::make_shared<State>();
   impl_->Prepare(&state->ctx, call);
   ToWire(request, &state->request);
-  impl_->stub->async()->Attend(&state->ctx, &state->request, &state->response,
-                               [state, done = std::move(done)](grpc::Status s) {
-                                 done(FromGrpc(s), s.ok() ? FromWire(&state->response)
-                                                          : AttendResult{});
-                               });
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    ++impl_->in_flight;
+  }
+  impl_->stub->async()->Attend(
+      &state->ctx, &state->request, &state->response,
+      [impl = impl_, state, done = std::move(done)](grpc::Status s) {
+        done(FromGrpc(s), s.ok() ? FromWire(&state->response) : AttendResult{});
+        std::lock_guard<std::mutex> lock(impl->mu);
+        if (--impl->in_flight == 0) impl->idle.notify_all();
+      });
 }
 
 namespace {

@@ -101,6 +101,7 @@ class Client {
  public:
   /// Creates the channel (connection is lazy).
   explicit Client(const ClientOptions& options = {});
+  /// Waits for the callbacks of async calls still in flight.
   ~Client();
   Client(const Client&) = delete;
   Client& operator=(const Client&) = delete;
