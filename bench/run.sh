@@ -34,8 +34,16 @@ bench() {  # system workload args...
   local system=$1 workload=$2; shift 2
   local target=127.0.0.1:$port
   [ "$system" = floor ] && target=inprocess
-  "$build/attnserve-bench" --target "$target" --label "$system/$workload" --warmup 2 \
-    --json "$out/results.jsonl" "$@" 2>"$out/bench.err" || { cat "$out/bench.err" >&2; exit 1; }
+  # attnserve-bench has aborted a few times in gRPC ("ref_counted.h:183 prior > 0") at the end of a
+  # W2 run, not reproduced under gdb; such a run is logged and measured again once.
+  local tries
+  for tries in 1 2; do
+    "$build/attnserve-bench" --target "$target" --label "$system/$workload" --warmup 2 \
+      --json "$out/results.jsonl" "$@" 2>"$out/bench.err" && return
+    tail -2 "$out/bench.err" >>"$out/bench_failures.log"
+    echo "bench: $system/$workload failed (try $tries), see $out/bench_failures.log" >&2
+  done
+  exit 1
 }
 
 # This VM's neighbours make single runs swing by +-20%: the workloads run in rounds that rotate
