@@ -7,6 +7,7 @@
 #include <deque>
 #include <future>
 #include <mutex>
+#include <thread>
 
 #include "attnserve/v1/attention.grpc.pb.h"
 
@@ -90,12 +91,39 @@ std::string CallStatus::ToString() const {
   return ok() ? "OK" : std::string(StatusCodeName(code)) + ": " + message;
 }
 
+// One unary call on the completion-queue API; the poller thread completes and deletes it.
+struct AsyncAttend {
+  grpc::ClientContext ctx;
+  pb::AttendRequest request;
+  pb::AttendResponse response;
+  grpc::Status status;
+  std::unique_ptr<grpc::ClientAsyncResponseReader<pb::AttendResponse>> reader;
+  std::function<void(CallStatus, AttendResult)> done;
+};
+
 struct Client::Impl {
   ClientOptions options;
   // Async unary calls whose callback has not returned yet: ~Client waits for them.
   std::mutex mu;
   std::condition_variable idle;
   int in_flight = 0;
+  // Unary async calls use the completion-queue API with this poller, not gRPC's callback API:
+  // under load gRPC 1.51's callback completion queue double-frees itself (bench/RESULTS.md).
+  grpc::CompletionQueue cq;
+  std::thread poller;
+
+  void Poll() {
+    void* tag = nullptr;
+    bool ok = false;
+    while (cq.Next(&tag, &ok)) {
+      std::unique_ptr<AsyncAttend> call(static_cast<AsyncAttend*>(tag));
+      call->done(FromGrpc(call->status),
+                 call->status.ok() ? FromWire(&call->response) : AttendResult{});
+      call.reset();
+      std::lock_guard<std::mutex> lock(mu);
+      if (--in_flight == 0) idle.notify_all();
+    }
+  }
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<pb::AttentionService::Stub> stub;
   std::unique_ptr<grpc::GenericStub> generic;
@@ -115,11 +143,16 @@ Client::Client(const ClientOptions& options) : impl_(std::make_shared<Impl>()) {
   impl_->channel = grpc::CreateCustomChannel(options.target, grpc::InsecureChannelCredentials(), args);
   impl_->stub = pb::AttentionService::NewStub(impl_->channel);
   impl_->generic = std::make_unique<grpc::GenericStub>(impl_->channel);
+  impl_->poller = std::thread([impl = impl_.get()] { impl->Poll(); });
 }
 
 Client::~Client() {
-  std::unique_lock<std::mutex> lock(impl_->mu);
-  impl_->idle.wait(lock, [this] { return impl_->in_flight == 0; });
+  {
+    std::unique_lock<std::mutex> lock(impl_->mu);
+    impl_->idle.wait(lock, [this] { return impl_->in_flight == 0; });
+  }
+  impl_->cq.Shutdown();
+  impl_->poller.join();
 }
 
 CallStatus Client::Attend(const AttendRequest& request, AttendResult* result,
@@ -137,25 +170,17 @@ CallStatus Client::Attend(const AttendRequest& request, AttendResult* result,
 void Client::AttendAsync(const AttendRequest& request,
                          std::function<void(CallStatus, AttendResult)> done,
                          const CallOptions& call) {
-  struct State {
-    grpc::ClientContext ctx;
-    pb::AttendRequest request;
-    pb::AttendResponse response;
-  };
-  auto state = std::make_shared<State>();
-  impl_->Prepare(&state->ctx, call);
-  ToWire(request, &state->request);
+  auto* rpc = new AsyncAttend;
+  impl_->Prepare(&rpc->ctx, call);
+  ToWire(request, &rpc->request);
+  rpc->done = std::move(done);
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
     ++impl_->in_flight;
   }
-  impl_->stub->async()->Attend(
-      &state->ctx, &state->request, &state->response,
-      [impl = impl_, state, done = std::move(done)](grpc::Status s) {
-        done(FromGrpc(s), s.ok() ? FromWire(&state->response) : AttendResult{});
-        std::lock_guard<std::mutex> lock(impl->mu);
-        if (--impl->in_flight == 0) impl->idle.notify_all();
-      });
+  rpc->reader = impl_->stub->PrepareAsyncAttend(&rpc->ctx, rpc->request, &impl_->cq);
+  rpc->reader->StartCall();
+  rpc->reader->Finish(&rpc->response, &rpc->status, rpc);  // The poller deletes it.
 }
 
 namespace {

@@ -109,7 +109,8 @@ class Client {
   /// One attention forward; blocks.
   CallStatus Attend(const AttendRequest& request, AttendResult* result,
                     const CallOptions& call = {});
-  /// One attention forward without blocking; `done` runs once, on a gRPC thread.
+  /// One attention forward without blocking; `done` runs once, on the client's poller thread
+  /// (keep it short: it delays the completion of the client's other calls).
   void AttendAsync(const AttendRequest& request,
                    std::function<void(CallStatus, AttendResult)> done,
                    const CallOptions& call = {});
