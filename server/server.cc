@@ -9,9 +9,11 @@
 #include <mutex>
 
 #include "server/attention_service.h"
+#include "server/engine/blas.h"
 #include "server/engine/device_support.h"
 #include "server/engine/model_loader.h"
 #include "server/metrics.h"
+#include "server/thread_stacks.h"
 
 namespace attnserve {
 
@@ -40,6 +42,14 @@ StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   impl->options = options;
   const auto fail = [](const std::string& m) { return Status(StatusCode::kFailedPrecondition, m); };
   RETURN_IF_ERROR(options.batcher.Validate());
+  const BlasInfo blas = ConfigureBlas();
+  if (!blas.thread_safe && options.device == "cpu" && options.batcher.workers > 1) {
+    // Several compute threads on such a BLAS silently give wrong answers, some of them another
+    // request's: refuse rather than serve them.
+    return fail("--workers " + std::to_string(options.batcher.workers) + ": the BLAS is " +
+                blas.description + "; with more than one compute thread it gives wrong results. " +
+                "Install libopenblas0-pthread (README \"BLAS\") or run with --workers 1");
+  }
 
   std::vector<ModelWeights> weights;
   if (options.models_dir.empty()) {
@@ -60,6 +70,11 @@ StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   impl->metrics = std::make_unique<ServerMetrics>(*impl->registry);
   for (const auto& [name, model] : impl->models) impl->metrics->AddModelInfo(model->spec());
   if (!options.metrics_address.empty()) {
+    if (!ThreadStacksIncludeStaticTls()) {
+      return fail("--metrics-address: this executable does not export attnserve's "
+                  "pthread_attr_setstacksize (server/thread_stacks.cc); link it through "
+                  "attnserve::server");
+    }
     try {
       impl->exposer = std::make_unique<prometheus::Exposer>(options.metrics_address);
     } catch (const std::exception& e) {
@@ -135,7 +150,7 @@ std::string Server::Describe() const {
        (b.enabled ? std::to_string(b.max_batch_tokens) + " tokens/" +
                         std::to_string(b.max_queue_delay.count()) + " us"
                   : std::string("off")) +
-       ", " + EngineDescription();
+       ", " + EngineDescription() + ", BLAS " + ConfigureBlas().description;
   return s;
 }
 

@@ -8,9 +8,9 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libtorch-dev
   # The fast BLAS must be named explicitly: libtorch only recommends one, and the reference BLAS
-  # is ~40x slower. The serial OpenBLAS is chosen on purpose: see server/metrics_exposer.cc for why
-  # the pthread variant is also handled, and README "BLAS" for the measurements.
-  libopenblas0-serial
+  # is ~40x slower. It must be thread-safe: the serial OpenBLAS gives wrong answers when two compute
+  # threads multiply at once. README "BLAS" has the measurements behind this choice.
+  libopenblas0-pthread
   prometheus-cpp-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libcli11-dev nlohmann-json3-dev

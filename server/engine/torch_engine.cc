@@ -11,6 +11,7 @@
 #include <limits>
 
 #include "server/engine/attention_model.h"
+#include "server/engine/blas.h"
 #include "server/engine/device_support.h"
 #include "server/engine/torch_compat.h"
 
@@ -404,6 +405,7 @@ class TorchModel final : public AttentionModel {
 StatusOr<std::unique_ptr<AttentionModel>> CreateTorchModel(const ModelWeights& weights,
                                                            const EngineOptions& options) {
   const auto fail = [](const std::string& m) { return Status(StatusCode::kFailedPrecondition, m); };
+  ConfigureBlas();
   try {
     at::Device device(options.device);
     if (device.is_cuda()) {
