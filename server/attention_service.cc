@@ -1,10 +1,9 @@
 #include "server/attention_service.h"
 
-#include <deque>
 #include <iostream>
-#include <mutex>
 
 #include "server/grpc_status.h"
+#include "server/stream_reactor.h"
 #include "server/validator.h"
 #include "server/wire.h"
 
@@ -15,13 +14,6 @@ double SecondsSince(SteadyClock::time_point t) {
   return std::chrono::duration<double>(SteadyClock::now() - t).count();
 }
 
-// The call's deadline on the steady clock (max when the client set none).
-SteadyClock::time_point DeadlineOf(const grpc::CallbackServerContext* ctx) {
-  const auto deadline = ctx->deadline();
-  if (deadline == std::chrono::system_clock::time_point::max()) return SteadyClock::time_point::max();
-  return SteadyClock::now() + (deadline - std::chrono::system_clock::now());
-}
-
 void SetTensorMeta(v1::Tensor* t, DType dtype, const std::vector<int64_t>& shape) {
   t->set_dtype(ToWire(dtype));
   t->mutable_shape()->Assign(shape.begin(), shape.end());
@@ -29,173 +21,188 @@ void SetTensorMeta(v1::Tensor* t, DType dtype, const std::vector<int64_t>& shape
 
 }  // namespace
 
-AttentionServiceImpl::AttentionServiceImpl(const ModelMap& models, Batcher& batcher,
-                                           ServerMetrics& metrics, const AttendLimits& limits)
-    : models_(models), batcher_(batcher), metrics_(metrics), limits_(limits) {}
+SteadyClock::time_point DeadlineOf(const grpc::CallbackServerContext* ctx) {
+  const auto deadline = ctx->deadline();
+  if (deadline == std::chrono::system_clock::time_point::max()) return SteadyClock::time_point::max();
+  return SteadyClock::now() + (deadline - std::chrono::system_clock::now());
+}
 
-void AttentionServiceImpl::Dispatch(const char* method, const v1::AttendRequest& request,
-                                    v1::AttendResponse* response,
+AttentionServiceImpl::AttentionServiceImpl(const ModelMap& models, Batcher& batcher,
+                                           ServerMetrics& metrics, const AttendLimits& limits,
+                                           const FlowLimits& flow)
+    : models_(models), batcher_(batcher), metrics_(metrics), limits_(limits), flow_(flow) {}
+
+AttentionServiceImpl::~AttentionServiceImpl() = default;
+
+void AttentionServiceImpl::Dispatch(const char* method, Exchange* x,
                                     SteadyClock::time_point deadline,
                                     std::function<bool()> cancelled,
                                     std::function<void(const Status&)> done) {
-  const auto received = SteadyClock::now();
   metrics_.AddInFlight(method, 1);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++in_flight_;
+  }
+  const v1::AttendRequest& request = x->request;
+  if (draining_) {
+    done(Status(StatusCode::kUnavailable, "server is shutting down; retry on another replica"));
+    return;
+  }
   auto it = models_.find(request.model());
-  const std::string model_label = it == models_.end() ? "" : it->first;
-  auto finish = [this, method, received, model_label, done = std::move(done)](const Status& st) {
-    if (st.code() == StatusCode::kInternal) std::cerr << "attnserve: " << st.ToString() << "\n";
-    metrics_.RecordRequest(model_label, method, GrpcCodeName(st), SecondsSince(received));
-    metrics_.AddInFlight(method, -1);
-    done(st);
-  };
-
-  response->set_request_id(request.request_id());
   if (it == models_.end()) {
     std::string names;
     for (const auto& [name, m] : models_) names += (names.empty() ? "" : ", ") + name;
-    finish(NotFound("model: '" + request.model() + "' is not loaded; available: " + names));
+    done(NotFound("model: '" + request.model() + "' is not loaded; available: " + names));
     return;
   }
+  x->model = it->first;
   auto item = std::make_unique<WorkItem>();
   item->model = it->second.get();
-  item->accepted = received;
+  item->accepted = x->received;
   item->deadline = deadline;
   item->cancelled = std::move(cancelled);
   Status st = FromWire(request, &item->call);
   if (st.ok()) st = Validate(item->model->spec(), limits_, &item->call);
   if (!st.ok()) {
-    finish(st);
+    done(st);
     return;
   }
-  item->outputs.output = response->mutable_output()->mutable_data();
-  if (item->call.weights != WeightsMode::kNone) {
-    item->outputs.weights = response->mutable_attn_weights()->mutable_data();
+  // Request and answer bytes count against the in-flight budget until the outcome is recorded.
+  const int64_t bytes = static_cast<int64_t>(request.ByteSizeLong()) + item->call.output_bytes +
+                        item->call.weights_bytes;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (held_bytes_ > 0 && held_bytes_ + bytes > flow_.max_inflight_bytes) {
+      const std::string held = std::to_string(held_bytes_);
+      st = Status(StatusCode::kResourceExhausted,
+                  "server memory for requests in flight is full: " + held + " bytes held, this "
+                  "request needs " + std::to_string(bytes) + " of at most " +
+                  std::to_string(flow_.max_inflight_bytes) +
+                  " (server flag --max-inflight-bytes); retry later");
+    } else {
+      held_bytes_ += bytes;
+      x->held_bytes = bytes;
+    }
   }
-  item->done = [this, response, finish = std::move(finish)](const Status& st, const WorkItem& w) {
+  if (!st.ok()) {
+    metrics_.RecordRejection(x->model, "memory");
+    done(st);
+    return;
+  }
+  // The engine writes straight into these; EncodeResponse hands them to gRPC without a copy.
+  auto output = std::make_shared<std::unique_ptr<std::string>>(std::make_unique<std::string>());
+  auto weights = std::make_shared<std::unique_ptr<std::string>>();
+  item->outputs.output = output->get();
+  if (item->call.weights != WeightsMode::kNone) {
+    *weights = std::make_unique<std::string>();
+    item->outputs.weights = weights->get();
+  }
+  item->done = [x, output, weights, done = std::move(done)](const Status& st, const WorkItem& w) {
     if (st.ok()) {
       const ModelSpec& spec = w.model->spec();
-      response->set_model(spec.name);
-      response->set_weights_hash(spec.weights_hash);
-      SetTensorMeta(response->mutable_output(), w.call.query.dtype, w.outputs.output_shape);
+      v1::AttendResponse meta;
+      meta.set_request_id(x->request.request_id());
+      meta.set_model(spec.name);
+      meta.set_weights_hash(spec.weights_hash);
+      SetTensorMeta(meta.mutable_output(), w.call.query.dtype, w.outputs.output_shape);
       if (w.outputs.weights) {
-        SetTensorMeta(response->mutable_attn_weights(), w.call.query.dtype, w.outputs.weights_shape);
+        SetTensorMeta(meta.mutable_attn_weights(), w.call.query.dtype, w.outputs.weights_shape);
       }
-      auto* timing = response->mutable_timing();
+      auto* timing = meta.mutable_timing();
       timing->set_queue_seconds(w.queue_seconds);
       timing->set_compute_seconds(w.compute_seconds);
       timing->set_batch_size(static_cast<uint32_t>(w.batch_size));
-    } else {
-      response->clear_output();
-      response->clear_attn_weights();
+      x->encoded = EncodeResponse(meta, std::move(*output), std::move(*weights));
     }
-    finish(st);
+    done(st);
   };
   batcher_.Submit(std::move(item));
 }
 
+void AttentionServiceImpl::Record(const char* method, Exchange* x, const Status& seen) {
+  if (x->recorded) return;
+  x->recorded = true;
+  if (seen.code() == StatusCode::kInternal) std::cerr << "attnserve: " << seen.ToString() << "\n";
+  metrics_.RecordRequest(x->model, method, GrpcCodeName(seen), SecondsSince(x->received));
+  metrics_.AddInFlight(method, -1);
+  std::lock_guard<std::mutex> lock(mu_);
+  held_bytes_ -= x->held_bytes;
+  x->held_bytes = 0;
+  --in_flight_;
+  if (in_flight_ == 0) idle_cv_.notify_all();
+}
+
+void AttentionServiceImpl::RecordUndecoded(const char* method, const Status& seen) {
+  metrics_.RecordRequest("", method, GrpcCodeName(seen), 0);
+}
+
 grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerContext* ctx,
-                                                       const v1::AttendRequest* req,
-                                                       v1::AttendResponse* resp) {
+                                                       const grpc::ByteBuffer* req,
+                                                       grpc::ByteBuffer* resp) {
   auto* reactor = ctx->DefaultReactor();
-  Dispatch("Attend", *req, resp, DeadlineOf(ctx), [ctx] { return ctx->IsCancelled(); },
-           [reactor](const Status& st) { reactor->Finish(ToGrpcStatus(st)); });
+  auto x = std::make_unique<Exchange>();
+  x->received = SteadyClock::now();
+  const Status parsed = ParseRequest(*req, &x->request);
+  if (!parsed.ok()) {
+    RecordUndecoded("Attend", parsed);
+    reactor->Finish(ToGrpcStatus(parsed));
+    return reactor;
+  }
+  const auto deadline = DeadlineOf(ctx);
+  Exchange* raw = x.release();
+  Dispatch("Attend", raw, deadline, [ctx] { return ctx->IsCancelled(); },
+           [this, raw, ctx, reactor, resp, deadline](const Status& st) {
+             // Record what the client sees: an answer computed after its deadline or after it
+             // cancelled never reaches it.
+             Status seen = st;
+             if (st.ok() && SteadyClock::now() >= deadline) {
+               seen = Status(StatusCode::kDeadlineExceeded,
+                             "deadline passed during compute; the answer was dropped");
+             } else if (st.ok() && ctx->IsCancelled()) {
+               seen = Status(StatusCode::kCancelled, "cancelled by the client during compute");
+             } else if (st.ok()) {
+               resp->Swap(&raw->encoded);
+             }
+             Record("Attend", raw, seen);
+             delete raw;
+             reactor->Finish(ToGrpcStatus(seen));
+           });
   return reactor;
 }
 
-// Reads requests as they come, dispatches each at once and writes each response as soon as it is
-// computed, one write at a time: responses leave in completion order. Finishes once the client has
-// half-closed and every request has been answered.
-class AttentionServiceImpl::StreamReactor final
-    : public grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse> {
- public:
-  StreamReactor(AttentionServiceImpl* service, grpc::CallbackServerContext* ctx)
-      : service_(service), ctx_(ctx) {
-    StartNextRead();
-  }
-
-  void OnReadDone(bool ok) override {
-    if (!ok) {
-      std::lock_guard<std::mutex> lock(mu_);
-      reads_done_ = true;
-      MaybeFinishLocked();
-      return;
-    }
-    Slot* slot = reading_.release();
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      ++pending_;
-    }
-    service_->Dispatch("AttendStream", slot->request, &slot->response, DeadlineOf(ctx_),
-                       [this] { return ctx_->IsCancelled(); },
-                       [this, slot](const Status& st) { OnComputed(slot, st); });
-    StartNextRead();
-  }
-
-  void OnWriteDone(bool ok) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    delete writes_.front();
-    writes_.pop_front();
-    --pending_;
-    if (!ok) broken_ = true;  // The client is gone: drop what remains, but wait for compute.
-    WriteNextLocked();
-    MaybeFinishLocked();
-  }
-
-  void OnDone() override { delete this; }
-
- private:
-  struct Slot {
-    v1::AttendRequest request;
-    v1::AttendResponse response;
-  };
-
-  void StartNextRead() {
-    reading_ = std::make_unique<Slot>();
-    StartRead(&reading_->request);
-  }
-
-  void OnComputed(Slot* slot, const Status& st) {
-    if (!st.ok()) {
-      slot->response.mutable_error()->set_code(static_cast<int>(ToGrpcCode(st.code())));
-      slot->response.mutable_error()->set_message(st.message());
-    }
-    std::lock_guard<std::mutex> lock(mu_);
-    writes_.push_back(slot);
-    if (!writing_) WriteNextLocked();
-  }
-
-  void WriteNextLocked() {
-    while (!writes_.empty() && broken_) {
-      delete writes_.front();
-      writes_.pop_front();
-      --pending_;
-    }
-    writing_ = !writes_.empty();
-    if (writing_) StartWrite(&writes_.front()->response);
-  }
-
-  void MaybeFinishLocked() {
-    if (reads_done_ && pending_ == 0 && !writing_ && !finished_) {
-      finished_ = true;
-      Finish(grpc::Status::OK);
-    }
-  }
-
-  AttentionServiceImpl* service_;
-  grpc::CallbackServerContext* ctx_;
-  std::unique_ptr<Slot> reading_;  // Only touched by the read chain, one read at a time.
-  std::mutex mu_;
-  std::deque<Slot*> writes_;  // Computed, waiting to be written; front is being written.
-  int pending_ = 0;           // Dispatched and not yet written (or dropped).
-  bool reads_done_ = false;
-  bool writing_ = false;
-  bool broken_ = false;
-  bool finished_ = false;
-};
-
-grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* AttentionServiceImpl::AttendStream(
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionServiceImpl::AttendStream(
     grpc::CallbackServerContext* ctx) {
   return new StreamReactor(this, ctx);
+}
+
+void AttentionServiceImpl::AddStream(StreamReactor* s) {
+  std::lock_guard<std::mutex> lock(mu_);
+  streams_.insert(s);
+}
+
+void AttentionServiceImpl::RemoveStream(StreamReactor* s) {
+  std::lock_guard<std::mutex> lock(mu_);
+  streams_.erase(s);
+  if (streams_.empty()) idle_cv_.notify_all();
+}
+
+void AttentionServiceImpl::BeginDrain() {
+  draining_ = true;
+  std::vector<StreamReactor*> finish;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (StreamReactor* s : streams_) {
+      if (s->Drain()) finish.push_back(s);
+    }
+  }
+  // Outside mu_: a finished stream's OnDone removes it from streams_. It cannot be deleted before
+  // FinishNow, which is the only Finish it will get.
+  for (StreamReactor* s : finish) s->FinishNow();
+}
+
+bool AttentionServiceImpl::WaitIdle(SteadyClock::time_point deadline) {
+  std::unique_lock<std::mutex> lock(mu_);
+  return idle_cv_.wait_until(lock, deadline, [this] { return in_flight_ == 0 && streams_.empty(); });
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(grpc::CallbackServerContext* ctx,

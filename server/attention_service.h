@@ -1,31 +1,72 @@
 #pragma once
 
+#include <atomic>
+#include <condition_variable>
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
+#include <set>
 #include <string>
 
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "server/batcher.h"
 #include "server/engine/attention_model.h"
 #include "server/metrics.h"
-#include "server/batcher.h"
 
 namespace attnserve {
 
 /// Loaded models by name.
 using ModelMap = std::map<std::string, std::unique_ptr<AttentionModel>>;
 
-/// The gRPC AttentionService on the callback API. Handlers only translate: the request path is
-/// model lookup -> FromWire -> Validate -> Batcher -> engine -> response. Thread-safe.
-class AttentionServiceImpl final : public v1::AttentionService::CallbackService {
+/// Bounds on what requests in flight may hold (README "Limits").
+struct FlowLimits {
+  /// Request plus answer bytes of every request accepted and not yet answered, over all calls; a
+  /// request that would go past it gets RESOURCE_EXHAUSTED (server flag --max-inflight-bytes).
+  int64_t max_inflight_bytes = int64_t{1} << 30;
+  /// Requests one AttendStream may have accepted and not yet answered; at the limit the server
+  /// stops reading that stream until the client takes answers (--max-stream-inflight).
+  int max_stream_requests = 32;
+  /// The same bound in request plus answer bytes (--max-stream-inflight-bytes); one request over it
+  /// still runs, alone.
+  int64_t max_stream_bytes = int64_t{64} << 20;
+};
+
+/// One AttendRequest on its way through the service: the decoded request (the engine's views point
+/// into it), the answer's buffers (the engine writes into them), and the encoded answer.
+struct Exchange {
+  v1::AttendRequest request;
+  grpc::ByteBuffer encoded;  ///< The answer's wire bytes, once Dispatch's `done` reported success.
+  std::string model;         ///< Metrics label: the loaded model's name, or "" when none.
+  SteadyClock::time_point received;
+  int64_t held_bytes = 0;    ///< Counted against FlowLimits::max_inflight_bytes until recorded.
+  bool recorded = false;
+};
+
+class StreamReactor;
+
+/// A call's deadline on the steady clock (max when the client set none).
+SteadyClock::time_point DeadlineOf(const grpc::CallbackServerContext* ctx);
+
+/// The gRPC AttentionService on the callback API. Attend and AttendStream take raw messages, so the
+/// service decodes them itself: a message that does not decode gets INVALID_ARGUMENT with the reason
+/// (gRPC's own decoding would answer UNIMPLEMENTED with no message). Handlers only translate: the
+/// request path is decode -> model lookup -> FromWire -> Validate -> Batcher -> engine -> encode.
+/// Thread-safe.
+class AttentionServiceImpl final
+    : public v1::AttentionService::WithRawCallbackMethod_Attend<
+          v1::AttentionService::WithRawCallbackMethod_AttendStream<
+              v1::AttentionService::WithCallbackMethod_ListModels<
+                  v1::AttentionService::WithCallbackMethod_GetModel<v1::AttentionService::Service>>>> {
  public:
   /// Borrows everything; all must outlive the service.
   AttentionServiceImpl(const ModelMap& models, Batcher& batcher, ServerMetrics& metrics,
-                       const AttendLimits& limits);
+                       const AttendLimits& limits, const FlowLimits& flow);
+  ~AttentionServiceImpl() override;
 
-  grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* ctx, const v1::AttendRequest* req,
-                                   v1::AttendResponse* resp) override;
-  grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* AttendStream(
+  grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
+                                   grpc::ByteBuffer* resp) override;
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttendStream(
       grpc::CallbackServerContext* ctx) override;
   grpc::ServerUnaryReactor* ListModels(grpc::CallbackServerContext* ctx,
                                        const v1::ListModelsRequest* req,
@@ -33,20 +74,46 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   grpc::ServerUnaryReactor* GetModel(grpc::CallbackServerContext* ctx,
                                      const v1::GetModelRequest* req, v1::ModelInfo* resp) override;
 
-  /// The shared request path for one AttendRequest. `request` and `response` must live until
-  /// `done` has run; `done` runs exactly once, on any thread, after the response is complete.
-  /// Records the request's metrics under `method`.
-  void Dispatch(const char* method, const v1::AttendRequest& request,
-                v1::AttendResponse* response, SteadyClock::time_point deadline,
+  /// Starts the shutdown drain: from now on new requests (unary, or read from open streams) get
+  /// UNAVAILABLE; every open stream finishes, with UNAVAILABLE, once its accepted requests are
+  /// answered. Idempotent.
+  void BeginDrain();
+  /// Waits until no request is in flight and no stream is open, or until `deadline`; true when
+  /// everything finished.
+  bool WaitIdle(SteadyClock::time_point deadline);
+
+  /// The request path shared by Attend and AttendStream, for an exchange whose `request` is decoded.
+  /// Counts it in flight. `done` runs exactly once, on any thread (possibly before Dispatch returns):
+  /// with OK and `x->encoded` set, or with the failure. The caller then calls Record once the
+  /// client's outcome is known. `x` must live until Record.
+  void Dispatch(const char* method, Exchange* x, SteadyClock::time_point deadline,
                 std::function<bool()> cancelled, std::function<void(const Status&)> done);
+  /// Records a dispatched exchange's outcome as the client saw it (count, latency, in flight) and
+  /// gives its bytes back. Once per exchange.
+  void Record(const char* method, Exchange* x, const Status& seen);
+  /// Counts a request that never reached Dispatch (it did not decode) as answered with `seen`.
+  void RecordUndecoded(const char* method, const Status& seen);
+
+  const FlowLimits& flow() const { return flow_; }
+  bool draining() const { return draining_.load(); }
 
  private:
-  class StreamReactor;
+  friend class StreamReactor;
+  void AddStream(StreamReactor* s);
+  void RemoveStream(StreamReactor* s);
 
   const ModelMap& models_;
   Batcher& batcher_;
   ServerMetrics& metrics_;
   const AttendLimits limits_;
+  const FlowLimits flow_;
+  std::atomic<bool> draining_{false};
+
+  std::mutex mu_;
+  std::condition_variable idle_cv_;
+  int64_t held_bytes_ = 0;  // Σ Exchange::held_bytes of requests not yet recorded.
+  int64_t in_flight_ = 0;   // Dispatched and not yet recorded.
+  std::set<StreamReactor*> streams_;
 };
 
 }  // namespace attnserve

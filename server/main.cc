@@ -2,6 +2,7 @@
 #include <signal.h>
 
 #include <CLI/CLI.hpp>
+#include <cstdlib>
 #include <iostream>
 #include <thread>
 
@@ -72,6 +73,20 @@ int main(int argc, char** argv) {
                  "Most attention scores in one request: batch * heads * query_len * key_len")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  app.add_option("--max-inflight-bytes", o.flow.max_inflight_bytes,
+                 "Most request plus answer bytes held for all requests in flight; beyond it new "
+                 "requests get RESOURCE_EXHAUSTED")
+      ->check(CLI::Range(int64_t{1} << 20, int64_t{1} << 40))
+      ->capture_default_str();
+  app.add_option("--max-stream-inflight", o.flow.max_stream_requests,
+                 "Unanswered requests one AttendStream may have; at the limit the server stops "
+                 "reading it until the client takes answers")
+      ->check(CLI::Range(1, 1 << 16))
+      ->capture_default_str();
+  app.add_option("--max-stream-inflight-bytes", o.flow.max_stream_bytes,
+                 "The same per-stream bound in request plus answer bytes")
+      ->check(CLI::Range(int64_t{1} << 16, int64_t{1} << 40))
+      ->capture_default_str();
   app.add_option("--shutdown-grace", o.shutdown_grace_seconds,
                  "Seconds in-flight requests get to finish on SIGINT/SIGTERM")
       ->check(CLI::NonNegativeNumber)
@@ -100,6 +115,13 @@ int main(int argc, char** argv) {
   sigwait(&signals, &sig);
   std::cout << "attnserve: " << (sig == SIGINT ? "SIGINT" : "SIGTERM")
             << ": draining in-flight requests" << std::endl;
+  // The grace period is a promise to the orchestrator: past it the process goes, whatever is
+  // still computing.
+  std::thread([grace = o.shutdown_grace_seconds] {
+    std::this_thread::sleep_for(std::chrono::duration<double>(grace));
+    std::cerr << "attnserve: shutdown took longer than --shutdown-grace; exiting now" << std::endl;
+    std::_Exit(1);
+  }).detach();
   (*server)->Shutdown();
   std::cout << "attnserve: stopped" << std::endl;
   return 0;

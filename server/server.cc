@@ -105,8 +105,10 @@ StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
     metrics->RecordRejection(model, reason);
   };
   impl->batcher = std::make_unique<Batcher>(std::move(batcher_options));
+  AttendLimits limits = options.limits;
+  limits.max_answer_bytes = static_cast<int64_t>(options.max_message_bytes) - 1024;
   impl->service = std::make_unique<AttentionServiceImpl>(impl->models, *impl->batcher,
-                                                         *impl->metrics, options.limits);
+                                                         *impl->metrics, limits, options.flow);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -156,11 +158,21 @@ std::string Server::Describe() const {
 
 void Server::Shutdown() {
   std::call_once(impl_->shutdown_once, [this] {
-    // Stop accepting and let calls in flight finish; the queue keeps computing meanwhile.
-    impl_->grpc_server->GetHealthCheckService()->Shutdown();
-    const auto grace = std::chrono::duration_cast<std::chrono::system_clock::duration>(
+    const auto start = SteadyClock::now();
+    const auto grace = std::chrono::duration_cast<SteadyClock::duration>(
         std::chrono::duration<double>(impl_->options.shutdown_grace_seconds));
-    impl_->grpc_server->Shutdown(std::chrono::system_clock::now() + grace);
+    // 1. Drain while gRPC still serves: load balancers see NOT_SERVING, new requests get our
+    //    UNAVAILABLE (retryable), accepted ones finish, streams finish once answered. Calls that
+    //    reach a gRPC server already shutting down are cancelled by gRPC itself (CANCELLED), so
+    //    gRPC is stopped only once our own work is done.
+    impl_->grpc_server->GetHealthCheckService()->Shutdown();
+    impl_->service->BeginDrain();
+    impl_->service->WaitIdle(start + grace * 8 / 10);
+    // 2. Stop gRPC; whatever is still open at 90% of the grace period is cancelled.
+    const auto left = start + grace * 9 / 10 - SteadyClock::now();
+    impl_->grpc_server->Shutdown(std::chrono::system_clock::now() +
+                                 std::chrono::duration_cast<std::chrono::system_clock::duration>(
+                                     std::max(left, SteadyClock::duration::zero())));
     impl_->batcher->Drain();
     impl_->grpc_server->Wait();
     impl_->exposer.reset();

@@ -3,6 +3,7 @@
 #include <memory>
 #include <string>
 
+#include "server/attention_service.h"
 #include "server/batcher.h"
 #include "server/status.h"
 #include "server/types.h"
@@ -19,7 +20,8 @@ struct ServerOptions {
   bool allow_tf32 = false;                          ///< CUDA float32 matmuls on TF32 tensor cores.
   BatcherOptions batcher;                           ///< Batching, queue and compute threads.
   int max_message_bytes = 64 << 20;                 ///< gRPC send/receive limit.
-  AttendLimits limits;
+  AttendLimits limits;                              ///< max_answer_bytes follows max_message_bytes.
+  FlowLimits flow;                                  ///< Bytes in flight; per-stream backpressure.
   double shutdown_grace_seconds = 30;               ///< In-flight requests get this long to finish.
 };
 
@@ -37,8 +39,10 @@ class Server {
   int metrics_port() const;
   /// The start-up log line: models, addresses, device, LibTorch version.
   std::string Describe() const;
-  /// Graceful shutdown: health goes NOT_SERVING, no new calls are taken, calls in flight finish
-  /// (up to the grace period), the queue drains, the engine is released. Idempotent.
+  /// Graceful shutdown within the grace period: health goes NOT_SERVING; new requests (unary, or on
+  /// open streams) get UNAVAILABLE while accepted ones finish and every stream is finished; then
+  /// gRPC stops (cancelling whatever is left at 90% of the grace period), the queue drains and the
+  /// engine is released. Idempotent.
   void Shutdown();
 
  private:

@@ -73,6 +73,10 @@ struct AttendCall {
   int64_t batch = 0;
   int64_t query_len = 0;
   int64_t key_len = 0;
+  std::vector<int64_t> output_shape;   ///< The answer's output shape.
+  std::vector<int64_t> weights_shape;  ///< The answer's attention weights shape (empty: none).
+  int64_t output_bytes = 0;            ///< Bytes of the output in the query's dtype.
+  int64_t weights_bytes = 0;           ///< Bytes of the attention weights (0: none requested).
 
   bool self_attention() const { return !key.has_value(); }
 };
@@ -87,6 +91,9 @@ struct AttendLimits {
   int64_t max_tokens = 1 << 16;
   /// Most attention scores one request may need: batch * num_heads * query_len * key_len.
   int64_t max_attention_scores = int64_t{1} << 28;
+  /// Most bytes of tensor data one answer may carry (output plus attention weights): the message
+  /// size limit (server flag --max-message-bytes) less room for the answer's other fields.
+  int64_t max_answer_bytes = (int64_t{64} << 20) - 1024;
 };
 
 }  // namespace attnserve

@@ -197,6 +197,39 @@ Status Validate(const ModelSpec& model, const AttendLimits& limits, AttendCall* 
                            "per-request limit of " + std::to_string(limits.max_attention_scores) +
                            " (server flag --max-attention-scores)");
   }
+
+  // The answer must fit in one message: refuse it now rather than compute it and fail to send it.
+  const int64_t e = model.embed_dim, s = call->key_len + model.extra_keys();
+  const int64_t elem = static_cast<int64_t>(DTypeSize(q.dtype));
+  const bool seq_first = call->layout == TensorLayout::kSequenceFirst;
+  if (!call->batched) {
+    call->output_shape = {call->query_len, e};
+  } else {
+    call->output_shape = seq_first ? std::vector<int64_t>{call->query_len, call->batch, e}
+                                   : std::vector<int64_t>{call->batch, call->query_len, e};
+  }
+  call->weights_shape.clear();
+  if (call->weights == WeightsMode::kPerHead) call->weights_shape = {call->batch, model.num_heads, call->query_len, s};
+  if (call->weights == WeightsMode::kAveraged) call->weights_shape = {call->batch, call->query_len, s};
+  if (!call->batched && !call->weights_shape.empty()) call->weights_shape.erase(call->weights_shape.begin());
+  call->output_bytes = call->batch * call->query_len * e * elem;
+  call->weights_bytes = 0;
+  if (!call->weights_shape.empty()) {
+    call->weights_bytes = elem;
+    for (int64_t d : call->weights_shape) call->weights_bytes *= d;
+  }
+  if (call->output_bytes + call->weights_bytes > limits.max_answer_bytes) {
+    std::string what = "output " + ShapeString(call->output_shape);
+    if (call->weights_bytes) {
+      what += std::string(" and ") + (call->weights == WeightsMode::kPerHead ? "PER_HEAD" : "AVERAGED") +
+              " attn_weights " + ShapeString(call->weights_shape);
+    }
+    return InvalidArgument("answer: " + what + " of " + DTypeName(q.dtype) + " come to " +
+                           std::to_string(call->output_bytes + call->weights_bytes) +
+                           " bytes, over the " + std::to_string(limits.max_answer_bytes) +
+                           " bytes one answer may carry (server flag --max-message-bytes); ask "
+                           "for fewer tokens or fewer attention weights per request");
+  }
   return Status::Ok();
 }
 

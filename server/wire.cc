@@ -1,7 +1,47 @@
 #include "server/wire.h"
 
+#include <grpcpp/support/proto_buffer_reader.h>
+
 namespace attnserve {
 namespace {
+
+// Appends a protobuf varint.
+void PutVarint(uint64_t v, std::string* out) {
+  while (v >= 0x80) {
+    out->push_back(static_cast<char>(v | 0x80));
+    v >>= 7;
+  }
+  out->push_back(static_cast<char>(v));
+}
+
+size_t VarintSize(uint64_t v) {
+  size_t n = 1;
+  while (v >= 0x80) {
+    v >>= 7;
+    ++n;
+  }
+  return n;
+}
+
+// `field` (a Tensor in AttendResponse) again, holding only data = `bytes` (which follow the
+// returned prefix): tag, length of the Tensor, then Tensor.data's tag and length.
+std::string TensorDataPrefix(int field, size_t bytes) {
+  std::string p;
+  const uint64_t inner = 1 + VarintSize(bytes) + bytes;  // Tensor.data: tag 3, length, bytes.
+  PutVarint(static_cast<uint64_t>(field) << 3 | 2, &p);
+  PutVarint(inner, &p);
+  PutVarint(3 << 3 | 2, &p);
+  PutVarint(bytes, &p);
+  return p;
+}
+
+void DeleteString(void* s) { delete static_cast<std::string*>(s); }
+
+// A slice over `s`'s bytes that owns `s`.
+grpc::Slice OwningSlice(std::unique_ptr<std::string> s) {
+  std::string* raw = s.release();
+  return grpc::Slice(raw->data(), raw->size(), DeleteString, raw);
+}
 
 Status ViewOf(const char* field, const pb::Tensor& t, TensorView* view) {
   switch (t.dtype()) {
@@ -57,6 +97,35 @@ Status FromWire(const pb::AttendRequest& r, AttendCall* call) {
                              " is not allowed; expected BATCH_FIRST (1) or SEQUENCE_FIRST (2)");
   }
   return Status::Ok();
+}
+
+Status ParseRequest(const grpc::ByteBuffer& bytes, pb::AttendRequest* request) {
+  grpc::ByteBuffer copy(bytes);  // Shares the slices; the reader needs a mutable buffer.
+  grpc::ProtoBufferReader reader(&copy);
+  if (!request->ParseFromZeroCopyStream(&reader)) {
+    return InvalidArgument("request: " + std::to_string(bytes.Length()) +
+                           " bytes do not decode as an attnserve.v1.AttendRequest (malformed "
+                           "protobuf, or a string field such as `model` that is not valid UTF-8)");
+  }
+  return Status::Ok();
+}
+
+grpc::ByteBuffer EncodeResponse(const pb::AttendResponse& meta, std::unique_ptr<std::string> output,
+                                std::unique_ptr<std::string> weights) {
+  std::vector<grpc::Slice> slices;
+  std::string head = meta.SerializeAsString();
+  if (output) {
+    head += TensorDataPrefix(pb::AttendResponse::kOutputFieldNumber, output->size());
+    slices.emplace_back(head);
+    slices.push_back(OwningSlice(std::move(output)));
+  } else {
+    slices.emplace_back(head);
+  }
+  if (weights) {
+    slices.emplace_back(TensorDataPrefix(pb::AttendResponse::kAttnWeightsFieldNumber, weights->size()));
+    slices.push_back(OwningSlice(std::move(weights)));
+  }
+  return grpc::ByteBuffer(slices.data(), slices.size());
 }
 
 pb::DataType ToWire(DType dtype) {
