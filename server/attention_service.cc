@@ -42,6 +42,7 @@ void AttentionServiceImpl::Dispatch(const char* method, Exchange* x,
   {
     std::lock_guard<std::mutex> lock(mu_);
     ++in_flight_;
+    last_arrival_ = SteadyClock::now();
   }
   const v1::AttendRequest& request = x->request;
   if (draining_) {
@@ -134,6 +135,8 @@ void AttentionServiceImpl::Record(const char* method, Exchange* x, const Status&
 
 void AttentionServiceImpl::RecordUndecoded(const char* method, const Status& seen) {
   metrics_.RecordRequest("", method, GrpcCodeName(seen), 0);
+  std::lock_guard<std::mutex> lock(mu_);
+  last_arrival_ = SteadyClock::now();
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerContext* ctx,
@@ -178,6 +181,7 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionServiceImp
 void AttentionServiceImpl::AddStream(StreamReactor* s) {
   std::lock_guard<std::mutex> lock(mu_);
   streams_.insert(s);
+  last_arrival_ = SteadyClock::now();
 }
 
 void AttentionServiceImpl::RemoveStream(StreamReactor* s) {
@@ -200,9 +204,17 @@ void AttentionServiceImpl::BeginDrain() {
   for (StreamReactor* s : finish) s->FinishNow();
 }
 
-bool AttentionServiceImpl::WaitIdle(SteadyClock::time_point deadline) {
+bool AttentionServiceImpl::WaitIdle(SteadyClock::time_point deadline, SteadyClock::duration quiet) {
   std::unique_lock<std::mutex> lock(mu_);
-  return idle_cv_.wait_until(lock, deadline, [this] { return in_flight_ == 0 && streams_.empty(); });
+  for (;;) {
+    const bool idle = in_flight_ == 0 && streams_.empty();
+    const auto quiet_since = last_arrival_ + quiet;
+    const auto now = SteadyClock::now();
+    if (idle && now >= quiet_since) return true;
+    if (now >= deadline) return false;
+    // In-flight work notifies when it ends; a quiet period just needs time to pass.
+    idle_cv_.wait_until(lock, std::min(deadline, idle ? quiet_since : now + quiet));
+  }
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(grpc::CallbackServerContext* ctx,

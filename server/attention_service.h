@@ -78,9 +78,10 @@ class AttentionServiceImpl final
   /// UNAVAILABLE; every open stream finishes, with UNAVAILABLE, once its accepted requests are
   /// answered. Idempotent.
   void BeginDrain();
-  /// Waits until no request is in flight and no stream is open, or until `deadline`; true when
+  /// Waits until no request is in flight, no stream is open and no request has arrived for `quiet`
+  /// (clients still sending get UNAVAILABLE from us meanwhile), or until `deadline`; true when
   /// everything finished.
-  bool WaitIdle(SteadyClock::time_point deadline);
+  bool WaitIdle(SteadyClock::time_point deadline, SteadyClock::duration quiet);
 
   /// The request path shared by Attend and AttendStream, for an exchange whose `request` is decoded.
   /// Counts it in flight. `done` runs exactly once, on any thread (possibly before Dispatch returns):
@@ -113,6 +114,7 @@ class AttentionServiceImpl final
   std::condition_variable idle_cv_;
   int64_t held_bytes_ = 0;  // Σ Exchange::held_bytes of requests not yet recorded.
   int64_t in_flight_ = 0;   // Dispatched and not yet recorded.
+  SteadyClock::time_point last_arrival_;  // Latest request or stream received.
   std::set<StreamReactor*> streams_;
 };
 

@@ -17,6 +17,10 @@
 
 namespace attnserve {
 
+/// How long the drain waits after the last request arrived before gRPC is stopped: calls already on
+/// the wire when gRPC stops would be cancelled (CANCELLED) instead of refused (UNAVAILABLE).
+static constexpr std::chrono::milliseconds kDrainQuietPeriod{250};
+
 /// Health service names: "" (overall), the service, and "<service>/<model>" per model.
 static constexpr char kServiceName[] = "attnserve.v1.AttentionService";
 
@@ -167,7 +171,7 @@ void Server::Shutdown() {
     //    gRPC is stopped only once our own work is done.
     impl_->grpc_server->GetHealthCheckService()->Shutdown();
     impl_->service->BeginDrain();
-    impl_->service->WaitIdle(start + grace * 8 / 10);
+    impl_->service->WaitIdle(start + grace * 8 / 10, kDrainQuietPeriod);
     // 2. Stop gRPC; whatever is still open at 90% of the grace period is cancelled.
     const auto left = start + grace * 9 / 10 - SteadyClock::now();
     impl_->grpc_server->Shutdown(std::chrono::system_clock::now() +

@@ -57,8 +57,4 @@ StatusOr<std::unique_ptr<AttentionModel>> CreateTorchModel(const ModelWeights& w
 /// "LibTorch 1.13.0 (CPU)" or "LibTorch 2.5.1 (CUDA 12.4)", for the start-up log.
 std::string EngineDescription();
 
-/// Reads a torch.save()'d state_dict (zip format) with LibTorch's pickle loader; tensors come back
-/// as float32 host tensors keyed by state_dict name.
-StatusOr<NamedTensors> ReadTorchStateDict(const std::string& path);
-
 }  // namespace attnserve

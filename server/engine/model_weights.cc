@@ -2,6 +2,7 @@
 
 #include <openssl/evp.h>
 
+#include <cmath>
 #include <cstring>
 #include <set>
 
@@ -193,6 +194,12 @@ StatusOr<ModelWeights> CanonicalizeWeights(const NamedTensors& raw, const ModelC
     size_t n = 1;
     for (int64_t d : t.shape) n *= static_cast<size_t>(d);
     if (n != t.values.size()) return c.Fail("'" + k + "' holds a wrong number of values");
+    for (size_t i = 0; i < t.values.size(); ++i) {
+      if (!std::isfinite(t.values[i])) {
+        return c.Fail("'" + k + "' holds " + (std::isnan(t.values[i]) ? "NaN" : "infinity") +
+                      " at element " + std::to_string(i) + "; weights must be finite");
+      }
+    }
   }
   if (c.Has("out_proj.weight")) {
     RETURN_IF_ERROR(FromMhaNaming(c, &w));
@@ -213,10 +220,14 @@ StatusOr<ModelWeights> CanonicalizeWeights(const NamedTensors& raw, const ModelC
   s.bias = w.in_proj_bias.has_value() || w.out_proj_bias.has_value();
   s.add_bias_kv = w.bias_k.has_value();
   s.add_zero_attn = config.add_zero_attn;
-  if (s.num_heads < 1) return c.Fail("num_heads must be >= 1, got " + std::to_string(s.num_heads));
+  if (s.num_heads < 1) {
+    return Status(StatusCode::kFailedPrecondition,
+            config.source + ": num_heads must be >= 1, got " + std::to_string(s.num_heads));
+  }
   if (s.embed_dim % s.num_heads != 0) {
-    return c.Fail("embed_dim " + std::to_string(s.embed_dim) + " is not divisible by num_heads " +
-                  std::to_string(s.num_heads));
+    return Status(StatusCode::kFailedPrecondition,
+            config.source + ": num_heads " + std::to_string(s.num_heads) +
+                " does not divide embed_dim " + std::to_string(s.embed_dim) + " of " + where);
   }
   s.weights_hash = HashWeights(w);
   return w;

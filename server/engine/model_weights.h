@@ -38,12 +38,13 @@ struct ModelWeights {
 struct ModelConfig {
   int64_t num_heads = 0;
   bool add_zero_attn = false;
+  std::string source = "config.json";  ///< Where it came from, for messages.
 };
 
 /// Maps state_dict tensors in any supported naming (nn.MultiheadAttention, seed 000/002 W_q…W_o,
 /// seed 003 query.linear…output) to ModelWeights, checking every shape. One common prefix such as
-/// "multi_head_attention." is stripped. Fills spec dims, flags and weights_hash; `where` names the
-/// file in messages.
+/// "multi_head_attention." is stripped. Every value must be finite (NaN and infinity are refused,
+/// naming the tensor). Fills spec dims, flags and weights_hash; `where` names the file in messages.
 StatusOr<ModelWeights> CanonicalizeWeights(const NamedTensors& tensors, const ModelConfig& config,
                                            const std::string& where);
 

@@ -2,19 +2,70 @@
 
 #include "attnserve/half.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
 #include <cstring>
-#include <fstream>
-#include <nlohmann/json.hpp>
-#include <sstream>
+#include <set>
+#include <tuple>
 
 namespace attnserve {
 
-StatusOr<std::string> ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return Status(StatusCode::kFailedPrecondition, path + ": cannot open");
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+StatusOr<std::string> ReadFile(const std::string& path, uint64_t max_bytes) {
+  const auto fail = [&](const std::string& what) {
+    return Status(StatusCode::kFailedPrecondition, path + ": " + what);
+  };
+  // O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused below.
+  const int fd = open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) return fail(std::string("cannot open: ") + std::strerror(errno));
+  struct stat st;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    close(fd);
+    return fail("not a regular file");
+  }
+  if (static_cast<uint64_t>(st.st_size) > max_bytes) {
+    close(fd);
+    return fail(std::to_string(st.st_size) + " bytes is over the limit of " + std::to_string(max_bytes));
+  }
+  std::string out(static_cast<size_t>(st.st_size), '\0');
+  size_t got = 0;
+  while (got < out.size()) {
+    const ssize_t n = read(fd, out.data() + got, out.size() - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      close(fd);
+      return fail(n < 0 ? std::string("read failed: ") + std::strerror(errno) : "changed while being read");
+    }
+    got += static_cast<size_t>(n);
+  }
+  close(fd);
+  return out;
+}
+
+StatusOr<nlohmann::json> ParseStrictJson(const std::string& text, const std::string& where) {
+  std::vector<std::set<std::string>> keys;  // One set per open object.
+  std::string problem;
+  const auto check = [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
+    using E = nlohmann::json::parse_event_t;
+    if (depth > 64) {
+      if (problem.empty()) problem = "nested deeper than 64 levels";
+      return false;
+    }
+    if (event == E::object_start) keys.emplace_back();
+    if (event == E::object_end && !keys.empty()) keys.pop_back();
+    if (event == E::key && !keys.empty() && !keys.back().insert(parsed.get<std::string>()).second &&
+        problem.empty()) {
+      problem = "key '" + parsed.get<std::string>() + "' appears twice in one object";
+    }
+    return true;
+  };
+  nlohmann::json j = nlohmann::json::parse(text, check, /*allow_exceptions=*/false);
+  if (!problem.empty()) return Status(StatusCode::kFailedPrecondition, where + ": " + problem);
+  if (j.is_discarded()) return Status(StatusCode::kFailedPrecondition, where + ": not valid JSON");
+  return j;
 }
 
 StatusOr<NamedTensors> ParseSafetensors(const std::string& bytes, const std::string& where) {
@@ -28,9 +79,11 @@ StatusOr<NamedTensors> ParseSafetensors(const std::string& bytes, const std::str
     return fail("header length " + std::to_string(header_len) + " runs past the end of the " +
                 std::to_string(bytes.size()) + "-byte file (truncated?)");
   }
-  nlohmann::json header = nlohmann::json::parse(bytes.begin() + 8, bytes.begin() + 8 + header_len,
-                                                nullptr, /*allow_exceptions=*/false);
+  if (header_len > (uint64_t{100} << 20)) return fail("header of " + std::to_string(header_len) + " bytes is over the format's 100 MB");
+  ASSIGN_OR_RETURN(nlohmann::json header,
+                   ParseStrictJson(bytes.substr(8, header_len), where + ": header"));
   if (!header.is_object()) return fail("header is not a JSON object");
+  std::vector<std::tuple<uint64_t, uint64_t, std::string>> ranges;
   const char* data = bytes.data() + 8 + header_len;
   const uint64_t data_len = bytes.size() - 8 - header_len;
   NamedTensors out;
@@ -51,13 +104,14 @@ StatusOr<NamedTensors> ParseSafetensors(const std::string& bytes, const std::str
     else return fail("'" + name + "': dtype " + dtype + " is not supported; expected F32, F16, BF16 or F64");
     HostTensor t;
     uint64_t numel = 1;
+    if (e["shape"].size() > 8) return fail("'" + name + "': shape has more than 8 dimensions");
     for (const auto& d : e["shape"]) {
-      if (!d.is_number_unsigned() || d.get<uint64_t>() > (uint64_t{1} << 32)) {
-        return fail("'" + name + "': shape must hold non-negative integers");
+      if (!d.is_number_unsigned()) return fail("'" + name + "': shape must hold non-negative integers");
+      const uint64_t dim = d.get<uint64_t>();
+      t.shape.push_back(static_cast<int64_t>(std::min<uint64_t>(dim, INT64_MAX)));
+      if (__builtin_mul_overflow(numel, dim, &numel) || numel > (uint64_t{1} << 34)) {
+        return fail("'" + name + "': shape " + e["shape"].dump() + " has more than 2^34 elements");
       }
-      t.shape.push_back(static_cast<int64_t>(d.get<uint64_t>()));
-      numel *= d.get<uint64_t>();
-      if (numel > (uint64_t{1} << 34)) return fail("'" + name + "': shape is too large");
     }
     const auto& off = e["data_offsets"];
     if (!off[0].is_number_unsigned() || !off[1].is_number_unsigned()) {
@@ -74,6 +128,7 @@ StatusOr<NamedTensors> ParseSafetensors(const std::string& bytes, const std::str
                   " bytes, but shape " + ShapeString(t.shape) + " of " + dtype + " needs " +
                   std::to_string(numel * elem));
     }
+    ranges.emplace_back(begin, end, name);
     t.values.resize(numel);
     const char* src = data + begin;
     for (uint64_t i = 0; i < numel; ++i) {
@@ -92,6 +147,23 @@ StatusOr<NamedTensors> ParseSafetensors(const std::string& bytes, const std::str
     out.emplace(name, std::move(t));
   }
   if (out.empty()) return fail("holds no tensors");
+  // The tensors must tile the data section: an overlap would make two tensors share bytes, a hole
+  // would carry bytes nobody asked for.
+  std::sort(ranges.begin(), ranges.end());
+  uint64_t covered = 0;
+  std::string previous;
+  for (const auto& [begin, end, name] : ranges) {
+    if (begin < covered) return fail("'" + name + "' overlaps '" + previous + "' in the data section");
+    if (begin > covered) {
+      return fail("bytes [" + std::to_string(covered) + ", " + std::to_string(begin) +
+                  ") of the data section belong to no tensor");
+    }
+    covered = end;
+    previous = name;
+  }
+  if (covered != data_len) {
+    return fail(std::to_string(data_len - covered) + " bytes after the last tensor belong to no tensor");
+  }
   return out;
 }
 

@@ -1,5 +1,5 @@
-// The LibTorch forward: nn.MultiheadAttention's computation over request bytes. One of the two
-// translation units that include LibTorch (with torch_pickle.cc).
+// The LibTorch forward: nn.MultiheadAttention's computation over request bytes. The one translation
+// unit that includes LibTorch (device_support_cuda.cc joins it in CUDA builds).
 #include <ATen/ATen.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/InferenceMode.h>

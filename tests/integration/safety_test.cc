@@ -1,0 +1,304 @@
+// AttendStream and the unary path under cancellation, shutdown, flood, oversize answers, memory
+// pressure and deadlines (issue "Correct and safe under concurrent load", items 2 and 3). Real
+// server in-process, real wire, real /metrics.
+#include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <future>
+#include <thread>
+
+#include "attnserve/v1/attention.grpc.pb.h"
+#include "tests/integration/test_support.h"
+
+namespace attnserve {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::Counter;
+using testing::HttpGet;
+using testing::RandomTensor;
+
+std::unique_ptr<Server> StartServer(const std::function<void(ServerOptions&)>& tweak = {}) {
+  ServerOptions o;
+  o.address = "127.0.0.1:0";
+  o.metrics_address = "127.0.0.1:0";
+  if (tweak) tweak(o);
+  auto s = Server::Start(o);
+  EXPECT_TRUE(s.ok()) << s.status().message();
+  return s.ok() ? std::move(s).value() : nullptr;
+}
+
+std::unique_ptr<v1::AttentionService::Stub> StubFor(const Server& server) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(256 << 20);
+  args.SetMaxSendMessageSize(256 << 20);
+  return v1::AttentionService::NewStub(grpc::CreateCustomChannel(
+      "127.0.0.1:" + std::to_string(server.port()), grpc::InsecureChannelCredentials(), args));
+}
+
+v1::AttendRequest WireRequest(std::mt19937& rng, uint64_t id, std::vector<int64_t> shape) {
+  const Tensor q = RandomTensor(rng, std::move(shape));
+  v1::AttendRequest r;
+  r.set_model("demo");
+  r.set_request_id(id);
+  r.mutable_query()->set_dtype(v1::DATA_TYPE_FLOAT32);
+  r.mutable_query()->mutable_shape()->Assign(q.shape.begin(), q.shape.end());
+  r.mutable_query()->set_data(q.data);
+  return r;
+}
+
+std::string Metrics(const Server& s) { return HttpGet(s.metrics_port(), "/metrics"); }
+
+// Runs Shutdown on another thread; its duration, or -1 when it did not return within `limit`.
+double TimedShutdown(Server& server, std::chrono::seconds limit) {
+  const auto start = std::chrono::steady_clock::now();
+  auto done = std::async(std::launch::async, [&] { server.Shutdown(); });
+  if (done.wait_for(limit) != std::future_status::ready) {
+    done.wait();  // Leaking a hung server would hide the failure behind a crash.
+    return -1;
+  }
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// 2a: a client that cancels with several requests pending must not leave the stream unfinished.
+TEST(StreamSafetyTest, CancelWithPendingRequestsFinishesTheStreamAndShutdownCompletes) {
+  auto server = StartServer([](ServerOptions& o) { o.batcher.workers = 1; });
+  ASSERT_TRUE(server);
+  auto stub = StubFor(*server);
+  std::mt19937 rng(11);
+  for (int round = 0; round < 3; ++round) {
+    grpc::ClientContext ctx;
+    auto stream = stub->AttendStream(&ctx);
+    for (uint64_t id = 0; id < 6; ++id) ASSERT_TRUE(stream->Write(WireRequest(rng, id, {4, 256, 512})));
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));  // Some queued, one computing.
+    ctx.TryCancel();
+    EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+  // Every request is accounted for and nothing stays in flight.
+  std::string m;
+  for (int i = 0; i < 100; ++i) {
+    m = Metrics(*server);
+    if (testing::Sample(m, "attnserve_requests_in_flight{method=\"AttendStream\"}") == 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(testing::Sample(m, "attnserve_requests_in_flight{method=\"AttendStream\"}"), 0);
+  const double recorded =
+      Counter(m, "attnserve_requests_total{code=\"OK\",method=\"AttendStream\",model=\"demo\"}") +
+      Counter(m, "attnserve_requests_total{code=\"CANCELLED\",method=\"AttendStream\",model=\"demo\"}");
+  EXPECT_EQ(recorded, 18) << m.substr(0, 3000);
+  EXPECT_GT(Counter(m, "attnserve_requests_total{code=\"CANCELLED\",method=\"AttendStream\",model=\"demo\"}"), 0);
+  const double took = TimedShutdown(*server, std::chrono::seconds(20));
+  EXPECT_GE(took, 0) << "Shutdown hung";
+  EXPECT_LT(took, 10);
+}
+
+// 2b: SIGTERM with streams open: accepted requests are answered, new ones get UNAVAILABLE, every
+// stream is finished, and shutdown ends within the grace period. One stream is idle (a read is
+// outstanding with nothing to read), one keeps sending.
+TEST(StreamSafetyTest, ShutdownAnswersAcceptedRefusesNewAndFinishesEveryStream) {
+  auto server = StartServer([](ServerOptions& o) { o.shutdown_grace_seconds = 8; });
+  ASSERT_TRUE(server);
+  auto stub = StubFor(*server);
+  grpc::ClientContext idle_ctx, busy_ctx;
+  auto idle = stub->AttendStream(&idle_ctx);
+  auto busy = stub->AttendStream(&busy_ctx);
+  std::atomic<bool> stop{false};
+  std::atomic<int> sent{0};
+  std::thread writer([&] {
+    std::mt19937 rng(12);
+    for (uint64_t id = 0; !stop && id < 20000; ++id) {
+      if (!busy->Write(WireRequest(rng, id, {2, 16, 512}))) break;
+      ++sent;
+    }
+    busy->WritesDone();
+  });
+  std::map<int, int> codes;  // Per-request outcome: 0 answered, else the error code.
+  std::thread reader([&] {
+    v1::AttendResponse r;
+    while (busy->Read(&r)) ++codes[r.has_error() ? r.error().code() : 0];
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const double took = TimedShutdown(*server, std::chrono::seconds(30));
+  stop = true;
+  writer.join();
+  reader.join();
+  const grpc::Status busy_end = busy->Finish();
+  v1::AttendResponse r;
+  EXPECT_FALSE(idle->Read(&r));
+  const grpc::Status idle_end = idle->Finish();
+  EXPECT_GE(took, 0) << "Shutdown hung";
+  EXPECT_LT(took, 8) << "past the grace period";
+  EXPECT_EQ(idle_end.error_code(), grpc::StatusCode::UNAVAILABLE) << idle_end.error_message();
+  EXPECT_TRUE(busy_end.error_code() == grpc::StatusCode::UNAVAILABLE || busy_end.ok())
+      << busy_end.error_code() << " " << busy_end.error_message();
+  EXPECT_GT(codes[0], 10) << "requests before the shutdown were answered";
+  for (const auto& [code, n] : codes) {
+    EXPECT_TRUE(code == 0 || code == grpc::StatusCode::UNAVAILABLE) << n << " answers with code " << code;
+  }
+  EXPECT_LT(codes[0] + codes[14], 20000) << "the stream kept being served";
+}
+
+// 2c: a stream whose client never reads its answers is held back by flow control: the server
+// keeps at most --max-stream-inflight of its requests, and every request is answered once the
+// client reads.
+TEST(StreamSafetyTest, UnreadStreamIsHeldBackByFlowControl) {
+  auto server = StartServer([](ServerOptions& o) { o.flow.max_stream_requests = 4; });
+  ASSERT_TRUE(server);
+  auto stub = StubFor(*server);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  auto stream = stub->AttendStream(&ctx);
+  constexpr int kRequests = 400;  // 128 KiB each: 50 MiB if the server took them all.
+  std::atomic<int> written{0};
+  std::thread writer([&] {
+    std::mt19937 rng(13);
+    const v1::AttendRequest proto = WireRequest(rng, 0, {1, 64, 512});
+    for (int id = 0; id < kRequests; ++id) {
+      v1::AttendRequest r = proto;
+      r.set_request_id(static_cast<uint64_t>(id));
+      if (!stream->Write(r)) break;
+      ++written;
+    }
+    stream->WritesDone();
+  });
+  std::this_thread::sleep_for(std::chrono::seconds(2));
+  const std::string m = Metrics(*server);
+  EXPECT_LE(testing::Sample(m, "attnserve_requests_in_flight{method=\"AttendStream\"}"), 4);
+  EXPECT_LT(written.load(), kRequests) << "the server kept reading without answers being taken";
+  int answered = 0;
+  v1::AttendResponse r;
+  while (stream->Read(&r)) answered += r.has_error() ? 0 : 1;
+  writer.join();
+  EXPECT_TRUE(stream->Finish().ok());
+  EXPECT_EQ(answered, kRequests);
+}
+
+// 2c/2f: what all requests together hold is bounded; past it requests are refused, quickly.
+TEST(StreamSafetyTest, InFlightBytesAreBoundedAcrossCalls) {
+  auto server = StartServer([](ServerOptions& o) {
+    o.flow.max_inflight_bytes = 8 << 20;
+    o.batcher.workers = 1;
+  });
+  ASSERT_TRUE(server);
+  Client client(testing::TargetOf(*server));
+  std::mt19937 rng(14);
+  AttendRequest big;
+  big.query = RandomTensor(rng, {8, 256, 512});  // 4 MiB in, 4 MiB out.
+  std::mutex mu;
+  std::map<int, int> codes;
+  std::string message;
+  std::atomic<int> pending{0};
+  for (int i = 0; i < 6; ++i) {
+    ++pending;
+    client.AttendAsync(big, [&](CallStatus s, AttendResult) {
+      std::lock_guard<std::mutex> lock(mu);
+      ++codes[s.code];
+      if (s.code == 8) message = s.message;
+      --pending;
+    });
+  }
+  while (pending > 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_GE(codes[0], 1);
+  EXPECT_GE(codes[8], 1);
+  EXPECT_EQ(codes[0] + codes[8], 6);
+  EXPECT_THAT(message, HasSubstr("--max-inflight-bytes"));
+  EXPECT_GE(Counter(Metrics(*server), "attnserve_rejections_total{model=\"demo\",reason=\"memory\"}"), 1);
+}
+
+// 2e: an answer larger than the message limit is refused before compute, unary and in a stream
+// (where the stream goes on).
+TEST(StreamSafetyTest, OversizeAnswerIsRefusedBeforeCompute) {
+  auto server = StartServer();
+  ASSERT_TRUE(server);
+  Client client(testing::TargetOf(*server));
+  std::mt19937 rng(15);
+  AttendRequest r;
+  r.query = RandomTensor(rng, {1, 2048, 512});
+  r.attn_weights = AttnWeights::kPerHead;  // 8 x 2048 x 2048 floats: 128 MiB.
+  AttendResult out;
+  const auto start = std::chrono::steady_clock::now();
+  const CallStatus s = client.Attend(r, &out);
+  EXPECT_EQ(s.code, 3) << s.ToString();
+  EXPECT_THAT(s.message, HasSubstr("--max-message-bytes"));
+  EXPECT_THAT(s.message, HasSubstr("PER_HEAD attn_weights [1, 8, 2048, 2048]"));
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 1.0);
+
+  auto stub = StubFor(*server);
+  grpc::ClientContext ctx;
+  auto stream = stub->AttendStream(&ctx);
+  v1::AttendRequest big = WireRequest(rng, 1, {1, 2048, 512});
+  big.set_attn_weights(v1::ATTN_WEIGHTS_PER_HEAD);
+  ASSERT_TRUE(stream->Write(big));
+  ASSERT_TRUE(stream->Write(WireRequest(rng, 2, {1, 8, 512})));
+  stream->WritesDone();
+  std::map<uint64_t, int> got;
+  v1::AttendResponse resp;
+  while (stream->Read(&resp)) got[resp.request_id()] = resp.has_error() ? resp.error().code() : 0;
+  EXPECT_TRUE(stream->Finish().ok());
+  EXPECT_EQ(got[1], 3);
+  EXPECT_EQ(got[2], 0);
+  EXPECT_EQ(got.size(), 2u);
+  const std::string m = Metrics(*server);
+  EXPECT_EQ(Counter(m, "attnserve_requests_total{code=\"OK\",method=\"Attend\",model=\"demo\"}"), 0);
+}
+
+// 3: a request computed after its deadline passed is recorded as the client saw it.
+TEST(DeadlineTest, AnswerComputedAfterTheDeadlineIsRecordedAsDeadlineExceeded) {
+  auto server = StartServer([](ServerOptions& o) { o.batcher.workers = 1; });
+  ASSERT_TRUE(server);
+  Client client(testing::TargetOf(*server));
+  std::mt19937 rng(16);
+  AttendRequest r;
+  r.query = RandomTensor(rng, {16, 512, 512});  // Hundreds of ms of compute, started at once.
+  AttendResult out;
+  CallOptions call;
+  call.deadline = std::chrono::milliseconds(40);
+  EXPECT_EQ(client.Attend(r, &out, call).code, 4);
+  std::string m;
+  for (int i = 0; i < 100; ++i) {
+    m = Metrics(*server);
+    if (testing::Sample(m, "attnserve_requests_in_flight{method=\"Attend\"}") == 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(Counter(m, "attnserve_requests_total{code=\"OK\",method=\"Attend\",model=\"demo\"}"), 0);
+  EXPECT_EQ(Counter(m, "attnserve_requests_total{code=\"DEADLINE_EXCEEDED\",method=\"Attend\",model=\"demo\"}"), 1);
+}
+
+// 3: unary calls racing the shutdown get OK or UNAVAILABLE, never CANCELLED. Each client stops at
+// its first UNAVAILABLE, as one that fails over to another replica does.
+TEST(DeadlineTest, UnaryCallsRacingShutdownGetOkOrUnavailable) {
+  for (int round = 0; round < 3; ++round) {
+    auto server = StartServer([](ServerOptions& o) { o.metrics_address = ""; });
+    ASSERT_TRUE(server);
+    Client client(testing::TargetOf(*server));
+    std::mutex mu;
+    std::map<int, int> codes;
+    std::vector<std::thread> threads;
+    for (int t = 0; t < 6; ++t) {
+      threads.emplace_back([&, t] {
+        std::mt19937 rng(static_cast<uint32_t>(t));
+        AttendRequest r;
+        r.query = RandomTensor(rng, {1, 8, 512});
+        for (int n = 0; n < 100000; ++n) {
+          AttendResult out;
+          const CallStatus s = client.Attend(r, &out);
+          std::lock_guard<std::mutex> lock(mu);
+          ++codes[s.code];
+          if (!s.ok()) break;
+        }
+      });
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    server->Shutdown();
+    for (auto& t : threads) t.join();
+    EXPECT_GT(codes[0], 0);
+    for (const auto& [code, n] : codes) {
+      EXPECT_TRUE(code == 0 || code == 14) << n << " calls got code " << code;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace attnserve

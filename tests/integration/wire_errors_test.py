@@ -1,0 +1,148 @@
+#!/usr/bin/python3
+"""Messages that do not decode, sent as raw bytes by a Python gRPC peer to the real attnserve binary:
+a unary call gets INVALID_ARGUMENT with the reason and is counted; a stream answers the requests
+before the bad message and ends with INVALID_ARGUMENT saying which message. Then SIGTERM with a stream
+still open: the process exits 0 well within the grace period.
+
+usage: wire_errors_test.py PATH/TO/attnserve
+"""
+import os
+import re
+import sys
+import threading
+import time
+import urllib.request
+
+import grpc
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
+import attnserve_py as lib  # noqa: E402
+
+passed = failed = 0
+
+
+def check(name, ok, detail=""):
+    global passed, failed
+    passed += bool(ok)
+    failed += not ok
+    print(f"{'ok  ' if ok else 'FAIL'} {name} {detail if not ok else ''}")
+
+
+def counter(text, series):
+    m = re.search("^" + re.escape(series) + r" (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def main():
+    pb, _ = lib.load_stubs()
+    server = lib.Server(sys.argv[1], "--shutdown-grace", "10")
+    channel = grpc.insecure_channel(server.target)
+    attend = channel.unary_unary("/attnserve.v1.AttentionService/Attend")  # bytes in, bytes out
+    stream = channel.stream_stream("/attnserve.v1.AttentionService/AttendStream")
+    rng = np.random.default_rng(5)
+    good = pb.AttendRequest(model="demo", query=lib.to_wire(pb, rng.standard_normal((1, 3, 512))))
+    not_utf8 = b"\x0a\x02\xff\xfe"  # field 1 (model), 2 bytes that are not UTF-8
+    truncated = good.SerializeToString()[:-7]
+
+    for name, raw in (("model not UTF-8", not_utf8), ("truncated message", truncated)):
+        try:
+            attend(raw, timeout=10)
+            check(f"unary {name}: refused", False, "it was answered")
+        except grpc.RpcError as e:
+            check(f"unary {name}: INVALID_ARGUMENT", e.code() == grpc.StatusCode.INVALID_ARGUMENT,
+                  f"{e.code()} {e.details()!r}")
+            check(f"unary {name}: message says why", "do not decode as an attnserve.v1.AttendRequest"
+                  in (e.details() or ""), repr(e.details()))
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read().decode()
+    check("undecodable unary calls are counted",
+          counter(metrics, 'attnserve_requests_total{code="INVALID_ARGUMENT",method="Attend",model=""}') == 2,
+          metrics[:2000])
+
+    first = pb.AttendRequest()
+    first.CopyFrom(good)
+    first.request_id = 1
+    third = pb.AttendRequest()
+    third.CopyFrom(good)
+    third.request_id = 3
+    call = stream(iter([first.SerializeToString(), not_utf8, third.SerializeToString()]), timeout=10)
+    answers = []
+    try:
+        for raw in call:
+            answers.append(pb.AttendResponse.FromString(raw))
+        check("stream with an undecodable message ends with an error", False, "it ended OK")
+    except grpc.RpcError as e:
+        check("stream ends with INVALID_ARGUMENT", e.code() == grpc.StatusCode.INVALID_ARGUMENT,
+              f"{e.code()} {e.details()!r}")
+        check("stream status names the message", "message 2 on this stream" in (e.details() or ""),
+              repr(e.details()))
+    check("the request before it is answered",
+          [a.request_id for a in answers] == [1] and not answers[0].HasField("error"),
+          str([(a.request_id, a.error.code) for a in answers]))
+
+    # SIGTERM with an idle stream open (its read outstanding): finished with UNAVAILABLE, exit 0.
+    idle_results = []
+    requests_done = threading.Event()
+
+    def idle_requests():
+        requests_done.wait()
+        return
+        yield  # noqa: unreachable: an iterator that sends nothing until released
+
+    idle = stream(idle_requests(), timeout=30)
+
+    def consume():
+        try:
+            for _ in idle:
+                pass
+            idle_results.append("OK")
+        except grpc.RpcError as e:
+            idle_results.append(e.code())
+
+    reader = threading.Thread(target=consume)
+    reader.start()
+    time.sleep(0.3)
+    start = time.time()
+    out = server.stop()
+    took = time.time() - start
+    requests_done.set()
+    reader.join(10)
+    check("SIGTERM with an open stream exits 0 within the grace period", took < 10, f"{took:.1f} s {out}")
+    check("the open stream was finished with UNAVAILABLE", idle_results == [grpc.StatusCode.UNAVAILABLE],
+          str(idle_results))
+
+    # Bad model files stop the start with exit code 2 and a message naming the file, never a hang
+    # or a crash (a FIFO config.json used to hang, a symbolic-link loop to abort).
+    import subprocess
+    import tempfile
+    data = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data")
+    for case in ("fifo", "symlink loop", "cut storage", "hostile pickle"):
+        root = tempfile.mkdtemp(prefix="attnserve-badmodels-")
+        model = os.path.join(root, "m")
+        os.mkdir(model)
+        blame = os.path.join(model, "model.pt")
+        with open(os.path.join(data, {"cut storage": "storage_cut_short.pt",
+                                      "hostile pickle": "pickle_tuple1_on_empty_stack.pt"}.get(case, "mha_e8_h2.pt")), "rb") as f:
+            open(blame, "wb").write(f.read())
+        if case == "fifo":
+            blame = os.path.join(model, "config.json")
+            os.mkfifo(blame)
+        else:
+            open(os.path.join(model, "config.json"), "w").write('{"num_heads": 2}')
+        if case == "symlink loop":
+            os.symlink(os.path.join(root, "b"), os.path.join(root, "a"))
+            os.symlink(os.path.join(root, "a"), os.path.join(root, "b"))
+            blame = root + "/"  # either link of the loop, whichever the scan meets first
+        try:
+            r = subprocess.run([sys.argv[1], "--models", root, "--address", "127.0.0.1:0",
+                                "--metrics-address", ""], capture_output=True, text=True, timeout=20)
+            check(f"bad model ({case}): exit 2 naming {os.path.basename(blame)}",
+                  r.returncode == 2 and blame in r.stderr, f"exit {r.returncode}: {r.stderr[-500:]}")
+        except subprocess.TimeoutExpired:
+            check(f"bad model ({case}): exit 2", False, "start-up hung")
+    print(f"{passed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
