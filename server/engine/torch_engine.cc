@@ -97,7 +97,7 @@ class TorchModel final : public AttentionModel {
   Status Forward(const AttendCall& call, AttendOutputs* out) const override {
     return Guarded([&] {
       const Rows r = Project(call);
-      Attended a = AttendRows(call, r.q, r.k, r.v, at::Tensor());
+      Attended a = AttendRows(call, r.q, r.k, r.v, at::Tensor(), out);
       WriteOutput(call, a, at::Tensor(), out);
     });
   }
@@ -140,7 +140,6 @@ class TorchModel final : public AttentionModel {
   // One call's attention result before the output projection.
   struct Attended {
     at::Tensor merged;   // [B*Lq, E] in the wire's row order (undefined when written to a dst)
-    at::Tensor weights;  // [B, H, Lq, S] when requested
     at::Tensor dead;     // [B*Lq, 1] bool: query masked in every head (undefined: none)
     const char* backend = "math";
   };
@@ -247,7 +246,7 @@ class TorchModel final : public AttentionModel {
         k = k_cross.narrow(0, k_off[i], rk);
         v = v_cross.narrow(0, k_off[i], rk);
       }
-      attended[i] = AttendRows(c, q, k, v, merged.narrow(0, q_off[i], rq));
+      attended[i] = AttendRows(c, q, k, v, merged.narrow(0, q_off[i], rq), outs[i]);
     }
     const at::Tensor y = b_out_.defined() ? at::addmm(b_out_, merged, w_out_t_) : at::mm(merged, w_out_t_);
     for (size_t i = 0; i < calls.size(); ++i) {
@@ -263,25 +262,32 @@ class TorchModel final : public AttentionModel {
                        : x.view({len, b, h, d}).permute({1, 2, 0, 3});
   }
 
-  // A float mask (0 = attend, -inf = masked, else added) over `v`'s bytes.
-  at::Tensor Additive(const TensorView& v) const {
-    at::Tensor m = Wrap(v).to(device_);
-    if (m.scalar_type() == at::kBool) {
-      return at::zeros(m.sizes(), m.options().dtype(dtype_))
-          .masked_fill_(m, -std::numeric_limits<double>::infinity());
+  // A float mask (0 = attend, -inf = masked, else added) from a bool or float mask tensor.
+  at::Tensor Additive(const at::Tensor& m) const {
+    const at::Tensor d = m.to(device_);
+    if (d.scalar_type() == at::kBool) {
+      return at::zeros(d.sizes(), d.options().dtype(dtype_))
+          .masked_fill_(d, -std::numeric_limits<double>::infinity());
     }
-    return m.to(dtype_);
+    return d.to(dtype_);
   }
 
-  // Attention of one call over its projected rows. The merged heads go to `dst` ([B*Lq, E] rows)
-  // when it is defined, else to Attended::merged.
+  // Most attention scores one block of queries may hold at once (B·H·rows·S). Attention is
+  // computed block by block over the queries, so a long request needs this much working memory
+  // (scores, their softmax and the block's mask: ~3 x 8 MiB in float32) instead of three
+  // [B, H, Lq, S] matrices (1.5 GiB for one [1, 4096, 512] request with 8 heads).
+  static constexpr int64_t kBlockScores = int64_t{2} << 20;
+
+  // Attention of one call over its projected rows. The merged heads go to `dst` ([B*Lq, E] rows in
+  // the wire's order) when it is defined, else to Attended::merged. Requested attention weights are
+  // written block by block straight into `out`'s weights buffer, in the query's dtype.
   Attended AttendRows(const AttendCall& call, const at::Tensor& q, const at::Tensor& k,
-                      const at::Tensor& v, const at::Tensor& dst) const {
+                      const at::Tensor& v, const at::Tensor& dst, AttendOutputs* out) const {
     const int64_t b = call.batch, lq = call.query_len, lk = call.key_len;
     const int64_t e = spec_.embed_dim, h = spec_.num_heads, d = spec_.head_dim();
-    const int64_t extra = spec_.extra_keys();
+    const int64_t extra = spec_.extra_keys(), sl = lk + extra;
     const bool batch_first = call.layout == TensorLayout::kBatchFirst || !call.batched;
-    at::Tensor qh = SplitHeads(q, batch_first, b, lq);
+    const at::Tensor qh = SplitHeads(q, batch_first, b, lq);
     at::Tensor kh = SplitHeads(k, batch_first, b, lk);
     at::Tensor vh = SplitHeads(v, batch_first, b, lk);
 
@@ -295,65 +301,99 @@ class TorchModel final : public AttentionModel {
       vh = at::cat({vh, at::zeros({b, h, 1, d}, vh.options())}, 2);
     }
 
-    // One additive mask, broadcastable to [B, H, Lq, S]; the appended keys are never masked.
-    at::Tensor mask;
-    auto add = [&mask](const at::Tensor& m) { mask = mask.defined() ? mask + m : m; };
+    // The masks stay in their wire form ([Lq, Lk] or [B, H, Lq, Lk], bool or float) and become
+    // additive one query block at a time.
+    at::Tensor attn_mask;
     if (call.attn_mask) {
-      at::Tensor m = Additive(*call.attn_mask);
-      add(m.dim() == 2 ? m.view({1, 1, lq, lk}) : m.view({b, h, lq, lk}));
+      attn_mask = Wrap(*call.attn_mask);
+      if (attn_mask.dim() == 3) attn_mask = attn_mask.view({b, h, lq, lk});
     }
-    if (call.key_padding_mask) add(Additive(*call.key_padding_mask).view({b, 1, 1, lk}));
+    const at::Tensor kpm =
+        call.key_padding_mask ? Additive(Wrap(*call.key_padding_mask)).view({b, 1, 1, lk}) : at::Tensor();
     const bool want_weights = call.weights != WeightsMode::kNone;
     const bool fused = compat::kHasFusedSdpa && !want_weights;
-    // The fused kernel applies a plain causal mask by itself; anything more needs it spelled out.
-    const bool fused_causal = fused && call.is_causal && !mask.defined() && extra == 0;
-    if (call.is_causal && !fused_causal) {
-      const at::Tensor upper =
-          at::ones({lq, lk}, at::TensorOptions().dtype(at::kBool).device(device_)).triu(1);
-      add(at::zeros({1, 1, lq, lk}, qh.options())
-              .masked_fill_(upper.view({1, 1, lq, lk}), -std::numeric_limits<double>::infinity()));
-    }
-    if (mask.defined() && extra > 0) mask = at::constant_pad_nd(mask, {0, extra}, 0);
+    const int64_t rows = std::max<int64_t>(1, std::min(lq, kBlockScores / std::max<int64_t>(1, b * h * sl)));
+    // The fused kernel applies a plain causal mask by itself when the whole query is one block.
+    const bool fused_causal =
+        fused && call.is_causal && !attn_mask.defined() && !kpm.defined() && extra == 0 && rows == lq;
 
-    // (head, query) rows whose every key is masked: PyTorch's softmax gives NaN there; we give 0.
-    at::Tensor dead;
-    bool any_dead = false;
-    if (mask.defined()) {
-      dead = mask.eq(-std::numeric_limits<double>::infinity()).all(-1, /*keepdim=*/true);
-      any_dead = dead.any().item<bool>();
+    at::Tensor weights_out;  // [B, H, Lq, S] or [B, Lq, S] over the answer's bytes
+    if (want_weights) {
+      const int64_t heads = call.weights == WeightsMode::kPerHead ? h : 1;
+      out->weights->resize(static_cast<size_t>(b * heads * lq * sl) * DTypeSize(call.query.dtype));
+      weights_out = at::from_blob(out->weights->data(), {b, heads, lq, sl},
+                                  at::TensorOptions().dtype(ToScalarType(call.query.dtype)));
+      out->weights_shape = call.weights == WeightsMode::kPerHead
+                               ? std::vector<int64_t>{b, h, lq, sl}
+                               : std::vector<int64_t>{b, lq, sl};
+      if (!call.batched) out->weights_shape.erase(out->weights_shape.begin());
     }
-
     Attended result;
-    at::Tensor attn;  // [B, H, Lq, D]
-    if (fused) {
-      result.backend = compat::FusedSdpaBackend(qh, kh, vh, mask, fused_causal);
-      attn = compat::FusedSdpa(qh, kh, vh, mask, fused_causal);
-      if (any_dead) attn = attn.masked_fill(dead, 0);
-    } else {
-      at::Tensor scores =
-          at::matmul(qh * (1.0 / std::sqrt(static_cast<double>(d))), kh.transpose(-2, -1));
-      if (mask.defined()) scores.add_(mask);
-      result.weights = at::softmax(scores, -1);
-      if (any_dead) result.weights.masked_fill_(dead, 0);
-      attn = at::matmul(result.weights, vh);
+    at::Tensor merged = dst.defined() ? dst : at::empty({b * lq, e}, q.options());
+    // The merged rows as [B, H, Lq, D] (a view), whatever the wire layout.
+    const at::Tensor merged_heads =
+        batch_first ? merged.view({b, lq, h, d}).transpose(1, 2) : merged.view({lq, b, h, d}).permute({1, 2, 0, 3});
+    at::Tensor dead_rows;  // [B, Lq] bool: query masked in every head (undefined: none)
+    const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+    const double ninf = -std::numeric_limits<double>::infinity();
+    for (int64_t q0 = 0; q0 < lq; q0 += rows) {
+      const int64_t n = std::min(rows, lq - q0);
+      // One additive mask for the block, broadcastable to [B, H, n, S]; appended keys never masked.
+      at::Tensor mask;
+      auto add = [&mask](const at::Tensor& m) { mask = mask.defined() ? mask + m : m; };
+      if (attn_mask.defined()) {
+        const at::Tensor m = attn_mask.narrow(-2, q0, n);
+        add(Additive(m.dim() == 2 ? m.view({1, 1, n, lk}) : m));
+      }
+      if (kpm.defined()) add(kpm);
+      if (call.is_causal && !fused_causal) {
+        // Query q0 + i may attend key j only when j <= q0 + i.
+        const at::Tensor upper =
+            at::ones({n, lk}, at::TensorOptions().dtype(at::kBool).device(device_)).triu(q0 + 1);
+        add(at::zeros({1, 1, n, lk}, qh.options()).masked_fill_(upper.view({1, 1, n, lk}), ninf));
+      }
+      if (mask.defined() && extra > 0) mask = at::constant_pad_nd(mask, {0, extra}, 0);
+
+      // (head, query) rows whose every key is masked: PyTorch's softmax gives NaN there; we give 0.
+      at::Tensor dead;
+      bool any_dead = false;
+      if (mask.defined()) {
+        dead = mask.eq(ninf).all(-1, /*keepdim=*/true).expand({b, h, n, 1});
+        any_dead = dead.any().item<bool>();
+      }
+      const at::Tensor qc = qh.narrow(2, q0, n);
+      at::Tensor attn;  // [B, H, n, D]
+      if (fused) {
+        result.backend = compat::FusedSdpaBackend(qc, kh, vh, mask, fused_causal);
+        attn = compat::FusedSdpa(qc, kh, vh, mask, fused_causal);
+        if (any_dead) attn = attn.masked_fill(dead, 0);
+      } else {
+        at::Tensor scores = at::matmul(qc * scale, kh.transpose(-2, -1));
+        if (mask.defined()) scores.add_(mask);
+        at::Tensor p = at::softmax(scores, -1);
+        scores.reset();
+        if (any_dead) p.masked_fill_(dead, 0);
+        attn = at::matmul(p, vh);
+        if (want_weights) {
+          weights_out.narrow(2, q0, n).copy_(call.weights == WeightsMode::kAveraged ? p.mean(1, true) : p);
+        }
+      }
+      merged_heads.narrow(2, q0, n).copy_(attn);
+      if (any_dead) {
+        if (!dead_rows.defined()) dead_rows = at::zeros({b, lq}, at::TensorOptions().dtype(at::kBool));
+        dead_rows.narrow(1, q0, n).copy_(dead.squeeze(-1).all(1));
+      }
     }
-    // Merge heads in the wire's row order.
-    const at::Tensor heads_last = batch_first ? attn.transpose(1, 2) : attn.permute({2, 0, 1, 3});
-    if (dst.defined()) {
-      dst.view(heads_last.sizes()).copy_(heads_last);
-    } else {
-      result.merged = heads_last.reshape({b * lq, e});
-    }
-    if (any_dead) {
+    if (!dst.defined()) result.merged = merged;
+    if (dead_rows.defined()) {
       // A query masked in every head gets a zero output row (not the output bias).
-      at::Tensor rows = dead.squeeze(-1).all(1).expand({b, lq});  // [B, Lq]
-      if (!batch_first) rows = rows.t();
-      result.dead = rows.reshape({b * lq, 1}).to(at::kCPU);
+      const at::Tensor wire_rows = batch_first ? dead_rows : dead_rows.t();
+      result.dead = wire_rows.reshape({b * lq, 1});
     }
     return result;
   }
 
-  // Writes one call's output (and weights) into its response bytes. `y` holds the projected rows
+  // Writes one call's output into its response bytes (AttendRows wrote the weights). `y` holds the projected rows
   // when the caller projected a whole batch; otherwise the projection writes straight into the
   // response.
   void WriteOutput(const AttendCall& call, const Attended& a, const at::Tensor& y,
@@ -380,13 +420,6 @@ class TorchModel final : public AttentionModel {
       out->output_shape = {lq, e};
     } else {
       out->output_shape = batch_first ? std::vector<int64_t>{b, lq, e} : std::vector<int64_t>{lq, b, e};
-    }
-    if (call.weights != WeightsMode::kNone) {
-      at::Tensor w = call.weights == WeightsMode::kAveraged ? a.weights.mean(1) : a.weights;
-      if (!call.batched) w = w.squeeze(0);
-      out->weights_shape = w.sizes().vec();
-      out->weights->resize(static_cast<size_t>(w.numel()) * DTypeSize(out_dtype));
-      at::from_blob(out->weights->data(), w.sizes(), ToScalarType(out_dtype)).copy_(w);
     }
   }
 

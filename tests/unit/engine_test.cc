@@ -254,7 +254,12 @@ INSTANTIATE_TEST_SUITE_P(
         Make("UnbatchedMask3d", [](Case& c) { c.unbatched = true; c.mask = Case::kBool3d; c.weights = WeightsMode::kAveraged; }),
         Make("SequenceFirst", [](Case& c) { c.seq_first = true; c.lk = 6; c.mask = Case::kBool3d; c.weights = WeightsMode::kAveraged; }),
         Make("FullyMaskedRowGivesZeros", [](Case& c) { c.kill_row = true; c.weights = WeightsMode::kPerHead; }),
-        Make("FullyMaskedRowSequenceFirst", [](Case& c) { c.kill_row = true; c.seq_first = true; })),
+        Make("FullyMaskedRowSequenceFirst", [](Case& c) { c.kill_row = true; c.seq_first = true; }),
+        // Long enough that attention runs in several query blocks (the engine bounds the scores
+        // held at once): masks, causality and weights must line up across block boundaries.
+        Make("LongQueryBlocksCausalPerHead", [](Case& c) { c.b = 1; c.lq = 1100; c.causal = true; c.kpm = Case::kBoolKpm; c.weights = WeightsMode::kPerHead; }),
+        Make("LongCrossBlocksMask3dAveragedSeqFirst", [](Case& c) { c.lq = 600; c.lk = 900; c.mask = Case::kFloat3d; c.weights = WeightsMode::kAveraged; c.seq_first = true; }),
+        Make("LongBlocksFullyMaskedRow", [](Case& c) { c.b = 1; c.lq = 1100; c.kill_row = true; })),
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
 
 TEST(EngineTest, Float16InOutMatchesFloat32Compute) {
