@@ -5,6 +5,8 @@ set -euo pipefail
 
 packages=(
   build-essential cmake pkg-config zlib1g-dev
+  # Fuzzing (tools/fuzz.sh): clang with libFuzzer and its sanitizer runtimes.
+  clang libclang-rt-14-dev
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libtorch-dev
   # The fast BLAS must be named explicitly: libtorch only recommends one, and the reference BLAS

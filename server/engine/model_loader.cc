@@ -24,11 +24,8 @@ bool IsWeightsFile(const fs::path& p) {
 
 }  // namespace
 
-StatusOr<ModelWeights> LoadModel(const std::string& model_dir, const std::string& name) {
-  const fs::path dir(model_dir);
-  const std::string config_path = (dir / "config.json").string();
-  ASSIGN_OR_RETURN(std::string config_text, ReadFile(config_path, 1 << 20));
-  ASSIGN_OR_RETURN(nlohmann::json j, ParseStrictJson(config_text, config_path));
+StatusOr<ModelDirConfig> ParseModelConfig(const std::string& text, const std::string& config_path) {
+  ASSIGN_OR_RETURN(nlohmann::json j, ParseStrictJson(text, config_path));
   if (!j.is_object()) return Fail(config_path + ": not a JSON object");
   static const char* kKnown[] = {"num_heads", "weights", "add_zero_attn"};
   for (auto it = j.begin(); it != j.end(); ++it) {
@@ -38,7 +35,8 @@ StatusOr<ModelWeights> LoadModel(const std::string& model_dir, const std::string
                   "'; allowed: num_heads, weights, add_zero_attn");
     }
   }
-  ModelConfig config;
+  ModelDirConfig out;
+  ModelConfig& config = out.config;
   if (!j.contains("num_heads") || !j["num_heads"].is_number_integer()) {
     return Fail(config_path + ": num_heads (an integer) is required");
   }
@@ -55,10 +53,24 @@ StatusOr<ModelWeights> LoadModel(const std::string& model_dir, const std::string
     if (!j["add_zero_attn"].is_boolean()) return Fail(config_path + ": add_zero_attn must be true or false");
     config.add_zero_attn = j["add_zero_attn"].get<bool>();
   }
-  fs::path weights_path;
   if (j.contains("weights")) {
-    if (!j["weights"].is_string()) return Fail(config_path + ": weights must be a file name");
-    weights_path = dir / j["weights"].get<std::string>();
+    if (!j["weights"].is_string() || j["weights"].get<std::string>().empty()) {
+      return Fail(config_path + ": weights must be a file name");
+    }
+    out.weights = j["weights"].get<std::string>();
+  }
+  return out;
+}
+
+StatusOr<ModelWeights> LoadModel(const std::string& model_dir, const std::string& name) {
+  const fs::path dir(model_dir);
+  const std::string config_path = (dir / "config.json").string();
+  ASSIGN_OR_RETURN(std::string config_text, ReadFile(config_path, 1 << 20));
+  ASSIGN_OR_RETURN(ModelDirConfig parsed, ParseModelConfig(config_text, config_path));
+  const ModelConfig& config = parsed.config;
+  fs::path weights_path;
+  if (!parsed.weights.empty()) {
+    weights_path = dir / parsed.weights;
   } else {
     std::vector<fs::path> found;
     std::error_code ec;

@@ -18,6 +18,15 @@ namespace attnserve {
 /// start half-broken.
 StatusOr<std::vector<ModelWeights>> LoadModelDirectory(const std::string& dir);
 
+/// A model directory's config.json, checked: known keys only, strict JSON, num_heads 1 to 65536.
+struct ModelDirConfig {
+  ModelConfig config;
+  std::string weights;  ///< The weights file named by "weights", or "" to find the only one.
+};
+
+/// Parses config.json text; FAILED_PRECONDITION naming `config_path` and the problem.
+StatusOr<ModelDirConfig> ParseModelConfig(const std::string& text, const std::string& config_path);
+
 /// Loads one model directory (see LoadModelDirectory) under `name`.
 StatusOr<ModelWeights> LoadModel(const std::string& model_dir, const std::string& name);
 
