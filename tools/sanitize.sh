@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Runs the test binaries under sanitizers, each in its own build tree:
+#   build-asan: AddressSanitizer + UndefinedBehaviorSanitizer (leaks too): unit, batcher, integration
+#   build-tsan: ThreadSanitizer: batcher, integration
+#   tools/sanitize.sh [asan|tsan]...     (default: both)
+# Suppressions (tests/sanitizers/*.supp) cover third-party code only; each entry says why. Ends with
+# "sanitizers: N passed, N failed".
+set -euo pipefail
+cd "$(dirname "$0")/.."
+kinds=("$@")
+[ ${#kinds[@]} -gt 0 ] || kinds=(asan tsan)
+supp="$PWD/tests/sanitizers"
+passed=0 failed=0
+run() {  # name, command...
+  local name=$1; shift
+  if "$@" >"$log_dir/$name.log" 2>&1; then
+    passed=$((passed + 1)); echo "sanitizers: $name passed ($(grep -h -o '\[  PASSED  \] [0-9]* tests' "$log_dir/$name.log" | tail -1))"
+  else
+    failed=$((failed + 1)); echo "sanitizers: $name FAILED"; grep -h -B2 -A30 -m3 -E 'ERROR: |WARNING: ThreadSanitizer|runtime error|FAILED' "$log_dir/$name.log" | head -80
+  fi
+}
+for kind in "${kinds[@]}"; do
+  case "$kind" in
+    asan) flags=address,undefined; targets=(attnserve_unit_tests attnserve_batcher_tests attnserve_integration_tests) ;;
+    tsan) flags=thread; targets=(attnserve_batcher_tests attnserve_integration_tests) ;;
+    *) echo "usage: tools/sanitize.sh [asan|tsan]..." >&2; exit 2 ;;
+  esac
+  build=build-$kind
+  if [ ! -f "$build/CMakeCache.txt" ]; then
+    cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DATTNSERVE_SANITIZE=$flags \
+      -DATTNSERVE_BUILD_BENCH=OFF >/dev/null
+  fi
+  cmake --build "$build" -j"$(nproc)" --target "${targets[@]}" >/dev/null
+  log_dir=$build/logs
+  mkdir -p "$log_dir"
+  export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:detect_stack_use_after_return=0"
+  export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0"
+  export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:suppressions=$supp/ubsan.supp"
+  export TSAN_OPTIONS="suppressions=$supp/tsan.supp:halt_on_error=1:second_deadlock_stack=1"
+  for t in "${targets[@]}"; do
+    run "$kind-${t#attnserve_}" "$build/tests/$t"
+  done
+done
+echo "sanitizers: $passed passed, $failed failed"
+[ "$failed" -eq 0 ]
