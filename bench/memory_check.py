@@ -19,14 +19,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import attnserve_py as lib  # noqa: E402
 
 
-def status_kb(pid, field):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("binary")
@@ -45,7 +37,7 @@ def main():
     q = np.random.default_rng(1).standard_normal((1, a.length, 512)).astype(np.float32)
     req = pb.AttendRequest(model="demo", query=lib.to_wire(pb, q))
     stub.Attend(pb.AttendRequest(model="demo", query=lib.to_wire(pb, q[:, :8])), timeout=60)  # warm-up
-    before = status_kb(pid, "VmRSS")
+    before = lib.status_kb(pid, "VmRSS")
     codes = []
     for _ in range(a.rounds):
         def call():
@@ -59,8 +51,8 @@ def main():
             t.start()
         for t in threads:
             t.join()
-    peak = status_kb(pid, "VmHWM")
-    after = status_kb(pid, "VmRSS")
+    peak = lib.status_kb(pid, "VmHWM")
+    after = lib.status_kb(pid, "VmRSS")
     server.stop()
     print(f"{a.concurrent} concurrent x {a.rounds} rounds, answers {a.length * 512 * 4 / 2**20:.0f} MiB: "
           f"RSS before {before / 1024:.0f} MiB, peak {peak / 1024:.0f} MiB, after {after / 1024:.0f} MiB; "

@@ -24,11 +24,7 @@ import attnserve_py as lib  # noqa: E402
 
 
 def rss_mib(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
+    return lib.status_kb(pid, "VmRSS") / 1024
 
 
 def main():

@@ -20,14 +20,7 @@ from google.protobuf import descriptor_pb2
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
 import attnserve_py as lib  # noqa: E402
 
-passed = failed = 0
-
-
-def check(name, ok, detail=""):
-    global passed, failed
-    passed += bool(ok)
-    failed += not ok
-    print(f"{'ok  ' if ok else 'FAIL'} {name} {detail if not ok else ''}")
+check = lib.Checks()
 
 
 def fields(buf):
@@ -132,8 +125,7 @@ def main():
         shutil.rmtree(tmp, ignore_errors=True)
         log = server.stop()
         check("SIGTERM drains and exits 0", "stopped" in log, log)
-    print(f"python_client_test: {passed} passed, {failed} failed")
-    return 1 if failed else 0
+    return check.summary("python_client_test")
 
 
 if __name__ == "__main__":

@@ -19,14 +19,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
 import attnserve_py as lib  # noqa: E402
 
-passed = failed = 0
-
-
-def check(name, ok, detail=""):
-    global passed, failed
-    passed += bool(ok)
-    failed += not ok
-    print(f"{'ok  ' if ok else 'FAIL'} {name} {detail if not ok else ''}")
+check = lib.Checks()
 
 
 def counter(text, series):
@@ -140,8 +133,7 @@ def main():
                   r.returncode == 2 and blame in r.stderr, f"exit {r.returncode}: {r.stderr[-500:]}")
         except subprocess.TimeoutExpired:
             check(f"bad model ({case}): exit 2", False, "start-up hung")
-    print(f"{passed} passed, {failed} failed")
-    return 1 if failed else 0
+    return check.summary("wire_errors_test")
 
 
 if __name__ == "__main__":

@@ -56,6 +56,31 @@ class Server:
         return out
 
 
+class Checks:
+    """Named checks that print ok/FAIL as they go and a closing "N passed, N failed" line."""
+
+    def __init__(self):
+        self.passed = self.failed = 0
+
+    def __call__(self, name, ok, detail=""):
+        self.passed += bool(ok)
+        self.failed += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} {name} {detail if not ok else ''}")
+
+    def summary(self, prefix):
+        print(f"{prefix}: {self.passed} passed, {self.failed} failed")
+        return 1 if self.failed else 0
+
+
+def status_kb(pid, field):
+    """A field of /proc/PID/status in KiB (VmRSS, VmHWM, ...), 0 when absent."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
 DTYPES = {"float32": (1, np.float32), "float16": (2, np.float16)}
 
 
