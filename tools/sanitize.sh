@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Runs the test binaries under sanitizers, each in its own build tree:
 #   build-asan: AddressSanitizer + UndefinedBehaviorSanitizer (leaks too): unit, batcher, integration
-#   build-tsan: ThreadSanitizer: batcher, integration
+#   build-tsan: ThreadSanitizer: batcher tests (worker threads over a fake and the real engine).
+#               The integration tests run ~100x slower under TSan here (a stream test 124 s), past
+#               their clients' 30 s deadlines: not in this script (README "Tests").
 #   tools/sanitize.sh [asan|tsan]...     (default: both)
 # Suppressions (tests/sanitizers/*.supp) cover third-party code only; each entry says why. Ends with
 # "sanitizers: N passed, N failed".
@@ -22,7 +24,7 @@ run() {  # name, command...
 for kind in "${kinds[@]}"; do
   case "$kind" in
     asan) flags=address,undefined; targets=(attnserve_unit_tests attnserve_batcher_tests attnserve_integration_tests) ;;
-    tsan) flags=thread; targets=(attnserve_batcher_tests attnserve_integration_tests) ;;
+    tsan) flags=thread; targets=(attnserve_batcher_tests) ;;
     *) echo "usage: tools/sanitize.sh [asan|tsan]..." >&2; exit 2 ;;
   esac
   build=build-$kind
