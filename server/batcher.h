@@ -142,6 +142,7 @@ class Batcher {
   std::map<const AttentionModel*, BatchQueue> queues_;
   bool draining_ = false;
   int busy_ = 0;  // Workers computing a batch.
+  bool trim_pending_ = false;  // Work ran since the last malloc_trim.
   std::vector<std::thread> workers_;
 };
 

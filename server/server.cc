@@ -6,8 +6,6 @@
 #include <prometheus/exposer.h>
 #include <prometheus/registry.h>
 
-#include <malloc.h>
-
 #include <mutex>
 
 #include "server/attention_service.h"
@@ -44,11 +42,6 @@ Server::Server(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Server::~Server() { Shutdown(); }
 
 StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
-  // Request, answer and engine buffers are megabytes each. glibc serves them from mmap until the
-  // first one is freed, then raises its mmap threshold (up to 32 MiB) and keeps later ones in its
-  // arenas, which it rarely gives back: RSS would stay at its peak. A fixed threshold keeps every
-  // buffer over 1 MiB in its own mapping, returned to the system when freed.
-  mallopt(M_MMAP_THRESHOLD, 1 << 20);
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   const auto fail = [](const std::string& m) { return Status(StatusCode::kFailedPrecondition, m); };
