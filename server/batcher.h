@@ -143,6 +143,8 @@ class Batcher {
   bool draining_ = false;
   int busy_ = 0;  // Workers computing a batch.
   bool trim_pending_ = false;  // Work ran since the last malloc_trim.
+  SteadyClock::time_point idle_since_;  // When the last worker went idle (zero: not idle).
+  static constexpr std::chrono::seconds kTrimAfterIdle{1};
   std::vector<std::thread> workers_;
 };
 
