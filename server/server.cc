@@ -14,6 +14,7 @@
 #include "server/engine/model_loader.h"
 #include "server/metrics.h"
 #include "server/thread_stacks.h"
+#include "server/wire.h"
 
 namespace attnserve {
 
@@ -110,7 +111,8 @@ StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   };
   impl->batcher = std::make_unique<Batcher>(std::move(batcher_options));
   AttendLimits limits = options.limits;
-  limits.max_answer_bytes = static_cast<int64_t>(options.max_message_bytes) - 1024;
+  limits.max_answer_bytes =
+      static_cast<int64_t>(options.max_message_bytes) - static_cast<int64_t>(kResponseOverheadBytes);
   impl->service = std::make_unique<AttentionServiceImpl>(impl->models, *impl->batcher,
                                                          *impl->metrics, limits, options.flow);
 
