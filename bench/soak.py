@@ -9,8 +9,10 @@ usage: bench/soak.py PATH/TO/attnserve [--requests 100000] [--threads 8]
 """
 import argparse
 import collections
+import faulthandler
 import os
 import re
+import subprocess
 import sys
 import threading
 import time
@@ -32,6 +34,8 @@ def main():
     p.add_argument("binary")
     p.add_argument("--requests", type=int, default=100000)
     p.add_argument("--threads", type=int, default=8)
+    p.add_argument("--stall-seconds", type=float, default=90,
+                   help="no request finishing for this long counts as a stall: both sides' stacks are dumped")
     a = p.parse_args()
     pb, stubs = lib.load_stubs()
     server = lib.Server(a.binary, "--max-message-bytes", str(4 << 20))
@@ -60,9 +64,13 @@ def main():
     lock = threading.Lock()
     sent = [0]
 
+    finished = [0, time.time()]  # requests finished, time of the latest
+
     def count(kind, code):
         with lock:
             outcomes[(kind, code)] += 1
+            finished[0] += 1
+            finished[1] = time.time()
 
     def take(n):
         with lock:
@@ -110,11 +118,32 @@ def main():
     samples = []
     done = threading.Event()
 
+    stalled = []
+
     def sampler():
         start = time.time()
         while not done.is_set():
             samples.append((time.time() - start, rss_mib(pid), sent[0]))
+            if not stalled and time.time() - finished[1] > a.stall_seconds:
+                stalled.append(finished[0])
+                diagnose_stall()
             done.wait(2.0)
+
+    def diagnose_stall():
+        print(f"STALL: no request finished for {a.stall_seconds:.0f} s after {finished[0]} finished; "
+              f"outcomes so far: {dict(outcomes)}", flush=True)
+        body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read().decode()
+        print("\n".join(l for l in body.splitlines() if "in_flight" in l or "rejected" in l), flush=True)
+        print("client threads:", flush=True)
+        faulthandler.dump_traceback(all_threads=True)
+        path = os.path.abspath("soak-stall-server-stacks.txt")
+        with open(path, "w") as f:
+            subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", "thread apply all bt"],
+                           stdout=f, stderr=subprocess.STDOUT, timeout=120)
+        print(f"server threads: {path}", flush=True)
+        server.proc.kill()
+        print("soak: 0 passed, 1 failed (stall)", flush=True)
+        os._exit(1)
 
     start = time.time()
     threading.Thread(target=sampler, daemon=True).start()
@@ -147,7 +176,7 @@ def main():
     print(f"in-flight gauges at the end: {in_flight}; SIGTERM: exit 0 in {stop_s:.1f} s")
     expected = {"OK", "CANCELLED", "DEADLINE_EXCEEDED", "INVALID_ARGUMENT", "error"}
     unexpected = {k: n for k, n in outcomes.items() if k[1] not in expected}
-    ok = not unexpected and all(v == 0 for v in in_flight.values())
+    ok = not unexpected and not stalled and all(v == 0 for v in in_flight.values())
     if unexpected:
         print("unexpected outcomes:", unexpected)
     print(f"soak: {1 if ok else 0} passed, {0 if ok else 1} failed")

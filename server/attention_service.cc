@@ -139,12 +139,42 @@ void AttentionServiceImpl::RecordUndecoded(const char* method, const Status& see
   last_arrival_ = SteadyClock::now();
 }
 
+namespace {
+
+/// A unary call whose request message never arrived: the client cancelled before sending it, or
+/// half-closed without one. (An empty message is a valid, empty AttendRequest.) Which of the two it
+/// was is only certain once the call is done, so the outcome is recorded in OnDone.
+class NoMessageReactor final : public grpc::ServerUnaryReactor {
+ public:
+  NoMessageReactor(AttentionServiceImpl* service, grpc::CallbackServerContext* ctx)
+      : service_(service), ctx_(ctx) {
+    Finish(ToGrpcStatus(kRefusal));
+  }
+  void OnDone() override {
+    service_->RecordUndecoded(
+        "Attend", ctx_->IsCancelled()
+                      ? Status(StatusCode::kCancelled, "cancelled before its request arrived")
+                      : kRefusal);
+    delete this;
+  }
+
+ private:
+  inline static const Status kRefusal =
+      InvalidArgument("request: no request message arrived (the client half-closed without one); "
+                      "Attend takes exactly one AttendRequest");
+  AttentionServiceImpl* service_;
+  grpc::CallbackServerContext* ctx_;
+};
+
+}  // namespace
+
 grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerContext* ctx,
                                                        const grpc::ByteBuffer* req,
                                                        grpc::ByteBuffer* resp) {
-  auto* reactor = ctx->DefaultReactor();
+  if (!req->Valid()) return new NoMessageReactor(this, ctx);
   auto x = std::make_unique<Exchange>();
   x->received = SteadyClock::now();
+  auto* reactor = ctx->DefaultReactor();
   const Status parsed = ParseRequest(*req, &x->request);
   if (!parsed.ok()) {
     RecordUndecoded("Attend", parsed);

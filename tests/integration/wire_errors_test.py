@@ -52,6 +52,41 @@ def main():
           counter(metrics, 'attnserve_requests_total{code="INVALID_ARGUMENT",method="Attend",model=""}') == 2,
           metrics[:2000])
 
+    # A unary call whose request message never arrives: the client half-closes without one, or
+    # cancels before sending it. Neither is a request for model "": the first gets INVALID_ARGUMENT
+    # saying so, the second is counted as CANCELLED.
+    no_message = channel.stream_unary("/attnserve.v1.AttentionService/Attend")
+    try:
+        no_message(iter([]), timeout=10)
+        check("unary call without a message: refused", False, "it was answered")
+    except grpc.RpcError as e:
+        check("unary call without a message: INVALID_ARGUMENT", e.code() == grpc.StatusCode.INVALID_ARGUMENT,
+              f"{e.code()} {e.details()!r}")
+        check("unary call without a message: says so", "no request message" in (e.details() or ""),
+              repr(e.details()))
+    never = threading.Event()
+
+    def no_request_yet():
+        never.wait()
+        yield b""
+
+    for _ in range(3):
+        future = no_message.future(no_request_yet(), timeout=10)
+        time.sleep(0.3)
+        future.cancel()
+    time.sleep(0.5)
+    never.set()
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read().decode()
+    check("no call counted as a request for model ''",
+          counter(metrics, 'attnserve_requests_total{code="NOT_FOUND",method="Attend",model=""}') == 0,
+          "\n".join(l for l in metrics.splitlines() if 'method="Attend"' in l))
+    check("the call without a message is counted",
+          counter(metrics, 'attnserve_requests_total{code="INVALID_ARGUMENT",method="Attend",model=""}') == 3,
+          "\n".join(l for l in metrics.splitlines() if 'method="Attend"' in l))
+    check("the cancelled calls are counted as CANCELLED",
+          counter(metrics, 'attnserve_requests_total{code="CANCELLED",method="Attend",model=""}') == 3,
+          "\n".join(l for l in metrics.splitlines() if 'method="Attend"' in l))
+
     first = pb.AttendRequest()
     first.CopyFrom(good)
     first.request_id = 1
