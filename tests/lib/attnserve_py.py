@@ -4,6 +4,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -47,10 +48,20 @@ class Server:
         self.port = int(m.group(1))
         self.metrics_port = int(m.group(2)) if m.group(2) else None
         self.target = f"127.0.0.1:{self.port}"
+        # Drain the server's output as it comes: a full pipe would block the server's writes.
+        self._output = []
+        self._drain = threading.Thread(target=lambda: self._output.extend(self.proc.stdout), daemon=True)
+        self._drain.start()
+
+    def output(self):
+        """What the server printed after its start-up line, so far."""
+        return "".join(self._output)
 
     def stop(self):
         self.proc.terminate()
-        out, _ = self.proc.communicate(timeout=60)
+        self.proc.wait(timeout=60)
+        self._drain.join(timeout=10)
+        out = self.output()
         if self.proc.returncode != 0:
             raise RuntimeError(f"attnserve exited {self.proc.returncode}: {out}")
         return out
