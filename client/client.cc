@@ -11,9 +11,9 @@
 
 #include "attnserve/v1/attention.grpc.pb.h"
 
-// A call handed to gRPC's completion queue comes back on the poller thread. Debian's gRPC is not
-// built with ThreadSanitizer, so TSan cannot see that handoff; these tell it, and compile to nothing
-// in other builds.
+// A call handed to gRPC comes back on another thread (the completion-queue poller, or a callback
+// thread). Debian's gRPC is not built with ThreadSanitizer, so TSan cannot see that handoff; these
+// tell it, and compile to nothing in other builds.
 #if defined(__SANITIZE_THREAD__)
 extern "C" void __tsan_acquire(void* addr);
 extern "C" void __tsan_release(void* addr);
@@ -323,8 +323,12 @@ CallStatus Client::Health(const std::string& service, bool* serving, const CallO
   grpc::ClientContext ctx;
   impl_->Prepare(&ctx, call);
   std::promise<grpc::Status> done;
+  ATTNSERVE_HANDOFF_RELEASE(&done);  // The callback runs on a gRPC thread.
   impl_->generic->UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request,
-                            &response, [&](grpc::Status s) { done.set_value(s); });
+                            &response, [&](grpc::Status s) {
+                              ATTNSERVE_HANDOFF_ACQUIRE(&done);
+                              done.set_value(s);
+                            });
   const grpc::Status s = done.get_future().get();
   if (!s.ok()) return FromGrpc(s);
   std::vector<grpc::Slice> slices;
