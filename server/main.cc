@@ -1,12 +1,52 @@
 // attnserve: serves multi-head attention over gRPC. `attnserve --help` lists the flags.
 #include <signal.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <cerrno>
 #include <cstdlib>
 #include <iostream>
 #include <thread>
 
 #include "server/server.h"
+
+namespace {
+
+// SIGINT/SIGTERM are handled, never left to their default action: threads created before main()
+// (OpenBLAS's pool) do not block them, so a signal arriving while main() was not waiting for it
+// (a second SIGTERM during the drain) used to kill the process mid-drain. The handler only writes
+// the signal number to a pipe that main() reads (async-signal-safe).
+int g_signal_pipe[2] = {-1, -1};
+
+void OnStopSignal(int sig) {
+  const int saved = errno;
+  const unsigned char b = static_cast<unsigned char>(sig);
+  (void)!write(g_signal_pipe[1], &b, 1);
+  errno = saved;
+}
+
+void InstallStopSignals() {
+  if (pipe(g_signal_pipe) != 0) {
+    std::perror("attnserve: pipe");
+    std::exit(1);
+  }
+  struct sigaction sa = {};
+  sa.sa_handler = OnStopSignal;
+  sa.sa_flags = SA_RESTART;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+}
+
+int WaitStopSignal() {
+  unsigned char b = 0;
+  while (read(g_signal_pipe[0], &b, 1) != 1) {
+    if (errno != EINTR) return SIGTERM;
+  }
+  return b;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   attnserve::ServerOptions o;
@@ -98,12 +138,7 @@ int main(int argc, char** argv) {
                                           : attnserve::DType::kFloat32;
   o.batcher.max_queue_delay = std::chrono::microseconds(delay_us);
 
-  // Every thread started from here on inherits the blocked signals; this one waits for them.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGINT);
-  sigaddset(&signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  InstallStopSignals();
 
   auto server = attnserve::Server::Start(o);
   if (!server.ok()) {
@@ -111,10 +146,10 @@ int main(int argc, char** argv) {
     return 2;
   }
   std::cout << (*server)->Describe() << std::endl;
-  int sig = 0;
-  sigwait(&signals, &sig);
+  const int sig = WaitStopSignal();
   std::cout << "attnserve: " << (sig == SIGINT ? "SIGINT" : "SIGTERM")
             << ": draining in-flight requests" << std::endl;
+  // Later signals land in the pipe unread: the drain goes on (the grace period still bounds it).
   // The grace period is a promise to the orchestrator: past it the process goes, whatever is
   // still computing.
   std::thread([grace = o.shutdown_grace_seconds] {
