@@ -34,7 +34,12 @@ check "health is SERVING" '"$cli" --target 127.0.0.1:$port health | grep -qx SER
 out=$("$cli" --target "127.0.0.1:$port" attend --model demo --batch 2 --query-len 16 --weights avg)
 echo "$out"
 check "attend answers [2, 16, 512]" 'grep -q "output \[2, 16, 512\], weights \[2, 16, 16\]" <<<"$out"'
-check "metrics served" 'curl -sf "http://127.0.0.1:$metrics/metrics" | grep -q "attnserve_requests_total{code=\"OK\""'
+metrics_text=$(curl -s "http://127.0.0.1:$metrics/metrics" 2>&1 || true)
+check "metrics served" 'grep -q "attnserve_requests_total{code=\"OK\"" <<<"$metrics_text"'
+if ! grep -q "attnserve_requests_total{code=\"OK\"" <<<"$metrics_text"; then  # Say what came instead.
+  echo "metrics on :$metrics answered: $(head -c 600 <<<"$metrics_text")"
+  docker logs "$name" 2>&1 | tail -5
+fi
 check "runs as non-root" '[ "$(docker exec "$name" id -u)" != 0 ]'
 check "default command serves the demo on 0.0.0.0" \
   '[ "$(docker image inspect "$image" --format "{{json .Config.Cmd}}")" = "[\"attnserve\",\"--address\",\"0.0.0.0:50051\",\"--metrics-address\",\"0.0.0.0:9464\"]" ]'
