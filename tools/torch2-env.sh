@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The LibTorch 2.x flavour's environment: a virtual environment in build-torch2/venv (ignored by git)
+# holding PyPI's torch (its LibTorch, CUDA-enabled, with the CUDA runtime as nvidia-* packages) and the
+# Python peers the tests use against it. Pinned; idempotent: a second call with the same pins returns
+# at once.
+#   tools/torch2-env.sh            # prints the venv's path
+# torch 2.11.0 is the version on the GPU machines lent to this project (../shared/PLATFORM.md), so the
+# build rehearsed here is the one bench/gpu_check.sh does there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+pins=(torch==2.11.0 numpy==2.4.6 grpcio==1.85.1 grpcio-tools==1.85.1 protobuf==7.36.2
+      "setuptools==80.9.0")  # torch 2.11 requires setuptools < 82; grpcio-tools would pull a newer one.
+venv=build-torch2/venv
+stamp="$venv/.pins"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "${pins[*]}" ]; then
+  echo "$PWD/$venv"
+  exit 0
+fi
+[ -x "$venv/bin/python" ] || /usr/bin/python3 -m venv "$venv"
+"$venv/bin/pip" install -q "${pins[@]}" >&2
+"$venv/bin/python" -c 'import torch, grpc, numpy' >&2
+echo "${pins[*]}" >"$stamp"
+echo "$PWD/$venv"
