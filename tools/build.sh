@@ -2,9 +2,14 @@
 # The two README commands:
 #   tools/build.sh run    install dependencies, build, serve the demo model on 127.0.0.1:50051
 #                         (metrics on 127.0.0.1:9464); extra arguments go to attnserve
-#   tools/build.sh test   install dependencies, build, run every test: ctest, then the sanitizer runs
-#                         (tools/sanitize.sh) and a bounded fuzz run (tools/fuzz.sh, 30 s a target);
-#                         extra arguments go to ctest. ATTNSERVE_QUICK=1 runs ctest only.
+#   tools/build.sh test   install dependencies, build, run every test: ctest, the sanitizer runs
+#                         (tools/sanitize.sh), a bounded fuzz run (tools/fuzz.sh, 30 s a target), then
+#                         the whole ctest suite again on the LibTorch 2.x flavour (stage torch2);
+#                         extra arguments go to ctest. ATTNSERVE_QUICK=1 runs the first ctest only.
+# Flavours (ATTNSERVE_FLAVOUR): `debian` (default): Debian's LibTorch 1.13, CPU, in build/;
+# `torch2`: PyPI's torch 2.11 (LibTorch 2.x, CUDA-enabled, runs on the CPU here) from
+# tools/torch2-env.sh, in build-torch2/build, its tests' Python peers from that environment.
+#   ATTNSERVE_FLAVOUR=torch2 tools/build.sh run|test    serve with, or test only, the 2.x flavour
 # Both are idempotent: a second call installs nothing and rebuilds only what changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,11 +21,25 @@ case "$verb" in
 esac
 
 bash tools/install-deps.sh
-build=${ATTNSERVE_BUILD_DIR:-build}
-if [ ! -f "$build/CMakeCache.txt" ]; then
-  cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release
-fi
-cmake --build "$build" -j"$(nproc)"
+flavour=${ATTNSERVE_FLAVOUR:-debian}
+configure() {  # flavour, build dir: configures once, builds what changed
+  local f=$1 dir=$2
+  if [ ! -f "$dir/CMakeCache.txt" ]; then
+    case "$f" in
+      debian) cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=Release ;;
+      torch2)
+        local venv; venv=$(tools/torch2-env.sh)
+        cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=Release -DATTNSERVE_PYTHON="$venv/bin/python" \
+          -DCMAKE_PREFIX_PATH="$("$venv/bin/python" -c 'import torch; print(torch.utils.cmake_prefix_path)')" ;;
+      *) echo "tools/build.sh: ATTNSERVE_FLAVOUR is debian or torch2, not '$f'" >&2; exit 2 ;;
+    esac
+  fi
+  cmake --build "$dir" -j"$(nproc)"
+}
+flavour_dir() { if [ "$1" = torch2 ]; then echo build-torch2/build; else echo "${ATTNSERVE_BUILD_DIR:-build}"; fi; }
+build=$(flavour_dir "$flavour")
+[ "$flavour" = torch2 ] && tools/torch2-env.sh >/dev/null
+configure "$flavour" "$build"
 
 if [ "$verb" = run ]; then
   exec "$build/attnserve" "$@"
@@ -48,10 +67,18 @@ stage() {  # name, command...: counts the stage's own "N passed, N failed" or ct
   summary+=("$name $p/$((p + f))")
   rm -f "$log"
 }
-stage ctest ctest --test-dir "$build" --output-on-failure -j2 "$@"
-if [ -z "${ATTNSERVE_QUICK:-}" ]; then
-  stage sanitizers tools/sanitize.sh
-  stage fuzz tools/fuzz.sh
+if [ "$flavour" = torch2 ]; then
+  # The Debian image's container test belongs to the default flavour.
+  stage torch2 ctest --test-dir "$build" --output-on-failure -j2 -E '^container$' "$@"
+else
+  stage ctest ctest --test-dir "$build" --output-on-failure -j2 "$@"
+  if [ -z "${ATTNSERVE_QUICK:-}" ]; then
+    stage sanitizers tools/sanitize.sh
+    stage fuzz tools/fuzz.sh
+    tools/torch2-env.sh >/dev/null
+    configure torch2 build-torch2/build
+    stage torch2 ctest --test-dir build-torch2/build --output-on-failure -j2 -E '^container$' "$@"
+  fi
 fi
 echo "stages: ${summary[*]}"
 echo "attnserve: $passed passed, $failed failed"

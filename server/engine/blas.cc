@@ -31,7 +31,18 @@ BlasInfo ConfigureBlas() {
     }
     using Version = const char* (*)();
     const auto blis = reinterpret_cast<Version>(dlsym(RTLD_DEFAULT, "bli_info_get_version_str"));
-    info.description = blis ? std::string("BLIS ") + blis() : std::string("an unidentified BLAS");
+    // PyPI's LibTorch links MKL statically (thread-safe; its threads follow at::set_num_threads).
+    using MklVersion = void (*)(char*, int);
+    const auto mkl = reinterpret_cast<MklVersion>(dlsym(RTLD_DEFAULT, "MKL_Get_Version_String"));
+    if (blis) {
+      info.description = std::string("BLIS ") + blis();
+    } else if (mkl) {
+      char version[256] = {};
+      mkl(version, sizeof(version) - 1);
+      info.description = std::string(version) + " (in LibTorch)";
+    } else {
+      info.description = "an unidentified BLAS";
+    }
   });
   return info;
 }

@@ -468,7 +468,8 @@ StatusOr<std::unique_ptr<AttentionModel>> CreateTorchModel(const ModelWeights& w
 }
 
 std::string EngineDescription() {
-  return std::string("LibTorch ") + TORCH_VERSION + (at::hasCUDA() ? " (CUDA)" : " (CPU)");
+  return std::string("LibTorch ") + TORCH_VERSION +
+         (at::hasCUDA() ? " (CUDA)" : BuiltWithCuda() ? " (built with CUDA, no GPU seen)" : " (CPU)");
 }
 
 }  // namespace attnserve
