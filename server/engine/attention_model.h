@@ -57,4 +57,8 @@ StatusOr<std::unique_ptr<AttentionModel>> CreateTorchModel(const ModelWeights& w
 /// "LibTorch 1.13.0 (CPU)" or "LibTorch 2.5.1 (CUDA 12.4)", for the start-up log.
 std::string EngineDescription();
 
+/// True when the LibTorch in use has fused scaled-dot-product attention (2.x): a forward that asks
+/// for no attention weights runs in it (AttendOutputs::attention_backend names the kernel).
+bool EngineHasFusedAttention();
+
 }  // namespace attnserve

@@ -467,6 +467,8 @@ StatusOr<std::unique_ptr<AttentionModel>> CreateTorchModel(const ModelWeights& w
   }
 }
 
+bool EngineHasFusedAttention() { return compat::kHasFusedSdpa; }
+
 std::string EngineDescription() {
   return std::string("LibTorch ") + TORCH_VERSION +
          (at::hasCUDA() ? " (CUDA)" : BuiltWithCuda() ? " (built with CUDA, no GPU seen)" : " (CPU)");
