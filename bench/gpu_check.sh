@@ -4,6 +4,8 @@
 #   tools/fetch_gpu_debs.sh            # bookworm .deb files of gRPC, protobuf, prometheus-cpp, ... (~25 MB)
 # There (repository root):
 #   bench/gpu_check.sh                 # writes bench/out-gpu/ (or $OUT/ when set)
+#   bench/gpu_check.sh --build-only    # step 1 alone; rehearsed on the CPU machines against the
+#                                      # LibTorch 2.x flavour: PYTHON=build-torch2/venv/bin/python
 # It
 #   1. unpacks .debs into a private prefix (never into /) and builds attnserve against the Python
 #      torch's LibTorch (CUDA);
@@ -29,7 +31,8 @@ lib="$prefix/usr/lib/x86_64-linux-gnu"
 export PATH="$prefix/usr/bin:$PATH" LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 python=${PYTHON:-python3}
 torch_prefix=$("$python" -c 'import torch; print(torch.utils.cmake_prefix_path)')
-log "$("$python" -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda, "on", torch.cuda.get_device_name(0))')"
+log "$("$python" -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda, "on",
+  torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")')"
 start=$(date +%s)
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DATTNSERVE_BUILD_TESTS=OFF \
   -DCMAKE_PREFIX_PATH="$torch_prefix;$prefix/usr" -DProtobuf_PROTOC_EXECUTABLE="$prefix/usr/bin/protoc" \
@@ -37,6 +40,7 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DATTNSERVE_BUILD_TES
 grep "attnserve: LibTorch" "$out/cmake.log" | tee -a "$out/summary.txt"
 cmake --build "$build" -j"$(nproc)" >"$out/build.log" 2>&1 || { grep -B2 -A12 "error" "$out/build.log" | head -80; exit 1; }
 log "build: $(( $(date +%s) - start )) s"
+if [ "${1:-}" = --build-only ]; then exit 0; fi
 
 # 2. Conformance on CUDA at each dtype against a float64 CPU reference.
 status=0

@@ -66,7 +66,7 @@ int main(int argc, char** argv) {
   app.add_option("--device", o.device, "Compute device: cpu, cuda or cuda:N")->capture_default_str();
   std::string dtype = "float32";
   app.add_option("--dtype", dtype,
-                 "Weights and compute dtype: float32, float16 or bfloat16 (the CPU: float32 only)")
+                 "Weights and compute dtype: float32 (default, exact), bfloat16, or float16 (CUDA only)")
       ->check(CLI::IsMember({"float32", "float16", "bfloat16"}))
       ->capture_default_str();
   app.add_flag("--tf32", o.allow_tf32,
