@@ -13,6 +13,7 @@ On a GPU (bench/gpu_check.sh) the server computes on CUDA at each dtype and the 
 in float64 on the CPU; the tolerance is then the one given for that dtype.
 """
 import argparse
+import inspect
 import shlex
 import math
 import os
@@ -160,14 +161,20 @@ def reference(c, m, q, k, v, kpm, mask, dtype=torch.float32):
         if c.get("seed"):
             return m(qt, kt, vt).numpy().astype(np.float64), None
         am = t(mask)
-        if c.get("causal"):  # PyTorch 1.13's module has no is_causal: spell the mask out.
+        native = {}
+        if c.get("causal"):
+            # The mask spelled out; PyTorch 2.x's module also takes the is_causal hint (which lets it
+            # use its fused causal path), valid when the mask is exactly the causal one. 1.13's has no
+            # is_causal.
             lq, lk = c["Lq"], c.get("Lk") or c["Lq"]
             causal = torch.ones(lq, lk, dtype=torch.bool).triu(1)
+            if am is None and "is_causal" in inspect.signature(m.forward).parameters:
+                native = {"is_causal": True}
             am = causal if am is None else (am | causal if am.dtype == torch.bool else
                                             am.masked_fill(causal, float("-inf")))
         w = c.get("weights", "none")
         out, weights = m(qt, kt, vt, key_padding_mask=t(kpm), attn_mask=am,
-                         need_weights=w != "none", average_attn_weights=w == "avg")
+                         need_weights=w != "none", average_attn_weights=w == "avg", **native)
     return out.numpy().astype(np.float64), None if weights is None else weights.numpy().astype(np.float64)
 
 
@@ -190,7 +197,7 @@ def main():
         export_model.export(m, os.path.join(tmp, c["name"]), fmt=c.get("fmt", "safetensors"))
     server = lib.Server(binary, "--models", tmp, *shlex.split(args.server_args))
     print(f"server: {server.banner.strip()}")
-    print(f"reference: nn.MultiheadAttention in {args.reference} on the CPU")
+    print(f"reference: PyTorch {torch.__version__} nn.MultiheadAttention in {args.reference} on the CPU")
     stub = rpc.AttentionServiceStub(grpc.insecure_channel(server.target))
     failures = 0
     print(f"{'configuration':28s} {'output rel err':>14s} {'weights abs err':>15s} {'tolerance':>9s}")
