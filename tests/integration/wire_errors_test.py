@@ -36,6 +36,21 @@ def main():
     stream = channel.stream_stream("/attnserve.v1.AttentionService/AttendStream")
     rng = np.random.default_rng(5)
     good = pb.AttendRequest(model="demo", query=lib.to_wire(pb, rng.standard_normal((1, 3, 512))))
+
+    # A second server on a port already in use must refuse to start (gRPC's default SO_REUSEPORT let
+    # it start and silently share the port with the first, each getting some of the connections).
+    import subprocess
+    second = subprocess.Popen([sys.argv[1], "--address", server.target, "--metrics-address", ""],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        second_out, _ = second.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        second.kill()
+        second_out, _ = second.communicate()
+    check("a second server on a port in use: exit 2", second.returncode == 2,
+          f"exit {second.returncode}: {second_out[-300:]!r}")
+    check("a second server on a port in use: names the address",
+          f"--address {server.target}" in second_out and "in use" in second_out, repr(second_out[-300:]))
     not_utf8 = b"\x0a\x02\xff\xfe"  # field 1 (model), 2 bytes that are not UTF-8
     truncated = good.SerializeToString()[:-7]
 
