@@ -1,6 +1,5 @@
 #include "server/server.h"
 
-
 #include <grpc/grpc.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
