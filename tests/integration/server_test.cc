@@ -204,7 +204,7 @@ TEST_F(ServerTest, ClientStreamAnswersEveryRequestWithItsOwnStatus) {
   std::map<uint64_t, CallStatus> got;
   auto stream = client_->OpenStream([&](CallStatus s, AttendResult r) {
     std::lock_guard<std::mutex> lock(mu);
-    if (s.ok()) EXPECT_EQ(r.output.shape, (std::vector<int64_t>{1, 3 + r.request_id, 512}));
+    if (s.ok()) EXPECT_EQ(r.output.shape, (std::vector<int64_t>{1, 3 + static_cast<int64_t>(r.request_id), 512}));
     got[r.request_id] = s;
   });
   for (uint64_t id = 0; id < 4; ++id) {
