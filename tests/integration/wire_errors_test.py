@@ -28,6 +28,16 @@ def counter(text, series):
     return float(m.group(1)) if m else 0.0
 
 
+def expect_refusal(name, call, code, says):
+    """`call()` must fail with gRPC status `code` whose message contains `says`."""
+    try:
+        call()
+        check(f"{name}: refused", False, "it was answered")
+    except grpc.RpcError as e:
+        check(f"{name}: {code.name}", e.code() == code, f"{e.code()} {e.details()!r}")
+        check(f"{name}: says why", says in (e.details() or ""), repr(e.details()))
+
+
 def main():
     pb, _ = lib.load_stubs()
     server = lib.Server(sys.argv[1], "--shutdown-grace", "10")
@@ -54,18 +64,10 @@ def main():
     not_utf8 = b"\x0a\x02\xff\xfe"  # field 1 (model), 2 bytes that are not UTF-8
     truncated = good.SerializeToString()[:-7]
 
-    for name, raw in (("model not UTF-8", not_utf8), ("truncated message", truncated)):
-        try:
-            attend(raw, timeout=10)
-            check(f"unary {name}: refused", False, "it was answered")
-        except grpc.RpcError as e:
-            check(f"unary {name}: INVALID_ARGUMENT", e.code() == grpc.StatusCode.INVALID_ARGUMENT,
-                  f"{e.code()} {e.details()!r}")
-            check(f"unary {name}: message says why", "do not decode as an attnserve.v1.AttendRequest"
-                  in (e.details() or ""), repr(e.details()))
-            if name == "model not UTF-8":
-                check("unary model not UTF-8: message names the field",
-                      "attnserve.v1.AttendRequest.model" in (e.details() or ""), repr(e.details()))
+    # The reason names the field where protobuf says which (a string that is not UTF-8).
+    for name, raw, says in (("model not UTF-8", not_utf8, "attnserve.v1.AttendRequest.model"),
+                            ("truncated message", truncated, "do not decode as an attnserve.v1.AttendRequest")):
+        expect_refusal(f"unary {name}", lambda: attend(raw, timeout=10), grpc.StatusCode.INVALID_ARGUMENT, says)
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read().decode()
     check("undecodable unary calls are counted",
           counter(metrics, 'attnserve_requests_total{code="INVALID_ARGUMENT",method="Attend",model=""}') == 2,
@@ -92,14 +94,8 @@ def main():
     # cancels before sending it. Neither is a request for model "": the first gets INVALID_ARGUMENT
     # saying so, the second is counted as CANCELLED.
     no_message = channel.stream_unary("/attnserve.v1.AttentionService/Attend")
-    try:
-        no_message(iter([]), timeout=10)
-        check("unary call without a message: refused", False, "it was answered")
-    except grpc.RpcError as e:
-        check("unary call without a message: INVALID_ARGUMENT", e.code() == grpc.StatusCode.INVALID_ARGUMENT,
-              f"{e.code()} {e.details()!r}")
-        check("unary call without a message: says so", "no request message" in (e.details() or ""),
-              repr(e.details()))
+    expect_refusal("unary call without a message", lambda: no_message(iter([]), timeout=10),
+                   grpc.StatusCode.INVALID_ARGUMENT, "no request message")
     never = threading.Event()
 
     def no_request_yet():
@@ -131,15 +127,9 @@ def main():
     third.request_id = 3
     call = stream(iter([first.SerializeToString(), not_utf8, third.SerializeToString()]), timeout=10)
     answers = []
-    try:
-        for raw in call:
-            answers.append(pb.AttendResponse.FromString(raw))
-        check("stream with an undecodable message ends with an error", False, "it ended OK")
-    except grpc.RpcError as e:
-        check("stream ends with INVALID_ARGUMENT", e.code() == grpc.StatusCode.INVALID_ARGUMENT,
-              f"{e.code()} {e.details()!r}")
-        check("stream status names the message", "message 2 on this stream" in (e.details() or ""),
-              repr(e.details()))
+    expect_refusal("stream with an undecodable message",
+                   lambda: answers.extend(pb.AttendResponse.FromString(raw) for raw in call),
+                   grpc.StatusCode.INVALID_ARGUMENT, "message 2 on this stream")
     check("the request before it is answered",
           [a.request_id for a in answers] == [1] and not answers[0].HasField("error"),
           str([(a.request_id, a.error.code) for a in answers]))
