@@ -22,23 +22,22 @@ esac
 
 bash tools/install-deps.sh
 flavour=${ATTNSERVE_FLAVOUR:-debian}
-configure() {  # flavour, build dir: configures once, builds what changed
-  local f=$1 dir=$2
-  if [ ! -f "$dir/CMakeCache.txt" ]; then
-    case "$f" in
-      debian) cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=Release ;;
-      torch2)
-        local venv; venv=$(tools/torch2-env.sh)
+torch2_build=build-torch2/build
+configure() {  # flavour, build dir: makes sure of the flavour's environment, configures once, builds
+  local f=$1 dir=$2 venv
+  case "$f" in
+    debian) [ -f "$dir/CMakeCache.txt" ] || cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=Release ;;
+    torch2)
+      venv=$(tools/torch2-env.sh)  # Returns at once when the pinned environment is there.
+      [ -f "$dir/CMakeCache.txt" ] ||
         cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=Release -DATTNSERVE_PYTHON="$venv/bin/python" \
           -DCMAKE_PREFIX_PATH="$("$venv/bin/python" -c 'import torch; print(torch.utils.cmake_prefix_path)')" ;;
-      *) echo "tools/build.sh: ATTNSERVE_FLAVOUR is debian or torch2, not '$f'" >&2; exit 2 ;;
-    esac
-  fi
+    *) echo "tools/build.sh: ATTNSERVE_FLAVOUR is debian or torch2, not '$f'" >&2; exit 2 ;;
+  esac
   cmake --build "$dir" -j"$(nproc)"
 }
-flavour_dir() { if [ "$1" = torch2 ]; then echo build-torch2/build; else echo "${ATTNSERVE_BUILD_DIR:-build}"; fi; }
-build=$(flavour_dir "$flavour")
-[ "$flavour" = torch2 ] && tools/torch2-env.sh >/dev/null
+build=${ATTNSERVE_BUILD_DIR:-build}
+[ "$flavour" = torch2 ] && build=$torch2_build
 configure "$flavour" "$build"
 
 if [ "$verb" = run ]; then
@@ -67,17 +66,17 @@ stage() {  # name, command...: counts the stage's own "N passed, N failed" or ct
   summary+=("$name $p/$((p + f))")
   rm -f "$log"
 }
+# The Debian image's container test belongs to the default flavour.
+torch2_stage() { stage torch2 ctest --test-dir "$torch2_build" --output-on-failure -j2 -E '^container$' "$@"; }
 if [ "$flavour" = torch2 ]; then
-  # The Debian image's container test belongs to the default flavour.
-  stage torch2 ctest --test-dir "$build" --output-on-failure -j2 -E '^container$' "$@"
+  torch2_stage "$@"
 else
   stage ctest ctest --test-dir "$build" --output-on-failure -j2 "$@"
   if [ -z "${ATTNSERVE_QUICK:-}" ]; then
     stage sanitizers tools/sanitize.sh
     stage fuzz tools/fuzz.sh
-    tools/torch2-env.sh >/dev/null
-    configure torch2 build-torch2/build
-    stage torch2 ctest --test-dir build-torch2/build --output-on-failure -j2 -E '^container$' "$@"
+    configure torch2 "$torch2_build"
+    torch2_stage "$@"
   fi
 fi
 echo "stages: ${summary[*]}"
