@@ -11,9 +11,12 @@
 #      torch's LibTorch (CUDA);
 #   2. runs the PyTorch conformance matrix with the server on CUDA at float32, TF32, float16 and
 #      bfloat16 against nn.MultiheadAttention in float64 on the CPU (tolerances 1e-5, 1e-3, 1e-2, 1e-2);
+#      Then ragged small requests from 64 callers (tests/conformance/varlen_load.py): varlen
+#      launches checked against float64 at bfloat16, float16 and float32.
 #   3. measures the GPU's bf16 matmul peak, then runs the GPU benchmark (E=1024, 16 heads, lengths
 #      64-2048, 64 callers) on the in-process engine and on attnserve, reporting attention TFLOP/s
-#      against that peak.
+#      against that peak; and small ragged requests (8-128 tokens) with --varlen-attention auto
+#      vs off.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 debs=${ATTNSERVE_DEBS:-.debs}
@@ -57,6 +60,21 @@ run_conformance float32 "--device cuda --dtype float32" 1e-5
 run_conformance tf32 "--device cuda --dtype float32 --tf32" 1e-3
 run_conformance float16 "--device cuda --dtype float16" 1e-2
 run_conformance bfloat16 "--device cuda --dtype bfloat16" 1e-2
+# Ragged small requests from 64 concurrent callers, packed into varlen launches: every answer
+# against float64, and the kernel that ran (flash's varlen form for 16-bit, memory-efficient's
+# for float32).
+run_varlen() {  # name, server flags, tolerance, expected backend
+  log "varlen load $1 (attnserve $2, tolerance $3, expecting $4)"
+  if "$python" tests/conformance/varlen_load.py "$build/attnserve" --server-args "$2" --callers 64 \
+       --tolerance "$3" --expect-backend "$4" >"$out/varlen_$1.txt" 2>&1; then
+    tail -5 "$out/varlen_$1.txt" | tee -a "$out/summary.txt"
+  else
+    status=1; tail -25 "$out/varlen_$1.txt" | tee -a "$out/summary.txt"
+  fi
+}
+run_varlen bfloat16 "--device cuda --dtype bfloat16" 1e-2 flash_varlen
+run_varlen float16 "--device cuda --dtype float16" 1e-2 flash_varlen
+run_varlen float32 "--device cuda --dtype float32" 1e-5 efficient_varlen
 
 # 3. Peak, model, benchmark.
 peak=$("$python" - <<'PY'
@@ -90,6 +108,19 @@ for dtype in bfloat16 float16; do
     "${bench_args[@]}" 2>/dev/null | tee -a "$out/summary.txt"
   curl -s http://127.0.0.1:9551/metrics | grep -E '^attnserve_(attention_backend_total|device_memory_bytes|achieved_flops)' \
     | tee -a "$out/summary.txt" || true
+  kill -TERM $pid; wait $pid || true
+done
+# Varlen vs per-request attention on small ragged requests (8-128 tokens, packed 1024 tokens a
+# batch): the same server flags but --varlen-attention.
+for varlen in auto off; do
+  "$build/attnserve" --address 127.0.0.1:50151 --metrics-address 127.0.0.1:9551 --models "$models" \
+    --device cuda --dtype bfloat16 --workers 4 --varlen-attention $varlen >"$out/server_varlen_$varlen.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 150); do grep -q serving "$out/server_varlen_$varlen.log" && break; sleep 0.2; done
+  "$build/attnserve-bench" --target 127.0.0.1:50151 --label "small-varlen-$varlen" --json "$out/gpu_bench.jsonl" \
+    --model mha1024 --embed-dim 1024 --callers 64 --lengths uniform:8:128 --pool 64 --duration 10 --warmup 3 \
+    2>/dev/null | tee -a "$out/summary.txt"
+  curl -s http://127.0.0.1:9551/metrics | grep -E '^attnserve_attention_backend_total' | tee -a "$out/summary.txt" || true
   kill -TERM $pid; wait $pid || true
 done
 "$python" - "$out/gpu_bench.jsonl" "$peak" <<'PY' | tee -a "$out/summary.txt"

@@ -246,7 +246,9 @@ void Batcher::Run(std::vector<std::unique_ptr<WorkItem>> batch) {
   }
   const AttentionModel* model = batch[0]->model;
   const std::vector<Status> statuses = model->ForwardBatch(calls, outs);
-  const double compute = Seconds(SteadyClock::now() - start);
+  // On a GPU the engine times the batch with CUDA events: kernel time, not the host's wait.
+  const double device = outs.empty() ? -1 : outs[0]->device_seconds;
+  const double compute = device >= 0 ? device : Seconds(SteadyClock::now() - start);
   std::vector<WorkItem*> raw;
   for (auto& item : batch) {
     item->compute_seconds = compute;

@@ -71,6 +71,14 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--tf32", o.allow_tf32,
                "CUDA float32: let matmuls use TF32 tensor cores (faster, ~1e-3 relative error)");
+  std::string varlen = "auto";
+  app.add_option("--varlen-attention", varlen,
+                 "Small requests batched together: auto = one varlen flash/memory-efficient kernel "
+                 "launch over their packed rows on CUDA (LibTorch >= 2.11), else one attention per "
+                 "request; off = one per request; emulate = the varlen packing with per-sequence "
+                 "attention on any device (for tests)")
+      ->check(CLI::IsMember({"auto", "off", "emulate"}))
+      ->capture_default_str();
   o.batcher.workers = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   app.add_option("--workers", o.batcher.workers, "Compute threads (default: one per core)")
       ->check(CLI::Range(1, 256))
@@ -133,6 +141,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   o.batcher.enabled = !no_batching;
+  o.varlen = varlen == "off"       ? attnserve::EngineOptions::Varlen::kOff
+             : varlen == "emulate" ? attnserve::EngineOptions::Varlen::kEmulate
+                                   : attnserve::EngineOptions::Varlen::kAuto;
   o.compute_dtype = dtype == "float16"    ? attnserve::DType::kFloat16
                     : dtype == "bfloat16" ? attnserve::DType::kBFloat16
                                           : attnserve::DType::kFloat32;

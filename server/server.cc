@@ -67,6 +67,7 @@ StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   engine_options.device = options.device;
   engine_options.compute_dtype = options.compute_dtype;
   engine_options.allow_tf32 = options.allow_tf32;
+  engine_options.varlen = options.varlen;
   for (const ModelWeights& w : weights) {
     ASSIGN_OR_RETURN(auto model, CreateTorchModel(w, engine_options));
     impl->models.emplace(w.spec.name, std::move(model));

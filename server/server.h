@@ -18,6 +18,7 @@ struct ServerOptions {
   std::string device = "cpu";
   DType compute_dtype = DType::kFloat32;            ///< Weights and compute (CUDA: any float).
   bool allow_tf32 = false;                          ///< CUDA float32 matmuls on TF32 tensor cores.
+  EngineOptions::Varlen varlen = EngineOptions::Varlen::kAuto;  ///< Batched small requests' attention.
   BatcherOptions batcher;                           ///< Batching, queue and compute threads.
   int max_message_bytes = 64 << 20;                 ///< gRPC send/receive limit.
   AttendLimits limits;                              ///< max_answer_bytes follows max_message_bytes.

@@ -20,6 +20,9 @@ struct AttendOutputs {
   /// The attention kernel that ran: "math", or on LibTorch 2.x the fused SDPA backend chosen
   /// ("flash", "efficient", "cudnn", ...). Set by Forward.
   const char* attention_backend = "math";
+  /// GPU time of the batch this call ran in, from CUDA events on the worker's stream; -1 when not
+  /// measured (CPU). Set by ForwardBatch.
+  double device_seconds = -1;
 };
 
 /// One loaded multi-head attention model. Thread-safe: Forward may run on many threads at once.
@@ -47,6 +50,12 @@ struct EngineOptions {
   DType compute_dtype = DType::kFloat32;
   /// CUDA float32 only: let matmuls use TF32 tensor cores (faster, ~1e-3 relative error).
   bool allow_tf32 = false;
+  /// Small requests batched together attend in one varlen kernel launch over their packed rows, no
+  /// padding (CUDA with LibTorch >= 2.11: flash attention's varlen form for float16/bfloat16, else
+  /// the memory-efficient kernel's), instead of one fused attention per request. kEmulate runs the
+  /// same packing on any device with per-sequence attention: how the CPU tests check it.
+  enum class Varlen { kOff, kAuto, kEmulate };
+  Varlen varlen = Varlen::kAuto;
 };
 
 /// Builds a LibTorch model from host weights. FAILED_PRECONDITION when the device is unusable

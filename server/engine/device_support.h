@@ -1,6 +1,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 
 namespace attnserve {
 
@@ -19,5 +20,21 @@ bool ReadDeviceMemory(int index, DeviceMemory* out);
 /// Returns cached, unused device memory to the driver (after an out-of-memory); a no-op without
 /// CUDA. Thread-safe.
 void ReleaseCachedDeviceMemory();
+
+/// Times the work a thread queues on its current CUDA stream with a pair of CUDA events: made
+/// before the work, Seconds() after it (waits for the work to finish). Without CUDA it measures
+/// nothing and Seconds() returns -1.
+class DeviceTimer {
+ public:
+  explicit DeviceTimer(bool cuda);
+  ~DeviceTimer();
+  DeviceTimer(const DeviceTimer&) = delete;
+  DeviceTimer& operator=(const DeviceTimer&) = delete;
+  double Seconds();
+
+ private:
+  struct Events;
+  std::unique_ptr<Events> events_;
+};
 
 }  // namespace attnserve

@@ -1,4 +1,4 @@
-// CPU-only LibTorch: no device memory to report or release.
+// CPU-only LibTorch: no device memory to report or release, no device work to time.
 #include "server/engine/device_support.h"
 
 namespace attnserve {
@@ -6,5 +6,10 @@ namespace attnserve {
 bool BuiltWithCuda() { return false; }
 bool ReadDeviceMemory(int, DeviceMemory*) { return false; }
 void ReleaseCachedDeviceMemory() {}
+
+struct DeviceTimer::Events {};
+DeviceTimer::DeviceTimer(bool) {}
+DeviceTimer::~DeviceTimer() = default;
+double DeviceTimer::Seconds() { return -1; }
 
 }  // namespace attnserve

@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 #include <torch/version.h>
 
+#include <string>
+
 namespace attnserve::compat {
 
 #if TORCH_VERSION_MAJOR >= 2
@@ -37,7 +39,56 @@ inline const char* FusedSdpaBackend(const at::Tensor& q, const at::Tensor& k, co
     default: return "other";
   }
 }
+#endif
+
+/// One varlen attention launch's result: the output rows and the kernel that produced them.
+struct VarlenOutput {
+  at::Tensor out;                 // [total_q, H, D]
+  const char* backend = nullptr;  // "flash_varlen" or "efficient_varlen"
+};
+
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 11)
+/// LibTorch >= 2.11 (the signatures below were checked against 2.11's headers; earlier 2.x builds
+/// attend per request): ragged sequences packed along rows, no padding. q [total_q, H, D], k and v
+/// [total_k, H, D], each with a contiguous last dimension; cu_q, cu_k int32 [n + 1] row offsets on
+/// the GPU; `causal`: query i of a sequence sees its keys 0..i (top-left, as nn.MultiheadAttention's
+/// is_causal), `square`: every sequence has as many keys as queries. Flash attention's varlen kernel
+/// where it applies (float16/bfloat16, head_dim a multiple of 8 and <= 256, an sm80+ GPU, and for
+/// causal only square sequences: its causal mask is aligned bottom-right); otherwise the
+/// memory-efficient kernel's varlen form (any float dtype; custom mask type 1 = causal from the
+/// top left). CUDA only. Throws c10::Error where neither kernel takes the inputs.
+inline constexpr bool kHasVarlen = true;
+inline VarlenOutput VarlenAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const at::Tensor& cu_q, const at::Tensor& cu_k, int64_t max_q,
+                                    int64_t max_k, bool causal, bool square, double scale) {
+  const int64_t d = q.size(-1);
+  const bool half = q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16;
+  if (half && d % 8 == 0 && d <= 256 && (!causal || square)) {
+    try {
+      auto r = at::_flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, /*dropout_p=*/0.0,
+                                            causal, /*return_debug_mask=*/false, scale);
+      return {std::get<0>(r), "flash_varlen"};
+    } catch (const c10::Error& e) {
+      // E.g. a GPU older than sm80; an out-of-memory is the caller's to handle.
+      if (std::string(e.what()).find("out of memory") != std::string::npos) throw;
+    }
+  }
+  auto r = at::_efficient_attention_forward(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                            /*bias=*/c10::nullopt, cu_q, cu_k, max_q, max_k,
+                                            /*dropout_p=*/0.0, /*custom_mask_type=*/causal ? 1 : 0,
+                                            /*compute_log_sumexp=*/false, scale);
+  return {std::get<0>(r).squeeze(0), "efficient_varlen"};
+}
 #else
+inline constexpr bool kHasVarlen = false;
+inline VarlenOutput VarlenAttention(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                    const at::Tensor&, const at::Tensor&, int64_t, int64_t, bool,
+                                    bool, double) {
+  TORCH_CHECK(false, "varlen attention needs LibTorch >= 2.11");
+}
+#endif
+
+#if TORCH_VERSION_MAJOR < 2
 /// LibTorch 1.13 has no public fused attention: its at::_scaled_dot_product_attention runs the same
 /// math composite on CPU, so the engine's explicit math path is used instead.
 inline constexpr bool kHasFusedSdpa = false;

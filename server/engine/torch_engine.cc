@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
+#include <string>
 
 #include "server/engine/attention_model.h"
 #include "server/engine/blas.h"
@@ -60,8 +62,12 @@ at::Tensor FromHost(const HostTensor& h, const at::TensorOptions& opts) {
 
 class TorchModel final : public AttentionModel {
  public:
-  TorchModel(const ModelWeights& w, at::Device device, DType dtype)
-      : spec_(w.spec), device_(device), dtype_(ToScalarType(dtype)) {
+  TorchModel(const ModelWeights& w, at::Device device, DType dtype, EngineOptions::Varlen varlen)
+      : spec_(w.spec), device_(device), dtype_(ToScalarType(dtype)),
+        varlen_(varlen == EngineOptions::Varlen::kEmulate ? Varlen::kEmulate
+                : varlen == EngineOptions::Varlen::kAuto && device.is_cuda() && compat::kHasVarlen
+                    ? Varlen::kKernel
+                    : Varlen::kOff) {
     spec_.device = device.str();
     spec_.compute_dtype = dtype;
     const auto opts = at::TensorOptions().device(device).dtype(dtype_);
@@ -110,6 +116,10 @@ class TorchModel final : public AttentionModel {
   std::vector<Status> ForwardBatch(const std::vector<const AttendCall*>& calls,
                                    const std::vector<AttendOutputs*>& outs) const override {
     std::vector<Status> statuses(calls.size());
+    // On CUDA the batch is timed with events on the worker's stream (the metrics' compute time is
+    // then GPU time, not the host's wait for it).
+    std::optional<DeviceTimer> timer;
+    const Status timing = Guarded([&] { timer.emplace(device_.is_cuda()); });
     std::vector<const AttendCall*> small_calls;
     std::vector<AttendOutputs*> small_outs;
     std::vector<size_t> small_index;
@@ -129,6 +139,9 @@ class TorchModel final : public AttentionModel {
       const Status st = Guarded([&] { ForwardPacked(small_calls, small_outs); });
       for (size_t i : small_index) statuses[i] = st;
     }
+    double device_seconds = -1;
+    if (timing.ok() && timer) Guarded([&] { device_seconds = timer->Seconds(); });
+    for (AttendOutputs* out : outs) out->device_seconds = device_seconds;
     return statuses;
   }
 
@@ -186,28 +199,40 @@ class TorchModel final : public AttentionModel {
     return {at::linear(q_in, w_q_, b_q_), at::linear(k_in, w_k_, b_k_), at::linear(v_in, w_v_, b_v_)};
   }
 
-  // Packs every call's rows into one matrix per projection (no padding rows), runs attention per
-  // call over views of them, projects all outputs in one GEMM and splits the rows into responses.
+  // Whether a packed call's attention can join a varlen launch: no weights, no masks, no appended
+  // keys, and each batch element's rows contiguous in the wire's order.
+  bool VarlenEligible(const AttendCall& c) const {
+    return varlen_ != Varlen::kOff && c.weights == WeightsMode::kNone && !c.attn_mask &&
+           !c.key_padding_mask && spec_.extra_keys() == 0 &&
+           (c.layout == TensorLayout::kBatchFirst || !c.batched || c.batch == 1);
+  }
+
+  // Packs every call's rows into one matrix per projection (no padding rows), runs attention over
+  // views of them, projects all outputs in one GEMM and splits the rows into responses. Attention:
+  // the calls are ordered in four groups (self/cross x causal or not), each group's varlen-eligible
+  // calls first, so every group's eligible calls are one row range attended by one varlen launch;
+  // the others attend per call.
   void ForwardPacked(const std::vector<const AttendCall*>& calls,
                      const std::vector<AttendOutputs*>& outs) const {
     const int64_t e = spec_.embed_dim;
     const auto opts = at::TensorOptions().device(device_).dtype(dtype_);
-    // Self-attention calls first (their q, k, v come from one packed [rows, 3E] GEMM), then cross.
-    std::vector<size_t> order;
-    for (size_t i = 0; i < calls.size(); ++i)
-      if (calls[i]->self_attention()) order.push_back(i);
-    const size_t n_self = order.size();
-    for (size_t i = 0; i < calls.size(); ++i)
-      if (!calls[i]->self_attention()) order.push_back(i);
+    const auto group_of = [](const AttendCall& c) { return (c.self_attention() ? 0 : 2) + (c.is_causal ? 1 : 0); };
+    std::vector<size_t> order(calls.size());
+    for (size_t i = 0; i < calls.size(); ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+      const int ga = group_of(*calls[a]), gb = group_of(*calls[b]);
+      if (ga != gb) return ga < gb;
+      return VarlenEligible(*calls[a]) && !VarlenEligible(*calls[b]);
+    });
     std::vector<int64_t> q_off(calls.size()), k_off(calls.size());
     int64_t q_rows = 0, self_rows = 0, k_rows = 0;
-    for (size_t j = 0; j < order.size(); ++j) {
-      const AttendCall& c = *calls[order[j]];
-      q_off[order[j]] = q_rows;
+    for (size_t i : order) {
+      const AttendCall& c = *calls[i];
+      q_off[i] = q_rows;
       q_rows += c.batch * c.query_len;
-      if (j + 1 == n_self) self_rows = q_rows;
+      if (c.self_attention()) self_rows = q_rows;
       if (!c.self_attention()) {
-        k_off[order[j]] = k_rows;
+        k_off[i] = k_rows;
         k_rows += c.batch * c.key_len;
       }
     }
@@ -230,28 +255,118 @@ class TorchModel final : public AttentionModel {
       k_cross = at::linear(kx, w_k_, b_k_);
       v_cross = at::linear(vx, w_v_, b_v_);
     }
+    // Projected rows from call i's on: rq query rows, rk key and value rows ([rows, E] each).
+    const auto rows_of = [&](size_t i, int64_t rq, int64_t rk) {
+      if (calls[i]->self_attention()) {
+        return Rows{qkv_self[0].narrow(0, q_off[i], rq), qkv_self[1].narrow(0, q_off[i], rq),
+                    qkv_self[2].narrow(0, q_off[i], rq)};
+      }
+      return Rows{q_cross.narrow(0, q_off[i] - self_rows, rq), k_cross.narrow(0, k_off[i], rk),
+                  v_cross.narrow(0, k_off[i], rk)};
+    };
     at::Tensor merged = at::empty({q_rows, e}, opts);
     std::vector<Attended> attended(calls.size());
-    for (size_t i = 0; i < calls.size(); ++i) {
-      const AttendCall& c = *calls[i];
-      const int64_t rq = c.batch * c.query_len;
-      at::Tensor q, k, v;
-      if (c.self_attention()) {
-        q = qkv_self[0].narrow(0, q_off[i], rq);
-        k = qkv_self[1].narrow(0, q_off[i], rq);
-        v = qkv_self[2].narrow(0, q_off[i], rq);
-      } else {
-        const int64_t rk = c.batch * c.key_len;
-        q = q_cross.narrow(0, q_off[i] - self_rows, rq);
-        k = k_cross.narrow(0, k_off[i], rk);
-        v = v_cross.narrow(0, k_off[i], rk);
+    std::vector<bool> done(calls.size(), false);
+    for (size_t first = 0; first < order.size();) {
+      size_t last = first;  // [first, last): the group's eligible calls, in row order
+      while (last < order.size() && group_of(*calls[order[last]]) == group_of(*calls[order[first]]) &&
+             VarlenEligible(*calls[order[last]])) {
+        ++last;
       }
-      attended[i] = AttendRows(c, q, k, v, merged.narrow(0, q_off[i], rq), outs[i]);
+      if (last - first >= 2) {
+        const std::vector<size_t> group(order.begin() + first, order.begin() + last);
+        if (const char* backend = AttendVarlen(calls, group, rows_of, merged, q_off)) {
+          for (size_t i : group) {
+            attended[i].backend = backend;
+            done[i] = true;
+          }
+        }
+      }
+      // Past the eligible run, to the next group's start.
+      size_t next = std::max(last, first + 1);
+      while (next < order.size() && group_of(*calls[order[next]]) == group_of(*calls[order[first]])) ++next;
+      first = next;
+    }
+    for (size_t i = 0; i < calls.size(); ++i) {
+      if (done[i]) continue;
+      const AttendCall& c = *calls[i];
+      const Rows r = rows_of(i, c.batch * c.query_len, c.batch * c.key_len);
+      attended[i] = AttendRows(*calls[i], r.q, r.k, r.v,
+                               merged.narrow(0, q_off[i], calls[i]->batch * calls[i]->query_len), outs[i]);
     }
     const at::Tensor y = b_out_.defined() ? at::addmm(b_out_, merged, w_out_t_) : at::mm(merged, w_out_t_);
     for (size_t i = 0; i < calls.size(); ++i) {
       const AttendCall& c = *calls[i];
       WriteOutput(c, attended[i], y.narrow(0, q_off[i], c.batch * c.query_len), outs[i]);
+    }
+  }
+
+  // One varlen attention over a group's calls (same kind: self or cross, causal or not; eligible;
+  // consecutive in the packed rows), every batch element a sequence; the heads go straight into
+  // `merged`'s rows. Returns the kernel's name, or nullptr when the kernel refused the inputs (the
+  // calls then attend one by one).
+  template <typename RowsOf>
+  const char* AttendVarlen(const std::vector<const AttendCall*>& calls, const std::vector<size_t>& group,
+                           const RowsOf& rows_of, const at::Tensor& merged,
+                           const std::vector<int64_t>& q_off) const {
+    const int64_t h = spec_.num_heads, d = spec_.head_dim();
+    std::vector<int32_t> cu_q{0}, cu_k{0};
+    int64_t max_q = 0, max_k = 0;
+    bool square = true;
+    for (size_t i : group) {
+      const AttendCall& c = *calls[i];
+      for (int64_t bi = 0; bi < c.batch; ++bi) {
+        cu_q.push_back(cu_q.back() + static_cast<int32_t>(c.query_len));
+        cu_k.push_back(cu_k.back() + static_cast<int32_t>(c.key_len));
+      }
+      max_q = std::max(max_q, c.query_len);
+      max_k = std::max(max_k, c.key_len);
+      square = square && c.query_len == c.key_len;
+    }
+    const bool causal = calls[group[0]]->is_causal;
+    const int64_t total_q = cu_q.back(), total_k = cu_k.back();
+    // The group's rows: consecutive in q (and, for cross-attention, in k and v) by construction.
+    const Rows rows = rows_of(group[0], total_q, total_k);
+    const at::Tensor q = rows.q.view({total_q, h, d});
+    const at::Tensor k = rows.k.view({total_k, h, d});
+    const at::Tensor v = rows.v.view({total_k, h, d});
+    const at::Tensor dst = merged.narrow(0, q_off[group[0]], total_q).view({total_q, h, d});
+    const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+    if (varlen_ == Varlen::kEmulate) {
+      AttendBySequence(q, k, v, cu_q, cu_k, causal, scale, dst);
+      return "varlen_emulated";
+    }
+    try {
+      const auto to_device = [&](const std::vector<int32_t>& cu) {
+        return at::from_blob(const_cast<int32_t*>(cu.data()), {static_cast<int64_t>(cu.size())}, at::kInt)
+            .to(device_, /*non_blocking=*/false, /*copy=*/true);
+      };
+      const compat::VarlenOutput r = compat::VarlenAttention(q, k, v, to_device(cu_q), to_device(cu_k),
+                                                             max_q, max_k, causal, square, scale);
+      dst.copy_(r.out);
+      return r.backend;
+    } catch (const c10::Error& e) {
+      if (std::string(e.what()).find("out of memory") != std::string::npos) throw;
+      return nullptr;  // Not for these inputs (e.g. a head size the kernel lacks): per call.
+    }
+  }
+
+  // The varlen computation by plain per-sequence attention, on any device (EngineOptions::
+  // Varlen::kEmulate): what the CPU tests run to check the packing around the kernel.
+  void AttendBySequence(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const std::vector<int32_t>& cu_q, const std::vector<int32_t>& cu_k, bool causal,
+                        double scale, const at::Tensor& dst) const {
+    for (size_t s = 0; s + 1 < cu_q.size(); ++s) {
+      const int64_t lq = cu_q[s + 1] - cu_q[s], lk = cu_k[s + 1] - cu_k[s];
+      const at::Tensor qs = q.narrow(0, cu_q[s], lq).transpose(0, 1);  // [H, Lq, D]
+      const at::Tensor ks = k.narrow(0, cu_k[s], lk).transpose(0, 1);
+      const at::Tensor vs = v.narrow(0, cu_k[s], lk).transpose(0, 1);
+      at::Tensor scores = at::matmul(qs * scale, ks.transpose(-2, -1));
+      if (causal) {
+        const at::Tensor upper = at::ones({lq, lk}, at::TensorOptions().dtype(at::kBool).device(device_)).triu(1);
+        scores.masked_fill_(upper, -std::numeric_limits<double>::infinity());
+      }
+      dst.narrow(0, cu_q[s], lq).copy_(at::matmul(at::softmax(scores, -1), vs).transpose(0, 1));
     }
   }
 
@@ -431,6 +546,10 @@ class TorchModel final : public AttentionModel {
   at::Tensor b_in_, b_q_, b_k_, b_v_;  // undefined without input biases
   at::Tensor w_out_t_, b_out_;         // out_proj.weight transposed: [E, E]
   at::Tensor bias_k_, bias_v_;         // [E], undefined without add_bias_kv
+  // How packed calls attend: kKernel = LibTorch's varlen kernels (CUDA), kEmulate = the same
+  // packing by per-sequence attention (tests), kOff = per call.
+  enum class Varlen { kOff, kKernel, kEmulate };
+  Varlen varlen_;
 };
 
 }  // namespace
@@ -462,7 +581,7 @@ StatusOr<std::unique_ptr<AttentionModel>> CreateTorchModel(const ModelWeights& w
     if (!device.is_cuda() && options.allow_tf32) return fail("--tf32: needs a CUDA device");
     if (device.is_cuda()) at::globalContext().setAllowTF32CuBLAS(options.allow_tf32);
     c10::InferenceMode guard;
-    auto model = std::make_unique<TorchModel>(weights, device, options.compute_dtype);
+    auto model = std::make_unique<TorchModel>(weights, device, options.compute_dtype, options.varlen);
     return std::unique_ptr<AttentionModel>(std::move(model));
   } catch (const c10::Error& e) {
     return fail("--device " + options.device + ": " + e.what_without_backtrace());

@@ -384,9 +384,21 @@ TEST(EngineTest, CpuBfloat16MatchesFloat64WithinItsTolerance) {
 namespace attnserve {
 namespace {
 
-// Packed batches (ragged, no padding) must answer exactly what each request gets alone.
-// Tolerance: max abs difference <= 1e-5 * max |output| (the GEMMs block differently).
-TEST(EngineBatchTest, PackedBatchEqualsOneByOne) {
+// Packed batches (ragged, no padding) must answer exactly what each request gets alone, whether
+// the packed calls attend one by one (varlen off, as on the CPU) or grouped as varlen launches over
+// the packed rows (kEmulate: the CUDA path's packing, with per-sequence attention in place of the
+// kernel). Tolerance: max abs difference <= 1e-5 * max |output| (the GEMMs block differently).
+class EngineBatchTest : public ::testing::TestWithParam<EngineOptions::Varlen> {};
+}  // namespace
+
+// How gtest names the parameter in its output.
+void PrintTo(EngineOptions::Varlen v, std::ostream* os) {
+  *os << (v == EngineOptions::Varlen::kOff ? "off" : v == EngineOptions::Varlen::kAuto ? "auto" : "emulate");
+}
+
+namespace {
+
+TEST_P(EngineBatchTest, PackedBatchEqualsOneByOne) {
   std::mt19937 rng(123);
   ModelWeights w;
   w.spec.name = "b";
@@ -396,14 +408,16 @@ TEST(EngineBatchTest, PackedBatchEqualsOneByOne) {
   for (HostTensor* t : {&w.q_proj, &w.k_proj, &w.v_proj, &w.out_proj}) *t = RandomHost(rng, {32, 32}, 0.2f);
   w.in_proj_bias = RandomHost(rng, {96}, 0.5f);
   w.out_proj_bias = RandomHost(rng, {32}, 0.5f);
-  auto model = CreateTorchModel(w, EngineOptions{});
+  EngineOptions options;
+  options.varlen = GetParam();
+  auto model = CreateTorchModel(w, options);
   ASSERT_TRUE(model.ok());
 
   struct Req {
     std::vector<testing::Buffer> bufs;
     AttendCall call;
   };
-  std::vector<Req> reqs(6);
+  std::vector<Req> reqs(12);
   auto floats = [&](std::vector<int64_t> shape) {
     return testing::Floats(shape, testing::RandomFloats(rng, testing::Numel(shape)));
   };
@@ -423,15 +437,28 @@ TEST(EngineBatchTest, PackedBatchEqualsOneByOne) {
   reqs[5].bufs.push_back(floats({1, 8, 32}));
   reqs[5].bufs.push_back(floats({1, 8, 32}));
   reqs[5].bufs.push_back(floats({4, 8}));      // float attn_mask
+  // Partners for a varlen group of each kind (self/cross x causal or not), ragged lengths.
+  reqs[6].bufs.push_back(floats({3, 5, 32}));  // self, joins 0
+  reqs[7].bufs.push_back(floats({2, 4, 32}));  // self causal, joins 3 (unbatched)
+  reqs[8].bufs.push_back(floats({2, 5, 32}));  // cross, joins 1
+  reqs[8].bufs.push_back(floats({2, 9, 32}));
+  reqs[8].bufs.push_back(floats({2, 9, 32}));
+  reqs[9].bufs.push_back(floats({1, 6, 32}));  // cross causal, more queries than keys
+  reqs[9].bufs.push_back(floats({1, 4, 32}));
+  reqs[9].bufs.push_back(floats({1, 4, 32}));
+  reqs[10].bufs.push_back(floats({1, 3, 32}));  // cross causal, fewer queries than keys
+  reqs[10].bufs.push_back(floats({1, 7, 32}));
+  reqs[10].bufs.push_back(floats({1, 7, 32}));
+  reqs[11].bufs.push_back(floats({6, 1, 32}));  // sequence-first with one batch element: joins 0
   for (size_t i = 0; i < reqs.size(); ++i) {
     AttendCall& c = reqs[i].call;
     c.query = reqs[i].bufs[0].view();
-    if (i == 1 || i == 5) {
+    if (i == 1 || i == 5 || i == 8 || i == 9 || i == 10) {
       c.key = reqs[i].bufs[1].view();
       c.value = reqs[i].bufs[2].view();
     }
-    if (i == 2) c.layout = TensorLayout::kSequenceFirst;
-    if (i == 3) c.is_causal = true;
+    if (i == 2 || i == 11) c.layout = TensorLayout::kSequenceFirst;
+    if (i == 3 || i == 7 || i == 9 || i == 10) c.is_causal = true;
     if (i == 4) c.key_padding_mask = reqs[i].bufs[1].view();
     if (i == 5) c.attn_mask = reqs[i].bufs[3].view();
     ASSERT_TRUE(Validate(w.spec, {}, &c).ok()) << i << Validate(w.spec, {}, &c).message();
@@ -464,7 +491,19 @@ TEST(EngineBatchTest, PackedBatchEqualsOneByOne) {
   }
   const float* dead = reinterpret_cast<const float*>(together[4].data()) + 6 * 32;
   for (int j = 0; j < 6 * 32; ++j) ASSERT_EQ(dead[j], 0.f) << "fully masked rows are zeros";
+  // Which calls joined a varlen group: all but the sequence-first batch of 3 (2), and those with
+  // a key padding mask (4) or an attention mask (5).
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    const bool grouped = GetParam() == EngineOptions::Varlen::kEmulate && i != 2 && i != 4 && i != 5;
+    EXPECT_EQ(std::string(outs_together[i].attention_backend) == "varlen_emulated", grouped) << "request " << i;
+  }
 }
+
+INSTANTIATE_TEST_SUITE_P(Varlen, EngineBatchTest,
+                         ::testing::Values(EngineOptions::Varlen::kAuto, EngineOptions::Varlen::kEmulate),
+                         [](const auto& info) {
+                           return info.param == EngineOptions::Varlen::kAuto ? "PerCallOnCpu" : "Emulated";
+                         });
 
 }  // namespace
 }  // namespace attnserve
