@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "attnserve/client.h"
+#include "client/cli/client_flags.h"
 #include "server/engine/attention_model.h"
 #include "server/engine/model_loader.h"
 #include "server/validator.h"
@@ -50,9 +51,7 @@ class Backend {
 class ClientBackend : public Backend {
  public:
   // With `streams` > 0 each caller sends on its own AttendStream, one request at a time.
-  ClientBackend(const std::string& target, int streams) {
-    attnserve::ClientOptions o;
-    o.target = target;
+  ClientBackend(attnserve::ClientOptions o, int streams) {
     o.deadline = std::chrono::milliseconds(120000);
     client_ = std::make_unique<attnserve::Client>(o);
     pending_.resize(static_cast<size_t>(streams));
@@ -199,8 +198,11 @@ int main(int argc, char** argv) {
   double rate = 0, duration = 10, warmup = 2, cross = 0;
   uint32_t seed = 1;
   bool stream = false;
-  app.add_option("--target", target, "host:port of attnserve, or \"inprocess\" for the engine alone")
-      ->capture_default_str();
+  attnserve::ClientOptions client_options;
+  client_options.target = target;
+  attnserve::cli::AddClientFlags(app, &client_options,
+                                 "host:port of attnserve, replicas (dns:///name:port, ipv4:a:p,b:p), "
+                                 "or \"inprocess\" for the engine alone");
   app.add_option("--callers", callers, "Closed loop: concurrent callers")->capture_default_str();
   app.add_option("--rate", rate, "Open loop: requests per second (0 = closed loop)")->capture_default_str();
   app.add_option("--lengths", lengths, "fixed:N, uniform:LO:HI or longtail")->capture_default_str();
@@ -221,6 +223,8 @@ int main(int argc, char** argv) {
   app.add_option("--json", json_path, "Append the result as one JSON line to this file");
   app.add_option("--seed", seed, "Seed of lengths and data")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  attnserve::cli::FinishClientFlags(&client_options);
+  target = client_options.target;
   if (stream && (rate > 0 || target == "inprocess")) {
     std::fprintf(stderr, "attnserve-bench: --stream needs a closed loop against a server\n");
     return 2;
@@ -259,7 +263,12 @@ int main(int argc, char** argv) {
                                                   : attnserve::DType::kFloat32;
     backend = std::make_unique<EngineBackend>(workers, models_dir, model_name, options);
   } else {
-    backend = std::make_unique<ClientBackend>(target, stream ? callers : 0);
+    try {
+      backend = std::make_unique<ClientBackend>(client_options, stream ? callers : 0);
+    } catch (const std::invalid_argument& e) {
+      std::fprintf(stderr, "attnserve-bench: %s\n", e.what());
+      return 2;
+    }
   }
 
   std::mutex mu;

@@ -5,6 +5,9 @@
 
 #include <condition_variable>
 #include <deque>
+#include <fstream>
+#include <iterator>
+#include <stdexcept>
 #include <future>
 #include <mutex>
 #include <thread>
@@ -148,13 +151,73 @@ struct Client::Impl {
   }
 };
 
+const char* const kDefaultServiceConfig = R"json({
+  "loadBalancingConfig": [{"round_robin": {}}],
+  "methodConfig": [{
+    "name": [{"service": "attnserve.v1.AttentionService"}],
+    "retryPolicy": {
+      "maxAttempts": 4,
+      "initialBackoff": "0.05s",
+      "maxBackoff": "1s",
+      "backoffMultiplier": 2,
+      "retryableStatusCodes": ["UNAVAILABLE"]
+    }
+  }]
+}
+)json";
+
+namespace {
+
+std::string ReadPemFile(const std::string& path, const char* option) {
+  std::ifstream in(path, std::ios::binary);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (!in.good() && !in.eof()) text.clear();
+  if (text.empty()) {
+    throw std::invalid_argument(std::string(option) + " " + path + ": cannot read it (or it is empty)");
+  }
+  return text;
+}
+
+std::shared_ptr<grpc::ChannelCredentials> Credentials(const TlsOptions& tls) {
+  if (!tls.enabled) {
+    if (!tls.root_certs_file.empty() || !tls.cert_file.empty() || !tls.key_file.empty()) {
+      throw std::invalid_argument("TLS files given without enabling TLS (TlsOptions::enabled)");
+    }
+    return grpc::InsecureChannelCredentials();
+  }
+  if (tls.cert_file.empty() != tls.key_file.empty()) {
+    throw std::invalid_argument("TLS client certificate and key go together: got only the " +
+                                std::string(tls.cert_file.empty() ? "key" : "certificate"));
+  }
+  grpc::SslCredentialsOptions ssl;
+  if (!tls.root_certs_file.empty()) ssl.pem_root_certs = ReadPemFile(tls.root_certs_file, "TLS root certificates");
+  if (!tls.cert_file.empty()) {
+    ssl.pem_cert_chain = ReadPemFile(tls.cert_file, "TLS client certificate");
+    ssl.pem_private_key = ReadPemFile(tls.key_file, "TLS client key");
+  }
+  return grpc::SslCredentials(ssl);
+}
+
+}  // namespace
+
 Client::Client(const ClientOptions& options) : impl_(std::make_shared<Impl>()) {
   impl_->options = options;
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
+  try {
+    credentials = Credentials(options.tls);
+  } catch (...) {
+    impl_->cq.Shutdown();  // Nothing was queued; a queue must be shut down before it is destroyed.
+    throw;
+  }
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(options.max_message_bytes);
   args.SetMaxSendMessageSize(options.max_message_bytes);
+  // A call can only be retried while its request is still buffered: keep whole requests.
+  args.SetInt("grpc.per_rpc_retry_buffer_size", options.max_message_bytes);
+  if (!options.service_config.empty()) args.SetServiceConfigJSON(options.service_config);
+  if (!options.tls.server_name.empty()) args.SetSslTargetNameOverride(options.tls.server_name);
   for (const auto& [name, value] : options.channel_args) args.SetInt(name, value);
-  impl_->channel = grpc::CreateCustomChannel(options.target, grpc::InsecureChannelCredentials(), args);
+  impl_->channel = grpc::CreateCustomChannel(options.target, credentials, args);
   impl_->stub = pb::AttentionService::NewStub(impl_->channel);
   impl_->generic = std::make_unique<grpc::GenericStub>(impl_->channel);
   impl_->poller = std::thread([impl = impl_.get()] { impl->Poll(); });

@@ -71,6 +71,14 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--tf32", o.allow_tf32,
                "CUDA float32: let matmuls use TF32 tensor cores (faster, ~1e-3 relative error)");
+  app.add_option("--tls-cert", o.tls_cert_file, "PEM certificate chain: serve gRPC over TLS (with --tls-key)");
+  app.add_option("--tls-key", o.tls_key_file, "PEM private key of --tls-cert");
+  app.add_option("--tls-client-ca", o.tls_client_ca_file,
+                 "PEM CA certificate(s): require client certificates signed by it (mutual TLS)");
+  app.add_option("--health-address", o.health_address,
+                 "Second, plaintext listener serving only grpc.health.v1 (for probes that cannot "
+                 "speak TLS); empty = none")
+      ->capture_default_str();
   std::string varlen = "auto";
   app.add_option("--varlen-attention", varlen,
                  "Small requests batched together: auto = one varlen flash/memory-efficient kernel "

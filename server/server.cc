@@ -7,6 +7,8 @@
 #include <prometheus/exposer.h>
 #include <prometheus/registry.h>
 
+#include <fstream>
+#include <iterator>
 #include <mutex>
 
 #include "server/attention_service.h"
@@ -26,6 +28,44 @@ static constexpr std::chrono::milliseconds kDrainQuietPeriod{250};
 /// Health service names: "" (overall), the service, and "<service>/<model>" per model.
 static constexpr char kServiceName[] = "attnserve.v1.AttentionService";
 
+namespace {
+
+StatusOr<std::string> ReadPem(const std::string& flag, const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (!in.good() && !in.eof()) text.clear();
+  if (text.empty()) return Status(StatusCode::kFailedPrecondition, flag + " " + path + ": cannot read it (or it is empty)");
+  if (text.find("-----BEGIN ") == std::string::npos) {
+    return Status(StatusCode::kFailedPrecondition, flag + " " + path + ": not PEM (no -----BEGIN line)");
+  }
+  return text;
+}
+
+// Plaintext, TLS, or mutual TLS (client certificates required and verified) from the --tls-* flags.
+StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(const ServerOptions& o) {
+  const auto fail = [](const std::string& m) { return Status(StatusCode::kFailedPrecondition, m); };
+  if (o.tls_cert_file.empty() && o.tls_key_file.empty()) {
+    if (!o.tls_client_ca_file.empty()) return fail("--tls-client-ca: needs --tls-cert and --tls-key (TLS)");
+    return grpc::InsecureServerCredentials();
+  }
+  if (o.tls_cert_file.empty() || o.tls_key_file.empty()) {
+    return fail(std::string("--tls-cert and --tls-key go together: got only ") +
+                (o.tls_cert_file.empty() ? "--tls-key" : "--tls-cert"));
+  }
+  grpc::SslServerCredentialsOptions ssl;
+  grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
+  ASSIGN_OR_RETURN(pair.cert_chain, ReadPem("--tls-cert", o.tls_cert_file));
+  ASSIGN_OR_RETURN(pair.private_key, ReadPem("--tls-key", o.tls_key_file));
+  ssl.pem_key_cert_pairs.push_back(std::move(pair));
+  if (!o.tls_client_ca_file.empty()) {
+    ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadPem("--tls-client-ca", o.tls_client_ca_file));
+    ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+  }
+  return grpc::SslServerCredentials(ssl);
+}
+
+}  // namespace
+
 struct Server::Impl {
   ServerOptions options;
   ModelMap models;
@@ -35,7 +75,9 @@ struct Server::Impl {
   std::unique_ptr<Batcher> batcher;
   std::unique_ptr<AttentionServiceImpl> service;
   std::unique_ptr<grpc::Server> grpc_server;
+  std::unique_ptr<grpc::Server> health_server;  // --health-address: grpc.health.v1 only, plaintext
   int port = 0;
+  int health_port = 0;
   int metrics_port = 0;
   std::once_flag shutdown_once;
 };
@@ -124,25 +166,43 @@ StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   // gRPC sets SO_REUSEPORT by default: a second attnserve on a port in use would start and share
   // the port with the first, each taking some of the connections. Refuse instead.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  builder.AddListeningPort(options.address, grpc::InsecureServerCredentials(), &impl->port);
+  std::shared_ptr<grpc::ServerCredentials> credentials;
+  ASSIGN_OR_RETURN(credentials, ServerCredentials(options));
+  builder.AddListeningPort(options.address, credentials, &impl->port);
   builder.RegisterService(impl->service.get());
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
   impl->grpc_server = builder.BuildAndStart();
   if (!impl->grpc_server || impl->port == 0) {
-    return fail("--address " + options.address + ": cannot listen (in use, or not an address)");
+    return fail("--address " + options.address + ": cannot listen (in use, or not an address" +
+                (options.tls_cert_file.empty() ? ")" : "; or --tls-cert and --tls-key do not match)"));
   }
-  auto* health = impl->grpc_server->GetHealthCheckService();
-  health->SetServingStatus(true);
-  health->SetServingStatus(kServiceName, true);
-  for (const auto& [name, model] : impl->models) {
-    health->SetServingStatus(std::string(kServiceName) + "/" + name, true);
+  if (!options.health_address.empty()) {
+    grpc::ServerBuilder health_builder;  // No services of its own: only the default health service.
+    health_builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+    health_builder.AddListeningPort(options.health_address, grpc::InsecureServerCredentials(),
+                                    &impl->health_port);
+    impl->health_server = health_builder.BuildAndStart();
+    if (!impl->health_server || impl->health_port == 0) {
+      impl->grpc_server->Shutdown();
+      return fail("--health-address " + options.health_address + ": cannot listen (in use, or not an address)");
+    }
+  }
+  for (grpc::Server* s : {impl->grpc_server.get(), impl->health_server.get()}) {
+    if (s == nullptr) continue;
+    auto* health = s->GetHealthCheckService();
+    health->SetServingStatus(true);
+    health->SetServingStatus(kServiceName, true);
+    for (const auto& [name, model] : impl->models) {
+      health->SetServingStatus(std::string(kServiceName) + "/" + name, true);
+    }
   }
   return std::unique_ptr<Server>(new Server(std::move(impl)));
 }
 
 int Server::port() const { return impl_->port; }
 int Server::metrics_port() const { return impl_->metrics_port; }
+int Server::health_port() const { return impl_->health_port; }
 
 std::string Server::Describe() const {
   std::string s = "attnserve: serving";
@@ -158,6 +218,13 @@ std::string Server::Describe() const {
                                 0, impl_->options.metrics_address.rfind(':')) +
                             ":" + std::to_string(impl_->metrics_port) + "/metrics"
                       : ", metrics off";
+  if (!impl_->options.tls_cert_file.empty()) {
+    s += impl_->options.tls_client_ca_file.empty() ? ", TLS" : ", mutual TLS (client certificates required)";
+  }
+  if (impl_->health_server) {
+    const std::string& h = impl_->options.health_address;
+    s += ", plaintext health on " + h.substr(0, h.rfind(':')) + ":" + std::to_string(impl_->health_port);
+  }
   const BatcherOptions& b = impl_->options.batcher;
   s += ", device " + impl_->options.device + ", " + std::to_string(b.workers) + " workers, batching " +
        (b.enabled ? std::to_string(b.max_batch_tokens) + " tokens/" +
@@ -177,6 +244,7 @@ void Server::Shutdown() {
     //    reach a gRPC server already shutting down are cancelled by gRPC itself (CANCELLED), so
     //    gRPC is stopped only once our own work is done.
     impl_->grpc_server->GetHealthCheckService()->Shutdown();
+    if (impl_->health_server) impl_->health_server->GetHealthCheckService()->Shutdown();
     impl_->service->BeginDrain();
     impl_->service->WaitIdle(start + grace * 8 / 10, kDrainQuietPeriod);
     // 2. Stop gRPC; whatever is still open at 90% of the grace period is cancelled.
@@ -186,6 +254,10 @@ void Server::Shutdown() {
                                      std::max(left, SteadyClock::duration::zero())));
     impl_->batcher->Drain();
     impl_->grpc_server->Wait();
+    if (impl_->health_server) {
+      impl_->health_server->Shutdown();
+      impl_->health_server->Wait();
+    }
     impl_->exposer.reset();
     impl_->models.clear();
   });

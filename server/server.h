@@ -24,6 +24,12 @@ struct ServerOptions {
   AttendLimits limits;                              ///< max_answer_bytes follows max_message_bytes.
   FlowLimits flow;                                  ///< Bytes in flight; per-stream backpressure.
   double shutdown_grace_seconds = 30;               ///< In-flight requests get this long to finish.
+  /// TLS on --address: PEM certificate chain and key; with client_ca_file, clients must present a
+  /// certificate signed by it (mutual TLS). All empty: plaintext.
+  std::string tls_cert_file, tls_key_file, tls_client_ca_file;
+  /// A second listener, always plaintext, that serves only grpc.health.v1 (the same statuses as
+  /// --address): for probes that cannot speak TLS, such as Kubernetes' gRPC probes. "" = none.
+  std::string health_address;
 };
 
 /// A running attnserve: models loaded, gRPC and metrics listening. Thread-safe.
@@ -36,6 +42,8 @@ class Server {
 
   /// The bound gRPC port (useful with port 0).
   int port() const;
+  /// The bound --health-address port, or 0 without one.
+  int health_port() const;
   /// The bound metrics port, or 0 when metrics are disabled.
   int metrics_port() const;
   /// The start-up log line: models, addresses, device, LibTorch version.

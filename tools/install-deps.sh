@@ -19,6 +19,8 @@ packages=(
   # Test peers: PyTorch itself (conformance), Python gRPC (client path), a real Prometheus and promtool.
   python3-torch python3-grpcio python3-grpc-tools python3-numpy
   prometheus curl
+  # Certificates made at test time (tests/integration/tls_test.py).
+  openssl
   # The LibTorch 2.x flavour's virtual environment (tools/torch2-env.sh).
   python3-venv
 )

@@ -6,9 +6,12 @@
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <memory>
 #include <random>
+#include <stdexcept>
 
 #include "attnserve/client.h"
+#include "client/cli/client_flags.h"
 
 namespace {
 
@@ -49,9 +52,9 @@ int main(int argc, char** argv) {
   attnserve::ClientOptions options;
   // The image's HEALTHCHECK runs plain `attnserve-cli health`: ATTNSERVE_TARGET lets a container
   // that serves on another address point it there.
-  if (const char* env = std::getenv("ATTNSERVE_TARGET")) options.target = env;
-  app.add_option("--target", options.target, "Server address host:port (env ATTNSERVE_TARGET)")
-      ->capture_default_str();
+  attnserve::cli::AddClientFlags(app, &options,
+                                 "Server address host:port, or replicas: dns:///name:port, "
+                                 "ipv4:a:p,b:p (env ATTNSERVE_TARGET)");
   int64_t deadline_ms = 30000;
   app.add_option("--deadline-ms", deadline_ms, "Per-call deadline in ms (0 = none)")
       ->capture_default_str();
@@ -85,9 +88,17 @@ int main(int argc, char** argv) {
   attend->add_flag("--causal", causal, "Apply a causal mask");
   attend->add_option("--seed", seed, "Seed of the random inputs")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  attnserve::cli::FinishClientFlags(&options);
 
   options.deadline = std::chrono::milliseconds(deadline_ms);
-  attnserve::Client client(options);
+  std::unique_ptr<attnserve::Client> made;
+  try {
+    made = std::make_unique<attnserve::Client>(options);
+  } catch (const std::invalid_argument& e) {
+    std::fprintf(stderr, "attnserve-cli: %s\n", e.what());
+    return 2;
+  }
+  attnserve::Client& client = *made;
 
   if (*list) {
     std::vector<attnserve::ModelInfo> models;

@@ -68,14 +68,35 @@ struct CallStatus {
 /// gRPC status code names, e.g. 3 -> "INVALID_ARGUMENT".
 const char* StatusCodeName(int code);
 
-/// How to reach a server.
+/// The gRPC service config a Client uses unless told otherwise: round_robin over every address the
+/// target resolves to, and up to 4 attempts of any AttentionService call that fails with
+/// UNAVAILABLE (a replica draining or restarting), backing off from 50 ms. The same JSON is
+/// deploy/grpc/service-config.json, for clients in other languages.
+extern const char* const kDefaultServiceConfig;
+
+/// TLS for the channel. PEM files; read when the Client is made.
+struct TlsOptions {
+  bool enabled = false;             ///< TLS instead of plaintext.
+  std::string root_certs_file;      ///< CA certificate(s) to trust for the server; empty: system roots.
+  std::string cert_file, key_file;  ///< This client's certificate chain and key, for mutual TLS.
+  std::string server_name;          ///< Name to check in the server certificate instead of the target's host.
+};
+
+/// How to reach a server, or several replicas of one.
 struct ClientOptions {
-  std::string target = "127.0.0.1:50051";  ///< host:port (any gRPC target string).
+  /// Any gRPC target: "host:port", "dns:///name:port" (every address the name resolves to), or
+  /// "ipv4:10.0.0.1:50051,10.0.0.2:50051" (a fixed list). With several addresses the default
+  /// service config spreads calls over them.
+  std::string target = "127.0.0.1:50051";
   /// Default per-call deadline; zero means none.
   std::chrono::milliseconds deadline{30000};
   int max_message_bytes = 64 << 20;         ///< Largest message sent or received.
   /// Extra integer channel arguments (gRPC channel arg names, e.g. "grpc.keepalive_time_ms").
   std::map<std::string, int> channel_args;
+  /// gRPC service config (JSON): load balancing and retries. Empty: gRPC's defaults (pick_first,
+  /// no retries).
+  std::string service_config = kDefaultServiceConfig;
+  TlsOptions tls;
 };
 
 /// Per-call settings.
@@ -95,11 +116,12 @@ class AttendStream {
   virtual CallStatus Finish() = 0;
 };
 
-/// A client of one attnserve server over one insecure channel. Thread-safe: calls may be made from
-/// many threads at once; async callbacks run on gRPC's threads.
+/// A client of attnserve over one gRPC channel (to one server, or balanced over replicas).
+/// Thread-safe: calls may be made from many threads at once; async callbacks run on gRPC's threads.
 class Client {
  public:
-  /// Creates the channel (connection is lazy).
+  /// Creates the channel (connection is lazy). Throws std::invalid_argument naming the file when a
+  /// TLS file cannot be read, or the option when the TLS options are incomplete.
   explicit Client(const ClientOptions& options = {});
   /// Waits for the callbacks of async calls still in flight.
   ~Client();

@@ -1,0 +1,140 @@
+#!/usr/bin/python3
+"""TLS and mutual TLS, with certificates made at test time (openssl): a Python gRPC client and
+attnserve-cli (the C++ client library) against real servers.
+
+TLS server: plaintext refused, a client trusting another CA refused, the right CA served; the
+plaintext --health-address answers grpc.health.v1 and nothing else. Mutual TLS server: no client
+certificate, or one from another CA, refused; the right one served. Bad --tls-* flags stop the
+server at start with a message naming the flag and file.
+
+usage: tls_test.py PATH/TO/attnserve PATH/TO/attnserve-cli
+"""
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import grpc
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
+import attnserve_py as lib  # noqa: E402
+
+
+def openssl(*args):
+    subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+
+def make_pki(d):
+    """Two CAs; a server certificate for 127.0.0.1/localhost and two client certificates."""
+    for ca in ("ca", "other_ca"):
+        openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN=attnserve test {ca}",
+                "-keyout", f"{d}/{ca}.key", "-out", f"{d}/{ca}.pem")
+    ext = f"{d}/server.ext"
+    with open(ext, "w") as f:
+        f.write("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name, ca, extra in (("server", "ca", ["-extfile", ext]), ("client", "ca", []),
+                            ("stranger", "other_ca", [])):
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", f"{d}/{name}.key",
+                "-out", f"{d}/{name}.csr")
+        openssl("x509", "-req", "-in", f"{d}/{name}.csr", "-CA", f"{d}/{ca}.pem", "-CAkey", f"{d}/{ca}.key",
+                "-CAcreateserial", "-days", "2", "-out", f"{d}/{name}.pem", *extra)
+
+
+def read(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def main():
+    binary, cli = sys.argv[1], sys.argv[2]
+    pb, rpc = lib.load_stubs()
+    d = tempfile.mkdtemp(prefix="attnserve-tls-")
+    make_pki(d)
+    checks = lib.Checks()
+    q = np.random.default_rng(7).standard_normal((1, 4, 512)).astype(np.float32)
+    request = pb.AttendRequest(model="demo", query=lib.to_wire(pb, q))
+
+    def attend(channel):
+        """'' when served (a [1, 4, 512] answer), else the gRPC status code's name."""
+        try:
+            resp = rpc.AttentionServiceStub(channel).Attend(request, timeout=10)
+            return "" if tuple(resp.output.shape) == (1, 4, 512) else f"shape {resp.output.shape}"
+        except grpc.RpcError as e:
+            return e.code().name
+
+    def tls_channel(target, ca, cert=None):
+        creds = grpc.ssl_channel_credentials(read(f"{d}/{ca}.pem"),
+                                             read(f"{d}/{cert}.key") if cert else None,
+                                             read(f"{d}/{cert}.pem") if cert else None)
+        return grpc.secure_channel(target, creds)
+
+    def run_cli(target, *flags):
+        r = subprocess.run([cli, "--target", target, "--deadline-ms", "5000", *flags, "health"],
+                           capture_output=True, text=True)
+        return r.returncode, (r.stdout + r.stderr).strip()
+
+    # 1. TLS, with a plaintext health listener.
+    server = lib.Server(binary, "--tls-cert", f"{d}/server.pem", "--tls-key", f"{d}/server.key",
+                        "--health-address", "127.0.0.1:0")
+    try:
+        print(f"server: {server.banner.strip()}")
+        checks("start-up line says TLS", ", TLS," in server.banner, server.banner)
+        health_port = int(re.search(r"plaintext health on [\d.]+:(\d+)", server.banner).group(1))
+        t = server.target
+        checks("plaintext client refused", attend(grpc.insecure_channel(t)) == "UNAVAILABLE")
+        checks("client trusting another CA refused", attend(tls_channel(t, "other_ca")) == "UNAVAILABLE")
+        checks("client trusting the server's CA served", attend(tls_channel(t, "ca")) == "")
+        rc, out = run_cli(t, "--tls-ca", f"{d}/ca.pem")
+        checks("attnserve-cli --tls-ca: health SERVING", rc == 0 and out == "SERVING", out)
+        rc, out = run_cli(t, "--tls-ca", f"{d}/other_ca.pem")
+        checks("attnserve-cli trusting another CA fails", rc != 0, out)
+        rc, out = run_cli(t)
+        checks("attnserve-cli in plaintext fails", rc != 0, out)
+        h = grpc.insecure_channel(f"127.0.0.1:{health_port}")
+        # grpc.health.v1.Health/Check with raw bytes (no grpcio-health-checking needed): the empty
+        # request is service ""; b"\x08\x01" is {status: SERVING}.
+        check = h.unary_unary("/grpc.health.v1.Health/Check")
+        checks("plaintext health listener answers SERVING", check(b"", timeout=5) == b"\x08\x01")
+        rc, out = run_cli(f"127.0.0.1:{health_port}")
+        checks("attnserve-cli health on the health listener", rc == 0 and out == "SERVING", out)
+        checks("health listener serves nothing else", attend(h) == "UNIMPLEMENTED")
+    finally:
+        server.stop()
+
+    # 2. Mutual TLS.
+    server = lib.Server(binary, "--tls-cert", f"{d}/server.pem", "--tls-key", f"{d}/server.key",
+                        "--tls-client-ca", f"{d}/ca.pem")
+    try:
+        print(f"server: {server.banner.strip()}")
+        t = server.target
+        checks("start-up line says mutual TLS", "mutual TLS" in server.banner, server.banner)
+        checks("no client certificate refused", attend(tls_channel(t, "ca")) == "UNAVAILABLE")
+        checks("client certificate from another CA refused",
+               attend(tls_channel(t, "ca", "stranger")) == "UNAVAILABLE")
+        checks("client certificate from the CA served", attend(tls_channel(t, "ca", "client")) == "")
+        rc, out = run_cli(t, "--tls-ca", f"{d}/ca.pem", "--tls-cert", f"{d}/client.pem", "--tls-key", f"{d}/client.key")
+        checks("attnserve-cli with its client certificate: SERVING", rc == 0 and out == "SERVING", out)
+        rc, out = run_cli(t, "--tls-ca", f"{d}/ca.pem")
+        checks("attnserve-cli without a client certificate fails", rc != 0, out)
+        rc, out = run_cli(t, "--tls-ca", f"{d}/ca.pem", "--tls-cert", f"{d}/client.pem")
+        checks("attnserve-cli with a certificate but no key: exit 2 naming it", rc == 2 and "key" in out, out)
+    finally:
+        server.stop()
+
+    # 3. Bad flags stop the server at start, naming flag and file.
+    for flags, want in ((["--tls-cert", f"{d}/server.pem"], "--tls-cert and --tls-key go together"),
+                        (["--tls-cert", f"{d}/missing.pem", "--tls-key", f"{d}/server.key"],
+                         f"--tls-cert {d}/missing.pem: cannot read"),
+                        (["--tls-cert", f"{d}/server.ext", "--tls-key", f"{d}/server.key"], "not PEM"),
+                        (["--tls-client-ca", f"{d}/ca.pem"], "--tls-client-ca: needs --tls-cert"),
+                        (["--tls-cert", f"{d}/client.pem", "--tls-key", f"{d}/server.key"], "do not match")):
+        r = subprocess.run([binary, "--address", "127.0.0.1:0", "--metrics-address", "", *flags],
+                           capture_output=True, text=True, timeout=60)
+        checks(f"refused at start: {want}", r.returncode == 2 and want in r.stderr, r.stderr.strip()[:300])
+    return checks.summary("tls_test")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
