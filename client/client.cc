@@ -68,6 +68,7 @@ AttendResult FromWire(pb::AttendResponse* r) {
   out.queue_seconds = r->timing().queue_seconds();
   out.compute_seconds = r->timing().compute_seconds();
   out.batch_size = r->timing().batch_size();
+  out.previous_attempts = r->timing().previous_attempts();
   return out;
 }
 
@@ -153,10 +154,11 @@ struct Client::Impl {
 
 const char* const kDefaultServiceConfig = R"json({
   "loadBalancingConfig": [{"round_robin": {}}],
+  "healthCheckConfig": {"serviceName": "attnserve.v1.AttentionService"},
   "methodConfig": [{
     "name": [{"service": "attnserve.v1.AttentionService"}],
     "retryPolicy": {
-      "maxAttempts": 4,
+      "maxAttempts": 5,
       "initialBackoff": "0.05s",
       "maxBackoff": "1s",
       "backoffMultiplier": 2,

@@ -1,5 +1,7 @@
 #include "server/attention_service.h"
 
+#include <cstdlib>
+
 #include <iostream>
 
 #include "server/grpc_status.h"
@@ -113,6 +115,7 @@ void AttentionServiceImpl::Dispatch(const char* method, Exchange* x,
       timing->set_queue_seconds(w.queue_seconds);
       timing->set_compute_seconds(w.compute_seconds);
       timing->set_batch_size(static_cast<uint32_t>(w.batch_size));
+      timing->set_previous_attempts(x->previous_attempts);
       x->encoded = EncodeResponse(meta, std::move(*output), std::move(*weights));
     }
     done(st);
@@ -180,6 +183,11 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
     RecordUndecoded("Attend", parsed);
     reactor->Finish(ToGrpcStatus(parsed));
     return reactor;
+  }
+  // A client's retry policy marks each new attempt (gRFC A6); the answer reports it back.
+  const auto& client_metadata = ctx->client_metadata();
+  if (auto it = client_metadata.find("grpc-previous-rpc-attempts"); it != client_metadata.end()) {
+    x->previous_attempts = static_cast<uint32_t>(std::strtoul(std::string(it->second.data(), it->second.size()).c_str(), nullptr, 10));
   }
   const auto deadline = DeadlineOf(ctx);
   Exchange* raw = x.release();

@@ -40,6 +40,7 @@ struct Exchange {
   std::string model;         ///< Metrics label: the loaded model's name, or "" when none.
   SteadyClock::time_point received;
   int64_t held_bytes = 0;    ///< Counted against FlowLimits::max_inflight_bytes until recorded.
+  uint32_t previous_attempts = 0;  ///< gRPC retries before this attempt (unary Attend).
   bool recorded = false;
 };
 

@@ -19,8 +19,9 @@ packages=(
   # Test peers: PyTorch itself (conformance), Python gRPC (client path), a real Prometheus and promtool.
   python3-torch python3-grpcio python3-grpc-tools python3-numpy
   prometheus curl
-  # Certificates made at test time (tests/integration/tls_test.py).
-  openssl
+  # Certificates made at test time (tests/integration/tls_test.py); the L7 gRPC proxy in front of
+  # replicas (deploy/nginx, tests/integration/replicas_test.py).
+  openssl nginx
   # The LibTorch 2.x flavour's virtual environment (tools/torch2-env.sh).
   python3-venv
 )
@@ -34,4 +35,9 @@ if [ ${#missing[@]} -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get -o DPkg::Lock::Timeout=600 update -q
   apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends "${missing[@]}"
+  # Debian's nginx starts its default site on port 80 when installed; the tests run their own on
+  # loopback, so the system one is stopped and not started at boot.
+  if [[ " ${missing[*]} " == *" nginx "* ]]; then
+    { invoke-rc.d nginx stop && update-rc.d nginx disable; } >/dev/null 2>&1 || true
+  fi
 fi

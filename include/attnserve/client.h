@@ -43,6 +43,7 @@ struct AttendResult {
   double queue_seconds = 0;    ///< Server-side wait before compute.
   double compute_seconds = 0;  ///< Server-side compute.
   uint32_t batch_size = 0;     ///< Requests computed together with this one.
+  uint32_t previous_attempts = 0;  ///< Failed attempts the retry policy made before this answer.
 };
 
 /// What a loaded model is.
@@ -69,9 +70,10 @@ struct CallStatus {
 const char* StatusCodeName(int code);
 
 /// The gRPC service config a Client uses unless told otherwise: round_robin over every address the
-/// target resolves to, and up to 4 attempts of any AttentionService call that fails with
-/// UNAVAILABLE (a replica draining or restarting), backing off from 50 ms. The same JSON is
-/// deploy/grpc/service-config.json, for clients in other languages.
+/// target resolves to, skipping replicas whose grpc.health.v1 status for the service is not SERVING
+/// (a draining replica says so first), and up to 5 attempts of any AttentionService call that fails
+/// with UNAVAILABLE, backing off from 50 ms. The same JSON is deploy/grpc/service-config.json, for
+/// clients in other languages.
 extern const char* const kDefaultServiceConfig;
 
 /// TLS for the channel. PEM files; read when the Client is made.

@@ -1,0 +1,261 @@
+#!/usr/bin/python3
+"""Three attnserve replicas under steady load while one is restarted (SIGTERM, then started again)
+and another is killed (SIGKILL, then started again); every request accounted for. Two modes:
+
+  nginx        Python gRPC client -> nginx (deploy/nginx/nginx.conf, grpc_pass) -> the replicas
+  client-side  Python gRPC client balancing itself: target ipv4:a,b,c with
+               deploy/grpc/service-config.json (round_robin, retries of UNAVAILABLE)
+
+and, during the same events, attnserve-bench (the C++ client) with the ipv4: target. Both Python
+clients use the service config's retry policy; answers report the attempts that failed before them
+(ServerTiming.previous_attempts). A real Prometheus scrapes every replica through file-based
+targets and must hold per-replica series. Loopback only; the load is bounded (a request budget and a
+time limit per phase).
+
+usage: replicas_test.py PATH/TO/attnserve PATH/TO/attnserve-bench [--threads 6]
+"""
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+import urllib.request
+
+import grpc
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
+import attnserve_py as lib  # noqa: E402
+
+ROOT = lib.ROOT
+MAX_REQUESTS = 60000  # Budget per mode, whatever happens.
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Replica:
+    """One attnserve on fixed ports, so a restart comes back where clients and nginx expect it."""
+
+    def __init__(self, binary, index, tmp):
+        self.binary, self.index = binary, index
+        self.port, self.metrics_port = free_port(), free_port()
+        self.log = open(os.path.join(tmp, f"replica{index}.log"), "a")
+        self.proc = None
+
+    def start(self):
+        self.proc = subprocess.Popen(
+            [self.binary, "--address", f"127.0.0.1:{self.port}", "--metrics-address",
+             f"127.0.0.1:{self.metrics_port}", "--workers", "1", "--shutdown-grace", "10"],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        check = channel.unary_unary("/grpc.health.v1.Health/Check")
+
+        def serving():
+            try:
+                return check(b"", timeout=1) == b"\x08\x01"
+            except grpc.RpcError:
+                return False
+
+        ok = lib.wait_until(serving, timeout=60, step=0.1)
+        channel.close()
+        if not ok:
+            raise RuntimeError(f"replica {self.index} did not become SERVING")
+
+    def stop(self, sig):
+        self.proc.send_signal(sig)
+        return self.proc.wait(timeout=60)
+
+
+class Load:
+    """Threads sending small Attend calls back to back until stopped; every outcome recorded with
+    the phase it started in."""
+
+    def __init__(self, pb, rpc, target, threads, service_config):
+        options = [("grpc.service_config", service_config)] if service_config else []
+        self.channel = grpc.insecure_channel(target, options=options)
+        self.stub = rpc.AttentionServiceStub(self.channel)
+        q = np.random.default_rng(3).standard_normal((1, 8, 512)).astype(np.float32)
+        self.request = pb.AttendRequest(model="demo", query=lib.to_wire(pb, q))
+        self.phase = "steady"
+        self.results = []  # (phase, code name or "OK", previous attempts)
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.threads = [threading.Thread(target=self.run, daemon=True) for _ in range(threads)]
+
+    def run(self):
+        while not self.stopping.is_set():
+            with self.lock:
+                if len(self.results) >= MAX_REQUESTS:
+                    return
+            phase = self.phase
+            try:
+                resp = self.stub.Attend(self.request, timeout=20)
+                outcome = ("OK", resp.timing.previous_attempts)
+            except grpc.RpcError as e:
+                outcome = (e.code().name, 0)
+            with self.lock:
+                self.results.append((phase,) + outcome)
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stopping.set()
+        for t in self.threads:
+            t.join(timeout=60)
+        self.channel.close()
+
+    def summary(self, phase=None):
+        rows = [r for r in self.results if phase is None or r[0] == phase]
+        failed = {}
+        for _, code, _ in rows:
+            if code != "OK":
+                failed[code] = failed.get(code, 0) + 1
+        retried = sum(1 for _, code, prev in rows if code == "OK" and prev > 0)
+        return {"sent": len(rows), "ok": len(rows) - sum(failed.values()), "failed": failed,
+                "answered after a retry": retried}
+
+
+def scenario(replicas, load, bench_cmd):
+    """Steady, then SIGTERM + restart of replica 0, then SIGKILL + restart of replica 1."""
+    bench = subprocess.Popen(bench_cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    time.sleep(2)
+    load.phase = "sigterm"
+    rc = replicas[0].stop(signal.SIGTERM)
+    replicas[0].start()
+    time.sleep(1.5)
+    load.phase = "sigkill"
+    replicas[1].stop(signal.SIGKILL)
+    time.sleep(0.5)
+    replicas[1].start()
+    time.sleep(1.5)
+    load.phase = "after"
+    time.sleep(1)
+    out, _ = bench.communicate(timeout=120)
+    return rc, out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("binary")
+    ap.add_argument("bench")
+    ap.add_argument("--threads", type=int, default=6)
+    args = ap.parse_args()
+    pb, rpc = lib.load_stubs()
+    checks = lib.Checks()
+    tmp = tempfile.mkdtemp(prefix="attnserve-replicas-")
+    service_config = open(os.path.join(ROOT, "deploy", "grpc", "service-config.json")).read()
+    replicas = [Replica(args.binary, i, tmp) for i in range(3)]
+    nginx = prom = None
+    try:
+        for r in replicas:
+            r.start()
+        ipv4 = "ipv4:" + ",".join(f"127.0.0.1:{r.port}" for r in replicas)
+
+        # nginx from deploy/nginx/nginx.conf, with this test's replicas and port.
+        proxy_port = free_port()
+        conf = open(os.path.join(ROOT, "deploy", "nginx", "nginx.conf")).read()
+        upstreams = "".join(f"    server 127.0.0.1:{r.port} max_fails=1 fail_timeout=2s;\n" for r in replicas)
+        lines = [l for l in conf.splitlines(keepends=True) if not l.strip().startswith("server 127.0.0.1:")]
+        conf = "".join(lines).replace("keepalive 32;", upstreams.strip() + "\n    keepalive 32;", 1)
+        conf = conf.replace("listen 127.0.0.1:8080", f"listen 127.0.0.1:{proxy_port}")
+        os.makedirs(os.path.join(tmp, "nginx", "tmp"), exist_ok=True)
+        with open(os.path.join(tmp, "nginx", "nginx.conf"), "w") as f:
+            f.write(conf)
+        nginx = subprocess.Popen(["nginx", "-p", os.path.join(tmp, "nginx"), "-c", "nginx.conf", "-g", "daemon off;"],
+                                 stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, "nginx.log"), "w"))
+        proxy = grpc.insecure_channel(f"127.0.0.1:{proxy_port}")
+        health = proxy.unary_unary("/grpc.health.v1.Health/Check")
+
+        def proxied():
+            try:
+                return health(b"", timeout=1) == b"\x08\x01"
+            except grpc.RpcError:
+                return False
+
+        checks("nginx proxies grpc.health.v1 to the replicas", lib.wait_until(proxied, timeout=30, step=0.2))
+        proxy.close()
+
+        # Prometheus with file-based targets: every replica's /metrics.
+        prom_port = free_port()
+        with open(os.path.join(tmp, "targets.json"), "w") as f:
+            json.dump([{"targets": [f"127.0.0.1:{r.metrics_port}" for r in replicas],
+                        "labels": {"job": "attnserve"}}], f)
+        with open(os.path.join(tmp, "prometheus.yml"), "w") as f:
+            f.write("global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: attnserve\n"
+                    f"    file_sd_configs:\n      - files: ['{tmp}/targets.json']\n")
+        prom = subprocess.Popen(["prometheus", f"--config.file={tmp}/prometheus.yml", f"--storage.tsdb.path={tmp}/prom",
+                                 f"--web.listen-address=127.0.0.1:{prom_port}"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+        outcome = {}
+        for mode, target, config in (("nginx", f"127.0.0.1:{proxy_port}", service_config),
+                                     ("client-side", ipv4, service_config)):
+            bench_cmd = [args.bench, "--target", ipv4, "--callers", "4", "--lengths", "fixed:8", "--duration", "7",
+                         "--warmup", "0", "--label", f"cpp-client-side-during-{mode}", "--json", f"{tmp}/bench.jsonl"]
+            with Load(pb, rpc, target, args.threads, config) as load:
+                rc, _ = scenario(replicas, load, bench_cmd)
+            checks(f"{mode}: SIGTERMed replica exited 0", rc == 0, f"exit {rc}")
+            outcome[mode] = {p: load.summary(p) for p in ("steady", "sigterm", "sigkill", "after")}
+            outcome[mode]["total"] = load.summary()
+            print(f"{mode}: " + json.dumps(outcome[mode]))
+            sigterm = outcome[mode]["sigterm"]
+            checks(f"{mode}: load ran in every phase", all(outcome[mode][p]["sent"] > 0 for p in outcome[mode]))
+            if mode == "nginx":
+                # Not yet zero behind nginx: it does not watch grpc.health.v1, so it keeps sending to
+                # the draining replica, whose UNAVAILABLE arrives in gRPC trailers (HTTP 200), which
+                # nginx cannot re-route; the client's retries go through nginx's round robin again.
+                # Reported, not asserted, until the drain hands nginx off at the transport level.
+                print(f"nginx: SIGTERM cost {sum(sigterm['failed'].values())} of {sigterm['sent']} requests "
+                      f"({sigterm['answered after a retry']} answered after a retry)")
+            else:
+                checks(f"{mode}: SIGTERM cost no request", not sigterm["failed"], sigterm["failed"])
+            checks(f"{mode}: steady and after: no failures",
+                   not outcome[mode]["steady"]["failed"] and not outcome[mode]["after"]["failed"])
+        with open(f"{tmp}/bench.jsonl") as f:
+            for line in f:
+                b = json.loads(line)
+                print(f"{b['label']}: ok {b['ok']}, errors {b['errors']}")
+                checks(f"{b['label']}: answers", b["ok"] > 0)
+
+        # Per-replica series in Prometheus.
+        def series():
+            url = f"http://127.0.0.1:{prom_port}/api/v1/query?" + urllib.parse.urlencode(
+                {"query": 'sum by (instance) (attnserve_requests_total{method="Attend"})'})
+            try:
+                res = json.load(urllib.request.urlopen(url, timeout=2))["data"]["result"]
+            except OSError:
+                return {}
+            return {r["metric"]["instance"]: float(r["value"][1]) for r in res}
+
+        want = {f"127.0.0.1:{r.metrics_port}" for r in replicas}
+        seen = {}
+        ok = lib.wait_until(lambda: (seen.update(series()) or True) and want <= set(seen), timeout=30, step=0.5)
+        checks("prometheus holds attnserve_requests_total for every replica", ok, seen)
+    finally:
+        for r in replicas:
+            if r.proc and r.proc.poll() is None:
+                r.stop(signal.SIGTERM)
+        for p in (nginx, prom):
+            if p:
+                p.terminate()
+                p.wait(timeout=30)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return checks.summary("replicas_test")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
