@@ -52,5 +52,12 @@ else
 fi
 docker stop -t 30 "$name" >/dev/null
 check "SIGTERM stops it with exit 0" '[ "$(docker inspect "$name" --format "{{.State.ExitCode}}")" = 0 ]'
+# deploy/k8s: the manifests' structure, and the Deployment run with `podman kube play` on this image.
+if [ $engine = podman ]; then
+  check "deploy/k8s (tests/container/k8s_test.py)" \
+    'ATTNSERVE_CONTAINER_ENGINE=podman /usr/bin/python3 tests/container/k8s_test.py "$image" "$cli" "$(dirname "$cli")/attnserve"'
+else
+  echo "SKIP deploy/k8s (tests/container/k8s_test.py): needs podman kube play; run it by hand"
+fi
 echo "container_test: $passed passed, $failed failed"
 [ "$failed" = 0 ]
