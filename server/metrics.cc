@@ -78,7 +78,8 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
                       .Register(registry)),
       device_memory_(prometheus::BuildGauge()
                          .Name("attnserve_device_memory_bytes")
-                         .Help("CUDA caching allocator memory, by kind: allocated or reserved.")
+                         .Help("Device memory by kind: on CUDA the caching allocator's allocated and reserved "
+                               "bytes; on the CPU the process's resident set (kind resident).")
                          .Register(registry)),
       model_info_(prometheus::BuildGauge()
                       .Name("attnserve_model_info")
@@ -121,6 +122,10 @@ void ServerMetrics::SetDeviceMemory(const std::string& device, int64_t allocated
                                     int64_t reserved) {
   device_memory_.Add({{"device", device}, {"kind", "allocated"}}).Set(static_cast<double>(allocated));
   device_memory_.Add({{"device", device}, {"kind", "reserved"}}).Set(static_cast<double>(reserved));
+}
+
+void ServerMetrics::SetHostMemory(int64_t resident) {
+  device_memory_.Add({{"device", "cpu"}, {"kind", "resident"}}).Set(static_cast<double>(resident));
 }
 
 void ServerMetrics::RecordRejection(const std::string& model, const char* reason) {

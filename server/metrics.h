@@ -30,6 +30,8 @@ class ServerMetrics {
   void RecordBatch(const std::string& model, const std::vector<WorkItem*>& batch, double seconds);
   /// Allocated and reserved bytes of a CUDA device's caching allocator.
   void SetDeviceMemory(const std::string& device, int64_t allocated, int64_t reserved);
+  /// The CPU device's memory: the process's resident set (device "cpu", kind "resident").
+  void SetHostMemory(int64_t resident);
   /// A request refused or dropped before compute; reason: queue_full, draining, deadline, cancelled.
   void RecordRejection(const std::string& model, const char* reason);
   /// Sets attnserve_model_info{...} 1 for a loaded model.

@@ -7,6 +7,10 @@
 #include <prometheus/exposer.h>
 #include <prometheus/registry.h>
 
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
 #include <fstream>
 #include <iterator>
 #include <mutex>
@@ -148,6 +152,21 @@ StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
     DeviceMemory memory;
     if (cuda_index >= 0 && ReadDeviceMemory(cuda_index, &memory)) {
       metrics->SetDeviceMemory("cuda:" + std::to_string(cuda_index), memory.allocated, memory.reserved);
+    } else if (cuda_index < 0) {
+      // On the CPU the device's memory is the process's: its resident set, read at most once a
+      // second (a /proc read per batch would cost more than the gauge is worth).
+      static std::atomic<int64_t> last_read_ns{0};
+      const int64_t now = SteadyClock::now().time_since_epoch().count();
+      int64_t last = last_read_ns.load(std::memory_order_relaxed);
+      if (now - last >= 1'000'000'000 && last_read_ns.compare_exchange_strong(last, now)) {
+        long pages_total = 0, pages_resident = 0;
+        if (FILE* f = std::fopen("/proc/self/statm", "r")) {
+          if (std::fscanf(f, "%ld %ld", &pages_total, &pages_resident) == 2) {
+            metrics->SetHostMemory(static_cast<int64_t>(pages_resident) * sysconf(_SC_PAGESIZE));
+          }
+          std::fclose(f);
+        }
+      }
     }
   };
   batcher_options.on_reject = [metrics](const std::string& model, const char* reason) {
