@@ -56,7 +56,7 @@ class Replica:
     def start(self):
         self.proc = subprocess.Popen(
             [self.binary, "--address", f"127.0.0.1:{self.port}", "--metrics-address",
-             f"127.0.0.1:{self.metrics_port}", "--workers", "1", "--shutdown-grace", "10"],
+             f"127.0.0.1:{self.metrics_port}", "--workers", "1", "--shutdown-grace", "20"],
             stdout=self.log, stderr=subprocess.STDOUT)
         channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         check = channel.unary_unary("/grpc.health.v1.Health/Check")
@@ -134,7 +134,9 @@ def scenario(replicas, load, bench_cmd):
     bench = subprocess.Popen(bench_cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     time.sleep(2)
     load.phase = "sigterm"
+    t0 = time.monotonic()
     rc = replicas[0].stop(signal.SIGTERM)
+    print(f"SIGTERM to exit {rc}: {time.monotonic() - t0:.1f} s (--shutdown-grace 20)")
     replicas[0].start()
     time.sleep(1.5)
     load.phase = "sigkill"
