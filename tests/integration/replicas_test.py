@@ -56,7 +56,7 @@ class Replica:
     def start(self):
         self.proc = subprocess.Popen(
             [self.binary, "--address", f"127.0.0.1:{self.port}", "--metrics-address",
-             f"127.0.0.1:{self.metrics_port}", "--workers", "1", "--shutdown-grace", "20"],
+             f"127.0.0.1:{self.metrics_port}", "--workers", "1", "--shutdown-grace", "30"],
             stdout=self.log, stderr=subprocess.STDOUT)
         channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         check = channel.unary_unary("/grpc.health.v1.Health/Check")
@@ -136,7 +136,7 @@ def scenario(replicas, load, bench_cmd):
     load.phase = "sigterm"
     t0 = time.monotonic()
     rc = replicas[0].stop(signal.SIGTERM)
-    print(f"SIGTERM to exit {rc}: {time.monotonic() - t0:.1f} s (--shutdown-grace 20)")
+    print(f"SIGTERM to exit {rc}: {time.monotonic() - t0:.1f} s (--shutdown-grace 30)")
     replicas[0].start()
     time.sleep(1.5)
     load.phase = "sigkill"
@@ -233,10 +233,11 @@ def main():
                 print(f"{b['label']}: ok {b['ok']}, errors {b['errors']}")
                 checks(f"{b['label']}: answers", b["ok"] > 0)
 
-        # Per-replica series in Prometheus.
-        def series():
-            url = f"http://127.0.0.1:{prom_port}/api/v1/query?" + urllib.parse.urlencode(
-                {"query": 'sum by (instance) (attnserve_requests_total{method="Attend"})'})
+        # Per-replica series in Prometheus: every replica's requests over the run (a restarted
+        # replica keeps its address; after a restart, clients reconnect only after gRPC's backoff,
+        # so its new counters may still be empty), and every replica scraped as up at the end.
+        def query(expr):
+            url = f"http://127.0.0.1:{prom_port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
             try:
                 res = json.load(urllib.request.urlopen(url, timeout=2))["data"]["result"]
             except OSError:
@@ -244,9 +245,14 @@ def main():
             return {r["metric"]["instance"]: float(r["value"][1]) for r in res}
 
         want = {f"127.0.0.1:{r.metrics_port}" for r in replicas}
-        seen = {}
-        ok = lib.wait_until(lambda: (seen.update(series()) or True) and want <= set(seen), timeout=30, step=0.5)
+        seen, up = {}, {}
+        ok = lib.wait_until(lambda: (seen.update(query(
+            'sum by (instance) (max_over_time(attnserve_requests_total{method="Attend"}[10m]))')) or True)
+            and want <= set(seen), timeout=30, step=0.5)
         checks("prometheus holds attnserve_requests_total for every replica", ok, seen)
+        ok = lib.wait_until(lambda: (up.update(query('up{job="attnserve"}')) or True)
+                            and all(up.get(w) == 1 for w in want), timeout=30, step=0.5)
+        checks("prometheus scrapes every replica, restarted ones included (up == 1)", ok, up)
     finally:
         for r in replicas:
             if r.proc and r.proc.poll() is None:
