@@ -355,6 +355,9 @@ TEST(ServerShutdownTest, InFlightRequestsFinishOnShutdown) {
   std::mt19937 rng(4);
   AttendRequest r;
   r.query = RandomTensor(rng, {8, 128, 512});
+  // Connect first (channel and its health watch): the four calls below then reach the server at once.
+  AttendResult warm;
+  ASSERT_TRUE(client.Attend(r, &warm).ok());
   std::atomic<int> ok{0}, done{0};
   for (int i = 0; i < 4; ++i) {
     client.AttendAsync(r, [&](CallStatus s, AttendResult res) {
