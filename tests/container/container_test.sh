@@ -54,17 +54,7 @@ docker stop -t 30 "$name" >/dev/null
 check "SIGTERM stops it with exit 0" '[ "$(docker inspect "$name" --format "{{.State.ExitCode}}")" = 0 ]'
 # The image holds only attnserve's shared-library closure: the PyTorch conformance matrix through a
 # server inside it, in float32 and bfloat16 (oneDNN's paths), shows nothing it loads is missing.
-# conformance.py starts "the binary" with its flags: this stand-in runs the image's attnserve.
-wrapper=$(mktemp --suffix=-attnserve-in-image)
-cat >"$wrapper" <<EOF
-#!/usr/bin/env bash
-models=
-args=("\$@")
-for ((i = 0; i < \${#args[@]}; i++)); do [ "\${args[i]}" = --models ] && models=\${args[i+1]}; done
-exec $engine run --rm --no-healthcheck --network host --user "\$(id -u):\$(id -g)" \\
-  \${models:+-v "\$models:\$models:ro"} "$image" attnserve "\$@"
-EOF
-chmod +x "$wrapper"
+wrapper=$(bash tests/container/in_image_wrapper.sh "$engine" "$image")
 check "conformance through the image, float32" \
   '/usr/bin/python3 tests/conformance/conformance.py "$wrapper" | tail -1 | grep -qE "^conformance: [0-9]+ passed, 0 failed"'
 check "conformance through the image, bfloat16" \

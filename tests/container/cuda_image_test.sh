@@ -18,20 +18,9 @@ fi
 passed=0; failed=0
 check() { if eval "$2"; then echo "ok   $1"; passed=$((passed+1)); else echo "FAIL $1"; failed=$((failed+1)); fi; }
 
-# conformance.py starts "the binary" with its flags and stops it with SIGTERM: this stand-in runs the
-# image's attnserve with those flags, the models folder mounted read-only at the same path, as this
-# user (the folder is private to it), host networking (the ports the server picks are the host's).
-wrapper=$(mktemp --suffix=-attnserve-in-image)
+# conformance.py starts "the binary": this stand-in runs the image's attnserve (in_image_wrapper.sh).
+wrapper=$(bash tests/container/in_image_wrapper.sh "$engine" "$tag")
 trap 'rm -f "$wrapper"' EXIT
-cat >"$wrapper" <<EOF
-#!/usr/bin/env bash
-models=
-args=("\$@")
-for ((i = 0; i < \${#args[@]}; i++)); do [ "\${args[i]}" = --models ] && models=\${args[i+1]}; done
-exec $engine run --rm --no-healthcheck --network host --user "\$(id -u):\$(id -g)" \\
-  \${models:+-v "\$models:\$models:ro"} "$tag" attnserve "\$@"
-EOF
-chmod +x "$wrapper"
 
 for dtype in float32 bfloat16; do
   # float32: conformance.py's own tolerances (1e-5; 1e-3 where the wire is float16).

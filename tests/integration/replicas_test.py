@@ -58,18 +58,7 @@ class Replica:
             [self.binary, "--address", f"127.0.0.1:{self.port}", "--metrics-address",
              f"127.0.0.1:{self.metrics_port}", "--workers", "1", "--shutdown-grace", "30"],
             stdout=self.log, stderr=subprocess.STDOUT)
-        channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
-        check = channel.unary_unary("/grpc.health.v1.Health/Check")
-
-        def serving():
-            try:
-                return check(b"", timeout=1) == b"\x08\x01"
-            except grpc.RpcError:
-                return False
-
-        ok = lib.wait_until(serving, timeout=60, step=0.1)
-        channel.close()
-        if not ok:
+        if not lib.wait_until(lambda: lib.health_serving(f"127.0.0.1:{self.port}"), timeout=60, step=0.1):
             raise RuntimeError(f"replica {self.index} did not become SERVING")
 
     def stop(self, sig):
@@ -179,17 +168,8 @@ def main():
             f.write(conf)
         nginx = subprocess.Popen(["nginx", "-p", os.path.join(tmp, "nginx"), "-c", "nginx.conf", "-g", "daemon off;"],
                                  stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, "nginx.log"), "w"))
-        proxy = grpc.insecure_channel(f"127.0.0.1:{proxy_port}")
-        health = proxy.unary_unary("/grpc.health.v1.Health/Check")
-
-        def proxied():
-            try:
-                return health(b"", timeout=1) == b"\x08\x01"
-            except grpc.RpcError:
-                return False
-
-        checks("nginx proxies grpc.health.v1 to the replicas", lib.wait_until(proxied, timeout=30, step=0.2))
-        proxy.close()
+        checks("nginx proxies grpc.health.v1 to the replicas",
+               lib.wait_until(lambda: lib.health_serving(f"127.0.0.1:{proxy_port}"), timeout=30, step=0.2))
 
         # Prometheus with file-based targets: every replica's /metrics.
         prom_port = free_port()

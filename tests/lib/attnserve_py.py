@@ -109,6 +109,18 @@ def from_wire(pb, t):
     return np.frombuffer(t.data, dtype=np_type).reshape(tuple(t.shape)).astype(np.float64)
 
 
+def health_serving(target, timeout=1.0):
+    """True when grpc.health.v1.Health/Check for service "" at `target` answers SERVING. Raw bytes,
+    so no grpcio-health-checking is needed: the empty request is service ""; b"\x08\x01" is
+    {status: SERVING}."""
+    import grpc
+    with grpc.insecure_channel(target) as channel:
+        try:
+            return channel.unary_unary("/grpc.health.v1.Health/Check")(b"", timeout=timeout) == b"\x08\x01"
+        except grpc.RpcError:
+            return False
+
+
 def wait_until(predicate, timeout=20.0, step=0.1):
     end = time.time() + timeout
     while time.time() < end:
