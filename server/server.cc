@@ -11,14 +11,13 @@
 
 #include <atomic>
 #include <cstdio>
-#include <fstream>
-#include <iterator>
 #include <mutex>
 
 #include "server/attention_service.h"
 #include "server/engine/blas.h"
 #include "server/engine/device_support.h"
 #include "server/engine/model_loader.h"
+#include "server/engine/safetensors.h"
 #include "server/metrics.h"
 #include "server/thread_stacks.h"
 #include "server/wire.h"
@@ -34,12 +33,12 @@ static constexpr char kServiceName[] = "attnserve.v1.AttentionService";
 
 namespace {
 
+// A PEM file named by a --tls-* flag, read like every other file the server reads (ReadFile: a
+// regular file only, bounded, so a FIFO or a huge file cannot stall or swell the start-up).
 StatusOr<std::string> ReadPem(const std::string& flag, const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (!in.good() && !in.eof()) text.clear();
-  if (text.empty()) return Status(StatusCode::kFailedPrecondition, flag + " " + path + ": cannot read it (or it is empty)");
-  if (text.find("-----BEGIN ") == std::string::npos) {
+  StatusOr<std::string> text = ReadFile(path, 1 << 20);
+  if (!text.ok()) return Status(StatusCode::kFailedPrecondition, flag + " " + text.status().message());
+  if (text->find("-----BEGIN ") == std::string::npos) {
     return Status(StatusCode::kFailedPrecondition, flag + " " + path + ": not PEM (no -----BEGIN line)");
   }
   return text;

@@ -120,11 +120,14 @@ def main():
     finally:
         server.stop()
 
-    # 3. Bad flags stop the server at start, naming flag and file.
+    # 3. Bad flags stop the server at start, naming flag and file (a FIFO must not block it).
+    os.mkfifo(f"{d}/fifo")
     for flags, want in ((["--tls-cert", f"{d}/server.pem"], "--tls-cert and --tls-key go together"),
                         (["--tls-cert", f"{d}/missing.pem", "--tls-key", f"{d}/server.key"],
-                         f"--tls-cert {d}/missing.pem: cannot read"),
+                         f"--tls-cert {d}/missing.pem: cannot open"),
                         (["--tls-cert", f"{d}/server.ext", "--tls-key", f"{d}/server.key"], "not PEM"),
+                        (["--tls-cert", f"{d}/fifo", "--tls-key", f"{d}/server.key"],
+                         f"--tls-cert {d}/fifo: not a regular file"),
                         (["--tls-client-ca", f"{d}/ca.pem"], "--tls-client-ca: needs --tls-cert"),
                         (["--tls-cert", f"{d}/client.pem", "--tls-key", f"{d}/server.key"], "do not match")):
         r = subprocess.run([binary, "--address", "127.0.0.1:0", "--metrics-address", "", *flags],
