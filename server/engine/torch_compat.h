@@ -9,6 +9,12 @@
 
 namespace attnserve::compat {
 
+/// Whether a LibTorch error is a device running out of memory (the caller refuses the batch with
+/// RESOURCE_EXHAUSTED rather than treating it as a kernel's refusal).
+inline bool IsOutOfMemory(const c10::Error& e) {
+  return std::string(e.what_without_backtrace()).find("out of memory") != std::string::npos;
+}
+
 #if TORCH_VERSION_MAJOR >= 2
 /// LibTorch 2.x: at::scaled_dot_product_attention picks a fused kernel (flash, memory-efficient,
 /// cuDNN on CUDA; a fused flash-style kernel on CPU) and falls back to math by itself.
@@ -70,7 +76,7 @@ inline VarlenOutput VarlenAttention(const at::Tensor& q, const at::Tensor& k, co
       return {std::get<0>(r), "flash_varlen"};
     } catch (const c10::Error& e) {
       // E.g. a GPU older than sm80; an out-of-memory is the caller's to handle.
-      if (std::string(e.what()).find("out of memory") != std::string::npos) throw;
+      if (IsOutOfMemory(e)) throw;
     }
   }
   auto r = at::_efficient_attention_forward(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),

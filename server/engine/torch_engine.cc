@@ -166,7 +166,7 @@ class TorchModel final : public AttentionModel {
       return Status::Ok();
     } catch (const c10::Error& e) {
       const std::string what = e.what_without_backtrace();
-      if (what.find("out of memory") != std::string::npos) {
+      if (compat::IsOutOfMemory(e)) {
         // Give the cached blocks back so the next batches can fit; this batch is refused.
         ReleaseCachedDeviceMemory();
         return Status(StatusCode::kResourceExhausted, "device out of memory: " + what);
@@ -346,7 +346,7 @@ class TorchModel final : public AttentionModel {
       dst.copy_(r.out);
       return r.backend;
     } catch (const c10::Error& e) {
-      if (std::string(e.what()).find("out of memory") != std::string::npos) throw;
+      if (compat::IsOutOfMemory(e)) throw;
       return nullptr;  // Not for these inputs (e.g. a head size the kernel lacks): per call.
     }
   }
