@@ -56,6 +56,7 @@ void ToWire(const AttendRequest& r, pb::AttendRequest* out) {
   out->set_attn_weights(static_cast<pb::AttnWeights>(r.attn_weights));
   out->set_layout(static_cast<pb::Layout>(r.layout));
   out->set_request_id(r.request_id);
+  out->set_model_version(r.model_version);
 }
 
 AttendResult FromWire(pb::AttendResponse* r) {
@@ -65,6 +66,7 @@ AttendResult FromWire(pb::AttendResponse* r) {
   out.request_id = r->request_id();
   out.model = r->model();
   out.weights_hash = r->weights_hash();
+  out.model_version = r->model_version();
   out.queue_seconds = r->timing().queue_seconds();
   out.compute_seconds = r->timing().compute_seconds();
   out.batch_size = r->timing().batch_size();
@@ -86,6 +88,7 @@ ModelInfo FromWire(const pb::ModelInfo& m) {
   out.device = m.device();
   out.weights_hash = m.weights_hash();
   out.source = m.source();
+  out.version = m.version();
   return out;
 }
 
@@ -144,11 +147,13 @@ struct Client::Impl {
   }
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<pb::AttentionService::Stub> stub;
+  std::unique_ptr<pb::AdminService::Stub> admin;
   std::unique_ptr<grpc::GenericStub> generic;
 
   void Prepare(grpc::ClientContext* ctx, const CallOptions& call) const {
     const auto deadline = call.deadline.value_or(options.deadline);
     if (deadline.count() > 0) ctx->set_deadline(std::chrono::system_clock::now() + deadline);
+    if (!call.bearer_token.empty()) ctx->AddMetadata("authorization", "Bearer " + call.bearer_token);
   }
 };
 
@@ -221,6 +226,7 @@ Client::Client(const ClientOptions& options) : impl_(std::make_shared<Impl>()) {
   for (const auto& [name, value] : options.channel_args) args.SetInt(name, value);
   impl_->channel = grpc::CreateCustomChannel(options.target, credentials, args);
   impl_->stub = pb::AttentionService::NewStub(impl_->channel);
+  impl_->admin = pb::AdminService::NewStub(impl_->channel);
   impl_->generic = std::make_unique<grpc::GenericStub>(impl_->channel);
   impl_->poller = std::thread([impl = impl_.get()] { impl->Poll(); });
 }
@@ -363,10 +369,39 @@ CallStatus Client::ListModels(std::vector<ModelInfo>* models, const CallOptions&
 }
 
 CallStatus Client::GetModel(const std::string& name, ModelInfo* model, const CallOptions& call) {
+  return GetModel(name, 0, model, call);
+}
+
+bool ReloadResult::any_failed() const {
+  for (const ModelChange& c : changes) {
+    if (c.action == "failed") return true;
+  }
+  return false;
+}
+
+CallStatus Client::ReloadModels(ReloadResult* result, const CallOptions& call) {
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx, call);
+  pb::ReloadModelsResponse resp;
+  const grpc::Status s = impl_->admin->ReloadModels(&ctx, pb::ReloadModelsRequest(), &resp);
+  *result = ReloadResult();
+  for (const pb::ModelChange& c : resp.changes()) {
+    static const char* kActions[] = {"unspecified", "loaded", "updated", "unloaded", "failed"};
+    const int a = static_cast<int>(c.action());
+    result->changes.push_back({c.name(), c.version(), a >= 0 && a <= 4 ? kActions[a] : "unspecified",
+                               c.weights_hash(), c.message()});
+  }
+  result->models_served = resp.models_served();
+  return FromGrpc(s);
+}
+
+CallStatus Client::GetModel(const std::string& name, int64_t version, ModelInfo* model,
+                            const CallOptions& call) {
   grpc::ClientContext ctx;
   impl_->Prepare(&ctx, call);
   pb::GetModelRequest req;
   req.set_name(name);
+  req.set_version(version);
   pb::ModelInfo resp;
   const grpc::Status s = impl_->stub->GetModel(&ctx, req, &resp);
   if (s.ok()) *model = FromWire(resp);

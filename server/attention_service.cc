@@ -21,6 +21,20 @@ void SetTensorMeta(v1::Tensor* t, DType dtype, const std::vector<int64_t>& shape
   t->mutable_shape()->Assign(shape.begin(), shape.end());
 }
 
+// NOT_FOUND for a model or version the set does not hold, naming what it does hold.
+Status LookupFailure(const ModelSet& models, const std::string& name, int64_t version,
+                     const char* name_field, const char* version_field) {
+  auto it = models.models.find(name);
+  if (it == models.models.end()) {
+    return NotFound(std::string(name_field) + ": '" + name + "' is not loaded; available: " +
+                    models.Names());
+  }
+  std::string versions;
+  for (const auto& [v, m] : it->second) versions += (versions.empty() ? "" : ", ") + std::to_string(v);
+  return NotFound(std::string(version_field) + ": " + std::to_string(version) + " of '" + name +
+                  "' is not loaded; loaded versions: " + versions);
+}
+
 }  // namespace
 
 SteadyClock::time_point DeadlineOf(const grpc::CallbackServerContext* ctx) {
@@ -29,7 +43,7 @@ SteadyClock::time_point DeadlineOf(const grpc::CallbackServerContext* ctx) {
   return SteadyClock::now() + (deadline - std::chrono::system_clock::now());
 }
 
-AttentionServiceImpl::AttentionServiceImpl(const ModelMap& models, Batcher& batcher,
+AttentionServiceImpl::AttentionServiceImpl(const ModelRepository& models, Batcher& batcher,
                                            ServerMetrics& metrics, const AttendLimits& limits,
                                            const FlowLimits& flow)
     : models_(models), batcher_(batcher), metrics_(metrics), limits_(limits), flow_(flow) {}
@@ -51,16 +65,20 @@ void AttentionServiceImpl::Dispatch(const char* method, Exchange* x,
     done(Status(StatusCode::kUnavailable, "server is shutting down; retry on another replica"));
     return;
   }
-  auto it = models_.find(request.model());
-  if (it == models_.end()) {
-    std::string names;
-    for (const auto& [name, m] : models_) names += (names.empty() ? "" : ", ") + name;
-    done(NotFound("model: '" + request.model() + "' is not loaded; available: " + names));
+  if (request.model_version() < 0) {
+    done(InvalidArgument("model_version: " + std::to_string(request.model_version()) +
+                         "; allowed: 0 (the highest loaded) or a loaded version"));
     return;
   }
-  x->model = it->first;
+  const std::shared_ptr<const ModelSet> models = models_.Snapshot();
+  std::shared_ptr<const AttentionModel> model = models->Find(request.model(), request.model_version());
+  if (!model) {
+    done(LookupFailure(*models, request.model(), request.model_version(), "model", "model_version"));
+    return;
+  }
+  x->model = model->spec().name;
   auto item = std::make_unique<WorkItem>();
-  item->model = it->second.get();
+  item->model = std::move(model);
   item->accepted = x->received;
   item->deadline = deadline;
   item->cancelled = std::move(cancelled);
@@ -107,6 +125,7 @@ void AttentionServiceImpl::Dispatch(const char* method, Exchange* x,
       meta.set_request_id(x->request.request_id());
       meta.set_model(spec.name);
       meta.set_weights_hash(spec.weights_hash);
+      meta.set_model_version(spec.version);
       SetTensorMeta(meta.mutable_output(), w.call.query.dtype, w.outputs.output_shape);
       if (w.outputs.weights) {
         SetTensorMeta(meta.mutable_attn_weights(), w.call.query.dtype, w.outputs.weights_shape);
@@ -258,7 +277,10 @@ bool AttentionServiceImpl::WaitIdle(SteadyClock::time_point deadline, SteadyCloc
 grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(grpc::CallbackServerContext* ctx,
                                                            const v1::ListModelsRequest*,
                                                            v1::ListModelsResponse* resp) {
-  for (const auto& [name, model] : models_) ToWire(model->spec(), resp->add_models());
+  const std::shared_ptr<const ModelSet> models = models_.Snapshot();
+  for (const auto& [name, versions] : models->models) {
+    for (const auto& [version, model] : versions) ToWire(model->spec(), resp->add_models());
+  }
   auto* reactor = ctx->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;
@@ -268,11 +290,15 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetModel(grpc::CallbackServerCon
                                                          const v1::GetModelRequest* req,
                                                          v1::ModelInfo* resp) {
   auto* reactor = ctx->DefaultReactor();
-  auto it = models_.find(req->name());
-  if (it == models_.end()) {
-    reactor->Finish(ToGrpcStatus(NotFound("name: model '" + req->name() + "' is not loaded")));
+  const std::shared_ptr<const ModelSet> models = models_.Snapshot();
+  const auto model = req->version() < 0 ? nullptr : models->Find(req->name(), req->version());
+  if (req->version() < 0) {
+    reactor->Finish(ToGrpcStatus(InvalidArgument("version: " + std::to_string(req->version()) +
+                                                 "; allowed: 0 (the highest loaded) or a loaded version")));
+  } else if (!model) {
+    reactor->Finish(ToGrpcStatus(LookupFailure(*models, req->name(), req->version(), "name", "version")));
   } else {
-    ToWire(it->second->spec(), resp);
+    ToWire(model->spec(), resp);
     reactor->Finish(grpc::Status::OK);
   }
   return reactor;

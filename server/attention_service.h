@@ -13,11 +13,9 @@
 #include "server/batcher.h"
 #include "server/engine/attention_model.h"
 #include "server/metrics.h"
+#include "server/model_repository.h"
 
 namespace attnserve {
-
-/// Loaded models by name.
-using ModelMap = std::map<std::string, std::unique_ptr<AttentionModel>>;
 
 /// Bounds on what requests in flight may hold (README "Limits").
 struct FlowLimits {
@@ -60,8 +58,9 @@ class AttentionServiceImpl final
               v1::AttentionService::WithCallbackMethod_ListModels<
                   v1::AttentionService::WithCallbackMethod_GetModel<v1::AttentionService::Service>>>> {
  public:
-  /// Borrows everything; all must outlive the service.
-  AttentionServiceImpl(const ModelMap& models, Batcher& batcher, ServerMetrics& metrics,
+  /// Borrows everything; all must outlive the service. Each request takes the repository's set of
+  /// the moment it is dispatched, so a reload never changes a request already accepted.
+  AttentionServiceImpl(const ModelRepository& models, Batcher& batcher, ServerMetrics& metrics,
                        const AttendLimits& limits, const FlowLimits& flow);
   ~AttentionServiceImpl() override;
 
@@ -104,7 +103,7 @@ class AttentionServiceImpl final
   void AddStream(StreamReactor* s);
   void RemoveStream(StreamReactor* s);
 
-  const ModelMap& models_;
+  const ModelRepository& models_;
   Batcher& batcher_;
   ServerMetrics& metrics_;
   const AttendLimits limits_;

@@ -143,7 +143,7 @@ void Batcher::Submit(std::unique_ptr<WorkItem> item) {
     if (draining_) {
       refused = Status(StatusCode::kUnavailable, "server is shutting down; retry on another replica");
     } else {
-      auto it = queues_.try_emplace(item->model, options_).first;
+      auto it = queues_.try_emplace(item->model.get(), options_).first;
       item = it->second.Add(std::move(item), SteadyClock::now(), &dropped);
       if (item) {
         refused = Status(StatusCode::kResourceExhausted,
@@ -181,6 +181,7 @@ void Batcher::WorkerLoop() {
     const auto now = SteadyClock::now();
     auto wake = SteadyClock::time_point::max();
     BatchQueue* best = nullptr;
+    const AttentionModel* best_model = nullptr;
     bool any = false;
     for (auto& [model, queue] : queues_) {
       if (queue.size() == 0) continue;
@@ -188,7 +189,10 @@ void Batcher::WorkerLoop() {
       SteadyClock::time_point w;
       // While draining nothing waits for company.
       if (queue.Ready(now, busy_, &w) || draining_) {
-        if (!best || queue.oldest() < best->oldest()) best = &queue;
+        if (!best || queue.oldest() < best->oldest()) {
+          best = &queue;
+          best_model = model;
+        }
       } else {
         wake = std::min(wake, w);
       }
@@ -197,7 +201,13 @@ void Batcher::WorkerLoop() {
       Dropped dropped;
       const size_t workers = static_cast<size_t>(options_.workers);
       auto batch = best->Take(now, &dropped, (best->size() + workers - 1) / workers);
-      if (best->size() > 0) cv_.notify_one();  // More may be ready for another worker.
+      if (best->size() > 0) {
+        cv_.notify_one();  // More may be ready for another worker.
+      } else {
+        // Keyed by the model's address: an empty queue goes, so that a model a reload unloaded
+        // leaves nothing behind (its items, which hold it, are all taken).
+        queues_.erase(best_model);
+      }
       ++busy_;
       idle_since_ = SteadyClock::time_point();
       lock.unlock();
@@ -244,7 +254,7 @@ void Batcher::Run(std::vector<std::unique_ptr<WorkItem>> batch) {
     calls.push_back(&item->call);
     outs.push_back(&item->outputs);
   }
-  const AttentionModel* model = batch[0]->model;
+  const AttentionModel* model = batch[0]->model.get();
   const std::vector<Status> statuses = model->ForwardBatch(calls, outs);
   // On a GPU the engine times the batch with CUDA events: kernel time, not the host's wait.
   const double device = outs.empty() ? -1 : outs[0]->device_seconds;

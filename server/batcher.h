@@ -22,7 +22,9 @@ using SteadyClock = std::chrono::steady_clock;
 /// One accepted request on its way to the engine. Owns nothing on the wire: `call` and `outputs`
 /// point into the RPC's request and response, which live until `done` has run.
 struct WorkItem {
-  const AttentionModel* model = nullptr;
+  /// Held until the item is destroyed: a model that a reload replaced or removed finishes what it
+  /// accepted and unloads after its last item.
+  std::shared_ptr<const AttentionModel> model;
   AttendCall call;
   AttendOutputs outputs;
   SteadyClock::time_point accepted;

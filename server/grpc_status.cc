@@ -11,7 +11,9 @@ grpc::StatusCode ToGrpcCode(StatusCode code) {
     case StatusCode::kResourceExhausted: return grpc::StatusCode::RESOURCE_EXHAUSTED;
     case StatusCode::kDeadlineExceeded: return grpc::StatusCode::DEADLINE_EXCEEDED;
     case StatusCode::kCancelled: return grpc::StatusCode::CANCELLED;
-    case StatusCode::kFailedPrecondition:  // Configuration problems never reach a caller.
+    case StatusCode::kFailedPrecondition: return grpc::StatusCode::FAILED_PRECONDITION;
+    case StatusCode::kUnauthenticated: return grpc::StatusCode::UNAUTHENTICATED;
+    case StatusCode::kPermissionDenied: return grpc::StatusCode::PERMISSION_DENIED;
     case StatusCode::kInternal: return grpc::StatusCode::INTERNAL;
   }
   return grpc::StatusCode::INTERNAL;
@@ -34,6 +36,9 @@ const char* GrpcCodeName(const Status& status) {
     case grpc::StatusCode::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
     case grpc::StatusCode::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
     case grpc::StatusCode::CANCELLED: return "CANCELLED";
+    case grpc::StatusCode::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
+    case grpc::StatusCode::UNAUTHENTICATED: return "UNAUTHENTICATED";
+    case grpc::StatusCode::PERMISSION_DENIED: return "PERMISSION_DENIED";
     default: return "INTERNAL";
   }
 }

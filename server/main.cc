@@ -12,33 +12,34 @@
 
 namespace {
 
-// SIGINT/SIGTERM are handled, never left to their default action: threads created before main()
+// SIGHUP asks for a model reload and the server goes on. SIGINT/SIGTERM are handled, never left to their default action: threads created before main()
 // (OpenBLAS's pool) do not block them, so a signal arriving while main() was not waiting for it
 // (a second SIGTERM during the drain) used to kill the process mid-drain. The handler only writes
 // the signal number to a pipe that main() reads (async-signal-safe).
 int g_signal_pipe[2] = {-1, -1};
 
-void OnStopSignal(int sig) {
+void OnSignal(int sig) {
   const int saved = errno;
   const unsigned char b = static_cast<unsigned char>(sig);
   (void)!write(g_signal_pipe[1], &b, 1);
   errno = saved;
 }
 
-void InstallStopSignals() {
+void InstallSignals() {
   if (pipe(g_signal_pipe) != 0) {
     std::perror("attnserve: pipe");
     std::exit(1);
   }
   struct sigaction sa = {};
-  sa.sa_handler = OnStopSignal;
+  sa.sa_handler = OnSignal;
   sa.sa_flags = SA_RESTART;
   sigemptyset(&sa.sa_mask);
   sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGHUP, &sa, nullptr);
 }
 
-int WaitStopSignal() {
+int WaitSignal() {
   unsigned char b = 0;
   while (read(g_signal_pipe[0], &b, 1) != 1) {
     if (errno != EINTR) return SIGTERM;
@@ -53,7 +54,7 @@ int main(int argc, char** argv) {
   CLI::App app{
       "attnserve: multi-head attention inference over gRPC, computed exactly as PyTorch's\n"
       "nn.MultiheadAttention. With no --models it serves the built-in `demo` model\n"
-      "(embed_dim 512, 8 heads). Stops gracefully on SIGINT/SIGTERM.",
+      "(embed_dim 512, 8 heads). Stops gracefully on SIGINT/SIGTERM; reloads --models on SIGHUP.",
       "attnserve"};
   app.add_option("--address", o.address, "gRPC listen address (host:port; port 0 picks one)")
       ->capture_default_str();
@@ -79,6 +80,13 @@ int main(int argc, char** argv) {
                  "Second, plaintext listener serving only grpc.health.v1 (for probes that cannot "
                  "speak TLS); empty = none")
       ->capture_default_str();
+  app.add_option("--admin-token-file", o.admin.token_file,
+                 "File holding a secret token: AdminService calls (ReloadModels) that send "
+                 "'authorization: Bearer <token>' are allowed (read at each call)");
+  app.add_option("--admin-client-names", o.admin.client_names,
+                 "Client certificate names (CN or subject alternative name) allowed to call "
+                 "AdminService; needs --tls-client-ca")
+      ->delimiter(',');
   std::string varlen = "auto";
   app.add_option("--varlen-attention", varlen,
                  "Small requests batched together: auto = one varlen flash/memory-efficient kernel "
@@ -157,7 +165,7 @@ int main(int argc, char** argv) {
                                           : attnserve::DType::kFloat32;
   o.batcher.max_queue_delay = std::chrono::microseconds(delay_us);
 
-  InstallStopSignals();
+  InstallSignals();
 
   auto server = attnserve::Server::Start(o);
   if (!server.ok()) {
@@ -165,7 +173,11 @@ int main(int argc, char** argv) {
     return 2;
   }
   std::cout << (*server)->Describe() << std::endl;
-  const int sig = WaitStopSignal();
+  int sig = 0;
+  while ((sig = WaitSignal()) == SIGHUP) {
+    std::cout << "attnserve: SIGHUP: reloading --models in the background" << std::endl;
+    (*server)->RequestReload();
+  }
   std::cout << "attnserve: " << (sig == SIGINT ? "SIGINT" : "SIGTERM")
             << ": draining in-flight requests" << std::endl;
   // Later signals land in the pipe unread: the drain goes on (the grace period still bounds it).

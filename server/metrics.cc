@@ -83,8 +83,22 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
                          .Register(registry)),
       model_info_(prometheus::BuildGauge()
                       .Name("attnserve_model_info")
-                      .Help("A loaded model (value 1), described by its labels.")
-                      .Register(registry)) {}
+                      .Help("A loaded model version (value 1), described by its labels.")
+                      .Register(registry)),
+      reloads_(prometheus::BuildCounter()
+                   .Name("attnserve_model_reloads_total")
+                   .Help("Model repository reloads (SIGHUP or AdminService.ReloadModels), by "
+                         "outcome: ok, or failed (a version did not load, or the repository could "
+                         "not be read; what served before still serves).")
+                   .Register(registry)),
+      load_failures_(prometheus::BuildCounter()
+                         .Name("attnserve_model_load_failures_total")
+                         .Help("Reloads in which a version of this model failed to load.")
+                         .Register(registry)) {
+  // Both outcomes exist from the start, so rate() and increase() see the first reload.
+  reloads_.Add({{"outcome", "ok"}});
+  reloads_.Add({{"outcome", "failed"}});
+}
 
 void ServerMetrics::RecordRequest(const std::string& model, const std::string& method,
                                   const std::string& code, double seconds) {
@@ -133,16 +147,32 @@ void ServerMetrics::RecordRejection(const std::string& model, const char* reason
 }
 
 void ServerMetrics::AddModelInfo(const ModelSpec& s) {
-  model_info_
+  RemoveModelInfo(s);
+  std::lock_guard<std::mutex> lock(info_mu_);
+  info_[{s.name, s.version}] = &model_info_
       .Add({{"model", s.name},
+            {"version", std::to_string(s.version)},
             {"embed_dim", std::to_string(s.embed_dim)},
             {"num_heads", std::to_string(s.num_heads)},
             {"kdim", std::to_string(s.kdim)},
             {"vdim", std::to_string(s.vdim)},
             {"device", s.device},
             {"compute_dtype", DTypeName(s.compute_dtype)},
-            {"weights_hash", s.weights_hash}})
-      .Set(1);
+            {"weights_hash", s.weights_hash}});
+  info_[{s.name, s.version}]->Set(1);
+}
+
+void ServerMetrics::RemoveModelInfo(const ModelSpec& s) {
+  std::lock_guard<std::mutex> lock(info_mu_);
+  auto it = info_.find({s.name, s.version});
+  if (it == info_.end()) return;
+  model_info_.Remove(it->second);
+  info_.erase(it);
+}
+
+void ServerMetrics::RecordReload(bool failed, const std::vector<std::string>& failed_models) {
+  reloads_.Add({{"outcome", failed ? "failed" : "ok"}}).Increment();
+  for (const std::string& model : failed_models) load_failures_.Add({{"model", model}}).Increment();
 }
 
 }  // namespace attnserve

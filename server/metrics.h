@@ -6,7 +6,10 @@
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
 
+#include <map>
+#include <mutex>
 #include <string>
+#include <utility>
 
 #include "server/batcher.h"
 #include "server/types.h"
@@ -34,8 +37,13 @@ class ServerMetrics {
   void SetHostMemory(int64_t resident);
   /// A request refused or dropped before compute; reason: queue_full, draining, deadline, cancelled.
   void RecordRejection(const std::string& model, const char* reason);
-  /// Sets attnserve_model_info{...} 1 for a loaded model.
+  /// Sets attnserve_model_info{...} 1 for a loaded model version (replacing that version's series).
   void AddModelInfo(const ModelSpec& spec);
+  /// Removes an unloaded model version's attnserve_model_info series.
+  void RemoveModelInfo(const ModelSpec& spec);
+  /// One reload: attnserve_model_reloads_total{outcome="ok"|"failed"}, and for each model with a
+  /// version that failed to load, attnserve_model_load_failures_total{model}.
+  void RecordReload(bool failed, const std::vector<std::string>& failed_models);
 
  private:
   prometheus::Family<prometheus::Histogram>& latency_;
@@ -52,6 +60,10 @@ class ServerMetrics {
   prometheus::Family<prometheus::Gauge>& flops_rate_;
   prometheus::Family<prometheus::Gauge>& device_memory_;
   prometheus::Family<prometheus::Gauge>& model_info_;
+  prometheus::Family<prometheus::Counter>& reloads_;
+  prometheus::Family<prometheus::Counter>& load_failures_;
+  std::mutex info_mu_;
+  std::map<std::pair<std::string, int64_t>, prometheus::Gauge*> info_;  // (model, version)
 };
 
 }  // namespace attnserve

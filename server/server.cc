@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cstdio>
 #include <mutex>
+#include <set>
 
 #include "server/attention_service.h"
 #include "server/engine/blas.h"
@@ -30,6 +31,9 @@ static constexpr std::chrono::milliseconds kDrainQuietPeriod{250};
 
 /// Health service names: "" (overall), the service, and "<service>/<model>" per model.
 static constexpr char kServiceName[] = "attnserve.v1.AttentionService";
+/// Health of the model repository: NOT_SERVING while the latest load of some model failed (what
+/// served before still serves).
+static constexpr char kRepositoryHealthName[] = "attnserve.v1.ModelRepository";
 
 namespace {
 
@@ -71,7 +75,8 @@ StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(const Serve
 
 struct Server::Impl {
   ServerOptions options;
-  ModelMap models;
+  std::unique_ptr<ModelRepository> models;
+  std::unique_ptr<AdminServiceImpl> admin;
   std::shared_ptr<prometheus::Registry> registry = std::make_shared<prometheus::Registry>();
   std::unique_ptr<ServerMetrics> metrics;
   std::unique_ptr<prometheus::Exposer> exposer;
@@ -102,25 +107,18 @@ StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
                 "Install libopenblas0-pthread (README \"BLAS\") or run with --workers 1");
   }
 
-  std::vector<ModelWeights> weights;
-  if (options.models_dir.empty()) {
-    weights.push_back(DemoModelWeights());
-  } else {
-    ASSIGN_OR_RETURN(weights, LoadModelDirectory(options.models_dir));
-  }
+  RETURN_IF_ERROR(options.admin.Check(!options.tls_client_ca_file.empty()));
   EngineOptions engine_options;
   engine_options.device = options.device;
   engine_options.compute_dtype = options.compute_dtype;
   engine_options.allow_tf32 = options.allow_tf32;
   engine_options.varlen = options.varlen;
-  for (const ModelWeights& w : weights) {
-    ASSIGN_OR_RETURN(auto model, CreateTorchModel(w, engine_options));
-    impl->models.emplace(w.spec.name, std::move(model));
-  }
-  weights.clear();
+  ASSIGN_OR_RETURN(impl->models, ModelRepository::Open(options.models_dir, engine_options));
 
   impl->metrics = std::make_unique<ServerMetrics>(*impl->registry);
-  for (const auto& [name, model] : impl->models) impl->metrics->AddModelInfo(model->spec());
+  for (const auto& [name, versions] : impl->models->Snapshot()->models) {
+    for (const auto& [version, model] : versions) impl->metrics->AddModelInfo(model->spec());
+  }
   if (!options.metrics_address.empty()) {
     if (!ThreadStacksIncludeStaticTls()) {
       return fail("--metrics-address: this executable does not export attnserve's "
@@ -175,8 +173,9 @@ StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   AttendLimits limits = options.limits;
   limits.max_answer_bytes =
       static_cast<int64_t>(options.max_message_bytes) - static_cast<int64_t>(kResponseOverheadBytes);
-  impl->service = std::make_unique<AttentionServiceImpl>(impl->models, *impl->batcher,
+  impl->service = std::make_unique<AttentionServiceImpl>(*impl->models, *impl->batcher,
                                                          *impl->metrics, limits, options.flow);
+  impl->admin = std::make_unique<AdminServiceImpl>(*impl->models, options.admin);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -188,6 +187,7 @@ StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   ASSIGN_OR_RETURN(credentials, ServerCredentials(options));
   builder.AddListeningPort(options.address, credentials, &impl->port);
   builder.RegisterService(impl->service.get());
+  builder.RegisterService(impl->admin.get());
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
   impl->grpc_server = builder.BuildAndStart();
@@ -206,15 +206,48 @@ StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
       return fail("--health-address " + options.health_address + ": cannot listen (in use, or not an address)");
     }
   }
+  std::vector<grpc::HealthCheckServiceInterface*> healths;
   for (grpc::Server* s : {impl->grpc_server.get(), impl->health_server.get()}) {
-    if (s == nullptr) continue;
-    auto* health = s->GetHealthCheckService();
+    if (s != nullptr) healths.push_back(s->GetHealthCheckService());
+  }
+  std::set<std::string> known;  // Every model name health has reported on.
+  for (auto* health : healths) {
     health->SetServingStatus(true);
     health->SetServingStatus(kServiceName, true);
-    for (const auto& [name, model] : impl->models) {
+    health->SetServingStatus(kRepositoryHealthName, true);
+    for (const auto& [name, versions] : impl->models->Snapshot()->models) {
       health->SetServingStatus(std::string(kServiceName) + "/" + name, true);
+      known.insert(name);
     }
   }
+  // Reloads tell metrics and health what changed (on the reloading thread, which Shutdown stops
+  // before the servers go).
+  ModelRepositoryHooks hooks;
+  hooks.on_loaded = [metrics](const ModelSpec& loaded, const ModelSpec* replaced) {
+    if (replaced) metrics->RemoveModelInfo(*replaced);
+    metrics->AddModelInfo(loaded);
+  };
+  hooks.on_unloaded = [metrics](const ModelSpec& removed) { metrics->RemoveModelInfo(removed); };
+  hooks.on_reloaded = [metrics, healths, known](const ReloadReport& report, const ModelSet& set,
+                                                const std::map<std::string, std::string>& failing) mutable {
+    std::vector<std::string> failed_now;
+    for (const RepositoryChange& c : report.changes) {
+      if (c.action == RepositoryChange::Action::kFailed &&
+          (failed_now.empty() || failed_now.back() != c.name)) {
+        failed_now.push_back(c.name);
+      }
+    }
+    metrics->RecordReload(report.failed(), failed_now);
+    for (const auto& [name, why] : failing) known.insert(name);
+    for (const auto& [name, versions] : set.models) known.insert(name);
+    for (auto* health : healths) {
+      health->SetServingStatus(kRepositoryHealthName, report.status.ok() && failing.empty());
+      for (const std::string& name : known) {
+        health->SetServingStatus(std::string(kServiceName) + "/" + name, set.models.count(name) > 0);
+      }
+    }
+  };
+  impl->models->SetHooks(std::move(hooks));
   return std::unique_ptr<Server>(new Server(std::move(impl)));
 }
 
@@ -224,10 +257,13 @@ int Server::health_port() const { return impl_->health_port; }
 
 std::string Server::Describe() const {
   std::string s = "attnserve: serving";
-  for (const auto& [name, model] : impl_->models) {
-    const ModelSpec& m = model->spec();
-    s += " " + name + " (E=" + std::to_string(m.embed_dim) + ", H=" + std::to_string(m.num_heads) +
-         ", " + m.weights_hash.substr(0, 19) + ")";
+  for (const auto& [name, versions] : impl_->models->Snapshot()->models) {
+    for (const auto& [version, model] : versions) {
+      const ModelSpec& m = model->spec();
+      s += " " + name + (versions.size() > 1 || version != 1 ? "/" + std::to_string(version) : "") +
+           " (E=" + std::to_string(m.embed_dim) + ", H=" + std::to_string(m.num_heads) + ", " +
+           m.weights_hash.substr(0, 19) + ")";
+    }
   }
   const std::string host = impl_->options.address.substr(0, impl_->options.address.rfind(':'));
   s += " on " + host + ":" + std::to_string(impl_->port);
@@ -252,6 +288,8 @@ std::string Server::Describe() const {
   return s;
 }
 
+void Server::RequestReload() { impl_->models->RequestReload(nullptr); }
+
 void Server::Shutdown() {
   std::call_once(impl_->shutdown_once, [this] {
     const auto start = SteadyClock::now();
@@ -264,6 +302,7 @@ void Server::Shutdown() {
     impl_->grpc_server->GetHealthCheckService()->Shutdown();
     if (impl_->health_server) impl_->health_server->GetHealthCheckService()->Shutdown();
     impl_->service->BeginDrain();
+    impl_->models->Stop();  // Reloads waiting are answered UNAVAILABLE; none starts.
     impl_->service->WaitIdle(start + grace * 8 / 10, kDrainQuietPeriod);
     // 2. Stop gRPC; whatever is still open at 90% of the grace period is cancelled.
     const auto left = start + grace * 9 / 10 - SteadyClock::now();
@@ -277,7 +316,7 @@ void Server::Shutdown() {
       impl_->health_server->Wait();
     }
     impl_->exposer.reset();
-    impl_->models.clear();
+    impl_->models.reset();
   });
 }
 

@@ -3,6 +3,7 @@
 #include <memory>
 #include <string>
 
+#include "server/admin_service.h"
 #include "server/attention_service.h"
 #include "server/batcher.h"
 #include "server/status.h"
@@ -30,6 +31,8 @@ struct ServerOptions {
   /// A second listener, always plaintext, that serves only grpc.health.v1 (the same statuses as
   /// --address): for probes that cannot speak TLS, such as Kubernetes' gRPC probes. "" = none.
   std::string health_address;
+  /// Who may call AdminService.ReloadModels (token file, client certificate names); none: nobody.
+  AdminAuth admin;
 };
 
 /// A running attnserve: models loaded, gRPC and metrics listening. Thread-safe.
@@ -48,6 +51,9 @@ class Server {
   int metrics_port() const;
   /// The start-up log line: models, addresses, device, LibTorch version.
   std::string Describe() const;
+  /// Rescans --models in the background, as AdminService.ReloadModels does (SIGHUP); the outcome
+  /// goes to the log, the metrics and health.
+  void RequestReload();
   /// Graceful shutdown within the grace period: health goes NOT_SERVING; new requests (unary, or on
   /// open streams) get UNAVAILABLE while accepted ones finish and every stream is finished; then
   /// gRPC stops (cancelling whatever is left at 90% of the grace period), the queue drains and the

@@ -24,6 +24,8 @@ const char* StatusCodeName(StatusCode code) {
     case StatusCode::kDeadlineExceeded: return "DEADLINE_EXCEEDED";
     case StatusCode::kCancelled: return "CANCELLED";
     case StatusCode::kFailedPrecondition: return "FAILED_PRECONDITION";
+    case StatusCode::kUnauthenticated: return "UNAUTHENTICATED";
+    case StatusCode::kPermissionDenied: return "PERMISSION_DENIED";
     case StatusCode::kInternal: return "INTERNAL";
   }
   return "UNKNOWN";

@@ -16,7 +16,9 @@ enum class StatusCode {
   kResourceExhausted, ///< A queue or device memory limit was hit.
   kDeadlineExceeded,  ///< The deadline passed before compute started.
   kCancelled,         ///< The client cancelled the call.
-  kFailedPrecondition,///< Bad configuration (start-up only).
+  kFailedPrecondition,///< Bad configuration: at start-up, or a reload the server cannot do.
+  kUnauthenticated,   ///< An admin call without valid credentials.
+  kPermissionDenied,  ///< An admin call whose credentials are not an administrator's.
   kInternal,          ///< Anything else from the engine.
 };
 

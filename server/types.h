@@ -50,6 +50,7 @@ struct ModelSpec {
   std::string device = "cpu";
   std::string weights_hash;    ///< "sha256:<hex>" over the canonical weights.
   std::string source;          ///< File the weights came from, or "built-in".
+  int64_t version = 1;         ///< N for DIR/name/N/; 1 for an unversioned model directory.
 
   int64_t head_dim() const { return num_heads > 0 ? embed_dim / num_heads : 0; }
   /// Keys after bias_k and the zero key are appended.

@@ -203,6 +203,7 @@ void ToWire(const ModelSpec& s, pb::ModelInfo* info) {
   info->set_device(s.device);
   info->set_weights_hash(s.weights_hash);
   info->set_source(s.source);
+  info->set_version(s.version);
 }
 
 }  // namespace attnserve

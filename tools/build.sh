@@ -46,6 +46,7 @@ fi
 # Every stage runs even when one fails; the last line sums them up.
 passed=0 failed=0
 summary=()
+failures=""  # What failed, repeated just above the summary: CI keeps only the log's tail.
 stage() {  # name, command...: counts the stage's own "N passed, N failed" or ctest's tally.
   local name=$1; shift
   local log; log=$(mktemp)
@@ -64,6 +65,10 @@ stage() {  # name, command...: counts the stage's own "N passed, N failed" or ct
   [ "$rc" -eq 0 ] || [ "$f" -gt 0 ] || f=1
   passed=$((passed + p)) failed=$((failed + f))
   summary+=("$name $p/$((p + f))")
+  if [ "$f" -gt 0 ]; then
+    failures+="--- $name: what failed"$'\n'
+    failures+=$(grep -E 'FAILED|^FAIL |Failure$|Expected|Which is|Value of|ERROR: |WARNING: ThreadSanitizer|runtime error|Error|Timeout' "$log" | head -40 || true)$'\n'
+  fi
   rm -f "$log"
 }
 # The Debian image's container test belongs to the default flavour.
@@ -79,6 +84,7 @@ else
     torch2_stage "$@"
   fi
 fi
+[ -z "$failures" ] || printf '%s' "$failures"
 echo "stages: ${summary[*]}"
 echo "attnserve: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -1,4 +1,4 @@
-// attnserve-cli: list models, describe one, send an attention request, check health.
+// attnserve-cli: list models, describe one, send an attention request, check health, reload models.
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cmath>
@@ -8,6 +8,7 @@
 #include <iostream>
 #include <memory>
 #include <random>
+#include <sstream>
 #include <stdexcept>
 
 #include "attnserve/client.h"
@@ -27,9 +28,9 @@ std::string Shape(const std::vector<int64_t>& s) {
 }
 
 void PrintModel(const attnserve::ModelInfo& m) {
-  std::printf("%s: embed_dim=%lld num_heads=%lld kdim=%lld vdim=%lld bias=%d add_bias_kv=%d "
+  std::printf("%s version %lld: embed_dim=%lld num_heads=%lld kdim=%lld vdim=%lld bias=%d add_bias_kv=%d "
               "add_zero_attn=%d device=%s\n  weights %s from %s\n",
-              m.name.c_str(), static_cast<long long>(m.embed_dim),
+              m.name.c_str(), static_cast<long long>(m.version), static_cast<long long>(m.embed_dim),
               static_cast<long long>(m.num_heads), static_cast<long long>(m.kdim),
               static_cast<long long>(m.vdim), m.bias, m.add_bias_kv, m.add_zero_attn,
               m.device.c_str(), m.weights_hash.c_str(), m.source.c_str());
@@ -62,8 +63,17 @@ int main(int argc, char** argv) {
 
   auto* list = app.add_subcommand("list", "List the served models");
   std::string info_model;
+  int64_t info_version = 0;
   auto* info = app.add_subcommand("info", "Describe one model");
   info->add_option("model", info_model, "Model name")->required();
+  info->add_option("--version", info_version, "Model version; 0 = the highest")->capture_default_str();
+  std::string token_file;
+  auto* reload = app.add_subcommand(
+      "reload", "Ask the server to reload its model repository (AdminService.ReloadModels); exit 0 "
+                "only when every model loaded");
+  reload->add_option("--admin-token-file", token_file,
+                     "File with the server's admin token (sent as 'authorization: Bearer ...'); "
+                     "or authenticate with --tls-cert/--tls-key");
   std::string service;
   auto* health = app.add_subcommand("health", "gRPC health check; exit 0 only when SERVING");
   health->add_option("--service", service,
@@ -74,7 +84,10 @@ int main(int argc, char** argv) {
   int64_t batch = 1, query_len = 16, key_len = 0;
   bool causal = false;
   uint64_t seed = 0;
+  int64_t model_version = 0;
   attend->add_option("--model", model, "Model name")->capture_default_str();
+  attend->add_option("--model-version", model_version, "Model version; 0 = the highest")
+      ->capture_default_str();
   attend->add_option("--batch", batch, "Batch size")->check(CLI::PositiveNumber)->capture_default_str();
   attend->add_option("--query-len", query_len, "Query length")->check(CLI::PositiveNumber)->capture_default_str();
   attend->add_option("--key-len", key_len, "Key/value length; 0 = self-attention")->capture_default_str();
@@ -109,10 +122,37 @@ int main(int argc, char** argv) {
   }
   if (*info) {
     attnserve::ModelInfo m;
-    auto s = client.GetModel(info_model, &m);
+    auto s = client.GetModel(info_model, info_version, &m);
     if (!s.ok()) return Fail(s);
     PrintModel(m);
     return 0;
+  }
+  if (*reload) {
+    attnserve::CallOptions call;
+    if (!token_file.empty()) {
+      std::ifstream in(token_file);
+      std::stringstream text;
+      text << in.rdbuf();
+      if (!in) {
+        std::fprintf(stderr, "attnserve-cli: --admin-token-file %s: cannot read\n", token_file.c_str());
+        return 2;
+      }
+      call.bearer_token = text.str();
+      const auto space = " \t\r\n";
+      call.bearer_token.erase(0, call.bearer_token.find_first_not_of(space));
+      call.bearer_token.erase(call.bearer_token.find_last_not_of(space) + 1);
+    }
+    attnserve::ReloadResult result;
+    auto s = client.ReloadModels(&result, call);
+    if (!s.ok()) return Fail(s);
+    for (const auto& c : result.changes) {
+      std::printf("%s version %lld: %s%s%s\n", c.name.c_str(), static_cast<long long>(c.version),
+                  c.action.c_str(), c.weights_hash.empty() ? "" : (" " + c.weights_hash.substr(0, 19)).c_str(),
+                  c.message.empty() ? "" : (": " + c.message).c_str());
+    }
+    std::printf("%d model versions serving%s\n", result.models_served,
+                result.changes.empty() ? "; nothing changed" : "");
+    return result.any_failed() ? 1 : 0;
   }
   if (*health) {
     bool serving = false;
@@ -123,12 +163,13 @@ int main(int argc, char** argv) {
   }
 
   attnserve::ModelInfo m;
-  auto s = client.GetModel(model, &m);
+  auto s = client.GetModel(model, model_version, &m);
   if (!s.ok()) return Fail(s);
   std::mt19937 rng(static_cast<uint32_t>(seed));
   const bool half = dtype == "float16";
   attnserve::AttendRequest req;
   req.model = model;
+  req.model_version = model_version;
   if (!query_file.empty()) {
     std::ifstream in(query_file, std::ios::binary);
     std::vector<float> v(static_cast<size_t>(batch * query_len * m.embed_dim));
@@ -162,8 +203,8 @@ int main(int argc, char** argv) {
     sum += x;
     abs_sum += std::fabs(x);
   }
-  std::printf("model %s (%s)\nquery %s -> output %s%s\n", r.model.c_str(),
-              r.weights_hash.substr(0, 19).c_str(), Shape(req.query.shape).c_str(),
+  std::printf("model %s version %lld (%s)\nquery %s -> output %s%s\n", r.model.c_str(),
+              static_cast<long long>(r.model_version), r.weights_hash.substr(0, 19).c_str(), Shape(req.query.shape).c_str(),
               Shape(r.output.shape).c_str(),
               r.attn_weights ? (", weights " + Shape(r.attn_weights->shape)).c_str() : "");
   std::printf("latency %.3f ms (server: queue %.3f ms, compute %.3f ms)\n", ms,

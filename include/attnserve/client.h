@@ -31,6 +31,7 @@ struct AttendRequest {
   AttnWeights attn_weights = AttnWeights::kNone;
   Layout layout = Layout::kBatchFirst;
   uint64_t request_id = 0;
+  int64_t model_version = 0;                 ///< A version of `model`; 0 = the highest loaded.
 };
 
 /// A successful answer.
@@ -39,7 +40,8 @@ struct AttendResult {
   std::optional<Tensor> attn_weights;
   uint64_t request_id = 0;
   std::string model;
-  std::string weights_hash;
+  int64_t model_version = 0;   ///< The version of `model` that computed it.
+  std::string weights_hash;    ///< The weights that computed it (ModelInfo::weights_hash).
   double queue_seconds = 0;    ///< Server-side wait before compute.
   double compute_seconds = 0;  ///< Server-side compute.
   uint32_t batch_size = 0;     ///< Requests computed together with this one.
@@ -55,6 +57,23 @@ struct ModelInfo {
   std::string device;
   std::string weights_hash;
   std::string source;
+  int64_t version = 1;  ///< N for DIR/name/N/ on the server; 1 for an unversioned model.
+};
+
+/// What a reload did to one version of one model (AdminService.ReloadModels).
+struct ModelChange {
+  std::string name;
+  int64_t version = 0;       ///< 0: the model's directory as a whole.
+  std::string action;        ///< "loaded", "updated", "unloaded" or "failed".
+  std::string weights_hash;  ///< Serving under this name and version now; "" when none.
+  std::string message;       ///< "failed": why, naming the file.
+};
+
+/// A reload's outcome: what changed, and how many versions serve now.
+struct ReloadResult {
+  std::vector<ModelChange> changes;
+  int models_served = 0;
+  bool any_failed() const;
 };
 
 /// A call's outcome: `code` is a gRPC status code (0 = OK), `message` says what was wrong.
@@ -105,6 +124,10 @@ struct ClientOptions {
 struct CallOptions {
   /// Overrides ClientOptions::deadline when set; zero means none.
   std::optional<std::chrono::milliseconds> deadline;
+  /// Sent as `authorization: Bearer <token>` when not empty: the server's --admin-token-file
+  /// secret, for AdminService calls. Use it over TLS: on a plaintext channel anyone on the path
+  /// can read it.
+  std::string bearer_token;
 };
 
 /// One AttendStream call: many requests on one stream, answered in completion order (match them
@@ -145,8 +168,15 @@ class Client {
                                            const CallOptions& call = {});
   /// Every model the server holds.
   CallStatus ListModels(std::vector<ModelInfo>* models, const CallOptions& call = {});
-  /// One model; NOT_FOUND (5) when absent.
+  /// One model (its highest version); NOT_FOUND (5) when absent.
   CallStatus GetModel(const std::string& name, ModelInfo* model, const CallOptions& call = {});
+  /// One version of a model (0 = the highest); NOT_FOUND (5) when absent.
+  CallStatus GetModel(const std::string& name, int64_t version, ModelInfo* model,
+                      const CallOptions& call = {});
+  /// Asks the server to rescan its model repository (as SIGHUP does) and waits for the outcome.
+  /// Needs admin credentials: CallOptions::bearer_token, or a client certificate the server names
+  /// in --admin-client-names; else UNAUTHENTICATED (16) or PERMISSION_DENIED (7).
+  CallStatus ReloadModels(ReloadResult* result, const CallOptions& call = {});
   /// gRPC health: `service` "" for the server, "attnserve.v1.AttentionService/<model>" for a model.
   CallStatus Health(const std::string& service, bool* serving, const CallOptions& call = {});
 

@@ -62,7 +62,8 @@ StatusOr<ModelDirConfig> ParseModelConfig(const std::string& text, const std::st
   return out;
 }
 
-StatusOr<ModelWeights> LoadModel(const std::string& model_dir, const std::string& name) {
+StatusOr<ModelWeights> LoadModel(const std::string& model_dir, const std::string& name,
+                                 int64_t version) {
   const fs::path dir(model_dir);
   const std::string config_path = (dir / "config.json").string();
   ASSIGN_OR_RETURN(std::string config_text, ReadFile(config_path, 1 << 20));
@@ -98,11 +99,50 @@ StatusOr<ModelWeights> LoadModel(const std::string& model_dir, const std::string
   }
   ASSIGN_OR_RETURN(ModelWeights w, CanonicalizeWeights(tensors, config, where));
   w.spec.name = name;
+  w.spec.version = version;
   w.spec.source = where;
   return w;
 }
 
-StatusOr<std::vector<ModelWeights>> LoadModelDirectory(const std::string& dir) {
+namespace {
+
+// config.json's bytes, then every other regular file's name, size and modification time.
+std::string Fingerprint(const fs::path& dir) {
+  std::string fp;
+  StatusOr<std::string> config = ReadFile((dir / "config.json").string(), 1 << 20);
+  fp = config.ok() ? *config : "unreadable config.json: " + config.status().message();
+  std::vector<std::string> entries;
+  std::error_code ec;
+  for (auto it = fs::directory_iterator(dir, ec); !ec && it != fs::directory_iterator();
+       it.increment(ec)) {
+    std::error_code file_ec;
+    if (!it->is_regular_file(file_ec) || it->path().filename() == "config.json") continue;
+    const auto size = it->file_size(file_ec);
+    const auto mtime = it->last_write_time(file_ec).time_since_epoch().count();
+    entries.push_back(it->path().filename().string() + "\n" + std::to_string(size) + "\n" +
+                      std::to_string(mtime));
+  }
+  if (ec) entries.push_back("cannot list: " + ec.message());
+  std::sort(entries.begin(), entries.end());
+  for (const std::string& e : entries) fp += "\n" + e;
+  return fp;
+}
+
+// A version directory's name: a positive integer without a leading zero, at most 18 digits.
+bool ParseVersion(const std::string& s, int64_t* version) {
+  if (s.empty() || s.size() > 18 || s[0] == '0') return false;
+  for (char c : s) {
+    if (c < '0' || c > '9') return false;
+  }
+  *version = std::stoll(s);
+  return true;
+}
+
+bool IsDirectory(const fs::path& p, std::error_code& ec) { return fs::is_directory(p, ec); }
+
+}  // namespace
+
+StatusOr<RepositoryScan> ScanModelRepository(const std::string& dir) {
   // Every filesystem call reports through an error_code: a symbolic-link loop or an unreadable
   // entry is a refusal naming the path, never an escaped exception.
   std::error_code ec;
@@ -113,22 +153,69 @@ StatusOr<std::vector<ModelWeights>> LoadModelDirectory(const std::string& dir) {
   for (auto it = fs::directory_iterator(dir, ec); !ec && it != fs::directory_iterator();
        it.increment(ec)) {
     std::error_code entry_ec;
-    const fs::path config = it->path() / "config.json";
     const bool is_dir = it->is_directory(entry_ec);
     if (entry_ec) return Fail("--models " + dir + ": " + it->path().string() + ": " + entry_ec.message());
-    if (!is_dir) continue;
-    const bool has_config = fs::exists(config, entry_ec);
-    if (entry_ec) return Fail("--models " + dir + ": " + config.string() + ": " + entry_ec.message());
-    if (has_config) model_dirs.push_back(it->path());
+    if (is_dir) model_dirs.push_back(it->path());
   }
   if (ec) return Fail("--models " + dir + ": cannot list: " + ec.message());
   std::sort(model_dirs.begin(), model_dirs.end());
-  if (model_dirs.empty()) {
-    return Fail("--models " + dir + ": no model found (expected subdirectories with a config.json)");
+  RepositoryScan scan;
+  for (const fs::path& model_dir : model_dirs) {
+    const std::string name = model_dir.filename().string();
+    const auto error = [&](const std::string& why) { scan.errors.emplace_back(name, why); };
+    std::error_code entry_ec;
+    const bool unversioned = fs::exists(model_dir / "config.json", entry_ec);
+    if (entry_ec) {
+      error((model_dir / "config.json").string() + ": " + entry_ec.message());
+      continue;
+    }
+    std::vector<std::pair<int64_t, fs::path>> versions;
+    std::string bad;
+    for (auto it = fs::directory_iterator(model_dir, entry_ec);
+         !entry_ec && it != fs::directory_iterator(); it.increment(entry_ec)) {
+      std::error_code e;
+      const std::string sub = it->path().filename().string();
+      if (!IsDirectory(it->path(), e) || !fs::exists(it->path() / "config.json", e)) continue;
+      int64_t v = 0;
+      if (ParseVersion(sub, &v)) {
+        versions.emplace_back(v, it->path());
+      } else if (!sub.empty() && sub.find_first_not_of("0123456789") == std::string::npos) {
+        bad = it->path().string() + ": not a version number (1, 2, ... without leading zeros)";
+      }
+    }
+    if (entry_ec) {
+      error(model_dir.string() + ": cannot list: " + entry_ec.message());
+      continue;
+    }
+    if (!bad.empty()) {
+      error(bad);
+      continue;
+    }
+    if (unversioned && !versions.empty()) {
+      error(model_dir.string() + ": has both config.json and version directories (" +
+            versions.front().second.filename().string() +
+            "/); keep one layout: move the files into " + model_dir.string() + "/1/");
+      continue;
+    }
+    if (unversioned) versions.emplace_back(1, model_dir);
+    std::sort(versions.begin(), versions.end());
+    for (const auto& [v, path] : versions) {
+      scan.sources.push_back({name, v, path.string(), Fingerprint(path)});
+    }
+  }
+  return scan;
+}
+
+StatusOr<std::vector<ModelWeights>> LoadModelDirectory(const std::string& dir) {
+  ASSIGN_OR_RETURN(RepositoryScan scan, ScanModelRepository(dir));
+  if (!scan.errors.empty()) return Fail("--models " + dir + ": " + scan.errors.front().second);
+  if (scan.sources.empty()) {
+    return Fail("--models " + dir + ": no model found (expected subdirectories with a config.json, "
+                "or with version directories 1/, 2/, ... holding one)");
   }
   std::vector<ModelWeights> models;
-  for (const auto& p : model_dirs) {
-    ASSIGN_OR_RETURN(ModelWeights w, LoadModel(p.string(), p.filename().string()));
+  for (const ModelSource& source : scan.sources) {
+    ASSIGN_OR_RETURN(ModelWeights w, LoadModel(source.dir, source.name, source.version));
     models.push_back(std::move(w));
   }
   return models;

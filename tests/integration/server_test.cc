@@ -78,7 +78,7 @@ TEST_F(ServerTest, ListsAndDescribesModels) {
   ModelInfo m;
   CallStatus s = client_->GetModel("nope", &m);
   EXPECT_EQ(s.code, 5);
-  EXPECT_THAT(s.message, HasSubstr("model 'nope' is not loaded"));
+  EXPECT_THAT(s.message, HasSubstr("name: 'nope' is not loaded; available: demo"));
 }
 
 TEST_F(ServerTest, AttendsSelfAndCrossDeterministically) {
@@ -279,7 +279,9 @@ TEST(GrpcStatusTest, OneMappingForEveryCode) {
       {StatusCode::kResourceExhausted, grpc::StatusCode::RESOURCE_EXHAUSTED},
       {StatusCode::kDeadlineExceeded, grpc::StatusCode::DEADLINE_EXCEEDED},
       {StatusCode::kCancelled, grpc::StatusCode::CANCELLED},
-      {StatusCode::kFailedPrecondition, grpc::StatusCode::INTERNAL},
+      {StatusCode::kFailedPrecondition, grpc::StatusCode::FAILED_PRECONDITION},
+      {StatusCode::kUnauthenticated, grpc::StatusCode::UNAUTHENTICATED},
+      {StatusCode::kPermissionDenied, grpc::StatusCode::PERMISSION_DENIED},
       {StatusCode::kInternal, grpc::StatusCode::INTERNAL}};
   for (const auto& [ours, theirs] : table) {
     const grpc::Status g = ToGrpcStatus(Status(ours, ours == StatusCode::kOk ? "" : "why"));

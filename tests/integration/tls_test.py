@@ -11,6 +11,7 @@ usage: tls_test.py PATH/TO/attnserve PATH/TO/attnserve-cli
 """
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,14 +28,14 @@ def openssl(*args):
 
 
 def make_pki(d):
-    """Two CAs; a server certificate for 127.0.0.1/localhost and two client certificates."""
+    """Two CAs; a server certificate for 127.0.0.1/localhost and three client certificates."""
     for ca in ("ca", "other_ca"):
         openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN=attnserve test {ca}",
                 "-keyout", f"{d}/{ca}.key", "-out", f"{d}/{ca}.pem")
     ext = f"{d}/server.ext"
     with open(ext, "w") as f:
         f.write("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    for name, ca, extra in (("server", "ca", ["-extfile", ext]), ("client", "ca", []),
+    for name, ca, extra in (("server", "ca", ["-extfile", ext]), ("client", "ca", []), ("admin", "ca", []),
                             ("stranger", "other_ca", [])):
         openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", f"{d}/{name}.key",
                 "-out", f"{d}/{name}.csr")
@@ -57,10 +58,10 @@ def main():
     request = pb.AttendRequest(model="demo", query=lib.to_wire(pb, q))
 
     def attend(channel):
-        """'' when served (a [1, 4, 512] answer), else the gRPC status code's name."""
+        """'' when served (an answer of the query's shape), else the gRPC status code's name."""
         try:
             resp = rpc.AttentionServiceStub(channel).Attend(request, timeout=10)
-            return "" if tuple(resp.output.shape) == (1, 4, 512) else f"shape {resp.output.shape}"
+            return "" if tuple(resp.output.shape) == tuple(request.query.shape) else f"shape {resp.output.shape}"
         except grpc.RpcError as e:
             return e.code().name
 
@@ -100,9 +101,15 @@ def main():
     finally:
         server.stop()
 
-    # 2. Mutual TLS.
+    # 2. Mutual TLS; the certificate named "admin" may call AdminService.
+    models = os.path.join(d, "models", "m")
+    os.makedirs(models)
+    shutil.copy(os.path.join(lib.ROOT, "tests", "data", "mha_e8_h2.safetensors"), models)
+    with open(os.path.join(models, "config.json"), "w") as f:
+        f.write('{"num_heads": 2}')
     server = lib.Server(binary, "--tls-cert", f"{d}/server.pem", "--tls-key", f"{d}/server.key",
-                        "--tls-client-ca", f"{d}/ca.pem")
+                        "--tls-client-ca", f"{d}/ca.pem", "--admin-client-names", "admin",
+                        "--models", os.path.dirname(models))
     try:
         print(f"server: {server.banner.strip()}")
         t = server.target
@@ -110,7 +117,28 @@ def main():
         checks("no client certificate refused", attend(tls_channel(t, "ca")) == "UNAVAILABLE")
         checks("client certificate from another CA refused",
                attend(tls_channel(t, "ca", "stranger")) == "UNAVAILABLE")
+        request.model = "m"
+        request.query.CopyFrom(lib.to_wire(pb, q[:, :, :8]))
         checks("client certificate from the CA served", attend(tls_channel(t, "ca", "client")) == "")
+
+        def reload(cert, metadata=()):
+            try:
+                resp = rpc.AdminServiceStub(tls_channel(t, "ca", cert)).ReloadModels(
+                    pb.ReloadModelsRequest(), metadata=metadata, timeout=10)
+                return f"OK {resp.models_served}"
+            except grpc.RpcError as e:
+                return f"{e.code().name}: {e.details()}"
+        got = reload("admin")
+        checks("ReloadModels with the admin certificate: OK", got == "OK 1", got)
+        got = reload("client")
+        checks("ReloadModels with another certificate of the CA: PERMISSION_DENIED naming it",
+               got.startswith("PERMISSION_DENIED") and "'client'" in got, got)
+        got = reload("client", (("authorization", "Bearer x"),))
+        checks("a bearer token where none is configured: UNAUTHENTICATED", got.startswith("UNAUTHENTICATED"), got)
+        r = subprocess.run([cli, "--target", t, "--tls-ca", f"{d}/ca.pem", "--tls-cert", f"{d}/admin.pem",
+                            "--tls-key", f"{d}/admin.key", "reload"], capture_output=True, text=True)
+        checks("attnserve-cli reload with the admin certificate: exit 0", r.returncode == 0 and
+               "1 model versions serving; nothing changed" in r.stdout, r.stdout + r.stderr)
         rc, out = run_cli(t, "--tls-ca", f"{d}/ca.pem", "--tls-cert", f"{d}/client.pem", "--tls-key", f"{d}/client.key")
         checks("attnserve-cli with its client certificate: SERVING", rc == 0 and out == "SERVING", out)
         rc, out = run_cli(t, "--tls-ca", f"{d}/ca.pem")
@@ -129,6 +157,9 @@ def main():
                         (["--tls-cert", f"{d}/fifo", "--tls-key", f"{d}/server.key"],
                          f"--tls-cert {d}/fifo: not a regular file"),
                         (["--tls-client-ca", f"{d}/ca.pem"], "--tls-client-ca: needs --tls-cert"),
+                        (["--admin-client-names", "admin"], "--admin-client-names: needs mutual TLS"),
+                        (["--admin-token-file", f"{d}/missing"], f"--admin-token-file {d}/missing: cannot open"),
+                        (["--admin-token-file", f"{d}/fifo"], f"--admin-token-file {d}/fifo: not a regular file"),
                         (["--tls-cert", f"{d}/client.pem", "--tls-key", f"{d}/server.key"], "do not match")):
         r = subprocess.run([binary, "--address", "127.0.0.1:0", "--metrics-address", "", *flags],
                            capture_output=True, text=True, timeout=60)

@@ -121,6 +121,20 @@ def health_serving(target, timeout=1.0):
             return False
 
 
+def health_status(target, service=""):
+    """grpc.health.v1 status of `service` at `target`: "SERVING", "NOT_SERVING", or the RPC's error
+    code name (NOT_FOUND for a service name the server never reported on)."""
+    import grpc
+    name = service.encode()
+    request = b"\x0a" + bytes([len(name)]) + name if name else b""
+    with grpc.insecure_channel(target) as channel:
+        try:
+            answer = channel.unary_unary("/grpc.health.v1.Health/Check")(request, timeout=5)
+        except grpc.RpcError as e:
+            return e.code().name
+    return {b"\x08\x01": "SERVING", b"\x08\x02": "NOT_SERVING"}.get(answer, repr(answer))
+
+
 def wait_until(predicate, timeout=20.0, step=0.1):
     end = time.time() + timeout
     while time.time() < end:

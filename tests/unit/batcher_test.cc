@@ -42,7 +42,7 @@ std::unique_ptr<WorkItem> Item(const AttentionModel* m, int64_t tokens,
                                DType dtype = DType::kFloat32,
                                WeightsMode weights = WeightsMode::kNone) {
   auto item = std::make_unique<WorkItem>();
-  item->model = m;
+  item->model = std::shared_ptr<const AttentionModel>(m, [](const AttentionModel*) {});  // Not owned.
   item->accepted = accepted;
   item->call.batch = 1;
   item->call.query_len = item->call.key_len = tokens;

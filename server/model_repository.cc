@@ -1,0 +1,279 @@
+#include "server/model_repository.h"
+
+#include <iostream>
+#include <set>
+
+#include "server/engine/model_loader.h"
+
+namespace attnserve {
+namespace {
+
+using Key = std::pair<std::string, int64_t>;
+
+Status Unavailable(std::string m) { return {StatusCode::kUnavailable, std::move(m)}; }
+
+// Same served behaviour: the same weights, heads and options from the same file.
+bool SameModel(const ModelSpec& a, const ModelSpec& b) {
+  return a.weights_hash == b.weights_hash && a.num_heads == b.num_heads &&
+         a.add_zero_attn == b.add_zero_attn && a.source == b.source;
+}
+
+StatusOr<std::shared_ptr<const AttentionModel>> Build(const ModelSource& source,
+                                                      const EngineOptions& engine) {
+  ASSIGN_OR_RETURN(ModelWeights w, LoadModel(source.dir, source.name, source.version));
+  ASSIGN_OR_RETURN(std::unique_ptr<AttentionModel> model, CreateTorchModel(w, engine));
+  return std::shared_ptr<const AttentionModel>(std::move(model));
+}
+
+}  // namespace
+
+std::shared_ptr<const AttentionModel> ModelSet::Find(const std::string& name, int64_t version) const {
+  auto it = models.find(name);
+  if (it == models.end() || it->second.empty()) return nullptr;
+  if (version == 0) return it->second.rbegin()->second;
+  auto v = it->second.find(version);
+  return v == it->second.end() ? nullptr : v->second;
+}
+
+std::string ModelSet::Names() const {
+  std::string names;
+  for (const auto& [name, versions] : models) names += (names.empty() ? "" : ", ") + name;
+  return names;
+}
+
+size_t ModelSet::versions() const {
+  size_t n = 0;
+  for (const auto& [name, versions] : models) n += versions.size();
+  return n;
+}
+
+bool ReloadReport::failed() const {
+  if (!status.ok()) return true;
+  for (const RepositoryChange& c : changes) {
+    if (c.action == RepositoryChange::Action::kFailed) return true;
+  }
+  return false;
+}
+
+ModelRepository::ModelRepository(std::string dir, EngineOptions engine)
+    : dir_(std::move(dir)), engine_(std::move(engine)) {}
+
+ModelRepository::~ModelRepository() { Stop(); }
+
+StatusOr<std::unique_ptr<ModelRepository>> ModelRepository::Open(const std::string& dir,
+                                                                  const EngineOptions& engine) {
+  std::unique_ptr<ModelRepository> repo(new ModelRepository(dir, engine));
+  auto set = std::make_shared<ModelSet>();
+  if (dir.empty()) {
+    ASSIGN_OR_RETURN(auto model, CreateTorchModel(DemoModelWeights(), engine));
+    set->models["demo"][1] = std::move(model);
+  } else {
+    // Start-up is all or nothing: a server that starts serves every model it was given.
+    ASSIGN_OR_RETURN(RepositoryScan scan, ScanModelRepository(dir));
+    if (!scan.errors.empty()) {
+      return Status(StatusCode::kFailedPrecondition, "--models " + dir + ": " + scan.errors.front().second);
+    }
+    if (scan.sources.empty()) {
+      return Status(StatusCode::kFailedPrecondition,
+                    "--models " + dir + ": no model found (expected subdirectories with a "
+                    "config.json, or with version directories 1/, 2/, ... holding one)");
+    }
+    for (const ModelSource& source : scan.sources) {
+      ASSIGN_OR_RETURN(auto model, Build(source, engine));
+      set->models[source.name][source.version] = std::move(model);
+      repo->fingerprints_[{source.name, source.version}] = source.fingerprint;
+    }
+    repo->thread_ = std::thread([r = repo.get()] { r->Loop(); });
+  }
+  repo->set_ = std::move(set);
+  return repo;
+}
+
+std::shared_ptr<const ModelSet> ModelRepository::Snapshot() const {
+  std::lock_guard<std::mutex> lock(set_mu_);
+  return set_;
+}
+
+void ModelRepository::Publish(std::shared_ptr<const ModelSet> set) {
+  std::shared_ptr<const ModelSet> old;
+  {
+    std::lock_guard<std::mutex> lock(set_mu_);
+    old = std::move(set_);
+    set_ = std::move(set);
+  }
+  // `old` goes here, outside the lock: models only it held unload now.
+}
+
+void ModelRepository::SetHooks(ModelRepositoryHooks hooks) {
+  std::lock_guard<std::mutex> lock(mu_);
+  hooks_ = std::move(hooks);
+}
+
+void ModelRepository::RequestReload(std::function<void(const ReloadReport&)> done) {
+  ReloadReport refused;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (dir_.empty()) {
+      refused.status = Status(StatusCode::kFailedPrecondition,
+                              "reload: the server serves the built-in demo model (no --models "
+                              "directory); there is nothing to reload");
+    } else if (stopping_) {
+      refused.status = Unavailable("reload: the server is shutting down");
+    } else {
+      requested_ = true;
+      if (done) pending_.push_back(std::move(done));
+    }
+  }
+  if (!refused.status.ok()) {
+    if (done) done(refused);
+    return;
+  }
+  cv_.notify_all();
+}
+
+void ModelRepository::Stop() {
+  std::vector<std::function<void(const ReloadReport&)>> left;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_ && !thread_.joinable()) return;
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    left.swap(pending_);
+  }
+  ReloadReport report;
+  report.status = Unavailable("reload: the server is shutting down");
+  for (auto& done : left) done(report);
+}
+
+void ModelRepository::Loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    cv_.wait(lock, [this] { return requested_ || stopping_; });
+    if (stopping_) return;
+    requested_ = false;
+    auto waiting = std::move(pending_);
+    pending_.clear();
+    lock.unlock();
+    const ReloadReport report = Reload();
+    ModelRepositoryHooks hooks;
+    {
+      std::lock_guard<std::mutex> hooks_lock(mu_);
+      hooks = hooks_;
+    }
+    if (hooks.on_reloaded) {
+      std::map<std::string, std::string> failing;
+      for (const auto& [key, why] : failures_) failing.emplace(key.first, why);
+      hooks.on_reloaded(report, *Snapshot(), failing);
+    }
+    const char* outcome = report.failed() ? "with failures" : "done";
+    std::cerr << "attnserve: model reload " << outcome << ": " << report.models_served
+              << " versions serving";
+    if (!report.status.ok()) std::cerr << "; " << report.status.ToString();
+    std::cerr << "\n";
+    for (const RepositoryChange& c : report.changes) {
+      static const char* kAction[] = {"loaded", "updated", "unloaded", "FAILED"};
+      std::cerr << "attnserve:   " << c.name << " version " << c.version << ": "
+                << kAction[static_cast<int>(c.action)]
+                << (c.weights_hash.empty() ? "" : " " + c.weights_hash.substr(0, 19))
+                << (c.message.empty() ? "" : ": " + c.message) << "\n";
+    }
+    for (auto& done : waiting) done(report);
+    lock.lock();
+  }
+}
+
+ReloadReport ModelRepository::Reload() {
+  ReloadReport report;
+  const auto stopping = [this] {
+    std::lock_guard<std::mutex> lock(mu_);
+    return stopping_;
+  };
+  StatusOr<RepositoryScan> scan = ScanModelRepository(dir_);
+  const std::shared_ptr<const ModelSet> current = Snapshot();
+  report.models_served = static_cast<int>(current->versions());
+  if (!scan.ok()) {
+    report.status = scan.status();
+    return report;
+  }
+  auto next = std::make_shared<ModelSet>(*current);
+  std::set<Key> present;
+  std::set<std::string> malformed;  // Left as they are: their directory is not readable as a model.
+  std::vector<std::pair<std::shared_ptr<const AttentionModel>, std::shared_ptr<const AttentionModel>>>
+      loaded;  // (new, replaced or nullptr)
+  std::vector<std::shared_ptr<const AttentionModel>> unloaded;
+
+  for (const auto& [name, why] : scan->errors) {
+    malformed.insert(name);
+    failures_[{name, 0}] = why;
+    report.changes.push_back({name, 0, RepositoryChange::Action::kFailed, "", why});
+  }
+  for (const ModelSource& source : scan->sources) {
+    if (stopping()) {
+      report.status = Unavailable("reload: the server is shutting down; nothing was changed");
+      return report;
+    }
+    const Key key{source.name, source.version};
+    present.insert(key);
+    const auto previous = current->Find(source.name, source.version);
+    auto fp = fingerprints_.find(key);
+    if (previous && fp != fingerprints_.end() && fp->second == source.fingerprint) continue;
+    StatusOr<std::shared_ptr<const AttentionModel>> model = Build(source, engine_);
+    if (!model.ok()) {
+      failures_[key] = model.status().message();
+      report.changes.push_back({source.name, source.version, RepositoryChange::Action::kFailed,
+                                previous ? previous->spec().weights_hash : "", model.status().message()});
+      continue;
+    }
+    failures_.erase(key);
+    fingerprints_[key] = source.fingerprint;
+    if (previous && SameModel(previous->spec(), (*model)->spec())) continue;  // Touched, not changed.
+    next->models[source.name][source.version] = *model;
+    report.changes.push_back({source.name, source.version,
+                              previous ? RepositoryChange::Action::kUpdated : RepositoryChange::Action::kLoaded,
+                              (*model)->spec().weights_hash, ""});
+    loaded.emplace_back(*model, previous);
+  }
+  for (const auto& [name, versions] : current->models) {
+    if (malformed.count(name)) continue;
+    for (const auto& [version, model] : versions) {
+      if (present.count({name, version})) continue;
+      next->models[name].erase(version);
+      unloaded.push_back(model);
+      report.changes.push_back({name, version, RepositoryChange::Action::kUnloaded, "", ""});
+    }
+    if (next->models[name].empty()) next->models.erase(name);
+  }
+  // Failures of versions whose directories are gone (or, for a whole model, that read again) end.
+  for (auto it = failures_.begin(); it != failures_.end();) {
+    const bool gone = it->first.second == 0 ? !malformed.count(it->first.first)
+                                            : !present.count(it->first);
+    it = gone ? failures_.erase(it) : std::next(it);
+  }
+  if (next->versions() == 0) {
+    report.status = Status(StatusCode::kFailedPrecondition,
+                           "reload: --models " + dir_ + " would leave no model to serve; nothing "
+                           "was changed");
+    return report;
+  }
+  for (const auto& model : unloaded) fingerprints_.erase({model->spec().name, model->spec().version});
+  report.models_served = static_cast<int>(next->versions());
+  Publish(next);
+  ModelRepositoryHooks hooks;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    hooks = hooks_;
+  }
+  for (const auto& [model, replaced] : loaded) {
+    if (hooks.on_loaded) hooks.on_loaded(model->spec(), replaced ? &replaced->spec() : nullptr);
+  }
+  for (const auto& model : unloaded) {
+    if (hooks.on_unloaded) hooks.on_unloaded(model->spec());
+  }
+  return report;
+}
+
+}  // namespace attnserve
