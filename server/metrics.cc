@@ -94,7 +94,12 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
       load_failures_(prometheus::BuildCounter()
                          .Name("attnserve_model_load_failures_total")
                          .Help("Reloads in which a version of this model failed to load.")
-                         .Register(registry)) {
+                         .Register(registry)),
+      load_failing_(prometheus::BuildGauge()
+                        .Name("attnserve_model_load_failing")
+                        .Help("1 while the latest load of a version of this model failed (what "
+                              "served before still serves); 0 once it loads or its directory goes.")
+                        .Register(registry)) {
   // Both outcomes exist from the start, so rate() and increase() see the first reload.
   reloads_.Add({{"outcome", "ok"}});
   reloads_.Add({{"outcome", "failed"}});
@@ -168,6 +173,16 @@ void ServerMetrics::RemoveModelInfo(const ModelSpec& s) {
   if (it == info_.end()) return;
   model_info_.Remove(it->second);
   info_.erase(it);
+}
+
+void ServerMetrics::SetModelsFailing(const std::vector<std::string>& failing) {
+  std::lock_guard<std::mutex> lock(info_mu_);
+  for (auto& [model, gauge] : failing_) gauge->Set(0);
+  for (const std::string& model : failing) {
+    auto it = failing_.find(model);
+    if (it == failing_.end()) it = failing_.emplace(model, &load_failing_.Add({{"model", model}})).first;
+    it->second->Set(1);
+  }
 }
 
 void ServerMetrics::RecordReload(bool failed, const std::vector<std::string>& failed_models) {

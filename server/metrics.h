@@ -44,6 +44,9 @@ class ServerMetrics {
   /// One reload: attnserve_model_reloads_total{outcome="ok"|"failed"}, and for each model with a
   /// version that failed to load, attnserve_model_load_failures_total{model}.
   void RecordReload(bool failed, const std::vector<std::string>& failed_models);
+  /// attnserve_model_load_failing{model}: 1 for each model whose latest load failed, 0 for those
+  /// that failed before and load now.
+  void SetModelsFailing(const std::vector<std::string>& failing);
 
  private:
   prometheus::Family<prometheus::Histogram>& latency_;
@@ -62,8 +65,10 @@ class ServerMetrics {
   prometheus::Family<prometheus::Gauge>& model_info_;
   prometheus::Family<prometheus::Counter>& reloads_;
   prometheus::Family<prometheus::Counter>& load_failures_;
+  prometheus::Family<prometheus::Gauge>& load_failing_;
   std::mutex info_mu_;
   std::map<std::pair<std::string, int64_t>, prometheus::Gauge*> info_;  // (model, version)
+  std::map<std::string, prometheus::Gauge*> failing_;  // attnserve_model_load_failing by model
 };
 
 }  // namespace attnserve

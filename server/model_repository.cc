@@ -1,5 +1,6 @@
 #include "server/model_repository.h"
 
+#include <algorithm>
 #include <iostream>
 #include <set>
 
@@ -254,6 +255,11 @@ ReloadReport ModelRepository::Reload() {
     it = gone ? failures_.erase(it) : std::next(it);
   }
   if (next->versions() == 0) {
+    report.changes.erase(std::remove_if(report.changes.begin(), report.changes.end(),
+                                        [](const RepositoryChange& c) {
+                                          return c.action != RepositoryChange::Action::kFailed;
+                                        }),
+                         report.changes.end());
     report.status = Status(StatusCode::kFailedPrecondition,
                            "reload: --models " + dir_ + " would leave no model to serve; nothing "
                            "was changed");

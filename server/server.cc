@@ -238,6 +238,9 @@ StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
       }
     }
     metrics->RecordReload(report.failed(), failed_now);
+    std::vector<std::string> failing_names;
+    for (const auto& [name, why] : failing) failing_names.push_back(name);
+    metrics->SetModelsFailing(failing_names);
     for (const auto& [name, why] : failing) known.insert(name);
     for (const auto& [name, versions] : set.models) known.insert(name);
     for (auto* health : healths) {

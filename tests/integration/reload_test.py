@@ -303,6 +303,8 @@ def main():
         text = metrics()
         checks("attnserve_model_load_failures_total{model=\"m\"} counts it",
                re.search(r'attnserve_model_load_failures_total\{model="m"\} [1-9]', text) is not None)
+        checks("attnserve_model_load_failing{model=\"m\"} is 1",
+               'attnserve_model_load_failing{model="m"} 1' in text)
         checks("attnserve_model_reloads_total{outcome=\"failed\"} counts it",
                re.search(r'attnserve_model_reloads_total\{outcome="failed"\} [1-9]', text) is not None)
         checks("the server logs the failure", lib.wait_until(lambda: "m version 3: FAILED" in server.output(), 5))
@@ -313,6 +315,8 @@ def main():
         changes = reload("5. m/3 removed")
         state = lib.health_status(server.target, "attnserve.v1.ModelRepository")
         checks("repository health SERVING again", state == "SERVING" and changes == {}, f"{state} {changes}")
+        checks("attnserve_model_load_failing{model=\"m\"} back to 0",
+               'attnserve_model_load_failing{model="m"} 0' in metrics())
         listed = agree("at the end")
         checks("served at the end: m/1, m/2 (new weights), legacy",
                listed == {("m", 1, h_m1), ("m", 2, h_m3), ("legacy", 1, h_legacy)}, str(listed))

@@ -178,4 +178,44 @@ TEST_F(LoadingTest, RealArchiveLoadsAsAModel) {
 }
 
 }  // namespace
+TEST_F(LoadingTest, VersionDirectoriesAreVersionsAndTheOriginalLayoutIsVersionOne) {
+  Put("config.json", R"({"num_heads": 2})");
+  Put("model.pt", Fixture("mha_e8_h2.pt"));
+  for (const char* v : {"1", "3", ".staging-4", "next"}) {  // The last two are not versions: ignored.
+    fs::create_directories(root_ / "v" / v);
+    std::ofstream(root_ / "v" / v / "config.json") << R"({"num_heads": 4})";
+    std::ofstream(root_ / "v" / v / "model.pt", std::ios::binary) << Fixture("mha_e8_h2.pt");
+  }
+  auto r = LoadModelDirectory(root_.string());
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  std::vector<std::pair<std::string, int64_t>> got;
+  for (const ModelWeights& w : *r) got.emplace_back(w.spec.name, w.spec.version);
+  EXPECT_EQ(got, (std::vector<std::pair<std::string, int64_t>>{{"m", 1}, {"v", 1}, {"v", 3}}));
+  EXPECT_EQ(r->at(2).spec.num_heads, 4);
+
+  // A fingerprint changes with config.json's text and with the weights file.
+  auto before = ScanModelRepository(root_.string());
+  ASSERT_TRUE(before.ok());
+  std::ofstream(root_ / "v" / "3" / "config.json") << R"({"num_heads": 2})";
+  auto after = ScanModelRepository(root_.string());
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(before->sources[0].fingerprint, after->sources[0].fingerprint);  // m: unchanged
+  EXPECT_NE(before->sources[2].fingerprint, after->sources[2].fingerprint);
+  fs::resize_file(root_ / "v" / "1" / "model.pt", 10);
+  auto cut = ScanModelRepository(root_.string());
+  ASSERT_TRUE(cut.ok());
+  EXPECT_NE(after->sources[1].fingerprint, cut->sources[1].fingerprint);
+}
+
+TEST_F(LoadingTest, AmbiguousVersionLayoutsAreRefusedNamingTheDirectory) {
+  Put("config.json", R"({"num_heads": 2})");
+  Put("model.pt", Fixture("mha_e8_h2.pt"));
+  fs::create_directories(root_ / "m" / "2");
+  std::ofstream(root_ / "m" / "2" / "config.json") << R"({"num_heads": 2})";
+  EXPECT_THAT(Error().message(), HasSubstr("m: has both config.json and version directories (2/)"));
+  fs::remove(root_ / "m" / "config.json");
+  fs::rename(root_ / "m" / "2", root_ / "m" / "02");
+  EXPECT_THAT(Error().message(), HasSubstr("m/02: not a version number"));
+}
+
 }  // namespace attnserve
