@@ -70,17 +70,11 @@ StatusOr<std::unique_ptr<ModelRepository>> ModelRepository::Open(const std::stri
     set->models["demo"][1] = std::move(model);
   } else {
     // Start-up is all or nothing: a server that starts serves every model it was given.
-    ASSIGN_OR_RETURN(RepositoryScan scan, ScanModelRepository(dir));
-    if (!scan.errors.empty()) {
-      return Status(StatusCode::kFailedPrecondition, "--models " + dir + ": " + scan.errors.front().second);
-    }
-    if (scan.sources.empty()) {
-      return Status(StatusCode::kFailedPrecondition,
-                    "--models " + dir + ": no model found (expected subdirectories with a "
-                    "config.json, or with version directories 1/, 2/, ... holding one)");
-    }
-    for (const ModelSource& source : scan.sources) {
-      ASSIGN_OR_RETURN(auto model, Build(source, engine));
+    RepositoryScan scan;
+    ASSIGN_OR_RETURN(std::vector<ModelWeights> weights, LoadModelDirectory(dir, &scan));
+    for (size_t i = 0; i < weights.size(); ++i) {
+      const ModelSource& source = scan.sources[i];
+      ASSIGN_OR_RETURN(auto model, CreateTorchModel(weights[i], engine));
       set->models[source.name][source.version] = std::move(model);
       repo->fingerprints_[{source.name, source.version}] = source.fingerprint;
     }

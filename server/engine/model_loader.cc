@@ -138,8 +138,6 @@ bool ParseVersion(const std::string& s, int64_t* version) {
   return true;
 }
 
-bool IsDirectory(const fs::path& p, std::error_code& ec) { return fs::is_directory(p, ec); }
-
 }  // namespace
 
 StatusOr<RepositoryScan> ScanModelRepository(const std::string& dir) {
@@ -175,7 +173,7 @@ StatusOr<RepositoryScan> ScanModelRepository(const std::string& dir) {
          !entry_ec && it != fs::directory_iterator(); it.increment(entry_ec)) {
       std::error_code e;
       const std::string sub = it->path().filename().string();
-      if (!IsDirectory(it->path(), e) || !fs::exists(it->path() / "config.json", e)) continue;
+      if (!fs::is_directory(it->path(), e) || !fs::exists(it->path() / "config.json", e)) continue;
       int64_t v = 0;
       if (ParseVersion(sub, &v)) {
         versions.emplace_back(v, it->path());
@@ -206,7 +204,7 @@ StatusOr<RepositoryScan> ScanModelRepository(const std::string& dir) {
   return scan;
 }
 
-StatusOr<std::vector<ModelWeights>> LoadModelDirectory(const std::string& dir) {
+StatusOr<std::vector<ModelWeights>> LoadModelDirectory(const std::string& dir, RepositoryScan* scan_out) {
   ASSIGN_OR_RETURN(RepositoryScan scan, ScanModelRepository(dir));
   if (!scan.errors.empty()) return Fail("--models " + dir + ": " + scan.errors.front().second);
   if (scan.sources.empty()) {
@@ -218,6 +216,7 @@ StatusOr<std::vector<ModelWeights>> LoadModelDirectory(const std::string& dir) {
     ASSIGN_OR_RETURN(ModelWeights w, LoadModel(source.dir, source.name, source.version));
     models.push_back(std::move(w));
   }
+  if (scan_out) *scan_out = std::move(scan);
   return models;
 }
 

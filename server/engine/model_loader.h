@@ -40,7 +40,9 @@ StatusOr<RepositoryScan> ScanModelRepository(const std::string& dir);
 ///    "add_zero_attn": false}            optional
 /// Any bad model fails the whole load (FAILED_PRECONDITION naming the file): the server does not
 /// start half-broken. Each ModelWeights' spec carries its name and version.
-StatusOr<std::vector<ModelWeights>> LoadModelDirectory(const std::string& dir);
+/// `scan`, when given, receives the scan the models came from (sources in the same order).
+StatusOr<std::vector<ModelWeights>> LoadModelDirectory(const std::string& dir,
+                                                       RepositoryScan* scan = nullptr);
 
 /// A model directory's config.json, checked: known keys only, strict JSON, num_heads 1 to 65536.
 struct ModelDirConfig {
