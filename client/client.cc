@@ -167,7 +167,21 @@ const char* const kDefaultServiceConfig = R"json({
       "initialBackoff": "0.05s",
       "maxBackoff": "1s",
       "backoffMultiplier": 2,
-      "retryableStatusCodes": ["UNAVAILABLE"]
+      "retryableStatusCodes": ["UNAVAILABLE", "CANCELLED"]
+    }
+  }]
+}
+)json";
+
+const char* const kProxyServiceConfig = R"json({
+  "methodConfig": [{
+    "name": [{"service": "attnserve.v1.AttentionService"}],
+    "retryPolicy": {
+      "maxAttempts": 5,
+      "initialBackoff": "0.05s",
+      "maxBackoff": "1s",
+      "backoffMultiplier": 2,
+      "retryableStatusCodes": ["UNAVAILABLE", "CANCELLED"]
     }
   }]
 }

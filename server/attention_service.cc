@@ -61,10 +61,6 @@ void AttentionServiceImpl::Dispatch(const char* method, Exchange* x,
     last_arrival_ = SteadyClock::now();
   }
   const v1::AttendRequest& request = x->request;
-  if (draining_) {
-    done(Status(StatusCode::kUnavailable, "server is shutting down; retry on another replica"));
-    return;
-  }
   if (request.model_version() < 0) {
     done(InvalidArgument("model_version: " + std::to_string(request.model_version()) +
                          "; allowed: 0 (the highest loaded) or a loaded version"));

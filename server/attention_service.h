@@ -74,13 +74,13 @@ class AttentionServiceImpl final
   grpc::ServerUnaryReactor* GetModel(grpc::CallbackServerContext* ctx,
                                      const v1::GetModelRequest* req, v1::ModelInfo* resp) override;
 
-  /// Starts the shutdown drain: from now on new requests (unary, or read from open streams) get
-  /// UNAVAILABLE; every open stream finishes, with UNAVAILABLE, once its accepted requests are
-  /// answered. Idempotent.
+  /// Starts the shutdown drain: from now on streams take no new requests (those read from an open
+  /// stream, and new streams, get UNAVAILABLE) and every open stream finishes, with UNAVAILABLE, once
+  /// its accepted requests are answered. Unary calls are still served: they end by themselves, and
+  /// until gRPC stops, a proxy that does not watch health keeps sending them here. Idempotent.
   void BeginDrain();
-  /// Waits until no request is in flight, no stream is open and no request has arrived for `quiet`
-  /// (clients still sending get UNAVAILABLE from us meanwhile), or until `deadline`; true when
-  /// everything finished.
+  /// Waits until no request is in flight, no stream is open and no request has arrived for `quiet`,
+  /// or until `deadline`; true when everything finished.
   bool WaitIdle(SteadyClock::time_point deadline, SteadyClock::duration quiet);
 
   /// The request path shared by Attend and AttendStream, for an exchange whose `request` is decoded.

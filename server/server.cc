@@ -25,9 +25,13 @@
 
 namespace attnserve {
 
-/// How long the drain waits after the last request arrived before gRPC is stopped: calls already on
-/// the wire when gRPC stops would be cancelled (CANCELLED) instead of refused (UNAVAILABLE).
+/// The drain's hand-off: health says NOT_SERVING and unary calls are still served, until nothing is in
+/// flight, no stream is open and no request has arrived for kDrainQuietPeriod (clients that watch
+/// health have moved away), or for at most kDrainHandOff (a proxy such as nginx does not watch
+/// health and keeps sending until the transport tells it to stop). Then gRPC stops: it closes the
+/// listener and sends GOAWAY, which is what moves a proxy to the other replicas.
 static constexpr std::chrono::milliseconds kDrainQuietPeriod{250};
+static constexpr std::chrono::milliseconds kDrainHandOff{1000};
 
 /// Health service names: "" (overall), the service, and "<service>/<model>" per model.
 static constexpr char kServiceName[] = "attnserve.v1.AttentionService";
@@ -298,16 +302,19 @@ void Server::Shutdown() {
     const auto start = SteadyClock::now();
     const auto grace = std::chrono::duration_cast<SteadyClock::duration>(
         std::chrono::duration<double>(impl_->options.shutdown_grace_seconds));
-    // 1. Drain while gRPC still serves: load balancers see NOT_SERVING, new requests get our
-    //    UNAVAILABLE (retryable), accepted ones finish, streams finish once answered. Calls that
-    //    reach a gRPC server already shutting down are cancelled by gRPC itself (CANCELLED), so
-    //    gRPC is stopped only once our own work is done.
+    // 1. Hand off while gRPC still serves: load balancers see NOT_SERVING, unary calls are served
+    //    as before, open streams take no new requests and finish once answered (their clients
+    //    reopen elsewhere). Calls that reach a gRPC server already shutting down are cancelled by
+    //    gRPC itself (CANCELLED, see README "Shutdown"), so the hand-off first gives clients that
+    //    watch health the time to leave.
     impl_->grpc_server->GetHealthCheckService()->Shutdown();
     if (impl_->health_server) impl_->health_server->GetHealthCheckService()->Shutdown();
     impl_->service->BeginDrain();
     impl_->models->Stop();  // Reloads waiting are answered UNAVAILABLE; none starts.
-    impl_->service->WaitIdle(start + grace * 8 / 10, kDrainQuietPeriod);
-    // 2. Stop gRPC; whatever is still open at 90% of the grace period is cancelled.
+    impl_->service->WaitIdle(start + std::min<SteadyClock::duration>(kDrainHandOff, grace * 8 / 10),
+                             kDrainQuietPeriod);
+    // 2. Stop gRPC (listener closed, GOAWAY); calls already accepted finish; whatever is still open
+    //    at 90% of the grace period is cancelled.
     const auto left = start + grace * 9 / 10 - SteadyClock::now();
     impl_->grpc_server->Shutdown(std::chrono::system_clock::now() +
                                  std::chrono::duration_cast<std::chrono::system_clock::duration>(

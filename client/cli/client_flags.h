@@ -11,7 +11,7 @@
 
 namespace attnserve::cli {
 
-/// Adds --target, --tls, --tls-ca, --tls-cert, --tls-key, --tls-server-name and --no-balancing to
+/// Adds --target, --tls, --tls-ca, --tls-cert, --tls-key, --tls-server-name, --proxy and --no-balancing to
 /// `app`, writing into `options`. ATTNSERVE_TARGET, when set, is the target's default.
 inline void AddClientFlags(CLI::App& app, ClientOptions* options, const char* target_help) {
   if (const char* env = std::getenv("ATTNSERVE_TARGET")) options->target = env;
@@ -24,9 +24,13 @@ inline void AddClientFlags(CLI::App& app, ClientOptions* options, const char* ta
   app.add_option("--tls-server-name", options->tls.server_name,
                  "Name to check in the server certificate instead of the target's host");
   app.add_flag_callback(
+      "--proxy", [options] { options->service_config = kProxyServiceConfig; },
+      "The target is a proxy in front of the replicas (nginx, Envoy): retries of UNAVAILABLE and "
+      "CANCELLED without client-side health checking");
+  app.add_flag_callback(
       "--no-balancing", [options] { options->service_config.clear(); },
       "gRPC's defaults (pick_first, no retries) instead of round_robin over every address of the "
-      "target with retries of UNAVAILABLE");
+      "target with retries of UNAVAILABLE and CANCELLED");
 }
 
 /// After parsing: any --tls-* flag turns TLS on.

@@ -91,9 +91,16 @@ const char* StatusCodeName(int code);
 /// The gRPC service config a Client uses unless told otherwise: round_robin over every address the
 /// target resolves to, skipping replicas whose grpc.health.v1 status for the service is not SERVING
 /// (a draining replica says so first), and up to 5 attempts of any AttentionService call that fails
-/// with UNAVAILABLE, backing off from 50 ms. The same JSON is deploy/grpc/service-config.json, for
+/// with UNAVAILABLE or CANCELLED, backing off from 50 ms. CANCELLED is retried because gRPC itself
+/// answers it to a call that reaches a server already stopping (the call was not processed); a
+/// call the client cancels is never retried. The same JSON is deploy/grpc/service-config.json, for
 /// clients in other languages.
 extern const char* const kDefaultServiceConfig;
+/// The service config for a target that is a proxy (nginx, Envoy) in front of the replicas: the same
+/// retries, no client-side health checking (through a proxy it would watch whichever replica the
+/// proxy chose for the watch, and turn the whole proxy unhealthy when that one drains).
+/// deploy/grpc/service-config-proxy.json.
+extern const char* const kProxyServiceConfig;
 
 /// TLS for the channel. PEM files; read when the Client is made.
 struct TlsOptions {

@@ -7,6 +7,8 @@
 
 #include <atomic>
 #include <future>
+#include <map>
+#include <mutex>
 #include <thread>
 
 #include "attnserve/v1/attention.grpc.pb.h"
@@ -267,6 +269,56 @@ TEST(DeadlineTest, AnswerComputedAfterTheDeadlineIsRecordedAsDeadlineExceeded) {
   }
   EXPECT_EQ(Counter(m, ok), 0);
   EXPECT_EQ(Counter(m, late), 1);
+}
+
+// A proxy (nginx) does not watch health and keeps sending unary calls to a draining replica until
+// gRPC's GOAWAY tells it to stop. The drain's hand-off serves those calls (answering them costs
+// nothing; refusing them sent the proxy's retries back to the same replica), and a sender that never
+// stops must not hold the drain longer than the hand-off: then gRPC stops. Here: clients without
+// health checking that keep calling through the whole shutdown.
+TEST(DeadlineTest, UnaryCallsDuringTheDrainHandOffAreServedAndDoNotHoldTheDrain) {
+  auto server = StartServer([](ServerOptions& o) {
+    o.metrics_address = "";
+    o.shutdown_grace_seconds = 10;
+  });
+  ASSERT_TRUE(server);
+  auto stub = StubFor(*server);
+  std::atomic<bool> stop{false}, draining{false};
+  std::mutex mu;
+  std::map<int, int> before, during;  // Outcome code -> calls, by when the call started.
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 3; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(static_cast<uint32_t>(40 + t));
+      const v1::AttendRequest request = WireRequest(rng, 0, {1, 8, 512});
+      while (!stop) {
+        const bool started_draining = draining;
+        grpc::ClientContext ctx;
+        ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+        v1::AttendResponse response;
+        const grpc::Status s = stub->Attend(&ctx, request, &response);
+        std::lock_guard<std::mutex> lock(mu);
+        ++(started_draining ? during : before)[s.error_code()];
+      }
+    });
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  draining = true;
+  const double took = TimedShutdown(*server, std::chrono::seconds(20));
+  stop = true;
+  for (auto& t : threads) t.join();
+  EXPECT_GE(took, 0) << "Shutdown hung";
+  EXPECT_LT(took, 4) << "the clients that never stop held the drain (hand-off: 1 s, grace: 10 s)";
+  EXPECT_GT(before[grpc::StatusCode::OK], 0);
+  EXPECT_GT(during[grpc::StatusCode::OK], 0) << "no call was served during the hand-off";
+  for (const auto& [code, n] : during) {
+    // After gRPC stops, calls find no server (UNAVAILABLE); the few that reach it as it stops are
+    // cancelled by gRPC itself (CANCELLED, retried by attnserve's service configs).
+    EXPECT_TRUE(code == grpc::StatusCode::OK || code == grpc::StatusCode::UNAVAILABLE ||
+                code == grpc::StatusCode::CANCELLED)
+        << n << " calls got code " << code;
+  }
+  EXPECT_LE(during[grpc::StatusCode::CANCELLED], 3);
 }
 
 // 3: unary calls racing the shutdown get OK or UNAVAILABLE, never CANCELLED. Each client stops at
