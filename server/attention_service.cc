@@ -45,8 +45,8 @@ SteadyClock::time_point DeadlineOf(const grpc::CallbackServerContext* ctx) {
 
 AttentionServiceImpl::AttentionServiceImpl(const ModelRepository& models, Batcher& batcher,
                                            ServerMetrics& metrics, const AttendLimits& limits,
-                                           const FlowLimits& flow)
-    : models_(models), batcher_(batcher), metrics_(metrics), limits_(limits), flow_(flow) {}
+                                           const FlowLimits& flow, KvStore& kv)
+    : models_(models), batcher_(batcher), metrics_(metrics), limits_(limits), flow_(flow), kv_(kv) {}
 
 AttentionServiceImpl::~AttentionServiceImpl() = default;
 
@@ -66,20 +66,78 @@ void AttentionServiceImpl::Dispatch(const char* method, Exchange* x,
                          "; allowed: 0 (the highest loaded) or a loaded version"));
     return;
   }
-  const std::shared_ptr<const ModelSet> models = models_.Snapshot();
-  std::shared_ptr<const AttentionModel> model = models->Find(request.model(), request.model_version());
-  if (!model) {
-    done(LookupFailure(*models, request.model(), request.model_version(), "model", "model_version"));
-    return;
-  }
-  x->model = model->spec().name;
   auto item = std::make_unique<WorkItem>();
-  item->model = std::move(model);
-  item->accepted = x->received;
+  item->accepted = SteadyClock::now();
   item->deadline = deadline;
   item->cancelled = std::move(cancelled);
   Status st = FromWire(request, &item->call);
-  if (st.ok()) st = Validate(item->model->spec(), limits_, &item->call);
+  if (!st.ok()) {
+    done(st);
+    return;
+  }
+  std::shared_ptr<const AttentionModel> model;
+  if (!request.memory().empty() || !request.session().empty()) {
+    // Keys and values kept on the server: the handle names the model.
+    const bool session = !request.session().empty();
+    if (session && !request.memory().empty()) {
+      done(InvalidArgument("memory, session: a request names one or the other, not both"));
+      return;
+    }
+    std::shared_ptr<KvEntry> entry;
+    if (session) {
+      // The step's new tokens: what BeginStep reserves room for (Validate checks the shape).
+      const auto& shape = item->call.query.shape;
+      const bool seq_first = item->call.layout == TensorLayout::kSequenceFirst;
+      const int64_t tokens = shape.size() == 3 ? shape[seq_first ? 0 : 1] : shape.empty() ? 0 : shape[0];
+      auto step = kv_.BeginStep(request.session(), tokens,
+                                request.has_session_length() ? request.session_length() : -1);
+      if (!step.ok()) {
+        done(step.status());
+        return;
+      }
+      entry = step->entry;
+      item->call.kv_use = AttendCall::Kv::kSession;
+      item->call.kv_length = step->length;
+      item->call.kv_capacity = step->capacity;
+      // The step counts once its answer is computed; refused or failed, the session is as it was.
+      done = [this, step = *step, tokens, done = std::move(done)](const Status& result) {
+        kv_.EndStep(step, result.ok(), tokens);
+        done(result);
+      };
+    } else {
+      auto found = kv_.Lookup(request.memory(), KvKind::kMemory);
+      if (!found.ok()) {
+        done(found.status());
+        return;
+      }
+      entry = *found;
+      item->call.kv_use = AttendCall::Kv::kMemory;
+      item->call.kv_length = entry->length;
+    }
+    model = entry->model;
+    const ModelSpec& spec = model->spec();
+    if ((!request.model().empty() && request.model() != spec.name) ||
+        (request.model_version() != 0 && request.model_version() != spec.version)) {
+      done(InvalidArgument("model: '" + request.model() + "' version " + std::to_string(request.model_version()) +
+                           ", but " + (session ? "session" : "memory") + " '" + entry->handle +
+                           "' belongs to model '" + spec.name + "' version " + std::to_string(spec.version) +
+                           " (leave model empty and model_version 0 to use the handle's)"));
+      return;
+    }
+    item->call.kv = entry->cache;
+    item->call.kv_batch = entry->batch;
+    item->kv_entry = entry;
+  } else {
+    const std::shared_ptr<const ModelSet> models = models_.Snapshot();
+    model = models->Find(request.model(), request.model_version());
+    if (!model) {
+      done(LookupFailure(*models, request.model(), request.model_version(), "model", "model_version"));
+      return;
+    }
+  }
+  x->model = model->spec().name;
+  item->model = model;
+  st = Validate(item->model->spec(), limits_, &item->call);
   if (!st.ok()) {
     done(st);
     return;
@@ -131,6 +189,7 @@ void AttentionServiceImpl::Dispatch(const char* method, Exchange* x,
       timing->set_compute_seconds(w.compute_seconds);
       timing->set_batch_size(static_cast<uint32_t>(w.batch_size));
       timing->set_previous_attempts(x->previous_attempts);
+      if (w.call.kv_use == AttendCall::Kv::kSession) meta.set_session_length(w.call.kv_length + w.call.query_len);
       x->encoded = EncodeResponse(meta, std::move(*output), std::move(*weights));
     }
     done(st);
@@ -298,6 +357,138 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetModel(grpc::CallbackServerCon
     reactor->Finish(grpc::Status::OK);
   }
   return reactor;
+}
+
+namespace {
+
+void FillHandle(const KvEntry& e, int64_t length, int64_t bytes, double ttl, v1::KvHandle* h) {
+  const ModelSpec& spec = e.model->spec();
+  h->set_handle(e.handle);
+  h->set_model(spec.name);
+  h->set_model_version(spec.version);
+  h->set_weights_hash(spec.weights_hash);
+  h->set_batch(e.batch);
+  h->set_length(length);
+  h->set_bytes(bytes);
+  h->set_ttl_seconds(ttl);
+}
+
+}  // namespace
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::CreateMemory(grpc::CallbackServerContext* ctx,
+                                                             const v1::CreateMemoryRequest* req,
+                                                             v1::KvHandle* resp) {
+  auto* reactor = ctx->DefaultReactor();
+  const auto received = SteadyClock::now();
+  const auto finish = [this, reactor, received](const std::string& model, const Status& st) {
+    metrics_.RecordRequest(model, "CreateMemory", GrpcCodeName(st), SecondsSince(received));
+    reactor->Finish(ToGrpcStatus(st));
+  };
+  if (req->model_version() < 0) {
+    finish("", InvalidArgument("model_version: " + std::to_string(req->model_version()) +
+                               "; allowed: 0 (the highest loaded) or a loaded version"));
+    return reactor;
+  }
+  const std::shared_ptr<const ModelSet> models = models_.Snapshot();
+  std::shared_ptr<const AttentionModel> model = models->Find(req->model(), req->model_version());
+  if (!model) {
+    finish("", LookupFailure(*models, req->model(), req->model_version(), "model", "model_version"));
+    return reactor;
+  }
+  const std::string name = model->spec().name;
+  auto item = std::make_unique<WorkItem>();
+  item->accepted = received;
+  item->deadline = DeadlineOf(ctx);
+  item->cancelled = [ctx] { return ctx->IsCancelled(); };
+  item->model = model;
+  Status st = FromWire(*req, &item->call);
+  if (st.ok()) st = ValidateCreateMemory(model->spec(), limits_, &item->call);
+  std::shared_ptr<KvCache> cache = st.ok() ? model->NewKvCache() : nullptr;
+  if (st.ok() && !cache) st = Status(StatusCode::kFailedPrecondition, "model '" + name + "': its engine keeps no keys and values");
+  StatusOr<std::shared_ptr<KvEntry>> entry = st;
+  if (st.ok()) entry = kv_.Create(KvKind::kMemory, model, cache, item->call.batch, item->call.key_len);
+  if (!entry.ok()) {
+    finish(name, entry.status());
+    return reactor;
+  }
+  item->call.kv = cache;
+  item->kv_entry = *entry;
+  const int64_t length = item->call.key_len;
+  item->done = [this, finish, name, entry = *entry, length, resp](const Status& st, const WorkItem&) {
+    if (st.ok()) {
+      kv_.MarkReady(entry, length);
+      FillHandle(*entry, length, entry->bytes, kv_.options().ttl_seconds, resp);
+    } else {
+      kv_.Discard(entry);
+    }
+    finish(name, st);
+  };
+  batcher_.Submit(std::move(item));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::OpenSession(grpc::CallbackServerContext* ctx,
+                                                            const v1::OpenSessionRequest* req,
+                                                            v1::KvHandle* resp) {
+  auto* reactor = ctx->DefaultReactor();
+  const auto received = SteadyClock::now();
+  const std::shared_ptr<const ModelSet> models = models_.Snapshot();
+  std::shared_ptr<const AttentionModel> model =
+      req->model_version() < 0 ? nullptr : models->Find(req->model(), req->model_version());
+  Status st;
+  if (req->model_version() < 0) {
+    st = InvalidArgument("model_version: " + std::to_string(req->model_version()) +
+                         "; allowed: 0 (the highest loaded) or a loaded version");
+  } else if (!model) {
+    st = LookupFailure(*models, req->model(), req->model_version(), "model", "model_version");
+  } else if (req->batch() < 1 || req->batch() > limits_.max_tokens) {
+    st = InvalidArgument("batch: " + std::to_string(req->batch()) + "; allowed: 1 to " +
+                         std::to_string(limits_.max_tokens) + " (server flag --max-request-tokens)");
+  } else if (model->spec().kdim != model->spec().embed_dim || model->spec().vdim != model->spec().embed_dim) {
+    const ModelSpec& m = model->spec();
+    st = InvalidArgument("model: '" + m.name + "' has kdim=" + std::to_string(m.kdim) + ", vdim=" +
+                         std::to_string(m.vdim) + " != embed_dim=" + std::to_string(m.embed_dim) +
+                         "; a decoding session is self-attention, which needs kdim = vdim = embed_dim");
+  }
+  std::shared_ptr<KvCache> cache = st.ok() ? model->NewKvCache() : nullptr;
+  if (st.ok() && !cache) {
+    st = Status(StatusCode::kFailedPrecondition, "model '" + model->spec().name + "': its engine keeps no keys and values");
+  }
+  if (st.ok()) {
+    auto entry = kv_.Create(KvKind::kSession, model, cache, req->batch(), 0);
+    if (entry.ok()) {
+      FillHandle(**entry, 0, (*entry)->bytes, kv_.options().ttl_seconds, resp);
+    } else {
+      st = entry.status();
+    }
+  }
+  metrics_.RecordRequest(model ? model->spec().name : "", "OpenSession", GrpcCodeName(st), SecondsSince(received));
+  reactor->Finish(ToGrpcStatus(st));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::Release(grpc::CallbackServerContext* ctx, const char* method,
+                                                        KvKind kind, const std::string& handle,
+                                                        v1::ReleaseResponse* resp) {
+  auto* reactor = ctx->DefaultReactor();
+  const auto received = SteadyClock::now();
+  StatusOr<int64_t> freed = kv_.Release(handle, kind);
+  if (freed.ok()) resp->set_bytes_freed(*freed);
+  metrics_.RecordRequest("", method, GrpcCodeName(freed.status()), SecondsSince(received));
+  reactor->Finish(ToGrpcStatus(freed.status()));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::DeleteMemory(grpc::CallbackServerContext* ctx,
+                                                             const v1::ReleaseRequest* req,
+                                                             v1::ReleaseResponse* resp) {
+  return Release(ctx, "DeleteMemory", KvKind::kMemory, req->handle(), resp);
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::CloseSession(grpc::CallbackServerContext* ctx,
+                                                             const v1::ReleaseRequest* req,
+                                                             v1::ReleaseResponse* resp) {
+  return Release(ctx, "CloseSession", KvKind::kSession, req->handle(), resp);
 }
 
 }  // namespace attnserve

@@ -12,6 +12,7 @@
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "server/batcher.h"
 #include "server/engine/attention_model.h"
+#include "server/kv_store.h"
 #include "server/metrics.h"
 #include "server/model_repository.h"
 
@@ -56,12 +57,17 @@ class AttentionServiceImpl final
     : public v1::AttentionService::WithRawCallbackMethod_Attend<
           v1::AttentionService::WithRawCallbackMethod_AttendStream<
               v1::AttentionService::WithCallbackMethod_ListModels<
-                  v1::AttentionService::WithCallbackMethod_GetModel<v1::AttentionService::Service>>>> {
+                  v1::AttentionService::WithCallbackMethod_GetModel<
+                      v1::AttentionService::WithCallbackMethod_CreateMemory<
+                          v1::AttentionService::WithCallbackMethod_DeleteMemory<
+                              v1::AttentionService::WithCallbackMethod_OpenSession<
+                                  v1::AttentionService::WithCallbackMethod_CloseSession<
+                                      v1::AttentionService::Service>>>>>>>> {
  public:
   /// Borrows everything; all must outlive the service. Each request takes the repository's set of
   /// the moment it is dispatched, so a reload never changes a request already accepted.
   AttentionServiceImpl(const ModelRepository& models, Batcher& batcher, ServerMetrics& metrics,
-                       const AttendLimits& limits, const FlowLimits& flow);
+                       const AttendLimits& limits, const FlowLimits& flow, KvStore& kv);
   ~AttentionServiceImpl() override;
 
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
@@ -73,6 +79,14 @@ class AttentionServiceImpl final
                                        v1::ListModelsResponse* resp) override;
   grpc::ServerUnaryReactor* GetModel(grpc::CallbackServerContext* ctx,
                                      const v1::GetModelRequest* req, v1::ModelInfo* resp) override;
+  grpc::ServerUnaryReactor* CreateMemory(grpc::CallbackServerContext* ctx, const v1::CreateMemoryRequest* req,
+                                         v1::KvHandle* resp) override;
+  grpc::ServerUnaryReactor* DeleteMemory(grpc::CallbackServerContext* ctx, const v1::ReleaseRequest* req,
+                                         v1::ReleaseResponse* resp) override;
+  grpc::ServerUnaryReactor* OpenSession(grpc::CallbackServerContext* ctx, const v1::OpenSessionRequest* req,
+                                        v1::KvHandle* resp) override;
+  grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* ctx, const v1::ReleaseRequest* req,
+                                         v1::ReleaseResponse* resp) override;
 
   /// Starts the shutdown drain: from now on streams take no new requests (those read from an open
   /// stream, and new streams, get UNAVAILABLE) and every open stream finishes, with UNAVAILABLE, once
@@ -100,6 +114,8 @@ class AttentionServiceImpl final
 
  private:
   friend class StreamReactor;
+  grpc::ServerUnaryReactor* Release(grpc::CallbackServerContext* ctx, const char* method, KvKind kind,
+                                    const std::string& handle, v1::ReleaseResponse* resp);
   void AddStream(StreamReactor* s);
   void RemoveStream(StreamReactor* s);
 
@@ -108,6 +124,7 @@ class AttentionServiceImpl final
   ServerMetrics& metrics_;
   const AttendLimits limits_;
   const FlowLimits flow_;
+  KvStore& kv_;
   std::atomic<bool> draining_{false};
 
   std::mutex mu_;

@@ -16,7 +16,9 @@ bool Compatible(const WorkItem& a, const WorkItem& b) {
 }  // namespace
 
 int64_t WorkItem::tokens() const {
-  return call.batch * (call.query_len + (call.self_attention() ? 0 : call.key_len));
+  // Rows projected: the query's, plus the keys a request carries (a memory's or session's kept
+  // keys are not projected again).
+  return call.batch * (call.query_len + (call.key ? call.key_len : 0));
 }
 
 int64_t WorkItem::attention_cost() const { return call.batch * call.query_len * call.key_len; }

@@ -25,6 +25,9 @@ struct WorkItem {
   /// Held until the item is destroyed: a model that a reload replaced or removed finishes what it
   /// accepted and unloads after its last item.
   std::shared_ptr<const AttentionModel> model;
+  /// The memory or session the call uses (a KvEntry), held the same way: an evicted or closed one
+  /// stays allocated, and counted, until its last request is done.
+  std::shared_ptr<const void> kv_entry;
   AttendCall call;
   AttendOutputs outputs;
   SteadyClock::time_point accepted;
@@ -39,8 +42,8 @@ struct WorkItem {
   double compute_seconds = 0;
   int batch_size = 0;
 
-  /// Tokens this request brings to a batch: batch * query_len, plus batch * key_len for
-  /// cross-attention (self-attention's keys are its queries).
+  /// Tokens this request brings to a batch: batch * query_len, plus batch * key_len when it carries
+  /// key and value (self-attention's keys are its queries; a memory's are projected already).
   int64_t tokens() const;
   /// Attention scores it needs: batch * query_len * key_len (per head).
   int64_t attention_cost() const;

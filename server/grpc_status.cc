@@ -14,6 +14,7 @@ grpc::StatusCode ToGrpcCode(StatusCode code) {
     case StatusCode::kFailedPrecondition: return grpc::StatusCode::FAILED_PRECONDITION;
     case StatusCode::kUnauthenticated: return grpc::StatusCode::UNAUTHENTICATED;
     case StatusCode::kPermissionDenied: return grpc::StatusCode::PERMISSION_DENIED;
+    case StatusCode::kAborted: return grpc::StatusCode::ABORTED;
     case StatusCode::kInternal: return grpc::StatusCode::INTERNAL;
   }
   return grpc::StatusCode::INTERNAL;
@@ -39,6 +40,7 @@ const char* GrpcCodeName(const Status& status) {
     case grpc::StatusCode::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
     case grpc::StatusCode::UNAUTHENTICATED: return "UNAUTHENTICATED";
     case grpc::StatusCode::PERMISSION_DENIED: return "PERMISSION_DENIED";
+    case grpc::StatusCode::ABORTED: return "ABORTED";
     default: return "INTERNAL";
   }
 }

@@ -151,6 +151,19 @@ int main(int argc, char** argv) {
                  "The same per-stream bound in request plus answer bytes")
       ->check(CLI::Range(int64_t{1} << 16, int64_t{1} << 40))
       ->capture_default_str();
+  app.add_option("--kv-budget-bytes", o.kv.budget_bytes,
+                 "Device bytes all memories and decoding sessions together may hold; the least "
+                 "recently used ones not in use are evicted to make room")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 50))
+      ->capture_default_str();
+  app.add_option("--kv-max-entry-bytes", o.kv.max_entry_bytes,
+                 "Device bytes one memory or session may hold (a session grows as it decodes)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 50))
+      ->capture_default_str();
+  app.add_option("--kv-ttl-seconds", o.kv.ttl_seconds,
+                 "A memory or session unused this long expires")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   app.add_option("--shutdown-grace", o.shutdown_grace_seconds,
                  "Seconds in-flight requests get to finish on SIGINT/SIGTERM")
       ->check(CLI::NonNegativeNumber)

@@ -99,7 +99,24 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
                         .Name("attnserve_model_load_failing")
                         .Help("1 while the latest load of a version of this model failed (what "
                               "served before still serves); 0 once it loads or its directory goes.")
-                        .Register(registry)) {
+                        .Register(registry)),
+      kv_bytes_(prometheus::BuildGauge()
+                    .Name("attnserve_kv_bytes")
+                    .Help("Device bytes held by memories and decoding sessions (ended ones still in use included).")
+                    .Register(registry)
+                    .Add({})),
+      kv_entries_(prometheus::BuildGauge()
+                      .Name("attnserve_kv_entries")
+                      .Help("Memories and decoding sessions held, by kind.")
+                      .Register(registry)),
+      kv_lookups_(prometheus::BuildCounter()
+                      .Name("attnserve_kv_lookups_total")
+                      .Help("Requests naming a memory or session, by kind and result (hit, miss).")
+                      .Register(registry)),
+      kv_ends_(prometheus::BuildCounter()
+                   .Name("attnserve_kv_ends_total")
+                   .Help("Memories and sessions the server ended itself, by kind and reason (evicted, expired).")
+                   .Register(registry)) {
   // Both outcomes exist from the start, so rate() and increase() see the first reload.
   reloads_.Add({{"outcome", "ok"}});
   reloads_.Add({{"outcome", "failed"}});
@@ -188,6 +205,20 @@ void ServerMetrics::SetModelsFailing(const std::vector<std::string>& failing) {
 void ServerMetrics::RecordReload(bool failed, const std::vector<std::string>& failed_models) {
   reloads_.Add({{"outcome", failed ? "failed" : "ok"}}).Increment();
   for (const std::string& model : failed_models) load_failures_.Add({{"model", model}}).Increment();
+}
+
+void ServerMetrics::SetKvSize(int64_t bytes, int64_t memories, int64_t sessions) {
+  kv_bytes_.Set(static_cast<double>(bytes));
+  kv_entries_.Add({{"kind", "memory"}}).Set(static_cast<double>(memories));
+  kv_entries_.Add({{"kind", "session"}}).Set(static_cast<double>(sessions));
+}
+
+void ServerMetrics::RecordKvLookup(const char* kind, bool hit) {
+  kv_lookups_.Add({{"kind", kind}, {"result", hit ? "hit" : "miss"}}).Increment();
+}
+
+void ServerMetrics::RecordKvEnd(const char* kind, const char* reason) {
+  kv_ends_.Add({{"kind", kind}, {"reason", reason}}).Increment();
 }
 
 }  // namespace attnserve

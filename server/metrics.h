@@ -47,6 +47,12 @@ class ServerMetrics {
   /// attnserve_model_load_failing{model}: 1 for each model whose latest load failed, 0 for those
   /// that failed before and load now.
   void SetModelsFailing(const std::vector<std::string>& failing);
+  /// attnserve_kv_bytes and attnserve_kv_entries{kind}.
+  void SetKvSize(int64_t bytes, int64_t memories, int64_t sessions);
+  /// attnserve_kv_lookups_total{kind, result="hit"|"miss"}.
+  void RecordKvLookup(const char* kind, bool hit);
+  /// attnserve_kv_ends_total{kind, reason="evicted"|"expired"}.
+  void RecordKvEnd(const char* kind, const char* reason);
 
  private:
   prometheus::Family<prometheus::Histogram>& latency_;
@@ -66,6 +72,10 @@ class ServerMetrics {
   prometheus::Family<prometheus::Counter>& reloads_;
   prometheus::Family<prometheus::Counter>& load_failures_;
   prometheus::Family<prometheus::Gauge>& load_failing_;
+  prometheus::Gauge& kv_bytes_;
+  prometheus::Family<prometheus::Gauge>& kv_entries_;
+  prometheus::Family<prometheus::Counter>& kv_lookups_;
+  prometheus::Family<prometheus::Counter>& kv_ends_;
   std::mutex info_mu_;
   std::map<std::pair<std::string, int64_t>, prometheus::Gauge*> info_;  // (model, version)
   std::map<std::string, prometheus::Gauge*> failing_;  // attnserve_model_load_failing by model

@@ -85,6 +85,7 @@ struct Server::Impl {
   std::unique_ptr<ServerMetrics> metrics;
   std::unique_ptr<prometheus::Exposer> exposer;
   std::unique_ptr<Batcher> batcher;
+  std::unique_ptr<KvStore> kv;
   std::unique_ptr<AttentionServiceImpl> service;
   std::unique_ptr<grpc::Server> grpc_server;
   std::unique_ptr<grpc::Server> health_server;  // --health-address: grpc.health.v1 only, plaintext
@@ -177,8 +178,17 @@ StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   AttendLimits limits = options.limits;
   limits.max_answer_bytes =
       static_cast<int64_t>(options.max_message_bytes) - static_cast<int64_t>(kResponseOverheadBytes);
-  impl->service = std::make_unique<AttentionServiceImpl>(*impl->models, *impl->batcher,
-                                                         *impl->metrics, limits, options.flow);
+  RETURN_IF_ERROR(options.kv.Validate());
+  KvMetricsHooks kv_hooks;
+  kv_hooks.on_size = [metrics](int64_t bytes, int64_t memories, int64_t sessions) {
+    metrics->SetKvSize(bytes, memories, sessions);
+  };
+  kv_hooks.on_lookup = [metrics](KvKind kind, bool hit) { metrics->RecordKvLookup(KvKindName(kind), hit); };
+  kv_hooks.on_eviction = [metrics](KvKind kind) { metrics->RecordKvEnd(KvKindName(kind), "evicted"); };
+  kv_hooks.on_expiry = [metrics](KvKind kind) { metrics->RecordKvEnd(KvKindName(kind), "expired"); };
+  impl->kv = std::make_unique<KvStore>(options.kv, std::move(kv_hooks));
+  impl->service = std::make_unique<AttentionServiceImpl>(*impl->models, *impl->batcher, *impl->metrics,
+                                                         limits, options.flow, *impl->kv);
   impl->admin = std::make_unique<AdminServiceImpl>(*impl->models, options.admin);
 
   grpc::EnableDefaultHealthCheckService(true);
@@ -227,11 +237,19 @@ StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   // Reloads tell metrics and health what changed (on the reloading thread, which Shutdown stops
   // before the servers go).
   ModelRepositoryHooks hooks;
-  hooks.on_loaded = [metrics](const ModelSpec& loaded, const ModelSpec* replaced) {
-    if (replaced) metrics->RemoveModelInfo(*replaced);
+  // Memories and sessions of a version that leaves (replaced or removed) end with it.
+  KvStore* kv = impl->kv.get();
+  hooks.on_loaded = [metrics, kv](const ModelSpec& loaded, const ModelSpec* replaced) {
+    if (replaced) {
+      metrics->RemoveModelInfo(*replaced);
+      kv->EndModel(*replaced);
+    }
     metrics->AddModelInfo(loaded);
   };
-  hooks.on_unloaded = [metrics](const ModelSpec& removed) { metrics->RemoveModelInfo(removed); };
+  hooks.on_unloaded = [metrics, kv](const ModelSpec& removed) {
+    metrics->RemoveModelInfo(removed);
+    kv->EndModel(removed);
+  };
   hooks.on_reloaded = [metrics, healths, known](const ReloadReport& report, const ModelSet& set,
                                                 const std::map<std::string, std::string>& failing) mutable {
     std::vector<std::string> failed_now;

@@ -6,6 +6,7 @@
 #include "server/admin_service.h"
 #include "server/attention_service.h"
 #include "server/batcher.h"
+#include "server/kv_store.h"
 #include "server/status.h"
 #include "server/types.h"
 
@@ -24,6 +25,7 @@ struct ServerOptions {
   int max_message_bytes = 64 << 20;                 ///< gRPC send/receive limit.
   AttendLimits limits;                              ///< max_answer_bytes follows max_message_bytes.
   FlowLimits flow;                                  ///< Bytes in flight; per-stream backpressure.
+  KvOptions kv;                                     ///< Memories and decoding sessions: budget, TTL.
   double shutdown_grace_seconds = 30;               ///< In-flight requests get this long to finish.
   /// TLS on --address: PEM certificate chain and key; with client_ca_file, clients must present a
   /// certificate signed by it (mutual TLS). All empty: plaintext.

@@ -25,6 +25,7 @@ const char* StatusCodeName(StatusCode code) {
     case StatusCode::kCancelled: return "CANCELLED";
     case StatusCode::kFailedPrecondition: return "FAILED_PRECONDITION";
     case StatusCode::kUnauthenticated: return "UNAUTHENTICATED";
+    case StatusCode::kAborted: return "ABORTED";
     case StatusCode::kPermissionDenied: return "PERMISSION_DENIED";
     case StatusCode::kInternal: return "INTERNAL";
   }

@@ -19,6 +19,7 @@ enum class StatusCode {
   kFailedPrecondition,///< Bad configuration: at start-up, or a reload the server cannot do.
   kUnauthenticated,   ///< An admin call without valid credentials.
   kPermissionDenied,  ///< An admin call whose credentials are not an administrator's.
+  kAborted,           ///< A session step that conflicts with another (in flight, or a length mismatch).
   kInternal,          ///< Anything else from the engine.
 };
 

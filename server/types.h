@@ -2,6 +2,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -57,6 +58,8 @@ struct ModelSpec {
   int64_t extra_keys() const { return (add_bias_kv ? 1 : 0) + (add_zero_attn ? 1 : 0); }
 };
 
+class KvCache;  // server/engine/attention_model.h
+
 /// One attention request as the engine sees it. The views point into the wire message. The
 /// fields under "filled by Validate" are derived; the engine relies on Validate having run.
 struct AttendCall {
@@ -69,6 +72,17 @@ struct AttendCall {
   WeightsMode weights = WeightsMode::kNone;
   TensorLayout layout = TensorLayout::kBatchFirst;
 
+  /// Keys and values kept on the server between requests. kCreateMemory: project `key` and
+  /// `value` into `kv` (nothing else is computed; no query). kMemory: cross-attention against
+  /// `kv`'s keys (no key or value on the wire). kSession: the query's tokens are appended to `kv`
+  /// (projected keys and values) and attend causally over everything it holds.
+  enum class Kv { kNone, kCreateMemory, kMemory, kSession };
+  Kv kv_use = Kv::kNone;
+  std::shared_ptr<KvCache> kv;
+  int64_t kv_batch = 0;     ///< The memory's or session's batch.
+  int64_t kv_length = 0;    ///< kMemory: its keys; kSession: tokens held before this step.
+  int64_t kv_capacity = 0;  ///< kSession: tokens per sequence its cache holds after this step.
+
   // Filled by Validate.
   bool batched = true;
   int64_t batch = 0;
@@ -79,7 +93,8 @@ struct AttendCall {
   int64_t output_bytes = 0;            ///< Bytes of the output in the query's dtype.
   int64_t weights_bytes = 0;           ///< Bytes of the attention weights (0: none requested).
 
-  bool self_attention() const { return !key.has_value(); }
+  /// Keys are the query's own tokens: no key on the wire and no memory (a session step is).
+  bool self_attention() const { return !key.has_value() && kv_use != Kv::kMemory; }
 };
 
 /// Floating-point operations of nn.MultiheadAttention's forward for a validated call: the four

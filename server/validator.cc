@@ -67,6 +67,68 @@ struct Axes {
   int len;
 };
 
+// Key and value of a batched or unbatched call (batch: call->batch, or any when 0); sets key_len.
+Status CheckKeyValue(const ModelSpec& model, AttendCall* call) {
+  const TensorView& q = call->kv_use == AttendCall::Kv::kCreateMemory ? *call->key : call->query;
+  const bool batch_first = call->layout == TensorLayout::kBatchFirst;
+  const Axes axes = batch_first ? Axes{0, 1} : Axes{1, 0};
+  {
+    const int rank = call->batched ? 3 : 2;
+    int64_t key_len = 0;
+    for (int which = 0; which < 2; ++which) {
+      const char* field = which == 0 ? "key" : "value";
+      const TensorView& t = which == 0 ? *call->key : *call->value;
+      const int64_t feat = which == 0 ? model.kdim : model.vdim;
+      const char* feat_name = which == 0 ? "kdim" : "vdim";
+      if (t.dtype != q.dtype) {
+        return InvalidArgument(std::string(field) + ": dtype " + DTypeName(t.dtype) +
+                               " differs from the query's " + DTypeName(q.dtype) +
+                               "; query, key and value must share one dtype");
+      }
+      // For value, the length must equal the key's.
+      if (call->batched) {
+        const char* names[3] = {batch_first ? "batch" : "key_len", batch_first ? "key_len" : "batch",
+                                feat_name};
+        int64_t want[3];
+        want[axes.batch] = call->batch;
+        want[axes.len] = key_len;
+        want[2] = feat;
+        RETURN_IF_ERROR(CheckShape(field, t, names, want, rank));
+        key_len = t.shape[axes.len];
+        if (call->batch == 0) call->batch = t.shape[axes.batch];  // CreateMemory: the key's batch
+      } else {
+        const char* names[2] = {"key_len", feat_name};
+        const int64_t want[2] = {key_len, feat};
+        RETURN_IF_ERROR(CheckShape(field, t, names, want, rank));
+        key_len = t.shape[0];
+      }
+      RETURN_IF_ERROR(CheckStorage(field, t));
+    }
+    call->key_len = key_len;
+  }
+  return Status::Ok();
+}
+
+// key_padding_mask: [B, Lk] (unbatched [Lk]); a session step's covers its new tokens only.
+Status CheckKeyPadding(const AttendCall* call) {
+  if (!call->key_padding_mask) return Status::Ok();
+  const TensorView& m = *call->key_padding_mask;
+  RETURN_IF_ERROR(CheckMaskDtype("key_padding_mask", m));
+  const bool session = call->kv_use == AttendCall::Kv::kSession;
+  const char* len_name = session ? "new_tokens" : "key_len";
+  const int64_t len = session ? call->query_len : call->key_len;
+  if (call->batched) {
+    const char* names[2] = {"batch", len_name};
+    const int64_t want[2] = {call->batch, len};
+    RETURN_IF_ERROR(CheckShape("key_padding_mask", m, names, want, 2));
+  } else {
+    const char* names[1] = {len_name};
+    const int64_t want[1] = {len};
+    RETURN_IF_ERROR(CheckShape("key_padding_mask", m, names, want, 1));
+  }
+  return CheckStorage("key_padding_mask", m);
+}
+
 }  // namespace
 
 Status Validate(const ModelSpec& model, const AttendLimits& limits, AttendCall* call) {
@@ -102,65 +164,39 @@ Status Validate(const ModelSpec& model, const AttendLimits& limits, AttendCall* 
   call->query_len = call->batched ? q.shape[axes.len] : q.shape[0];
   call->key_len = call->query_len;
 
+  const bool memory = call->kv_use == AttendCall::Kv::kMemory;
+  const bool session = call->kv_use == AttendCall::Kv::kSession;
+  if (memory || session) {
+    const std::string what = memory ? "memory" : "session";
+    if (call->key || call->value) {
+      return InvalidArgument(std::string(call->key ? "key" : "value") + ": a request naming a " + what +
+                             " carries no key or value (the " + what + " holds them)");
+    }
+    if (memory && call->key_padding_mask) {
+      return InvalidArgument("key_padding_mask: a request naming a memory carries none (the memory has "
+                             "the one given to CreateMemory)");
+    }
+    if (call->batch != call->kv_batch) {
+      return InvalidArgument("query: batch " + std::to_string(call->batch) + ", but the " + what + " holds " +
+                             std::to_string(call->kv_batch) + " sequence(s); send that many rows per step");
+    }
+    call->key_len = memory ? call->kv_length : call->kv_length + call->query_len;
+  }
+
   if (call->key.has_value() != call->value.has_value()) {
     return InvalidArgument(std::string(call->key ? "value" : "key") +
                            ": missing; key and value must be both present (cross-attention) or "
                            "both absent (self-attention)");
   }
-  if (!call->key && (model.kdim != model.embed_dim || model.vdim != model.embed_dim)) {
+  if (call->self_attention() && (model.kdim != model.embed_dim || model.vdim != model.embed_dim)) {
     return InvalidArgument("key: missing; model '" + model.name + "' has kdim=" +
                            std::to_string(model.kdim) + ", vdim=" + std::to_string(model.vdim) +
                            " != embed_dim=" + std::to_string(model.embed_dim) +
                            ", so it needs key and value (cross-attention)");
   }
-  if (call->key) {
-    const int rank = call->batched ? 3 : 2;
-    int64_t key_len = 0;
-    for (int which = 0; which < 2; ++which) {
-      const char* field = which == 0 ? "key" : "value";
-      const TensorView& t = which == 0 ? *call->key : *call->value;
-      const int64_t feat = which == 0 ? model.kdim : model.vdim;
-      const char* feat_name = which == 0 ? "kdim" : "vdim";
-      if (t.dtype != q.dtype) {
-        return InvalidArgument(std::string(field) + ": dtype " + DTypeName(t.dtype) +
-                               " differs from the query's " + DTypeName(q.dtype) +
-                               "; query, key and value must share one dtype");
-      }
-      // For value, the length must equal the key's.
-      if (call->batched) {
-        const char* names[3] = {batch_first ? "batch" : "key_len", batch_first ? "key_len" : "batch",
-                                feat_name};
-        int64_t want[3];
-        want[axes.batch] = call->batch;
-        want[axes.len] = key_len;
-        want[2] = feat;
-        RETURN_IF_ERROR(CheckShape(field, t, names, want, rank));
-        key_len = t.shape[axes.len];
-      } else {
-        const char* names[2] = {"key_len", feat_name};
-        const int64_t want[2] = {key_len, feat};
-        RETURN_IF_ERROR(CheckShape(field, t, names, want, rank));
-        key_len = t.shape[0];
-      }
-      RETURN_IF_ERROR(CheckStorage(field, t));
-    }
-    call->key_len = key_len;
-  }
+  if (call->key) RETURN_IF_ERROR(CheckKeyValue(model, call));
 
-  if (call->key_padding_mask) {
-    const TensorView& m = *call->key_padding_mask;
-    RETURN_IF_ERROR(CheckMaskDtype("key_padding_mask", m));
-    if (call->batched) {
-      const char* names[2] = {"batch", "key_len"};
-      const int64_t want[2] = {call->batch, call->key_len};
-      RETURN_IF_ERROR(CheckShape("key_padding_mask", m, names, want, 2));
-    } else {
-      const char* names[1] = {"key_len"};
-      const int64_t want[1] = {call->key_len};
-      RETURN_IF_ERROR(CheckShape("key_padding_mask", m, names, want, 1));
-    }
-    RETURN_IF_ERROR(CheckStorage("key_padding_mask", m));
-  }
+  RETURN_IF_ERROR(CheckKeyPadding(call));
 
   if (call->attn_mask) {
     const TensorView& m = *call->attn_mask;
@@ -230,6 +266,38 @@ Status Validate(const ModelSpec& model, const AttendLimits& limits, AttendCall* 
                            " bytes one answer may carry (server flag --max-message-bytes); ask "
                            "for fewer tokens or fewer attention weights per request");
   }
+  return Status::Ok();
+}
+
+Status ValidateCreateMemory(const ModelSpec& model, const AttendLimits& limits, AttendCall* call) {
+  if (!call->key || !call->value) {
+    return InvalidArgument(std::string(call->key ? "value" : "key") + ": missing; CreateMemory takes key and value");
+  }
+  const TensorView& k = *call->key;
+  if (!IsFloating(k.dtype)) {
+    return InvalidArgument(std::string("key: dtype ") + DTypeName(k.dtype) +
+                           " is not allowed; expected FLOAT32, FLOAT16 or BFLOAT16");
+  }
+  if (k.shape.size() != 2 && k.shape.size() != 3) {
+    return InvalidArgument("key: shape " + ShapeString(k.shape) + " has " + std::to_string(k.shape.size()) +
+                           " dims, expected [batch, key_len, kdim] in the layout, or unbatched [key_len, kdim]");
+  }
+  call->kv_use = AttendCall::Kv::kCreateMemory;
+  call->batched = k.shape.size() == 3;
+  call->batch = call->batched ? 0 : 1;  // 0: CheckKeyValue takes the key's.
+  RETURN_IF_ERROR(CheckKeyValue(model, call));
+  call->query = k;  // The dtype requests are batched by; no query rows.
+  call->query_len = 0;
+  RETURN_IF_ERROR(CheckKeyPadding(call));
+  const int64_t tokens = call->batch * call->key_len;
+  if (tokens > limits.max_tokens) {
+    return InvalidArgument("request: " + std::to_string(tokens) + " tokens (batch * key_len) is over the "
+                           "per-request limit of " + std::to_string(limits.max_tokens) +
+                           " (server flag --max-request-tokens)");
+  }
+  call->output_shape.clear();
+  call->weights_shape.clear();
+  call->output_bytes = call->weights_bytes = 0;
   return Status::Ok();
 }
 

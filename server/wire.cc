@@ -115,6 +115,17 @@ Status OptionalView(const char* field, bool present, const pb::Tensor& t,
 
 }  // namespace
 
+static Status LayoutFromWire(int layout, AttendCall* call) {
+  switch (layout) {
+    case pb::LAYOUT_UNSPECIFIED:
+    case pb::LAYOUT_BATCH_FIRST: call->layout = TensorLayout::kBatchFirst; return Status::Ok();
+    case pb::LAYOUT_SEQUENCE_FIRST: call->layout = TensorLayout::kSequenceFirst; return Status::Ok();
+    default:
+      return InvalidArgument("layout: " + std::to_string(layout) +
+                             " is not allowed; expected BATCH_FIRST (1) or SEQUENCE_FIRST (2)");
+  }
+}
+
 Status FromWire(const pb::AttendRequest& r, AttendCall* call) {
   if (!r.has_query()) return InvalidArgument("query: missing; expected a tensor");
   RETURN_IF_ERROR(ViewOf("query", r.query(), &call->query));
@@ -132,15 +143,17 @@ Status FromWire(const pb::AttendRequest& r, AttendCall* call) {
       return InvalidArgument("attn_weights: " + std::to_string(r.attn_weights()) +
                              " is not allowed; expected NONE (0), AVERAGED (1) or PER_HEAD (2)");
   }
-  switch (r.layout()) {
-    case pb::LAYOUT_UNSPECIFIED:
-    case pb::LAYOUT_BATCH_FIRST: call->layout = TensorLayout::kBatchFirst; break;
-    case pb::LAYOUT_SEQUENCE_FIRST: call->layout = TensorLayout::kSequenceFirst; break;
-    default:
-      return InvalidArgument("layout: " + std::to_string(r.layout()) +
-                             " is not allowed; expected BATCH_FIRST (1) or SEQUENCE_FIRST (2)");
-  }
+  RETURN_IF_ERROR(LayoutFromWire(r.layout(), call));
+  if (!r.session().empty()) call->is_causal = true;  // A session's steps are causal.
   return Status::Ok();
+}
+
+Status FromWire(const pb::CreateMemoryRequest& r, AttendCall* call) {
+  RETURN_IF_ERROR(OptionalView("key", r.has_key(), r.key(), &call->key));
+  RETURN_IF_ERROR(OptionalView("value", r.has_value(), r.value(), &call->value));
+  RETURN_IF_ERROR(OptionalView("key_padding_mask", r.has_key_padding_mask(), r.key_padding_mask(),
+                               &call->key_padding_mask));
+  return LayoutFromWire(r.layout(), call);
 }
 
 Status ParseRequest(const grpc::ByteBuffer& bytes, pb::AttendRequest* request) {

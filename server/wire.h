@@ -16,6 +16,8 @@ namespace pb = ::attnserve::v1;
 /// Builds the engine's view of `request` without copying tensor bytes: the views point into
 /// `request`, which must outlive `call`. Rejects unknown enum values (INVALID_ARGUMENT).
 Status FromWire(const pb::AttendRequest& request, AttendCall* call);
+/// The same for CreateMemory's key, value, key_padding_mask and layout (no query).
+Status FromWire(const pb::CreateMemoryRequest& request, AttendCall* call);
 
 /// Decodes one AttendRequest message. INVALID_ARGUMENT saying why when the bytes are not one (for
 /// example a `model` string that is not UTF-8, which protobuf refuses).

@@ -25,6 +25,16 @@ struct AttendOutputs {
   double device_seconds = -1;
 };
 
+/// Keys and values an engine keeps on its device between requests: a memory's projected keys and
+/// values, or a decoding session's so far (AttendCall::kv). Made by AttentionModel::NewKvCache;
+/// only that model reads or writes it, one request at a time for a session.
+class KvCache {
+ public:
+  virtual ~KvCache() = default;
+  /// Device bytes the cache allocates for `batch` sequences of `capacity` tokens.
+  virtual int64_t BytesFor(int64_t batch, int64_t capacity) const = 0;
+};
+
 /// One loaded multi-head attention model. Thread-safe: Forward may run on many threads at once.
 class AttentionModel {
  public:
@@ -34,6 +44,8 @@ class AttentionModel {
   /// Computes nn.MultiheadAttention's forward for a call that passed Validate. Output dtype is the
   /// query's. Never throws: engine failures come back as INTERNAL or RESOURCE_EXHAUSTED.
   virtual Status Forward(const AttendCall& call, AttendOutputs* out) const = 0;
+  /// An empty cache for a memory or session of this model; nullptr when the engine keeps none.
+  virtual std::shared_ptr<KvCache> NewKvCache() const { return nullptr; }
   /// Computes several calls together (same query dtype and weights mode), one Status each. The
   /// default runs them one by one; engines override it to share work across the batch.
   virtual std::vector<Status> ForwardBatch(const std::vector<const AttendCall*>& calls,

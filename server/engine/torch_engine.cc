@@ -60,6 +60,22 @@ at::Tensor FromHost(const HostTensor& h, const at::TensorOptions& opts) {
       .to(opts, /*non_blocking=*/false, /*copy=*/true);
 }
 
+// A memory's or session's keys and values on the model's device, in its compute dtype: heads split,
+// [B, H, capacity, D] each, so a session appends in place and attends over a view of the first
+// rows (no copy of the history per step; growing doubles the capacity, AttendCall::kv_capacity).
+class TorchKv final : public KvCache {
+ public:
+  TorchKv(int64_t embed_dim, int64_t elem) : embed_dim_(embed_dim), elem_(elem) {}
+  int64_t BytesFor(int64_t batch, int64_t capacity) const override {
+    return batch * capacity * (2 * embed_dim_ + 1) * elem_;  // keys, values, key padding
+  }
+  at::Tensor k, v;  // [B, H, capacity, D]
+  at::Tensor kpm;   // [B, capacity] additive; undefined until some key padding mask arrives
+
+ private:
+  const int64_t embed_dim_, elem_;
+};
+
 class TorchModel final : public AttentionModel {
  public:
   TorchModel(const ModelWeights& w, at::Device device, DType dtype, EngineOptions::Varlen varlen)
@@ -102,10 +118,15 @@ class TorchModel final : public AttentionModel {
 
   Status Forward(const AttendCall& call, AttendOutputs* out) const override {
     return Guarded([&] {
+      if (call.kv_use == AttendCall::Kv::kCreateMemory) return CreateMemory(call);
       const Rows r = Project(call);
-      Attended a = AttendRows(call, r.q, r.k, r.v, at::Tensor(), out);
+      Attended a = AttendAny(call, r, at::Tensor(), out);
       WriteOutput(call, a, at::Tensor(), out);
     });
+  }
+
+  std::shared_ptr<KvCache> NewKvCache() const override {
+    return std::make_shared<TorchKv>(spec_.embed_dim, static_cast<int64_t>(c10::elementSize(dtype_)));
   }
 
   // Requests of up to this many query (and key) rows share packed projection GEMMs. Larger ones
@@ -125,7 +146,8 @@ class TorchModel final : public AttentionModel {
     std::vector<size_t> small_index;
     for (size_t i = 0; i < calls.size(); ++i) {
       const AttendCall& c = *calls[i];
-      if (c.batch * std::max(c.query_len, c.self_attention() ? 0 : c.key_len) <= kPackRows) {
+      if (c.kv_use == AttendCall::Kv::kNone &&
+          c.batch * std::max(c.query_len, c.self_attention() ? 0 : c.key_len) <= kPackRows) {
         small_calls.push_back(&c);
         small_outs.push_back(outs[i]);
         small_index.push_back(i);
@@ -190,6 +212,7 @@ class TorchModel final : public AttentionModel {
 
   Rows Project(const AttendCall& call) const {
     const at::Tensor q_in = InputRows(call.query);
+    if (call.kv_use == AttendCall::Kv::kMemory) return {at::linear(q_in, w_q_, b_q_), at::Tensor(), at::Tensor()};
     if (call.self_attention() && packed_) {
       auto qkv = at::linear(q_in, w_in_, b_in_).chunk(3, -1);
       return {qkv[0], qkv[1], qkv[2]};
@@ -398,13 +421,87 @@ class TorchModel final : public AttentionModel {
   // written block by block straight into `out`'s weights buffer, in the query's dtype.
   Attended AttendRows(const AttendCall& call, const at::Tensor& q, const at::Tensor& k,
                       const at::Tensor& v, const at::Tensor& dst, AttendOutputs* out) const {
+    const bool batch_first = call.layout == TensorLayout::kBatchFirst || !call.batched;
+    const int64_t b = call.batch, lk = call.key_len;
+    const at::Tensor kpm =
+        call.key_padding_mask ? Additive(Wrap(*call.key_padding_mask)).view({b, 1, 1, lk}) : at::Tensor();
+    return AttendHeads(call, SplitHeads(q, batch_first, b, call.query_len), SplitHeads(k, batch_first, b, lk),
+                       SplitHeads(v, batch_first, b, lk), kpm, 0, dst, out);
+  }
+
+  // Attention of a call whatever its keys: its own (rows r), a memory's, or a session's.
+  Attended AttendAny(const AttendCall& call, const Rows& r, const at::Tensor& dst, AttendOutputs* out) const {
+    const bool batch_first = call.layout == TensorLayout::kBatchFirst || !call.batched;
+    const int64_t b = call.batch, lq = call.query_len;
+    if (call.kv_use == AttendCall::Kv::kMemory) {
+      const TorchKv& m = static_cast<const TorchKv&>(*call.kv);
+      const at::Tensor kpm = m.kpm.defined() ? m.kpm.view({b, 1, 1, call.key_len}) : at::Tensor();
+      return AttendHeads(call, SplitHeads(r.q, batch_first, b, lq), m.k, m.v, kpm, 0, dst, out);
+    }
+    if (call.kv_use == AttendCall::Kv::kSession) return AttendSession(call, r, dst, out);
+    return AttendRows(call, r.q, r.k, r.v, dst, out);
+  }
+
+  // A memory's keys and values: projected once, heads split, kept contiguous.
+  void CreateMemory(const AttendCall& call) const {
+    TorchKv& m = static_cast<TorchKv&>(*call.kv);
+    const bool batch_first = call.layout == TensorLayout::kBatchFirst || !call.batched;
+    const int64_t b = call.batch, lk = call.key_len;
+    m.k = SplitHeads(at::linear(InputRows(*call.key), w_k_, b_k_), batch_first, b, lk).contiguous();
+    m.v = SplitHeads(at::linear(InputRows(*call.value), w_v_, b_v_), batch_first, b, lk).contiguous();
+    if (call.key_padding_mask) m.kpm = Additive(Wrap(*call.key_padding_mask)).reshape({b, lk}).contiguous();
+  }
+
+  // One session step: the new tokens' keys and values go after the L the session holds (growing
+  // its cache to kv_capacity first), then the new queries attend causally over all L + T. The
+  // session's length is the store's: a step that fails here is not counted, and the rows it wrote
+  // are overwritten by the next.
+  Attended AttendSession(const AttendCall& call, const Rows& r, const at::Tensor& dst, AttendOutputs* out) const {
+    TorchKv& s = static_cast<TorchKv&>(*call.kv);
+    const bool batch_first = call.layout == TensorLayout::kBatchFirst || !call.batched;
+    const int64_t b = call.batch, t = call.query_len, held = call.kv_length, cap = call.kv_capacity;
+    const int64_t h = spec_.num_heads, d = spec_.head_dim();
+    const auto opts = at::TensorOptions().device(device_).dtype(dtype_);
+    if (!s.k.defined() || s.k.size(2) < cap) {
+      at::Tensor k = at::empty({b, h, cap, d}, opts), v = at::empty({b, h, cap, d}, opts);
+      if (held > 0) {
+        k.narrow(2, 0, held).copy_(s.k.narrow(2, 0, held));
+        v.narrow(2, 0, held).copy_(s.v.narrow(2, 0, held));
+      }
+      s.k = k;
+      s.v = v;
+      if (s.kpm.defined()) {
+        at::Tensor kpm = at::zeros({b, cap}, opts);
+        kpm.narrow(1, 0, held).copy_(s.kpm.narrow(1, 0, held));
+        s.kpm = kpm;
+      }
+    }
+    s.k.narrow(2, held, t).copy_(SplitHeads(r.k, batch_first, b, t));
+    s.v.narrow(2, held, t).copy_(SplitHeads(r.v, batch_first, b, t));
+    if (call.key_padding_mask && !s.kpm.defined()) s.kpm = at::zeros({b, s.k.size(2)}, opts);
+    if (s.kpm.defined()) {
+      if (call.key_padding_mask) {
+        s.kpm.narrow(1, held, t).copy_(Additive(Wrap(*call.key_padding_mask)).view({b, t}));
+      } else {
+        s.kpm.narrow(1, held, t).zero_();
+      }
+    }
+    const int64_t lk = held + t;
+    const at::Tensor kpm = s.kpm.defined() ? s.kpm.narrow(1, 0, lk).view({b, 1, 1, lk}) : at::Tensor();
+    return AttendHeads(call, SplitHeads(r.q, batch_first, b, t), s.k.narrow(2, 0, lk), s.v.narrow(2, 0, lk), kpm,
+                       held, dst, out);
+  }
+
+  // Attention over heads: qh [B, H, Lq, D], kh and vh [B, H, Lk, D] (Lk = call.key_len), kpm
+  // additive and broadcastable to [B, 1, 1, Lk] (or undefined). A causal query i may attend key j
+  // when j <= i + causal_offset (a session's queries come after the keys it already held).
+  Attended AttendHeads(const AttendCall& call, const at::Tensor& qh, at::Tensor kh, at::Tensor vh,
+                       const at::Tensor& kpm, int64_t causal_offset, const at::Tensor& dst,
+                       AttendOutputs* out) const {
     const int64_t b = call.batch, lq = call.query_len, lk = call.key_len;
     const int64_t e = spec_.embed_dim, h = spec_.num_heads, d = spec_.head_dim();
     const int64_t extra = spec_.extra_keys(), sl = lk + extra;
     const bool batch_first = call.layout == TensorLayout::kBatchFirst || !call.batched;
-    const at::Tensor qh = SplitHeads(q, batch_first, b, lq);
-    at::Tensor kh = SplitHeads(k, batch_first, b, lk);
-    at::Tensor vh = SplitHeads(v, batch_first, b, lk);
 
     // bias_k/bias_v, then the zero key/value, appended along the key sequence.
     if (bias_k_.defined()) {
@@ -423,14 +520,12 @@ class TorchModel final : public AttentionModel {
       attn_mask = Wrap(*call.attn_mask);
       if (attn_mask.dim() == 3) attn_mask = attn_mask.view({b, h, lq, lk});
     }
-    const at::Tensor kpm =
-        call.key_padding_mask ? Additive(Wrap(*call.key_padding_mask)).view({b, 1, 1, lk}) : at::Tensor();
     const bool want_weights = call.weights != WeightsMode::kNone;
     const bool fused = compat::kHasFusedSdpa && !want_weights;
     const int64_t rows = std::max<int64_t>(1, std::min(lq, kBlockScores / std::max<int64_t>(1, b * h * sl)));
     // The fused kernel applies a plain causal mask by itself when the whole query is one block.
-    const bool fused_causal =
-        fused && call.is_causal && !attn_mask.defined() && !kpm.defined() && extra == 0 && rows == lq;
+    const bool fused_causal = fused && call.is_causal && causal_offset == 0 && !attn_mask.defined() &&
+                              !kpm.defined() && extra == 0 && rows == lq;
 
     at::Tensor weights_out;  // [B, H, Lq, S] or [B, Lq, S] over the answer's bytes
     if (want_weights) {
@@ -444,7 +539,7 @@ class TorchModel final : public AttentionModel {
       if (!call.batched) out->weights_shape.erase(out->weights_shape.begin());
     }
     Attended result;
-    at::Tensor merged = dst.defined() ? dst : at::empty({b * lq, e}, q.options());
+    at::Tensor merged = dst.defined() ? dst : at::empty({b * lq, e}, qh.options());
     // The merged rows as [B, H, Lq, D] (a view), whatever the wire layout.
     const at::Tensor merged_heads =
         batch_first ? merged.view({b, lq, h, d}).transpose(1, 2) : merged.view({lq, b, h, d}).permute({1, 2, 0, 3});
@@ -462,9 +557,9 @@ class TorchModel final : public AttentionModel {
       }
       if (kpm.defined()) add(kpm);
       if (call.is_causal && !fused_causal) {
-        // Query q0 + i may attend key j only when j <= q0 + i.
+        // Query q0 + i may attend key j only when j <= q0 + i + causal_offset.
         const at::Tensor upper =
-            at::ones({n, lk}, at::TensorOptions().dtype(at::kBool).device(device_)).triu(q0 + 1);
+            at::ones({n, lk}, at::TensorOptions().dtype(at::kBool).device(device_)).triu(causal_offset + q0 + 1);
         add(at::zeros({1, 1, n, lk}, qh.options()).masked_fill_(upper.view({1, 1, n, lk}), ninf));
       }
       if (mask.defined() && extra > 0) mask = at::constant_pad_nd(mask, {0, extra}, 0);

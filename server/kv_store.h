@@ -1,0 +1,146 @@
+#pragma once
+// Keys and values kept on the server between requests (issue "server-side key/value memory"): the
+// index of memories and decoding sessions, their handles, byte budget, expiry and eviction. The
+// tensors themselves are the engine's (KvCache); this file knows only their sizes.
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+
+#include "server/engine/attention_model.h"
+#include "server/status.h"
+
+namespace attnserve {
+
+using KvClock = std::chrono::steady_clock;
+
+/// Server flags --kv-budget-bytes, --kv-max-entry-bytes, --kv-ttl-seconds.
+struct KvOptions {
+  int64_t budget_bytes = int64_t{1} << 30;     ///< All memories and sessions together.
+  int64_t max_entry_bytes = int64_t{256} << 20;  ///< One memory or session.
+  double ttl_seconds = 300;                     ///< Unused this long: expired.
+  /// Checks the options: FAILED_PRECONDITION naming the flag at fault.
+  Status Validate() const;
+};
+
+enum class KvKind { kMemory, kSession };
+const char* KvKindName(KvKind kind);  ///< "memory", "session"
+
+/// Counters and gauges the store reports (attnserve_kv_*); any may be empty.
+struct KvMetricsHooks {
+  std::function<void(int64_t bytes, int64_t memories, int64_t sessions)> on_size;
+  std::function<void(KvKind, bool hit)> on_lookup;
+  std::function<void(KvKind)> on_eviction;
+  std::function<void(KvKind)> on_expiry;
+};
+
+struct KvAccount;
+
+/// One memory or session. The store's index holds it, and so does every request using it (through
+/// its AttendCall::kv); its bytes count against the budget until the last holder lets go, so
+/// eviction never frees what a running batch uses.
+struct KvEntry {
+  ~KvEntry();
+  std::string handle;  ///< 32 hex digits.
+  KvKind kind = KvKind::kMemory;
+  std::shared_ptr<const AttentionModel> model;
+  std::shared_ptr<KvCache> cache;
+  int64_t batch = 0;
+  // Guarded by the store's mutex:
+  int64_t length = 0;    ///< Tokens held per sequence (committed steps only).
+  int64_t capacity = 0;  ///< Tokens the cache's allocation holds per sequence.
+  int64_t bytes = 0;     ///< Counted against the budget (the allocation at `capacity`).
+  bool busy = false;     ///< A session step is in flight.
+  bool ready = false;    ///< A memory's keys and values are computed.
+  KvClock::time_point last_use;
+  std::list<KvEntry*>::iterator lru;  ///< Position in the store's LRU list (front: most recent).
+  std::shared_ptr<KvAccount> account;
+};
+
+/// A session step admitted by BeginStep: the length before it and the capacity it computes into.
+struct KvStep {
+  std::shared_ptr<KvEntry> entry;
+  int64_t length = 0;
+  int64_t capacity = 0;
+};
+
+/// The index of memories and sessions. Thread-safe.
+class KvStore {
+ public:
+  explicit KvStore(KvOptions options, KvMetricsHooks hooks = {});
+  ~KvStore();
+  KvStore(const KvStore&) = delete;
+  KvStore& operator=(const KvStore&) = delete;
+
+  const KvOptions& options() const { return options_; }
+
+  /// Reserves a new entry of `capacity` tokens per sequence, evicting least recently used entries
+  /// not in use when the budget needs room. A memory is not found by Lookup until MarkReady.
+  /// INVALID_ARGUMENT over --kv-max-entry-bytes; RESOURCE_EXHAUSTED when the budget cannot make room.
+  StatusOr<std::shared_ptr<KvEntry>> Create(KvKind kind, std::shared_ptr<const AttentionModel> model,
+                                            std::shared_ptr<KvCache> cache, int64_t batch, int64_t capacity);
+  /// A memory's keys and values are in place: its handle now works.
+  void MarkReady(const std::shared_ptr<KvEntry>& entry, int64_t length);
+  /// Drops an entry whose memory could not be computed.
+  void Discard(const std::shared_ptr<KvEntry>& entry);
+
+  /// The entry named `handle`, renewing its expiry; NOT_FOUND saying why when there is none (or it
+  /// is of the other kind).
+  StatusOr<std::shared_ptr<KvEntry>> Lookup(const std::string& handle, KvKind kind);
+
+  /// Admits one step of `tokens` new tokens on a session: marks it busy (ABORTED when a step is in
+  /// flight, or when `expected_length` >= 0 differs from its length), and reserves the growth its
+  /// cache needs (capacity doubling), evicting others if the budget needs room.
+  StatusOr<KvStep> BeginStep(const std::string& handle, int64_t tokens, int64_t expected_length);
+  /// Ends a step BeginStep admitted: on success the session holds `tokens` more.
+  void EndStep(const KvStep& step, bool ok, int64_t tokens);
+
+  /// Removes an entry at once (DeleteMemory, CloseSession): the bytes it frees, or NOT_FOUND.
+  StatusOr<int64_t> Release(const std::string& handle, KvKind kind);
+  /// Ends every entry whose model is `spec` (name, version and weights): a reload unloaded it.
+  void EndModel(const ModelSpec& spec);
+  /// Ends everything (shutdown).
+  void Clear(const std::string& reason);
+  /// Expires entries unused for the TTL; the store's own thread calls it every second.
+  void ExpireIdle(KvClock::time_point now);
+
+  /// Bytes counted against the budget now (entries ended but still in use included).
+  int64_t bytes() const;
+  /// Entries in the index.
+  size_t size() const;
+  /// The tokens per sequence a session's cache is grown to for `needed` tokens: at least 16, and
+  /// doubling, so T steps copy the history O(log T) times.
+  static int64_t GrowCapacity(int64_t capacity, int64_t needed);
+
+ private:
+  std::string NewHandle();
+  void Touch(KvEntry* e, KvClock::time_point now);
+  // Makes room for `need` more bytes by evicting entries not in use, least recently used first.
+  Status MakeRoom(int64_t need, const KvEntry* keep);
+  void Remove(std::string handle, const std::string& reason);
+  void Tombstone(const std::string& handle, const std::string& reason);
+  void ExpiryLoop();
+
+  const KvOptions options_;
+  const KvMetricsHooks hooks_;
+  std::shared_ptr<KvAccount> account_;
+  mutable std::mutex mu_;
+  std::unordered_map<std::string, std::shared_ptr<KvEntry>> entries_;
+  std::list<KvEntry*> lru_;  // Front: most recently used.
+  // Why recent handles are gone, for NOT_FOUND messages: bounded, oldest dropped first.
+  std::unordered_map<std::string, std::string> gone_;
+  std::deque<std::string> gone_order_;
+  bool stop_ = false;
+  std::condition_variable stop_cv_;
+  std::thread expiry_;
+};
+
+}  // namespace attnserve

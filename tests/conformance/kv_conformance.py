@@ -1,0 +1,221 @@
+#!/usr/bin/python3
+"""Keys and values kept on the server, against torch.nn.MultiheadAttention itself.
+
+Decoding sessions: T steps (the first a whole prompt) through OpenSession + Attend(session=...) must
+equal the module's causal self-attention over the concatenated steps, row for row (and their
+attention weights). Memories: Attend(memory=...) must equal the module's cross-attention with the
+memory's key, value and key padding. Several sessions step at once from threads, so steps of
+different sessions and memory requests share the server's batches. Plus the statuses: NOT_FOUND
+saying why (unknown, deleted, closed), ABORTED for a step at the wrong session_length.
+Fresh fixed-seed inputs; tolerance max|out - ref| / max|ref| <= 1e-5 (float32), weights 1e-5 absolute.
+
+usage: kv_conformance.py PATH/TO/attnserve
+"""
+import argparse
+import os
+import sys
+import tempfile
+import threading
+
+import grpc
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools"))
+import attnserve_py as lib  # noqa: E402
+import export_model  # noqa: E402
+
+E, H = 64, 4
+MODELS = {  # name: nn.MultiheadAttention arguments
+    "plain": dict(bias=True),
+    "bias_kv": dict(bias=True, add_bias_kv=True),
+    "zero_attn": dict(bias=False, add_zero_attn=True),
+    "both": dict(bias=True, add_bias_kv=True, add_zero_attn=True),
+    "cross_dims": dict(bias=True, kdim=48, vdim=40),
+}
+TOL, WTOL = 1e-5, 1e-5
+
+
+def rel_err(got, want):
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+def reference(m, q, k, v, kpm=None, mask=None, weights="none", seq_first=False):
+    """The module's forward on batch-first numpy inputs; output (and weights) as numpy."""
+    t = lambda a: None if a is None else torch.from_numpy(a)
+    with torch.no_grad():
+        qq, kk, vv = t(q), t(k), t(v)
+        if seq_first:
+            qq, kk, vv = qq.transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1)
+        out, w = m(qq, kk, vv, key_padding_mask=t(kpm), attn_mask=t(mask), need_weights=weights != "none",
+                   average_attn_weights=weights == "avg")
+        if seq_first:
+            out = out.transpose(0, 1)
+    return out.numpy(), None if w is None else w.numpy()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("binary")
+    args = ap.parse_args()
+    pb, rpc = lib.load_stubs()
+    checks = lib.Checks()
+    tmp = tempfile.mkdtemp(prefix="attnserve-kv-")
+    modules = {}
+    for i, (name, kw) in enumerate(MODELS.items()):
+        torch.manual_seed(300 + i)
+        m = torch.nn.MultiheadAttention(E, H, batch_first=True, **kw).eval()
+        for p in m.parameters():  # Non-trivial biases too.
+            torch.nn.init.normal_(p, std=0.2)
+        modules[name] = m
+        export_model.export(m, os.path.join(tmp, name))
+    server = lib.Server(args.binary, "--models", tmp)
+    stub = rpc.AttentionServiceStub(grpc.insecure_channel(server.target))
+    weights_code = {"none": 0, "avg": 1, "head": 2}
+
+    def run_session(name, b, steps, seed, weights="none", kpm=False, seq_first=False, results=None):
+        """Steps one session; returns (max output error, max weights error) over its steps."""
+        m = modules[name]
+        rng = np.random.default_rng(seed)
+        length = sum(steps)
+        x = rng.standard_normal((b, length, E)).astype(np.float32)
+        pad = np.zeros((b, length), dtype=bool)
+        if kpm:
+            pad[0, [2, 5, length - 1]] = True  # Key 0 stays visible: no row is fully masked.
+        causal = np.triu(np.ones((length, length), dtype=bool), 1)
+        want, want_w = reference(m, x, x, x, pad if kpm else None, causal, weights)
+        handle = stub.OpenSession(pb.OpenSessionRequest(model=name, batch=b), timeout=30)
+        err = werr = 0.0
+        t0 = 0
+        for t in steps:
+            q = x[:, t0:t0 + t]
+            wire_q = np.ascontiguousarray(q.transpose(1, 0, 2)) if seq_first else q
+            req = pb.AttendRequest(session=handle.handle, query=lib.to_wire(pb, wire_q),
+                                   attn_weights=weights_code[weights], layout=2 if seq_first else 1,
+                                   session_length=t0)
+            if kpm:
+                req.key_padding_mask.CopyFrom(lib.to_wire(pb, np.ascontiguousarray(pad[:, t0:t0 + t])))
+            resp = stub.Attend(req, timeout=30)
+            got = lib.from_wire(pb, resp.output)
+            if seq_first:
+                got = got.transpose(1, 0, 2)
+            err = max(err, float(np.abs(got - want[:, t0:t0 + t]).max() / np.abs(want).max()))
+            if weights != "none":
+                gw = lib.from_wire(pb, resp.attn_weights)
+                extra = gw.shape[-1] - (t0 + t)  # bias_k / zero key columns come last
+                ref = want_w[..., t0:t0 + t, :]
+                ref = np.concatenate([ref[..., :t0 + t], ref[..., length:]], axis=-1)
+                assert ref.shape[-1] == t0 + t + extra
+                werr = max(werr, float(np.abs(gw - ref).max()))
+            if resp.session_length != t0 + t:
+                err = float("inf")
+            t0 += t
+        stub.CloseSession(pb.ReleaseRequest(handle=handle.handle), timeout=30)
+        if results is not None:
+            results.append((err, werr))
+        return err, werr
+
+    try:
+        steps = [6, 1, 1, 4, 1, 3, 1]
+        for name in ("plain", "bias_kv", "zero_attn", "both"):
+            for weights, kpm, seq_first, b in (("none", False, False, 2), ("head", True, False, 3),
+                                               ("avg", False, True, 1)):
+                err, werr = run_session(name, b, steps, 11, weights, kpm, seq_first)
+                label = f"session {name} B={b} weights={weights}{' kpm' if kpm else ''}{' seq-first' if seq_first else ''}"
+                checks(f"{label}: steps = causal MHA over the concatenation (rel {err:.1e})", err <= TOL)
+                if weights != "none":
+                    checks(f"{label}: attention weights (abs {werr:.1e})", werr <= WTOL)
+
+        # Memories: cross-attention against kept keys and values, with key padding and masks.
+        for name in ("plain", "both", "cross_dims"):
+            m = modules[name]
+            rng = np.random.default_rng(21)
+            b, lk = 2, 24
+            k = rng.standard_normal((b, lk, m.kdim)).astype(np.float32)
+            v = rng.standard_normal((b, lk, m.vdim)).astype(np.float32)
+            pad = np.zeros((b, lk), dtype=bool)
+            pad[1, [0, 7]] = True
+            handle = stub.CreateMemory(pb.CreateMemoryRequest(model=name, key=lib.to_wire(pb, k),
+                                                              value=lib.to_wire(pb, v),
+                                                              key_padding_mask=lib.to_wire(pb, pad)), timeout=30)
+            checks(f"memory {name}: handle, length and bytes", len(handle.handle) == 32 and handle.length == lk
+                   and handle.batch == b and handle.bytes > 0, handle)
+            for lq, weights, masked in ((1, "none", False), (9, "head", True), (30, "avg", False)):
+                q = rng.standard_normal((b, lq, E)).astype(np.float32)
+                mask = rng.standard_normal((lq, lk)).astype(np.float32) if masked else None
+                want, want_w = reference(m, q, k, v, pad, mask, weights)
+                req = pb.AttendRequest(memory=handle.handle, query=lib.to_wire(pb, q),
+                                       attn_weights=weights_code[weights])
+                if masked:
+                    req.attn_mask.CopyFrom(lib.to_wire(pb, mask))
+                resp = stub.Attend(req, timeout=30)
+                err = rel_err(lib.from_wire(pb, resp.output), want)
+                ok = err <= TOL and resp.model == name
+                if want_w is not None:
+                    ok = ok and float(np.abs(lib.from_wire(pb, resp.attn_weights) - want_w).max()) <= WTOL
+                checks(f"memory {name} Lq={lq} weights={weights}{' mask' if masked else ''}: = cross MHA "
+                       f"(rel {err:.1e})", ok)
+            stub.DeleteMemory(pb.ReleaseRequest(handle=handle.handle), timeout=30)
+            try:
+                stub.Attend(pb.AttendRequest(memory=handle.handle, query=lib.to_wire(pb, q)), timeout=30)
+                checks(f"memory {name}: deleted handle refused", False)
+            except grpc.RpcError as e:
+                checks(f"memory {name}: deleted handle NOT_FOUND saying so",
+                       e.code() == grpc.StatusCode.NOT_FOUND and "deleted" in e.details(), e.details())
+
+        # Several sessions at once (their steps share batches), plus memory requests meanwhile.
+        results = []
+        threads = [threading.Thread(target=run_session, args=("plain", 2, [8, 1, 1, 1, 2, 1, 1, 1], 100 + i),
+                                    kwargs=dict(results=results)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        worst = max(r[0] for r in results) if len(results) == 6 else float("inf")
+        checks(f"6 concurrent sessions: every step = its causal MHA (worst rel {worst:.1e})", worst <= TOL)
+
+        # Statuses.
+        q = np.zeros((1, 1, E), dtype=np.float32)
+        for field in ("memory", "session"):
+            try:
+                stub.Attend(pb.AttendRequest(query=lib.to_wire(pb, q), **{field: "0" * 32}), timeout=30)
+                checks(f"unknown {field}: refused", False)
+            except grpc.RpcError as e:
+                checks(f"unknown {field}: NOT_FOUND saying unknown",
+                       e.code() == grpc.StatusCode.NOT_FOUND and "unknown" in e.details(), e.details())
+        s = stub.OpenSession(pb.OpenSessionRequest(model="plain", batch=1), timeout=30)
+        stub.Attend(pb.AttendRequest(session=s.handle, query=lib.to_wire(pb, q)), timeout=30)
+        try:
+            stub.Attend(pb.AttendRequest(session=s.handle, query=lib.to_wire(pb, q), session_length=0), timeout=30)
+            checks("a step at the wrong session_length: refused", False)
+        except grpc.RpcError as e:
+            checks("a step at the wrong session_length: ABORTED naming the length",
+                   e.code() == grpc.StatusCode.ABORTED and "holds 1 tokens" in e.details(), e.details())
+        try:
+            stub.Attend(pb.AttendRequest(session=s.handle, query=lib.to_wire(pb, np.zeros((2, 1, E), np.float32))),
+                        timeout=30)
+            checks("a step with another batch: refused", False)
+        except grpc.RpcError as e:
+            checks("a step with another batch: INVALID_ARGUMENT", e.code() == grpc.StatusCode.INVALID_ARGUMENT,
+                   e.details())
+        stub.CloseSession(pb.ReleaseRequest(handle=s.handle), timeout=30)
+        try:
+            stub.Attend(pb.AttendRequest(session=s.handle, query=lib.to_wire(pb, q)), timeout=30)
+            checks("closed session refused", False)
+        except grpc.RpcError as e:
+            checks("closed session: NOT_FOUND saying closed",
+                   e.code() == grpc.StatusCode.NOT_FOUND and "closed" in e.details(), e.details())
+        try:
+            stub.OpenSession(pb.OpenSessionRequest(model="cross_dims", batch=1), timeout=30)
+            checks("session on a kdim != embed_dim model refused", False)
+        except grpc.RpcError as e:
+            checks("session on a kdim != embed_dim model: INVALID_ARGUMENT",
+                   e.code() == grpc.StatusCode.INVALID_ARGUMENT, e.details())
+    finally:
+        server.stop()
+    return checks.summary("kv_conformance")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
