@@ -46,7 +46,8 @@ Tensor FromWire(pb::Tensor* t) {
 }
 
 void ToWire(const AttendRequest& r, pb::AttendRequest* out) {
-  out->set_model(r.model);
+  // A memory or session names its model; `model` (default "demo") is not sent with one.
+  if (r.memory.empty() && r.session.empty()) out->set_model(r.model);
   ToWire(r.query, out->mutable_query());
   if (r.key) ToWire(*r.key, out->mutable_key());
   if (r.value) ToWire(*r.value, out->mutable_value());
@@ -57,6 +58,14 @@ void ToWire(const AttendRequest& r, pb::AttendRequest* out) {
   out->set_layout(static_cast<pb::Layout>(r.layout));
   out->set_request_id(r.request_id);
   out->set_model_version(r.model_version);
+  out->set_memory(r.memory);
+  out->set_session(r.session);
+  if (r.session_length) out->set_session_length(*r.session_length);
+}
+
+KvInfo FromWire(const pb::KvHandle& h) {
+  return KvInfo{h.handle(), h.model(), h.model_version(), h.weights_hash(),
+                h.batch(),  h.length(), h.bytes(),       h.ttl_seconds()};
 }
 
 AttendResult FromWire(pb::AttendResponse* r) {
@@ -71,6 +80,7 @@ AttendResult FromWire(pb::AttendResponse* r) {
   out.compute_seconds = r->timing().compute_seconds();
   out.batch_size = r->timing().batch_size();
   out.previous_attempts = r->timing().previous_attempts();
+  out.session_length = r->session_length();
   return out;
 }
 
@@ -420,6 +430,54 @@ CallStatus Client::GetModel(const std::string& name, int64_t version, ModelInfo*
   const grpc::Status s = impl_->stub->GetModel(&ctx, req, &resp);
   if (s.ok()) *model = FromWire(resp);
   return FromGrpc(s);
+}
+
+CallStatus Client::CreateMemory(const MemoryRequest& request, KvInfo* memory, const CallOptions& call) {
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx, call);
+  pb::CreateMemoryRequest req;
+  req.set_model(request.model);
+  req.set_model_version(request.model_version);
+  ToWire(request.key, req.mutable_key());
+  ToWire(request.value, req.mutable_value());
+  if (request.key_padding_mask) ToWire(*request.key_padding_mask, req.mutable_key_padding_mask());
+  req.set_layout(static_cast<pb::Layout>(request.layout));
+  pb::KvHandle resp;
+  const grpc::Status s = impl_->stub->CreateMemory(&ctx, req, &resp);
+  if (s.ok()) *memory = FromWire(resp);
+  return FromGrpc(s);
+}
+
+CallStatus Client::OpenSession(const std::string& model, int64_t batch, KvInfo* session,
+                               const CallOptions& call, int64_t model_version) {
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx, call);
+  pb::OpenSessionRequest req;
+  req.set_model(model);
+  req.set_model_version(model_version);
+  req.set_batch(batch);
+  pb::KvHandle resp;
+  const grpc::Status s = impl_->stub->OpenSession(&ctx, req, &resp);
+  if (s.ok()) *session = FromWire(resp);
+  return FromGrpc(s);
+}
+
+CallStatus Client::DeleteMemory(const std::string& handle, const CallOptions& call) {
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx, call);
+  pb::ReleaseRequest req;
+  req.set_handle(handle);
+  pb::ReleaseResponse resp;
+  return FromGrpc(impl_->stub->DeleteMemory(&ctx, req, &resp));
+}
+
+CallStatus Client::CloseSession(const std::string& handle, const CallOptions& call) {
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx, call);
+  pb::ReleaseRequest req;
+  req.set_handle(handle);
+  pb::ReleaseResponse resp;
+  return FromGrpc(impl_->stub->CloseSession(&ctx, req, &resp));
 }
 
 CallStatus Client::Health(const std::string& service, bool* serving, const CallOptions& call) {

@@ -1,4 +1,5 @@
-// attnserve-cli: list models, describe one, send an attention request, check health, reload models.
+// attnserve-cli: list models, describe one, send an attention request, check health, reload models,
+// run a decoding session.
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cmath>
@@ -100,6 +101,16 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"float32", "float16"}))->capture_default_str();
   attend->add_flag("--causal", causal, "Apply a causal mask");
   attend->add_option("--seed", seed, "Seed of the random inputs")->capture_default_str();
+  auto* decode = app.add_subcommand(
+      "decode", "Open a decoding session, send a random prompt then one-token steps, print each "
+                "step's round trip, close it");
+  std::string decode_model = "demo";
+  int64_t decode_batch = 1, prompt_len = 16, decode_steps = 8;
+  decode->add_option("--model", decode_model, "Model name")->capture_default_str();
+  decode->add_option("--batch", decode_batch, "Sequences")->check(CLI::PositiveNumber)->capture_default_str();
+  decode->add_option("--prompt-len", prompt_len, "Tokens of the first step")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  decode->add_option("--steps", decode_steps, "One-token steps after the prompt")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   attnserve::cli::FinishClientFlags(&options);
 
@@ -119,6 +130,39 @@ int main(int argc, char** argv) {
     if (!s.ok()) return Fail(s);
     for (const auto& m : models) PrintModel(m);
     return 0;
+  }
+  if (*decode) {
+    attnserve::ModelInfo m;
+    auto s = client.GetModel(decode_model, &m);
+    if (!s.ok()) return Fail(s);
+    attnserve::KvInfo session;
+    s = client.OpenSession(decode_model, decode_batch, &session);
+    if (!s.ok()) return Fail(s);
+    std::printf("session %s on %s version %lld, batch %lld\n", session.handle.c_str(), session.model.c_str(),
+                static_cast<long long>(session.model_version), static_cast<long long>(decode_batch));
+    std::mt19937 rng(7);
+    attnserve::AttendRequest req;
+    req.session = session.handle;
+    int64_t held = 0;
+    for (int64_t step = 0; step <= decode_steps; ++step) {
+      const int64_t tokens = step == 0 ? prompt_len : 1;
+      req.query = RandomTensor(rng, {decode_batch, tokens, m.embed_dim}, false);
+      req.session_length = held;
+      attnserve::AttendResult res;
+      const auto t0 = std::chrono::steady_clock::now();
+      s = client.Attend(req, &res);
+      const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      if (!s.ok()) {
+        client.CloseSession(session.handle);
+        return Fail(s);
+      }
+      held = res.session_length;
+      std::printf("step %lld: %lld new token(s), session holds %lld, output %s, %.2f ms\n",
+                  static_cast<long long>(step), static_cast<long long>(tokens), static_cast<long long>(held),
+                  Shape(res.output.shape).c_str(), ms);
+    }
+    s = client.CloseSession(session.handle);
+    return s.ok() ? 0 : Fail(s);
   }
   if (*info) {
     attnserve::ModelInfo m;

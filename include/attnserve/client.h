@@ -32,6 +32,16 @@ struct AttendRequest {
   Layout layout = Layout::kBatchFirst;
   uint64_t request_id = 0;
   int64_t model_version = 0;                 ///< A version of `model`; 0 = the highest loaded.
+  /// A memory's handle (Client::CreateMemory): cross-attention against its keys and values; no
+  /// key, value or key_padding_mask then. With a memory or session, `model` is not sent (the handle
+  /// names its model; model_version, when not 0, must be its).
+  std::string memory;
+  /// A session's handle (Client::OpenSession): `query` holds the step's new tokens, appended to the
+  /// session, attending causally over all so far; key_padding_mask [B, T] covers the new tokens.
+  std::string session;
+  /// With `session`: the tokens the session should hold before this step (else ABORTED); unset:
+  /// not checked.
+  std::optional<int64_t> session_length;
 };
 
 /// A successful answer.
@@ -46,6 +56,28 @@ struct AttendResult {
   double compute_seconds = 0;  ///< Server-side compute.
   uint32_t batch_size = 0;     ///< Requests computed together with this one.
   uint32_t previous_attempts = 0;  ///< Failed attempts the retry policy made before this answer.
+  int64_t session_length = 0;      ///< With a session: the tokens it holds after this step.
+};
+
+/// A memory or session kept on the server (KvHandle).
+struct KvInfo {
+  std::string handle;        ///< 32 hex digits; name it in AttendRequest::memory or ::session.
+  std::string model;
+  int64_t model_version = 0;
+  std::string weights_hash;
+  int64_t batch = 0;
+  int64_t length = 0;        ///< Tokens held per sequence.
+  int64_t bytes = 0;         ///< Server memory held.
+  double ttl_seconds = 0;    ///< Expires this long after its last use.
+};
+
+/// CreateMemory's inputs: key and value in `layout`, optional key padding.
+struct MemoryRequest {
+  std::string model = "demo";
+  int64_t model_version = 0;
+  Tensor key, value;                         ///< [B, Lk, kdim], [B, Lk, vdim] (or unbatched)
+  std::optional<Tensor> key_padding_mask;    ///< [B, Lk]
+  Layout layout = Layout::kBatchFirst;
 };
 
 /// What a loaded model is.
@@ -184,6 +216,14 @@ class Client {
   /// Needs admin credentials: CallOptions::bearer_token, or a client certificate the server names
   /// in --admin-client-names; else UNAUTHENTICATED (16) or PERMISSION_DENIED (7).
   CallStatus ReloadModels(ReloadResult* result, const CallOptions& call = {});
+  /// Keys and values kept on the server (README "Keys and values kept on the server"). A memory or
+  /// session lives on the server that made it: with several replicas behind one target, use a
+  /// Client whose target is one replica for them.
+  CallStatus CreateMemory(const MemoryRequest& request, KvInfo* memory, const CallOptions& call = {});
+  CallStatus DeleteMemory(const std::string& handle, const CallOptions& call = {});
+  CallStatus OpenSession(const std::string& model, int64_t batch, KvInfo* session,
+                         const CallOptions& call = {}, int64_t model_version = 0);
+  CallStatus CloseSession(const std::string& handle, const CallOptions& call = {});
   /// gRPC health: `service` "" for the server, "attnserve.v1.AttentionService/<model>" for a model.
   CallStatus Health(const std::string& service, bool* serving, const CallOptions& call = {});
 

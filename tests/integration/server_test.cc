@@ -105,6 +105,66 @@ TEST_F(ServerTest, AttendsSelfAndCrossDeterministically) {
   for (float x : c.output.ToFloats()) ASSERT_TRUE(std::isfinite(x));
 }
 
+// The C++ client's memories and sessions: a memory answers what key and value on the wire answer;
+// session steps answer the rows of one causal self-attention over their concatenation (same server,
+// same model; float32, 1e-5 of the output's scale).
+TEST_F(ServerTest, ClientMemoriesAndSessionsEqualTheirOneCallForms) {
+  const auto close = [](const Tensor& got, const std::vector<float>& want) {
+    const std::vector<float> g = got.ToFloats();
+    double err = 0, scale = 0;
+    for (size_t i = 0; i < want.size(); ++i) {
+      err = std::max(err, std::fabs(static_cast<double>(g[i]) - want[i]));
+      scale = std::max(scale, std::fabs(static_cast<double>(want[i])));
+    }
+    return g.size() == want.size() && scale > 0.1 && err <= 1e-5 * scale;
+  };
+  const AttendRequest cross = Request(2, 5, 12, 9);
+  MemoryRequest m;
+  m.key = *cross.key;
+  m.value = *cross.value;
+  KvInfo memory;
+  ASSERT_TRUE(client_->CreateMemory(m, &memory).ok());
+  EXPECT_EQ(memory.handle.size(), 32u);
+  EXPECT_EQ(memory.length, 12);
+  EXPECT_EQ(memory.batch, 2);
+  AttendResult wire, kept;
+  ASSERT_TRUE(client_->Attend(cross, &wire).ok());
+  AttendRequest with_memory;
+  with_memory.query = cross.query;
+  with_memory.memory = memory.handle;
+  ASSERT_TRUE(client_->Attend(with_memory, &kept).ok());
+  EXPECT_TRUE(close(kept.output, wire.output.ToFloats()));
+  ASSERT_TRUE(client_->DeleteMemory(memory.handle).ok());
+  CallStatus gone = client_->Attend(with_memory, &kept);
+  EXPECT_EQ(gone.code, 5);
+  EXPECT_THAT(gone.message, HasSubstr("deleted"));
+
+  // One causal call over 9 tokens, then the same tokens as steps of 4, 1, 3, 1.
+  AttendRequest whole = Request(1, 9, 0, 10);
+  whole.is_causal = true;
+  AttendResult all;
+  ASSERT_TRUE(client_->Attend(whole, &all).ok());
+  const std::vector<float> x = whole.query.ToFloats(), y = all.output.ToFloats();
+  KvInfo session;
+  ASSERT_TRUE(client_->OpenSession("demo", 1, &session).ok());
+  int64_t t0 = 0;
+  for (int64_t t : {4, 1, 3, 1}) {
+    AttendRequest step;
+    step.session = session.handle;
+    step.session_length = t0;
+    step.query = Tensor::Float32({1, t, 512}, std::vector<float>(x.begin() + t0 * 512, x.begin() + (t0 + t) * 512));
+    AttendResult r;
+    const CallStatus s = client_->Attend(step, &r);
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    EXPECT_EQ(r.session_length, t0 + t);
+    EXPECT_TRUE(close(r.output, std::vector<float>(y.begin() + t0 * 512, y.begin() + (t0 + t) * 512)))
+        << "step at " << t0;
+    t0 += t;
+  }
+  ASSERT_TRUE(client_->CloseSession(session.handle).ok());
+  EXPECT_EQ(client_->CloseSession(session.handle).code, 5);
+}
+
 TEST_F(ServerTest, HalfPrecisionWireRoundTripsCloseToFloat32) {
   AttendRequest r32 = Request(1, 5, 0, 9);
   AttendRequest r16 = r32;
@@ -282,6 +342,7 @@ TEST(GrpcStatusTest, OneMappingForEveryCode) {
       {StatusCode::kFailedPrecondition, grpc::StatusCode::FAILED_PRECONDITION},
       {StatusCode::kUnauthenticated, grpc::StatusCode::UNAUTHENTICATED},
       {StatusCode::kPermissionDenied, grpc::StatusCode::PERMISSION_DENIED},
+      {StatusCode::kAborted, grpc::StatusCode::ABORTED},
       {StatusCode::kInternal, grpc::StatusCode::INTERNAL}};
   for (const auto& [ours, theirs] : table) {
     const grpc::Status g = ToGrpcStatus(Status(ours, ours == StatusCode::kOk ? "" : "why"));
