@@ -146,8 +146,10 @@ class TorchModel final : public AttentionModel {
     std::vector<size_t> small_index;
     for (size_t i = 0; i < calls.size(); ++i) {
       const AttendCall& c = *calls[i];
-      if (c.kv_use == AttendCall::Kv::kNone &&
-          c.batch * std::max(c.query_len, c.self_attention() ? 0 : c.key_len) <= kPackRows) {
+      // Small calls share the projection GEMMs: query rows, plus the key rows a call carries (a
+      // memory's or session's kept keys are projected already). A memory's creation runs alone.
+      if (c.kv_use != AttendCall::Kv::kCreateMemory &&
+          c.batch * std::max(c.query_len, c.key ? c.key_len : 0) <= kPackRows) {
         small_calls.push_back(&c);
         small_outs.push_back(outs[i]);
         small_index.push_back(i);
@@ -225,7 +227,7 @@ class TorchModel final : public AttentionModel {
   // Whether a packed call's attention can join a varlen launch: no weights, no masks, no appended
   // keys, and each batch element's rows contiguous in the wire's order.
   bool VarlenEligible(const AttendCall& c) const {
-    return varlen_ != Varlen::kOff && c.weights == WeightsMode::kNone && !c.attn_mask &&
+    return varlen_ != Varlen::kOff && c.kv_use == AttendCall::Kv::kNone && c.weights == WeightsMode::kNone && !c.attn_mask &&
            !c.key_padding_mask && spec_.extra_keys() == 0 &&
            (c.layout == TensorLayout::kBatchFirst || !c.batched || c.batch == 1);
   }
@@ -254,7 +256,7 @@ class TorchModel final : public AttentionModel {
       q_off[i] = q_rows;
       q_rows += c.batch * c.query_len;
       if (c.self_attention()) self_rows = q_rows;
-      if (!c.self_attention()) {
+      if (c.key) {  // Keys on the wire (a memory's are kept projected).
         k_off[i] = k_rows;
         k_rows += c.batch * c.key_len;
       }
@@ -265,7 +267,7 @@ class TorchModel final : public AttentionModel {
     for (size_t i = 0; i < calls.size(); ++i) {
       const AttendCall& c = *calls[i];
       x.narrow(0, q_off[i], c.batch * c.query_len).copy_(Wrap(c.query).view({-1, e}));
-      if (!c.self_attention()) {
+      if (c.key) {
         kx.narrow(0, k_off[i], c.batch * c.key_len).copy_(Wrap(*c.key).view({-1, spec_.kdim}));
         vx.narrow(0, k_off[i], c.batch * c.key_len).copy_(Wrap(*c.value).view({-1, spec_.vdim}));
       }
@@ -275,8 +277,10 @@ class TorchModel final : public AttentionModel {
     at::Tensor q_cross, k_cross, v_cross;
     if (self_rows < q_rows) {
       q_cross = at::linear(x.narrow(0, self_rows, q_rows - self_rows), w_q_, b_q_);
-      k_cross = at::linear(kx, w_k_, b_k_);
-      v_cross = at::linear(vx, w_v_, b_v_);
+      if (k_rows) {
+        k_cross = at::linear(kx, w_k_, b_k_);
+        v_cross = at::linear(vx, w_v_, b_v_);
+      }
     }
     // Projected rows from call i's on: rq query rows, rk key and value rows ([rows, E] each).
     const auto rows_of = [&](size_t i, int64_t rq, int64_t rk) {
@@ -284,6 +288,7 @@ class TorchModel final : public AttentionModel {
         return Rows{qkv_self[0].narrow(0, q_off[i], rq), qkv_self[1].narrow(0, q_off[i], rq),
                     qkv_self[2].narrow(0, q_off[i], rq)};
       }
+      if (!calls[i]->key) return Rows{q_cross.narrow(0, q_off[i] - self_rows, rq), at::Tensor(), at::Tensor()};
       return Rows{q_cross.narrow(0, q_off[i] - self_rows, rq), k_cross.narrow(0, k_off[i], rk),
                   v_cross.narrow(0, k_off[i], rk)};
     };
@@ -313,9 +318,10 @@ class TorchModel final : public AttentionModel {
     for (size_t i = 0; i < calls.size(); ++i) {
       if (done[i]) continue;
       const AttendCall& c = *calls[i];
-      const Rows r = rows_of(i, c.batch * c.query_len, c.batch * c.key_len);
-      attended[i] = AttendRows(*calls[i], r.q, r.k, r.v,
-                               merged.narrow(0, q_off[i], calls[i]->batch * calls[i]->query_len), outs[i]);
+      // A session step's rows: its new tokens' q, k and v (self-attention rows).
+      const int64_t rk = c.kv_use == AttendCall::Kv::kSession ? c.query_len : c.key_len;
+      const Rows r = rows_of(i, c.batch * c.query_len, c.batch * rk);
+      attended[i] = AttendAny(c, r, merged.narrow(0, q_off[i], c.batch * c.query_len), outs[i]);
     }
     const at::Tensor y = b_out_.defined() ? at::addmm(b_out_, merged, w_out_t_) : at::mm(merged, w_out_t_);
     for (size_t i = 0; i < calls.size(); ++i) {

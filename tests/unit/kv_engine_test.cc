@@ -219,6 +219,88 @@ INSTANTIATE_TEST_SUITE_P(
                       KvCase{"AveragedWeights", true, false, false, 2, true, false, false, true, WeightsMode::kAveraged}),
     [](const auto& info) { return std::string(info.param.name); });
 
+// Steps of two sessions, a memory query and an ordinary call in one ForwardBatch (their projections
+// share the packed GEMMs) give what each gives alone.
+TEST(KvBatchTest, SessionStepsAndMemoryQueriesBatchedEqualThemAlone) {
+  std::mt19937 rng(5);
+  ModelSpec spec;
+  auto model = MakeModel(KvCase{"Batched", true, true, false}, rng, &spec);
+  ASSERT_TRUE(model);
+  const auto floats = [&](std::vector<int64_t> shape) {
+    return testing::Floats(shape, testing::RandomFloats(rng, testing::Numel(shape)));
+  };
+  const Buffer k = floats({2, 10, 32}), v = floats({2, 10, 32});
+  AttendCall create;
+  create.key = k.view();
+  create.value = v.view();
+  ASSERT_TRUE(ValidateCreateMemory(spec, {}, &create).ok());
+  create.kv = model->NewKvCache();
+  std::string none;
+  AttendOutputs co;
+  co.output = &none;
+  ASSERT_TRUE(model->Forward(create, &co).ok());
+  // Each session twice: one stepped alone, its twin stepped in batches.
+  std::shared_ptr<KvCache> alone[2] = {model->NewKvCache(), model->NewKvCache()};
+  std::shared_ptr<KvCache> batched[2] = {model->NewKvCache(), model->NewKvCache()};
+  int64_t held[2] = {0, 0}, capacity[2] = {0, 0};
+  for (int round = 0; round < 5; ++round) {
+    std::vector<Buffer> bufs;
+    bufs.reserve(8);
+    std::vector<AttendCall> single, together;
+    for (int s = 0; s < 2; ++s) {
+      const int64_t t = round == 0 ? 3 + s : 1, b = s + 1;
+      bufs.push_back(floats({b, t, 32}));
+      AttendCall c;
+      c.query = bufs.back().view();
+      c.is_causal = true;
+      c.kv_use = AttendCall::Kv::kSession;
+      c.kv_batch = b;
+      c.kv_length = held[s];
+      capacity[s] = held[s] + t <= capacity[s] ? capacity[s] : std::max<int64_t>({held[s] + t, 2 * capacity[s], 16});
+      c.kv_capacity = capacity[s];
+      ASSERT_TRUE(Validate(spec, {}, &c).ok());
+      c.kv = alone[s];
+      single.push_back(c);
+      c.kv = batched[s];
+      together.push_back(c);
+      held[s] += t;
+    }
+    bufs.push_back(floats({2, 2, 32}));
+    AttendCall m;
+    m.query = bufs.back().view();
+    m.kv_use = AttendCall::Kv::kMemory;
+    m.kv = create.kv;
+    m.kv_batch = 2;
+    m.kv_length = 10;
+    ASSERT_TRUE(Validate(spec, {}, &m).ok());
+    single.push_back(m);
+    together.push_back(m);
+    bufs.push_back(floats({1, 4, 32}));
+    AttendCall plain;
+    plain.query = bufs.back().view();
+    ASSERT_TRUE(Validate(spec, {}, &plain).ok());
+    single.push_back(plain);
+    together.push_back(plain);
+    std::vector<std::string> a(single.size()), t(single.size());
+    std::vector<AttendOutputs> ao(single.size()), to(single.size());
+    std::vector<const AttendCall*> calls;
+    std::vector<AttendOutputs*> outs;
+    for (size_t i = 0; i < single.size(); ++i) {
+      ao[i].output = &a[i];
+      ASSERT_TRUE(model->Forward(single[i], &ao[i]).ok());
+      to[i].output = &t[i];
+      calls.push_back(&together[i]);
+      outs.push_back(&to[i]);
+    }
+    const std::vector<Status> st = model->ForwardBatch(calls, outs);
+    for (size_t i = 0; i < single.size(); ++i) {
+      ASSERT_TRUE(st[i].ok()) << st[i].message();
+      const auto [err, scale] = Compare(t[i], a[i]);
+      EXPECT_LE(err, 1e-5 * scale) << "round " << round << ", call " << i;
+    }
+  }
+}
+
 class KvMemoryTest : public ::testing::TestWithParam<KvCase> {};
 
 TEST_P(KvMemoryTest, MemoryEqualsCrossAttentionWithKeyAndValueOnTheWire) {
