@@ -33,6 +33,18 @@ KvEntry::~KvEntry() {
 
 const char* KvKindName(KvKind kind) { return kind == KvKind::kMemory ? "memory" : "session"; }
 
+const char* KvEndReasonName(KvEndReason reason) {
+  switch (reason) {
+    case KvEndReason::kReleased: return "released";
+    case KvEndReason::kEvicted: return "evicted";
+    case KvEndReason::kExpired: return "expired";
+    case KvEndReason::kUnloaded: return "unloaded";
+    case KvEndReason::kFailed: return "failed";
+    case KvEndReason::kShutdown: return "shutdown";
+  }
+  return "unknown";
+}
+
 Status KvOptions::Validate() const {
   const auto bad = [](const std::string& m) { return Status(StatusCode::kFailedPrecondition, m); };
   if (budget_bytes < 1) return bad("--kv-budget-bytes: " + std::to_string(budget_bytes) + "; expected >= 1");
@@ -105,13 +117,11 @@ Status KvStore::MakeRoom(int64_t need, const KvEntry* keep) {
     --it;
     KvEntry* e = *it;
     if (!evictable(e)) continue;
-    const KvKind kind = e->kind;
     const std::string handle = e->handle;
     held -= e->bytes;  // Freed now: only the index held it.
     it = std::next(it);  // Remove erases *it: step past it first.
-    Remove(handle, std::string("evicted (least recently used, to make room under --kv-budget-bytes ") +
+    Remove(handle, KvEndReason::kEvicted, std::string("evicted (least recently used, to make room under --kv-budget-bytes ") +
                        std::to_string(options_.budget_bytes) + ")");
-    if (hooks_.on_eviction) hooks_.on_eviction(kind);
   }
   return Status::Ok();
 }
@@ -157,7 +167,7 @@ void KvStore::MarkReady(const std::shared_ptr<KvEntry>& entry, int64_t length) {
 
 void KvStore::Discard(const std::shared_ptr<KvEntry>& entry) {
   std::lock_guard<std::mutex> lock(mu_);
-  Remove(entry->handle, "its keys and values could not be computed");
+  Remove(entry->handle, KvEndReason::kFailed, "its keys and values could not be computed");
 }
 
 StatusOr<std::shared_ptr<KvEntry>> KvStore::Lookup(const std::string& handle, KvKind kind) {
@@ -222,7 +232,7 @@ void KvStore::EndStep(const KvStep& step, bool ok, int64_t tokens) {
 StatusOr<int64_t> KvStore::Release(const std::string& handle, KvKind kind) {
   ASSIGN_OR_RETURN(std::shared_ptr<KvEntry> e, Lookup(handle, kind));
   std::lock_guard<std::mutex> lock(mu_);
-  Remove(handle, kind == KvKind::kMemory ? "deleted (DeleteMemory)" : "closed (CloseSession)");
+  Remove(handle, KvEndReason::kReleased, kind == KvKind::kMemory ? "deleted (DeleteMemory)" : "closed (CloseSession)");
   return e->bytes;
 }
 
@@ -236,14 +246,14 @@ void KvStore::EndModel(const ModelSpec& spec) {
     }
   }
   for (const std::string& h : ended) {
-    Remove(h, "ended: model '" + spec.name + "' version " + std::to_string(spec.version) + " (" +
+    Remove(h, KvEndReason::kUnloaded, "ended: model '" + spec.name + "' version " + std::to_string(spec.version) + " (" +
                   spec.weights_hash + ") was unloaded by a reload");
   }
 }
 
 void KvStore::Clear(const std::string& reason) {
   std::lock_guard<std::mutex> lock(mu_);
-  while (!entries_.empty()) Remove(entries_.begin()->first, "ended: " + reason);
+  while (!entries_.empty()) Remove(entries_.begin()->first, KvEndReason::kShutdown, "ended: " + reason);
 }
 
 void KvStore::ExpireIdle(KvClock::time_point now) {
@@ -252,14 +262,14 @@ void KvStore::ExpireIdle(KvClock::time_point now) {
   // Least recently used last: expired entries are at the back.
   while (!lru_.empty() && now - lru_.back()->last_use >= ttl && !lru_.back()->busy) {
     KvEntry* e = lru_.back();
-    const KvKind kind = e->kind;
-    Remove(e->handle, "expired (unused for " + std::to_string(static_cast<int64_t>(options_.ttl_seconds)) +
-                          " s, server flag --kv-ttl-seconds)");
-    if (hooks_.on_expiry) hooks_.on_expiry(kind);
+    Remove(e->handle, KvEndReason::kExpired,
+           "expired (unused for " + std::to_string(static_cast<int64_t>(options_.ttl_seconds)) +
+               " s, server flag --kv-ttl-seconds)");
   }
 }
 
-void KvStore::Remove(std::string handle, const std::string& reason) {  // By value: it may be the key erased.
+// `handle` by value: it may be the key erased.
+void KvStore::Remove(std::string handle, KvEndReason why, const std::string& reason) {
   // Under mu_. The entry's bytes go back to the budget when its last holder lets go.
   const auto it = entries_.find(handle);
   if (it == entries_.end()) return;
@@ -268,6 +278,7 @@ void KvStore::Remove(std::string handle, const std::string& reason) {  // By val
   entries_.erase(it);
   Tombstone(handle, reason);
   account_->Add(0, kind, -1);
+  if (hooks_.on_end) hooks_.on_end(kind, why);
 }
 
 void KvStore::Tombstone(const std::string& handle, const std::string& reason) {

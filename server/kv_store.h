@@ -34,12 +34,22 @@ struct KvOptions {
 enum class KvKind { kMemory, kSession };
 const char* KvKindName(KvKind kind);  ///< "memory", "session"
 
+/// Why an entry ended (attnserve_kv_ends_total's reason).
+enum class KvEndReason {
+  kReleased,  ///< DeleteMemory / CloseSession.
+  kEvicted,   ///< Least recently used, to make room under the budget.
+  kExpired,   ///< Unused for the TTL.
+  kUnloaded,  ///< A reload unloaded its model version.
+  kFailed,    ///< Its keys and values could not be computed.
+  kShutdown,  ///< The server stopped.
+};
+const char* KvEndReasonName(KvEndReason reason);  ///< "released", "evicted", ...
+
 /// Counters and gauges the store reports (attnserve_kv_*); any may be empty.
 struct KvMetricsHooks {
   std::function<void(int64_t bytes, int64_t memories, int64_t sessions)> on_size;
   std::function<void(KvKind, bool hit)> on_lookup;
-  std::function<void(KvKind)> on_eviction;
-  std::function<void(KvKind)> on_expiry;
+  std::function<void(KvKind, KvEndReason)> on_end;
 };
 
 struct KvAccount;
@@ -125,7 +135,7 @@ class KvStore {
   void Touch(KvEntry* e, KvClock::time_point now);
   // Makes room for `need` more bytes by evicting entries not in use, least recently used first.
   Status MakeRoom(int64_t need, const KvEntry* keep);
-  void Remove(std::string handle, const std::string& reason);
+  void Remove(std::string handle, KvEndReason why, const std::string& reason);
   void Tombstone(const std::string& handle, const std::string& reason);
   void ExpiryLoop();
 

@@ -115,7 +115,8 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
                       .Register(registry)),
       kv_ends_(prometheus::BuildCounter()
                    .Name("attnserve_kv_ends_total")
-                   .Help("Memories and sessions the server ended itself, by kind and reason (evicted, expired).")
+                   .Help("Memories and sessions ended, by kind and reason (released, evicted, expired, unloaded, "
+                         "failed, shutdown).")
                    .Register(registry)) {
   // Both outcomes exist from the start, so rate() and increase() see the first reload.
   reloads_.Add({{"outcome", "ok"}});

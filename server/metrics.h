@@ -51,7 +51,7 @@ class ServerMetrics {
   void SetKvSize(int64_t bytes, int64_t memories, int64_t sessions);
   /// attnserve_kv_lookups_total{kind, result="hit"|"miss"}.
   void RecordKvLookup(const char* kind, bool hit);
-  /// attnserve_kv_ends_total{kind, reason="evicted"|"expired"}.
+  /// attnserve_kv_ends_total{kind, reason} (KvEndReasonName).
   void RecordKvEnd(const char* kind, const char* reason);
 
  private:

@@ -184,8 +184,9 @@ StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
     metrics->SetKvSize(bytes, memories, sessions);
   };
   kv_hooks.on_lookup = [metrics](KvKind kind, bool hit) { metrics->RecordKvLookup(KvKindName(kind), hit); };
-  kv_hooks.on_eviction = [metrics](KvKind kind) { metrics->RecordKvEnd(KvKindName(kind), "evicted"); };
-  kv_hooks.on_expiry = [metrics](KvKind kind) { metrics->RecordKvEnd(KvKindName(kind), "expired"); };
+  kv_hooks.on_end = [metrics](KvKind kind, KvEndReason why) {
+    metrics->RecordKvEnd(KvKindName(kind), KvEndReasonName(why));
+  };
   impl->kv = std::make_unique<KvStore>(options.kv, std::move(kv_hooks));
   impl->service = std::make_unique<AttentionServiceImpl>(*impl->models, *impl->batcher, *impl->metrics,
                                                          limits, options.flow, *impl->kv);

@@ -88,6 +88,21 @@ def main():
         checks("the load had answers, bad requests and queue-full refusals",
                codes.get("OK", 0) > 0 and codes.get("INVALID_ARGUMENT", 0) > 0 and codes.get("RESOURCE_EXHAUSTED", 0) > 0,
                codes)
+        # Kept keys and values (the kv panels): a session step, a memory query, a miss, then both freed.
+        session = stub.OpenSession(pb.OpenSessionRequest(model="demo", batch=1), timeout=10)
+        step = rng.standard_normal((1, 3, 512)).astype(np.float32)
+        stub.Attend(pb.AttendRequest(session=session.handle, query=lib.to_wire(pb, step)), timeout=10)
+        memory = stub.CreateMemory(pb.CreateMemoryRequest(model="demo", key=lib.to_wire(pb, step),
+                                                          value=lib.to_wire(pb, step)), timeout=10)
+        stub.Attend(pb.AttendRequest(memory=memory.handle, query=lib.to_wire(pb, step)), timeout=10)
+        try:
+            stub.Attend(pb.AttendRequest(memory="0" * 32, query=lib.to_wire(pb, step)), timeout=10)
+        except grpc.RpcError as e:
+            codes["kv " + e.code().name] = 1
+        time.sleep(2)  # a scrape while both are held
+        stub.CloseSession(pb.ReleaseRequest(handle=session.handle), timeout=10)
+        stub.DeleteMemory(pb.ReleaseRequest(handle=memory.handle), timeout=10)
+        checks("kv load: an unknown memory handle is NOT_FOUND", codes.get("kv NOT_FOUND") == 1, codes)
         time.sleep(3)  # a last scrape after the load
 
         for panel in dashboard["panels"]:

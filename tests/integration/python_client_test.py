@@ -89,7 +89,41 @@ def main():
         fd_resp = [v for n, _, v in resp if n == 4][0]
         files = [descriptor_pb2.FileDescriptorProto.FromString(v) for n, _, v in fields(fd_resp) if n == 1]
         methods = [m.name for f in files for s in f.service for m in s.method]
-        check("reflection serves the .proto", "Attend" in methods and "AttendStream" in methods, methods)
+        check("reflection serves the .proto", {"Attend", "AttendStream", "CreateMemory", "DeleteMemory",
+                                               "OpenSession", "CloseSession"} <= set(methods), methods)
+
+        # Keys and values kept on the server, from Python: a session's two steps equal one causal
+        # self-attention over both (float32: 1e-5 relative to the output's scale); a memory equals
+        # sending its key and value.
+        seq = np.random.default_rng(2).standard_normal((1, 5, 512)).astype(np.float32)
+        whole = lib.from_wire(pb, stub.Attend(pb.AttendRequest(model="demo", query=lib.to_wire(pb, seq),
+                                                               is_causal=True), timeout=30).output)
+        s = stub.OpenSession(pb.OpenSessionRequest(model="demo", batch=1), timeout=30)
+        first = stub.Attend(pb.AttendRequest(session=s.handle, query=lib.to_wire(pb, seq[:, :3])), timeout=30)
+        second = stub.Attend(pb.AttendRequest(session=s.handle, query=lib.to_wire(pb, seq[:, 3:]), session_length=3),
+                             timeout=30)
+        steps = np.concatenate([lib.from_wire(pb, first.output), lib.from_wire(pb, second.output)], axis=1)
+        err = float(np.abs(steps - whole).max() / np.abs(whole).max())
+        freed = stub.CloseSession(pb.ReleaseRequest(handle=s.handle), timeout=30).bytes_freed
+        check("python client: session steps = one causal call", len(s.handle) == 32 and second.session_length == 5
+              and err <= 1e-5 and freed > 0, f"err {err:.2e}, length {second.session_length}, freed {freed}")
+        mem = stub.CreateMemory(pb.CreateMemoryRequest(model="demo", key=lib.to_wire(pb, seq), value=lib.to_wire(pb, seq)),
+                                timeout=30)
+        q = x[:1]
+        by_handle = lib.from_wire(pb, stub.Attend(pb.AttendRequest(memory=mem.handle, query=lib.to_wire(pb, q)),
+                                                  timeout=30).output)
+        by_value = lib.from_wire(pb, stub.Attend(pb.AttendRequest(model="demo", query=lib.to_wire(pb, q),
+                                                                  key=lib.to_wire(pb, seq), value=lib.to_wire(pb, seq)),
+                                                 timeout=30).output)
+        err = float(np.abs(by_handle - by_value).max() / np.abs(by_value).max())
+        stub.DeleteMemory(pb.ReleaseRequest(handle=mem.handle), timeout=30)
+        try:
+            stub.Attend(pb.AttendRequest(memory=mem.handle, query=lib.to_wire(pb, q)), timeout=30)
+            gone = "answered"
+        except grpc.RpcError as e:
+            gone = f"{e.code().name}: {e.details()}"
+        check("python client: memory = its key and value; deleted -> NOT_FOUND", err <= 1e-5
+              and gone.startswith("NOT_FOUND") and "deleted" in gone, f"err {err:.2e}, then {gone}")
 
         # promtool on the exposition.
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read()

@@ -5,6 +5,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <map>
 #include <set>
 
 namespace attnserve {
@@ -30,15 +31,21 @@ class FakeModel : public AttentionModel {
 };
 
 struct Counts {
-  int64_t bytes = 0, memories = 0, sessions = 0, evictions = 0, expiries = 0, hits = 0, misses = 0;
+  int64_t bytes = 0, memories = 0, sessions = 0, hits = 0, misses = 0;
+  std::map<std::string, int64_t> ends;  // "kind reason" -> count
+  int64_t ended(const char* what) const {
+    const auto it = ends.find(what);
+    return it == ends.end() ? 0 : it->second;
+  }
 };
 
 KvMetricsHooks HooksInto(Counts* c) {
   KvMetricsHooks h;
   h.on_size = [c](int64_t b, int64_t m, int64_t s) { c->bytes = b, c->memories = m, c->sessions = s; };
   h.on_lookup = [c](KvKind, bool hit) { ++(hit ? c->hits : c->misses); };
-  h.on_eviction = [c](KvKind) { ++c->evictions; };
-  h.on_expiry = [c](KvKind) { ++c->expiries; };
+  h.on_end = [c](KvKind kind, KvEndReason reason) {
+    ++c->ends[std::string(KvKindName(kind)) + " " + KvEndReasonName(reason)];
+  };
   return h;
 }
 
@@ -93,7 +100,7 @@ TEST(KvStoreTest, BudgetEvictsLeastRecentlyUsedButNeverWhatIsInUse) {
   c.reset();
   auto d = NewMemory(store, model, 3);  // Needs 300: b (least recent, not in use) goes.
   ASSERT_TRUE(d);
-  EXPECT_EQ(counts.evictions, 1);
+  EXPECT_EQ(counts.ended("memory evicted"), 1);
   auto gone = store.Lookup(b_handle, KvKind::kMemory);
   ASSERT_FALSE(gone.ok());
   EXPECT_THAT(gone.status().message(), HasSubstr("evicted"));
@@ -119,8 +126,10 @@ TEST(KvStoreTest, BudgetEvictsLeastRecentlyUsedButNeverWhatIsInUse) {
   in_use.reset();
   a_held.reset();
   EXPECT_EQ(store.bytes(), 600);  // a and d
-  EXPECT_EQ(counts.evictions, 1);
+  EXPECT_EQ(counts.ended("memory evicted"), 1);
   EXPECT_THAT(store.Lookup(c_handle, KvKind::kMemory).status().message(), HasSubstr("deleted"));
+  EXPECT_EQ(counts.ended("memory released"), 1);
+  EXPECT_EQ(counts.ends.size(), 2u);
 }
 
 TEST(KvStoreTest, SessionStepsAreOneAtATimeAndGrowByDoubling) {
@@ -173,7 +182,7 @@ TEST(KvStoreTest, UnusedEntriesExpireAndReloadEndsItsModelsEntries) {
   // 61 s on, both were last used more than 60 s before: both expire.
   store.ExpireIdle(KvClock::now() + std::chrono::seconds(61));
   EXPECT_EQ(store.size(), 0u);
-  EXPECT_EQ(counts.expiries, 2);
+  EXPECT_EQ(counts.ended("memory expired"), 2);
   EXPECT_THAT(store.Lookup(old_handle, KvKind::kMemory).status().message(), HasSubstr("expired"));
   // A reload that unloads the model version ends its entries, saying so.
   auto kept = NewMemory(store, model, 1);
@@ -185,6 +194,14 @@ TEST(KvStoreTest, UnusedEntriesExpireAndReloadEndsItsModelsEntries) {
   EXPECT_THAT(ended.status().message(), HasSubstr("unloaded by a reload"));
   EXPECT_EQ(counts.memories, 0);
   EXPECT_EQ(counts.bytes, 0);
+  EXPECT_EQ(counts.ended("memory unloaded"), 1);
+  // Shutdown ends what is left, counted as such.
+  auto s = store.Create(KvKind::kSession, model, std::make_shared<FakeCache>(), 1, 0);
+  ASSERT_TRUE(s.ok());
+  s->reset();
+  store.Clear("the server is shutting down");
+  EXPECT_EQ(counts.ended("session shutdown"), 1);
+  EXPECT_EQ(counts.ends.size(), 3u);
 }
 
 }  // namespace

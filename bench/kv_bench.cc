@@ -1,0 +1,460 @@
+// attnserve-kv-bench: what keeping keys and values on the server buys (README "Keys and values kept
+// on the server"), measured side by side in one run against a running attnserve. It speaks the wire
+// protocol through the generated stub, so the bytes it reports are the messages' exact sizes.
+//
+//   decode      one sequence decoded token by token, T = 1..N: a session step (the new token only)
+//               and, right after it, the same step resending the whole prefix as key and value
+//               (query = the new token); per-step latency and bytes, both answers compared.
+//   memory      decoder queries against an encoder output of L tokens: a memory versus resending it.
+//   concurrent  C callers decoding S steps each, every one on its own session (then resending):
+//               tokens/s, step latency, how many steps the server batched together.
+//   eviction    more memories than the server's --kv-budget-bytes holds: how many are kept, and what
+//               a request naming an evicted one gets.
+//
+// Every mode writes one JSON line per result (--json) and prints a table; decode also writes its
+// per-step figures as CSV (--csv) for bench/kv.sh to plot.
+#include <grpcpp/grpcpp.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "attnserve/v1/attention.grpc.pb.h"
+
+namespace {
+
+namespace pb = ::attnserve::v1;
+using Clock = std::chrono::steady_clock;
+using Stub = pb::AttentionService::Stub;
+
+double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
+
+double Percentile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t i = static_cast<size_t>(q * static_cast<double>(v.size() - 1) + 0.5);
+  return v[std::min(i, v.size() - 1)];
+}
+
+// `rows` tokens of width `e`, standard normal, from a fixed seed.
+std::vector<float> Tokens(int64_t rows, int64_t e, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  std::vector<float> out(static_cast<size_t>(rows * e));
+  for (float& x : out) x = normal(rng);
+  return out;
+}
+
+// Rows [first, first + rows) of `tokens` as a batch-first [1, rows, e] float32 tensor.
+void SetTensor(const std::vector<float>& tokens, int64_t first, int64_t rows, int64_t e, pb::Tensor* t) {
+  t->set_dtype(pb::DATA_TYPE_FLOAT32);
+  t->clear_shape();
+  t->add_shape(1);
+  t->add_shape(rows);
+  t->add_shape(e);
+  t->set_data(reinterpret_cast<const char*>(tokens.data() + first * e), static_cast<size_t>(rows * e) * sizeof(float));
+}
+
+const float* Floats(const pb::Tensor& t) { return reinterpret_cast<const float*>(t.data().data()); }
+
+// max |a - b| / max |b|: the error relative to the output's scale.
+double RelDiff(const pb::Tensor& a, const pb::Tensor& b) {
+  const size_t n = std::min(a.data().size(), b.data().size()) / sizeof(float);
+  double diff = 0, scale = 0;
+  for (size_t i = 0; i < n; ++i) {
+    diff = std::max(diff, static_cast<double>(std::fabs(Floats(a)[i] - Floats(b)[i])));
+    scale = std::max(scale, static_cast<double>(std::fabs(Floats(b)[i])));
+  }
+  if (a.data().size() != b.data().size()) return INFINITY;
+  return scale > 0 ? diff / scale : diff;
+}
+
+struct Call {
+  grpc::Status status;
+  double ms = 0;
+  size_t request_bytes = 0, response_bytes = 0;
+};
+
+template <typename Req, typename Resp, typename Method>
+Call Timed(Stub* stub, Method method, const Req& request, Resp* response) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+  const auto start = Clock::now();
+  Call c;
+  c.status = (stub->*method)(&context, request, response);
+  c.ms = Ms(Clock::now() - start);
+  c.request_bytes = request.ByteSizeLong();
+  c.response_bytes = response->ByteSizeLong();
+  return c;
+}
+
+[[noreturn]] void Fail(const std::string& what, const grpc::Status& s) {
+  std::fprintf(stderr, "attnserve-kv-bench: %s: %d %s\n", what.c_str(), static_cast<int>(s.error_code()),
+               s.error_message().c_str());
+  std::exit(1);
+}
+
+struct Options {
+  std::string target = "127.0.0.1:50051";
+  std::string model = "demo";
+  int64_t embed = 512;
+  int steps = 2048;
+  int repeats = 3;
+  int memory_length = 1024;
+  int callers = 32;
+  int prompt = 0;
+  int memories = 64;
+  std::string json, csv;
+};
+
+std::shared_ptr<grpc::Channel> Channel(const Options& o) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(256 << 20);
+  args.SetMaxSendMessageSize(256 << 20);
+  // Each caller of `concurrent` gets its own connection, as separate decoders would.
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  return grpc::CreateCustomChannel(o.target, grpc::InsecureChannelCredentials(), args);
+}
+
+void WriteJson(const Options& o, const nlohmann::json& j) {
+  if (!o.json.empty()) std::ofstream(o.json, std::ios::app) << j.dump() << "\n";
+}
+
+std::string OpenSession(Stub* stub, const Options& o) {
+  pb::OpenSessionRequest request;
+  request.set_model(o.model);
+  request.set_batch(1);
+  pb::KvHandle handle;
+  const Call c = Timed(stub, &Stub::OpenSession, request, &handle);
+  if (!c.status.ok()) Fail("OpenSession", c.status);
+  return handle.handle();
+}
+
+void Release(Stub* stub, const std::string& handle, bool session) {
+  pb::ReleaseRequest request;
+  request.set_handle(handle);
+  pb::ReleaseResponse response;
+  const Call c = Timed(stub, session ? &Stub::CloseSession : &Stub::DeleteMemory, request, &response);
+  if (!c.status.ok()) Fail(session ? "CloseSession" : "DeleteMemory", c.status);
+}
+
+// The step at position t (0-based) of a sequence: on a session, or resending tokens [0, t] as key
+// and value with the new token as query (what a client without sessions sends).
+pb::AttendRequest SessionStep(const std::vector<float>& tokens, int64_t first, int64_t rows, int64_t e,
+                              const std::string& session) {
+  pb::AttendRequest r;
+  r.set_session(session);
+  r.set_session_length(first);
+  SetTensor(tokens, first, rows, e, r.mutable_query());
+  return r;
+}
+pb::AttendRequest ResendStep(const std::vector<float>& tokens, int64_t t, int64_t e, const std::string& model) {
+  pb::AttendRequest r;
+  r.set_model(model);
+  SetTensor(tokens, t, 1, e, r.mutable_query());
+  SetTensor(tokens, 0, t + 1, e, r.mutable_key());
+  *r.mutable_value() = r.key();
+  return r;
+}
+
+// ---- decode ----------------------------------------------------------------------------------------
+
+int Decode(const Options& o) {
+  auto stub = pb::AttentionService::NewStub(Channel(o));
+  const auto tokens = Tokens(o.steps, o.embed, 1);
+  struct Step {
+    std::vector<double> session_ms, resend_ms;
+    size_t session_bytes = 0, resend_bytes = 0;  // Request + response.
+  };
+  std::vector<Step> steps(static_cast<size_t>(o.steps));
+  double worst = 0;
+  for (int rep = 0; rep < o.repeats; ++rep) {
+    const std::string session = OpenSession(stub.get(), o);
+    for (int t = 0; t < o.steps; ++t) {
+      pb::AttendRequest a = SessionStep(tokens, t, 1, o.embed, session);
+      pb::AttendRequest b = ResendStep(tokens, t, o.embed, o.model);
+      pb::AttendResponse ra, rb;
+      // Alternate which goes first, so neither always finds the caches warm from the other.
+      Call ca, cb;
+      if ((t + rep) % 2 == 0) {
+        ca = Timed(stub.get(), &Stub::Attend, a, &ra);
+        cb = Timed(stub.get(), &Stub::Attend, b, &rb);
+      } else {
+        cb = Timed(stub.get(), &Stub::Attend, b, &rb);
+        ca = Timed(stub.get(), &Stub::Attend, a, &ra);
+      }
+      if (!ca.status.ok()) Fail("session step " + std::to_string(t + 1), ca.status);
+      if (!cb.status.ok()) Fail("resend step " + std::to_string(t + 1), cb.status);
+      worst = std::max(worst, RelDiff(ra.output(), rb.output()));
+      Step& s = steps[static_cast<size_t>(t)];
+      s.session_ms.push_back(ca.ms);
+      s.resend_ms.push_back(cb.ms);
+      s.session_bytes = ca.request_bytes + ca.response_bytes;
+      s.resend_bytes = cb.request_bytes + cb.response_bytes;
+    }
+    Release(stub.get(), session, true);
+    std::fprintf(stderr, "decode: repeat %d of %d done\n", rep + 1, o.repeats);
+  }
+  if (!o.csv.empty()) {
+    std::ofstream csv(o.csv);
+    csv << "t,session_ms,resend_ms,session_bytes,resend_bytes\n";
+    for (size_t i = 0; i < steps.size(); ++i) {
+      const Step& s = steps[i];
+      csv << i + 1 << "," << Percentile(s.session_ms, 0.5) << "," << Percentile(s.resend_ms, 0.5) << ","
+          << s.session_bytes << "," << s.resend_bytes << "\n";
+    }
+  }
+  // The table: at T = 1, 2, 4, ..., the median over the repeats of the 8 steps ending at T.
+  std::printf("decode: E=%lld, one sequence, %d steps, %d repeats; worst |session - resend| / max|resend| = %.2e\n",
+              static_cast<long long>(o.embed), o.steps, o.repeats, worst);
+  std::printf("%6s %12s %12s %8s %14s %14s %8s\n", "T", "session ms", "resend ms", "ratio", "session bytes",
+              "resend bytes", "ratio");
+  nlohmann::json rows = nlohmann::json::array();
+  double total_session = 0, total_resend = 0;
+  for (const Step& s : steps) {
+    for (double x : s.session_ms) total_session += x / o.repeats;
+    for (double x : s.resend_ms) total_resend += x / o.repeats;
+  }
+  for (int T = 1; T <= o.steps; T = T * 2 > o.steps && T != o.steps ? o.steps : T * 2) {
+    std::vector<double> sa, sb;
+    for (int t = std::max(1, T - 7); t <= T; ++t) {
+      const Step& s = steps[static_cast<size_t>(t - 1)];
+      sa.insert(sa.end(), s.session_ms.begin(), s.session_ms.end());
+      sb.insert(sb.end(), s.resend_ms.begin(), s.resend_ms.end());
+    }
+    const Step& s = steps[static_cast<size_t>(T - 1)];
+    const double ma = Percentile(sa, 0.5), mb = Percentile(sb, 0.5);
+    std::printf("%6d %12.3f %12.3f %8.2f %14zu %14zu %8.1f\n", T, ma, mb, mb / ma, s.session_bytes, s.resend_bytes,
+                static_cast<double>(s.resend_bytes) / static_cast<double>(s.session_bytes));
+    rows.push_back({{"T", T}, {"session_ms", ma}, {"resend_ms", mb}, {"session_bytes", s.session_bytes},
+                    {"resend_bytes", s.resend_bytes}});
+  }
+  std::printf("whole sequence (mean over repeats): session %.2f s, resend %.2f s, ratio %.2f\n", total_session / 1000,
+              total_resend / 1000, total_resend / total_session);
+  WriteJson(o, {{"mode", "decode"}, {"steps", o.steps}, {"repeats", o.repeats}, {"worst_rel_diff", worst},
+                {"total_session_s", total_session / 1000}, {"total_resend_s", total_resend / 1000}, {"at", rows}});
+  return worst <= 1e-5 ? 0 : 2;
+}
+
+// ---- memory ----------------------------------------------------------------------------------------
+
+int Memory(const Options& o) {
+  auto stub = pb::AttentionService::NewStub(Channel(o));
+  const auto encoder = Tokens(o.memory_length, o.embed, 2);
+  const auto queries = Tokens(o.steps, o.embed, 3);
+  pb::CreateMemoryRequest create;
+  create.set_model(o.model);
+  SetTensor(encoder, 0, o.memory_length, o.embed, create.mutable_key());
+  *create.mutable_value() = create.key();
+  pb::KvHandle memory;
+  const Call cc = Timed(stub.get(), &Stub::CreateMemory, create, &memory);
+  if (!cc.status.ok()) Fail("CreateMemory", cc.status);
+
+  std::vector<double> ma, mb;
+  size_t bytes_a = 0, bytes_b = 0;
+  double worst = 0;
+  for (int i = 0; i < o.steps; ++i) {
+    pb::AttendRequest a, b;
+    a.set_memory(memory.handle());
+    SetTensor(queries, i, 1, o.embed, a.mutable_query());
+    b.set_model(o.model);
+    SetTensor(queries, i, 1, o.embed, b.mutable_query());
+    *b.mutable_key() = create.key();
+    *b.mutable_value() = create.value();
+    pb::AttendResponse ra, rb;
+    Call ca, cb;
+    if (i % 2 == 0) {
+      ca = Timed(stub.get(), &Stub::Attend, a, &ra);
+      cb = Timed(stub.get(), &Stub::Attend, b, &rb);
+    } else {
+      cb = Timed(stub.get(), &Stub::Attend, b, &rb);
+      ca = Timed(stub.get(), &Stub::Attend, a, &ra);
+    }
+    if (!ca.status.ok()) Fail("memory query", ca.status);
+    if (!cb.status.ok()) Fail("resent query", cb.status);
+    worst = std::max(worst, RelDiff(ra.output(), rb.output()));
+    ma.push_back(ca.ms);
+    mb.push_back(cb.ms);
+    bytes_a = ca.request_bytes + ca.response_bytes;
+    bytes_b = cb.request_bytes + cb.response_bytes;
+  }
+  Release(stub.get(), memory.handle(), false);
+  const double pa = Percentile(ma, 0.5), pb50 = Percentile(mb, 0.5);
+  std::printf("memory: %d-token encoder output (E=%lld), %d one-token queries; worst rel diff %.2e\n",
+              o.memory_length, static_cast<long long>(o.embed), o.steps, worst);
+  std::printf("  CreateMemory once: %.2f ms, %zu bytes sent, holds %lld bytes on the server\n", cc.ms,
+              cc.request_bytes, static_cast<long long>(memory.bytes()));
+  std::printf("  per query   memory: p50 %.3f ms p90 %.3f ms, %zu bytes   resend: p50 %.3f ms p90 %.3f ms, %zu bytes\n",
+              pa, Percentile(ma, 0.9), bytes_a, pb50, Percentile(mb, 0.9), bytes_b);
+  std::printf("  resend / memory: latency %.2f, bytes %.1f; memory pays for itself after %.1f queries\n",
+              pb50 / pa, static_cast<double>(bytes_b) / static_cast<double>(bytes_a), cc.ms / std::max(1e-9, pb50 - pa));
+  WriteJson(o, {{"mode", "memory"}, {"length", o.memory_length}, {"queries", o.steps}, {"create_ms", cc.ms},
+                {"create_bytes", cc.request_bytes}, {"held_bytes", memory.bytes()},
+                {"memory_p50_ms", pa}, {"memory_p90_ms", Percentile(ma, 0.9)}, {"memory_bytes", bytes_a},
+                {"resend_p50_ms", pb50}, {"resend_p90_ms", Percentile(mb, 0.9)}, {"resend_bytes", bytes_b},
+                {"worst_rel_diff", worst}});
+  return worst <= 1e-5 ? 0 : 2;
+}
+
+// ---- concurrent ------------------------------------------------------------------------------------
+
+int Concurrent(const Options& o) {
+  nlohmann::json out = {{"mode", "concurrent"}, {"callers", o.callers}, {"steps", o.steps}, {"prompt", o.prompt}};
+  std::printf("concurrent: %d callers, each a sequence of %d prompt tokens then %d one-token steps (E=%lld)\n",
+              o.callers, o.prompt, o.steps, static_cast<long long>(o.embed));
+  std::printf("%-8s %12s %10s %10s %10s %12s\n", "form", "tokens/s", "p50 ms", "p99 ms", "wall s", "mean batch");
+  double rate[2] = {0, 0};
+  for (int form = 0; form < 2; ++form) {  // 0: sessions, 1: resend.
+    const bool sessions = form == 0;
+    std::vector<std::vector<double>> lat(static_cast<size_t>(o.callers));
+    std::atomic<int64_t> batch_sum{0}, steps_done{0};
+    std::atomic<int> ready{0};
+    std::atomic<bool> go{false};
+    std::vector<std::thread> threads;
+    Clock::time_point start;
+    for (int c = 0; c < o.callers; ++c) {
+      threads.emplace_back([&, c] {
+        auto stub = pb::AttentionService::NewStub(Channel(o));
+        const auto tokens = Tokens(o.prompt + o.steps, o.embed, 100 + static_cast<uint32_t>(c));
+        std::string session;
+        if (sessions) {
+          session = OpenSession(stub.get(), o);
+          if (o.prompt > 0) {
+            pb::AttendResponse r;
+            const Call p = Timed(stub.get(), &Stub::Attend, SessionStep(tokens, 0, o.prompt, o.embed, session), &r);
+            if (!p.status.ok()) Fail("prompt", p.status);
+          }
+        }
+        ++ready;
+        while (!go) std::this_thread::yield();
+        for (int t = o.prompt; t < o.prompt + o.steps; ++t) {
+          const pb::AttendRequest request =
+              sessions ? SessionStep(tokens, t, 1, o.embed, session) : ResendStep(tokens, t, o.embed, o.model);
+          pb::AttendResponse r;
+          const Call call = Timed(stub.get(), &Stub::Attend, request, &r);
+          if (!call.status.ok()) Fail(sessions ? "session step" : "resend step", call.status);
+          lat[static_cast<size_t>(c)].push_back(call.ms);
+          batch_sum += r.timing().batch_size();
+          ++steps_done;
+        }
+        if (sessions) Release(stub.get(), session, true);
+      });
+    }
+    while (ready < o.callers) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    start = Clock::now();
+    go = true;
+    for (auto& t : threads) t.join();
+    const double wall = Ms(Clock::now() - start) / 1000;
+    std::vector<double> all;
+    for (auto& l : lat) all.insert(all.end(), l.begin(), l.end());
+    rate[form] = static_cast<double>(steps_done) / wall;
+    const double mean_batch = static_cast<double>(batch_sum) / static_cast<double>(steps_done);
+    std::printf("%-8s %12.0f %10.2f %10.2f %10.2f %12.1f\n", sessions ? "session" : "resend", rate[form],
+                Percentile(all, 0.5), Percentile(all, 0.99), wall, mean_batch);
+    out[sessions ? "session" : "resend"] = {{"tokens_per_s", rate[form]}, {"p50_ms", Percentile(all, 0.5)},
+                                            {"p99_ms", Percentile(all, 0.99)}, {"wall_s", wall},
+                                            {"mean_batch", mean_batch}};
+  }
+  std::printf("session / resend tokens/s: %.2f\n", rate[0] / rate[1]);
+  WriteJson(o, out);
+  return 0;
+}
+
+// ---- eviction --------------------------------------------------------------------------------------
+
+int Eviction(const Options& o) {
+  auto stub = pb::AttentionService::NewStub(Channel(o));
+  const auto encoder = Tokens(o.memory_length, o.embed, 4);
+  const auto query = Tokens(1, o.embed, 5);
+  std::vector<std::string> handles;
+  std::vector<double> create_ms;
+  int64_t held = 0;
+  for (int i = 0; i < o.memories; ++i) {
+    pb::CreateMemoryRequest create;
+    create.set_model(o.model);
+    SetTensor(encoder, 0, o.memory_length, o.embed, create.mutable_key());
+    *create.mutable_value() = create.key();
+    pb::KvHandle memory;
+    const Call c = Timed(stub.get(), &Stub::CreateMemory, create, &memory);
+    if (!c.status.ok()) Fail("CreateMemory " + std::to_string(i + 1), c.status);
+    handles.push_back(memory.handle());
+    create_ms.push_back(c.ms);
+    held = memory.bytes();
+  }
+  // Newest first: a query renews its memory, so asking the oldest first could evict nothing more.
+  int kept = 0, evicted = 0;
+  std::map<std::string, int> other;
+  std::string evicted_message;
+  for (int i = o.memories - 1; i >= 0; --i) {
+    pb::AttendRequest a;
+    a.set_memory(handles[static_cast<size_t>(i)]);
+    SetTensor(query, 0, 1, o.embed, a.mutable_query());
+    pb::AttendResponse r;
+    const Call c = Timed(stub.get(), &Stub::Attend, a, &r);
+    if (c.status.ok()) {
+      ++kept;
+    } else if (c.status.error_code() == grpc::StatusCode::NOT_FOUND &&
+               c.status.error_message().find("evicted") != std::string::npos) {
+      ++evicted;
+      evicted_message = c.status.error_message();
+    } else {
+      ++other[std::to_string(c.status.error_code()) + " " + c.status.error_message()];
+    }
+  }
+  std::printf("eviction: %d memories of %d tokens (%lld bytes each on the server) created one after another\n",
+              o.memories, o.memory_length, static_cast<long long>(held));
+  std::printf("  CreateMemory p50 %.2f ms, p99 %.2f ms; afterwards %d answer, %d are NOT_FOUND (evicted), %zu other\n",
+              Percentile(create_ms, 0.5), Percentile(create_ms, 0.99), kept, evicted, other.size());
+  if (!evicted_message.empty()) std::printf("  e.g. \"%s\"\n", evicted_message.c_str());
+  for (const auto& [what, n] : other) std::printf("  other: %d x %s\n", n, what.c_str());
+  WriteJson(o, {{"mode", "eviction"}, {"memories", o.memories}, {"bytes_each", held}, {"kept", kept},
+                {"evicted", evicted}, {"create_p50_ms", Percentile(create_ms, 0.5)},
+                {"create_p99_ms", Percentile(create_ms, 0.99)}});
+  for (int i = 0; i < o.memories; ++i) {  // Leave the server as found; evicted ones are already gone.
+    pb::ReleaseRequest request;
+    request.set_handle(handles[static_cast<size_t>(i)]);
+    pb::ReleaseResponse response;
+    Timed(stub.get(), &Stub::DeleteMemory, request, &response);
+  }
+  return other.empty() ? 0 : 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"attnserve-kv-bench: sessions and memories versus resending keys and values"};
+  Options o;
+  std::string mode;
+  app.add_option("mode", mode, "decode | memory | concurrent | eviction")
+      ->required()
+      ->check(CLI::IsMember({"decode", "memory", "concurrent", "eviction"}));
+  app.add_option("--target", o.target, "attnserve address")->capture_default_str();
+  app.add_option("--model", o.model, "Model (its embed_dim must be --embed)")->capture_default_str();
+  app.add_option("--embed", o.embed, "The model's embed_dim")->capture_default_str();
+  app.add_option("--steps", o.steps, "decode: tokens decoded; memory: queries; concurrent: steps per caller")
+      ->capture_default_str();
+  app.add_option("--repeats", o.repeats, "decode: sequences decoded (per-step medians over them)")
+      ->capture_default_str();
+  app.add_option("--memory-length", o.memory_length, "memory, eviction: encoder tokens")->capture_default_str();
+  app.add_option("--callers", o.callers, "concurrent: callers")->capture_default_str();
+  app.add_option("--prompt", o.prompt, "concurrent: prompt tokens each sequence starts with")->capture_default_str();
+  app.add_option("--memories", o.memories, "eviction: memories created")->capture_default_str();
+  app.add_option("--json", o.json, "Append one JSON line per result here");
+  app.add_option("--csv", o.csv, "decode: per-step medians here");
+  CLI11_PARSE(app, argc, argv);
+  if (mode == "decode") return Decode(o);
+  if (mode == "memory") return Memory(o);
+  if (mode == "concurrent") return Concurrent(o);
+  return Eviction(o);
+}
