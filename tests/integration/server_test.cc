@@ -11,6 +11,8 @@
 #include <atomic>
 #include <cmath>
 #include <future>
+#include <map>
+#include <mutex>
 #include <random>
 #include <regex>
 #include <thread>
@@ -163,6 +165,72 @@ TEST_F(ServerTest, ClientMemoriesAndSessionsEqualTheirOneCallForms) {
   }
   ASSERT_TRUE(client_->CloseSession(session.handle).ok());
   EXPECT_EQ(client_->CloseSession(session.handle).code, 5);
+}
+
+// Eight callers race steps onto one session. Each step is either applied whole or refused with
+// ABORTED (a step in flight); the applied ones, ordered by the length they report, tile the session
+// without gaps or overlap, and each answers the rows of one causal self-attention over the applied
+// tokens in that order (float32, 1e-5 of the output's scale): never interleaved.
+TEST_F(ServerTest, ConcurrentStepsOnOneSessionAreOrderedOrRefusedNeverInterleaved) {
+  KvInfo session;
+  ASSERT_TRUE(client_->OpenSession("demo", 1, &session).ok());
+  struct Applied {
+    int64_t end = 0;
+    std::vector<float> tokens, output;
+  };
+  std::mutex mu;
+  std::vector<Applied> applied;
+  std::map<std::string, int> refused;
+  std::vector<std::thread> callers;
+  std::atomic<bool> go{false};
+  for (int c = 0; c < 8; ++c) {
+    callers.emplace_back([&, c] {
+      std::mt19937 rng(100 + c);
+      while (!go) std::this_thread::yield();
+      for (int i = 0; i < 6; ++i) {
+        AttendRequest step;
+        step.session = session.handle;
+        step.query = RandomTensor(rng, {1, 1 + (c + i) % 3, 512});
+        AttendResult r;
+        const CallStatus s = client_->Attend(step, &r);
+        std::lock_guard<std::mutex> lock(mu);
+        if (s.ok()) {
+          applied.push_back({r.session_length, step.query.ToFloats(), r.output.ToFloats()});
+        } else {
+          ++refused[std::to_string(s.code) + (s.message.find("already in flight") != std::string::npos ? " in flight" : " " + s.message)];
+        }
+      }
+    });
+  }
+  go = true;
+  for (auto& t : callers) t.join();
+  for (const auto& [what, n] : refused) EXPECT_EQ(what, "10 in flight") << n << " times";
+  ASSERT_FALSE(applied.empty());
+  std::sort(applied.begin(), applied.end(), [](const Applied& a, const Applied& b) { return a.end < b.end; });
+  std::vector<float> sequence;
+  for (const Applied& a : applied) {
+    ASSERT_EQ(static_cast<int64_t>(sequence.size() + a.tokens.size()) / 512, a.end) << "a gap or an overlap";
+    sequence.insert(sequence.end(), a.tokens.begin(), a.tokens.end());
+  }
+  const int64_t n = static_cast<int64_t>(sequence.size()) / 512;
+  AttendRequest whole;
+  whole.query = Tensor::Float32({1, n, 512}, sequence);
+  whole.is_causal = true;
+  AttendResult all;
+  ASSERT_TRUE(client_->Attend(whole, &all).ok());
+  const std::vector<float> y = all.output.ToFloats();
+  double scale = 0;
+  for (float v : y) scale = std::max(scale, std::fabs(static_cast<double>(v)));
+  size_t row = 0;
+  for (const Applied& a : applied) {
+    double err = 0;
+    for (size_t i = 0; i < a.output.size(); ++i) err = std::max(err, std::fabs(static_cast<double>(a.output[i]) - y[row + i]));
+    EXPECT_LE(err, 1e-5 * scale) << "the step ending at " << a.end;
+    row += a.output.size();
+  }
+  std::printf("concurrent steps: %zu applied (%lld tokens), %d refused\n", applied.size(), static_cast<long long>(n),
+              refused.empty() ? 0 : refused.begin()->second);
+  ASSERT_TRUE(client_->CloseSession(session.handle).ok());
 }
 
 TEST_F(ServerTest, HalfPrecisionWireRoundTripsCloseToFloat32) {
