@@ -17,6 +17,8 @@
 #      64-2048, 64 callers) on the in-process engine and on attnserve, reporting attention TFLOP/s
 #      against that peak; and small ragged requests (8-128 tokens) with --varlen-attention auto
 #      vs off.
+#   Also keys and values kept on the GPU: kv_conformance at float32 and bfloat16, and
+#   attnserve-kv-bench (sessions and memories vs resending).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 debs=${ATTNSERVE_DEBS:-.debs}
@@ -75,6 +77,18 @@ run_varlen() {  # name, server flags, tolerance, expected backend
 run_varlen bfloat16 "--device cuda --dtype bfloat16" 1e-2 flash_varlen
 run_varlen float16 "--device cuda --dtype float16" 1e-2 flash_varlen
 run_varlen float32 "--device cuda --dtype float32" 1e-5 efficient_varlen
+# Keys and values kept on the GPU: sessions and memories against nn.MultiheadAttention.
+run_kv() {  # name, server flags, tolerance
+  log "kv conformance $1 (attnserve $2, tolerance $3)"
+  if "$python" tests/conformance/kv_conformance.py "$build/attnserve" --server-args "$2" --tolerance "$3" \
+       >"$out/kv_$1.txt" 2>&1; then
+    tail -1 "$out/kv_$1.txt" | tee -a "$out/summary.txt"
+  else
+    status=1; tail -25 "$out/kv_$1.txt" | tee -a "$out/summary.txt"
+  fi
+}
+run_kv float32 "--device cuda --dtype float32" 1e-5
+run_kv bfloat16 "--device cuda --dtype bfloat16" 3e-2  # CPU bfloat16 here: worst 2.0e-2
 
 # 3. Peak, model, benchmark.
 peak=$("$python" - <<'PY'
@@ -123,6 +137,14 @@ for varlen in auto off; do
   curl -s http://127.0.0.1:9551/metrics | grep -E '^attnserve_attention_backend_total' | tee -a "$out/summary.txt" || true
   kill -TERM $pid; wait $pid || true
 done
+# Sessions and memories vs resending (demo model, E=512, H=8) on the GPU, as bench/kv.sh on the CPU.
+"$build/attnserve" --address 127.0.0.1:50151 --metrics-address "" --device cuda >"$out/server_kv.log" 2>&1 &
+pid=$!
+for _ in $(seq 150); do grep -q serving "$out/server_kv.log" && break; sleep 0.2; done
+kv=("$build/attnserve-kv-bench" --target 127.0.0.1:50151 --json "$out/kv_bench.jsonl")
+{ "${kv[@]}" decode --steps 2048 --repeats 1 --csv "$out/kv_decode.csv"; "${kv[@]}" memory --steps 256
+  "${kv[@]}" concurrent --callers 32 --steps 256; } 2>/dev/null | tee -a "$out/summary.txt" || status=1
+kill -TERM $pid; wait $pid || true
 "$python" - "$out/gpu_bench.jsonl" "$peak" <<'PY' | tee -a "$out/summary.txt"
 import json, sys
 peak = float(sys.argv[2])

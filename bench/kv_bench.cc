@@ -242,8 +242,23 @@ int Decode(const Options& o) {
   }
   std::printf("whole sequence (mean over repeats): session %.2f s, resend %.2f s, ratio %.2f\n", total_session / 1000,
               total_resend / 1000, total_resend / total_session);
+  // A session's keys and values grow by capacity doubling from 16 tokens: the steps to T = 17, 33,
+  // ..., 1025 copy the history once; the others append in place.
+  std::printf("session steps that grew the cache (copying the history) vs the steps 1-2 either side:\n");
+  nlohmann::json growth = nlohmann::json::array();
+  for (int T = 17; T <= o.steps - 2; T = 2 * T - 1) {
+    std::vector<double> around;
+    for (int t : {T - 2, T - 1, T + 1, T + 2}) {
+      const auto& v = steps[static_cast<size_t>(t - 1)].session_ms;
+      around.insert(around.end(), v.begin(), v.end());
+    }
+    const double g = Percentile(steps[static_cast<size_t>(T - 1)].session_ms, 0.5), n = Percentile(around, 0.5);
+    std::printf("  T=%5d  grew %.3f ms  neighbours %.3f ms  extra %+.3f ms\n", T, g, n, g - n);
+    growth.push_back({{"T", T}, {"grew_ms", g}, {"neighbours_ms", n}});
+  }
   WriteJson(o, {{"mode", "decode"}, {"steps", o.steps}, {"repeats", o.repeats}, {"worst_rel_diff", worst},
-                {"total_session_s", total_session / 1000}, {"total_resend_s", total_resend / 1000}, {"at", rows}});
+                {"total_session_s", total_session / 1000}, {"total_resend_s", total_resend / 1000}, {"at", rows},
+                {"growth", growth}});
   return worst <= 1e-5 ? 0 : 2;
 }
 

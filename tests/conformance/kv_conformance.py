@@ -9,10 +9,12 @@ different sessions and memory requests share the server's batches. Plus the stat
 saying why (unknown, deleted, closed), ABORTED for a step at the wrong session_length.
 Fresh fixed-seed inputs; tolerance max|out - ref| / max|ref| <= 1e-5 (float32), weights 1e-5 absolute.
 
-usage: kv_conformance.py PATH/TO/attnserve
+usage: kv_conformance.py PATH/TO/attnserve [--server-args "--device cuda"] [--tolerance 1e-5]
+(bench/gpu_check.sh runs it on CUDA, bfloat16 at --tolerance 3e-2: on the CPU bfloat16 gives up to 2.0e-2)
 """
 import argparse
 import os
+import shlex
 import sys
 import tempfile
 import threading
@@ -56,9 +58,13 @@ def reference(m, q, k, v, kpm=None, mask=None, weights="none", seq_first=False):
 
 
 def main():
+    global TOL, WTOL
     ap = argparse.ArgumentParser()
     ap.add_argument("binary")
+    ap.add_argument("--server-args", default="", help="extra attnserve flags, e.g. --device cuda")
+    ap.add_argument("--tolerance", type=float, default=TOL, help="outputs (relative) and weights (absolute)")
     args = ap.parse_args()
+    TOL = WTOL = args.tolerance
     pb, rpc = lib.load_stubs()
     checks = lib.Checks()
     tmp = tempfile.mkdtemp(prefix="attnserve-kv-")
@@ -70,7 +76,7 @@ def main():
             torch.nn.init.normal_(p, std=0.2)
         modules[name] = m
         export_model.export(m, os.path.join(tmp, name))
-    server = lib.Server(args.binary, "--models", tmp)
+    server = lib.Server(args.binary, "--models", tmp, *shlex.split(args.server_args))
     stub = rpc.AttentionServiceStub(grpc.insecure_channel(server.target))
     weights_code = {"none": 0, "avg": 1, "head": 2}
 
