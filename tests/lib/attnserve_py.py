@@ -5,6 +5,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import urllib.request
 import time
 
 import numpy as np
@@ -65,6 +66,12 @@ class Server:
         if self.proc.returncode != 0:
             raise RuntimeError(f"attnserve exited {self.proc.returncode}: {out}")
         return out
+
+
+def metrics_lines(server, name):
+    """The server's /metrics lines of the series `name` (with or without labels)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    return [l for l in text.splitlines() if l.startswith(name + " ") or l.startswith(name + "{")]
 
 
 class Checks:
