@@ -3,7 +3,7 @@
 # side: attnserve-kv-bench's four modes against one attnserve (built-in demo model, E=512, H=8), then
 # a second attnserve with a small --kv-budget-bytes for the eviction figures (server memory from
 # /proc and the attnserve_kv_* metrics). Writes bench/out-kv/ (results.jsonl, decode.csv, the plot
-# kv_decode.png) and prints the tables. Takes ~5 minutes here (KV_STEPS=2048, KV_REPEATS=3).
+# kv_decode.png) and prints the tables. Takes ~3 minutes here (KV_STEPS=2048, KV_REPEATS=3).
 #   KV_STEPS  decode length (default 2048)   KV_REPEATS  decode repeats (3)   KV_CALLERS  (32)
 set -euo pipefail
 cd "$(dirname "$0")/.."
