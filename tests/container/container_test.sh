@@ -24,19 +24,8 @@ docker build -q -f docker/Dockerfile -t "$image" . >/dev/null
 echo "container: image built in $(( $(date +%s) - start )) s ($(docker image inspect "$image" --format '{{.Size}}' | awk '{printf "%.0f MiB", $1/1048576}'))"
 
 # Host networking: this machine's container runtime has no port publishing to rely on.
-# podman's runtime sometimes fails to start a container ("write child: broken pipe" from conmon,
-# once in a CI run on 2026-11-22, under parallel tests): one retry, said in the log; the image is
-# not at fault then, and a second failure fails the test.
-run_image() {
-  docker run -d --name "$name" --network host -e "ATTNSERVE_TARGET=127.0.0.1:$port" "$image" \
-    attnserve --address "127.0.0.1:$port" --metrics-address "127.0.0.1:$metrics" >/dev/null
-}
-if ! run_image 2>"/tmp/$name.run.err"; then
-  echo "container: docker run failed ($(tr '\n' ' ' <"/tmp/$name.run.err")); once more"
-  docker rm -f "$name" >/dev/null 2>&1 || true
-  run_image
-fi
-rm -f "/tmp/$name.run.err"
+docker run -d --name "$name" --network host -e "ATTNSERVE_TARGET=127.0.0.1:$port" "$image" \
+  attnserve --address "127.0.0.1:$port" --metrics-address "127.0.0.1:$metrics" >/dev/null
 for _ in $(seq 120); do
   "$cli" --target "127.0.0.1:$port" --deadline-ms 1000 health >/dev/null 2>&1 && break
   sleep 0.5
