@@ -580,8 +580,9 @@ class TorchModel final : public AttentionModel {
         add(Additive(m.dim() == 2 ? m.view({1, 1, n, lk}) : m));
       }
       if (kpm.defined()) add(kpm);
-      if (call.is_causal && !fused_causal) {
-        // Query q0 + i may attend key j only when j <= q0 + i + causal_offset.
+      // Query q0 + i may attend key j only when j <= q0 + i + causal_offset. No key lies beyond the
+      // block's first query (a one-token decoding step, the last row): nothing to mask.
+      if (call.is_causal && !fused_causal && causal_offset + q0 + 1 < lk) {
         const at::Tensor upper =
             at::ones({n, lk}, at::TensorOptions().dtype(at::kBool).device(device_)).triu(causal_offset + q0 + 1);
         add(at::zeros({1, 1, n, lk}, qh.options()).masked_fill_(upper.view({1, 1, n, lk}), ninf));
