@@ -35,6 +35,32 @@ Status LookupFailure(const ModelSet& models, const std::string& name, int64_t ve
                   "' is not loaded; loaded versions: " + versions);
 }
 
+Status CheckModelVersion(int64_t version) {
+  if (version >= 0) return Status::Ok();
+  return InvalidArgument("model_version: " + std::to_string(version) +
+                         "; allowed: 0 (the highest loaded) or a loaded version");
+}
+
+// The model a request's `model` and `model_version` name, in the repository's set of the moment.
+StatusOr<std::shared_ptr<const AttentionModel>> FindModel(const ModelRepository& repository,
+                                                          const std::string& name, int64_t version) {
+  RETURN_IF_ERROR(CheckModelVersion(version));
+  const std::shared_ptr<const ModelSet> models = repository.Snapshot();
+  std::shared_ptr<const AttentionModel> model = models->Find(name, version);
+  if (!model) return LookupFailure(*models, name, version, "model", "model_version");
+  return model;
+}
+
+// An empty key/value cache for a memory or session of `model`.
+StatusOr<std::shared_ptr<KvCache>> NewKvCacheOf(const AttentionModel& model) {
+  std::shared_ptr<KvCache> cache = model.NewKvCache();
+  if (!cache) {
+    return Status(StatusCode::kFailedPrecondition,
+                  "model '" + model.spec().name + "': its engine keeps no keys and values");
+  }
+  return cache;
+}
+
 }  // namespace
 
 SteadyClock::time_point DeadlineOf(const grpc::CallbackServerContext* ctx) {
@@ -61,16 +87,12 @@ void AttentionServiceImpl::Dispatch(const char* method, Exchange* x,
     last_arrival_ = SteadyClock::now();
   }
   const v1::AttendRequest& request = x->request;
-  if (request.model_version() < 0) {
-    done(InvalidArgument("model_version: " + std::to_string(request.model_version()) +
-                         "; allowed: 0 (the highest loaded) or a loaded version"));
-    return;
-  }
   auto item = std::make_unique<WorkItem>();
-  item->accepted = SteadyClock::now();
+  item->accepted = x->received;
   item->deadline = deadline;
   item->cancelled = std::move(cancelled);
-  Status st = FromWire(request, &item->call);
+  Status st = CheckModelVersion(request.model_version());
+  if (st.ok()) st = FromWire(request, &item->call);
   if (!st.ok()) {
     done(st);
     return;
@@ -128,12 +150,12 @@ void AttentionServiceImpl::Dispatch(const char* method, Exchange* x,
     item->call.kv_batch = entry->batch;
     item->kv_entry = entry;
   } else {
-    const std::shared_ptr<const ModelSet> models = models_.Snapshot();
-    model = models->Find(request.model(), request.model_version());
-    if (!model) {
-      done(LookupFailure(*models, request.model(), request.model_version(), "model", "model_version"));
+    auto found = FindModel(models_, request.model(), request.model_version());
+    if (!found.ok()) {
+      done(found.status());
       return;
     }
+    model = *std::move(found);
   }
   x->model = model->spec().name;
   item->model = model;
@@ -384,17 +406,12 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CreateMemory(grpc::CallbackServe
     metrics_.RecordRequest(model, "CreateMemory", GrpcCodeName(st), SecondsSince(received));
     reactor->Finish(ToGrpcStatus(st));
   };
-  if (req->model_version() < 0) {
-    finish("", InvalidArgument("model_version: " + std::to_string(req->model_version()) +
-                               "; allowed: 0 (the highest loaded) or a loaded version"));
+  auto found = FindModel(models_, req->model(), req->model_version());
+  if (!found.ok()) {
+    finish("", found.status());
     return reactor;
   }
-  const std::shared_ptr<const ModelSet> models = models_.Snapshot();
-  std::shared_ptr<const AttentionModel> model = models->Find(req->model(), req->model_version());
-  if (!model) {
-    finish("", LookupFailure(*models, req->model(), req->model_version(), "model", "model_version"));
-    return reactor;
-  }
+  const std::shared_ptr<const AttentionModel> model = *std::move(found);
   const std::string name = model->spec().name;
   auto item = std::make_unique<WorkItem>();
   item->accepted = received;
@@ -403,15 +420,15 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CreateMemory(grpc::CallbackServe
   item->model = model;
   Status st = FromWire(*req, &item->call);
   if (st.ok()) st = ValidateCreateMemory(model->spec(), limits_, &item->call);
-  std::shared_ptr<KvCache> cache = st.ok() ? model->NewKvCache() : nullptr;
-  if (st.ok() && !cache) st = Status(StatusCode::kFailedPrecondition, "model '" + name + "': its engine keeps no keys and values");
-  StatusOr<std::shared_ptr<KvEntry>> entry = st;
-  if (st.ok()) entry = kv_.Create(KvKind::kMemory, model, cache, item->call.batch, item->call.key_len);
+  StatusOr<std::shared_ptr<KvCache>> cache = st;
+  if (st.ok()) cache = NewKvCacheOf(*model);
+  StatusOr<std::shared_ptr<KvEntry>> entry = cache.status();
+  if (cache.ok()) entry = kv_.Create(KvKind::kMemory, model, *cache, item->call.batch, item->call.key_len);
   if (!entry.ok()) {
     finish(name, entry.status());
     return reactor;
   }
-  item->call.kv = cache;
+  item->call.kv = *cache;
   item->kv_entry = *entry;
   const int64_t length = item->call.key_len;
   item->done = [this, finish, name, entry = *entry, length, resp](const Status& st, const WorkItem&) {
@@ -432,36 +449,25 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::OpenSession(grpc::CallbackServer
                                                             v1::KvHandle* resp) {
   auto* reactor = ctx->DefaultReactor();
   const auto received = SteadyClock::now();
-  const std::shared_ptr<const ModelSet> models = models_.Snapshot();
-  std::shared_ptr<const AttentionModel> model =
-      req->model_version() < 0 ? nullptr : models->Find(req->model(), req->model_version());
-  Status st;
-  if (req->model_version() < 0) {
-    st = InvalidArgument("model_version: " + std::to_string(req->model_version()) +
-                         "; allowed: 0 (the highest loaded) or a loaded version");
-  } else if (!model) {
-    st = LookupFailure(*models, req->model(), req->model_version(), "model", "model_version");
-  } else if (req->batch() < 1 || req->batch() > limits_.max_tokens) {
-    st = InvalidArgument("batch: " + std::to_string(req->batch()) + "; allowed: 1 to " +
-                         std::to_string(limits_.max_tokens) + " (server flag --max-request-tokens)");
-  } else if (model->spec().kdim != model->spec().embed_dim || model->spec().vdim != model->spec().embed_dim) {
-    const ModelSpec& m = model->spec();
-    st = InvalidArgument("model: '" + m.name + "' has kdim=" + std::to_string(m.kdim) + ", vdim=" +
-                         std::to_string(m.vdim) + " != embed_dim=" + std::to_string(m.embed_dim) +
-                         "; a decoding session is self-attention, which needs kdim = vdim = embed_dim");
-  }
-  std::shared_ptr<KvCache> cache = st.ok() ? model->NewKvCache() : nullptr;
-  if (st.ok() && !cache) {
-    st = Status(StatusCode::kFailedPrecondition, "model '" + model->spec().name + "': its engine keeps no keys and values");
-  }
-  if (st.ok()) {
-    auto entry = kv_.Create(KvKind::kSession, model, cache, req->batch(), 0);
-    if (entry.ok()) {
-      FillHandle(**entry, 0, (*entry)->bytes, kv_.options().ttl_seconds, resp);
-    } else {
-      st = entry.status();
+  std::shared_ptr<const AttentionModel> model;
+  const auto open = [&]() -> Status {
+    ASSIGN_OR_RETURN(model, FindModel(models_, req->model(), req->model_version()));
+    if (req->batch() < 1 || req->batch() > limits_.max_tokens) {
+      return InvalidArgument("batch: " + std::to_string(req->batch()) + "; allowed: 1 to " +
+                             std::to_string(limits_.max_tokens) + " (server flag --max-request-tokens)");
     }
-  }
+    const ModelSpec& m = model->spec();
+    if (m.kdim != m.embed_dim || m.vdim != m.embed_dim) {
+      return InvalidArgument("model: '" + m.name + "' has kdim=" + std::to_string(m.kdim) + ", vdim=" +
+                             std::to_string(m.vdim) + " != embed_dim=" + std::to_string(m.embed_dim) +
+                             "; a decoding session is self-attention, which needs kdim = vdim = embed_dim");
+    }
+    ASSIGN_OR_RETURN(std::shared_ptr<KvCache> cache, NewKvCacheOf(*model));
+    ASSIGN_OR_RETURN(std::shared_ptr<KvEntry> entry, kv_.Create(KvKind::kSession, model, cache, req->batch(), 0));
+    FillHandle(*entry, 0, entry->bytes, kv_.options().ttl_seconds, resp);
+    return Status::Ok();
+  };
+  const Status st = open();
   metrics_.RecordRequest(model ? model->spec().name : "", "OpenSession", GrpcCodeName(st), SecondsSince(received));
   reactor->Finish(ToGrpcStatus(st));
   return reactor;

@@ -113,9 +113,7 @@ Status OptionalView(const char* field, bool present, const pb::Tensor& t,
   return ViewOf(field, t, &**view);
 }
 
-}  // namespace
-
-static Status LayoutFromWire(int layout, AttendCall* call) {
+Status LayoutFromWire(int layout, AttendCall* call) {
   switch (layout) {
     case pb::LAYOUT_UNSPECIFIED:
     case pb::LAYOUT_BATCH_FIRST: call->layout = TensorLayout::kBatchFirst; return Status::Ok();
@@ -125,6 +123,8 @@ static Status LayoutFromWire(int layout, AttendCall* call) {
                              " is not allowed; expected BATCH_FIRST (1) or SEQUENCE_FIRST (2)");
   }
 }
+
+}  // namespace
 
 Status FromWire(const pb::AttendRequest& r, AttendCall* call) {
   if (!r.has_query()) return InvalidArgument("query: missing; expected a tensor");
