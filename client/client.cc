@@ -167,6 +167,8 @@ struct Client::Impl {
   }
 };
 
+// The two service configs differ only in load balancing and health checking; each is a file in
+// deploy/grpc/ too, and ServiceConfigTest checks that the four agree.
 const char* const kDefaultServiceConfig = R"json({
   "loadBalancingConfig": [{"round_robin": {}}],
   "healthCheckConfig": {"serviceName": "attnserve.v1.AttentionService"},

@@ -5,11 +5,13 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <nlohmann/json.hpp>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cmath>
+#include <fstream>
 #include <future>
 #include <map>
 #include <mutex>
@@ -396,6 +398,18 @@ TEST_F(ServerTest, MetricsMoveAfterRequests) {
     last = v;
   }
   EXPECT_EQ(last, Sample(after, ok_count));
+}
+
+// The client's built-in service configs are the JSON files deploy/grpc/ ships for other clients.
+TEST(ServiceConfigTest, ConstantsAreTheDeployFiles) {
+  const auto file = [](const char* name) {
+    std::ifstream in(std::string(ATTNSERVE_SOURCE_DIR) + "/deploy/grpc/" + name);
+    EXPECT_TRUE(in.good()) << name;
+    return nlohmann::json::parse(in);
+  };
+  EXPECT_EQ(nlohmann::json::parse(kDefaultServiceConfig), file("service-config.json"));
+  EXPECT_EQ(nlohmann::json::parse(kProxyServiceConfig), file("service-config-proxy.json"));
+  EXPECT_FALSE(nlohmann::json::parse(kProxyServiceConfig).contains("healthCheckConfig"));
 }
 
 TEST(GrpcStatusTest, OneMappingForEveryCode) {
