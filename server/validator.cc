@@ -69,43 +69,43 @@ struct Axes {
 
 // Key and value of a batched or unbatched call (batch: call->batch, or any when 0); sets key_len.
 Status CheckKeyValue(const ModelSpec& model, AttendCall* call) {
-  const TensorView& q = call->kv_use == AttendCall::Kv::kCreateMemory ? *call->key : call->query;
+  // CreateMemory has no query: the key sets the dtype.
+  const bool create = call->kv_use == AttendCall::Kv::kCreateMemory;
+  const TensorView& q = create ? *call->key : call->query;
   const bool batch_first = call->layout == TensorLayout::kBatchFirst;
   const Axes axes = batch_first ? Axes{0, 1} : Axes{1, 0};
-  {
-    const int rank = call->batched ? 3 : 2;
-    int64_t key_len = 0;
-    for (int which = 0; which < 2; ++which) {
-      const char* field = which == 0 ? "key" : "value";
-      const TensorView& t = which == 0 ? *call->key : *call->value;
-      const int64_t feat = which == 0 ? model.kdim : model.vdim;
-      const char* feat_name = which == 0 ? "kdim" : "vdim";
-      if (t.dtype != q.dtype) {
-        return InvalidArgument(std::string(field) + ": dtype " + DTypeName(t.dtype) +
-                               " differs from the query's " + DTypeName(q.dtype) +
-                               "; query, key and value must share one dtype");
-      }
-      // For value, the length must equal the key's.
-      if (call->batched) {
-        const char* names[3] = {batch_first ? "batch" : "key_len", batch_first ? "key_len" : "batch",
-                                feat_name};
-        int64_t want[3];
-        want[axes.batch] = call->batch;
-        want[axes.len] = key_len;
-        want[2] = feat;
-        RETURN_IF_ERROR(CheckShape(field, t, names, want, rank));
-        key_len = t.shape[axes.len];
-        if (call->batch == 0) call->batch = t.shape[axes.batch];  // CreateMemory: the key's batch
-      } else {
-        const char* names[2] = {"key_len", feat_name};
-        const int64_t want[2] = {key_len, feat};
-        RETURN_IF_ERROR(CheckShape(field, t, names, want, rank));
-        key_len = t.shape[0];
-      }
-      RETURN_IF_ERROR(CheckStorage(field, t));
+  const int rank = call->batched ? 3 : 2;
+  int64_t key_len = 0;
+  for (int which = 0; which < 2; ++which) {
+    const char* field = which == 0 ? "key" : "value";
+    const TensorView& t = which == 0 ? *call->key : *call->value;
+    const int64_t feat = which == 0 ? model.kdim : model.vdim;
+    const char* feat_name = which == 0 ? "kdim" : "vdim";
+    if (t.dtype != q.dtype) {
+      return InvalidArgument(std::string(field) + ": dtype " + DTypeName(t.dtype) +
+                             " differs from " + (create ? "the key's " : "the query's ") + DTypeName(q.dtype) +
+                             (create ? "; key and value must share one dtype" : "; query, key and value must share one dtype"));
     }
-    call->key_len = key_len;
+    // For value, the length must equal the key's.
+    if (call->batched) {
+      const char* names[3] = {batch_first ? "batch" : "key_len", batch_first ? "key_len" : "batch",
+                              feat_name};
+      int64_t want[3];
+      want[axes.batch] = call->batch;
+      want[axes.len] = key_len;
+      want[2] = feat;
+      RETURN_IF_ERROR(CheckShape(field, t, names, want, rank));
+      key_len = t.shape[axes.len];
+      if (call->batch == 0) call->batch = t.shape[axes.batch];  // CreateMemory: the key's batch
+    } else {
+      const char* names[2] = {"key_len", feat_name};
+      const int64_t want[2] = {key_len, feat};
+      RETURN_IF_ERROR(CheckShape(field, t, names, want, rank));
+      key_len = t.shape[0];
+    }
+    RETURN_IF_ERROR(CheckStorage(field, t));
   }
+  call->key_len = key_len;
   return Status::Ok();
 }
 

@@ -50,6 +50,25 @@ Status Check(Call& c, const ModelSpec& m = Model(), AttendLimits limits = {}) {
   return Validate(m, limits, &c.call);
 }
 
+// CreateMemory has key and value but no query: the key sets batch, length and dtype.
+TEST(ValidatorTest, CreateMemoryTakesItsShapeAndDtypeFromTheKey) {
+  Call c;
+  c.keep.reserve(4);
+  c.call.key = c.Add(Zeros({2, 7, 16}));
+  c.call.value = c.Add(Zeros({2, 7, 16}));
+  ASSERT_TRUE(ValidateCreateMemory(Model(), {}, &c.call).ok());
+  EXPECT_EQ(c.call.batch, 2);
+  EXPECT_EQ(c.call.key_len, 7);
+  EXPECT_EQ(c.call.query_len, 0);
+  Call d;
+  d.keep.reserve(4);
+  d.call.key = d.Add(Zeros({2, 7, 16}));
+  d.call.value = d.Add(Zeros({2, 7, 16}, DType::kFloat16));
+  const Status st = ValidateCreateMemory(Model(), {}, &d.call);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(st.message(), HasSubstr("value: dtype float16 differs from the key's float32; key and value"));
+}
+
 TEST(ValidatorTest, AcceptsSelfAttentionAndFillsDims) {
   Call c = SelfCall({2, 5, 16});
   ASSERT_TRUE(Check(c).ok());
