@@ -10,9 +10,10 @@ and another is killed (SIGKILL, then started again); every request accounted for
 and, during the same events, attnserve-bench (the C++ client) with the same target (`--proxy`
 behind nginx). Answers report the attempts that failed before them
 (ServerTiming.previous_attempts). SIGTERM must cost no request in either mode; what SIGKILL costs is
-reported. A real Prometheus scrapes every replica through file-based
-targets and must hold per-replica series. Loopback only; the load is bounded (a request budget and a
-time limit per phase).
+reported. First, behind the same nginx.conf, a replica that resets every call after reading it:
+nginx must answer such calls as gRPC UNAVAILABLE, and the client's policy must retry every one. A
+real Prometheus scrapes every replica through file-based targets and must hold per-replica series.
+Loopback only; the load is bounded (a request budget and a time limit per phase).
 
 usage: replicas_test.py PATH/TO/attnserve PATH/TO/attnserve-bench [--threads 6]
 """
@@ -38,6 +39,9 @@ import attnserve_py as lib  # noqa: E402
 
 ROOT = lib.ROOT
 MAX_REQUESTS = 60000  # Budget per mode, whatever happens.
+PHASES = ("steady", "sigterm", "sigkill", "after")
+# deploy/nginx/nginx.conf's grpc-message for calls no replica answered.
+NGINX_UNAVAILABLE = "nginx: the replica did not answer this call (connection refused, lost or timed out); retry"
 
 
 def free_port():
@@ -70,7 +74,7 @@ class Replica:
 
 class Load:
     """Threads sending small Attend calls back to back until stopped; every outcome recorded with
-    the phase it started in."""
+    the phase it started in, or "sigkill" for a call in flight when the SIGKILL came."""
 
     def __init__(self, pb, rpc, target, threads, service_config):
         options = [("grpc.service_config", service_config)] if service_config else []
@@ -79,7 +83,7 @@ class Load:
         q = np.random.default_rng(3).standard_normal((1, 8, 512)).astype(np.float32)
         self.request = pb.AttendRequest(model="demo", query=lib.to_wire(pb, q))
         self.phase = "steady"
-        self.results = []  # (phase, code name or "OK", previous attempts)
+        self.results = []  # (phase, "OK" or "CODE: details", previous attempts)
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         self.threads = [threading.Thread(target=self.run, daemon=True) for _ in range(threads)]
@@ -94,7 +98,9 @@ class Load:
                 resp = self.stub.Attend(self.request, timeout=20)
                 outcome = ("OK", resp.timing.previous_attempts)
             except grpc.RpcError as e:
-                outcome = (e.code().name, 0)
+                outcome = (f"{e.code().name}: {e.details()}", 0)
+            if PHASES.index(phase) < PHASES.index("sigkill") <= PHASES.index(self.phase):
+                phase = "sigkill"  # In flight when the SIGKILL came: what it costs is the SIGKILL's.
             with self.lock:
                 self.results.append((phase,) + outcome)
 
@@ -118,6 +124,112 @@ class Load:
         retried = sum(1 for _, code, prev in rows if code == "OK" and prev > 0)
         return {"sent": len(rows), "ok": len(rows) - sum(failed.values()), "failed": failed,
                 "answered after a retry": retried}
+
+
+def port_open(port):
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def start_nginx(prefix, upstream_ports, listen_port):
+    """nginx from deploy/nginx/nginx.conf with these upstreams and this port; its log in prefix/."""
+    conf = open(os.path.join(ROOT, "deploy", "nginx", "nginx.conf")).read()
+    upstreams = "".join(f"    server 127.0.0.1:{p} max_fails=1 fail_timeout=2s;\n" for p in upstream_ports)
+    lines = [l for l in conf.splitlines(keepends=True) if not l.strip().startswith("server 127.0.0.1:")]
+    conf = "".join(lines).replace("keepalive 32;", upstreams.strip() + "\n    keepalive 32;", 1)
+    conf = conf.replace("listen 127.0.0.1:8080", f"listen 127.0.0.1:{listen_port}")
+    os.makedirs(os.path.join(prefix, "tmp"), exist_ok=True)
+    with open(os.path.join(prefix, "nginx.conf"), "w") as f:
+        f.write(conf)
+    return subprocess.Popen(["nginx", "-p", prefix, "-c", "nginx.conf", "-g", "daemon off;"],
+                            stdout=subprocess.DEVNULL, stderr=open(os.path.join(prefix, "error.log"), "w"))
+
+
+class DyingReplica:
+    """A TCP listener that takes each connection, reads what nginx sends (preface, headers, request)
+    and resets it before answering: to nginx, a replica killed while a call is on it. Counts the
+    connections, one per call nginx passes on."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.connections = 0
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            conn.settimeout(2)
+            got = b""
+            try:
+                while len(got) < 200:  # The preface and SETTINGS are 33 bytes; a call's HEADERS and DATA follow.
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    got += chunk
+            except OSError:
+                pass
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            conn.close()  # With SO_LINGER 0: a reset, as from a killed process.
+
+    def close(self):
+        self.sock.close()
+
+
+def check_replica_lost_mid_call(checks, pb, rpc, service_config, tmp, callers=8, calls=5):
+    """nginx answers a call whose replica went away after the call was sent (nginx cannot resend a
+    POST) with its own error; gRPC clients must get that as a gRPC status their retry policy acts
+    on, every time. As an HTML error page (nginx's default) it was retried only sometimes: with
+    calls in flight together, grpcio made 159 to 182 of the 200 attempts, and a replica
+    SIGKILLed under load cost calls that the retry policy should have saved."""
+    dying = DyingReplica()
+    port = free_port()
+    nginx = start_nginx(os.path.join(tmp, "nginx-dying"), [dying.port], port)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.service_config", service_config)])
+    try:
+        checks("nginx in front of a replica that resets every call is up",
+               lib.wait_until(lambda: port_open(port), timeout=30, step=0.2))
+        stub = rpc.AttentionServiceStub(channel)
+        q = np.random.default_rng(5).standard_normal((1, 8, 512)).astype(np.float32)
+        request = pb.AttendRequest(model="demo", query=lib.to_wire(pb, q))
+        outcomes, lock = {}, threading.Lock()
+
+        def caller():
+            for _ in range(calls):
+                try:
+                    stub.Attend(request, timeout=20)
+                    outcome = "OK"
+                except grpc.RpcError as e:
+                    outcome = f"{e.code().name}: {e.details()}"
+                with lock:
+                    outcomes[outcome] = outcomes.get(outcome, 0) + 1
+
+        threads = [threading.Thread(target=caller) for _ in range(callers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        attempts = json.loads(service_config)["methodConfig"][0]["retryPolicy"]["maxAttempts"]
+        print(f"replica lost mid-call, through nginx: {outcomes}, {dying.connections} attempts reached it")
+        checks("nginx: a call whose replica is lost gets UNAVAILABLE with nginx's message",
+               list(outcomes) == [f"UNAVAILABLE: {NGINX_UNAVAILABLE}"], outcomes)
+        checks(f"nginx: every such call is retried ({attempts} attempts each, {callers} callers at once)",
+               dying.connections == attempts * callers * calls,
+               f"{dying.connections} attempts for {callers * calls} calls")
+    finally:
+        channel.close()
+        nginx.terminate()
+        nginx.wait(timeout=30)
+        dying.close()
 
 
 def scenario(replicas, load, bench_cmd):
@@ -160,18 +272,10 @@ def main():
             r.start()
         ipv4 = "ipv4:" + ",".join(f"127.0.0.1:{r.port}" for r in replicas)
 
-        # nginx from deploy/nginx/nginx.conf, with this test's replicas and port.
+        check_replica_lost_mid_call(checks, pb, rpc, configs["service-config-proxy.json"], tmp)
+
         proxy_port = free_port()
-        conf = open(os.path.join(ROOT, "deploy", "nginx", "nginx.conf")).read()
-        upstreams = "".join(f"    server 127.0.0.1:{r.port} max_fails=1 fail_timeout=2s;\n" for r in replicas)
-        lines = [l for l in conf.splitlines(keepends=True) if not l.strip().startswith("server 127.0.0.1:")]
-        conf = "".join(lines).replace("keepalive 32;", upstreams.strip() + "\n    keepalive 32;", 1)
-        conf = conf.replace("listen 127.0.0.1:8080", f"listen 127.0.0.1:{proxy_port}")
-        os.makedirs(os.path.join(tmp, "nginx", "tmp"), exist_ok=True)
-        with open(os.path.join(tmp, "nginx", "nginx.conf"), "w") as f:
-            f.write(conf)
-        nginx = subprocess.Popen(["nginx", "-p", os.path.join(tmp, "nginx"), "-c", "nginx.conf", "-g", "daemon off;"],
-                                 stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, "nginx.log"), "w"))
+        nginx = start_nginx(os.path.join(tmp, "nginx"), [r.port for r in replicas], proxy_port)
         checks("nginx proxies grpc.health.v1 to the replicas",
                lib.wait_until(lambda: lib.health_serving(f"127.0.0.1:{proxy_port}"), timeout=30, step=0.2))
 
@@ -197,7 +301,7 @@ def main():
                 rc, took = scenario(replicas, load, bench_cmd)
             checks(f"{mode}: SIGTERMed replica exited 0", rc == 0, f"exit {rc}")
             checks(f"{mode}: SIGTERMed replica left within 10 s", took < 10, f"{took:.1f} s")
-            outcome[mode] = {p: load.summary(p) for p in ("steady", "sigterm", "sigkill", "after")}
+            outcome[mode] = {p: load.summary(p) for p in PHASES}
             outcome[mode]["total"] = load.summary()
             print(f"{mode}: " + json.dumps(outcome[mode]))
             checks(f"{mode}: load ran in every phase", all(outcome[mode][p]["sent"] > 0 for p in outcome[mode]))
