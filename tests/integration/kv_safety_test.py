@@ -1,0 +1,231 @@
+#!/usr/bin/python3
+"""Kept keys and values under hostile input and races, through the real server and wire (issue 17).
+
+- A session step whose query shape claims ~2^62 tokens (batch-first, sequence-first, B=2; no data)
+  is refused with INVALID_ARGUMENT and leaves the session and the byte budget as they were: the
+  attnserve_kv_bytes gauge unchanged, the next step applied and equal to nn.MultiheadAttention's
+  causal self-attention over the applied tokens; float32 and bfloat16 servers (on bfloat16 the
+  budget then still holds: memories created after it never take the gauge over the budget).
+- A negative session_length (-1, -2^62) is refused with INVALID_ARGUMENT and applies nothing.
+- A memory whose CreateMemory waits in the queue longer than --kv-ttl-seconds is not expired under
+  it: the server answers it (it crashed with SIGSEGV before) and keeps serving.
+- Expiry does not wait for a busy entry: a session opened after another session's step went busy
+  expires on time while that step is still queued.
+- --kv-max-entries bounds the entries: OpenSession beyond it is RESOURCE_EXHAUSTED naming the flag,
+  the server's memory stays flat while thousands more are refused, and closing one makes room.
+Tolerances: float32 1e-5, bfloat16 2e-2 of the output's scale (max |out - ref| / max |ref|).
+
+usage: kv_safety_test.py PATH/TO/attnserve
+"""
+import os
+import sys
+import tempfile
+import threading
+import time
+
+import grpc
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools"))
+import attnserve_py as lib  # noqa: E402
+import export_model  # noqa: E402
+
+E, H = 32, 4
+HUGE = [  # (shape, layout): queries that claim ~2^62 tokens and carry no data
+    ([1, 4611686018427387901, E], 1),
+    ([1 << 62, 1, E], 2),
+    ([2, 1 << 61, E], 1),
+    ([1, (1 << 63) - 1, E], 1),
+]
+
+
+def kv_bytes(server):
+    return float(lib.metrics_lines(server, "attnserve_kv_bytes")[0].split()[1])
+
+
+def causal_reference(m, x):
+    n = x.shape[1]
+    mask = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)
+    with torch.no_grad():
+        out, _ = m(*(torch.from_numpy(x),) * 3, attn_mask=mask, need_weights=False)
+    return out.numpy()
+
+
+def rel_err(got, want):
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+def huge_steps(pb, stub, server, module, dtype, tol, checks):
+    """Steps that claim ~2^62 tokens between two good ones; then the budget under memories."""
+    rng = np.random.default_rng(17)
+    x = rng.standard_normal((1, 6, E)).astype(np.float32)
+    h = stub.OpenSession(pb.OpenSessionRequest(model="small", batch=1), timeout=30).handle
+    first = stub.Attend(pb.AttendRequest(session=h, query=lib.to_wire(pb, x[:, :3])), timeout=30)
+    before = kv_bytes(server)
+    for shape, layout in HUGE:
+        req = pb.AttendRequest(session=h, layout=layout, query=pb.Tensor(dtype=1, shape=shape))
+        try:
+            stub.Attend(req, timeout=30)
+            code, msg = "OK", ""
+        except grpc.RpcError as e:
+            code, msg = e.code().name, e.details()
+        checks(f"{dtype}: a step of shape {shape} is INVALID_ARGUMENT", code == "INVALID_ARGUMENT",
+               f"{code} {msg}")
+        checks(f"{dtype}: ... and attnserve_kv_bytes stays {before:.0f}", kv_bytes(server) == before,
+               f"now {kv_bytes(server)}")
+    try:
+        second = stub.Attend(pb.AttendRequest(session=h, query=lib.to_wire(pb, x[:, 3:]), session_length=3),
+                             timeout=30)
+        got = np.concatenate([lib.from_wire(pb, first.output), lib.from_wire(pb, second.output)], axis=1)
+        err = rel_err(got, causal_reference(module, x))
+        checks(f"{dtype}: the next step is applied (6 tokens) and equals nn.MultiheadAttention (error {err:.1e})",
+               second.session_length == 6 and err <= tol, f"length {second.session_length}, error {err}")
+    except grpc.RpcError as e:
+        checks(f"{dtype}: the next step is applied", False, f"{e.code().name} {e.details()}")
+    # The budget holds after them: 12 memories of 50 tokens, never more than the budget kept.
+    k = lib.to_wire(pb, rng.standard_normal((1, 50, E)).astype(np.float32))
+    over = []
+    for _ in range(12):
+        stub.CreateMemory(pb.CreateMemoryRequest(model="small", key=k, value=k), timeout=30)
+        if not 0 <= kv_bytes(server) <= 20000:
+            over.append(kv_bytes(server))
+    checks(f"{dtype}: 12 memories later the gauge stayed within 0 to the 20,000-byte budget", not over, over)
+
+
+def negative_lengths(pb, stub, checks):
+    x = np.random.default_rng(5).standard_normal((1, 2, E)).astype(np.float32)
+    h = stub.OpenSession(pb.OpenSessionRequest(model="small", batch=1), timeout=30).handle
+    stub.Attend(pb.AttendRequest(session=h, query=lib.to_wire(pb, x)), timeout=30)
+    for bad in (-1, -(1 << 62), -(1 << 63)):
+        try:
+            r = stub.Attend(pb.AttendRequest(session=h, query=lib.to_wire(pb, x), session_length=bad), timeout=30)
+            code, msg = "OK", f"applied: length {r.session_length}"
+        except grpc.RpcError as e:
+            code, msg = e.code().name, e.details()
+        checks(f"session_length {bad} is INVALID_ARGUMENT naming the field", code == "INVALID_ARGUMENT" and
+               "session_length" in msg, f"{code} {msg}")
+    try:
+        r = stub.Attend(pb.AttendRequest(session=h, query=lib.to_wire(pb, x), session_length=2), timeout=30)
+        outcome = f"OK, length {r.session_length}"
+    except grpc.RpcError as e:
+        outcome = f"{e.code().name} {e.details()}"
+    checks("... and applied nothing: the next step finds 2 tokens", outcome == "OK, length 4", outcome)
+
+
+def channel(server):
+    return grpc.insecure_channel(server.target, options=[("grpc.max_receive_message_length", 64 << 20)])
+
+
+def long_queue(pb, stub, n):
+    """n self-attention calls of [1, 5000, 512] on the demo model, sent now; returns their threads."""
+    q = lib.to_wire(pb, np.random.default_rng(3).standard_normal((1, 5000, 512)).astype(np.float32))
+    threads = [threading.Thread(target=lambda: stub.Attend(pb.AttendRequest(model="demo", query=q), timeout=300))
+               for _ in range(n)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)  # They reach the queue before what follows.
+    return threads
+
+
+def expiry_races(binary, pb, rpc, checks):
+    # A memory created behind a long queue, with a TTL shorter than its wait.
+    server = lib.Server(binary, "--kv-ttl-seconds", "0.4", "--workers", "1")
+    stub = rpc.AttentionServiceStub(channel(server))
+    threads = long_queue(pb, stub, 7)
+    k = lib.to_wire(pb, np.random.default_rng(4).standard_normal((1, 8, 512)).astype(np.float32))
+    try:
+        m = stub.CreateMemory(pb.CreateMemoryRequest(model="demo", key=k, value=k), timeout=300)
+        outcome = f"OK {m.handle}"
+    except grpc.RpcError as e:
+        outcome = f"{e.code().name} {e.details()}"
+    for t in threads:
+        t.join()
+    alive = server.proc.poll() is None
+    checks("a CreateMemory queued past the TTL is answered OK and the server lives", alive and
+           outcome.startswith("OK"), f"{outcome}; server exit code {server.proc.poll()}")
+    if alive:
+        server.stop()
+
+    # A busy session at the back of the LRU list does not hold up the expiry of the others.
+    server = lib.Server(binary, "--kv-ttl-seconds", "1", "--workers", "1")
+    stub = rpc.AttentionServiceStub(channel(server))
+    a = stub.OpenSession(pb.OpenSessionRequest(model="demo", batch=1), timeout=30).handle
+    threads = long_queue(pb, stub, 6)
+    x = lib.to_wire(pb, np.random.default_rng(6).standard_normal((1, 1, 512)).astype(np.float32))
+    step = stub.Attend.future(pb.AttendRequest(session=a, query=x), timeout=300)
+    time.sleep(0.3)
+    b = stub.OpenSession(pb.OpenSessionRequest(model="demo", batch=1), timeout=30).handle
+    time.sleep(2.6)  # Past b's TTL and the next sweep.
+    busy = not step.done()
+    try:
+        stub.Attend(pb.AttendRequest(session=b, query=x), timeout=30)
+        outcome = "OK"
+    except grpc.RpcError as e:
+        outcome = f"{e.code().name} {e.details()}"
+    checks("with another session's step busy, an idle session expires on time (NOT_FOUND: expired)",
+           busy and outcome.startswith("NOT_FOUND") and "expired" in outcome,
+           f"the busy step {'still queued' if busy else 'already done: the queue was too short'}; {outcome}")
+    for t in threads:
+        t.join()
+    checks("... and the busy step is applied", step.result().session_length == 1)
+    server.stop()
+
+
+def entry_bound(binary, pb, rpc, checks):
+    server = lib.Server(binary, "--kv-max-entries", "1000")
+    stub = rpc.AttentionServiceStub(grpc.insecure_channel(server.target))
+    handles = [stub.OpenSession(pb.OpenSessionRequest(model="demo", batch=1), timeout=30).handle
+               for _ in range(1000)]
+    before = lib.status_kb(server.proc.pid, "VmRSS")
+    codes, msg = {}, ""
+    for _ in range(4):
+        futures = [stub.OpenSession.future(pb.OpenSessionRequest(model="demo", batch=1), timeout=60)
+                   for _ in range(1000)]
+        for f in futures:
+            try:
+                f.result()
+                code = "OK"
+            except grpc.RpcError as e:
+                code, msg = e.code().name, e.details()
+            codes[code] = codes.get(code, 0) + 1
+    growth = (lib.status_kb(server.proc.pid, "VmRSS") - before) / 1024
+    checks("4,000 OpenSession beyond --kv-max-entries 1000: each RESOURCE_EXHAUSTED naming the flag",
+           codes == {"RESOURCE_EXHAUSTED": 4000} and "--kv-max-entries" in msg, f"{codes} {msg}")
+    checks(f"... with the server's memory flat (+{growth:.1f} MiB, at most 4)", growth <= 4, growth)
+    stub.CloseSession(pb.ReleaseRequest(handle=handles[0]), timeout=30)
+    try:
+        stub.OpenSession(pb.OpenSessionRequest(model="demo", batch=1), timeout=30)
+        ok = True
+    except grpc.RpcError:
+        ok = False
+    checks("... and closing one makes room for one", ok)
+    server.stop()
+
+
+def main():
+    binary = sys.argv[1]
+    pb, rpc = lib.load_stubs()
+    checks = lib.Checks()
+    tmp = tempfile.mkdtemp(prefix="attnserve-kv-safety-")
+    torch.manual_seed(1700)
+    module = torch.nn.MultiheadAttention(E, H, batch_first=True).eval()
+    for p in module.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    export_model.export(module, os.path.join(tmp, "small"))
+    for dtype, tol in (("float32", 1e-5), ("bfloat16", 2e-2)):
+        server = lib.Server(binary, "--models", tmp, "--dtype", dtype, "--kv-budget-bytes", "20000",
+                            "--kv-max-entry-bytes", "20000")
+        stub = rpc.AttentionServiceStub(grpc.insecure_channel(server.target))
+        huge_steps(pb, stub, server, module, dtype, tol, checks)
+        if dtype == "float32":
+            negative_lengths(pb, stub, checks)
+        server.stop()
+    expiry_races(binary, pb, rpc, checks)
+    entry_bound(binary, pb, rpc, checks)
+    return checks.summary("kv_safety")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
