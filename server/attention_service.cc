@@ -98,6 +98,7 @@ void AttentionServiceImpl::Dispatch(const char* method, Exchange* x,
     return;
   }
   std::shared_ptr<const AttentionModel> model;
+  std::shared_ptr<KvStep> step;  // A session step: validated against its length, then reserved.
   if (!request.memory().empty() || !request.session().empty()) {
     // Keys and values kept on the server: the handle names the model.
     const bool session = !request.session().empty();
@@ -107,24 +108,30 @@ void AttentionServiceImpl::Dispatch(const char* method, Exchange* x,
     }
     std::shared_ptr<KvEntry> entry;
     if (session) {
-      // The step's new tokens: what BeginStep reserves room for (Validate checks the shape).
-      const auto& shape = item->call.query.shape;
-      const bool seq_first = item->call.layout == TensorLayout::kSequenceFirst;
-      const int64_t tokens = shape.size() == 3 ? shape[seq_first ? 0 : 1] : shape.empty() ? 0 : shape[0];
-      auto step = kv_.BeginStep(request.session(), tokens,
-                                request.has_session_length() ? request.session_length() : -1);
-      if (!step.ok()) {
-        done(step.status());
+      auto begun = kv_.BeginStep(request.session(), request.has_session_length()
+                                                        ? std::optional<int64_t>(request.session_length())
+                                                        : std::nullopt);
+      if (!begun.ok()) {
+        done(begun.status());
         return;
       }
-      entry = step->entry;
+      step = std::move(*begun);
+      entry = step->entry();
       item->call.kv_use = AttendCall::Kv::kSession;
-      item->call.kv_length = step->length;
-      item->call.kv_capacity = step->capacity;
-      // The step counts once its answer is computed; refused or failed, the session is as it was.
-      done = [this, step = *step, tokens, done = std::move(done)](const Status& result) {
-        kv_.EndStep(step, result.ok(), tokens);
-        done(result);
+      item->call.kv_length = step->length();
+      // The step counts once its answer is computed in time for the client; refused or failed at
+      // any point from here, or computed after the deadline or a cancel (the answer would be
+      // dropped), the session is as it was. It ends before the answer leaves, so the client's next
+      // step finds it idle.
+      done = [step, deadline, cancelled = item->cancelled, done = std::move(done)](const Status& result) {
+        Status seen = result;
+        if (seen.ok() && SteadyClock::now() >= deadline) {
+          seen = Status(StatusCode::kDeadlineExceeded, "deadline passed during compute; the step was not applied");
+        } else if (seen.ok() && cancelled && cancelled()) {
+          seen = Status(StatusCode::kCancelled, "cancelled by the client during compute; the step was not applied");
+        }
+        step->End(seen.ok());
+        done(seen);
       };
     } else {
       auto found = kv_.Lookup(request.memory(), KvKind::kMemory);
@@ -160,6 +167,10 @@ void AttentionServiceImpl::Dispatch(const char* method, Exchange* x,
   x->model = model->spec().name;
   item->model = model;
   st = Validate(item->model->spec(), limits_, &item->call);
+  if (st.ok() && step) {
+    st = step->Reserve(item->call.query_len);
+    item->call.kv_capacity = step->capacity();
+  }
   if (!st.ok()) {
     done(st);
     return;
@@ -431,9 +442,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CreateMemory(grpc::CallbackServe
   item->call.kv = *cache;
   item->kv_entry = *entry;
   const int64_t length = item->call.key_len;
-  item->done = [this, finish, name, entry = *entry, length, resp](const Status& st, const WorkItem&) {
+  item->done = [this, finish, name, entry = *entry, length, resp](Status st, const WorkItem&) {
+    if (st.ok()) st = kv_.MarkReady(entry, length);
     if (st.ok()) {
-      kv_.MarkReady(entry, length);
       FillHandle(*entry, length, entry->bytes, kv_.options().ttl_seconds, resp);
     } else {
       kv_.Discard(entry);

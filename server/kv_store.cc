@@ -5,6 +5,9 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <limits>
+
+#include "server/checked_math.h"
 
 namespace attnserve {
 
@@ -52,14 +55,15 @@ Status KvOptions::Validate() const {
     return bad("--kv-max-entry-bytes: " + std::to_string(max_entry_bytes) + "; expected 1 to --kv-budget-bytes (" +
                std::to_string(budget_bytes) + ")");
   }
+  if (max_entries < 1) return bad("--kv-max-entries: " + std::to_string(max_entries) + "; expected >= 1");
   if (!(ttl_seconds > 0)) return bad("--kv-ttl-seconds: " + std::to_string(ttl_seconds) + "; expected > 0");
   return Status::Ok();
 }
 
-KvStore::KvStore(KvOptions options, KvMetricsHooks hooks)
-    : options_(options), hooks_(std::move(hooks)), account_(std::make_shared<KvAccount>()) {
+KvStore::KvStore(KvOptions options, KvMetricsHooks hooks, std::function<KvClock::time_point()> clock)
+    : options_(options), hooks_(std::move(hooks)), clock_(std::move(clock)), account_(std::make_shared<KvAccount>()) {
   account_->on_size = hooks_.on_size;
-  expiry_ = std::thread([this] { ExpiryLoop(); });
+  if (!clock_) expiry_ = std::thread([this] { ExpiryLoop(); });
 }
 
 KvStore::~KvStore() {
@@ -68,13 +72,14 @@ KvStore::~KvStore() {
     stop_ = true;
   }
   stop_cv_.notify_all();
-  expiry_.join();
+  if (expiry_.joinable()) expiry_.join();
   Clear("the server stopped");
 }
 
 int64_t KvStore::GrowCapacity(int64_t capacity, int64_t needed) {
   if (needed <= capacity) return capacity;
-  return std::max<int64_t>({needed, 2 * capacity, 16});
+  const int64_t doubled = capacity > std::numeric_limits<int64_t>::max() / 2 ? needed : 2 * capacity;
+  return std::max<int64_t>({needed, doubled, 16});
 }
 
 std::string KvStore::NewHandle() {
@@ -91,21 +96,36 @@ std::string KvStore::NewHandle() {
   return std::string(hex, 32);
 }
 
-void KvStore::Touch(KvEntry* e, KvClock::time_point now) {
-  e->last_use = now;
+bool KvStore::Indexed(const KvEntry* e) const {
+  const auto it = entries_.find(e->handle);
+  return it != entries_.end() && it->second.get() == e;
+}
+
+bool KvStore::InUse(const KvEntry* e) const {
+  // use_count > 1: a request (its WorkItem or KvStep) holds it besides the index.
+  return e->busy || !e->ready || entries_.find(e->handle)->second.use_count() > 1;
+}
+
+void KvStore::Touch(KvEntry* e) {
+  // Under mu_, for an entry in the index: the LRU list stays ordered by last_use.
+  e->last_use = Now();
   lru_.splice(lru_.begin(), lru_, e->lru);
 }
 
+void KvStore::Recount(KvEntry* e, int64_t capacity, int64_t bytes) {
+  account_->Add(bytes - e->bytes);
+  e->bytes = bytes;
+  e->capacity = capacity;
+}
+
 Status KvStore::MakeRoom(int64_t need, const KvEntry* keep) {
-  // Under mu_. Entries still used by a request (use_count > 1: a WorkItem holds them), with a step
-  // in flight, or not yet computed are never evicted; nothing is evicted unless that makes room.
-  const auto evictable = [&](const KvEntry* e) {
-    return e != keep && !e->busy && e->ready && entries_.find(e->handle)->second.use_count() == 1;
-  };
+  // Under mu_. Entries in use are never evicted; nothing is evicted unless that makes room.
+  const auto evictable = [&](const KvEntry* e) { return e != keep && !InUse(e); };
   int64_t held = account_->Get(), freeable = 0;
   for (const KvEntry* e : lru_) {
     if (evictable(e)) freeable += e->bytes;
   }
+  // Every count here is at most the budget, and `need` at most --kv-max-entry-bytes: no overflow.
   if (held + need - freeable > options_.budget_bytes) {
     return Status(StatusCode::kResourceExhausted,
                   "key/value memory is full: " + std::to_string(held) + " bytes held by memories and "
@@ -129,11 +149,16 @@ Status KvStore::MakeRoom(int64_t need, const KvEntry* keep) {
 StatusOr<std::shared_ptr<KvEntry>> KvStore::Create(KvKind kind, std::shared_ptr<const AttentionModel> model,
                                                    std::shared_ptr<KvCache> cache, int64_t batch,
                                                    int64_t capacity) {
-  const int64_t bytes = cache->BytesFor(batch, capacity);
-  if (bytes > options_.max_entry_bytes) {
+  if (batch < 1 || capacity < 0) {
+    return InvalidArgument(std::string(KvKindName(kind)) + ": batch " + std::to_string(batch) + " of " +
+                           std::to_string(capacity) + " tokens; allowed: batch >= 1, tokens >= 0");
+  }
+  const std::optional<int64_t> bytes = cache->BytesFor(batch, capacity);
+  if (!bytes || *bytes > options_.max_entry_bytes) {
     return InvalidArgument(std::string(KvKindName(kind)) + ": " + std::to_string(batch) + " x " +
-                           std::to_string(capacity) + " tokens need " + std::to_string(bytes) +
-                           " bytes, over the " + std::to_string(options_.max_entry_bytes) +
+                           std::to_string(capacity) + " tokens need " +
+                           (bytes ? std::to_string(*bytes) : "more than 2^63") + " bytes, over the " +
+                           std::to_string(options_.max_entry_bytes) +
                            " one entry may hold (server flag --kv-max-entry-bytes)");
   }
   auto e = std::make_shared<KvEntry>();
@@ -145,24 +170,36 @@ StatusOr<std::shared_ptr<KvEntry>> KvStore::Create(KvKind kind, std::shared_ptr<
   e->ready = kind == KvKind::kSession;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    RETURN_IF_ERROR(MakeRoom(bytes, nullptr));
+    if (static_cast<int64_t>(entries_.size()) >= options_.max_entries) {
+      return Status(StatusCode::kResourceExhausted,
+                    "key/value entries are full: " + std::to_string(entries_.size()) +
+                        " memories and sessions held, the most this server keeps (server flag "
+                        "--kv-max-entries); close sessions or delete memories, or retry later");
+    }
+    RETURN_IF_ERROR(MakeRoom(*bytes, nullptr));
     do e->handle = NewHandle(); while (entries_.count(e->handle) || gone_.count(e->handle));
     e->account = account_;
-    e->bytes = bytes;
-    e->last_use = KvClock::now();
+    e->bytes = *bytes;
+    e->last_use = Now();
     lru_.push_front(e.get());
     e->lru = lru_.begin();
     entries_[e->handle] = e;
+    account_->Add(*bytes, kind, 1);
   }
-  account_->Add(bytes, kind, 1);
   return e;
 }
 
-void KvStore::MarkReady(const std::shared_ptr<KvEntry>& entry, int64_t length) {
+Status KvStore::MarkReady(const std::shared_ptr<KvEntry>& entry, int64_t length) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (!Indexed(entry.get())) {
+    const auto g = gone_.find(entry->handle);
+    return Status(StatusCode::kAborted, "memory '" + entry->handle + "' ended before its keys and values were in "
+                  "place: " + (g == gone_.end() ? std::string("gone") : g->second) + "; create it again");
+  }
   entry->length = length;
   entry->ready = true;
-  Touch(entry.get(), KvClock::now());
+  Touch(entry.get());
+  return Status::Ok();
 }
 
 void KvStore::Discard(const std::shared_ptr<KvEntry>& entry) {
@@ -187,46 +224,82 @@ StatusOr<std::shared_ptr<KvEntry>> KvStore::Lookup(const std::string& handle, Kv
     return Status(StatusCode::kNotFound, std::string(KvKindName(kind)) + " '" + handle + "': " + why);
   }
   if (hooks_.on_lookup) hooks_.on_lookup(kind, true);
-  Touch(it->second.get(), KvClock::now());
+  Touch(it->second.get());
   return it->second;
 }
 
-StatusOr<KvStep> KvStore::BeginStep(const std::string& handle, int64_t tokens, int64_t expected_length) {
+StatusOr<std::unique_ptr<KvStep>> KvStore::BeginStep(const std::string& handle,
+                                                     std::optional<int64_t> expected_length) {
+  if (expected_length && *expected_length < 0) {
+    return InvalidArgument("session_length: " + std::to_string(*expected_length) +
+                           "; allowed: >= 0, the tokens the session holds before this step (or unset)");
+  }
   ASSIGN_OR_RETURN(std::shared_ptr<KvEntry> e, Lookup(handle, KvKind::kSession));
   std::lock_guard<std::mutex> lock(mu_);
   if (e->busy) {
     return Status(StatusCode::kAborted, "session '" + handle + "': a step is already in flight; send a "
                   "session's steps one at a time, each after the previous one's answer");
   }
-  if (expected_length >= 0 && expected_length != e->length) {
+  if (expected_length && *expected_length != e->length) {
     return Status(StatusCode::kAborted, "session '" + handle + "': session_length " +
-                  std::to_string(expected_length) + " expected, but it holds " +
+                  std::to_string(*expected_length) + " expected, but it holds " +
                   std::to_string(e->length) + " tokens");
   }
-  const int64_t capacity = GrowCapacity(e->capacity, e->length + tokens);
-  if (capacity != e->capacity) {
-    const int64_t bytes = e->cache->BytesFor(e->batch, capacity);
-    if (bytes > options_.max_entry_bytes) {
-      return InvalidArgument("session '" + handle + "': " + std::to_string(e->length) + " + " +
-                             std::to_string(tokens) + " tokens (x " + std::to_string(e->batch) +
-                             " sequences) need " + std::to_string(bytes) + " bytes, over the " +
-                             std::to_string(options_.max_entry_bytes) +
-                             " one entry may hold (server flag --kv-max-entry-bytes)");
-    }
-    RETURN_IF_ERROR(MakeRoom(bytes - e->bytes, e.get()));
-    account_->Add(bytes - e->bytes);
-    e->bytes = bytes;
-    e->capacity = capacity;
-  }
   e->busy = true;
-  return KvStep{e, e->length, e->capacity};
+  const int64_t length = e->length, capacity = e->capacity;
+  return std::unique_ptr<KvStep>(new KvStep(this, std::move(e), length, capacity));
 }
 
-void KvStore::EndStep(const KvStep& step, bool ok, int64_t tokens) {
+Status KvStep::Reserve(int64_t tokens) { return store_->Reserve(this, tokens); }
+
+void KvStep::End(bool applied) {
+  if (ended_) return;
+  ended_ = true;
+  store_->EndStep(this, applied);
+}
+
+Status KvStore::Reserve(KvStep* step, int64_t tokens) {
   std::lock_guard<std::mutex> lock(mu_);
-  step.entry->busy = false;
-  if (ok) step.entry->length = step.length + tokens;
-  if (entries_.count(step.entry->handle)) Touch(step.entry.get(), KvClock::now());
+  KvEntry* e = step->entry_.get();
+  const std::string what = "session '" + e->handle + "': " + std::to_string(step->length_) + " + " +
+                           std::to_string(tokens) + " tokens (x " + std::to_string(e->batch) + " sequences)";
+  const std::optional<int64_t> needed = tokens < 0 ? std::nullopt : CheckedAdd(step->length_, tokens);
+  if (!needed) return InvalidArgument(what + ": not a token count (negative or over 2^63)");
+  if (*needed <= e->capacity) {
+    step->tokens_ = tokens;
+    step->capacity_ = e->capacity;
+    return Status::Ok();
+  }
+  // Doubled when that fits (one entry's limit, the budget), else just what the step needs.
+  Status refused;
+  for (const int64_t capacity : {GrowCapacity(e->capacity, *needed), *needed}) {
+    const std::optional<int64_t> bytes = e->cache->BytesFor(e->batch, capacity);
+    if (!bytes || *bytes > options_.max_entry_bytes) {
+      refused = InvalidArgument(what + " need " + (bytes ? std::to_string(*bytes) : "more than 2^63") +
+                                " bytes, over the " + std::to_string(options_.max_entry_bytes) +
+                                " one entry may hold (server flag --kv-max-entry-bytes)");
+      continue;
+    }
+    refused = MakeRoom(*bytes - e->bytes, e);
+    if (!refused.ok()) continue;
+    Recount(e, capacity, *bytes);
+    step->tokens_ = tokens;
+    step->capacity_ = capacity;
+    return Status::Ok();
+  }
+  return refused;
+}
+
+void KvStore::EndStep(KvStep* step, bool applied) {
+  std::lock_guard<std::mutex> lock(mu_);
+  KvEntry* e = step->entry_.get();
+  e->busy = false;
+  if (applied) e->length = step->length_ + step->tokens_;
+  // What the cache holds now: the reservation when the step computed, as before when it failed
+  // before growing it. Counted for ended entries too: their bytes go back when the last holder goes.
+  const int64_t held = std::max(e->cache->AllocatedTokens(), applied ? step->capacity_ : 0);
+  if (held != e->capacity) Recount(e, held, e->cache->BytesFor(e->batch, held).value_or(e->bytes));
+  if (Indexed(e)) Touch(e);
 }
 
 StatusOr<int64_t> KvStore::Release(const std::string& handle, KvKind kind) {
@@ -259,12 +332,20 @@ void KvStore::Clear(const std::string& reason) {
 void KvStore::ExpireIdle(KvClock::time_point now) {
   std::lock_guard<std::mutex> lock(mu_);
   const auto ttl = std::chrono::duration_cast<KvClock::duration>(std::chrono::duration<double>(options_.ttl_seconds));
-  // Least recently used last: expired entries are at the back.
-  while (!lru_.empty() && now - lru_.back()->last_use >= ttl && !lru_.back()->busy) {
-    KvEntry* e = lru_.back();
+  // The list is ordered by last use, least recent at the back: walk forward from there until an
+  // entry is recent, stepping over (not stopping at) entries in use.
+  for (auto it = lru_.end(); it != lru_.begin();) {
+    const auto at = std::prev(it);
+    KvEntry* e = *at;
+    if (now - e->last_use < ttl) break;
+    if (InUse(e)) {
+      it = at;
+      continue;
+    }
+    char ttl_text[32];
+    std::snprintf(ttl_text, sizeof ttl_text, "%g", options_.ttl_seconds);
     Remove(e->handle, KvEndReason::kExpired,
-           "expired (unused for " + std::to_string(static_cast<int64_t>(options_.ttl_seconds)) +
-               " s, server flag --kv-ttl-seconds)");
+           std::string("expired (unused for ") + ttl_text + " s, server flag --kv-ttl-seconds)");  // Erases *at only.
   }
 }
 
@@ -304,7 +385,7 @@ void KvStore::ExpiryLoop() {
     stop_cv_.wait_for(lock, std::chrono::seconds(1));
     if (stop_) break;
     lock.unlock();
-    ExpireIdle(KvClock::now());
+    ExpireIdle(Now());
     lock.lock();
   }
 }

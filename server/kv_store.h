@@ -11,6 +11,7 @@
 #include <list>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -22,10 +23,13 @@ namespace attnserve {
 
 using KvClock = std::chrono::steady_clock;
 
-/// Server flags --kv-budget-bytes, --kv-max-entry-bytes, --kv-ttl-seconds.
+/// Server flags --kv-budget-bytes, --kv-max-entry-bytes, --kv-max-entries, --kv-ttl-seconds.
 struct KvOptions {
   int64_t budget_bytes = int64_t{1} << 30;     ///< All memories and sessions together.
   int64_t max_entry_bytes = int64_t{256} << 20;  ///< One memory or session.
+  /// Memories and sessions held at once: each costs bookkeeping outside the byte budget, and a
+  /// session holds no bytes before its first step.
+  int64_t max_entries = 65536;
   double ttl_seconds = 300;                     ///< Unused this long: expired.
   /// Checks the options: FAILED_PRECONDITION naming the flag at fault.
   Status Validate() const;
@@ -53,6 +57,7 @@ struct KvMetricsHooks {
 };
 
 struct KvAccount;
+class KvStore;
 
 /// One memory or session. The store's index holds it, and so does every request using it (through
 /// its AttendCall::kv); its bytes count against the budget until the last holder lets go, so
@@ -65,9 +70,9 @@ struct KvEntry {
   std::shared_ptr<KvCache> cache;
   int64_t batch = 0;
   // Guarded by the store's mutex:
-  int64_t length = 0;    ///< Tokens held per sequence (committed steps only).
-  int64_t capacity = 0;  ///< Tokens the cache's allocation holds per sequence.
-  int64_t bytes = 0;     ///< Counted against the budget (the allocation at `capacity`).
+  int64_t length = 0;    ///< Tokens held per sequence (applied steps only).
+  int64_t capacity = 0;  ///< Tokens per sequence counted against the budget.
+  int64_t bytes = 0;     ///< Counted against the budget: `cache`'s bytes at `capacity`.
   bool busy = false;     ///< A session step is in flight.
   bool ready = false;    ///< A memory's keys and values are computed.
   KvClock::time_point last_use;
@@ -75,17 +80,48 @@ struct KvEntry {
   std::shared_ptr<KvAccount> account;
 };
 
-/// A session step admitted by BeginStep: the length before it and the capacity it computes into.
-struct KvStep {
-  std::shared_ptr<KvEntry> entry;
-  int64_t length = 0;
-  int64_t capacity = 0;
+/// One session step in flight, admitted by KvStore::BeginStep: the session is busy until End, or
+/// until this object goes (which ends the step as not applied), so no path can leave a session
+/// busy for good. Not thread-safe: the one request that owns it calls it. The store must outlive it.
+class KvStep {
+ public:
+  ~KvStep() { End(false); }
+  KvStep(const KvStep&) = delete;
+  KvStep& operator=(const KvStep&) = delete;
+
+  const std::shared_ptr<KvEntry>& entry() const { return entry_; }
+  /// Tokens per sequence the session held when the step began.
+  int64_t length() const { return length_; }
+  /// Tokens per sequence its cache holds for the step (after Reserve).
+  int64_t capacity() const { return capacity_; }
+  /// Reserves room for the step's `tokens` new tokens per sequence (the cache grows by doubling, or
+  /// to just what is needed when doubling would not fit), evicting least recently used entries not
+  /// in use when the budget needs room. INVALID_ARGUMENT when the session would pass
+  /// --kv-max-entry-bytes (or int64); RESOURCE_EXHAUSTED when the budget cannot make room. When it
+  /// fails, nothing has changed. Call it once, before the step computes.
+  Status Reserve(int64_t tokens);
+  /// Ends the step. Applied: the session holds the reserved tokens more. Not applied: its length is
+  /// as before, and the bytes it counts are those its cache really holds (a step that failed
+  /// before computing gives its reservation back). Calls after the first do nothing.
+  void End(bool applied);
+
+ private:
+  friend class KvStore;
+  KvStep(KvStore* store, std::shared_ptr<KvEntry> entry, int64_t length, int64_t capacity)
+      : store_(store), entry_(std::move(entry)), length_(length), capacity_(capacity) {}
+  KvStore* store_;
+  std::shared_ptr<KvEntry> entry_;
+  int64_t length_, capacity_, tokens_ = 0;
+  bool ended_ = false;
 };
 
 /// The index of memories and sessions. Thread-safe.
 class KvStore {
  public:
-  explicit KvStore(KvOptions options, KvMetricsHooks hooks = {});
+  /// The store's clock. By default steady_clock and a thread of the store's own that expires idle
+  /// entries every second; with `clock` given (tests), no thread: the caller calls ExpireIdle.
+  explicit KvStore(KvOptions options, KvMetricsHooks hooks = {},
+                   std::function<KvClock::time_point()> clock = nullptr);
   ~KvStore();
   KvStore(const KvStore&) = delete;
   KvStore& operator=(const KvStore&) = delete;
@@ -94,11 +130,13 @@ class KvStore {
 
   /// Reserves a new entry of `capacity` tokens per sequence, evicting least recently used entries
   /// not in use when the budget needs room. A memory is not found by Lookup until MarkReady.
-  /// INVALID_ARGUMENT over --kv-max-entry-bytes; RESOURCE_EXHAUSTED when the budget cannot make room.
+  /// INVALID_ARGUMENT for batch < 1, capacity < 0 or over --kv-max-entry-bytes;
+  /// RESOURCE_EXHAUSTED at --kv-max-entries or when the budget cannot make room.
   StatusOr<std::shared_ptr<KvEntry>> Create(KvKind kind, std::shared_ptr<const AttentionModel> model,
                                             std::shared_ptr<KvCache> cache, int64_t batch, int64_t capacity);
-  /// A memory's keys and values are in place: its handle now works.
-  void MarkReady(const std::shared_ptr<KvEntry>& entry, int64_t length);
+  /// A memory's keys and values are in place: its handle now works. ABORTED, saying why, when the
+  /// entry ended while it was computed (a reload unloaded its model, the server stopped).
+  Status MarkReady(const std::shared_ptr<KvEntry>& entry, int64_t length);
   /// Drops an entry whose memory could not be computed.
   void Discard(const std::shared_ptr<KvEntry>& entry);
 
@@ -106,12 +144,10 @@ class KvStore {
   /// is of the other kind).
   StatusOr<std::shared_ptr<KvEntry>> Lookup(const std::string& handle, KvKind kind);
 
-  /// Admits one step of `tokens` new tokens on a session: marks it busy (ABORTED when a step is in
-  /// flight, or when `expected_length` >= 0 differs from its length), and reserves the growth its
-  /// cache needs (capacity doubling), evicting others if the budget needs room.
-  StatusOr<KvStep> BeginStep(const std::string& handle, int64_t tokens, int64_t expected_length);
-  /// Ends a step BeginStep admitted: on success the session holds `tokens` more.
-  void EndStep(const KvStep& step, bool ok, int64_t tokens);
+  /// Admits one step on a session and marks it busy: ABORTED when a step is in flight or when
+  /// `expected_length` differs from its length; INVALID_ARGUMENT when `expected_length` < 0.
+  /// Nothing is reserved yet: the step is validated against its length, then KvStep::Reserve.
+  StatusOr<std::unique_ptr<KvStep>> BeginStep(const std::string& handle, std::optional<int64_t> expected_length);
 
   /// Removes an entry at once (DeleteMemory, CloseSession): the bytes it frees, or NOT_FOUND.
   StatusOr<int64_t> Release(const std::string& handle, KvKind kind);
@@ -119,7 +155,9 @@ class KvStore {
   void EndModel(const ModelSpec& spec);
   /// Ends everything (shutdown).
   void Clear(const std::string& reason);
-  /// Expires entries unused for the TTL; the store's own thread calls it every second.
+  /// Expires every entry unused for the TTL and not in use now (a step in flight, a memory being
+  /// computed, a request holding it), whatever else is in use. The store's own thread calls it
+  /// every second.
   void ExpireIdle(KvClock::time_point now);
 
   /// Bytes counted against the budget now (entries ended but still in use included).
@@ -131,8 +169,18 @@ class KvStore {
   static int64_t GrowCapacity(int64_t capacity, int64_t needed);
 
  private:
+  friend class KvStep;
+  Status Reserve(KvStep* step, int64_t tokens);
+  void EndStep(KvStep* step, bool applied);
   std::string NewHandle();
-  void Touch(KvEntry* e, KvClock::time_point now);
+  KvClock::time_point Now() const { return clock_ ? clock_() : KvClock::now(); }
+  // Under mu_: the entry is still in the index (not released, evicted, expired or ended).
+  bool Indexed(const KvEntry* e) const;
+  // Under mu_: a step in flight, a memory not computed yet, or a request holding it.
+  bool InUse(const KvEntry* e) const;
+  void Touch(KvEntry* e);
+  // Under mu_: counts `bytes` for `capacity` tokens of `e` against the budget.
+  void Recount(KvEntry* e, int64_t capacity, int64_t bytes);
   // Makes room for `need` more bytes by evicting entries not in use, least recently used first.
   Status MakeRoom(int64_t need, const KvEntry* keep);
   void Remove(std::string handle, KvEndReason why, const std::string& reason);
@@ -141,6 +189,7 @@ class KvStore {
 
   const KvOptions options_;
   const KvMetricsHooks hooks_;
+  const std::function<KvClock::time_point()> clock_;
   std::shared_ptr<KvAccount> account_;
   mutable std::mutex mu_;
   std::unordered_map<std::string, std::shared_ptr<KvEntry>> entries_;

@@ -160,6 +160,11 @@ int main(int argc, char** argv) {
                  "Device bytes one memory or session may hold (a session grows as it decodes)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 50))
       ->capture_default_str();
+  app.add_option("--kv-max-entries", o.kv.max_entries,
+                 "Memories and sessions held at once; beyond it CreateMemory and OpenSession are "
+                 "refused with RESOURCE_EXHAUSTED (each entry costs ~1 KiB outside the byte budget)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 24))
+      ->capture_default_str();
   app.add_option("--kv-ttl-seconds", o.kv.ttl_seconds,
                  "A memory or session unused this long expires")
       ->check(CLI::PositiveNumber)

@@ -1,6 +1,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -31,8 +32,13 @@ struct AttendOutputs {
 class KvCache {
  public:
   virtual ~KvCache() = default;
-  /// Device bytes the cache allocates for `batch` sequences of `capacity` tokens.
-  virtual int64_t BytesFor(int64_t batch, int64_t capacity) const = 0;
+  /// Device bytes the cache allocates for `batch` sequences of `capacity` tokens; nullopt when a
+  /// size is negative or the count overflows int64.
+  virtual std::optional<int64_t> BytesFor(int64_t batch, int64_t capacity) const = 0;
+  /// Tokens per sequence its allocation holds now (0: nothing allocated yet). Read it only while no
+  /// request computes into the cache: a session step grows it to AttendCall::kv_capacity, whether
+  /// the step then succeeds or not.
+  virtual int64_t AllocatedTokens() const = 0;
 };
 
 /// One loaded multi-head attention model. Thread-safe: Forward may run on many threads at once.

@@ -14,6 +14,7 @@
 #include <optional>
 #include <string>
 
+#include "server/checked_math.h"
 #include "server/engine/attention_model.h"
 #include "server/engine/blas.h"
 #include "server/engine/device_support.h"
@@ -68,9 +69,10 @@ at::Tensor FromHost(const HostTensor& h, const at::TensorOptions& opts) {
 // created under a 64 MiB budget grew the server by 532 MiB, now 107 MiB (ctest kv_memory_peak).
 at::Tensor KeptEmpty(at::IntArrayRef sizes, const at::TensorOptions& opts) {
   if (!opts.device().is_cpu()) return at::empty(sizes, opts);
-  int64_t n = 1;
-  for (int64_t s : sizes) n *= s;
-  const size_t bytes = std::max<size_t>(1, static_cast<size_t>(n) * c10::elementSize(opts.dtype().toScalarType()));
+  std::optional<int64_t> n = static_cast<int64_t>(c10::elementSize(opts.dtype().toScalarType()));
+  for (int64_t s : sizes) n = n ? CheckedMul({*n, s}) : n;
+  if (!n || *n < 0) return at::empty(sizes, opts);  // Refused there, with LibTorch's message.
+  const size_t bytes = std::max<size_t>(1, static_cast<size_t>(*n));
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
   if (p == MAP_FAILED) return at::empty(sizes, opts);  // Let the heap try (and fail as it does).
   return at::from_blob(p, sizes, [bytes](void* q) { munmap(q, bytes); }, opts);
@@ -82,9 +84,11 @@ at::Tensor KeptEmpty(at::IntArrayRef sizes, const at::TensorOptions& opts) {
 class TorchKv final : public KvCache {
  public:
   TorchKv(int64_t embed_dim, int64_t elem) : embed_dim_(embed_dim), elem_(elem) {}
-  int64_t BytesFor(int64_t batch, int64_t capacity) const override {
-    return batch * capacity * (2 * embed_dim_ + 1) * elem_;  // keys, values, key padding
+  std::optional<int64_t> BytesFor(int64_t batch, int64_t capacity) const override {
+    if (batch < 0 || capacity < 0) return std::nullopt;
+    return CheckedMul({batch, capacity, 2 * embed_dim_ + 1, elem_});  // keys, values, key padding
   }
+  int64_t AllocatedTokens() const override { return k.defined() ? k.size(2) : 0; }
   at::Tensor k, v;  // [B, H, capacity, D]
   at::Tensor kpm;   // [B, capacity] additive; undefined until some key padding mask arrives
 
@@ -487,18 +491,18 @@ class TorchModel final : public AttentionModel {
     const int64_t h = spec_.num_heads, d = spec_.head_dim();
     const auto opts = at::TensorOptions().device(device_).dtype(dtype_);
     if (!s.k.defined() || s.k.size(2) < cap) {
-      at::Tensor k = KeptEmpty({b, h, cap, d}, opts), v = KeptEmpty({b, h, cap, d}, opts);
+      // All of the grown cache first, then swapped in at once: a failed allocation leaves the
+      // session's tensors as they were, never keys grown without their padding mask.
+      at::Tensor k = KeptEmpty({b, h, cap, d}, opts), v = KeptEmpty({b, h, cap, d}, opts), kpm;
+      if (s.kpm.defined()) kpm = KeptEmpty({b, cap}, opts).zero_();
       if (held > 0) {
         k.narrow(2, 0, held).copy_(s.k.narrow(2, 0, held));
         v.narrow(2, 0, held).copy_(s.v.narrow(2, 0, held));
+        if (kpm.defined()) kpm.narrow(1, 0, held).copy_(s.kpm.narrow(1, 0, held));
       }
-      s.k = k;
-      s.v = v;
-      if (s.kpm.defined()) {
-        at::Tensor kpm = KeptEmpty({b, cap}, opts).zero_();
-        kpm.narrow(1, 0, held).copy_(s.kpm.narrow(1, 0, held));
-        s.kpm = kpm;
-      }
+      s.k = std::move(k);
+      s.v = std::move(v);
+      if (kpm.defined()) s.kpm = std::move(kpm);
     }
     s.k.narrow(2, held, t).copy_(SplitHeads(r.k, batch_first, b, t));
     s.v.narrow(2, held, t).copy_(SplitHeads(r.v, batch_first, b, t));

@@ -2,6 +2,8 @@
 // messages that say why. No engine: caches are fakes that only report their size.
 #include "server/kv_store.h"
 
+#include "server/checked_math.h"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -13,10 +15,27 @@ namespace {
 
 using ::testing::HasSubstr;
 
+// 100 bytes a token; `allocated` is what a step's compute grew it to (the engine's part).
 class FakeCache : public KvCache {
  public:
-  int64_t BytesFor(int64_t batch, int64_t capacity) const override { return batch * capacity * 100; }
+  std::optional<int64_t> BytesFor(int64_t batch, int64_t capacity) const override {
+    if (batch < 0 || capacity < 0) return std::nullopt;
+    return CheckedMul({batch, capacity, 100});
+  }
+  int64_t AllocatedTokens() const override { return allocated; }
+  int64_t allocated = 0;
 };
+
+std::unique_ptr<KvStep> Begin(KvStore& store, const std::string& handle, std::optional<int64_t> expected) {
+  auto step = store.BeginStep(handle, expected);
+  EXPECT_TRUE(step.ok()) << step.status().message();
+  return step.ok() ? std::move(*step) : nullptr;
+}
+
+// What the engine does for a step that computes: grows the cache to the step's capacity.
+void Compute(const KvStep& step) {
+  static_cast<FakeCache&>(*step.entry()->cache).allocated = step.capacity();
+}
 
 class FakeModel : public AttentionModel {
  public:
@@ -53,7 +72,8 @@ std::shared_ptr<KvEntry> NewMemory(KvStore& store, const std::shared_ptr<FakeMod
   auto e = store.Create(KvKind::kMemory, model, std::make_shared<FakeCache>(), 1, len);
   EXPECT_TRUE(e.ok()) << e.status().message();
   if (!e.ok()) return nullptr;
-  store.MarkReady(*e, len);
+  static_cast<FakeCache&>(*(*e)->cache).allocated = len;
+  EXPECT_TRUE(store.MarkReady(*e, len).ok());
   return *e;
 }
 
@@ -138,31 +158,183 @@ TEST(KvStoreTest, SessionStepsAreOneAtATimeAndGrowByDoubling) {
   auto s = store.Create(KvKind::kSession, model, std::make_shared<FakeCache>(), 2, 0);
   ASSERT_TRUE(s.ok());
   const std::string h = (*s)->handle;
-  auto first = store.BeginStep(h, 5, -1);
+  auto first = store.BeginStep(h, std::nullopt);
   ASSERT_TRUE(first.ok());
-  EXPECT_EQ(first->length, 0);
-  EXPECT_EQ(first->capacity, 16);
-  auto second = store.BeginStep(h, 1, -1);
+  EXPECT_EQ((*first)->length(), 0);
+  ASSERT_TRUE((*first)->Reserve(5).ok());
+  EXPECT_EQ((*first)->capacity(), 16);
+  auto second = store.BeginStep(h, std::nullopt);
   ASSERT_FALSE(second.ok());
   EXPECT_EQ(second.status().code(), StatusCode::kAborted);
-  store.EndStep(*first, true, 5);
-  auto wrong_length = store.BeginStep(h, 1, 4);
+  Compute(**first);
+  (*first)->End(true);
+  auto wrong_length = store.BeginStep(h, 4);
   ASSERT_FALSE(wrong_length.ok());
   EXPECT_EQ(wrong_length.status().code(), StatusCode::kAborted);
   EXPECT_THAT(wrong_length.status().message(), HasSubstr("holds 5 tokens"));
-  auto grow = store.BeginStep(h, 12, 5);
+  auto grow = store.BeginStep(h, 5);
   ASSERT_TRUE(grow.ok());
-  EXPECT_EQ(grow->capacity, 32);  // 17 needed: doubled
+  ASSERT_TRUE((*grow)->Reserve(12).ok());
+  EXPECT_EQ((*grow)->capacity(), 32);  // 17 needed: doubled
   EXPECT_EQ(store.bytes(), 2 * 32 * 100);
-  store.EndStep(*grow, false, 12);  // A failed step leaves the session as it was.
-  auto again = store.BeginStep(h, 1, 5);
+  Compute(**grow);
+  (*grow)->End(false);  // Failed after its cache grew: the length is as it was, the growth stays counted.
+  EXPECT_EQ((*s)->length, 5);
+  EXPECT_EQ(store.bytes(), 2 * 32 * 100);
+  auto again = store.BeginStep(h, 5);
   ASSERT_TRUE(again.ok());
-  store.EndStep(*again, true, 1);
+  ASSERT_TRUE((*again)->Reserve(1).ok());
+  (*again)->End(true);
   EXPECT_EQ((*s)->length, 6);
   auto closed = store.Release(h, KvKind::kSession);
   ASSERT_TRUE(closed.ok());
   EXPECT_EQ(*closed, 2 * 32 * 100);
-  EXPECT_THAT(store.BeginStep(h, 1, -1).status().message(), HasSubstr("closed"));
+  EXPECT_THAT(store.BeginStep(h, std::nullopt).status().message(), HasSubstr("closed"));
+}
+
+// Issue 17: a step that claimed ~2^62 tokens reserved an overflowed byte count, left its session at
+// that capacity (every later step failed) and took the budget's gauge to 0 or below.
+TEST(KvStoreTest, StepsThatOverflowOrFailBeforeComputingChangeNothing) {
+  Counts counts;
+  KvOptions o;
+  o.budget_bytes = 100000;
+  o.max_entry_bytes = 50000;
+  KvStore store(o, HooksInto(&counts));
+  auto model = std::make_shared<FakeModel>();
+  auto s = store.Create(KvKind::kSession, model, std::make_shared<FakeCache>(), 2, 0);
+  ASSERT_TRUE(s.ok());
+  const std::string h = (*s)->handle;
+  {
+    auto step = Begin(store, h, 0);
+    ASSERT_TRUE(step->Reserve(3).ok());
+    Compute(*step);
+    step->End(true);
+  }
+  const int64_t bytes = store.bytes();
+  EXPECT_EQ(bytes, 2 * 16 * 100);
+  const int64_t max = std::numeric_limits<int64_t>::max();
+  for (int64_t tokens : {int64_t{4611686018427387901}, int64_t{1} << 62, max, max - 2, int64_t{-1},
+                         std::numeric_limits<int64_t>::min(), int64_t{251}}) {
+    auto step = Begin(store, h, 3);
+    const Status st = step->Reserve(tokens);
+    ASSERT_FALSE(st.ok()) << tokens;
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << tokens;
+    EXPECT_EQ(store.bytes(), bytes) << tokens;
+    EXPECT_EQ(counts.bytes, bytes) << tokens;
+    EXPECT_EQ((*s)->capacity, 16) << tokens;
+  }  // Each ends as not applied when it goes.
+  // A reservation given back: a step that fails before computing.
+  {
+    auto step = Begin(store, h, 3);
+    ASSERT_TRUE(step->Reserve(20).ok());
+    EXPECT_EQ(step->capacity(), 32);
+    EXPECT_EQ(store.bytes(), 2 * 32 * 100);
+  }
+  EXPECT_EQ(store.bytes(), bytes);
+  EXPECT_EQ((*s)->capacity, 16);
+  EXPECT_EQ((*s)->length, 3);
+  EXPECT_FALSE((*s)->busy);
+  // Doubling past one entry's limit falls back to what is needed: 3 + 240 tokens of 200 bytes.
+  auto step = Begin(store, h, 3);
+  ASSERT_TRUE(step->Reserve(240).ok());
+  EXPECT_EQ(step->capacity(), 243);
+  EXPECT_EQ(store.bytes(), 2 * 243 * 100);
+  // Negative session_length: INVALID_ARGUMENT naming the field (the step in flight is untouched).
+  for (int64_t bad : {int64_t{-1}, int64_t{-(int64_t{1} << 62)}, std::numeric_limits<int64_t>::min()}) {
+    auto refused = store.BeginStep(h, bad);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_THAT(refused.status().message(), HasSubstr("session_length: " + std::to_string(bad)));
+  }
+  EXPECT_TRUE((*s)->busy);
+}
+
+TEST(KvStoreTest, CreateRefusesSizesOutOfRangeAndCountsNothing) {
+  KvStore store(KvOptions{});
+  auto model = std::make_shared<FakeModel>();
+  const int64_t max = std::numeric_limits<int64_t>::max();
+  for (auto [batch, capacity] : std::vector<std::pair<int64_t, int64_t>>{
+           {0, 1}, {-1, 1}, {1, -1}, {max, max}, {1 << 20, int64_t{1} << 50}, {max, 1}, {1, max}}) {
+    auto e = store.Create(KvKind::kMemory, model, std::make_shared<FakeCache>(), batch, capacity);
+    ASSERT_FALSE(e.ok()) << batch << " x " << capacity;
+    EXPECT_EQ(e.status().code(), StatusCode::kInvalidArgument);
+  }
+  EXPECT_EQ(store.bytes(), 0);
+  EXPECT_EQ(store.size(), 0u);
+}
+
+TEST(KvStoreTest, EntriesAreBoundedByMaxEntries) {
+  KvOptions o;
+  o.max_entries = 3;
+  KvStore store(o);
+  auto model = std::make_shared<FakeModel>();
+  std::vector<std::string> handles;
+  for (int i = 0; i < 3; ++i) handles.push_back((*store.Create(KvKind::kSession, model, std::make_shared<FakeCache>(), 1, 0))->handle);
+  for (KvKind kind : {KvKind::kSession, KvKind::kMemory}) {
+    auto refused = store.Create(kind, model, std::make_shared<FakeCache>(), 1, 0);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_EQ(refused.status().code(), StatusCode::kResourceExhausted);
+    EXPECT_THAT(refused.status().message(), HasSubstr("--kv-max-entries"));
+  }
+  ASSERT_TRUE(store.Release(handles[0], KvKind::kSession).ok());
+  EXPECT_TRUE(store.Create(KvKind::kSession, model, std::make_shared<FakeCache>(), 1, 0).ok());
+  EXPECT_EQ(store.size(), 3u);
+}
+
+// Issue 17: the sweep removed a memory still being computed, and completing it then touched freed
+// memory (SIGSEGV); and it stopped at a busy least recently used entry, so one long step held up
+// the expiry of every other. The clock is the test's.
+TEST(KvStoreTest, ExpirySkipsEntriesInUseAndIsNotHeldUpByThem) {
+  Counts counts;
+  KvOptions o;
+  o.ttl_seconds = 10;
+  auto now = KvClock::time_point{} + std::chrono::hours(1);
+  KvStore store(o, HooksInto(&counts), [&now] { return now; });
+  auto model = std::make_shared<FakeModel>();
+  auto busy = *store.Create(KvKind::kSession, model, std::make_shared<FakeCache>(), 1, 0);
+  auto step = Begin(store, busy->handle, std::nullopt);
+  now += std::chrono::seconds(1);
+  auto creating = *store.Create(KvKind::kMemory, model, std::make_shared<FakeCache>(), 1, 4);
+  now += std::chrono::seconds(1);
+  auto idle = *store.Create(KvKind::kSession, model, std::make_shared<FakeCache>(), 1, 0);
+  const std::string idle_handle = idle->handle;
+  idle.reset();
+  std::shared_ptr<KvEntry> held = NewMemory(store, model, 2);  // A request holds it.
+  now += std::chrono::seconds(11);
+  store.ExpireIdle(now);
+  // Only `idle` went: the busy session, the memory being computed and the held one stay.
+  EXPECT_EQ(store.size(), 3u);
+  EXPECT_EQ(counts.ended("session expired"), 1);
+  EXPECT_THAT(store.Lookup(idle_handle, KvKind::kSession).status().message(),
+              HasSubstr("expired (unused for 10 s"));
+  static_cast<FakeCache&>(*creating->cache).allocated = 4;
+  ASSERT_TRUE(store.MarkReady(creating, 4).ok());  // Renewed: computed now.
+  EXPECT_TRUE(store.Lookup(creating->handle, KvKind::kMemory).ok());
+  step->End(true);
+  step.reset();
+  now += std::chrono::seconds(11);
+  creating.reset();
+  busy.reset();
+  store.ExpireIdle(now);
+  EXPECT_EQ(store.size(), 1u);  // `held` is still held.
+  held.reset();
+  store.ExpireIdle(now);
+  EXPECT_EQ(store.size(), 0u);
+  EXPECT_EQ(store.bytes(), 0);
+}
+
+TEST(KvStoreTest, AMemoryEndedWhileBeingComputedIsAbortedNotMadeReady) {
+  KvStore store(KvOptions{});
+  auto model = std::make_shared<FakeModel>();
+  auto creating = *store.Create(KvKind::kMemory, model, std::make_shared<FakeCache>(), 1, 4);
+  store.EndModel(model->spec());
+  const Status st = store.MarkReady(creating, 4);
+  EXPECT_EQ(st.code(), StatusCode::kAborted);
+  EXPECT_THAT(st.message(), HasSubstr("unloaded by a reload"));
+  EXPECT_EQ(store.size(), 0u);
+  EXPECT_EQ(store.bytes(), 400);  // Still held by its request...
+  creating.reset();
+  EXPECT_EQ(store.bytes(), 0);  // ... and given back with it.
 }
 
 TEST(KvStoreTest, UnusedEntriesExpireAndReloadEndsItsModelsEntries) {
