@@ -372,6 +372,16 @@ void KvStore::Tombstone(const std::string& handle, const std::string& reason) {
   gone_order_.push_back(handle);
 }
 
+std::vector<KvEntryInfo> KvStore::Snapshot() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<KvEntryInfo> out;
+  out.reserve(entries_.size());
+  for (const auto& [handle, e] : entries_) {
+    out.push_back({handle, e->kind, e->batch, e->length, e->capacity, e->bytes, e->busy, e->ready});
+  }
+  return out;
+}
+
 int64_t KvStore::bytes() const { return account_->Get(); }
 
 size_t KvStore::size() const {

@@ -15,6 +15,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <vector>
 
 #include "server/engine/attention_model.h"
 #include "server/status.h"
@@ -78,6 +79,14 @@ struct KvEntry {
   KvClock::time_point last_use;
   std::list<KvEntry*>::iterator lru;  ///< Position in the store's LRU list (front: most recent).
   std::shared_ptr<KvAccount> account;
+};
+
+/// One entry as the index holds it (KvStore::Snapshot).
+struct KvEntryInfo {
+  std::string handle;
+  KvKind kind = KvKind::kMemory;
+  int64_t batch = 0, length = 0, capacity = 0, bytes = 0;
+  bool busy = false, ready = false;
 };
 
 /// One session step in flight, admitted by KvStore::BeginStep: the session is busy until End, or
@@ -160,6 +169,8 @@ class KvStore {
   /// every second.
   void ExpireIdle(KvClock::time_point now);
 
+  /// Every entry in the index, copied under one lock; renews nothing (checks and diagnostics).
+  std::vector<KvEntryInfo> Snapshot() const;
   /// Bytes counted against the budget now (entries ended but still in use included).
   int64_t bytes() const;
   /// Entries in the index.

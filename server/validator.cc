@@ -1,9 +1,18 @@
 #include "server/validator.h"
 
+#include <limits>
 #include <string>
+
+#include "server/checked_math.h"
 
 namespace attnserve {
 namespace {
+
+// Counts made of request sizes (tokens, scores, bytes) saturate: one that overflows int64 is over
+// every limit, and says so.
+constexpr int64_t kOverflow = std::numeric_limits<int64_t>::max();
+int64_t Count(std::optional<int64_t> n) { return n.value_or(kOverflow); }
+std::string CountText(int64_t n) { return n == kOverflow ? "more than 2^63" : std::to_string(n); }
 
 std::string Expected(const char* names[], const int64_t* dims, int rank) {
   std::string s = "[";
@@ -180,7 +189,7 @@ Status Validate(const ModelSpec& model, const AttendLimits& limits, AttendCall* 
       return InvalidArgument("query: batch " + std::to_string(call->batch) + ", but the " + what + " holds " +
                              std::to_string(call->kv_batch) + " sequence(s); send that many rows per step");
     }
-    call->key_len = memory ? call->kv_length : call->kv_length + call->query_len;
+    call->key_len = memory ? call->kv_length : Count(CheckedAdd(call->kv_length, call->query_len));
   }
 
   if (call->key.has_value() != call->value.has_value()) {
@@ -208,7 +217,7 @@ Status Validate(const ModelSpec& model, const AttendLimits& limits, AttendCall* 
     } else {
       const char* names[3] = {call->batched ? "batch*num_heads" : "num_heads", "query_len",
                               "key_len"};
-      const int64_t want[3] = {call->batch * model.num_heads, call->query_len, call->key_len};
+      const int64_t want[3] = {Count(CheckedMul({call->batch, model.num_heads})), call->query_len, call->key_len};
       Status st = CheckShape("attn_mask", m, names, want, 3);
       if (!st.ok()) {
         return InvalidArgument(st.message() + " or [query_len=" + std::to_string(call->query_len) +
@@ -218,17 +227,18 @@ Status Validate(const ModelSpec& model, const AttendLimits& limits, AttendCall* 
     RETURN_IF_ERROR(CheckStorage("attn_mask", m));
   }
 
-  const int64_t tokens = call->batch * (call->query_len + (call->key ? call->key_len : 0));
+  const int64_t tokens =
+      Count(CheckedMul({call->batch, Count(CheckedAdd(call->query_len, call->key ? call->key_len : 0))}));
   if (tokens > limits.max_tokens) {
-    return InvalidArgument("request: " + std::to_string(tokens) +
+    return InvalidArgument("request: " + CountText(tokens) +
                            " tokens (batch * query_len, plus batch * key_len for cross-attention) is over the "
                            "per-request limit of " +
                            std::to_string(limits.max_tokens) + " (server flag --max-request-tokens)");
   }
-  const int64_t scores = call->batch * model.num_heads * call->query_len *
-                         (call->key_len + model.extra_keys());
+  const int64_t scores = Count(CheckedMul(
+      {call->batch, model.num_heads, call->query_len, Count(CheckedAdd(call->key_len, model.extra_keys()))}));
   if (scores > limits.max_attention_scores) {
-    return InvalidArgument("request: " + std::to_string(scores) +
+    return InvalidArgument("request: " + CountText(scores) +
                            " attention scores (batch * num_heads * query_len * key_len) is over the "
                            "per-request limit of " + std::to_string(limits.max_attention_scores) +
                            " (server flag --max-attention-scores)");
@@ -248,20 +258,21 @@ Status Validate(const ModelSpec& model, const AttendLimits& limits, AttendCall* 
   if (call->weights == WeightsMode::kPerHead) call->weights_shape = {call->batch, model.num_heads, call->query_len, s};
   if (call->weights == WeightsMode::kAveraged) call->weights_shape = {call->batch, call->query_len, s};
   if (!call->batched && !call->weights_shape.empty()) call->weights_shape.erase(call->weights_shape.begin());
-  call->output_bytes = call->batch * call->query_len * e * elem;
+  // Below the two limits above these cannot overflow, but they are request sizes all the same.
+  call->output_bytes = Count(CheckedMul({call->batch, call->query_len, e, elem}));
   call->weights_bytes = 0;
   if (!call->weights_shape.empty()) {
     call->weights_bytes = elem;
-    for (int64_t d : call->weights_shape) call->weights_bytes *= d;
+    for (int64_t d : call->weights_shape) call->weights_bytes = Count(CheckedMul({call->weights_bytes, d}));
   }
-  if (call->output_bytes + call->weights_bytes > limits.max_answer_bytes) {
+  const int64_t answer_bytes = Count(CheckedAdd(call->output_bytes, call->weights_bytes));
+  if (answer_bytes > limits.max_answer_bytes) {
     std::string what = "output " + ShapeString(call->output_shape);
     if (call->weights_bytes) {
       what += std::string(" and ") + (call->weights == WeightsMode::kPerHead ? "PER_HEAD" : "AVERAGED") +
               " attn_weights " + ShapeString(call->weights_shape);
     }
-    return InvalidArgument("answer: " + what + " of " + DTypeName(q.dtype) + " come to " +
-                           std::to_string(call->output_bytes + call->weights_bytes) +
+    return InvalidArgument("answer: " + what + " of " + DTypeName(q.dtype) + " come to " + CountText(answer_bytes) +
                            " bytes, over the " + std::to_string(limits.max_answer_bytes) +
                            " bytes one answer may carry (server flag --max-message-bytes); ask "
                            "for fewer tokens or fewer attention weights per request");
@@ -289,9 +300,9 @@ Status ValidateCreateMemory(const ModelSpec& model, const AttendLimits& limits, 
   call->query = k;  // The dtype requests are batched by; no query rows.
   call->query_len = 0;
   RETURN_IF_ERROR(CheckKeyPadding(call));
-  const int64_t tokens = call->batch * call->key_len;
+  const int64_t tokens = Count(CheckedMul({call->batch, call->key_len}));
   if (tokens > limits.max_tokens) {
-    return InvalidArgument("request: " + std::to_string(tokens) + " tokens (batch * key_len) is over the "
+    return InvalidArgument("request: " + CountText(tokens) + " tokens (batch * key_len) is over the "
                            "per-request limit of " + std::to_string(limits.max_tokens) +
                            " (server flag --max-request-tokens)");
   }

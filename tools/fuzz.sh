@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer targets (tests/fuzz, clang) and runs each one, bounded:
+# Builds the libFuzzer targets (tests/fuzz, clang) and runs each one, bounded (kv_store: the
+# key/value store and engine driven by operation sequences, tests/lib/kv_model_check.h):
 #   tools/fuzz.sh                 30 s per target (what `tools/build.sh test` runs)
 #   tools/fuzz.sh --seconds N     N s per target
 #   tools/fuzz.sh --runs N        N executions per target (the long run: --runs 10000000)
+#   tools/fuzz.sh ... TARGET...   only these targets (request safetensors config torch_archive kv_store)
 # New inputs go to build-fuzz/corpus-<target>, seeded from tests/fuzz/corpus/<target>. A crash
 # leaves its input as build-fuzz/crash-* and fails the run. Prints executions per target and ends
 # with "fuzz: N passed, N failed".
@@ -10,23 +12,34 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 limit=(-max_total_time=30)
 case "${1:-}" in
-  --seconds) limit=(-max_total_time="$2") ;;
-  --runs) limit=(-runs="$2") ;;
-  "") ;;
-  *) echo "usage: tools/fuzz.sh [--seconds N | --runs N]" >&2; exit 2 ;;
+  --seconds) limit=(-max_total_time="$2"); shift 2 ;;
+  --runs) limit=(-runs="$2"); shift 2 ;;
 esac
+targets=("$@")
+[ ${#targets[@]} -gt 0 ] || targets=(request safetensors config torch_archive kv_store)
+for t in "${targets[@]}"; do
+  case "$t" in
+    request|safetensors|config|torch_archive|kv_store) ;;
+    *) echo "usage: tools/fuzz.sh [--seconds N | --runs N] [TARGET...]" >&2; exit 2 ;;
+  esac
+done
 build=build-fuzz
 if [ ! -f "$build/CMakeCache.txt" ]; then
   cmake -S tests/fuzz -B "$build" -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 fi
 cmake --build "$build" -j"$(nproc)" >/dev/null
 passed=0 failed=0
-for t in request safetensors config torch_archive; do
+for t in "${targets[@]}"; do
   mkdir -p "$build/corpus-$t"
+  seeds=()
+  [ -d "tests/fuzz/corpus/$t" ] && seeds=("../tests/fuzz/corpus/$t")
   log="$build/fuzz_$t.log"
-  # rss_limit bounds memory per input; max_len 64 KiB keeps archives and requests realistic.
-  if (cd "$build" && ./fuzz_"$t" "${limit[@]}" -rss_limit_mb=2048 -max_len=65536 -print_final_stats=1 \
-        -artifact_prefix=./crash-"$t"- "corpus-$t" "../tests/fuzz/corpus/$t") >"$log" 2>&1; then
+  # rss_limit bounds memory per input; max_len 64 KiB keeps archives and requests realistic; the
+  # store's inputs are operation sequences (a few bytes each, at most 256 operations).
+  max_len=65536
+  [ "$t" = kv_store ] && max_len=1024
+  if (cd "$build" && ./fuzz_"$t" "${limit[@]}" -rss_limit_mb=2048 -max_len=$max_len -print_final_stats=1 \
+        -artifact_prefix=./crash-"$t"- "corpus-$t" "${seeds[@]}") >"$log" 2>&1; then
     passed=$((passed + 1))
     echo "fuzz $t: $(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$') executions, no crash"
   else

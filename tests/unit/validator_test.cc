@@ -3,6 +3,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include "tests/unit/test_util.h"
 
 namespace attnserve {
@@ -196,6 +198,25 @@ TEST(ValidatorTest, RejectsRequestOverTokenLimit) {
   AttendLimits limits;
   limits.max_tokens = 399;
   EXPECT_THAT(Check(c, Model(), limits).message(), HasSubstr("400 tokens (batch * query_len, plus batch * key_len for cross-attention) is over the per-request limit of 399"));
+}
+
+// Counts made of request sizes are checked arithmetic: a session that (says it) holds nearly 2^63
+// tokens makes key_len and the score count overflow int64; both are refused as over the limit,
+// never wrapped into a small or negative number (UBSan in tools/sanitize.sh would also report it).
+TEST(ValidatorTest, SizesThatOverflowInt64AreRefusedNotWrapped) {
+  for (int64_t held : {std::numeric_limits<int64_t>::max() - 2, std::numeric_limits<int64_t>::max() / 4}) {
+    Call c = SelfCall({1, 4, 16});
+    c.call.kv_use = AttendCall::Kv::kSession;
+    c.call.kv_batch = 1;
+    c.call.kv_length = held;
+    AttendLimits limits;
+    limits.max_tokens = std::numeric_limits<int64_t>::max();
+    limits.max_attention_scores = std::numeric_limits<int64_t>::max() - 1;
+    const Status st = Check(c, Model(), limits);
+    ASSERT_FALSE(st.ok()) << held;
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+    EXPECT_THAT(st.message(), HasSubstr("more than 2^63 attention scores")) << st.message();
+  }
 }
 
 TEST(ValidatorTest, RejectsRequestOverAttentionScoreLimit) {

@@ -1,0 +1,864 @@
+#include "tests/lib/kv_model_check.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <iterator>
+#include <limits>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "server/checked_math.h"
+#include "server/engine/attention_model.h"
+#include "server/kv_store.h"
+#include "server/validator.h"
+#include "tests/lib/mha_reference.h"
+
+namespace attnserve::testing {
+
+uint8_t Choices::Byte() {
+  uint8_t b = 0;
+  if (!exhausted_ && !next_(&b)) {
+    exhausted_ = true;
+    b = 0;
+  }
+  return b;
+}
+
+uint64_t Choices::Below(uint64_t n) {
+  if (n <= 1) return 0;
+  uint64_t v = Byte();
+  if (n > 256) {
+    for (int i = 1; i < 8; ++i) v = (v << 8) | Byte();
+  }
+  return v % n;
+}
+
+int64_t Choices::Size(int64_t small) {
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max(), kMin = std::numeric_limits<int64_t>::min();
+  static constexpr int64_t kEdges[] = {0, 1, -1, kMin, kMax, kMax - 1, int64_t{1} << 62, (int64_t{1} << 62) - 3,
+                                       int64_t{1} << 61, int64_t{1} << 31, (int64_t{1} << 32) + 1,
+                                       -(int64_t{1} << 62), kMax / 2 + 1, 65536, 65537, kMin + 1};
+  const uint8_t kind = Byte();
+  if (kind < 192) return static_cast<int64_t>(Below(static_cast<uint64_t>(small) + 1));
+  if (kind < 224) return kEdges[Below(std::size(kEdges))];
+  if (kind < 240) {
+    const int64_t p = int64_t{1} << Below(63);
+    return kind & 1 ? -p : p;
+  }
+  uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v = (v << 8) | Byte();
+  return static_cast<int64_t>(v);
+}
+
+std::string KvCheckStats::ToString() const {
+  return std::to_string(operations) + " operations: steps " + std::to_string(steps_applied) + " applied (" +
+         std::to_string(step_answers_checked) + " answers checked), " + std::to_string(steps_not_applied) +
+         " not; memories " + std::to_string(memories_computed) + " computed (" +
+         std::to_string(memory_answers_checked) + " answers checked); ends: " + std::to_string(evicted) +
+         " evicted, " + std::to_string(expired) + " expired, " + std::to_string(released) + " released, " +
+         std::to_string(unloaded) + " unloaded; refusals: " + std::to_string(invalid) + " INVALID_ARGUMENT, " +
+         std::to_string(not_found) + " NOT_FOUND, " + std::to_string(exhausted) + " RESOURCE_EXHAUSTED, " +
+         std::to_string(aborted) + " ABORTED";
+}
+
+namespace {
+
+constexpr int64_t kE = 8, kH = 2;
+constexpr int64_t kMaxRealTokens = 48;  // Answers are checked while a session holds at most this many.
+
+// Two small models on the CPU, made once for the process.
+const std::shared_ptr<const AttentionModel>* Models() {
+  static const std::vector<std::shared_ptr<const AttentionModel>> models = [] {
+    std::vector<std::shared_ptr<const AttentionModel>> out;
+    std::mt19937 rng(1717);
+    for (const char* name : {"a", "b"}) {
+      ModelWeights w = RandomWeights(rng, name, kE, kH);
+      w.spec.weights_hash = std::string("sha256:") + name;
+      auto m = CreateTorchModel(w, EngineOptions{});
+      if (!m.ok()) {
+        std::fprintf(stderr, "kv model check: %s\n", m.status().message().c_str());
+        std::abort();
+      }
+      out.push_back(std::move(m).value());
+    }
+    return out;
+  }();
+  return models.data();
+}
+
+// Deterministic, varied token values in [-1, 1).
+std::vector<float> Values(uint64_t seed, size_t n) {
+  std::vector<float> v(n);
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (float& f : v) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    f = static_cast<float>(static_cast<double>(x >> 11) / 4503599627370496.0 - 1.0);
+  }
+  return v;
+}
+
+// [t, b, E] -> [b, t, E].
+std::vector<float> BatchFirst(const std::vector<float>& x, int64_t t, int64_t b) {
+  std::vector<float> out(x.size());
+  for (int64_t i = 0; i < t; ++i)
+    for (int64_t bb = 0; bb < b; ++bb) std::copy_n(x.begin() + (i * b + bb) * kE, kE, out.begin() + (bb * t + i) * kE);
+  return out;
+}
+
+// What the reference model says one entry is.
+struct Ref {
+  std::string handle;
+  KvKind kind = KvKind::kSession;
+  int model = 0;
+  std::shared_ptr<KvCache> cache;
+  int64_t batch = 0, length = 0, capacity = 0, bytes = 0;
+  int64_t allocated = 0;  // Tokens the engine allocated in the cache.
+  bool ready = false, busy = false, indexed = true;
+  int holders = 0;        // shared_ptrs the operations in flight hold.
+  uint64_t touched = 0;   // LRU order: larger is more recent.
+  KvClock::time_point last_use;
+  std::string gone;       // Once removed: what its NOT_FOUND says.
+  bool real = false;      // Its contents came from the engine (answers can be checked).
+  std::vector<float> tokens;      // A session's applied tokens, sequence-first [L, B, E].
+  std::vector<float> key, value;  // A memory's inputs, batch-first [B, Lk, E].
+  bool in_use() const { return busy || !ready || holders > 0; }
+  bool counted() const { return indexed || holders > 0; }
+};
+
+struct Flight {  // A session step in flight.
+  std::unique_ptr<KvStep> step;
+  size_t ref = 0;
+  bool reserved = false, real = false;
+  int64_t tokens = 0;
+  bool seq_first = false;
+  Buffer query;
+  std::vector<float> new_tokens;  // [T, B, E] sequence-first
+  AttendCall call;
+};
+
+struct Creating {  // A memory being computed.
+  std::shared_ptr<KvEntry> entry;
+  size_t ref = 0;
+  Buffer key, value;
+  AttendCall call;
+};
+
+struct Hold {  // A request holding a memory.
+  std::shared_ptr<KvEntry> entry;
+  size_t ref = 0;
+};
+
+const char* CodeName(StatusCode c) {
+  switch (c) {
+    case StatusCode::kOk: return "OK";
+    case StatusCode::kInvalidArgument: return "INVALID_ARGUMENT";
+    case StatusCode::kNotFound: return "NOT_FOUND";
+    case StatusCode::kResourceExhausted: return "RESOURCE_EXHAUSTED";
+    case StatusCode::kAborted: return "ABORTED";
+    default: return "OTHER";
+  }
+}
+
+class ModelCheck {
+ public:
+  ModelCheck(Choices& c, const KvCheckOptions& o) : c_(c), o_(o), models_(Models()) {
+    options_.budget_bytes = int64_t{1} << (10 + c_.Below(8));
+    options_.max_entry_bytes = std::max<int64_t>(1, options_.budget_bytes >> c_.Below(3));
+    options_.max_entries = 1 + static_cast<int64_t>(c_.Below(12));
+    options_.ttl_seconds = static_cast<double>(1 + c_.Below(60));
+    KvMetricsHooks hooks;
+    hooks.on_size = [this](int64_t b, int64_t m, int64_t s) {
+      gauge_bytes_ = b, gauge_memories_ = m, gauge_sessions_ = s;
+      if (b < 0 || m < 0 || s < 0) negative_ = true;
+    };
+    hooks.on_end = [this](KvKind kind, KvEndReason why) { ++ends_[{kind, why}]; };
+    store_ = std::make_unique<KvStore>(options_, hooks, [this] { return now_; });
+    Log("store: budget " + std::to_string(options_.budget_bytes) + ", entry " +
+        std::to_string(options_.max_entry_bytes) + ", entries " + std::to_string(options_.max_entries) +
+        ", ttl " + std::to_string(static_cast<int>(options_.ttl_seconds)));
+  }
+
+  ~ModelCheck() {
+    if (o_.stats) {
+      KvCheckStats& s = *o_.stats;
+      s.operations += stats_.operations;
+      s.steps_applied += stats_.steps_applied, s.steps_not_applied += stats_.steps_not_applied;
+      s.step_answers_checked += stats_.step_answers_checked;
+      s.memories_computed += stats_.memories_computed, s.memory_answers_checked += stats_.memory_answers_checked;
+      s.evicted += stats_.evicted, s.expired += stats_.expired, s.released += stats_.released;
+      s.unloaded += stats_.unloaded, s.invalid += stats_.invalid, s.not_found += stats_.not_found;
+      s.exhausted += stats_.exhausted, s.aborted += stats_.aborted;
+    }
+    // Operations in flight end before the store goes (the server drains its batcher first), and the
+    // store (whose hooks write here) before the rest of this.
+    flights_.clear();
+    creating_.clear();
+    holds_.clear();
+    store_.reset();
+  }
+
+  std::string Run() {
+    for (int i = 0; i < o_.max_ops && !c_.exhausted() && failure_.empty(); ++i) {
+      removed_now_.clear();
+      ++stats_.operations;
+      // Weighted so that sessions live long enough to take many steps.
+      const uint64_t op = c_.Below(32);
+      if (op < 3) OpenSession();
+      else if (op < 5) CreateMemory(false);
+      else if (op < 6) CreateMemory(true);
+      else if (op < 8) CompleteMemory();
+      else if (op < 13) BeginStep();
+      else if (op < 18) PrepareStep();
+      else if (op < 22) ComputeSteps();
+      else if (op < 23) DropStep();
+      else if (op < 26) QueryMemory();
+      else if (op < 27) DropHold();
+      else if (op < 28) Release();
+      else if (op < 31) Tick();
+      else if (c_.OneIn(32)) EndAll();
+      else if (c_.OneIn(4)) Unload();
+      if (failure_.empty()) CheckInvariants();
+    }
+    if (failure_.empty()) return "";
+    std::string out = failure_ + "\noperations:\n";
+    for (const std::string& line : log_) out += "  " + line + "\n";
+    return out;
+  }
+
+ private:
+  // ---- bookkeeping ------------------------------------------------------------------------------
+  void Log(const std::string& line) {
+    if (o_.log) *o_.log += line + "\n";
+    log_.push_back(line);
+    if (log_.size() > 80) log_.erase(log_.begin());
+  }
+  void Fail(const std::string& what) {
+    if (failure_.empty()) failure_ = what;
+  }
+  bool Expect(bool ok, const std::string& what) {
+    if (!ok) Fail(what);
+    return ok;
+  }
+  void ExpectCode(const Status& got, StatusCode want, const std::string& op) {
+    Count(got.code());
+    if (got.code() != want) {
+      Fail(op + ": " + CodeName(got.code()) + " '" + got.message() + "', the reference expects " + CodeName(want));
+    }
+  }
+  int64_t Account() const {
+    int64_t sum = 0;
+    for (const Ref& r : refs_) sum += r.counted() ? r.bytes : 0;
+    return sum;
+  }
+  int64_t Indexed(KvKind kind) const {
+    int64_t n = 0;
+    for (const Ref& r : refs_) n += r.indexed && r.kind == kind;
+    return n;
+  }
+  void Touch(Ref& r) {
+    r.touched = ++touches_;
+    r.last_use = now_;
+  }
+  void Count(StatusCode code) {
+    switch (code) {
+      case StatusCode::kInvalidArgument: ++stats_.invalid; break;
+      case StatusCode::kNotFound: ++stats_.not_found; break;
+      case StatusCode::kResourceExhausted: ++stats_.exhausted; break;
+      case StatusCode::kAborted: ++stats_.aborted; break;
+      default: break;
+    }
+  }
+  void Remove(Ref& r, KvEndReason why, const std::string& gone) {
+    ++(why == KvEndReason::kEvicted ? stats_.evicted
+       : why == KvEndReason::kExpired ? stats_.expired
+       : why == KvEndReason::kReleased ? stats_.released
+                                        : stats_.unloaded);
+    r.indexed = false;
+    r.gone = gone;
+    ++want_ends_[{r.kind, why}];
+    removed_now_.push_back(&r - refs_.data());
+  }
+  void Unhold(size_t ref) { --refs_[ref].holders; }
+  std::optional<int64_t> BytesFor(const Ref& r, int64_t capacity) const { return r.cache->BytesFor(r.batch, capacity); }
+
+  // The store's MakeRoom, plainly: can `need` more bytes fit once every entry not in use (but
+  // `keep`) is evicted? If so, and `apply`, evict least recently used first until they fit.
+  bool Room(int64_t need, const Ref* keep, bool apply) {
+    std::vector<Ref*> candidates;
+    int64_t freeable = 0;
+    for (Ref& r : refs_) {
+      if (r.indexed && !r.in_use() && &r != keep) {
+        candidates.push_back(&r);
+        freeable += r.bytes;
+      }
+    }
+    if (Account() + need - freeable > options_.budget_bytes) return false;
+    if (!apply) return true;
+    std::sort(candidates.begin(), candidates.end(), [](const Ref* a, const Ref* b) { return a->touched < b->touched; });
+    for (Ref* r : candidates) {
+      if (Account() + need <= options_.budget_bytes) break;
+      Remove(*r, KvEndReason::kEvicted, "evicted (least recently used");
+    }
+    return true;
+  }
+
+  // A handle to name: one the reference knows (any kind, any state), or one nobody made.
+  // Mostly a live entry of the kind asked for; sometimes any the reference knows (ended, other
+  // kind); rarely one nobody made.
+  size_t PickRef(KvKind prefer, std::string* handle) {
+    std::vector<size_t> live;
+    for (size_t i = 0; i < refs_.size(); ++i) {
+      if (refs_[i].kind == prefer && refs_[i].indexed) live.push_back(i);
+    }
+    const uint64_t how = c_.Below(16);
+    if (refs_.empty() || how == 0) {
+      static const char* kStrangers[] = {"", "00000000000000000000000000000000", "zz", "not a handle at all"};
+      *handle = kStrangers[c_.Below(4)];
+      return SIZE_MAX;
+    }
+    const size_t i = how < 3 || live.empty() ? c_.Below(refs_.size()) : live[c_.Below(live.size())];
+    *handle = refs_[i].handle;
+    return i;
+  }
+
+  // The store's Lookup, plainly: NOT_FOUND's reason, or "" when found (and renewed).
+  std::string Lookup(size_t i, KvKind kind) {
+    if (i == SIZE_MAX) return "unknown";
+    Ref& r = refs_[i];
+    if (!r.indexed) return r.gone;
+    if (r.kind != kind) return std::string("is a ") + KvKindName(r.kind) + ", not a " + KvKindName(kind);
+    if (!r.ready) return "unknown";
+    Touch(r);
+    return "";
+  }
+
+  void ExpectNotFound(const Status& st, const std::string& why, const std::string& op) {
+    ExpectCode(st, StatusCode::kNotFound, op);
+    Expect(st.message().find(why) != std::string::npos,
+           op + ": NOT_FOUND '" + st.message() + "' does not say '" + why + "'");
+  }
+
+  // ---- operations -------------------------------------------------------------------------------
+  // The store's Create, predicted: codes, then evictions.
+  StatusCode PredictCreate(const Ref& r, int64_t capacity, int64_t* bytes) {
+    if (r.batch < 1 || capacity < 0) return StatusCode::kInvalidArgument;
+    const std::optional<int64_t> b = BytesFor(r, capacity);
+    if (!b || *b > options_.max_entry_bytes) return StatusCode::kInvalidArgument;
+    *bytes = *b;
+    if (Indexed(KvKind::kMemory) + Indexed(KvKind::kSession) >= options_.max_entries) {
+      return StatusCode::kResourceExhausted;
+    }
+    return Room(*b, nullptr, false) ? StatusCode::kOk : StatusCode::kResourceExhausted;
+  }
+
+  std::shared_ptr<KvEntry> Create(Ref r, int64_t capacity, const std::string& op) {
+    int64_t bytes = 0;
+    const StatusCode want = PredictCreate(r, capacity, &bytes);
+    auto got = store_->Create(r.kind, models_[r.model], r.cache, r.batch, capacity);
+    ExpectCode(got.status(), want, op);
+    if (!got.ok() || want != StatusCode::kOk) return nullptr;
+    Room(bytes, nullptr, true);
+    r.handle = (*got)->handle;
+    r.capacity = capacity;
+    r.bytes = bytes;
+    Touch(r);
+    refs_.push_back(std::move(r));
+    return *std::move(got);
+  }
+
+  void OpenSession() {
+    Ref r;
+    r.kind = KvKind::kSession;
+    r.model = static_cast<int>(c_.Below(2));
+    r.cache = models_[r.model]->NewKvCache();
+    r.batch = c_.Size(3);
+    r.ready = true;
+    r.real = r.batch >= 1 && r.batch <= 3;
+    Log("OpenSession batch " + std::to_string(r.batch));
+    Create(std::move(r), 0, "OpenSession");  // The handler keeps no hold.
+  }
+
+  void CreateMemory(bool raw) {
+    Ref r;
+    r.kind = KvKind::kMemory;
+    r.model = static_cast<int>(c_.Below(2));
+    r.cache = models_[r.model]->NewKvCache();
+    auto m = std::make_unique<Creating>();
+    int64_t length;
+    if (raw) {  // The store's own contract, with any sizes.
+      r.batch = c_.Size(3);
+      length = c_.Size(8);
+      Log("CreateMemory raw batch " + std::to_string(r.batch) + " length " + std::to_string(length));
+    } else {  // The service's: validated inputs, then the store.
+      r.batch = 1 + static_cast<int64_t>(c_.Below(3));
+      length = 1 + static_cast<int64_t>(c_.Below(6));
+      r.real = true;
+      r.key = Values(++seed_, r.batch * length * kE);
+      r.value = Values(++seed_, r.batch * length * kE);
+      m->key = Floats({r.batch, length, kE}, r.key);
+      m->value = Floats({r.batch, length, kE}, r.value);
+      m->call.key = m->key.view();
+      m->call.value = m->value.view();
+      const Status st = ValidateCreateMemory(models_[r.model]->spec(), AttendLimits{}, &m->call);
+      if (!Expect(st.ok(), "CreateMemory: validation refused [" + std::to_string(r.batch) + ", " +
+                               std::to_string(length) + ", 8]: " + st.message())) {
+        return;
+      }
+      Log("CreateMemory batch " + std::to_string(r.batch) + " length " + std::to_string(length));
+    }
+    const size_t index = refs_.size();
+    m->entry = Create(std::move(r), length, "CreateMemory");
+    if (!m->entry) return;
+    m->ref = index;
+    refs_[index].holders = 1;
+    refs_[index].length = 0;
+    m->call.kv = refs_[index].cache;
+    creating_.push_back(std::move(m));
+  }
+
+  void CompleteMemory() {
+    if (creating_.empty()) return;
+    const size_t i = c_.Below(creating_.size());
+    std::unique_ptr<Creating> m = std::move(creating_[i]);
+    creating_.erase(creating_.begin() + static_cast<ptrdiff_t>(i));
+    Ref& r = refs_[m->ref];
+    const bool computed = r.real && !c_.OneIn(8);
+    Log(std::string("CompleteMemory ") + r.handle.substr(0, 6) + (computed ? " computed" : " failed"));
+    if (computed) {
+      std::string none;
+      AttendOutputs out;
+      out.output = &none;
+      const Status st = models_[r.model]->Forward(m->call, &out);
+      if (!Expect(st.ok(), "engine: CreateMemory failed: " + st.message())) return;
+      r.allocated = m->call.key_len;
+      ++stats_.memories_computed;
+      const Status ready = store_->MarkReady(m->entry, m->call.key_len);
+      if (r.indexed) {
+        ExpectCode(ready, StatusCode::kOk, "MarkReady");
+        r.ready = true;
+        r.length = m->call.key_len;
+        Touch(r);
+      } else {
+        ExpectCode(ready, StatusCode::kAborted, "MarkReady of an ended memory");
+        Expect(ready.message().find(r.gone) != std::string::npos,
+               "MarkReady: '" + ready.message() + "' does not say '" + r.gone + "'");
+      }
+    } else {
+      store_->Discard(m->entry);
+      if (r.indexed) Remove(r, KvEndReason::kFailed, "its keys and values could not be computed");
+    }
+    m->entry.reset();
+    Unhold(m->ref);
+  }
+
+  void BeginStep() {
+    std::string handle;
+    const size_t i = PickRef(KvKind::kSession, &handle);
+    std::optional<int64_t> expected;
+    const int64_t known = i == SIZE_MAX ? 0 : refs_[i].length;
+    switch (c_.Below(8)) {
+      case 4: expected = known; break;
+      case 5: expected = known + 1; break;
+      case 6: expected = c_.Size(8); break;
+      case 7: expected = -1 - c_.Size(8) / 2; break;
+      default: break;
+    }
+    Log("BeginStep " + handle.substr(0, 6) + " expecting " + (expected ? std::to_string(*expected) : "-"));
+    auto got = store_->BeginStep(handle, expected);
+    if (expected && *expected < 0) return ExpectCode(got.status(), StatusCode::kInvalidArgument, "BeginStep");
+    const std::string missing = Lookup(i, KvKind::kSession);
+    if (!missing.empty()) return ExpectNotFound(got.status(), missing, "BeginStep");
+    Ref& r = refs_[i];
+    if (r.busy) {
+      ExpectCode(got.status(), StatusCode::kAborted, "BeginStep on a busy session");
+      return;
+    }
+    if (expected && *expected != r.length) {
+      ExpectCode(got.status(), StatusCode::kAborted, "BeginStep at the wrong length");
+      return;
+    }
+    ExpectCode(got.status(), StatusCode::kOk, "BeginStep");
+    if (!got.ok()) return;
+    Expect((*got)->length() == r.length, "BeginStep: length " + std::to_string((*got)->length()) +
+                                             ", the reference holds " + std::to_string(r.length));
+    r.busy = true;
+    ++r.holders;
+    auto f = std::make_unique<Flight>();
+    f->step = std::move(*got);
+    f->ref = i;
+    flights_.push_back(std::move(f));
+  }
+
+  // The step's query, validated against the session (as the service does), then its reservation.
+  void PrepareStep() {
+    std::vector<size_t> begun;
+    for (size_t k = 0; k < flights_.size(); ++k) {
+      if (!flights_[k]->reserved) begun.push_back(k);
+    }
+    if (begun.empty()) return;
+    const size_t k = begun[c_.Below(begun.size())];
+    Flight& f = *flights_[k];
+    Ref& r = refs_[f.ref];
+    const ModelSpec& spec = models_[r.model]->spec();
+    int64_t tokens;
+    if (c_.OneIn(8)) {  // Straight to the store: any int64 token count.
+      tokens = c_.Size(8);
+      Log("Reserve raw " + std::to_string(tokens));
+    } else {
+      const int64_t b = c_.OneIn(8) ? c_.Size(3) : r.batch, t = c_.Size(6);
+      f.seq_first = c_.OneIn(4);
+      const bool unbatched = b == 1 && !f.seq_first && c_.OneIn(4);
+      std::vector<int64_t> shape = unbatched ? std::vector<int64_t>{t, kE}
+                                   : f.seq_first ? std::vector<int64_t>{t, b, kE}
+                                                 : std::vector<int64_t>{b, t, kE};
+      const auto numel = CheckedMul({b, t, kE});
+      f.real = r.real && b == r.batch && numel && *numel > 0 && *numel <= 4096 &&
+               r.length + t <= kMaxRealTokens;
+      if (numel && *numel > 0 && *numel <= 4096) {
+        f.new_tokens = Values(++seed_, static_cast<size_t>(*numel));
+        f.query = Floats(shape, f.seq_first ? f.new_tokens : BatchFirst(f.new_tokens, t, b));
+      } else {
+        f.query = Buffer{DType::kFloat32, shape, {}};  // Claims the shape, carries no data.
+      }
+      f.call.query = f.query.view();
+      f.call.layout = f.seq_first ? TensorLayout::kSequenceFirst : TensorLayout::kBatchFirst;
+      f.call.is_causal = true;  // As FromWire sets it for every session step.
+      f.call.kv_use = AttendCall::Kv::kSession;
+      f.call.kv = r.cache;
+      f.call.kv_batch = r.batch;
+      f.call.kv_length = f.step->length();
+      Log("Step query " + ShapeString(shape) + (f.seq_first ? " seq-first" : ""));
+      const Status valid = Validate(spec, AttendLimits{}, &f.call);
+      if (f.real) Expect(valid.ok(), "Validate refused a good step: " + valid.message());
+      if (!valid.ok()) return EndFlight(k, false, "refused by validation");
+      tokens = f.call.query_len;
+    }
+    // The store's Reserve, plainly.
+    StatusCode want = StatusCode::kOk;
+    int64_t capacity = r.capacity, bytes = r.bytes;
+    const std::optional<int64_t> needed = tokens < 0 ? std::nullopt : CheckedAdd(r.length, tokens);
+    if (!needed) {
+      want = StatusCode::kInvalidArgument;
+    } else if (*needed > r.capacity) {
+      const int64_t doubled = CheckedMul({r.capacity, 2}).value_or(*needed);
+      want = StatusCode::kInvalidArgument;
+      for (const int64_t c : {std::max<int64_t>({*needed, doubled, 16}), *needed}) {
+        const std::optional<int64_t> b = BytesFor(r, c);
+        if (!b || *b > options_.max_entry_bytes) {
+          want = StatusCode::kInvalidArgument;
+          continue;
+        }
+        if (!Room(*b - r.bytes, &r, false)) {
+          want = StatusCode::kResourceExhausted;
+          continue;
+        }
+        want = StatusCode::kOk;
+        capacity = c;
+        bytes = *b;
+        break;
+      }
+    }
+    const Status got = f.step->Reserve(tokens);
+    ExpectCode(got, want, "Reserve " + std::to_string(tokens));
+    if (!got.ok() || want != StatusCode::kOk) return EndFlight(k, false, "not reserved");
+    if (capacity != r.capacity) {
+      Room(bytes - r.bytes, &r, true);
+      r.capacity = capacity;
+      r.bytes = bytes;
+    }
+    Expect(f.step->capacity() == capacity, "Reserve: capacity " + std::to_string(f.step->capacity()) +
+                                               ", the reference says " + std::to_string(capacity));
+    f.reserved = true;
+    f.tokens = tokens;
+    f.call.kv_capacity = f.step->capacity();
+  }
+
+  // Ends flight k; applied only after its compute.
+  void EndFlight(size_t k, bool applied, const char* why) {
+    std::unique_ptr<Flight> f = std::move(flights_[k]);
+    flights_.erase(flights_.begin() + static_cast<ptrdiff_t>(k));
+    Ref& r = refs_[f->ref];
+    const int64_t step_capacity = f->step->capacity();
+    Log(std::string("  step ends ") + (applied ? "applied" : "not applied") + ": " + why);
+    if (c_.OneIn(8) && !applied) {
+      f->step.reset();  // Dropped without End: its destructor ends it.
+    } else {
+      f->step->End(applied);
+      f->step->End(!applied);  // A second End does nothing.
+    }
+    r.busy = false;
+    ++(applied ? stats_.steps_applied : stats_.steps_not_applied);
+    if (applied) {
+      r.length += f->tokens;
+      r.tokens.insert(r.tokens.end(), f->new_tokens.begin(), f->new_tokens.end());
+    }
+    const int64_t held = std::max(r.allocated, applied ? step_capacity : 0);
+    if (held != r.capacity) {
+      r.capacity = held;
+      r.bytes = BytesFor(r, held).value_or(-1);
+    }
+    if (r.indexed) Touch(r);
+    f->step.reset();
+    Unhold(f->ref);
+  }
+
+  // Computes reserved steps of one model in one ForwardBatch, as a batch would; each then ends
+  // applied, or not (as one that failed after its compute: a deadline passed, a cancel).
+  void ComputeSteps() {
+    std::vector<Flight*> ready;
+    for (auto& f : flights_) {
+      if (f->reserved && f->real) ready.push_back(f.get());
+    }
+    if (ready.empty()) return;
+    const int model = refs_[ready[c_.Below(ready.size())]->ref].model;
+    std::vector<Flight*> batch;
+    std::vector<const AttendCall*> calls;
+    for (auto& f : flights_) {
+      if (f->reserved && f->real && refs_[f->ref].model == model && (batch.empty() || !c_.OneIn(4))) {
+        batch.push_back(f.get());
+        calls.push_back(&f->call);
+      }
+    }
+    if (batch.empty()) return;
+    Log("ComputeSteps x" + std::to_string(batch.size()));
+    std::vector<std::string> out_bytes(batch.size());
+    std::vector<AttendOutputs> outs(batch.size());
+    std::vector<AttendOutputs*> out_ptrs;
+    for (size_t i = 0; i < batch.size(); ++i) {
+      outs[i].output = &out_bytes[i];
+      out_ptrs.push_back(&outs[i]);
+    }
+    const std::vector<Status> statuses = models_[model]->ForwardBatch(calls, out_ptrs);
+    for (size_t i = 0; i < batch.size(); ++i) {
+      Flight* f = batch[i];
+      Ref& r = refs_[f->ref];
+      if (!Expect(statuses[i].ok(), "engine: a session step failed: " + statuses[i].message())) return;
+      r.allocated = std::max(r.allocated, f->step->capacity());
+      const bool applied = !c_.OneIn(4);
+      const size_t k = std::find_if(flights_.begin(), flights_.end(), [&](const auto& p) { return p.get() == f; }) -
+                       flights_.begin();
+      const bool seq_first = f->seq_first;
+      const int64_t t = f->tokens, b = r.batch;
+      EndFlight(k, applied, applied ? "computed" : "computed, then failed");
+      if (applied && o_.check_outputs) CheckStepAnswer(r, out_bytes[i], t, b, seq_first);
+    }
+  }
+
+  void DropStep() {
+    if (flights_.empty()) return;
+    EndFlight(c_.Below(flights_.size()), false, "failed before compute");
+  }
+
+  // The step's answer (its last t rows) against one causal self-attention over every applied token.
+  void CheckStepAnswer(const Ref& r, const std::string& got, int64_t t, int64_t b, bool seq_first) {
+    const int64_t l = r.length;
+    Buffer x = Floats({l, b, kE}, r.tokens);
+    AttendCall whole;
+    whole.query = x.view();
+    whole.layout = TensorLayout::kSequenceFirst;
+    whole.is_causal = true;
+    const ModelSpec& spec = models_[r.model]->spec();
+    if (!Expect(Validate(spec, AttendLimits{}, &whole).ok(), "the one causal call does not validate")) return;
+    std::string want_bytes;
+    AttendOutputs out;
+    out.output = &want_bytes;
+    if (!Expect(models_[r.model]->Forward(whole, &out).ok(), "engine: the one causal call failed")) return;
+    const float* w = reinterpret_cast<const float*>(want_bytes.data());
+    std::vector<float> want(w + (l - t) * b * kE, w + l * b * kE);  // Its last t rows, [t, b, E].
+    if (!seq_first) want = BatchFirst(want, t, b);
+    ++stats_.step_answers_checked;
+    const double err = RelativeError(got, want);
+    Expect(err <= 1e-5, "a step's answer differs from one causal call over the applied tokens by " +
+                            std::to_string(err) + " of its scale (allowed 1e-5)");
+  }
+
+  void QueryMemory() {
+    std::string handle;
+    const size_t i = PickRef(KvKind::kMemory, &handle);
+    const bool hold = c_.OneIn(4);
+    Log("QueryMemory " + handle.substr(0, 6) + (hold ? " (held)" : ""));
+    auto got = store_->Lookup(handle, KvKind::kMemory);
+    const std::string missing = Lookup(i, KvKind::kMemory);
+    if (!missing.empty()) return ExpectNotFound(got.status(), missing, "Lookup");
+    ExpectCode(got.status(), StatusCode::kOk, "Lookup");
+    if (!got.ok()) return;
+    Ref& r = refs_[i];
+    if (hold) {
+      ++r.holders;
+      holds_.push_back(Hold{*std::move(got), i});
+      return;
+    }
+    if (!r.real || !o_.check_outputs) return;
+    const int64_t lq = 1 + static_cast<int64_t>(c_.Below(4));
+    Buffer q = Floats({r.batch, lq, kE}, Values(++seed_, r.batch * lq * kE));
+    AttendCall call;
+    call.query = q.view();
+    call.kv_use = AttendCall::Kv::kMemory;
+    call.kv = r.cache;
+    call.kv_batch = r.batch;
+    call.kv_length = (*got)->length;
+    const ModelSpec& spec = models_[r.model]->spec();
+    if (!Expect(Validate(spec, AttendLimits{}, &call).ok(), "a memory query does not validate")) return;
+    const int64_t lk = r.length;
+    Buffer k = Floats({r.batch, lk, kE}, r.key), v = Floats({r.batch, lk, kE}, r.value);
+    AttendCall wire;
+    wire.query = q.view();
+    wire.key = k.view();
+    wire.value = v.view();
+    if (!Expect(Validate(spec, AttendLimits{}, &wire).ok(), "the wire cross-attention does not validate")) return;
+    std::string a, b;
+    AttendOutputs oa, ob;
+    oa.output = &a;
+    ob.output = &b;
+    if (!Expect(models_[r.model]->Forward(call, &oa).ok() && models_[r.model]->Forward(wire, &ob).ok(),
+                "engine: a memory query failed")) {
+      return;
+    }
+    const float* wb = reinterpret_cast<const float*>(b.data());
+    ++stats_.memory_answers_checked;
+    const double err = RelativeError(a, std::vector<float>(wb, wb + b.size() / sizeof(float)));
+    Expect(err <= 1e-5, "a memory's answer differs from key and value on the wire by " + std::to_string(err));
+  }
+
+  void DropHold() {
+    if (holds_.empty()) return;
+    const size_t i = c_.Below(holds_.size());
+    Log("DropHold " + refs_[holds_[i].ref].handle.substr(0, 6));
+    const size_t ref = holds_[i].ref;
+    holds_.erase(holds_.begin() + static_cast<ptrdiff_t>(i));
+    Unhold(ref);
+  }
+
+  void Release() {
+    const KvKind kind = c_.Below(2) ? KvKind::kSession : KvKind::kMemory;
+    std::string handle;
+    const size_t i = PickRef(kind, &handle);
+    Log(std::string("Release ") + KvKindName(kind) + " " + handle.substr(0, 6));
+    auto got = store_->Release(handle, kind);
+    const std::string missing = Lookup(i, kind);
+    if (!missing.empty()) return ExpectNotFound(got.status(), missing, "Release");
+    ExpectCode(got.status(), StatusCode::kOk, "Release");
+    Ref& r = refs_[i];
+    if (got.ok()) Expect(*got == r.bytes, "Release: " + std::to_string(*got) + " bytes freed, the reference holds " + std::to_string(r.bytes));
+    Remove(r, KvEndReason::kReleased, kind == KvKind::kMemory ? "deleted (DeleteMemory)" : "closed (CloseSession)");
+  }
+
+  void Tick() {
+    const int64_t ttl = static_cast<int64_t>(options_.ttl_seconds);
+    const uint64_t how = c_.Below(16);
+    const int64_t dt = how == 0   ? int64_t{1} << (10 + c_.Below(20))
+                       : how < 4 ? static_cast<int64_t>(c_.Below(2 * ttl + 2))
+                                 : static_cast<int64_t>(c_.Below(ttl / 4 + 1));
+    now_ += std::chrono::seconds(dt);
+    Log("Tick " + std::to_string(dt) + " s");
+    store_->ExpireIdle(now_);
+    for (Ref& r : refs_) {
+      if (r.indexed && !r.in_use() && now_ - r.last_use >= std::chrono::seconds(ttl)) {
+        Remove(r, KvEndReason::kExpired, "expired (unused for " + std::to_string(ttl) + " s");
+      }
+    }
+  }
+
+  void Unload() {
+    const int model = static_cast<int>(c_.Below(2));
+    Log(std::string("Unload model ") + (model ? "b" : "a"));
+    store_->EndModel(models_[model]->spec());
+    for (Ref& r : refs_) {
+      if (r.indexed && r.model == model) Remove(r, KvEndReason::kUnloaded, "unloaded by a reload");
+    }
+  }
+
+  void EndAll() {
+    Log("Clear");
+    store_->Clear("the test stops");
+    for (Ref& r : refs_) {
+      if (r.indexed) Remove(r, KvEndReason::kShutdown, "ended: the test stops");
+    }
+  }
+
+  // ---- invariants -------------------------------------------------------------------------------
+  void CheckInvariants() {
+    const std::vector<KvEntryInfo> snapshot = store_->Snapshot();
+    std::map<std::string, const KvEntryInfo*> by_handle;
+    for (const KvEntryInfo& e : snapshot) by_handle[e.handle] = &e;
+    size_t indexed = 0;
+    for (const Ref& r : refs_) {
+      if (!r.indexed) continue;
+      ++indexed;
+      const auto it = by_handle.find(r.handle);
+      const std::string name = std::string(KvKindName(r.kind)) + " " + r.handle.substr(0, 6);
+      if (!Expect(it != by_handle.end(), name + " is gone from the store; the reference holds it")) return;
+      const KvEntryInfo& e = *it->second;
+      const auto fields = [](int64_t length, int64_t capacity, int64_t bytes, bool busy, bool ready) {
+        return "length " + std::to_string(length) + ", capacity " + std::to_string(capacity) + ", bytes " +
+               std::to_string(bytes) + (busy ? ", busy" : "") + (ready ? "" : ", not ready");
+      };
+      const std::string store_says = fields(e.length, e.capacity, e.bytes, e.busy, e.ready);
+      const std::string ref_says = fields(r.length, r.capacity, r.bytes, r.busy, r.ready);
+      if (!Expect(e.kind == r.kind && e.batch == r.batch && store_says == ref_says,
+                  name + ": the store holds " + store_says + "; the reference " + ref_says)) {
+        return;
+      }
+      const std::optional<int64_t> bytes = BytesFor(r, r.capacity);
+      Expect(bytes && *bytes == e.bytes && e.bytes <= options_.max_entry_bytes && e.bytes >= 0,
+             name + ": " + std::to_string(e.bytes) + " bytes for its capacity, over the entry limit or not its size");
+      Expect(r.kind == KvKind::kMemory || e.capacity >= e.length, name + ": capacity below its length");
+      if (!e.busy && e.ready) {
+        Expect(r.cache->AllocatedTokens() == e.capacity,
+               name + ": the engine holds " + std::to_string(r.cache->AllocatedTokens()) +
+                   " tokens, the store counts " + std::to_string(e.capacity));
+      }
+    }
+    Expect(indexed == snapshot.size(), "the store holds " + std::to_string(snapshot.size()) +
+                                           " entries, the reference " + std::to_string(indexed));
+    const int64_t account = Account();
+    Expect(store_->bytes() == account && gauge_bytes_ == account,
+           "bytes held: store " + std::to_string(store_->bytes()) + ", gauge " + std::to_string(gauge_bytes_) +
+               ", the reference (live entries and ended ones still held) " + std::to_string(account));
+    Expect(gauge_memories_ == Indexed(KvKind::kMemory) && gauge_sessions_ == Indexed(KvKind::kSession),
+           "entry gauges " + std::to_string(gauge_memories_) + "/" + std::to_string(gauge_sessions_) +
+               ", the reference " + std::to_string(Indexed(KvKind::kMemory)) + "/" +
+               std::to_string(Indexed(KvKind::kSession)));
+    Expect(!negative_, "a gauge went negative");
+    Expect(account <= options_.budget_bytes, "bytes held " + std::to_string(account) + " are over the budget " +
+                                                 std::to_string(options_.budget_bytes));
+    Expect(ends_ == want_ends_, "attnserve_kv_ends_total differs from the reference's ends");
+    for (size_t i : removed_now_) {  // What just ended says why.
+      const Ref& r = refs_[i];
+      ExpectNotFound(store_->Lookup(r.handle, r.kind).status(), r.gone, "a removed entry's lookup");
+    }
+  }
+
+  Choices& c_;
+  const KvCheckOptions o_;
+  const std::shared_ptr<const AttentionModel>* models_;
+  KvOptions options_;
+  KvClock::time_point now_ = KvClock::time_point{} + std::chrono::hours(1);
+  std::unique_ptr<KvStore> store_;
+  std::vector<Ref> refs_;
+  std::vector<std::unique_ptr<Flight>> flights_;
+  std::vector<std::unique_ptr<Creating>> creating_;
+  std::vector<Hold> holds_;
+  std::vector<size_t> removed_now_;
+  uint64_t touches_ = 0, seed_ = 0;
+  int64_t gauge_bytes_ = 0, gauge_memories_ = 0, gauge_sessions_ = 0;
+  bool negative_ = false;
+  std::map<std::pair<KvKind, KvEndReason>, int64_t> ends_, want_ends_;
+  std::vector<std::string> log_;
+  std::string failure_;
+  KvCheckStats stats_;
+};
+
+}  // namespace
+
+std::string RunKvModelCheck(Choices& choices, const KvCheckOptions& options) {
+  ModelCheck check(choices, options);
+  return check.Run();
+}
+
+}  // namespace attnserve::testing
