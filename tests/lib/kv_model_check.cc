@@ -178,9 +178,9 @@ class ModelCheck {
     };
     hooks.on_end = [this](KvKind kind, KvEndReason why) { ++ends_[{kind, why}]; };
     store_ = std::make_unique<KvStore>(options_, hooks, [this] { return now_; });
-    Log("store: budget " + std::to_string(options_.budget_bytes) + ", entry " +
+    Note([&] { return std::string("store: budget " + std::to_string(options_.budget_bytes) + ", entry " +
         std::to_string(options_.max_entry_bytes) + ", entries " + std::to_string(options_.max_entries) +
-        ", ttl " + std::to_string(static_cast<int>(options_.ttl_seconds)));
+        ", ttl " + std::to_string(static_cast<int>(options_.ttl_seconds))); });
   }
 
   ~ModelCheck() {
@@ -224,30 +224,30 @@ class ModelCheck {
       else if (c_.OneIn(4)) Unload();
       if (failure_.empty()) CheckInvariants();
     }
-    if (failure_.empty()) return "";
-    std::string out = failure_ + "\noperations:\n";
-    for (const std::string& line : log_) out += "  " + line + "\n";
-    return out;
+    return failure_;
   }
 
  private:
   // ---- bookkeeping ------------------------------------------------------------------------------
-  void Log(const std::string& line) {
-    if (o_.log) *o_.log += line + "\n";
-    log_.push_back(line);
-    if (log_.size() > 80) log_.erase(log_.begin());
+  // Log lines and failure messages are made only when used: the fuzzer runs these checks millions
+  // of times. A failing input is run again with a log (KvCheckOptions::log).
+  template <typename F>
+  void Note(F&& line) {
+    if (o_.log) *o_.log += line() + "\n";
   }
   void Fail(const std::string& what) {
     if (failure_.empty()) failure_ = what;
   }
-  bool Expect(bool ok, const std::string& what) {
-    if (!ok) Fail(what);
+  template <typename F>
+  bool Expect(bool ok, F&& what) {
+    if (!ok) Fail(what());
     return ok;
   }
-  void ExpectCode(const Status& got, StatusCode want, const std::string& op) {
+  void ExpectCode(const Status& got, StatusCode want, const char* op) {
     Count(got.code());
     if (got.code() != want) {
-      Fail(op + ": " + CodeName(got.code()) + " '" + got.message() + "', the reference expects " + CodeName(want));
+      Fail(std::string(op) + ": " + CodeName(got.code()) + " '" + got.message() + "', the reference expects " +
+           CodeName(want));
     }
   }
   int64_t Account() const {
@@ -337,10 +337,9 @@ class ModelCheck {
     return "";
   }
 
-  void ExpectNotFound(const Status& st, const std::string& why, const std::string& op) {
+  void ExpectNotFound(const Status& st, const std::string& why, const char* op) {
     ExpectCode(st, StatusCode::kNotFound, op);
-    Expect(st.message().find(why) != std::string::npos,
-           op + ": NOT_FOUND '" + st.message() + "' does not say '" + why + "'");
+    Expect(st.message().find(why) != std::string::npos, [&] { return std::string(op) + ": NOT_FOUND '" + st.message() + "' does not say '" + why + "'"; });
   }
 
   // ---- operations -------------------------------------------------------------------------------
@@ -356,7 +355,7 @@ class ModelCheck {
     return Room(*b, nullptr, false) ? StatusCode::kOk : StatusCode::kResourceExhausted;
   }
 
-  std::shared_ptr<KvEntry> Create(Ref r, int64_t capacity, const std::string& op) {
+  std::shared_ptr<KvEntry> Create(Ref r, int64_t capacity, const char* op) {
     int64_t bytes = 0;
     const StatusCode want = PredictCreate(r, capacity, &bytes);
     auto got = store_->Create(r.kind, models_[r.model], r.cache, r.batch, capacity);
@@ -379,7 +378,7 @@ class ModelCheck {
     r.batch = c_.Size(3);
     r.ready = true;
     r.real = r.batch >= 1 && r.batch <= 3;
-    Log("OpenSession batch " + std::to_string(r.batch));
+    Note([&] { return std::string("OpenSession batch " + std::to_string(r.batch)); });
     Create(std::move(r), 0, "OpenSession");  // The handler keeps no hold.
   }
 
@@ -393,7 +392,7 @@ class ModelCheck {
     if (raw) {  // The store's own contract, with any sizes.
       r.batch = c_.Size(3);
       length = c_.Size(8);
-      Log("CreateMemory raw batch " + std::to_string(r.batch) + " length " + std::to_string(length));
+      Note([&] { return std::string("CreateMemory raw batch " + std::to_string(r.batch) + " length " + std::to_string(length)); });
     } else {  // The service's: validated inputs, then the store.
       r.batch = 1 + static_cast<int64_t>(c_.Below(3));
       length = 1 + static_cast<int64_t>(c_.Below(6));
@@ -405,11 +404,11 @@ class ModelCheck {
       m->call.key = m->key.view();
       m->call.value = m->value.view();
       const Status st = ValidateCreateMemory(models_[r.model]->spec(), AttendLimits{}, &m->call);
-      if (!Expect(st.ok(), "CreateMemory: validation refused [" + std::to_string(r.batch) + ", " +
-                               std::to_string(length) + ", 8]: " + st.message())) {
+      if (!Expect(st.ok(), [&] { return std::string("CreateMemory: validation refused [" + std::to_string(r.batch) + ", " +
+                               std::to_string(length) + ", 8]: " + st.message()); })) {
         return;
       }
-      Log("CreateMemory batch " + std::to_string(r.batch) + " length " + std::to_string(length));
+      Note([&] { return std::string("CreateMemory batch " + std::to_string(r.batch) + " length " + std::to_string(length)); });
     }
     const size_t index = refs_.size();
     m->entry = Create(std::move(r), length, "CreateMemory");
@@ -428,13 +427,13 @@ class ModelCheck {
     creating_.erase(creating_.begin() + static_cast<ptrdiff_t>(i));
     Ref& r = refs_[m->ref];
     const bool computed = r.real && !c_.OneIn(8);
-    Log(std::string("CompleteMemory ") + r.handle.substr(0, 6) + (computed ? " computed" : " failed"));
+    Note([&] { return std::string(std::string("CompleteMemory ") + r.handle.substr(0, 6) + (computed ? " computed" : " failed")); });
     if (computed) {
       std::string none;
       AttendOutputs out;
       out.output = &none;
       const Status st = models_[r.model]->Forward(m->call, &out);
-      if (!Expect(st.ok(), "engine: CreateMemory failed: " + st.message())) return;
+      if (!Expect(st.ok(), [&] { return std::string("engine: CreateMemory failed: " + st.message()); })) return;
       r.allocated = m->call.key_len;
       ++stats_.memories_computed;
       const Status ready = store_->MarkReady(m->entry, m->call.key_len);
@@ -445,8 +444,7 @@ class ModelCheck {
         Touch(r);
       } else {
         ExpectCode(ready, StatusCode::kAborted, "MarkReady of an ended memory");
-        Expect(ready.message().find(r.gone) != std::string::npos,
-               "MarkReady: '" + ready.message() + "' does not say '" + r.gone + "'");
+        Expect(ready.message().find(r.gone) != std::string::npos, [&] { return std::string("MarkReady: '" + ready.message() + "' does not say '" + r.gone + "'"); });
       }
     } else {
       store_->Discard(m->entry);
@@ -468,7 +466,7 @@ class ModelCheck {
       case 7: expected = -1 - c_.Size(8) / 2; break;
       default: break;
     }
-    Log("BeginStep " + handle.substr(0, 6) + " expecting " + (expected ? std::to_string(*expected) : "-"));
+    Note([&] { return std::string("BeginStep " + handle.substr(0, 6) + " expecting " + (expected ? std::to_string(*expected) : "-")); });
     auto got = store_->BeginStep(handle, expected);
     if (expected && *expected < 0) return ExpectCode(got.status(), StatusCode::kInvalidArgument, "BeginStep");
     const std::string missing = Lookup(i, KvKind::kSession);
@@ -484,8 +482,8 @@ class ModelCheck {
     }
     ExpectCode(got.status(), StatusCode::kOk, "BeginStep");
     if (!got.ok()) return;
-    Expect((*got)->length() == r.length, "BeginStep: length " + std::to_string((*got)->length()) +
-                                             ", the reference holds " + std::to_string(r.length));
+    Expect((*got)->length() == r.length, [&] { return std::string("BeginStep: length " + std::to_string((*got)->length()) +
+                                             ", the reference holds " + std::to_string(r.length)); });
     r.busy = true;
     ++r.holders;
     auto f = std::make_unique<Flight>();
@@ -508,7 +506,7 @@ class ModelCheck {
     int64_t tokens;
     if (c_.OneIn(8)) {  // Straight to the store: any int64 token count.
       tokens = c_.Size(8);
-      Log("Reserve raw " + std::to_string(tokens));
+      Note([&] { return std::string("Reserve raw " + std::to_string(tokens)); });
     } else {
       const int64_t b = c_.OneIn(8) ? c_.Size(3) : r.batch, t = c_.Size(6);
       f.seq_first = c_.OneIn(4);
@@ -532,9 +530,9 @@ class ModelCheck {
       f.call.kv = r.cache;
       f.call.kv_batch = r.batch;
       f.call.kv_length = f.step->length();
-      Log("Step query " + ShapeString(shape) + (f.seq_first ? " seq-first" : ""));
+      Note([&] { return std::string("Step query " + ShapeString(shape) + (f.seq_first ? " seq-first" : "")); });
       const Status valid = Validate(spec, AttendLimits{}, &f.call);
-      if (f.real) Expect(valid.ok(), "Validate refused a good step: " + valid.message());
+      if (f.real) Expect(valid.ok(), [&] { return std::string("Validate refused a good step: " + valid.message()); });
       if (!valid.ok()) return EndFlight(k, false, "refused by validation");
       tokens = f.call.query_len;
     }
@@ -564,15 +562,15 @@ class ModelCheck {
       }
     }
     const Status got = f.step->Reserve(tokens);
-    ExpectCode(got, want, "Reserve " + std::to_string(tokens));
+    ExpectCode(got, want, "Reserve");
     if (!got.ok() || want != StatusCode::kOk) return EndFlight(k, false, "not reserved");
     if (capacity != r.capacity) {
       Room(bytes - r.bytes, &r, true);
       r.capacity = capacity;
       r.bytes = bytes;
     }
-    Expect(f.step->capacity() == capacity, "Reserve: capacity " + std::to_string(f.step->capacity()) +
-                                               ", the reference says " + std::to_string(capacity));
+    Expect(f.step->capacity() == capacity, [&] { return std::string("Reserve: capacity " + std::to_string(f.step->capacity()) +
+                                               ", the reference says " + std::to_string(capacity)); });
     f.reserved = true;
     f.tokens = tokens;
     f.call.kv_capacity = f.step->capacity();
@@ -584,7 +582,7 @@ class ModelCheck {
     flights_.erase(flights_.begin() + static_cast<ptrdiff_t>(k));
     Ref& r = refs_[f->ref];
     const int64_t step_capacity = f->step->capacity();
-    Log(std::string("  step ends ") + (applied ? "applied" : "not applied") + ": " + why);
+    Note([&] { return std::string(std::string("  step ends ") + (applied ? "applied" : "not applied") + ": " + why); });
     if (c_.OneIn(8) && !applied) {
       f->step.reset();  // Dropped without End: its destructor ends it.
     } else {
@@ -625,7 +623,7 @@ class ModelCheck {
       }
     }
     if (batch.empty()) return;
-    Log("ComputeSteps x" + std::to_string(batch.size()));
+    Note([&] { return std::string("ComputeSteps x" + std::to_string(batch.size())); });
     std::vector<std::string> out_bytes(batch.size());
     std::vector<AttendOutputs> outs(batch.size());
     std::vector<AttendOutputs*> out_ptrs;
@@ -637,7 +635,7 @@ class ModelCheck {
     for (size_t i = 0; i < batch.size(); ++i) {
       Flight* f = batch[i];
       Ref& r = refs_[f->ref];
-      if (!Expect(statuses[i].ok(), "engine: a session step failed: " + statuses[i].message())) return;
+      if (!Expect(statuses[i].ok(), [&] { return std::string("engine: a session step failed: " + statuses[i].message()); })) return;
       r.allocated = std::max(r.allocated, f->step->capacity());
       const bool applied = !c_.OneIn(4);
       const size_t k = std::find_if(flights_.begin(), flights_.end(), [&](const auto& p) { return p.get() == f; }) -
@@ -663,25 +661,25 @@ class ModelCheck {
     whole.layout = TensorLayout::kSequenceFirst;
     whole.is_causal = true;
     const ModelSpec& spec = models_[r.model]->spec();
-    if (!Expect(Validate(spec, AttendLimits{}, &whole).ok(), "the one causal call does not validate")) return;
+    if (!Expect(Validate(spec, AttendLimits{}, &whole).ok(), [&] { return std::string("the one causal call does not validate"); })) return;
     std::string want_bytes;
     AttendOutputs out;
     out.output = &want_bytes;
-    if (!Expect(models_[r.model]->Forward(whole, &out).ok(), "engine: the one causal call failed")) return;
+    if (!Expect(models_[r.model]->Forward(whole, &out).ok(), [&] { return std::string("engine: the one causal call failed"); })) return;
     const float* w = reinterpret_cast<const float*>(want_bytes.data());
     std::vector<float> want(w + (l - t) * b * kE, w + l * b * kE);  // Its last t rows, [t, b, E].
     if (!seq_first) want = BatchFirst(want, t, b);
     ++stats_.step_answers_checked;
     const double err = RelativeError(got, want);
-    Expect(err <= 1e-5, "a step's answer differs from one causal call over the applied tokens by " +
-                            std::to_string(err) + " of its scale (allowed 1e-5)");
+    Expect(err <= 1e-5, [&] { return std::string("a step's answer differs from one causal call over the applied tokens by " +
+                            std::to_string(err) + " of its scale (allowed 1e-5)"); });
   }
 
   void QueryMemory() {
     std::string handle;
     const size_t i = PickRef(KvKind::kMemory, &handle);
     const bool hold = c_.OneIn(4);
-    Log("QueryMemory " + handle.substr(0, 6) + (hold ? " (held)" : ""));
+    Note([&] { return std::string("QueryMemory " + handle.substr(0, 6) + (hold ? " (held)" : "")); });
     auto got = store_->Lookup(handle, KvKind::kMemory);
     const std::string missing = Lookup(i, KvKind::kMemory);
     if (!missing.empty()) return ExpectNotFound(got.status(), missing, "Lookup");
@@ -693,7 +691,7 @@ class ModelCheck {
       holds_.push_back(Hold{*std::move(got), i});
       return;
     }
-    if (!r.real || !o_.check_outputs) return;
+    if (!r.real) return;
     const int64_t lq = 1 + static_cast<int64_t>(c_.Below(4));
     Buffer q = Floats({r.batch, lq, kE}, Values(++seed_, r.batch * lq * kE));
     AttendCall call;
@@ -703,32 +701,33 @@ class ModelCheck {
     call.kv_batch = r.batch;
     call.kv_length = (*got)->length;
     const ModelSpec& spec = models_[r.model]->spec();
-    if (!Expect(Validate(spec, AttendLimits{}, &call).ok(), "a memory query does not validate")) return;
+    if (!Expect(Validate(spec, AttendLimits{}, &call).ok(), [&] { return std::string("a memory query does not validate"); })) return;
+    std::string a;
+    AttendOutputs oa;
+    oa.output = &a;
+    if (!Expect(models_[r.model]->Forward(call, &oa).ok(), [&] { return std::string("engine: a memory query failed"); })) return;
+    if (!o_.check_outputs) return;
     const int64_t lk = r.length;
     Buffer k = Floats({r.batch, lk, kE}, r.key), v = Floats({r.batch, lk, kE}, r.value);
     AttendCall wire;
     wire.query = q.view();
     wire.key = k.view();
     wire.value = v.view();
-    if (!Expect(Validate(spec, AttendLimits{}, &wire).ok(), "the wire cross-attention does not validate")) return;
-    std::string a, b;
-    AttendOutputs oa, ob;
-    oa.output = &a;
+    if (!Expect(Validate(spec, AttendLimits{}, &wire).ok(), [&] { return std::string("the wire cross-attention does not validate"); })) return;
+    std::string b;
+    AttendOutputs ob;
     ob.output = &b;
-    if (!Expect(models_[r.model]->Forward(call, &oa).ok() && models_[r.model]->Forward(wire, &ob).ok(),
-                "engine: a memory query failed")) {
-      return;
-    }
+    if (!Expect(models_[r.model]->Forward(wire, &ob).ok(), [&] { return std::string("engine: the wire cross-attention failed"); })) return;
     const float* wb = reinterpret_cast<const float*>(b.data());
     ++stats_.memory_answers_checked;
     const double err = RelativeError(a, std::vector<float>(wb, wb + b.size() / sizeof(float)));
-    Expect(err <= 1e-5, "a memory's answer differs from key and value on the wire by " + std::to_string(err));
+    Expect(err <= 1e-5, [&] { return std::string("a memory's answer differs from key and value on the wire by " + std::to_string(err)); });
   }
 
   void DropHold() {
     if (holds_.empty()) return;
     const size_t i = c_.Below(holds_.size());
-    Log("DropHold " + refs_[holds_[i].ref].handle.substr(0, 6));
+    Note([&] { return std::string("DropHold " + refs_[holds_[i].ref].handle.substr(0, 6)); });
     const size_t ref = holds_[i].ref;
     holds_.erase(holds_.begin() + static_cast<ptrdiff_t>(i));
     Unhold(ref);
@@ -738,13 +737,13 @@ class ModelCheck {
     const KvKind kind = c_.Below(2) ? KvKind::kSession : KvKind::kMemory;
     std::string handle;
     const size_t i = PickRef(kind, &handle);
-    Log(std::string("Release ") + KvKindName(kind) + " " + handle.substr(0, 6));
+    Note([&] { return std::string(std::string("Release ") + KvKindName(kind) + " " + handle.substr(0, 6)); });
     auto got = store_->Release(handle, kind);
     const std::string missing = Lookup(i, kind);
     if (!missing.empty()) return ExpectNotFound(got.status(), missing, "Release");
     ExpectCode(got.status(), StatusCode::kOk, "Release");
     Ref& r = refs_[i];
-    if (got.ok()) Expect(*got == r.bytes, "Release: " + std::to_string(*got) + " bytes freed, the reference holds " + std::to_string(r.bytes));
+    if (got.ok()) Expect(*got == r.bytes, [&] { return std::string("Release: " + std::to_string(*got) + " bytes freed, the reference holds " + std::to_string(r.bytes)); });
     Remove(r, KvEndReason::kReleased, kind == KvKind::kMemory ? "deleted (DeleteMemory)" : "closed (CloseSession)");
   }
 
@@ -755,7 +754,7 @@ class ModelCheck {
                        : how < 4 ? static_cast<int64_t>(c_.Below(2 * ttl + 2))
                                  : static_cast<int64_t>(c_.Below(ttl / 4 + 1));
     now_ += std::chrono::seconds(dt);
-    Log("Tick " + std::to_string(dt) + " s");
+    Note([&] { return std::string("Tick " + std::to_string(dt) + " s"); });
     store_->ExpireIdle(now_);
     for (Ref& r : refs_) {
       if (r.indexed && !r.in_use() && now_ - r.last_use >= std::chrono::seconds(ttl)) {
@@ -766,7 +765,7 @@ class ModelCheck {
 
   void Unload() {
     const int model = static_cast<int>(c_.Below(2));
-    Log(std::string("Unload model ") + (model ? "b" : "a"));
+    Note([&] { return std::string(std::string("Unload model ") + (model ? "b" : "a")); });
     store_->EndModel(models_[model]->spec());
     for (Ref& r : refs_) {
       if (r.indexed && r.model == model) Remove(r, KvEndReason::kUnloaded, "unloaded by a reload");
@@ -774,7 +773,7 @@ class ModelCheck {
   }
 
   void EndAll() {
-    Log("Clear");
+    Note([&] { return std::string("Clear"); });
     store_->Clear("the test stops");
     for (Ref& r : refs_) {
       if (r.indexed) Remove(r, KvEndReason::kShutdown, "ended: the test stops");
@@ -783,51 +782,62 @@ class ModelCheck {
 
   // ---- invariants -------------------------------------------------------------------------------
   void CheckInvariants() {
-    const std::vector<KvEntryInfo> snapshot = store_->Snapshot();
-    std::map<std::string, const KvEntryInfo*> by_handle;
-    for (const KvEntryInfo& e : snapshot) by_handle[e.handle] = &e;
+    std::vector<KvEntryInfo> snapshot = store_->Snapshot();
+    std::sort(snapshot.begin(), snapshot.end(), [](const KvEntryInfo& x, const KvEntryInfo& y) { return x.handle < y.handle; });
     size_t indexed = 0;
     for (const Ref& r : refs_) {
       if (!r.indexed) continue;
       ++indexed;
-      const auto it = by_handle.find(r.handle);
-      const std::string name = std::string(KvKindName(r.kind)) + " " + r.handle.substr(0, 6);
-      if (!Expect(it != by_handle.end(), name + " is gone from the store; the reference holds it")) return;
-      const KvEntryInfo& e = *it->second;
+      const auto it = std::lower_bound(snapshot.begin(), snapshot.end(), r.handle,
+                                       [](const KvEntryInfo& x, const std::string& h) { return x.handle < h; });
+      const auto name = [&] { return std::string(KvKindName(r.kind)) + " " + r.handle.substr(0, 6); };
+      if (!Expect(it != snapshot.end() && it->handle == r.handle,
+                  [&] { return name() + " is gone from the store; the reference holds it"; })) {
+        return;
+      }
+      const KvEntryInfo& e = *it;
       const auto fields = [](int64_t length, int64_t capacity, int64_t bytes, bool busy, bool ready) {
         return "length " + std::to_string(length) + ", capacity " + std::to_string(capacity) + ", bytes " +
                std::to_string(bytes) + (busy ? ", busy" : "") + (ready ? "" : ", not ready");
       };
-      const std::string store_says = fields(e.length, e.capacity, e.bytes, e.busy, e.ready);
-      const std::string ref_says = fields(r.length, r.capacity, r.bytes, r.busy, r.ready);
-      if (!Expect(e.kind == r.kind && e.batch == r.batch && store_says == ref_says,
-                  name + ": the store holds " + store_says + "; the reference " + ref_says)) {
+      if (!Expect(e.kind == r.kind && e.batch == r.batch && e.length == r.length && e.capacity == r.capacity &&
+                      e.bytes == r.bytes && e.busy == r.busy && e.ready == r.ready,
+                  [&] {
+                    return name() + ": the store holds " + fields(e.length, e.capacity, e.bytes, e.busy, e.ready) +
+                           "; the reference " + fields(r.length, r.capacity, r.bytes, r.busy, r.ready);
+                  })) {
         return;
       }
       const std::optional<int64_t> bytes = BytesFor(r, r.capacity);
-      Expect(bytes && *bytes == e.bytes && e.bytes <= options_.max_entry_bytes && e.bytes >= 0,
-             name + ": " + std::to_string(e.bytes) + " bytes for its capacity, over the entry limit or not its size");
-      Expect(r.kind == KvKind::kMemory || e.capacity >= e.length, name + ": capacity below its length");
+      Expect(bytes && *bytes == e.bytes && e.bytes <= options_.max_entry_bytes && e.bytes >= 0, [&] {
+        return name() + ": " + std::to_string(e.bytes) + " bytes for its capacity, over the entry limit or not its size";
+      });
+      Expect(r.kind == KvKind::kMemory || e.capacity >= e.length, [&] { return name() + ": capacity below its length"; });
       if (!e.busy && e.ready) {
-        Expect(r.cache->AllocatedTokens() == e.capacity,
-               name + ": the engine holds " + std::to_string(r.cache->AllocatedTokens()) +
-                   " tokens, the store counts " + std::to_string(e.capacity));
+        Expect(r.cache->AllocatedTokens() == e.capacity, [&] {
+          return name() + ": the engine holds " + std::to_string(r.cache->AllocatedTokens()) +
+                 " tokens, the store counts " + std::to_string(e.capacity);
+        });
       }
     }
-    Expect(indexed == snapshot.size(), "the store holds " + std::to_string(snapshot.size()) +
-                                           " entries, the reference " + std::to_string(indexed));
+    Expect(indexed == snapshot.size(), [&] {
+      return "the store holds " + std::to_string(snapshot.size()) + " entries, the reference " + std::to_string(indexed);
+    });
     const int64_t account = Account();
-    Expect(store_->bytes() == account && gauge_bytes_ == account,
-           "bytes held: store " + std::to_string(store_->bytes()) + ", gauge " + std::to_string(gauge_bytes_) +
-               ", the reference (live entries and ended ones still held) " + std::to_string(account));
-    Expect(gauge_memories_ == Indexed(KvKind::kMemory) && gauge_sessions_ == Indexed(KvKind::kSession),
-           "entry gauges " + std::to_string(gauge_memories_) + "/" + std::to_string(gauge_sessions_) +
-               ", the reference " + std::to_string(Indexed(KvKind::kMemory)) + "/" +
-               std::to_string(Indexed(KvKind::kSession)));
-    Expect(!negative_, "a gauge went negative");
-    Expect(account <= options_.budget_bytes, "bytes held " + std::to_string(account) + " are over the budget " +
-                                                 std::to_string(options_.budget_bytes));
-    Expect(ends_ == want_ends_, "attnserve_kv_ends_total differs from the reference's ends");
+    Expect(store_->bytes() == account && gauge_bytes_ == account, [&] {
+      return "bytes held: store " + std::to_string(store_->bytes()) + ", gauge " + std::to_string(gauge_bytes_) +
+             ", the reference (live entries and ended ones still held) " + std::to_string(account);
+    });
+    Expect(gauge_memories_ == Indexed(KvKind::kMemory) && gauge_sessions_ == Indexed(KvKind::kSession), [&] {
+      return "entry gauges " + std::to_string(gauge_memories_) + "/" + std::to_string(gauge_sessions_) +
+             ", the reference " + std::to_string(Indexed(KvKind::kMemory)) + "/" +
+             std::to_string(Indexed(KvKind::kSession));
+    });
+    Expect(!negative_, [] { return std::string("a gauge went negative"); });
+    Expect(account <= options_.budget_bytes, [&] {
+      return "bytes held " + std::to_string(account) + " are over the budget " + std::to_string(options_.budget_bytes);
+    });
+    Expect(ends_ == want_ends_, [] { return std::string("attnserve_kv_ends_total differs from the reference's ends"); });
     for (size_t i : removed_now_) {  // What just ended says why.
       const Ref& r = refs_[i];
       ExpectNotFound(store_->Lookup(r.handle, r.kind).status(), r.gone, "a removed entry's lookup");
@@ -849,7 +859,6 @@ class ModelCheck {
   int64_t gauge_bytes_ = 0, gauge_memories_ = 0, gauge_sessions_ = 0;
   bool negative_ = false;
   std::map<std::pair<KvKind, KvEndReason>, int64_t> ends_, want_ends_;
-  std::vector<std::string> log_;
   std::string failure_;
   KvCheckStats stats_;
 };

@@ -37,7 +37,17 @@ TEST(KvPropertyTest, RandomOperationSequencesKeepEveryInvariant) {
     options.max_ops = 400;
     options.stats = &stats;
     const std::string failure = RunKvModelCheck(choices, options);
-    ASSERT_EQ(failure, "") << "seed " << seed;
+    if (!failure.empty()) {  // The same sequence again, with the operations that led there.
+      std::string log;
+      std::mt19937_64 again(seed);
+      Choices replay([&again](uint8_t* b) {
+        *b = static_cast<uint8_t>(again());
+        return true;
+      });
+      options.log = &log;
+      RunKvModelCheck(replay, options);
+      FAIL() << "seed " << seed << ": " << failure << "\noperations:\n" << log;
+    }
   }
   std::printf("kv property: %s\n", stats.ToString().c_str());
   // Not vacuous: every kind of event happened, many times.
