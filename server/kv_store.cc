@@ -261,10 +261,12 @@ void KvStep::End(bool applied) {
 Status KvStore::Reserve(KvStep* step, int64_t tokens) {
   std::lock_guard<std::mutex> lock(mu_);
   KvEntry* e = step->entry_.get();
-  const std::string what = "session '" + e->handle + "': " + std::to_string(step->length_) + " + " +
-                           std::to_string(tokens) + " tokens (x " + std::to_string(e->batch) + " sequences)";
+  const auto what = [&] {  // Made only for a refusal: a step's reservation is on the hot path.
+    return "session '" + e->handle + "': " + std::to_string(step->length_) + " + " + std::to_string(tokens) +
+           " tokens (x " + std::to_string(e->batch) + " sequences)";
+  };
   const std::optional<int64_t> needed = tokens < 0 ? std::nullopt : CheckedAdd(step->length_, tokens);
-  if (!needed) return InvalidArgument(what + ": not a token count (negative or over 2^63)");
+  if (!needed) return InvalidArgument(what() + ": not a token count (negative or over 2^63)");
   if (*needed <= e->capacity) {
     step->tokens_ = tokens;
     step->capacity_ = e->capacity;
@@ -275,7 +277,7 @@ Status KvStore::Reserve(KvStep* step, int64_t tokens) {
   for (const int64_t capacity : {GrowCapacity(e->capacity, *needed), *needed}) {
     const std::optional<int64_t> bytes = e->cache->BytesFor(e->batch, capacity);
     if (!bytes || *bytes > options_.max_entry_bytes) {
-      refused = InvalidArgument(what + " need " + (bytes ? std::to_string(*bytes) : "more than 2^63") +
+      refused = InvalidArgument(what() + " need " + (bytes ? std::to_string(*bytes) : "more than 2^63") +
                                 " bytes, over the " + std::to_string(options_.max_entry_bytes) +
                                 " one entry may hold (server flag --kv-max-entry-bytes)");
       continue;

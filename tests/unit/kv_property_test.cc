@@ -88,7 +88,7 @@ std::vector<float> CausalTail(const AttentionModel& m, const std::vector<float>&
 }
 
 // A step the way the service runs one: BeginStep, validation against the session's length, Reserve,
-// compute, End. Returns the answer ([T, B, E]) when applied; `why` says what stopped it.
+// compute, End. The answer ([T, B, E]) when computed; `code` and `message` say what stopped it.
 struct StepResult {
   StatusCode code = StatusCode::kOk;
   std::string message;
