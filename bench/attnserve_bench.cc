@@ -89,11 +89,19 @@ class ClientBackend : public Backend {
   std::vector<std::function<void(int)>> pending_;
 };
 
-// The engine with no gRPC and no batching: `workers` threads call Forward directly.
+// The engine with no gRPC and no batching: `workers` threads call it directly. Like the server's
+// workers, an idle one takes pieces of the request another is computing when nothing is queued
+// (attnserve::PieceExchange), so a lone caller gets the same cores here as through the server.
 class EngineBackend : public Backend {
  public:
   EngineBackend(int workers, const std::string& models_dir, const std::string& name,
-                const attnserve::EngineOptions& options) {
+                const attnserve::EngineOptions& options)
+      : idle_(workers),
+        pieces_([this] { return queued_.load() > 0 ? 1 : 1 + idle_.load(); },
+                [this] {
+                  std::lock_guard<std::mutex> lock(mu_);
+                  cv_.notify_all();
+                }) {
     attnserve::ModelWeights weights;
     if (models_dir.empty()) {
       weights = attnserve::DemoModelWeights();
@@ -119,6 +127,7 @@ class EngineBackend : public Backend {
     {
       std::lock_guard<std::mutex> lock(mu_);
       queue_.emplace_back(&p, std::move(done));
+      queued_ = queue_.size();
     }
     cv_.notify_one();
   }
@@ -132,10 +141,20 @@ class EngineBackend : public Backend {
       std::pair<const Prepared*, std::function<void(int)>> job;
       {
         std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
-        if (queue_.empty()) return;
+        cv_.wait(lock, [this] { return stop_ || !queue_.empty() || pieces_.HasWork(); });
+        if (queue_.empty()) {
+          if (stop_) return;
+          --idle_;
+          lock.unlock();
+          pieces_.Help();
+          lock.lock();
+          ++idle_;
+          continue;
+        }
         job = std::move(queue_.front());
         queue_.pop_front();
+        queued_ = queue_.size();
+        --idle_;
       }
       const attnserve::AttendRequest& r = job.first->request;
       attnserve::AttendCall call;
@@ -148,7 +167,8 @@ class EngineBackend : public Backend {
       attnserve::AttendOutputs outs;
       outs.output = &out;
       attnserve::Status st = attnserve::Validate(model_->spec(), {}, &call);
-      if (st.ok()) st = model_->Forward(call, &outs);
+      if (st.ok()) st = model_->ForwardBatch({&call}, {&outs}, pieces_)[0];
+      ++idle_;
       job.second(st.ok() ? 0 : 13);
     }
   }
@@ -157,6 +177,9 @@ class EngineBackend : public Backend {
   std::condition_variable cv_;
   std::deque<std::pair<const Prepared*, std::function<void(int)>>> queue_;
   bool stop_ = false;
+  std::atomic<int> idle_;
+  std::atomic<size_t> queued_{0};
+  attnserve::PieceExchange pieces_;
   std::vector<std::thread> threads_;
 };
 

@@ -119,8 +119,25 @@ std::vector<std::unique_ptr<WorkItem>> BatchQueue::Take(SteadyClock::time_point 
 
 // ---- Batcher ------------------------------------------------------------------------------------
 
-Batcher::Batcher(BatcherOptions options) : options_(std::move(options)) {
+Batcher::Batcher(BatcherOptions options)
+    : options_(std::move(options)),
+      idle_(options_.workers),
+      pieces_([this] { return Width(); },
+              [this] {
+                // Under mu_: a worker between looking for work and waiting cannot miss it.
+                std::lock_guard<std::mutex> lock(mu_);
+                cv_.notify_all();
+              }) {
   for (int i = 0; i < options_.workers; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+}
+
+int Batcher::Width() const { return queued_.load(std::memory_order_relaxed) > 0 ? 1 : 1 + idle_.load(std::memory_order_relaxed); }
+
+void Batcher::Mirror() {
+  size_t queued = 0;
+  for (const auto& [model, queue] : queues_) queued += queue.size();
+  queued_.store(queued, std::memory_order_relaxed);
+  idle_.store(options_.workers - busy_, std::memory_order_relaxed);
 }
 
 Batcher::~Batcher() { Drain(); }
@@ -147,6 +164,7 @@ void Batcher::Submit(std::unique_ptr<WorkItem> item) {
     } else {
       auto it = queues_.try_emplace(item->model.get(), options_).first;
       item = it->second.Add(std::move(item), SteadyClock::now(), &dropped);
+      Mirror();
       if (item) {
         refused = Status(StatusCode::kResourceExhausted,
                          "queue full: " + std::to_string(it->second.size()) +
@@ -211,16 +229,29 @@ void Batcher::WorkerLoop() {
         queues_.erase(best_model);
       }
       ++busy_;
+      Mirror();
       idle_since_ = SteadyClock::time_point();
       lock.unlock();
       Finish(&dropped);
       if (!batch.empty()) Run(std::move(batch));
       lock.lock();
       --busy_;
+      Mirror();
       trim_pending_ = true;
       continue;
     }
     if (draining_ && !any) return;
+    // Nothing to take: run pieces of a batch another worker is splitting across the idle cores.
+    if (pieces_.HasWork()) {
+      ++busy_;
+      Mirror();
+      lock.unlock();
+      pieces_.Help();
+      lock.lock();
+      --busy_;
+      Mirror();
+      continue;
+    }
     if (!any && busy_ == 0 && trim_pending_) {
       // Idle for a while after work: give the freed request, answer and engine buffers back to the
       // system. glibc keeps freed multi-MiB blocks in its arenas (its mmap threshold rises after the
@@ -257,7 +288,7 @@ void Batcher::Run(std::vector<std::unique_ptr<WorkItem>> batch) {
     outs.push_back(&item->outputs);
   }
   const AttentionModel* model = batch[0]->model.get();
-  const std::vector<Status> statuses = model->ForwardBatch(calls, outs);
+  const std::vector<Status> statuses = model->ForwardBatch(calls, outs, pieces_);
   // On a GPU the engine times the batch with CUDA events: kernel time, not the host's wait.
   const double device = outs.empty() ? -1 : outs[0]->device_seconds;
   const double compute = device >= 0 ? device : Seconds(SteadyClock::now() - start);

@@ -5,6 +5,7 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <atomic>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -122,6 +123,10 @@ class BatchQueue {
 };
 
 /// Per-model BatchQueues served by a pool of compute threads. Thread-safe.
+///
+/// A batch's compute may be split across the workers that are idle when it runs (Parallel, passed
+/// to ForwardBatch): a worker with nothing to take helps whichever batch offers pieces. While any
+/// request waits in a queue the width is 1: under load every core computes whole batches.
 class Batcher {
  public:
   explicit Batcher(BatcherOptions options);
@@ -140,13 +145,21 @@ class Batcher {
   void WorkerLoop();
   void Finish(Dropped* dropped);
   void Run(std::vector<std::unique_ptr<WorkItem>> batch);
+  // Threads that may run a batch's pieces now: 1 while any request waits, else 1 + idle workers.
+  int Width() const;
+  // Under mu_: updates idle_ and queued_ after busy_ or a queue changed.
+  void Mirror();
 
   const BatcherOptions options_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::map<const AttentionModel*, BatchQueue> queues_;
   bool draining_ = false;
-  int busy_ = 0;  // Workers computing a batch.
+  int busy_ = 0;  // Workers computing a batch, or pieces of one.
+  // Mirrors for Width(), read without mu_: workers not busy, requests queued.
+  std::atomic<int> idle_{0};
+  std::atomic<size_t> queued_{0};
+  PieceExchange pieces_;
   bool trim_pending_ = false;  // Work ran since the last malloc_trim.
   SteadyClock::time_point idle_since_;  // When the last worker went idle (zero: not idle).
   static constexpr std::chrono::seconds kTrimAfterIdle{1};

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "server/engine/model_weights.h"
+#include "server/engine/parallel.h"
 #include "server/status.h"
 #include "server/types.h"
 
@@ -52,13 +53,22 @@ class AttentionModel {
   virtual Status Forward(const AttendCall& call, AttendOutputs* out) const = 0;
   /// An empty cache for a memory or session of this model; nullptr when the engine keeps none.
   virtual std::shared_ptr<KvCache> NewKvCache() const { return nullptr; }
-  /// Computes several calls together (same query dtype and weights mode), one Status each. The
-  /// default runs them one by one; engines override it to share work across the batch.
+  /// Computes several calls together (same query dtype and weights mode), one Status each, its
+  /// pieces on `parallel`'s threads (the cores idle at the moment; answers do not depend on how many).
+  /// The default runs them one by one on the caller; engines override it to share work across the
+  /// batch and split it across cores.
   virtual std::vector<Status> ForwardBatch(const std::vector<const AttendCall*>& calls,
-                                           const std::vector<AttendOutputs*>& outs) const {
+                                           const std::vector<AttendOutputs*>& outs,
+                                           const Parallel& parallel) const {
+    (void)parallel;
     std::vector<Status> statuses;
     for (size_t i = 0; i < calls.size(); ++i) statuses.push_back(Forward(*calls[i], outs[i]));
     return statuses;
+  }
+  /// The same on the calling thread alone.
+  std::vector<Status> ForwardBatch(const std::vector<const AttendCall*>& calls,
+                                   const std::vector<AttendOutputs*>& outs) const {
+    return ForwardBatch(calls, outs, SerialParallel());
   }
 };
 

@@ -1,6 +1,7 @@
 // The LibTorch forward: nn.MultiheadAttention's computation over request bytes. The one translation
 // unit that includes LibTorch (device_support_cuda.cc joins it in CUDA builds).
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/core/StreamGuard.h>
@@ -10,9 +11,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <exception>
 #include <limits>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "server/checked_math.h"
 #include "server/engine/attention_model.h"
@@ -137,12 +141,7 @@ class TorchModel final : public AttentionModel {
   const ModelSpec& spec() const override { return spec_; }
 
   Status Forward(const AttendCall& call, AttendOutputs* out) const override {
-    return Guarded([&] {
-      if (call.kv_use == AttendCall::Kv::kCreateMemory) return CreateMemory(call);
-      const Rows r = Project(call);
-      Attended a = AttendAny(call, r, at::Tensor(), out);
-      WriteOutput(call, a, at::Tensor(), out);
-    });
+    return ForwardOne(call, out, SerialParallel());
   }
 
   std::shared_ptr<KvCache> NewKvCache() const override {
@@ -155,7 +154,8 @@ class TorchModel final : public AttentionModel {
   static constexpr int64_t kPackRows = 128;
 
   std::vector<Status> ForwardBatch(const std::vector<const AttendCall*>& calls,
-                                   const std::vector<AttendOutputs*>& outs) const override {
+                                   const std::vector<AttendOutputs*>& outs,
+                                   const Parallel& parallel) const override {
     std::vector<Status> statuses(calls.size());
     // On CUDA the batch is timed with events on the worker's stream (the metrics' compute time is
     // then GPU time, not the host's wait for it).
@@ -174,13 +174,13 @@ class TorchModel final : public AttentionModel {
         small_outs.push_back(outs[i]);
         small_index.push_back(i);
       } else {
-        statuses[i] = Forward(c, outs[i]);
+        statuses[i] = ForwardOne(c, outs[i], parallel);
       }
     }
     if (small_calls.size() == 1) {
-      statuses[small_index[0]] = Forward(*small_calls[0], small_outs[0]);
+      statuses[small_index[0]] = ForwardOne(*small_calls[0], small_outs[0], parallel);
     } else if (!small_calls.empty()) {
-      const Status st = Guarded([&] { ForwardPacked(small_calls, small_outs); });
+      const Status st = Guarded([&] { ForwardPacked(small_calls, small_outs, parallel); });
       for (size_t i : small_index) statuses[i] = st;
     }
     double device_seconds = -1;
@@ -190,6 +190,77 @@ class TorchModel final : public AttentionModel {
   }
 
  private:
+  // One call, its pieces on `parallel`'s threads.
+  Status ForwardOne(const AttendCall& call, AttendOutputs* out, const Parallel& parallel) const {
+    return Guarded([&] {
+      if (call.kv_use == AttendCall::Kv::kCreateMemory) return CreateMemory(call, parallel);
+      const Rows r = Project(call, parallel);
+      Attended a = AttendAny(call, r, at::Tensor(), out, parallel);
+      WriteOutput(call, a, at::Tensor(), out, parallel);
+    });
+  }
+
+  // ---- pieces on several cores (server/engine/parallel.h) ---------------------------------------
+  // A row block below this many rows is not worth a thread of its own (a GEMM of 32 rows against a
+  // [512, 1536] matrix is ~50 µs here, about what handing a piece to a waking thread costs).
+  static constexpr int64_t kMinSplitRows = 32;
+
+  // Threads the work may be cut for: the idle cores on the CPU; one on a GPU (its kernels are
+  // parallel already, and one stream per worker keeps their order).
+  int64_t Width(const Parallel& parallel) const { return device_.is_cpu() ? parallel.Width() : 1; }
+
+  // Runs fn(i) for i in [0, n) on `parallel`'s threads, each piece under its own inference mode
+  // (it is thread-local); the first exception a piece throws comes back here once all have run.
+  template <typename F>
+  void Pieces(const Parallel& parallel, int64_t n, F&& fn) const {
+    if (n <= 1) {
+      if (n == 1) fn(0);
+      return;
+    }
+    std::mutex mu;
+    std::exception_ptr first;
+    parallel.For(n, [&](int64_t i) {
+      try {
+        c10::InferenceMode guard;
+        fn(i);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!first) first = std::current_exception();
+      }
+    });
+    if (first) std::rethrow_exception(first);
+  }
+
+  // [start, size) of block i when `total` rows are cut into `blocks` nearly equal blocks.
+  static std::pair<int64_t, int64_t> Block(int64_t total, int64_t blocks, int64_t i) {
+    const int64_t base = total / blocks, extra = total % blocks;
+    return {i * base + std::min(i, extra), base + (i < extra ? 1 : 0)};
+  }
+
+  // x [rows, in] · wt [in, out] (+ b) into y [rows, out], the rows cut into blocks, one GEMM each,
+  // when cores are idle: every output row is computed as the single GEMM would.
+  void GemmInto(const at::Tensor& y, const at::Tensor& x, const at::Tensor& wt, const at::Tensor& b,
+                const Parallel& parallel) const {
+    const int64_t blocks = std::min<int64_t>(Width(parallel), x.size(0) / kMinSplitRows);
+    Pieces(parallel, std::max<int64_t>(blocks, 1), [&](int64_t i) {
+      const auto [r0, n] = blocks > 1 ? Block(x.size(0), blocks, i) : std::make_pair(int64_t{0}, x.size(0));
+      at::Tensor yi = y.narrow(0, r0, n);
+      if (b.defined()) {
+        at::addmm_out(yi, b, x.narrow(0, r0, n), wt);
+      } else {
+        at::mm_out(yi, x.narrow(0, r0, n), wt);
+      }
+    });
+  }
+
+  // nn.functional.linear(x, w, b) (w [out, in]), split as GemmInto.
+  at::Tensor Linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const Parallel& parallel) const {
+    if (Width(parallel) <= 1 || x.size(0) < 2 * kMinSplitRows) return at::linear(x, w, b);
+    at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
+    GemmInto(y, x.contiguous(), w.t(), b, parallel);
+    return y;
+  }
+
   // One call's projected rows, in the wire's row order: q [B*Lq, E], k and v [B*Lk, E].
   struct Rows {
     at::Tensor q, k, v;
@@ -232,16 +303,16 @@ class TorchModel final : public AttentionModel {
     return pinned.to(device_, dtype_, /*non_blocking=*/true);
   }
 
-  Rows Project(const AttendCall& call) const {
+  Rows Project(const AttendCall& call, const Parallel& parallel) const {
     const at::Tensor q_in = InputRows(call.query);
-    if (call.kv_use == AttendCall::Kv::kMemory) return {at::linear(q_in, w_q_, b_q_), at::Tensor(), at::Tensor()};
+    if (call.kv_use == AttendCall::Kv::kMemory) return {Linear(q_in, w_q_, b_q_, parallel), at::Tensor(), at::Tensor()};
     if (call.self_attention() && packed_) {
-      auto qkv = at::linear(q_in, w_in_, b_in_).chunk(3, -1);
+      auto qkv = Linear(q_in, w_in_, b_in_, parallel).chunk(3, -1);
       return {qkv[0], qkv[1], qkv[2]};
     }
     const at::Tensor k_in = call.self_attention() ? q_in : InputRows(*call.key);
     const at::Tensor v_in = call.self_attention() ? q_in : InputRows(*call.value);
-    return {at::linear(q_in, w_q_, b_q_), at::linear(k_in, w_k_, b_k_), at::linear(v_in, w_v_, b_v_)};
+    return {Linear(q_in, w_q_, b_q_, parallel), Linear(k_in, w_k_, b_k_, parallel), Linear(v_in, w_v_, b_v_, parallel)};
   }
 
   // Whether a packed call's attention can join a varlen launch: no weights, no masks, no appended
@@ -258,7 +329,7 @@ class TorchModel final : public AttentionModel {
   // calls first, so every group's eligible calls are one row range attended by one varlen launch;
   // the others attend per call.
   void ForwardPacked(const std::vector<const AttendCall*>& calls,
-                     const std::vector<AttendOutputs*>& outs) const {
+                     const std::vector<AttendOutputs*>& outs, const Parallel& parallel) const {
     const int64_t e = spec_.embed_dim;
     const auto opts = at::TensorOptions().device(device_).dtype(dtype_);
     const auto group_of = [](const AttendCall& c) { return (c.self_attention() ? 0 : 2) + (c.is_causal ? 1 : 0); };
@@ -293,13 +364,13 @@ class TorchModel final : public AttentionModel {
       }
     }
     std::vector<at::Tensor> qkv_self;
-    if (self_rows) qkv_self = at::linear(x.narrow(0, 0, self_rows), w_in_, b_in_).chunk(3, -1);
+    if (self_rows) qkv_self = Linear(x.narrow(0, 0, self_rows), w_in_, b_in_, parallel).chunk(3, -1);
     at::Tensor q_cross, k_cross, v_cross;
     if (self_rows < q_rows) {
-      q_cross = at::linear(x.narrow(0, self_rows, q_rows - self_rows), w_q_, b_q_);
+      q_cross = Linear(x.narrow(0, self_rows, q_rows - self_rows), w_q_, b_q_, parallel);
       if (k_rows) {
-        k_cross = at::linear(kx, w_k_, b_k_);
-        v_cross = at::linear(vx, w_v_, b_v_);
+        k_cross = Linear(kx, w_k_, b_k_, parallel);
+        v_cross = Linear(vx, w_v_, b_v_, parallel);
       }
     }
     // Projected rows from call i's on: rq query rows, rk key and value rows ([rows, E] each).
@@ -335,18 +406,28 @@ class TorchModel final : public AttentionModel {
       while (next < order.size() && group_of(*calls[order[next]]) == group_of(*calls[order[first]])) ++next;
       first = next;
     }
+    // Each call attends on one thread; the calls spread over the idle cores.
+    std::vector<size_t> pending;
     for (size_t i = 0; i < calls.size(); ++i) {
-      if (done[i]) continue;
-      const AttendCall& c = *calls[i];
-      // A session step's rows: its new tokens' q, k and v (self-attention rows).
-      const int64_t rk = c.kv_use == AttendCall::Kv::kSession ? c.query_len : c.key_len;
-      const Rows r = rows_of(i, c.batch * c.query_len, c.batch * rk);
-      attended[i] = AttendAny(c, r, merged.narrow(0, q_off[i], c.batch * c.query_len), outs[i]);
+      if (!done[i]) pending.push_back(i);
     }
-    const at::Tensor y = b_out_.defined() ? at::addmm(b_out_, merged, w_out_t_) : at::mm(merged, w_out_t_);
+    const size_t pieces = Width(parallel) > 1 ? pending.size() : 1;
+    Pieces(parallel, static_cast<int64_t>(pieces), [&](int64_t piece) {
+      const size_t from = pieces > 1 ? static_cast<size_t>(piece) : 0, to = pieces > 1 ? from + 1 : pending.size();
+      for (size_t at = from; at < to; ++at) {
+        const size_t i = pending[at];
+        const AttendCall& c = *calls[i];
+        // A session step's rows: its new tokens' q, k and v (self-attention rows).
+        const int64_t rk = c.kv_use == AttendCall::Kv::kSession ? c.query_len : c.key_len;
+        const Rows r = rows_of(i, c.batch * c.query_len, c.batch * rk);
+        attended[i] = AttendAny(c, r, merged.narrow(0, q_off[i], c.batch * c.query_len), outs[i], SerialParallel());
+      }
+    });
+    at::Tensor y = at::empty({q_rows, e}, opts);
+    GemmInto(y, merged, w_out_t_, b_out_, parallel);
     for (size_t i = 0; i < calls.size(); ++i) {
       const AttendCall& c = *calls[i];
-      WriteOutput(c, attended[i], y.narrow(0, q_off[i], c.batch * c.query_len), outs[i]);
+      WriteOutput(c, attended[i], y.narrow(0, q_off[i], c.batch * c.query_len), outs[i], SerialParallel());
     }
   }
 
@@ -446,37 +527,40 @@ class TorchModel final : public AttentionModel {
   // the wire's order) when it is defined, else to Attended::merged. Requested attention weights are
   // written block by block straight into `out`'s weights buffer, in the query's dtype.
   Attended AttendRows(const AttendCall& call, const at::Tensor& q, const at::Tensor& k,
-                      const at::Tensor& v, const at::Tensor& dst, AttendOutputs* out) const {
+                      const at::Tensor& v, const at::Tensor& dst, AttendOutputs* out, const Parallel& parallel) const {
     const bool batch_first = call.layout == TensorLayout::kBatchFirst || !call.batched;
     const int64_t b = call.batch, lk = call.key_len;
     const at::Tensor kpm =
         call.key_padding_mask ? Additive(Wrap(*call.key_padding_mask)).view({b, 1, 1, lk}) : at::Tensor();
     return AttendHeads(call, SplitHeads(q, batch_first, b, call.query_len), SplitHeads(k, batch_first, b, lk),
-                       SplitHeads(v, batch_first, b, lk), kpm, 0, dst, out);
+                       SplitHeads(v, batch_first, b, lk), kpm, 0, dst, out, parallel);
   }
 
   // Attention of a call whatever its keys: its own (rows r), a memory's, or a session's.
-  Attended AttendAny(const AttendCall& call, const Rows& r, const at::Tensor& dst, AttendOutputs* out) const {
+  Attended AttendAny(const AttendCall& call, const Rows& r, const at::Tensor& dst, AttendOutputs* out,
+                     const Parallel& parallel) const {
     const bool batch_first = call.layout == TensorLayout::kBatchFirst || !call.batched;
     const int64_t b = call.batch, lq = call.query_len;
     if (call.kv_use == AttendCall::Kv::kMemory) {
       const TorchKv& m = static_cast<const TorchKv&>(*call.kv);
       const at::Tensor kpm = m.kpm.defined() ? m.kpm.view({b, 1, 1, call.key_len}) : at::Tensor();
-      return AttendHeads(call, SplitHeads(r.q, batch_first, b, lq), m.k, m.v, kpm, 0, dst, out);
+      return AttendHeads(call, SplitHeads(r.q, batch_first, b, lq), m.k, m.v, kpm, 0, dst, out, parallel);
     }
-    if (call.kv_use == AttendCall::Kv::kSession) return AttendSession(call, r, dst, out);
-    return AttendRows(call, r.q, r.k, r.v, dst, out);
+    if (call.kv_use == AttendCall::Kv::kSession) return AttendSession(call, r, dst, out, parallel);
+    return AttendRows(call, r.q, r.k, r.v, dst, out, parallel);
   }
 
   // A memory's keys and values: projected once, heads split, kept contiguous.
-  void CreateMemory(const AttendCall& call) const {
+  void CreateMemory(const AttendCall& call, const Parallel& parallel) const {
     TorchKv& m = static_cast<TorchKv&>(*call.kv);
     const bool batch_first = call.layout == TensorLayout::kBatchFirst || !call.batched;
     const int64_t b = call.batch, lk = call.key_len;
     const auto opts = at::TensorOptions().device(device_).dtype(dtype_);
     const int64_t h = spec_.num_heads, d = spec_.head_dim();
-    m.k = KeptEmpty({b, h, lk, d}, opts).copy_(SplitHeads(at::linear(InputRows(*call.key), w_k_, b_k_), batch_first, b, lk));
-    m.v = KeptEmpty({b, h, lk, d}, opts).copy_(SplitHeads(at::linear(InputRows(*call.value), w_v_, b_v_), batch_first, b, lk));
+    m.k = KeptEmpty({b, h, lk, d}, opts)
+              .copy_(SplitHeads(Linear(InputRows(*call.key), w_k_, b_k_, parallel), batch_first, b, lk));
+    m.v = KeptEmpty({b, h, lk, d}, opts)
+              .copy_(SplitHeads(Linear(InputRows(*call.value), w_v_, b_v_, parallel), batch_first, b, lk));
     if (call.key_padding_mask) m.kpm = KeptEmpty({b, lk}, opts).copy_(Additive(Wrap(*call.key_padding_mask)).reshape({b, lk}));
   }
 
@@ -484,7 +568,8 @@ class TorchModel final : public AttentionModel {
   // its cache to kv_capacity first), then the new queries attend causally over all L + T. The
   // session's length is the store's: a step that fails here is not counted, and the rows it wrote
   // are overwritten by the next.
-  Attended AttendSession(const AttendCall& call, const Rows& r, const at::Tensor& dst, AttendOutputs* out) const {
+  Attended AttendSession(const AttendCall& call, const Rows& r, const at::Tensor& dst, AttendOutputs* out,
+                         const Parallel& parallel) const {
     TorchKv& s = static_cast<TorchKv&>(*call.kv);
     const bool batch_first = call.layout == TensorLayout::kBatchFirst || !call.batched;
     const int64_t b = call.batch, t = call.query_len, held = call.kv_length, cap = call.kv_capacity;
@@ -517,7 +602,7 @@ class TorchModel final : public AttentionModel {
     const int64_t lk = held + t;
     const at::Tensor kpm = s.kpm.defined() ? s.kpm.narrow(1, 0, lk).view({b, 1, 1, lk}) : at::Tensor();
     return AttendHeads(call, SplitHeads(r.q, batch_first, b, t), s.k.narrow(2, 0, lk), s.v.narrow(2, 0, lk), kpm,
-                       held, dst, out);
+                       held, dst, out, parallel);
   }
 
   // Attention over heads: qh [B, H, Lq, D], kh and vh [B, H, Lk, D] (Lk = call.key_len), kpm
@@ -525,7 +610,7 @@ class TorchModel final : public AttentionModel {
   // when j <= i + causal_offset (a session's queries come after the keys it already held).
   Attended AttendHeads(const AttendCall& call, const at::Tensor& qh, at::Tensor kh, at::Tensor vh,
                        const at::Tensor& kpm, int64_t causal_offset, const at::Tensor& dst,
-                       AttendOutputs* out) const {
+                       AttendOutputs* out, const Parallel& parallel) const {
     const int64_t b = call.batch, lq = call.query_len, lk = call.key_len;
     const int64_t e = spec_.embed_dim, h = spec_.num_heads, d = spec_.head_dim();
     const int64_t extra = spec_.extra_keys(), sl = lk + extra;
@@ -550,7 +635,11 @@ class TorchModel final : public AttentionModel {
     }
     const bool want_weights = call.weights != WeightsMode::kNone;
     const bool fused = compat::kHasFusedSdpa && !want_weights;
-    const int64_t rows = std::max<int64_t>(1, std::min(lq, kBlockScores / std::max<int64_t>(1, b * h * sl)));
+    // Query blocks: bounded by kBlockScores, and with idle cores at least one per core.
+    const int64_t width = std::min(Width(parallel), lq);
+    const int64_t rows = std::max<int64_t>(
+        1, std::min({lq, kBlockScores / std::max<int64_t>(1, b * h * sl), (lq + width - 1) / width}));
+    const int64_t blocks = (lq + rows - 1) / rows;
     // The fused kernel applies a plain causal mask by itself when the whole query is one block.
     const bool fused_causal = fused && call.is_causal && causal_offset == 0 && !attn_mask.defined() &&
                               !kpm.defined() && extra == 0 && rows == lq;
@@ -571,11 +660,14 @@ class TorchModel final : public AttentionModel {
     // The merged rows as [B, H, Lq, D] (a view), whatever the wire layout.
     const at::Tensor merged_heads =
         batch_first ? merged.view({b, lq, h, d}).transpose(1, 2) : merged.view({lq, b, h, d}).permute({1, 2, 0, 3});
-    at::Tensor dead_rows;  // [B, Lq] bool: query masked in every head (undefined: none)
+    // Per block, so that blocks can run on several threads: which kernel ran, and the block's
+    // queries masked in every head ([B, n] bool; undefined: none).
+    std::vector<const char*> backends(blocks, result.backend);
+    std::vector<at::Tensor> dead_blocks(blocks);
     const double scale = 1.0 / std::sqrt(static_cast<double>(d));
     const double ninf = -std::numeric_limits<double>::infinity();
-    for (int64_t q0 = 0; q0 < lq; q0 += rows) {
-      const int64_t n = std::min(rows, lq - q0);
+    Pieces(parallel, blocks, [&](int64_t block) {
+      const int64_t q0 = block * rows, n = std::min(rows, lq - q0);
       // One additive mask for the block, broadcastable to [B, H, n, S]; appended keys never masked.
       at::Tensor mask;
       auto add = [&mask](const at::Tensor& m) { mask = mask.defined() ? mask + m : m; };
@@ -603,7 +695,7 @@ class TorchModel final : public AttentionModel {
       const at::Tensor qc = qh.narrow(2, q0, n);
       at::Tensor attn;  // [B, H, n, D]
       if (fused) {
-        result.backend = compat::FusedSdpaBackend(qc, kh, vh, mask, fused_causal);
+        backends[block] = compat::FusedSdpaBackend(qc, kh, vh, mask, fused_causal);
         attn = compat::FusedSdpa(qc, kh, vh, mask, fused_causal);
         if (any_dead) attn = attn.masked_fill(dead, 0);
       } else {
@@ -618,10 +710,14 @@ class TorchModel final : public AttentionModel {
         }
       }
       merged_heads.narrow(2, q0, n).copy_(attn);
-      if (any_dead) {
-        if (!dead_rows.defined()) dead_rows = at::zeros({b, lq}, at::TensorOptions().dtype(at::kBool));
-        dead_rows.narrow(1, q0, n).copy_(dead.squeeze(-1).all(1));
-      }
+      if (any_dead) dead_blocks[block] = dead.squeeze(-1).all(1);
+    });
+    result.backend = backends[0];
+    at::Tensor dead_rows;  // [B, Lq] bool: query masked in every head (undefined: none)
+    for (int64_t block = 0; block < blocks; ++block) {
+      if (!dead_blocks[block].defined()) continue;
+      if (!dead_rows.defined()) dead_rows = at::zeros({b, lq}, at::TensorOptions().dtype(at::kBool));
+      dead_rows.narrow(1, block * rows, dead_blocks[block].size(1)).copy_(dead_blocks[block]);
     }
     if (!dst.defined()) result.merged = merged;
     if (dead_rows.defined()) {
@@ -636,7 +732,7 @@ class TorchModel final : public AttentionModel {
   // when the caller projected a whole batch; otherwise the projection writes straight into the
   // response.
   void WriteOutput(const AttendCall& call, const Attended& a, const at::Tensor& y,
-                   AttendOutputs* out) const {
+                   AttendOutputs* out, const Parallel& parallel) const {
     const int64_t b = call.batch, lq = call.query_len, e = spec_.embed_dim;
     const bool batch_first = call.layout == TensorLayout::kBatchFirst || !call.batched;
     const DType out_dtype = call.query.dtype;
@@ -646,13 +742,11 @@ class TorchModel final : public AttentionModel {
     if (y.defined()) {
       dst.copy_(y);
     } else if (device_.is_cpu() && dst.scalar_type() == dtype_) {
-      if (b_out_.defined()) {
-        at::addmm_out(dst, b_out_, a.merged, w_out_t_);
-      } else {
-        at::mm_out(dst, a.merged, w_out_t_);
-      }
+      GemmInto(dst, a.merged, w_out_t_, b_out_, parallel);
     } else {
-      dst.copy_(b_out_.defined() ? at::addmm(b_out_, a.merged, w_out_t_) : at::mm(a.merged, w_out_t_));
+      at::Tensor projected = at::empty({b * lq, e}, a.merged.options());
+      GemmInto(projected, a.merged, w_out_t_, b_out_, parallel);
+      dst.copy_(projected);
     }
     if (a.dead.defined()) dst.masked_fill_(a.dead, 0);
     if (!call.batched) {
@@ -682,6 +776,11 @@ StatusOr<std::unique_ptr<AttentionModel>> CreateTorchModel(const ModelWeights& w
                                                            const EngineOptions& options) {
   const auto fail = [](const std::string& m) { return Status(StatusCode::kFailedPrecondition, m); };
   ConfigureBlas();
+  // LibTorch's own intra-op threads (OpenMP; MKL's follow them) default to every core, on top of
+  // the server's one compute thread per core: each op would fan out and oversubscribe the cores.
+  // Parallelism is the server's (one worker per core, idle ones helping a batch: parallel.h).
+  static std::once_flag one_thread;
+  std::call_once(one_thread, [] { at::set_num_threads(1); });
   try {
     at::Device device(options.device);
     if (device.is_cuda()) {

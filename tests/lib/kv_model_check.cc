@@ -229,6 +229,7 @@ class ModelCheck {
 
  private:
   // ---- bookkeeping ------------------------------------------------------------------------------
+  const Parallel& Split() const { return o_.parallel ? *o_.parallel : SerialParallel(); }
   // Log lines and failure messages are made only when used: the fuzzer runs these checks millions
   // of times. A failing input is run again with a log (KvCheckOptions::log).
   template <typename F>
@@ -432,7 +433,7 @@ class ModelCheck {
       std::string none;
       AttendOutputs out;
       out.output = &none;
-      const Status st = models_[r.model]->Forward(m->call, &out);
+      const Status st = models_[r.model]->ForwardBatch({&m->call}, {&out}, Split())[0];
       if (!Expect(st.ok(), [&] { return std::string("engine: CreateMemory failed: " + st.message()); })) return;
       r.allocated = m->call.key_len;
       ++stats_.memories_computed;
@@ -631,7 +632,7 @@ class ModelCheck {
       outs[i].output = &out_bytes[i];
       out_ptrs.push_back(&outs[i]);
     }
-    const std::vector<Status> statuses = models_[model]->ForwardBatch(calls, out_ptrs);
+    const std::vector<Status> statuses = models_[model]->ForwardBatch(calls, out_ptrs, Split());
     for (size_t i = 0; i < batch.size(); ++i) {
       Flight* f = batch[i];
       Ref& r = refs_[f->ref];

@@ -17,6 +17,10 @@
 #include <memory>
 #include <string>
 
+namespace attnserve {
+class Parallel;
+}
+
 namespace attnserve::testing {
 
 /// Where the operations' choices come from: a fuzzer's bytes, or a seeded generator.
@@ -55,6 +59,8 @@ struct KvCheckOptions {
   bool check_outputs = true;   ///< Compare computed answers with their one-call forms.
   std::string* log = nullptr;  ///< When set, receives one line per operation.
   KvCheckStats* stats = nullptr;  ///< When set, counts what the run covered.
+  /// When set, steps and memories compute split across its threads (as a lone request's do).
+  const Parallel* parallel = nullptr;
 };
 
 /// Runs operations until the choices run out or max_ops: "" when every check held, else what broke

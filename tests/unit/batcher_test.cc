@@ -19,7 +19,7 @@ class FakeModel : public AttentionModel {
   const ModelSpec& spec() const override { return spec_; }
   Status Forward(const AttendCall&, AttendOutputs*) const override { return Status::Ok(); }
   std::vector<Status> ForwardBatch(const std::vector<const AttendCall*>& calls,
-                                   const std::vector<AttendOutputs*>&) const override {
+                                   const std::vector<AttendOutputs*>&, const Parallel&) const override {
     if (started++ == 0 && gate.valid()) gate.wait();  // The first batch may be held.
     std::lock_guard<std::mutex> lock(mu);
     std::vector<int64_t> ids;

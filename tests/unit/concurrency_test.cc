@@ -57,8 +57,11 @@ std::unique_ptr<Sample> MakeSample(std::mt19937& rng, const ModelWeights& w,
 }
 
 // Four threads call the models at once; every answer must be within `tolerance` (relative to the
-// output's scale) of its float64 reference. Another request's answer is off by ~1.
-void CheckConcurrentAnswers(const EngineOptions& options, double tolerance, int rounds) {
+// output's scale) of its float64 reference. Another request's answer is off by ~1. With `split`,
+// each request is cut into pieces that `split`'s threads run (as the batcher's idle workers do)
+// while the other callers' requests run.
+void CheckConcurrentAnswers(const EngineOptions& options, double tolerance, int rounds,
+                            const Parallel& split = SerialParallel()) {
   std::mt19937 rng(2024);
   // head_dim 60: QK^T of the large request is the [50, 144, 60] x [50, 60, 180] product that went
   // wrong under the serial OpenBLAS; E=8, H=1 is the smallest model seen failing through the server.
@@ -105,7 +108,7 @@ void CheckConcurrentAnswers(const EngineOptions& options, double tolerance, int 
           std::string out;
           AttendOutputs o;
           o.output = &out;
-          check(s, out, s.model->Forward(s.call, &o));
+          check(s, out, s.model->ForwardBatch({&s.call}, {&o}, split)[0]);
         }
         if (round % 4 == t % 4) {
           const std::vector<size_t> packed = {1, 2, 3, 4};
@@ -118,7 +121,7 @@ void CheckConcurrentAnswers(const EngineOptions& options, double tolerance, int 
             o[j].output = &outs[j];
             po.push_back(&o[j]);
           }
-          const std::vector<Status> st = wide_model.value()->ForwardBatch(calls, po);
+          const std::vector<Status> st = wide_model.value()->ForwardBatch(calls, po, split);
           for (size_t j = 0; j < packed.size(); ++j) check(*samples[packed[j]], outs[j], st[j]);
         }
       }
@@ -133,6 +136,14 @@ void CheckConcurrentAnswers(const EngineOptions& options, double tolerance, int 
 
 TEST(EngineConcurrencyTest, ThreadsCallingOneModelEachGetTheirOwnAnswer) {
   CheckConcurrentAnswers(EngineOptions{}, 1e-5, 100);
+}
+
+// The same callers, each request split across two helper threads shared by all of them (so pieces
+// of different requests run side by side, and requests long enough are cut into row blocks and
+// query blocks): still every answer its own.
+TEST(EngineConcurrencyTest, RequestsSplitAcrossHelperThreadsEachGetTheirOwnAnswer) {
+  const HelperPool helpers(2);
+  CheckConcurrentAnswers(EngineOptions{}, 1e-5, 40, helpers);
 }
 
 // CPU bfloat16 (oneDNN's kernels instead of the BLAS) under the same load, at its documented

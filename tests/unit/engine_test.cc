@@ -207,6 +207,24 @@ TEST_P(EngineTest, MatchesFloat64Reference) {
       }
   }
 
+  // The same call cut into pieces for four threads (projection row blocks, query blocks), as the
+  // server does for a request when cores are idle: the same answer within the same tolerance.
+  static const HelperPool helpers(3);
+  std::string split_bytes, split_weights;
+  AttendOutputs split{&split_bytes, {}, &split_weights, {}};
+  const Status split_st = (*model)->ForwardBatch({&call}, {&split}, helpers)[0];
+  ASSERT_TRUE(split_st.ok()) << split_st.message();
+  ASSERT_EQ(split_bytes.size(), out_bytes.size());
+  EXPECT_EQ(split_weights.size(), weight_bytes.size());
+  EXPECT_LE(testing::RelativeError(split_bytes, expected), 1e-5) << "split across threads";
+  if (c.weights != WeightsMode::kNone) {
+    const float* a = reinterpret_cast<const float*>(weight_bytes.data());
+    const float* sw = reinterpret_cast<const float*>(split_weights.data());
+    double diff = 0;
+    for (size_t i = 0; i < weight_bytes.size() / 4; ++i) diff = std::max(diff, std::fabs(static_cast<double>(a[i]) - sw[i]));
+    EXPECT_LE(diff, 1e-6) << "split weights";
+  }
+
   if (c.weights == WeightsMode::kNone) {
     EXPECT_TRUE(weight_bytes.empty());
     return;

@@ -27,6 +27,7 @@ using testing::RunKvModelCheck;
 
 TEST(KvPropertyTest, RandomOperationSequencesKeepEveryInvariant) {
   KvCheckStats stats;
+  const HelperPool helpers(2);
   for (uint64_t seed = 1; seed <= 1000; ++seed) {
     std::mt19937_64 rng(seed);
     Choices choices([&rng](uint8_t* b) {
@@ -36,6 +37,7 @@ TEST(KvPropertyTest, RandomOperationSequencesKeepEveryInvariant) {
     KvCheckOptions options;
     options.max_ops = 400;
     options.stats = &stats;
+    if (seed % 2 == 0) options.parallel = &helpers;  // Half the runs compute split across threads.
     const std::string failure = RunKvModelCheck(choices, options);
     if (!failure.empty()) {  // The same sequence again, with the operations that led there.
       std::string log;
