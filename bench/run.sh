@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
 # Runs the same workloads, on this machine, one system at a time, against:
-#   floor   the engine in-process, no gRPC, no batching (attnserve-bench --target inprocess)
+#   floor   the engine in-process, no gRPC, no batching (attnserve-bench --target inprocess; its idle
+#           threads take pieces of a lone request as the server's idle workers do)
 #   off     attnserve --no-batching
 #   on      attnserve (dynamic batching)
 #   python  bench/baselines/python_server.py (grpcio + nn.MultiheadAttention)
-# then prints one table with ratios against floor and python, and plots p99 latency against offered
-# load (bench/out/p99_vs_load.png). Results: bench/out/results.jsonl. Takes ~7 minutes.
+#   ray     bench/baselines/ray_serve_peer.py: Ray Serve 2.60, @serve.batch, gRPC ingress, one
+#           replica per core (tools/peer-env.sh makes its venv)
+# Workloads: W1 (32 callers, L 8-64), W2 (32 callers, L 16-512, half cross-attention), W3 (one
+# caller, L=128), L1024 (one caller, L=1024). Then attnserve alone on one core (taskset -c 0) against
+# all cores, with one caller (the same binary). Prints one table with ratios against floor, python
+# and ray, the issue's goals, and plots p99 latency against offered load (bench/out/p99_vs_load.png).
+# Results: bench/out/results.jsonl. Takes ~15 minutes (Ray starts in ~30-90 s a round).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${ATTNSERVE_BUILD_DIR:-build}
@@ -16,18 +22,28 @@ cmake --build "$build" -j"$(nproc)" --target attnserve attnserve_bench >/dev/nul
 command -v gnuplot >/dev/null || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends gnuplot-nox >/dev/null; }
 port=50071
 pid=
+peer_python=$(tools/peer-env.sh)/bin/python
 
-stop() { if [ -n "$pid" ]; then kill -TERM "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; pid=; fi; }
+current=
+stop() {
+  if [ -n "$pid" ]; then kill -TERM "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; pid=; fi
+  # Ray's own processes (GCS, raylet, workers) outlive its driver.
+  if [ "$current" = ray ]; then "$(dirname "$peer_python")/ray" stop --force >/dev/null 2>&1 || true; fi
+  current=
+}
 trap stop EXIT
 start() {  # system
   stop
+  current=$1
   case $1 in
     floor) return ;;
     off) "$build/attnserve" --address 127.0.0.1:$port --metrics-address "" --no-batching >"$out/server.log" 2>&1 & pid=$! ;;
     on) "$build/attnserve" --address 127.0.0.1:$port --metrics-address "" >"$out/server.log" 2>&1 & pid=$! ;;
     python) /usr/bin/python3 bench/baselines/python_server.py --port $port >"$out/server.log" 2>&1 & pid=$! ;;
+    ray) "$peer_python" bench/baselines/ray_serve_peer.py --port $port >"$out/server.log" 2>&1 & pid=$! ;;
+    one-core) taskset -c 0 "$build/attnserve" --address 127.0.0.1:$port --metrics-address "" >"$out/server.log" 2>&1 & pid=$! ;;
   esac
-  for _ in $(seq 100); do grep -qE "serving" "$out/server.log" 2>/dev/null && return; sleep 0.2; done
+  for _ in $(seq 900); do grep -qE "serving" "$out/server.log" 2>/dev/null && return; sleep 0.2; done
   echo "bench: $1 did not start" >&2; cat "$out/server.log" >&2; exit 1
 }
 bench() {  # system workload args...
@@ -50,18 +66,21 @@ bench() {  # system workload args...
 # through the systems, and the table reports each figure's median over the rounds.
 rounds=${BENCH_ROUNDS:-3}
 for round in $(seq "$rounds"); do
-  for system in floor off on python; do
+  for system in floor off on python ray; do
     start $system
     bench $system W1/r$round --duration "$duration" --callers 32 --lengths uniform:8:64
     bench $system W2/r$round --duration "$duration" --callers 32 --lengths uniform:16:512 --cross 0.5 --pool 48
-    if [ $system = floor ]; then
-      bench $system W3/r$round --duration "$duration" --callers 1 --lengths fixed:128 --workers 1
-    else
-      bench $system W3/r$round --duration "$duration" --callers 1 --lengths fixed:128
-    fi
+    bench $system W3/r$round --duration "$duration" --callers 1 --lengths fixed:128
+    bench $system L1024/r$round --duration "$duration" --callers 1 --lengths fixed:1024
+  done
+  # The same server binary on one core and on all: what splitting a lone request buys.
+  for system in one-core on; do
+    start $system
+    bench $system cores-W3/r$round --duration "$duration" --callers 1 --lengths fixed:128
+    bench $system cores-L1024/r$round --duration "$duration" --callers 1 --lengths fixed:1024
   done
 done
-for system in floor off on python; do
+for system in floor off on python ray; do
   start $system
   for rate in 200 500 900 1300 1700; do
     bench $system "open@$rate" --rate $rate --lengths uniform:8:64 --duration 4
@@ -82,28 +101,39 @@ pct = lambda q: (lambda r: r["latency_ms"][q])
 print()
 print("medians over rounds; tokens/s range in brackets")
 print(f"{'workload':8s} {'system':7s} {'req/s':>8s} {'tok/s':>9s} {'[min-max]':>15s} {'p50 ms':>8s} {'p90 ms':>8s} {'p99 ms':>8s} "
-      f"{'tok/s vs floor':>15s} {'tok/s vs python':>16s} {'p99 vs python':>14s}")
+      f"{'tok/s vs floor':>15s} {'vs python':>10s} {'vs ray':>8s} {'p99 vs python':>14s} {'p99 vs ray':>11s}")
 summary = {}
-for w in ["W1", "W2", "W3"]:
+for w in ["W1", "W2", "W3", "L1024"]:
     f_tok = med("floor", w, tok)[0]
     p_tok, p_p99 = med("python", w, tok)[0], med("python", w, pct("p99"))[0]
-    for s in ["floor", "off", "on", "python"]:
+    r_tok, r_p99 = med("ray", w, tok)[0], med("ray", w, pct("p99"))[0]
+    for s in ["floor", "off", "on", "python", "ray"]:
         t, lo, hi = med(s, w, tok)
         p50, p90, p99 = (med(s, w, pct(q))[0] for q in ("p50", "p90", "p99"))
         summary[(s, w)] = (t, p50, p99)
         print(f"{w:8s} {s:7s} {med(s, w, rps)[0]:8.1f} {t:9.0f} {f'[{lo:.0f}-{hi:.0f}]':>15s} {p50:8.2f} {p90:8.2f} {p99:8.2f} "
-              f"{t/f_tok:15.2f} {t/p_tok:16.2f} {p99/p_p99:14.2f}")
+              f"{t/f_tok:15.2f} {t/p_tok:10.2f} {t/r_tok:8.2f} {p99/p_p99:14.2f} {p99/r_p99:11.2f}")
+for w in ["cores-W3", "cores-L1024"]:
+    for s in ["one-core", "on"]:
+        summary[(s, w)] = (med(s, w, tok)[0], med(s, w, pct("p50"))[0], med(s, w, pct("p99"))[0])
+        print(f"{w:11s} {s:8s} p50 {summary[(s, w)][1]:8.2f} ms  p99 {summary[(s, w)][2]:8.2f} ms")
 errors = [r["label"] + " " + json.dumps(r["errors"]) for r in rows if r["errors"]]
 print("errors:", errors or "none")
 print()
-print(f"W1 batching on / off tokens/s: {summary[('on','W1')][0]/summary[('off','W1')][0]:.2f}  (target >= 2)")
-print(f"W1 on / python tokens/s: {summary[('on','W1')][0]/summary[('python','W1')][0]:.2f}  (target >= 3), "
-      f"p99 {summary[('on','W1')][2]:.1f} vs {summary[('python','W1')][2]:.1f} ms")
-print(f"W2 on / python tokens/s: {summary[('on','W2')][0]/summary[('python','W2')][0]:.2f}  (target >= 1.5), "
-      f"p99 {summary[('on','W2')][2]:.1f} vs {summary[('python','W2')][2]:.1f} ms")
-print(f"W3 on p50 / floor p50: {summary[('on','W3')][1]/summary[('floor','W3')][1]:.2f}  (target <= 1.3)")
+on = lambda w, i: summary[("on", w)][i]
+for w in ["W1", "W2"]:
+    print(f"{w} on / python tokens/s: {on(w, 0)/summary[('python', w)][0]:.2f} (goal >= 3), on / ray: "
+          f"{on(w, 0)/summary[('ray', w)][0]:.2f} (goal >= 1.5); p99 {on(w, 2):.1f} vs python "
+          f"{summary[('python', w)][2]:.1f}, ray {summary[('ray', w)][2]:.1f} ms (goal: below both)")
+print(f"W1 batching on / off tokens/s: {on('W1', 0)/summary[('off','W1')][0]:.2f}")
+for w in ["W3", "L1024"]:
+    print(f"{w} p50 on / python: {on(w, 1)/summary[('python', w)][1]:.2f} (goal <= 0.6), on / ray: "
+          f"{on(w, 1)/summary[('ray', w)][1]:.2f}; on - floor: {on(w, 1) - summary[('floor', w)][1]:.2f} ms "
+          f"(goal <= 0.3 at W3)")
+for w in ["cores-W3", "cores-L1024"]:
+    print(f"{w[6:]} lone p50, all cores / one core: {summary[('on', w)][1]/summary[('one-core', w)][1]:.2f} (goal <= 0.6)")
 with open(sys.argv[1].replace("results.jsonl", "open_loop.dat"), "w") as f:
-    for s in ["floor", "off", "on", "python"]:
+    for s in ["floor", "off", "on", "python", "ray"]:
         f.write(f"# {s}\n")
         for r in rows:
             if r["label"].startswith(s + "/open@"):
@@ -120,6 +150,6 @@ set ylabel "p99 latency (ms)"
 set logscale y
 set key top left
 set grid
-plot for [i=0:3] "$out/open_loop.dat" index i using 1:3 with linespoints lw 2 title word("floor attnserve-no-batching attnserve-batching python-baseline", i+1)
+plot for [i=0:4] "$out/open_loop.dat" index i using 1:3 with linespoints lw 2 title word("floor attnserve-no-batching attnserve-batching python-baseline ray-serve", i+1)
 GP
 echo "bench: plot in $out/p99_vs_load.png"

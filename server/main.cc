@@ -8,6 +8,7 @@
 #include <iostream>
 #include <thread>
 
+#include "server/host_cpus.h"
 #include "server/server.h"
 
 namespace {
@@ -95,8 +96,9 @@ int main(int argc, char** argv) {
                  "attention on any device (for tests)")
       ->check(CLI::IsMember({"auto", "off", "emulate"}))
       ->capture_default_str();
-  o.batcher.workers = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  app.add_option("--workers", o.batcher.workers, "Compute threads (default: one per core)")
+  o.batcher.workers = attnserve::UsableCpus();
+  app.add_option("--workers", o.batcher.workers,
+                 "Compute threads (default: one per usable core: CPU affinity, capped by a cgroup CPU quota)")
       ->check(CLI::Range(1, 256))
       ->capture_default_str();
   app.add_option("--max-queue-size", o.batcher.max_queue_size,
