@@ -5,6 +5,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <set>
+
 #include <future>
 
 namespace attnserve {
@@ -223,6 +225,98 @@ TEST(BatcherTest, IdleWorkerTakesAtOnceBusyWorkerLetsBatchesFillToBudget) {
   late->done = [&](const Status& s, const WorkItem&) { late_status[0] = s; };
   batcher.Submit(std::move(late));
   EXPECT_EQ(late_status[0].code(), StatusCode::kUnavailable);
+}
+
+// A model whose batches cut themselves into pieces through the Parallel the batcher passes: it
+// records the width offered and which threads ran the pieces.
+class SplittingModel : public AttentionModel {
+ public:
+  SplittingModel() { spec_.name = "split"; }
+  const ModelSpec& spec() const override { return spec_; }
+  Status Forward(const AttendCall&, AttendOutputs*) const override { return Status::Ok(); }
+  std::vector<Status> ForwardBatch(const std::vector<const AttendCall*>& calls, const std::vector<AttendOutputs*>&,
+                                   const Parallel& parallel) const override {
+    const int width = parallel.Width();
+    std::vector<std::thread::id> ran(8);
+    parallel.For(8, [&](int64_t i) {
+      std::this_thread::sleep_for(5ms);  // Long enough for an idle worker to wake and join in.
+      ran[static_cast<size_t>(i)] = std::this_thread::get_id();
+    });
+    std::lock_guard<std::mutex> lock(mu);
+    widths.push_back(width);
+    threads.push_back(std::set<std::thread::id>(ran.begin(), ran.end()).size());
+    return std::vector<Status>(calls.size(), Status::Ok());
+  }
+  ModelSpec spec_;
+  mutable std::mutex mu;
+  mutable std::vector<int> widths;
+  mutable std::vector<size_t> threads;  // Distinct threads that ran each batch's pieces.
+};
+
+// A lone request gets every idle worker: its batch is offered width 3 with three workers, and the
+// idle two run some of its pieces. Requests that queue behind it get width 1 (under load, whole
+// batches per core).
+TEST(BatcherTest, IdleWorkersRunPiecesOfALoneBatchAndNoneSplitsUnderLoad) {
+  SplittingModel model;
+  BatcherOptions options;
+  options.workers = 3;
+  options.enabled = false;  // One request per batch: each request's width is visible.
+  Batcher batcher(options);
+  std::atomic<int> done{0};
+  auto submit = [&] {
+    auto item = Item(&model, 10);
+    item->accepted = SteadyClock::now();
+    item->done = [&](const Status&, const WorkItem&) { ++done; };
+    batcher.Submit(std::move(item));
+  };
+  submit();
+  while (done < 1) std::this_thread::sleep_for(1ms);
+  {
+    std::lock_guard<std::mutex> lock(model.mu);
+    ASSERT_EQ(model.widths.size(), 1u);
+    EXPECT_EQ(model.widths[0], 3);
+    EXPECT_GE(model.threads[0], 2u) << "no idle worker ran a piece";
+  }
+  for (int i = 0; i < 12; ++i) submit();  // More than the workers: some wait in the queue.
+  while (done < 13) std::this_thread::sleep_for(1ms);
+  std::lock_guard<std::mutex> lock(model.mu);
+  EXPECT_GE(std::count(model.widths.begin() + 1, model.widths.end(), 1), 6)
+      << "requests that found others queued were still split";
+}
+
+// PieceExchange: every piece runs exactly once, whether helpers come or not, with several owners
+// offering pieces at once.
+TEST(PieceExchangeTest, EveryPieceRunsOnceWithOrWithoutHelpers) {
+  {
+    HelperPool none(0);
+    std::vector<int> hits(50, 0);
+    none.For(50, [&](int64_t i) { ++hits[static_cast<size_t>(i)]; });
+    EXPECT_EQ(std::count(hits.begin(), hits.end(), 1), 50);
+    EXPECT_EQ(none.Width(), 1);
+  }
+  HelperPool pool(3);
+  EXPECT_EQ(pool.Width(), 4);
+  std::vector<std::thread> owners;
+  std::atomic<int> bad{0};
+  std::mutex mu;
+  std::set<std::thread::id> runners;
+  for (int o = 0; o < 3; ++o) {
+    owners.emplace_back([&] {
+      for (int round = 0; round < 50; ++round) {
+        std::vector<std::atomic<int>> hits(37);
+        pool.For(37, [&](int64_t i) {
+          hits[static_cast<size_t>(i)]++;
+          if (i % 4 == 0) std::this_thread::sleep_for(50us);  // Some pieces last long enough for helpers.
+          std::lock_guard<std::mutex> lock(mu);
+          runners.insert(std::this_thread::get_id());
+        });
+        for (auto& h : hits) bad += h.load() != 1;
+      }
+    });
+  }
+  for (auto& t : owners) t.join();
+  EXPECT_EQ(bad.load(), 0);
+  EXPECT_GT(runners.size(), 3u) << "helpers never ran a piece";
 }
 
 }  // namespace
