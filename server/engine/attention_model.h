@@ -84,6 +84,10 @@ struct EngineOptions {
   /// same packing on any device with per-sequence attention: how the CPU tests check it.
   enum class Varlen { kOff, kAuto, kEmulate };
   Varlen varlen = Varlen::kAuto;
+  /// With idle cores (ForwardBatch's Parallel), the least work (floating-point operations) a piece
+  /// of one batch must hold to go to another core: ~40 µs on one core here, several times what
+  /// waking a worker for it costs. Tests set 0 to cut every call as finely as the cores allow.
+  double min_piece_flops = 4e6;
 };
 
 /// Builds a LibTorch model from host weights. FAILED_PRECONDITION when the device is unusable

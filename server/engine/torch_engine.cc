@@ -102,8 +102,9 @@ class TorchKv final : public KvCache {
 
 class TorchModel final : public AttentionModel {
  public:
-  TorchModel(const ModelWeights& w, at::Device device, DType dtype, EngineOptions::Varlen varlen)
-      : spec_(w.spec), device_(device), dtype_(ToScalarType(dtype)),
+  TorchModel(const ModelWeights& w, at::Device device, DType dtype, EngineOptions::Varlen varlen,
+             double min_piece_flops)
+      : spec_(w.spec), device_(device), dtype_(ToScalarType(dtype)), min_piece_flops_(min_piece_flops),
         varlen_(varlen == EngineOptions::Varlen::kEmulate ? Varlen::kEmulate
                 : varlen == EngineOptions::Varlen::kAuto && device.is_cuda() && compat::kHasVarlen
                     ? Varlen::kKernel
@@ -201,9 +202,17 @@ class TorchModel final : public AttentionModel {
   }
 
   // ---- pieces on several cores (server/engine/parallel.h) ---------------------------------------
-  // A row block below this many rows is not worth a thread of its own (a GEMM of 32 rows against a
-  // [512, 1536] matrix is ~50 µs here, about what handing a piece to a waking thread costs).
-  static constexpr int64_t kMinSplitRows = 32;
+  // A GEMM piece has at least 16 rows (the BLAS kernels' height), and every piece at least
+  // EngineOptions::min_piece_flops of work.
+  static constexpr int64_t kMinGemmRows = 16;
+
+  // How many pieces of at least `min_rows` rows to cut `rows` rows into, each worth `flops_per_row`.
+  int64_t Blocks(const Parallel& parallel, int64_t rows, double flops_per_row, int64_t min_rows) const {
+    const int64_t width = Width(parallel);
+    if (width <= 1) return 1;
+    const auto by_flops = static_cast<int64_t>(std::ceil(min_piece_flops_ / std::max(flops_per_row, 1.0)));
+    return std::max<int64_t>(1, std::min(width, rows / std::max(min_rows, by_flops)));
+  }
 
   // Threads the work may be cut for: the idle cores on the CPU; one on a GPU (its kernels are
   // parallel already, and one stream per worker keeps their order).
@@ -241,8 +250,8 @@ class TorchModel final : public AttentionModel {
   // when cores are idle: every output row is computed as the single GEMM would.
   void GemmInto(const at::Tensor& y, const at::Tensor& x, const at::Tensor& wt, const at::Tensor& b,
                 const Parallel& parallel) const {
-    const int64_t blocks = std::min<int64_t>(Width(parallel), x.size(0) / kMinSplitRows);
-    Pieces(parallel, std::max<int64_t>(blocks, 1), [&](int64_t i) {
+    const int64_t blocks = Blocks(parallel, x.size(0), 2.0 * wt.size(0) * wt.size(1), kMinGemmRows);
+    Pieces(parallel, blocks, [&](int64_t i) {
       const auto [r0, n] = blocks > 1 ? Block(x.size(0), blocks, i) : std::make_pair(int64_t{0}, x.size(0));
       at::Tensor yi = y.narrow(0, r0, n);
       if (b.defined()) {
@@ -255,7 +264,7 @@ class TorchModel final : public AttentionModel {
 
   // nn.functional.linear(x, w, b) (w [out, in]), split as GemmInto.
   at::Tensor Linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const Parallel& parallel) const {
-    if (Width(parallel) <= 1 || x.size(0) < 2 * kMinSplitRows) return at::linear(x, w, b);
+    if (Blocks(parallel, x.size(0), 2.0 * w.size(0) * w.size(1), kMinGemmRows) <= 1) return at::linear(x, w, b);
     at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
     GemmInto(y, x.contiguous(), w.t(), b, parallel);
     return y;
@@ -635,8 +644,9 @@ class TorchModel final : public AttentionModel {
     }
     const bool want_weights = call.weights != WeightsMode::kNone;
     const bool fused = compat::kHasFusedSdpa && !want_weights;
-    // Query blocks: bounded by kBlockScores, and with idle cores at least one per core.
-    const int64_t width = std::min(Width(parallel), lq);
+    // Query blocks: bounded by kBlockScores, and with idle cores one per core (4 * B*H*S*D flops a
+    // query row: QK^T and PV).
+    const int64_t width = Blocks(parallel, lq, 4.0 * b * h * sl * d, 1);
     const int64_t rows = std::max<int64_t>(
         1, std::min({lq, kBlockScores / std::max<int64_t>(1, b * h * sl), (lq + width - 1) / width}));
     const int64_t blocks = (lq + rows - 1) / rows;
@@ -759,6 +769,7 @@ class TorchModel final : public AttentionModel {
   ModelSpec spec_;
   at::Device device_;
   at::ScalarType dtype_;
+  double min_piece_flops_;
   bool packed_ = false;
   at::Tensor w_in_, w_q_, w_k_, w_v_;  // [3E, E] and its row blocks (or three separate matrices)
   at::Tensor b_in_, b_q_, b_k_, b_v_;  // undefined without input biases
@@ -804,7 +815,8 @@ StatusOr<std::unique_ptr<AttentionModel>> CreateTorchModel(const ModelWeights& w
     if (!device.is_cuda() && options.allow_tf32) return fail("--tf32: needs a CUDA device");
     if (device.is_cuda()) at::globalContext().setAllowTF32CuBLAS(options.allow_tf32);
     c10::InferenceMode guard;
-    auto model = std::make_unique<TorchModel>(weights, device, options.compute_dtype, options.varlen);
+    auto model = std::make_unique<TorchModel>(weights, device, options.compute_dtype, options.varlen,
+                                              options.min_piece_flops);
     return std::unique_ptr<AttentionModel>(std::move(model));
   } catch (const c10::Error& e) {
     return fail("--device " + options.device + ": " + e.what_without_backtrace());

@@ -79,7 +79,9 @@ const std::shared_ptr<const AttentionModel>* Models() {
     for (const char* name : {"a", "b"}) {
       ModelWeights w = RandomWeights(rng, name, kE, kH);
       w.spec.weights_hash = std::string("sha256:") + name;
-      auto m = CreateTorchModel(w, EngineOptions{});
+      EngineOptions options;
+      options.min_piece_flops = 0;  // Split as finely as a Parallel allows (KvCheckOptions::parallel).
+      auto m = CreateTorchModel(w, options);
       if (!m.ok()) {
         std::fprintf(stderr, "kv model check: %s\n", m.status().message().c_str());
         std::abort();

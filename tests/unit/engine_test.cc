@@ -210,9 +210,13 @@ TEST_P(EngineTest, MatchesFloat64Reference) {
   // The same call cut into pieces for four threads (projection row blocks, query blocks), as the
   // server does for a request when cores are idle: the same answer within the same tolerance.
   static const HelperPool helpers(3);
+  EngineOptions finest;
+  finest.min_piece_flops = 0;  // Every call cut as finely as four threads allow, however small.
+  auto split_model = CreateTorchModel(w, finest);
+  ASSERT_TRUE(split_model.ok());
   std::string split_bytes, split_weights;
   AttendOutputs split{&split_bytes, {}, &split_weights, {}};
-  const Status split_st = (*model)->ForwardBatch({&call}, {&split}, helpers)[0];
+  const Status split_st = (*split_model)->ForwardBatch({&call}, {&split}, helpers)[0];
   ASSERT_TRUE(split_st.ok()) << split_st.message();
   ASSERT_EQ(split_bytes.size(), out_bytes.size());
   EXPECT_EQ(split_weights.size(), weight_bytes.size());
