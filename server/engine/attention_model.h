@@ -88,6 +88,10 @@ struct EngineOptions {
   /// of one batch must hold to go to another core: ~40 µs on one core here, several times what
   /// waking a worker for it costs. Tests set 0 to cut every call as finely as the cores allow.
   double min_piece_flops = 4e6;
+  /// CPU bfloat16: multiply bfloat16 matrices in float32 (operands widened, products rounded back)
+  /// even where LibTorch's own bfloat16 products accumulate in float32. The engine does so by itself
+  /// where they do not (LibTorch 1.13 on CPUs without AVX-512: checked once at start); tests force it.
+  bool force_float32_bfloat16_products = false;
 };
 
 /// Builds a LibTorch model from host weights. FAILED_PRECONDITION when the device is unusable

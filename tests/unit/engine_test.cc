@@ -400,6 +400,55 @@ TEST(EngineTest, CpuBfloat16MatchesFloat64WithinItsTolerance) {
   }
 }
 
+// The same bound over long inner products (E=256, 512 keys, split across helper threads too): a
+// bfloat16 matrix product that accumulates in bfloat16 (LibTorch 1.13's own kernels, on CPUs
+// without AVX-512) is off by ~4.5e-2 of the scale at 512 terms and grows with the length. On every
+// CPU, once as the engine picks its products (auto) and once with them forced to float32.
+TEST(EngineTest, CpuBfloat16LongInnerProductsStayWithinItsTolerance) {
+  std::mt19937 rng(2025);
+  const int64_t e = 256, h = 4, l = 512;
+  ModelWeights w;
+  w.spec.name = "bf16-long";
+  w.spec.embed_dim = w.spec.kdim = w.spec.vdim = e;
+  w.spec.num_heads = h;
+  const float ws = 1.0f / std::sqrt(static_cast<float>(e));
+  for (HostTensor* t : {&w.q_proj, &w.k_proj, &w.v_proj, &w.out_proj}) *t = RandomHost(rng, {e, e}, ws);
+  w.in_proj_bias = RandomHost(rng, {3 * e}, 0.5f);
+  w.out_proj_bias = RandomHost(rng, {e}, 0.5f);
+  const std::vector<float> x = testing::RandomFloats(rng, l * e);
+  const Vec q(x.begin(), x.end());
+  Vec ref_out, ref_w;
+  testing::Reference(w, 1, l, l, q, q, q, Vec(h * l * l, 0.0), &ref_out, &ref_w);
+  const HelperPool helpers(3);
+  for (const bool widen : {false, true}) {
+    EngineOptions options{"cpu", DType::kBFloat16};
+    options.force_float32_bfloat16_products = widen;
+    options.min_piece_flops = 0;
+    auto model = CreateTorchModel(w, options);
+    ASSERT_TRUE(model.ok()) << model.status().message();
+    for (const Parallel* parallel : {&SerialParallel(), static_cast<const Parallel*>(&helpers)}) {
+      testing::Buffer in = testing::Floats({1, l, e}, x);
+      AttendCall call;
+      call.query = in.view();
+      ASSERT_TRUE(Validate(w.spec, {}, &call).ok());
+      std::string out_bytes;
+      AttendOutputs out{&out_bytes, {}, nullptr, {}};
+      ASSERT_TRUE((*model)->ForwardBatch({&call}, {&out}, *parallel)[0].ok());
+      const float* got = reinterpret_cast<const float*>(out_bytes.data());
+      double scale = 0, err = 0;
+      for (size_t i = 0; i < ref_out.size(); ++i) {
+        scale = std::max(scale, std::fabs(ref_out[i]));
+        err = std::max(err, std::fabs(got[i] - ref_out[i]));
+      }
+      EXPECT_GT(scale, 0.1);
+      EXPECT_LE(err, 2e-2 * scale) << (widen ? "float32 products" : "auto") << ", pieces on "
+                                   << parallel->Width() << " threads";
+      std::cout << "bfloat16 CPU, " << (widen ? "float32 products" : "auto") << ", width "
+                << parallel->Width() << ": max error " << err / scale << " of the output scale\n";
+    }
+  }
+}
+
 }  // namespace
 }  // namespace attnserve
 
