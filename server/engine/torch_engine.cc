@@ -44,6 +44,29 @@ at::Tensor Wrap(const TensorView& v) {
   return v.dtype == DType::kBool ? t.ne(0) : t;
 }
 
+// Whether LibTorch's bfloat16 matrix products accumulate in float32 on this CPU. oneDNN's do (CPUs
+// with AVX-512); LibTorch 1.13's own kernels, its fallback elsewhere, add each product into the
+// bfloat16 result: off by 1.9e-2 of the scale at 64 terms, 4.5e-2 at 512, 1.2e-1 at 2048 (AMD EPYC
+// with AVX2 only). Checked once, on the products the engine runs: sums of 1,024 ones are 1,024 in
+// float32 and stop at 256 in bfloat16 (8 significant bits).
+bool CpuBfloat16ProductsAccumulateInFloat32() {
+  static const bool yes = [] {
+    c10::InferenceMode guard;
+    const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
+    const at::Tensor a = at::ones({16, 1024}, bf16), b = at::ones({1024, 16}, bf16);
+    const at::Tensor bt = at::ones({16, 1024}, bf16).t();  // the same values, transposed in memory
+    const at::Tensor products[] = {at::mm(a, b), at::mm(a, bt), at::addmm(at::zeros({16}, bf16), a, b),
+                                   at::matmul(a.view({2, 8, 1024}), b.view({1, 1024, 16}).expand({2, 1024, 16})),
+                                   at::matmul(a.view({2, 8, 1024}), bt.unsqueeze(0).expand({2, 1024, 16})),
+                                   at::linear(a, at::ones({16, 1024}, bf16))};
+    for (const at::Tensor& p : products) {
+      if (!p.to(at::kFloat).eq(1024).all().item<bool>()) return false;
+    }
+    return true;
+  }();
+  return yes;
+}
+
 // On a CUDA device, makes a stream from LibTorch's pool current for this thread: each compute
 // worker keeps its own stream, so workers overlap and a worker's synchronous copy back waits for its
 // own stream only. Device-generic (c10), so it compiles in CPU builds, where it does nothing.
@@ -103,7 +126,7 @@ class TorchKv final : public KvCache {
 class TorchModel final : public AttentionModel {
  public:
   TorchModel(const ModelWeights& w, at::Device device, DType dtype, EngineOptions::Varlen varlen,
-             double min_piece_flops)
+             double min_piece_flops, bool force_widen)
       : spec_(w.spec), device_(device), dtype_(ToScalarType(dtype)), min_piece_flops_(min_piece_flops),
         varlen_(varlen == EngineOptions::Varlen::kEmulate ? Varlen::kEmulate
                 : varlen == EngineOptions::Varlen::kAuto && device.is_cuda() && compat::kHasVarlen
@@ -111,8 +134,11 @@ class TorchModel final : public AttentionModel {
                     : Varlen::kOff) {
     spec_.device = device.str();
     spec_.compute_dtype = dtype;
-    const auto opts = at::TensorOptions().device(device).dtype(dtype_);
     const int64_t e = spec_.embed_dim;
+    widen_ = dtype_ == at::kBFloat16 && device.is_cpu() &&
+             (force_widen || !CpuBfloat16ProductsAccumulateInFloat32());
+    // Projection weights in float32 when bfloat16 products are widened (no widening per call).
+    const auto opts = at::TensorOptions().device(device).dtype(widen_ ? at::kFloat : dtype_);
     packed_ = spec_.kdim == e && spec_.vdim == e;
     if (packed_) {
       // One [3E, E] matrix: self-attention projects q, k and v in a single matmul.
@@ -134,8 +160,8 @@ class TorchModel final : public AttentionModel {
     w_out_t_ = FromHost(w.out_proj, opts).t().contiguous();
     if (w.out_proj_bias) b_out_ = FromHost(*w.out_proj_bias, opts);
     if (w.bias_k) {
-      bias_k_ = FromHost(*w.bias_k, opts);
-      bias_v_ = FromHost(*w.bias_v, opts);
+      bias_k_ = FromHost(*w.bias_k, opts.dtype(dtype_));
+      bias_v_ = FromHost(*w.bias_v, opts.dtype(dtype_));
     }
   }
 
@@ -254,7 +280,10 @@ class TorchModel final : public AttentionModel {
     Pieces(parallel, blocks, [&](int64_t i) {
       const auto [r0, n] = blocks > 1 ? Block(x.size(0), blocks, i) : std::make_pair(int64_t{0}, x.size(0));
       at::Tensor yi = y.narrow(0, r0, n);
-      if (b.defined()) {
+      if (x.scalar_type() != wt.scalar_type()) {  // widened: float32 weights, bfloat16 rows
+        const at::Tensor xi = x.narrow(0, r0, n).to(wt.scalar_type());
+        yi.copy_(b.defined() ? at::addmm(b, xi, wt) : at::mm(xi, wt));
+      } else if (b.defined()) {
         at::addmm_out(yi, b, x.narrow(0, r0, n), wt);
       } else {
         at::mm_out(yi, x.narrow(0, r0, n), wt);
@@ -264,10 +293,19 @@ class TorchModel final : public AttentionModel {
 
   // nn.functional.linear(x, w, b) (w [out, in]), split as GemmInto.
   at::Tensor Linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const Parallel& parallel) const {
-    if (Blocks(parallel, x.size(0), 2.0 * w.size(0) * w.size(1), kMinGemmRows) <= 1) return at::linear(x, w, b);
+    if (Blocks(parallel, x.size(0), 2.0 * w.size(0) * w.size(1), kMinGemmRows) <= 1) {
+      return x.scalar_type() == w.scalar_type() ? at::linear(x, w, b)
+                                                : at::linear(x.to(w.scalar_type()), w, b).to(x.scalar_type());
+    }
     at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
     GemmInto(y, x.contiguous(), w.t(), b, parallel);
     return y;
+  }
+
+  // a · b (batched as at::matmul), in float32 and rounded back when bfloat16 products are widened.
+  at::Tensor Matmul(const at::Tensor& a, const at::Tensor& b) const {
+    if (!widen_) return at::matmul(a, b);
+    return at::matmul(a.to(at::kFloat), b.to(at::kFloat)).to(a.scalar_type());
   }
 
   // One call's projected rows, in the wire's row order: q [B*Lq, E], k and v [B*Lk, E].
@@ -500,12 +538,12 @@ class TorchModel final : public AttentionModel {
       const at::Tensor qs = q.narrow(0, cu_q[s], lq).transpose(0, 1);  // [H, Lq, D]
       const at::Tensor ks = k.narrow(0, cu_k[s], lk).transpose(0, 1);
       const at::Tensor vs = v.narrow(0, cu_k[s], lk).transpose(0, 1);
-      at::Tensor scores = at::matmul(qs * scale, ks.transpose(-2, -1));
+      at::Tensor scores = Matmul(qs * scale, ks.transpose(-2, -1));
       if (causal) {
         const at::Tensor upper = at::ones({lq, lk}, at::TensorOptions().dtype(at::kBool).device(device_)).triu(1);
         scores.masked_fill_(upper, -std::numeric_limits<double>::infinity());
       }
-      dst.narrow(0, cu_q[s], lq).copy_(at::matmul(at::softmax(scores, -1), vs).transpose(0, 1));
+      dst.narrow(0, cu_q[s], lq).copy_(Matmul(at::softmax(scores, -1), vs).transpose(0, 1));
     }
   }
 
@@ -709,12 +747,12 @@ class TorchModel final : public AttentionModel {
         attn = compat::FusedSdpa(qc, kh, vh, mask, fused_causal);
         if (any_dead) attn = attn.masked_fill(dead, 0);
       } else {
-        at::Tensor scores = at::matmul(qc * scale, kh.transpose(-2, -1));
+        at::Tensor scores = Matmul(qc * scale, kh.transpose(-2, -1));
         if (mask.defined()) scores.add_(mask);
         at::Tensor p = at::softmax(scores, -1);
         scores.reset();
         if (any_dead) p.masked_fill_(dead, 0);
-        attn = at::matmul(p, vh);
+        attn = Matmul(p, vh);
         if (want_weights) {
           weights_out.narrow(2, q0, n).copy_(call.weights == WeightsMode::kAveraged ? p.mean(1, true) : p);
         }
@@ -770,6 +808,9 @@ class TorchModel final : public AttentionModel {
   at::Device device_;
   at::ScalarType dtype_;
   double min_piece_flops_;
+  // CPU bfloat16 where LibTorch's bfloat16 products accumulate in bfloat16: projection weights are
+  // kept in float32 and every matrix product runs in float32, its result rounded to bfloat16.
+  bool widen_ = false;
   bool packed_ = false;
   at::Tensor w_in_, w_q_, w_k_, w_v_;  // [3E, E] and its row blocks (or three separate matrices)
   at::Tensor b_in_, b_q_, b_k_, b_v_;  // undefined without input biases
@@ -816,7 +857,8 @@ StatusOr<std::unique_ptr<AttentionModel>> CreateTorchModel(const ModelWeights& w
     if (device.is_cuda()) at::globalContext().setAllowTF32CuBLAS(options.allow_tf32);
     c10::InferenceMode guard;
     auto model = std::make_unique<TorchModel>(weights, device, options.compute_dtype, options.varlen,
-                                              options.min_piece_flops);
+                                              options.min_piece_flops,
+                                              options.force_float32_bfloat16_products);
     return std::unique_ptr<AttentionModel>(std::move(model));
   } catch (const c10::Error& e) {
     return fail("--device " + options.device + ": " + e.what_without_backtrace());
