@@ -242,14 +242,12 @@ void Batcher::WorkerLoop() {
     }
     if (draining_ && !any) return;
     // Nothing to take: run pieces of a batch another worker is splitting across the idle cores.
+    // A helper stays idle for the width: counted busy, it was often still counted when the batch's
+    // next operation asked, which then ran on fewer cores.
     if (pieces_.HasWork()) {
-      ++busy_;
-      Mirror();
       lock.unlock();
       pieces_.Help();
       lock.lock();
-      --busy_;
-      Mirror();
       continue;
     }
     if (!any && busy_ == 0 && trim_pending_) {
