@@ -70,6 +70,12 @@ TEST_F(ModelRepositoryTest, ReloadPublishesAtomicallyAndRemovedModelsUnloadAfter
       }
     });
   }
+  // The readers read before the reload and after it (on a busy machine they may start late).
+  const auto await_reads = [&reads](int more) {
+    const int target = reads.load() + more;
+    while (reads.load() < target) std::this_thread::yield();
+  };
+  await_reads(3);
   PutVersion(root_ / "m" / "2", 4);
   ReloadReport r = Reload(repo);
   ASSERT_TRUE(r.status.ok()) << r.status.message();
@@ -81,6 +87,7 @@ TEST_F(ModelRepositoryTest, ReloadPublishesAtomicallyAndRemovedModelsUnloadAfter
   std::shared_ptr<const AttentionModel> in_flight = repo.Snapshot()->Find("m", 0);  // A request's hold.
   EXPECT_EQ(in_flight->spec().num_heads, 4);
   std::weak_ptr<const AttentionModel> watch = in_flight;
+  await_reads(3);
   stop = true;
   for (auto& t : readers) t.join();
   EXPECT_GT(reads.load(), 0);
