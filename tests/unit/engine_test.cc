@@ -354,6 +354,19 @@ TEST(EngineTest, DeviceFlagIsCheckedAtCreation) {
   EXPECT_THAT(half_cpu.status().message(), ::testing::HasSubstr("--dtype float16: not on the CPU"));
 }
 
+// Random self-attention weights with both biases, scaled so that outputs stay near 1.
+ModelWeights RandomBiasedWeights(std::mt19937& rng, const std::string& name, int64_t e, int64_t h) {
+  ModelWeights w;
+  w.spec.name = name;
+  w.spec.embed_dim = w.spec.kdim = w.spec.vdim = e;
+  w.spec.num_heads = h;
+  const float ws = 1.0f / std::sqrt(static_cast<float>(e));
+  for (HostTensor* t : {&w.q_proj, &w.k_proj, &w.v_proj, &w.out_proj}) *t = RandomHost(rng, {e, e}, ws);
+  w.in_proj_bias = RandomHost(rng, {3 * e}, 0.5f);
+  w.out_proj_bias = RandomHost(rng, {e}, 0.5f);
+  return w;
+}
+
 // CPU bfloat16 compute (opt-in): weights and activations in bfloat16 (8 mantissa bits), products
 // accumulated in float32 by oneDNN. Against the float64 reference: max |error| <= 2e-2 * max |output|
 // (README "CPU bfloat16"), with and without attention weights (explicit and, on LibTorch 2.x, fused
@@ -361,14 +374,7 @@ TEST(EngineTest, DeviceFlagIsCheckedAtCreation) {
 TEST(EngineTest, CpuBfloat16MatchesFloat64WithinItsTolerance) {
   std::mt19937 rng(2024);
   const int64_t e = 64, h = 4, b = 2, l = 24;
-  ModelWeights w;
-  w.spec.name = "bf16";
-  w.spec.embed_dim = w.spec.kdim = w.spec.vdim = e;
-  w.spec.num_heads = h;
-  const float ws = 1.0f / std::sqrt(static_cast<float>(e));
-  for (HostTensor* t : {&w.q_proj, &w.k_proj, &w.v_proj, &w.out_proj}) *t = RandomHost(rng, {e, e}, ws);
-  w.in_proj_bias = RandomHost(rng, {3 * e}, 0.5f);
-  w.out_proj_bias = RandomHost(rng, {e}, 0.5f);
+  const ModelWeights w = RandomBiasedWeights(rng, "bf16", e, h);
   auto model = CreateTorchModel(w, EngineOptions{"cpu", DType::kBFloat16});
   ASSERT_TRUE(model.ok()) << model.status().message();
   EXPECT_EQ((*model)->spec().compute_dtype, DType::kBFloat16);
@@ -407,14 +413,7 @@ TEST(EngineTest, CpuBfloat16MatchesFloat64WithinItsTolerance) {
 TEST(EngineTest, CpuBfloat16LongInnerProductsStayWithinItsTolerance) {
   std::mt19937 rng(2025);
   const int64_t e = 256, h = 4, l = 512;
-  ModelWeights w;
-  w.spec.name = "bf16-long";
-  w.spec.embed_dim = w.spec.kdim = w.spec.vdim = e;
-  w.spec.num_heads = h;
-  const float ws = 1.0f / std::sqrt(static_cast<float>(e));
-  for (HostTensor* t : {&w.q_proj, &w.k_proj, &w.v_proj, &w.out_proj}) *t = RandomHost(rng, {e, e}, ws);
-  w.in_proj_bias = RandomHost(rng, {3 * e}, 0.5f);
-  w.out_proj_bias = RandomHost(rng, {e}, 0.5f);
+  const ModelWeights w = RandomBiasedWeights(rng, "bf16-long", e, h);
   const std::vector<float> x = testing::RandomFloats(rng, l * e);
   const Vec q(x.begin(), x.end());
   Vec ref_out, ref_w;
