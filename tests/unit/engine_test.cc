@@ -354,6 +354,17 @@ TEST(EngineTest, DeviceFlagIsCheckedAtCreation) {
   EXPECT_THAT(half_cpu.status().message(), ::testing::HasSubstr("--dtype float16: not on the CPU"));
 }
 
+// max |reference| and max |answer - reference| over float32 answer bytes.
+std::pair<double, double> ScaleAndError(const std::string& answer, const Vec& ref) {
+  const float* got = reinterpret_cast<const float*>(answer.data());
+  double scale = 0, err = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    scale = std::max(scale, std::fabs(ref[i]));
+    err = std::max(err, std::fabs(got[i] - ref[i]));
+  }
+  return {scale, err};
+}
+
 // Random self-attention weights with both biases, scaled so that outputs stay near 1.
 ModelWeights RandomBiasedWeights(std::mt19937& rng, const std::string& name, int64_t e, int64_t h) {
   ModelWeights w;
@@ -392,12 +403,7 @@ TEST(EngineTest, CpuBfloat16MatchesFloat64WithinItsTolerance) {
     AttendOutputs out{&out_bytes, {}, &weight_bytes, {}};
     ASSERT_TRUE((*model)->Forward(call, &out).ok());
     ASSERT_EQ(out_bytes.size(), ref_out.size() * 4);  // The answer keeps the query's float32.
-    const float* got = reinterpret_cast<const float*>(out_bytes.data());
-    double scale = 0, err = 0;
-    for (size_t i = 0; i < ref_out.size(); ++i) {
-      scale = std::max(scale, std::fabs(ref_out[i]));
-      err = std::max(err, std::fabs(got[i] - ref_out[i]));
-    }
+    const auto [scale, err] = ScaleAndError(out_bytes, ref_out);
     EXPECT_GT(scale, 0.1);
     EXPECT_LE(err, 2e-2 * scale) << "weights mode " << static_cast<int>(mode);
     EXPECT_GT(err, 1e-7 * scale) << "bfloat16 compute should not be bit-exact float32";
@@ -433,12 +439,7 @@ TEST(EngineTest, CpuBfloat16LongInnerProductsStayWithinItsTolerance) {
       std::string out_bytes;
       AttendOutputs out{&out_bytes, {}, nullptr, {}};
       ASSERT_TRUE((*model)->ForwardBatch({&call}, {&out}, *parallel)[0].ok());
-      const float* got = reinterpret_cast<const float*>(out_bytes.data());
-      double scale = 0, err = 0;
-      for (size_t i = 0; i < ref_out.size(); ++i) {
-        scale = std::max(scale, std::fabs(ref_out[i]));
-        err = std::max(err, std::fabs(got[i] - ref_out[i]));
-      }
+      const auto [scale, err] = ScaleAndError(out_bytes, ref_out);
       EXPECT_GT(scale, 0.1);
       EXPECT_LE(err, 2e-2 * scale) << (widen ? "float32 products" : "auto") << ", pieces on "
                                    << parallel->Width() << " threads";
