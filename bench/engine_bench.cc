@@ -1,7 +1,11 @@
 // The engine alone (Google Benchmark): a set of requests computed one by one with Forward versus
 // together with ForwardBatch, for W1-like (self, 8-64) and W2-like (16-512, half cross) sets.
-// Same requests, same thread, so the ratio is what batching buys the engine.
+// Same requests, same thread, so the ratio is what batching buys the engine. Each reports FLOP/s
+// (projections and attention, as attnserve-bench counts them) beside GemmBound: the BLAS alone
+// multiplying the same rows by the same projection matrices (sgemm through the BLAS that LibTorch
+// uses, looked up at run time), the ceiling for a batch whose time is all projection GEMM.
 #include <benchmark/benchmark.h>
+#include <dlfcn.h>
 
 #include <random>
 
@@ -12,6 +16,8 @@
 namespace {
 
 struct Set {
+  double flops = 0;                // per pass over the set
+  int64_t self_rows = 0, cross_rows = 0, key_rows = 0;  // query rows of self- and cross-attention, key rows
   std::vector<std::string> bytes;  // query, key, value storage
   std::vector<attnserve::AttendCall> calls;
   std::vector<std::string> outs;
@@ -39,12 +45,18 @@ Set MakeSet(int n, int lo, int hi, double cross, uint32_t seed) {
   };
   for (int i = 0; i < n; ++i) {
     attnserve::AttendCall c;
-    c.query = tensor(len(rng));
+    const int lq = len(rng);
+    c.query = tensor(lq);
+    int lk = lq;
     if (std::uniform_real_distribution<double>()(rng) < cross) {
-      const int lk = len(rng);
+      lk = len(rng);
       c.key = tensor(lk);
       c.value = tensor(lk);
+      s.key_rows += lk;
     }
+    (c.key ? s.cross_rows : s.self_rows) += lq;
+    const double e = 512;
+    s.flops += 4.0 * lq * e * e + 4.0 * lk * e * e + 4.0 * lq * lk * e;
     attnserve::Validate(Model().spec(), {}, &c);
     s.calls.push_back(c);
   }
@@ -60,6 +72,7 @@ void OneByOne(benchmark::State& state, int lo, int hi, double cross) {
     for (size_t i = 0; i < s.calls.size(); ++i) Model().Forward(s.calls[i], &s.outputs[i]);
   }
   state.SetItemsProcessed(state.iterations() * state.range(0));
+  state.counters["FLOP/s"] = benchmark::Counter(s.flops, benchmark::Counter::kIsIterationInvariantRate);
 }
 
 void Batched(benchmark::State& state, int lo, int hi, double cross) {
@@ -72,12 +85,50 @@ void Batched(benchmark::State& state, int lo, int hi, double cross) {
   }
   for (auto _ : state) Model().ForwardBatch(calls, outs);
   state.SetItemsProcessed(state.iterations() * state.range(0));
+  state.counters["FLOP/s"] = benchmark::Counter(s.flops, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// The set's projections as plain sgemm calls on one thread: query rows (and, for self-attention,
+// key and value rows) by the [E, 3E] or [E, E] input matrices, every query row by the output
+// matrix. No attention, no copies: what the projections cost at the BLAS's own speed.
+void GemmBound(benchmark::State& state, int lo, int hi, double cross) {
+  using Sgemm = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int, float,
+                         float*, int);
+  const auto sgemm = reinterpret_cast<Sgemm>(dlsym(RTLD_DEFAULT, "cblas_sgemm"));
+  if (!sgemm) {
+    state.SkipWithError("no cblas_sgemm in this process (LibTorch's BLAS is linked into it)");
+    return;
+  }
+  Model();  // Sets the BLAS to one thread per caller, as in the server.
+  const Set s = MakeSet(static_cast<int>(state.range(0)), lo, hi, cross, 7);
+  const int e = 512;
+  const int self_rows = static_cast<int>(s.self_rows), cross_rows = static_cast<int>(s.cross_rows);
+  const int key_rows = static_cast<int>(s.key_rows), rows = self_rows + cross_rows + 2 * key_rows;
+  std::vector<float> x(static_cast<size_t>(rows) * e, 0.5f);
+  std::vector<float> w(static_cast<size_t>(3 * e) * e, 0.25f), y(static_cast<size_t>(rows) * 3 * e);
+  constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
+  for (auto _ : state) {
+    // y = x · w^T as at::linear does: self-attention rows by [3E, E] (q, k, v at once), the
+    // cross-attention queries, keys and values each by its [E, E]; then every query row by the
+    // output matrix.
+    sgemm(kRowMajor, kNoTrans, kTrans, self_rows, 3 * e, e, 1.0f, x.data(), e, w.data(), e, 0.0f, y.data(), 3 * e);
+    if (cross_rows + key_rows > 0) {
+      sgemm(kRowMajor, kNoTrans, kTrans, cross_rows + 2 * key_rows, e, e, 1.0f, x.data(), e, w.data(), e, 0.0f,
+            y.data(), e);
+    }
+    sgemm(kRowMajor, kNoTrans, kNoTrans, self_rows + cross_rows, e, e, 1.0f, x.data(), e, w.data(), e, 0.0f,
+          y.data(), e);
+  }
+  // The FLOPs the engine's passes are credited with, so the two FLOP/s compare directly.
+  state.counters["FLOP/s"] = benchmark::Counter(s.flops, benchmark::Counter::kIsIterationInvariantRate);
 }
 
 BENCHMARK_CAPTURE(OneByOne, W1, 8, 64, 0.0)->Arg(16)->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(Batched, W1, 8, 64, 0.0)->Arg(16)->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(OneByOne, W2, 16, 512, 0.5)->Arg(8)->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(Batched, W2, 16, 512, 0.5)->Arg(8)->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(GemmBound, W1, 8, 64, 0.0)->Arg(16)->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(GemmBound, W2, 16, 512, 0.5)->Arg(8)->Unit(benchmark::kMillisecond);
 
 }  // namespace
 
