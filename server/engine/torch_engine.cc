@@ -272,10 +272,36 @@ class TorchModel final : public AttentionModel {
     return {i * base + std::min(i, extra), base + (i < extra ? 1 : 0)};
   }
 
+  // Up to this many rows, a float32 product on the CPU runs as one matrix-vector product per row:
+  // OpenBLAS packs the whole weight matrix on every GEMM call, ~0.25 ms for [3E, E] at E=512 here,
+  // which a one-token decoding step would pay per projection (a 1-row GEMM 0.30 ms, a GEMV 0.05 ms;
+  // even at 6 rows, 0.39 vs 0.34 ms).
+  static constexpr int64_t kGemvRows = 4;
+
+  // y = x · wt (+ b) row by row as matrix-vector products, when that is the faster way (kGemvRows);
+  // false (nothing written) otherwise.
+  bool GemvInto(const at::Tensor& y, const at::Tensor& x, const at::Tensor& wt, const at::Tensor& b) const {
+    if (!device_.is_cpu() || x.size(0) > kGemvRows || x.scalar_type() != at::kFloat ||
+        wt.scalar_type() != at::kFloat || y.scalar_type() != at::kFloat) {
+      return false;
+    }
+    const at::Tensor w = wt.t();  // [out, in]
+    for (int64_t i = 0; i < x.size(0); ++i) {
+      at::Tensor yi = y.select(0, i);
+      if (b.defined()) {
+        at::addmv_out(yi, b, w, x.select(0, i));
+      } else {
+        at::mv_out(yi, w, x.select(0, i));
+      }
+    }
+    return true;
+  }
+
   // x [rows, in] · wt [in, out] (+ b) into y [rows, out], the rows cut into blocks, one GEMM each,
   // when cores are idle: every output row is computed as the single GEMM would.
   void GemmInto(const at::Tensor& y, const at::Tensor& x, const at::Tensor& wt, const at::Tensor& b,
                 const Parallel& parallel) const {
+    if (GemvInto(y, x, wt, b)) return;
     const int64_t blocks = Blocks(parallel, x.size(0), 2.0 * wt.size(0) * wt.size(1), kMinGemmRows);
     Pieces(parallel, blocks, [&](int64_t i) {
       const auto [r0, n] = blocks > 1 ? Block(x.size(0), blocks, i) : std::make_pair(int64_t{0}, x.size(0));
@@ -293,6 +319,10 @@ class TorchModel final : public AttentionModel {
 
   // nn.functional.linear(x, w, b) (w [out, in]), split as GemmInto.
   at::Tensor Linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const Parallel& parallel) const {
+    if (x.size(0) <= kGemvRows) {
+      at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
+      if (GemvInto(y, x, w.t(), b)) return y;
+    }
     if (Blocks(parallel, x.size(0), 2.0 * w.size(0) * w.size(1), kMinGemmRows) <= 1) {
       return x.scalar_type() == w.scalar_type() ? at::linear(x, w, b)
                                                 : at::linear(x.to(w.scalar_type()), w, b).to(x.scalar_type());
@@ -746,6 +776,32 @@ class TorchModel final : public AttentionModel {
         backends[block] = compat::FusedSdpaBackend(qc, kh, vh, mask, fused_causal);
         attn = compat::FusedSdpa(qc, kh, vh, mask, fused_causal);
         if (any_dead) attn = attn.masked_fill(dead, 0);
+      } else if (!widen_) {
+        // Per batch element, three products and no temporaries beyond the scores: scale·q·kᵀ plus
+        // the mask in one baddbmm, the softmax in place, p·v straight into the merged rows.
+        // Zeroed when there is no mask to add: LibTorch 1.13's small-matrix baddbmm reads its input
+        // even with beta 0 (0 · NaN of uninitialised memory is NaN).
+        at::Tensor p = mask.defined() ? at::empty({b, h, n, sl}, qh.options()) : at::zeros({b, h, n, sl}, qh.options());
+        const at::Tensor block_heads = merged_heads.narrow(2, q0, n);
+        for (int64_t bi = 0; bi < b; ++bi) {
+          at::Tensor pb = p.select(0, bi);
+          const at::Tensor kt = kh.select(0, bi).transpose(-2, -1);
+          if (mask.defined()) {
+            const at::Tensor mb = mask.select(0, mask.size(0) == 1 ? 0 : bi).expand({h, n, sl});
+            at::baddbmm_out(pb, mb, qc.select(0, bi), kt, /*beta=*/1, /*alpha=*/scale);
+          } else {
+            at::baddbmm_out(pb, pb, qc.select(0, bi), kt, /*beta=*/0, /*alpha=*/scale);
+          }
+        }
+        at::_softmax_out(p, p, -1, /*half_to_float=*/false);
+        if (any_dead) p.masked_fill_(dead, 0);
+        for (int64_t bi = 0; bi < b; ++bi) {
+          at::Tensor out_b = block_heads.select(0, bi);
+          at::bmm_out(out_b, p.select(0, bi), vh.select(0, bi));
+        }
+        if (want_weights) {
+          weights_out.narrow(2, q0, n).copy_(call.weights == WeightsMode::kAveraged ? p.mean(1, true) : p);
+        }
       } else {
         at::Tensor scores = Matmul(qc * scale, kh.transpose(-2, -1));
         if (mask.defined()) scores.add_(mask);
@@ -757,7 +813,7 @@ class TorchModel final : public AttentionModel {
           weights_out.narrow(2, q0, n).copy_(call.weights == WeightsMode::kAveraged ? p.mean(1, true) : p);
         }
       }
-      merged_heads.narrow(2, q0, n).copy_(attn);
+      if (attn.defined()) merged_heads.narrow(2, q0, n).copy_(attn);
       if (any_dead) dead_blocks[block] = dead.squeeze(-1).all(1);
     });
     result.backend = backends[0];
