@@ -273,18 +273,17 @@ class TorchModel final : public AttentionModel {
   }
 
   // Up to this many rows, a float32 product on the CPU runs as one matrix-vector product per row:
-  // OpenBLAS packs the whole weight matrix on every GEMM call, ~0.25 ms for [3E, E] at E=512 here,
-  // which a one-token decoding step would pay per projection (a 1-row GEMM 0.30 ms, a GEMV 0.05 ms;
-  // even at 6 rows, 0.39 vs 0.34 ms).
+  // an OpenBLAS GEMM call has a fixed cost (it packs the whole weight matrix and computes whole
+  // micro-tiles), which a one-token decoding step would pay per projection: against [3E, E] at
+  // E=512 here a 1-row GEMM took 0.30 ms, 4 rows 0.25, 16 rows 0.46, a GEMV 0.05 ms a row.
   static constexpr int64_t kGemvRows = 4;
 
-  // y = x · wt (+ b) row by row as matrix-vector products, when that is the faster way (kGemvRows);
-  // false (nothing written) otherwise.
-  bool GemvInto(const at::Tensor& y, const at::Tensor& x, const at::Tensor& wt, const at::Tensor& b) const {
-    if (!device_.is_cpu() || x.size(0) > kGemvRows || x.scalar_type() != at::kFloat ||
-        wt.scalar_type() != at::kFloat || y.scalar_type() != at::kFloat) {
-      return false;
-    }
+  bool UseGemv(const at::Tensor& x, const at::Tensor& w) const {
+    return device_.is_cpu() && x.size(0) <= kGemvRows && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat;
+  }
+
+  // y = x · wt (+ b) row by row as matrix-vector products (for UseGemv).
+  void GemvInto(const at::Tensor& y, const at::Tensor& x, const at::Tensor& wt, const at::Tensor& b) const {
     const at::Tensor w = wt.t();  // [out, in]
     for (int64_t i = 0; i < x.size(0); ++i) {
       at::Tensor yi = y.select(0, i);
@@ -294,14 +293,16 @@ class TorchModel final : public AttentionModel {
         at::mv_out(yi, w, x.select(0, i));
       }
     }
-    return true;
   }
 
   // x [rows, in] · wt [in, out] (+ b) into y [rows, out], the rows cut into blocks, one GEMM each,
   // when cores are idle: every output row is computed as the single GEMM would.
   void GemmInto(const at::Tensor& y, const at::Tensor& x, const at::Tensor& wt, const at::Tensor& b,
                 const Parallel& parallel) const {
-    if (GemvInto(y, x, wt, b)) return;
+    if (UseGemv(x, wt) && y.scalar_type() == at::kFloat) {
+      GemvInto(y, x, wt, b);
+      return;
+    }
     const int64_t blocks = Blocks(parallel, x.size(0), 2.0 * wt.size(0) * wt.size(1), kMinGemmRows);
     Pieces(parallel, blocks, [&](int64_t i) {
       const auto [r0, n] = blocks > 1 ? Block(x.size(0), blocks, i) : std::make_pair(int64_t{0}, x.size(0));
@@ -319,9 +320,10 @@ class TorchModel final : public AttentionModel {
 
   // nn.functional.linear(x, w, b) (w [out, in]), split as GemmInto.
   at::Tensor Linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const Parallel& parallel) const {
-    if (x.size(0) <= kGemvRows) {
+    if (UseGemv(x, w)) {
       at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
-      if (GemvInto(y, x, w.t(), b)) return y;
+      GemvInto(y, x, w.t(), b);
+      return y;
     }
     if (Blocks(parallel, x.size(0), 2.0 * w.size(0) * w.size(1), kMinGemmRows) <= 1) {
       return x.scalar_type() == w.scalar_type() ? at::linear(x, w, b)
