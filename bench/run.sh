@@ -136,7 +136,8 @@ with open(sys.argv[1].replace("results.jsonl", "open_loop.dat"), "w") as f:
     for s in ["floor", "off", "on", "python", "ray"]:
         f.write(f"# {s}\n")
         for r in rows:
-            if r["label"].startswith(s + "/open@"):
+            # A rate at which nothing was answered in time has no latency to plot (its row says so).
+            if r["label"].startswith(s + "/open@") and r["requests_per_s"] > 0:
                 f.write(f"{r['rate']} {r['requests_per_s']} {r['latency_ms']['p99']}\n")
         f.write("\n\n")
 PY
