@@ -61,18 +61,18 @@ print(f"{'system':22s} {'W1 tok/s':>10s} {'W1 p99 ms':>10s} {'W2 tok/s':>10s} {'
 for s in systems:
     print(f"{s:22s} {med(s, 'W1', 'tokens_per_s'):10.0f} {med(s, 'W1', 'p99'):10.1f} "
           f"{med(s, 'W2', 'tokens_per_s'):10.0f} {med(s, 'W2', 'p99'):10.1f}")
+def ratio(a, b, w):  # "-" where the denominator answered nothing in the run (too slow to finish one)
+    d = med(b, w, 'tokens_per_s')
+    return f"{med(a, w, 'tokens_per_s') / d:.2f}" if d else "-"
 print("ratios (W1 / W2 tokens/s):")
 for torch_v in ("1.13", "2.11"):
     for dt in ("f32", "bf16"):
         a, p = f"attnserve-{torch_v}-{dt}", f"python-{torch_v}-{dt}"
-        print(f"  attnserve/python on {torch_v} {dt}: {med(a, 'W1', 'tokens_per_s') / med(p, 'W1', 'tokens_per_s'):.2f} / "
-              f"{med(a, 'W2', 'tokens_per_s') / med(p, 'W2', 'tokens_per_s'):.2f}")
+        print(f"  attnserve/python on {torch_v} {dt}: {ratio(a, p, 'W1')} / {ratio(a, p, 'W2')}")
 for dt in ("f32", "bf16"):
     a, b = f"attnserve-2.11-{dt}", f"attnserve-1.13-{dt}"
-    print(f"  attnserve 2.11/1.13 {dt}: {med(a, 'W1', 'tokens_per_s') / med(b, 'W1', 'tokens_per_s'):.2f} / "
-          f"{med(a, 'W2', 'tokens_per_s') / med(b, 'W2', 'tokens_per_s'):.2f}")
+    print(f"  attnserve 2.11/1.13 {dt}: {ratio(a, b, 'W1')} / {ratio(a, b, 'W2')}")
 for v in ("1.13", "2.11"):
     a, b = f"attnserve-{v}-bf16", f"attnserve-{v}-f32"
-    print(f"  attnserve bf16/f32 on {v}: {med(a, 'W1', 'tokens_per_s') / med(b, 'W1', 'tokens_per_s'):.2f} / "
-          f"{med(a, 'W2', 'tokens_per_s') / med(b, 'W2', 'tokens_per_s'):.2f}")
+    print(f"  attnserve bf16/f32 on {v}: {ratio(a, b, 'W1')} / {ratio(a, b, 'W2')}")
 PY
