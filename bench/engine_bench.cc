@@ -1,7 +1,7 @@
 // The engine alone (Google Benchmark): a set of requests computed one by one with Forward versus
 // together with ForwardBatch, for W1-like (self, 8-64) and W2-like (16-512, half cross) sets.
 // Same requests, same thread, so the ratio is what batching buys the engine. Each reports FLOP/s
-// (projections and attention, as attnserve-bench counts them) beside GemmBound: the BLAS alone
+// (projections and attention, as the server's metrics count them: ForwardFlops) beside GemmBound: the BLAS alone
 // multiplying the same rows by the same projection matrices (sgemm through the BLAS that LibTorch
 // uses, looked up at run time), the ceiling for a batch whose time is all projection GEMM.
 #include <benchmark/benchmark.h>
@@ -11,6 +11,7 @@
 
 #include "server/engine/attention_model.h"
 #include "server/engine/model_loader.h"
+#include "server/types.h"
 #include "server/validator.h"
 
 namespace {
@@ -47,17 +48,15 @@ Set MakeSet(int n, int lo, int hi, double cross, uint32_t seed) {
     attnserve::AttendCall c;
     const int lq = len(rng);
     c.query = tensor(lq);
-    int lk = lq;
     if (std::uniform_real_distribution<double>()(rng) < cross) {
-      lk = len(rng);
+      const int lk = len(rng);
       c.key = tensor(lk);
       c.value = tensor(lk);
       s.key_rows += lk;
     }
     (c.key ? s.cross_rows : s.self_rows) += lq;
-    const double e = 512;
-    s.flops += 4.0 * lq * e * e + 4.0 * lk * e * e + 4.0 * lq * lk * e;
     attnserve::Validate(Model().spec(), {}, &c);
+    s.flops += attnserve::ForwardFlops(Model().spec(), c);
     s.calls.push_back(c);
   }
   s.outs.resize(n);
@@ -96,7 +95,7 @@ void GemmBound(benchmark::State& state, int lo, int hi, double cross) {
                          float*, int);
   const auto sgemm = reinterpret_cast<Sgemm>(dlsym(RTLD_DEFAULT, "cblas_sgemm"));
   if (!sgemm) {
-    state.SkipWithError("no cblas_sgemm in this process (LibTorch's BLAS is linked into it)");
+    state.SkipWithError("LibTorch's BLAS exports no cblas_sgemm in this process");
     return;
   }
   Model();  // Sets the BLAS to one thread per caller, as in the server.
