@@ -1,6 +1,5 @@
 #include "attnserve/client.h"
 
-#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
 #include <condition_variable>
@@ -13,6 +12,7 @@
 #include <thread>
 
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 
 // A call handed to gRPC comes back on another thread (the completion-queue poller, or a callback
 // thread). Debian's gRPC is not built with ThreadSanitizer, so TSan cannot see that handoff; these
@@ -158,7 +158,7 @@ struct Client::Impl {
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<pb::AttentionService::Stub> stub;
   std::unique_ptr<pb::AdminService::Stub> admin;
-  std::unique_ptr<grpc::GenericStub> generic;
+  std::unique_ptr<grpc::health::v1::Health::Stub> health;
 
   void Prepare(grpc::ClientContext* ctx, const CallOptions& call) const {
     const auto deadline = call.deadline.value_or(options.deadline);
@@ -253,7 +253,7 @@ Client::Client(const ClientOptions& options) : impl_(std::make_shared<Impl>()) {
   impl_->channel = grpc::CreateCustomChannel(options.target, credentials, args);
   impl_->stub = pb::AttentionService::NewStub(impl_->channel);
   impl_->admin = pb::AdminService::NewStub(impl_->channel);
-  impl_->generic = std::make_unique<grpc::GenericStub>(impl_->channel);
+  impl_->health = grpc::health::v1::Health::NewStub(impl_->channel);
   impl_->poller = std::thread([impl = impl_.get()] { impl->Poll(); });
 }
 
@@ -483,35 +483,14 @@ CallStatus Client::CloseSession(const std::string& handle, const CallOptions& ca
 }
 
 CallStatus Client::Health(const std::string& service, bool* serving, const CallOptions& call) {
-  // grpc.health.v1 by hand (two one-field messages), so no health.proto copy is needed:
-  // HealthCheckRequest{string service = 1}, HealthCheckResponse{ServingStatus status = 1}.
-  if (service.size() > 127) return CallStatus{3, "service: name longer than 127 bytes"};
-  std::string req_bytes;
-  if (!service.empty()) {
-    req_bytes.push_back('\x0a');
-    req_bytes.push_back(static_cast<char>(service.size()));
-    req_bytes += service;
-  }
-  grpc::Slice slice(req_bytes);
-  grpc::ByteBuffer request(&slice, 1), response;
+  grpc::health::v1::HealthCheckRequest req;
+  req.set_service(service);
+  grpc::health::v1::HealthCheckResponse resp;
   grpc::ClientContext ctx;
   impl_->Prepare(&ctx, call);
-  std::promise<grpc::Status> done;
-  ATTNSERVE_HANDOFF_RELEASE(&done);  // The callback runs on a gRPC thread.
-  impl_->generic->UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request,
-                            &response, [&](grpc::Status s) {
-                              ATTNSERVE_HANDOFF_ACQUIRE(&done);
-                              done.set_value(s);
-                            });
-  const grpc::Status s = done.get_future().get();
+  const grpc::Status s = impl_->health->Check(&ctx, req, &resp);
   if (!s.ok()) return FromGrpc(s);
-  std::vector<grpc::Slice> slices;
-  std::string bytes;
-  if (response.Dump(&slices).ok()) {
-    for (const auto& sl : slices) bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
-  }
-  // status field: tag 0x08, then a one-byte varint (1 = SERVING, 2 = NOT_SERVING).
-  *serving = bytes.size() >= 2 && bytes[0] == '\x08' && bytes[1] == '\x01';
+  *serving = resp.status() == grpc::health::v1::HealthCheckResponse::SERVING;
   return CallStatus{};
 }
 

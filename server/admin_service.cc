@@ -2,7 +2,7 @@
 
 #include <iostream>
 
-#include "server/engine/safetensors.h"
+#include "server/files.h"
 #include "server/grpc_status.h"
 
 namespace attnserve {

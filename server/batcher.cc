@@ -15,14 +15,6 @@ bool Compatible(const WorkItem& a, const WorkItem& b) {
 
 }  // namespace
 
-int64_t WorkItem::tokens() const {
-  // Rows projected: the query's, plus the keys a request carries (a memory's or session's kept
-  // keys are not projected again).
-  return call.batch * (call.query_len + (call.key ? call.key_len : 0));
-}
-
-int64_t WorkItem::attention_cost() const { return call.batch * call.query_len * call.key_len; }
-
 Status BatcherOptions::Validate() const {
   const auto fail = [](const std::string& m) { return Status(StatusCode::kFailedPrecondition, m); };
   if (max_batch_tokens < 1) return fail("--max-batch-tokens must be >= 1");

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "server/engine/attention_model.h"
+#include "server/host_cpus.h"
 #include "server/status.h"
 #include "server/types.h"
 
@@ -43,11 +44,9 @@ struct WorkItem {
   double compute_seconds = 0;
   int batch_size = 0;
 
-  /// Tokens this request brings to a batch: batch * query_len, plus batch * key_len when it carries
-  /// key and value (self-attention's keys are its queries; a memory's are projected already).
-  int64_t tokens() const;
-  /// Attention scores it needs: batch * query_len * key_len (per head).
-  int64_t attention_cost() const;
+  /// The validated call's AttendCall::tokens and attention_cost.
+  int64_t tokens() const { return call.tokens; }
+  int64_t attention_cost() const { return call.attention_cost; }
 };
 
 /// Items dropped before compute, each with the reason (DEADLINE_EXCEEDED or CANCELLED).
@@ -69,8 +68,9 @@ struct BatcherOptions {
   size_t max_queue_size = 1024;
   /// false: every request is its own batch and none waits for company.
   bool enabled = true;
-  /// Compute threads, shared by all models.
-  int workers = 2;
+  /// Compute threads, shared by all models: one per usable core (host_cpus.h's UsableCpus: CPU
+  /// affinity, capped by a cgroup CPU quota), as the server flag --workers defaults to.
+  int workers = UsableCpus();
   /// Called once per computed batch (for metrics), on the worker thread.
   std::function<void(const std::string& model, const std::vector<WorkItem*>& batch,
                      double compute_seconds)>

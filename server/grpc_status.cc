@@ -26,22 +26,3 @@ grpc::Status ToGrpcStatus(const Status& status) {
 }
 
 }  // namespace attnserve
-
-namespace attnserve {
-const char* GrpcCodeName(const Status& status) {
-  switch (ToGrpcCode(status.code())) {
-    case grpc::StatusCode::OK: return "OK";
-    case grpc::StatusCode::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
-    case grpc::StatusCode::NOT_FOUND: return "NOT_FOUND";
-    case grpc::StatusCode::UNAVAILABLE: return "UNAVAILABLE";
-    case grpc::StatusCode::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
-    case grpc::StatusCode::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
-    case grpc::StatusCode::CANCELLED: return "CANCELLED";
-    case grpc::StatusCode::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
-    case grpc::StatusCode::UNAUTHENTICATED: return "UNAUTHENTICATED";
-    case grpc::StatusCode::PERMISSION_DENIED: return "PERMISSION_DENIED";
-    case grpc::StatusCode::ABORTED: return "ABORTED";
-    default: return "INTERNAL";
-  }
-}
-}  // namespace attnserve

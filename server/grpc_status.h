@@ -15,8 +15,3 @@ grpc::StatusCode ToGrpcCode(StatusCode code);
 grpc::Status ToGrpcStatus(const Status& status);
 
 }  // namespace attnserve
-
-namespace attnserve {
-/// The gRPC name of the code `status` maps to, e.g. "INVALID_ARGUMENT" (a metrics label).
-const char* GrpcCodeName(const Status& status);
-}  // namespace attnserve

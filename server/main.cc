@@ -6,6 +6,8 @@
 #include <cerrno>
 #include <cstdlib>
 #include <iostream>
+#include <map>
+#include <string>
 #include <thread>
 
 #include "server/host_cpus.h"
@@ -66,11 +68,13 @@ int main(int argc, char** argv) {
                  "Directory of models: one subdirectory per model with config.json and weights "
                  "(README \"Models\"); default: the built-in demo model");
   app.add_option("--device", o.device, "Compute device: cpu, cuda or cuda:N")->capture_default_str();
-  std::string dtype = "float32";
-  app.add_option("--dtype", dtype,
+  const std::map<std::string, attnserve::DType> dtypes{{"float32", attnserve::DType::kFloat32},
+                                                       {"float16", attnserve::DType::kFloat16},
+                                                       {"bfloat16", attnserve::DType::kBFloat16}};
+  app.add_option("--dtype", o.compute_dtype,
                  "Weights and compute dtype: float32 (default, exact), bfloat16, or float16 (CUDA only)")
-      ->check(CLI::IsMember({"float32", "float16", "bfloat16"}))
-      ->capture_default_str();
+      ->transform(CLI::CheckedTransformer(dtypes).description("{float32, float16, bfloat16}"))
+      ->default_str("float32");
   app.add_flag("--tf32", o.allow_tf32,
                "CUDA float32: let matmuls use TF32 tensor cores (faster, ~1e-3 relative error)");
   app.add_option("--tls-cert", o.tls_cert_file, "PEM certificate chain: serve gRPC over TLS (with --tls-key)");
@@ -88,15 +92,15 @@ int main(int argc, char** argv) {
                  "Client certificate names (CN or subject alternative name) allowed to call "
                  "AdminService; needs --tls-client-ca")
       ->delimiter(',');
-  std::string varlen = "auto";
-  app.add_option("--varlen-attention", varlen,
+  using Varlen = attnserve::EngineOptions::Varlen;
+  const std::map<std::string, Varlen> varlens{{"auto", Varlen::kAuto}, {"off", Varlen::kOff}, {"emulate", Varlen::kEmulate}};
+  app.add_option("--varlen-attention", o.varlen,
                  "Small requests batched together: auto = one varlen flash/memory-efficient kernel "
                  "launch over their packed rows on CUDA (LibTorch >= 2.11), else one attention per "
                  "request; off = one per request; emulate = the varlen packing with per-sequence "
                  "attention on any device (for tests)")
-      ->check(CLI::IsMember({"auto", "off", "emulate"}))
-      ->capture_default_str();
-  o.batcher.workers = attnserve::UsableCpus();
+      ->transform(CLI::CheckedTransformer(varlens).description("{auto, off, emulate}"))
+      ->default_str("auto");
   app.add_option("--workers", o.batcher.workers,
                  "Compute threads (default: one per usable core: CPU affinity, capped by a cgroup CPU quota)")
       ->check(CLI::Range(1, 256))
@@ -177,12 +181,6 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   o.batcher.enabled = !no_batching;
-  o.varlen = varlen == "off"       ? attnserve::EngineOptions::Varlen::kOff
-             : varlen == "emulate" ? attnserve::EngineOptions::Varlen::kEmulate
-                                   : attnserve::EngineOptions::Varlen::kAuto;
-  o.compute_dtype = dtype == "float16"    ? attnserve::DType::kFloat16
-                    : dtype == "bfloat16" ? attnserve::DType::kBFloat16
-                                          : attnserve::DType::kFloat32;
   o.batcher.max_queue_delay = std::chrono::microseconds(delay_us);
 
   InstallSignals();

@@ -55,10 +55,6 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
                         .Name("attnserve_batch_size_tokens")
                         .Help("Query plus key tokens computed together in one engine call.")
                         .Register(registry)),
-      padding_(prometheus::BuildGauge()
-                   .Name("attnserve_batch_padding_fraction")
-                   .Help("Fraction of padding rows in the last batch (ragged packing: 0).")
-                   .Register(registry)),
       rejections_(prometheus::BuildCounter()
                       .Name("attnserve_rejections_total")
                       .Help("Requests refused or dropped before compute, by reason.")
@@ -151,8 +147,6 @@ void ServerMetrics::RecordBatch(const std::string& model, const std::vector<Work
   compute_.Add(labels, LatencyBuckets()).Observe(seconds);
   batch_size_.Add(labels, BatchBuckets()).Observe(static_cast<double>(batch.size()));
   batch_tokens_.Add(labels, TokenBuckets()).Observe(static_cast<double>(tokens));
-  // The engine packs every request's rows with no padding rows at all.
-  padding_.Add(labels).Set(0);
 }
 
 void ServerMetrics::SetDeviceMemory(const std::string& device, int64_t allocated,

@@ -28,8 +28,8 @@ class ServerMetrics {
                      double seconds);
   /// Requests accepted and not yet answered, by method.
   void AddInFlight(const std::string& method, double delta);
-  /// One computed batch: its size in requests and tokens, compute time, padding (none: packed),
-  /// and each request's queue wait.
+  /// One computed batch: its size in requests and tokens, compute time and FLOPs, and each
+  /// request's queue wait. (No padding metric: the engine packs rows and never pads.)
   void RecordBatch(const std::string& model, const std::vector<WorkItem*>& batch, double seconds);
   /// Allocated and reserved bytes of a CUDA device's caching allocator.
   void SetDeviceMemory(const std::string& device, int64_t allocated, int64_t reserved);
@@ -62,7 +62,6 @@ class ServerMetrics {
   prometheus::Family<prometheus::Histogram>& compute_;
   prometheus::Family<prometheus::Histogram>& batch_size_;
   prometheus::Family<prometheus::Histogram>& batch_tokens_;
-  prometheus::Family<prometheus::Gauge>& padding_;
   prometheus::Family<prometheus::Counter>& rejections_;
   prometheus::Family<prometheus::Counter>& backend_;
   prometheus::Family<prometheus::Counter>& flops_;

@@ -36,6 +36,24 @@ std::shared_ptr<const AttentionModel> ModelSet::Find(const std::string& name, in
   return v == it->second.end() ? nullptr : v->second;
 }
 
+StatusOr<std::shared_ptr<const AttentionModel>> ModelSet::Lookup(const std::string& name, int64_t version,
+                                                                 const char* name_field,
+                                                                 const char* version_field) const {
+  if (version < 0) {
+    return InvalidArgument(std::string(version_field) + ": " + std::to_string(version) +
+                           "; allowed: 0 (the highest loaded) or a loaded version");
+  }
+  if (std::shared_ptr<const AttentionModel> model = Find(name, version)) return model;
+  auto it = models.find(name);
+  if (it == models.end()) {
+    return NotFound(std::string(name_field) + ": '" + name + "' is not loaded; available: " + Names());
+  }
+  std::string versions;
+  for (const auto& [v, m] : it->second) versions += (versions.empty() ? "" : ", ") + std::to_string(v);
+  return NotFound(std::string(version_field) + ": " + std::to_string(version) + " of '" + name +
+                  "' is not loaded; loaded versions: " + versions);
+}
+
 std::string ModelSet::Names() const {
   std::string names;
   for (const auto& [name, versions] : models) names += (names.empty() ? "" : ", ") + name;

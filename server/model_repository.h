@@ -22,6 +22,11 @@ struct ModelSet {
 
   /// `version` 0 = the highest loaded. nullptr when absent.
   std::shared_ptr<const AttentionModel> Find(const std::string& name, int64_t version) const;
+  /// Find, or the reason: INVALID_ARGUMENT for a negative version, NOT_FOUND naming what the set
+  /// holds. `name_field` and `version_field` are the request's field names, for the message.
+  StatusOr<std::shared_ptr<const AttentionModel>> Lookup(const std::string& name, int64_t version,
+                                                         const char* name_field = "model",
+                                                         const char* version_field = "model_version") const;
   /// "a, b, c": the names, for messages.
   std::string Names() const;
   size_t versions() const;

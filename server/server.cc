@@ -3,25 +3,21 @@
 #include <grpc/grpc.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
-#include <grpcpp/health_check_service_interface.h>
 #include <prometheus/exposer.h>
 #include <prometheus/registry.h>
 
-#include <unistd.h>
-
-#include <atomic>
-#include <cstdio>
 #include <mutex>
-#include <set>
 
 #include "server/attention_service.h"
 #include "server/engine/blas.h"
-#include "server/engine/device_support.h"
-#include "server/engine/model_loader.h"
-#include "server/engine/safetensors.h"
+#include "server/files.h"
+#include "server/grpc_codec.h"
+#include "server/health.h"
+#include "server/memory_sampler.h"
 #include "server/metrics.h"
+#include "server/reload_hooks.h"
+#include "server/request_pipeline.h"
 #include "server/thread_stacks.h"
-#include "server/wire.h"
 
 namespace attnserve {
 
@@ -32,12 +28,6 @@ namespace attnserve {
 /// listener and sends GOAWAY, which is what moves a proxy to the other replicas.
 static constexpr std::chrono::milliseconds kDrainQuietPeriod{250};
 static constexpr std::chrono::milliseconds kDrainHandOff{1000};
-
-/// Health service names: "" (overall), the service, and "<service>/<model>" per model.
-static constexpr char kServiceName[] = "attnserve.v1.AttentionService";
-/// Health of the model repository: NOT_SERVING while the latest load of some model failed (what
-/// served before still serves).
-static constexpr char kRepositoryHealthName[] = "attnserve.v1.ModelRepository";
 
 namespace {
 
@@ -84,196 +74,161 @@ struct Server::Impl {
   std::shared_ptr<prometheus::Registry> registry = std::make_shared<prometheus::Registry>();
   std::unique_ptr<ServerMetrics> metrics;
   std::unique_ptr<prometheus::Exposer> exposer;
+  std::unique_ptr<MemorySampler> memory;
   std::unique_ptr<Batcher> batcher;
   std::unique_ptr<KvStore> kv;
+  std::unique_ptr<RequestPipeline> pipeline;
   std::unique_ptr<AttentionServiceImpl> service;
   std::unique_ptr<grpc::Server> grpc_server;
   std::unique_ptr<grpc::Server> health_server;  // --health-address: grpc.health.v1 only, plaintext
+  std::unique_ptr<HealthReporter> health;
   int port = 0;
   int health_port = 0;
   int metrics_port = 0;
   std::once_flag shutdown_once;
+
+  Status StartMetrics();
+  void StartPipeline();
+  Status StartGrpc();
+  Status StartHealth();
 };
+
+namespace {
+
+Status Refuse(const std::string& message) { return Status(StatusCode::kFailedPrecondition, message); }
+
+// Options that no component checks by itself, and the BLAS the compute threads would share.
+Status CheckOptions(const ServerOptions& options) {
+  RETURN_IF_ERROR(options.batcher.Validate());
+  RETURN_IF_ERROR(options.kv.Validate());
+  RETURN_IF_ERROR(options.admin.Check(!options.tls_client_ca_file.empty()));
+  const BlasInfo blas = ConfigureBlas();
+  if (!blas.thread_safe && options.device == "cpu" && options.batcher.workers > 1) {
+    // Several compute threads on such a BLAS silently give wrong answers, some of them another
+    // request's: refuse rather than serve them.
+    return Refuse("--workers " + std::to_string(options.batcher.workers) + ": the BLAS is " + blas.description +
+                  "; with more than one compute thread it gives wrong results. " +
+                  "Install libopenblas0-pthread (README \"BLAS\") or run with --workers 1");
+  }
+  return Status::Ok();
+}
+
+EngineOptions EngineOptionsOf(const ServerOptions& options) {
+  EngineOptions engine;
+  engine.device = options.device;
+  engine.compute_dtype = options.compute_dtype;
+  engine.allow_tf32 = options.allow_tf32;
+  engine.varlen = options.varlen;
+  return engine;
+}
+
+// A gRPC listener that refuses to share its port: gRPC sets SO_REUSEPORT by default, so a second
+// attnserve on a port in use would start and take some of the first one's connections.
+grpc::ServerBuilder& Builder(grpc::ServerBuilder& builder) {
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  return builder;
+}
+
+}  // namespace
+
+Status Server::Impl::StartMetrics() {
+  metrics = std::make_unique<ServerMetrics>(*registry);
+  for (const auto& [name, versions] : models->Snapshot()->models) {
+    for (const auto& [version, model] : versions) metrics->AddModelInfo(model->spec());
+  }
+  memory = std::make_unique<MemorySampler>(options.device, *metrics);
+  if (options.metrics_address.empty()) return Status::Ok();
+  if (!ThreadStacksIncludeStaticTls()) {
+    return Refuse("--metrics-address: this executable does not export attnserve's pthread_attr_setstacksize "
+                  "(server/thread_stacks.cc); link it through attnserve::server");
+  }
+  try {
+    exposer = std::make_unique<prometheus::Exposer>(options.metrics_address);
+  } catch (const std::exception& e) {
+    return Refuse("--metrics-address " + options.metrics_address + ": cannot listen: " + e.what());
+  }
+  exposer->RegisterCollectable(registry);
+  const auto ports = exposer->GetListeningPorts();
+  metrics_port = ports.empty() ? 0 : ports.front();
+  return Status::Ok();
+}
+
+void Server::Impl::StartPipeline() {
+  BatcherOptions batching = options.batcher;
+  batching.on_batch = [m = metrics.get(), s = memory.get()](const std::string& model,
+                                                           const std::vector<WorkItem*>& batch, double seconds) {
+    m->RecordBatch(model, batch, seconds);
+    s->Sample();
+  };
+  batching.on_reject = [m = metrics.get()](const std::string& model, const char* reason) {
+    m->RecordRejection(model, reason);
+  };
+  batcher = std::make_unique<Batcher>(std::move(batching));
+  KvMetricsHooks kv_hooks;
+  kv_hooks.on_size = [m = metrics.get()](int64_t bytes, int64_t memories, int64_t sessions) {
+    m->SetKvSize(bytes, memories, sessions);
+  };
+  kv_hooks.on_lookup = [m = metrics.get()](KvKind kind, bool hit) { m->RecordKvLookup(KvKindName(kind), hit); };
+  kv_hooks.on_end = [m = metrics.get()](KvKind kind, KvEndReason why) {
+    m->RecordKvEnd(KvKindName(kind), KvEndReasonName(why));
+  };
+  kv = std::make_unique<KvStore>(options.kv, std::move(kv_hooks));
+  AttendLimits limits = options.limits;
+  limits.max_answer_bytes = int64_t{options.max_message_bytes} - int64_t{kResponseOverheadBytes};
+  pipeline = std::make_unique<RequestPipeline>(*models, *batcher, *metrics, limits, options.flow, *kv);
+  service = std::make_unique<AttentionServiceImpl>(*pipeline);
+  admin = std::make_unique<AdminServiceImpl>(*models, options.admin);
+}
+
+Status Server::Impl::StartGrpc() {
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials, ServerCredentials(options));
+  Builder(builder).AddListeningPort(options.address, credentials, &port);
+  builder.RegisterService(service.get());
+  builder.RegisterService(admin.get());
+  builder.SetMaxReceiveMessageSize(options.max_message_bytes);
+  builder.SetMaxSendMessageSize(options.max_message_bytes);
+  grpc_server = builder.BuildAndStart();
+  if (grpc_server && port != 0) return Status::Ok();
+  return Refuse("--address " + options.address + ": cannot listen (in use, or not an address" +
+                (options.tls_cert_file.empty() ? ")" : "; or --tls-cert and --tls-key do not match)"));
+}
+
+Status Server::Impl::StartHealth() {
+  if (!options.health_address.empty()) {
+    grpc::ServerBuilder builder;  // No services of its own: only the default health service.
+    Builder(builder).AddListeningPort(options.health_address, grpc::InsecureServerCredentials(), &health_port);
+    health_server = builder.BuildAndStart();
+    if (!health_server || health_port == 0) {
+      grpc_server->Shutdown();
+      return Refuse("--health-address " + options.health_address + ": cannot listen (in use, or not an address)");
+    }
+  }
+  std::vector<grpc::HealthCheckServiceInterface*> services;
+  for (grpc::Server* s : {grpc_server.get(), health_server.get()}) {
+    if (s != nullptr) services.push_back(s->GetHealthCheckService());
+  }
+  health = std::make_unique<HealthReporter>(std::move(services), *models->Snapshot());
+  // Reloads tell metrics, health and the store what changed (on the reloading thread, which
+  // Shutdown stops before the servers go).
+  models->SetHooks(ReloadHooks(*metrics, *kv, *health));
+  return Status::Ok();
+}
 
 Server::Server(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Server::~Server() { Shutdown(); }
 
 StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
+  RETURN_IF_ERROR(CheckOptions(options));
   auto impl = std::make_unique<Impl>();
   impl->options = options;
-  const auto fail = [](const std::string& m) { return Status(StatusCode::kFailedPrecondition, m); };
-  RETURN_IF_ERROR(options.batcher.Validate());
-  const BlasInfo blas = ConfigureBlas();
-  if (!blas.thread_safe && options.device == "cpu" && options.batcher.workers > 1) {
-    // Several compute threads on such a BLAS silently give wrong answers, some of them another
-    // request's: refuse rather than serve them.
-    return fail("--workers " + std::to_string(options.batcher.workers) + ": the BLAS is " +
-                blas.description + "; with more than one compute thread it gives wrong results. " +
-                "Install libopenblas0-pthread (README \"BLAS\") or run with --workers 1");
-  }
-
-  RETURN_IF_ERROR(options.admin.Check(!options.tls_client_ca_file.empty()));
-  EngineOptions engine_options;
-  engine_options.device = options.device;
-  engine_options.compute_dtype = options.compute_dtype;
-  engine_options.allow_tf32 = options.allow_tf32;
-  engine_options.varlen = options.varlen;
-  ASSIGN_OR_RETURN(impl->models, ModelRepository::Open(options.models_dir, engine_options));
-
-  impl->metrics = std::make_unique<ServerMetrics>(*impl->registry);
-  for (const auto& [name, versions] : impl->models->Snapshot()->models) {
-    for (const auto& [version, model] : versions) impl->metrics->AddModelInfo(model->spec());
-  }
-  if (!options.metrics_address.empty()) {
-    if (!ThreadStacksIncludeStaticTls()) {
-      return fail("--metrics-address: this executable does not export attnserve's "
-                  "pthread_attr_setstacksize (server/thread_stacks.cc); link it through "
-                  "attnserve::server");
-    }
-    try {
-      impl->exposer = std::make_unique<prometheus::Exposer>(options.metrics_address);
-    } catch (const std::exception& e) {
-      return fail("--metrics-address " + options.metrics_address + ": cannot listen: " + e.what());
-    }
-    impl->exposer->RegisterCollectable(impl->registry);
-    const auto ports = impl->exposer->GetListeningPorts();
-    impl->metrics_port = ports.empty() ? 0 : ports.front();
-  }
-
-  BatcherOptions batcher_options = options.batcher;
-  ServerMetrics* metrics = impl->metrics.get();
-  // On CUDA, each batch also refreshes the device's allocator gauges.
-  int cuda_index = -1;
-  if (options.device.rfind("cuda", 0) == 0) {
-    cuda_index = options.device.size() > 5 ? std::atoi(options.device.c_str() + 5) : 0;
-  }
-  batcher_options.on_batch = [metrics, cuda_index](const std::string& model,
-                                                   const std::vector<WorkItem*>& batch,
-                                                   double seconds) {
-    metrics->RecordBatch(model, batch, seconds);
-    DeviceMemory memory;
-    if (cuda_index >= 0 && ReadDeviceMemory(cuda_index, &memory)) {
-      metrics->SetDeviceMemory("cuda:" + std::to_string(cuda_index), memory.allocated, memory.reserved);
-    } else if (cuda_index < 0) {
-      // On the CPU the device's memory is the process's: its resident set, read at most once a
-      // second (a /proc read per batch would cost more than the gauge is worth).
-      static std::atomic<int64_t> last_read_ns{0};
-      const int64_t now = SteadyClock::now().time_since_epoch().count();
-      int64_t last = last_read_ns.load(std::memory_order_relaxed);
-      if (now - last >= 1'000'000'000 && last_read_ns.compare_exchange_strong(last, now)) {
-        long pages_total = 0, pages_resident = 0;
-        if (FILE* f = std::fopen("/proc/self/statm", "r")) {
-          if (std::fscanf(f, "%ld %ld", &pages_total, &pages_resident) == 2) {
-            metrics->SetHostMemory(static_cast<int64_t>(pages_resident) * sysconf(_SC_PAGESIZE));
-          }
-          std::fclose(f);
-        }
-      }
-    }
-  };
-  batcher_options.on_reject = [metrics](const std::string& model, const char* reason) {
-    metrics->RecordRejection(model, reason);
-  };
-  impl->batcher = std::make_unique<Batcher>(std::move(batcher_options));
-  AttendLimits limits = options.limits;
-  limits.max_answer_bytes =
-      static_cast<int64_t>(options.max_message_bytes) - static_cast<int64_t>(kResponseOverheadBytes);
-  RETURN_IF_ERROR(options.kv.Validate());
-  KvMetricsHooks kv_hooks;
-  kv_hooks.on_size = [metrics](int64_t bytes, int64_t memories, int64_t sessions) {
-    metrics->SetKvSize(bytes, memories, sessions);
-  };
-  kv_hooks.on_lookup = [metrics](KvKind kind, bool hit) { metrics->RecordKvLookup(KvKindName(kind), hit); };
-  kv_hooks.on_end = [metrics](KvKind kind, KvEndReason why) {
-    metrics->RecordKvEnd(KvKindName(kind), KvEndReasonName(why));
-  };
-  impl->kv = std::make_unique<KvStore>(options.kv, std::move(kv_hooks));
-  impl->service = std::make_unique<AttentionServiceImpl>(*impl->models, *impl->batcher, *impl->metrics,
-                                                         limits, options.flow, *impl->kv);
-  impl->admin = std::make_unique<AdminServiceImpl>(*impl->models, options.admin);
-
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
-  // gRPC sets SO_REUSEPORT by default: a second attnserve on a port in use would start and share
-  // the port with the first, each taking some of the connections. Refuse instead.
-  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  std::shared_ptr<grpc::ServerCredentials> credentials;
-  ASSIGN_OR_RETURN(credentials, ServerCredentials(options));
-  builder.AddListeningPort(options.address, credentials, &impl->port);
-  builder.RegisterService(impl->service.get());
-  builder.RegisterService(impl->admin.get());
-  builder.SetMaxReceiveMessageSize(options.max_message_bytes);
-  builder.SetMaxSendMessageSize(options.max_message_bytes);
-  impl->grpc_server = builder.BuildAndStart();
-  if (!impl->grpc_server || impl->port == 0) {
-    return fail("--address " + options.address + ": cannot listen (in use, or not an address" +
-                (options.tls_cert_file.empty() ? ")" : "; or --tls-cert and --tls-key do not match)"));
-  }
-  if (!options.health_address.empty()) {
-    grpc::ServerBuilder health_builder;  // No services of its own: only the default health service.
-    health_builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-    health_builder.AddListeningPort(options.health_address, grpc::InsecureServerCredentials(),
-                                    &impl->health_port);
-    impl->health_server = health_builder.BuildAndStart();
-    if (!impl->health_server || impl->health_port == 0) {
-      impl->grpc_server->Shutdown();
-      return fail("--health-address " + options.health_address + ": cannot listen (in use, or not an address)");
-    }
-  }
-  std::vector<grpc::HealthCheckServiceInterface*> healths;
-  for (grpc::Server* s : {impl->grpc_server.get(), impl->health_server.get()}) {
-    if (s != nullptr) healths.push_back(s->GetHealthCheckService());
-  }
-  std::set<std::string> known;  // Every model name health has reported on.
-  for (auto* health : healths) {
-    health->SetServingStatus(true);
-    health->SetServingStatus(kServiceName, true);
-    health->SetServingStatus(kRepositoryHealthName, true);
-    for (const auto& [name, versions] : impl->models->Snapshot()->models) {
-      health->SetServingStatus(std::string(kServiceName) + "/" + name, true);
-      known.insert(name);
-    }
-  }
-  // Reloads tell metrics and health what changed (on the reloading thread, which Shutdown stops
-  // before the servers go).
-  ModelRepositoryHooks hooks;
-  // Memories and sessions of a version that leaves (replaced or removed) end with it.
-  KvStore* kv = impl->kv.get();
-  hooks.on_loaded = [metrics, kv](const ModelSpec& loaded, const ModelSpec* replaced) {
-    if (replaced) {
-      metrics->RemoveModelInfo(*replaced);
-      kv->EndModel(*replaced);
-    }
-    metrics->AddModelInfo(loaded);
-  };
-  hooks.on_unloaded = [metrics, kv](const ModelSpec& removed) {
-    metrics->RemoveModelInfo(removed);
-    kv->EndModel(removed);
-  };
-  hooks.on_reloaded = [metrics, healths, known](const ReloadReport& report, const ModelSet& set,
-                                                const std::map<std::string, std::string>& failing) mutable {
-    std::vector<std::string> failed_now;
-    for (const RepositoryChange& c : report.changes) {
-      if (c.action == RepositoryChange::Action::kFailed &&
-          (failed_now.empty() || failed_now.back() != c.name)) {
-        failed_now.push_back(c.name);
-      }
-    }
-    metrics->RecordReload(report.failed(), failed_now);
-    std::vector<std::string> failing_names;
-    for (const auto& [name, why] : failing) failing_names.push_back(name);
-    metrics->SetModelsFailing(failing_names);
-    for (const auto& [name, why] : failing) known.insert(name);
-    for (const auto& [name, versions] : set.models) known.insert(name);
-    for (auto* health : healths) {
-      health->SetServingStatus(kRepositoryHealthName, report.status.ok() && failing.empty());
-      for (const std::string& name : known) {
-        health->SetServingStatus(std::string(kServiceName) + "/" + name, set.models.count(name) > 0);
-      }
-    }
-  };
-  impl->models->SetHooks(std::move(hooks));
+  ASSIGN_OR_RETURN(impl->models, ModelRepository::Open(options.models_dir, EngineOptionsOf(options)));
+  RETURN_IF_ERROR(impl->StartMetrics());
+  impl->StartPipeline();
+  RETURN_IF_ERROR(impl->StartGrpc());
+  RETURN_IF_ERROR(impl->StartHealth());
   return std::unique_ptr<Server>(new Server(std::move(impl)));
 }
 
@@ -326,11 +281,10 @@ void Server::Shutdown() {
     //    reopen elsewhere). Calls that reach a gRPC server already shutting down are cancelled by
     //    gRPC itself (CANCELLED, see README "Shutdown"), so the hand-off first gives clients that
     //    watch health the time to leave.
-    impl_->grpc_server->GetHealthCheckService()->Shutdown();
-    if (impl_->health_server) impl_->health_server->GetHealthCheckService()->Shutdown();
-    impl_->service->BeginDrain();
+    impl_->health->Shutdown();
+    impl_->pipeline->BeginDrain();
     impl_->models->Stop();  // Reloads waiting are answered UNAVAILABLE; none starts.
-    impl_->service->WaitIdle(start + std::min<SteadyClock::duration>(kDrainHandOff, grace * 8 / 10),
+    impl_->pipeline->WaitIdle(start + std::min<SteadyClock::duration>(kDrainHandOff, grace * 8 / 10),
                              kDrainQuietPeriod);
     // 2. Stop gRPC (listener closed, GOAWAY); calls already accepted finish; whatever is still open
     //    at 90% of the grace period is cancelled.

@@ -4,7 +4,7 @@
 #include <string>
 
 #include "server/admin_service.h"
-#include "server/attention_service.h"
+#include "server/request_pipeline.h"
 #include "server/batcher.h"
 #include "server/kv_store.h"
 #include "server/status.h"

@@ -10,13 +10,13 @@ namespace attnserve {
 /// (grpc_status.cc); see README "Errors".
 enum class StatusCode {
   kOk = 0,
-  kInvalidArgument,   ///< The request is malformed or over a per-request limit.
-  kNotFound,          ///< The named model does not exist.
-  kUnavailable,       ///< The server is draining; retry elsewhere or later.
-  kResourceExhausted, ///< A queue or device memory limit was hit.
-  kDeadlineExceeded,  ///< The deadline passed before compute started.
+  kInvalidArgument,   ///< The request is malformed, over a per-request limit, or names a bad field.
+  kNotFound,          ///< The named model, version, memory or session is not there (any more).
+  kUnavailable,       ///< The server is draining or stopping; retry elsewhere or later.
+  kResourceExhausted, ///< A queue, the in-flight byte budget, the kept-keys budget or device memory.
+  kDeadlineExceeded,  ///< The deadline passed before or during compute (the answer is dropped).
   kCancelled,         ///< The client cancelled the call.
-  kFailedPrecondition,///< Bad configuration: at start-up, or a reload the server cannot do.
+  kFailedPrecondition,///< Bad configuration or files: at start-up, in a reload, or a model without kept keys.
   kUnauthenticated,   ///< An admin call without valid credentials.
   kPermissionDenied,  ///< An admin call whose credentials are not an administrator's.
   kAborted,           ///< A session step that conflicts with another (in flight, or a length mismatch).
@@ -46,7 +46,8 @@ class Status {
 /// Longest message a Status keeps; longer ones are cut and end in "...".
 inline constexpr size_t kMaxStatusMessage = 1024;
 
-/// Name of a code, e.g. "INVALID_ARGUMENT".
+/// Name of a code, e.g. "INVALID_ARGUMENT": the name of the gRPC code it maps to (grpc_status.h),
+/// which is the metrics label `code`.
 const char* StatusCodeName(StatusCode code);
 
 inline Status InvalidArgument(std::string m) { return {StatusCode::kInvalidArgument, std::move(m)}; }

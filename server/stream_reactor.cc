@@ -1,17 +1,18 @@
 #include "server/stream_reactor.h"
 
+#include "server/grpc_call.h"
+#include "server/grpc_codec.h"
 #include "server/grpc_status.h"
-#include "server/wire.h"
 
 namespace attnserve {
 
-StreamReactor::StreamReactor(AttentionServiceImpl* service, grpc::CallbackServerContext* ctx)
-    : service_(service), ctx_(ctx), deadline_(DeadlineOf(ctx)) {
-  service_->AddStream(this);
+StreamReactor::StreamReactor(RequestPipeline& pipeline, grpc::CallbackServerContext* ctx)
+    : pipeline_(pipeline), call_(CallOf(ctx)) {
+  pipeline_.AddCall(this);
   Actions a;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (service_->draining()) {
+    if (pipeline_.draining()) {
       reads_closed_ = true;
       finish_status_ = Status(StatusCode::kUnavailable,
                               "server is shutting down; retry on another replica");
@@ -27,12 +28,12 @@ bool StreamReactor::Finishable() const {
 
 bool StreamReactor::CanRead() const {
   if (reads_closed_ || reading_ || finished_) return false;
-  const FlowLimits& flow = service_->flow();
+  const FlowLimits& flow = pipeline_.flow();
   return requests_ == 0 || (requests_ < flow.max_stream_requests && bytes_ < flow.max_stream_bytes);
 }
 
 Status StreamReactor::Undelivered() const {
-  if (SteadyClock::now() >= deadline_) {
+  if (SteadyClock::now() >= call_.deadline) {
     return Status(StatusCode::kDeadlineExceeded, "the stream's deadline passed before the answer was sent");
   }
   return Status(StatusCode::kCancelled, "the client cancelled or left before the answer was sent");
@@ -45,7 +46,7 @@ void StreamReactor::Decide(Actions* a) {
   }
   if (!writing_ && !answers_.empty()) {
     writing_ = true;
-    a->write = &answers_.front().exchange->encoded;
+    a->write = &answers_.front().encoded;
   }
   if (Finishable()) {
     finished_ = true;
@@ -69,9 +70,9 @@ void StreamReactor::DropAnswers(Actions* a) {
 void StreamReactor::Run(Actions a) {
   // The order matters: a started read is not part of Finishable(), so it goes first; after a
   // started write or Finish, another thread may finish and delete the reactor.
-  AttentionServiceImpl* service = service_;
+  RequestPipeline& pipeline = pipeline_;
   const Status undelivered = a.dropped.empty() ? Status() : Undelivered();
-  for (Answer& d : a.dropped) service->Record("AttendStream", d.exchange.get(), undelivered);
+  for (Answer& d : a.dropped) pipeline.Record("AttendStream", d.exchange.get(), undelivered);
   if (a.read) StartRead(&read_buffer_);
   if (a.write) StartWrite(a.write);
   if (a.finish) Finish(a.finish_status);
@@ -83,7 +84,6 @@ void StreamReactor::OnReadDone(bool ok) {
   int64_t wire = 0;
   if (ok) {  // read_buffer_ belongs to the read chain until the next StartRead.
     x = std::make_unique<Exchange>();
-    x->received = SteadyClock::now();
     wire = static_cast<int64_t>(read_buffer_.Length());
     parsed = ParseRequest(read_buffer_, &x->request);
     read_buffer_.Clear();
@@ -114,14 +114,13 @@ void StreamReactor::OnReadDone(bool ok) {
     }
     if (!dispatch) Decide(&a);
   }
-  if (undecodable) service_->RecordUndecoded("AttendStream", parsed);
+  if (undecodable) pipeline_.RecordUndecoded("AttendStream", parsed);
   if (dispatch) {
     // computing_ holds the call open until OnComputed; `done` may run before Dispatch returns.
     Exchange* raw = x.release();
-    service_->Dispatch("AttendStream", raw, deadline_, [this] { return ctx_->IsCancelled(); },
-                       [this, raw, wire](const Status& st) {
-                         OnComputed(Answer{std::unique_ptr<Exchange>(raw), st, wire});
-                       });
+    pipeline_.Attend("AttendStream", raw, call_, [this, raw, wire](const Status& st) {
+      OnComputed(Answer{std::unique_ptr<Exchange>(raw), st, {}, wire});
+    });
     std::lock_guard<std::mutex> lock(mu_);
     Decide(&a);
   }
@@ -129,14 +128,16 @@ void StreamReactor::OnReadDone(bool ok) {
 }
 
 void StreamReactor::OnComputed(Answer answer) {
-  if (!answer.status.ok()) {
+  if (answer.status.ok()) {
+    answer.encoded = EncodeAnswer(&answer.exchange->answer);
+  } else {
     v1::AttendResponse meta;
     meta.set_request_id(answer.exchange->request.request_id());
     meta.mutable_error()->set_code(static_cast<int>(ToGrpcCode(answer.status.code())));
     meta.mutable_error()->set_message(answer.status.message());
-    answer.exchange->encoded = EncodeResponse(meta, nullptr, nullptr);
+    answer.encoded = EncodeResponse(meta, nullptr, nullptr);
   }
-  const int64_t answer_bytes = static_cast<int64_t>(answer.exchange->encoded.Length());
+  const int64_t answer_bytes = static_cast<int64_t>(answer.encoded.Length());
   Actions a;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -172,7 +173,7 @@ void StreamReactor::OnWriteDone(bool ok) {
     }
     Decide(&a);
   }
-  service_->Record("AttendStream", written.exchange.get(), ok ? written.status : Undelivered());
+  pipeline_.Record("AttendStream", written.exchange.get(), ok ? written.status : Undelivered());
   Run(std::move(a));
 }
 
@@ -206,7 +207,7 @@ bool StreamReactor::Drain() {
 void StreamReactor::FinishNow() { Finish(drain_finish_); }
 
 void StreamReactor::OnDone() {
-  service_->RemoveStream(this);
+  pipeline_.RemoveCall(this);
   delete this;
 }
 

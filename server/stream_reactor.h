@@ -1,20 +1,21 @@
 #pragma once
 
+#include <grpcpp/grpcpp.h>
+
 #include <deque>
-#include <vector>
 #include <memory>
 #include <mutex>
+#include <vector>
 
-#include "server/attention_service.h"
+#include "server/request_pipeline.h"
 #include "server/status.h"
 
 namespace attnserve {
 
-/// One AttendStream call: reads requests, dispatches each at once through the service's request
-/// path, and writes each answer as soon as it is computed (completion order; clients match answers
+/// One AttendStream call: reads requests, dispatches each at once through the request pipeline, and writes each answer as soon as it is computed (completion order; clients match answers
 /// by request_id), one write at a time. A request that fails gets an answer carrying `error`; the
 /// stream goes on. Created by the service per call; deletes itself in OnDone. Thread-safe: gRPC
-/// reactions, compute completions and the service's drain may run on different threads at once.
+/// reactions, compute completions and the pipeline's drain may run on different threads at once.
 ///
 /// THE INVARIANT (everything below is kept under mu_):
 ///   The call is finished, exactly once, by whichever event makes Finishable() true:
@@ -35,29 +36,31 @@ namespace attnserve {
 /// request plus answer bytes. Otherwise reading resumes when a write completes, so a client that
 /// does not read its answers is held back by gRPC's flow control instead of growing the server.
 ///
-/// Every dispatched request is recorded (service Record) exactly once: when its answer has been
+/// Every dispatched request is recorded (RequestPipeline::Record) exactly once: when its answer has been
 /// written, or when it is dropped because the client is gone (CANCELLED, or DEADLINE_EXCEEDED once
 /// the stream's deadline passed).
-class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>,
+                            public OpenCall {
  public:
-  StreamReactor(AttentionServiceImpl* service, grpc::CallbackServerContext* ctx);
+  StreamReactor(RequestPipeline& pipeline, grpc::CallbackServerContext* ctx);
 
   void OnReadDone(bool ok) override;
   void OnWriteDone(bool ok) override;
   void OnCancel() override;
   void OnDone() override;
 
-  /// Called by the service under its lock when the server begins to drain: closes reads. True when
+  /// Called by the pipeline under its lock when the server begins to drain: closes reads. True when
   /// that makes the stream finishable; the caller then calls FinishNow after releasing its lock.
-  bool Drain();
+  bool Drain() override;
   /// Finishes the call with the status chosen when Drain returned true.
-  void FinishNow();
+  void FinishNow() override;
 
  private:
   /// One request's answer on its way out.
   struct Answer {
     std::unique_ptr<Exchange> exchange;
     Status status;  // What the answer tells the client (OK, or the error it carries).
+    grpc::ByteBuffer encoded;  // The answer's wire bytes.
     int64_t bytes = 0;  // Counted in bytes_ until written or dropped.
   };
   /// What an event decided under mu_, carried out after releasing it.
@@ -79,9 +82,8 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   void Run(Actions a);
   Status Undelivered() const;
 
-  AttentionServiceImpl* service_;
-  grpc::CallbackServerContext* ctx_;
-  const SteadyClock::time_point deadline_;
+  RequestPipeline& pipeline_;
+  const CallContext call_;  // The stream's deadline and cancellation, shared by its requests.
   grpc::ByteBuffer read_buffer_;  // Target of the one outstanding read.
 
   std::mutex mu_;

@@ -92,6 +92,16 @@ struct AttendCall {
   std::vector<int64_t> weights_shape;  ///< The answer's attention weights shape (empty: none).
   int64_t output_bytes = 0;            ///< Bytes of the output in the query's dtype.
   int64_t weights_bytes = 0;           ///< Bytes of the attention weights (0: none requested).
+  /// Rows this request brings to a batch's projections: batch * query_len, plus batch * key_len
+  /// when key and value are on the wire (self-attention's keys are its queries; a memory's or
+  /// session's are projected already). The --max-request-tokens count, and the batcher's.
+  int64_t tokens = 0;
+  /// Attention scores per head: batch * query_len * key_len (the batcher's attention budget).
+  int64_t attention_cost = 0;
+
+  /// Each batch element's rows are contiguous on the wire: batch-first layout, or no batch
+  /// dimension at all (after Validate).
+  bool batch_first() const { return layout == TensorLayout::kBatchFirst || !batched; }
 
   /// Keys are the query's own tokens: no key on the wire and no memory (a session step is).
   bool self_attention() const { return !key.has_value() && kv_use != Kv::kMemory; }

@@ -229,6 +229,8 @@ Status Validate(const ModelSpec& model, const AttendLimits& limits, AttendCall* 
 
   const int64_t tokens =
       Count(CheckedMul({call->batch, Count(CheckedAdd(call->query_len, call->key ? call->key_len : 0))}));
+  call->tokens = tokens;
+  call->attention_cost = Count(CheckedMul({call->batch, call->query_len, call->key_len}));
   if (tokens > limits.max_tokens) {
     return InvalidArgument("request: " + CountText(tokens) +
                            " tokens (batch * query_len, plus batch * key_len for cross-attention) is over the "
@@ -301,6 +303,8 @@ Status ValidateCreateMemory(const ModelSpec& model, const AttendLimits& limits, 
   call->query_len = 0;
   RETURN_IF_ERROR(CheckKeyPadding(call));
   const int64_t tokens = Count(CheckedMul({call->batch, call->key_len}));
+  call->tokens = tokens;
+  call->attention_cost = 0;
   if (tokens > limits.max_tokens) {
     return InvalidArgument("request: " + CountText(tokens) + " tokens (batch * key_len) is over the "
                            "per-request limit of " + std::to_string(limits.max_tokens) +

@@ -47,17 +47,20 @@ fi
 passed=0 failed=0
 summary=()
 failures=""  # What failed, repeated just above the summary: CI keeps only the log's tail.
-stage() {  # name, command...: counts the stage's own "N passed, N failed" or ctest's tally.
+stage() {  # name, command...: counts ctest's JUnit report, or the stage's own "N passed, N failed".
   local name=$1; shift
-  local log; log=$(mktemp)
+  local log junit; log=$(mktemp) junit=$(mktemp --suffix=.xml)
+  local args=("$@")
+  [ "$1" = ctest ] && args+=(--output-junit "$junit")
   set +e
-  "$@" 2>&1 | tee "$log"
+  "${args[@]}" 2>&1 | tee "$log"
   local rc=${PIPESTATUS[0]}
   set -e
   local p f
-  if grep -qE '^[0-9]+% tests passed, [0-9]+ tests failed out of [0-9]+' "$log"; then
-    f=$(grep -oE '[0-9]+ tests failed out of' "$log" | tail -1 | grep -oE '^[0-9]+')
-    p=$(( $(grep -oE 'out of [0-9]+' "$log" | tail -1 | grep -oE '[0-9]+$') - f ))
+  if [ "$1" = ctest ] && [ -s "$junit" ]; then
+    local t; t=$(grep -oE '<testsuite [^>]*' "$junit" | head -1)
+    f=$(grep -oE ' failures="[0-9]+"' <<<"$t" | grep -oE '[0-9]+' || echo 1)
+    p=$(( $(grep -oE ' tests="[0-9]+"' <<<"$t" | grep -oE '[0-9]+' || echo 0) - f ))
   else
     p=$(grep -oE '[0-9]+ passed, [0-9]+ failed' "$log" | tail -1 | grep -oE '^[0-9]+' || echo 0)
     f=$(grep -oE '[0-9]+ passed, [0-9]+ failed' "$log" | tail -1 | grep -oE '[0-9]+ failed' | grep -oE '[0-9]+' || echo 1)
@@ -69,13 +72,27 @@ stage() {  # name, command...: counts the stage's own "N passed, N failed" or ct
     failures+="--- $name: what failed"$'\n'
     failures+=$(grep -E 'FAILED|^FAIL |Failure$|Expected|Which is|Value of|ERROR: |WARNING: ThreadSanitizer|runtime error|Error|Timeout' "$log" | head -40 || true)$'\n'
   fi
-  rm -f "$log"
+  rm -f "$log" "$junit"
+}
+# Every tracked C++ file as .clang-format lays it out (clang-format 14, Debian's): one line per file
+# that differs, then "N passed, N failed" over the files.
+format_check() {
+  local all=0 bad=0 f
+  while IFS= read -r f; do
+    all=$((all + 1))
+    if ! clang-format --dry-run -Werror "$f" >/dev/null 2>&1; then
+      echo "FAIL format: $f differs from .clang-format (fix: clang-format -i $f)"
+      bad=$((bad + 1))
+    fi
+  done < <(git ls-files '*.cc' '*.h')
+  echo "format: $((all - bad)) passed, $bad failed"
 }
 # The Debian image's container test belongs to the default flavour.
 torch2_stage() { stage torch2 ctest --test-dir "$torch2_build" --output-on-failure -j2 -E '^container$' "$@"; }
 if [ "$flavour" = torch2 ]; then
   torch2_stage "$@"
 else
+  stage format format_check
   stage ctest ctest --test-dir "$build" --output-on-failure -j2 "$@"
   if [ -z "${ATTNSERVE_QUICK:-}" ]; then
     stage sanitizers tools/sanitize.sh

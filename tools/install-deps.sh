@@ -5,9 +5,12 @@ set -euo pipefail
 
 packages=(
   build-essential cmake pkg-config zlib1g-dev
-  # Fuzzing (tools/fuzz.sh): clang with libFuzzer and its sanitizer runtimes.
-  clang libclang-rt-14-dev
+  # Fuzzing (tools/fuzz.sh): clang with libFuzzer and its sanitizer runtimes; clang-format for the
+  # layout check (tools/build.sh test, stage format).
+  clang libclang-rt-14-dev clang-format
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  # grpc.health.v1's health.proto, compiled into the client library (Client::Health).
+  grpc-proto
   libtorch-dev
   # The fast BLAS must be named explicitly: libtorch only recommends one, and the reference BLAS
   # is ~40x slower. It must be thread-safe: the serial OpenBLAS gives wrong answers when two compute

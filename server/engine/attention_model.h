@@ -13,12 +13,11 @@
 namespace attnserve {
 
 /// Where the engine writes one request's results: buffers owned by the caller (the response
-/// message), resized and filled by Forward, so the result becomes response bytes in one copy.
+/// message), resized and filled by Forward, so the result becomes response bytes in one copy. Their
+/// shapes are the validated call's (AttendCall::output_shape, weights_shape).
 struct AttendOutputs {
   std::string* output = nullptr;        ///< Required.
-  std::vector<int64_t> output_shape;    ///< Set by Forward.
   std::string* weights = nullptr;       ///< Required when weights were requested.
-  std::vector<int64_t> weights_shape;   ///< Set by Forward when weights were requested.
   /// The attention kernel that ran: "math", or on LibTorch 2.x the fused SDPA backend chosen
   /// ("flash", "efficient", "cudnn", ...). Set by Forward.
   const char* attention_backend = "math";

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "server/engine/model_weights.h"
+#include "server/files.h"
 #include "server/status.h"
 
 namespace attnserve {
@@ -16,10 +17,6 @@ namespace attnserve {
 /// overlaps, no holes), as the format requires. The header must be strict JSON (no duplicate keys).
 /// Values come back as float32. Errors are FAILED_PRECONDITION naming `where` and the problem.
 StatusOr<NamedTensors> ParseSafetensors(const std::string& bytes, const std::string& where);
-
-/// Reads a whole regular file of at most `max_bytes`; FAILED_PRECONDITION naming the file when it
-/// cannot, or when it is not a regular file (a FIFO or device would block or never end).
-StatusOr<std::string> ReadFile(const std::string& path, uint64_t max_bytes = uint64_t{1} << 36);
 
 /// Parses `text` as one JSON value, refusing what nlohmann::json would let pass silently: duplicate
 /// object keys (it keeps the last) and nesting deeper than 64. Messages name `where`.

@@ -1,5 +1,5 @@
-// The LibTorch forward: nn.MultiheadAttention's computation over request bytes. The one translation
-// unit that includes LibTorch (device_support_cuda.cc joins it in CUDA builds).
+// The LibTorch forward: nn.MultiheadAttention's computation over request bytes. The LibTorch
+// translation units are this one, torch_kv.cc (kept keys and values) and, in CUDA builds, device_support_cuda.cc.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/detail/CUDAHooksInterface.h>
@@ -7,7 +7,6 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
-#include <sys/mman.h>
 
 #include <algorithm>
 #include <cmath>
@@ -22,7 +21,9 @@
 #include "server/engine/attention_model.h"
 #include "server/engine/blas.h"
 #include "server/engine/device_support.h"
+#include "server/engine/packing_plan.h"
 #include "server/engine/torch_compat.h"
+#include "server/engine/torch_kv.h"
 
 namespace attnserve {
 namespace {
@@ -95,39 +96,6 @@ at::Tensor FromHost(const HostTensor& h, const at::TensorOptions& opts) {
   return at::from_blob(const_cast<float*>(h.values.data()), h.shape, at::kFloat)
       .to(opts, /*non_blocking=*/false, /*copy=*/true);
 }
-
-// Storage for kept keys and values: on the CPU, pages of their own (mmap), given back to the system
-// the moment the entry ends. From the heap, long-lived entries among each request's short-lived
-// buffers kept freed memory from the system until the server went idle: 200 memories of 4 MiB
-// created under a 64 MiB budget grew the server by 532 MiB, now 107 MiB (ctest kv_memory_peak).
-at::Tensor KeptEmpty(at::IntArrayRef sizes, const at::TensorOptions& opts) {
-  if (!opts.device().is_cpu()) return at::empty(sizes, opts);
-  std::optional<int64_t> n = static_cast<int64_t>(c10::elementSize(opts.dtype().toScalarType()));
-  for (int64_t s : sizes) n = n ? CheckedMul({*n, s}) : n;
-  if (!n || *n < 0) return at::empty(sizes, opts);  // Refused there, with LibTorch's message.
-  const size_t bytes = std::max<size_t>(1, static_cast<size_t>(*n));
-  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
-  if (p == MAP_FAILED) return at::empty(sizes, opts);  // Let the heap try (and fail as it does).
-  return at::from_blob(p, sizes, [bytes](void* q) { munmap(q, bytes); }, opts);
-}
-
-// A memory's or session's keys and values on the model's device, in its compute dtype: heads split,
-// [B, H, capacity, D] each, so a session appends in place and attends over a view of the first
-// rows (no copy of the history per step; growing doubles the capacity, AttendCall::kv_capacity).
-class TorchKv final : public KvCache {
- public:
-  TorchKv(int64_t embed_dim, int64_t elem) : embed_dim_(embed_dim), elem_(elem) {}
-  std::optional<int64_t> BytesFor(int64_t batch, int64_t capacity) const override {
-    if (batch < 0 || capacity < 0) return std::nullopt;
-    return CheckedMul({batch, capacity, 2 * embed_dim_ + 1, elem_});  // keys, values, key padding
-  }
-  int64_t AllocatedTokens() const override { return k.defined() ? k.size(2) : 0; }
-  at::Tensor k, v;  // [B, H, capacity, D]
-  at::Tensor kpm;   // [B, capacity] additive; undefined until some key padding mask arrives
-
- private:
-  const int64_t embed_dim_, elem_;
-};
 
 class TorchModel final : public AttentionModel {
  public:
@@ -400,43 +368,17 @@ class TorchModel final : public AttentionModel {
     return {Linear(q_in, w_q_, b_q_, parallel), Linear(k_in, w_k_, b_k_, parallel), Linear(v_in, w_v_, b_v_, parallel)};
   }
 
-  // Whether a packed call's attention can join a varlen launch: no weights, no masks, no appended
-  // keys, and each batch element's rows contiguous in the wire's order.
-  bool VarlenEligible(const AttendCall& c) const {
-    return varlen_ != Varlen::kOff && c.kv_use == AttendCall::Kv::kNone && c.weights == WeightsMode::kNone && !c.attn_mask &&
-           !c.key_padding_mask && spec_.extra_keys() == 0 &&
-           (c.layout == TensorLayout::kBatchFirst || !c.batched || c.batch == 1);
-  }
-
-  // Packs every call's rows into one matrix per projection (no padding rows), runs attention over
-  // views of them, projects all outputs in one GEMM and splits the rows into responses. Attention:
-  // the calls are ordered in four groups (self/cross x causal or not), each group's varlen-eligible
-  // calls first, so every group's eligible calls are one row range attended by one varlen launch;
-  // the others attend per call.
+  // Packs every call's rows into one matrix per projection (no padding rows; PlanPacking says
+  // where), runs attention over views of them, projects all outputs in one GEMM and splits the rows
+  // into responses. Each of the plan's varlen runs attends in one launch; the others per call.
   void ForwardPacked(const std::vector<const AttendCall*>& calls,
                      const std::vector<AttendOutputs*>& outs, const Parallel& parallel) const {
     const int64_t e = spec_.embed_dim;
     const auto opts = at::TensorOptions().device(device_).dtype(dtype_);
-    const auto group_of = [](const AttendCall& c) { return (c.self_attention() ? 0 : 2) + (c.is_causal ? 1 : 0); };
-    std::vector<size_t> order(calls.size());
-    for (size_t i = 0; i < calls.size(); ++i) order[i] = i;
-    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-      const int ga = group_of(*calls[a]), gb = group_of(*calls[b]);
-      if (ga != gb) return ga < gb;
-      return VarlenEligible(*calls[a]) && !VarlenEligible(*calls[b]);
-    });
-    std::vector<int64_t> q_off(calls.size()), k_off(calls.size());
-    int64_t q_rows = 0, self_rows = 0, k_rows = 0;
-    for (size_t i : order) {
-      const AttendCall& c = *calls[i];
-      q_off[i] = q_rows;
-      q_rows += c.batch * c.query_len;
-      if (c.self_attention()) self_rows = q_rows;
-      if (c.key) {  // Keys on the wire (a memory's are kept projected).
-        k_off[i] = k_rows;
-        k_rows += c.batch * c.key_len;
-      }
-    }
+    const PackingPlan plan = PlanPacking(calls, varlen_ != Varlen::kOff, spec_.extra_keys());
+    const std::vector<int64_t>& q_off = plan.q_offset;
+    const std::vector<int64_t>& k_off = plan.k_offset;
+    const int64_t q_rows = plan.q_rows, self_rows = plan.self_rows, k_rows = plan.k_rows;
     at::Tensor x = at::empty({q_rows, e}, opts);
     at::Tensor kx = k_rows ? at::empty({k_rows, spec_.kdim}, opts) : at::Tensor();
     at::Tensor vx = k_rows ? at::empty({k_rows, spec_.vdim}, opts) : at::Tensor();
@@ -471,25 +413,13 @@ class TorchModel final : public AttentionModel {
     at::Tensor merged = at::empty({q_rows, e}, opts);
     std::vector<Attended> attended(calls.size());
     std::vector<bool> done(calls.size(), false);
-    for (size_t first = 0; first < order.size();) {
-      size_t last = first;  // [first, last): the group's eligible calls, in row order
-      while (last < order.size() && group_of(*calls[order[last]]) == group_of(*calls[order[first]]) &&
-             VarlenEligible(*calls[order[last]])) {
-        ++last;
-      }
-      if (last - first >= 2) {
-        const std::vector<size_t> group(order.begin() + first, order.begin() + last);
-        if (const char* backend = AttendVarlen(calls, group, rows_of, merged, q_off)) {
-          for (size_t i : group) {
-            attended[i].backend = backend;
-            done[i] = true;
-          }
+    for (const std::vector<size_t>& run : plan.varlen_runs) {
+      if (const char* backend = AttendVarlen(calls, run, rows_of, merged, q_off)) {
+        for (size_t i : run) {
+          attended[i].backend = backend;
+          done[i] = true;
         }
       }
-      // Past the eligible run, to the next group's start.
-      size_t next = std::max(last, first + 1);
-      while (next < order.size() && group_of(*calls[order[next]]) == group_of(*calls[order[first]])) ++next;
-      first = next;
     }
     // Each call attends on one thread; the calls spread over the idle cores.
     std::vector<size_t> pending;
@@ -613,7 +543,7 @@ class TorchModel final : public AttentionModel {
   // written block by block straight into `out`'s weights buffer, in the query's dtype.
   Attended AttendRows(const AttendCall& call, const at::Tensor& q, const at::Tensor& k,
                       const at::Tensor& v, const at::Tensor& dst, AttendOutputs* out, const Parallel& parallel) const {
-    const bool batch_first = call.layout == TensorLayout::kBatchFirst || !call.batched;
+    const bool batch_first = call.batch_first();
     const int64_t b = call.batch, lk = call.key_len;
     const at::Tensor kpm =
         call.key_padding_mask ? Additive(Wrap(*call.key_padding_mask)).view({b, 1, 1, lk}) : at::Tensor();
@@ -624,12 +554,11 @@ class TorchModel final : public AttentionModel {
   // Attention of a call whatever its keys: its own (rows r), a memory's, or a session's.
   Attended AttendAny(const AttendCall& call, const Rows& r, const at::Tensor& dst, AttendOutputs* out,
                      const Parallel& parallel) const {
-    const bool batch_first = call.layout == TensorLayout::kBatchFirst || !call.batched;
+    const bool batch_first = call.batch_first();
     const int64_t b = call.batch, lq = call.query_len;
     if (call.kv_use == AttendCall::Kv::kMemory) {
-      const TorchKv& m = static_cast<const TorchKv&>(*call.kv);
-      const at::Tensor kpm = m.kpm.defined() ? m.kpm.view({b, 1, 1, call.key_len}) : at::Tensor();
-      return AttendHeads(call, SplitHeads(r.q, batch_first, b, lq), m.k, m.v, kpm, 0, dst, out, parallel);
+      const TorchKv::Window m = static_cast<const TorchKv&>(*call.kv).Memory();
+      return AttendHeads(call, SplitHeads(r.q, batch_first, b, lq), m.k, m.v, m.kpm, 0, dst, out, parallel);
     }
     if (call.kv_use == AttendCall::Kv::kSession) return AttendSession(call, r, dst, out, parallel);
     return AttendRows(call, r.q, r.k, r.v, dst, out, parallel);
@@ -638,56 +567,23 @@ class TorchModel final : public AttentionModel {
   // A memory's keys and values: projected once, heads split, kept contiguous.
   void CreateMemory(const AttendCall& call, const Parallel& parallel) const {
     TorchKv& m = static_cast<TorchKv&>(*call.kv);
-    const bool batch_first = call.layout == TensorLayout::kBatchFirst || !call.batched;
+    const bool batch_first = call.batch_first();
     const int64_t b = call.batch, lk = call.key_len;
-    const auto opts = at::TensorOptions().device(device_).dtype(dtype_);
-    const int64_t h = spec_.num_heads, d = spec_.head_dim();
-    m.k = KeptEmpty({b, h, lk, d}, opts)
-              .copy_(SplitHeads(Linear(InputRows(*call.key), w_k_, b_k_, parallel), batch_first, b, lk));
-    m.v = KeptEmpty({b, h, lk, d}, opts)
-              .copy_(SplitHeads(Linear(InputRows(*call.value), w_v_, b_v_, parallel), batch_first, b, lk));
-    if (call.key_padding_mask) m.kpm = KeptEmpty({b, lk}, opts).copy_(Additive(Wrap(*call.key_padding_mask)).reshape({b, lk}));
+    m.KeepKeys(SplitHeads(Linear(InputRows(*call.key), w_k_, b_k_, parallel), batch_first, b, lk));
+    m.KeepValues(SplitHeads(Linear(InputRows(*call.value), w_v_, b_v_, parallel), batch_first, b, lk));
+    if (call.key_padding_mask) m.KeepPadding(Additive(Wrap(*call.key_padding_mask)).reshape({b, lk}));
   }
 
-  // One session step: the new tokens' keys and values go after the L the session holds (growing
-  // its cache to kv_capacity first), then the new queries attend causally over all L + T. The
-  // session's length is the store's: a step that fails here is not counted, and the rows it wrote
-  // are overwritten by the next.
+  // One session step: the new tokens' keys and values go after the L the session holds, then the
+  // new queries attend causally over all L + T.
   Attended AttendSession(const AttendCall& call, const Rows& r, const at::Tensor& dst, AttendOutputs* out,
                          const Parallel& parallel) const {
-    TorchKv& s = static_cast<TorchKv&>(*call.kv);
-    const bool batch_first = call.layout == TensorLayout::kBatchFirst || !call.batched;
-    const int64_t b = call.batch, t = call.query_len, held = call.kv_length, cap = call.kv_capacity;
-    const int64_t h = spec_.num_heads, d = spec_.head_dim();
-    const auto opts = at::TensorOptions().device(device_).dtype(dtype_);
-    if (!s.k.defined() || s.k.size(2) < cap) {
-      // All of the grown cache first, then swapped in at once: a failed allocation leaves the
-      // session's tensors as they were, never keys grown without their padding mask.
-      at::Tensor k = KeptEmpty({b, h, cap, d}, opts), v = KeptEmpty({b, h, cap, d}, opts), kpm;
-      if (s.kpm.defined()) kpm = KeptEmpty({b, cap}, opts).zero_();
-      if (held > 0) {
-        k.narrow(2, 0, held).copy_(s.k.narrow(2, 0, held));
-        v.narrow(2, 0, held).copy_(s.v.narrow(2, 0, held));
-        if (kpm.defined()) kpm.narrow(1, 0, held).copy_(s.kpm.narrow(1, 0, held));
-      }
-      s.k = std::move(k);
-      s.v = std::move(v);
-      if (kpm.defined()) s.kpm = std::move(kpm);
-    }
-    s.k.narrow(2, held, t).copy_(SplitHeads(r.k, batch_first, b, t));
-    s.v.narrow(2, held, t).copy_(SplitHeads(r.v, batch_first, b, t));
-    if (call.key_padding_mask && !s.kpm.defined()) s.kpm = KeptEmpty({b, s.k.size(2)}, opts).zero_();
-    if (s.kpm.defined()) {
-      if (call.key_padding_mask) {
-        s.kpm.narrow(1, held, t).copy_(Additive(Wrap(*call.key_padding_mask)).view({b, t}));
-      } else {
-        s.kpm.narrow(1, held, t).zero_();
-      }
-    }
-    const int64_t lk = held + t;
-    const at::Tensor kpm = s.kpm.defined() ? s.kpm.narrow(1, 0, lk).view({b, 1, 1, lk}) : at::Tensor();
-    return AttendHeads(call, SplitHeads(r.q, batch_first, b, t), s.k.narrow(2, 0, lk), s.v.narrow(2, 0, lk), kpm,
-                       held, dst, out, parallel);
+    const bool batch_first = call.batch_first();
+    const int64_t b = call.batch, t = call.query_len, held = call.kv_length;
+    const at::Tensor kpm = call.key_padding_mask ? Additive(Wrap(*call.key_padding_mask)).view({b, t}) : at::Tensor();
+    const TorchKv::Window all = static_cast<TorchKv&>(*call.kv).Append(
+        held, call.kv_capacity, SplitHeads(r.k, batch_first, b, t), SplitHeads(r.v, batch_first, b, t), kpm);
+    return AttendHeads(call, SplitHeads(r.q, batch_first, b, t), all.k, all.v, all.kpm, held, dst, out, parallel);
   }
 
   // Attention over heads: qh [B, H, Lq, D], kh and vh [B, H, Lk, D] (Lk = call.key_len), kpm
@@ -699,7 +595,7 @@ class TorchModel final : public AttentionModel {
     const int64_t b = call.batch, lq = call.query_len, lk = call.key_len;
     const int64_t e = spec_.embed_dim, h = spec_.num_heads, d = spec_.head_dim();
     const int64_t extra = spec_.extra_keys(), sl = lk + extra;
-    const bool batch_first = call.layout == TensorLayout::kBatchFirst || !call.batched;
+    const bool batch_first = call.batch_first();
 
     // bias_k/bias_v, then the zero key/value, appended along the key sequence.
     if (bias_k_.defined()) {
@@ -736,10 +632,6 @@ class TorchModel final : public AttentionModel {
       out->weights->resize(static_cast<size_t>(b * heads * lq * sl) * DTypeSize(call.query.dtype));
       weights_out = at::from_blob(out->weights->data(), {b, heads, lq, sl},
                                   at::TensorOptions().dtype(ToScalarType(call.query.dtype)));
-      out->weights_shape = call.weights == WeightsMode::kPerHead
-                               ? std::vector<int64_t>{b, h, lq, sl}
-                               : std::vector<int64_t>{b, lq, sl};
-      if (!call.batched) out->weights_shape.erase(out->weights_shape.begin());
     }
     Attended result;
     at::Tensor merged = dst.defined() ? dst : at::empty({b * lq, e}, qh.options());
@@ -840,13 +732,12 @@ class TorchModel final : public AttentionModel {
     return result;
   }
 
-  // Writes one call's output into its response bytes (AttendRows wrote the weights). `y` holds the projected rows
+  // Writes one call's output into its response bytes (AttendHeads wrote the weights). `y` holds the projected rows
   // when the caller projected a whole batch; otherwise the projection writes straight into the
   // response.
   void WriteOutput(const AttendCall& call, const Attended& a, const at::Tensor& y,
                    AttendOutputs* out, const Parallel& parallel) const {
     const int64_t b = call.batch, lq = call.query_len, e = spec_.embed_dim;
-    const bool batch_first = call.layout == TensorLayout::kBatchFirst || !call.batched;
     const DType out_dtype = call.query.dtype;
     out->attention_backend = a.backend;
     out->output->resize(static_cast<size_t>(b * lq * e) * DTypeSize(out_dtype));
@@ -861,11 +752,6 @@ class TorchModel final : public AttentionModel {
       dst.copy_(projected);
     }
     if (a.dead.defined()) dst.masked_fill_(a.dead, 0);
-    if (!call.batched) {
-      out->output_shape = {lq, e};
-    } else {
-      out->output_shape = batch_first ? std::vector<int64_t>{b, lq, e} : std::vector<int64_t>{lq, b, e};
-    }
   }
 
   ModelSpec spec_;

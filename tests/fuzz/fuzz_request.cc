@@ -3,6 +3,7 @@
 #include <grpcpp/support/byte_buffer.h>
 
 #include "server/validator.h"
+#include "server/grpc_codec.h"
 #include "server/wire.h"
 
 namespace {

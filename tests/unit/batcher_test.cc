@@ -48,6 +48,8 @@ std::unique_ptr<WorkItem> Item(const AttentionModel* m, int64_t tokens,
   item->accepted = accepted;
   item->call.batch = 1;
   item->call.query_len = item->call.key_len = tokens;
+  item->call.tokens = tokens;  // As Validate counts a self-attention request.
+  item->call.attention_cost = tokens * tokens;
   item->call.query.dtype = dtype;
   item->call.weights = weights;
   item->done = [](const Status&, const WorkItem&) {};

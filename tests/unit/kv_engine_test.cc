@@ -383,12 +383,12 @@ TEST_P(KvMemoryTest, MemoryEqualsCrossAttentionWithKeyAndValueOnTheWire) {
     ASSERT_TRUE(statuses[2 * i].ok()) << statuses[2 * i].message();
     ASSERT_TRUE(statuses[2 * i + 1].ok()) << statuses[2 * i + 1].message();
     const AttendOutputs& wire = *outs[2 * i + 1];
-    EXPECT_EQ(got_o[i].output_shape, wire.output_shape);
+    EXPECT_EQ(memory_calls[i].output_shape, wire_calls[i].output_shape);
     const auto [err, scale] = Compare(got[i], *wire.output);
     EXPECT_GT(scale, 0.1);
     EXPECT_LE(err, 1e-5 * scale) << "query " << i;
     if (c.weights != WeightsMode::kNone) {
-      EXPECT_EQ(got_o[i].weights_shape, wire.weights_shape);
+      EXPECT_EQ(memory_calls[i].weights_shape, wire_calls[i].weights_shape);
       EXPECT_LE(Compare(got_w[i], *wire.weights).first, 1e-6) << "weights of query " << i;
     }
     delete wire.output;
