@@ -56,14 +56,15 @@ class ClientBackend : public Backend {
     client_ = std::make_unique<attnserve::Client>(o);
     pending_.resize(static_cast<size_t>(streams));
     for (int i = 0; i < streams; ++i) {
-      streams_.push_back(client_->OpenStream([this, i](attnserve::CallStatus s, attnserve::AttendResult) {
-        std::function<void(int)> done;
-        {
-          std::lock_guard<std::mutex> lock(mu_);
-          done = std::move(pending_[static_cast<size_t>(i)]);
-        }
-        done(s.code);
-      }));
+      streams_.push_back(
+          client_->OpenStream([this, i](attnserve::CallStatus s, attnserve::AttendResult) {
+            std::function<void(int)> done;
+            {
+              std::lock_guard<std::mutex> lock(mu_);
+              done = std::move(pending_[static_cast<size_t>(i)]);
+            }
+            done(s.code);
+          }));
     }
   }
   ~ClientBackend() override {
@@ -71,8 +72,10 @@ class ClientBackend : public Backend {
   }
   void Call(int caller, const Prepared& p, std::function<void(int)> done) override {
     if (streams_.empty()) {
-      client_->AttendAsync(p.request, [done = std::move(done)](attnserve::CallStatus s,
-                                                               attnserve::AttendResult) { done(s.code); });
+      client_->AttendAsync(
+          p.request, [done = std::move(done)](attnserve::CallStatus s, attnserve::AttendResult) {
+            done(s.code);
+          });
       return;
     }
     {
@@ -191,17 +194,22 @@ std::function<int64_t(std::mt19937&)> LengthDistribution(const std::string& spec
   }
   if (spec.rfind("uniform:", 0) == 0) {
     const size_t colon = spec.find(':', 8);
-    const int64_t lo = std::stoll(spec.substr(8, colon - 8)), hi = std::stoll(spec.substr(colon + 1));
-    return [lo, hi](std::mt19937& rng) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+    const int64_t lo = std::stoll(spec.substr(8, colon - 8)),
+                  hi = std::stoll(spec.substr(colon + 1));
+    return
+        [lo, hi](std::mt19937& rng) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
   }
   if (spec == "longtail") {
     return [](std::mt19937& rng) {
       const double u = std::uniform_real_distribution<double>()(rng);
-      auto uni = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+      auto uni = [&](int64_t lo, int64_t hi) {
+        return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
+      };
       return u < 0.70 ? uni(16, 64) : u < 0.95 ? uni(64, 256) : uni(256, 1024);
     };
   }
-  throw std::invalid_argument("--lengths " + spec + ": expected fixed:N, uniform:LO:HI or longtail");
+  throw std::invalid_argument("--lengths " + spec +
+                              ": expected fixed:N, uniform:LO:HI or longtail");
 }
 
 double Percentile(std::vector<double>& v, double q) {
@@ -223,11 +231,13 @@ int main(int argc, char** argv) {
   bool stream = false;
   attnserve::ClientOptions client_options;
   client_options.target = target;
-  attnserve::cli::AddClientFlags(app, &client_options,
-                                 "host:port of attnserve, replicas (dns:///name:port, ipv4:a:p,b:p), "
-                                 "or \"inprocess\" for the engine alone");
+  attnserve::cli::AddClientFlags(
+      app, &client_options,
+      "host:port of attnserve, replicas (dns:///name:port, ipv4:a:p,b:p), "
+      "or \"inprocess\" for the engine alone");
   app.add_option("--callers", callers, "Closed loop: concurrent callers")->capture_default_str();
-  app.add_option("--rate", rate, "Open loop: requests per second (0 = closed loop)")->capture_default_str();
+  app.add_option("--rate", rate, "Open loop: requests per second (0 = closed loop)")
+      ->capture_default_str();
   app.add_option("--lengths", lengths, "fixed:N, uniform:LO:HI or longtail")->capture_default_str();
   app.add_option("--cross", cross, "Fraction of cross-attention requests (key length drawn alike)")
       ->capture_default_str();
@@ -235,10 +245,12 @@ int main(int argc, char** argv) {
   app.add_option("--duration", duration, "Measured seconds")->capture_default_str();
   app.add_option("--warmup", warmup, "Unmeasured seconds first")->capture_default_str();
   app.add_option("--workers", workers, "inprocess: compute threads")->capture_default_str();
-  app.add_option("--pool", pool_size, "Distinct prepared requests cycled through")->capture_default_str();
+  app.add_option("--pool", pool_size, "Distinct prepared requests cycled through")
+      ->capture_default_str();
   app.add_option("--embed-dim", embed, "Model embed_dim (demo: 512)")->capture_default_str();
   app.add_option("--model", model_name, "Model name")->capture_default_str();
-  app.add_option("--models", models_dir, "inprocess: the server's --models directory (default: demo)");
+  app.add_option("--models", models_dir,
+                 "inprocess: the server's --models directory (default: demo)");
   app.add_option("--device", device, "inprocess: cpu, cuda or cuda:N")->capture_default_str();
   app.add_option("--dtype", dtype, "inprocess: compute dtype float32, float16 or bfloat16")
       ->capture_default_str();
@@ -300,8 +312,10 @@ int main(int argc, char** argv) {
   std::atomic<int> outstanding{0};
   std::atomic<uint64_t> next{0};
   const auto start = Clock::now();
-  const auto measure_from = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(warmup));
-  const auto end = measure_from + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(duration));
+  const auto measure_from =
+      start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(warmup));
+  const auto end = measure_from + std::chrono::duration_cast<Clock::duration>(
+                                      std::chrono::duration<double>(duration));
 
   auto issue = [&](auto&& self, int caller, Clock::time_point sent) -> void {
     const Prepared& p = pool[next++ % pool.size()];
@@ -310,7 +324,8 @@ int main(int argc, char** argv) {
       const auto now = Clock::now();
       if (sent >= measure_from && now <= end) {
         std::lock_guard<std::mutex> lock(mu);
-        samples.push_back({std::chrono::duration<double, std::milli>(now - sent).count(), code, tokens, flops});
+        samples.push_back(
+            {std::chrono::duration<double, std::milli>(now - sent).count(), code, tokens, flops});
       }
       --outstanding;
       if (rate <= 0 && !stop && now < end) self(self, caller, Clock::now());  // Closed loop: next.
@@ -323,7 +338,8 @@ int main(int argc, char** argv) {
   std::thread pacer;
   if (rate > 0) {
     pacer = std::thread([&] {
-      const auto step = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(1.0 / rate));
+      const auto step =
+          std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(1.0 / rate));
       auto due = Clock::now();
       while (!stop && due < end) {
         std::this_thread::sleep_until(due);
@@ -344,7 +360,8 @@ int main(int argc, char** argv) {
   stop = true;
   if (pacer.joinable()) pacer.join();
   const auto drain_until = Clock::now() + std::chrono::seconds(60);
-  while (outstanding > 0 && Clock::now() < drain_until) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  while (outstanding > 0 && Clock::now() < drain_until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
   // Tear the client down (it waits for its callbacks), then give gRPC's threads a moment to leave
   // their completion code before the process exits.
   backend.reset();
@@ -379,13 +396,17 @@ int main(int argc, char** argv) {
   j["tokens_per_s"] = static_cast<double>(tokens) / duration;
   j["tflops"] = flops / duration / 1e12;
   const double mx = lat.empty() ? 0 : *std::max_element(lat.begin(), lat.end());
-  j["latency_ms"] = {{"p50", Percentile(lat, 0.50)}, {"p90", Percentile(lat, 0.90)},
-                     {"p99", Percentile(lat, 0.99)}, {"max", mx}};
-  std::printf("%-28s %9.1f req/s %10.0f tok/s %7.3f TFLOP/s  p50 %7.2f  p90 %7.2f  p99 %7.2f  max %7.2f ms  errors %s\n",
-              label.c_str(), j["requests_per_s"].get<double>(), j["tokens_per_s"].get<double>(),
-              j["tflops"].get<double>(),
-              j["latency_ms"]["p50"].get<double>(), j["latency_ms"]["p90"].get<double>(),
-              j["latency_ms"]["p99"].get<double>(), mx, j["errors"].dump().c_str());
+  j["latency_ms"] = {{"p50", Percentile(lat, 0.50)},
+                     {"p90", Percentile(lat, 0.90)},
+                     {"p99", Percentile(lat, 0.99)},
+                     {"max", mx}};
+  std::printf(
+      "%-28s %9.1f req/s %10.0f tok/s %7.3f TFLOP/s  p50 %7.2f  p90 %7.2f  p99 %7.2f  max %7.2f ms "
+      " errors %s\n",
+      label.c_str(), j["requests_per_s"].get<double>(), j["tokens_per_s"].get<double>(),
+      j["tflops"].get<double>(), j["latency_ms"]["p50"].get<double>(),
+      j["latency_ms"]["p90"].get<double>(), j["latency_ms"]["p99"].get<double>(), mx,
+      j["errors"].dump().c_str());
   if (!json_path.empty()) std::ofstream(json_path, std::ios::app) << j.dump() << "\n";
   return 0;
 }

@@ -5,10 +5,11 @@
 //   decode      one sequence decoded token by token, T = 1..N: a session step (the new token only)
 //               and, right after it, the same step resending the whole prefix as key and value
 //               (query = the new token); per-step latency and bytes, both answers compared.
-//   memory      decoder queries against an encoder output of L tokens: a memory versus resending it.
-//   concurrent  C callers decoding S steps each, every one on its own session (then resending):
+//   memory      decoder queries against an encoder output of L tokens: a memory versus resending
+//   it. concurrent  C callers decoding S steps each, every one on its own session (then resending):
 //               tokens/s, step latency, how many steps the server batched together.
-//   eviction    more memories than the server's --kv-budget-bytes holds: how many are kept, and what
+//   eviction    more memories than the server's --kv-budget-bytes holds: how many are kept, and
+//   what
 //               a request naming an evicted one gets.
 //
 // Every mode writes one JSON line per result (--json) and prints a table; decode also writes its
@@ -57,13 +58,15 @@ std::vector<float> Tokens(int64_t rows, int64_t e, uint32_t seed) {
 }
 
 // Rows [first, first + rows) of `tokens` as a batch-first [1, rows, e] float32 tensor.
-void SetTensor(const std::vector<float>& tokens, int64_t first, int64_t rows, int64_t e, pb::Tensor* t) {
+void SetTensor(const std::vector<float>& tokens, int64_t first, int64_t rows, int64_t e,
+               pb::Tensor* t) {
   t->set_dtype(pb::DATA_TYPE_FLOAT32);
   t->clear_shape();
   t->add_shape(1);
   t->add_shape(rows);
   t->add_shape(e);
-  t->set_data(reinterpret_cast<const char*>(tokens.data() + first * e), static_cast<size_t>(rows * e) * sizeof(float));
+  t->set_data(reinterpret_cast<const char*>(tokens.data() + first * e),
+              static_cast<size_t>(rows * e) * sizeof(float));
 }
 
 const float* Floats(const pb::Tensor& t) { return reinterpret_cast<const float*>(t.data().data()); }
@@ -100,8 +103,8 @@ Call Timed(Stub* stub, Method method, const Req& request, Resp* response) {
 }
 
 [[noreturn]] void Fail(const std::string& what, const grpc::Status& s) {
-  std::fprintf(stderr, "attnserve-kv-bench: %s: %d %s\n", what.c_str(), static_cast<int>(s.error_code()),
-               s.error_message().c_str());
+  std::fprintf(stderr, "attnserve-kv-bench: %s: %d %s\n", what.c_str(),
+               static_cast<int>(s.error_code()), s.error_message().c_str());
   std::exit(1);
 }
 
@@ -145,21 +148,23 @@ void Release(Stub* stub, const std::string& handle, bool session) {
   pb::ReleaseRequest request;
   request.set_handle(handle);
   pb::ReleaseResponse response;
-  const Call c = Timed(stub, session ? &Stub::CloseSession : &Stub::DeleteMemory, request, &response);
+  const Call c =
+      Timed(stub, session ? &Stub::CloseSession : &Stub::DeleteMemory, request, &response);
   if (!c.status.ok()) Fail(session ? "CloseSession" : "DeleteMemory", c.status);
 }
 
 // The step at position t (0-based) of a sequence: on a session, or resending tokens [0, t] as key
 // and value with the new token as query (what a client without sessions sends).
-pb::AttendRequest SessionStep(const std::vector<float>& tokens, int64_t first, int64_t rows, int64_t e,
-                              const std::string& session) {
+pb::AttendRequest SessionStep(const std::vector<float>& tokens, int64_t first, int64_t rows,
+                              int64_t e, const std::string& session) {
   pb::AttendRequest r;
   r.set_session(session);
   r.set_session_length(first);
   SetTensor(tokens, first, rows, e, r.mutable_query());
   return r;
 }
-pb::AttendRequest ResendStep(const std::vector<float>& tokens, int64_t t, int64_t e, const std::string& model) {
+pb::AttendRequest ResendStep(const std::vector<float>& tokens, int64_t t, int64_t e,
+                             const std::string& model) {
   pb::AttendRequest r;
   r.set_model(model);
   SetTensor(tokens, t, 1, e, r.mutable_query());
@@ -168,7 +173,8 @@ pb::AttendRequest ResendStep(const std::vector<float>& tokens, int64_t t, int64_
   return r;
 }
 
-// ---- decode ----------------------------------------------------------------------------------------
+// ---- decode
+// ----------------------------------------------------------------------------------------
 
 int Decode(const Options& o) {
   auto stub = pb::AttentionService::NewStub(Channel(o));
@@ -211,15 +217,17 @@ int Decode(const Options& o) {
     csv << "t,session_ms,resend_ms,session_bytes,resend_bytes\n";
     for (size_t i = 0; i < steps.size(); ++i) {
       const Step& s = steps[i];
-      csv << i + 1 << "," << Percentile(s.session_ms, 0.5) << "," << Percentile(s.resend_ms, 0.5) << ","
-          << s.session_bytes << "," << s.resend_bytes << "\n";
+      csv << i + 1 << "," << Percentile(s.session_ms, 0.5) << "," << Percentile(s.resend_ms, 0.5)
+          << "," << s.session_bytes << "," << s.resend_bytes << "\n";
     }
   }
   // The table: at T = 1, 2, 4, ..., the median over the repeats of the 8 steps ending at T.
-  std::printf("decode: E=%lld, one sequence, %d steps, %d repeats; worst |session - resend| / max|resend| = %.2e\n",
-              static_cast<long long>(o.embed), o.steps, o.repeats, worst);
-  std::printf("%6s %12s %12s %8s %14s %14s %8s\n", "T", "session ms", "resend ms", "ratio", "session bytes",
-              "resend bytes", "ratio");
+  std::printf(
+      "decode: E=%lld, one sequence, %d steps, %d repeats; worst |session - resend| / max|resend| "
+      "= %.2e\n",
+      static_cast<long long>(o.embed), o.steps, o.repeats, worst);
+  std::printf("%6s %12s %12s %8s %14s %14s %8s\n", "T", "session ms", "resend ms", "ratio",
+              "session bytes", "resend bytes", "ratio");
   nlohmann::json rows = nlohmann::json::array();
   double total_session = 0, total_resend = 0;
   for (const Step& s : steps) {
@@ -235,16 +243,21 @@ int Decode(const Options& o) {
     }
     const Step& s = steps[static_cast<size_t>(T - 1)];
     const double ma = Percentile(sa, 0.5), mb = Percentile(sb, 0.5);
-    std::printf("%6d %12.3f %12.3f %8.2f %14zu %14zu %8.1f\n", T, ma, mb, mb / ma, s.session_bytes, s.resend_bytes,
+    std::printf("%6d %12.3f %12.3f %8.2f %14zu %14zu %8.1f\n", T, ma, mb, mb / ma, s.session_bytes,
+                s.resend_bytes,
                 static_cast<double>(s.resend_bytes) / static_cast<double>(s.session_bytes));
-    rows.push_back({{"T", T}, {"session_ms", ma}, {"resend_ms", mb}, {"session_bytes", s.session_bytes},
+    rows.push_back({{"T", T},
+                    {"session_ms", ma},
+                    {"resend_ms", mb},
+                    {"session_bytes", s.session_bytes},
                     {"resend_bytes", s.resend_bytes}});
   }
-  std::printf("whole sequence (mean over repeats): session %.2f s, resend %.2f s, ratio %.2f\n", total_session / 1000,
-              total_resend / 1000, total_resend / total_session);
+  std::printf("whole sequence (mean over repeats): session %.2f s, resend %.2f s, ratio %.2f\n",
+              total_session / 1000, total_resend / 1000, total_resend / total_session);
   // A session's keys and values grow by capacity doubling from 16 tokens: the steps to T = 17, 33,
   // ..., 1025 copy the history once; the others append in place.
-  std::printf("session steps that grew the cache (copying the history) vs the steps 1-2 either side:\n");
+  std::printf(
+      "session steps that grew the cache (copying the history) vs the steps 1-2 either side:\n");
   nlohmann::json growth = nlohmann::json::array();
   for (int T = 17; T <= o.steps - 2; T = 2 * T - 1) {
     std::vector<double> around;
@@ -252,17 +265,24 @@ int Decode(const Options& o) {
       const auto& v = steps[static_cast<size_t>(t - 1)].session_ms;
       around.insert(around.end(), v.begin(), v.end());
     }
-    const double g = Percentile(steps[static_cast<size_t>(T - 1)].session_ms, 0.5), n = Percentile(around, 0.5);
+    const double g = Percentile(steps[static_cast<size_t>(T - 1)].session_ms, 0.5),
+                 n = Percentile(around, 0.5);
     std::printf("  T=%5d  grew %.3f ms  neighbours %.3f ms  extra %+.3f ms\n", T, g, n, g - n);
     growth.push_back({{"T", T}, {"grew_ms", g}, {"neighbours_ms", n}});
   }
-  WriteJson(o, {{"mode", "decode"}, {"steps", o.steps}, {"repeats", o.repeats}, {"worst_rel_diff", worst},
-                {"total_session_s", total_session / 1000}, {"total_resend_s", total_resend / 1000}, {"at", rows},
+  WriteJson(o, {{"mode", "decode"},
+                {"steps", o.steps},
+                {"repeats", o.repeats},
+                {"worst_rel_diff", worst},
+                {"total_session_s", total_session / 1000},
+                {"total_resend_s", total_resend / 1000},
+                {"at", rows},
                 {"growth", growth}});
   return worst <= 1e-5 ? 0 : 2;
 }
 
-// ---- memory ----------------------------------------------------------------------------------------
+// ---- memory
+// ----------------------------------------------------------------------------------------
 
 int Memory(const Options& o) {
   auto stub = pb::AttentionService::NewStub(Channel(o));
@@ -306,29 +326,47 @@ int Memory(const Options& o) {
   }
   Release(stub.get(), memory.handle(), false);
   const double pa = Percentile(ma, 0.5), pb50 = Percentile(mb, 0.5);
-  std::printf("memory: %d-token encoder output (E=%lld), %d one-token queries; worst rel diff %.2e\n",
-              o.memory_length, static_cast<long long>(o.embed), o.steps, worst);
-  std::printf("  CreateMemory once: %.2f ms, %zu bytes sent, holds %lld bytes on the server\n", cc.ms,
-              cc.request_bytes, static_cast<long long>(memory.bytes()));
-  std::printf("  per query   memory: p50 %.3f ms p90 %.3f ms, %zu bytes   resend: p50 %.3f ms p90 %.3f ms, %zu bytes\n",
-              pa, Percentile(ma, 0.9), bytes_a, pb50, Percentile(mb, 0.9), bytes_b);
-  std::printf("  resend / memory: latency %.2f, bytes %.1f; memory pays for itself after %.1f queries\n",
-              pb50 / pa, static_cast<double>(bytes_b) / static_cast<double>(bytes_a), cc.ms / std::max(1e-9, pb50 - pa));
-  WriteJson(o, {{"mode", "memory"}, {"length", o.memory_length}, {"queries", o.steps}, {"create_ms", cc.ms},
-                {"create_bytes", cc.request_bytes}, {"held_bytes", memory.bytes()},
-                {"memory_p50_ms", pa}, {"memory_p90_ms", Percentile(ma, 0.9)}, {"memory_bytes", bytes_a},
-                {"resend_p50_ms", pb50}, {"resend_p90_ms", Percentile(mb, 0.9)}, {"resend_bytes", bytes_b},
+  std::printf(
+      "memory: %d-token encoder output (E=%lld), %d one-token queries; worst rel diff %.2e\n",
+      o.memory_length, static_cast<long long>(o.embed), o.steps, worst);
+  std::printf("  CreateMemory once: %.2f ms, %zu bytes sent, holds %lld bytes on the server\n",
+              cc.ms, cc.request_bytes, static_cast<long long>(memory.bytes()));
+  std::printf(
+      "  per query   memory: p50 %.3f ms p90 %.3f ms, %zu bytes   resend: p50 %.3f ms p90 %.3f ms, "
+      "%zu bytes\n",
+      pa, Percentile(ma, 0.9), bytes_a, pb50, Percentile(mb, 0.9), bytes_b);
+  std::printf(
+      "  resend / memory: latency %.2f, bytes %.1f; memory pays for itself after %.1f queries\n",
+      pb50 / pa, static_cast<double>(bytes_b) / static_cast<double>(bytes_a),
+      cc.ms / std::max(1e-9, pb50 - pa));
+  WriteJson(o, {{"mode", "memory"},
+                {"length", o.memory_length},
+                {"queries", o.steps},
+                {"create_ms", cc.ms},
+                {"create_bytes", cc.request_bytes},
+                {"held_bytes", memory.bytes()},
+                {"memory_p50_ms", pa},
+                {"memory_p90_ms", Percentile(ma, 0.9)},
+                {"memory_bytes", bytes_a},
+                {"resend_p50_ms", pb50},
+                {"resend_p90_ms", Percentile(mb, 0.9)},
+                {"resend_bytes", bytes_b},
                 {"worst_rel_diff", worst}});
   return worst <= 1e-5 ? 0 : 2;
 }
 
-// ---- concurrent ------------------------------------------------------------------------------------
+// ---- concurrent
+// ------------------------------------------------------------------------------------
 
 int Concurrent(const Options& o) {
-  nlohmann::json out = {{"mode", "concurrent"}, {"callers", o.callers}, {"steps", o.steps}, {"prompt", o.prompt}};
-  std::printf("concurrent: %d callers, each a sequence of %d prompt tokens then %d one-token steps (E=%lld)\n",
-              o.callers, o.prompt, o.steps, static_cast<long long>(o.embed));
-  std::printf("%-8s %12s %10s %10s %10s %12s\n", "form", "tokens/s", "p50 ms", "p99 ms", "wall s", "mean batch");
+  nlohmann::json out = {
+      {"mode", "concurrent"}, {"callers", o.callers}, {"steps", o.steps}, {"prompt", o.prompt}};
+  std::printf(
+      "concurrent: %d callers, each a sequence of %d prompt tokens then %d one-token steps "
+      "(E=%lld)\n",
+      o.callers, o.prompt, o.steps, static_cast<long long>(o.embed));
+  std::printf("%-8s %12s %10s %10s %10s %12s\n", "form", "tokens/s", "p50 ms", "p99 ms", "wall s",
+              "mean batch");
   double rate[2] = {0, 0};
   for (int form = 0; form < 2; ++form) {  // 0: sessions, 1: resend.
     const bool sessions = form == 0;
@@ -347,15 +385,16 @@ int Concurrent(const Options& o) {
           session = OpenSession(stub.get(), o);
           if (o.prompt > 0) {
             pb::AttendResponse r;
-            const Call p = Timed(stub.get(), &Stub::Attend, SessionStep(tokens, 0, o.prompt, o.embed, session), &r);
+            const Call p = Timed(stub.get(), &Stub::Attend,
+                                 SessionStep(tokens, 0, o.prompt, o.embed, session), &r);
             if (!p.status.ok()) Fail("prompt", p.status);
           }
         }
         ++ready;
         while (!go) std::this_thread::yield();
         for (int t = o.prompt; t < o.prompt + o.steps; ++t) {
-          const pb::AttendRequest request =
-              sessions ? SessionStep(tokens, t, 1, o.embed, session) : ResendStep(tokens, t, o.embed, o.model);
+          const pb::AttendRequest request = sessions ? SessionStep(tokens, t, 1, o.embed, session)
+                                                     : ResendStep(tokens, t, o.embed, o.model);
           pb::AttendResponse r;
           const Call call = Timed(stub.get(), &Stub::Attend, request, &r);
           if (!call.status.ok()) Fail(sessions ? "session step" : "resend step", call.status);
@@ -375,10 +414,12 @@ int Concurrent(const Options& o) {
     for (auto& l : lat) all.insert(all.end(), l.begin(), l.end());
     rate[form] = static_cast<double>(steps_done) / wall;
     const double mean_batch = static_cast<double>(batch_sum) / static_cast<double>(steps_done);
-    std::printf("%-8s %12.0f %10.2f %10.2f %10.2f %12.1f\n", sessions ? "session" : "resend", rate[form],
-                Percentile(all, 0.5), Percentile(all, 0.99), wall, mean_batch);
-    out[sessions ? "session" : "resend"] = {{"tokens_per_s", rate[form]}, {"p50_ms", Percentile(all, 0.5)},
-                                            {"p99_ms", Percentile(all, 0.99)}, {"wall_s", wall},
+    std::printf("%-8s %12.0f %10.2f %10.2f %10.2f %12.1f\n", sessions ? "session" : "resend",
+                rate[form], Percentile(all, 0.5), Percentile(all, 0.99), wall, mean_batch);
+    out[sessions ? "session" : "resend"] = {{"tokens_per_s", rate[form]},
+                                            {"p50_ms", Percentile(all, 0.5)},
+                                            {"p99_ms", Percentile(all, 0.99)},
+                                            {"wall_s", wall},
                                             {"mean_batch", mean_batch}};
   }
   std::printf("session / resend tokens/s: %.2f\n", rate[0] / rate[1]);
@@ -386,7 +427,8 @@ int Concurrent(const Options& o) {
   return 0;
 }
 
-// ---- eviction --------------------------------------------------------------------------------------
+// ---- eviction
+// --------------------------------------------------------------------------------------
 
 int Eviction(const Options& o) {
   auto stub = pb::AttentionService::NewStub(Channel(o));
@@ -427,16 +469,25 @@ int Eviction(const Options& o) {
       ++other[std::to_string(c.status.error_code()) + " " + c.status.error_message()];
     }
   }
-  std::printf("eviction: %d memories of %d tokens (%lld bytes each on the server) created one after another\n",
-              o.memories, o.memory_length, static_cast<long long>(held));
-  std::printf("  CreateMemory p50 %.2f ms, p99 %.2f ms; afterwards %d answer, %d are NOT_FOUND (evicted), %zu other\n",
-              Percentile(create_ms, 0.5), Percentile(create_ms, 0.99), kept, evicted, other.size());
+  std::printf(
+      "eviction: %d memories of %d tokens (%lld bytes each on the server) created one after "
+      "another\n",
+      o.memories, o.memory_length, static_cast<long long>(held));
+  std::printf(
+      "  CreateMemory p50 %.2f ms, p99 %.2f ms; afterwards %d answer, %d are NOT_FOUND (evicted), "
+      "%zu other\n",
+      Percentile(create_ms, 0.5), Percentile(create_ms, 0.99), kept, evicted, other.size());
   if (!evicted_message.empty()) std::printf("  e.g. \"%s\"\n", evicted_message.c_str());
   for (const auto& [what, n] : other) std::printf("  other: %d x %s\n", n, what.c_str());
-  WriteJson(o, {{"mode", "eviction"}, {"memories", o.memories}, {"bytes_each", held}, {"kept", kept},
-                {"evicted", evicted}, {"create_p50_ms", Percentile(create_ms, 0.5)},
+  WriteJson(o, {{"mode", "eviction"},
+                {"memories", o.memories},
+                {"bytes_each", held},
+                {"kept", kept},
+                {"evicted", evicted},
+                {"create_p50_ms", Percentile(create_ms, 0.5)},
                 {"create_p99_ms", Percentile(create_ms, 0.99)}});
-  for (int i = 0; i < o.memories; ++i) {  // Leave the server as found; evicted ones are already gone.
+  for (int i = 0; i < o.memories;
+       ++i) {  // Leave the server as found; evicted ones are already gone.
     pb::ReleaseRequest request;
     request.set_handle(handles[static_cast<size_t>(i)]);
     pb::ReleaseResponse response;
@@ -455,15 +506,19 @@ int main(int argc, char** argv) {
       ->required()
       ->check(CLI::IsMember({"decode", "memory", "concurrent", "eviction"}));
   app.add_option("--target", o.target, "attnserve address")->capture_default_str();
-  app.add_option("--model", o.model, "Model (its embed_dim must be --embed)")->capture_default_str();
+  app.add_option("--model", o.model, "Model (its embed_dim must be --embed)")
+      ->capture_default_str();
   app.add_option("--embed", o.embed, "The model's embed_dim")->capture_default_str();
-  app.add_option("--steps", o.steps, "decode: tokens decoded; memory: queries; concurrent: steps per caller")
+  app.add_option("--steps", o.steps,
+                 "decode: tokens decoded; memory: queries; concurrent: steps per caller")
       ->capture_default_str();
   app.add_option("--repeats", o.repeats, "decode: sequences decoded (per-step medians over them)")
       ->capture_default_str();
-  app.add_option("--memory-length", o.memory_length, "memory, eviction: encoder tokens")->capture_default_str();
+  app.add_option("--memory-length", o.memory_length, "memory, eviction: encoder tokens")
+      ->capture_default_str();
   app.add_option("--callers", o.callers, "concurrent: callers")->capture_default_str();
-  app.add_option("--prompt", o.prompt, "concurrent: prompt tokens each sequence starts with")->capture_default_str();
+  app.add_option("--prompt", o.prompt, "concurrent: prompt tokens each sequence starts with")
+      ->capture_default_str();
   app.add_option("--memories", o.memories, "eviction: memories created")->capture_default_str();
   app.add_option("--json", o.json, "Append one JSON line per result here");
   app.add_option("--csv", o.csv, "decode: per-step medians here");

@@ -5,10 +5,10 @@
 #include <condition_variable>
 #include <deque>
 #include <fstream>
-#include <iterator>
-#include <stdexcept>
 #include <future>
+#include <iterator>
 #include <mutex>
+#include <stdexcept>
 #include <thread>
 
 #include "attnserve/v1/attention.grpc.pb.h"
@@ -64,8 +64,8 @@ void ToWire(const AttendRequest& r, pb::AttendRequest* out) {
 }
 
 KvInfo FromWire(const pb::KvHandle& h) {
-  return KvInfo{h.handle(), h.model(), h.model_version(), h.weights_hash(),
-                h.batch(),  h.length(), h.bytes(),       h.ttl_seconds()};
+  return KvInfo{h.handle(), h.model(),  h.model_version(), h.weights_hash(),
+                h.batch(),  h.length(), h.bytes(),         h.ttl_seconds()};
 }
 
 AttendResult FromWire(pb::AttendResponse* r) {
@@ -109,11 +109,23 @@ CallStatus FromGrpc(const grpc::Status& s) {
 }  // namespace
 
 const char* StatusCodeName(int code) {
-  static const char* kNames[] = {"OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT",
-                                 "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
-                                 "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
-                                 "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL",
-                                 "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"};
+  static const char* kNames[] = {"OK",
+                                 "CANCELLED",
+                                 "UNKNOWN",
+                                 "INVALID_ARGUMENT",
+                                 "DEADLINE_EXCEEDED",
+                                 "NOT_FOUND",
+                                 "ALREADY_EXISTS",
+                                 "PERMISSION_DENIED",
+                                 "RESOURCE_EXHAUSTED",
+                                 "FAILED_PRECONDITION",
+                                 "ABORTED",
+                                 "OUT_OF_RANGE",
+                                 "UNIMPLEMENTED",
+                                 "INTERNAL",
+                                 "UNAVAILABLE",
+                                 "DATA_LOSS",
+                                 "UNAUTHENTICATED"};
   return code >= 0 && code <= 16 ? kNames[code] : "UNKNOWN";
 }
 
@@ -163,7 +175,8 @@ struct Client::Impl {
   void Prepare(grpc::ClientContext* ctx, const CallOptions& call) const {
     const auto deadline = call.deadline.value_or(options.deadline);
     if (deadline.count() > 0) ctx->set_deadline(std::chrono::system_clock::now() + deadline);
-    if (!call.bearer_token.empty()) ctx->AddMetadata("authorization", "Bearer " + call.bearer_token);
+    if (!call.bearer_token.empty())
+      ctx->AddMetadata("authorization", "Bearer " + call.bearer_token);
   }
 };
 
@@ -206,7 +219,8 @@ std::string ReadPemFile(const std::string& path, const char* option) {
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   if (!in.good() && !in.eof()) text.clear();
   if (text.empty()) {
-    throw std::invalid_argument(std::string(option) + " " + path + ": cannot read it (or it is empty)");
+    throw std::invalid_argument(std::string(option) + " " + path +
+                                ": cannot read it (or it is empty)");
   }
   return text;
 }
@@ -223,7 +237,8 @@ std::shared_ptr<grpc::ChannelCredentials> Credentials(const TlsOptions& tls) {
                                 std::string(tls.cert_file.empty() ? "key" : "certificate"));
   }
   grpc::SslCredentialsOptions ssl;
-  if (!tls.root_certs_file.empty()) ssl.pem_root_certs = ReadPemFile(tls.root_certs_file, "TLS root certificates");
+  if (!tls.root_certs_file.empty())
+    ssl.pem_root_certs = ReadPemFile(tls.root_certs_file, "TLS root certificates");
   if (!tls.cert_file.empty()) {
     ssl.pem_cert_chain = ReadPemFile(tls.cert_file, "TLS client certificate");
     ssl.pem_private_key = ReadPemFile(tls.key_file, "TLS client key");
@@ -269,12 +284,13 @@ Client::~Client() {
 CallStatus Client::Attend(const AttendRequest& request, AttendResult* result,
                           const CallOptions& call) {
   std::promise<CallStatus> promise;
-  AttendAsync(request,
-              [&](CallStatus status, AttendResult r) {
-                if (status.ok()) *result = std::move(r);
-                promise.set_value(std::move(status));
-              },
-              call);
+  AttendAsync(
+      request,
+      [&](CallStatus status, AttendResult r) {
+        if (status.ok()) *result = std::move(r);
+        promise.set_value(std::move(status));
+      },
+      call);
   return promise.get_future().get();
 }
 
@@ -348,7 +364,8 @@ class StreamReactor final : public grpc::ClientBidiReactor<pb::AttendRequest, pb
   void OnReadDone(bool ok) override {
     if (!ok) return;
     CallStatus status;
-    if (response_.has_error()) status = CallStatus{response_.error().code(), response_.error().message()};
+    if (response_.has_error())
+      status = CallStatus{response_.error().code(), response_.error().message()};
     AttendResult result = status.ok() ? FromWire(&response_) : AttendResult{};
     result.request_id = response_.request_id();
     on_response_(std::move(status), std::move(result));
@@ -414,8 +431,9 @@ CallStatus Client::ReloadModels(ReloadResult* result, const CallOptions& call) {
   for (const pb::ModelChange& c : resp.changes()) {
     static const char* kActions[] = {"unspecified", "loaded", "updated", "unloaded", "failed"};
     const int a = static_cast<int>(c.action());
-    result->changes.push_back({c.name(), c.version(), a >= 0 && a <= 4 ? kActions[a] : "unspecified",
-                               c.weights_hash(), c.message()});
+    result->changes.push_back({c.name(), c.version(),
+                               a >= 0 && a <= 4 ? kActions[a] : "unspecified", c.weights_hash(),
+                               c.message()});
   }
   result->models_served = resp.models_served();
   return FromGrpc(s);
@@ -434,7 +452,8 @@ CallStatus Client::GetModel(const std::string& name, int64_t version, ModelInfo*
   return FromGrpc(s);
 }
 
-CallStatus Client::CreateMemory(const MemoryRequest& request, KvInfo* memory, const CallOptions& call) {
+CallStatus Client::CreateMemory(const MemoryRequest& request, KvInfo* memory,
+                                const CallOptions& call) {
   grpc::ClientContext ctx;
   impl_->Prepare(&ctx, call);
   pb::CreateMemoryRequest req;

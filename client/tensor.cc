@@ -1,7 +1,7 @@
+#include "attnserve/tensor.h"
+
 #include <cstring>
 #include <stdexcept>
-
-#include "attnserve/tensor.h"
 
 #include "attnserve/half.h"
 
@@ -13,7 +13,8 @@ uint16_t FloatToHalf(float f) {
   std::memcpy(&x, &f, 4);
   const uint32_t sign = (x >> 16) & 0x8000;
   const uint32_t abs = x & 0x7fffffff;
-  if (abs >= 0x7f800000) return static_cast<uint16_t>(sign | 0x7c00 | (abs > 0x7f800000 ? 0x200 : 0));
+  if (abs >= 0x7f800000)
+    return static_cast<uint16_t>(sign | 0x7c00 | (abs > 0x7f800000 ? 0x200 : 0));
   if (abs >= 0x477ff000) return static_cast<uint16_t>(sign | 0x7c00);  // Overflow to inf.
   if (abs < 0x38800000) {  // Subnormal or zero in half precision.
     const int shift = 113 - static_cast<int>(abs >> 23);
@@ -44,10 +45,13 @@ void CheckCount(const std::vector<int64_t>& shape, size_t n) {
 
 size_t DataTypeSize(DataType dtype) {
   switch (dtype) {
-    case DataType::kFloat32: return 4;
+    case DataType::kFloat32:
+      return 4;
     case DataType::kFloat16:
-    case DataType::kBFloat16: return 2;
-    case DataType::kBool: return 1;
+    case DataType::kBFloat16:
+      return 2;
+    case DataType::kBool:
+      return 1;
   }
   return 0;
 }
@@ -89,7 +93,9 @@ std::vector<float> Tensor::ToFloats() const {
   std::vector<float> out(n);
   for (size_t i = 0; i < n; ++i) {
     switch (dtype) {
-      case DataType::kFloat32: std::memcpy(&out[i], &data[4 * i], 4); break;
+      case DataType::kFloat32:
+        std::memcpy(&out[i], &data[4 * i], 4);
+        break;
       case DataType::kFloat16: {
         uint16_t h;
         std::memcpy(&h, &data[2 * i], 2);
@@ -102,7 +108,9 @@ std::vector<float> Tensor::ToFloats() const {
         out[i] = BFloat16ToFloat(h);
         break;
       }
-      case DataType::kBool: out[i] = data[i] ? 1.f : 0.f; break;
+      case DataType::kBool:
+        out[i] = data[i] ? 1.f : 0.f;
+        break;
     }
   }
   return out;

@@ -34,14 +34,16 @@ bool SameSecret(const std::string& given, const std::string& token) {
 
 Status AdminAuth::Check(bool mutual_tls) const {
   if (!client_names.empty() && !mutual_tls) {
-    return Status(StatusCode::kFailedPrecondition,
-                  "--admin-client-names: needs mutual TLS (--tls-cert, --tls-key and --tls-client-ca), "
-                  "which verifies client certificates");
+    return Status(
+        StatusCode::kFailedPrecondition,
+        "--admin-client-names: needs mutual TLS (--tls-cert, --tls-key and --tls-client-ca), "
+        "which verifies client certificates");
   }
   if (!token_file.empty()) {
     StatusOr<std::string> token = ReadToken(token_file);
     if (!token.ok()) {
-      return Status(StatusCode::kFailedPrecondition, "--admin-token-file " + token.status().message());
+      return Status(StatusCode::kFailedPrecondition,
+                    "--admin-token-file " + token.status().message());
     }
   }
   return Status();
@@ -78,28 +80,34 @@ Status AuthorizeAdmin(const AdminAuth& auth, const grpc::CallbackServerContext& 
     }
     StatusOr<std::string> token = ReadToken(auth.token_file);
     if (!token.ok()) {
-      std::cerr << "attnserve: admin call refused: --admin-token-file " << token.status().message() << "\n";
+      std::cerr << "attnserve: admin call refused: --admin-token-file " << token.status().message()
+                << "\n";
       return Status(StatusCode::kPermissionDenied,
                     "authorization: the server cannot read its --admin-token-file (see its log)");
     }
     const std::string kBearer = "Bearer ";
     if (value.compare(0, kBearer.size(), kBearer) != 0) {
-      return Status(StatusCode::kUnauthenticated,
-                    "authorization: expected 'Bearer <token>', got a value not starting with 'Bearer '");
+      return Status(
+          StatusCode::kUnauthenticated,
+          "authorization: expected 'Bearer <token>', got a value not starting with 'Bearer '");
     }
     if (SameSecret(value.substr(kBearer.size()), *token)) return Status();
     return Status(StatusCode::kUnauthenticated,
                   "authorization: the token does not match the server's --admin-token-file");
   }
   if (!cert_name.empty()) {
-    return Status(StatusCode::kPermissionDenied,
-                  "client certificate '" + cert_name + "' is not an administrator (--admin-client-names)");
+    return Status(
+        StatusCode::kPermissionDenied,
+        "client certificate '" + cert_name + "' is not an administrator (--admin-client-names)");
   }
-  return Status(StatusCode::kUnauthenticated,
-                std::string("no admin credentials: ") +
-                    (auth.token_file.empty() ? "" : "send 'authorization: Bearer <token>' metadata") +
-                    (auth.token_file.empty() || auth.client_names.empty() ? "" : ", or ") +
-                    (auth.client_names.empty() ? "" : "present a client certificate named in --admin-client-names"));
+  return Status(
+      StatusCode::kUnauthenticated,
+      std::string("no admin credentials: ") +
+          (auth.token_file.empty() ? "" : "send 'authorization: Bearer <token>' metadata") +
+          (auth.token_file.empty() || auth.client_names.empty() ? "" : ", or ") +
+          (auth.client_names.empty()
+               ? ""
+               : "present a client certificate named in --admin-client-names"));
 }
 
 AdminServiceImpl::AdminServiceImpl(ModelRepository& models, AdminAuth auth)
@@ -125,10 +133,18 @@ grpc::ServerUnaryReactor* AdminServiceImpl::ReloadModels(grpc::CallbackServerCon
       out->set_name(c.name);
       out->set_version(c.version);
       switch (c.action) {
-        case RepositoryChange::Action::kLoaded: out->set_action(v1::ModelChange::ACTION_LOADED); break;
-        case RepositoryChange::Action::kUpdated: out->set_action(v1::ModelChange::ACTION_UPDATED); break;
-        case RepositoryChange::Action::kUnloaded: out->set_action(v1::ModelChange::ACTION_UNLOADED); break;
-        case RepositoryChange::Action::kFailed: out->set_action(v1::ModelChange::ACTION_FAILED); break;
+        case RepositoryChange::Action::kLoaded:
+          out->set_action(v1::ModelChange::ACTION_LOADED);
+          break;
+        case RepositoryChange::Action::kUpdated:
+          out->set_action(v1::ModelChange::ACTION_UPDATED);
+          break;
+        case RepositoryChange::Action::kUnloaded:
+          out->set_action(v1::ModelChange::ACTION_UNLOADED);
+          break;
+        case RepositoryChange::Action::kFailed:
+          out->set_action(v1::ModelChange::ACTION_FAILED);
+          break;
       }
       out->set_weights_hash(c.weights_hash);
       out->set_message(c.message);

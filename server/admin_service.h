@@ -9,7 +9,8 @@
 
 namespace attnserve {
 
-/// Who may call AdminService (README "Model lifecycle"). Neither set: nobody (SIGHUP still reloads).
+/// Who may call AdminService (README "Model lifecycle"). Neither set: nobody (SIGHUP still
+/// reloads).
 struct AdminAuth {
   /// A file holding a secret token; callers send `authorization: Bearer <token>` metadata. Read at
   /// each admin call, so a rotated file applies at once.

@@ -13,20 +13,22 @@ namespace {
 /// was is only certain once the call is done, so the outcome is recorded in OnDone.
 class NoMessageReactor final : public grpc::ServerUnaryReactor {
  public:
-  NoMessageReactor(RequestPipeline& pipeline, grpc::CallbackServerContext* ctx) : pipeline_(pipeline), ctx_(ctx) {
+  NoMessageReactor(RequestPipeline& pipeline, grpc::CallbackServerContext* ctx)
+      : pipeline_(pipeline), ctx_(ctx) {
     Finish(ToGrpcStatus(kRefusal));
   }
   void OnDone() override {
-    pipeline_.RecordUndecoded("Attend", ctx_->IsCancelled()
-                                            ? Status(StatusCode::kCancelled, "cancelled before its request arrived")
-                                            : kRefusal);
+    pipeline_.RecordUndecoded(
+        "Attend", ctx_->IsCancelled()
+                      ? Status(StatusCode::kCancelled, "cancelled before its request arrived")
+                      : kRefusal);
     delete this;
   }
 
  private:
-  inline static const Status kRefusal =
-      InvalidArgument("request: no request message arrived (the client half-closed without one); "
-                      "Attend takes exactly one AttendRequest");
+  inline static const Status kRefusal = InvalidArgument(
+      "request: no request message arrived (the client half-closed without one); "
+      "Attend takes exactly one AttendRequest");
   RequestPipeline& pipeline_;
   grpc::CallbackServerContext* ctx_;
 };
@@ -45,7 +47,8 @@ AttentionServiceImpl::AttentionServiceImpl(RequestPipeline& pipeline) : pipeline
 AttentionServiceImpl::~AttentionServiceImpl() = default;
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerContext* ctx,
-                                                       const grpc::ByteBuffer* req, grpc::ByteBuffer* resp) {
+                                                       const grpc::ByteBuffer* req,
+                                                       grpc::ByteBuffer* resp) {
   if (!req->Valid()) return new NoMessageReactor(pipeline_, ctx);
   auto x = std::make_unique<Exchange>();
   const Status parsed = ParseRequest(*req, &x->request);
@@ -77,7 +80,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(grpc::CallbackServerC
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::GetModel(grpc::CallbackServerContext* ctx,
-                                                         const v1::GetModelRequest* req, v1::ModelInfo* resp) {
+                                                         const v1::GetModelRequest* req,
+                                                         v1::ModelInfo* resp) {
   return Finished(ctx, pipeline_.GetModel(*req, resp));
 }
 

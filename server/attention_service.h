@@ -34,13 +34,17 @@ class AttentionServiceImpl final
                                        v1::ListModelsResponse* resp) override;
   grpc::ServerUnaryReactor* GetModel(grpc::CallbackServerContext* ctx,
                                      const v1::GetModelRequest* req, v1::ModelInfo* resp) override;
-  grpc::ServerUnaryReactor* CreateMemory(grpc::CallbackServerContext* ctx, const v1::CreateMemoryRequest* req,
+  grpc::ServerUnaryReactor* CreateMemory(grpc::CallbackServerContext* ctx,
+                                         const v1::CreateMemoryRequest* req,
                                          v1::KvHandle* resp) override;
-  grpc::ServerUnaryReactor* DeleteMemory(grpc::CallbackServerContext* ctx, const v1::ReleaseRequest* req,
+  grpc::ServerUnaryReactor* DeleteMemory(grpc::CallbackServerContext* ctx,
+                                         const v1::ReleaseRequest* req,
                                          v1::ReleaseResponse* resp) override;
-  grpc::ServerUnaryReactor* OpenSession(grpc::CallbackServerContext* ctx, const v1::OpenSessionRequest* req,
+  grpc::ServerUnaryReactor* OpenSession(grpc::CallbackServerContext* ctx,
+                                        const v1::OpenSessionRequest* req,
                                         v1::KvHandle* resp) override;
-  grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* ctx, const v1::ReleaseRequest* req,
+  grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* ctx,
+                                         const v1::ReleaseRequest* req,
                                          v1::ReleaseResponse* resp) override;
 
  private:

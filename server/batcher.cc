@@ -34,13 +34,12 @@ void BatchQueue::DropDead(SteadyClock::time_point now, Dropped* dropped) {
     // The deadline first: gRPC also marks a call whose deadline passed as cancelled.
     if (now >= item->deadline) {
       const std::string waited = std::to_string(Seconds(now - item->accepted));
-      dropped->emplace_back(std::move(item),
-                            Status(StatusCode::kDeadlineExceeded,
-                                   "deadline passed after " + waited +
-                                       " s in the queue, before compute started"));
+      dropped->emplace_back(std::move(item), Status(StatusCode::kDeadlineExceeded,
+                                                    "deadline passed after " + waited +
+                                                        " s in the queue, before compute started"));
     } else if (item->cancelled && item->cancelled()) {
-      dropped->emplace_back(std::move(item),
-                            Status(StatusCode::kCancelled, "cancelled by the client before compute"));
+      dropped->emplace_back(std::move(item), Status(StatusCode::kCancelled,
+                                                    "cancelled by the client before compute"));
     } else {
       alive.push_back(std::move(item));
     }
@@ -123,7 +122,10 @@ Batcher::Batcher(BatcherOptions options)
   for (int i = 0; i < options_.workers; ++i) workers_.emplace_back([this] { WorkerLoop(); });
 }
 
-int Batcher::Width() const { return queued_.load(std::memory_order_relaxed) > 0 ? 1 : 1 + idle_.load(std::memory_order_relaxed); }
+int Batcher::Width() const {
+  return queued_.load(std::memory_order_relaxed) > 0 ? 1
+                                                     : 1 + idle_.load(std::memory_order_relaxed);
+}
 
 void Batcher::Mirror() {
   size_t queued = 0;
@@ -152,7 +154,8 @@ void Batcher::Submit(std::unique_ptr<WorkItem> item) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (draining_) {
-      refused = Status(StatusCode::kUnavailable, "server is shutting down; retry on another replica");
+      refused =
+          Status(StatusCode::kUnavailable, "server is shutting down; retry on another replica");
     } else {
       auto it = queues_.try_emplace(item->model.get(), options_).first;
       item = it->second.Add(std::move(item), SteadyClock::now(), &dropped);
@@ -244,10 +247,11 @@ void Batcher::WorkerLoop() {
     }
     if (!any && busy_ == 0 && trim_pending_) {
       // Idle for a while after work: give the freed request, answer and engine buffers back to the
-      // system. glibc keeps freed multi-MiB blocks in its arenas (its mmap threshold rises after the
-      // first free), so RSS would otherwise stay at the last burst's peak. Only after kTrimAfterIdle
-      // without work, so a lone caller's requests never pay for it (a fixed mmap threshold did the
-      // same job at 25% of W2's throughput; trimming at every idle moment cost a lone caller ~1.7 ms).
+      // system. glibc keeps freed multi-MiB blocks in its arenas (its mmap threshold rises after
+      // the first free), so RSS would otherwise stay at the last burst's peak. Only after
+      // kTrimAfterIdle without work, so a lone caller's requests never pay for it (a fixed mmap
+      // threshold did the same job at 25% of W2's throughput; trimming at every idle moment cost a
+      // lone caller ~1.7 ms).
       if (idle_since_ == SteadyClock::time_point()) idle_since_ = now;
       if (now - idle_since_ >= kTrimAfterIdle) {
         trim_pending_ = false;

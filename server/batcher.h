@@ -1,11 +1,11 @@
 #pragma once
 
+#include <atomic>
 #include <chrono>
-#include <cstdint>
 #include <condition_variable>
+#include <cstdint>
 #include <deque>
 #include <functional>
-#include <atomic>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -54,8 +54,9 @@ using Dropped = std::vector<std::pair<std::unique_ptr<WorkItem>, Status>>;
 
 /// How batches are formed. Defaults suit this 2-core machine (bench/RESULTS.md).
 struct BatcherOptions {
-  /// Most tokens (WorkItem::tokens) in one batch. A single larger request still runs, alone. Past ~1k
-  /// tokens the engine's GEMMs are efficient anyway, and smaller batches keep every worker busy.
+  /// Most tokens (WorkItem::tokens) in one batch. A single larger request still runs, alone. Past
+  /// ~1k tokens the engine's GEMMs are efficient anyway, and smaller batches keep every worker
+  /// busy.
   int64_t max_batch_tokens = 1024;
   /// Requests with more tokens than this are computed alone and never wait for company: they fill
   /// the engine's GEMMs by themselves, and sharing a batch would only hold their answers back.
@@ -160,7 +161,7 @@ class Batcher {
   std::atomic<int> idle_{0};
   std::atomic<size_t> queued_{0};
   PieceExchange pieces_;
-  bool trim_pending_ = false;  // Work ran since the last malloc_trim.
+  bool trim_pending_ = false;           // Work ran since the last malloc_trim.
   SteadyClock::time_point idle_since_;  // When the last worker went idle (zero: not idle).
   static constexpr std::chrono::seconds kTrimAfterIdle{1};
   std::vector<std::thread> workers_;

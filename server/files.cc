@@ -23,7 +23,8 @@ StatusOr<std::string> ReadFile(const std::string& path, uint64_t max_bytes) {
   }
   if (static_cast<uint64_t>(st.st_size) > max_bytes) {
     close(fd);
-    return fail(std::to_string(st.st_size) + " bytes is over the limit of " + std::to_string(max_bytes));
+    return fail(std::to_string(st.st_size) + " bytes is over the limit of " +
+                std::to_string(max_bytes));
   }
   std::string out(static_cast<size_t>(st.st_size), '\0');
   size_t got = 0;
@@ -32,7 +33,8 @@ StatusOr<std::string> ReadFile(const std::string& path, uint64_t max_bytes) {
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) {
       close(fd);
-      return fail(n < 0 ? std::string("read failed: ") + std::strerror(errno) : "changed while being read");
+      return fail(n < 0 ? std::string("read failed: ") + std::strerror(errno)
+                        : "changed while being read");
     }
     got += static_cast<size_t>(n);
   }

@@ -10,7 +10,8 @@ std::string ModelName(const std::string& model) { return std::string(kServiceNam
 
 }  // namespace
 
-HealthReporter::HealthReporter(std::vector<grpc::HealthCheckServiceInterface*> services, const ModelSet& models)
+HealthReporter::HealthReporter(std::vector<grpc::HealthCheckServiceInterface*> services,
+                               const ModelSet& models)
     : services_(std::move(services)) {
   for (const auto& [name, versions] : models.models) known_.insert(name);
   for (auto* health : services_) {
@@ -28,7 +29,8 @@ void HealthReporter::OnReloaded(const ReloadReport& report, const ModelSet& set,
   for (const auto& [name, versions] : set.models) known_.insert(name);
   for (auto* health : services_) {
     health->SetServingStatus(kRepositoryName, report.status.ok() && failing.empty());
-    for (const std::string& name : known_) health->SetServingStatus(ModelName(name), set.models.count(name) > 0);
+    for (const std::string& name : known_)
+      health->SetServingStatus(ModelName(name), set.models.count(name) > 0);
   }
 }
 

@@ -14,9 +14,11 @@ namespace attnserve {
 
 /// What grpc.health.v1 says, on every listener that serves it (--address, --health-address):
 ///   ""  and "attnserve.v1.AttentionService"  SERVING until the drain begins;
-///   "attnserve.v1.ModelRepository"            NOT_SERVING while the latest load of some model failed
+///   "attnserve.v1.ModelRepository"            NOT_SERVING while the latest load of some model
+///   failed
 ///                                             (what served before still serves);
-///   "attnserve.v1.AttentionService/<model>"   SERVING while the model is loaded, NOT_SERVING once a
+///   "attnserve.v1.AttentionService/<model>"   SERVING while the model is loaded, NOT_SERVING once
+///   a
 ///                                             reload removed it (or its first load failed).
 /// Thread-safe.
 class HealthReporter {
@@ -25,7 +27,8 @@ class HealthReporter {
   HealthReporter(std::vector<grpc::HealthCheckServiceInterface*> services, const ModelSet& models);
 
   /// After a reload: the repository's status and every model's that health has ever named.
-  void OnReloaded(const ReloadReport& report, const ModelSet& set, const std::map<std::string, std::string>& failing);
+  void OnReloaded(const ReloadReport& report, const ModelSet& set,
+                  const std::map<std::string, std::string>& failing);
   /// NOT_SERVING for everything, from now on (the drain began).
   void Shutdown();
 

@@ -16,7 +16,8 @@ int QuotaCpus() {
   long long quota = -1, period = 0;
   if (FILE* f = std::fopen("/sys/fs/cgroup/cpu.max", "r")) {
     char q[32] = {};
-    if (std::fscanf(f, "%31s %lld", q, &period) == 2 && std::string_view(q) != "max") quota = std::atoll(q);
+    if (std::fscanf(f, "%31s %lld", q, &period) == 2 && std::string_view(q) != "max")
+      quota = std::atoll(q);
     std::fclose(f);
   } else if (FILE* fq = std::fopen("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "r")) {
     if (std::fscanf(fq, "%lld", &quota) != 1) quota = -1;

@@ -16,7 +16,7 @@ namespace attnserve {
 struct KvAccount {
   std::mutex mu;
   int64_t bytes = 0;
-  int64_t entries[2] = {0, 0};  // In the index, by KvKind.
+  int64_t entries[2] = {0, 0};                             // In the index, by KvKind.
   std::function<void(int64_t, int64_t, int64_t)> on_size;  // Set once, before any entry exists.
   void Add(int64_t delta_bytes, KvKind kind = KvKind::kMemory, int64_t delta_entries = 0) {
     std::lock_guard<std::mutex> lock(mu);  // Gauges set in the order the counts changed.
@@ -38,30 +38,43 @@ const char* KvKindName(KvKind kind) { return kind == KvKind::kMemory ? "memory" 
 
 const char* KvEndReasonName(KvEndReason reason) {
   switch (reason) {
-    case KvEndReason::kReleased: return "released";
-    case KvEndReason::kEvicted: return "evicted";
-    case KvEndReason::kExpired: return "expired";
-    case KvEndReason::kUnloaded: return "unloaded";
-    case KvEndReason::kFailed: return "failed";
-    case KvEndReason::kShutdown: return "shutdown";
+    case KvEndReason::kReleased:
+      return "released";
+    case KvEndReason::kEvicted:
+      return "evicted";
+    case KvEndReason::kExpired:
+      return "expired";
+    case KvEndReason::kUnloaded:
+      return "unloaded";
+    case KvEndReason::kFailed:
+      return "failed";
+    case KvEndReason::kShutdown:
+      return "shutdown";
   }
   return "unknown";
 }
 
 Status KvOptions::Validate() const {
   const auto bad = [](const std::string& m) { return Status(StatusCode::kFailedPrecondition, m); };
-  if (budget_bytes < 1) return bad("--kv-budget-bytes: " + std::to_string(budget_bytes) + "; expected >= 1");
+  if (budget_bytes < 1)
+    return bad("--kv-budget-bytes: " + std::to_string(budget_bytes) + "; expected >= 1");
   if (max_entry_bytes < 1 || max_entry_bytes > budget_bytes) {
-    return bad("--kv-max-entry-bytes: " + std::to_string(max_entry_bytes) + "; expected 1 to --kv-budget-bytes (" +
-               std::to_string(budget_bytes) + ")");
+    return bad("--kv-max-entry-bytes: " + std::to_string(max_entry_bytes) +
+               "; expected 1 to --kv-budget-bytes (" + std::to_string(budget_bytes) + ")");
   }
-  if (max_entries < 1) return bad("--kv-max-entries: " + std::to_string(max_entries) + "; expected >= 1");
-  if (!(ttl_seconds > 0)) return bad("--kv-ttl-seconds: " + std::to_string(ttl_seconds) + "; expected > 0");
+  if (max_entries < 1)
+    return bad("--kv-max-entries: " + std::to_string(max_entries) + "; expected >= 1");
+  if (!(ttl_seconds > 0))
+    return bad("--kv-ttl-seconds: " + std::to_string(ttl_seconds) + "; expected > 0");
   return Status::Ok();
 }
 
-KvStore::KvStore(KvOptions options, KvMetricsHooks hooks, std::function<KvClock::time_point()> clock)
-    : options_(options), hooks_(std::move(hooks)), clock_(std::move(clock)), account_(std::make_shared<KvAccount>()) {
+KvStore::KvStore(KvOptions options, KvMetricsHooks hooks,
+                 std::function<KvClock::time_point()> clock)
+    : options_(options),
+      hooks_(std::move(hooks)),
+      clock_(std::move(clock)),
+      account_(std::make_shared<KvAccount>()) {
   account_->on_size = hooks_.on_size;
   if (!clock_) expiry_ = std::thread([this] { ExpiryLoop(); });
 }
@@ -78,7 +91,8 @@ KvStore::~KvStore() {
 
 int64_t KvStore::GrowCapacity(int64_t capacity, int64_t needed) {
   if (needed <= capacity) return capacity;
-  const int64_t doubled = capacity > std::numeric_limits<int64_t>::max() / 2 ? needed : 2 * capacity;
+  const int64_t doubled =
+      capacity > std::numeric_limits<int64_t>::max() / 2 ? needed : 2 * capacity;
   return std::max<int64_t>({needed, doubled, 16});
 }
 
@@ -127,38 +141,44 @@ Status KvStore::MakeRoom(int64_t need, const KvEntry* keep) {
   }
   // Every count here is at most the budget, and `need` at most --kv-max-entry-bytes: no overflow.
   if (held + need - freeable > options_.budget_bytes) {
-    return Status(StatusCode::kResourceExhausted,
-                  "key/value memory is full: " + std::to_string(held) + " bytes held by memories and "
-                  "sessions (" + std::to_string(held - freeable) + " in use), " + std::to_string(need) +
-                  " more needed, budget " + std::to_string(options_.budget_bytes) +
-                  " (server flag --kv-budget-bytes); close sessions or delete memories, or retry later");
+    return Status(
+        StatusCode::kResourceExhausted,
+        "key/value memory is full: " + std::to_string(held) +
+            " bytes held by memories and "
+            "sessions (" +
+            std::to_string(held - freeable) + " in use), " + std::to_string(need) +
+            " more needed, budget " + std::to_string(options_.budget_bytes) +
+            " (server flag --kv-budget-bytes); close sessions or delete memories, or retry later");
   }
   for (auto it = lru_.end(); held + need > options_.budget_bytes && it != lru_.begin();) {
     --it;
     KvEntry* e = *it;
     if (!evictable(e)) continue;
     const std::string handle = e->handle;
-    held -= e->bytes;  // Freed now: only the index held it.
+    held -= e->bytes;    // Freed now: only the index held it.
     it = std::next(it);  // Remove erases *it: step past it first.
-    Remove(handle, KvEndReason::kEvicted, std::string("evicted (least recently used, to make room under --kv-budget-bytes ") +
-                       std::to_string(options_.budget_bytes) + ")");
+    Remove(handle, KvEndReason::kEvicted,
+           std::string("evicted (least recently used, to make room under --kv-budget-bytes ") +
+               std::to_string(options_.budget_bytes) + ")");
   }
   return Status::Ok();
 }
 
-StatusOr<std::shared_ptr<KvEntry>> KvStore::Create(KvKind kind, std::shared_ptr<const AttentionModel> model,
+StatusOr<std::shared_ptr<KvEntry>> KvStore::Create(KvKind kind,
+                                                   std::shared_ptr<const AttentionModel> model,
                                                    std::shared_ptr<KvCache> cache, int64_t batch,
                                                    int64_t capacity) {
   if (batch < 1 || capacity < 0) {
-    return InvalidArgument(std::string(KvKindName(kind)) + ": batch " + std::to_string(batch) + " of " +
-                           std::to_string(capacity) + " tokens; allowed: batch >= 1, tokens >= 0");
+    return InvalidArgument(std::string(KvKindName(kind)) + ": batch " + std::to_string(batch) +
+                           " of " + std::to_string(capacity) +
+                           " tokens; allowed: batch >= 1, tokens >= 0");
   }
   const std::optional<int64_t> bytes = cache->BytesFor(batch, capacity);
   if (!bytes || *bytes > options_.max_entry_bytes) {
     return InvalidArgument(std::string(KvKindName(kind)) + ": " + std::to_string(batch) + " x " +
                            std::to_string(capacity) + " tokens need " +
-                           (bytes ? std::to_string(*bytes) : "more than 2^63") + " bytes, over the " +
-                           std::to_string(options_.max_entry_bytes) +
+                           (bytes ? std::to_string(*bytes) : "more than 2^63") +
+                           " bytes, over the " + std::to_string(options_.max_entry_bytes) +
                            " one entry may hold (server flag --kv-max-entry-bytes)");
   }
   auto e = std::make_shared<KvEntry>();
@@ -177,7 +197,8 @@ StatusOr<std::shared_ptr<KvEntry>> KvStore::Create(KvKind kind, std::shared_ptr<
                         "--kv-max-entries); close sessions or delete memories, or retry later");
     }
     RETURN_IF_ERROR(MakeRoom(*bytes, nullptr));
-    do e->handle = NewHandle(); while (entries_.count(e->handle) || gone_.count(e->handle));
+    do e->handle = NewHandle();
+    while (entries_.count(e->handle) || gone_.count(e->handle));
     e->account = account_;
     e->bytes = *bytes;
     e->last_use = Now();
@@ -193,8 +214,11 @@ Status KvStore::MarkReady(const std::shared_ptr<KvEntry>& entry, int64_t length)
   std::lock_guard<std::mutex> lock(mu_);
   if (!Indexed(entry.get())) {
     const auto g = gone_.find(entry->handle);
-    return Status(StatusCode::kAborted, "memory '" + entry->handle + "' ended before its keys and values were in "
-                  "place: " + (g == gone_.end() ? std::string("gone") : g->second) + "; create it again");
+    return Status(StatusCode::kAborted, "memory '" + entry->handle +
+                                            "' ended before its keys and values were in "
+                                            "place: " +
+                                            (g == gone_.end() ? std::string("gone") : g->second) +
+                                            "; create it again");
   }
   entry->length = length;
   entry->ready = true;
@@ -218,10 +242,12 @@ StatusOr<std::shared_ptr<KvEntry>> KvStore::Lookup(const std::string& handle, Kv
     } else if (const auto g = gone_.find(handle); g != gone_.end()) {
       why = g->second;
     } else {
-      why = "unknown: this server holds no memory or session with this handle (they live on the "
-            "replica that created them, until they expire, are evicted or closed)";
+      why =
+          "unknown: this server holds no memory or session with this handle (they live on the "
+          "replica that created them, until they expire, are evicted or closed)";
     }
-    return Status(StatusCode::kNotFound, std::string(KvKindName(kind)) + " '" + handle + "': " + why);
+    return Status(StatusCode::kNotFound,
+                  std::string(KvKindName(kind)) + " '" + handle + "': " + why);
   }
   if (hooks_.on_lookup) hooks_.on_lookup(kind, true);
   Touch(it->second.get());
@@ -231,19 +257,22 @@ StatusOr<std::shared_ptr<KvEntry>> KvStore::Lookup(const std::string& handle, Kv
 StatusOr<std::unique_ptr<KvStep>> KvStore::BeginStep(const std::string& handle,
                                                      std::optional<int64_t> expected_length) {
   if (expected_length && *expected_length < 0) {
-    return InvalidArgument("session_length: " + std::to_string(*expected_length) +
-                           "; allowed: >= 0, the tokens the session holds before this step (or unset)");
+    return InvalidArgument(
+        "session_length: " + std::to_string(*expected_length) +
+        "; allowed: >= 0, the tokens the session holds before this step (or unset)");
   }
   ASSIGN_OR_RETURN(std::shared_ptr<KvEntry> e, Lookup(handle, KvKind::kSession));
   std::lock_guard<std::mutex> lock(mu_);
   if (e->busy) {
-    return Status(StatusCode::kAborted, "session '" + handle + "': a step is already in flight; send a "
-                  "session's steps one at a time, each after the previous one's answer");
+    return Status(StatusCode::kAborted,
+                  "session '" + handle +
+                      "': a step is already in flight; send a "
+                      "session's steps one at a time, each after the previous one's answer");
   }
   if (expected_length && *expected_length != e->length) {
-    return Status(StatusCode::kAborted, "session '" + handle + "': session_length " +
-                  std::to_string(*expected_length) + " expected, but it holds " +
-                  std::to_string(e->length) + " tokens");
+    return Status(StatusCode::kAborted,
+                  "session '" + handle + "': session_length " + std::to_string(*expected_length) +
+                      " expected, but it holds " + std::to_string(e->length) + " tokens");
   }
   e->busy = true;
   const int64_t length = e->length, capacity = e->capacity;
@@ -262,10 +291,11 @@ Status KvStore::Reserve(KvStep* step, int64_t tokens) {
   std::lock_guard<std::mutex> lock(mu_);
   KvEntry* e = step->entry_.get();
   const auto what = [&] {  // Made only for a refusal: a step's reservation is on the hot path.
-    return "session '" + e->handle + "': " + std::to_string(step->length_) + " + " + std::to_string(tokens) +
-           " tokens (x " + std::to_string(e->batch) + " sequences)";
+    return "session '" + e->handle + "': " + std::to_string(step->length_) + " + " +
+           std::to_string(tokens) + " tokens (x " + std::to_string(e->batch) + " sequences)";
   };
-  const std::optional<int64_t> needed = tokens < 0 ? std::nullopt : CheckedAdd(step->length_, tokens);
+  const std::optional<int64_t> needed =
+      tokens < 0 ? std::nullopt : CheckedAdd(step->length_, tokens);
   if (!needed) return InvalidArgument(what() + ": not a token count (negative or over 2^63)");
   if (*needed <= e->capacity) {
     step->tokens_ = tokens;
@@ -277,9 +307,10 @@ Status KvStore::Reserve(KvStep* step, int64_t tokens) {
   for (const int64_t capacity : {GrowCapacity(e->capacity, *needed), *needed}) {
     const std::optional<int64_t> bytes = e->cache->BytesFor(e->batch, capacity);
     if (!bytes || *bytes > options_.max_entry_bytes) {
-      refused = InvalidArgument(what() + " need " + (bytes ? std::to_string(*bytes) : "more than 2^63") +
-                                " bytes, over the " + std::to_string(options_.max_entry_bytes) +
-                                " one entry may hold (server flag --kv-max-entry-bytes)");
+      refused =
+          InvalidArgument(what() + " need " + (bytes ? std::to_string(*bytes) : "more than 2^63") +
+                          " bytes, over the " + std::to_string(options_.max_entry_bytes) +
+                          " one entry may hold (server flag --kv-max-entry-bytes)");
       continue;
     }
     refused = MakeRoom(*bytes - e->bytes, e);
@@ -298,7 +329,8 @@ void KvStore::EndStep(KvStep* step, bool applied) {
   e->busy = false;
   if (applied) e->length = step->length_ + step->tokens_;
   // What the cache holds now: the reservation when the step computed, as before when it failed
-  // before growing it. Counted for ended entries too: their bytes go back when the last holder goes.
+  // before growing it. Counted for ended entries too: their bytes go back when the last holder
+  // goes.
   const int64_t held = std::max(e->cache->AllocatedTokens(), applied ? step->capacity_ : 0);
   if (held != e->capacity) Recount(e, held, e->cache->BytesFor(e->batch, held).value_or(e->bytes));
   if (Indexed(e)) Touch(e);
@@ -307,7 +339,8 @@ void KvStore::EndStep(KvStep* step, bool applied) {
 StatusOr<int64_t> KvStore::Release(const std::string& handle, KvKind kind) {
   ASSIGN_OR_RETURN(std::shared_ptr<KvEntry> e, Lookup(handle, kind));
   std::lock_guard<std::mutex> lock(mu_);
-  Remove(handle, KvEndReason::kReleased, kind == KvKind::kMemory ? "deleted (DeleteMemory)" : "closed (CloseSession)");
+  Remove(handle, KvEndReason::kReleased,
+         kind == KvKind::kMemory ? "deleted (DeleteMemory)" : "closed (CloseSession)");
   return e->bytes;
 }
 
@@ -321,19 +354,22 @@ void KvStore::EndModel(const ModelSpec& spec) {
     }
   }
   for (const std::string& h : ended) {
-    Remove(h, KvEndReason::kUnloaded, "ended: model '" + spec.name + "' version " + std::to_string(spec.version) + " (" +
-                  spec.weights_hash + ") was unloaded by a reload");
+    Remove(h, KvEndReason::kUnloaded,
+           "ended: model '" + spec.name + "' version " + std::to_string(spec.version) + " (" +
+               spec.weights_hash + ") was unloaded by a reload");
   }
 }
 
 void KvStore::Clear(const std::string& reason) {
   std::lock_guard<std::mutex> lock(mu_);
-  while (!entries_.empty()) Remove(entries_.begin()->first, KvEndReason::kShutdown, "ended: " + reason);
+  while (!entries_.empty())
+    Remove(entries_.begin()->first, KvEndReason::kShutdown, "ended: " + reason);
 }
 
 void KvStore::ExpireIdle(KvClock::time_point now) {
   std::lock_guard<std::mutex> lock(mu_);
-  const auto ttl = std::chrono::duration_cast<KvClock::duration>(std::chrono::duration<double>(options_.ttl_seconds));
+  const auto ttl = std::chrono::duration_cast<KvClock::duration>(
+      std::chrono::duration<double>(options_.ttl_seconds));
   // The list is ordered by last use, least recent at the back: walk forward from there until an
   // entry is recent, stepping over (not stopping at) entries in use.
   for (auto it = lru_.end(); it != lru_.begin();) {
@@ -347,7 +383,8 @@ void KvStore::ExpireIdle(KvClock::time_point now) {
     char ttl_text[32];
     std::snprintf(ttl_text, sizeof ttl_text, "%g", options_.ttl_seconds);
     Remove(e->handle, KvEndReason::kExpired,
-           std::string("expired (unused for ") + ttl_text + " s, server flag --kv-ttl-seconds)");  // Erases *at only.
+           std::string("expired (unused for ") + ttl_text +
+               " s, server flag --kv-ttl-seconds)");  // Erases *at only.
   }
 }
 

@@ -26,12 +26,12 @@ using KvClock = std::chrono::steady_clock;
 
 /// Server flags --kv-budget-bytes, --kv-max-entry-bytes, --kv-max-entries, --kv-ttl-seconds.
 struct KvOptions {
-  int64_t budget_bytes = int64_t{1} << 30;     ///< All memories and sessions together.
+  int64_t budget_bytes = int64_t{1} << 30;       ///< All memories and sessions together.
   int64_t max_entry_bytes = int64_t{256} << 20;  ///< One memory or session.
   /// Memories and sessions held at once: each costs bookkeeping outside the byte budget, and a
   /// session holds no bytes before its first step.
   int64_t max_entries = 65536;
-  double ttl_seconds = 300;                     ///< Unused this long: expired.
+  double ttl_seconds = 300;  ///< Unused this long: expired.
   /// Checks the options: FAILED_PRECONDITION naming the flag at fault.
   Status Validate() const;
 };
@@ -91,7 +91,8 @@ struct KvEntryInfo {
 
 /// One session step in flight, admitted by KvStore::BeginStep: the session is busy until End, or
 /// until this object goes (which ends the step as not applied), so no path can leave a session
-/// busy for good. Not thread-safe: the one request that owns it calls it. The store must outlive it.
+/// busy for good. Not thread-safe: the one request that owns it calls it. The store must outlive
+/// it.
 class KvStep {
  public:
   ~KvStep() { End(false); }
@@ -141,8 +142,10 @@ class KvStore {
   /// not in use when the budget needs room. A memory is not found by Lookup until MarkReady.
   /// INVALID_ARGUMENT for batch < 1, capacity < 0 or over --kv-max-entry-bytes;
   /// RESOURCE_EXHAUSTED at --kv-max-entries or when the budget cannot make room.
-  StatusOr<std::shared_ptr<KvEntry>> Create(KvKind kind, std::shared_ptr<const AttentionModel> model,
-                                            std::shared_ptr<KvCache> cache, int64_t batch, int64_t capacity);
+  StatusOr<std::shared_ptr<KvEntry>> Create(KvKind kind,
+                                            std::shared_ptr<const AttentionModel> model,
+                                            std::shared_ptr<KvCache> cache, int64_t batch,
+                                            int64_t capacity);
   /// A memory's keys and values are in place: its handle now works. ABORTED, saying why, when the
   /// entry ended while it was computed (a reload unloaded its model, the server stopped).
   Status MarkReady(const std::shared_ptr<KvEntry>& entry, int64_t length);
@@ -156,7 +159,8 @@ class KvStore {
   /// Admits one step on a session and marks it busy: ABORTED when a step is in flight or when
   /// `expected_length` differs from its length; INVALID_ARGUMENT when `expected_length` < 0.
   /// Nothing is reserved yet: the step is validated against its length, then KvStep::Reserve.
-  StatusOr<std::unique_ptr<KvStep>> BeginStep(const std::string& handle, std::optional<int64_t> expected_length);
+  StatusOr<std::unique_ptr<KvStep>> BeginStep(const std::string& handle,
+                                              std::optional<int64_t> expected_length);
 
   /// Removes an entry at once (DeleteMemory, CloseSession): the bytes it frees, or NOT_FOUND.
   StatusOr<int64_t> Release(const std::string& handle, KvKind kind);

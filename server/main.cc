@@ -15,10 +15,11 @@
 
 namespace {
 
-// SIGHUP asks for a model reload and the server goes on. SIGINT/SIGTERM are handled, never left to their default action: threads created before main()
-// (OpenBLAS's pool) do not block them, so a signal arriving while main() was not waiting for it
-// (a second SIGTERM during the drain) used to kill the process mid-drain. The handler only writes
-// the signal number to a pipe that main() reads (async-signal-safe).
+// SIGHUP asks for a model reload and the server goes on. SIGINT/SIGTERM are handled, never left to
+// their default action: threads created before main() (OpenBLAS's pool) do not block them, so a
+// signal arriving while main() was not waiting for it (a second SIGTERM during the drain) used to
+// kill the process mid-drain. The handler only writes the signal number to a pipe that main() reads
+// (async-signal-safe).
 int g_signal_pipe[2] = {-1, -1};
 
 void OnSignal(int sig) {
@@ -67,17 +68,20 @@ int main(int argc, char** argv) {
   app.add_option("--models", o.models_dir,
                  "Directory of models: one subdirectory per model with config.json and weights "
                  "(README \"Models\"); default: the built-in demo model");
-  app.add_option("--device", o.device, "Compute device: cpu, cuda or cuda:N")->capture_default_str();
+  app.add_option("--device", o.device, "Compute device: cpu, cuda or cuda:N")
+      ->capture_default_str();
   const std::map<std::string, attnserve::DType> dtypes{{"float32", attnserve::DType::kFloat32},
                                                        {"float16", attnserve::DType::kFloat16},
                                                        {"bfloat16", attnserve::DType::kBFloat16}};
-  app.add_option("--dtype", o.compute_dtype,
-                 "Weights and compute dtype: float32 (default, exact), bfloat16, or float16 (CUDA only)")
+  app.add_option(
+         "--dtype", o.compute_dtype,
+         "Weights and compute dtype: float32 (default, exact), bfloat16, or float16 (CUDA only)")
       ->transform(CLI::CheckedTransformer(dtypes).description("{float32, float16, bfloat16}"))
       ->default_str("float32");
   app.add_flag("--tf32", o.allow_tf32,
                "CUDA float32: let matmuls use TF32 tensor cores (faster, ~1e-3 relative error)");
-  app.add_option("--tls-cert", o.tls_cert_file, "PEM certificate chain: serve gRPC over TLS (with --tls-key)");
+  app.add_option("--tls-cert", o.tls_cert_file,
+                 "PEM certificate chain: serve gRPC over TLS (with --tls-key)");
   app.add_option("--tls-key", o.tls_key_file, "PEM private key of --tls-cert");
   app.add_option("--tls-client-ca", o.tls_client_ca_file,
                  "PEM CA certificate(s): require client certificates signed by it (mutual TLS)");
@@ -93,7 +97,8 @@ int main(int argc, char** argv) {
                  "AdminService; needs --tls-client-ca")
       ->delimiter(',');
   using Varlen = attnserve::EngineOptions::Varlen;
-  const std::map<std::string, Varlen> varlens{{"auto", Varlen::kAuto}, {"off", Varlen::kOff}, {"emulate", Varlen::kEmulate}};
+  const std::map<std::string, Varlen> varlens{
+      {"auto", Varlen::kAuto}, {"off", Varlen::kOff}, {"emulate", Varlen::kEmulate}};
   app.add_option("--varlen-attention", o.varlen,
                  "Small requests batched together: auto = one varlen flash/memory-efficient kernel "
                  "launch over their packed rows on CUDA (LibTorch >= 2.11), else one attention per "
@@ -102,7 +107,8 @@ int main(int argc, char** argv) {
       ->transform(CLI::CheckedTransformer(varlens).description("{auto, off, emulate}"))
       ->default_str("auto");
   app.add_option("--workers", o.batcher.workers,
-                 "Compute threads (default: one per usable core: CPU affinity, capped by a cgroup CPU quota)")
+                 "Compute threads (default: one per usable core: CPU affinity, capped by a cgroup "
+                 "CPU quota)")
       ->check(CLI::Range(1, 256))
       ->capture_default_str();
   app.add_option("--max-queue-size", o.batcher.max_queue_size,
@@ -166,9 +172,10 @@ int main(int argc, char** argv) {
                  "Device bytes one memory or session may hold (a session grows as it decodes)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 50))
       ->capture_default_str();
-  app.add_option("--kv-max-entries", o.kv.max_entries,
-                 "Memories and sessions held at once; beyond it CreateMemory and OpenSession are "
-                 "refused with RESOURCE_EXHAUSTED (each entry costs ~1 KiB outside the byte budget)")
+  app.add_option(
+         "--kv-max-entries", o.kv.max_entries,
+         "Memories and sessions held at once; beyond it CreateMemory and OpenSession are "
+         "refused with RESOURCE_EXHAUSTED (each entry costs ~1 KiB outside the byte budget)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 24))
       ->capture_default_str();
   app.add_option("--kv-ttl-seconds", o.kv.ttl_seconds,

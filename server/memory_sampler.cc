@@ -10,15 +10,18 @@
 
 namespace attnserve {
 
-MemorySampler::MemorySampler(const std::string& device, ServerMetrics& metrics) : metrics_(metrics) {
-  if (device.rfind("cuda", 0) == 0) cuda_index_ = device.size() > 5 ? std::atoi(device.c_str() + 5) : 0;
+MemorySampler::MemorySampler(const std::string& device, ServerMetrics& metrics)
+    : metrics_(metrics) {
+  if (device.rfind("cuda", 0) == 0)
+    cuda_index_ = device.size() > 5 ? std::atoi(device.c_str() + 5) : 0;
 }
 
 void MemorySampler::Sample() {
   if (cuda_index_ >= 0) {
     DeviceMemory memory;
     if (ReadDeviceMemory(cuda_index_, &memory)) {
-      metrics_.SetDeviceMemory("cuda:" + std::to_string(cuda_index_), memory.allocated, memory.reserved);
+      metrics_.SetDeviceMemory("cuda:" + std::to_string(cuda_index_), memory.allocated,
+                               memory.reserved);
     }
     return;
   }

@@ -14,7 +14,8 @@ const prometheus::Histogram::BucketBoundaries& LatencyBuckets() {
 }
 
 const prometheus::Histogram::BucketBoundaries& BatchBuckets() {
-  static const auto* kBuckets = new prometheus::Histogram::BucketBoundaries{1, 2, 4, 8, 16, 32, 64, 128};
+  static const auto* kBuckets =
+      new prometheus::Histogram::BucketBoundaries{1, 2, 4, 8, 16, 32, 64, 128};
   return *kBuckets;
 }
 
@@ -72,11 +73,12 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
                       .Name("attnserve_achieved_flops_per_second")
                       .Help("FLOP/s achieved by the last batch: its FLOPs over its compute time.")
                       .Register(registry)),
-      device_memory_(prometheus::BuildGauge()
-                         .Name("attnserve_device_memory_bytes")
-                         .Help("Device memory by kind: on CUDA the caching allocator's allocated and reserved "
-                               "bytes; on the CPU the process's resident set (kind resident).")
-                         .Register(registry)),
+      device_memory_(
+          prometheus::BuildGauge()
+              .Name("attnserve_device_memory_bytes")
+              .Help("Device memory by kind: on CUDA the caching allocator's allocated and reserved "
+                    "bytes; on the CPU the process's resident set (kind resident).")
+              .Register(registry)),
       model_info_(prometheus::BuildGauge()
                       .Name("attnserve_model_info")
                       .Help("A loaded model version (value 1), described by its labels.")
@@ -98,7 +100,8 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
                         .Register(registry)),
       kv_bytes_(prometheus::BuildGauge()
                     .Name("attnserve_kv_bytes")
-                    .Help("Device bytes held by memories and decoding sessions (ended ones still in use included).")
+                    .Help("Device bytes held by memories and decoding sessions (ended ones still "
+                          "in use included).")
                     .Register(registry)
                     .Add({})),
       kv_entries_(prometheus::BuildGauge()
@@ -111,7 +114,8 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
                       .Register(registry)),
       kv_ends_(prometheus::BuildCounter()
                    .Name("attnserve_kv_ends_total")
-                   .Help("Memories and sessions ended, by kind and reason (released, evicted, expired, unloaded, "
+                   .Help("Memories and sessions ended, by kind and reason (released, evicted, "
+                         "expired, unloaded, "
                          "failed, shutdown).")
                    .Register(registry)) {
   // Both outcomes exist from the start, so rate() and increase() see the first reload.
@@ -151,7 +155,8 @@ void ServerMetrics::RecordBatch(const std::string& model, const std::vector<Work
 
 void ServerMetrics::SetDeviceMemory(const std::string& device, int64_t allocated,
                                     int64_t reserved) {
-  device_memory_.Add({{"device", device}, {"kind", "allocated"}}).Set(static_cast<double>(allocated));
+  device_memory_.Add({{"device", device}, {"kind", "allocated"}})
+      .Set(static_cast<double>(allocated));
   device_memory_.Add({{"device", device}, {"kind", "reserved"}}).Set(static_cast<double>(reserved));
 }
 
@@ -166,16 +171,15 @@ void ServerMetrics::RecordRejection(const std::string& model, const char* reason
 void ServerMetrics::AddModelInfo(const ModelSpec& s) {
   RemoveModelInfo(s);
   std::lock_guard<std::mutex> lock(info_mu_);
-  info_[{s.name, s.version}] = &model_info_
-      .Add({{"model", s.name},
-            {"version", std::to_string(s.version)},
-            {"embed_dim", std::to_string(s.embed_dim)},
-            {"num_heads", std::to_string(s.num_heads)},
-            {"kdim", std::to_string(s.kdim)},
-            {"vdim", std::to_string(s.vdim)},
-            {"device", s.device},
-            {"compute_dtype", DTypeName(s.compute_dtype)},
-            {"weights_hash", s.weights_hash}});
+  info_[{s.name, s.version}] = &model_info_.Add({{"model", s.name},
+                                                 {"version", std::to_string(s.version)},
+                                                 {"embed_dim", std::to_string(s.embed_dim)},
+                                                 {"num_heads", std::to_string(s.num_heads)},
+                                                 {"kdim", std::to_string(s.kdim)},
+                                                 {"vdim", std::to_string(s.vdim)},
+                                                 {"device", s.device},
+                                                 {"compute_dtype", DTypeName(s.compute_dtype)},
+                                                 {"weights_hash", s.weights_hash}});
   info_[{s.name, s.version}]->Set(1);
 }
 
@@ -192,7 +196,8 @@ void ServerMetrics::SetModelsFailing(const std::vector<std::string>& failing) {
   for (auto& [model, gauge] : failing_) gauge->Set(0);
   for (const std::string& model : failing) {
     auto it = failing_.find(model);
-    if (it == failing_.end()) it = failing_.emplace(model, &load_failing_.Add({{"model", model}})).first;
+    if (it == failing_.end())
+      it = failing_.emplace(model, &load_failing_.Add({{"model", model}})).first;
     it->second->Set(1);
   }
 }

@@ -35,7 +35,8 @@ class ServerMetrics {
   void SetDeviceMemory(const std::string& device, int64_t allocated, int64_t reserved);
   /// The CPU device's memory: the process's resident set (device "cpu", kind "resident").
   void SetHostMemory(int64_t resident);
-  /// A request refused or dropped before compute; reason: queue_full, draining, deadline, cancelled.
+  /// A request refused or dropped before compute; reason: queue_full, draining, deadline,
+  /// cancelled.
   void RecordRejection(const std::string& model, const char* reason);
   /// Sets attnserve_model_info{...} 1 for a loaded model version (replacing that version's series).
   void AddModelInfo(const ModelSpec& spec);

@@ -28,7 +28,8 @@ StatusOr<std::shared_ptr<const AttentionModel>> Build(const ModelSource& source,
 
 }  // namespace
 
-std::shared_ptr<const AttentionModel> ModelSet::Find(const std::string& name, int64_t version) const {
+std::shared_ptr<const AttentionModel> ModelSet::Find(const std::string& name,
+                                                     int64_t version) const {
   auto it = models.find(name);
   if (it == models.end() || it->second.empty()) return nullptr;
   if (version == 0) return it->second.rbegin()->second;
@@ -36,7 +37,8 @@ std::shared_ptr<const AttentionModel> ModelSet::Find(const std::string& name, in
   return v == it->second.end() ? nullptr : v->second;
 }
 
-StatusOr<std::shared_ptr<const AttentionModel>> ModelSet::Lookup(const std::string& name, int64_t version,
+StatusOr<std::shared_ptr<const AttentionModel>> ModelSet::Lookup(const std::string& name,
+                                                                 int64_t version,
                                                                  const char* name_field,
                                                                  const char* version_field) const {
   if (version < 0) {
@@ -46,10 +48,12 @@ StatusOr<std::shared_ptr<const AttentionModel>> ModelSet::Lookup(const std::stri
   if (std::shared_ptr<const AttentionModel> model = Find(name, version)) return model;
   auto it = models.find(name);
   if (it == models.end()) {
-    return NotFound(std::string(name_field) + ": '" + name + "' is not loaded; available: " + Names());
+    return NotFound(std::string(name_field) + ": '" + name +
+                    "' is not loaded; available: " + Names());
   }
   std::string versions;
-  for (const auto& [v, m] : it->second) versions += (versions.empty() ? "" : ", ") + std::to_string(v);
+  for (const auto& [v, m] : it->second)
+    versions += (versions.empty() ? "" : ", ") + std::to_string(v);
   return NotFound(std::string(version_field) + ": " + std::to_string(version) + " of '" + name +
                   "' is not loaded; loaded versions: " + versions);
 }
@@ -80,7 +84,7 @@ ModelRepository::ModelRepository(std::string dir, EngineOptions engine)
 ModelRepository::~ModelRepository() { Stop(); }
 
 StatusOr<std::unique_ptr<ModelRepository>> ModelRepository::Open(const std::string& dir,
-                                                                  const EngineOptions& engine) {
+                                                                 const EngineOptions& engine) {
   std::unique_ptr<ModelRepository> repo(new ModelRepository(dir, engine));
   auto set = std::make_shared<ModelSet>();
   if (dir.empty()) {
@@ -215,7 +219,8 @@ ReloadReport ModelRepository::Reload() {
   auto next = std::make_shared<ModelSet>(*current);
   std::set<Key> present;
   std::set<std::string> malformed;  // Left as they are: their directory is not readable as a model.
-  std::vector<std::pair<std::shared_ptr<const AttentionModel>, std::shared_ptr<const AttentionModel>>>
+  std::vector<
+      std::pair<std::shared_ptr<const AttentionModel>, std::shared_ptr<const AttentionModel>>>
       loaded;  // (new, replaced or nullptr)
   std::vector<std::shared_ptr<const AttentionModel>> unloaded;
 
@@ -238,16 +243,19 @@ ReloadReport ModelRepository::Reload() {
     if (!model.ok()) {
       failures_[key] = model.status().message();
       report.changes.push_back({source.name, source.version, RepositoryChange::Action::kFailed,
-                                previous ? previous->spec().weights_hash : "", model.status().message()});
+                                previous ? previous->spec().weights_hash : "",
+                                model.status().message()});
       continue;
     }
     failures_.erase(key);
     fingerprints_[key] = source.fingerprint;
-    if (previous && SameModel(previous->spec(), (*model)->spec())) continue;  // Touched, not changed.
+    if (previous && SameModel(previous->spec(), (*model)->spec()))
+      continue;  // Touched, not changed.
     next->models[source.name][source.version] = *model;
-    report.changes.push_back({source.name, source.version,
-                              previous ? RepositoryChange::Action::kUpdated : RepositoryChange::Action::kLoaded,
-                              (*model)->spec().weights_hash, ""});
+    report.changes.push_back(
+        {source.name, source.version,
+         previous ? RepositoryChange::Action::kUpdated : RepositoryChange::Action::kLoaded,
+         (*model)->spec().weights_hash, ""});
     loaded.emplace_back(*model, previous);
   }
   for (const auto& [name, versions] : current->models) {
@@ -262,8 +270,8 @@ ReloadReport ModelRepository::Reload() {
   }
   // Failures of versions whose directories are gone (or, for a whole model, that read again) end.
   for (auto it = failures_.begin(); it != failures_.end();) {
-    const bool gone = it->first.second == 0 ? !malformed.count(it->first.first)
-                                            : !present.count(it->first);
+    const bool gone =
+        it->first.second == 0 ? !malformed.count(it->first.first) : !present.count(it->first);
     it = gone ? failures_.erase(it) : std::next(it);
   }
   if (next->versions() == 0) {
@@ -272,12 +280,14 @@ ReloadReport ModelRepository::Reload() {
                                           return c.action != RepositoryChange::Action::kFailed;
                                         }),
                          report.changes.end());
-    report.status = Status(StatusCode::kFailedPrecondition,
-                           "reload: --models " + dir_ + " would leave no model to serve; nothing "
-                           "was changed");
+    report.status =
+        Status(StatusCode::kFailedPrecondition, "reload: --models " + dir_ +
+                                                    " would leave no model to serve; nothing "
+                                                    "was changed");
     return report;
   }
-  for (const auto& model : unloaded) fingerprints_.erase({model->spec().name, model->spec().version});
+  for (const auto& model : unloaded)
+    fingerprints_.erase({model->spec().name, model->spec().version});
   report.models_served = static_cast<int>(next->versions());
   Publish(next);
   ModelRepositoryHooks hooks;

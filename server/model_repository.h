@@ -24,9 +24,9 @@ struct ModelSet {
   std::shared_ptr<const AttentionModel> Find(const std::string& name, int64_t version) const;
   /// Find, or the reason: INVALID_ARGUMENT for a negative version, NOT_FOUND naming what the set
   /// holds. `name_field` and `version_field` are the request's field names, for the message.
-  StatusOr<std::shared_ptr<const AttentionModel>> Lookup(const std::string& name, int64_t version,
-                                                         const char* name_field = "model",
-                                                         const char* version_field = "model_version") const;
+  StatusOr<std::shared_ptr<const AttentionModel>> Lookup(
+      const std::string& name, int64_t version, const char* name_field = "model",
+      const char* version_field = "model_version") const;
   /// "a, b, c": the names, for messages.
   std::string Names() const;
   size_t versions() const;
@@ -60,13 +60,15 @@ struct ModelRepositoryHooks {
   std::function<void(const ModelSpec& removed)> on_unloaded;
   /// Once per reload, after the publish: the report, the set now serving, and every model name
   /// whose latest load failed (kept until a later load of it succeeds or its directory goes).
-  std::function<void(const ReloadReport&, const ModelSet&, const std::map<std::string, std::string>&)>
+  std::function<void(const ReloadReport&, const ModelSet&,
+                     const std::map<std::string, std::string>&)>
       on_reloaded;
 };
 
-/// The served models and their reloads. Start-up loads every version (any failure refuses to start);
-/// afterwards RequestReload rescans the directory on a background thread: new and changed versions
-/// load there while the old ones serve, then one atomic publish swaps the set. Thread-safe.
+/// The served models and their reloads. Start-up loads every version (any failure refuses to
+/// start); afterwards RequestReload rescans the directory on a background thread: new and changed
+/// versions load there while the old ones serve, then one atomic publish swaps the set.
+/// Thread-safe.
 class ModelRepository {
  public:
   /// `dir` "" serves the built-in demo model (nothing to reload).

@@ -19,7 +19,8 @@ ModelRepositoryHooks ReloadHooks(ServerMetrics& metrics, KvStore& kv, HealthRepo
                                           const std::map<std::string, std::string>& failing) {
     std::vector<std::string> failed_now;
     for (const RepositoryChange& c : report.changes) {
-      if (c.action == RepositoryChange::Action::kFailed && (failed_now.empty() || failed_now.back() != c.name)) {
+      if (c.action == RepositoryChange::Action::kFailed &&
+          (failed_now.empty() || failed_now.back() != c.name)) {
         failed_now.push_back(c.name);
       }
     }

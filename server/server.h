@@ -4,9 +4,9 @@
 #include <string>
 
 #include "server/admin_service.h"
-#include "server/request_pipeline.h"
 #include "server/batcher.h"
 #include "server/kv_store.h"
+#include "server/request_pipeline.h"
 #include "server/status.h"
 #include "server/types.h"
 
@@ -14,19 +14,20 @@ namespace attnserve {
 
 /// Everything `attnserve` can be told on its command line; defaults are the flags' defaults.
 struct ServerOptions {
-  std::string address = "127.0.0.1:50051";          ///< gRPC listen address; port 0 picks one.
-  std::string metrics_address = "127.0.0.1:9464";   ///< /metrics listen address; "" disables.
-  std::string models_dir;                           ///< "" serves the built-in demo model.
+  std::string address = "127.0.0.1:50051";         ///< gRPC listen address; port 0 picks one.
+  std::string metrics_address = "127.0.0.1:9464";  ///< /metrics listen address; "" disables.
+  std::string models_dir;                          ///< "" serves the built-in demo model.
   std::string device = "cpu";
-  DType compute_dtype = DType::kFloat32;            ///< Weights and compute (CUDA: any float).
-  bool allow_tf32 = false;                          ///< CUDA float32 matmuls on TF32 tensor cores.
-  EngineOptions::Varlen varlen = EngineOptions::Varlen::kAuto;  ///< Batched small requests' attention.
-  BatcherOptions batcher;                           ///< Batching, queue and compute threads.
-  int max_message_bytes = 64 << 20;                 ///< gRPC send/receive limit.
-  AttendLimits limits;                              ///< max_answer_bytes follows max_message_bytes.
-  FlowLimits flow;                                  ///< Bytes in flight; per-stream backpressure.
-  KvOptions kv;                                     ///< Memories and decoding sessions: budget, TTL.
-  double shutdown_grace_seconds = 30;               ///< In-flight requests get this long to finish.
+  DType compute_dtype = DType::kFloat32;  ///< Weights and compute (CUDA: any float).
+  bool allow_tf32 = false;                ///< CUDA float32 matmuls on TF32 tensor cores.
+  EngineOptions::Varlen varlen =
+      EngineOptions::Varlen::kAuto;    ///< Batched small requests' attention.
+  BatcherOptions batcher;              ///< Batching, queue and compute threads.
+  int max_message_bytes = 64 << 20;    ///< gRPC send/receive limit.
+  AttendLimits limits;                 ///< max_answer_bytes follows max_message_bytes.
+  FlowLimits flow;                     ///< Bytes in flight; per-stream backpressure.
+  KvOptions kv;                        ///< Memories and decoding sessions: budget, TTL.
+  double shutdown_grace_seconds = 30;  ///< In-flight requests get this long to finish.
   /// TLS on --address: PEM certificate chain and key; with client_ca_file, clients must present a
   /// certificate signed by it (mutual TLS). All empty: plaintext.
   std::string tls_cert_file, tls_key_file, tls_client_ca_file;

@@ -16,18 +16,30 @@ std::string Status::ToString() const {
 
 const char* StatusCodeName(StatusCode code) {
   switch (code) {
-    case StatusCode::kOk: return "OK";
-    case StatusCode::kInvalidArgument: return "INVALID_ARGUMENT";
-    case StatusCode::kNotFound: return "NOT_FOUND";
-    case StatusCode::kUnavailable: return "UNAVAILABLE";
-    case StatusCode::kResourceExhausted: return "RESOURCE_EXHAUSTED";
-    case StatusCode::kDeadlineExceeded: return "DEADLINE_EXCEEDED";
-    case StatusCode::kCancelled: return "CANCELLED";
-    case StatusCode::kFailedPrecondition: return "FAILED_PRECONDITION";
-    case StatusCode::kUnauthenticated: return "UNAUTHENTICATED";
-    case StatusCode::kAborted: return "ABORTED";
-    case StatusCode::kPermissionDenied: return "PERMISSION_DENIED";
-    case StatusCode::kInternal: return "INTERNAL";
+    case StatusCode::kOk:
+      return "OK";
+    case StatusCode::kInvalidArgument:
+      return "INVALID_ARGUMENT";
+    case StatusCode::kNotFound:
+      return "NOT_FOUND";
+    case StatusCode::kUnavailable:
+      return "UNAVAILABLE";
+    case StatusCode::kResourceExhausted:
+      return "RESOURCE_EXHAUSTED";
+    case StatusCode::kDeadlineExceeded:
+      return "DEADLINE_EXCEEDED";
+    case StatusCode::kCancelled:
+      return "CANCELLED";
+    case StatusCode::kFailedPrecondition:
+      return "FAILED_PRECONDITION";
+    case StatusCode::kUnauthenticated:
+      return "UNAUTHENTICATED";
+    case StatusCode::kAborted:
+      return "ABORTED";
+    case StatusCode::kPermissionDenied:
+      return "PERMISSION_DENIED";
+    case StatusCode::kInternal:
+      return "INTERNAL";
   }
   return "UNKNOWN";
 }

@@ -10,17 +10,19 @@ namespace attnserve {
 /// (grpc_status.cc); see README "Errors".
 enum class StatusCode {
   kOk = 0,
-  kInvalidArgument,   ///< The request is malformed, over a per-request limit, or names a bad field.
-  kNotFound,          ///< The named model, version, memory or session is not there (any more).
-  kUnavailable,       ///< The server is draining or stopping; retry elsewhere or later.
-  kResourceExhausted, ///< A queue, the in-flight byte budget, the kept-keys budget or device memory.
-  kDeadlineExceeded,  ///< The deadline passed before or during compute (the answer is dropped).
-  kCancelled,         ///< The client cancelled the call.
-  kFailedPrecondition,///< Bad configuration or files: at start-up, in a reload, or a model without kept keys.
-  kUnauthenticated,   ///< An admin call without valid credentials.
-  kPermissionDenied,  ///< An admin call whose credentials are not an administrator's.
-  kAborted,           ///< A session step that conflicts with another (in flight, or a length mismatch).
-  kInternal,          ///< Anything else from the engine.
+  kInvalidArgument,  ///< The request is malformed, over a per-request limit, or names a bad field.
+  kNotFound,         ///< The named model, version, memory or session is not there (any more).
+  kUnavailable,      ///< The server is draining or stopping; retry elsewhere or later.
+  kResourceExhausted,   ///< A queue, the in-flight byte budget, the kept-keys budget or device
+                        ///< memory.
+  kDeadlineExceeded,    ///< The deadline passed before or during compute (the answer is dropped).
+  kCancelled,           ///< The client cancelled the call.
+  kFailedPrecondition,  ///< Bad configuration or files: at start-up, in a reload, or a model
+                        ///< without kept keys.
+  kUnauthenticated,     ///< An admin call without valid credentials.
+  kPermissionDenied,    ///< An admin call whose credentials are not an administrator's.
+  kAborted,   ///< A session step that conflicts with another (in flight, or a length mismatch).
+  kInternal,  ///< Anything else from the engine.
 };
 
 /// Result of an operation: a code and, on failure, a message capped at 1 KiB.
@@ -50,7 +52,9 @@ inline constexpr size_t kMaxStatusMessage = 1024;
 /// which is the metrics label `code`.
 const char* StatusCodeName(StatusCode code);
 
-inline Status InvalidArgument(std::string m) { return {StatusCode::kInvalidArgument, std::move(m)}; }
+inline Status InvalidArgument(std::string m) {
+  return {StatusCode::kInvalidArgument, std::move(m)};
+}
 inline Status NotFound(std::string m) { return {StatusCode::kNotFound, std::move(m)}; }
 inline Status Internal(std::string m) { return {StatusCode::kInternal, std::move(m)}; }
 
@@ -82,10 +86,10 @@ class StatusOr {
 #define ATTNSERVE_CONCAT(a, b) ATTNSERVE_CONCAT_INNER(a, b)
 
 /// Returns from the enclosing function when `expr` (a Status) is not OK.
-#define RETURN_IF_ERROR(expr)                         \
-  do {                                                \
-    ::attnserve::Status _st = (expr);                 \
-    if (!_st.ok()) return _st;                        \
+#define RETURN_IF_ERROR(expr)         \
+  do {                                \
+    ::attnserve::Status _st = (expr); \
+    if (!_st.ok()) return _st;        \
   } while (0)
 
 /// `lhs = value of expr` (a StatusOr), or returns its Status from the enclosing function.

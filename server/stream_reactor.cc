@@ -14,8 +14,8 @@ StreamReactor::StreamReactor(RequestPipeline& pipeline, grpc::CallbackServerCont
     std::lock_guard<std::mutex> lock(mu_);
     if (pipeline_.draining()) {
       reads_closed_ = true;
-      finish_status_ = Status(StatusCode::kUnavailable,
-                              "server is shutting down; retry on another replica");
+      finish_status_ =
+          Status(StatusCode::kUnavailable, "server is shutting down; retry on another replica");
     }
     Decide(&a);
   }
@@ -34,7 +34,8 @@ bool StreamReactor::CanRead() const {
 
 Status StreamReactor::Undelivered() const {
   if (SteadyClock::now() >= call_.deadline) {
-    return Status(StatusCode::kDeadlineExceeded, "the stream's deadline passed before the answer was sent");
+    return Status(StatusCode::kDeadlineExceeded,
+                  "the stream's deadline passed before the answer was sent");
   }
   return Status(StatusCode::kCancelled, "the client cancelled or left before the answer was sent");
 }

@@ -12,8 +12,9 @@
 
 namespace attnserve {
 
-/// One AttendStream call: reads requests, dispatches each at once through the request pipeline, and writes each answer as soon as it is computed (completion order; clients match answers
-/// by request_id), one write at a time. A request that fails gets an answer carrying `error`; the
+/// One AttendStream call: reads requests, dispatches each at once through the request pipeline, and
+/// writes each answer as soon as it is computed (completion order; clients match answers by
+/// request_id), one write at a time. A request that fails gets an answer carrying `error`; the
 /// stream goes on. Created by the service per call; deletes itself in OnDone. Thread-safe: gRPC
 /// reactions, compute completions and the pipeline's drain may run on different threads at once.
 ///
@@ -36,9 +37,9 @@ namespace attnserve {
 /// request plus answer bytes. Otherwise reading resumes when a write completes, so a client that
 /// does not read its answers is held back by gRPC's flow control instead of growing the server.
 ///
-/// Every dispatched request is recorded (RequestPipeline::Record) exactly once: when its answer has been
-/// written, or when it is dropped because the client is gone (CANCELLED, or DEADLINE_EXCEEDED once
-/// the stream's deadline passed).
+/// Every dispatched request is recorded (RequestPipeline::Record) exactly once: when its answer has
+/// been written, or when it is dropped because the client is gone (CANCELLED, or DEADLINE_EXCEEDED
+/// once the stream's deadline passed).
 class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>,
                             public OpenCall {
  public:
@@ -59,9 +60,9 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   /// One request's answer on its way out.
   struct Answer {
     std::unique_ptr<Exchange> exchange;
-    Status status;  // What the answer tells the client (OK, or the error it carries).
+    Status status;             // What the answer tells the client (OK, or the error it carries).
     grpc::ByteBuffer encoded;  // The answer's wire bytes.
-    int64_t bytes = 0;  // Counted in bytes_ until written or dropped.
+    int64_t bytes = 0;         // Counted in bytes_ until written or dropped.
   };
   /// What an event decided under mu_, carried out after releasing it.
   struct Actions {
@@ -83,16 +84,16 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   Status Undelivered() const;
 
   RequestPipeline& pipeline_;
-  const CallContext call_;  // The stream's deadline and cancellation, shared by its requests.
+  const CallContext call_;        // The stream's deadline and cancellation, shared by its requests.
   grpc::ByteBuffer read_buffer_;  // Target of the one outstanding read.
 
   std::mutex mu_;
-  bool reading_ = false;       // A read is outstanding.
-  bool reads_closed_ = false;  // No new read will start.
-  int computing_ = 0;          // Dispatched, not yet back from compute.
-  std::deque<Answer> answers_; // Computed; the front is being written while writing_.
+  bool reading_ = false;        // A read is outstanding.
+  bool reads_closed_ = false;   // No new read will start.
+  int computing_ = 0;           // Dispatched, not yet back from compute.
+  std::deque<Answer> answers_;  // Computed; the front is being written while writing_.
   bool writing_ = false;
-  bool gone_ = false;          // Cancelled, or a write failed: answers can no longer be delivered.
+  bool gone_ = false;  // Cancelled, or a write failed: answers can no longer be delivered.
   bool finished_ = false;
   Status finish_status_;       // OK, INVALID_ARGUMENT (undecodable message), UNAVAILABLE (drain).
   int requests_ = 0;           // Unanswered requests (computing or waiting to be written).

@@ -44,14 +44,14 @@ struct ModelSpec {
   int64_t num_heads = 0;
   int64_t kdim = 0;
   int64_t vdim = 0;
-  bool bias = false;           ///< Any projection has a bias.
+  bool bias = false;  ///< Any projection has a bias.
   bool add_bias_kv = false;
   bool add_zero_attn = false;
   DType compute_dtype = DType::kFloat32;
   std::string device = "cpu";
-  std::string weights_hash;    ///< "sha256:<hex>" over the canonical weights.
-  std::string source;          ///< File the weights came from, or "built-in".
-  int64_t version = 1;         ///< N for DIR/name/N/; 1 for an unversioned model directory.
+  std::string weights_hash;  ///< "sha256:<hex>" over the canonical weights.
+  std::string source;        ///< File the weights came from, or "built-in".
+  int64_t version = 1;       ///< N for DIR/name/N/; 1 for an unversioned model directory.
 
   int64_t head_dim() const { return num_heads > 0 ? embed_dim / num_heads : 0; }
   /// Keys after bias_k and the zero key are appended.
@@ -64,7 +64,7 @@ class KvCache;  // server/engine/attention_model.h
 /// fields under "filled by Validate" are derived; the engine relies on Validate having run.
 struct AttendCall {
   TensorView query;
-  std::optional<TensorView> key;    ///< Absent with value: self-attention.
+  std::optional<TensorView> key;  ///< Absent with value: self-attention.
   std::optional<TensorView> value;
   std::optional<TensorView> key_padding_mask;
   std::optional<TensorView> attn_mask;
@@ -113,7 +113,8 @@ double ForwardFlops(const ModelSpec& model, const AttendCall& call);
 
 /// Per-request limits, set by server flags.
 struct AttendLimits {
-  /// Most tokens one request may carry: batch * query_len, plus batch * key_len for cross-attention.
+  /// Most tokens one request may carry: batch * query_len, plus batch * key_len for
+  /// cross-attention.
   int64_t max_tokens = 1 << 16;
   /// Most attention scores one request may need: batch * num_heads * query_len * key_len.
   int64_t max_attention_scores = int64_t{1} << 28;

@@ -92,8 +92,10 @@ Status CheckKeyValue(const ModelSpec& model, AttendCall* call) {
     const char* feat_name = which == 0 ? "kdim" : "vdim";
     if (t.dtype != q.dtype) {
       return InvalidArgument(std::string(field) + ": dtype " + DTypeName(t.dtype) +
-                             " differs from " + (create ? "the key's " : "the query's ") + DTypeName(q.dtype) +
-                             (create ? "; key and value must share one dtype" : "; query, key and value must share one dtype"));
+                             " differs from " + (create ? "the key's " : "the query's ") +
+                             DTypeName(q.dtype) +
+                             (create ? "; key and value must share one dtype"
+                                     : "; query, key and value must share one dtype"));
     }
     // For value, the length must equal the key's.
     if (call->batched) {
@@ -161,11 +163,10 @@ Status Validate(const ModelSpec& model, const AttendLimits& limits, AttendCall* 
     RETURN_IF_ERROR(CheckShape("query", q, names, want, 2));
   } else {
     const int64_t want[3] = {any, any, model.embed_dim};
-    return InvalidArgument("query: shape " + ShapeString(q.shape) + " has " +
-                           std::to_string(q.shape.size()) + " dims, expected " +
-                           Expected(layout_names, want, 3) +
-                           " or unbatched [query_len, embed_dim=" +
-                           std::to_string(model.embed_dim) + "]");
+    return InvalidArgument(
+        "query: shape " + ShapeString(q.shape) + " has " + std::to_string(q.shape.size()) +
+        " dims, expected " + Expected(layout_names, want, 3) +
+        " or unbatched [query_len, embed_dim=" + std::to_string(model.embed_dim) + "]");
   }
   RETURN_IF_ERROR(CheckStorage("query", q));
   call->batched = q.shape.size() == 3;
@@ -178,16 +179,18 @@ Status Validate(const ModelSpec& model, const AttendLimits& limits, AttendCall* 
   if (memory || session) {
     const std::string what = memory ? "memory" : "session";
     if (call->key || call->value) {
-      return InvalidArgument(std::string(call->key ? "key" : "value") + ": a request naming a " + what +
-                             " carries no key or value (the " + what + " holds them)");
+      return InvalidArgument(std::string(call->key ? "key" : "value") + ": a request naming a " +
+                             what + " carries no key or value (the " + what + " holds them)");
     }
     if (memory && call->key_padding_mask) {
-      return InvalidArgument("key_padding_mask: a request naming a memory carries none (the memory has "
-                             "the one given to CreateMemory)");
+      return InvalidArgument(
+          "key_padding_mask: a request naming a memory carries none (the memory has "
+          "the one given to CreateMemory)");
     }
     if (call->batch != call->kv_batch) {
-      return InvalidArgument("query: batch " + std::to_string(call->batch) + ", but the " + what + " holds " +
-                             std::to_string(call->kv_batch) + " sequence(s); send that many rows per step");
+      return InvalidArgument("query: batch " + std::to_string(call->batch) + ", but the " + what +
+                             " holds " + std::to_string(call->kv_batch) +
+                             " sequence(s); send that many rows per step");
     }
     call->key_len = memory ? call->kv_length : Count(CheckedAdd(call->kv_length, call->query_len));
   }
@@ -217,7 +220,8 @@ Status Validate(const ModelSpec& model, const AttendLimits& limits, AttendCall* 
     } else {
       const char* names[3] = {call->batched ? "batch*num_heads" : "num_heads", "query_len",
                               "key_len"};
-      const int64_t want[3] = {Count(CheckedMul({call->batch, model.num_heads})), call->query_len, call->key_len};
+      const int64_t want[3] = {Count(CheckedMul({call->batch, model.num_heads})), call->query_len,
+                               call->key_len};
       Status st = CheckShape("attn_mask", m, names, want, 3);
       if (!st.ok()) {
         return InvalidArgument(st.message() + " or [query_len=" + std::to_string(call->query_len) +
@@ -227,23 +231,25 @@ Status Validate(const ModelSpec& model, const AttendLimits& limits, AttendCall* 
     RETURN_IF_ERROR(CheckStorage("attn_mask", m));
   }
 
-  const int64_t tokens =
-      Count(CheckedMul({call->batch, Count(CheckedAdd(call->query_len, call->key ? call->key_len : 0))}));
+  const int64_t tokens = Count(
+      CheckedMul({call->batch, Count(CheckedAdd(call->query_len, call->key ? call->key_len : 0))}));
   call->tokens = tokens;
   call->attention_cost = Count(CheckedMul({call->batch, call->query_len, call->key_len}));
   if (tokens > limits.max_tokens) {
-    return InvalidArgument("request: " + CountText(tokens) +
-                           " tokens (batch * query_len, plus batch * key_len for cross-attention) is over the "
-                           "per-request limit of " +
-                           std::to_string(limits.max_tokens) + " (server flag --max-request-tokens)");
+    return InvalidArgument(
+        "request: " + CountText(tokens) +
+        " tokens (batch * query_len, plus batch * key_len for cross-attention) is over the "
+        "per-request limit of " +
+        std::to_string(limits.max_tokens) + " (server flag --max-request-tokens)");
   }
-  const int64_t scores = Count(CheckedMul(
-      {call->batch, model.num_heads, call->query_len, Count(CheckedAdd(call->key_len, model.extra_keys()))}));
+  const int64_t scores = Count(CheckedMul({call->batch, model.num_heads, call->query_len,
+                                           Count(CheckedAdd(call->key_len, model.extra_keys()))}));
   if (scores > limits.max_attention_scores) {
-    return InvalidArgument("request: " + CountText(scores) +
-                           " attention scores (batch * num_heads * query_len * key_len) is over the "
-                           "per-request limit of " + std::to_string(limits.max_attention_scores) +
-                           " (server flag --max-attention-scores)");
+    return InvalidArgument(
+        "request: " + CountText(scores) +
+        " attention scores (batch * num_heads * query_len * key_len) is over the "
+        "per-request limit of " +
+        std::to_string(limits.max_attention_scores) + " (server flag --max-attention-scores)");
   }
 
   // The answer must fit in one message: refuse it now rather than compute it and fail to send it.
@@ -257,25 +263,31 @@ Status Validate(const ModelSpec& model, const AttendLimits& limits, AttendCall* 
                                    : std::vector<int64_t>{call->batch, call->query_len, e};
   }
   call->weights_shape.clear();
-  if (call->weights == WeightsMode::kPerHead) call->weights_shape = {call->batch, model.num_heads, call->query_len, s};
-  if (call->weights == WeightsMode::kAveraged) call->weights_shape = {call->batch, call->query_len, s};
-  if (!call->batched && !call->weights_shape.empty()) call->weights_shape.erase(call->weights_shape.begin());
+  if (call->weights == WeightsMode::kPerHead)
+    call->weights_shape = {call->batch, model.num_heads, call->query_len, s};
+  if (call->weights == WeightsMode::kAveraged)
+    call->weights_shape = {call->batch, call->query_len, s};
+  if (!call->batched && !call->weights_shape.empty())
+    call->weights_shape.erase(call->weights_shape.begin());
   // Below the two limits above these cannot overflow, but they are request sizes all the same.
   call->output_bytes = Count(CheckedMul({call->batch, call->query_len, e, elem}));
   call->weights_bytes = 0;
   if (!call->weights_shape.empty()) {
     call->weights_bytes = elem;
-    for (int64_t d : call->weights_shape) call->weights_bytes = Count(CheckedMul({call->weights_bytes, d}));
+    for (int64_t d : call->weights_shape)
+      call->weights_bytes = Count(CheckedMul({call->weights_bytes, d}));
   }
   const int64_t answer_bytes = Count(CheckedAdd(call->output_bytes, call->weights_bytes));
   if (answer_bytes > limits.max_answer_bytes) {
     std::string what = "output " + ShapeString(call->output_shape);
     if (call->weights_bytes) {
-      what += std::string(" and ") + (call->weights == WeightsMode::kPerHead ? "PER_HEAD" : "AVERAGED") +
+      what += std::string(" and ") +
+              (call->weights == WeightsMode::kPerHead ? "PER_HEAD" : "AVERAGED") +
               " attn_weights " + ShapeString(call->weights_shape);
     }
-    return InvalidArgument("answer: " + what + " of " + DTypeName(q.dtype) + " come to " + CountText(answer_bytes) +
-                           " bytes, over the " + std::to_string(limits.max_answer_bytes) +
+    return InvalidArgument("answer: " + what + " of " + DTypeName(q.dtype) + " come to " +
+                           CountText(answer_bytes) + " bytes, over the " +
+                           std::to_string(limits.max_answer_bytes) +
                            " bytes one answer may carry (server flag --max-message-bytes); ask "
                            "for fewer tokens or fewer attention weights per request");
   }
@@ -284,7 +296,8 @@ Status Validate(const ModelSpec& model, const AttendLimits& limits, AttendCall* 
 
 Status ValidateCreateMemory(const ModelSpec& model, const AttendLimits& limits, AttendCall* call) {
   if (!call->key || !call->value) {
-    return InvalidArgument(std::string(call->key ? "value" : "key") + ": missing; CreateMemory takes key and value");
+    return InvalidArgument(std::string(call->key ? "value" : "key") +
+                           ": missing; CreateMemory takes key and value");
   }
   const TensorView& k = *call->key;
   if (!IsFloating(k.dtype)) {
@@ -292,8 +305,9 @@ Status ValidateCreateMemory(const ModelSpec& model, const AttendLimits& limits, 
                            " is not allowed; expected FLOAT32, FLOAT16 or BFLOAT16");
   }
   if (k.shape.size() != 2 && k.shape.size() != 3) {
-    return InvalidArgument("key: shape " + ShapeString(k.shape) + " has " + std::to_string(k.shape.size()) +
-                           " dims, expected [batch, key_len, kdim] in the layout, or unbatched [key_len, kdim]");
+    return InvalidArgument(
+        "key: shape " + ShapeString(k.shape) + " has " + std::to_string(k.shape.size()) +
+        " dims, expected [batch, key_len, kdim] in the layout, or unbatched [key_len, kdim]");
   }
   call->kv_use = AttendCall::Kv::kCreateMemory;
   call->batched = k.shape.size() == 3;
@@ -306,8 +320,10 @@ Status ValidateCreateMemory(const ModelSpec& model, const AttendLimits& limits, 
   call->tokens = tokens;
   call->attention_cost = 0;
   if (tokens > limits.max_tokens) {
-    return InvalidArgument("request: " + CountText(tokens) + " tokens (batch * key_len) is over the "
-                           "per-request limit of " + std::to_string(limits.max_tokens) +
+    return InvalidArgument("request: " + CountText(tokens) +
+                           " tokens (batch * key_len) is over the "
+                           "per-request limit of " +
+                           std::to_string(limits.max_tokens) +
                            " (server flag --max-request-tokens)");
   }
   call->output_shape.clear();

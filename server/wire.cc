@@ -5,17 +5,26 @@ namespace {
 
 Status ViewOf(const char* field, const pb::Tensor& t, TensorView* view) {
   switch (t.dtype()) {
-    case pb::DATA_TYPE_FLOAT32: view->dtype = DType::kFloat32; break;
-    case pb::DATA_TYPE_FLOAT16: view->dtype = DType::kFloat16; break;
-    case pb::DATA_TYPE_BFLOAT16: view->dtype = DType::kBFloat16; break;
-    case pb::DATA_TYPE_BOOL: view->dtype = DType::kBool; break;
+    case pb::DATA_TYPE_FLOAT32:
+      view->dtype = DType::kFloat32;
+      break;
+    case pb::DATA_TYPE_FLOAT16:
+      view->dtype = DType::kFloat16;
+      break;
+    case pb::DATA_TYPE_BFLOAT16:
+      view->dtype = DType::kBFloat16;
+      break;
+    case pb::DATA_TYPE_BOOL:
+      view->dtype = DType::kBool;
+      break;
     default:
       return InvalidArgument(std::string(field) + ": dtype " + std::to_string(t.dtype()) +
                              " is not allowed; expected FLOAT32, FLOAT16, BFLOAT16 or BOOL");
   }
   view->shape.assign(t.shape().begin(), t.shape().end());
   if (view->shape.empty()) {
-    return InvalidArgument(std::string(field) + ": shape is empty; expected at least one dimension");
+    return InvalidArgument(std::string(field) +
+                           ": shape is empty; expected at least one dimension");
   }
   view->data = t.data().data();
   view->nbytes = t.data().size();
@@ -32,8 +41,12 @@ Status OptionalView(const char* field, bool present, const pb::Tensor& t,
 Status LayoutFromWire(int layout, AttendCall* call) {
   switch (layout) {
     case pb::LAYOUT_UNSPECIFIED:
-    case pb::LAYOUT_BATCH_FIRST: call->layout = TensorLayout::kBatchFirst; return Status::Ok();
-    case pb::LAYOUT_SEQUENCE_FIRST: call->layout = TensorLayout::kSequenceFirst; return Status::Ok();
+    case pb::LAYOUT_BATCH_FIRST:
+      call->layout = TensorLayout::kBatchFirst;
+      return Status::Ok();
+    case pb::LAYOUT_SEQUENCE_FIRST:
+      call->layout = TensorLayout::kSequenceFirst;
+      return Status::Ok();
     default:
       return InvalidArgument("layout: " + std::to_string(layout) +
                              " is not allowed; expected BATCH_FIRST (1) or SEQUENCE_FIRST (2)");
@@ -52,9 +65,15 @@ Status FromWire(const pb::AttendRequest& r, AttendCall* call) {
   RETURN_IF_ERROR(OptionalView("attn_mask", r.has_attn_mask(), r.attn_mask(), &call->attn_mask));
   call->is_causal = r.is_causal();
   switch (r.attn_weights()) {
-    case pb::ATTN_WEIGHTS_NONE: call->weights = WeightsMode::kNone; break;
-    case pb::ATTN_WEIGHTS_AVERAGED: call->weights = WeightsMode::kAveraged; break;
-    case pb::ATTN_WEIGHTS_PER_HEAD: call->weights = WeightsMode::kPerHead; break;
+    case pb::ATTN_WEIGHTS_NONE:
+      call->weights = WeightsMode::kNone;
+      break;
+    case pb::ATTN_WEIGHTS_AVERAGED:
+      call->weights = WeightsMode::kAveraged;
+      break;
+    case pb::ATTN_WEIGHTS_PER_HEAD:
+      call->weights = WeightsMode::kPerHead;
+      break;
     default:
       return InvalidArgument("attn_weights: " + std::to_string(r.attn_weights()) +
                              " is not allowed; expected NONE (0), AVERAGED (1) or PER_HEAD (2)");
@@ -74,10 +93,14 @@ Status FromWire(const pb::CreateMemoryRequest& r, AttendCall* call) {
 
 pb::DataType ToWire(DType dtype) {
   switch (dtype) {
-    case DType::kFloat32: return pb::DATA_TYPE_FLOAT32;
-    case DType::kFloat16: return pb::DATA_TYPE_FLOAT16;
-    case DType::kBFloat16: return pb::DATA_TYPE_BFLOAT16;
-    case DType::kBool: return pb::DATA_TYPE_BOOL;
+    case DType::kFloat32:
+      return pb::DATA_TYPE_FLOAT32;
+    case DType::kFloat16:
+      return pb::DATA_TYPE_FLOAT16;
+    case DType::kBFloat16:
+      return pb::DATA_TYPE_BFLOAT16;
+    case DType::kBool:
+      return pb::DATA_TYPE_BOOL;
   }
   return pb::DATA_TYPE_UNSPECIFIED;
 }

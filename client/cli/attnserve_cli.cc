@@ -29,12 +29,13 @@ std::string Shape(const std::vector<int64_t>& s) {
 }
 
 void PrintModel(const attnserve::ModelInfo& m) {
-  std::printf("%s version %lld: embed_dim=%lld num_heads=%lld kdim=%lld vdim=%lld bias=%d add_bias_kv=%d "
-              "add_zero_attn=%d device=%s\n  weights %s from %s\n",
-              m.name.c_str(), static_cast<long long>(m.version), static_cast<long long>(m.embed_dim),
-              static_cast<long long>(m.num_heads), static_cast<long long>(m.kdim),
-              static_cast<long long>(m.vdim), m.bias, m.add_bias_kv, m.add_zero_attn,
-              m.device.c_str(), m.weights_hash.c_str(), m.source.c_str());
+  std::printf(
+      "%s version %lld: embed_dim=%lld num_heads=%lld kdim=%lld vdim=%lld bias=%d add_bias_kv=%d "
+      "add_zero_attn=%d device=%s\n  weights %s from %s\n",
+      m.name.c_str(), static_cast<long long>(m.version), static_cast<long long>(m.embed_dim),
+      static_cast<long long>(m.num_heads), static_cast<long long>(m.kdim),
+      static_cast<long long>(m.vdim), m.bias, m.add_bias_kv, m.add_zero_attn, m.device.c_str(),
+      m.weights_hash.c_str(), m.source.c_str());
 }
 
 attnserve::Tensor RandomTensor(std::mt19937& rng, std::vector<int64_t> shape, bool half) {
@@ -67,11 +68,13 @@ int main(int argc, char** argv) {
   int64_t info_version = 0;
   auto* info = app.add_subcommand("info", "Describe one model");
   info->add_option("model", info_model, "Model name")->required();
-  info->add_option("--version", info_version, "Model version; 0 = the highest")->capture_default_str();
+  info->add_option("--version", info_version, "Model version; 0 = the highest")
+      ->capture_default_str();
   std::string token_file;
   auto* reload = app.add_subcommand(
-      "reload", "Ask the server to reload its model repository (AdminService.ReloadModels); exit 0 "
-                "only when every model loaded");
+      "reload",
+      "Ask the server to reload its model repository (AdminService.ReloadModels); exit 0 "
+      "only when every model loaded");
   reload->add_option("--admin-token-file", token_file,
                      "File with the server's admin token (sent as 'authorization: Bearer ...'); "
                      "or authenticate with --tls-cert/--tls-key");
@@ -89,28 +92,40 @@ int main(int argc, char** argv) {
   attend->add_option("--model", model, "Model name")->capture_default_str();
   attend->add_option("--model-version", model_version, "Model version; 0 = the highest")
       ->capture_default_str();
-  attend->add_option("--batch", batch, "Batch size")->check(CLI::PositiveNumber)->capture_default_str();
-  attend->add_option("--query-len", query_len, "Query length")->check(CLI::PositiveNumber)->capture_default_str();
-  attend->add_option("--key-len", key_len, "Key/value length; 0 = self-attention")->capture_default_str();
+  attend->add_option("--batch", batch, "Batch size")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  attend->add_option("--query-len", query_len, "Query length")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  attend->add_option("--key-len", key_len, "Key/value length; 0 = self-attention")
+      ->capture_default_str();
   attend->add_option("--query-file", query_file,
                      "Raw little-endian float32 query of shape [batch, query_len, embed_dim] "
                      "(instead of random values)");
   attend->add_option("--weights", weights, "Attention weights to return: none, avg, head")
-      ->check(CLI::IsMember({"none", "avg", "head"}))->capture_default_str();
+      ->check(CLI::IsMember({"none", "avg", "head"}))
+      ->capture_default_str();
   attend->add_option("--dtype", dtype, "Wire dtype: float32 or float16")
-      ->check(CLI::IsMember({"float32", "float16"}))->capture_default_str();
+      ->check(CLI::IsMember({"float32", "float16"}))
+      ->capture_default_str();
   attend->add_flag("--causal", causal, "Apply a causal mask");
   attend->add_option("--seed", seed, "Seed of the random inputs")->capture_default_str();
   auto* decode = app.add_subcommand(
-      "decode", "Open a decoding session, send a random prompt then one-token steps, print each "
-                "step's round trip, close it");
+      "decode",
+      "Open a decoding session, send a random prompt then one-token steps, print each "
+      "step's round trip, close it");
   std::string decode_model = "demo";
   int64_t decode_batch = 1, prompt_len = 16, decode_steps = 8;
   decode->add_option("--model", decode_model, "Model name")->capture_default_str();
-  decode->add_option("--batch", decode_batch, "Sequences")->check(CLI::PositiveNumber)->capture_default_str();
+  decode->add_option("--batch", decode_batch, "Sequences")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   decode->add_option("--prompt-len", prompt_len, "Tokens of the first step")
-      ->check(CLI::PositiveNumber)->capture_default_str();
-  decode->add_option("--steps", decode_steps, "One-token steps after the prompt")->capture_default_str();
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  decode->add_option("--steps", decode_steps, "One-token steps after the prompt")
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   attnserve::cli::FinishClientFlags(&options);
 
@@ -138,8 +153,9 @@ int main(int argc, char** argv) {
     attnserve::KvInfo session;
     s = client.OpenSession(decode_model, decode_batch, &session);
     if (!s.ok()) return Fail(s);
-    std::printf("session %s on %s version %lld, batch %lld\n", session.handle.c_str(), session.model.c_str(),
-                static_cast<long long>(session.model_version), static_cast<long long>(decode_batch));
+    std::printf("session %s on %s version %lld, batch %lld\n", session.handle.c_str(),
+                session.model.c_str(), static_cast<long long>(session.model_version),
+                static_cast<long long>(decode_batch));
     std::mt19937 rng(7);
     attnserve::AttendRequest req;
     req.session = session.handle;
@@ -151,15 +167,16 @@ int main(int argc, char** argv) {
       attnserve::AttendResult res;
       const auto t0 = std::chrono::steady_clock::now();
       s = client.Attend(req, &res);
-      const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      const double ms =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
       if (!s.ok()) {
         client.CloseSession(session.handle);
         return Fail(s);
       }
       held = res.session_length;
       std::printf("step %lld: %lld new token(s), session holds %lld, output %s, %.2f ms\n",
-                  static_cast<long long>(step), static_cast<long long>(tokens), static_cast<long long>(held),
-                  Shape(res.output.shape).c_str(), ms);
+                  static_cast<long long>(step), static_cast<long long>(tokens),
+                  static_cast<long long>(held), Shape(res.output.shape).c_str(), ms);
     }
     s = client.CloseSession(session.handle);
     return s.ok() ? 0 : Fail(s);
@@ -178,7 +195,8 @@ int main(int argc, char** argv) {
       std::stringstream text;
       text << in.rdbuf();
       if (!in) {
-        std::fprintf(stderr, "attnserve-cli: --admin-token-file %s: cannot read\n", token_file.c_str());
+        std::fprintf(stderr, "attnserve-cli: --admin-token-file %s: cannot read\n",
+                     token_file.c_str());
         return 2;
       }
       call.bearer_token = text.str();
@@ -191,7 +209,8 @@ int main(int argc, char** argv) {
     if (!s.ok()) return Fail(s);
     for (const auto& c : result.changes) {
       std::printf("%s version %lld: %s%s%s\n", c.name.c_str(), static_cast<long long>(c.version),
-                  c.action.c_str(), c.weights_hash.empty() ? "" : (" " + c.weights_hash.substr(0, 19)).c_str(),
+                  c.action.c_str(),
+                  c.weights_hash.empty() ? "" : (" " + c.weights_hash.substr(0, 19)).c_str(),
                   c.message.empty() ? "" : (": " + c.message).c_str());
     }
     std::printf("%d model versions serving%s\n", result.models_served,
@@ -248,8 +267,8 @@ int main(int argc, char** argv) {
     abs_sum += std::fabs(x);
   }
   std::printf("model %s version %lld (%s)\nquery %s -> output %s%s\n", r.model.c_str(),
-              static_cast<long long>(r.model_version), r.weights_hash.substr(0, 19).c_str(), Shape(req.query.shape).c_str(),
-              Shape(r.output.shape).c_str(),
+              static_cast<long long>(r.model_version), r.weights_hash.substr(0, 19).c_str(),
+              Shape(req.query.shape).c_str(), Shape(r.output.shape).c_str(),
               r.attn_weights ? (", weights " + Shape(r.attn_weights->shape)).c_str() : "");
   std::printf("latency %.3f ms (server: queue %.3f ms, compute %.3f ms)\n", ms,
               r.queue_seconds * 1e3, r.compute_seconds * 1e3);

@@ -3,7 +3,6 @@
 // replicas), TLS and mutual TLS. Not public API.
 
 #include <CLI/CLI.hpp>
-
 #include <cstdlib>
 #include <string>
 
@@ -11,15 +10,19 @@
 
 namespace attnserve::cli {
 
-/// Adds --target, --tls, --tls-ca, --tls-cert, --tls-key, --tls-server-name, --proxy and --no-balancing to
-/// `app`, writing into `options`. ATTNSERVE_TARGET, when set, is the target's default.
+/// Adds --target, --tls, --tls-ca, --tls-cert, --tls-key, --tls-server-name, --proxy and
+/// --no-balancing to `app`, writing into `options`. ATTNSERVE_TARGET, when set, is the target's
+/// default.
 inline void AddClientFlags(CLI::App& app, ClientOptions* options, const char* target_help) {
   if (const char* env = std::getenv("ATTNSERVE_TARGET")) options->target = env;
   app.add_option("--target", options->target, target_help)->capture_default_str();
-  app.add_flag("--tls", options->tls.enabled, "Connect with TLS (implied by the other --tls-* flags)");
-  app.add_option("--tls-ca", options->tls.root_certs_file,
-                 "PEM CA certificate(s) that signed the server's certificate (default: system roots)");
-  app.add_option("--tls-cert", options->tls.cert_file, "PEM client certificate chain, for mutual TLS");
+  app.add_flag("--tls", options->tls.enabled,
+               "Connect with TLS (implied by the other --tls-* flags)");
+  app.add_option(
+      "--tls-ca", options->tls.root_certs_file,
+      "PEM CA certificate(s) that signed the server's certificate (default: system roots)");
+  app.add_option("--tls-cert", options->tls.cert_file,
+                 "PEM client certificate chain, for mutual TLS");
   app.add_option("--tls-key", options->tls.key_file, "PEM client private key, for mutual TLS");
   app.add_option("--tls-server-name", options->tls.server_name,
                  "Name to check in the server certificate instead of the target's host");
@@ -36,7 +39,8 @@ inline void AddClientFlags(CLI::App& app, ClientOptions* options, const char* ta
 /// After parsing: any --tls-* flag turns TLS on.
 inline void FinishClientFlags(ClientOptions* options) {
   const TlsOptions& t = options->tls;
-  if (!t.root_certs_file.empty() || !t.cert_file.empty() || !t.key_file.empty() || !t.server_name.empty()) {
+  if (!t.root_certs_file.empty() || !t.cert_file.empty() || !t.key_file.empty() ||
+      !t.server_name.empty()) {
     options->tls.enabled = true;
   }
 }

@@ -22,16 +22,16 @@ enum class Layout { kBatchFirst = 1, kSequenceFirst = 2 };
 /// shape). Bool masks: true = masked out.
 struct AttendRequest {
   std::string model = "demo";
-  Tensor query;                              ///< [B, Lq, E] (batch-first), [Lq, B, E], or [Lq, E]
-  std::optional<Tensor> key;                 ///< Absent with value: self-attention.
+  Tensor query;               ///< [B, Lq, E] (batch-first), [Lq, B, E], or [Lq, E]
+  std::optional<Tensor> key;  ///< Absent with value: self-attention.
   std::optional<Tensor> value;
-  std::optional<Tensor> key_padding_mask;    ///< [B, Lk]
-  std::optional<Tensor> attn_mask;           ///< [Lq, Lk] or [B*H, Lq, Lk]
+  std::optional<Tensor> key_padding_mask;  ///< [B, Lk]
+  std::optional<Tensor> attn_mask;         ///< [Lq, Lk] or [B*H, Lq, Lk]
   bool is_causal = false;
   AttnWeights attn_weights = AttnWeights::kNone;
   Layout layout = Layout::kBatchFirst;
   uint64_t request_id = 0;
-  int64_t model_version = 0;                 ///< A version of `model`; 0 = the highest loaded.
+  int64_t model_version = 0;  ///< A version of `model`; 0 = the highest loaded.
   /// A memory's handle (Client::CreateMemory): cross-attention against its keys and values; no
   /// key, value or key_padding_mask then. With a memory or session, `model` is not sent (the handle
   /// names its model; model_version, when not 0, must be its).
@@ -50,33 +50,33 @@ struct AttendResult {
   std::optional<Tensor> attn_weights;
   uint64_t request_id = 0;
   std::string model;
-  int64_t model_version = 0;   ///< The version of `model` that computed it.
-  std::string weights_hash;    ///< The weights that computed it (ModelInfo::weights_hash).
-  double queue_seconds = 0;    ///< Server-side wait before compute.
-  double compute_seconds = 0;  ///< Server-side compute.
-  uint32_t batch_size = 0;     ///< Requests computed together with this one.
+  int64_t model_version = 0;       ///< The version of `model` that computed it.
+  std::string weights_hash;        ///< The weights that computed it (ModelInfo::weights_hash).
+  double queue_seconds = 0;        ///< Server-side wait before compute.
+  double compute_seconds = 0;      ///< Server-side compute.
+  uint32_t batch_size = 0;         ///< Requests computed together with this one.
   uint32_t previous_attempts = 0;  ///< Failed attempts the retry policy made before this answer.
   int64_t session_length = 0;      ///< With a session: the tokens it holds after this step.
 };
 
 /// A memory or session kept on the server (KvHandle).
 struct KvInfo {
-  std::string handle;        ///< 32 hex digits; name it in AttendRequest::memory or ::session.
+  std::string handle;  ///< 32 hex digits; name it in AttendRequest::memory or ::session.
   std::string model;
   int64_t model_version = 0;
   std::string weights_hash;
   int64_t batch = 0;
-  int64_t length = 0;        ///< Tokens held per sequence.
-  int64_t bytes = 0;         ///< Server memory held.
-  double ttl_seconds = 0;    ///< Expires this long after its last use.
+  int64_t length = 0;      ///< Tokens held per sequence.
+  int64_t bytes = 0;       ///< Server memory held.
+  double ttl_seconds = 0;  ///< Expires this long after its last use.
 };
 
 /// CreateMemory's inputs: key and value in `layout`, optional key padding.
 struct MemoryRequest {
   std::string model = "demo";
   int64_t model_version = 0;
-  Tensor key, value;                         ///< [B, Lk, kdim], [B, Lk, vdim] (or unbatched)
-  std::optional<Tensor> key_padding_mask;    ///< [B, Lk]
+  Tensor key, value;                       ///< [B, Lk, kdim], [B, Lk, vdim] (or unbatched)
+  std::optional<Tensor> key_padding_mask;  ///< [B, Lk]
   Layout layout = Layout::kBatchFirst;
 };
 
@@ -128,18 +128,19 @@ const char* StatusCodeName(int code);
 /// call the client cancels is never retried. The same JSON is deploy/grpc/service-config.json, for
 /// clients in other languages.
 extern const char* const kDefaultServiceConfig;
-/// The service config for a target that is a proxy (nginx, Envoy) in front of the replicas: the same
-/// retries, no client-side health checking (through a proxy it would watch whichever replica the
-/// proxy chose for the watch, and turn the whole proxy unhealthy when that one drains).
+/// The service config for a target that is a proxy (nginx, Envoy) in front of the replicas: the
+/// same retries, no client-side health checking (through a proxy it would watch whichever replica
+/// the proxy chose for the watch, and turn the whole proxy unhealthy when that one drains).
 /// deploy/grpc/service-config-proxy.json.
 extern const char* const kProxyServiceConfig;
 
 /// TLS for the channel. PEM files; read when the Client is made.
 struct TlsOptions {
-  bool enabled = false;             ///< TLS instead of plaintext.
-  std::string root_certs_file;      ///< CA certificate(s) to trust for the server; empty: system roots.
+  bool enabled = false;         ///< TLS instead of plaintext.
+  std::string root_certs_file;  ///< CA certificate(s) to trust for the server; empty: system roots.
   std::string cert_file, key_file;  ///< This client's certificate chain and key, for mutual TLS.
-  std::string server_name;          ///< Name to check in the server certificate instead of the target's host.
+  std::string
+      server_name;  ///< Name to check in the server certificate instead of the target's host.
 };
 
 /// How to reach a server, or several replicas of one.
@@ -150,7 +151,7 @@ struct ClientOptions {
   std::string target = "127.0.0.1:50051";
   /// Default per-call deadline; zero means none.
   std::chrono::milliseconds deadline{30000};
-  int max_message_bytes = 64 << 20;         ///< Largest message sent or received.
+  int max_message_bytes = 64 << 20;  ///< Largest message sent or received.
   /// Extra integer channel arguments (gRPC channel arg names, e.g. "grpc.keepalive_time_ms").
   std::map<std::string, int> channel_args;
   /// gRPC service config (JSON): load balancing and retries. Empty: gRPC's defaults (pick_first,
@@ -197,14 +198,13 @@ class Client {
                     const CallOptions& call = {});
   /// One attention forward without blocking; `done` runs once, on the client's poller thread
   /// (keep it short: it delays the completion of the client's other calls).
-  void AttendAsync(const AttendRequest& request,
-                   std::function<void(CallStatus, AttendResult)> done,
+  void AttendAsync(const AttendRequest& request, std::function<void(CallStatus, AttendResult)> done,
                    const CallOptions& call = {});
   /// Opens an AttendStream. `on_response` runs once per answer, on a gRPC thread, with that
   /// request's own status (a bad request does not end the stream). The stream's deadline, if
   /// any, covers the whole stream. Destroying the stream finishes it.
-  std::unique_ptr<AttendStream> OpenStream(std::function<void(CallStatus, AttendResult)> on_response,
-                                           const CallOptions& call = {});
+  std::unique_ptr<AttendStream> OpenStream(
+      std::function<void(CallStatus, AttendResult)> on_response, const CallOptions& call = {});
   /// Every model the server holds.
   CallStatus ListModels(std::vector<ModelInfo>* models, const CallOptions& call = {});
   /// One model (its highest version); NOT_FOUND (5) when absent.
@@ -219,7 +219,8 @@ class Client {
   /// Keys and values kept on the server (README "Keys and values kept on the server"). A memory or
   /// session lives on the server that made it: with several replicas behind one target, use a
   /// Client whose target is one replica for them.
-  CallStatus CreateMemory(const MemoryRequest& request, KvInfo* memory, const CallOptions& call = {});
+  CallStatus CreateMemory(const MemoryRequest& request, KvInfo* memory,
+                          const CallOptions& call = {});
   CallStatus DeleteMemory(const std::string& handle, const CallOptions& call = {});
   CallStatus OpenSession(const std::string& model, int64_t batch, KvInfo* session,
                          const CallOptions& call = {}, int64_t model_version = 0);

@@ -16,8 +16,8 @@ namespace attnserve {
 /// message), resized and filled by Forward, so the result becomes response bytes in one copy. Their
 /// shapes are the validated call's (AttendCall::output_shape, weights_shape).
 struct AttendOutputs {
-  std::string* output = nullptr;        ///< Required.
-  std::string* weights = nullptr;       ///< Required when weights were requested.
+  std::string* output = nullptr;   ///< Required.
+  std::string* weights = nullptr;  ///< Required when weights were requested.
   /// The attention kernel that ran: "math", or on LibTorch 2.x the fused SDPA backend chosen
   /// ("flash", "efficient", "cudnn", ...). Set by Forward.
   const char* attention_backend = "math";
@@ -53,9 +53,9 @@ class AttentionModel {
   /// An empty cache for a memory or session of this model; nullptr when the engine keeps none.
   virtual std::shared_ptr<KvCache> NewKvCache() const { return nullptr; }
   /// Computes several calls together (same query dtype and weights mode), one Status each, its
-  /// pieces on `parallel`'s threads (the cores idle at the moment; answers do not depend on how many).
-  /// The default runs them one by one on the caller; engines override it to share work across the
-  /// batch and split it across cores.
+  /// pieces on `parallel`'s threads (the cores idle at the moment; answers do not depend on how
+  /// many). The default runs them one by one on the caller; engines override it to share work
+  /// across the batch and split it across cores.
   virtual std::vector<Status> ForwardBatch(const std::vector<const AttendCall*>& calls,
                                            const std::vector<AttendOutputs*>& outs,
                                            const Parallel& parallel) const {
@@ -73,7 +73,7 @@ class AttentionModel {
 
 /// Device and precision for the LibTorch engine.
 struct EngineOptions {
-  std::string device = "cpu";        ///< "cpu", "cuda" or "cuda:N".
+  std::string device = "cpu";  ///< "cpu", "cuda" or "cuda:N".
   DType compute_dtype = DType::kFloat32;
   /// CUDA float32 only: let matmuls use TF32 tensor cores (faster, ~1e-3 relative error).
   bool allow_tf32 = false;
@@ -88,8 +88,9 @@ struct EngineOptions {
   /// waking a worker for it costs. Tests set 0 to cut every call as finely as the cores allow.
   double min_piece_flops = 4e6;
   /// CPU bfloat16: multiply bfloat16 matrices in float32 (operands widened, products rounded back)
-  /// even where LibTorch's own bfloat16 products accumulate in float32. The engine does so by itself
-  /// where they do not (LibTorch 1.13 on CPUs without AVX-512: checked once at start); tests force it.
+  /// even where LibTorch's own bfloat16 products accumulate in float32. The engine does so by
+  /// itself where they do not (LibTorch 1.13 on CPUs without AVX-512: checked once at start); tests
+  /// force it.
   bool force_float32_bfloat16_products = false;
 };
 

@@ -22,10 +22,10 @@ BlasInfo ConfigureBlas() {
       // 0: built without threading, and Debian's such build has no locking either.
       const int mode = parallel();
       if (set_threads && mode != 0) set_threads(1);
-      info.description = std::string(config()) +
-                         (mode == 0 ? " (serial build: not thread-safe)"
-                                    : mode == 1 ? " (pthread build, 1 thread per caller)"
-                                                : " (OpenMP build, 1 thread per caller)");
+      info.description =
+          std::string(config()) + (mode == 0   ? " (serial build: not thread-safe)"
+                                   : mode == 1 ? " (pthread build, 1 thread per caller)"
+                                               : " (OpenMP build, 1 thread per caller)");
       info.thread_safe = mode != 0;
       return;
     }

@@ -12,7 +12,8 @@ namespace attnserve {
 bool BuiltWithCuda() { return true; }
 
 bool ReadDeviceMemory(int index, DeviceMemory* out) {
-  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index));
+  const auto stats =
+      c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index));
   // Entry 0 of each StatArray is the aggregate over the allocator's pools.
   out->allocated = stats.allocated_bytes[0].current;
   out->reserved = stats.reserved_bytes[0].current;

@@ -43,14 +43,16 @@ StatusOr<ModelDirConfig> ParseModelConfig(const std::string& text, const std::st
   // An unsigned value above INT64_MAX would wrap to a negative int64: read it as what it is.
   const nlohmann::json& heads = j["num_heads"];
   if ((heads.is_number_unsigned() && heads.get<uint64_t>() > kMaxHeads) ||
-      (!heads.is_number_unsigned() && (heads.get<int64_t>() < 1 || heads.get<int64_t>() > kMaxHeads))) {
+      (!heads.is_number_unsigned() &&
+       (heads.get<int64_t>() < 1 || heads.get<int64_t>() > kMaxHeads))) {
     return Fail(config_path + ": num_heads " + heads.dump() + " is out of range; expected 1 to " +
                 std::to_string(kMaxHeads));
   }
   config.num_heads = heads.get<int64_t>();
   config.source = config_path;
   if (j.contains("add_zero_attn")) {
-    if (!j["add_zero_attn"].is_boolean()) return Fail(config_path + ": add_zero_attn must be true or false");
+    if (!j["add_zero_attn"].is_boolean())
+      return Fail(config_path + ": add_zero_attn must be true or false");
     config.add_zero_attn = j["add_zero_attn"].get<bool>();
   }
   if (j.contains("weights")) {
@@ -95,7 +97,8 @@ StatusOr<ModelWeights> LoadModel(const std::string& model_dir, const std::string
   } else if (weights_path.extension() == ".safetensors") {
     ASSIGN_OR_RETURN(tensors, ParseSafetensors(bytes, where));
   } else {
-    return Fail(where + ": neither a safetensors file (by its name) nor a torch.save() zip archive");
+    return Fail(where +
+                ": neither a safetensors file (by its name) nor a torch.save() zip archive");
   }
   ASSIGN_OR_RETURN(ModelWeights w, CanonicalizeWeights(tensors, config, where));
   w.spec.name = name;
@@ -152,7 +155,8 @@ StatusOr<RepositoryScan> ScanModelRepository(const std::string& dir) {
        it.increment(ec)) {
     std::error_code entry_ec;
     const bool is_dir = it->is_directory(entry_ec);
-    if (entry_ec) return Fail("--models " + dir + ": " + it->path().string() + ": " + entry_ec.message());
+    if (entry_ec)
+      return Fail("--models " + dir + ": " + it->path().string() + ": " + entry_ec.message());
     if (is_dir) model_dirs.push_back(it->path());
   }
   if (ec) return Fail("--models " + dir + ": cannot list: " + ec.message());
@@ -204,11 +208,13 @@ StatusOr<RepositoryScan> ScanModelRepository(const std::string& dir) {
   return scan;
 }
 
-StatusOr<std::vector<ModelWeights>> LoadModelDirectory(const std::string& dir, RepositoryScan* scan_out) {
+StatusOr<std::vector<ModelWeights>> LoadModelDirectory(const std::string& dir,
+                                                       RepositoryScan* scan_out) {
   ASSIGN_OR_RETURN(RepositoryScan scan, ScanModelRepository(dir));
   if (!scan.errors.empty()) return Fail("--models " + dir + ": " + scan.errors.front().second);
   if (scan.sources.empty()) {
-    return Fail("--models " + dir + ": no model found (expected subdirectories with a config.json, "
+    return Fail("--models " + dir +
+                ": no model found (expected subdirectories with a config.json, "
                 "or with version directories 1/, 2/, ... holding one)");
   }
   std::vector<ModelWeights> models;

@@ -12,7 +12,7 @@ namespace attnserve {
 struct ModelSource {
   std::string name;
   int64_t version = 1;
-  std::string dir;          ///< The directory holding its config.json.
+  std::string dir;  ///< The directory holding its config.json.
   /// Changes whenever config.json or any file beside it changes (content of config.json; name, size
   /// and modification time of the others): a reload loads only versions whose fingerprint changed.
   std::string fingerprint;
@@ -21,7 +21,7 @@ struct ModelSource {
 /// What a scan of a model repository found: the versions, and the models whose directory is
 /// malformed (each with a message naming the path).
 struct RepositoryScan {
-  std::vector<ModelSource> sources;                          ///< By name, then version.
+  std::vector<ModelSource> sources;                         ///< By name, then version.
   std::vector<std::pair<std::string, std::string>> errors;  ///< (model name, why).
 };
 
@@ -36,7 +36,8 @@ StatusOr<RepositoryScan> ScanModelRepository(const std::string& dir);
 /// Loads every model version under `dir` (ScanModelRepository's layout). config.json:
 ///   {"num_heads": 8,                    required
 ///    "weights": "model.safetensors",    the weights file in that directory (.safetensors, or a
-///                                       torch.save()'d state_dict: .pt/.pth); default: the only such file
+///                                       torch.save()'d state_dict: .pt/.pth); default: the only
+///                                       such file
 ///    "add_zero_attn": false}            optional
 /// Any bad model fails the whole load (FAILED_PRECONDITION naming the file): the server does not
 /// start half-broken. Each ModelWeights' spec carries its name and version.

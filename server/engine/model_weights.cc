@@ -22,13 +22,24 @@ struct Naming {
   const char* o_b;
 };
 
-constexpr Naming kSeed000 = {"seed 000/002 (W_q, W_k, W_v, W_o)", "W_q.weight", "W_k.weight",
-                             "W_v.weight", "W_o.weight", "W_q.bias", "W_k.bias", "W_v.bias",
+constexpr Naming kSeed000 = {"seed 000/002 (W_q, W_k, W_v, W_o)",
+                             "W_q.weight",
+                             "W_k.weight",
+                             "W_v.weight",
+                             "W_o.weight",
+                             "W_q.bias",
+                             "W_k.bias",
+                             "W_v.bias",
                              "W_o.bias"};
 constexpr Naming kSeed003 = {"seed 003 (query.linear, key.linear, value.linear, output)",
-                             "query.linear.weight", "key.linear.weight", "value.linear.weight",
-                             "output.weight", "query.linear.bias", "key.linear.bias",
-                             "value.linear.bias", "output.bias"};
+                             "query.linear.weight",
+                             "key.linear.weight",
+                             "value.linear.weight",
+                             "output.weight",
+                             "query.linear.bias",
+                             "key.linear.bias",
+                             "value.linear.bias",
+                             "output.bias"};
 
 // Strips one prefix shared by every key, e.g. "multi_head_attention." of a wrapper module.
 NamedTensors StripCommonPrefix(const NamedTensors& in) {
@@ -99,8 +110,8 @@ class Canonicalizer {
 Status LinearIn(Canonicalizer& c, const std::string& key, const HostTensor& w, int64_t e,
                 int64_t* in) {
   if (w.shape.size() != 2 || w.shape[0] != e || w.shape[1] < 1) {
-    return c.Fail("'" + key + "' has shape " + ShapeString(w.shape) + ", expected [embed_dim=" +
-                  std::to_string(e) + ", in_features]");
+    return c.Fail("'" + key + "' has shape " + ShapeString(w.shape) +
+                  ", expected [embed_dim=" + std::to_string(e) + ", in_features]");
   }
   *in = w.shape[1];
   return Status::Ok();
@@ -222,12 +233,12 @@ StatusOr<ModelWeights> CanonicalizeWeights(const NamedTensors& raw, const ModelC
   s.add_zero_attn = config.add_zero_attn;
   if (s.num_heads < 1) {
     return Status(StatusCode::kFailedPrecondition,
-            config.source + ": num_heads must be >= 1, got " + std::to_string(s.num_heads));
+                  config.source + ": num_heads must be >= 1, got " + std::to_string(s.num_heads));
   }
   if (s.embed_dim % s.num_heads != 0) {
     return Status(StatusCode::kFailedPrecondition,
-            config.source + ": num_heads " + std::to_string(s.num_heads) +
-                " does not divide embed_dim " + std::to_string(s.embed_dim) + " of " + where);
+                  config.source + ": num_heads " + std::to_string(s.num_heads) +
+                      " does not divide embed_dim " + std::to_string(s.embed_dim) + " of " + where);
   }
   s.weights_hash = HashWeights(w);
   return w;

@@ -24,14 +24,14 @@ using NamedTensors = std::map<std::string, HostTensor>;
 /// Missing per-projection biases of a model that has some are zeros (exactly equivalent).
 struct ModelWeights {
   ModelSpec spec;
-  HostTensor q_proj;                       ///< [E, E]
-  HostTensor k_proj;                       ///< [E, kdim]
-  HostTensor v_proj;                       ///< [E, vdim]
-  std::optional<HostTensor> in_proj_bias;  ///< [3E]
-  HostTensor out_proj;                     ///< [E, E]
-  std::optional<HostTensor> out_proj_bias; ///< [E]
-  std::optional<HostTensor> bias_k;        ///< [E]
-  std::optional<HostTensor> bias_v;        ///< [E]
+  HostTensor q_proj;                        ///< [E, E]
+  HostTensor k_proj;                        ///< [E, kdim]
+  HostTensor v_proj;                        ///< [E, vdim]
+  std::optional<HostTensor> in_proj_bias;   ///< [3E]
+  HostTensor out_proj;                      ///< [E, E]
+  std::optional<HostTensor> out_proj_bias;  ///< [E]
+  std::optional<HostTensor> bias_k;         ///< [E]
+  std::optional<HostTensor> bias_v;         ///< [E]
 };
 
 /// What the weights cannot tell: read from a model directory's config.json.

@@ -14,7 +14,8 @@ bool VarlenEligible(const AttendCall& c, int64_t extra_keys) {
          !c.key_padding_mask && extra_keys == 0 && (c.batch_first() || c.batch == 1);
 }
 
-PackingPlan PlanPacking(const std::vector<const AttendCall*>& calls, bool varlen, int64_t extra_keys) {
+PackingPlan PlanPacking(const std::vector<const AttendCall*>& calls, bool varlen,
+                        int64_t extra_keys) {
   PackingPlan plan;
   const size_t n = calls.size();
   std::vector<bool> eligible(n);
@@ -33,7 +34,8 @@ PackingPlan PlanPacking(const std::vector<const AttendCall*>& calls, bool varlen
     plan.q_offset[i] = plan.q_rows;
     plan.q_rows += c.batch * c.query_len;
     if (c.self_attention()) plan.self_rows = plan.q_rows;
-    if (c.key) {  // Keys on the wire (a memory's are kept projected, a session's come with the query).
+    if (c.key) {  // Keys on the wire (a memory's are kept projected, a session's come with the
+                  // query).
       plan.k_offset[i] = plan.k_rows;
       plan.k_rows += c.batch * c.key_len;
     }
@@ -41,8 +43,10 @@ PackingPlan PlanPacking(const std::vector<const AttendCall*>& calls, bool varlen
   for (size_t first = 0; first < n;) {
     const int group = GroupOf(*calls[plan.order[first]]);
     size_t last = first;  // [first, last): the group's eligible calls
-    while (last < n && GroupOf(*calls[plan.order[last]]) == group && eligible[plan.order[last]]) ++last;
-    if (last - first >= 2) plan.varlen_runs.emplace_back(plan.order.begin() + first, plan.order.begin() + last);
+    while (last < n && GroupOf(*calls[plan.order[last]]) == group && eligible[plan.order[last]])
+      ++last;
+    if (last - first >= 2)
+      plan.varlen_runs.emplace_back(plan.order.begin() + first, plan.order.begin() + last);
     size_t next = std::max(last, first + 1);  // On to the next group's start.
     while (next < n && GroupOf(*calls[plan.order[next]]) == group) ++next;
     first = next;

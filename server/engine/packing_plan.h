@@ -17,12 +17,13 @@ namespace attnserve {
 struct PackingPlan {
   std::vector<size_t> order;      ///< Call indices in row order.
   std::vector<int64_t> q_offset;  ///< By call index: its first row among the query rows.
-  std::vector<int64_t> k_offset;  ///< By call index: its first row among the key/value rows on the wire.
-  int64_t q_rows = 0;             ///< Query rows of all calls.
-  int64_t self_rows = 0;          ///< The first self_rows query rows belong to self-attention calls.
-  int64_t k_rows = 0;             ///< Key (and value) rows that arrived on the wire.
-  /// Runs of at least two consecutive calls (call indices, in row order) of one group, all eligible:
-  /// each one varlen attention launch.
+  std::vector<int64_t>
+      k_offset;           ///< By call index: its first row among the key/value rows on the wire.
+  int64_t q_rows = 0;     ///< Query rows of all calls.
+  int64_t self_rows = 0;  ///< The first self_rows query rows belong to self-attention calls.
+  int64_t k_rows = 0;     ///< Key (and value) rows that arrived on the wire.
+  /// Runs of at least two consecutive calls (call indices, in row order) of one group, all
+  /// eligible: each one varlen attention launch.
   std::vector<std::vector<size_t>> varlen_runs;
 };
 
@@ -31,6 +32,7 @@ struct PackingPlan {
 bool VarlenEligible(const AttendCall& call, int64_t extra_keys);
 
 /// The plan for `calls` (validated). `varlen`: whether varlen launches are wanted at all.
-PackingPlan PlanPacking(const std::vector<const AttendCall*>& calls, bool varlen, int64_t extra_keys);
+PackingPlan PlanPacking(const std::vector<const AttendCall*>& calls, bool varlen,
+                        int64_t extra_keys);
 
 }  // namespace attnserve

@@ -1,10 +1,10 @@
 #pragma once
 // Splitting one batch's compute across cores that are idle at the moment (STYLE 17: a lone request
 // gets the whole machine, a busy machine gets full batches). The engine cuts its work into pieces
-// (projection rows, query blocks, requests) and hands them to a Parallel; who runs the pieces is the
-// caller's business: the batcher lends its idle compute threads, a benchmark or test its own pool.
-// Every piece runs single-threaded LibTorch and BLAS on one thread, so answers are what they are
-// serially, up to float rounding.
+// (projection rows, query blocks, requests) and hands them to a Parallel; who runs the pieces is
+// the caller's business: the batcher lends its idle compute threads, a benchmark or test its own
+// pool. Every piece runs single-threaded LibTorch and BLAS on one thread, so answers are what they
+// are serially, up to float rounding.
 
 #include <atomic>
 #include <condition_variable>
@@ -66,7 +66,9 @@ class HelperPool final : public Parallel {
   HelperPool(const HelperPool&) = delete;
   HelperPool& operator=(const HelperPool&) = delete;
   int Width() const override { return exchange_.Width(); }
-  void For(int64_t n, const std::function<void(int64_t)>& fn) const override { exchange_.For(n, fn); }
+  void For(int64_t n, const std::function<void(int64_t)>& fn) const override {
+    exchange_.For(n, fn);
+  }
 
  private:
   std::mutex mu_;

@@ -1,11 +1,11 @@
 #include "server/engine/safetensors.h"
 
-#include "attnserve/half.h"
-
 #include <algorithm>
 #include <cstring>
 #include <set>
 #include <tuple>
+
+#include "attnserve/half.h"
 
 namespace attnserve {
 
@@ -36,14 +36,16 @@ StatusOr<NamedTensors> ParseSafetensors(const std::string& bytes, const std::str
   auto fail = [&](const std::string& what) {
     return Status(StatusCode::kFailedPrecondition, where + ": " + what);
   };
-  if (bytes.size() < 8) return fail("truncated: " + std::to_string(bytes.size()) + " bytes, no header");
+  if (bytes.size() < 8)
+    return fail("truncated: " + std::to_string(bytes.size()) + " bytes, no header");
   uint64_t header_len = 0;
   for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | static_cast<uint8_t>(bytes[i]);
   if (header_len > bytes.size() - 8) {
     return fail("header length " + std::to_string(header_len) + " runs past the end of the " +
                 std::to_string(bytes.size()) + "-byte file (truncated?)");
   }
-  if (header_len > (uint64_t{100} << 20)) return fail("header of " + std::to_string(header_len) + " bytes is over the format's 100 MB");
+  if (header_len > (uint64_t{100} << 20))
+    return fail("header of " + std::to_string(header_len) + " bytes is over the format's 100 MB");
   ASSIGN_OR_RETURN(nlohmann::json header,
                    ParseStrictJson(bytes.substr(8, header_len), where + ": header"));
   if (!header.is_object()) return fail("header is not a JSON object");
@@ -62,15 +64,21 @@ StatusOr<NamedTensors> ParseSafetensors(const std::string& bytes, const std::str
     }
     const std::string dtype = e["dtype"].get<std::string>();
     size_t elem = 0;
-    if (dtype == "F32") elem = 4;
-    else if (dtype == "F16" || dtype == "BF16") elem = 2;
-    else if (dtype == "F64") elem = 8;
-    else return fail("'" + name + "': dtype " + dtype + " is not supported; expected F32, F16, BF16 or F64");
+    if (dtype == "F32")
+      elem = 4;
+    else if (dtype == "F16" || dtype == "BF16")
+      elem = 2;
+    else if (dtype == "F64")
+      elem = 8;
+    else
+      return fail("'" + name + "': dtype " + dtype +
+                  " is not supported; expected F32, F16, BF16 or F64");
     HostTensor t;
     uint64_t numel = 1;
     if (e["shape"].size() > 8) return fail("'" + name + "': shape has more than 8 dimensions");
     for (const auto& d : e["shape"]) {
-      if (!d.is_number_unsigned()) return fail("'" + name + "': shape must hold non-negative integers");
+      if (!d.is_number_unsigned())
+        return fail("'" + name + "': shape must hold non-negative integers");
       const uint64_t dim = d.get<uint64_t>();
       t.shape.push_back(static_cast<int64_t>(std::min<uint64_t>(dim, INT64_MAX)));
       if (__builtin_mul_overflow(numel, dim, &numel) || numel > (uint64_t{1} << 34)) {
@@ -117,7 +125,8 @@ StatusOr<NamedTensors> ParseSafetensors(const std::string& bytes, const std::str
   uint64_t covered = 0;
   std::string previous;
   for (const auto& [begin, end, name] : ranges) {
-    if (begin < covered) return fail("'" + name + "' overlaps '" + previous + "' in the data section");
+    if (begin < covered)
+      return fail("'" + name + "' overlaps '" + previous + "' in the data section");
     if (begin > covered) {
       return fail("bytes [" + std::to_string(covered) + ", " + std::to_string(begin) +
                   ") of the data section belong to no tensor");
@@ -126,7 +135,8 @@ StatusOr<NamedTensors> ParseSafetensors(const std::string& bytes, const std::str
     previous = name;
   }
   if (covered != data_len) {
-    return fail(std::to_string(data_len - covered) + " bytes after the last tensor belong to no tensor");
+    return fail(std::to_string(data_len - covered) +
+                " bytes after the last tensor belong to no tensor");
   }
   return out;
 }

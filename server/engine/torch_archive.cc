@@ -49,11 +49,13 @@ class Zip {
     if (eocd == n) return Fail("no end-of-central-directory record (truncated or not a zip file)");
     uint64_t count = Le(&b_[eocd + 10], 2), cd_size = Le(&b_[eocd + 12], 4),
              cd_off = Le(&b_[eocd + 16], 4);
-    if (Le(&b_[eocd + 4], 2) != 0 || Le(&b_[eocd + 6], 2) != 0) return Fail("multi-disk zip files are not supported");
+    if (Le(&b_[eocd + 4], 2) != 0 || Le(&b_[eocd + 6], 2) != 0)
+      return Fail("multi-disk zip files are not supported");
     if (count == 0xFFFF || cd_size == 0xFFFFFFFF || cd_off == 0xFFFFFFFF) {  // ZIP64
       if (eocd < 20 || Le(&b_[eocd - 20], 4) != 0x07064b50) return Fail("ZIP64 locator missing");
       const uint64_t rec = Le(&b_[eocd - 20 + 8], 8);
-      if (rec > n || n - rec < 56 || Le(&b_[rec], 4) != 0x06064b50) return Fail("ZIP64 end record out of place");
+      if (rec > n || n - rec < 56 || Le(&b_[rec], 4) != 0x06064b50)
+        return Fail("ZIP64 end record out of place");
       count = Le(&b_[rec + 32], 8);
       cd_size = Le(&b_[rec + 40], 8);
       cd_off = Le(&b_[rec + 48], 8);
@@ -63,14 +65,16 @@ class Zip {
     uint64_t p = cd_off;
     const uint64_t cd_end = cd_off + cd_size;
     for (uint64_t k = 0; k < count; ++k) {
-      if (cd_end - p < 46 || Le(&b_[p], 4) != 0x02014b50) return Fail("central directory entry " + std::to_string(k) + " is damaged");
+      if (cd_end - p < 46 || Le(&b_[p], 4) != 0x02014b50)
+        return Fail("central directory entry " + std::to_string(k) + " is damaged");
       const uint64_t flags = Le(&b_[p + 8], 2), method = Le(&b_[p + 10], 2);
       const uint32_t crc = static_cast<uint32_t>(Le(&b_[p + 16], 4));
       uint64_t csize = Le(&b_[p + 20], 4), usize = Le(&b_[p + 24], 4);
       const uint64_t name_len = Le(&b_[p + 28], 2), extra_len = Le(&b_[p + 30], 2),
                      comment_len = Le(&b_[p + 32], 2);
       uint64_t local = Le(&b_[p + 42], 4);
-      if (cd_end - p - 46 < name_len + extra_len + comment_len) return Fail("central directory entry " + std::to_string(k) + " runs past its end");
+      if (cd_end - p - 46 < name_len + extra_len + comment_len)
+        return Fail("central directory entry " + std::to_string(k) + " runs past its end");
       const std::string name = b_.substr(p + 46, name_len);
       // ZIP64 extra field: the 64-bit values of the fields marked 0xFFFFFFFF, in this order.
       for (uint64_t e = p + 46 + name_len, end = e + extra_len; end - e >= 4;) {
@@ -89,18 +93,23 @@ class Zip {
       }
       p += 46 + name_len + extra_len + comment_len;
       if (flags & 1) return Fail("'" + name + "' is encrypted");
-      if (method != 0) return Fail("'" + name + "' is compressed (method " + std::to_string(method) + "); torch.save() stores entries uncompressed");
+      if (method != 0)
+        return Fail("'" + name + "' is compressed (method " + std::to_string(method) +
+                    "); torch.save() stores entries uncompressed");
       if (csize != usize) return Fail("'" + name + "': stored sizes disagree");
-      if (local > n || n - local < 30 || Le(&b_[local], 4) != 0x04034b50) return Fail("'" + name + "': local header out of place");
+      if (local > n || n - local < 30 || Le(&b_[local], 4) != 0x04034b50)
+        return Fail("'" + name + "': local header out of place");
       const uint64_t data = local + 30 + Le(&b_[local + 26], 2) + Le(&b_[local + 28], 2);
       if (data > n || usize > n - data) {
-        return Fail("'" + name + "': its " + std::to_string(usize) + " bytes run past the end of the " +
-                    std::to_string(n) + "-byte file (truncated?)");
+        return Fail("'" + name + "': its " + std::to_string(usize) +
+                    " bytes run past the end of the " + std::to_string(n) +
+                    "-byte file (truncated?)");
       }
-      const uint32_t actual = static_cast<uint32_t>(
-          crc32_z(0, reinterpret_cast<const Bytef*>(b_.data() + data), static_cast<z_size_t>(usize)));
+      const uint32_t actual = static_cast<uint32_t>(crc32_z(
+          0, reinterpret_cast<const Bytef*>(b_.data() + data), static_cast<z_size_t>(usize)));
       if (actual != crc) return Fail("'" + name + "': CRC mismatch (the file is damaged)");
-      if (!entries->emplace(name, Entry{data, usize}).second) return Fail("'" + name + "' appears twice");
+      if (!entries->emplace(name, Entry{data, usize}).second)
+        return Fail("'" + name + "' appears twice");
     }
     return Status::Ok();
   }
@@ -112,17 +121,29 @@ class Zip {
 
 // ---- The restricted pickle machine ------------------------------------------------------------
 
-enum class Kind { kNone, kBool, kInt, kFloat, kStr, kTuple, kList, kDict, kGlobal, kStorage, kTensor };
+enum class Kind {
+  kNone,
+  kBool,
+  kInt,
+  kFloat,
+  kStr,
+  kTuple,
+  kList,
+  kDict,
+  kGlobal,
+  kStorage,
+  kTensor
+};
 
 // Values live in an arena and refer to each other by index: no ownership cycles, whatever the
 // pickle builds.
 struct Value {
   Kind kind = Kind::kNone;
-  int64_t i = 0;             // int, bool; storage: element count; tensor: index into tensors
+  int64_t i = 0;  // int, bool; storage: element count; tensor: index into tensors
   double f = 0;
-  std::string s;             // str; global "module.name"; storage: its key
-  std::vector<int> items;    // tuple, list; dict: key, value, key, value, ...
-  int dtype = -1;            // storage: element type (index into kStorageTypes)
+  std::string s;           // str; global "module.name"; storage: its key
+  std::vector<int> items;  // tuple, list; dict: key, value, key, value, ...
+  int dtype = -1;          // storage: element type (index into kStorageTypes)
 };
 
 struct StorageType {
@@ -131,11 +152,11 @@ struct StorageType {
   const char* refusal;
 };
 constexpr StorageType kStorageTypes[] = {
-    {"torch.FloatStorage", 4, nullptr},   {"torch.HalfStorage", 2, nullptr},
-    {"torch.BFloat16Storage", 2, nullptr}, {"torch.DoubleStorage", 8, nullptr},
-    {"torch.LongStorage", 0, "integer"},  {"torch.IntStorage", 0, "integer"},
-    {"torch.ShortStorage", 0, "integer"}, {"torch.CharStorage", 0, "integer"},
-    {"torch.ByteStorage", 0, "integer"},  {"torch.BoolStorage", 0, "bool"},
+    {"torch.FloatStorage", 4, nullptr},          {"torch.HalfStorage", 2, nullptr},
+    {"torch.BFloat16Storage", 2, nullptr},       {"torch.DoubleStorage", 8, nullptr},
+    {"torch.LongStorage", 0, "integer"},         {"torch.IntStorage", 0, "integer"},
+    {"torch.ShortStorage", 0, "integer"},        {"torch.CharStorage", 0, "integer"},
+    {"torch.ByteStorage", 0, "integer"},         {"torch.BoolStorage", 0, "bool"},
     {"torch.ComplexFloatStorage", 0, "complex"}, {"torch.ComplexDoubleStorage", 0, "complex"}};
 
 struct TensorRef {
@@ -146,11 +167,12 @@ struct TensorRef {
 
 class Unpickler {
  public:
-  Unpickler(const char* data, size_t size, const std::string& where) : d_(data), n_(size), where_(where) {}
+  Unpickler(const char* data, size_t size, const std::string& where)
+      : d_(data), n_(size), where_(where) {}
 
   Status Fail(const std::string& what) const {
-    return {StatusCode::kFailedPrecondition,
-            where_ + ": torch.save() archive: data.pkl at byte " + std::to_string(at_) + ": " + what};
+    return {StatusCode::kFailedPrecondition, where_ + ": torch.save() archive: data.pkl at byte " +
+                                                 std::to_string(at_) + ": " + what};
   }
 
   // Runs to STOP; `*result` is the value left.
@@ -160,21 +182,33 @@ class Unpickler {
       at_ = pos_;
       const uint8_t op = static_cast<uint8_t>(d_[pos_++]);
       switch (op) {
-        case 0x80: RETURN_IF_ERROR(Skip(1)); break;               // PROTO
-        case 0x95: RETURN_IF_ERROR(Skip(8)); break;               // FRAME
-        case '(': marks_.push_back(stack_.size()); break;         // MARK
-        case '.':                                                 // STOP
-          if (stack_.size() != 1 || !marks_.empty()) return Fail("STOP leaves " + std::to_string(stack_.size()) + " values");
+        case 0x80:
+          RETURN_IF_ERROR(Skip(1));
+          break;  // PROTO
+        case 0x95:
+          RETURN_IF_ERROR(Skip(8));
+          break;  // FRAME
+        case '(':
+          marks_.push_back(stack_.size());
+          break;   // MARK
+        case '.':  // STOP
+          if (stack_.size() != 1 || !marks_.empty())
+            return Fail("STOP leaves " + std::to_string(stack_.size()) + " values");
           *result = stack_.back();
           return Status::Ok();
-        case 'N': RETURN_IF_ERROR(Push(New(Kind::kNone))); break;
-        case 0x88: case 0x89: {                                   // NEWTRUE, NEWFALSE
+        case 'N':
+          RETURN_IF_ERROR(Push(New(Kind::kNone)));
+          break;
+        case 0x88:
+        case 0x89: {  // NEWTRUE, NEWFALSE
           const int v = New(Kind::kBool);
           heap_[v].i = op == 0x88;
           RETURN_IF_ERROR(Push(v));
           break;
         }
-        case 'K': case 'M': case 'J': {                           // BININT1, BININT2, BININT
+        case 'K':
+        case 'M':
+        case 'J': {  // BININT1, BININT2, BININT
           const int len = op == 'K' ? 1 : op == 'M' ? 2 : 4;
           uint64_t raw;
           RETURN_IF_ERROR(ReadLe(len, &raw));
@@ -183,7 +217,7 @@ class Unpickler {
           RETURN_IF_ERROR(Push(v));
           break;
         }
-        case 0x8a: {                                              // LONG1
+        case 0x8a: {  // LONG1
           uint64_t len;
           RETURN_IF_ERROR(ReadLe(1, &len));
           if (len > 8) return Fail("LONG1 of " + std::to_string(len) + " bytes is too large");
@@ -195,7 +229,7 @@ class Unpickler {
           RETURN_IF_ERROR(Push(v));
           break;
         }
-        case 'G': {                                               // BINFLOAT (big-endian)
+        case 'G': {  // BINFLOAT (big-endian)
           RETURN_IF_ERROR(Need(8));
           uint64_t raw = 0;
           for (int k = 0; k < 8; ++k) raw = (raw << 8) | static_cast<uint8_t>(d_[pos_ + k]);
@@ -205,7 +239,9 @@ class Unpickler {
           RETURN_IF_ERROR(Push(v));
           break;
         }
-        case 'X': case 0x8c: case 0x8d: {                         // BINUNICODE, SHORT_, 8
+        case 'X':
+        case 0x8c:
+        case 0x8d: {  // BINUNICODE, SHORT_, 8
           uint64_t len;
           RETURN_IF_ERROR(ReadLe(op == 'X' ? 4 : op == 0x8c ? 1 : 8, &len));
           RETURN_IF_ERROR(Need(len));
@@ -215,25 +251,32 @@ class Unpickler {
           RETURN_IF_ERROR(Push(v));
           break;
         }
-        case 'c': {                                               // GLOBAL module\nname\n
+        case 'c': {  // GLOBAL module\nname\n
           std::string module, name;
           RETURN_IF_ERROR(ReadLine(&module));
           RETURN_IF_ERROR(ReadLine(&name));
           RETURN_IF_ERROR(PushGlobal(module + "." + name));
           break;
         }
-        case 0x93: {                                              // STACK_GLOBAL
+        case 0x93: {  // STACK_GLOBAL
           int name, module;
           RETURN_IF_ERROR(Pop(&name));
           RETURN_IF_ERROR(Pop(&module));
-          if (heap_[name].kind != Kind::kStr || heap_[module].kind != Kind::kStr) return Fail("STACK_GLOBAL needs two strings");
+          if (heap_[name].kind != Kind::kStr || heap_[module].kind != Kind::kStr)
+            return Fail("STACK_GLOBAL needs two strings");
           RETURN_IF_ERROR(PushGlobal(heap_[module].s + "." + heap_[name].s));
           break;
         }
-        case ')': RETURN_IF_ERROR(Push(New(Kind::kTuple))); break;  // EMPTY_TUPLE
-        case ']': RETURN_IF_ERROR(Push(New(Kind::kList))); break;   // EMPTY_LIST
-        case '}': RETURN_IF_ERROR(Push(New(Kind::kDict))); break;   // EMPTY_DICT
-        case 't': {                                               // TUPLE
+        case ')':
+          RETURN_IF_ERROR(Push(New(Kind::kTuple)));
+          break;  // EMPTY_TUPLE
+        case ']':
+          RETURN_IF_ERROR(Push(New(Kind::kList)));
+          break;  // EMPTY_LIST
+        case '}':
+          RETURN_IF_ERROR(Push(New(Kind::kDict)));
+          break;     // EMPTY_DICT
+        case 't': {  // TUPLE
           std::vector<int> items;
           RETURN_IF_ERROR(PopMark(&items));
           const int v = New(Kind::kTuple);
@@ -241,16 +284,22 @@ class Unpickler {
           RETURN_IF_ERROR(Push(v));
           break;
         }
-        case 0x85: case 0x86: case 0x87: {                        // TUPLE1..3
+        case 0x85:
+        case 0x86:
+        case 0x87: {  // TUPLE1..3
           const size_t k = op - 0x84;
-          if (stack_.size() < k + (marks_.empty() ? 0 : marks_.back())) return Fail("TUPLE" + std::to_string(k) + " on a stack of " + std::to_string(stack_.size()));
+          if (stack_.size() < k + (marks_.empty() ? 0 : marks_.back()))
+            return Fail("TUPLE" + std::to_string(k) + " on a stack of " +
+                        std::to_string(stack_.size()));
           const int v = New(Kind::kTuple);
           heap_[v].items.assign(stack_.end() - static_cast<long>(k), stack_.end());
           stack_.resize(stack_.size() - k);
           RETURN_IF_ERROR(Push(v));
           break;
         }
-        case 'q': case 'r': case 0x94: {                          // BINPUT, LONG_BINPUT, MEMOIZE
+        case 'q':
+        case 'r':
+        case 0x94: {  // BINPUT, LONG_BINPUT, MEMOIZE
           uint64_t key = memo_.size();
           if (op != 0x94) RETURN_IF_ERROR(ReadLe(op == 'q' ? 1 : 4, &key));
           if (stack_.empty()) return Fail("memo store from an empty stack");
@@ -258,15 +307,18 @@ class Unpickler {
           memo_[key] = stack_.back();
           break;
         }
-        case 'h': case 'j': {                                     // BINGET, LONG_BINGET
+        case 'h':
+        case 'j': {  // BINGET, LONG_BINGET
           uint64_t key;
           RETURN_IF_ERROR(ReadLe(op == 'h' ? 1 : 4, &key));
           auto it = memo_.find(key);
-          if (it == memo_.end()) return Fail("memo key " + std::to_string(key) + " was never stored");
+          if (it == memo_.end())
+            return Fail("memo key " + std::to_string(key) + " was never stored");
           RETURN_IF_ERROR(Push(it->second));
           break;
         }
-        case 'a': case 'e': {                                     // APPEND, APPENDS
+        case 'a':
+        case 'e': {  // APPEND, APPENDS
           std::vector<int> items;
           if (op == 'a') {
             int x;
@@ -275,12 +327,14 @@ class Unpickler {
           } else {
             RETURN_IF_ERROR(PopMark(&items));
           }
-          if (stack_.empty() || heap_[stack_.back()].kind != Kind::kList) return Fail("APPEND to something that is not a list");
+          if (stack_.empty() || heap_[stack_.back()].kind != Kind::kList)
+            return Fail("APPEND to something that is not a list");
           auto& list = heap_[stack_.back()].items;
           list.insert(list.end(), items.begin(), items.end());
           break;
         }
-        case 's': case 'u': {                                     // SETITEM, SETITEMS
+        case 's':
+        case 'u': {  // SETITEM, SETITEMS
           std::vector<int> items;
           if (op == 's') {
             int k, v;
@@ -291,12 +345,13 @@ class Unpickler {
             RETURN_IF_ERROR(PopMark(&items));
             if (items.size() % 2) return Fail("SETITEMS with an odd number of values");
           }
-          if (stack_.empty() || heap_[stack_.back()].kind != Kind::kDict) return Fail("SETITEM on something that is not a dict");
+          if (stack_.empty() || heap_[stack_.back()].kind != Kind::kDict)
+            return Fail("SETITEM on something that is not a dict");
           auto& dict = heap_[stack_.back()].items;
           dict.insert(dict.end(), items.begin(), items.end());
           break;
         }
-        case 'Q': {                                               // BINPERSID
+        case 'Q': {  // BINPERSID
           int pid;
           RETURN_IF_ERROR(Pop(&pid));
           int v;
@@ -304,7 +359,7 @@ class Unpickler {
           RETURN_IF_ERROR(Push(v));
           break;
         }
-        case 'R': {                                               // REDUCE
+        case 'R': {  // REDUCE
           int args, fn;
           RETURN_IF_ERROR(Pop(&args));
           RETURN_IF_ERROR(Pop(&fn));
@@ -313,12 +368,13 @@ class Unpickler {
           RETURN_IF_ERROR(Push(v));
           break;
         }
-        case 'b': {                                               // BUILD: state is ignored
+        case 'b': {  // BUILD: state is ignored
           int state;
           RETURN_IF_ERROR(Pop(&state));
           if (stack_.empty()) return Fail("BUILD on an empty stack");
           const Kind k = heap_[stack_.back()].kind;
-          if (k != Kind::kDict && k != Kind::kTensor) return Fail("BUILD on something that is neither a dict nor a tensor");
+          if (k != Kind::kDict && k != Kind::kTensor)
+            return Fail("BUILD on something that is neither a dict nor a tensor");
           break;
         }
         default: {
@@ -370,7 +426,8 @@ class Unpickler {
     return Status::Ok();
   }
   Status Pop(int* v) {
-    if (stack_.size() <= (marks_.empty() ? 0 : marks_.back())) return Fail("pop from an empty stack");
+    if (stack_.size() <= (marks_.empty() ? 0 : marks_.back()))
+      return Fail("pop from an empty stack");
     *v = stack_.back();
     stack_.pop_back();
     return Status::Ok();
@@ -389,7 +446,8 @@ class Unpickler {
         "torch._utils._rebuild_tensor", "torch._utils._rebuild_parameter"};
     bool storage = false;
     for (const StorageType& t : kStorageTypes) storage |= name == t.global;
-    if (!storage && !kAllowed.count(name)) return Fail("global '" + name + "' is not allowed in a state_dict");
+    if (!storage && !kAllowed.count(name))
+      return Fail("global '" + name + "' is not allowed in a state_dict");
     const int v = New(Kind::kGlobal);
     heap_[v].s = name;
     return Push(v);
@@ -410,10 +468,12 @@ class Unpickler {
     if (dtype < 0) return Fail("'" + type + "' is not a storage type");
     if (kStorageTypes[dtype].bytes == 0) {
       return Fail(type + " holds " + kStorageTypes[dtype].refusal +
-                  " values; attention weights must be floating point (float32, float16, bfloat16, float64)");
+                  " values; attention weights must be floating point (float32, float16, bfloat16, "
+                  "float64)");
     }
     const int64_t numel = heap_[t[4]].i;
-    if (numel < 0 || numel > (int64_t{1} << 34)) return Fail("storage of " + std::to_string(numel) + " elements");
+    if (numel < 0 || numel > (int64_t{1} << 34))
+      return Fail("storage of " + std::to_string(numel) + " elements");
     std::string key = heap_[t[2]].s;
     const int v = New(Kind::kStorage);
     heap_[v].s = std::move(key);
@@ -423,7 +483,8 @@ class Unpickler {
     return Status::Ok();
   }
   Status IntTuple(int v, const char* what, std::vector<int64_t>* out) {
-    if (heap_[v].kind != Kind::kTuple || heap_[v].items.size() > 8) return Fail(std::string(what) + " is not a tuple of at most 8 ints");
+    if (heap_[v].kind != Kind::kTuple || heap_[v].items.size() > 8)
+      return Fail(std::string(what) + " is not a tuple of at most 8 ints");
     for (int x : heap_[v].items) {
       if (!IsInt(x)) return Fail(std::string(what) + " holds a value that is not an int");
       out->push_back(heap_[x].i);
@@ -431,7 +492,8 @@ class Unpickler {
     return Status::Ok();
   }
   Status Reduce(int fn, int args, int* out) {
-    if (heap_[fn].kind != Kind::kGlobal || heap_[args].kind != Kind::kTuple) return Fail("REDUCE needs a callable and a tuple");
+    if (heap_[fn].kind != Kind::kGlobal || heap_[args].kind != Kind::kTuple)
+      return Fail("REDUCE needs a callable and a tuple");
     const std::string& name = heap_[fn].s;
     const std::vector<int> a = heap_[args].items;
     if (name == "collections.OrderedDict") {
@@ -440,7 +502,8 @@ class Unpickler {
       return Status::Ok();
     }
     if (name == "torch._utils._rebuild_parameter") {
-      if (a.size() < 1 || heap_[a[0]].kind != Kind::kTensor) return Fail("_rebuild_parameter without a tensor");
+      if (a.size() < 1 || heap_[a[0]].kind != Kind::kTensor)
+        return Fail("_rebuild_parameter without a tensor");
       *out = a[0];
       return Status::Ok();
     }
@@ -492,7 +555,8 @@ StatusOr<NamedTensors> ParseTorchArchive(const std::string& bytes, const std::st
   }
   if (!pickle) return zip.Fail("no <archive>/data.pkl entry (not written by torch.save()?)");
   auto order = entries.find(prefix + "byteorder");
-  if (order != entries.end() && bytes.compare(order->second.data, order->second.size, "little") != 0) {
+  if (order != entries.end() &&
+      bytes.compare(order->second.data, order->second.size, "little") != 0) {
     return zip.Fail("byteorder is not 'little'");
   }
 
@@ -515,7 +579,8 @@ StatusOr<NamedTensors> ParseTorchArchive(const std::string& bytes, const std::st
     const Value& storage = heap[t.storage];
     const StorageType& type = kStorageTypes[storage.dtype];
     auto it = entries.find(prefix + "data/" + storage.s);
-    if (it == entries.end()) return zip.Fail("'" + key.s + "': storage '" + storage.s + "' is missing");
+    if (it == entries.end())
+      return zip.Fail("'" + key.s + "': storage '" + storage.s + "' is missing");
     const uint64_t want = static_cast<uint64_t>(storage.i) * static_cast<uint64_t>(type.bytes);
     if (it->second.size != want) {
       return zip.Fail("'" + key.s + "': storage '" + storage.s + "' holds " +
@@ -527,7 +592,8 @@ StatusOr<NamedTensors> ParseTorchArchive(const std::string& bytes, const std::st
     h.shape = t.sizes;
     int64_t numel = 1, last = t.offset;
     for (size_t d = 0; d < t.sizes.size(); ++d) {
-      if (t.sizes[d] < 0 || t.strides[d] < 0) return zip.Fail("'" + key.s + "': negative size or stride");
+      if (t.sizes[d] < 0 || t.strides[d] < 0)
+        return zip.Fail("'" + key.s + "': negative size or stride");
       int64_t span;
       if (__builtin_mul_overflow(numel, t.sizes[d], &numel) ||
           __builtin_mul_overflow(t.sizes[d] > 0 ? t.sizes[d] - 1 : 0, t.strides[d], &span) ||
@@ -566,7 +632,8 @@ StatusOr<NamedTensors> ParseTorchArchive(const std::string& bytes, const std::st
       } else {
         uint16_t x;
         std::memcpy(&x, p, 2);
-        dst = std::strcmp(type.global, "torch.BFloat16Storage") == 0 ? BFloat16ToFloat(x) : HalfToFloat(x);
+        dst = std::strcmp(type.global, "torch.BFloat16Storage") == 0 ? BFloat16ToFloat(x)
+                                                                     : HalfToFloat(x);
       }
       for (size_t d = index.size(); d-- > 0;) {  // Row-major odometer.
         if (++index[d] < t.sizes[d]) break;

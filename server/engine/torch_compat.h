@@ -38,11 +38,16 @@ inline const char* FusedSdpaBackend(const at::Tensor& q, const at::Tensor& k, co
   const int64_t choice = at::_fused_sdp_choice(q, k, v, mask, 0.0, is_causal);
 #endif
   switch (choice) {  // sdp::SDPBackend
-    case 0: return "math";
-    case 1: return "flash";
-    case 2: return "efficient";
-    case 3: return "cudnn";
-    default: return "other";
+    case 0:
+      return "math";
+    case 1:
+      return "flash";
+    case 2:
+      return "efficient";
+    case 3:
+      return "cudnn";
+    default:
+      return "other";
   }
 }
 #endif
@@ -57,12 +62,13 @@ struct VarlenOutput {
 /// LibTorch >= 2.11 (the signatures below were checked against 2.11's headers; earlier 2.x builds
 /// attend per request): ragged sequences packed along rows, no padding. q [total_q, H, D], k and v
 /// [total_k, H, D], each with a contiguous last dimension; cu_q, cu_k int32 [n + 1] row offsets on
-/// the GPU; `causal`: query i of a sequence sees its keys 0..i (top-left, as nn.MultiheadAttention's
-/// is_causal), `square`: every sequence has as many keys as queries. Flash attention's varlen kernel
-/// where it applies (float16/bfloat16, head_dim a multiple of 8 and <= 256, an sm80+ GPU, and for
-/// causal only square sequences: its causal mask is aligned bottom-right); otherwise the
-/// memory-efficient kernel's varlen form (any float dtype; custom mask type 1 = causal from the
-/// top left). CUDA only. Throws c10::Error where neither kernel takes the inputs.
+/// the GPU; `causal`: query i of a sequence sees its keys 0..i (top-left, as
+/// nn.MultiheadAttention's is_causal), `square`: every sequence has as many keys as queries. Flash
+/// attention's varlen kernel where it applies (float16/bfloat16, head_dim a multiple of 8 and <=
+/// 256, an sm80+ GPU, and for causal only square sequences: its causal mask is aligned
+/// bottom-right); otherwise the memory-efficient kernel's varlen form (any float dtype; custom mask
+/// type 1 = causal from the top left). CUDA only. Throws c10::Error where neither kernel takes the
+/// inputs.
 inline constexpr bool kHasVarlen = true;
 inline VarlenOutput VarlenAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                     const at::Tensor& cu_q, const at::Tensor& cu_k, int64_t max_q,

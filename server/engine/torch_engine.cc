@@ -1,12 +1,12 @@
 // The LibTorch forward: nn.MultiheadAttention's computation over request bytes. The LibTorch
-// translation units are this one, torch_kv.cc (kept keys and values) and, in CUDA builds, device_support_cuda.cc.
+// translation units are this one, torch_kv.cc (kept keys and values) and, in CUDA builds,
+// device_support_cuda.cc.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
-
 
 #include <algorithm>
 #include <cmath>
@@ -30,10 +30,14 @@ namespace {
 
 at::ScalarType ToScalarType(DType d) {
   switch (d) {
-    case DType::kFloat32: return at::kFloat;
-    case DType::kFloat16: return at::kHalf;
-    case DType::kBFloat16: return at::kBFloat16;
-    case DType::kBool: return at::kByte;  // Wire bools are bytes: any non-zero is true.
+    case DType::kFloat32:
+      return at::kFloat;
+    case DType::kFloat16:
+      return at::kHalf;
+    case DType::kBFloat16:
+      return at::kBFloat16;
+    case DType::kBool:
+      return at::kByte;  // Wire bools are bytes: any non-zero is true.
   }
   return at::kFloat;
 }
@@ -56,10 +60,13 @@ bool CpuBfloat16ProductsAccumulateInFloat32() {
     const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
     const at::Tensor a = at::ones({16, 1024}, bf16), b = at::ones({1024, 16}, bf16);
     const at::Tensor bt = at::ones({16, 1024}, bf16).t();  // the same values, transposed in memory
-    const at::Tensor products[] = {at::mm(a, b), at::mm(a, bt), at::addmm(at::zeros({16}, bf16), a, b),
-                                   at::matmul(a.view({2, 8, 1024}), b.view({1, 1024, 16}).expand({2, 1024, 16})),
-                                   at::matmul(a.view({2, 8, 1024}), bt.unsqueeze(0).expand({2, 1024, 16})),
-                                   at::linear(a, at::ones({16, 1024}, bf16))};
+    const at::Tensor products[] = {
+        at::mm(a, b),
+        at::mm(a, bt),
+        at::addmm(at::zeros({16}, bf16), a, b),
+        at::matmul(a.view({2, 8, 1024}), b.view({1, 1024, 16}).expand({2, 1024, 16})),
+        at::matmul(a.view({2, 8, 1024}), bt.unsqueeze(0).expand({2, 1024, 16})),
+        at::linear(a, at::ones({16, 1024}, bf16))};
     for (const at::Tensor& p : products) {
       if (!p.to(at::kFloat).eq(1024).all().item<bool>()) return false;
     }
@@ -68,15 +75,15 @@ bool CpuBfloat16ProductsAccumulateInFloat32() {
   return yes;
 }
 
-// Whether this CPU multiplies bfloat16 natively (AVX512-BF16; CPUs with AMX have it too). Without it
-// LibTorch's bfloat16 products either add in bfloat16 (1.13, above) or run many times slower than
-// float32 (2.11 on an AMD EPYC with AVX2: the service's W1 3,190 tokens/s in bfloat16 against 42,446
-// in float32), so the engine multiplies in float32 there.
+// Whether this CPU multiplies bfloat16 natively (AVX512-BF16; CPUs with AMX have it too). Without
+// it LibTorch's bfloat16 products either add in bfloat16 (1.13, above) or run many times slower
+// than float32 (2.11 on an AMD EPYC with AVX2: the service's W1 3,190 tokens/s in bfloat16 against
+// 42,446 in float32), so the engine multiplies in float32 there.
 bool CpuHasBfloat16Products() { return __builtin_cpu_supports("avx512bf16"); }
 
 // On a CUDA device, makes a stream from LibTorch's pool current for this thread: each compute
-// worker keeps its own stream, so workers overlap and a worker's synchronous copy back waits for its
-// own stream only. Device-generic (c10), so it compiles in CPU builds, where it does nothing.
+// worker keeps its own stream, so workers overlap and a worker's synchronous copy back waits for
+// its own stream only. Device-generic (c10), so it compiles in CPU builds, where it does nothing.
 class WorkerStream {
  public:
   explicit WorkerStream(at::Device device) {
@@ -101,7 +108,10 @@ class TorchModel final : public AttentionModel {
  public:
   TorchModel(const ModelWeights& w, at::Device device, DType dtype, EngineOptions::Varlen varlen,
              double min_piece_flops, bool force_widen)
-      : spec_(w.spec), device_(device), dtype_(ToScalarType(dtype)), min_piece_flops_(min_piece_flops),
+      : spec_(w.spec),
+        device_(device),
+        dtype_(ToScalarType(dtype)),
+        min_piece_flops_(min_piece_flops),
         varlen_(varlen == EngineOptions::Varlen::kEmulate ? Varlen::kEmulate
                 : varlen == EngineOptions::Varlen::kAuto && device.is_cuda() && compat::kHasVarlen
                     ? Varlen::kKernel
@@ -109,14 +119,16 @@ class TorchModel final : public AttentionModel {
     spec_.device = device.str();
     spec_.compute_dtype = dtype;
     const int64_t e = spec_.embed_dim;
-    widen_ = dtype_ == at::kBFloat16 && device.is_cpu() &&
-             (force_widen || !CpuHasBfloat16Products() || !CpuBfloat16ProductsAccumulateInFloat32());
+    widen_ =
+        dtype_ == at::kBFloat16 && device.is_cpu() &&
+        (force_widen || !CpuHasBfloat16Products() || !CpuBfloat16ProductsAccumulateInFloat32());
     // Projection weights in float32 when bfloat16 products are widened (no widening per call).
     const auto opts = at::TensorOptions().device(device).dtype(widen_ ? at::kFloat : dtype_);
     packed_ = spec_.kdim == e && spec_.vdim == e;
     if (packed_) {
       // One [3E, E] matrix: self-attention projects q, k and v in a single matmul.
-      w_in_ = at::cat({FromHost(w.q_proj, opts), FromHost(w.k_proj, opts), FromHost(w.v_proj, opts)});
+      w_in_ =
+          at::cat({FromHost(w.q_proj, opts), FromHost(w.k_proj, opts), FromHost(w.v_proj, opts)});
       w_q_ = w_in_.narrow(0, 0, e);
       w_k_ = w_in_.narrow(0, e, e);
       w_v_ = w_in_.narrow(0, 2 * e, e);
@@ -146,7 +158,8 @@ class TorchModel final : public AttentionModel {
   }
 
   std::shared_ptr<KvCache> NewKvCache() const override {
-    return std::make_shared<TorchKv>(spec_.embed_dim, static_cast<int64_t>(c10::elementSize(dtype_)));
+    return std::make_shared<TorchKv>(spec_.embed_dim,
+                                     static_cast<int64_t>(c10::elementSize(dtype_)));
   }
 
   // Requests of up to this many query (and key) rows share packed projection GEMMs. Larger ones
@@ -206,11 +219,14 @@ class TorchModel final : public AttentionModel {
   // EngineOptions::min_piece_flops of work.
   static constexpr int64_t kMinGemmRows = 16;
 
-  // How many pieces of at least `min_rows` rows to cut `rows` rows into, each worth `flops_per_row`.
-  int64_t Blocks(const Parallel& parallel, int64_t rows, double flops_per_row, int64_t min_rows) const {
+  // How many pieces of at least `min_rows` rows to cut `rows` rows into, each worth
+  // `flops_per_row`.
+  int64_t Blocks(const Parallel& parallel, int64_t rows, double flops_per_row,
+                 int64_t min_rows) const {
     const int64_t width = Width(parallel);
     if (width <= 1) return 1;
-    const auto by_flops = static_cast<int64_t>(std::ceil(min_piece_flops_ / std::max(flops_per_row, 1.0)));
+    const auto by_flops =
+        static_cast<int64_t>(std::ceil(min_piece_flops_ / std::max(flops_per_row, 1.0)));
     return std::max<int64_t>(1, std::min(width, rows / std::max(min_rows, by_flops)));
   }
 
@@ -253,11 +269,13 @@ class TorchModel final : public AttentionModel {
   static constexpr int64_t kGemvRows = 4;
 
   bool UseGemv(const at::Tensor& x, const at::Tensor& w) const {
-    return device_.is_cpu() && x.size(0) <= kGemvRows && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat;
+    return device_.is_cpu() && x.size(0) <= kGemvRows && x.scalar_type() == at::kFloat &&
+           w.scalar_type() == at::kFloat;
   }
 
   // y = x · wt (+ b) row by row as matrix-vector products (for UseGemv).
-  void GemvInto(const at::Tensor& y, const at::Tensor& x, const at::Tensor& wt, const at::Tensor& b) const {
+  void GemvInto(const at::Tensor& y, const at::Tensor& x, const at::Tensor& wt,
+                const at::Tensor& b) const {
     const at::Tensor w = wt.t();  // [out, in]
     for (int64_t i = 0; i < x.size(0); ++i) {
       at::Tensor yi = y.select(0, i);
@@ -279,7 +297,8 @@ class TorchModel final : public AttentionModel {
     }
     const int64_t blocks = Blocks(parallel, x.size(0), 2.0 * wt.size(0) * wt.size(1), kMinGemmRows);
     Pieces(parallel, blocks, [&](int64_t i) {
-      const auto [r0, n] = blocks > 1 ? Block(x.size(0), blocks, i) : std::make_pair(int64_t{0}, x.size(0));
+      const auto [r0, n] =
+          blocks > 1 ? Block(x.size(0), blocks, i) : std::make_pair(int64_t{0}, x.size(0));
       at::Tensor yi = y.narrow(0, r0, n);
       if (x.scalar_type() != wt.scalar_type()) {  // widened: float32 weights, bfloat16 rows
         const at::Tensor xi = x.narrow(0, r0, n).to(wt.scalar_type());
@@ -293,15 +312,17 @@ class TorchModel final : public AttentionModel {
   }
 
   // nn.functional.linear(x, w, b) (w [out, in]), split as GemmInto.
-  at::Tensor Linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const Parallel& parallel) const {
+  at::Tensor Linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+                    const Parallel& parallel) const {
     if (UseGemv(x, w)) {
       at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
       GemvInto(y, x, w.t(), b);
       return y;
     }
     if (Blocks(parallel, x.size(0), 2.0 * w.size(0) * w.size(1), kMinGemmRows) <= 1) {
-      return x.scalar_type() == w.scalar_type() ? at::linear(x, w, b)
-                                                : at::linear(x.to(w.scalar_type()), w, b).to(x.scalar_type());
+      return x.scalar_type() == w.scalar_type()
+                 ? at::linear(x, w, b)
+                 : at::linear(x.to(w.scalar_type()), w, b).to(x.scalar_type());
     }
     at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
     GemmInto(y, x.contiguous(), w.t(), b, parallel);
@@ -320,8 +341,8 @@ class TorchModel final : public AttentionModel {
   };
   // One call's attention result before the output projection.
   struct Attended {
-    at::Tensor merged;   // [B*Lq, E] in the wire's row order (undefined when written to a dst)
-    at::Tensor dead;     // [B*Lq, 1] bool: query masked in every head (undefined: none)
+    at::Tensor merged;  // [B*Lq, E] in the wire's row order (undefined when written to a dst)
+    at::Tensor dead;    // [B*Lq, 1] bool: query masked in every head (undefined: none)
     const char* backend = "math";
   };
 
@@ -358,14 +379,16 @@ class TorchModel final : public AttentionModel {
 
   Rows Project(const AttendCall& call, const Parallel& parallel) const {
     const at::Tensor q_in = InputRows(call.query);
-    if (call.kv_use == AttendCall::Kv::kMemory) return {Linear(q_in, w_q_, b_q_, parallel), at::Tensor(), at::Tensor()};
+    if (call.kv_use == AttendCall::Kv::kMemory)
+      return {Linear(q_in, w_q_, b_q_, parallel), at::Tensor(), at::Tensor()};
     if (call.self_attention() && packed_) {
       auto qkv = Linear(q_in, w_in_, b_in_, parallel).chunk(3, -1);
       return {qkv[0], qkv[1], qkv[2]};
     }
     const at::Tensor k_in = call.self_attention() ? q_in : InputRows(*call.key);
     const at::Tensor v_in = call.self_attention() ? q_in : InputRows(*call.value);
-    return {Linear(q_in, w_q_, b_q_, parallel), Linear(k_in, w_k_, b_k_, parallel), Linear(v_in, w_v_, b_v_, parallel)};
+    return {Linear(q_in, w_q_, b_q_, parallel), Linear(k_in, w_k_, b_k_, parallel),
+            Linear(v_in, w_v_, b_v_, parallel)};
   }
 
   // Packs every call's rows into one matrix per projection (no padding rows; PlanPacking says
@@ -391,7 +414,8 @@ class TorchModel final : public AttentionModel {
       }
     }
     std::vector<at::Tensor> qkv_self;
-    if (self_rows) qkv_self = Linear(x.narrow(0, 0, self_rows), w_in_, b_in_, parallel).chunk(3, -1);
+    if (self_rows)
+      qkv_self = Linear(x.narrow(0, 0, self_rows), w_in_, b_in_, parallel).chunk(3, -1);
     at::Tensor q_cross, k_cross, v_cross;
     if (self_rows < q_rows) {
       q_cross = Linear(x.narrow(0, self_rows, q_rows - self_rows), w_q_, b_q_, parallel);
@@ -406,7 +430,8 @@ class TorchModel final : public AttentionModel {
         return Rows{qkv_self[0].narrow(0, q_off[i], rq), qkv_self[1].narrow(0, q_off[i], rq),
                     qkv_self[2].narrow(0, q_off[i], rq)};
       }
-      if (!calls[i]->key) return Rows{q_cross.narrow(0, q_off[i] - self_rows, rq), at::Tensor(), at::Tensor()};
+      if (!calls[i]->key)
+        return Rows{q_cross.narrow(0, q_off[i] - self_rows, rq), at::Tensor(), at::Tensor()};
       return Rows{q_cross.narrow(0, q_off[i] - self_rows, rq), k_cross.narrow(0, k_off[i], rk),
                   v_cross.narrow(0, k_off[i], rk)};
     };
@@ -428,21 +453,24 @@ class TorchModel final : public AttentionModel {
     }
     const size_t pieces = Width(parallel) > 1 ? pending.size() : 1;
     Pieces(parallel, static_cast<int64_t>(pieces), [&](int64_t piece) {
-      const size_t from = pieces > 1 ? static_cast<size_t>(piece) : 0, to = pieces > 1 ? from + 1 : pending.size();
+      const size_t from = pieces > 1 ? static_cast<size_t>(piece) : 0,
+                   to = pieces > 1 ? from + 1 : pending.size();
       for (size_t at = from; at < to; ++at) {
         const size_t i = pending[at];
         const AttendCall& c = *calls[i];
         // A session step's rows: its new tokens' q, k and v (self-attention rows).
         const int64_t rk = c.kv_use == AttendCall::Kv::kSession ? c.query_len : c.key_len;
         const Rows r = rows_of(i, c.batch * c.query_len, c.batch * rk);
-        attended[i] = AttendAny(c, r, merged.narrow(0, q_off[i], c.batch * c.query_len), outs[i], SerialParallel());
+        attended[i] = AttendAny(c, r, merged.narrow(0, q_off[i], c.batch * c.query_len), outs[i],
+                                SerialParallel());
       }
     });
     at::Tensor y = at::empty({q_rows, e}, opts);
     GemmInto(y, merged, w_out_t_, b_out_, parallel);
     for (size_t i = 0; i < calls.size(); ++i) {
       const AttendCall& c = *calls[i];
-      WriteOutput(c, attended[i], y.narrow(0, q_off[i], c.batch * c.query_len), outs[i], SerialParallel());
+      WriteOutput(c, attended[i], y.narrow(0, q_off[i], c.batch * c.query_len), outs[i],
+                  SerialParallel());
     }
   }
 
@@ -451,9 +479,9 @@ class TorchModel final : public AttentionModel {
   // `merged`'s rows. Returns the kernel's name, or nullptr when the kernel refused the inputs (the
   // calls then attend one by one).
   template <typename RowsOf>
-  const char* AttendVarlen(const std::vector<const AttendCall*>& calls, const std::vector<size_t>& group,
-                           const RowsOf& rows_of, const at::Tensor& merged,
-                           const std::vector<int64_t>& q_off) const {
+  const char* AttendVarlen(const std::vector<const AttendCall*>& calls,
+                           const std::vector<size_t>& group, const RowsOf& rows_of,
+                           const at::Tensor& merged, const std::vector<int64_t>& q_off) const {
     const int64_t h = spec_.num_heads, d = spec_.head_dim();
     std::vector<int32_t> cu_q{0}, cu_k{0};
     int64_t max_q = 0, max_k = 0;
@@ -483,11 +511,12 @@ class TorchModel final : public AttentionModel {
     }
     try {
       const auto to_device = [&](const std::vector<int32_t>& cu) {
-        return at::from_blob(const_cast<int32_t*>(cu.data()), {static_cast<int64_t>(cu.size())}, at::kInt)
+        return at::from_blob(const_cast<int32_t*>(cu.data()), {static_cast<int64_t>(cu.size())},
+                             at::kInt)
             .to(device_, /*non_blocking=*/false, /*copy=*/true);
       };
-      const compat::VarlenOutput r = compat::VarlenAttention(q, k, v, to_device(cu_q), to_device(cu_k),
-                                                             max_q, max_k, causal, square, scale);
+      const compat::VarlenOutput r = compat::VarlenAttention(
+          q, k, v, to_device(cu_q), to_device(cu_k), max_q, max_k, causal, square, scale);
       dst.copy_(r.out);
       return r.backend;
     } catch (const c10::Error& e) {
@@ -499,8 +528,8 @@ class TorchModel final : public AttentionModel {
   // The varlen computation by plain per-sequence attention, on any device (EngineOptions::
   // Varlen::kEmulate): what the CPU tests run to check the packing around the kernel.
   void AttendBySequence(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                        const std::vector<int32_t>& cu_q, const std::vector<int32_t>& cu_k, bool causal,
-                        double scale, const at::Tensor& dst) const {
+                        const std::vector<int32_t>& cu_q, const std::vector<int32_t>& cu_k,
+                        bool causal, double scale, const at::Tensor& dst) const {
     for (size_t s = 0; s + 1 < cu_q.size(); ++s) {
       const int64_t lq = cu_q[s + 1] - cu_q[s], lk = cu_k[s + 1] - cu_k[s];
       const at::Tensor qs = q.narrow(0, cu_q[s], lq).transpose(0, 1);  // [H, Lq, D]
@@ -508,7 +537,8 @@ class TorchModel final : public AttentionModel {
       const at::Tensor vs = v.narrow(0, cu_k[s], lk).transpose(0, 1);
       at::Tensor scores = Matmul(qs * scale, ks.transpose(-2, -1));
       if (causal) {
-        const at::Tensor upper = at::ones({lq, lk}, at::TensorOptions().dtype(at::kBool).device(device_)).triu(1);
+        const at::Tensor upper =
+            at::ones({lq, lk}, at::TensorOptions().dtype(at::kBool).device(device_)).triu(1);
         scores.masked_fill_(upper, -std::numeric_limits<double>::infinity());
       }
       dst.narrow(0, cu_q[s], lq).copy_(Matmul(at::softmax(scores, -1), vs).transpose(0, 1));
@@ -542,23 +572,27 @@ class TorchModel final : public AttentionModel {
   // the wire's order) when it is defined, else to Attended::merged. Requested attention weights are
   // written block by block straight into `out`'s weights buffer, in the query's dtype.
   Attended AttendRows(const AttendCall& call, const at::Tensor& q, const at::Tensor& k,
-                      const at::Tensor& v, const at::Tensor& dst, AttendOutputs* out, const Parallel& parallel) const {
+                      const at::Tensor& v, const at::Tensor& dst, AttendOutputs* out,
+                      const Parallel& parallel) const {
     const bool batch_first = call.batch_first();
     const int64_t b = call.batch, lk = call.key_len;
-    const at::Tensor kpm =
-        call.key_padding_mask ? Additive(Wrap(*call.key_padding_mask)).view({b, 1, 1, lk}) : at::Tensor();
-    return AttendHeads(call, SplitHeads(q, batch_first, b, call.query_len), SplitHeads(k, batch_first, b, lk),
-                       SplitHeads(v, batch_first, b, lk), kpm, 0, dst, out, parallel);
+    const at::Tensor kpm = call.key_padding_mask
+                               ? Additive(Wrap(*call.key_padding_mask)).view({b, 1, 1, lk})
+                               : at::Tensor();
+    return AttendHeads(call, SplitHeads(q, batch_first, b, call.query_len),
+                       SplitHeads(k, batch_first, b, lk), SplitHeads(v, batch_first, b, lk), kpm, 0,
+                       dst, out, parallel);
   }
 
   // Attention of a call whatever its keys: its own (rows r), a memory's, or a session's.
-  Attended AttendAny(const AttendCall& call, const Rows& r, const at::Tensor& dst, AttendOutputs* out,
-                     const Parallel& parallel) const {
+  Attended AttendAny(const AttendCall& call, const Rows& r, const at::Tensor& dst,
+                     AttendOutputs* out, const Parallel& parallel) const {
     const bool batch_first = call.batch_first();
     const int64_t b = call.batch, lq = call.query_len;
     if (call.kv_use == AttendCall::Kv::kMemory) {
       const TorchKv::Window m = static_cast<const TorchKv&>(*call.kv).Memory();
-      return AttendHeads(call, SplitHeads(r.q, batch_first, b, lq), m.k, m.v, m.kpm, 0, dst, out, parallel);
+      return AttendHeads(call, SplitHeads(r.q, batch_first, b, lq), m.k, m.v, m.kpm, 0, dst, out,
+                         parallel);
     }
     if (call.kv_use == AttendCall::Kv::kSession) return AttendSession(call, r, dst, out, parallel);
     return AttendRows(call, r.q, r.k, r.v, dst, out, parallel);
@@ -570,20 +604,25 @@ class TorchModel final : public AttentionModel {
     const bool batch_first = call.batch_first();
     const int64_t b = call.batch, lk = call.key_len;
     m.KeepKeys(SplitHeads(Linear(InputRows(*call.key), w_k_, b_k_, parallel), batch_first, b, lk));
-    m.KeepValues(SplitHeads(Linear(InputRows(*call.value), w_v_, b_v_, parallel), batch_first, b, lk));
-    if (call.key_padding_mask) m.KeepPadding(Additive(Wrap(*call.key_padding_mask)).reshape({b, lk}));
+    m.KeepValues(
+        SplitHeads(Linear(InputRows(*call.value), w_v_, b_v_, parallel), batch_first, b, lk));
+    if (call.key_padding_mask)
+      m.KeepPadding(Additive(Wrap(*call.key_padding_mask)).reshape({b, lk}));
   }
 
   // One session step: the new tokens' keys and values go after the L the session holds, then the
   // new queries attend causally over all L + T.
-  Attended AttendSession(const AttendCall& call, const Rows& r, const at::Tensor& dst, AttendOutputs* out,
-                         const Parallel& parallel) const {
+  Attended AttendSession(const AttendCall& call, const Rows& r, const at::Tensor& dst,
+                         AttendOutputs* out, const Parallel& parallel) const {
     const bool batch_first = call.batch_first();
     const int64_t b = call.batch, t = call.query_len, held = call.kv_length;
-    const at::Tensor kpm = call.key_padding_mask ? Additive(Wrap(*call.key_padding_mask)).view({b, t}) : at::Tensor();
+    const at::Tensor kpm =
+        call.key_padding_mask ? Additive(Wrap(*call.key_padding_mask)).view({b, t}) : at::Tensor();
     const TorchKv::Window all = static_cast<TorchKv&>(*call.kv).Append(
-        held, call.kv_capacity, SplitHeads(r.k, batch_first, b, t), SplitHeads(r.v, batch_first, b, t), kpm);
-    return AttendHeads(call, SplitHeads(r.q, batch_first, b, t), all.k, all.v, all.kpm, held, dst, out, parallel);
+        held, call.kv_capacity, SplitHeads(r.k, batch_first, b, t),
+        SplitHeads(r.v, batch_first, b, t), kpm);
+    return AttendHeads(call, SplitHeads(r.q, batch_first, b, t), all.k, all.v, all.kpm, held, dst,
+                       out, parallel);
   }
 
   // Attention over heads: qh [B, H, Lq, D], kh and vh [B, H, Lk, D] (Lk = call.key_len), kpm
@@ -620,11 +659,12 @@ class TorchModel final : public AttentionModel {
     // query row: QK^T and PV).
     const int64_t width = Blocks(parallel, lq, 4.0 * b * h * sl * d, 1);
     const int64_t rows = std::max<int64_t>(
-        1, std::min({lq, kBlockScores / std::max<int64_t>(1, b * h * sl), (lq + width - 1) / width}));
+        1,
+        std::min({lq, kBlockScores / std::max<int64_t>(1, b * h * sl), (lq + width - 1) / width}));
     const int64_t blocks = (lq + rows - 1) / rows;
     // The fused kernel applies a plain causal mask by itself when the whole query is one block.
-    const bool fused_causal = fused && call.is_causal && causal_offset == 0 && !attn_mask.defined() &&
-                              !kpm.defined() && extra == 0 && rows == lq;
+    const bool fused_causal = fused && call.is_causal && causal_offset == 0 &&
+                              !attn_mask.defined() && !kpm.defined() && extra == 0 && rows == lq;
 
     at::Tensor weights_out;  // [B, H, Lq, S] or [B, Lq, S] over the answer's bytes
     if (want_weights) {
@@ -636,8 +676,8 @@ class TorchModel final : public AttentionModel {
     Attended result;
     at::Tensor merged = dst.defined() ? dst : at::empty({b * lq, e}, qh.options());
     // The merged rows as [B, H, Lq, D] (a view), whatever the wire layout.
-    const at::Tensor merged_heads =
-        batch_first ? merged.view({b, lq, h, d}).transpose(1, 2) : merged.view({lq, b, h, d}).permute({1, 2, 0, 3});
+    const at::Tensor merged_heads = batch_first ? merged.view({b, lq, h, d}).transpose(1, 2)
+                                                : merged.view({lq, b, h, d}).permute({1, 2, 0, 3});
     // Per block, so that blocks can run on several threads: which kernel ran, and the block's
     // queries masked in every head ([B, n] bool; undefined: none).
     std::vector<const char*> backends(blocks, result.backend);
@@ -658,7 +698,8 @@ class TorchModel final : public AttentionModel {
       // block's first query (a one-token decoding step, the last row): nothing to mask.
       if (call.is_causal && !fused_causal && causal_offset + q0 + 1 < lk) {
         const at::Tensor upper =
-            at::ones({n, lk}, at::TensorOptions().dtype(at::kBool).device(device_)).triu(causal_offset + q0 + 1);
+            at::ones({n, lk}, at::TensorOptions().dtype(at::kBool).device(device_))
+                .triu(causal_offset + q0 + 1);
         add(at::zeros({1, 1, n, lk}, qh.options()).masked_fill_(upper.view({1, 1, n, lk}), ninf));
       }
       if (mask.defined() && extra > 0) mask = at::constant_pad_nd(mask, {0, extra}, 0);
@@ -681,7 +722,8 @@ class TorchModel final : public AttentionModel {
         // the mask in one baddbmm, the softmax in place, p·v straight into the merged rows.
         // Zeroed when there is no mask to add: LibTorch 1.13's small-matrix baddbmm reads its input
         // even with beta 0 (0 · NaN of uninitialised memory is NaN).
-        at::Tensor p = mask.defined() ? at::empty({b, h, n, sl}, qh.options()) : at::zeros({b, h, n, sl}, qh.options());
+        at::Tensor p = mask.defined() ? at::empty({b, h, n, sl}, qh.options())
+                                      : at::zeros({b, h, n, sl}, qh.options());
         const at::Tensor block_heads = merged_heads.narrow(2, q0, n);
         for (int64_t bi = 0; bi < b; ++bi) {
           at::Tensor pb = p.select(0, bi);
@@ -700,7 +742,8 @@ class TorchModel final : public AttentionModel {
           at::bmm_out(out_b, p.select(0, bi), vh.select(0, bi));
         }
         if (want_weights) {
-          weights_out.narrow(2, q0, n).copy_(call.weights == WeightsMode::kAveraged ? p.mean(1, true) : p);
+          weights_out.narrow(2, q0, n).copy_(
+              call.weights == WeightsMode::kAveraged ? p.mean(1, true) : p);
         }
       } else {
         at::Tensor scores = Matmul(qc * scale, kh.transpose(-2, -1));
@@ -710,7 +753,8 @@ class TorchModel final : public AttentionModel {
         if (any_dead) p.masked_fill_(dead, 0);
         attn = Matmul(p, vh);
         if (want_weights) {
-          weights_out.narrow(2, q0, n).copy_(call.weights == WeightsMode::kAveraged ? p.mean(1, true) : p);
+          weights_out.narrow(2, q0, n).copy_(
+              call.weights == WeightsMode::kAveraged ? p.mean(1, true) : p);
         }
       }
       if (attn.defined()) merged_heads.narrow(2, q0, n).copy_(attn);
@@ -720,7 +764,8 @@ class TorchModel final : public AttentionModel {
     at::Tensor dead_rows;  // [B, Lq] bool: query masked in every head (undefined: none)
     for (int64_t block = 0; block < blocks; ++block) {
       if (!dead_blocks[block].defined()) continue;
-      if (!dead_rows.defined()) dead_rows = at::zeros({b, lq}, at::TensorOptions().dtype(at::kBool));
+      if (!dead_rows.defined())
+        dead_rows = at::zeros({b, lq}, at::TensorOptions().dtype(at::kBool));
       dead_rows.narrow(1, block * rows, dead_blocks[block].size(1)).copy_(dead_blocks[block]);
     }
     if (!dst.defined()) result.merged = merged;
@@ -732,9 +777,9 @@ class TorchModel final : public AttentionModel {
     return result;
   }
 
-  // Writes one call's output into its response bytes (AttendHeads wrote the weights). `y` holds the projected rows
-  // when the caller projected a whole batch; otherwise the projection writes straight into the
-  // response.
+  // Writes one call's output into its response bytes (AttendHeads wrote the weights). `y` holds the
+  // projected rows when the caller projected a whole batch; otherwise the projection writes
+  // straight into the response.
   void WriteOutput(const AttendCall& call, const Attended& a, const at::Tensor& y,
                    AttendOutputs* out, const Parallel& parallel) const {
     const int64_t b = call.batch, lq = call.query_len, e = spec_.embed_dim;
@@ -792,7 +837,8 @@ StatusOr<std::unique_ptr<AttentionModel>> CreateTorchModel(const ModelWeights& w
                     EngineDescription() + "); use --device cpu");
       }
       if (device.has_index() && device.index() >= n) {
-        return fail("--device " + options.device + ": only " + std::to_string(n) + " CUDA device(s)");
+        return fail("--device " + options.device + ": only " + std::to_string(n) +
+                    " CUDA device(s)");
       }
     } else if (!device.is_cpu()) {
       return fail("--device " + options.device + ": expected cpu, cuda or cuda:N");
@@ -800,14 +846,15 @@ StatusOr<std::unique_ptr<AttentionModel>> CreateTorchModel(const ModelWeights& w
     if (device.is_cpu() && options.compute_dtype == DType::kFloat16) {
       // Measured (one core, linear 512 -> 1536): LibTorch 1.13 has no float16 matrix product on
       // the CPU, 2.11 runs one at ~10 GFLOP/s against ~100-200 in bfloat16.
-      return fail("--dtype float16: not on the CPU (no fast float16 matrix product there); use "
-                  "--dtype bfloat16, or float32 (the default, exact)");
+      return fail(
+          "--dtype float16: not on the CPU (no fast float16 matrix product there); use "
+          "--dtype bfloat16, or float32 (the default, exact)");
     }
     if (!device.is_cuda() && options.allow_tf32) return fail("--tf32: needs a CUDA device");
     if (device.is_cuda()) at::globalContext().setAllowTF32CuBLAS(options.allow_tf32);
     c10::InferenceMode guard;
-    auto model = std::make_unique<TorchModel>(weights, device, options.compute_dtype, options.varlen,
-                                              options.min_piece_flops,
+    auto model = std::make_unique<TorchModel>(weights, device, options.compute_dtype,
+                                              options.varlen, options.min_piece_flops,
                                               options.force_float32_bfloat16_products);
     return std::unique_ptr<AttentionModel>(std::move(model));
   } catch (const c10::Error& e) {
@@ -819,7 +866,9 @@ bool EngineHasFusedAttention() { return compat::kHasFusedSdpa; }
 
 std::string EngineDescription() {
   return std::string("LibTorch ") + TORCH_VERSION +
-         (at::hasCUDA() ? " (CUDA)" : BuiltWithCuda() ? " (built with CUDA, no GPU seen)" : " (CPU)");
+         (at::hasCUDA()     ? " (CUDA)"
+          : BuiltWithCuda() ? " (built with CUDA, no GPU seen)"
+                            : " (CPU)");
 }
 
 }  // namespace attnserve

@@ -15,9 +15,11 @@ at::Tensor KeptEmpty(at::IntArrayRef sizes, const at::TensorOptions& opts) {
   for (int64_t s : sizes) n = n ? CheckedMul({*n, s}) : n;
   if (!n || *n < 0) return at::empty(sizes, opts);  // Refused there, with LibTorch's message.
   const size_t bytes = std::max<size_t>(1, static_cast<size_t>(*n));
-  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE,
+                 -1, 0);
   if (p == MAP_FAILED) return at::empty(sizes, opts);  // Let the heap try (and fail as it does).
-  return at::from_blob(p, sizes, [bytes](void* q) { munmap(q, bytes); }, opts);
+  return at::from_blob(
+      p, sizes, [bytes](void* q) { munmap(q, bytes); }, opts);
 }
 
 std::optional<int64_t> TorchKv::BytesFor(int64_t batch, int64_t capacity) const {
@@ -30,14 +32,15 @@ TorchKv::Window TorchKv::Memory() const {
   return {k_, v_, kpm_.defined() ? kpm_.view({b, 1, 1, lk}) : at::Tensor()};
 }
 
-TorchKv::Window TorchKv::Append(int64_t held, int64_t capacity, const at::Tensor& kh, const at::Tensor& vh,
-                                const at::Tensor& kpm) {
+TorchKv::Window TorchKv::Append(int64_t held, int64_t capacity, const at::Tensor& kh,
+                                const at::Tensor& vh, const at::Tensor& kpm) {
   const int64_t b = kh.size(0), h = kh.size(1), t = kh.size(2), d = kh.size(3);
   const auto opts = kh.options();
   if (!k_.defined() || k_.size(2) < capacity) {
     // All of the grown cache first, then swapped in at once: a failed allocation leaves the
     // session's tensors as they were, never keys grown without their padding mask.
-    at::Tensor nk = KeptEmpty({b, h, capacity, d}, opts), nv = KeptEmpty({b, h, capacity, d}, opts), nkpm;
+    at::Tensor nk = KeptEmpty({b, h, capacity, d}, opts), nv = KeptEmpty({b, h, capacity, d}, opts),
+               nkpm;
     if (kpm_.defined()) nkpm = KeptEmpty({b, capacity}, opts).zero_();
     if (held > 0) {
       nk.narrow(2, 0, held).copy_(k_.narrow(2, 0, held));
@@ -59,7 +62,8 @@ TorchKv::Window TorchKv::Append(int64_t held, int64_t capacity, const at::Tensor
     }
   }
   const int64_t lk = held + t;
-  return {k_.narrow(2, 0, lk), v_.narrow(2, 0, lk), kpm_.defined() ? kpm_.narrow(1, 0, lk).view({b, 1, 1, lk}) : at::Tensor()};
+  return {k_.narrow(2, 0, lk), v_.narrow(2, 0, lk),
+          kpm_.defined() ? kpm_.narrow(1, 0, lk).view({b, 1, 1, lk}) : at::Tensor()};
 }
 
 }  // namespace attnserve

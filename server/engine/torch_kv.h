@@ -45,7 +45,8 @@ class TorchKv final : public KvCache {
   /// (all of it allocated before any is swapped in, so a failed allocation leaves the session as it
   /// was). The session's length is the store's: a step that fails after this is not counted, and
   /// the rows it wrote are overwritten by the next.
-  Window Append(int64_t held, int64_t capacity, const at::Tensor& kh, const at::Tensor& vh, const at::Tensor& kpm);
+  Window Append(int64_t held, int64_t capacity, const at::Tensor& kh, const at::Tensor& vh,
+                const at::Tensor& kpm);
 
   /// A memory's keys and values, and its key padding as [B, 1, 1, Lk] (undefined: none).
   Window Memory() const;
@@ -55,7 +56,7 @@ class TorchKv final : public KvCache {
 
   const int64_t embed_dim_, elem_;
   at::Tensor k_, v_;  // [B, H, capacity, D]
-  at::Tensor kpm_;  // [B, capacity] additive; undefined until some key padding mask arrives
+  at::Tensor kpm_;    // [B, capacity] additive; undefined until some key padding mask arrives
 };
 
 }  // namespace attnserve

@@ -1,8 +1,8 @@
 // The keys and values kept between requests as a state machine: the input decodes into a sequence
 // of operations on a KvStore and the LibTorch engine (tests/lib/kv_model_check.h: sessions, steps
-// in flight and racing, memories, holds, releases, clock ticks with expiry, reloads, shutdown; sizes
-// from the whole int64 range), checked after every operation against the reference model. A broken
-// invariant aborts with what broke and the operations that led there.
+// in flight and racing, memories, holds, releases, clock ticks with expiry, reloads, shutdown;
+// sizes from the whole int64 range), checked after every operation against the reference model. A
+// broken invariant aborts with what broke and the operations that led there.
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -34,7 +34,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (!failure.empty()) {
     std::string log;
     Run(data, size, &log);  // Again, with the operations that led there.
-    std::fprintf(stderr, "kv model check failed: %s\noperations:\n%s", failure.c_str(), log.c_str());
+    std::fprintf(stderr, "kv model check failed: %s\noperations:\n%s", failure.c_str(),
+                 log.c_str());
     std::abort();
   }
   return 0;

@@ -2,8 +2,8 @@
 // against models of several shapes, with small limits so the refusal paths are reached too.
 #include <grpcpp/support/byte_buffer.h>
 
-#include "server/validator.h"
 #include "server/grpc_codec.h"
+#include "server/validator.h"
 #include "server/wire.h"
 
 namespace {
@@ -22,8 +22,8 @@ attnserve::ModelSpec Spec(int64_t e, int64_t h, int64_t kdim, bool bias_kv, bool
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  static const attnserve::ModelSpec specs[] = {Spec(16, 4, 16, false, false), Spec(8, 2, 6, true, true),
-                                               Spec(512, 8, 512, false, false)};
+  static const attnserve::ModelSpec specs[] = {
+      Spec(16, 4, 16, false, false), Spec(8, 2, 6, true, true), Spec(512, 8, 512, false, false)};
   grpc::Slice slice(data, size);
   const grpc::ByteBuffer bytes(&slice, 1);
   attnserve::pb::AttendRequest request;

@@ -89,7 +89,7 @@ TEST(ServerConcurrencyTest, ConcurrentClientsEachGetTheirOwnAnswer) {
   ModelWeights demo = DemoModelWeights();
   demo.spec.name = "demo";
   const std::vector<ModelWeights> models = {testing::RandomWeights(rng, "tiny", 8, 1),
-                                           testing::RandomWeights(rng, "wide", 120, 2), demo};
+                                            testing::RandomWeights(rng, "wide", 120, 2), demo};
   for (const ModelWeights& w : models) {
     WriteModel(dir, w);
     // Mixed small shapes (they batch together) ...

@@ -17,8 +17,8 @@
 namespace attnserve {
 namespace {
 
-using ::testing::HasSubstr;
 using testing::Counter;
+using ::testing::HasSubstr;
 using testing::HttpGet;
 using testing::RandomTensor;
 
@@ -73,7 +73,8 @@ TEST(StreamSafetyTest, CancelWithPendingRequestsFinishesTheStreamAndShutdownComp
   for (int round = 0; round < 3; ++round) {
     grpc::ClientContext ctx;
     auto stream = stub->AttendStream(&ctx);
-    for (uint64_t id = 0; id < 6; ++id) ASSERT_TRUE(stream->Write(WireRequest(rng, id, {4, 256, 512})));
+    for (uint64_t id = 0; id < 6; ++id)
+      ASSERT_TRUE(stream->Write(WireRequest(rng, id, {4, 256, 512})));
     std::this_thread::sleep_for(std::chrono::milliseconds(30));  // Some queued, one computing.
     ctx.TryCancel();
     EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::CANCELLED);
@@ -88,9 +89,13 @@ TEST(StreamSafetyTest, CancelWithPendingRequestsFinishesTheStreamAndShutdownComp
   EXPECT_EQ(testing::Sample(m, "attnserve_requests_in_flight{method=\"AttendStream\"}"), 0);
   const double recorded =
       Counter(m, "attnserve_requests_total{code=\"OK\",method=\"AttendStream\",model=\"demo\"}") +
-      Counter(m, "attnserve_requests_total{code=\"CANCELLED\",method=\"AttendStream\",model=\"demo\"}");
+      Counter(
+          m, "attnserve_requests_total{code=\"CANCELLED\",method=\"AttendStream\",model=\"demo\"}");
   EXPECT_EQ(recorded, 18) << m.substr(0, 3000);
-  EXPECT_GT(Counter(m, "attnserve_requests_total{code=\"CANCELLED\",method=\"AttendStream\",model=\"demo\"}"), 0);
+  EXPECT_GT(
+      Counter(
+          m, "attnserve_requests_total{code=\"CANCELLED\",method=\"AttendStream\",model=\"demo\"}"),
+      0);
   const double took = TimedShutdown(*server, std::chrono::seconds(20));
   EXPECT_GE(took, 0) << "Shutdown hung";
   EXPECT_LT(took, 10);
@@ -137,7 +142,8 @@ TEST(StreamSafetyTest, ShutdownAnswersAcceptedRefusesNewAndFinishesEveryStream) 
       << busy_end.error_code() << " " << busy_end.error_message();
   EXPECT_GT(codes[0], 10) << "requests before the shutdown were answered";
   for (const auto& [code, n] : codes) {
-    EXPECT_TRUE(code == 0 || code == grpc::StatusCode::UNAVAILABLE) << n << " answers with code " << code;
+    EXPECT_TRUE(code == 0 || code == grpc::StatusCode::UNAVAILABLE)
+        << n << " answers with code " << code;
   }
   EXPECT_LT(codes[0] + codes[14], 20000) << "the stream kept being served";
 }
@@ -206,7 +212,8 @@ TEST(StreamSafetyTest, InFlightBytesAreBoundedAcrossCalls) {
   EXPECT_GE(codes[8], 1);
   EXPECT_EQ(codes[0] + codes[8], 6);
   EXPECT_THAT(message, HasSubstr("--max-inflight-bytes"));
-  EXPECT_GE(Counter(Metrics(*server), "attnserve_rejections_total{model=\"demo\",reason=\"memory\"}"), 1);
+  EXPECT_GE(
+      Counter(Metrics(*server), "attnserve_rejections_total{model=\"demo\",reason=\"memory\"}"), 1);
 }
 
 // 2e: an answer larger than the message limit is refused before compute, unary and in a stream
@@ -243,7 +250,8 @@ TEST(StreamSafetyTest, OversizeAnswerIsRefusedBeforeCompute) {
   EXPECT_EQ(got[2], 0);
   EXPECT_EQ(got.size(), 2u);
   const std::string m = Metrics(*server);
-  EXPECT_EQ(Counter(m, "attnserve_requests_total{code=\"OK\",method=\"Attend\",model=\"demo\"}"), 0);
+  EXPECT_EQ(Counter(m, "attnserve_requests_total{code=\"OK\",method=\"Attend\",model=\"demo\"}"),
+            0);
 }
 
 // 3: a request computed after its deadline passed is recorded as the client saw it.
@@ -275,9 +283,9 @@ TEST(DeadlineTest, AnswerComputedAfterTheDeadlineIsRecordedAsDeadlineExceeded) {
 
 // A proxy (nginx) does not watch health and keeps sending unary calls to a draining replica until
 // gRPC's GOAWAY tells it to stop. The drain's hand-off serves those calls (answering them costs
-// nothing; refusing them sent the proxy's retries back to the same replica), and a sender that never
-// stops must not hold the drain longer than the hand-off: then gRPC stops. Here: clients without
-// health checking that keep calling through the whole shutdown.
+// nothing; refusing them sent the proxy's retries back to the same replica), and a sender that
+// never stops must not hold the drain longer than the hand-off: then gRPC stops. Here: clients
+// without health checking that keep calling through the whole shutdown.
 TEST(DeadlineTest, UnaryCallsDuringTheDrainHandOffAreServedAndDoNotHoldTheDrain) {
   auto server = StartServer([](ServerOptions& o) {
     o.metrics_address = "";

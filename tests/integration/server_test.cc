@@ -1,11 +1,12 @@
 // The real server in-process on 127.0.0.1:0, the real C++ client over the real wire, and a real
 // /metrics scrape. Servers are few and shared: each start costs ~2 s of exporter shutdown.
+#include "server/server.h"
+
 #include <arpa/inet.h>
 #include <gmock/gmock.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
-#include <nlohmann/json.hpp>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -15,15 +16,15 @@
 #include <future>
 #include <map>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <regex>
 #include <thread>
 
 #include "attnserve/client.h"
 #include "attnserve/v1/attention.grpc.pb.h"
-#include "server/grpc_status.h"
-#include "server/server.h"
 #include "server/batcher.h"
+#include "server/grpc_status.h"
 #include "tests/integration/test_support.h"
 
 namespace attnserve {
@@ -32,8 +33,8 @@ namespace {
 using ::testing::HasSubstr;
 
 using testing::HttpGet;
-using testing::Sample;
 using testing::RandomTensor;
+using testing::Sample;
 using testing::TargetOf;
 
 class ServerTest : public ::testing::Test {
@@ -156,12 +157,14 @@ TEST_F(ServerTest, ClientMemoriesAndSessionsEqualTheirOneCallForms) {
     AttendRequest step;
     step.session = session.handle;
     step.session_length = t0;
-    step.query = Tensor::Float32({1, t, 512}, std::vector<float>(x.begin() + t0 * 512, x.begin() + (t0 + t) * 512));
+    step.query = Tensor::Float32(
+        {1, t, 512}, std::vector<float>(x.begin() + t0 * 512, x.begin() + (t0 + t) * 512));
     AttendResult r;
     const CallStatus s = client_->Attend(step, &r);
     ASSERT_TRUE(s.ok()) << s.ToString();
     EXPECT_EQ(r.session_length, t0 + t);
-    EXPECT_TRUE(close(r.output, std::vector<float>(y.begin() + t0 * 512, y.begin() + (t0 + t) * 512)))
+    EXPECT_TRUE(
+        close(r.output, std::vector<float>(y.begin() + t0 * 512, y.begin() + (t0 + t) * 512)))
         << "step at " << t0;
     t0 += t;
   }
@@ -199,7 +202,9 @@ TEST_F(ServerTest, ConcurrentStepsOnOneSessionAreOrderedOrRefusedNeverInterleave
         if (s.ok()) {
           applied.push_back({r.session_length, step.query.ToFloats(), r.output.ToFloats()});
         } else {
-          ++refused[std::to_string(s.code) + (s.message.find("already in flight") != std::string::npos ? " in flight" : " " + s.message)];
+          ++refused[std::to_string(s.code) +
+                    (s.message.find("already in flight") != std::string::npos ? " in flight"
+                                                                              : " " + s.message)];
         }
       }
     });
@@ -208,10 +213,12 @@ TEST_F(ServerTest, ConcurrentStepsOnOneSessionAreOrderedOrRefusedNeverInterleave
   for (auto& t : callers) t.join();
   for (const auto& [what, n] : refused) EXPECT_EQ(what, "10 in flight") << n << " times";
   ASSERT_FALSE(applied.empty());
-  std::sort(applied.begin(), applied.end(), [](const Applied& a, const Applied& b) { return a.end < b.end; });
+  std::sort(applied.begin(), applied.end(),
+            [](const Applied& a, const Applied& b) { return a.end < b.end; });
   std::vector<float> sequence;
   for (const Applied& a : applied) {
-    ASSERT_EQ(static_cast<int64_t>(sequence.size() + a.tokens.size()) / 512, a.end) << "a gap or an overlap";
+    ASSERT_EQ(static_cast<int64_t>(sequence.size() + a.tokens.size()) / 512, a.end)
+        << "a gap or an overlap";
     sequence.insert(sequence.end(), a.tokens.begin(), a.tokens.end());
   }
   const int64_t n = static_cast<int64_t>(sequence.size()) / 512;
@@ -226,12 +233,13 @@ TEST_F(ServerTest, ConcurrentStepsOnOneSessionAreOrderedOrRefusedNeverInterleave
   size_t row = 0;
   for (const Applied& a : applied) {
     double err = 0;
-    for (size_t i = 0; i < a.output.size(); ++i) err = std::max(err, std::fabs(static_cast<double>(a.output[i]) - y[row + i]));
+    for (size_t i = 0; i < a.output.size(); ++i)
+      err = std::max(err, std::fabs(static_cast<double>(a.output[i]) - y[row + i]));
     EXPECT_LE(err, 1e-5 * scale) << "the step ending at " << a.end;
     row += a.output.size();
   }
-  std::printf("concurrent steps: %zu applied (%lld tokens), %d refused\n", applied.size(), static_cast<long long>(n),
-              refused.empty() ? 0 : refused.begin()->second);
+  std::printf("concurrent steps: %zu applied (%lld tokens), %d refused\n", applied.size(),
+              static_cast<long long>(n), refused.empty() ? 0 : refused.begin()->second);
   ASSERT_TRUE(client_->CloseSession(session.handle).ok());
 }
 
@@ -244,19 +252,22 @@ TEST_F(ServerTest, HalfPrecisionWireRoundTripsCloseToFloat32) {
   ASSERT_TRUE(client_->Attend(r16, &b).ok());
   ASSERT_EQ(b.output.dtype, DataType::kFloat16);
   const auto fa = a.output.ToFloats(), fb = b.output.ToFloats();
-  for (size_t i = 0; i < fa.size(); ++i) ASSERT_NEAR(fa[i], fb[i], 2e-2 * std::max(1.f, std::fabs(fa[i])));
+  for (size_t i = 0; i < fa.size(); ++i)
+    ASSERT_NEAR(fa[i], fb[i], 2e-2 * std::max(1.f, std::fabs(fa[i])));
 
   // bfloat16: the upper half of each float32 (truncation), answered in bfloat16.
   AttendRequest rb = r32;
   rb.query.dtype = DataType::kBFloat16;
   rb.query.data.clear();
-  for (size_t i = 0; i < r32.query.data.size(); i += 4) rb.query.data.append(r32.query.data, i + 2, 2);
+  for (size_t i = 0; i < r32.query.data.size(); i += 4)
+    rb.query.data.append(r32.query.data, i + 2, 2);
   AttendResult c;
   ASSERT_TRUE(client_->Attend(rb, &c).ok());
   ASSERT_EQ(c.output.dtype, DataType::kBFloat16);
   ASSERT_EQ(c.output.data.size(), a.output.data.size() / 2);
   const auto fc = c.output.ToFloats();
-  for (size_t i = 0; i < fa.size(); ++i) ASSERT_NEAR(fa[i], fc[i], 5e-2 * std::max(1.f, std::fabs(fa[i])));
+  for (size_t i = 0; i < fa.size(); ++i)
+    ASSERT_NEAR(fa[i], fc[i], 5e-2 * std::max(1.f, std::fabs(fa[i])));
 }
 
 TEST_F(ServerTest, BadRequestsGetInvalidArgumentNamingTheField) {
@@ -265,7 +276,8 @@ TEST_F(ServerTest, BadRequestsGetInvalidArgumentNamingTheField) {
   r.key->shape = {2, 3 * 512};
   CallStatus s = client_->Attend(r, &out);
   EXPECT_EQ(s.code, 3);
-  EXPECT_THAT(s.message, HasSubstr("key: shape [2, 1536] has 2 dims, expected [batch=2, key_len, kdim=512]"));
+  EXPECT_THAT(s.message,
+              HasSubstr("key: shape [2, 1536] has 2 dims, expected [batch=2, key_len, kdim=512]"));
 
   r = Request(1, 5);
   r.query.data.pop_back();
@@ -334,7 +346,9 @@ TEST_F(ServerTest, ClientStreamAnswersEveryRequestWithItsOwnStatus) {
   std::map<uint64_t, CallStatus> got;
   auto stream = client_->OpenStream([&](CallStatus s, AttendResult r) {
     std::lock_guard<std::mutex> lock(mu);
-    if (s.ok()) EXPECT_EQ(r.output.shape, (std::vector<int64_t>{1, 3 + static_cast<int64_t>(r.request_id), 512}));
+    if (s.ok())
+      EXPECT_EQ(r.output.shape,
+                (std::vector<int64_t>{1, 3 + static_cast<int64_t>(r.request_id), 512}));
     got[r.request_id] = s;
   });
   for (uint64_t id = 0; id < 4; ++id) {
@@ -393,7 +407,8 @@ TEST_F(ServerTest, MetricsMoveAfterRequests) {
   std::regex bucket(
       R"re(attnserve_request_duration_seconds_bucket\{code="OK",method="Attend",model="demo",le="([^"]+)"\} (\d+))re");
   double last = -1;
-  for (auto it = std::sregex_iterator(after.begin(), after.end(), bucket); it != std::sregex_iterator(); ++it) {
+  for (auto it = std::sregex_iterator(after.begin(), after.end(), bucket);
+       it != std::sregex_iterator(); ++it) {
     const double v = std::stod((*it)[2]);
     EXPECT_GE(v, last);
     last = v;
@@ -431,7 +446,8 @@ TEST(GrpcStatusTest, OneMappingForEveryCode) {
     const grpc::Status g = ToGrpcStatus(Status(ours, ours == StatusCode::kOk ? "" : "why"));
     EXPECT_EQ(g.error_code(), theirs) << StatusCodeName(ours);
   }
-  EXPECT_EQ(Status(StatusCode::kInternal, std::string(5000, 'x')).message().size(), kMaxStatusMessage);
+  EXPECT_EQ(Status(StatusCode::kInternal, std::string(5000, 'x')).message().size(),
+            kMaxStatusMessage);
 }
 
 // Overload and deadlines end to end: one worker, a queue of 2, requests that take a while.
@@ -459,7 +475,9 @@ TEST(ServerLoadTest, OverloadIsRefusedQuicklyAndExpiredRequestsAreDropped) {
       std::lock_guard<std::mutex> lock(mu);
       ++codes[s.code];
       if (s.code == 8) {
-        refuse_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - sent).count());
+        refuse_ms.push_back(
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - sent)
+                .count());
       }
       --pending;
     });
@@ -483,9 +501,17 @@ TEST(ServerLoadTest, OverloadIsRefusedQuicklyAndExpiredRequestsAreDropped) {
   first_done.get_future().wait();
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   const std::string m = HttpGet((*server)->metrics_port(), "/metrics");
-  EXPECT_EQ(Sample(m, "attnserve_requests_total{code=\"DEADLINE_EXCEEDED\",method=\"Attend\",model=\"demo\"}"), 1)
+  EXPECT_EQ(
+      Sample(
+          m,
+          "attnserve_requests_total{code=\"DEADLINE_EXCEEDED\",method=\"Attend\",model=\"demo\"}"),
+      1)
       << m.substr(0, 4000);
-  EXPECT_GE(Sample(m, "attnserve_requests_total{code=\"RESOURCE_EXHAUSTED\",method=\"Attend\",model=\"demo\"}"), 1);
+  EXPECT_GE(
+      Sample(
+          m,
+          "attnserve_requests_total{code=\"RESOURCE_EXHAUSTED\",method=\"Attend\",model=\"demo\"}"),
+      1);
   EXPECT_GE(Sample(m, "attnserve_rejections_total{model=\"demo\",reason=\"queue_full\"}"), 1);
   EXPECT_EQ(Sample(m, "attnserve_rejections_total{model=\"demo\",reason=\"deadline\"}"), 1);
 }
@@ -501,7 +527,8 @@ TEST(ServerShutdownTest, InFlightRequestsFinishOnShutdown) {
   std::mt19937 rng(4);
   AttendRequest r;
   r.query = RandomTensor(rng, {8, 128, 512});
-  // Connect first (channel and its health watch): the four calls below then reach the server at once.
+  // Connect first (channel and its health watch): the four calls below then reach the server at
+  // once.
   AttendResult warm;
   ASSERT_TRUE(client.Attend(r, &warm).ok());
   std::atomic<int> ok{0}, done{0};

@@ -46,8 +46,8 @@ inline double Sample(const std::string& text, const std::string& prefix) {
 
 inline Tensor RandomTensor(std::mt19937& rng, std::vector<int64_t> shape) {
   std::normal_distribution<float> normal;
-  std::vector<float> v(static_cast<size_t>(std::accumulate(shape.begin(), shape.end(), int64_t{1},
-                                                           std::multiplies<int64_t>())));
+  std::vector<float> v(static_cast<size_t>(
+      std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<int64_t>())));
   for (float& x : v) x = normal(rng);
   return Tensor::Float32(std::move(shape), v);
 }

@@ -39,10 +39,24 @@ uint64_t Choices::Below(uint64_t n) {
 }
 
 int64_t Choices::Size(int64_t small) {
-  constexpr int64_t kMax = std::numeric_limits<int64_t>::max(), kMin = std::numeric_limits<int64_t>::min();
-  static constexpr int64_t kEdges[] = {0, 1, -1, kMin, kMax, kMax - 1, int64_t{1} << 62, (int64_t{1} << 62) - 3,
-                                       int64_t{1} << 61, int64_t{1} << 31, (int64_t{1} << 32) + 1,
-                                       -(int64_t{1} << 62), kMax / 2 + 1, 65536, 65537, kMin + 1};
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max(),
+                    kMin = std::numeric_limits<int64_t>::min();
+  static constexpr int64_t kEdges[] = {0,
+                                       1,
+                                       -1,
+                                       kMin,
+                                       kMax,
+                                       kMax - 1,
+                                       int64_t{1} << 62,
+                                       (int64_t{1} << 62) - 3,
+                                       int64_t{1} << 61,
+                                       int64_t{1} << 31,
+                                       (int64_t{1} << 32) + 1,
+                                       -(int64_t{1} << 62),
+                                       kMax / 2 + 1,
+                                       65536,
+                                       65537,
+                                       kMin + 1};
   const uint8_t kind = Byte();
   if (kind < 192) return static_cast<int64_t>(Below(static_cast<uint64_t>(small) + 1));
   if (kind < 224) return kEdges[Below(std::size(kEdges))];
@@ -56,20 +70,22 @@ int64_t Choices::Size(int64_t small) {
 }
 
 std::string KvCheckStats::ToString() const {
-  return std::to_string(operations) + " operations: steps " + std::to_string(steps_applied) + " applied (" +
-         std::to_string(step_answers_checked) + " answers checked), " + std::to_string(steps_not_applied) +
-         " not; memories " + std::to_string(memories_computed) + " computed (" +
-         std::to_string(memory_answers_checked) + " answers checked); ends: " + std::to_string(evicted) +
-         " evicted, " + std::to_string(expired) + " expired, " + std::to_string(released) + " released, " +
-         std::to_string(unloaded) + " unloaded; refusals: " + std::to_string(invalid) + " INVALID_ARGUMENT, " +
-         std::to_string(not_found) + " NOT_FOUND, " + std::to_string(exhausted) + " RESOURCE_EXHAUSTED, " +
-         std::to_string(aborted) + " ABORTED";
+  return std::to_string(operations) + " operations: steps " + std::to_string(steps_applied) +
+         " applied (" + std::to_string(step_answers_checked) + " answers checked), " +
+         std::to_string(steps_not_applied) + " not; memories " + std::to_string(memories_computed) +
+         " computed (" + std::to_string(memory_answers_checked) +
+         " answers checked); ends: " + std::to_string(evicted) + " evicted, " +
+         std::to_string(expired) + " expired, " + std::to_string(released) + " released, " +
+         std::to_string(unloaded) + " unloaded; refusals: " + std::to_string(invalid) +
+         " INVALID_ARGUMENT, " + std::to_string(not_found) + " NOT_FOUND, " +
+         std::to_string(exhausted) + " RESOURCE_EXHAUSTED, " + std::to_string(aborted) + " ABORTED";
 }
 
 namespace {
 
 constexpr int64_t kE = 8, kH = 2;
-constexpr int64_t kMaxRealTokens = 48;  // Answers are checked while a session holds at most this many.
+constexpr int64_t kMaxRealTokens =
+    48;  // Answers are checked while a session holds at most this many.
 
 // Two small models on the CPU, made once for the process.
 const std::shared_ptr<const AttentionModel>* Models() {
@@ -80,7 +96,8 @@ const std::shared_ptr<const AttentionModel>* Models() {
       ModelWeights w = RandomWeights(rng, name, kE, kH);
       w.spec.weights_hash = std::string("sha256:") + name;
       EngineOptions options;
-      options.min_piece_flops = 0;  // Split as finely as a Parallel allows (KvCheckOptions::parallel).
+      options.min_piece_flops =
+          0;  // Split as finely as a Parallel allows (KvCheckOptions::parallel).
       auto m = CreateTorchModel(w, options);
       if (!m.ok()) {
         std::fprintf(stderr, "kv model check: %s\n", m.status().message().c_str());
@@ -108,7 +125,8 @@ std::vector<float> Values(uint64_t seed, size_t n) {
 std::vector<float> BatchFirst(const std::vector<float>& x, int64_t t, int64_t b) {
   std::vector<float> out(x.size());
   for (int64_t i = 0; i < t; ++i)
-    for (int64_t bb = 0; bb < b; ++bb) std::copy_n(x.begin() + (i * b + bb) * kE, kE, out.begin() + (bb * t + i) * kE);
+    for (int64_t bb = 0; bb < b; ++bb)
+      std::copy_n(x.begin() + (i * b + bb) * kE, kE, out.begin() + (bb * t + i) * kE);
   return out;
 }
 
@@ -121,11 +139,11 @@ struct Ref {
   int64_t batch = 0, length = 0, capacity = 0, bytes = 0;
   int64_t allocated = 0;  // Tokens the engine allocated in the cache.
   bool ready = false, busy = false, indexed = true;
-  int holders = 0;        // shared_ptrs the operations in flight hold.
-  uint64_t touched = 0;   // LRU order: larger is more recent.
+  int holders = 0;       // shared_ptrs the operations in flight hold.
+  uint64_t touched = 0;  // LRU order: larger is more recent.
   KvClock::time_point last_use;
-  std::string gone;       // Once removed: what its NOT_FOUND says.
-  bool real = false;      // Its contents came from the engine (answers can be checked).
+  std::string gone;               // Once removed: what its NOT_FOUND says.
+  bool real = false;              // Its contents came from the engine (answers can be checked).
   std::vector<float> tokens;      // A session's applied tokens, sequence-first [L, B, E].
   std::vector<float> key, value;  // A memory's inputs, batch-first [B, Lk, E].
   bool in_use() const { return busy || !ready || holders > 0; }
@@ -155,17 +173,6 @@ struct Hold {  // A request holding a memory.
   size_t ref = 0;
 };
 
-const char* CodeName(StatusCode c) {
-  switch (c) {
-    case StatusCode::kOk: return "OK";
-    case StatusCode::kInvalidArgument: return "INVALID_ARGUMENT";
-    case StatusCode::kNotFound: return "NOT_FOUND";
-    case StatusCode::kResourceExhausted: return "RESOURCE_EXHAUSTED";
-    case StatusCode::kAborted: return "ABORTED";
-    default: return "OTHER";
-  }
-}
-
 class ModelCheck {
  public:
   ModelCheck(Choices& c, const KvCheckOptions& o) : c_(c), o_(o), models_(Models()) {
@@ -180,9 +187,12 @@ class ModelCheck {
     };
     hooks.on_end = [this](KvKind kind, KvEndReason why) { ++ends_[{kind, why}]; };
     store_ = std::make_unique<KvStore>(options_, hooks, [this] { return now_; });
-    Note([&] { return std::string("store: budget " + std::to_string(options_.budget_bytes) + ", entry " +
-        std::to_string(options_.max_entry_bytes) + ", entries " + std::to_string(options_.max_entries) +
-        ", ttl " + std::to_string(static_cast<int>(options_.ttl_seconds))); });
+    Note([&] {
+      return std::string("store: budget " + std::to_string(options_.budget_bytes) + ", entry " +
+                         std::to_string(options_.max_entry_bytes) + ", entries " +
+                         std::to_string(options_.max_entries) + ", ttl " +
+                         std::to_string(static_cast<int>(options_.ttl_seconds)));
+    });
   }
 
   ~ModelCheck() {
@@ -191,7 +201,8 @@ class ModelCheck {
       s.operations += stats_.operations;
       s.steps_applied += stats_.steps_applied, s.steps_not_applied += stats_.steps_not_applied;
       s.step_answers_checked += stats_.step_answers_checked;
-      s.memories_computed += stats_.memories_computed, s.memory_answers_checked += stats_.memory_answers_checked;
+      s.memories_computed += stats_.memories_computed,
+          s.memory_answers_checked += stats_.memory_answers_checked;
       s.evicted += stats_.evicted, s.expired += stats_.expired, s.released += stats_.released;
       s.unloaded += stats_.unloaded, s.invalid += stats_.invalid, s.not_found += stats_.not_found;
       s.exhausted += stats_.exhausted, s.aborted += stats_.aborted;
@@ -210,20 +221,34 @@ class ModelCheck {
       ++stats_.operations;
       // Weighted so that sessions live long enough to take many steps.
       const uint64_t op = c_.Below(32);
-      if (op < 3) OpenSession();
-      else if (op < 5) CreateMemory(false);
-      else if (op < 6) CreateMemory(true);
-      else if (op < 8) CompleteMemory();
-      else if (op < 13) BeginStep();
-      else if (op < 18) PrepareStep();
-      else if (op < 22) ComputeSteps();
-      else if (op < 23) DropStep();
-      else if (op < 26) QueryMemory();
-      else if (op < 27) DropHold();
-      else if (op < 28) Release();
-      else if (op < 31) Tick();
-      else if (c_.OneIn(32)) EndAll();
-      else if (c_.OneIn(4)) Unload();
+      if (op < 3)
+        OpenSession();
+      else if (op < 5)
+        CreateMemory(false);
+      else if (op < 6)
+        CreateMemory(true);
+      else if (op < 8)
+        CompleteMemory();
+      else if (op < 13)
+        BeginStep();
+      else if (op < 18)
+        PrepareStep();
+      else if (op < 22)
+        ComputeSteps();
+      else if (op < 23)
+        DropStep();
+      else if (op < 26)
+        QueryMemory();
+      else if (op < 27)
+        DropHold();
+      else if (op < 28)
+        Release();
+      else if (op < 31)
+        Tick();
+      else if (c_.OneIn(32))
+        EndAll();
+      else if (c_.OneIn(4))
+        Unload();
       if (failure_.empty()) CheckInvariants();
     }
     return failure_;
@@ -249,8 +274,8 @@ class ModelCheck {
   void ExpectCode(const Status& got, StatusCode want, const char* op) {
     Count(got.code());
     if (got.code() != want) {
-      Fail(std::string(op) + ": " + CodeName(got.code()) + " '" + got.message() + "', the reference expects " +
-           CodeName(want));
+      Fail(std::string(op) + ": " + StatusCodeName(got.code()) + " '" + got.message() +
+           "', the reference expects " + StatusCodeName(want));
     }
   }
   int64_t Account() const {
@@ -269,25 +294,36 @@ class ModelCheck {
   }
   void Count(StatusCode code) {
     switch (code) {
-      case StatusCode::kInvalidArgument: ++stats_.invalid; break;
-      case StatusCode::kNotFound: ++stats_.not_found; break;
-      case StatusCode::kResourceExhausted: ++stats_.exhausted; break;
-      case StatusCode::kAborted: ++stats_.aborted; break;
-      default: break;
+      case StatusCode::kInvalidArgument:
+        ++stats_.invalid;
+        break;
+      case StatusCode::kNotFound:
+        ++stats_.not_found;
+        break;
+      case StatusCode::kResourceExhausted:
+        ++stats_.exhausted;
+        break;
+      case StatusCode::kAborted:
+        ++stats_.aborted;
+        break;
+      default:
+        break;
     }
   }
   void Remove(Ref& r, KvEndReason why, const std::string& gone) {
-    ++(why == KvEndReason::kEvicted ? stats_.evicted
-       : why == KvEndReason::kExpired ? stats_.expired
+    ++(why == KvEndReason::kEvicted    ? stats_.evicted
+       : why == KvEndReason::kExpired  ? stats_.expired
        : why == KvEndReason::kReleased ? stats_.released
-                                        : stats_.unloaded);
+                                       : stats_.unloaded);
     r.indexed = false;
     r.gone = gone;
     ++want_ends_[{r.kind, why}];
     removed_now_.push_back(&r - refs_.data());
   }
   void Unhold(size_t ref) { --refs_[ref].holders; }
-  std::optional<int64_t> BytesFor(const Ref& r, int64_t capacity) const { return r.cache->BytesFor(r.batch, capacity); }
+  std::optional<int64_t> BytesFor(const Ref& r, int64_t capacity) const {
+    return r.cache->BytesFor(r.batch, capacity);
+  }
 
   // The store's MakeRoom, plainly: can `need` more bytes fit once every entry not in use (but
   // `keep`) is evicted? If so, and `apply`, evict least recently used first until they fit.
@@ -302,7 +338,8 @@ class ModelCheck {
     }
     if (Account() + need - freeable > options_.budget_bytes) return false;
     if (!apply) return true;
-    std::sort(candidates.begin(), candidates.end(), [](const Ref* a, const Ref* b) { return a->touched < b->touched; });
+    std::sort(candidates.begin(), candidates.end(),
+              [](const Ref* a, const Ref* b) { return a->touched < b->touched; });
     for (Ref* r : candidates) {
       if (Account() + need <= options_.budget_bytes) break;
       Remove(*r, KvEndReason::kEvicted, "evicted (least recently used");
@@ -320,7 +357,8 @@ class ModelCheck {
     }
     const uint64_t how = c_.Below(16);
     if (refs_.empty() || how == 0) {
-      static const char* kStrangers[] = {"", "00000000000000000000000000000000", "zz", "not a handle at all"};
+      static const char* kStrangers[] = {"", "00000000000000000000000000000000", "zz",
+                                         "not a handle at all"};
       *handle = kStrangers[c_.Below(4)];
       return SIZE_MAX;
     }
@@ -334,7 +372,8 @@ class ModelCheck {
     if (i == SIZE_MAX) return "unknown";
     Ref& r = refs_[i];
     if (!r.indexed) return r.gone;
-    if (r.kind != kind) return std::string("is a ") + KvKindName(r.kind) + ", not a " + KvKindName(kind);
+    if (r.kind != kind)
+      return std::string("is a ") + KvKindName(r.kind) + ", not a " + KvKindName(kind);
     if (!r.ready) return "unknown";
     Touch(r);
     return "";
@@ -342,7 +381,9 @@ class ModelCheck {
 
   void ExpectNotFound(const Status& st, const std::string& why, const char* op) {
     ExpectCode(st, StatusCode::kNotFound, op);
-    Expect(st.message().find(why) != std::string::npos, [&] { return std::string(op) + ": NOT_FOUND '" + st.message() + "' does not say '" + why + "'"; });
+    Expect(st.message().find(why) != std::string::npos, [&] {
+      return std::string(op) + ": NOT_FOUND '" + st.message() + "' does not say '" + why + "'";
+    });
   }
 
   // ---- operations -------------------------------------------------------------------------------
@@ -395,7 +436,10 @@ class ModelCheck {
     if (raw) {  // The store's own contract, with any sizes.
       r.batch = c_.Size(3);
       length = c_.Size(8);
-      Note([&] { return std::string("CreateMemory raw batch " + std::to_string(r.batch) + " length " + std::to_string(length)); });
+      Note([&] {
+        return std::string("CreateMemory raw batch " + std::to_string(r.batch) + " length " +
+                           std::to_string(length));
+      });
     } else {  // The service's: validated inputs, then the store.
       r.batch = 1 + static_cast<int64_t>(c_.Below(3));
       length = 1 + static_cast<int64_t>(c_.Below(6));
@@ -407,11 +451,16 @@ class ModelCheck {
       m->call.key = m->key.view();
       m->call.value = m->value.view();
       const Status st = ValidateCreateMemory(models_[r.model]->spec(), AttendLimits{}, &m->call);
-      if (!Expect(st.ok(), [&] { return std::string("CreateMemory: validation refused [" + std::to_string(r.batch) + ", " +
-                               std::to_string(length) + ", 8]: " + st.message()); })) {
+      if (!Expect(st.ok(), [&] {
+            return std::string("CreateMemory: validation refused [" + std::to_string(r.batch) +
+                               ", " + std::to_string(length) + ", 8]: " + st.message());
+          })) {
         return;
       }
-      Note([&] { return std::string("CreateMemory batch " + std::to_string(r.batch) + " length " + std::to_string(length)); });
+      Note([&] {
+        return std::string("CreateMemory batch " + std::to_string(r.batch) + " length " +
+                           std::to_string(length));
+      });
     }
     const size_t index = refs_.size();
     m->entry = Create(std::move(r), length, "CreateMemory");
@@ -430,13 +479,18 @@ class ModelCheck {
     creating_.erase(creating_.begin() + static_cast<ptrdiff_t>(i));
     Ref& r = refs_[m->ref];
     const bool computed = r.real && !c_.OneIn(8);
-    Note([&] { return std::string(std::string("CompleteMemory ") + r.handle.substr(0, 6) + (computed ? " computed" : " failed")); });
+    Note([&] {
+      return std::string(std::string("CompleteMemory ") + r.handle.substr(0, 6) +
+                         (computed ? " computed" : " failed"));
+    });
     if (computed) {
       std::string none;
       AttendOutputs out;
       out.output = &none;
       const Status st = models_[r.model]->ForwardBatch({&m->call}, {&out}, Split())[0];
-      if (!Expect(st.ok(), [&] { return std::string("engine: CreateMemory failed: " + st.message()); })) return;
+      if (!Expect(st.ok(),
+                  [&] { return std::string("engine: CreateMemory failed: " + st.message()); }))
+        return;
       r.allocated = m->call.key_len;
       ++stats_.memories_computed;
       const Status ready = store_->MarkReady(m->entry, m->call.key_len);
@@ -447,7 +501,9 @@ class ModelCheck {
         Touch(r);
       } else {
         ExpectCode(ready, StatusCode::kAborted, "MarkReady of an ended memory");
-        Expect(ready.message().find(r.gone) != std::string::npos, [&] { return std::string("MarkReady: '" + ready.message() + "' does not say '" + r.gone + "'"); });
+        Expect(ready.message().find(r.gone) != std::string::npos, [&] {
+          return std::string("MarkReady: '" + ready.message() + "' does not say '" + r.gone + "'");
+        });
       }
     } else {
       store_->Discard(m->entry);
@@ -463,15 +519,28 @@ class ModelCheck {
     std::optional<int64_t> expected;
     const int64_t known = i == SIZE_MAX ? 0 : refs_[i].length;
     switch (c_.Below(8)) {
-      case 4: expected = known; break;
-      case 5: expected = known + 1; break;
-      case 6: expected = c_.Size(8); break;
-      case 7: expected = -1 - c_.Size(8) / 2; break;
-      default: break;
+      case 4:
+        expected = known;
+        break;
+      case 5:
+        expected = known + 1;
+        break;
+      case 6:
+        expected = c_.Size(8);
+        break;
+      case 7:
+        expected = -1 - c_.Size(8) / 2;
+        break;
+      default:
+        break;
     }
-    Note([&] { return std::string("BeginStep " + handle.substr(0, 6) + " expecting " + (expected ? std::to_string(*expected) : "-")); });
+    Note([&] {
+      return std::string("BeginStep " + handle.substr(0, 6) + " expecting " +
+                         (expected ? std::to_string(*expected) : "-"));
+    });
     auto got = store_->BeginStep(handle, expected);
-    if (expected && *expected < 0) return ExpectCode(got.status(), StatusCode::kInvalidArgument, "BeginStep");
+    if (expected && *expected < 0)
+      return ExpectCode(got.status(), StatusCode::kInvalidArgument, "BeginStep");
     const std::string missing = Lookup(i, KvKind::kSession);
     if (!missing.empty()) return ExpectNotFound(got.status(), missing, "BeginStep");
     Ref& r = refs_[i];
@@ -485,8 +554,10 @@ class ModelCheck {
     }
     ExpectCode(got.status(), StatusCode::kOk, "BeginStep");
     if (!got.ok()) return;
-    Expect((*got)->length() == r.length, [&] { return std::string("BeginStep: length " + std::to_string((*got)->length()) +
-                                             ", the reference holds " + std::to_string(r.length)); });
+    Expect((*got)->length() == r.length, [&] {
+      return std::string("BeginStep: length " + std::to_string((*got)->length()) +
+                         ", the reference holds " + std::to_string(r.length));
+    });
     r.busy = true;
     ++r.holders;
     auto f = std::make_unique<Flight>();
@@ -514,7 +585,7 @@ class ModelCheck {
       const int64_t b = c_.OneIn(8) ? c_.Size(3) : r.batch, t = c_.Size(6);
       f.seq_first = c_.OneIn(4);
       const bool unbatched = b == 1 && !f.seq_first && c_.OneIn(4);
-      std::vector<int64_t> shape = unbatched ? std::vector<int64_t>{t, kE}
+      std::vector<int64_t> shape = unbatched     ? std::vector<int64_t>{t, kE}
                                    : f.seq_first ? std::vector<int64_t>{t, b, kE}
                                                  : std::vector<int64_t>{b, t, kE};
       const auto numel = CheckedMul({b, t, kE});
@@ -533,9 +604,13 @@ class ModelCheck {
       f.call.kv = r.cache;
       f.call.kv_batch = r.batch;
       f.call.kv_length = f.step->length();
-      Note([&] { return std::string("Step query " + ShapeString(shape) + (f.seq_first ? " seq-first" : "")); });
+      Note([&] {
+        return std::string("Step query " + ShapeString(shape) + (f.seq_first ? " seq-first" : ""));
+      });
       const Status valid = Validate(spec, AttendLimits{}, &f.call);
-      if (f.real) Expect(valid.ok(), [&] { return std::string("Validate refused a good step: " + valid.message()); });
+      if (f.real)
+        Expect(valid.ok(),
+               [&] { return std::string("Validate refused a good step: " + valid.message()); });
       if (!valid.ok()) return EndFlight(k, false, "refused by validation");
       tokens = f.call.query_len;
     }
@@ -572,8 +647,10 @@ class ModelCheck {
       r.capacity = capacity;
       r.bytes = bytes;
     }
-    Expect(f.step->capacity() == capacity, [&] { return std::string("Reserve: capacity " + std::to_string(f.step->capacity()) +
-                                               ", the reference says " + std::to_string(capacity)); });
+    Expect(f.step->capacity() == capacity, [&] {
+      return std::string("Reserve: capacity " + std::to_string(f.step->capacity()) +
+                         ", the reference says " + std::to_string(capacity));
+    });
     f.reserved = true;
     f.tokens = tokens;
     f.call.kv_capacity = f.step->capacity();
@@ -585,7 +662,10 @@ class ModelCheck {
     flights_.erase(flights_.begin() + static_cast<ptrdiff_t>(k));
     Ref& r = refs_[f->ref];
     const int64_t step_capacity = f->step->capacity();
-    Note([&] { return std::string(std::string("  step ends ") + (applied ? "applied" : "not applied") + ": " + why); });
+    Note([&] {
+      return std::string(std::string("  step ends ") + (applied ? "applied" : "not applied") +
+                         ": " + why);
+    });
     if (c_.OneIn(8) && !applied) {
       f->step.reset();  // Dropped without End: its destructor ends it.
     } else {
@@ -620,7 +700,8 @@ class ModelCheck {
     std::vector<Flight*> batch;
     std::vector<const AttendCall*> calls;
     for (auto& f : flights_) {
-      if (f->reserved && f->real && refs_[f->ref].model == model && (batch.empty() || !c_.OneIn(4))) {
+      if (f->reserved && f->real && refs_[f->ref].model == model &&
+          (batch.empty() || !c_.OneIn(4))) {
         batch.push_back(f.get());
         calls.push_back(&f->call);
       }
@@ -638,10 +719,14 @@ class ModelCheck {
     for (size_t i = 0; i < batch.size(); ++i) {
       Flight* f = batch[i];
       Ref& r = refs_[f->ref];
-      if (!Expect(statuses[i].ok(), [&] { return std::string("engine: a session step failed: " + statuses[i].message()); })) return;
+      if (!Expect(statuses[i].ok(), [&] {
+            return std::string("engine: a session step failed: " + statuses[i].message());
+          }))
+        return;
       r.allocated = std::max(r.allocated, f->step->capacity());
       const bool applied = !c_.OneIn(4);
-      const size_t k = std::find_if(flights_.begin(), flights_.end(), [&](const auto& p) { return p.get() == f; }) -
+      const size_t k = std::find_if(flights_.begin(), flights_.end(),
+                                    [&](const auto& p) { return p.get() == f; }) -
                        flights_.begin();
       const bool seq_first = f->seq_first;
       const int64_t t = f->tokens, b = r.batch;
@@ -664,25 +749,34 @@ class ModelCheck {
     whole.layout = TensorLayout::kSequenceFirst;
     whole.is_causal = true;
     const ModelSpec& spec = models_[r.model]->spec();
-    if (!Expect(Validate(spec, AttendLimits{}, &whole).ok(), [&] { return std::string("the one causal call does not validate"); })) return;
+    if (!Expect(Validate(spec, AttendLimits{}, &whole).ok(),
+                [&] { return std::string("the one causal call does not validate"); }))
+      return;
     std::string want_bytes;
     AttendOutputs out;
     out.output = &want_bytes;
-    if (!Expect(models_[r.model]->Forward(whole, &out).ok(), [&] { return std::string("engine: the one causal call failed"); })) return;
+    if (!Expect(models_[r.model]->Forward(whole, &out).ok(),
+                [&] { return std::string("engine: the one causal call failed"); }))
+      return;
     const float* w = reinterpret_cast<const float*>(want_bytes.data());
     std::vector<float> want(w + (l - t) * b * kE, w + l * b * kE);  // Its last t rows, [t, b, E].
     if (!seq_first) want = BatchFirst(want, t, b);
     ++stats_.step_answers_checked;
     const double err = RelativeError(got, want);
-    Expect(err <= 1e-5, [&] { return std::string("a step's answer differs from one causal call over the applied tokens by " +
-                            std::to_string(err) + " of its scale (allowed 1e-5)"); });
+    Expect(err <= 1e-5, [&] {
+      return std::string(
+          "a step's answer differs from one causal call over the applied tokens by " +
+          std::to_string(err) + " of its scale (allowed 1e-5)");
+    });
   }
 
   void QueryMemory() {
     std::string handle;
     const size_t i = PickRef(KvKind::kMemory, &handle);
     const bool hold = c_.OneIn(4);
-    Note([&] { return std::string("QueryMemory " + handle.substr(0, 6) + (hold ? " (held)" : "")); });
+    Note([&] {
+      return std::string("QueryMemory " + handle.substr(0, 6) + (hold ? " (held)" : ""));
+    });
     auto got = store_->Lookup(handle, KvKind::kMemory);
     const std::string missing = Lookup(i, KvKind::kMemory);
     if (!missing.empty()) return ExpectNotFound(got.status(), missing, "Lookup");
@@ -704,11 +798,15 @@ class ModelCheck {
     call.kv_batch = r.batch;
     call.kv_length = (*got)->length;
     const ModelSpec& spec = models_[r.model]->spec();
-    if (!Expect(Validate(spec, AttendLimits{}, &call).ok(), [&] { return std::string("a memory query does not validate"); })) return;
+    if (!Expect(Validate(spec, AttendLimits{}, &call).ok(),
+                [&] { return std::string("a memory query does not validate"); }))
+      return;
     std::string a;
     AttendOutputs oa;
     oa.output = &a;
-    if (!Expect(models_[r.model]->Forward(call, &oa).ok(), [&] { return std::string("engine: a memory query failed"); })) return;
+    if (!Expect(models_[r.model]->Forward(call, &oa).ok(),
+                [&] { return std::string("engine: a memory query failed"); }))
+      return;
     if (!o_.check_outputs) return;
     const int64_t lk = r.length;
     Buffer k = Floats({r.batch, lk, kE}, r.key), v = Floats({r.batch, lk, kE}, r.value);
@@ -716,15 +814,22 @@ class ModelCheck {
     wire.query = q.view();
     wire.key = k.view();
     wire.value = v.view();
-    if (!Expect(Validate(spec, AttendLimits{}, &wire).ok(), [&] { return std::string("the wire cross-attention does not validate"); })) return;
+    if (!Expect(Validate(spec, AttendLimits{}, &wire).ok(),
+                [&] { return std::string("the wire cross-attention does not validate"); }))
+      return;
     std::string b;
     AttendOutputs ob;
     ob.output = &b;
-    if (!Expect(models_[r.model]->Forward(wire, &ob).ok(), [&] { return std::string("engine: the wire cross-attention failed"); })) return;
+    if (!Expect(models_[r.model]->Forward(wire, &ob).ok(),
+                [&] { return std::string("engine: the wire cross-attention failed"); }))
+      return;
     const float* wb = reinterpret_cast<const float*>(b.data());
     ++stats_.memory_answers_checked;
     const double err = RelativeError(a, std::vector<float>(wb, wb + b.size() / sizeof(float)));
-    Expect(err <= 1e-5, [&] { return std::string("a memory's answer differs from key and value on the wire by " + std::to_string(err)); });
+    Expect(err <= 1e-5, [&] {
+      return std::string("a memory's answer differs from key and value on the wire by " +
+                         std::to_string(err));
+    });
   }
 
   void DropHold() {
@@ -740,20 +845,27 @@ class ModelCheck {
     const KvKind kind = c_.Below(2) ? KvKind::kSession : KvKind::kMemory;
     std::string handle;
     const size_t i = PickRef(kind, &handle);
-    Note([&] { return std::string(std::string("Release ") + KvKindName(kind) + " " + handle.substr(0, 6)); });
+    Note([&] {
+      return std::string(std::string("Release ") + KvKindName(kind) + " " + handle.substr(0, 6));
+    });
     auto got = store_->Release(handle, kind);
     const std::string missing = Lookup(i, kind);
     if (!missing.empty()) return ExpectNotFound(got.status(), missing, "Release");
     ExpectCode(got.status(), StatusCode::kOk, "Release");
     Ref& r = refs_[i];
-    if (got.ok()) Expect(*got == r.bytes, [&] { return std::string("Release: " + std::to_string(*got) + " bytes freed, the reference holds " + std::to_string(r.bytes)); });
-    Remove(r, KvEndReason::kReleased, kind == KvKind::kMemory ? "deleted (DeleteMemory)" : "closed (CloseSession)");
+    if (got.ok())
+      Expect(*got == r.bytes, [&] {
+        return std::string("Release: " + std::to_string(*got) +
+                           " bytes freed, the reference holds " + std::to_string(r.bytes));
+      });
+    Remove(r, KvEndReason::kReleased,
+           kind == KvKind::kMemory ? "deleted (DeleteMemory)" : "closed (CloseSession)");
   }
 
   void Tick() {
     const int64_t ttl = static_cast<int64_t>(options_.ttl_seconds);
     const uint64_t how = c_.Below(16);
-    const int64_t dt = how == 0   ? int64_t{1} << (10 + c_.Below(20))
+    const int64_t dt = how == 0  ? int64_t{1} << (10 + c_.Below(20))
                        : how < 4 ? static_cast<int64_t>(c_.Below(2 * ttl + 2))
                                  : static_cast<int64_t>(c_.Below(ttl / 4 + 1));
     now_ += std::chrono::seconds(dt);
@@ -786,36 +898,48 @@ class ModelCheck {
   // ---- invariants -------------------------------------------------------------------------------
   void CheckInvariants() {
     std::vector<KvEntryInfo> snapshot = store_->Snapshot();
-    std::sort(snapshot.begin(), snapshot.end(), [](const KvEntryInfo& x, const KvEntryInfo& y) { return x.handle < y.handle; });
+    std::sort(snapshot.begin(), snapshot.end(),
+              [](const KvEntryInfo& x, const KvEntryInfo& y) { return x.handle < y.handle; });
     size_t indexed = 0;
     for (const Ref& r : refs_) {
       if (!r.indexed) continue;
       ++indexed;
-      const auto it = std::lower_bound(snapshot.begin(), snapshot.end(), r.handle,
-                                       [](const KvEntryInfo& x, const std::string& h) { return x.handle < h; });
-      const auto name = [&] { return std::string(KvKindName(r.kind)) + " " + r.handle.substr(0, 6); };
+      const auto it =
+          std::lower_bound(snapshot.begin(), snapshot.end(), r.handle,
+                           [](const KvEntryInfo& x, const std::string& h) { return x.handle < h; });
+      const auto name = [&] {
+        return std::string(KvKindName(r.kind)) + " " + r.handle.substr(0, 6);
+      };
       if (!Expect(it != snapshot.end() && it->handle == r.handle,
                   [&] { return name() + " is gone from the store; the reference holds it"; })) {
         return;
       }
       const KvEntryInfo& e = *it;
-      const auto fields = [](int64_t length, int64_t capacity, int64_t bytes, bool busy, bool ready) {
-        return "length " + std::to_string(length) + ", capacity " + std::to_string(capacity) + ", bytes " +
-               std::to_string(bytes) + (busy ? ", busy" : "") + (ready ? "" : ", not ready");
+      const auto fields = [](int64_t length, int64_t capacity, int64_t bytes, bool busy,
+                             bool ready) {
+        return "length " + std::to_string(length) + ", capacity " + std::to_string(capacity) +
+               ", bytes " + std::to_string(bytes) + (busy ? ", busy" : "") +
+               (ready ? "" : ", not ready");
       };
-      if (!Expect(e.kind == r.kind && e.batch == r.batch && e.length == r.length && e.capacity == r.capacity &&
-                      e.bytes == r.bytes && e.busy == r.busy && e.ready == r.ready,
+      if (!Expect(e.kind == r.kind && e.batch == r.batch && e.length == r.length &&
+                      e.capacity == r.capacity && e.bytes == r.bytes && e.busy == r.busy &&
+                      e.ready == r.ready,
                   [&] {
-                    return name() + ": the store holds " + fields(e.length, e.capacity, e.bytes, e.busy, e.ready) +
-                           "; the reference " + fields(r.length, r.capacity, r.bytes, r.busy, r.ready);
+                    return name() + ": the store holds " +
+                           fields(e.length, e.capacity, e.bytes, e.busy, e.ready) +
+                           "; the reference " +
+                           fields(r.length, r.capacity, r.bytes, r.busy, r.ready);
                   })) {
         return;
       }
       const std::optional<int64_t> bytes = BytesFor(r, r.capacity);
-      Expect(bytes && *bytes == e.bytes && e.bytes <= options_.max_entry_bytes && e.bytes >= 0, [&] {
-        return name() + ": " + std::to_string(e.bytes) + " bytes for its capacity, over the entry limit or not its size";
-      });
-      Expect(r.kind == KvKind::kMemory || e.capacity >= e.length, [&] { return name() + ": capacity below its length"; });
+      Expect(bytes && *bytes == e.bytes && e.bytes <= options_.max_entry_bytes && e.bytes >= 0,
+             [&] {
+               return name() + ": " + std::to_string(e.bytes) +
+                      " bytes for its capacity, over the entry limit or not its size";
+             });
+      Expect(r.kind == KvKind::kMemory || e.capacity >= e.length,
+             [&] { return name() + ": capacity below its length"; });
       if (!e.busy && e.ready) {
         Expect(r.cache->AllocatedTokens() == e.capacity, [&] {
           return name() + ": the engine holds " + std::to_string(r.cache->AllocatedTokens()) +
@@ -824,23 +948,30 @@ class ModelCheck {
       }
     }
     Expect(indexed == snapshot.size(), [&] {
-      return "the store holds " + std::to_string(snapshot.size()) + " entries, the reference " + std::to_string(indexed);
+      return "the store holds " + std::to_string(snapshot.size()) + " entries, the reference " +
+             std::to_string(indexed);
     });
     const int64_t account = Account();
     Expect(store_->bytes() == account && gauge_bytes_ == account, [&] {
-      return "bytes held: store " + std::to_string(store_->bytes()) + ", gauge " + std::to_string(gauge_bytes_) +
+      return "bytes held: store " + std::to_string(store_->bytes()) + ", gauge " +
+             std::to_string(gauge_bytes_) +
              ", the reference (live entries and ended ones still held) " + std::to_string(account);
     });
-    Expect(gauge_memories_ == Indexed(KvKind::kMemory) && gauge_sessions_ == Indexed(KvKind::kSession), [&] {
-      return "entry gauges " + std::to_string(gauge_memories_) + "/" + std::to_string(gauge_sessions_) +
-             ", the reference " + std::to_string(Indexed(KvKind::kMemory)) + "/" +
-             std::to_string(Indexed(KvKind::kSession));
-    });
+    Expect(
+        gauge_memories_ == Indexed(KvKind::kMemory) && gauge_sessions_ == Indexed(KvKind::kSession),
+        [&] {
+          return "entry gauges " + std::to_string(gauge_memories_) + "/" +
+                 std::to_string(gauge_sessions_) + ", the reference " +
+                 std::to_string(Indexed(KvKind::kMemory)) + "/" +
+                 std::to_string(Indexed(KvKind::kSession));
+        });
     Expect(!negative_, [] { return std::string("a gauge went negative"); });
     Expect(account <= options_.budget_bytes, [&] {
-      return "bytes held " + std::to_string(account) + " are over the budget " + std::to_string(options_.budget_bytes);
+      return "bytes held " + std::to_string(account) + " are over the budget " +
+             std::to_string(options_.budget_bytes);
     });
-    Expect(ends_ == want_ends_, [] { return std::string("attnserve_kv_ends_total differs from the reference's ends"); });
+    Expect(ends_ == want_ends_,
+           [] { return std::string("attnserve_kv_ends_total differs from the reference's ends"); });
     for (size_t i : removed_now_) {  // What just ended says why.
       const Ref& r = refs_[i];
       ExpectNotFound(store_->Lookup(r.handle, r.kind).status(), r.gone, "a removed entry's lookup");

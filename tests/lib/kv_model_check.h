@@ -1,16 +1,17 @@
 #pragma once
 // A model check of the keys and values kept between requests (STYLE 15). It decodes a stream of
 // choices into operations on a KvStore and the LibTorch engine, in the order the service runs them:
-// sessions opened, stepped (BeginStep, validation, Reserve, computed or failed at each stage, several
-// in flight, racing on one session), closed; memories created (validated, or raw with any int64
-// sizes), computed or failed, queried, held by a request, deleted; clock ticks with expiry; reloads
-// that unload a model; shutdown. After every operation it checks the store against a plain reference
-// model of what it must hold: the same entries with the same lengths, capacities and bytes; bytes
-// held = the sum over live entries (and ended ones still held) = the attnserve_kv_bytes gauge, never
-// negative, never over the budget; what was evicted or expired and why; a failed operation changes
-// nothing; a removed entry answers NOT_FOUND with its reason; each computed answer equals its
-// one-call form (a session step: one causal self-attention over the applied tokens).
-// Used by the libFuzzer target tests/fuzz/fuzz_kv_store.cc and tests/unit/kv_property_test.cc.
+// sessions opened, stepped (BeginStep, validation, Reserve, computed or failed at each stage,
+// several in flight, racing on one session), closed; memories created (validated, or raw with any
+// int64 sizes), computed or failed, queried, held by a request, deleted; clock ticks with expiry;
+// reloads that unload a model; shutdown. After every operation it checks the store against a plain
+// reference model of what it must hold: the same entries with the same lengths, capacities and
+// bytes; bytes held = the sum over live entries (and ended ones still held) = the
+// attnserve_kv_bytes gauge, never negative, never over the budget; what was evicted or expired and
+// why; a failed operation changes nothing; a removed entry answers NOT_FOUND with its reason; each
+// computed answer equals its one-call form (a session step: one causal self-attention over the
+// applied tokens). Used by the libFuzzer target tests/fuzz/fuzz_kv_store.cc and
+// tests/unit/kv_property_test.cc.
 
 #include <cstdint>
 #include <functional>
@@ -55,9 +56,9 @@ struct KvCheckStats {
 };
 
 struct KvCheckOptions {
-  int max_ops = 200;           ///< Operations at most (the choices may run out first).
-  bool check_outputs = true;   ///< Compare computed answers with their one-call forms.
-  std::string* log = nullptr;  ///< When set, receives one line per operation.
+  int max_ops = 200;              ///< Operations at most (the choices may run out first).
+  bool check_outputs = true;      ///< Compare computed answers with their one-call forms.
+  std::string* log = nullptr;     ///< When set, receives one line per operation.
   KvCheckStats* stats = nullptr;  ///< When set, counts what the run covered.
   /// When set, steps and memories compute split across its threads (as a lone request's do).
   const Parallel* parallel = nullptr;

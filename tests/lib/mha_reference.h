@@ -18,15 +18,15 @@ namespace attnserve::testing {
 using Vec = std::vector<double>;
 inline constexpr double kInf = std::numeric_limits<double>::infinity();
 
-
 // nn.MultiheadAttention in float64, batch-first [B, L, *] inputs, additive mask [B, H, Lq, Lk]
 // (+inf-free; -inf = masked; empty: no mask). Returns output [B, Lq, E] and weights [B, H, Lq, S].
 inline void Reference(const ModelWeights& w, int64_t b, int64_t lq, int64_t lk, const Vec& q,
-               const Vec& k, const Vec& v, const Vec& mask, Vec* out, Vec* weights) {
+                      const Vec& k, const Vec& v, const Vec& mask, Vec* out, Vec* weights) {
   const ModelSpec& s = w.spec;
   const int64_t e = s.embed_dim, h = s.num_heads, d = e / h;
   const int64_t extra = s.extra_keys(), sl = lk + extra;
-  auto linear = [&](const Vec& x, int64_t rows, int64_t in, const HostTensor& wt, const float* bias) {
+  auto linear = [&](const Vec& x, int64_t rows, int64_t in, const HostTensor& wt,
+                    const float* bias) {
     Vec y(rows * e);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t o = 0; o < e; ++o) {
@@ -82,7 +82,8 @@ inline void Reference(const ModelWeights& w, int64_t b, int64_t lq, int64_t lk, 
             attn[(bb * lq + i) * e + hh * d + c] += p * vs[(bb * sl + j) * e + hh * d + c];
         }
       }
-  *out = linear(attn, b * lq, e, w.out_proj, w.out_proj_bias ? w.out_proj_bias->values.data() : nullptr);
+  *out = linear(attn, b * lq, e, w.out_proj,
+                w.out_proj_bias ? w.out_proj_bias->values.data() : nullptr);
   for (int64_t r = 0; r < b * lq; ++r)
     if (dead_everywhere[r])
       for (int64_t c = 0; c < e; ++c) (*out)[r * e + c] = 0;
@@ -101,7 +102,8 @@ inline std::vector<float> ToLayout(const Vec& x, int64_t b, int64_t l, int64_t f
   for (int64_t bb = 0; bb < b; ++bb)
     for (int64_t i = 0; i < l; ++i)
       for (int64_t c = 0; c < f; ++c)
-        out[(seq_first ? (i * b + bb) : (bb * l + i)) * f + c] = static_cast<float>(x[(bb * l + i) * f + c]);
+        out[(seq_first ? (i * b + bb) : (bb * l + i)) * f + c] =
+            static_cast<float>(x[(bb * l + i) * f + c]);
   return out;
 }
 
@@ -137,7 +139,8 @@ inline ModelWeights RandomWeights(std::mt19937& rng, const char* name, int64_t e
 /// max |got - want| / max |want| over float32 `got` bytes; infinity when the sizes differ or a
 /// value is NaN.
 inline double RelativeError(const std::string& got_bytes, const std::vector<float>& want) {
-  if (got_bytes.size() != want.size() * sizeof(float)) return std::numeric_limits<double>::infinity();
+  if (got_bytes.size() != want.size() * sizeof(float))
+    return std::numeric_limits<double>::infinity();
   const float* got = reinterpret_cast<const float*>(got_bytes.data());
   double scale = 0, err = 0;
   for (size_t i = 0; i < want.size(); ++i) {

@@ -5,9 +5,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include <set>
-
 #include <future>
+#include <set>
 
 namespace attnserve {
 namespace {
@@ -21,7 +20,8 @@ class FakeModel : public AttentionModel {
   const ModelSpec& spec() const override { return spec_; }
   Status Forward(const AttendCall&, AttendOutputs*) const override { return Status::Ok(); }
   std::vector<Status> ForwardBatch(const std::vector<const AttendCall*>& calls,
-                                   const std::vector<AttendOutputs*>&, const Parallel&) const override {
+                                   const std::vector<AttendOutputs*>&,
+                                   const Parallel&) const override {
     if (started++ == 0 && gate.valid()) gate.wait();  // The first batch may be held.
     std::lock_guard<std::mutex> lock(mu);
     std::vector<int64_t> ids;
@@ -44,7 +44,8 @@ std::unique_ptr<WorkItem> Item(const AttentionModel* m, int64_t tokens,
                                DType dtype = DType::kFloat32,
                                WeightsMode weights = WeightsMode::kNone) {
   auto item = std::make_unique<WorkItem>();
-  item->model = std::shared_ptr<const AttentionModel>(m, [](const AttentionModel*) {});  // Not owned.
+  item->model =
+      std::shared_ptr<const AttentionModel>(m, [](const AttentionModel*) {});  // Not owned.
   item->accepted = accepted;
   item->call.batch = 1;
   item->call.query_len = item->call.key_len = tokens;
@@ -196,8 +197,8 @@ TEST(BatcherTest, IdleWorkerTakesAtOnceBusyWorkerLetsBatchesFillToBudget) {
   model.gate = open.get_future().share();
   BatcherOptions options;
   options.workers = 1;
-  options.max_batch_tokens = 30;   // Three 10-token requests.
-  options.max_queue_delay = 10s;   // Only the budget, an idle worker or Drain closes a batch.
+  options.max_batch_tokens = 30;  // Three 10-token requests.
+  options.max_queue_delay = 10s;  // Only the budget, an idle worker or Drain closes a batch.
   std::vector<int> batch_sizes;
   options.on_batch = [&](const std::string& m, const std::vector<WorkItem*>& b, double) {
     EXPECT_EQ(m, "fake");
@@ -236,7 +237,8 @@ class SplittingModel : public AttentionModel {
   SplittingModel() { spec_.name = "split"; }
   const ModelSpec& spec() const override { return spec_; }
   Status Forward(const AttendCall&, AttendOutputs*) const override { return Status::Ok(); }
-  std::vector<Status> ForwardBatch(const std::vector<const AttendCall*>& calls, const std::vector<AttendOutputs*>&,
+  std::vector<Status> ForwardBatch(const std::vector<const AttendCall*>& calls,
+                                   const std::vector<AttendOutputs*>&,
                                    const Parallel& parallel) const override {
     const int width = parallel.Width();
     std::vector<std::thread::id> ran(8);
@@ -293,7 +295,8 @@ class SteppingModel : public AttentionModel {
   SteppingModel() { spec_.name = "steps"; }
   const ModelSpec& spec() const override { return spec_; }
   Status Forward(const AttendCall&, AttendOutputs*) const override { return Status::Ok(); }
-  std::vector<Status> ForwardBatch(const std::vector<const AttendCall*>& calls, const std::vector<AttendOutputs*>&,
+  std::vector<Status> ForwardBatch(const std::vector<const AttendCall*>& calls,
+                                   const std::vector<AttendOutputs*>&,
                                    const Parallel& parallel) const override {
     for (int step = 0; step < 6; ++step) {
       const int width = parallel.Width();
@@ -353,7 +356,8 @@ TEST(PieceExchangeTest, EveryPieceRunsOnceWithOrWithoutHelpers) {
         std::vector<std::atomic<int>> hits(37);
         pool.For(37, [&](int64_t i) {
           hits[static_cast<size_t>(i)]++;
-          if (i % 4 == 0) std::this_thread::sleep_for(50us);  // Some pieces last long enough for helpers.
+          if (i % 4 == 0)
+            std::this_thread::sleep_for(50us);  // Some pieces last long enough for helpers.
           std::lock_guard<std::mutex> lock(mu);
           runners.insert(std::this_thread::get_id());
         });

@@ -26,8 +26,7 @@ struct Sample {
 
 // A request of fresh random inputs and its float64 answer.
 std::unique_ptr<Sample> MakeSample(std::mt19937& rng, const ModelWeights& w,
-                                   const AttentionModel* model, int64_t b, int64_t lq,
-                                   int64_t lk) {
+                                   const AttentionModel* model, int64_t b, int64_t lq, int64_t lk) {
   auto s = std::make_unique<Sample>();
   s->model = model;
   const int64_t e = w.spec.embed_dim;
@@ -44,9 +43,11 @@ std::unique_ptr<Sample> MakeSample(std::mt19937& rng, const ModelWeights& w,
   s->bufs.push_back(testing::Floats({b, lq, e}, std::vector<float>(q.begin(), q.end())));
   s->call.query = s->bufs.back().view();
   if (cross) {
-    s->bufs.push_back(testing::Floats({b, lk, w.spec.kdim}, std::vector<float>(k.begin(), k.end())));
+    s->bufs.push_back(
+        testing::Floats({b, lk, w.spec.kdim}, std::vector<float>(k.begin(), k.end())));
     s->call.key = s->bufs.back().view();
-    s->bufs.push_back(testing::Floats({b, lk, w.spec.vdim}, std::vector<float>(v.begin(), v.end())));
+    s->bufs.push_back(
+        testing::Floats({b, lk, w.spec.vdim}, std::vector<float>(v.begin(), v.end())));
     s->call.value = s->bufs.back().view();
   }
   EXPECT_TRUE(Validate(w.spec, AttendLimits{}, &s->call).ok());
@@ -64,7 +65,8 @@ void CheckConcurrentAnswers(const EngineOptions& options, double tolerance, int 
                             const Parallel& split = SerialParallel()) {
   std::mt19937 rng(2024);
   // head_dim 60: QK^T of the large request is the [50, 144, 60] x [50, 60, 180] product that went
-  // wrong under the serial OpenBLAS; E=8, H=1 is the smallest model seen failing through the server.
+  // wrong under the serial OpenBLAS; E=8, H=1 is the smallest model seen failing through the
+  // server.
   const ModelWeights wide = testing::RandomWeights(rng, "wide", 120, 2);
   const ModelWeights tiny = testing::RandomWeights(rng, "tiny", 8, 1);
   auto wide_model = CreateTorchModel(wide, options);
@@ -128,8 +130,8 @@ void CheckConcurrentAnswers(const EngineOptions& options, double tolerance, int 
     });
   }
   for (auto& th : threads) th.join();
-  EXPECT_EQ(answers.load(), kThreads * kRounds * static_cast<int>(samples.size()) +
-                                kThreads * (kRounds / 4) * 4);
+  EXPECT_EQ(answers.load(),
+            kThreads * kRounds * static_cast<int>(samples.size()) + kThreads * (kRounds / 4) * 4);
   EXPECT_EQ(wrong.load(), 0) << "of " << answers.load() << " answers; worst relative error "
                              << worst.load();
 }

@@ -6,8 +6,8 @@
 
 #include <cmath>
 #include <cstring>
-#include <iostream>
 #include <functional>
+#include <iostream>
 #include <limits>
 
 #include "server/engine/attention_model.h"
@@ -20,9 +20,9 @@ namespace attnserve {
 namespace {
 
 using testing::kInf;
+using testing::RandomHost;
 using testing::Reference;
 using testing::ToLayout;
-using testing::RandomHost;
 using Vec = testing::Vec;
 
 struct Case {
@@ -93,7 +93,8 @@ TEST_P(EngineTest, MatchesFloat64Reference) {
   const bool mask_bool = c.mask == Case::kBool2d || c.mask == Case::kBool3d;
   if (c.mask != Case::kNone) {
     const int64_t n0 = mask3d ? b * h : 1;
-    std::vector<int64_t> shape = mask3d ? std::vector<int64_t>{n0, lq, lk} : std::vector<int64_t>{lq, lk};
+    std::vector<int64_t> shape =
+        mask3d ? std::vector<int64_t>{n0, lq, lk} : std::vector<int64_t>{lq, lk};
     if (mask3d && c.unbatched) shape[0] = h;
     attn_mask = testing::Zeros(shape, mask_bool ? DType::kBool : DType::kFloat32);
     for (int64_t m = 0; m < n0; ++m)
@@ -103,7 +104,7 @@ TEST_P(EngineTest, MatchesFloat64Reference) {
           double add_value;
           if (mask_bool) {
             const bool masked = j > 0 && unif(rng) < 0.4;  // Key 0 stays visible.
-            attn_mask.bytes[at] = masked ? 7 : 0;            // Any non-zero byte means true.
+            attn_mask.bytes[at] = masked ? 7 : 0;          // Any non-zero byte means true.
             add_value = masked ? -kInf : 0.0;
           } else {
             const float x = static_cast<float>(unif(rng) * 4 - 2);
@@ -173,7 +174,8 @@ TEST_P(EngineTest, MatchesFloat64Reference) {
     }
     call.attn_mask = attn_mask.view();
   }
-  ASSERT_TRUE(Validate(w.spec, AttendLimits{}, &call).ok()) << Validate(w.spec, AttendLimits{}, &call).message();
+  ASSERT_TRUE(Validate(w.spec, AttendLimits{}, &call).ok())
+      << Validate(w.spec, AttendLimits{}, &call).message();
 
   std::string out_bytes, weight_bytes;
   AttendOutputs out{&out_bytes, &weight_bytes};
@@ -182,7 +184,8 @@ TEST_P(EngineTest, MatchesFloat64Reference) {
   // LibTorch 2.x runs a forward without weights in its fused kernel (on the CPU, its flash-style
   // kernel), so on that flavour these same cases check the fused path against the reference.
   const bool fused = EngineHasFusedAttention() && c.weights == WeightsMode::kNone;
-  EXPECT_EQ(std::string(out.attention_backend) != "math", fused) << "backend " << out.attention_backend;
+  EXPECT_EQ(std::string(out.attention_backend) != "math", fused)
+      << "backend " << out.attention_backend;
 
   Vec ref_out, ref_w;
   Reference(w, b, lq, lk, q, k, v, combined, &ref_out, &ref_w);
@@ -225,7 +228,8 @@ TEST_P(EngineTest, MatchesFloat64Reference) {
     const float* a = reinterpret_cast<const float*>(weight_bytes.data());
     const float* sw = reinterpret_cast<const float*>(split_weights.data());
     double diff = 0;
-    for (size_t i = 0; i < weight_bytes.size() / 4; ++i) diff = std::max(diff, std::fabs(static_cast<double>(a[i]) - sw[i]));
+    for (size_t i = 0; i < weight_bytes.size() / 4; ++i)
+      diff = std::max(diff, std::fabs(static_cast<double>(a[i]) - sw[i]));
     EXPECT_LE(diff, 1e-6) << "split weights";
   }
 
@@ -240,7 +244,8 @@ TEST_P(EngineTest, MatchesFloat64Reference) {
     want_w.assign(b * lq * sl, 0.0);
     for (int64_t bb = 0; bb < b; ++bb)
       for (int64_t hh = 0; hh < h; ++hh)
-        for (int64_t i = 0; i < lq * sl; ++i) want_w[bb * lq * sl + i] += ref_w[(bb * h + hh) * lq * sl + i] / h;
+        for (int64_t i = 0; i < lq * sl; ++i)
+          want_w[bb * lq * sl + i] += ref_w[(bb * h + hh) * lq * sl + i] / h;
     want_wshape = {b, lq, sl};
   }
   if (c.unbatched) want_wshape.erase(want_wshape.begin());
@@ -262,31 +267,131 @@ Case Make(const char* name, std::function<void(Case&)> f) {
 INSTANTIATE_TEST_SUITE_P(
     Matrix, EngineTest,
     ::testing::Values(
-        Make("SelfBias", [](Case&) {}),
-        Make("SelfNoBias", [](Case& c) { c.bias = false; }),
+        Make("SelfBias", [](Case&) {}), Make("SelfNoBias", [](Case& c) { c.bias = false; }),
         Make("CrossLqNeLk", [](Case& c) { c.lk = 9; }),
-        Make("CrossKdimVdim", [](Case& c) { c.lk = 6; c.kdim = 8; c.vdim = 12; c.weights = WeightsMode::kPerHead; }),
-        Make("BoolMask2d", [](Case& c) { c.mask = Case::kBool2d; c.weights = WeightsMode::kAveraged; }),
-        Make("BoolMask3d", [](Case& c) { c.mask = Case::kBool3d; c.lk = 7; }),
-        Make("FloatMask2d", [](Case& c) { c.mask = Case::kFloat2d; c.weights = WeightsMode::kPerHead; }),
-        Make("FloatMask3d", [](Case& c) { c.mask = Case::kFloat3d; c.lk = 4; c.weights = WeightsMode::kAveraged; }),
-        Make("BoolKeyPadding", [](Case& c) { c.kpm = Case::kBoolKpm; c.b = 4; }),
-        Make("FloatKeyPadding", [](Case& c) { c.kpm = Case::kFloatKpm; c.weights = WeightsMode::kPerHead; }),
-        Make("Causal", [](Case& c) { c.causal = true; c.lq = 8; }),
-        Make("CausalCrossWithMasks", [](Case& c) { c.causal = true; c.lk = 10; c.kpm = Case::kBoolKpm; c.mask = Case::kFloat3d; c.weights = WeightsMode::kAveraged; }),
-        Make("BiasKv", [](Case& c) { c.bias_kv = true; c.lk = 6; c.weights = WeightsMode::kPerHead; }),
-        Make("ZeroAttn", [](Case& c) { c.zero_attn = true; c.kpm = Case::kBoolKpm; c.weights = WeightsMode::kAveraged; }),
-        Make("BiasKvZeroAttnCausal", [](Case& c) { c.bias_kv = true; c.zero_attn = true; c.causal = true; }),
-        Make("Unbatched", [](Case& c) { c.unbatched = true; c.lk = 7; c.kpm = Case::kBoolKpm; c.weights = WeightsMode::kPerHead; }),
-        Make("UnbatchedMask3d", [](Case& c) { c.unbatched = true; c.mask = Case::kBool3d; c.weights = WeightsMode::kAveraged; }),
-        Make("SequenceFirst", [](Case& c) { c.seq_first = true; c.lk = 6; c.mask = Case::kBool3d; c.weights = WeightsMode::kAveraged; }),
-        Make("FullyMaskedRowGivesZeros", [](Case& c) { c.kill_row = true; c.weights = WeightsMode::kPerHead; }),
-        Make("FullyMaskedRowSequenceFirst", [](Case& c) { c.kill_row = true; c.seq_first = true; }),
+        Make("CrossKdimVdim",
+             [](Case& c) {
+               c.lk = 6;
+               c.kdim = 8;
+               c.vdim = 12;
+               c.weights = WeightsMode::kPerHead;
+             }),
+        Make("BoolMask2d",
+             [](Case& c) {
+               c.mask = Case::kBool2d;
+               c.weights = WeightsMode::kAveraged;
+             }),
+        Make("BoolMask3d",
+             [](Case& c) {
+               c.mask = Case::kBool3d;
+               c.lk = 7;
+             }),
+        Make("FloatMask2d",
+             [](Case& c) {
+               c.mask = Case::kFloat2d;
+               c.weights = WeightsMode::kPerHead;
+             }),
+        Make("FloatMask3d",
+             [](Case& c) {
+               c.mask = Case::kFloat3d;
+               c.lk = 4;
+               c.weights = WeightsMode::kAveraged;
+             }),
+        Make("BoolKeyPadding",
+             [](Case& c) {
+               c.kpm = Case::kBoolKpm;
+               c.b = 4;
+             }),
+        Make("FloatKeyPadding",
+             [](Case& c) {
+               c.kpm = Case::kFloatKpm;
+               c.weights = WeightsMode::kPerHead;
+             }),
+        Make("Causal",
+             [](Case& c) {
+               c.causal = true;
+               c.lq = 8;
+             }),
+        Make("CausalCrossWithMasks",
+             [](Case& c) {
+               c.causal = true;
+               c.lk = 10;
+               c.kpm = Case::kBoolKpm;
+               c.mask = Case::kFloat3d;
+               c.weights = WeightsMode::kAveraged;
+             }),
+        Make("BiasKv",
+             [](Case& c) {
+               c.bias_kv = true;
+               c.lk = 6;
+               c.weights = WeightsMode::kPerHead;
+             }),
+        Make("ZeroAttn",
+             [](Case& c) {
+               c.zero_attn = true;
+               c.kpm = Case::kBoolKpm;
+               c.weights = WeightsMode::kAveraged;
+             }),
+        Make("BiasKvZeroAttnCausal",
+             [](Case& c) {
+               c.bias_kv = true;
+               c.zero_attn = true;
+               c.causal = true;
+             }),
+        Make("Unbatched",
+             [](Case& c) {
+               c.unbatched = true;
+               c.lk = 7;
+               c.kpm = Case::kBoolKpm;
+               c.weights = WeightsMode::kPerHead;
+             }),
+        Make("UnbatchedMask3d",
+             [](Case& c) {
+               c.unbatched = true;
+               c.mask = Case::kBool3d;
+               c.weights = WeightsMode::kAveraged;
+             }),
+        Make("SequenceFirst",
+             [](Case& c) {
+               c.seq_first = true;
+               c.lk = 6;
+               c.mask = Case::kBool3d;
+               c.weights = WeightsMode::kAveraged;
+             }),
+        Make("FullyMaskedRowGivesZeros",
+             [](Case& c) {
+               c.kill_row = true;
+               c.weights = WeightsMode::kPerHead;
+             }),
+        Make("FullyMaskedRowSequenceFirst",
+             [](Case& c) {
+               c.kill_row = true;
+               c.seq_first = true;
+             }),
         // Long enough that attention runs in several query blocks (the engine bounds the scores
         // held at once): masks, causality and weights must line up across block boundaries.
-        Make("LongQueryBlocksCausalPerHead", [](Case& c) { c.b = 1; c.lq = 1100; c.causal = true; c.kpm = Case::kBoolKpm; c.weights = WeightsMode::kPerHead; }),
-        Make("LongCrossBlocksMask3dAveragedSeqFirst", [](Case& c) { c.lq = 600; c.lk = 900; c.mask = Case::kFloat3d; c.weights = WeightsMode::kAveraged; c.seq_first = true; }),
-        Make("LongBlocksFullyMaskedRow", [](Case& c) { c.b = 1; c.lq = 1100; c.kill_row = true; })),
+        Make("LongQueryBlocksCausalPerHead",
+             [](Case& c) {
+               c.b = 1;
+               c.lq = 1100;
+               c.causal = true;
+               c.kpm = Case::kBoolKpm;
+               c.weights = WeightsMode::kPerHead;
+             }),
+        Make("LongCrossBlocksMask3dAveragedSeqFirst",
+             [](Case& c) {
+               c.lq = 600;
+               c.lk = 900;
+               c.mask = Case::kFloat3d;
+               c.weights = WeightsMode::kAveraged;
+               c.seq_first = true;
+             }),
+        Make("LongBlocksFullyMaskedRow",
+             [](Case& c) {
+               c.b = 1;
+               c.lq = 1100;
+               c.kill_row = true;
+             })),
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
 
 TEST(EngineTest, Float16InOutMatchesFloat32Compute) {
@@ -295,7 +400,8 @@ TEST(EngineTest, Float16InOutMatchesFloat32Compute) {
   w.spec.name = "h";
   w.spec.embed_dim = w.spec.kdim = w.spec.vdim = 16;
   w.spec.num_heads = 2;
-  for (HostTensor* t : {&w.q_proj, &w.k_proj, &w.v_proj, &w.out_proj}) *t = RandomHost(rng, {16, 16}, 0.25f);
+  for (HostTensor* t : {&w.q_proj, &w.k_proj, &w.v_proj, &w.out_proj})
+    *t = RandomHost(rng, {16, 16}, 0.25f);
   auto model = CreateTorchModel(w, EngineOptions{});
   ASSERT_TRUE(model.ok());
   const std::vector<float> x = testing::RandomFloats(rng, 2 * 3 * 16);
@@ -308,7 +414,8 @@ TEST(EngineTest, Float16InOutMatchesFloat32Compute) {
     std::memcpy(&bits, &x[i], 4);
     bits &= 0xffffe000u;
     std::memcpy(&rounded[i], &bits, 4);
-    const uint32_t sign = (bits >> 16) & 0x8000, exp = ((bits >> 23) & 0xff) - 112, mant = (bits >> 13) & 0x3ff;
+    const uint32_t sign = (bits >> 16) & 0x8000, exp = ((bits >> 23) & 0xff) - 112,
+                   mant = (bits >> 13) & 0x3ff;
     const uint16_t half = static_cast<uint16_t>(sign | (exp << 10) | mant);
     std::memcpy(&h16.bytes[2 * i], &half, 2);
   }
@@ -344,7 +451,8 @@ TEST(EngineTest, DeviceFlagIsCheckedAtCreation) {
   auto cuda = CreateTorchModel(w, EngineOptions{"cuda", DType::kFloat32});
   if (EngineDescription().find("(CUDA") == std::string::npos) {  // No GPU in use here.
     ASSERT_FALSE(cuda.ok());
-    EXPECT_THAT(cuda.status().message(), ::testing::HasSubstr("--device cuda: CUDA is not available"));
+    EXPECT_THAT(cuda.status().message(),
+                ::testing::HasSubstr("--device cuda: CUDA is not available"));
   } else {
     ASSERT_TRUE(cuda.ok()) << cuda.status().message();
     EXPECT_EQ(cuda.value()->spec().device, "cuda");
@@ -372,16 +480,17 @@ ModelWeights RandomBiasedWeights(std::mt19937& rng, const std::string& name, int
   w.spec.embed_dim = w.spec.kdim = w.spec.vdim = e;
   w.spec.num_heads = h;
   const float ws = 1.0f / std::sqrt(static_cast<float>(e));
-  for (HostTensor* t : {&w.q_proj, &w.k_proj, &w.v_proj, &w.out_proj}) *t = RandomHost(rng, {e, e}, ws);
+  for (HostTensor* t : {&w.q_proj, &w.k_proj, &w.v_proj, &w.out_proj})
+    *t = RandomHost(rng, {e, e}, ws);
   w.in_proj_bias = RandomHost(rng, {3 * e}, 0.5f);
   w.out_proj_bias = RandomHost(rng, {e}, 0.5f);
   return w;
 }
 
 // CPU bfloat16 compute (opt-in): weights and activations in bfloat16 (8 mantissa bits), products
-// accumulated in float32 by oneDNN. Against the float64 reference: max |error| <= 2e-2 * max |output|
-// (README "CPU bfloat16"), with and without attention weights (explicit and, on LibTorch 2.x, fused
-// path). Float32 stays the default and exact.
+// accumulated in float32 by oneDNN. Against the float64 reference: max |error| <= 2e-2 * max
+// |output| (README "CPU bfloat16"), with and without attention weights (explicit and, on
+// LibTorch 2.x, fused path). Float32 stays the default and exact.
 TEST(EngineTest, CpuBfloat16MatchesFloat64WithinItsTolerance) {
   std::mt19937 rng(2024);
   const int64_t e = 64, h = 4, b = 2, l = 24;
@@ -456,7 +565,8 @@ TEST(EngineTest, CpuBfloat16LongInnerProductsStayWithinItsTolerance) {
 // engine's own bfloat16 products are the point, and the two differ.
 TEST(EngineTest, CpuBfloat16WithoutNativeProductsMultipliesInFloat32) {
   if (__builtin_cpu_supports("avx512bf16")) {
-    GTEST_SKIP() << "this CPU has AVX512-BF16: bfloat16 products run natively (checked by the tolerance tests)";
+    GTEST_SKIP() << "this CPU has AVX512-BF16: bfloat16 products run natively (checked by the "
+                    "tolerance tests)";
   }
   std::mt19937 rng(77);
   const int64_t e = 64, h = 4, l = 48;
@@ -477,7 +587,8 @@ TEST(EngineTest, CpuBfloat16WithoutNativeProductsMultipliesInFloat32) {
     ASSERT_TRUE((*model)->Forward(call, &out).ok());
   }
   ASSERT_EQ(answers[0].size(), static_cast<size_t>(l * e * 4));
-  EXPECT_TRUE(answers[0] == answers[1]) << "bfloat16 products were not widened to float32 on a CPU without AVX512-BF16";
+  EXPECT_TRUE(answers[0] == answers[1])
+      << "bfloat16 products were not widened to float32 on a CPU without AVX512-BF16";
 }
 
 }  // namespace
@@ -495,7 +606,9 @@ class EngineBatchTest : public ::testing::TestWithParam<EngineOptions::Varlen> {
 
 // How gtest names the parameter in its output.
 void PrintTo(EngineOptions::Varlen v, std::ostream* os) {
-  *os << (v == EngineOptions::Varlen::kOff ? "off" : v == EngineOptions::Varlen::kAuto ? "auto" : "emulate");
+  *os << (v == EngineOptions::Varlen::kOff    ? "off"
+          : v == EngineOptions::Varlen::kAuto ? "auto"
+                                              : "emulate");
 }
 
 namespace {
@@ -507,7 +620,8 @@ TEST_P(EngineBatchTest, PackedBatchEqualsOneByOne) {
   w.spec.embed_dim = w.spec.kdim = w.spec.vdim = 32;
   w.spec.num_heads = 4;
   w.spec.bias = true;
-  for (HostTensor* t : {&w.q_proj, &w.k_proj, &w.v_proj, &w.out_proj}) *t = RandomHost(rng, {32, 32}, 0.2f);
+  for (HostTensor* t : {&w.q_proj, &w.k_proj, &w.v_proj, &w.out_proj})
+    *t = RandomHost(rng, {32, 32}, 0.2f);
   w.in_proj_bias = RandomHost(rng, {96}, 0.5f);
   w.out_proj_bias = RandomHost(rng, {32}, 0.5f);
   EngineOptions options;
@@ -533,12 +647,12 @@ TEST_P(EngineBatchTest, PackedBatchEqualsOneByOne) {
   reqs[3].bufs.push_back(floats({9, 32}));     // unbatched
   reqs[4].bufs.push_back(floats({2, 6, 32}));
   reqs[4].bufs.push_back(testing::Zeros({2, 6}, DType::kBool));
-  reqs[4].bufs.back().bytes[5] = 1;  // batch 0 pads its last key
+  reqs[4].bufs.back().bytes[5] = 1;                               // batch 0 pads its last key
   for (int j = 6; j < 12; ++j) reqs[4].bufs.back().bytes[j] = 1;  // batch 1 sees no key: zeros
   reqs[5].bufs.push_back(floats({1, 4, 32}));
   reqs[5].bufs.push_back(floats({1, 8, 32}));
   reqs[5].bufs.push_back(floats({1, 8, 32}));
-  reqs[5].bufs.push_back(floats({4, 8}));      // float attn_mask
+  reqs[5].bufs.push_back(floats({4, 8}));  // float attn_mask
   // Partners for a varlen group of each kind (self/cross x causal or not), ragged lengths.
   reqs[6].bufs.push_back(floats({3, 5, 32}));  // self, joins 0
   reqs[7].bufs.push_back(floats({2, 4, 32}));  // self causal, joins 3 (unbatched)
@@ -595,15 +709,19 @@ TEST_P(EngineBatchTest, PackedBatchEqualsOneByOne) {
   // Which calls joined a varlen group: all but the sequence-first batch of 3 (2), and those with
   // a key padding mask (4) or an attention mask (5).
   for (size_t i = 0; i < reqs.size(); ++i) {
-    const bool grouped = GetParam() == EngineOptions::Varlen::kEmulate && i != 2 && i != 4 && i != 5;
-    EXPECT_EQ(std::string(outs_together[i].attention_backend) == "varlen_emulated", grouped) << "request " << i;
+    const bool grouped =
+        GetParam() == EngineOptions::Varlen::kEmulate && i != 2 && i != 4 && i != 5;
+    EXPECT_EQ(std::string(outs_together[i].attention_backend) == "varlen_emulated", grouped)
+        << "request " << i;
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(Varlen, EngineBatchTest,
-                         ::testing::Values(EngineOptions::Varlen::kAuto, EngineOptions::Varlen::kEmulate),
+                         ::testing::Values(EngineOptions::Varlen::kAuto,
+                                           EngineOptions::Varlen::kEmulate),
                          [](const auto& info) {
-                           return info.param == EngineOptions::Varlen::kAuto ? "PerCallOnCpu" : "Emulated";
+                           return info.param == EngineOptions::Varlen::kAuto ? "PerCallOnCpu"
+                                                                             : "Emulated";
                          });
 
 }  // namespace

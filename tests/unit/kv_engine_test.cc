@@ -26,7 +26,7 @@ struct KvCase {
   bool bias = true, bias_kv = false, zero_attn = false;
   int64_t b = 2;
   bool seq_first = false, unbatched = false;
-  bool kpm = false;        // Bool key padding: some keys of batch 0 (session: of some steps).
+  bool kpm = false;         // Bool key padding: some keys of batch 0 (session: of some steps).
   bool float_mask = false;  // A float attn_mask on top (causal or not).
   WeightsMode weights = WeightsMode::kNone;
 };
@@ -41,7 +41,8 @@ std::unique_ptr<AttentionModel> MakeModel(const KvCase& c, std::mt19937& rng, Mo
   w.spec.bias = c.bias;
   w.spec.add_bias_kv = c.bias_kv;
   w.spec.add_zero_attn = c.zero_attn;
-  for (HostTensor* t : {&w.q_proj, &w.k_proj, &w.v_proj, &w.out_proj}) *t = testing::RandomHost(rng, {32, 32}, 0.2f);
+  for (HostTensor* t : {&w.q_proj, &w.k_proj, &w.v_proj, &w.out_proj})
+    *t = testing::RandomHost(rng, {32, 32}, 0.2f);
   if (c.bias) {
     w.in_proj_bias = testing::RandomHost(rng, {96}, 0.5f);
     w.out_proj_bias = testing::RandomHost(rng, {32}, 0.5f);
@@ -64,14 +65,17 @@ Buffer Rows(const Buffer& x, const KvCase& c, int64_t t0, int64_t t) {
   if (c.unbatched || c.seq_first) {  // rows are the outer dimension
     const int64_t row = c.unbatched ? e : c.b * e;
     out.assign(src + t0 * row, src + (t0 + t) * row);
-    return testing::Floats(c.unbatched ? std::vector<int64_t>{t, e} : std::vector<int64_t>{t, c.b, e}, out);
+    return testing::Floats(
+        c.unbatched ? std::vector<int64_t>{t, e} : std::vector<int64_t>{t, c.b, e}, out);
   }
   const int64_t l = x.shape[1];
-  for (int64_t bi = 0; bi < c.b; ++bi) out.insert(out.end(), src + (bi * l + t0) * e, src + (bi * l + t0 + t) * e);
+  for (int64_t bi = 0; bi < c.b; ++bi)
+    out.insert(out.end(), src + (bi * l + t0) * e, src + (bi * l + t0 + t) * e);
   return testing::Floats({c.b, t, e}, out);
 }
 
-// Columns [c0, c0 + n) of rows [r0, r0 + m) of a bool or float [R, C] mask, or of each [.., R, C] slice.
+// Columns [c0, c0 + n) of rows [r0, r0 + m) of a bool or float [R, C] mask, or of each [.., R, C]
+// slice.
 Buffer Block(const Buffer& m, int64_t r0, int64_t nr, int64_t c0, int64_t nc) {
   const int64_t rows = m.shape[m.shape.size() - 2], cols = m.shape.back();
   const size_t elem = DTypeSize(m.dtype);
@@ -112,11 +116,12 @@ TEST_P(KvSessionTest, StepsEqualOneCausalSelfAttentionOverTheConcatenation) {
   const std::vector<int64_t> steps = {5, 1, 1, 3, 1, 16, 2, 1};  // The first carries a prompt.
   int64_t l = 0;
   for (int64_t t : steps) l += t;
-  const std::vector<int64_t> shape = c.unbatched ? std::vector<int64_t>{l, e}
+  const std::vector<int64_t> shape = c.unbatched   ? std::vector<int64_t>{l, e}
                                      : c.seq_first ? std::vector<int64_t>{l, b, e}
                                                    : std::vector<int64_t>{b, l, e};
   const Buffer x = testing::Floats(shape, testing::RandomFloats(rng, testing::Numel(shape)));
-  Buffer kpm = testing::Zeros(c.unbatched ? std::vector<int64_t>{l} : std::vector<int64_t>{b, l}, DType::kBool);
+  Buffer kpm = testing::Zeros(c.unbatched ? std::vector<int64_t>{l} : std::vector<int64_t>{b, l},
+                              DType::kBool);
   if (c.kpm) {
     for (int64_t j : {1, 6, 7, 20}) kpm.bytes[j] = 1;  // Keys of batch 0 that are padding.
   }
@@ -147,8 +152,8 @@ TEST_P(KvSessionTest, StepsEqualOneCausalSelfAttentionOverTheConcatenation) {
   for (int64_t t : steps) {
     const Buffer q = Rows(x, c, t0, t);
     // The step's key padding covers its new tokens: [B, t] (unbatched [t]).
-    const Buffer step_kpm = c.unbatched ? Buffer{DType::kBool, {t}, kpm.bytes.substr(t0, t)}
-                                        : Block(kpm, 0, b, t0, t);
+    const Buffer step_kpm =
+        c.unbatched ? Buffer{DType::kBool, {t}, kpm.bytes.substr(t0, t)} : Block(kpm, 0, b, t0, t);
     const Buffer step_mask = Block(mask, t0, t, 0, t0 + t);
     AttendCall call;
     call.query = q.view();
@@ -178,7 +183,8 @@ TEST_P(KvSessionTest, StepsEqualOneCausalSelfAttentionOverTheConcatenation) {
     if (c.unbatched || c.seq_first) {
       std::memcpy(dst + t0 * b * e, src, out.size());
     } else {
-      for (int64_t bi = 0; bi < b; ++bi) std::memcpy(dst + (bi * l + t0) * e, src + bi * t * e, t * e * 4);
+      for (int64_t bi = 0; bi < b; ++bi)
+        std::memcpy(dst + (bi * l + t0) * e, src + bi * t * e, t * e * 4);
     }
     if (c.weights != WeightsMode::kNone) {
       // Step weights [B, (H,) t, t0+t+extra] against the whole's rows [t0, t0+t): columns of the
@@ -209,14 +215,18 @@ TEST_P(KvSessionTest, StepsEqualOneCausalSelfAttentionOverTheConcatenation) {
 INSTANTIATE_TEST_SUITE_P(
     Cases, KvSessionTest,
     ::testing::Values(KvCase{"Plain"}, KvCase{"NoBias", false}, KvCase{"BiasKv", true, true},
-                      KvCase{"ZeroAttn", true, false, true}, KvCase{"BiasKvZeroAttn", true, true, true},
-                      KvCase{"Batch1", true, false, false, 1}, KvCase{"Batch5", true, false, false, 5},
+                      KvCase{"ZeroAttn", true, false, true},
+                      KvCase{"BiasKvZeroAttn", true, true, true},
+                      KvCase{"Batch1", true, false, false, 1},
+                      KvCase{"Batch5", true, false, false, 5},
                       KvCase{"SequenceFirst", true, false, false, 3, true},
                       KvCase{"Unbatched", true, false, false, 1, false, true},
                       KvCase{"KeyPadding", true, false, false, 2, false, false, true},
                       KvCase{"FloatMask", true, false, false, 2, false, false, false, true},
-                      KvCase{"PerHeadWeights", true, true, true, 2, false, false, true, false, WeightsMode::kPerHead},
-                      KvCase{"AveragedWeights", true, false, false, 2, true, false, false, true, WeightsMode::kAveraged}),
+                      KvCase{"PerHeadWeights", true, true, true, 2, false, false, true, false,
+                             WeightsMode::kPerHead},
+                      KvCase{"AveragedWeights", true, false, false, 2, true, false, false, true,
+                             WeightsMode::kAveraged}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // Steps of two sessions, a memory query and an ordinary call in one ForwardBatch (their projections
@@ -256,7 +266,9 @@ TEST(KvBatchTest, SessionStepsAndMemoryQueriesBatchedEqualThemAlone) {
       c.kv_use = AttendCall::Kv::kSession;
       c.kv_batch = b;
       c.kv_length = held[s];
-      capacity[s] = held[s] + t <= capacity[s] ? capacity[s] : std::max<int64_t>({held[s] + t, 2 * capacity[s], 16});
+      capacity[s] = held[s] + t <= capacity[s]
+                        ? capacity[s]
+                        : std::max<int64_t>({held[s] + t, 2 * capacity[s], 16});
       c.kv_capacity = capacity[s];
       ASSERT_TRUE(Validate(spec, {}, &c).ok());
       c.kv = alone[s];
@@ -310,15 +322,17 @@ TEST_P(KvMemoryTest, MemoryEqualsCrossAttentionWithKeyAndValueOnTheWire) {
   auto model = MakeModel(c, rng, &spec);
   ASSERT_TRUE(model);
   const int64_t e = 32, h = 4, b = c.unbatched ? 1 : c.b, lk = 19;
-  const TensorLayout layout = c.seq_first ? TensorLayout::kSequenceFirst : TensorLayout::kBatchFirst;
+  const TensorLayout layout =
+      c.seq_first ? TensorLayout::kSequenceFirst : TensorLayout::kBatchFirst;
   const auto shaped = [&](int64_t len) {
-    return c.unbatched ? std::vector<int64_t>{len, e}
+    return c.unbatched   ? std::vector<int64_t>{len, e}
            : c.seq_first ? std::vector<int64_t>{len, b, e}
                          : std::vector<int64_t>{b, len, e};
   };
   const Buffer k = testing::Floats(shaped(lk), testing::RandomFloats(rng, b * lk * e));
   const Buffer v = testing::Floats(shaped(lk), testing::RandomFloats(rng, b * lk * e));
-  Buffer kpm = testing::Zeros(c.unbatched ? std::vector<int64_t>{lk} : std::vector<int64_t>{b, lk}, DType::kBool);
+  Buffer kpm = testing::Zeros(c.unbatched ? std::vector<int64_t>{lk} : std::vector<int64_t>{b, lk},
+                              DType::kBool);
   for (int64_t j : {0, 3, 4}) kpm.bytes[j] = 1;
 
   AttendCall create;
@@ -338,7 +352,8 @@ TEST_P(KvMemoryTest, MemoryEqualsCrossAttentionWithKeyAndValueOnTheWire) {
   // Several queries against the memory, batched together with an ordinary call, each equal to the
   // same cross-attention with key and value on the wire.
   std::vector<Buffer> queries;
-  for (int64_t lq : {1, 7, 30}) queries.push_back(testing::Floats(shaped(lq), testing::RandomFloats(rng, b * lq * e)));
+  for (int64_t lq : {1, 7, 30})
+    queries.push_back(testing::Floats(shaped(lq), testing::RandomFloats(rng, b * lq * e)));
   const Buffer mask = testing::Floats({30, lk}, testing::RandomFloats(rng, 30 * lk, 0.5f));
   std::vector<AttendCall> memory_calls(queries.size()), wire_calls(queries.size());
   std::vector<Buffer> masks;
@@ -404,8 +419,10 @@ INSTANTIATE_TEST_SUITE_P(
                       KvCase{"SequenceFirst", true, false, false, 3, true},
                       KvCase{"Unbatched", true, false, false, 1, false, true},
                       KvCase{"KeyPaddingAndMask", true, false, false, 2, false, false, true, true},
-                      KvCase{"PerHeadWeights", true, true, false, 2, false, false, true, false, WeightsMode::kPerHead},
-                      KvCase{"AveragedWeights", false, false, true, 2, true, false, false, true, WeightsMode::kAveraged}),
+                      KvCase{"PerHeadWeights", true, true, false, 2, false, false, true, false,
+                             WeightsMode::kPerHead},
+                      KvCase{"AveragedWeights", false, false, true, 2, true, false, false, true,
+                             WeightsMode::kAveraged}),
     [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace

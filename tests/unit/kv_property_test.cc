@@ -1,7 +1,7 @@
 // The keys and values kept between requests as a state machine (issue 17, STYLE 15): random
-// operation sequences over a KvStore and the LibTorch engine, every invariant of the reference model
-// checked after every operation (tests/lib/kv_model_check.h), and the same store driven from several
-// threads at once (run under ThreadSanitizer by tools/sanitize.sh).
+// operation sequences over a KvStore and the LibTorch engine, every invariant of the reference
+// model checked after every operation (tests/lib/kv_model_check.h), and the same store driven from
+// several threads at once (run under ThreadSanitizer by tools/sanitize.sh).
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -53,9 +53,10 @@ TEST(KvPropertyTest, RandomOperationSequencesKeepEveryInvariant) {
   }
   std::printf("kv property: %s\n", stats.ToString().c_str());
   // Not vacuous: every kind of event happened, many times.
-  for (int64_t n : {stats.step_answers_checked, stats.steps_not_applied, stats.memory_answers_checked,
-                    stats.evicted, stats.expired, stats.released, stats.unloaded, stats.invalid,
-                    stats.not_found, stats.exhausted, stats.aborted}) {
+  for (int64_t n :
+       {stats.step_answers_checked, stats.steps_not_applied, stats.memory_answers_checked,
+        stats.evicted, stats.expired, stats.released, stats.unloaded, stats.invalid,
+        stats.not_found, stats.exhausted, stats.aborted}) {
     EXPECT_GE(n, 100) << stats.ToString();
   }
 }
@@ -73,7 +74,8 @@ std::unique_ptr<AttentionModel> SmallModel(const char* name, uint32_t seed) {
 }
 
 // One causal self-attention over `tokens` ([L, B, E], sequence-first): its last `t` rows.
-std::vector<float> CausalTail(const AttentionModel& m, const std::vector<float>& tokens, int64_t b, int64_t t) {
+std::vector<float> CausalTail(const AttentionModel& m, const std::vector<float>& tokens, int64_t b,
+                              int64_t t) {
   const int64_t l = static_cast<int64_t>(tokens.size()) / (b * kE);
   testing::Buffer x = testing::Floats({l, b, kE}, tokens);
   AttendCall whole;
@@ -99,7 +101,8 @@ struct StepResult {
   std::vector<float> answer;
 };
 StepResult Step(KvStore& store, const AttentionModel& model, const std::string& handle,
-                std::optional<int64_t> expected, int64_t b, const std::vector<float>& tokens, bool apply) {
+                std::optional<int64_t> expected, int64_t b, const std::vector<float>& tokens,
+                bool apply) {
   StepResult r;
   auto begun = store.BeginStep(handle, expected);
   if (!begun.ok()) {
@@ -138,11 +141,11 @@ StepResult Step(KvStore& store, const AttentionModel& model, const std::string& 
 }
 
 // Four threads open, step (their own sessions, and one session all of them race on), create, query
-// and release memories on one store, while another ticks the store's clock (expiry), unloads a model
-// and reads snapshots. Each applied step's answer equals one causal call over its session's applied
-// tokens; the shared session's applied steps tile it without gaps or overlaps; no gauge is ever
-// negative or over the budget; every entry's bytes are its capacity's; at the end, bytes held = the
-// sum over the entries, and nothing once they are cleared.
+// and release memories on one store, while another ticks the store's clock (expiry), unloads a
+// model and reads snapshots. Each applied step's answer equals one causal call over its session's
+// applied tokens; the shared session's applied steps tile it without gaps or overlaps; no gauge is
+// ever negative or over the budget; every entry's bytes are its capacity's; at the end, bytes held
+// = the sum over the entries, and nothing once they are cleared.
 TEST(KvPropertyTest, ThreadsSharingOneStoreKeepItsAccountsAndAnswers) {
   const std::shared_ptr<AttentionModel> models[2] = {SmallModel("a", 11), SmallModel("b", 12)};
   KvOptions o;
@@ -159,7 +162,8 @@ TEST(KvPropertyTest, ThreadsSharingOneStoreKeepItsAccountsAndAnswers) {
     if (b < 0 || m < 0 || s < 0) negative = true;
     if (b > o.budget_bytes) over_budget = true;
   };
-  KvStore store(o, hooks, [&] { return KvClock::time_point(std::chrono::nanoseconds(now_ns.load())); });
+  KvStore store(o, hooks,
+                [&] { return KvClock::time_point(std::chrono::nanoseconds(now_ns.load())); });
   auto shared = store.Create(KvKind::kSession, models[0], models[0]->NewKvCache(), 1, 0);
   ASSERT_TRUE(shared.ok());
   const std::string shared_handle = (*shared)->handle;
@@ -200,7 +204,8 @@ TEST(KvPropertyTest, ThreadsSharingOneStoreKeepItsAccountsAndAnswers) {
           Mine m;
           m.model = static_cast<int>(rng() % 2);
           m.batch = 1 + static_cast<int64_t>(rng() % 2);
-          auto e = store.Create(KvKind::kSession, models[m.model], models[m.model]->NewKvCache(), m.batch, 0);
+          auto e = store.Create(KvKind::kSession, models[m.model], models[m.model]->NewKvCache(),
+                                m.batch, 0);
           if (e.ok()) {
             m.handle = (*e)->handle;
             mine = m;
@@ -214,10 +219,12 @@ TEST(KvPropertyTest, ThreadsSharingOneStoreKeepItsAccountsAndAnswers) {
           const std::vector<float> x = fresh(t * mine->batch * kE);
           const int64_t length = static_cast<int64_t>(mine->tokens.size()) / (mine->batch * kE);
           const bool apply = rng() % 4 != 0;
-          StepResult r = Step(store, *models[mine->model], mine->handle, length, mine->batch, x, apply);
+          StepResult r =
+              Step(store, *models[mine->model], mine->handle, length, mine->batch, x, apply);
           if (r.code == StatusCode::kNotFound) {
             ++not_found;  // Evicted, expired or unloaded: another thread's doing.
-            if (r.message.find("evicted") == std::string::npos && r.message.find("expired") == std::string::npos &&
+            if (r.message.find("evicted") == std::string::npos &&
+                r.message.find("expired") == std::string::npos &&
                 r.message.find("unloaded") == std::string::npos) {
               fail("own session: " + r.message);
             }
@@ -230,10 +237,12 @@ TEST(KvPropertyTest, ThreadsSharingOneStoreKeepItsAccountsAndAnswers) {
             ++applied;
             mine->tokens.insert(mine->tokens.end(), x.begin(), x.end());
             const double err = testing::RelativeError(
-                std::string(reinterpret_cast<const char*>(r.answer.data()), r.answer.size() * sizeof(float)),
+                std::string(reinterpret_cast<const char*>(r.answer.data()),
+                            r.answer.size() * sizeof(float)),
                 CausalTail(*models[mine->model], mine->tokens, mine->batch, t));
             ++checked;
-            if (err > 1e-5) fail("a step's answer differs from one causal call by " + std::to_string(err));
+            if (err > 1e-5)
+              fail("a step's answer differs from one causal call by " + std::to_string(err));
             if (mine->tokens.size() >= static_cast<size_t>(24 * mine->batch * kE)) {
               store.Release(mine->handle, KvKind::kSession);
               mine.reset();
@@ -258,10 +267,12 @@ TEST(KvPropertyTest, ThreadsSharingOneStoreKeepItsAccountsAndAnswers) {
           AttendCall create;
           create.key = kv.view();
           create.value = kv.view();
-          if (!ValidateCreateMemory(models[m]->spec(), {}, &create).ok()) fail("memory does not validate");
+          if (!ValidateCreateMemory(models[m]->spec(), {}, &create).ok())
+            fail("memory does not validate");
           auto e = store.Create(KvKind::kMemory, models[m], models[m]->NewKvCache(), 1, lk);
           if (!e.ok()) {
-            if (e.status().code() != StatusCode::kResourceExhausted) fail("CreateMemory: " + e.status().message());
+            if (e.status().code() != StatusCode::kResourceExhausted)
+              fail("CreateMemory: " + e.status().message());
             continue;
           }
           create.kv = (*e)->cache;
@@ -271,11 +282,13 @@ TEST(KvPropertyTest, ThreadsSharingOneStoreKeepItsAccountsAndAnswers) {
           if (!models[m]->Forward(create, &out).ok()) fail("engine: CreateMemory");
           const Status ready = store.MarkReady(*e, lk);
           if (!ready.ok()) {
-            if (ready.message().find("unloaded") == std::string::npos) fail("MarkReady: " + ready.message());
+            if (ready.message().find("unloaded") == std::string::npos)
+              fail("MarkReady: " + ready.message());
             continue;
           }
           if (rng() % 3 == 0) holds.push_back(*e);  // A request still using it...
-          if (rng() % 8 != 0) store.Release((*e)->handle, KvKind::kMemory);  // ... when it is deleted.
+          if (rng() % 8 != 0)
+            store.Release((*e)->handle, KvKind::kMemory);  // ... when it is deleted.
         } else if (op == 5 && !holds.empty()) {
           holds.erase(holds.begin());
         } else if (op == 6 && mine && rng() % 4 == 0) {
@@ -295,7 +308,8 @@ TEST(KvPropertyTest, ThreadsSharingOneStoreKeepItsAccountsAndAnswers) {
       store.ExpireIdle(KvClock::time_point(std::chrono::nanoseconds(now_ns.load())));
       if (rng() % 200 == 0) store.EndModel(models[1]->spec());
       for (const KvEntryInfo& e : store.Snapshot()) {
-        if (e.bytes < 0 || e.bytes > o.max_entry_bytes || (e.kind == KvKind::kSession && e.capacity < e.length)) {
+        if (e.bytes < 0 || e.bytes > o.max_entry_bytes ||
+            (e.kind == KvKind::kSession && e.capacity < e.length)) {
           fail("snapshot: an entry with " + std::to_string(e.bytes) + " bytes, capacity " +
                std::to_string(e.capacity) + ", length " + std::to_string(e.length));
         }
@@ -311,14 +325,18 @@ TEST(KvPropertyTest, ThreadsSharingOneStoreKeepItsAccountsAndAnswers) {
   EXPECT_FALSE(over_budget);
   // The shared session: applied steps tile it in order, and each answered what one causal call
   // over the steps before it and itself answers.
-  std::sort(shared_steps.begin(), shared_steps.end(), [](const Applied& a, const Applied& b) { return a.begin < b.begin; });
+  std::sort(shared_steps.begin(), shared_steps.end(),
+            [](const Applied& a, const Applied& b) { return a.begin < b.begin; });
   std::vector<float> sequence;
   for (const Applied& a : shared_steps) {
-    ASSERT_EQ(static_cast<int64_t>(sequence.size()) / kE, a.begin) << "a gap or an overlap in the shared session";
+    ASSERT_EQ(static_cast<int64_t>(sequence.size()) / kE, a.begin)
+        << "a gap or an overlap in the shared session";
     sequence.insert(sequence.end(), a.tokens.begin(), a.tokens.end());
     const std::vector<float> want = CausalTail(*models[0], sequence, 1, 1);
-    EXPECT_LE(testing::RelativeError(std::string(reinterpret_cast<const char*>(a.answer.data()), a.answer.size() * 4), want),
-              1e-5);
+    EXPECT_LE(
+        testing::RelativeError(
+            std::string(reinterpret_cast<const char*>(a.answer.data()), a.answer.size() * 4), want),
+        1e-5);
   }
   // Quiescent: bytes held = the sum over the entries = the gauge; cleared, nothing.
   int64_t sum = 0;
@@ -328,11 +346,12 @@ TEST(KvPropertyTest, ThreadsSharingOneStoreKeepItsAccountsAndAnswers) {
   store.Clear("the test ends");
   EXPECT_EQ(store.bytes(), 0);
   EXPECT_EQ(gauge.load(), 0);
-  std::printf("kv threads: %lld own steps applied (%lld answers checked), %zu shared steps, %lld ABORTED, "
-              "%lld NOT_FOUND, %lld RESOURCE_EXHAUSTED\n",
-              static_cast<long long>(applied.load()), static_cast<long long>(checked.load()), shared_steps.size(),
-              static_cast<long long>(aborted.load()), static_cast<long long>(not_found.load()),
-              static_cast<long long>(exhausted.load()));
+  std::printf(
+      "kv threads: %lld own steps applied (%lld answers checked), %zu shared steps, %lld ABORTED, "
+      "%lld NOT_FOUND, %lld RESOURCE_EXHAUSTED\n",
+      static_cast<long long>(applied.load()), static_cast<long long>(checked.load()),
+      shared_steps.size(), static_cast<long long>(aborted.load()),
+      static_cast<long long>(not_found.load()), static_cast<long long>(exhausted.load()));
   EXPECT_GE(checked.load(), 100);
   EXPECT_GE(shared_steps.size(), 20u);
 }

@@ -2,13 +2,13 @@
 // messages that say why. No engine: caches are fakes that only report their size.
 #include "server/kv_store.h"
 
-#include "server/checked_math.h"
-
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <map>
 #include <set>
+
+#include "server/checked_math.h"
 
 namespace attnserve {
 namespace {
@@ -26,7 +26,8 @@ class FakeCache : public KvCache {
   int64_t allocated = 0;
 };
 
-std::unique_ptr<KvStep> Begin(KvStore& store, const std::string& handle, std::optional<int64_t> expected) {
+std::unique_ptr<KvStep> Begin(KvStore& store, const std::string& handle,
+                              std::optional<int64_t> expected) {
   auto step = store.BeginStep(handle, expected);
   EXPECT_TRUE(step.ok()) << step.status().message();
   return step.ok() ? std::move(*step) : nullptr;
@@ -60,7 +61,9 @@ struct Counts {
 
 KvMetricsHooks HooksInto(Counts* c) {
   KvMetricsHooks h;
-  h.on_size = [c](int64_t b, int64_t m, int64_t s) { c->bytes = b, c->memories = m, c->sessions = s; };
+  h.on_size = [c](int64_t b, int64_t m, int64_t s) {
+    c->bytes = b, c->memories = m, c->sessions = s;
+  };
   h.on_lookup = [c](KvKind, bool hit) { ++(hit ? c->hits : c->misses); };
   h.on_end = [c](KvKind kind, KvEndReason reason) {
     ++c->ends[std::string(KvKindName(kind)) + " " + KvEndReasonName(reason)];
@@ -68,7 +71,8 @@ KvMetricsHooks HooksInto(Counts* c) {
   return h;
 }
 
-std::shared_ptr<KvEntry> NewMemory(KvStore& store, const std::shared_ptr<FakeModel>& model, int64_t len) {
+std::shared_ptr<KvEntry> NewMemory(KvStore& store, const std::shared_ptr<FakeModel>& model,
+                                   int64_t len) {
   auto e = store.Create(KvKind::kMemory, model, std::make_shared<FakeCache>(), 1, len);
   EXPECT_TRUE(e.ok()) << e.status().message();
   if (!e.ok()) return nullptr;
@@ -178,7 +182,8 @@ TEST(KvStoreTest, SessionStepsAreOneAtATimeAndGrowByDoubling) {
   EXPECT_EQ((*grow)->capacity(), 32);  // 17 needed: doubled
   EXPECT_EQ(store.bytes(), 2 * 32 * 100);
   Compute(**grow);
-  (*grow)->End(false);  // Failed after its cache grew: the length is as it was, the growth stays counted.
+  (*grow)->End(
+      false);  // Failed after its cache grew: the length is as it was, the growth stays counted.
   EXPECT_EQ((*s)->length, 5);
   EXPECT_EQ(store.bytes(), 2 * 32 * 100);
   auto again = store.BeginStep(h, 5);
@@ -240,7 +245,8 @@ TEST(KvStoreTest, StepsThatOverflowOrFailBeforeComputingChangeNothing) {
   EXPECT_EQ(step->capacity(), 243);
   EXPECT_EQ(store.bytes(), 2 * 243 * 100);
   // Negative session_length: INVALID_ARGUMENT naming the field (the step in flight is untouched).
-  for (int64_t bad : {int64_t{-1}, int64_t{-(int64_t{1} << 62)}, std::numeric_limits<int64_t>::min()}) {
+  for (int64_t bad :
+       {int64_t{-1}, int64_t{-(int64_t{1} << 62)}, std::numeric_limits<int64_t>::min()}) {
     auto refused = store.BeginStep(h, bad);
     ASSERT_FALSE(refused.ok());
     EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
@@ -269,7 +275,9 @@ TEST(KvStoreTest, EntriesAreBoundedByMaxEntries) {
   KvStore store(o);
   auto model = std::make_shared<FakeModel>();
   std::vector<std::string> handles;
-  for (int i = 0; i < 3; ++i) handles.push_back((*store.Create(KvKind::kSession, model, std::make_shared<FakeCache>(), 1, 0))->handle);
+  for (int i = 0; i < 3; ++i)
+    handles.push_back(
+        (*store.Create(KvKind::kSession, model, std::make_shared<FakeCache>(), 1, 0))->handle);
   for (KvKind kind : {KvKind::kSession, KvKind::kMemory}) {
     auto refused = store.Create(kind, model, std::make_shared<FakeCache>(), 1, 0);
     ASSERT_FALSE(refused.ok());

@@ -1,5 +1,5 @@
-// Model loading never crashes, never hangs and never loads garbage: every bad file is a refusal that
-// names the file and the problem (issue "Correct and safe under concurrent load", item 4). The
+// Model loading never crashes, never hangs and never loads garbage: every bad file is a refusal
+// that names the file and the problem (issue "Correct and safe under concurrent load", item 4). The
 // torch.save() fixtures come from tests/data/make_fixtures.py (Debian's PyTorch 1.13).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -181,7 +181,8 @@ TEST_F(LoadingTest, RealArchiveLoadsAsAModel) {
 TEST_F(LoadingTest, VersionDirectoriesAreVersionsAndTheOriginalLayoutIsVersionOne) {
   Put("config.json", R"({"num_heads": 2})");
   Put("model.pt", Fixture("mha_e8_h2.pt"));
-  for (const char* v : {"1", "3", ".staging-4", "next"}) {  // The last two are not versions: ignored.
+  for (const char* v :
+       {"1", "3", ".staging-4", "next"}) {  // The last two are not versions: ignored.
     fs::create_directories(root_ / "v" / v);
     std::ofstream(root_ / "v" / v / "config.json") << R"({"num_heads": 4})";
     std::ofstream(root_ / "v" / v / "model.pt", std::ios::binary) << Fixture("mha_e8_h2.pt");

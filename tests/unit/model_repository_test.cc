@@ -1,6 +1,8 @@
 // ModelRepository: reloads publish a new set atomically while readers run; models a request still
 // holds outlive their removal and unload after it; failed loads keep what served. Runs under ASan
 // and TSan too (tools/sanitize.sh).
+#include "server/model_repository.h"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -10,8 +12,6 @@
 #include <fstream>
 #include <future>
 #include <thread>
-
-#include "server/model_repository.h"
 
 namespace attnserve {
 namespace {
@@ -35,8 +35,8 @@ class ModelRepositoryTest : public ::testing::Test {
   // so each gives a different model from the same weights file).
   void PutVersion(const fs::path& dir, int heads) {
     fs::create_directories(dir);
-    fs::copy_file(fs::path(ATTNSERVE_TEST_DATA) / "mha_e8_h2.safetensors", dir / "model.safetensors",
-                  fs::copy_options::overwrite_existing);
+    fs::copy_file(fs::path(ATTNSERVE_TEST_DATA) / "mha_e8_h2.safetensors",
+                  dir / "model.safetensors", fs::copy_options::overwrite_existing);
     std::ofstream(dir / "config.json") << "{\"num_heads\": " << heads << "}";
   }
   ReloadReport Reload(ModelRepository& repo) {
@@ -84,7 +84,8 @@ TEST_F(ModelRepositoryTest, ReloadPublishesAtomicallyAndRemovedModelsUnloadAfter
   EXPECT_EQ(r.changes[0].version, 2);
   EXPECT_EQ(r.changes[0].action, Action::kLoaded);
   EXPECT_EQ(r.models_served, 2);
-  std::shared_ptr<const AttentionModel> in_flight = repo.Snapshot()->Find("m", 0);  // A request's hold.
+  std::shared_ptr<const AttentionModel> in_flight =
+      repo.Snapshot()->Find("m", 0);  // A request's hold.
   EXPECT_EQ(in_flight->spec().num_heads, 4);
   std::weak_ptr<const AttentionModel> watch = in_flight;
   await_reads(3);
@@ -113,9 +114,8 @@ TEST_F(ModelRepositoryTest, FailedLoadKeepsWhatServedAndIsReported) {
   const std::string hash = repo.Snapshot()->Find("m", 1)->spec().weights_hash;
   std::map<std::string, std::string> failing;
   ModelRepositoryHooks hooks;
-  hooks.on_reloaded = [&](const ReloadReport&, const ModelSet&, const std::map<std::string, std::string>& f) {
-    failing = f;
-  };
+  hooks.on_reloaded = [&](const ReloadReport&, const ModelSet&,
+                          const std::map<std::string, std::string>& f) { failing = f; };
   repo.SetHooks(hooks);
 
   std::ofstream(root_ / "m" / "1" / "config.json") << R"({"num_heads": 3})";  // 3 does not divide 8

@@ -1,12 +1,12 @@
 // PackingPlan alone (no LibTorch): the row order and offsets a batch's packed matrices use, and the
 // runs one varlen attention launch serves. Checked on fixed cases and, as invariants, on random
 // batches (fixed seed).
+#include "server/engine/packing_plan.h"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <random>
-
-#include "server/engine/packing_plan.h"
 
 namespace attnserve {
 namespace {
@@ -36,22 +36,22 @@ std::vector<const AttendCall*> Pointers(const std::vector<AttendCall>& calls) {
 }
 
 TEST(PackingPlanTest, SelfAttentionRowsComeFirstThenCrossEachGroupInArrivalOrder) {
-  std::vector<AttendCall> calls = {Cross(1, 3, 5), Self(2, 4), Self(1, 7, /*causal=*/true), Self(1, 2),
-                                   Cross(2, 1, 6)};
+  std::vector<AttendCall> calls = {Cross(1, 3, 5), Self(2, 4), Self(1, 7, /*causal=*/true),
+                                   Self(1, 2), Cross(2, 1, 6)};
   const PackingPlan plan = PlanPacking(Pointers(calls), /*varlen=*/false, 0);
   EXPECT_THAT(plan.order, ElementsAre(1, 3, 2, 0, 4));
   EXPECT_THAT(plan.q_offset, ElementsAre(17, 0, 10, 8, 20));
   EXPECT_EQ(plan.self_rows, 17);  // 8 + 2 + 7
   EXPECT_EQ(plan.q_rows, 22);
-  EXPECT_EQ(plan.k_rows, 17);     // 5 + 2 * 6: only keys on the wire
+  EXPECT_EQ(plan.k_rows, 17);  // 5 + 2 * 6: only keys on the wire
   EXPECT_EQ(plan.k_offset[0], 0);
   EXPECT_EQ(plan.k_offset[4], 5);
   EXPECT_TRUE(plan.varlen_runs.empty());
 }
 
 TEST(PackingPlanTest, EligibleCallsOfAGroupFormOneRunAheadOfTheRest) {
-  std::vector<AttendCall> calls = {Self(1, 4), Self(1, 5), Self(1, 6), Self(1, 7), Self(1, 8, true),
-                                   Self(1, 9, true)};
+  std::vector<AttendCall> calls = {Self(1, 4), Self(1, 5),       Self(1, 6),
+                                   Self(1, 7), Self(1, 8, true), Self(1, 9, true)};
   calls[1].weights = WeightsMode::kAveraged;  // Not eligible: it must attend alone.
   const PackingPlan plan = PlanPacking(Pointers(calls), /*varlen=*/true, 0);
   EXPECT_THAT(plan.order, ElementsAre(0, 2, 3, 1, 4, 5));
@@ -88,7 +88,9 @@ TEST(PackingPlanTest, RandomBatchesTileTheRowsInGroupOrder) {
     const int n = count(rng);
     for (int i = 0; i < n; ++i) {
       const int k = kind(rng);
-      AttendCall c = k < 2 ? Self(1 + k, len(rng), false) : k < 4 ? Self(1, len(rng), true) : Cross(1 + (k & 1), len(rng), len(rng));
+      AttendCall c = k < 2   ? Self(1 + k, len(rng), false)
+                     : k < 4 ? Self(1, len(rng), true)
+                             : Cross(1 + (k & 1), len(rng), len(rng));
       if (k == 3) c.weights = WeightsMode::kPerHead;
       if (k == 5) c.is_causal = true;
       calls.push_back(c);
@@ -124,7 +126,10 @@ TEST(PackingPlanTest, RandomBatchesTileTheRowsInGroupOrder) {
       ASSERT_GE(run.size(), 2u);
       for (size_t j = 0; j < run.size(); ++j) {
         ASSERT_TRUE(VarlenEligible(calls[run[j]], 0));
-        if (j > 0) ASSERT_EQ(plan.q_offset[run[j]], plan.q_offset[run[j - 1]] + calls[run[j - 1]].batch * calls[run[j - 1]].query_len);
+        if (j > 0)
+          ASSERT_EQ(
+              plan.q_offset[run[j]],
+              plan.q_offset[run[j - 1]] + calls[run[j - 1]].batch * calls[run[j - 1]].query_len);
         ASSERT_EQ(calls[run[j]].is_causal, calls[run[0]].is_causal);
         ASSERT_EQ(calls[run[j]].self_attention(), calls[run[0]].self_attention());
       }

@@ -2,6 +2,8 @@
 // decoded messages and a real repository (the demo model), batcher and store. Numbers are checked
 // against the float64 reference (tests/lib/mha_reference.h) with fresh random inputs of a fixed
 // seed; relative tolerance 1e-4 (float32 over E=512).
+#include "server/request_pipeline.h"
+
 #include <absl/status/status.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -11,7 +13,6 @@
 
 #include "server/engine/model_loader.h"
 #include "server/grpc_status.h"
-#include "server/request_pipeline.h"
 #include "tests/lib/mha_reference.h"
 
 namespace attnserve {
@@ -33,7 +34,8 @@ class RequestPipelineTest : public ::testing::Test {
     options.workers = 1;
     batcher_ = std::make_unique<Batcher>(options);
     kv_ = std::make_unique<KvStore>(KvOptions{});
-    pipeline_ = std::make_unique<RequestPipeline>(*models_, *batcher_, metrics_, AttendLimits{}, flow, *kv_);
+    pipeline_ = std::make_unique<RequestPipeline>(*models_, *batcher_, metrics_, AttendLimits{},
+                                                  flow, *kv_);
   }
 
   // A request for the demo model with a random [1, len, 512] query (its values in *query).
@@ -91,8 +93,11 @@ TEST_F(RequestPipelineTest, AnswersLikeTheFloat64ReferenceWithTheRequestsFieldsI
   testing::Reference(DemoModelWeights(), 1, 5, 5, query, query, query, {}, &out, &weights);
   ASSERT_NE(x.answer.output, nullptr);
   ASSERT_NE(x.answer.weights, nullptr);
-  EXPECT_LT(testing::RelativeError(*x.answer.output, std::vector<float>(out.begin(), out.end())), 1e-4);
-  EXPECT_LT(testing::RelativeError(*x.answer.weights, std::vector<float>(weights.begin(), weights.end())), 1e-4);
+  EXPECT_LT(testing::RelativeError(*x.answer.output, std::vector<float>(out.begin(), out.end())),
+            1e-4);
+  EXPECT_LT(
+      testing::RelativeError(*x.answer.weights, std::vector<float>(weights.begin(), weights.end())),
+      1e-4);
   EXPECT_TRUE(Idle());
 }
 
@@ -105,13 +110,17 @@ TEST_F(RequestPipelineTest, RefusesWhatItCannotResolveNamingTheFieldAndWhatIsThe
   const Case cases[] = {
       {[](v1::AttendRequest* r) { r->set_model("nope"); }, StatusCode::kNotFound,
        "model: 'nope' is not loaded; available: demo"},
-      {[](v1::AttendRequest* r) { r->set_model_version(-1); }, StatusCode::kInvalidArgument, "model_version: -1"},
-      {[](v1::AttendRequest* r) { r->set_model_version(7); }, StatusCode::kNotFound, "loaded versions: 1"},
-      {[](v1::AttendRequest* r) { r->set_model_version(INT64_MAX); }, StatusCode::kNotFound, "loaded versions: 1"},
-      {[](v1::AttendRequest* r) { r->set_memory("m"), r->set_session("s"); }, StatusCode::kInvalidArgument,
-       "memory, session: a request names one or the other"},
+      {[](v1::AttendRequest* r) { r->set_model_version(-1); }, StatusCode::kInvalidArgument,
+       "model_version: -1"},
+      {[](v1::AttendRequest* r) { r->set_model_version(7); }, StatusCode::kNotFound,
+       "loaded versions: 1"},
+      {[](v1::AttendRequest* r) { r->set_model_version(INT64_MAX); }, StatusCode::kNotFound,
+       "loaded versions: 1"},
+      {[](v1::AttendRequest* r) { r->set_memory("m"), r->set_session("s"); },
+       StatusCode::kInvalidArgument, "memory, session: a request names one or the other"},
       {[](v1::AttendRequest* r) { r->set_session("0123"); }, StatusCode::kNotFound, "session"},
-      {[](v1::AttendRequest* r) { r->mutable_query()->clear_shape(); }, StatusCode::kInvalidArgument, "query"},
+      {[](v1::AttendRequest* r) { r->mutable_query()->clear_shape(); },
+       StatusCode::kInvalidArgument, "query"},
   };
   for (const Case& c : cases) {
     Exchange x;
@@ -172,7 +181,8 @@ TEST_F(RequestPipelineTest, ASessionStepTheClientCannotReceiveIsNotApplied) {
   v1::ReleaseResponse freed;
   EXPECT_TRUE(pipeline_->Release("CloseSession", KvKind::kSession, close, &freed).ok());
   EXPECT_GT(freed.bytes_freed(), 0);
-  EXPECT_EQ(pipeline_->Release("CloseSession", KvKind::kSession, close, &freed).code(), StatusCode::kNotFound);
+  EXPECT_EQ(pipeline_->Release("CloseSession", KvKind::kSession, close, &freed).code(),
+            StatusCode::kNotFound);
   EXPECT_TRUE(Idle());
 }
 

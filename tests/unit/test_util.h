@@ -24,8 +24,8 @@ inline int64_t Numel(const std::vector<int64_t>& shape) {
 }
 
 inline Buffer Floats(std::vector<int64_t> shape, const std::vector<float>& v) {
-  Buffer b{DType::kFloat32, std::move(shape), std::string(reinterpret_cast<const char*>(v.data()),
-                                                          v.size() * sizeof(float))};
+  Buffer b{DType::kFloat32, std::move(shape),
+           std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float))};
   return b;
 }
 

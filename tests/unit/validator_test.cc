@@ -10,8 +10,8 @@
 namespace attnserve {
 namespace {
 
-using ::testing::HasSubstr;
 using testing::Buffer;
+using ::testing::HasSubstr;
 using testing::Zeros;
 
 ModelSpec Model(int64_t e = 16, int64_t h = 4, int64_t kdim = 16, int64_t vdim = 16) {
@@ -68,7 +68,8 @@ TEST(ValidatorTest, CreateMemoryTakesItsShapeAndDtypeFromTheKey) {
   d.call.value = d.Add(Zeros({2, 7, 16}, DType::kFloat16));
   const Status st = ValidateCreateMemory(Model(), {}, &d.call);
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
-  EXPECT_THAT(st.message(), HasSubstr("value: dtype float16 differs from the key's float32; key and value"));
+  EXPECT_THAT(st.message(),
+              HasSubstr("value: dtype float16 differs from the key's float32; key and value"));
 }
 
 TEST(ValidatorTest, AcceptsSelfAttentionAndFillsDims) {
@@ -101,7 +102,10 @@ TEST(ValidatorTest, RejectsWrongQueryRank) {
   Call c = SelfCall({2, 5, 16, 1});
   Status s = Check(c);
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
-  EXPECT_THAT(s.message(), HasSubstr("query: shape [2, 5, 16, 1] has 4 dims, expected [batch, query_len, embed_dim=16]"));
+  EXPECT_THAT(
+      s.message(),
+      HasSubstr(
+          "query: shape [2, 5, 16, 1] has 4 dims, expected [batch, query_len, embed_dim=16]"));
 }
 
 TEST(ValidatorTest, RejectsWrongKeyRank) {
@@ -122,12 +126,15 @@ TEST(ValidatorTest, RejectsKdimMismatch) {
 
 TEST(ValidatorTest, RejectsBatchMismatch) {
   Call c = CrossCall({2, 5, 16}, {3, 7, 16}, {3, 7, 16});
-  EXPECT_THAT(Check(c).message(), HasSubstr("key: shape [3, 7, 16] has batch=3, expected [batch=2"));
+  EXPECT_THAT(Check(c).message(),
+              HasSubstr("key: shape [3, 7, 16] has batch=3, expected [batch=2"));
 }
 
 TEST(ValidatorTest, RejectsKeyValueLengthMismatch) {
   Call c = CrossCall({2, 5, 16}, {2, 7, 16}, {2, 6, 16});
-  EXPECT_THAT(Check(c).message(), HasSubstr("value: shape [2, 6, 16] has key_len=6, expected [batch=2, key_len=7, vdim=16]"));
+  EXPECT_THAT(
+      Check(c).message(),
+      HasSubstr("value: shape [2, 6, 16] has key_len=6, expected [batch=2, key_len=7, vdim=16]"));
 }
 
 TEST(ValidatorTest, RejectsKeyWithoutValue) {
@@ -138,13 +145,15 @@ TEST(ValidatorTest, RejectsKeyWithoutValue) {
 
 TEST(ValidatorTest, RejectsSelfAttentionWhenKdimDiffers) {
   Call c = SelfCall({2, 5, 16});
-  EXPECT_THAT(Check(c, Model(16, 4, 8, 16)).message(), HasSubstr("key: missing; model 'm' has kdim=8"));
+  EXPECT_THAT(Check(c, Model(16, 4, 8, 16)).message(),
+              HasSubstr("key: missing; model 'm' has kdim=8"));
 }
 
 TEST(ValidatorTest, RejectsByteCountMismatch) {
   Call c = SelfCall({2, 5, 16});
   c.call.query.nbytes -= 4;
-  EXPECT_THAT(Check(c).message(), HasSubstr("query: data has 636 bytes, expected 640 for shape [2, 5, 16] of float32"));
+  EXPECT_THAT(Check(c).message(),
+              HasSubstr("query: data has 636 bytes, expected 640 for shape [2, 5, 16] of float32"));
 }
 
 TEST(ValidatorTest, RejectsZeroAndNegativeDims) {
@@ -171,7 +180,9 @@ TEST(ValidatorTest, RejectsMixedDtypes) {
 TEST(ValidatorTest, RejectsKeyPaddingMaskOfWrongShape) {
   Call c = SelfCall({2, 5, 16});
   c.call.key_padding_mask = c.Add(Zeros({2, 4}, DType::kBool));
-  EXPECT_THAT(Check(c).message(), HasSubstr("key_padding_mask: shape [2, 4] has key_len=4, expected [batch=2, key_len=5]"));
+  EXPECT_THAT(
+      Check(c).message(),
+      HasSubstr("key_padding_mask: shape [2, 4] has key_len=4, expected [batch=2, key_len=5]"));
 }
 
 TEST(ValidatorTest, AcceptsBoolAndFloatMasks) {
@@ -184,7 +195,9 @@ TEST(ValidatorTest, AcceptsBoolAndFloatMasks) {
 TEST(ValidatorTest, RejectsAttnMaskOfWrongShape) {
   Call c = SelfCall({2, 5, 16});
   c.call.attn_mask = c.Add(Zeros({4, 5, 5}, DType::kBool));
-  EXPECT_THAT(Check(c).message(), HasSubstr("attn_mask: shape [4, 5, 5] has batch*num_heads=4, expected [batch*num_heads=8, query_len=5, key_len=5] or [query_len=5, key_len=5]"));
+  EXPECT_THAT(Check(c).message(),
+              HasSubstr("attn_mask: shape [4, 5, 5] has batch*num_heads=4, expected "
+                        "[batch*num_heads=8, query_len=5, key_len=5] or [query_len=5, key_len=5]"));
 }
 
 TEST(ValidatorTest, RejectsAttnMaskOfWrongRank) {
@@ -197,14 +210,17 @@ TEST(ValidatorTest, RejectsRequestOverTokenLimit) {
   Call c = SelfCall({4, 100, 16});
   AttendLimits limits;
   limits.max_tokens = 399;
-  EXPECT_THAT(Check(c, Model(), limits).message(), HasSubstr("400 tokens (batch * query_len, plus batch * key_len for cross-attention) is over the per-request limit of 399"));
+  EXPECT_THAT(Check(c, Model(), limits).message(),
+              HasSubstr("400 tokens (batch * query_len, plus batch * key_len for cross-attention) "
+                        "is over the per-request limit of 399"));
 }
 
 // Counts made of request sizes are checked arithmetic: a session that (says it) holds nearly 2^63
 // tokens makes key_len and the score count overflow int64; both are refused as over the limit,
 // never wrapped into a small or negative number (UBSan in tools/sanitize.sh would also report it).
 TEST(ValidatorTest, SizesThatOverflowInt64AreRefusedNotWrapped) {
-  for (int64_t held : {std::numeric_limits<int64_t>::max() - 2, std::numeric_limits<int64_t>::max() / 4}) {
+  for (int64_t held :
+       {std::numeric_limits<int64_t>::max() - 2, std::numeric_limits<int64_t>::max() / 4}) {
     Call c = SelfCall({1, 4, 16});
     c.call.kv_use = AttendCall::Kv::kSession;
     c.call.kv_batch = 1;

@@ -45,7 +45,8 @@ Entry Rand(std::mt19937& rng, std::string name, std::vector<int64_t> shape) {
 
 std::vector<Entry> MhaEntries(int64_t e, bool bias = true, bool bias_kv = false) {
   std::mt19937 rng(7);
-  std::vector<Entry> v = {Rand(rng, "in_proj_weight", {3 * e, e}), Rand(rng, "out_proj.weight", {e, e})};
+  std::vector<Entry> v = {Rand(rng, "in_proj_weight", {3 * e, e}),
+                          Rand(rng, "out_proj.weight", {e, e})};
   if (bias) {
     v.push_back(Rand(rng, "in_proj_bias", {3 * e}));
     v.push_back(Rand(rng, "out_proj.bias", {e}));
@@ -135,14 +136,17 @@ TEST_F(WeightsTest, SeedNamingsGiveTheSameHashAsTheMhaNaming) {
   packed.insert(packed.end(), k.values.begin(), k.values.end());
   packed.insert(packed.end(), v.values.begin(), v.values.end());
   auto mha = LoadModel(Write("a", Safetensors({{"in_proj_weight", {48, 16}, packed},
-                                               {"out_proj.weight", {16, 16}, o.values}})), "a");
+                                               {"out_proj.weight", {16, 16}, o.values}})),
+                       "a");
   auto seed000 = LoadModel(Write("b", Safetensors({{"W_q.weight", {16, 16}, q.values},
                                                    {"W_k.weight", {16, 16}, k.values},
                                                    {"W_v.weight", {16, 16}, v.values},
-                                                   {"W_o.weight", {16, 16}, o.values}})), "b");
+                                                   {"W_o.weight", {16, 16}, o.values}})),
+                           "b");
   // A wrapper module's prefix (seed 002's `multi_head_attention.`) is stripped.
   auto wrapped = LoadModel(Write("c", Safetensors({{"mha.in_proj_weight", {48, 16}, packed},
-                                                   {"mha.out_proj.weight", {16, 16}, o.values}})), "c");
+                                                   {"mha.out_proj.weight", {16, 16}, o.values}})),
+                           "c");
   ASSERT_TRUE(mha.ok() && seed000.ok() && wrapped.ok());
   EXPECT_EQ(mha->spec.weights_hash, seed000->spec.weights_hash);
   EXPECT_EQ(mha->spec.weights_hash, wrapped->spec.weights_hash);
@@ -184,7 +188,8 @@ TEST_F(WeightsTest, RefusesHeaderLyingAboutOffsets) {
   ASSERT_NE(at, std::string::npos);
   bytes.replace(at, from.size(), "\"data_offsets\":[4,3072]");
   const Status s = LoadError(bytes);
-  EXPECT_THAT(s.message(), HasSubstr("model.safetensors: 'in_proj_weight': data_offsets span 3068 bytes"));
+  EXPECT_THAT(s.message(),
+              HasSubstr("model.safetensors: 'in_proj_weight': data_offsets span 3068 bytes"));
 }
 
 TEST_F(WeightsTest, RefusesHeaderLyingAboutShape) {
@@ -206,7 +211,8 @@ TEST_F(WeightsTest, RefusesGarbageHeader) {
 TEST_F(WeightsTest, RefusesWrongShapes) {
   std::mt19937 rng(1);
   EXPECT_THAT(LoadError(Safetensors({Rand(rng, "in_proj_weight", {40, 16}),
-                                     Rand(rng, "out_proj.weight", {16, 16})})).message(),
+                                     Rand(rng, "out_proj.weight", {16, 16})}))
+                  .message(),
               HasSubstr("'in_proj_weight' has shape [40, 16], expected [48, 16]"));
 }
 
@@ -214,9 +220,10 @@ TEST_F(WeightsTest, RefusesMissingKeys) {
   std::mt19937 rng(1);
   EXPECT_THAT(LoadError(Safetensors({Rand(rng, "out_proj.weight", {16, 16})})).message(),
               HasSubstr("missing key 'q_proj_weight'"));
-  EXPECT_THAT(LoadError(Safetensors({Rand(rng, "W_q.weight", {16, 16}),
-                                     Rand(rng, "W_o.weight", {16, 16})})).message(),
-              HasSubstr("missing key 'W_k.weight'"));
+  EXPECT_THAT(
+      LoadError(Safetensors({Rand(rng, "W_q.weight", {16, 16}), Rand(rng, "W_o.weight", {16, 16})}))
+          .message(),
+      HasSubstr("missing key 'W_k.weight'"));
   EXPECT_THAT(LoadError(Safetensors({Rand(rng, "foo", {16, 16})})).message(),
               HasSubstr("no output projection found"));
 }
@@ -237,7 +244,8 @@ TEST_F(WeightsTest, RefusesBadConfig) {
   const std::string w = Safetensors(MhaEntries(16));
   EXPECT_THAT(LoadError(w, "{}").message(), HasSubstr("num_heads (an integer) is required"));
   EXPECT_THAT(LoadError(w, "[1]").message(), HasSubstr("not a JSON object"));
-  EXPECT_THAT(LoadError(w, R"({"num_heads": 4, "heads": 4})").message(), HasSubstr("unknown key 'heads'"));
+  EXPECT_THAT(LoadError(w, R"({"num_heads": 4, "heads": 4})").message(),
+              HasSubstr("unknown key 'heads'"));
 }
 
 TEST_F(WeightsTest, RefusesCorruptTorchArchive) {
