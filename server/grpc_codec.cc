@@ -31,7 +31,8 @@ void ProtobufLog(gp::LogLevel level, const char* file, int line, const std::stri
     return;
   }
   const int64_t now = std::chrono::duration_cast<std::chrono::seconds>(
-                          std::chrono::steady_clock::now().time_since_epoch()).count();
+                          std::chrono::steady_clock::now().time_since_epoch())
+                          .count();
   int64_t last = g_last_log_second.load();
   if (level != gp::LOGLEVEL_FATAL &&
       (now == last || !g_last_log_second.compare_exchange_strong(last, now))) {
@@ -58,8 +59,10 @@ class CaptureProtobufLog {
 std::string TensorDataPrefix(int field, size_t bytes) {
   using gp::internal::WireFormatLite;
   using gp::io::CodedOutputStream;
-  const uint32_t data_tag = WireFormatLite::MakeTag(pb::Tensor::kDataFieldNumber, WireFormatLite::WIRETYPE_LENGTH_DELIMITED);
-  const size_t inner = CodedOutputStream::VarintSize32(data_tag) + CodedOutputStream::VarintSize64(bytes) + bytes;
+  const uint32_t data_tag = WireFormatLite::MakeTag(pb::Tensor::kDataFieldNumber,
+                                                    WireFormatLite::WIRETYPE_LENGTH_DELIMITED);
+  const size_t inner =
+      CodedOutputStream::VarintSize32(data_tag) + CodedOutputStream::VarintSize64(bytes) + bytes;
   std::string p;
   {
     gp::io::StringOutputStream stream(&p);
@@ -82,23 +85,46 @@ grpc::Slice OwningSlice(std::unique_ptr<std::string> s) {
 
 }  // namespace
 
-Status ParseRequest(const grpc::ByteBuffer& bytes, pb::AttendRequest* request) {
+Status ParseMessage(const grpc::ByteBuffer& bytes, gp::Message* message) {
   grpc::ByteBuffer copy(bytes);  // Shares the slices; the reader needs a mutable buffer.
   grpc::ProtoBufferReader reader(&copy);
   std::string why;
   bool parsed;
   {
     CaptureProtobufLog capture(&why);
-    parsed = request->ParseFromZeroCopyStream(&reader);
+    parsed = message->ParseFromZeroCopyStream(&reader);
   }
   if (!parsed) {
     // Protobuf says why only for some failures (a string field that is not UTF-8 names the field).
     while (!why.empty() && why.back() == ' ') why.pop_back();
     return InvalidArgument("request: " + std::to_string(bytes.Length()) +
-                           " bytes do not decode as an attnserve.v1.AttendRequest: " +
+                           " bytes do not decode as an " + message->GetTypeName() + ": " +
                            (why.empty() ? "malformed protobuf" : "protobuf: " + why));
   }
   return Status::Ok();
+}
+
+Status ParseRequest(const grpc::ByteBuffer& bytes, pb::AttendRequest* request) {
+  return ParseMessage(bytes, request);
+}
+
+grpc::ByteBuffer EncodeWithRawBytes(const gp::Message& head, int field,
+                                    std::vector<std::unique_ptr<std::string>> raw) {
+  using gp::internal::WireFormatLite;
+  std::vector<grpc::Slice> slices;
+  slices.emplace_back(head.SerializeAsString());
+  for (std::unique_ptr<std::string>& bytes : raw) {
+    std::string prefix;
+    {
+      gp::io::StringOutputStream stream(&prefix);
+      gp::io::CodedOutputStream out(&stream);
+      out.WriteTag(WireFormatLite::MakeTag(field, WireFormatLite::WIRETYPE_LENGTH_DELIMITED));
+      out.WriteVarint64(bytes->size());
+    }
+    slices.emplace_back(prefix);
+    slices.push_back(OwningSlice(std::move(bytes)));
+  }
+  return grpc::ByteBuffer(slices.data(), slices.size());
 }
 
 grpc::ByteBuffer EncodeResponse(const pb::AttendResponse& meta, std::unique_ptr<std::string> output,
@@ -113,7 +139,8 @@ grpc::ByteBuffer EncodeResponse(const pb::AttendResponse& meta, std::unique_ptr<
     slices.emplace_back(head);
   }
   if (weights) {
-    slices.emplace_back(TensorDataPrefix(pb::AttendResponse::kAttnWeightsFieldNumber, weights->size()));
+    slices.emplace_back(
+        TensorDataPrefix(pb::AttendResponse::kAttnWeightsFieldNumber, weights->size()));
     slices.push_back(OwningSlice(std::move(weights)));
   }
   return grpc::ByteBuffer(slices.data(), slices.size());

@@ -1,9 +1,11 @@
 #pragma once
 
+#include <google/protobuf/message.h>
 #include <grpcpp/support/byte_buffer.h>
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "attnserve/v1/attention.pb.h"
 #include "server/status.h"
@@ -11,14 +13,22 @@
 
 namespace attnserve {
 
+/// Decodes one message of `message`'s type. INVALID_ARGUMENT saying why when the bytes are not one.
+Status ParseMessage(const grpc::ByteBuffer& bytes, google::protobuf::Message* message);
+
+/// Encodes `head` followed by each of `raw` as one more occurrence of the repeated bytes field
+/// `field` (top level), each buffer handed to gRPC as a slice of its own without a copy.
+grpc::ByteBuffer EncodeWithRawBytes(const google::protobuf::Message& head, int field,
+                                    std::vector<std::unique_ptr<std::string>> raw);
+
 /// Decodes one AttendRequest message. INVALID_ARGUMENT saying why when the bytes are not one (for
 /// example a `model` string that is not UTF-8, which protobuf refuses).
 Status ParseRequest(const grpc::ByteBuffer& bytes, v1::AttendRequest* request);
 
-/// Encodes `meta` (an AttendResponse whose tensors carry dtype and shape but no data) followed by the
-/// output and attention-weights bytes, which become the message's slices without a copy: the buffers
-/// are handed to gRPC and freed once sent. Protobuf merges a repeated occurrence of a message field
-/// into the first, so receivers see the bytes as output.data and attn_weights.data.
+/// Encodes `meta` (an AttendResponse whose tensors carry dtype and shape but no data) followed by
+/// the output and attention-weights bytes, which become the message's slices without a copy: the
+/// buffers are handed to gRPC and freed once sent. Protobuf merges a repeated occurrence of a
+/// message field into the first, so receivers see the bytes as output.data and attn_weights.data.
 grpc::ByteBuffer EncodeResponse(const v1::AttendResponse& meta, std::unique_ptr<std::string> output,
                                 std::unique_ptr<std::string> weights);
 

@@ -18,7 +18,8 @@ void SetTensorMeta(v1::Tensor* t, DType dtype, const std::vector<int64_t>& shape
 }
 
 // The answer's fields besides the tensors' bytes, for a computed item.
-v1::AttendResponse AnswerMeta(const v1::AttendRequest& request, const WorkItem& w, uint32_t previous_attempts) {
+v1::AttendResponse AnswerMeta(const v1::AttendRequest& request, const WorkItem& w,
+                              uint32_t previous_attempts) {
   const ModelSpec& spec = w.model->spec();
   v1::AttendResponse meta;
   meta.set_request_id(request.request_id());
@@ -26,13 +27,15 @@ v1::AttendResponse AnswerMeta(const v1::AttendRequest& request, const WorkItem& 
   meta.set_weights_hash(spec.weights_hash);
   meta.set_model_version(spec.version);
   SetTensorMeta(meta.mutable_output(), w.call.query.dtype, w.call.output_shape);
-  if (w.outputs.weights) SetTensorMeta(meta.mutable_attn_weights(), w.call.query.dtype, w.call.weights_shape);
+  if (w.outputs.weights)
+    SetTensorMeta(meta.mutable_attn_weights(), w.call.query.dtype, w.call.weights_shape);
   auto* timing = meta.mutable_timing();
   timing->set_queue_seconds(w.queue_seconds);
   timing->set_compute_seconds(w.compute_seconds);
   timing->set_batch_size(static_cast<uint32_t>(w.batch_size));
   timing->set_previous_attempts(previous_attempts);
-  if (w.call.kv_use == AttendCall::Kv::kSession) meta.set_session_length(w.call.kv_length + w.call.query_len);
+  if (w.call.kv_use == AttendCall::Kv::kSession)
+    meta.set_session_length(w.call.kv_length + w.call.query_len);
   return meta;
 }
 
@@ -42,10 +45,12 @@ Status Deliverable(const CallContext& call, const Status& computed, bool step) {
   if (!computed.ok()) return computed;
   const char* consequence = step ? "the step was not applied" : "the answer was dropped";
   if (SteadyClock::now() >= call.deadline) {
-    return Status(StatusCode::kDeadlineExceeded, std::string("deadline passed during compute; ") + consequence);
+    return Status(StatusCode::kDeadlineExceeded,
+                  std::string("deadline passed during compute; ") + consequence);
   }
   if (call.IsCancelled()) {
-    return Status(StatusCode::kCancelled, std::string("cancelled by the client during compute; ") + consequence);
+    return Status(StatusCode::kCancelled,
+                  std::string("cancelled by the client during compute; ") + consequence);
   }
   return computed;
 }
@@ -74,14 +79,17 @@ void FillHandle(const KvEntry& e, int64_t length, double ttl, v1::KvHandle* h) {
 
 // The memory or session a request names, begun (a session step) or looked up (a memory), and
 // checked against the model the request names, if any.
-Status ResolveKept(KvStore& kv, const v1::AttendRequest& request, WorkItem* item, std::shared_ptr<KvStep>* step) {
+Status ResolveKept(KvStore& kv, const v1::AttendRequest& request, WorkItem* item,
+                   std::shared_ptr<KvStep>* step) {
   const bool session = !request.session().empty();
   if (session && !request.memory().empty()) {
     return InvalidArgument("memory, session: a request names one or the other, not both");
   }
   std::shared_ptr<KvEntry> entry;
   if (session) {
-    const auto length = request.has_session_length() ? std::optional<int64_t>(request.session_length()) : std::nullopt;
+    const auto length = request.has_session_length()
+                            ? std::optional<int64_t>(request.session_length())
+                            : std::nullopt;
     ASSIGN_OR_RETURN(*step, kv.BeginStep(request.session(), length));
     entry = (*step)->entry();
     item->call.kv_use = AttendCall::Kv::kSession;
@@ -94,10 +102,11 @@ Status ResolveKept(KvStore& kv, const v1::AttendRequest& request, WorkItem* item
   const ModelSpec& spec = entry->model->spec();
   if ((!request.model().empty() && request.model() != spec.name) ||
       (request.model_version() != 0 && request.model_version() != spec.version)) {
-    return InvalidArgument("model: '" + request.model() + "' version " + std::to_string(request.model_version()) +
-                           ", but " + (session ? "session" : "memory") + " '" + entry->handle +
-                           "' belongs to model '" + spec.name + "' version " + std::to_string(spec.version) +
-                           " (leave model empty and model_version 0 to use the handle's)");
+    return InvalidArgument(
+        "model: '" + request.model() + "' version " + std::to_string(request.model_version()) +
+        ", but " + (session ? "session" : "memory") + " '" + entry->handle +
+        "' belongs to model '" + spec.name + "' version " + std::to_string(spec.version) +
+        " (leave model empty and model_version 0 to use the handle's)");
   }
   item->model = entry->model;
   item->call.kv = entry->cache;
@@ -108,9 +117,15 @@ Status ResolveKept(KvStore& kv, const v1::AttendRequest& request, WorkItem* item
 
 }  // namespace
 
-RequestPipeline::RequestPipeline(const ModelRepository& models, Batcher& batcher, ServerMetrics& metrics,
-                                 const AttendLimits& limits, const FlowLimits& flow, KvStore& kv)
-    : models_(models), batcher_(batcher), metrics_(metrics), limits_(limits), flow_(flow), kv_(kv) {}
+RequestPipeline::RequestPipeline(const ModelRepository& models, Batcher& batcher,
+                                 ServerMetrics& metrics, const AttendLimits& limits,
+                                 const FlowLimits& flow, KvStore& kv)
+    : models_(models),
+      batcher_(batcher),
+      metrics_(metrics),
+      limits_(limits),
+      flow_(flow),
+      kv_(kv) {}
 
 void RequestPipeline::Attend(const char* method, Exchange* x, CallContext call,
                              std::function<void(const Status&)> done) {
@@ -147,7 +162,8 @@ void RequestPipeline::Attend(const char* method, Exchange* x, CallContext call,
     x->answer.weights = std::make_unique<std::string>();
     item->outputs.weights = x->answer.weights.get();
   }
-  item->done = [x, attempts, finish = std::move(finish)](const Status& st, const WorkItem& w) mutable {
+  item->done = [x, attempts, finish = std::move(finish)](const Status& st,
+                                                         const WorkItem& w) mutable {
     if (st.ok()) x->answer.meta = AnswerMeta(x->request, w, attempts);
     finish(st);
   };
@@ -165,7 +181,8 @@ Status RequestPipeline::Resolve(Exchange* x, WorkItem* item, std::shared_ptr<KvS
     // Keys and values kept on the server: the handle names the model.
     RETURN_IF_ERROR(ResolveKept(kv_, request, item, step));
   } else {
-    ASSIGN_OR_RETURN(item->model, models_.Snapshot()->Lookup(request.model(), request.model_version()));
+    ASSIGN_OR_RETURN(item->model,
+                     models_.Snapshot()->Lookup(request.model(), request.model_version()));
   }
   x->model = item->model->spec().name;
   RETURN_IF_ERROR(Validate(item->model->spec(), limits_, &item->call));
@@ -178,8 +195,8 @@ Status RequestPipeline::Resolve(Exchange* x, WorkItem* item, std::shared_ptr<KvS
 
 Status RequestPipeline::Admit(Exchange* x, const WorkItem& item) {
   // Request and answer bytes count against the in-flight budget until the outcome is recorded.
-  const int64_t bytes =
-      static_cast<int64_t>(x->request.ByteSizeLong()) + item.call.output_bytes + item.call.weights_bytes;
+  const int64_t bytes = static_cast<int64_t>(x->request.ByteSizeLong()) + item.call.output_bytes +
+                        item.call.weights_bytes;
   std::string held;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -192,8 +209,9 @@ Status RequestPipeline::Admit(Exchange* x, const WorkItem& item) {
   }
   metrics_.RecordRejection(x->model, "memory");
   return Status(StatusCode::kResourceExhausted,
-                "server memory for requests in flight is full: " + held + " bytes held, this request needs " +
-                    std::to_string(bytes) + " of at most " + std::to_string(flow_.max_inflight_bytes) +
+                "server memory for requests in flight is full: " + held +
+                    " bytes held, this request needs " + std::to_string(bytes) + " of at most " +
+                    std::to_string(flow_.max_inflight_bytes) +
                     " (server flag --max-inflight-bytes); retry later");
 }
 
@@ -229,13 +247,29 @@ void RequestPipeline::ListModels(v1::ListModelsResponse* resp) const {
 }
 
 Status RequestPipeline::GetModel(const v1::GetModelRequest& req, v1::ModelInfo* resp) const {
-  ASSIGN_OR_RETURN(auto model, models_.Snapshot()->Lookup(req.name(), req.version(), "name", "version"));
+  ASSIGN_OR_RETURN(auto model,
+                   models_.Snapshot()->Lookup(req.name(), req.version(), "name", "version"));
   ToWire(model->spec(), resp);
   return Status::Ok();
 }
 
-void RequestPipeline::CreateMemory(const v1::CreateMemoryRequest& req, CallContext call, v1::KvHandle* resp,
-                                   std::function<void(const Status&)> done) {
+bool RequestPipeline::Ready(const std::string& model, int64_t version) const {
+  if (draining()) return false;
+  const std::shared_ptr<const ModelSet> models = models_.Snapshot();
+  return model.empty() ? !models->models.empty() : models->Find(model, version) != nullptr;
+}
+
+StatusOr<ModelSpec> RequestPipeline::Describe(const std::string& model, int64_t version,
+                                              std::vector<int64_t>* versions) const {
+  const std::shared_ptr<const ModelSet> models = models_.Snapshot();
+  ASSIGN_OR_RETURN(auto found, models->Lookup(model, version, "name", "version"));
+  versions->clear();
+  for (const auto& [v, m] : models->models.at(model)) versions->push_back(v);
+  return found->spec();
+}
+
+void RequestPipeline::CreateMemory(const v1::CreateMemoryRequest& req, CallContext call,
+                                   v1::KvHandle* resp, std::function<void(const Status&)> done) {
   const auto received = SteadyClock::now();
   auto item = std::make_unique<WorkItem>();
   item->accepted = received;
@@ -247,8 +281,8 @@ void RequestPipeline::CreateMemory(const v1::CreateMemoryRequest& req, CallConte
     RETURN_IF_ERROR(FromWire(req, &item->call));
     RETURN_IF_ERROR(ValidateCreateMemory(item->model->spec(), limits_, &item->call));
     ASSIGN_OR_RETURN(item->call.kv, NewKvCacheOf(*item->model));
-    ASSIGN_OR_RETURN(entry, kv_.Create(KvKind::kMemory, item->model, item->call.kv, item->call.batch,
-                                       item->call.key_len));
+    ASSIGN_OR_RETURN(entry, kv_.Create(KvKind::kMemory, item->model, item->call.kv,
+                                       item->call.batch, item->call.key_len));
     return Status::Ok();
   }();
   const std::string name = item->model ? item->model->spec().name : "";
@@ -259,7 +293,8 @@ void RequestPipeline::CreateMemory(const v1::CreateMemoryRequest& req, CallConte
   }
   item->kv_entry = entry;
   const int64_t length = item->call.key_len;
-  item->done = [this, name, received, entry, length, resp, done = std::move(done)](Status st, const WorkItem&) {
+  item->done = [this, name, received, entry, length, resp, done = std::move(done)](
+                   Status st, const WorkItem&) {
     if (st.ok()) st = kv_.MarkReady(entry, length);
     if (st.ok()) {
       FillHandle(*entry, length, kv_.options().ttl_seconds, resp);
@@ -279,16 +314,19 @@ Status RequestPipeline::OpenSession(const v1::OpenSessionRequest& req, v1::KvHan
     ASSIGN_OR_RETURN(model, models_.Snapshot()->Lookup(req.model(), req.model_version()));
     if (req.batch() < 1 || req.batch() > limits_.max_tokens) {
       return InvalidArgument("batch: " + std::to_string(req.batch()) + "; allowed: 1 to " +
-                             std::to_string(limits_.max_tokens) + " (server flag --max-request-tokens)");
+                             std::to_string(limits_.max_tokens) +
+                             " (server flag --max-request-tokens)");
     }
     const ModelSpec& m = model->spec();
     if (m.kdim != m.embed_dim || m.vdim != m.embed_dim) {
-      return InvalidArgument("model: '" + m.name + "' has kdim=" + std::to_string(m.kdim) + ", vdim=" +
-                             std::to_string(m.vdim) + " != embed_dim=" + std::to_string(m.embed_dim) +
-                             "; a decoding session is self-attention, which needs kdim = vdim = embed_dim");
+      return InvalidArgument(
+          "model: '" + m.name + "' has kdim=" + std::to_string(m.kdim) +
+          ", vdim=" + std::to_string(m.vdim) + " != embed_dim=" + std::to_string(m.embed_dim) +
+          "; a decoding session is self-attention, which needs kdim = vdim = embed_dim");
     }
     ASSIGN_OR_RETURN(std::shared_ptr<KvCache> cache, NewKvCacheOf(*model));
-    ASSIGN_OR_RETURN(std::shared_ptr<KvEntry> entry, kv_.Create(KvKind::kSession, model, cache, req.batch(), 0));
+    ASSIGN_OR_RETURN(std::shared_ptr<KvEntry> entry,
+                     kv_.Create(KvKind::kSession, model, cache, req.batch(), 0));
     FillHandle(*entry, 0, kv_.options().ttl_seconds, resp);
     return Status::Ok();
   }();

@@ -81,7 +81,8 @@ class RequestPipeline {
   /// failure (also DEADLINE_EXCEEDED or CANCELLED when the answer came too late to be delivered; a
   /// session's step then is not applied). The caller then calls Record once the client's outcome
   /// is known; `x` must live until then.
-  void Attend(const char* method, Exchange* x, CallContext call, std::function<void(const Status&)> done);
+  void Attend(const char* method, Exchange* x, CallContext call,
+              std::function<void(const Status&)> done);
   /// Records an exchange's outcome as the client saw it (count, latency, in flight) and gives its
   /// bytes back. Once per exchange; later calls do nothing.
   void Record(const char* method, Exchange* x, const Status& seen);
@@ -93,13 +94,21 @@ class RequestPipeline {
   /// One model version's description (version 0: the highest loaded).
   Status GetModel(const v1::GetModelRequest& req, v1::ModelInfo* resp) const;
 
+  /// Whether requests for `model` (version 0: the highest) would be served now: loaded and not
+  /// draining. An empty `model`: whether the server takes requests at all.
+  bool Ready(const std::string& model, int64_t version) const;
+  /// A loaded model version's spec and every loaded version of it (NOT_FOUND naming what is there).
+  StatusOr<ModelSpec> Describe(const std::string& model, int64_t version,
+                               std::vector<int64_t>* versions) const;
+
   /// Projects and keeps a memory; `done` runs once, on any thread, with `resp` filled when OK.
   void CreateMemory(const v1::CreateMemoryRequest& req, CallContext call, v1::KvHandle* resp,
                     std::function<void(const Status&)> done);
   /// Opens an empty decoding session.
   Status OpenSession(const v1::OpenSessionRequest& req, v1::KvHandle* resp);
   /// Ends a memory or a session (`method` is the metrics label).
-  Status Release(const char* method, KvKind kind, const v1::ReleaseRequest& req, v1::ReleaseResponse* resp);
+  Status Release(const char* method, KvKind kind, const v1::ReleaseRequest& req,
+                 v1::ReleaseResponse* resp);
 
   /// Registers an open call for the drain (a stream, from its start until it is done). A call that
   /// registers after the drain began is told by `draining()`.
@@ -119,7 +128,8 @@ class RequestPipeline {
   Status Resolve(Exchange* x, WorkItem* item, std::shared_ptr<KvStep>* step);
   Status Admit(Exchange* x, const WorkItem& item);
   // Metrics for a call that is not an Attend.
-  void RecordCall(const std::string& model, const char* method, const Status& st, SteadyClock::time_point received);
+  void RecordCall(const std::string& model, const char* method, const Status& st,
+                  SteadyClock::time_point received);
 
   const ModelRepository& models_;
   Batcher& batcher_;
@@ -131,8 +141,8 @@ class RequestPipeline {
 
   std::mutex mu_;
   std::condition_variable idle_cv_;
-  int64_t held_bytes_ = 0;  // Σ Exchange::held_bytes of requests not yet recorded.
-  int64_t in_flight_ = 0;   // Accepted by Attend and not yet recorded.
+  int64_t held_bytes_ = 0;                // Σ Exchange::held_bytes of requests not yet recorded.
+  int64_t in_flight_ = 0;                 // Accepted by Attend and not yet recorded.
   SteadyClock::time_point last_arrival_;  // Latest request or open call received.
   std::set<OpenCall*> calls_;
 };

@@ -15,17 +15,18 @@
 #include "server/health.h"
 #include "server/memory_sampler.h"
 #include "server/metrics.h"
+#include "server/oip_service.h"
 #include "server/reload_hooks.h"
 #include "server/request_pipeline.h"
 #include "server/thread_stacks.h"
 
 namespace attnserve {
 
-/// The drain's hand-off: health says NOT_SERVING and unary calls are still served, until nothing is in
-/// flight, no stream is open and no request has arrived for kDrainQuietPeriod (clients that watch
-/// health have moved away), or for at most kDrainHandOff (a proxy such as nginx does not watch
-/// health and keeps sending until the transport tells it to stop). Then gRPC stops: it closes the
-/// listener and sends GOAWAY, which is what moves a proxy to the other replicas.
+/// The drain's hand-off: health says NOT_SERVING and unary calls are still served, until nothing is
+/// in flight, no stream is open and no request has arrived for kDrainQuietPeriod (clients that
+/// watch health have moved away), or for at most kDrainHandOff (a proxy such as nginx does not
+/// watch health and keeps sending until the transport tells it to stop). Then gRPC stops: it closes
+/// the listener and sends GOAWAY, which is what moves a proxy to the other replicas.
 static constexpr std::chrono::milliseconds kDrainQuietPeriod{250};
 static constexpr std::chrono::milliseconds kDrainHandOff{1000};
 
@@ -35,9 +36,11 @@ namespace {
 // regular file only, bounded, so a FIFO or a huge file cannot stall or swell the start-up).
 StatusOr<std::string> ReadPem(const std::string& flag, const std::string& path) {
   StatusOr<std::string> text = ReadFile(path, 1 << 20);
-  if (!text.ok()) return Status(StatusCode::kFailedPrecondition, flag + " " + text.status().message());
+  if (!text.ok())
+    return Status(StatusCode::kFailedPrecondition, flag + " " + text.status().message());
   if (text->find("-----BEGIN ") == std::string::npos) {
-    return Status(StatusCode::kFailedPrecondition, flag + " " + path + ": not PEM (no -----BEGIN line)");
+    return Status(StatusCode::kFailedPrecondition,
+                  flag + " " + path + ": not PEM (no -----BEGIN line)");
   }
   return text;
 }
@@ -46,7 +49,8 @@ StatusOr<std::string> ReadPem(const std::string& flag, const std::string& path) 
 StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(const ServerOptions& o) {
   const auto fail = [](const std::string& m) { return Status(StatusCode::kFailedPrecondition, m); };
   if (o.tls_cert_file.empty() && o.tls_key_file.empty()) {
-    if (!o.tls_client_ca_file.empty()) return fail("--tls-client-ca: needs --tls-cert and --tls-key (TLS)");
+    if (!o.tls_client_ca_file.empty())
+      return fail("--tls-client-ca: needs --tls-cert and --tls-key (TLS)");
     return grpc::InsecureServerCredentials();
   }
   if (o.tls_cert_file.empty() || o.tls_key_file.empty()) {
@@ -79,6 +83,7 @@ struct Server::Impl {
   std::unique_ptr<KvStore> kv;
   std::unique_ptr<RequestPipeline> pipeline;
   std::unique_ptr<AttentionServiceImpl> service;
+  std::unique_ptr<OipServiceImpl> oip;
   std::unique_ptr<grpc::Server> grpc_server;
   std::unique_ptr<grpc::Server> health_server;  // --health-address: grpc.health.v1 only, plaintext
   std::unique_ptr<HealthReporter> health;
@@ -95,7 +100,9 @@ struct Server::Impl {
 
 namespace {
 
-Status Refuse(const std::string& message) { return Status(StatusCode::kFailedPrecondition, message); }
+Status Refuse(const std::string& message) {
+  return Status(StatusCode::kFailedPrecondition, message);
+}
 
 // Options that no component checks by itself, and the BLAS the compute threads would share.
 Status CheckOptions(const ServerOptions& options) {
@@ -106,7 +113,8 @@ Status CheckOptions(const ServerOptions& options) {
   if (!blas.thread_safe && options.device == "cpu" && options.batcher.workers > 1) {
     // Several compute threads on such a BLAS silently give wrong answers, some of them another
     // request's: refuse rather than serve them.
-    return Refuse("--workers " + std::to_string(options.batcher.workers) + ": the BLAS is " + blas.description +
+    return Refuse("--workers " + std::to_string(options.batcher.workers) + ": the BLAS is " +
+                  blas.description +
                   "; with more than one compute thread it gives wrong results. " +
                   "Install libopenblas0-pthread (README \"BLAS\") or run with --workers 1");
   }
@@ -139,8 +147,9 @@ Status Server::Impl::StartMetrics() {
   memory = std::make_unique<MemorySampler>(options.device, *metrics);
   if (options.metrics_address.empty()) return Status::Ok();
   if (!ThreadStacksIncludeStaticTls()) {
-    return Refuse("--metrics-address: this executable does not export attnserve's pthread_attr_setstacksize "
-                  "(server/thread_stacks.cc); link it through attnserve::server");
+    return Refuse(
+        "--metrics-address: this executable does not export attnserve's pthread_attr_setstacksize "
+        "(server/thread_stacks.cc); link it through attnserve::server");
   }
   try {
     exposer = std::make_unique<prometheus::Exposer>(options.metrics_address);
@@ -156,7 +165,8 @@ Status Server::Impl::StartMetrics() {
 void Server::Impl::StartPipeline() {
   BatcherOptions batching = options.batcher;
   batching.on_batch = [m = metrics.get(), s = memory.get()](const std::string& model,
-                                                           const std::vector<WorkItem*>& batch, double seconds) {
+                                                            const std::vector<WorkItem*>& batch,
+                                                            double seconds) {
     m->RecordBatch(model, batch, seconds);
     s->Sample();
   };
@@ -168,15 +178,19 @@ void Server::Impl::StartPipeline() {
   kv_hooks.on_size = [m = metrics.get()](int64_t bytes, int64_t memories, int64_t sessions) {
     m->SetKvSize(bytes, memories, sessions);
   };
-  kv_hooks.on_lookup = [m = metrics.get()](KvKind kind, bool hit) { m->RecordKvLookup(KvKindName(kind), hit); };
+  kv_hooks.on_lookup = [m = metrics.get()](KvKind kind, bool hit) {
+    m->RecordKvLookup(KvKindName(kind), hit);
+  };
   kv_hooks.on_end = [m = metrics.get()](KvKind kind, KvEndReason why) {
     m->RecordKvEnd(KvKindName(kind), KvEndReasonName(why));
   };
   kv = std::make_unique<KvStore>(options.kv, std::move(kv_hooks));
   AttendLimits limits = options.limits;
   limits.max_answer_bytes = int64_t{options.max_message_bytes} - int64_t{kResponseOverheadBytes};
-  pipeline = std::make_unique<RequestPipeline>(*models, *batcher, *metrics, limits, options.flow, *kv);
+  pipeline =
+      std::make_unique<RequestPipeline>(*models, *batcher, *metrics, limits, options.flow, *kv);
   service = std::make_unique<AttentionServiceImpl>(*pipeline);
+  oip = std::make_unique<OipServiceImpl>(*pipeline);
   admin = std::make_unique<AdminServiceImpl>(*models, options.admin);
 }
 
@@ -184,26 +198,31 @@ Status Server::Impl::StartGrpc() {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials, ServerCredentials(options));
+  ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
+                   ServerCredentials(options));
   Builder(builder).AddListeningPort(options.address, credentials, &port);
   builder.RegisterService(service.get());
+  builder.RegisterService(oip.get());
   builder.RegisterService(admin.get());
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
   grpc_server = builder.BuildAndStart();
   if (grpc_server && port != 0) return Status::Ok();
-  return Refuse("--address " + options.address + ": cannot listen (in use, or not an address" +
-                (options.tls_cert_file.empty() ? ")" : "; or --tls-cert and --tls-key do not match)"));
+  return Refuse(
+      "--address " + options.address + ": cannot listen (in use, or not an address" +
+      (options.tls_cert_file.empty() ? ")" : "; or --tls-cert and --tls-key do not match)"));
 }
 
 Status Server::Impl::StartHealth() {
   if (!options.health_address.empty()) {
     grpc::ServerBuilder builder;  // No services of its own: only the default health service.
-    Builder(builder).AddListeningPort(options.health_address, grpc::InsecureServerCredentials(), &health_port);
+    Builder(builder).AddListeningPort(options.health_address, grpc::InsecureServerCredentials(),
+                                      &health_port);
     health_server = builder.BuildAndStart();
     if (!health_server || health_port == 0) {
       grpc_server->Shutdown();
-      return Refuse("--health-address " + options.health_address + ": cannot listen (in use, or not an address)");
+      return Refuse("--health-address " + options.health_address +
+                    ": cannot listen (in use, or not an address)");
     }
   }
   std::vector<grpc::HealthCheckServiceInterface*> services;
@@ -224,7 +243,8 @@ StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   RETURN_IF_ERROR(CheckOptions(options));
   auto impl = std::make_unique<Impl>();
   impl->options = options;
-  ASSIGN_OR_RETURN(impl->models, ModelRepository::Open(options.models_dir, EngineOptionsOf(options)));
+  ASSIGN_OR_RETURN(impl->models,
+                   ModelRepository::Open(options.models_dir, EngineOptionsOf(options)));
   RETURN_IF_ERROR(impl->StartMetrics());
   impl->StartPipeline();
   RETURN_IF_ERROR(impl->StartGrpc());
@@ -254,14 +274,17 @@ std::string Server::Describe() const {
                             ":" + std::to_string(impl_->metrics_port) + "/metrics"
                       : ", metrics off";
   if (!impl_->options.tls_cert_file.empty()) {
-    s += impl_->options.tls_client_ca_file.empty() ? ", TLS" : ", mutual TLS (client certificates required)";
+    s += impl_->options.tls_client_ca_file.empty() ? ", TLS"
+                                                   : ", mutual TLS (client certificates required)";
   }
   if (impl_->health_server) {
     const std::string& h = impl_->options.health_address;
-    s += ", plaintext health on " + h.substr(0, h.rfind(':')) + ":" + std::to_string(impl_->health_port);
+    s += ", plaintext health on " + h.substr(0, h.rfind(':')) + ":" +
+         std::to_string(impl_->health_port);
   }
   const BatcherOptions& b = impl_->options.batcher;
-  s += ", device " + impl_->options.device + ", " + std::to_string(b.workers) + " workers, batching " +
+  s += ", device " + impl_->options.device + ", " + std::to_string(b.workers) +
+       " workers, batching " +
        (b.enabled ? std::to_string(b.max_batch_tokens) + " tokens/" +
                         std::to_string(b.max_queue_delay.count()) + " us"
                   : std::string("off")) +
@@ -284,8 +307,8 @@ void Server::Shutdown() {
     impl_->health->Shutdown();
     impl_->pipeline->BeginDrain();
     impl_->models->Stop();  // Reloads waiting are answered UNAVAILABLE; none starts.
-    impl_->pipeline->WaitIdle(start + std::min<SteadyClock::duration>(kDrainHandOff, grace * 8 / 10),
-                             kDrainQuietPeriod);
+    impl_->pipeline->WaitIdle(
+        start + std::min<SteadyClock::duration>(kDrainHandOff, grace * 8 / 10), kDrainQuietPeriod);
     // 2. Stop gRPC (listener closed, GOAWAY); calls already accepted finish; whatever is still open
     //    at 90% of the grace period is cancelled.
     const auto left = start + grace * 9 / 10 - SteadyClock::now();

@@ -1,0 +1,56 @@
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "attnserve/v1/attention.pb.h"
+#include "inference/grpc_service.pb.h"
+#include "server/status.h"
+#include "server/types.h"
+#include "server/wire.h"
+
+namespace attnserve {
+
+/// The Open Inference Protocol's names for attnserve's tensors and parameters (README "Open
+/// Inference Protocol"). Inputs: query, key, value, key_padding_mask, attn_mask (the names of
+/// AttendRequest's fields); outputs: attn_output and attn_weights (nn.MultiheadAttention's).
+/// Request parameters: is_causal (bool), attn_weights ("none", "averaged", "per_head"), layout
+/// ("batch_first", "sequence_first").
+namespace oip {
+inline constexpr const char* kOutput = "attn_output";
+inline constexpr const char* kWeights = "attn_weights";
+}  // namespace oip
+
+/// What the answer must carry back that the attnserve.v1 request does not hold: the OIP request's
+/// id and model version string, and the outputs asked for, in order.
+struct OipReply {
+  std::string id;
+  std::vector<std::string> outputs;  ///< oip::kOutput and/or oip::kWeights.
+};
+
+/// Turns `in` into the AttendRequest the native API would have received for the same call, moving
+/// each raw_input_contents entry into its tensor (no copy). INVALID_ARGUMENT naming the field, what
+/// arrived and what is allowed, for what attnserve does not take: unknown inputs, outputs or
+/// parameters, typed `contents`, shared-memory parameters, raw contents that do not match the
+/// inputs, a version that is not a number.
+Status OipToAttend(inference::ModelInferRequest* in, v1::AttendRequest* out, OipReply* reply);
+
+/// The ModelInferResponse fields of a computed answer, without the tensors' bytes (they follow as
+/// raw_output_contents, in `reply.outputs` order: Raw picks them from the answer).
+inference::ModelInferResponse OipResponseHead(const AttendAnswer& answer, const OipReply& reply);
+/// The answer's buffers in `reply.outputs` order (handed over).
+std::vector<std::unique_ptr<std::string>> OipRawOutputs(AttendAnswer* answer,
+                                                        const OipReply& reply);
+
+/// An OIP version string as attnserve's: "" = 0 (the highest loaded), else a positive number.
+StatusOr<int64_t> OipVersion(const std::string& version);
+
+/// "FP32", "FP16", "BF16", "BOOL".
+const char* OipDatatype(DType dtype);
+
+/// A model version's metadata: its inputs and outputs with their datatypes and shapes (-1: any).
+inference::ModelMetadataResponse OipModelMetadata(const ModelSpec& spec,
+                                                  const std::vector<int64_t>& versions);
+
+}  // namespace attnserve

@@ -1,0 +1,48 @@
+#pragma once
+
+#include "inference/grpc_service.grpc.pb.h"
+#include "server/request_pipeline.h"
+
+namespace attnserve {
+
+/// The Open Inference Protocol v2 front end (inference.GRPCInferenceService, Triton's field
+/// numbers): an adapter onto the RequestPipeline, so an OIP call is validated, batched, limited,
+/// counted and drained exactly as the attnserve.v1 call it stands for, and its answer carries the
+/// same bytes. ModelInfer takes raw messages: the inputs' bytes move into the request without a
+/// copy, and the outputs' go out as slices of the engine's buffers. Thread-safe.
+class OipServiceImpl final
+    : public inference::GRPCInferenceService::WithRawCallbackMethod_ModelInfer<
+          inference::GRPCInferenceService::WithCallbackMethod_ServerLive<
+              inference::GRPCInferenceService::WithCallbackMethod_ServerReady<
+                  inference::GRPCInferenceService::WithCallbackMethod_ModelReady<
+                      inference::GRPCInferenceService::WithCallbackMethod_ServerMetadata<
+                          inference::GRPCInferenceService::WithCallbackMethod_ModelMetadata<
+                              inference::GRPCInferenceService::Service>>>>>> {
+ public:
+  /// Borrows the pipeline, which must outlive the service.
+  explicit OipServiceImpl(RequestPipeline& pipeline);
+
+  grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* ctx,
+                                       const inference::ServerLiveRequest*,
+                                       inference::ServerLiveResponse* resp) override;
+  grpc::ServerUnaryReactor* ServerReady(grpc::CallbackServerContext* ctx,
+                                        const inference::ServerReadyRequest*,
+                                        inference::ServerReadyResponse* resp) override;
+  grpc::ServerUnaryReactor* ModelReady(grpc::CallbackServerContext* ctx,
+                                       const inference::ModelReadyRequest* req,
+                                       inference::ModelReadyResponse* resp) override;
+  grpc::ServerUnaryReactor* ServerMetadata(grpc::CallbackServerContext* ctx,
+                                           const inference::ServerMetadataRequest*,
+                                           inference::ServerMetadataResponse* resp) override;
+  grpc::ServerUnaryReactor* ModelMetadata(grpc::CallbackServerContext* ctx,
+                                          const inference::ModelMetadataRequest* req,
+                                          inference::ModelMetadataResponse* resp) override;
+  grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* ctx,
+                                       const grpc::ByteBuffer* req,
+                                       grpc::ByteBuffer* resp) override;
+
+ private:
+  RequestPipeline& pipeline_;
+};
+
+}  // namespace attnserve

@@ -1,0 +1,248 @@
+"""The Open Inference Protocol with the client people already have: unmodified tritonclient[grpc]
+2.73 from PyPI (tools/oip-env.sh) against a real attnserve.
+
+Checks: live/ready (server, model, an absent model), server and model metadata, infer() across a
+matrix (FP32, FP16, BF16 through ml_dtypes; BOOL and float masks; weights averaged and per head;
+both layouts; cross-attention with kdim/vdim; is_causal) against torch.nn.MultiheadAttention (fixed
+seeds; max|out-ref|/max|ref| <= 1e-5 in FP32, 2e-3 in FP16, 2e-2 in BF16 against a float64
+reference), every answer byte for byte equal to the native attnserve.v1 Attend answer for the same
+request, refusals with the same code and message as the native API, a decoding session stepped
+through parameters["session"], and the calls counted in /metrics under method="ModelInfer".
+
+usage: oip_test.py PATH/TO/attnserve       (run with tools/oip-env.sh's python)
+"""
+import os
+import sys
+import tempfile
+
+import grpc
+import ml_dtypes
+import numpy as np
+import torch
+import tritonclient.grpc as tc
+from tritonclient.utils import InferenceServerException
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "lib"))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "tools"))
+import attnserve_py as lib  # noqa: E402
+import export_model  # noqa: E402
+
+E, H = 64, 4
+MODELS = {
+    "mha": dict(E=E, H=H),
+    "xattn": dict(E=E, H=H, kdim=32, vdim=48),
+}
+
+
+def build(name, seed):
+    c = MODELS[name]
+    torch.manual_seed(seed)
+    m = torch.nn.MultiheadAttention(c["E"], c["H"], kdim=c.get("kdim"), vdim=c.get("vdim"), batch_first=True)
+    with torch.no_grad():
+        for pname, p in m.named_parameters():
+            if "bias" in pname:
+                p.uniform_(-0.5, 0.5)
+    return m.train()  # dropout 0: the same as eval(), off 1.13's fast path
+
+
+# name, model, batch, Lq, Lk (None: self), dtype, layout, weights, kpm, mask, causal
+CASES = [
+    ("fp32 self", "mha", 2, 7, None, "FP32", "batch_first", "none", False, None, False),
+    ("fp32 kpm + bool mask, averaged", "mha", 2, 5, None, "FP32", "batch_first", "averaged", True, "bool", False),
+    ("fp32 float mask, per head, sequence-first", "mha", 3, 4, None, "FP32", "sequence_first", "per_head", False,
+     "float", False),
+    ("fp32 causal", "mha", 1, 9, None, "FP32", "batch_first", "none", False, None, True),
+    ("fp16 self", "mha", 2, 6, None, "FP16", "batch_first", "none", False, None, False),
+    ("bf16 self", "mha", 1, 6, None, "BF16", "batch_first", "none", False, None, False),
+    ("fp32 cross kdim/vdim, kpm, averaged", "xattn", 2, 3, 8, "FP32", "batch_first", "averaged", True, None, False),
+    ("fp32 cross, sequence-first", "xattn", 2, 5, 6, "FP32", "sequence_first", "none", False, None, False),
+]
+NP = {"FP32": np.float32, "FP16": np.float16, "BF16": ml_dtypes.bfloat16}
+TOL = {"FP32": 1e-5, "FP16": 2e-3, "BF16": 2e-2}
+
+
+def main():
+    binary = sys.argv[1]
+    checks = lib.Checks()
+    pb, rpc = lib.load_stubs()
+    tmp = tempfile.mkdtemp(prefix="attnserve-oip-")
+    modules = {name: build(name, 2000 + i) for i, name in enumerate(MODELS)}
+    for name, m in modules.items():
+        export_model.export(m, os.path.join(tmp, name))
+    server = lib.Server(binary, "--models", tmp)
+    client = tc.InferenceServerClient(server.target)
+    channel = grpc.insecure_channel(server.target)
+    native = rpc.AttentionServiceStub(channel)
+    rng = np.random.default_rng(20261124)
+
+    checks("server live", client.is_server_live())
+    checks("server ready", client.is_server_ready())
+    checks("model ready", client.is_model_ready("mha") and client.is_model_ready("xattn", "1"))
+    checks("an absent model is not ready", not client.is_model_ready("nope"))
+    meta = client.get_server_metadata()
+    checks("server metadata names attnserve", meta.name == "attnserve" and meta.version != "", str(meta))
+    mm = client.get_model_metadata("xattn")
+    inputs = {t.name: (t.datatype, list(t.shape)) for t in mm.inputs}
+    outputs = {t.name: (t.datatype, list(t.shape)) for t in mm.outputs}
+    checks("model metadata: inputs with shapes",
+           inputs.get("query") == ("FP32", [-1, -1, E]) and inputs.get("key") == ("FP32", [-1, -1, 32]) and
+           inputs.get("value") == ("FP32", [-1, -1, 48]) and inputs.get("key_padding_mask", ("",))[0] == "BOOL",
+           str(inputs))
+    checks("model metadata: outputs", set(outputs) == {"attn_output", "attn_weights"} and mm.versions == ["1"],
+           str(outputs))
+
+    for (name, model, b, lq, lk, dtype, layout, weights, kpm, mask, causal) in CASES:
+        c = MODELS[model]
+        sf = layout == "sequence_first"
+        shape = lambda length, dim: (length, b, dim) if sf else (b, length, dim)
+        q = rng.standard_normal(shape(lq, E)).astype(NP[dtype])
+        cross = lk is not None
+        lk = lk or lq
+        k = rng.standard_normal(shape(lk, c.get("kdim", E))).astype(NP[dtype]) if cross else None
+        v = rng.standard_normal(shape(lk, c.get("vdim", E))).astype(NP[dtype]) if cross else None
+        kpm_a = (np.arange(lk)[None, :] >= rng.integers(1, lk + 1, size=b)[:, None]) if kpm else None
+        mask_a = None
+        if mask == "bool":
+            mask_a = rng.random((lq, lk)) < 0.4
+            mask_a[:, 0] = False
+        elif mask == "float":
+            mask_a = rng.standard_normal((b * H, lq, lk)).astype(np.float32)
+
+        tensors = [("query", q), ("key", k), ("value", v), ("key_padding_mask", kpm_a), ("attn_mask", mask_a)]
+        infer_inputs = []
+        for tname, a in tensors:
+            if a is None:
+                continue
+            dt = "BOOL" if a.dtype == np.bool_ else ("FP32" if tname == "attn_mask" else dtype)
+            t = tc.InferInput(tname, list(a.shape), dt)
+            t.set_data_from_numpy(a)
+            infer_inputs.append(t)
+        params = {"layout": layout, "attn_weights": weights, "is_causal": causal}
+        requested = [tc.InferRequestedOutput("attn_output")]
+        if weights != "none":
+            requested.append(tc.InferRequestedOutput("attn_weights"))
+        try:
+            result = client.infer(model, infer_inputs, outputs=requested, parameters=params, request_id=name)
+        except InferenceServerException as e:
+            checks(f"infer {name}", False, str(e))
+            continue
+        out = result.as_numpy("attn_output")
+        checks(f"infer {name}: id, model, output datatype",
+               result.get_response().id == name and result.get_response().model_name == model and
+               result.get_output("attn_output").datatype == dtype, str(result.get_response().outputs))
+
+        # The reference: the module on float64 copies of exactly the values sent.
+        m = modules[model].double()
+        f64 = lambda a: None if a is None else torch.from_numpy(np.asarray(a, dtype=np.float64))
+        bf = lambda a: None if a is None else (a.transpose(1, 0, 2) if sf else a)
+        am = None
+        if mask_a is not None:
+            am = torch.from_numpy(mask_a) if mask_a.dtype == np.bool_ else f64(mask_a)
+        if causal:
+            cm = torch.ones(lq, lk, dtype=torch.bool).triu(1)
+            am = cm if am is None else am | cm
+        qq = f64(bf(q))
+        with torch.no_grad():
+            ref, ref_w = m(qq, f64(bf(k)) if cross else qq, f64(bf(v)) if cross else qq,
+                           key_padding_mask=None if kpm_a is None else torch.from_numpy(kpm_a), attn_mask=am,
+                           need_weights=weights != "none", average_attn_weights=weights == "averaged")
+        ref = ref.numpy()
+        if sf:
+            ref = ref.transpose(1, 0, 2)
+        got = np.asarray(out, dtype=np.float64)
+        err = np.abs(got - ref).max() / np.abs(ref).max()
+        checks(f"infer {name}: matches nn.MultiheadAttention", err <= TOL[dtype], f"error {err:.2e}")
+        if weights != "none":
+            werr = np.abs(np.asarray(result.as_numpy("attn_weights"), dtype=np.float64) - ref_w.numpy()).max()
+            checks(f"infer {name}: weights match", werr <= 10 * TOL[dtype], f"error {werr:.2e}")
+
+        # The same request through attnserve.v1: the same bytes.
+        wire = {"FP32": pb.DATA_TYPE_FLOAT32, "FP16": pb.DATA_TYPE_FLOAT16, "BF16": pb.DATA_TYPE_BFLOAT16}
+        def tensor(a, dt):
+            if a.dtype == np.bool_:
+                return pb.Tensor(dtype=pb.DATA_TYPE_BOOL, shape=a.shape, data=a.astype(np.uint8).tobytes())
+            return pb.Tensor(dtype=wire[dt], shape=a.shape, data=np.ascontiguousarray(a).tobytes())
+        req = pb.AttendRequest(model=model, query=tensor(q, dtype), is_causal=causal,
+                               layout=pb.LAYOUT_SEQUENCE_FIRST if sf else pb.LAYOUT_BATCH_FIRST,
+                               attn_weights={"none": 0, "averaged": 1, "per_head": 2}[weights])
+        if cross:
+            req.key.CopyFrom(tensor(k, dtype))
+            req.value.CopyFrom(tensor(v, dtype))
+        if kpm_a is not None:
+            req.key_padding_mask.CopyFrom(tensor(kpm_a, dtype))
+        if mask_a is not None:
+            req.attn_mask.CopyFrom(tensor(mask_a, "FP32"))
+        answer = native.Attend(req)
+        same = answer.output.data == result.get_response().raw_output_contents[0]
+        if weights != "none":
+            same = same and answer.attn_weights.data == result.get_response().raw_output_contents[1]
+        checks(f"infer {name}: the same bytes as attnserve.v1 Attend", same)
+
+    # Refusals: the native API's code and message.
+    q = rng.standard_normal((1, 3, E)).astype(np.float32)
+    def infer_error(model, tensors, params=None):
+        ins = []
+        for tname, a in tensors:
+            t = tc.InferInput(tname, list(a.shape), "FP32")
+            t.set_data_from_numpy(a)
+            ins.append(t)
+        try:
+            client.infer(model, ins, parameters=params)
+            return None
+        except InferenceServerException as e:
+            return e
+    e = infer_error("nope", [("query", q)])
+    try:
+        native.Attend(pb.AttendRequest(model="nope", query=pb.Tensor(dtype=1, shape=q.shape, data=q.tobytes())))
+        native_error = None
+    except grpc.RpcError as r:
+        native_error = r
+    checks("an absent model: NOT_FOUND with the native message",
+           e is not None and native_error is not None and e.status() == "StatusCode.NOT_FOUND" and
+           native_error.details() in e.message(), f"{e} / {native_error}")
+    e = infer_error("mha", [("queries", q)])
+    checks("an unknown input: INVALID_ARGUMENT naming it and the allowed ones",
+           e is not None and e.status() == "StatusCode.INVALID_ARGUMENT" and "'queries'" in e.message() and
+           "allowed: query, key" in e.message(), str(e))
+    e = infer_error("mha", [("query", q[:, :, :10])])
+    checks("a bad shape: INVALID_ARGUMENT from the validator",
+           e is not None and e.status() == "StatusCode.INVALID_ARGUMENT" and "query" in e.message(), str(e))
+    e = infer_error("mha", [("query", q)], {"dropout": 0.1})
+    checks("an unknown parameter: INVALID_ARGUMENT naming it",
+           e is not None and e.status() == "StatusCode.INVALID_ARGUMENT" and "dropout" in e.message(), str(e))
+    seq_input = tc.InferInput("query", [1, 3, E], "FP32")
+    seq_input.set_data_from_numpy(q)
+    try:
+        client.infer("mha", [seq_input], sequence_id=7, sequence_start=True)
+        e = None
+    except InferenceServerException as ex:
+        e = ex
+    checks("Triton sequence parameters: INVALID_ARGUMENT saying how sessions work here",
+           e is not None and e.status() == "StatusCode.INVALID_ARGUMENT" and "session" in e.message(), str(e))
+
+    # A decoding session opened natively and stepped through OIP, against a twin stepped natively.
+    a = native.OpenSession(pb.OpenSessionRequest(model="mha", batch=1))
+    b2 = native.OpenSession(pb.OpenSessionRequest(model="mha", batch=1))
+    same = True
+    for step in range(3):
+        x = rng.standard_normal((1, 2, E)).astype(np.float32)
+        t = tc.InferInput("query", [1, 2, E], "FP32")
+        t.set_data_from_numpy(x)
+        r = client.infer("", [t], parameters={"session": a.handle})
+        n = native.Attend(pb.AttendRequest(session=b2.handle, query=pb.Tensor(dtype=1, shape=x.shape, data=x.tobytes())))
+        same = same and r.get_response().raw_output_contents[0] == n.output.data and n.session_length == 2 * step + 2
+    checks("a session stepped through parameters['session'] answers as the native one", same)
+
+    lines = lib.metrics_lines(server, "attnserve_request_duration_seconds_count")
+    counted = [l for l in lines if 'method="ModelInfer"' in l and 'code="OK"' in l]
+    checks("/metrics counts ModelInfer under the same family",
+           sum(float(l.split()[-1]) for l in counted) >= len(CASES) + 3, str(lines))
+    client.close()
+    channel.close()
+    server.stop()
+    return checks.summary("oip")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+// The Open Inference Protocol's mapping onto attnserve.v1 without a server: what each field
+// becomes, that the inputs' bytes move (no copy), and every refusal naming its field.
+#include "server/oip_codec.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+namespace attnserve {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+inference::ModelInferRequest Request() {
+  inference::ModelInferRequest r;
+  r.set_model_name("demo");
+  r.set_id("req-1");
+  auto* q = r.add_inputs();
+  q->set_name("query");
+  q->set_datatype("FP32");
+  q->add_shape(1);
+  q->add_shape(2);
+  q->add_shape(4);
+  r.add_raw_input_contents(std::string(32, '\x01'));
+  return r;
+}
+
+TEST(OipCodecTest, MapsInputsParametersAndVersionAndMovesTheBytes) {
+  inference::ModelInferRequest in = Request();
+  in.set_model_version("3");
+  auto* mask = in.add_inputs();
+  mask->set_name("key_padding_mask");
+  mask->set_datatype("BOOL");
+  mask->add_shape(1);
+  mask->add_shape(2);
+  in.add_raw_input_contents(std::string("\x00\x01", 2));
+  (*in.mutable_parameters())["is_causal"].set_bool_param(true);
+  (*in.mutable_parameters())["layout"].set_string_param("sequence_first");
+  in.add_outputs()->set_name("attn_weights");
+  const void* bytes = in.raw_input_contents(0).data();
+  v1::AttendRequest out;
+  OipReply reply;
+  ASSERT_TRUE(OipToAttend(&in, &out, &reply).ok());
+  EXPECT_EQ(out.model(), "demo");
+  EXPECT_EQ(out.model_version(), 3);
+  EXPECT_EQ(out.query().dtype(), v1::DATA_TYPE_FLOAT32);
+  EXPECT_THAT(out.query().shape(), ElementsAre(1, 2, 4));
+  EXPECT_EQ(out.query().data().size(), 32u);
+  EXPECT_EQ(static_cast<const void*>(out.query().data().data()), bytes);  // Moved, not copied.
+  EXPECT_EQ(out.key_padding_mask().dtype(), v1::DATA_TYPE_BOOL);
+  EXPECT_TRUE(out.is_causal());
+  EXPECT_EQ(out.layout(), v1::LAYOUT_SEQUENCE_FIRST);
+  EXPECT_EQ(out.attn_weights(),
+            v1::ATTN_WEIGHTS_AVERAGED);  // Asking for the output asks for weights.
+  EXPECT_EQ(reply.id, "req-1");
+  EXPECT_THAT(reply.outputs, ElementsAre("attn_weights"));
+}
+
+TEST(OipCodecTest, RefusesWhatItDoesNotTakeNamingTheField) {
+  struct Case {
+    std::function<void(inference::ModelInferRequest*)> change;
+    const char* says;
+  };
+  const Case cases[] = {
+      {[](auto* r) { r->mutable_inputs(0)->set_name("q"); },
+       "inputs[0].name: 'q' is not an input; allowed: query"},
+      {[](auto* r) { r->mutable_inputs(0)->set_datatype("INT8"); },
+       "inputs[0].datatype: 'INT8' is not allowed"},
+      {[](auto* r) { r->clear_raw_input_contents(); },
+       "raw_input_contents: 0 entries for 1 inputs"},
+      {[](auto* r) { r->mutable_inputs(0)->mutable_contents()->add_fp32_contents(1); },
+       "inputs[0].contents"},
+      {[](auto* r) {
+         (*r->mutable_inputs(0)->mutable_parameters())["shared_memory_region"].set_string_param(
+             "x");
+       },
+       "shared memory"},
+      {[](auto* r) { r->set_model_version("latest"); }, "model_version: 'latest'"},
+      {[](auto* r) { r->set_model_version("-1"); }, "model_version: '-1'"},
+      {[](auto* r) { r->set_model_version("99999999999999999999"); },
+       "model_version: '99999999999999999999'"},
+      {[](auto* r) { (*r->mutable_parameters())["is_causal"].set_string_param("yes"); },
+       "parameters['is_causal']: a string parameter; expected bool"},
+      {[](auto* r) { (*r->mutable_parameters())["attn_weights"].set_string_param("all"); },
+       "allowed: none, averaged"},
+      {[](auto* r) { (*r->mutable_parameters())["sequence_id"].set_int64_param(7); },
+       "OpenSession"},
+      {[](auto* r) { (*r->mutable_parameters())["priority"].set_int64_param(1); },
+       "parameters['priority']"},
+      {[](auto* r) { r->add_outputs()->set_name("logits"); },
+       "outputs[0].name: 'logits' is not an output"},
+      {[](auto* r) {
+         (*r->mutable_parameters())["attn_weights"].set_string_param("none");
+         r->add_outputs()->set_name("attn_weights");
+       },
+       "parameters['attn_weights'] is 'none'"},
+      {[](auto* r) {
+         *r->add_inputs() = r->inputs(0);
+         r->add_raw_input_contents(r->raw_input_contents(0));
+       },
+       "'query' given twice"},
+  };
+  for (const Case& c : cases) {
+    inference::ModelInferRequest in = Request();
+    c.change(&in);
+    v1::AttendRequest out;
+    OipReply reply;
+    const Status st = OipToAttend(&in, &out, &reply);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << c.says;
+    EXPECT_THAT(st.message(), HasSubstr(c.says));
+  }
+}
+
+TEST(OipCodecTest, AnswersCarryTheRequestedOutputsInOrder) {
+  AttendAnswer answer;
+  answer.meta.set_model("demo");
+  answer.meta.set_model_version(2);
+  answer.meta.mutable_output()->set_dtype(v1::DATA_TYPE_FLOAT16);
+  for (int64_t d : {1, 2, 4}) answer.meta.mutable_output()->add_shape(d);
+  answer.meta.mutable_attn_weights()->set_dtype(v1::DATA_TYPE_FLOAT16);
+  for (int64_t d : {1, 2, 2}) answer.meta.mutable_attn_weights()->add_shape(d);
+  answer.output = std::make_unique<std::string>("out");
+  answer.weights = std::make_unique<std::string>("w");
+  const OipReply reply{"id-9", {"attn_weights", "attn_output"}};
+  const inference::ModelInferResponse head = OipResponseHead(answer, reply);
+  EXPECT_EQ(head.model_version(), "2");
+  EXPECT_EQ(head.id(), "id-9");
+  ASSERT_EQ(head.outputs_size(), 2);
+  EXPECT_EQ(head.outputs(0).name(), "attn_weights");
+  EXPECT_EQ(head.outputs(0).datatype(), "FP16");
+  EXPECT_THAT(head.outputs(1).shape(), ElementsAre(1, 2, 4));
+  const auto raw = OipRawOutputs(&answer, reply);
+  ASSERT_EQ(raw.size(), 2u);
+  EXPECT_EQ(*raw[0], "w");
+  EXPECT_EQ(*raw[1], "out");
+}
+
+}  // namespace
+}  // namespace attnserve
