@@ -102,7 +102,100 @@ Status ApplyParameter(const std::string& name, const InferParameter& p, v1::Atte
   return Status::Ok();
 }
 
+// An input's parameters: binary_data_size (what HTTP clients and KServe's SDK send along with
+// raw bytes) is taken and ignored; shared memory is refused.
+Status CheckInputParameters(const std::string& field,
+                            const inference::ModelInferRequest::InferInputTensor& t) {
+  for (const auto& [name, p] : t.parameters()) {
+    if (name == "binary_data_size") continue;
+    if (name.rfind("shared_memory", 0) == 0) {
+      return InvalidArgument(
+          field + ".parameters['" + name +
+          "']: shared memory is not supported; send the bytes in raw_input_contents");
+    }
+    return InvalidArgument(field + ".parameters['" + name +
+                           "']: not an input parameter of attnserve");
+  }
+  return Status::Ok();
+}
+
+// Typed contents as the raw bytes the native API takes: FP32 from fp32_contents, BOOL from
+// bool_contents (one byte each).
+Status TypedBytes(const std::string& field, v1::DataType dtype,
+                  const inference::InferTensorContents& c, std::string* bytes) {
+  if (dtype == v1::DATA_TYPE_FLOAT32) {
+    bytes->assign(reinterpret_cast<const char*>(c.fp32_contents().data()),
+                  c.fp32_contents_size() * sizeof(float));
+    return Status::Ok();
+  }
+  if (dtype == v1::DATA_TYPE_BOOL) {
+    bytes->resize(c.bool_contents_size());
+    for (int i = 0; i < c.bool_contents_size(); ++i) (*bytes)[i] = c.bool_contents(i) ? 1 : 0;
+    return Status::Ok();
+  }
+  return InvalidArgument(
+      field +
+      ".contents: FP16 and BF16 have no typed contents in the protocol; send the "
+      "bytes in raw_input_contents");
+}
+
+// Triton's sequence parameters, when there are any.
+StatusOr<std::optional<OipSequence>> SequenceOf(const inference::ModelInferRequest& in,
+                                                const v1::AttendRequest& out) {
+  const auto& params = in.parameters();
+  const auto flag = [&](const char* name, bool* value) -> Status {
+    auto it = params.find(name);
+    if (it == params.end()) return Status::Ok();
+    if (it->second.parameter_choice_case() != InferParameter::kBoolParam)
+      return WrongKind(name, it->second, "bool");
+    *value = it->second.bool_param();
+    return Status::Ok();
+  };
+  OipSequence seq;
+  RETURN_IF_ERROR(flag("sequence_start", &seq.start));
+  RETURN_IF_ERROR(flag("sequence_end", &seq.end));
+  auto id = params.find("sequence_id");
+  if (id == params.end()) {
+    if (params.count("sequence_start") || params.count("sequence_end")) {
+      return InvalidArgument(
+          "parameters['sequence_start'], ['sequence_end']: need parameters['sequence_id']");
+    }
+    return std::optional<OipSequence>();
+  }
+  switch (id->second.parameter_choice_case()) {
+    case InferParameter::kInt64Param:
+      seq.id = "i:" + std::to_string(id->second.int64_param());
+      break;
+    case InferParameter::kUint64Param:
+      seq.id = "i:" + std::to_string(id->second.uint64_param());
+      break;
+    case InferParameter::kStringParam:
+      seq.id = "s:" + id->second.string_param();
+      break;
+    default:
+      return WrongKind("sequence_id", id->second, "int64, uint64 or string");
+  }
+  if (seq.id == "i:0" || seq.id == "s:") {
+    return InvalidArgument(
+        "parameters['sequence_id']: 0 and \"\" mean no sequence; send none, or another id");
+  }
+  if (!out.session().empty() || !out.memory().empty()) {
+    return InvalidArgument(
+        "parameters['sequence_id']: a sequence is a session of its own; not with parameters['" +
+        std::string(out.session().empty() ? "memory" : "session") + "']");
+  }
+  if (out.model().empty())
+    return InvalidArgument("model_name: empty; a sequence needs its model named");
+  return std::optional<OipSequence>(seq);
+}
+
 }  // namespace
+
+int64_t OipBatchOf(const v1::AttendRequest& request) {
+  const auto& shape = request.query().shape();
+  if (shape.size() != 3) return 1;
+  return request.layout() == v1::LAYOUT_SEQUENCE_FIRST ? shape[1] : shape[0];
+}
 
 StatusOr<int64_t> OipVersion(const std::string& version) {
   if (version.empty()) return int64_t{0};
@@ -135,11 +228,13 @@ Status OipToAttend(inference::ModelInferRequest* in, v1::AttendRequest* out, Oip
   ASSIGN_OR_RETURN(const int64_t version, OipVersion(in->model_version()));
   out->set_model_version(version);
   reply->id = in->id();
-  if (in->raw_input_contents_size() != in->inputs_size()) {
-    return InvalidArgument(
-        "raw_input_contents: " + std::to_string(in->raw_input_contents_size()) + " entries for " +
-        std::to_string(in->inputs_size()) +
-        " inputs; expected one per input, in order (typed contents are not taken)");
+  // Raw contents, one per input in order; or, with none, typed contents (FP32 and BOOL only: the
+  // protocol has no typed field for FP16 or BF16).
+  const bool raw = in->raw_input_contents_size() > 0;
+  if (raw && in->raw_input_contents_size() != in->inputs_size()) {
+    return InvalidArgument("raw_input_contents: " + std::to_string(in->raw_input_contents_size()) +
+                           " entries for " + std::to_string(in->inputs_size()) +
+                           " inputs; expected one per input, in order");
   }
   std::set<std::string> seen;
   for (int i = 0; i < in->inputs_size(); ++i) {
@@ -147,27 +242,29 @@ Status OipToAttend(inference::ModelInferRequest* in, v1::AttendRequest* out, Oip
     const std::string field = "inputs[" + std::to_string(i) + "]";
     v1::Tensor* target = InputField(t->name(), out);
     if (target == nullptr) {
-      return InvalidArgument(
-          field + ".name: '" + t->name() +
-          "' is not an input; allowed: query, key, value, key_padding_mask, attn_mask");
+      return InvalidArgument(field + ".name: '" + t->name() +
+                             "' is not an input; allowed: query, key, value, key_padding_mask, "
+                             "attn_mask");
     }
-    if (!seen.insert(t->name()).second)
+    if (!seen.insert(t->name()).second) {
       return InvalidArgument(field + ".name: '" + t->name() + "' given twice");
-    if (t->has_contents()) {
-      return InvalidArgument(
-          field + ".contents: typed contents are not taken; send the bytes in raw_input_contents");
     }
-    if (!t->parameters().empty()) {
-      return InvalidArgument(
-          field + ".parameters: '" + t->parameters().begin()->first +
-          "': input parameters (shared memory) are not supported; send raw_input_contents");
-    }
+    RETURN_IF_ERROR(CheckInputParameters(field, *t));
     ASSIGN_OR_RETURN(const v1::DataType dtype, DataTypeFromOip(field + ".datatype", t->datatype()));
     target->set_dtype(dtype);
     target->mutable_shape()->Swap(t->mutable_shape());
-    target->mutable_data()->swap(*in->mutable_raw_input_contents(i));
+    if (raw) {
+      if (t->has_contents()) {
+        return InvalidArgument(field +
+                               ".contents: given with raw_input_contents; send one or the other");
+      }
+      target->mutable_data()->swap(*in->mutable_raw_input_contents(i));
+    } else {
+      RETURN_IF_ERROR(TypedBytes(field, dtype, t->contents(), target->mutable_data()));
+    }
   }
   for (const auto& [name, p] : in->parameters()) RETURN_IF_ERROR(ApplyParameter(name, p, out));
+  ASSIGN_OR_RETURN(reply->sequence, SequenceOf(*in, *out));
   // Outputs: all of them by default (attn_weights when the parameter asks for weights); asking for
   // attn_weights asks for the averaged weights unless the parameter says which.
   reply->outputs.clear();

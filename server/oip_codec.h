@@ -1,11 +1,13 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "attnserve/v1/attention.pb.h"
 #include "inference/grpc_service.pb.h"
+#include "server/oip_sequences.h"
 #include "server/status.h"
 #include "server/types.h"
 #include "server/wire.h"
@@ -16,7 +18,8 @@ namespace attnserve {
 /// Inference Protocol"). Inputs: query, key, value, key_padding_mask, attn_mask (the names of
 /// AttendRequest's fields); outputs: attn_output and attn_weights (nn.MultiheadAttention's).
 /// Request parameters: is_causal (bool), attn_weights ("none", "averaged", "per_head"), layout
-/// ("batch_first", "sequence_first").
+/// ("batch_first", "sequence_first"); memory, session, session_length (kept keys and values by
+/// handle); Triton's sequence_id, sequence_start, sequence_end (sessions by correlation id).
 namespace oip {
 inline constexpr const char* kOutput = "attn_output";
 inline constexpr const char* kWeights = "attn_weights";
@@ -27,7 +30,13 @@ inline constexpr const char* kWeights = "attn_weights";
 struct OipReply {
   std::string id;
   std::vector<std::string> outputs;  ///< oip::kOutput and/or oip::kWeights.
+  /// Triton's sequence parameters, when the request has them: the session is the sequence's.
+  std::optional<OipSequence> sequence;
 };
+
+/// The batch a request's query carries (its B: [B, L, E] batch-first, [L, B, E] sequence-first, 1
+/// unbatched): a sequence's session is opened for it.
+int64_t OipBatchOf(const v1::AttendRequest& request);
 
 /// Turns `in` into the AttendRequest the native API would have received for the same call, moving
 /// each raw_input_contents entry into its tensor (no copy). INVALID_ARGUMENT naming the field, what

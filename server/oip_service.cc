@@ -14,14 +14,47 @@ grpc::ServerUnaryReactor* Finished(grpc::CallbackServerContext* ctx, const Statu
   return reactor;
 }
 
+}  // namespace
+
 // An OIP exchange: the pipeline's, plus what only the OIP answer carries.
-struct OipExchange : Exchange {
+struct OipServiceImpl::Exchange : attnserve::Exchange {
   OipReply reply;
 };
 
-}  // namespace
+OipServiceImpl::OipServiceImpl(RequestPipeline& pipeline, size_t max_sequences,
+                               std::chrono::steady_clock::duration sequence_idle)
+    : pipeline_(pipeline), sequences_(max_sequences, sequence_idle) {}
 
-OipServiceImpl::OipServiceImpl(RequestPipeline& pipeline) : pipeline_(pipeline) {}
+void OipServiceImpl::CloseSession(const std::string& handle) {
+  v1::ReleaseRequest req;
+  req.set_handle(handle);
+  v1::ReleaseResponse resp;
+  pipeline_.Release("CloseSession", KvKind::kSession, req, &resp);
+}
+
+Status OipServiceImpl::BeginSequence(Exchange* x) {
+  if (!x->reply.sequence) return Status::Ok();
+  v1::AttendRequest& r = x->request;
+  const auto open = [&]() -> StatusOr<std::string> {
+    v1::OpenSessionRequest req;
+    req.set_model(r.model());
+    req.set_model_version(r.model_version());
+    req.set_batch(OipBatchOf(r));
+    v1::KvHandle handle;
+    RETURN_IF_ERROR(pipeline_.OpenSession(req, &handle));
+    return handle.handle();
+  };
+  ASSIGN_OR_RETURN(*r.mutable_session(),
+                   sequences_.Begin(r.model(), *x->reply.sequence, open,
+                                    [this](const std::string& h) { CloseSession(h); }));
+  return Status::Ok();
+}
+
+void OipServiceImpl::EndSequence(const Exchange& x, const Status& seen) {
+  if (!x.reply.sequence) return;
+  sequences_.Finish(x.request.model(), *x.reply.sequence, x.request.session(), seen,
+                    [this](const std::string& h) { CloseSession(h); });
+}
 
 grpc::ServerUnaryReactor* OipServiceImpl::ServerLive(grpc::CallbackServerContext* ctx,
                                                      const inference::ServerLiveRequest*,
@@ -69,16 +102,18 @@ grpc::ServerUnaryReactor* OipServiceImpl::ModelInfer(grpc::CallbackServerContext
                                                      const grpc::ByteBuffer* req,
                                                      grpc::ByteBuffer* resp) {
   inference::ModelInferRequest infer;
-  auto x = std::make_unique<OipExchange>();
+  auto x = std::make_unique<Exchange>();
   Status st = ParseMessage(*req, &infer);
   if (st.ok()) st = OipToAttend(&infer, &x->request, &x->reply);
+  if (st.ok()) st = BeginSequence(x.get());
   if (!st.ok()) {
     pipeline_.RecordUndecoded("ModelInfer", st);
     return Finished(ctx, st);
   }
   auto* reactor = ctx->DefaultReactor();
-  OipExchange* raw = x.release();
+  Exchange* raw = x.release();
   pipeline_.Attend("ModelInfer", raw, CallOf(ctx), [this, raw, reactor, resp](const Status& seen) {
+    EndSequence(*raw, seen);
     if (seen.ok()) {
       *resp = EncodeWithRawBytes(OipResponseHead(raw->answer, raw->reply),
                                  inference::ModelInferResponse::kRawOutputContentsFieldNumber,

@@ -1,6 +1,7 @@
 #pragma once
 
 #include "inference/grpc_service.grpc.pb.h"
+#include "server/oip_sequences.h"
 #include "server/request_pipeline.h"
 
 namespace attnserve {
@@ -19,8 +20,10 @@ class OipServiceImpl final
                           inference::GRPCInferenceService::WithCallbackMethod_ModelMetadata<
                               inference::GRPCInferenceService::Service>>>>>> {
  public:
-  /// Borrows the pipeline, which must outlive the service.
-  explicit OipServiceImpl(RequestPipeline& pipeline);
+  /// Borrows the pipeline, which must outlive the service. Triton's sequences are sessions: at most
+  /// `max_sequences` at once, forgotten after `sequence_idle` unused (the sessions' TTL).
+  OipServiceImpl(RequestPipeline& pipeline, size_t max_sequences,
+                 std::chrono::steady_clock::duration sequence_idle);
 
   grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* ctx,
                                        const inference::ServerLiveRequest*,
@@ -42,7 +45,15 @@ class OipServiceImpl final
                                        grpc::ByteBuffer* resp) override;
 
  private:
+  struct Exchange;
+  // A sequence's session for the request (opened at its start), named in its `session`.
+  Status BeginSequence(Exchange* x);
+  // After the step: the sequence's end closes its session.
+  void EndSequence(const Exchange& x, const Status& seen);
+  void CloseSession(const std::string& handle);
+
   RequestPipeline& pipeline_;
+  OipSequences sequences_;
 };
 
 }  // namespace attnserve

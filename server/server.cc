@@ -190,7 +190,10 @@ void Server::Impl::StartPipeline() {
   pipeline =
       std::make_unique<RequestPipeline>(*models, *batcher, *metrics, limits, options.flow, *kv);
   service = std::make_unique<AttentionServiceImpl>(*pipeline);
-  oip = std::make_unique<OipServiceImpl>(*pipeline);
+  oip =
+      std::make_unique<OipServiceImpl>(*pipeline, static_cast<size_t>(options.kv.max_entries),
+                                       std::chrono::duration_cast<SteadyClock::duration>(
+                                           std::chrono::duration<double>(options.kv.ttl_seconds)));
   admin = std::make_unique<AdminServiceImpl>(*models, options.admin);
 }
 

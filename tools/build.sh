@@ -58,7 +58,7 @@ stage() {  # name, command...: counts ctest's JUnit report, or the stage's own "
   set -e
   local p f
   if [ "$1" = ctest ] && [ -s "$junit" ]; then
-    local t; t=$(grep -oE '<testsuite [^>]*' "$junit" | head -1)
+    local t; t=$(tr '\n\t' '  ' <"$junit" | grep -oE '<testsuite [^>]*' | head -1)
     f=$(grep -oE ' failures="[0-9]+"' <<<"$t" | grep -oE '[0-9]+' || echo 1)
     p=$(( $(grep -oE ' tests="[0-9]+"' <<<"$t" | grep -oE '[0-9]+' || echo 0) - f ))
   else

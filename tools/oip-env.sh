@@ -1,21 +1,31 @@
 #!/usr/bin/env bash
-# The Open Inference Protocol's own clients, unmodified from PyPI, for the OIP tests: tritonclient
-# (gRPC) with ml_dtypes for BF16, in a virtual environment in build-oip/venv (ignored by git) on top
-# of Debian's Python and its python3-torch (the reference nn.MultiheadAttention). tritonclient needs
-# protobuf >= 6 and grpcio >= 1.81, newer than Debian's, so they are pinned here too. Idempotent: a
-# second call with the same pins returns at once.
-#   tools/oip-env.sh            # prints the venv's path
+# The Open Inference Protocol's own clients, unmodified from PyPI, for the OIP tests, each in a
+# virtual environment under build-oip/ (ignored by git). Pinned; idempotent: a second call with the
+# same pins returns at once.
+#   tools/oip-env.sh            # tritonclient[grpc] (gRPC) with ml_dtypes for BF16, on top of Debian's
+#                               # Python and its python3-torch (the reference nn.MultiheadAttention);
+#                               # tritonclient needs protobuf >= 6 and grpcio >= 1.81, newer than Debian's
+#   tools/oip-env.sh kserve     # KServe's Python SDK (InferenceGRPCClient), alone: it needs numpy 2,
+#                               # which Debian's torch 1.13 cannot load, so no system packages
+# Prints the venv's path.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-pins=("tritonclient[grpc]==2.73.0" grpcio==1.81.1 grpcio-tools==1.81.1 protobuf==6.33.6 ml_dtypes==0.5.4)
-venv=build-oip/venv
+case "${1:-triton}" in
+  triton)
+    pins=("tritonclient[grpc]==2.73.0" grpcio==1.81.1 grpcio-tools==1.81.1 protobuf==6.33.6 ml_dtypes==0.5.4)
+    venv=build-oip/venv system=--system-site-packages check='import tritonclient.grpc, grpc_tools, ml_dtypes, torch' ;;
+  kserve)
+    pins=(kserve==0.21.0 grpcio==1.85.3 grpcio-tools==1.81.1 protobuf==6.33.6 numpy==2.4.6)
+    venv=build-oip/venv-kserve system= check='import kserve, grpc_tools, numpy' ;;
+  *) echo "tools/oip-env.sh: triton or kserve, not '$1'" >&2; exit 2 ;;
+esac
 stamp="$venv/.pins"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "${pins[*]}" ]; then
   echo "$PWD/$venv"
   exit 0
 fi
-[ -x "$venv/bin/python" ] || /usr/bin/python3 -m venv --system-site-packages "$venv"
+[ -x "$venv/bin/python" ] || /usr/bin/python3 -m venv $system "$venv"
 "$venv/bin/pip" install -q "${pins[@]}" >&2
-"$venv/bin/python" -c 'import tritonclient.grpc, grpc_tools, ml_dtypes, torch' >&2
+"$venv/bin/python" -c "$check" >&2
 echo "${pins[*]}" >"$stamp"
 echo "$PWD/$venv"

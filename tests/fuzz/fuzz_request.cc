@@ -1,8 +1,11 @@
-// A request message as the server receives it: decode (ParseRequest), then FromWire and Validate
-// against models of several shapes, with small limits so the refusal paths are reached too.
+// A request message as the server receives it, on both front ends: decoded as an attnserve.v1
+// AttendRequest (ParseRequest), and as an Open Inference Protocol ModelInferRequest mapped onto one
+// (OipToAttend); then FromWire and Validate against models of several shapes, with small limits so
+// the refusal paths are reached too.
 #include <grpcpp/support/byte_buffer.h>
 
 #include "server/grpc_codec.h"
+#include "server/oip_codec.h"
 #include "server/validator.h"
 #include "server/wire.h"
 
@@ -26,16 +29,24 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       Spec(16, 4, 16, false, false), Spec(8, 2, 6, true, true), Spec(512, 8, 512, false, false)};
   grpc::Slice slice(data, size);
   const grpc::ByteBuffer bytes(&slice, 1);
-  attnserve::pb::AttendRequest request;
-  if (!attnserve::ParseRequest(bytes, &request).ok()) return 0;
-  for (const auto& spec : specs) {
-    attnserve::AttendCall call;
-    if (!attnserve::FromWire(request, &call).ok()) return 0;
-    attnserve::AttendLimits limits;
-    limits.max_tokens = 4096;
-    limits.max_attention_scores = 1 << 20;
-    limits.max_answer_bytes = 1 << 20;
-    (void)attnserve::Validate(spec, limits, &call);
+  attnserve::pb::AttendRequest native;
+  inference::ModelInferRequest oip;
+  attnserve::pb::AttendRequest mapped;
+  attnserve::OipReply reply;
+  const bool oip_ok = attnserve::ParseMessage(bytes, &oip).ok() &&
+                      attnserve::OipToAttend(&oip, &mapped, &reply).ok();
+  for (const attnserve::pb::AttendRequest* request : {&native, &mapped}) {
+    if (request == &native && !attnserve::ParseRequest(bytes, &native).ok()) continue;
+    if (request == &mapped && !oip_ok) continue;
+    for (const auto& spec : specs) {
+      attnserve::AttendCall call;
+      if (!attnserve::FromWire(*request, &call).ok()) break;
+      attnserve::AttendLimits limits;
+      limits.max_tokens = 4096;
+      limits.max_attention_scores = 1 << 20;
+      limits.max_answer_bytes = 1 << 20;
+      (void)attnserve::Validate(spec, limits, &call);
+    }
   }
   return 0;
 }

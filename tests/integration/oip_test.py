@@ -7,7 +7,8 @@ both layouts; cross-attention with kdim/vdim; is_causal) against torch.nn.Multih
 seeds; max|out-ref|/max|ref| <= 1e-5 in FP32, 2e-3 in FP16, 2e-2 in BF16 against a float64
 reference), every answer byte for byte equal to the native attnserve.v1 Attend answer for the same
 request, refusals with the same code and message as the native API, a decoding session stepped
-through parameters["session"], and the calls counted in /metrics under method="ModelInfer".
+through parameters["session"] and a Triton sequence (sequence_id/start/end) as a session, and the
+calls counted in /metrics under method="ModelInfer".
 
 usage: oip_test.py PATH/TO/attnserve       (run with tools/oip-env.sh's python)
 """
@@ -211,15 +212,31 @@ def main():
     e = infer_error("mha", [("query", q)], {"dropout": 0.1})
     checks("an unknown parameter: INVALID_ARGUMENT naming it",
            e is not None and e.status() == "StatusCode.INVALID_ARGUMENT" and "dropout" in e.message(), str(e))
-    seq_input = tc.InferInput("query", [1, 3, E], "FP32")
-    seq_input.set_data_from_numpy(q)
+    # A Triton sequence (sequence_id, start, end) is a session: three steps, each against a twin
+    # session stepped natively; after the end the id is unknown.
+    twin = native.OpenSession(pb.OpenSessionRequest(model="mha", batch=2))
+    same = True
+    for step in range(3):
+        x = rng.standard_normal((2, 3, E)).astype(np.float32)
+        t = tc.InferInput("query", [2, 3, E], "FP32")
+        t.set_data_from_numpy(x)
+        r = client.infer("mha", [t], sequence_id=42, sequence_start=step == 0, sequence_end=step == 2)
+        n = native.Attend(pb.AttendRequest(session=twin.handle, query=pb.Tensor(dtype=1, shape=x.shape,
+                                                                                 data=x.tobytes())))
+        same = same and r.get_response().raw_output_contents[0] == n.output.data
+    checks("a Triton sequence steps a session: the same bytes as a native session, step by step", same)
+    t = tc.InferInput("query", [2, 3, E], "FP32")
+    t.set_data_from_numpy(x)
     try:
-        client.infer("mha", [seq_input], sequence_id=7, sequence_start=True)
+        client.infer("mha", [t], sequence_id=42)
         e = None
     except InferenceServerException as ex:
         e = ex
-    checks("Triton sequence parameters: INVALID_ARGUMENT saying how sessions work here",
-           e is not None and e.status() == "StatusCode.INVALID_ARGUMENT" and "session" in e.message(), str(e))
+    checks("after sequence_end the id is not in progress: NOT_FOUND naming it",
+           e is not None and e.status() == "StatusCode.NOT_FOUND" and "42" in e.message(), str(e))
+    sessions = lib.metrics_lines(server, "attnserve_kv_entries")
+    checks("the ended sequence's session is closed (only the native twin is left)",
+           any('kind="session"' in l and float(l.split()[-1]) == 1 for l in sessions), str(sessions))
 
     # A decoding session opened natively and stepped through OIP, against a twin stepped natively.
     a = native.OpenSession(pb.OpenSessionRequest(model="mha", batch=1))

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# Runs oip_test.py with tritonclient from tools/oip-env.sh's virtual environment (made on first use).
-#   tests/integration/oip_test.sh PATH/TO/attnserve
+# Runs an OIP client test in its client's virtual environment (tools/oip-env.sh, made on first use).
+#   tests/integration/oip_test.sh PATH/TO/attnserve             # tritonclient: oip_test.py
+#   tests/integration/oip_test.sh PATH/TO/attnserve kserve      # KServe's SDK: oip_kserve_test.py
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-venv=$("$here/../../tools/oip-env.sh")
-exec "$venv/bin/python" "$here/oip_test.py" "$1"
+client=${2:-triton}
+venv=$("$here/../../tools/oip-env.sh" "$client")
+script=oip_test.py
+[ "$client" = kserve ] && script=oip_kserve_test.py
+exec "$venv/bin/python" "$here/$script" "$1"

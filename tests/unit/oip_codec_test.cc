@@ -5,6 +5,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstring>
+
 namespace attnserve {
 namespace {
 
@@ -109,6 +111,46 @@ TEST(OipCodecTest, RefusesWhatItDoesNotTakeNamingTheField) {
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << c.says;
     EXPECT_THAT(st.message(), HasSubstr(c.says));
   }
+}
+
+TEST(OipCodecTest, TypedFp32AndBoolContentsBecomeTheSameBytes) {
+  inference::ModelInferRequest in = Request();
+  in.clear_raw_input_contents();
+  for (float v : {1.f, -2.f, 0.5f, 3.f, 0.f, 1.f, 2.f, 4.f})
+    in.mutable_inputs(0)->mutable_contents()->add_fp32_contents(v);
+  (*in.mutable_inputs(0)->mutable_parameters())["binary_data_size"].set_int64_param(
+      32);  // Ignored.
+  auto* mask = in.add_inputs();
+  mask->set_name("key_padding_mask");
+  mask->set_datatype("BOOL");
+  mask->add_shape(1);
+  mask->add_shape(2);
+  mask->mutable_contents()->add_bool_contents(false);
+  mask->mutable_contents()->add_bool_contents(true);
+  v1::AttendRequest out;
+  OipReply reply;
+  ASSERT_TRUE(OipToAttend(&in, &out, &reply).ok());
+  ASSERT_EQ(out.query().data().size(), 32u);
+  float second;
+  std::memcpy(&second, out.query().data().data() + 4, 4);
+  EXPECT_EQ(second, -2.f);
+  EXPECT_EQ(out.key_padding_mask().data(), std::string("\x00\x01", 2));
+}
+
+TEST(OipCodecTest, SequenceParametersNameTheSequenceAndItsBatch) {
+  inference::ModelInferRequest in = Request();
+  (*in.mutable_parameters())["sequence_id"].set_string_param("conv-1");
+  (*in.mutable_parameters())["sequence_start"].set_bool_param(true);
+  v1::AttendRequest out;
+  OipReply reply;
+  ASSERT_TRUE(OipToAttend(&in, &out, &reply).ok());
+  ASSERT_TRUE(reply.sequence.has_value());
+  EXPECT_EQ(reply.sequence->id, "s:conv-1");
+  EXPECT_TRUE(reply.sequence->start);
+  EXPECT_FALSE(reply.sequence->end);
+  EXPECT_EQ(OipBatchOf(out), 1);
+  out.set_layout(v1::LAYOUT_SEQUENCE_FIRST);
+  EXPECT_EQ(OipBatchOf(out), 2);  // [L=1, B=2, E=4] read sequence-first
 }
 
 TEST(OipCodecTest, AnswersCarryTheRequestedOutputsInOrder) {

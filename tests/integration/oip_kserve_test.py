@@ -1,0 +1,68 @@
+"""The Open Inference Protocol through KServe's Python SDK (kserve 0.21, InferenceGRPCClient, from
+PyPI unmodified; tools/oip-env.sh kserve): live/ready, and infer() answers byte for byte equal to the
+native attnserve.v1 Attend for the same request (the demo model; FP32 query, a BOOL key padding mask,
+is_causal), and an absent model's NOT_FOUND. No torch here (the SDK needs numpy 2): numbers are
+checked against nn.MultiheadAttention by oip_test.py; this checks the SDK's path reaches the same
+computation.
+
+usage: oip_kserve_test.py PATH/TO/attnserve
+"""
+import asyncio
+import os
+import sys
+import warnings
+
+import grpc
+import numpy as np
+
+warnings.filterwarnings("ignore")
+from kserve import InferenceGRPCClient, InferInput, InferRequest  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
+import attnserve_py as lib  # noqa: E402
+
+
+async def run(server, checks, pb, rpc):
+    client = InferenceGRPCClient(server.target, retries=0)
+    checks("live and ready", await client.is_server_live() and await client.is_server_ready())
+    checks("model ready", await client.is_model_ready("demo"))
+    native = rpc.AttentionServiceStub(grpc.insecure_channel(server.target))
+    rng = np.random.default_rng(20261124)
+    for b, length in ((1, 5), (3, 8)):
+        q = rng.standard_normal((b, length, 512)).astype(np.float32)
+        kpm = np.arange(length)[None, :] >= rng.integers(1, length + 1, size=b)[:, None]
+        qi = InferInput("query", list(q.shape), "FP32")
+        qi.set_data_from_numpy(q, binary_data=True)
+        mi = InferInput("key_padding_mask", list(kpm.shape), "BOOL")
+        mi.set_data_from_numpy(kpm, binary_data=True)
+        resp = await client.infer(InferRequest("demo", [qi, mi], parameters={"is_causal": True}))
+        out = resp.outputs[0]
+        want = native.Attend(pb.AttendRequest(
+            model="demo", is_causal=True, query=pb.Tensor(dtype=1, shape=q.shape, data=q.tobytes()),
+            key_padding_mask=pb.Tensor(dtype=4, shape=kpm.shape, data=kpm.astype(np.uint8).tobytes())))
+        got = np.asarray(out.as_numpy(), dtype=np.float32)
+        checks(f"B={b} L={length}: {out.name} {out.datatype} {list(out.shape)}, the bytes of Attend",
+               out.name == "attn_output" and list(out.shape) == [b, length, 512] and
+               got.tobytes() == want.output.data)
+    try:
+        await client.infer(InferRequest("nope", [qi]))
+        checks("an absent model: NOT_FOUND", False, "no error")
+    except grpc.aio.AioRpcError as e:
+        checks("an absent model: NOT_FOUND", e.code() == grpc.StatusCode.NOT_FOUND and "nope" in e.details(),
+               str(e))
+    await client.close()
+
+
+def main():
+    checks = lib.Checks()
+    pb, rpc = lib.load_stubs()
+    server = lib.Server(sys.argv[1])
+    try:
+        asyncio.run(run(server, checks, pb, rpc))
+    finally:
+        server.stop()
+    return checks.summary("oip_kserve")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
