@@ -89,10 +89,7 @@ Status ApplyParameter(const std::string& name, const InferParameter& p, v1::Atte
       return WrongKind(name, p, "int64");
     out->set_session_length(p.int64_param());
   } else if (name == "sequence_id" || name == "sequence_start" || name == "sequence_end") {
-    return InvalidArgument(
-        "parameters['" + name +
-        "']: Triton's sequence batching is not served; a decoding session is "
-        "opened with attnserve.v1 OpenSession and named by parameters['session']");
+    return Status::Ok();  // SequenceOf reads them.
   } else {
     return InvalidArgument(
         "parameters['" + name +

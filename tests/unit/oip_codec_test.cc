@@ -68,10 +68,19 @@ TEST(OipCodecTest, RefusesWhatItDoesNotTakeNamingTheField) {
        "inputs[0].name: 'q' is not an input; allowed: query"},
       {[](auto* r) { r->mutable_inputs(0)->set_datatype("INT8"); },
        "inputs[0].datatype: 'INT8' is not allowed"},
-      {[](auto* r) { r->clear_raw_input_contents(); },
-       "raw_input_contents: 0 entries for 1 inputs"},
+      {[](auto* r) { r->add_raw_input_contents("x"); },
+       "raw_input_contents: 2 entries for 1 inputs"},
       {[](auto* r) { r->mutable_inputs(0)->mutable_contents()->add_fp32_contents(1); },
-       "inputs[0].contents"},
+       "inputs[0].contents: given with raw_input_contents"},
+      {[](auto* r) {
+         r->clear_raw_input_contents();
+         r->mutable_inputs(0)->set_datatype("FP16");
+       },
+       "FP16 and BF16 have no typed contents"},
+      {[](auto* r) {
+         (*r->mutable_inputs(0)->mutable_parameters())["colour"].set_string_param("x");
+       },
+       "inputs[0].parameters['colour']: not an input parameter"},
       {[](auto* r) {
          (*r->mutable_inputs(0)->mutable_parameters())["shared_memory_region"].set_string_param(
              "x");
@@ -85,8 +94,17 @@ TEST(OipCodecTest, RefusesWhatItDoesNotTakeNamingTheField) {
        "parameters['is_causal']: a string parameter; expected bool"},
       {[](auto* r) { (*r->mutable_parameters())["attn_weights"].set_string_param("all"); },
        "allowed: none, averaged"},
-      {[](auto* r) { (*r->mutable_parameters())["sequence_id"].set_int64_param(7); },
-       "OpenSession"},
+      {[](auto* r) { (*r->mutable_parameters())["sequence_start"].set_bool_param(true); },
+       "need parameters['sequence_id']"},
+      {[](auto* r) { (*r->mutable_parameters())["sequence_id"].set_int64_param(0); },
+       "0 and \"\" mean no sequence"},
+      {[](auto* r) { (*r->mutable_parameters())["sequence_id"].set_double_param(1.5); },
+       "a double parameter; expected int64, uint64 or string"},
+      {[](auto* r) {
+         (*r->mutable_parameters())["sequence_id"].set_int64_param(3);
+         (*r->mutable_parameters())["session"].set_string_param("abc");
+       },
+       "a sequence is a session of its own"},
       {[](auto* r) { (*r->mutable_parameters())["priority"].set_int64_param(1); },
        "parameters['priority']"},
       {[](auto* r) { r->add_outputs()->set_name("logits"); },
