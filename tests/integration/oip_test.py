@@ -238,6 +238,44 @@ def main():
     checks("the ended sequence's session is closed (only the native twin is left)",
            any('kind="session"' in l and float(l.split()[-1]) == 1 for l in sessions), str(sessions))
 
+    # Under load: four OIP clients and two native ones at once, 12 requests each of random lengths
+    # (batched together by the server); every OIP answer against its own reference.
+    import threading
+    m64 = modules["mha"].double()
+    errors = []
+
+    def oip_worker(seed):
+        r = np.random.default_rng(seed)
+        own = tc.InferenceServerClient(server.target)
+        for _ in range(12):
+            b, length = int(r.integers(1, 4)), int(r.integers(2, 40))
+            x = r.standard_normal((b, length, E)).astype(np.float32)
+            t = tc.InferInput("query", [b, length, E], "FP32")
+            t.set_data_from_numpy(x)
+            got = own.infer("mha", [t]).as_numpy("attn_output").astype(np.float64)
+            with torch.no_grad():
+                xx = torch.from_numpy(x.astype(np.float64))
+                ref = m64(xx, xx, xx, need_weights=False)[0].numpy()
+            err = np.abs(got - ref).max() / np.abs(ref).max()
+            if not err <= 1e-5:
+                errors.append(f"seed {seed}: B={b} L={length} error {err:.2e}")
+        own.close()
+
+    def native_worker(seed):
+        r = np.random.default_rng(seed)
+        for _ in range(12):
+            x = r.standard_normal((2, int(r.integers(2, 60)), E)).astype(np.float32)
+            native.Attend(pb.AttendRequest(model="mha", query=pb.Tensor(dtype=1, shape=x.shape, data=x.tobytes())))
+
+    threads = [threading.Thread(target=oip_worker, args=(100 + i,)) for i in range(4)]
+    threads += [threading.Thread(target=native_worker, args=(200 + i,)) for i in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    checks("under concurrent load every OIP answer matches its own reference (48 answers, 1e-5)", not errors,
+           "; ".join(errors[:3]))
+
     # A decoding session opened natively and stepped through OIP, against a twin stepped natively.
     a = native.OpenSession(pb.OpenSessionRequest(model="mha", batch=1))
     b2 = native.OpenSession(pb.OpenSessionRequest(model="mha", batch=1))

@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <limits>
+#include <set>
 
 namespace attnserve {
 namespace {
@@ -169,6 +171,29 @@ TEST(OipCodecTest, SequenceParametersNameTheSequenceAndItsBatch) {
   EXPECT_EQ(OipBatchOf(out), 1);
   out.set_layout(v1::LAYOUT_SEQUENCE_FIRST);
   EXPECT_EQ(OipBatchOf(out), 2);  // [L=1, B=2, E=4] read sequence-first
+}
+
+TEST(OipCodecTest, SequenceIdsAtTheIntegerExtremesStayDistinct) {
+  std::set<std::string> ids;
+  const auto id_of = [](const std::function<void(inference::InferParameter*)>& set) {
+    inference::ModelInferRequest in = Request();
+    set(&(*in.mutable_parameters())["sequence_id"]);
+    v1::AttendRequest out;
+    OipReply reply;
+    const Status st = OipToAttend(&in, &out, &reply);
+    EXPECT_TRUE(st.ok()) << st.ToString();
+    return st.ok() ? reply.sequence->id : std::string();
+  };
+  ids.insert(id_of([](auto* p) { p->set_int64_param(std::numeric_limits<int64_t>::min()); }));
+  ids.insert(id_of([](auto* p) { p->set_int64_param(std::numeric_limits<int64_t>::max()); }));
+  ids.insert(id_of([](auto* p) { p->set_uint64_param(std::numeric_limits<uint64_t>::max()); }));
+  ids.insert(id_of([](auto* p) { p->set_int64_param(-1); }));
+  ids.insert(id_of([](auto* p) { p->set_string_param("-1"); }));  // A string id is not a number id.
+  EXPECT_EQ(ids.size(), 5u);
+  EXPECT_EQ(ids.count("i:18446744073709551615"), 1u);
+  // The same number as int64 and as uint64 is the same id (clients send either).
+  EXPECT_EQ(id_of([](auto* p) { p->set_int64_param(7); }),
+            id_of([](auto* p) { p->set_uint64_param(7); }));
 }
 
 TEST(OipCodecTest, AnswersCarryTheRequestedOutputsInOrder) {
