@@ -12,7 +12,7 @@ throughout while the test
   3. removes gone/ and calls ReloadModels: gone is UNLOADED, later calls to it get NOT_FOUND;
   4. adds a broken m/3/ and calls ReloadModels: FAILED, m/2 still serves; health and metrics say so;
   5. removes m/3/ and reloads: the repository is healthy again.
-Every request is accounted for (answered, or NOT_FOUND for `gone` sent after its removal began);
+Every request is accounted for (answered, or NOT_FOUND for `gone` answered after its removal began);
 every answer is checked against torch.nn.MultiheadAttention (float64) with the weights its
 weights_hash names (tolerance: atol 2e-5 + rtol 1e-4; the server computes in float32); unary
 callers never see older weights after newer ones; ListModels, GetModel, health and the
@@ -338,9 +338,12 @@ def main():
     for name, start in sorted(phases.items(), key=lambda kv: kv[1]):
         n = sum(1 for r in all_records if r.sent >= start)
         print(f"  sent since {name}: {n}")
+    # A NOT_FOUND for gone is right when it was answered after its removal began: a call the client
+    # stamped just before could reach the server only after the reload (a loaded 2-core machine
+    # delayed one so, once in three full runs).
     lost = [r for r in all_records if r.code != "OK" and not (r.code == "NOT_FOUND" and r.model == "gone"
-                                                               and r.sent >= removal_started[0])]
-    checks("zero lost requests (every one answered; NOT_FOUND only for gone, sent after its removal began)",
+                                                               and r.done_at >= removal_started[0])]
+    checks("zero lost requests (every one answered; NOT_FOUND only for gone, answered after its removal began)",
            not lost, f"{len(lost)}: " + ", ".join(f"{r.caller} {r.model} {r.code}" for r in lost[:5]))
     gone_late_ok = sum(1 for r in all_records if r.model == "gone" and r.code == "OK" and r.sent >= removal_started[0])
     print(f"gone: {gone_late_ok} answered after its removal began (accepted before the swap), "
