@@ -33,13 +33,6 @@ class NoMessageReactor final : public grpc::ServerUnaryReactor {
   grpc::CallbackServerContext* ctx_;
 };
 
-// The reactor of a unary call that the pipeline answered at once.
-grpc::ServerUnaryReactor* Finished(grpc::CallbackServerContext* ctx, const Status& st) {
-  auto* reactor = ctx->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(st));
-  return reactor;
-}
-
 }  // namespace
 
 AttentionServiceImpl::AttentionServiceImpl(RequestPipeline& pipeline) : pipeline_(pipeline) {}

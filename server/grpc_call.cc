@@ -3,6 +3,8 @@
 #include <cstdlib>
 #include <string>
 
+#include "server/grpc_status.h"
+
 namespace attnserve {
 
 CallContext CallOf(grpc::CallbackServerContext* ctx) {
@@ -18,6 +20,12 @@ CallContext CallOf(grpc::CallbackServerContext* ctx) {
     call.previous_attempts = static_cast<uint32_t>(std::strtoul(text.c_str(), nullptr, 10));
   }
   return call;
+}
+
+grpc::ServerUnaryReactor* Finished(grpc::CallbackServerContext* ctx, const Status& status) {
+  auto* reactor = ctx->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
 }
 
 }  // namespace attnserve

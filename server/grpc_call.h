@@ -11,4 +11,7 @@ namespace attnserve {
 /// sends (gRFC A6's grpc-previous-rpc-attempts).
 CallContext CallOf(grpc::CallbackServerContext* ctx);
 
+/// The call's default reactor, finished at once with `status` (a unary call answered in place).
+grpc::ServerUnaryReactor* Finished(grpc::CallbackServerContext* ctx, const Status& status);
+
 }  // namespace attnserve

@@ -56,23 +56,21 @@ class CaptureProtobufLog {
 
 // `field` (a Tensor in AttendResponse) again, holding only data = `bytes` (which follow the
 // returned prefix): tag, length of the Tensor, then Tensor.data's tag and length.
-std::string TensorDataPrefix(int field, size_t bytes) {
+std::string LengthPrefix(int field, size_t length) {
   using gp::internal::WireFormatLite;
-  using gp::io::CodedOutputStream;
-  const uint32_t data_tag = WireFormatLite::MakeTag(pb::Tensor::kDataFieldNumber,
-                                                    WireFormatLite::WIRETYPE_LENGTH_DELIMITED);
-  const size_t inner =
-      CodedOutputStream::VarintSize32(data_tag) + CodedOutputStream::VarintSize64(bytes) + bytes;
   std::string p;
   {
     gp::io::StringOutputStream stream(&p);
-    CodedOutputStream out(&stream);
+    gp::io::CodedOutputStream out(&stream);
     out.WriteTag(WireFormatLite::MakeTag(field, WireFormatLite::WIRETYPE_LENGTH_DELIMITED));
-    out.WriteVarint64(inner);
-    out.WriteTag(data_tag);
-    out.WriteVarint64(bytes);
+    out.WriteVarint64(length);
   }
   return p;
+}
+
+std::string TensorDataPrefix(int field, size_t bytes) {
+  const std::string data = LengthPrefix(pb::Tensor::kDataFieldNumber, bytes);
+  return LengthPrefix(field, data.size() + bytes) + data;
 }
 
 void DeleteString(void* s) { delete static_cast<std::string*>(s); }
@@ -110,18 +108,10 @@ Status ParseRequest(const grpc::ByteBuffer& bytes, pb::AttendRequest* request) {
 
 grpc::ByteBuffer EncodeWithRawBytes(const gp::Message& head, int field,
                                     std::vector<std::unique_ptr<std::string>> raw) {
-  using gp::internal::WireFormatLite;
   std::vector<grpc::Slice> slices;
   slices.emplace_back(head.SerializeAsString());
   for (std::unique_ptr<std::string>& bytes : raw) {
-    std::string prefix;
-    {
-      gp::io::StringOutputStream stream(&prefix);
-      gp::io::CodedOutputStream out(&stream);
-      out.WriteTag(WireFormatLite::MakeTag(field, WireFormatLite::WIRETYPE_LENGTH_DELIMITED));
-      out.WriteVarint64(bytes->size());
-    }
-    slices.emplace_back(prefix);
+    slices.emplace_back(LengthPrefix(field, bytes->size()));
     slices.push_back(OwningSlice(std::move(bytes)));
   }
   return grpc::ByteBuffer(slices.data(), slices.size());

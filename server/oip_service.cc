@@ -6,16 +6,6 @@
 #include "server/oip_codec.h"
 
 namespace attnserve {
-namespace {
-
-grpc::ServerUnaryReactor* Finished(grpc::CallbackServerContext* ctx, const Status& st) {
-  auto* reactor = ctx->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(st));
-  return reactor;
-}
-
-}  // namespace
-
 // An OIP exchange: the pipeline's, plus what only the OIP answer carries.
 struct OipServiceImpl::Exchange : attnserve::Exchange {
   OipReply reply;
