@@ -33,9 +33,29 @@ class NoMessageReactor final : public grpc::ServerUnaryReactor {
   grpc::CallbackServerContext* ctx_;
 };
 
+/// AttendStream's messages: AttendRequest in, AttendResponse out (an error travels in `error`).
+class AttendStreamCodec final : public StreamCodec {
+ public:
+  const char* method() const override { return "AttendStream"; }
+  Status Decode(const grpc::ByteBuffer& bytes, std::unique_ptr<Exchange>* x, Status*,
+                std::string*) override {
+    *x = std::make_unique<Exchange>();
+    return ParseRequest(bytes, &(*x)->request);
+  }
+  grpc::ByteBuffer Encode(Exchange* x, const Status& status) override {
+    if (status.ok()) return EncodeAnswer(&x->answer);
+    v1::AttendResponse meta;
+    meta.set_request_id(x->request.request_id());
+    meta.mutable_error()->set_code(static_cast<int>(ToGrpcCode(status.code())));
+    meta.mutable_error()->set_message(status.message());
+    return EncodeResponse(meta, nullptr, nullptr);
+  }
+};
+
 }  // namespace
 
-AttentionServiceImpl::AttentionServiceImpl(RequestPipeline& pipeline) : pipeline_(pipeline) {}
+AttentionServiceImpl::AttentionServiceImpl(RequestPipeline& pipeline)
+    : pipeline_(pipeline), stream_codec_(std::make_unique<AttendStreamCodec>()) {}
 
 AttentionServiceImpl::~AttentionServiceImpl() = default;
 
@@ -62,7 +82,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionServiceImpl::AttendStream(
     grpc::CallbackServerContext* ctx) {
-  return new StreamReactor(pipeline_, ctx);
+  return new StreamReactor(pipeline_, *stream_codec_, ctx);
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(grpc::CallbackServerContext* ctx,

@@ -1,9 +1,13 @@
 #pragma once
 
+#include <memory>
+
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "server/request_pipeline.h"
 
 namespace attnserve {
+
+class StreamCodec;
 
 /// The gRPC AttentionService on the callback API: each handler decodes, hands the request to the
 /// RequestPipeline and encodes what comes back; it decides nothing. Attend and AttendStream take
@@ -49,6 +53,7 @@ class AttentionServiceImpl final
 
  private:
   RequestPipeline& pipeline_;
+  std::unique_ptr<StreamCodec> stream_codec_;  // AttendStream's messages.
 };
 
 }  // namespace attnserve

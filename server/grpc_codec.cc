@@ -107,13 +107,22 @@ Status ParseRequest(const grpc::ByteBuffer& bytes, pb::AttendRequest* request) {
 }
 
 grpc::ByteBuffer EncodeWithRawBytes(const gp::Message& head, int field,
-                                    std::vector<std::unique_ptr<std::string>> raw) {
+                                    std::vector<std::unique_ptr<std::string>> raw, int outer,
+                                    const gp::Message* outer_head) {
   std::vector<grpc::Slice> slices;
-  slices.emplace_back(head.SerializeAsString());
+  slices.emplace_back();  // The outer message's head and prefix, once the inner length is known.
+  std::string inner = head.SerializeAsString();
+  size_t inner_length = inner.size();
+  slices.emplace_back(std::move(inner));
   for (std::unique_ptr<std::string>& bytes : raw) {
-    slices.emplace_back(LengthPrefix(field, bytes->size()));
+    std::string prefix = LengthPrefix(field, bytes->size());
+    inner_length += prefix.size() + bytes->size();
+    slices.emplace_back(std::move(prefix));
     slices.push_back(OwningSlice(std::move(bytes)));
   }
+  if (outer == 0) return grpc::ByteBuffer(slices.data() + 1, slices.size() - 1);
+  slices[0] = grpc::Slice((outer_head ? outer_head->SerializeAsString() : std::string()) +
+                          LengthPrefix(outer, inner_length));
   return grpc::ByteBuffer(slices.data(), slices.size());
 }
 

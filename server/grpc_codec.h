@@ -17,9 +17,12 @@ namespace attnserve {
 Status ParseMessage(const grpc::ByteBuffer& bytes, google::protobuf::Message* message);
 
 /// Encodes `head` followed by each of `raw` as one more occurrence of the repeated bytes field
-/// `field` (top level), each buffer handed to gRPC as a slice of its own without a copy.
+/// `field` (top level), each buffer handed to gRPC as a slice of its own without a copy. With an
+/// `outer` field number, that message is itself the value of field `outer` of the message encoded
+/// (ModelStreamInferResponse's infer_response), the rest of which is `outer_head`.
 grpc::ByteBuffer EncodeWithRawBytes(const google::protobuf::Message& head, int field,
-                                    std::vector<std::unique_ptr<std::string>> raw);
+                                    std::vector<std::unique_ptr<std::string>> raw, int outer = 0,
+                                    const google::protobuf::Message* outer_head = nullptr);
 
 /// Decodes one AttendRequest message. INVALID_ARGUMENT saying why when the bytes are not one (for
 /// example a `model` string that is not UTF-8, which protobuf refuses).

@@ -222,9 +222,9 @@ const char* OipDatatype(DType dtype) {
 
 Status OipToAttend(inference::ModelInferRequest* in, v1::AttendRequest* out, OipReply* reply) {
   out->set_model(in->model_name());
+  reply->id = in->id();
   ASSIGN_OR_RETURN(const int64_t version, OipVersion(in->model_version()));
   out->set_model_version(version);
-  reply->id = in->id();
   // Raw contents, one per input in order; or, with none, typed contents (FP32 and BOOL only: the
   // protocol has no typed field for FP16 or BF16).
   const bool raw = in->raw_input_contents_size() > 0;
@@ -301,6 +301,18 @@ inference::ModelInferResponse OipResponseHead(const AttendAnswer& answer, const 
     o->mutable_shape()->CopyFrom(t.shape());
   }
   return head;
+}
+
+inference::ModelStreamInferResponse OipStreamError(const v1::AttendRequest& request,
+                                                   const OipReply& reply, const Status& status) {
+  inference::ModelStreamInferResponse r;
+  r.set_error_message(status.message());
+  inference::ModelInferResponse* head = r.mutable_infer_response();
+  head->set_model_name(request.model());
+  if (request.model_version() > 0) head->set_model_version(std::to_string(request.model_version()));
+  head->set_id(reply.id);
+  (*head->mutable_parameters())["error_code"].set_string_param(StatusCodeName(status.code()));
+  return r;
 }
 
 std::vector<std::unique_ptr<std::string>> OipRawOutputs(AttendAnswer* answer,

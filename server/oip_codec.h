@@ -48,6 +48,11 @@ Status OipToAttend(inference::ModelInferRequest* in, v1::AttendRequest* out, Oip
 /// The ModelInferResponse fields of a computed answer, without the tensors' bytes (they follow as
 /// raw_output_contents, in `reply.outputs` order: Raw picks them from the answer).
 inference::ModelInferResponse OipResponseHead(const AttendAnswer& answer, const OipReply& reply);
+/// A ModelStreamInfer answer carrying an error: error_message is the status's message (as a unary
+/// call's status would carry it), infer_response names the request (id, model, version) and
+/// carries the status code's name ("INVALID_ARGUMENT") in its `error_code` parameter.
+inference::ModelStreamInferResponse OipStreamError(const v1::AttendRequest& request,
+                                                   const OipReply& reply, const Status& status);
 /// The answer's buffers in `reply.outputs` order (handed over).
 std::vector<std::unique_ptr<std::string>> OipRawOutputs(AttendAnswer* answer,
                                                         const OipReply& reply);

@@ -4,6 +4,7 @@
 #include "server/grpc_codec.h"
 #include "server/grpc_status.h"
 #include "server/oip_codec.h"
+#include "server/stream_reactor.h"
 
 namespace attnserve {
 // An OIP exchange: the pipeline's, plus what only the OIP answer carries.
@@ -11,9 +12,52 @@ struct OipServiceImpl::Exchange : attnserve::Exchange {
   OipReply reply;
 };
 
+// ModelStreamInfer: ModelInferRequest in, ModelStreamInferResponse out.
+class OipServiceImpl::Stream final : public StreamCodec {
+ public:
+  explicit Stream(OipServiceImpl& service) : service_(service) {}
+  const char* method() const override { return "ModelStreamInfer"; }
+
+  Status Decode(const grpc::ByteBuffer& bytes, std::unique_ptr<attnserve::Exchange>* out,
+                Status* refused, std::string* order) override {
+    inference::ModelInferRequest infer;
+    RETURN_IF_ERROR(ParseMessage(bytes, &infer));
+    auto x = std::make_unique<Exchange>();
+    *refused = OipToAttend(&infer, &x->request, &x->reply);
+    if (refused->ok() && x->reply.sequence)
+      *order = infer.model_name() + '\n' + x->reply.sequence->id;
+    *out = std::move(x);
+    return Status::Ok();
+  }
+  Status Prepare(attnserve::Exchange* x) override {
+    return service_.BeginSequence(static_cast<Exchange*>(x));
+  }
+  void Computed(attnserve::Exchange* x, const Status& seen) override {
+    service_.EndSequence(*static_cast<Exchange*>(x), seen);
+  }
+  grpc::ByteBuffer Encode(attnserve::Exchange* base, const Status& status) override {
+    auto* x = static_cast<Exchange*>(base);
+    if (status.ok()) {
+      return EncodeWithRawBytes(OipResponseHead(x->answer, x->reply),
+                                inference::ModelInferResponse::kRawOutputContentsFieldNumber,
+                                OipRawOutputs(&x->answer, x->reply),
+                                inference::ModelStreamInferResponse::kInferResponseFieldNumber);
+    }
+    inference::ModelStreamInferResponse error = OipStreamError(x->request, x->reply, status);
+    return EncodeWithRawBytes(error, 0, {});
+  }
+
+ private:
+  OipServiceImpl& service_;
+};
+
 OipServiceImpl::OipServiceImpl(RequestPipeline& pipeline, size_t max_sequences,
                                std::chrono::steady_clock::duration sequence_idle)
-    : pipeline_(pipeline), sequences_(max_sequences, sequence_idle) {}
+    : pipeline_(pipeline),
+      sequences_(max_sequences, sequence_idle),
+      stream_(std::make_unique<Stream>(*this)) {}
+
+OipServiceImpl::~OipServiceImpl() = default;
 
 void OipServiceImpl::CloseSession(const std::string& handle) {
   v1::ReleaseRequest req;
@@ -114,6 +158,11 @@ grpc::ServerUnaryReactor* OipServiceImpl::ModelInfer(grpc::CallbackServerContext
     reactor->Finish(ToGrpcStatus(seen));
   });
   return reactor;
+}
+
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* OipServiceImpl::ModelStreamInfer(
+    grpc::CallbackServerContext* ctx) {
+  return new StreamReactor(pipeline_, *stream_, ctx);
 }
 
 }  // namespace attnserve

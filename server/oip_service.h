@@ -1,5 +1,7 @@
 #pragma once
 
+#include <memory>
+
 #include "inference/grpc_service.grpc.pb.h"
 #include "server/oip_sequences.h"
 #include "server/request_pipeline.h"
@@ -12,18 +14,20 @@ namespace attnserve {
 /// same bytes. ModelInfer takes raw messages: the inputs' bytes move into the request without a
 /// copy, and the outputs' go out as slices of the engine's buffers. Thread-safe.
 class OipServiceImpl final
-    : public inference::GRPCInferenceService::WithRawCallbackMethod_ModelInfer<
-          inference::GRPCInferenceService::WithCallbackMethod_ServerLive<
-              inference::GRPCInferenceService::WithCallbackMethod_ServerReady<
-                  inference::GRPCInferenceService::WithCallbackMethod_ModelReady<
-                      inference::GRPCInferenceService::WithCallbackMethod_ServerMetadata<
-                          inference::GRPCInferenceService::WithCallbackMethod_ModelMetadata<
-                              inference::GRPCInferenceService::Service>>>>>> {
+    : public inference::GRPCInferenceService::WithRawCallbackMethod_ModelStreamInfer<
+          inference::GRPCInferenceService::WithRawCallbackMethod_ModelInfer<
+              inference::GRPCInferenceService::WithCallbackMethod_ServerLive<
+                  inference::GRPCInferenceService::WithCallbackMethod_ServerReady<
+                      inference::GRPCInferenceService::WithCallbackMethod_ModelReady<
+                          inference::GRPCInferenceService::WithCallbackMethod_ServerMetadata<
+                              inference::GRPCInferenceService::WithCallbackMethod_ModelMetadata<
+                                  inference::GRPCInferenceService::Service>>>>>>> {
  public:
   /// Borrows the pipeline, which must outlive the service. Triton's sequences are sessions: at most
   /// `max_sequences` at once, forgotten after `sequence_idle` unused (the sessions' TTL).
   OipServiceImpl(RequestPipeline& pipeline, size_t max_sequences,
                  std::chrono::steady_clock::duration sequence_idle);
+  ~OipServiceImpl() override;
 
   grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* ctx,
                                        const inference::ServerLiveRequest*,
@@ -43,9 +47,15 @@ class OipServiceImpl final
   grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* ctx,
                                        const grpc::ByteBuffer* req,
                                        grpc::ByteBuffer* resp) override;
+  /// ModelInfer's requests on one stream, each answered as soon as it is computed (a
+  /// ModelStreamInferResponse; an error travels in error_message and the stream goes on). The steps
+  /// of one sequence run one after another in the order sent; other requests run at once.
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* ModelStreamInfer(
+      grpc::CallbackServerContext* ctx) override;
 
  private:
   struct Exchange;
+  class Stream;  // ModelStreamInfer's StreamCodec.
   // A sequence's session for the request (opened at its start), named in its `session`.
   Status BeginSequence(Exchange* x);
   // After the step: the sequence's end closes its session.
@@ -54,6 +64,7 @@ class OipServiceImpl final
 
   RequestPipeline& pipeline_;
   OipSequences sequences_;
+  std::unique_ptr<Stream> stream_;
 };
 
 }  // namespace attnserve

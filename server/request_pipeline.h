@@ -45,6 +45,7 @@ struct CallContext {
 /// One AttendRequest on its way through the pipeline: the decoded request (the engine's views
 /// point into it) and, once the pipeline reported success, its answer.
 struct Exchange {
+  virtual ~Exchange() = default;  // Front ends extend it with what their answers carry.
   v1::AttendRequest request;
   AttendAnswer answer;
   std::string model;  ///< Metrics label: the loaded model's name, or "" when none.

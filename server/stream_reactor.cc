@@ -6,8 +6,9 @@
 
 namespace attnserve {
 
-StreamReactor::StreamReactor(RequestPipeline& pipeline, grpc::CallbackServerContext* ctx)
-    : pipeline_(pipeline), call_(CallOf(ctx)) {
+StreamReactor::StreamReactor(RequestPipeline& pipeline, StreamCodec& codec,
+                             grpc::CallbackServerContext* ctx)
+    : pipeline_(pipeline), codec_(codec), call_(CallOf(ctx)) {
   pipeline_.AddCall(this);
   Actions a;
   {
@@ -71,22 +72,47 @@ void StreamReactor::DropAnswers(Actions* a) {
 void StreamReactor::Run(Actions a) {
   // The order matters: a started read is not part of Finishable(), so it goes first; after a
   // started write or Finish, another thread may finish and delete the reactor.
+  // A request in a.next is still counted in computing_, so the call cannot finish before it is
+  // dispatched: dispatching it last keeps every step above safe.
   RequestPipeline& pipeline = pipeline_;
-  const Status undelivered = a.dropped.empty() ? Status() : Undelivered();
-  for (Answer& d : a.dropped) pipeline.Record("AttendStream", d.exchange.get(), undelivered);
+  const char* method = codec_.method();
+  const Status undelivered = a.dropped.empty() && a.unsent.empty() ? Status() : Undelivered();
+  for (Answer& d : a.dropped) pipeline.Record(method, d.exchange.get(), undelivered);
+  for (size_t i = 0; i < a.unsent.size(); ++i) pipeline.RecordUndecoded(method, undelivered);
   if (a.read) StartRead(&read_buffer_);
   if (a.write) StartWrite(a.write);
   if (a.finish) Finish(a.finish_status);
+  if (a.next) Dispatch(std::move(*a.next));
+}
+
+void StreamReactor::Dispatch(Answer request) {
+  const Status prepared =
+      request.status.ok() ? codec_.Prepare(request.exchange.get()) : request.status;
+  if (!prepared.ok()) {
+    // Refused before the pipeline: counted now, answered like any failed request.
+    pipeline_.RecordUndecoded(codec_.method(), prepared);
+    request.exchange->recorded = true;
+    request.status = prepared;
+    OnComputed(std::move(request));
+    return;
+  }
+  // computing_ holds the call open until OnComputed; `done` may run before Attend returns.
+  auto* pending = new Answer(std::move(request));
+  pipeline_.Attend(codec_.method(), pending->exchange.get(), call_,
+                   [this, pending](const Status& st) {
+                     std::unique_ptr<Answer> r(pending);
+                     codec_.Computed(r->exchange.get(), st);
+                     r->status = st;
+                     OnComputed(std::move(*r));
+                   });
 }
 
 void StreamReactor::OnReadDone(bool ok) {
-  std::unique_ptr<Exchange> x;
+  Answer request;
   Status parsed;
-  int64_t wire = 0;
   if (ok) {  // read_buffer_ belongs to the read chain until the next StartRead.
-    x = std::make_unique<Exchange>();
-    wire = static_cast<int64_t>(read_buffer_.Length());
-    parsed = ParseRequest(read_buffer_, &x->request);
+    request.bytes = static_cast<int64_t>(read_buffer_.Length());
+    parsed = codec_.Decode(read_buffer_, &request.exchange, &request.status, &request.order);
     read_buffer_.Clear();
   }
   Actions a;
@@ -99,7 +125,7 @@ void StreamReactor::OnReadDone(bool ok) {
     } else if (finished_ || gone_) {
       // Read after Finish or after the client left: nobody can receive an answer.
     } else if (!parsed.ok()) {
-      // Without a decodable message there is no request_id to answer: end the stream, after the
+      // Without a decodable message there is no request id to answer: end the stream, after the
       // requests before it are answered, with a status that says why.
       undecodable = true;
       reads_closed_ = true;
@@ -110,47 +136,60 @@ void StreamReactor::OnReadDone(bool ok) {
       ++messages_;
       ++computing_;
       ++requests_;
-      bytes_ += wire;
+      bytes_ += request.bytes;
       dispatch = true;
+      if (!request.status.ok()) request.order.clear();  // Answered at once, in no order.
+      if (!request.order.empty()) {
+        // A later request of an order in compute waits for the ones before it.
+        auto [it, first] = ordered_.try_emplace(request.order);
+        if (!first) {
+          it->second.push_back(std::move(request));
+          dispatch = false;
+        }
+      }
     }
-    if (!dispatch) Decide(&a);
-  }
-  if (undecodable) pipeline_.RecordUndecoded("AttendStream", parsed);
-  if (dispatch) {
-    // computing_ holds the call open until OnComputed; `done` may run before Dispatch returns.
-    Exchange* raw = x.release();
-    pipeline_.Attend("AttendStream", raw, call_, [this, raw, wire](const Status& st) {
-      OnComputed(Answer{std::unique_ptr<Exchange>(raw), st, {}, wire});
-    });
-    std::lock_guard<std::mutex> lock(mu_);
     Decide(&a);
   }
-  Run(std::move(a));
+  if (undecodable) pipeline_.RecordUndecoded(codec_.method(), parsed);
+  Run(std::move(a));  // computing_ counts the request read, so the call is still open after Run.
+  if (dispatch) Dispatch(std::move(request));
 }
 
-void StreamReactor::OnComputed(Answer answer) {
-  if (answer.status.ok()) {
-    answer.encoded = EncodeAnswer(&answer.exchange->answer);
-  } else {
-    v1::AttendResponse meta;
-    meta.set_request_id(answer.exchange->request.request_id());
-    meta.mutable_error()->set_code(static_cast<int>(ToGrpcCode(answer.status.code())));
-    meta.mutable_error()->set_message(answer.status.message());
-    answer.encoded = EncodeResponse(meta, nullptr, nullptr);
-  }
-  const int64_t answer_bytes = static_cast<int64_t>(answer.encoded.Length());
+void StreamReactor::OnComputed(Answer request) {
+  request.encoded = codec_.Encode(request.exchange.get(), request.status);
+  const int64_t answer_bytes = static_cast<int64_t>(request.encoded.Length());
   Actions a;
   {
     std::lock_guard<std::mutex> lock(mu_);
     --computing_;
-    answer.bytes += answer_bytes;
+    if (!request.order.empty()) {
+      auto it = ordered_.find(request.order);
+      if (it != ordered_.end()) {
+        if (it->second.empty()) {
+          ordered_.erase(it);
+        } else if (gone_) {
+          // Nobody can receive their answers: the waiting requests are not dispatched.
+          for (Answer& w : it->second) {
+            --computing_;
+            --requests_;
+            bytes_ -= w.bytes;
+            a.unsent.push_back(std::move(w));
+          }
+          ordered_.erase(it);
+        } else {
+          a.next = std::move(it->second.front());
+          it->second.pop_front();
+        }
+      }
+    }
+    request.bytes += answer_bytes;
     bytes_ += answer_bytes;
     if (gone_) {
       --requests_;
-      bytes_ -= answer.bytes;
-      a.dropped.push_back(std::move(answer));
+      bytes_ -= request.bytes;
+      a.dropped.push_back(std::move(request));
     } else {
-      answers_.push_back(std::move(answer));
+      answers_.push_back(std::move(request));
     }
     Decide(&a);
   }
@@ -174,7 +213,7 @@ void StreamReactor::OnWriteDone(bool ok) {
     }
     Decide(&a);
   }
-  pipeline_.Record("AttendStream", written.exchange.get(), ok ? written.status : Undelivered());
+  pipeline_.Record(codec_.method(), written.exchange.get(), ok ? written.status : Undelivered());
   Run(std::move(a));
 }
 

@@ -3,8 +3,11 @@
 #include <grpcpp/grpcpp.h>
 
 #include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "server/request_pipeline.h"
@@ -12,11 +15,37 @@
 
 namespace attnserve {
 
-/// One AttendStream call: reads requests, dispatches each at once through the request pipeline, and
-/// writes each answer as soon as it is computed (completion order; clients match answers by
-/// request_id), one write at a time. A request that fails gets an answer carrying `error`; the
-/// stream goes on. Created by the service per call; deletes itself in OnDone. Thread-safe: gRPC
-/// reactions, compute completions and the pipeline's drain may run on different threads at once.
+/// What one kind of stream reads and writes (AttendStream's attnserve.v1 messages, OIP's
+/// ModelStreamInfer): the reactor's framing, ordering, flow control and drain are shared. One
+/// codec serves every stream of its service, from many threads at once: it must be thread-safe.
+class StreamCodec {
+ public:
+  virtual ~StreamCodec() = default;
+  /// The method's name in metrics and messages.
+  virtual const char* method() const = 0;
+  /// One message read off the stream. Non-OK: the bytes are not a message at all; the stream ends
+  /// with that status after answering the requests before it. Otherwise `*x` is the exchange and
+  /// `*refused` non-OK when the request is answered at once with that error (the stream goes on).
+  /// Requests with the same non-empty `*order` run one after another in the order they were read
+  /// (a sequence's steps); the others run at once.
+  virtual Status Decode(const grpc::ByteBuffer& bytes, std::unique_ptr<Exchange>* x,
+                        Status* refused, std::string* order) = 0;
+  /// Right before the request goes to the pipeline (after every earlier one of its order came
+  /// back). Non-OK: it is answered with that error instead.
+  virtual Status Prepare(Exchange*) { return Status::Ok(); }
+  /// The outcome of a request that went to the pipeline, before it is encoded.
+  virtual void Computed(Exchange*, const Status&) {}
+  /// The answer's wire bytes: the computed answer (its buffers handed over) when `status` is OK,
+  /// else an answer carrying that error.
+  virtual grpc::ByteBuffer Encode(Exchange* x, const Status& status) = 0;
+};
+
+/// One streaming call: reads requests, dispatches each at once through the request pipeline (or
+/// after the earlier requests of its order), and writes each answer as soon as it is computed
+/// (completion order; clients match answers by their request ids), one write at a time. A request
+/// that fails gets an answer carrying its error; the stream goes on. Created by the service per
+/// call; deletes itself in OnDone. Thread-safe: gRPC reactions, compute completions and the
+/// pipeline's drain may run on different threads at once.
 ///
 /// THE INVARIANT (everything below is kept under mu_):
 ///   The call is finished, exactly once, by whichever event makes Finishable() true:
@@ -37,13 +66,15 @@ namespace attnserve {
 /// request plus answer bytes. Otherwise reading resumes when a write completes, so a client that
 /// does not read its answers is held back by gRPC's flow control instead of growing the server.
 ///
-/// Every dispatched request is recorded (RequestPipeline::Record) exactly once: when its answer has
-/// been written, or when it is dropped because the client is gone (CANCELLED, or DEADLINE_EXCEEDED
-/// once the stream's deadline passed).
+/// Every request read is recorded exactly once: when its answer has been written, or when it is
+/// dropped because the client is gone (CANCELLED, or DEADLINE_EXCEEDED once the stream's deadline
+/// passed). One refused before the pipeline (codec) is recorded when refused; one that waited for
+/// its order when the client left is never dispatched and recorded then.
 class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>,
                             public OpenCall {
  public:
-  StreamReactor(RequestPipeline& pipeline, grpc::CallbackServerContext* ctx);
+  /// Borrows the pipeline and the codec, which must outlive the call.
+  StreamReactor(RequestPipeline& pipeline, StreamCodec& codec, grpc::CallbackServerContext* ctx);
 
   void OnReadDone(bool ok) override;
   void OnWriteDone(bool ok) override;
@@ -63,6 +94,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     Status status;             // What the answer tells the client (OK, or the error it carries).
     grpc::ByteBuffer encoded;  // The answer's wire bytes.
     int64_t bytes = 0;         // Counted in bytes_ until written or dropped.
+    std::string order;         // The codec's order key ("" when none).
   };
   /// What an event decided under mu_, carried out after releasing it.
   struct Actions {
@@ -71,9 +103,14 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     bool finish = false;
     grpc::Status finish_status;
     std::vector<Answer> dropped;  // Recorded as not delivered.
+    std::vector<Answer> unsent;   // Never dispatched; counted as not delivered.
+    std::optional<Answer> next;   // The next request of an order, dispatched after Run.
   };
 
-  void OnComputed(Answer answer);
+  // Hands a request to the pipeline (or answers it with the codec's refusal).
+  void Dispatch(Answer request);
+  // A request's outcome (`request.status`): encodes and queues its answer.
+  void OnComputed(Answer request);
   // All below run with mu_ held.
   bool Finishable() const;
   bool CanRead() const;
@@ -84,13 +121,16 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   Status Undelivered() const;
 
   RequestPipeline& pipeline_;
+  StreamCodec& codec_;
   const CallContext call_;        // The stream's deadline and cancellation, shared by its requests.
   grpc::ByteBuffer read_buffer_;  // Target of the one outstanding read.
 
   std::mutex mu_;
-  bool reading_ = false;        // A read is outstanding.
-  bool reads_closed_ = false;   // No new read will start.
-  int computing_ = 0;           // Dispatched, not yet back from compute.
+  bool reading_ = false;       // A read is outstanding.
+  bool reads_closed_ = false;  // No new read will start.
+  int computing_ = 0;          // Read, not yet back from compute (waiting for its order too).
+  // Orders with a request in compute, each with the requests of that order read since (waiting).
+  std::map<std::string, std::deque<Answer>> ordered_;
   std::deque<Answer> answers_;  // Computed; the front is being written while writing_.
   bool writing_ = false;
   bool gone_ = false;  // Cancelled, or a write failed: answers can no longer be delivered.

@@ -8,7 +8,8 @@ seeds; max|out-ref|/max|ref| <= 1e-5 in FP32, 2e-3 in FP16, 2e-2 in BF16 against
 reference), every answer byte for byte equal to the native attnserve.v1 Attend answer for the same
 request, refusals with the same code and message as the native API, a decoding session stepped
 through parameters["session"] and a Triton sequence (sequence_id/start/end) as a session, and the
-calls counted in /metrics under method="ModelInfer".
+calls counted in /metrics under method="ModelInfer"; ModelStreamInfer through tritonclient's
+streaming API (stream_checks).
 
 usage: oip_test.py PATH/TO/attnserve       (run with tools/oip-env.sh's python)
 """
@@ -61,6 +62,96 @@ CASES = [
 ]
 NP = {"FP32": np.float32, "FP16": np.float16, "BF16": ml_dtypes.bfloat16}
 TOL = {"FP32": 1e-5, "FP16": 2e-3, "BF16": 2e-2}
+
+
+def stream_checks(checks, server, client, native, pb, m64, rng):
+    """ModelStreamInfer through tritonclient's streaming API: plain requests, a refused one in the
+    middle (the stream goes on), and a sequence's steps sent back to back without waiting (run in
+    order, each the same bytes as a native twin session's step); then the error answer's fields
+    through the raw stub, and the calls counted under method="ModelStreamInfer"."""
+    import queue
+    import tritonclient.grpc.service_pb2 as spb
+    import tritonclient.grpc.service_pb2_grpc as sgrpc
+
+    answers = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    plain = {}
+    for i in range(6):
+        x = rng.standard_normal((1 + i % 2, 3 + 5 * i, E)).astype(np.float32)
+        t = tc.InferInput("query", list(x.shape), "FP32")
+        t.set_data_from_numpy(x)
+        plain[f"p{i}"] = x
+        client.async_stream_infer("mha", [t], request_id=f"p{i}")
+        if i == 2:  # A refused request in the middle.
+            t = tc.InferInput("queries", list(x.shape), "FP32")
+            t.set_data_from_numpy(x)
+            client.async_stream_infer("mha", [t], request_id="bad")
+    twin = native.OpenSession(pb.OpenSessionRequest(model="mha", batch=1))
+    steps = [rng.standard_normal((1, 1 + s, E)).astype(np.float32) for s in range(5)]
+    for s, x in enumerate(steps):
+        t = tc.InferInput("query", list(x.shape), "FP32")
+        t.set_data_from_numpy(x)
+        client.async_stream_infer("mha", [t], request_id=f"s{s}", sequence_id="stream-seq", sequence_start=s == 0,
+                                  sequence_end=s == len(steps) - 1)
+    got, errors = {}, []
+    for _ in range(len(plain) + 1 + len(steps)):
+        result, error = answers.get(timeout=60)
+        if error is not None:
+            errors.append(str(error))
+        else:
+            got[result.get_response().id] = result
+    client.stop_stream()
+    checks("stream: every request answered, the refused one as an error naming the input",
+           len(got) == len(plain) + len(steps) and len(errors) == 1 and "'queries'" in errors[0],
+           f"{sorted(got)} {errors}")
+    worst = 0.0
+    for rid, x in plain.items():
+        if rid in got:
+            with torch.no_grad():
+                xx = torch.from_numpy(x.astype(np.float64))
+                ref = m64(xx, xx, xx, need_weights=False)[0].numpy()
+            worst = max(worst, np.abs(got[rid].as_numpy("attn_output") - ref).max() / np.abs(ref).max())
+    checks("stream: plain answers match nn.MultiheadAttention (1e-5)", worst <= 1e-5, f"error {worst:.2e}")
+    same = True
+    for s, x in enumerate(steps):
+        n = native.Attend(pb.AttendRequest(session=twin.handle, query=pb.Tensor(dtype=1, shape=x.shape,
+                                                                                 data=x.tobytes())))
+        r = got.get(f"s{s}")
+        same = same and r is not None and r.get_response().raw_output_contents[0] == n.output.data
+    checks("stream: a sequence's steps sent back to back run in order (the same bytes as a native session)",
+           same)
+
+    # The raw stub: an error answer names its request and carries the code.
+    channel = grpc.insecure_channel(server.target)
+    stub = sgrpc.GRPCInferenceServiceStub(channel)
+    x = rng.standard_normal((1, 2, E)).astype(np.float32)
+    good = spb.ModelInferRequest(model_name="mha", id="ok", inputs=[spb.ModelInferRequest.InferInputTensor(
+        name="query", datatype="FP32", shape=[1, 2, E])], raw_input_contents=[x.tobytes()])
+    bad = spb.ModelInferRequest(model_name="nope", id="missing", inputs=[spb.ModelInferRequest.InferInputTensor(
+        name="query", datatype="FP32", shape=[1, 2, E])], raw_input_contents=[x.tobytes()])
+    out = list(stub.ModelStreamInfer(iter([bad, good]), timeout=30))
+    by_id = {r.infer_response.id: r for r in out}
+    e = by_id.get("missing")
+    checks("stream (raw): a NOT_FOUND answer names its id and carries error_code",
+           len(out) == 2 and e is not None and "nope" in e.error_message and
+           e.infer_response.parameters["error_code"].string_param == "NOT_FOUND" and
+           by_id.get("ok") is not None and by_id["ok"].error_message == "", str(out)[:300])
+    raw_stream = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer",
+                                       request_serializer=lambda b: b,
+                                       response_deserializer=spb.ModelStreamInferResponse.FromString)
+    before, code, detail = [], None, ""
+    try:
+        for r in raw_stream(iter([good.SerializeToString(), b"\xff\xff\xff"]), timeout=30):
+            before.append(r)
+    except grpc.RpcError as r:
+        code, detail = r.code(), r.details()
+    channel.close()
+    checks("stream (raw): an undecodable message ends the stream with INVALID_ARGUMENT, after the answer before it",
+           code == grpc.StatusCode.INVALID_ARGUMENT and "message 2" in detail and len(before) == 1 and
+           before[0].infer_response.id == "ok", f"{code} {detail} {len(before)}")
+    lines = lib.metrics_lines(server, "attnserve_request_duration_seconds_count")
+    counted = sum(float(l.split()[-1]) for l in lines if 'method="ModelStreamInfer"' in l)
+    checks("/metrics counts ModelStreamInfer", counted >= len(plain) + len(steps) + 3, str(counted))
 
 
 def main():
@@ -288,6 +379,8 @@ def main():
         n = native.Attend(pb.AttendRequest(session=b2.handle, query=pb.Tensor(dtype=1, shape=x.shape, data=x.tobytes())))
         same = same and r.get_response().raw_output_contents[0] == n.output.data and n.session_length == 2 * step + 2
     checks("a session stepped through parameters['session'] answers as the native one", same)
+
+    stream_checks(checks, server, client, native, pb, modules["mha"].double(), rng)
 
     lines = lib.metrics_lines(server, "attnserve_request_duration_seconds_count")
     counted = [l for l in lines if 'method="ModelInfer"' in l and 'code="OK"' in l]
