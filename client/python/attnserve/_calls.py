@@ -1,0 +1,119 @@
+"""What the blocking and the asyncio clients share: channel settings, requests, answers."""
+import dataclasses
+import importlib.resources
+import json
+from typing import Any, Optional
+
+import grpc
+
+from . import _tensors
+from .v1 import attention_pb2 as pb
+
+LAYOUTS = {"batch_first": pb.LAYOUT_BATCH_FIRST, "sequence_first": pb.LAYOUT_SEQUENCE_FIRST}
+WEIGHTS = {"none": pb.ATTN_WEIGHTS_NONE, "averaged": pb.ATTN_WEIGHTS_AVERAGED, "per_head": pb.ATTN_WEIGHTS_PER_HEAD}
+
+
+def service_config(which):
+    """The JSON text for `which`: "default" (round_robin over every address, client-side health checks,
+    retries of UNAVAILABLE/CANCELLED: the C++ client's default, deploy/grpc/service-config.json), "proxy"
+    (the same retries, no health checks: for a target that is nginx or Envoy), None (gRPC's defaults), or
+    a JSON text of the caller's."""
+    if which is None:
+        return None
+    if which in ("default", "proxy"):
+        name = "service-config.json" if which == "default" else "service-config-proxy.json"
+        return importlib.resources.files(__package__).joinpath(name).read_text()
+    json.loads(which)  # A caller's config: refuse what is not JSON here, not inside gRPC.
+    return which
+
+
+def channel_args(config, max_message_bytes, options):
+    args = [("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes)]
+    text = service_config(config)
+    if text is not None:
+        args.append(("grpc.service_config", text))
+    args += list((options or {}).items())
+    return args
+
+
+def credentials(tls, root_certs, cert, key):
+    """grpc.ssl_channel_credentials from PEM file paths; None for plaintext."""
+    if not tls:
+        if root_certs or cert or key:
+            raise ValueError("root_certs, cert and key need tls=True")
+        return None
+    if bool(cert) != bool(key):
+        raise ValueError("cert and key: give both for mutual TLS, or neither")
+
+    def read(path, what):
+        if path is None:
+            return None
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError as e:
+            raise ValueError(f"{what}: cannot read '{path}': {e.strerror}") from e
+
+    return grpc.ssl_channel_credentials(read(root_certs, "root_certs"), read(key, "key"), read(cert, "cert"))
+
+
+def tls_args(server_name):
+    return [("grpc.ssl_target_name_override", server_name)] if server_name else []
+
+
+@dataclasses.dataclass
+class Result:
+    """One answer. `output` (and `attn_weights` when asked for) are numpy arrays, or torch tensors when
+    the query was one; the rest is what the server says about the computation."""
+    output: Any
+    attn_weights: Optional[Any]
+    model: str
+    model_version: int
+    weights_hash: str
+    session_length: int
+    queue_seconds: float
+    compute_seconds: float
+    batch_size: int
+    request_id: int
+
+
+def attend_request(query, key, value, *, model, model_version, key_padding_mask, attn_mask, is_causal,
+                   attn_weights, layout, memory, session, session_length, request_id):
+    if attn_weights not in WEIGHTS:
+        raise ValueError(f"attn_weights: '{attn_weights}'; allowed: {', '.join(WEIGHTS)}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: '{layout}'; allowed: {', '.join(LAYOUTS)}")
+    if (key is None) != (value is None):
+        raise ValueError("key and value: give both (cross-attention) or neither (self-attention)")
+    req = pb.AttendRequest(model="" if memory or session else model, model_version=model_version,
+                           query=_tensors.to_wire(query, "query"), is_causal=is_causal,
+                           attn_weights=WEIGHTS[attn_weights], layout=LAYOUTS[layout], request_id=request_id,
+                           memory=memory or "", session=session or "")
+    for name, t in (("key", key), ("value", value), ("key_padding_mask", key_padding_mask),
+                    ("attn_mask", attn_mask)):
+        if t is not None:
+            getattr(req, name).CopyFrom(_tensors.to_wire(t, name))
+    if session_length is not None:
+        req.session_length = session_length
+    return req
+
+
+def result(resp, like_torch):
+    return Result(output=_tensors.from_wire(resp.output, like_torch),
+                  attn_weights=_tensors.from_wire(resp.attn_weights, like_torch)
+                  if resp.HasField("attn_weights") else None,
+                  model=resp.model, model_version=resp.model_version, weights_hash=resp.weights_hash,
+                  session_length=resp.session_length, queue_seconds=resp.timing.queue_seconds,
+                  compute_seconds=resp.timing.compute_seconds, batch_size=resp.timing.batch_size,
+                  request_id=resp.request_id)
+
+
+def memory_request(key, value, *, model, model_version, key_padding_mask, layout):
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: '{layout}'; allowed: {', '.join(LAYOUTS)}")
+    req = pb.CreateMemoryRequest(model=model, model_version=model_version, key=_tensors.to_wire(key, "key"),
+                                 value=_tensors.to_wire(value, "value"), layout=LAYOUTS[layout])
+    if key_padding_mask is not None:
+        req.key_padding_mask.CopyFrom(_tensors.to_wire(key_padding_mask, "key_padding_mask"))
+    return req

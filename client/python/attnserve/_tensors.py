@@ -1,0 +1,67 @@
+"""numpy arrays and torch tensors to and from attnserve.v1 Tensors (row-major little-endian bytes)."""
+import sys
+
+import numpy as np
+
+from .v1 import attention_pb2 as pb
+
+_NUMPY = {"float32": pb.DATA_TYPE_FLOAT32, "float16": pb.DATA_TYPE_FLOAT16, "bfloat16": pb.DATA_TYPE_BFLOAT16,
+          "bool": pb.DATA_TYPE_BOOL}
+_NAMES = {pb.DATA_TYPE_FLOAT32: "float32", pb.DATA_TYPE_FLOAT16: "float16", pb.DATA_TYPE_BFLOAT16: "bfloat16",
+          pb.DATA_TYPE_BOOL: "bool"}
+
+
+def _torch():
+    """torch when the caller has imported it (a torch tensor cannot exist otherwise)."""
+    return sys.modules.get("torch")
+
+
+def is_torch(x):
+    t = _torch()
+    return t is not None and isinstance(x, t.Tensor)
+
+
+def to_wire(x, field):
+    """A numpy array (float32, float16, ml_dtypes.bfloat16, bool) or torch tensor (float32, float16,
+    bfloat16, bool; any device) as a Tensor. TypeError naming `field` for anything else."""
+    if is_torch(x):
+        torch = _torch()
+        t = x.detach().to("cpu").contiguous()
+        names = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.bool: "bool"}
+        if t.dtype not in names:
+            raise TypeError(f"{field}: torch dtype {t.dtype}; allowed: float32, float16, bfloat16, bool")
+        # bfloat16 has no numpy twin in torch: its bits travel as int16.
+        raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+        return pb.Tensor(dtype=_NUMPY[names[t.dtype]], shape=list(t.shape), data=raw.numpy().tobytes())
+    a = np.asarray(x)
+    if a.dtype.name not in _NUMPY:
+        raise TypeError(f"{field}: numpy dtype {a.dtype}; allowed: float32, float16, bfloat16 (ml_dtypes), bool")
+    a = np.ascontiguousarray(a)
+    if a.dtype.byteorder == ">":
+        a = a.byteswap().view(a.dtype.newbyteorder("<"))
+    return pb.Tensor(dtype=_NUMPY[a.dtype.name], shape=list(a.shape), data=a.tobytes())
+
+
+def from_wire(t, like_torch):
+    """A Tensor as a numpy array, or as a torch tensor when `like_torch` (the query was one)."""
+    name = _NAMES.get(t.dtype)
+    if name is None:
+        raise ValueError(f"answer: tensor dtype {t.dtype} is not one attnserve sends")
+    shape = tuple(t.shape)
+    if like_torch:
+        torch = _torch()
+        dtypes = {"float32": torch.float32, "float16": torch.float16, "bool": torch.bool}
+        if name == "bfloat16":
+            bits = torch.from_numpy(np.frombuffer(t.data, dtype="<i2").copy())
+            return bits.view(torch.bfloat16).reshape(shape)
+        return torch.from_numpy(np.frombuffer(t.data, dtype=name).copy()).reshape(shape)
+    if name == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError as e:
+            raise ImportError("a bfloat16 answer as numpy needs ml_dtypes (pip install 'attnserve[bfloat16]'), "
+                              "or send torch tensors") from e
+        dt = np.dtype(ml_dtypes.bfloat16)
+    else:
+        dt = np.dtype(name)
+    return np.frombuffer(t.data, dtype=dt).reshape(shape)

@@ -1,0 +1,136 @@
+"""The asyncio twin of attnserve.Client: the same arguments, each call awaited.
+
+    async with attnserve.aio.Client("127.0.0.1:50051") as client:
+        out = (await client.attend(q)).output
+        async with await client.session("demo") as s:
+            await s.step(x)
+"""
+import itertools
+
+import grpc
+import grpc.aio
+
+from . import _calls, _tensors
+from ._client import DEFAULT
+from .errors import AttnserveError
+from .v1 import attention_pb2 as pb
+from .v1 import attention_pb2_grpc as pb_grpc
+
+
+class Client:
+    """attnserve.Client on grpc.aio: make it inside a running event loop; `await close()` (or `async
+    with`) closes it."""
+
+    def __init__(self, target="127.0.0.1:50051", *, tls=False, root_certs=None, cert=None, key=None,
+                 server_name=None, deadline=30.0, service_config="default", max_message_bytes=64 << 20,
+                 options=None):
+        args = _calls.channel_args(service_config, max_message_bytes, options)
+        creds = _calls.credentials(tls, root_certs, cert, key)
+        if creds is None:
+            self._channel = grpc.aio.insecure_channel(target, options=args)
+        else:
+            self._channel = grpc.aio.secure_channel(target, creds, options=args + _calls.tls_args(server_name))
+        self._stub = pb_grpc.AttentionServiceStub(self._channel)
+        self._deadline = deadline
+        self._ids = itertools.count(1)
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+    async def close(self):
+        await self._channel.close()
+
+    async def _call(self, method, request, deadline):
+        timeout = self._deadline if deadline is DEFAULT else deadline
+        try:
+            return await method(request, timeout=timeout)
+        except grpc.RpcError as e:
+            raise AttnserveError.from_rpc(e) from None
+
+    async def attend(self, query, key=None, value=None, *, model="demo", model_version=0, key_padding_mask=None,
+                     attn_mask=None, is_causal=False, attn_weights="none", layout="batch_first", memory=None,
+                     session=None, session_length=None, deadline=DEFAULT):
+        """See attnserve.Client.attend."""
+        req = _calls.attend_request(query, key, value, model=model, model_version=model_version,
+                                    key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal,
+                                    attn_weights=attn_weights, layout=layout, memory=memory, session=session,
+                                    session_length=session_length, request_id=next(self._ids))
+        return _calls.result(await self._call(self._stub.Attend, req, deadline), _tensors.is_torch(query))
+
+    async def list_models(self, *, deadline=DEFAULT):
+        return list((await self._call(self._stub.ListModels, pb.ListModelsRequest(), deadline)).models)
+
+    async def get_model(self, name, version=0, *, deadline=DEFAULT):
+        return await self._call(self._stub.GetModel, pb.GetModelRequest(name=name, version=version), deadline)
+
+    async def session(self, model="demo", batch=1, *, model_version=0, deadline=DEFAULT):
+        """Opens a decoding session (`async with await client.session(...) as s`)."""
+        req = pb.OpenSessionRequest(model=model, model_version=model_version, batch=batch)
+        return Session(self, await self._call(self._stub.OpenSession, req, deadline))
+
+    async def memory(self, key, value, *, model="demo", model_version=0, key_padding_mask=None,
+                     layout="batch_first", deadline=DEFAULT):
+        """Keeps projected keys and values on the server (`async with await client.memory(k, v) as m`)."""
+        req = _calls.memory_request(key, value, model=model, model_version=model_version,
+                                    key_padding_mask=key_padding_mask, layout=layout)
+        return Memory(self, await self._call(self._stub.CreateMemory, req, deadline))
+
+    async def _release(self, method, handle, deadline):
+        return (await self._call(method, pb.ReleaseRequest(handle=handle), deadline)).bytes_freed
+
+
+class Session:
+    """See attnserve.Session."""
+
+    def __init__(self, client, info):
+        self._client, self.info, self.length = client, info, info.length
+
+    @property
+    def handle(self):
+        return self.info.handle
+
+    async def step(self, query, *, key_padding_mask=None, attn_mask=None, attn_weights="none",
+                   layout="batch_first", deadline=DEFAULT):
+        r = await self._client.attend(query, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
+                                      attn_weights=attn_weights, layout=layout, session=self.handle,
+                                      session_length=self.length, deadline=deadline)
+        self.length = r.session_length
+        return r
+
+    async def close(self, *, deadline=DEFAULT):
+        return await self._client._release(self._client._stub.CloseSession, self.handle, deadline)
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+
+class Memory:
+    """See attnserve.Memory."""
+
+    def __init__(self, client, info):
+        self._client, self.info = client, info
+
+    @property
+    def handle(self):
+        return self.info.handle
+
+    async def attend(self, query, *, attn_mask=None, is_causal=False, attn_weights="none", layout="batch_first",
+                     deadline=DEFAULT):
+        return await self._client.attend(query, attn_mask=attn_mask, is_causal=is_causal,
+                                         attn_weights=attn_weights, layout=layout, memory=self.handle,
+                                         deadline=deadline)
+
+    async def delete(self, *, deadline=DEFAULT):
+        return await self._client._release(self._client._stub.DeleteMemory, self.handle, deadline)
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.delete()

@@ -1,0 +1,191 @@
+"""The attnserve Python package (client/python) against a real server, run in each of its environments
+(tools/python-env.sh: Debian's grpcio 1.51 with torch; the newest grpcio and protobuf without torch).
+
+Checks, with references from python_package_fixtures.py (float64 nn.MultiheadAttention on the values
+sent; max|out-ref|/max|ref| <= 1e-5 in float32, 2e-3 float16, 2e-2 bfloat16): attend() with numpy arrays
+across self-attention with bool masks and averaged weights, sequence-first with a float mask and
+per-head weights, causal, float16, bfloat16 (ml_dtypes where installed, torch where installed),
+cross-attention; torch tensors in, torch tensors out (where torch is installed); a session as a context
+manager (three steps equal causal attention over the whole sequence; a replayed step is ABORTED; closed
+on exit), a memory likewise; errors as AttnserveError with the gRPC code and the server's message; a
+deadline; list_models/get_model; the asyncio twin; the service configs (a two-address target is
+balanced, a config that is not JSON refused).
+
+usage: python_package_test.py PATH/TO/attnserve FIXTURES_DIR
+"""
+import asyncio
+import importlib.util
+import os
+import sys
+
+import grpc
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "lib"))
+import attnserve_py as lib  # noqa: E402  (the server process and checks only: no stubs)
+
+import attnserve  # noqa: E402
+import attnserve.aio  # noqa: E402
+
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+HAS_ML_DTYPES = importlib.util.find_spec("ml_dtypes") is not None
+
+
+def err(got, ref):
+    got = np.asarray(got, dtype=np.float64)
+    return float(np.abs(got - ref).max() / np.abs(ref).max())
+
+
+def main():
+    binary, fixtures = sys.argv[1], sys.argv[2]
+    checks = lib.Checks()
+    c = dict(np.load(os.path.join(fixtures, "cases.npz")))
+    server = lib.Server(binary, "--models", os.path.join(fixtures, "models"))
+    env = f"grpcio {grpc.__version__}, torch {'yes' if HAS_TORCH else 'no'}"
+    client = attnserve.Client(server.target)
+
+    r = client.attend(c["self_q"], model="mha", key_padding_mask=c["self_kpm"], attn_mask=c["self_mask"],
+                      attn_weights="averaged")
+    checks(f"[{env}] self-attention, bool masks, averaged weights",
+           err(r.output, c["self_out"]) <= 1e-5 and err(r.attn_weights, c["self_w"]) <= 1e-5 and
+           isinstance(r.output, np.ndarray) and r.output.dtype == np.float32 and r.model == "mha" and
+           r.model_version == 1, f"{err(r.output, c['self_out']):.2e}")
+    r = client.attend(c["sf_q"], model="mha", attn_mask=c["sf_mask"], attn_weights="per_head",
+                      layout="sequence_first")
+    checks(f"[{env}] sequence-first, float mask, per-head weights",
+           err(r.output, c["sf_out"]) <= 1e-5 and err(r.attn_weights, c["sf_w"]) <= 1e-5 and
+           r.attn_weights.shape == (3, 4, 5, 5), f"{err(r.output, c['sf_out']):.2e}")
+    r = client.attend(c["causal_q"], model="mha", is_causal=True)
+    checks(f"[{env}] causal", err(r.output, c["causal_out"]) <= 1e-5)
+    r = client.attend(c["fp16_q"], model="mha")
+    checks(f"[{env}] float16 in, float16 out", r.output.dtype == np.float16 and err(r.output, c["fp16_out"]) <= 2e-3,
+           f"{r.output.dtype} {err(r.output, c['fp16_out']):.2e}")
+    if HAS_ML_DTYPES:
+        import ml_dtypes
+        r = client.attend(c["bf16_q"].astype(ml_dtypes.bfloat16), model="mha")
+        checks(f"[{env}] bfloat16 (ml_dtypes) in and out",
+               r.output.dtype == ml_dtypes.bfloat16 and err(r.output, c["bf16_out"]) <= 2e-2)
+    r = client.attend(c["cross_q"], c["cross_k"], c["cross_v"], model="xattn")
+    checks(f"[{env}] cross-attention (kdim 16, vdim 24)", err(r.output, c["cross_out"]) <= 1e-5)
+
+    if HAS_TORCH:
+        import torch
+        r = client.attend(torch.from_numpy(c["self_q"]), model="mha",
+                          key_padding_mask=torch.from_numpy(c["self_kpm"]), attn_mask=torch.from_numpy(c["self_mask"]))
+        checks(f"[{env}] torch tensors in, a torch tensor out",
+               isinstance(r.output, torch.Tensor) and r.output.dtype == torch.float32 and
+               err(r.output.numpy(), c["self_out"]) <= 1e-5)
+        r = client.attend(torch.from_numpy(c["bf16_q"]).bfloat16(), model="mha")
+        checks(f"[{env}] bfloat16 (torch) in and out",
+               r.output.dtype == torch.bfloat16 and err(r.output.float().numpy(), c["bf16_out"]) <= 2e-2)
+
+    # A session: steps of 2, 3 and 1 tokens equal causal attention over the six.
+    x = c["session_x"]
+    with client.session("mha", batch=2) as s:
+        outs = [s.step(x[:, a:b]).output for a, b in ((0, 2), (2, 5), (5, 6))]
+        length = s.length
+        try:
+            client.attend(x[:, :1], session=s.handle, session_length=2)  # A replay of step 2.
+            replay = None
+        except attnserve.AttnserveError as e:
+            replay = e
+        handle = s.handle
+    checks(f"[{env}] a session's steps equal causal attention over the whole sequence",
+           err(np.concatenate(outs, axis=1), c["session_out"]) <= 1e-5 and length == 6)
+    checks(f"[{env}] a replayed step (stale session_length) is ABORTED, not applied",
+           replay is not None and replay.code == grpc.StatusCode.ABORTED, str(replay))
+    try:
+        client.attend(x[:, :1], session=handle)
+        gone = None
+    except attnserve.AttnserveError as e:
+        gone = e
+    checks(f"[{env}] the session is closed on leaving `with`", gone is not None and gone.code == grpc.StatusCode.NOT_FOUND,
+           str(gone))
+    with client.memory(c["cross_k"], c["cross_v"], model="xattn") as m:
+        r = m.attend(c["cross_q"])
+        mh = m.handle
+    try:
+        client.attend(c["cross_q"], memory=mh)
+        gone = None
+    except attnserve.AttnserveError as e:
+        gone = e
+    checks(f"[{env}] a memory answers as cross-attention and is deleted on leaving `with`",
+           err(r.output, c["cross_out"]) <= 1e-5 and gone is not None and gone.code == grpc.StatusCode.NOT_FOUND)
+
+    # Errors: the gRPC code and the server's own message.
+    try:
+        client.attend(c["self_q"], model="nope")
+        e = None
+    except attnserve.AttnserveError as ex:
+        e = ex
+    checks(f"[{env}] an absent model: AttnserveError NOT_FOUND naming it",
+           e is not None and e.code == grpc.StatusCode.NOT_FOUND and "nope" in e.message and
+           str(e).startswith("NOT_FOUND: "), str(e))
+    try:
+        client.attend(c["self_q"][:, :, :5], model="mha")
+        e = None
+    except attnserve.AttnserveError as ex:
+        e = ex
+    checks(f"[{env}] a bad shape: INVALID_ARGUMENT naming the query",
+           e is not None and e.code == grpc.StatusCode.INVALID_ARGUMENT and "query" in e.message, str(e))
+    try:
+        client.attend(c["self_q"].astype(np.int32), model="mha")
+        e = None
+    except TypeError as ex:
+        e = ex
+    checks(f"[{env}] an int32 array: TypeError naming the field and the allowed dtypes",
+           e is not None and "query" in str(e) and "float32" in str(e), str(e))
+    big = np.zeros((64, 1024, 32), np.float32)
+    try:
+        client.attend(big, model="mha", deadline=1e-4)
+        e = None
+    except attnserve.AttnserveError as ex:
+        e = ex
+    checks(f"[{env}] a deadline too short: DEADLINE_EXCEEDED", e is not None and e.code == grpc.StatusCode.DEADLINE_EXCEEDED,
+           str(e))
+    names = sorted((m.name, m.version) for m in client.list_models())
+    info = client.get_model("xattn")
+    checks(f"[{env}] list_models and get_model", names == [("mha", 1), ("xattn", 1)] and info.kdim == 16 and
+           info.vdim == 24, f"{names} {info}")
+
+    # The asyncio twin.
+    async def run_aio():
+        async with attnserve.aio.Client(server.target) as ac:
+            results = await asyncio.gather(*[ac.attend(c["causal_q"], model="mha", is_causal=True) for _ in range(8)])
+            async with await ac.session("mha", batch=2) as s:
+                outs = [(await s.step(x[:, a:b])).output for a, b in ((0, 2), (2, 5), (5, 6))]
+            try:
+                await ac.attend(c["self_q"], model="nope")
+                e = None
+            except attnserve.AttnserveError as ex:
+                e = ex
+            return results, outs, e
+    results, outs, e = asyncio.run(run_aio())
+    checks(f"[{env}] aio: eight concurrent calls, a session, an error",
+           all(err(r.output, c["causal_out"]) <= 1e-5 for r in results) and
+           err(np.concatenate(outs, axis=1), c["session_out"]) <= 1e-5 and e is not None and
+           e.code == grpc.StatusCode.NOT_FOUND)
+
+    # The C++ client's service configs: a target of two addresses is balanced over (both are this
+    # server); a config that is not JSON is refused before gRPC sees it.
+    two = attnserve.Client(f"ipv4:127.0.0.1:{server.port},127.0.0.1:{server.port}")
+    ok = err(two.attend(c["causal_q"], model="mha", is_causal=True).output, c["causal_out"]) <= 1e-5
+    two.close()
+    plain = attnserve.Client(server.target, service_config=None)
+    ok = ok and err(plain.attend(c["causal_q"], model="mha", is_causal=True).output, c["causal_out"]) <= 1e-5
+    plain.close()
+    try:
+        attnserve.Client(server.target, service_config="{round_robin")
+        bad = None
+    except ValueError as ex:
+        bad = ex
+    checks(f"[{env}] service configs: default over two addresses, none, a bad one refused", ok and bad is not None)
+
+    client.close()
+    server.stop()
+    return checks.summary("python_package")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The attnserve Python package (client/python) installed into a virtual environment under build-py/
+# (ignored by git), for its tests and the benchmark. Pinned; idempotent: a second call with the same
+# pins and the same package sources returns at once.
+#   tools/python-env.sh debian   # on Debian's own grpcio 1.51, protobuf 4.21, numpy and torch 1.13
+#                                # (system site packages; the package's dependencies are all met there)
+#   tools/python-env.sh newest   # a clean environment with the newest grpcio and protobuf, numpy 2 and
+#                                # ml_dtypes; no torch (it is optional)
+#   tools/python-env.sh wheel    # builds the wheel into build-py/dist/ (prints its path)
+# Prints the venv's path.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+sources=$(cat client/python/pyproject.toml client/python/setup.py client/python/attnserve/*.py \
+  client/python/attnserve/v1/*.py proto/attnserve/v1/attention.proto deploy/grpc/*.json | sha256sum | cut -c1-16)
+case "${1:-debian}" in
+  debian) pins=() venv=build-py/debian system=--system-site-packages check='import attnserve, torch, grpc; assert grpc.__version__.startswith("1.51")' ;;
+  newest) pins=(grpcio==1.85.3 protobuf==6.33.6 numpy==2.4.6 ml_dtypes==0.5.4) venv=build-py/newest system=
+          check='import attnserve, ml_dtypes, grpc; assert grpc.__version__ == "1.85.3"' ;;
+  wheel)
+    rm -rf build-py/dist client/python/build  # setuptools builds in the tree: no stale modules.
+    /usr/bin/python3 -m pip wheel -q --no-deps -w build-py/dist client/python >&2
+    ls "$PWD"/build-py/dist/attnserve-*.whl
+    exit 0 ;;
+  *) echo "tools/python-env.sh: debian, newest or wheel, not '$1'" >&2; exit 2 ;;
+esac
+stamp="$venv/.pins"
+want="${pins[*]:-} package=$sources"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  echo "$PWD/$venv"
+  exit 0
+fi
+[ -x "$venv/bin/python" ] || /usr/bin/python3 -m venv $system "$venv"
+rm -rf client/python/build
+"$venv/bin/pip" install -q ${pins[@]+"${pins[@]}"} ./client/python >&2
+"$venv/bin/python" -c "$check" >&2
+echo "$want" >"$stamp"
+echo "$PWD/$venv"
