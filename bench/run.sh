@@ -11,7 +11,11 @@
 # caller, L=128), L1024 (one caller, L=1024). Then attnserve alone on one core (taskset -c 0) against
 # all cores, with one caller (the same binary). Prints one table with ratios against floor, python
 # and ray, the issue's goals, and plots p99 latency against offered load (bench/out/p99_vs_load.png).
-# Results: bench/out/results.jsonl. Takes ~15 minutes (Ray starts in ~30-90 s a round).
+# Clients: against the same `on` server, W1 and W3 also through Python clients (bench/python_clients.py,
+# one thread and one client per caller): "oip" = unmodified tritonclient 2.73 (ModelInfer), "pypkg" =
+# the attnserve package (client/python); their cost over the C++ client is printed as ratios.
+# Results: bench/out/results.jsonl. Takes ~17 minutes (Ray starts in ~30-90 s a round).
+# BENCH_CLIENTS_ONLY=1: only the `on` server and the client rows (~2 minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${ATTNSERVE_BUILD_DIR:-build}
@@ -22,7 +26,11 @@ cmake --build "$build" -j"$(nproc)" --target attnserve attnserve_bench >/dev/nul
 command -v gnuplot >/dev/null || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends gnuplot-nox >/dev/null; }
 port=50071
 pid=
-peer_python=$(tools/peer-env.sh)/bin/python
+clients_only=${BENCH_CLIENTS_ONLY:-0}
+peer_python=
+[ "$clients_only" = 1 ] || peer_python=$(tools/peer-env.sh)/bin/python
+oip_python=$(tools/oip-env.sh)/bin/python
+pkg_python=$(tools/python-env.sh newest)/bin/python
 
 current=
 stop() {
@@ -62,17 +70,35 @@ bench() {  # system workload args...
   exit 1
 }
 
+pybench() {  # client workload args...: Python clients against the running `on` server
+  local client=$1 workload=$2; shift 2
+  local python=$pkg_python
+  [ "$client" = oip ] && python=$oip_python
+  "$python" bench/python_clients.py --client "$client" --target 127.0.0.1:$port --label "$client/$workload" \
+    --warmup 2 --json "$out/results.jsonl" "$@" >/dev/null
+}
+
 # This VM's neighbours make single runs swing by +-20%: the workloads run in rounds that rotate
 # through the systems, and the table reports each figure's median over the rounds.
 rounds=${BENCH_ROUNDS:-3}
+systems="floor off on python ray"
+[ "$clients_only" = 1 ] && systems=on
 for round in $(seq "$rounds"); do
-  for system in floor off on python ray; do
+  for system in $systems; do
     start $system
     bench $system W1/r$round --duration "$duration" --callers 32 --lengths uniform:8:64
+    if [ "$system" = on ]; then
+      for client in oip pypkg; do
+        pybench $client W1/r$round --duration "$duration" --callers 32 --lengths uniform:8:64
+        pybench $client W3/r$round --duration "$duration" --callers 1 --lengths fixed:128
+      done
+    fi
+    [ "$clients_only" = 1 ] && { bench $system W3/r$round --duration "$duration" --callers 1 --lengths fixed:128; continue; }
     bench $system W2/r$round --duration "$duration" --callers 32 --lengths uniform:16:512 --cross 0.5 --pool 48
     bench $system W3/r$round --duration "$duration" --callers 1 --lengths fixed:128
     bench $system L1024/r$round --duration "$duration" --callers 1 --lengths fixed:1024
   done
+  [ "$clients_only" = 1 ] && continue
   # The same server binary on one core and on all: what splitting a lone request buys.
   for system in one-core on; do
     start $system
@@ -80,7 +106,8 @@ for round in $(seq "$rounds"); do
     bench $system cores-L1024/r$round --duration "$duration" --callers 1 --lengths fixed:1024
   done
 done
-for system in floor off on python ray; do
+[ "$clients_only" = 1 ] && systems=
+for system in $systems; do
   start $system
   for rate in 200 500 900 1300 1700; do
     bench $system "open@$rate" --rate $rate --lengths uniform:8:64 --duration 4
@@ -98,6 +125,20 @@ def med(system, w, f):
 tok = lambda r: r["tokens_per_s"]
 rps = lambda r: r["requests_per_s"]
 pct = lambda q: (lambda r: r["latency_ms"][q])
+print()
+print("clients against the same batching server: the C++ client (attnserve-bench), tritonclient 2.73")
+print("(OIP ModelInfer) and the attnserve Python package; one thread and one client per caller")
+print(f"{'workload':8s} {'client':26s} {'req/s':>8s} {'tok/s':>9s} {'p50 ms':>8s} {'p99 ms':>8s} "
+      f"{'tok/s vs C++':>13s} {'p50 vs C++':>11s}")
+for w in ["W1", "W3"]:
+    base = med("on", w, tok)[0], med("on", w, pct("p50"))[0]
+    for s, name in (("on", "C++ (attnserve-bench)"), ("oip", "on via OIP (tritonclient)"),
+                    ("pypkg", "on via attnserve (Python)")):
+        t, p50, p99 = med(s, w, tok)[0], med(s, w, pct("p50"))[0], med(s, w, pct("p99"))[0]
+        print(f"{w:8s} {name:26s} {med(s, w, rps)[0]:8.1f} {t:9.0f} {p50:8.2f} {p99:8.2f} {t/base[0]:13.2f} "
+              f"{p50/base[1]:11.2f}")
+if not any(r["label"].startswith("floor/") for r in rows):
+    sys.exit(0)  # BENCH_CLIENTS_ONLY
 print()
 print("medians over rounds; tokens/s range in brackets")
 print(f"{'workload':8s} {'system':7s} {'req/s':>8s} {'tok/s':>9s} {'[min-max]':>15s} {'p50 ms':>8s} {'p90 ms':>8s} {'p99 ms':>8s} "
@@ -141,6 +182,7 @@ with open(sys.argv[1].replace("results.jsonl", "open_loop.dat"), "w") as f:
                 f.write(f"{r['rate']} {r['requests_per_s']} {r['latency_ms']['p99']}\n")
         f.write("\n\n")
 PY
+[ "$clients_only" = 1 ] && exit 0
 
 gnuplot <<GP
 set terminal pngcairo size 900,560 noenhanced

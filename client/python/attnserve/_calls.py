@@ -87,13 +87,12 @@ def attend_request(query, key, value, *, model, model_version, key_padding_mask,
     if (key is None) != (value is None):
         raise ValueError("key and value: give both (cross-attention) or neither (self-attention)")
     req = pb.AttendRequest(model="" if memory or session else model, model_version=model_version,
-                           query=_tensors.to_wire(query, "query"), is_causal=is_causal,
-                           attn_weights=WEIGHTS[attn_weights], layout=LAYOUTS[layout], request_id=request_id,
-                           memory=memory or "", session=session or "")
-    for name, t in (("key", key), ("value", value), ("key_padding_mask", key_padding_mask),
+                           is_causal=is_causal, attn_weights=WEIGHTS[attn_weights], layout=LAYOUTS[layout],
+                           request_id=request_id, memory=memory or "", session=session or "")
+    for name, t in (("query", query), ("key", key), ("value", value), ("key_padding_mask", key_padding_mask),
                     ("attn_mask", attn_mask)):
         if t is not None:
-            getattr(req, name).CopyFrom(_tensors.to_wire(t, name))
+            _tensors.to_wire(t, name, getattr(req, name))
     if session_length is not None:
         req.session_length = session_length
     return req
@@ -112,8 +111,8 @@ def result(resp, like_torch):
 def memory_request(key, value, *, model, model_version, key_padding_mask, layout):
     if layout not in LAYOUTS:
         raise ValueError(f"layout: '{layout}'; allowed: {', '.join(LAYOUTS)}")
-    req = pb.CreateMemoryRequest(model=model, model_version=model_version, key=_tensors.to_wire(key, "key"),
-                                 value=_tensors.to_wire(value, "value"), layout=LAYOUTS[layout])
-    if key_padding_mask is not None:
-        req.key_padding_mask.CopyFrom(_tensors.to_wire(key_padding_mask, "key_padding_mask"))
+    req = pb.CreateMemoryRequest(model=model, model_version=model_version, layout=LAYOUTS[layout])
+    for name, t in (("key", key), ("value", value), ("key_padding_mask", key_padding_mask)):
+        if t is not None:
+            _tensors.to_wire(t, name, getattr(req, name))
     return req

@@ -21,9 +21,10 @@ def is_torch(x):
     return t is not None and isinstance(x, t.Tensor)
 
 
-def to_wire(x, field):
-    """A numpy array (float32, float16, ml_dtypes.bfloat16, bool) or torch tensor (float32, float16,
-    bfloat16, bool; any device) as a Tensor. TypeError naming `field` for anything else."""
+def to_wire(x, field, into):
+    """Writes a numpy array (float32, float16, ml_dtypes.bfloat16, bool) or torch tensor (float32,
+    float16, bfloat16, bool; any device) into the Tensor message `into` (in place: the bytes are copied
+    once, into the message). TypeError naming `field` for anything else."""
     if is_torch(x):
         torch = _torch()
         t = x.detach().to("cpu").contiguous()
@@ -32,14 +33,21 @@ def to_wire(x, field):
             raise TypeError(f"{field}: torch dtype {t.dtype}; allowed: float32, float16, bfloat16, bool")
         # bfloat16 has no numpy twin in torch: its bits travel as int16.
         raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
-        return pb.Tensor(dtype=_NUMPY[names[t.dtype]], shape=list(t.shape), data=raw.numpy().tobytes())
+        return _fill(into, _NUMPY[names[t.dtype]], t.shape, raw.numpy())
     a = np.asarray(x)
     if a.dtype.name not in _NUMPY:
         raise TypeError(f"{field}: numpy dtype {a.dtype}; allowed: float32, float16, bfloat16 (ml_dtypes), bool")
     a = np.ascontiguousarray(a)
     if a.dtype.byteorder == ">":
         a = a.byteswap().view(a.dtype.newbyteorder("<"))
-    return pb.Tensor(dtype=_NUMPY[a.dtype.name], shape=list(a.shape), data=a.tobytes())
+    return _fill(into, _NUMPY[a.dtype.name], a.shape, a)
+
+
+def _fill(into, dtype, shape, array):
+    into.dtype = dtype
+    into.shape[:] = list(shape)
+    into.data = array.tobytes()
+    return into
 
 
 def from_wire(t, like_torch):
