@@ -186,7 +186,7 @@ const char* const kDefaultServiceConfig = R"json({
   "loadBalancingConfig": [{"round_robin": {}}],
   "healthCheckConfig": {"serviceName": "attnserve.v1.AttentionService"},
   "methodConfig": [{
-    "name": [{"service": "attnserve.v1.AttentionService"}],
+    "name": [{"service": "attnserve.v1.AttentionService"}, {"service": "inference.GRPCInferenceService"}],
     "retryPolicy": {
       "maxAttempts": 5,
       "initialBackoff": "0.05s",
@@ -200,7 +200,7 @@ const char* const kDefaultServiceConfig = R"json({
 
 const char* const kProxyServiceConfig = R"json({
   "methodConfig": [{
-    "name": [{"service": "attnserve.v1.AttentionService"}],
+    "name": [{"service": "attnserve.v1.AttentionService"}, {"service": "inference.GRPCInferenceService"}],
     "retryPolicy": {
       "maxAttempts": 5,
       "initialBackoff": "0.05s",

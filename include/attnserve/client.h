@@ -122,7 +122,8 @@ const char* StatusCodeName(int code);
 
 /// The gRPC service config a Client uses unless told otherwise: round_robin over every address the
 /// target resolves to, skipping replicas whose grpc.health.v1 status for the service is not SERVING
-/// (a draining replica says so first), and up to 5 attempts of any AttentionService call that fails
+/// (a draining replica says so first), and up to 5 attempts of any AttentionService call (or Open
+/// Inference Protocol call, inference.GRPCInferenceService) that fails
 /// with UNAVAILABLE or CANCELLED, backing off from 50 ms. CANCELLED is retried because gRPC itself
 /// answers it to a call that reaches a server already stopping (the call was not processed); a
 /// call the client cancels is never retried. The same JSON is deploy/grpc/service-config.json, for

@@ -9,7 +9,8 @@ metrics port; the GPU patch asks for nvidia.com/gpu.
 
 Run: the Deployment's pod, with the image built by docker/Dockerfile (tag from the first argument),
 host networking on loopback ports and a model directory made here as the models volume; it must
-become SERVING, answer an attend on that model, run as uid 10001 and refuse writes to its root
+become SERVING, answer an attend on that model (and an Open Inference Protocol ModelInfer), run as
+uid 10001 and refuse writes to its root
 filesystem.
 
 usage: k8s_test.py IMAGE PATH/TO/attnserve-cli PATH/TO/attnserve (for its --help flag list)
@@ -143,6 +144,20 @@ def run_pod(checks, dep, image, cli, engine):
         out = subprocess.run([cli, "--target", target, "attend", "--model", "m64", "--batch", "2", "--query-len", "5"],
                              capture_output=True, text=True)
         checks("it answers an attend on the mounted model", "output [2, 5, 64]" in out.stdout, out.stdout + out.stderr)
+        # The Open Inference Protocol on the same port, through the Deployment unchanged.
+        import grpc
+        import numpy as np
+        opb, orpc = lib.load_stubs("inference/grpc_service.proto")
+        q = np.ones((2, 5, 64), np.float32)
+        req = opb.ModelInferRequest(model_name="m64", inputs=[opb.ModelInferRequest.InferInputTensor(
+            name="query", datatype="FP32", shape=[2, 5, 64])], raw_input_contents=[q.tobytes()])
+        with grpc.insecure_channel(target) as channel:
+            try:
+                resp = orpc.GRPCInferenceServiceStub(channel).ModelInfer(req, timeout=30)
+                got = (list(resp.outputs[0].shape), len(resp.raw_output_contents[0]))
+            except grpc.RpcError as e:
+                got = str(e)
+        checks("it answers an OIP ModelInfer on the mounted model", got == ([2, 5, 64], 2 * 5 * 64 * 4), got)
         try:
             text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5).read().decode()
         except OSError as e:

@@ -2,6 +2,8 @@
 """Three attnserve replicas under steady load while one is restarted (SIGTERM, then started again)
 and another is killed (SIGKILL, then started again); every request accounted for. Two modes:
 
+Some of the load is Open Inference Protocol calls (ModelInfer) on the same channels and configs.
+
   nginx        Python gRPC client -> nginx (deploy/nginx/nginx.conf, grpc_pass) -> the replicas
                with deploy/grpc/service-config-proxy.json (retries, no client-side health checking)
   client-side  Python gRPC client balancing itself: target ipv4:a,b,c with
@@ -73,32 +75,46 @@ class Replica:
 
 
 class Load:
-    """Threads sending small Attend calls back to back until stopped; every outcome recorded with
-    the phase it started in, or "sigkill" for a call in flight when the SIGKILL came."""
+    """Threads sending small calls back to back until stopped, every third thread through the Open
+    Inference Protocol (ModelInfer) and the others through attnserve.v1 Attend; every outcome recorded
+    with the phase it started in, or "sigkill" for a call in flight when the SIGKILL came."""
 
-    def __init__(self, pb, rpc, target, threads, service_config):
+    def __init__(self, pb, rpc, target, threads, service_config, oip):
         options = [("grpc.service_config", service_config)] if service_config else []
         self.channel = grpc.insecure_channel(target, options=options)
         self.stub = rpc.AttentionServiceStub(self.channel)
         q = np.random.default_rng(3).standard_normal((1, 8, 512)).astype(np.float32)
         self.request = pb.AttendRequest(model="demo", query=lib.to_wire(pb, q))
+        opb, orpc = oip
+        self.oip_stub = orpc.GRPCInferenceServiceStub(self.channel)
+        self.oip_request = opb.ModelInferRequest(
+            model_name="demo", inputs=[opb.ModelInferRequest.InferInputTensor(name="query", datatype="FP32",
+                                                                               shape=[1, 8, 512])],
+            raw_input_contents=[q.tobytes()])
+        self.oip_answered = 0
         self.phase = "steady"
         self.results = []  # (phase, "OK" or "CODE: details", previous attempts)
         self.lock = threading.Lock()
         self.stopping = threading.Event()
-        self.threads = [threading.Thread(target=self.run, daemon=True) for _ in range(threads)]
+        self.threads = [threading.Thread(target=self.run, args=(i % 3 == 2,), daemon=True) for i in range(threads)]
 
-    def run(self):
+    def run(self, oip):
         while not self.stopping.is_set():
             with self.lock:
                 if len(self.results) >= MAX_REQUESTS:
                     return
             phase = self.phase
             try:
-                resp = self.stub.Attend(self.request, timeout=20)
-                outcome = ("OK", resp.timing.previous_attempts)
+                if oip:
+                    resp = self.oip_stub.ModelInfer(self.oip_request, timeout=20)
+                    outcome = ("OK" if len(resp.raw_output_contents) == 1 else "no output", 0)
+                    with self.lock:
+                        self.oip_answered += 1
+                else:
+                    resp = self.stub.Attend(self.request, timeout=20)
+                    outcome = ("OK", resp.timing.previous_attempts)
             except grpc.RpcError as e:
-                outcome = (f"{e.code().name}: {e.details()}", 0)
+                outcome = (f"{'ModelInfer ' if oip else ''}{e.code().name}: {e.details()}", 0)
             if PHASES.index(phase) < PHASES.index("sigkill") <= PHASES.index(self.phase):
                 phase = "sigkill"  # In flight when the SIGKILL came: what it costs is the SIGKILL's.
             with self.lock:
@@ -261,6 +277,7 @@ def main():
     ap.add_argument("--threads", type=int, default=6)
     args = ap.parse_args()
     pb, rpc = lib.load_stubs()
+    oip = lib.load_stubs("inference/grpc_service.proto")
     checks = lib.Checks()
     tmp = tempfile.mkdtemp(prefix="attnserve-replicas-")
     configs = {name: open(os.path.join(ROOT, "deploy", "grpc", name)).read()
@@ -297,8 +314,10 @@ def main():
                 ("client-side", ipv4, configs["service-config.json"], [])):
             bench_cmd = [args.bench, "--target", target, *bench_flags, "--callers", "4", "--lengths", "fixed:8",
                          "--duration", "7", "--warmup", "0", "--label", f"cpp-{mode}", "--json", f"{tmp}/bench.jsonl"]
-            with Load(pb, rpc, target, args.threads, config) as load:
+            with Load(pb, rpc, target, args.threads, config, oip) as load:
                 rc, took = scenario(replicas, load, bench_cmd)
+            checks(f"{mode}: OIP ModelInfer calls answered through the same target", load.oip_answered > 0,
+                   f"{load.oip_answered}")
             checks(f"{mode}: SIGTERMed replica exited 0", rc == 0, f"exit {rc}")
             checks(f"{mode}: SIGTERMed replica left within 10 s", took < 10, f"{took:.1f} s")
             outcome[mode] = {p: load.summary(p) for p in PHASES}

@@ -13,11 +13,11 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def load_stubs():
-    """Generates the Python gRPC stubs from proto/ into a temp dir and imports them."""
+def load_stubs(proto="attnserve/v1/attention.proto"):
+    """Generates the Python gRPC stubs of `proto` (under proto/) into a temp dir and imports them:
+    attnserve.v1's by default, or "inference/grpc_service.proto" (the Open Inference Protocol)."""
     out = tempfile.mkdtemp(prefix="attnserve-py-")
-    args = ["-I" + os.path.join(ROOT, "proto"), "--python_out=" + out, "--grpc_python_out=" + out,
-            "attnserve/v1/attention.proto"]
+    args = ["-I" + os.path.join(ROOT, "proto"), "--python_out=" + out, "--grpc_python_out=" + out, proto]
     try:
         from grpc_tools import protoc
         rc = protoc.main(["protoc"] + args)
@@ -28,8 +28,9 @@ def load_stubs():
     if rc != 0:
         raise RuntimeError("protoc failed")
     sys.path.insert(0, out)
-    from attnserve.v1 import attention_pb2, attention_pb2_grpc
-    return attention_pb2, attention_pb2_grpc
+    import importlib
+    module = proto[:-len(".proto")].replace("/", ".")
+    return importlib.import_module(module + "_pb2"), importlib.import_module(module + "_pb2_grpc")
 
 
 class Server:
