@@ -8,6 +8,7 @@ memory's key, value and key padding. Several sessions step at once from threads,
 different sessions and memory requests share the server's batches. Plus the statuses: NOT_FOUND
 saying why (unknown, deleted, closed), ABORTED for a step at the wrong session_length.
 Fresh fixed-seed inputs; tolerance max|out - ref| / max|ref| <= 1e-5 (float32), weights 1e-5 absolute.
+Called through the attnserve Python package (client/python; lib.load_package).
 
 usage: kv_conformance.py PATH/TO/attnserve [--server-args "--device cuda"] [--tolerance 1e-5]
 (bench/gpu_check.sh runs it on CUDA, bfloat16 at --tolerance 3e-2: on the CPU bfloat16 gives up to 2.0e-2)
@@ -65,7 +66,8 @@ def main():
     ap.add_argument("--tolerance", type=float, default=TOL, help="outputs (relative) and weights (absolute)")
     args = ap.parse_args()
     TOL = WTOL = args.tolerance
-    pb, rpc = lib.load_stubs()
+    attnserve = lib.load_package()
+    Error = attnserve.AttnserveError
     checks = lib.Checks()
     tmp = tempfile.mkdtemp(prefix="attnserve-kv-")
     modules = {}
@@ -77,8 +79,8 @@ def main():
         modules[name] = m
         export_model.export(m, os.path.join(tmp, name))
     server = lib.Server(args.binary, "--models", tmp, *shlex.split(args.server_args))
-    stub = rpc.AttentionServiceStub(grpc.insecure_channel(server.target))
-    weights_code = {"none": 0, "avg": 1, "head": 2}
+    client = attnserve.Client(server.target)
+    weights_name = {"none": "none", "avg": "averaged", "head": "per_head"}
 
     def run_session(name, b, steps, seed, weights="none", kpm=False, seq_first=False, results=None):
         """Steps one session; returns (max output error, max weights error) over its steps."""
@@ -91,33 +93,25 @@ def main():
             pad[0, [2, 5, length - 1]] = True  # Key 0 stays visible: no row is fully masked.
         causal = np.triu(np.ones((length, length), dtype=bool), 1)
         want, want_w = reference(m, x, x, x, pad if kpm else None, causal, weights)
-        handle = stub.OpenSession(pb.OpenSessionRequest(model=name, batch=b), timeout=30)
         err = werr = 0.0
         t0 = 0
-        for t in steps:
-            q = x[:, t0:t0 + t]
-            wire_q = np.ascontiguousarray(q.transpose(1, 0, 2)) if seq_first else q
-            req = pb.AttendRequest(session=handle.handle, query=lib.to_wire(pb, wire_q),
-                                   attn_weights=weights_code[weights], layout=2 if seq_first else 1,
-                                   session_length=t0)
-            if kpm:
-                req.key_padding_mask.CopyFrom(lib.to_wire(pb, np.ascontiguousarray(pad[:, t0:t0 + t])))
-            resp = stub.Attend(req, timeout=30)
-            got = lib.from_wire(pb, resp.output)
-            if seq_first:
-                got = got.transpose(1, 0, 2)
-            err = max(err, float(np.abs(got - want[:, t0:t0 + t]).max() / np.abs(want).max()))
-            if weights != "none":
-                gw = lib.from_wire(pb, resp.attn_weights)
-                extra = gw.shape[-1] - (t0 + t)  # bias_k / zero key columns come last
-                ref = want_w[..., t0:t0 + t, :]
-                ref = np.concatenate([ref[..., :t0 + t], ref[..., length:]], axis=-1)
-                assert ref.shape[-1] == t0 + t + extra
-                werr = max(werr, float(np.abs(gw - ref).max()))
-            if resp.session_length != t0 + t:
-                err = float("inf")
-            t0 += t
-        stub.CloseSession(pb.ReleaseRequest(handle=handle.handle), timeout=30)
+        with client.session(name, b) as s:  # Each step sends the session_length it expects.
+            for t in steps:
+                q = x[:, t0:t0 + t]
+                r = s.step(q.transpose(1, 0, 2) if seq_first else q, attn_weights=weights_name[weights],
+                           layout="sequence_first" if seq_first else "batch_first",
+                           key_padding_mask=pad[:, t0:t0 + t] if kpm else None)
+                got = r.output.transpose(1, 0, 2) if seq_first else r.output
+                err = max(err, float(np.abs(got - want[:, t0:t0 + t]).max() / np.abs(want).max()))
+                if weights != "none":
+                    extra = r.attn_weights.shape[-1] - (t0 + t)  # bias_k / zero key columns come last
+                    ref = want_w[..., t0:t0 + t, :]
+                    ref = np.concatenate([ref[..., :t0 + t], ref[..., length:]], axis=-1)
+                    assert ref.shape[-1] == t0 + t + extra
+                    werr = max(werr, float(np.abs(r.attn_weights - ref).max()))
+                if r.session_length != t0 + t:
+                    err = float("inf")
+                t0 += t
         if results is not None:
             results.append((err, werr))
         return err, werr
@@ -142,33 +136,27 @@ def main():
             v = rng.standard_normal((b, lk, m.vdim)).astype(np.float32)
             pad = np.zeros((b, lk), dtype=bool)
             pad[1, [0, 7]] = True
-            handle = stub.CreateMemory(pb.CreateMemoryRequest(model=name, key=lib.to_wire(pb, k),
-                                                              value=lib.to_wire(pb, v),
-                                                              key_padding_mask=lib.to_wire(pb, pad)), timeout=30)
-            checks(f"memory {name}: handle, length and bytes", len(handle.handle) == 32 and handle.length == lk
-                   and handle.batch == b and handle.bytes > 0, handle)
-            for lq, weights, masked in ((1, "none", False), (9, "head", True), (30, "avg", False)):
-                q = rng.standard_normal((b, lq, E)).astype(np.float32)
-                mask = rng.standard_normal((lq, lk)).astype(np.float32) if masked else None
-                want, want_w = reference(m, q, k, v, pad, mask, weights)
-                req = pb.AttendRequest(memory=handle.handle, query=lib.to_wire(pb, q),
-                                       attn_weights=weights_code[weights])
-                if masked:
-                    req.attn_mask.CopyFrom(lib.to_wire(pb, mask))
-                resp = stub.Attend(req, timeout=30)
-                err = rel_err(lib.from_wire(pb, resp.output), want)
-                ok = err <= TOL and resp.model == name
-                if want_w is not None:
-                    ok = ok and float(np.abs(lib.from_wire(pb, resp.attn_weights) - want_w).max()) <= WTOL
-                checks(f"memory {name} Lq={lq} weights={weights}{' mask' if masked else ''}: = cross MHA "
-                       f"(rel {err:.1e})", ok)
-            stub.DeleteMemory(pb.ReleaseRequest(handle=handle.handle), timeout=30)
-            try:
-                stub.Attend(pb.AttendRequest(memory=handle.handle, query=lib.to_wire(pb, q)), timeout=30)
+            with client.memory(k, v, model=name, key_padding_mask=pad) as memory:
+                info = memory.info
+                checks(f"memory {name}: handle, length and bytes", len(info.handle) == 32 and info.length == lk
+                       and info.batch == b and info.bytes > 0, info)
+                for lq, weights, masked in ((1, "none", False), (9, "head", True), (30, "avg", False)):
+                    q = rng.standard_normal((b, lq, E)).astype(np.float32)
+                    mask = rng.standard_normal((lq, lk)).astype(np.float32) if masked else None
+                    want, want_w = reference(m, q, k, v, pad, mask, weights)
+                    r = memory.attend(q, attn_weights=weights_name[weights], attn_mask=mask)
+                    err = rel_err(r.output, want)
+                    ok = err <= TOL and r.model == name
+                    if want_w is not None:
+                        ok = ok and float(np.abs(r.attn_weights - want_w).max()) <= WTOL
+                    checks(f"memory {name} Lq={lq} weights={weights}{' mask' if masked else ''}: = cross MHA "
+                           f"(rel {err:.1e})", ok)
+            try:  # Deleted on leaving `with`.
+                client.attend(q, memory=info.handle)
                 checks(f"memory {name}: deleted handle refused", False)
-            except grpc.RpcError as e:
+            except Error as e:
                 checks(f"memory {name}: deleted handle NOT_FOUND saying so",
-                       e.code() == grpc.StatusCode.NOT_FOUND and "deleted" in e.details(), e.details())
+                       e.code == grpc.StatusCode.NOT_FOUND and "deleted" in e.message, e.message)
 
         # Several sessions at once (their steps share batches), plus memory requests meanwhile.
         results = []
@@ -185,40 +173,39 @@ def main():
         q = np.zeros((1, 1, E), dtype=np.float32)
         for field in ("memory", "session"):
             try:
-                stub.Attend(pb.AttendRequest(query=lib.to_wire(pb, q), **{field: "0" * 32}), timeout=30)
+                client.attend(q, **{field: "0" * 32})
                 checks(f"unknown {field}: refused", False)
-            except grpc.RpcError as e:
+            except Error as e:
                 checks(f"unknown {field}: NOT_FOUND saying unknown",
-                       e.code() == grpc.StatusCode.NOT_FOUND and "unknown" in e.details(), e.details())
-        s = stub.OpenSession(pb.OpenSessionRequest(model="plain", batch=1), timeout=30)
-        stub.Attend(pb.AttendRequest(session=s.handle, query=lib.to_wire(pb, q)), timeout=30)
-        try:
-            stub.Attend(pb.AttendRequest(session=s.handle, query=lib.to_wire(pb, q), session_length=0), timeout=30)
-            checks("a step at the wrong session_length: refused", False)
-        except grpc.RpcError as e:
-            checks("a step at the wrong session_length: ABORTED naming the length",
-                   e.code() == grpc.StatusCode.ABORTED and "holds 1 tokens" in e.details(), e.details())
-        try:
-            stub.Attend(pb.AttendRequest(session=s.handle, query=lib.to_wire(pb, np.zeros((2, 1, E), np.float32))),
-                        timeout=30)
-            checks("a step with another batch: refused", False)
-        except grpc.RpcError as e:
-            checks("a step with another batch: INVALID_ARGUMENT", e.code() == grpc.StatusCode.INVALID_ARGUMENT,
-                   e.details())
-        stub.CloseSession(pb.ReleaseRequest(handle=s.handle), timeout=30)
-        try:
-            stub.Attend(pb.AttendRequest(session=s.handle, query=lib.to_wire(pb, q)), timeout=30)
+                       e.code == grpc.StatusCode.NOT_FOUND and "unknown" in e.message, e.message)
+        with client.session("plain", 1) as s:
+            s.step(q)
+            try:
+                client.attend(q, session=s.handle, session_length=0)
+                checks("a step at the wrong session_length: refused", False)
+            except Error as e:
+                checks("a step at the wrong session_length: ABORTED naming the length",
+                       e.code == grpc.StatusCode.ABORTED and "holds 1 tokens" in e.message, e.message)
+            try:
+                s.step(np.zeros((2, 1, E), np.float32))
+                checks("a step with another batch: refused", False)
+            except Error as e:
+                checks("a step with another batch: INVALID_ARGUMENT", e.code == grpc.StatusCode.INVALID_ARGUMENT,
+                       e.message)
+        try:  # Closed on leaving `with`.
+            client.attend(q, session=s.handle)
             checks("closed session refused", False)
-        except grpc.RpcError as e:
+        except Error as e:
             checks("closed session: NOT_FOUND saying closed",
-                   e.code() == grpc.StatusCode.NOT_FOUND and "closed" in e.details(), e.details())
+                   e.code == grpc.StatusCode.NOT_FOUND and "closed" in e.message, e.message)
         try:
-            stub.OpenSession(pb.OpenSessionRequest(model="cross_dims", batch=1), timeout=30)
+            client.session("cross_dims", 1)
             checks("session on a kdim != embed_dim model refused", False)
-        except grpc.RpcError as e:
+        except Error as e:
             checks("session on a kdim != embed_dim model: INVALID_ARGUMENT",
-                   e.code() == grpc.StatusCode.INVALID_ARGUMENT, e.details())
+                   e.code == grpc.StatusCode.INVALID_ARGUMENT, e.message)
     finally:
+        client.close()
         server.stop()
     return checks.summary("kv_conformance")
 

@@ -13,10 +13,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def load_stubs(proto="attnserve/v1/attention.proto"):
-    """Generates the Python gRPC stubs of `proto` (under proto/) into a temp dir and imports them:
-    attnserve.v1's by default, or "inference/grpc_service.proto" (the Open Inference Protocol)."""
-    out = tempfile.mkdtemp(prefix="attnserve-py-")
+def _protoc(out, proto):
     args = ["-I" + os.path.join(ROOT, "proto"), "--python_out=" + out, "--grpc_python_out=" + out, proto]
     try:
         from grpc_tools import protoc
@@ -26,7 +23,32 @@ def load_stubs(proto="attnserve/v1/attention.proto"):
         plugin = shutil.which("grpc_python_plugin")
         rc = subprocess.run(["protoc", f"--plugin=protoc-gen-grpc_python={plugin}"] + args).returncode
     if rc != 0:
-        raise RuntimeError("protoc failed")
+        raise RuntimeError("protoc failed on " + proto)
+
+
+def load_package():
+    """The attnserve Python package (client/python) for this interpreter, without pip: its modules
+    copied to a temp dir with stubs generated there by this interpreter's protoc (as its build does
+    with a pinned one), and the service configs beside them. Not in one process with load_stubs(),
+    whose generated `attnserve.v1` is another module of the same name."""
+    import shutil
+    out = tempfile.mkdtemp(prefix="attnserve-pkg-")
+    package = os.path.join(out, "attnserve")
+    shutil.copytree(os.path.join(ROOT, "client", "python", "attnserve"), package)
+    _protoc(out, "attnserve/v1/attention.proto")
+    for name in ("service-config.json", "service-config-proxy.json"):
+        shutil.copy(os.path.join(ROOT, "deploy", "grpc", name), package)
+    sys.path.insert(0, out)
+    import attnserve
+    import attnserve.aio  # noqa: F401
+    return attnserve
+
+
+def load_stubs(proto="attnserve/v1/attention.proto"):
+    """Generates the Python gRPC stubs of `proto` (under proto/) into a temp dir and imports them:
+    attnserve.v1's by default, or "inference/grpc_service.proto" (the Open Inference Protocol)."""
+    out = tempfile.mkdtemp(prefix="attnserve-py-")
+    _protoc(out, proto)
     sys.path.insert(0, out)
     import importlib
     module = proto[:-len(".proto")].replace("/", ".")
