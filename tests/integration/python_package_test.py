@@ -9,14 +9,17 @@ cross-attention; torch tensors in, torch tensors out (where torch is installed);
 manager (three steps equal causal attention over the whole sequence; a replayed step is ABORTED; closed
 on exit), a memory likewise; errors as AttnserveError with the gRPC code and the server's message; a
 deadline; list_models/get_model; the asyncio twin; the service configs (a two-address target is
-balanced, a config that is not JSON refused).
+balanced, a config that is not JSON refused); TLS with a CA and server name made here.
 
 usage: python_package_test.py PATH/TO/attnserve FIXTURES_DIR
 """
 import asyncio
 import importlib.util
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 
 import grpc
 import numpy as np
@@ -184,6 +187,41 @@ def main():
 
     client.close()
     server.stop()
+
+    # TLS: a server with a certificate from a CA made here (openssl, as tls_test.py does).
+    d = tempfile.mkdtemp(prefix="attnserve-pkg-tls-")
+    ssl = lambda *a: subprocess.run(["openssl", *a], check=True, capture_output=True)
+    ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=attnserve test ca",
+        "-keyout", f"{d}/ca.key", "-out", f"{d}/ca.pem")
+    with open(f"{d}/ext", "w") as f:
+        f.write("subjectAltName=DNS:attnserve.test\n")
+    ssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=server", "-keyout", f"{d}/server.key",
+        "-out", f"{d}/server.csr")
+    ssl("x509", "-req", "-in", f"{d}/server.csr", "-CA", f"{d}/ca.pem", "-CAkey", f"{d}/ca.key",
+        "-CAcreateserial", "-days", "2", "-out", f"{d}/server.pem", "-extfile", f"{d}/ext")
+    server = lib.Server(binary, "--models", os.path.join(fixtures, "models"), "--tls-cert", f"{d}/server.pem",
+                        "--tls-key", f"{d}/server.key")
+    try:
+        with attnserve.Client(server.target, tls=True, root_certs=f"{d}/ca.pem",
+                              server_name="attnserve.test") as tls:
+            ok = err(tls.attend(c["causal_q"], model="mha", is_causal=True).output, c["causal_out"]) <= 1e-5
+        try:
+            with attnserve.Client(server.target, deadline=5) as plain:
+                plain.attend(c["causal_q"], model="mha")
+            refused = None
+        except attnserve.AttnserveError as e:
+            refused = e
+        try:
+            attnserve.Client(server.target, tls=True, root_certs=f"{d}/missing.pem")
+            unreadable = None
+        except ValueError as e:
+            unreadable = e
+        checks(f"[{env}] TLS: served with the CA and server_name; plaintext refused; an unreadable file named",
+               ok and refused is not None and refused.code == grpc.StatusCode.UNAVAILABLE and
+               unreadable is not None and "missing.pem" in str(unreadable), f"{refused} / {unreadable}")
+    finally:
+        server.stop()
+        shutil.rmtree(d, ignore_errors=True)
     return checks.summary("python_package")
 
 

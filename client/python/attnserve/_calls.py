@@ -58,8 +58,15 @@ def credentials(tls, root_certs, cert, key):
     return grpc.ssl_channel_credentials(read(root_certs, "root_certs"), read(key, "key"), read(cert, "cert"))
 
 
-def tls_args(server_name):
-    return [("grpc.ssl_target_name_override", server_name)] if server_name else []
+def channel(grpc_module, target, *, tls, root_certs, cert, key, server_name, service_config, max_message_bytes,
+            options):
+    """A channel made by `grpc_module` (grpc, or grpc.aio) with the clients' settings."""
+    args = channel_args(service_config, max_message_bytes, options)
+    creds = credentials(tls, root_certs, cert, key)
+    if creds is None:
+        return grpc_module.insecure_channel(target, options=args)
+    override = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+    return grpc_module.secure_channel(target, creds, options=args + override)
 
 
 @dataclasses.dataclass
@@ -116,3 +123,15 @@ def memory_request(key, value, *, model, model_version, key_padding_mask, layout
         if t is not None:
             _tensors.to_wire(t, name, getattr(req, name))
     return req
+
+
+class Kept:
+    """What a memory and a session share, blocking or asyncio: the client that made it and its KvHandle
+    (`info`: handle, model, batch, length, bytes, ttl_seconds)."""
+
+    def __init__(self, client, info):
+        self._client, self.info = client, info
+
+    @property
+    def handle(self):
+        return self.info.handle

@@ -26,12 +26,9 @@ class Client:
     def __init__(self, target="127.0.0.1:50051", *, tls=False, root_certs=None, cert=None, key=None,
                  server_name=None, deadline=30.0, service_config="default", max_message_bytes=64 << 20,
                  options=None):
-        args = _calls.channel_args(service_config, max_message_bytes, options)
-        creds = _calls.credentials(tls, root_certs, cert, key)
-        if creds is None:
-            self._channel = grpc.insecure_channel(target, options=args)
-        else:
-            self._channel = grpc.secure_channel(target, creds, options=args + _calls.tls_args(server_name))
+        self._channel = _calls.channel(grpc, target, tls=tls, root_certs=root_certs, cert=cert, key=key,
+                                       server_name=server_name, service_config=service_config,
+                                       max_message_bytes=max_message_bytes, options=options)
         self._stub = pb_grpc.AttentionServiceStub(self._channel)
         self._deadline = deadline
         self._ids = itertools.count(1)
@@ -90,18 +87,15 @@ class Client:
         return self._call(method, pb.ReleaseRequest(handle=handle), deadline).bytes_freed
 
 
-class Session:
+class Session(_calls.Kept):
     """A decoding session (Client.session): each step appends its tokens and attends causally over all so
     far. `length` is the tokens held; every step says how many it expects, so a step the server already
     applied (an answer lost, the call retried) is refused with ABORTED instead of applied twice.
     `info` is the server's KvHandle."""
 
     def __init__(self, client, info):
-        self._client, self.info, self.length = client, info, info.length
-
-    @property
-    def handle(self):
-        return self.info.handle
+        super().__init__(client, info)
+        self.length = info.length
 
     def step(self, query, *, key_padding_mask=None, attn_mask=None, attn_weights="none", layout="batch_first",
              deadline=DEFAULT):
@@ -122,15 +116,8 @@ class Session:
         self.close()
 
 
-class Memory:
+class Memory(_calls.Kept):
     """Keys and values kept on the server for cross-attention (Client.memory). `info` is its KvHandle."""
-
-    def __init__(self, client, info):
-        self._client, self.info = client, info
-
-    @property
-    def handle(self):
-        return self.info.handle
 
     def attend(self, query, *, attn_mask=None, is_causal=False, attn_weights="none", layout="batch_first",
                deadline=DEFAULT):

@@ -24,12 +24,9 @@ class Client:
     def __init__(self, target="127.0.0.1:50051", *, tls=False, root_certs=None, cert=None, key=None,
                  server_name=None, deadline=30.0, service_config="default", max_message_bytes=64 << 20,
                  options=None):
-        args = _calls.channel_args(service_config, max_message_bytes, options)
-        creds = _calls.credentials(tls, root_certs, cert, key)
-        if creds is None:
-            self._channel = grpc.aio.insecure_channel(target, options=args)
-        else:
-            self._channel = grpc.aio.secure_channel(target, creds, options=args + _calls.tls_args(server_name))
+        self._channel = _calls.channel(grpc.aio, target, tls=tls, root_certs=root_certs, cert=cert, key=key,
+                                       server_name=server_name, service_config=service_config,
+                                       max_message_bytes=max_message_bytes, options=options)
         self._stub = pb_grpc.AttentionServiceStub(self._channel)
         self._deadline = deadline
         self._ids = itertools.count(1)
@@ -82,15 +79,12 @@ class Client:
         return (await self._call(method, pb.ReleaseRequest(handle=handle), deadline)).bytes_freed
 
 
-class Session:
+class Session(_calls.Kept):
     """See attnserve.Session."""
 
     def __init__(self, client, info):
-        self._client, self.info, self.length = client, info, info.length
-
-    @property
-    def handle(self):
-        return self.info.handle
+        super().__init__(client, info)
+        self.length = info.length
 
     async def step(self, query, *, key_padding_mask=None, attn_mask=None, attn_weights="none",
                    layout="batch_first", deadline=DEFAULT):
@@ -110,15 +104,8 @@ class Session:
         await self.close()
 
 
-class Memory:
+class Memory(_calls.Kept):
     """See attnserve.Memory."""
-
-    def __init__(self, client, info):
-        self._client, self.info = client, info
-
-    @property
-    def handle(self):
-        return self.info.handle
 
     async def attend(self, query, *, attn_mask=None, is_causal=False, attn_weights="none", layout="batch_first",
                      deadline=DEFAULT):
