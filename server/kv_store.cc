@@ -206,6 +206,7 @@ StatusOr<std::shared_ptr<KvEntry>> KvStore::Create(KvKind kind,
     e->lru = lru_.begin();
     entries_[e->handle] = e;
     account_->Add(*bytes, kind, 1);
+    CountModel(e->model, 1);
   }
   return e;
 }
@@ -395,10 +396,21 @@ void KvStore::Remove(std::string handle, KvEndReason why, const std::string& rea
   if (it == entries_.end()) return;
   const KvKind kind = it->second->kind;
   lru_.erase(it->second->lru);
+  CountModel(it->second->model, -1);
   entries_.erase(it);
   Tombstone(handle, reason);
   account_->Add(0, kind, -1);
   if (hooks_.on_end) hooks_.on_end(kind, why);
+}
+
+void KvStore::CountModel(const std::shared_ptr<const AttentionModel>& model, int64_t delta) {
+  // Under mu_, so the reports come in the order of the counts.
+  if (!model) return;
+  auto it = model_entries_.try_emplace(model.get(), 0).first;
+  it->second += delta;
+  const int64_t now = it->second;
+  if (now == 0) model_entries_.erase(it);
+  if (hooks_.on_model_entries) hooks_.on_model_entries(model->spec(), now);
 }
 
 void KvStore::Tombstone(const std::string& handle, const std::string& reason) {

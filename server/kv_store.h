@@ -9,6 +9,7 @@
 #include <deque>
 #include <functional>
 #include <list>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -55,6 +56,10 @@ struct KvMetricsHooks {
   std::function<void(int64_t bytes, int64_t memories, int64_t sessions)> on_size;
   std::function<void(KvKind, bool hit)> on_lookup;
   std::function<void(KvKind, KvEndReason)> on_end;
+  /// Entries in the index on one model's weights (name, version, weights_hash), after each change;
+  /// 0 when the last one ended. Entries pin their weights: a reload that replaces them leaves the
+  /// entries on the weights they were made with.
+  std::function<void(const ModelSpec&, int64_t entries)> on_model_entries;
 };
 
 struct KvAccount;
@@ -164,7 +169,8 @@ class KvStore {
 
   /// Removes an entry at once (DeleteMemory, CloseSession): the bytes it frees, or NOT_FOUND.
   StatusOr<int64_t> Release(const std::string& handle, KvKind kind);
-  /// Ends every entry whose model is `spec` (name, version and weights): a reload unloaded it.
+  /// Ends every entry whose model is `spec` (name, version and weights): a reload removed that
+  /// version. (A reload that replaces a version's weights ends nothing: entries keep theirs.)
   void EndModel(const ModelSpec& spec);
   /// Ends everything (shutdown).
   void Clear(const std::string& reason);
@@ -200,6 +206,8 @@ class KvStore {
   Status MakeRoom(int64_t need, const KvEntry* keep);
   void Remove(std::string handle, KvEndReason why, const std::string& reason);
   void Tombstone(const std::string& handle, const std::string& reason);
+  // Counts an entry in or out of model_entries_ and reports the count.
+  void CountModel(const std::shared_ptr<const AttentionModel>& model, int64_t delta);
   void ExpiryLoop();
 
   const KvOptions options_;
@@ -208,7 +216,8 @@ class KvStore {
   std::shared_ptr<KvAccount> account_;
   mutable std::mutex mu_;
   std::unordered_map<std::string, std::shared_ptr<KvEntry>> entries_;
-  std::list<KvEntry*> lru_;  // Front: most recently used.
+  std::list<KvEntry*> lru_;                                 // Front: most recently used.
+  std::map<const AttentionModel*, int64_t> model_entries_;  // Entries in the index, by weights.
   // Why recent handles are gone, for NOT_FOUND messages: bounded, oldest dropped first.
   std::unordered_map<std::string, std::string> gone_;
   std::deque<std::string> gone_order_;

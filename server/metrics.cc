@@ -108,6 +108,11 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
                       .Name("attnserve_kv_entries")
                       .Help("Memories and decoding sessions held, by kind.")
                       .Register(registry)),
+      kv_model_entries_(prometheus::BuildGauge()
+                            .Name("attnserve_kv_model_entries")
+                            .Help("Memories and decoding sessions on one model version's weights "
+                                  "(they keep the weights they were made with across reloads).")
+                            .Register(registry)),
       kv_lookups_(prometheus::BuildCounter()
                       .Name("attnserve_kv_lookups_total")
                       .Help("Requests naming a memory or session, by kind and result (hit, miss).")
@@ -211,6 +216,17 @@ void ServerMetrics::SetKvSize(int64_t bytes, int64_t memories, int64_t sessions)
   kv_bytes_.Set(static_cast<double>(bytes));
   kv_entries_.Add({{"kind", "memory"}}).Set(static_cast<double>(memories));
   kv_entries_.Add({{"kind", "session"}}).Set(static_cast<double>(sessions));
+}
+
+void ServerMetrics::SetKvModelEntries(const ModelSpec& s, int64_t entries) {
+  const std::map<std::string, std::string> labels = {
+      {"model", s.name}, {"version", std::to_string(s.version)}, {"weights_hash", s.weights_hash}};
+  prometheus::Gauge& gauge = kv_model_entries_.Add(labels);
+  if (entries > 0) {
+    gauge.Set(static_cast<double>(entries));
+  } else {
+    kv_model_entries_.Remove(&gauge);
+  }
 }
 
 void ServerMetrics::RecordKvLookup(const char* kind, bool hit) {

@@ -50,6 +50,9 @@ class ServerMetrics {
   void SetModelsFailing(const std::vector<std::string>& failing);
   /// attnserve_kv_bytes and attnserve_kv_entries{kind}.
   void SetKvSize(int64_t bytes, int64_t memories, int64_t sessions);
+  /// attnserve_kv_model_entries{model, version, weights_hash}: memories and sessions on these
+  /// weights (a version a reload replaced stays loaded for them); the series goes at 0.
+  void SetKvModelEntries(const ModelSpec& spec, int64_t entries);
   /// attnserve_kv_lookups_total{kind, result="hit"|"miss"}.
   void RecordKvLookup(const char* kind, bool hit);
   /// attnserve_kv_ends_total{kind, reason} (KvEndReasonName).
@@ -74,6 +77,7 @@ class ServerMetrics {
   prometheus::Family<prometheus::Gauge>& load_failing_;
   prometheus::Gauge& kv_bytes_;
   prometheus::Family<prometheus::Gauge>& kv_entries_;
+  prometheus::Family<prometheus::Gauge>& kv_model_entries_;
   prometheus::Family<prometheus::Counter>& kv_lookups_;
   prometheus::Family<prometheus::Counter>& kv_ends_;
   std::mutex info_mu_;

@@ -4,11 +4,11 @@ namespace attnserve {
 
 ModelRepositoryHooks ReloadHooks(ServerMetrics& metrics, KvStore& kv, HealthReporter& health) {
   ModelRepositoryHooks hooks;
-  hooks.on_loaded = [&metrics, &kv](const ModelSpec& loaded, const ModelSpec* replaced) {
-    if (replaced) {
-      metrics.RemoveModelInfo(*replaced);
-      kv.EndModel(*replaced);
-    }
+  // New weights for a version leave its memories and sessions on the weights they were made with
+  // (their entries hold them; attnserve_kv_model_entries counts them); new ones get the new
+  // weights. A version removed ends its entries.
+  hooks.on_loaded = [&metrics](const ModelSpec& loaded, const ModelSpec* replaced) {
+    if (replaced) metrics.RemoveModelInfo(*replaced);
     metrics.AddModelInfo(loaded);
   };
   hooks.on_unloaded = [&metrics, &kv](const ModelSpec& removed) {

@@ -184,6 +184,9 @@ void Server::Impl::StartPipeline() {
   kv_hooks.on_end = [m = metrics.get()](KvKind kind, KvEndReason why) {
     m->RecordKvEnd(KvKindName(kind), KvEndReasonName(why));
   };
+  kv_hooks.on_model_entries = [m = metrics.get()](const ModelSpec& spec, int64_t entries) {
+    m->SetKvModelEntries(spec, entries);
+  };
   kv = std::make_unique<KvStore>(options.kv, std::move(kv_hooks));
   AttendLimits limits = options.limits;
   limits.max_answer_bytes = int64_t{options.max_message_bytes} - int64_t{kResponseOverheadBytes};

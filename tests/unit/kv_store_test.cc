@@ -345,6 +345,34 @@ TEST(KvStoreTest, AMemoryEndedWhileBeingComputedIsAbortedNotMadeReady) {
   EXPECT_EQ(store.bytes(), 0);  // ... and given back with it.
 }
 
+// Entries are counted by the weights they hold (attnserve_kv_model_entries): two versions of one
+// model's weights (a replaced one still held) are counted apart, and a count that reaches 0 says
+// so.
+TEST(KvStoreTest, EntriesAreCountedByTheWeightsTheyHold) {
+  std::vector<std::pair<std::string, int64_t>> reports;
+  KvMetricsHooks hooks;
+  hooks.on_model_entries = [&reports](const ModelSpec& spec, int64_t entries) {
+    reports.emplace_back(spec.weights_hash, entries);
+  };
+  KvStore store(KvOptions{}, hooks);
+  auto old_weights = std::make_shared<FakeModel>();
+  auto new_weights = std::make_shared<FakeModel>();
+  new_weights->spec_.weights_hash = "sha256:bb";
+  auto a = NewMemory(store, old_weights, 1);
+  auto s = store.Create(KvKind::kSession, old_weights, std::make_shared<FakeCache>(), 1, 0);
+  ASSERT_TRUE(s.ok());
+  auto b = NewMemory(store, new_weights, 1);
+  using R = std::vector<std::pair<std::string, int64_t>>;
+  EXPECT_EQ(reports, (R{{"sha256:aa", 1}, {"sha256:aa", 2}, {"sha256:bb", 1}}));
+  reports.clear();
+  ASSERT_TRUE(store.Release(a->handle, KvKind::kMemory).ok());
+  ASSERT_TRUE(store.Release((*s)->handle, KvKind::kSession).ok());
+  EXPECT_EQ(reports, (R{{"sha256:aa", 1}, {"sha256:aa", 0}}));
+  reports.clear();
+  store.EndModel(new_weights->spec());
+  EXPECT_EQ(reports, (R{{"sha256:bb", 0}}));
+}
+
 TEST(KvStoreTest, UnusedEntriesExpireAndReloadEndsItsModelsEntries) {
   Counts counts;
   KvOptions o;
