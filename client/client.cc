@@ -483,6 +483,19 @@ CallStatus Client::OpenSession(const std::string& model, int64_t batch, KvInfo* 
   return FromGrpc(s);
 }
 
+CallStatus Client::TruncateSession(const std::string& handle, int64_t length, KvInfo* session,
+                                   const CallOptions& call) {
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx, call);
+  pb::TruncateSessionRequest req;
+  req.set_handle(handle);
+  req.set_length(length);
+  pb::KvHandle resp;
+  const grpc::Status s = impl_->stub->TruncateSession(&ctx, req, &resp);
+  if (s.ok() && session != nullptr) *session = FromWire(resp);
+  return FromGrpc(s);
+}
+
 CallStatus Client::DeleteMemory(const std::string& handle, const CallOptions& call) {
   grpc::ClientContext ctx;
   impl_->Prepare(&ctx, call);

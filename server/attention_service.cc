@@ -107,6 +107,11 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CreateMemory(grpc::CallbackServe
   return reactor;
 }
 
+grpc::ServerUnaryReactor* AttentionServiceImpl::TruncateSession(
+    grpc::CallbackServerContext* ctx, const v1::TruncateSessionRequest* req, v1::KvHandle* resp) {
+  return Finished(ctx, pipeline_.TruncateSession(*req, resp));
+}
+
 grpc::ServerUnaryReactor* AttentionServiceImpl::OpenSession(grpc::CallbackServerContext* ctx,
                                                             const v1::OpenSessionRequest* req,
                                                             v1::KvHandle* resp) {

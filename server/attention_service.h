@@ -23,7 +23,8 @@ class AttentionServiceImpl final
                           v1::AttentionService::WithCallbackMethod_DeleteMemory<
                               v1::AttentionService::WithCallbackMethod_OpenSession<
                                   v1::AttentionService::WithCallbackMethod_CloseSession<
-                                      v1::AttentionService::Service>>>>>>>> {
+                                      v1::AttentionService::WithCallbackMethod_TruncateSession<
+                                          v1::AttentionService::Service>>>>>>>>> {
  public:
   /// Borrows the pipeline, which must outlive the service.
   explicit AttentionServiceImpl(RequestPipeline& pipeline);
@@ -44,6 +45,9 @@ class AttentionServiceImpl final
   grpc::ServerUnaryReactor* DeleteMemory(grpc::CallbackServerContext* ctx,
                                          const v1::ReleaseRequest* req,
                                          v1::ReleaseResponse* resp) override;
+  grpc::ServerUnaryReactor* TruncateSession(grpc::CallbackServerContext* ctx,
+                                            const v1::TruncateSessionRequest* req,
+                                            v1::KvHandle* resp) override;
   grpc::ServerUnaryReactor* OpenSession(grpc::CallbackServerContext* ctx,
                                         const v1::OpenSessionRequest* req,
                                         v1::KvHandle* resp) override;

@@ -337,6 +337,27 @@ void KvStore::EndStep(KvStep* step, bool applied) {
   if (Indexed(e)) Touch(e);
 }
 
+Status KvStore::Truncate(const std::string& handle, int64_t length) {
+  ASSIGN_OR_RETURN(std::shared_ptr<KvEntry> e, Lookup(handle, KvKind::kSession));
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!Indexed(e.get())) {
+    const auto gone = gone_.find(handle);
+    return Status(StatusCode::kNotFound,
+                  "session '" + handle + "': " + (gone == gone_.end() ? "ended" : gone->second));
+  }
+  if (e->busy) {
+    return Status(StatusCode::kAborted,
+                  "session '" + handle + "': a step is in flight; truncate after its answer");
+  }
+  if (length < 0 || length > e->length) {
+    return InvalidArgument("length: " + std::to_string(length) + "; allowed: 0 to " +
+                           std::to_string(e->length) + ", the tokens session '" + handle +
+                           "' holds");
+  }
+  e->length = length;
+  return Status::Ok();
+}
+
 StatusOr<int64_t> KvStore::Release(const std::string& handle, KvKind kind) {
   ASSIGN_OR_RETURN(std::shared_ptr<KvEntry> e, Lookup(handle, kind));
   std::lock_guard<std::mutex> lock(mu_);

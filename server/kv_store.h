@@ -167,6 +167,10 @@ class KvStore {
   StatusOr<std::unique_ptr<KvStep>> BeginStep(const std::string& handle,
                                               std::optional<int64_t> expected_length);
 
+  /// Takes a session back to its first `length` tokens (TruncateSession), renewing its expiry; its
+  /// allocation stays. INVALID_ARGUMENT for a length outside 0 to its length, ABORTED while a step
+  /// is in flight, NOT_FOUND saying why when it is not held.
+  Status Truncate(const std::string& handle, int64_t length);
   /// Removes an entry at once (DeleteMemory, CloseSession): the bytes it frees, or NOT_FOUND.
   StatusOr<int64_t> Release(const std::string& handle, KvKind kind);
   /// Ends every entry whose model is `spec` (name, version and weights): a reload removed that

@@ -334,6 +334,20 @@ Status RequestPipeline::OpenSession(const v1::OpenSessionRequest& req, v1::KvHan
   return st;
 }
 
+Status RequestPipeline::TruncateSession(const v1::TruncateSessionRequest& req, v1::KvHandle* resp) {
+  const auto received = SteadyClock::now();
+  std::string model;
+  const Status st = [&]() -> Status {
+    RETURN_IF_ERROR(kv_.Truncate(req.handle(), req.length()));
+    ASSIGN_OR_RETURN(std::shared_ptr<KvEntry> entry, kv_.Lookup(req.handle(), KvKind::kSession));
+    model = entry->model->spec().name;
+    FillHandle(*entry, req.length(), kv_.options().ttl_seconds, resp);
+    return Status::Ok();
+  }();
+  RecordCall(model, "TruncateSession", st, received);
+  return st;
+}
+
 Status RequestPipeline::Release(const char* method, KvKind kind, const v1::ReleaseRequest& req,
                                 v1::ReleaseResponse* resp) {
   const auto received = SteadyClock::now();

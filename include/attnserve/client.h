@@ -226,6 +226,11 @@ class Client {
   CallStatus OpenSession(const std::string& model, int64_t batch, KvInfo* session,
                          const CallOptions& call = {}, int64_t model_version = 0);
   CallStatus CloseSession(const std::string& handle, const CallOptions& call = {});
+  /// Takes a session back to its first `length` tokens; the next step appends after them
+  /// (speculative decoding). Idempotent, so the retry policy may resend it. `session` (may be
+  /// null) gets the session after it.
+  CallStatus TruncateSession(const std::string& handle, int64_t length, KvInfo* session = nullptr,
+                             const CallOptions& call = {});
   /// gRPC health: `service` "" for the server, "attnserve.v1.AttentionService/<model>" for a model.
   CallStatus Health(const std::string& service, bool* serving, const CallOptions& call = {});
 

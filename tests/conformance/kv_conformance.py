@@ -6,7 +6,8 @@ equal the module's causal self-attention over the concatenated steps, row for ro
 attention weights). Memories: Attend(memory=...) must equal the module's cross-attention with the
 memory's key, value and key padding. Several sessions step at once from threads, so steps of
 different sessions and memory requests share the server's batches. Plus the statuses: NOT_FOUND
-saying why (unknown, deleted, closed), ABORTED for a step at the wrong session_length.
+saying why (unknown, deleted, closed), ABORTED for a step at the wrong session_length. TruncateSession
+(speculative decoding): steps after a truncation = causal MHA over the tokens kept plus the new ones.
 Fresh fixed-seed inputs; tolerance max|out - ref| / max|ref| <= 1e-5 (float32), weights 1e-5 absolute.
 Called through the attnserve Python package (client/python; lib.load_package).
 
@@ -169,6 +170,30 @@ def main():
         worst = max(r[0] for r in results) if len(results) == 6 else float("inf")
         checks(f"6 concurrent sessions: every step = its causal MHA (worst rel {worst:.1e})", worst <= TOL)
 
+        # Truncation (speculative decoding): step, take back a draft's tail, go on from there; and back
+        # to nothing. Each answer = causal MHA over the sequence the session holds then.
+        for name in ("plain", "both"):
+            m = modules[name]
+            rng = np.random.default_rng(31)
+            x = rng.standard_normal((2, 11, E)).astype(np.float32)
+            y = rng.standard_normal((2, 4, E)).astype(np.float32)
+            z = rng.standard_normal((2, 3, E)).astype(np.float32)
+            causal = lambda n: np.triu(np.ones((n, n), dtype=bool), 1)
+            with client.session(name, 2) as s:
+                for a, b in ((0, 6), (6, 9), (9, 11)):
+                    s.step(x[:, a:b])
+                kept = s.truncate(7)
+                r = s.step(y)
+                seq = np.concatenate([x[:, :7], y], axis=1)
+                err = rel_err(r.output, reference(m, seq, seq, seq, None, causal(11))[0][:, 7:])
+                zero = s.truncate(0)
+                r0 = s.step(z)
+                err0 = rel_err(r0.output, reference(m, z, z, z, None, causal(3))[0])
+            checks(f"truncate {name}: 11 tokens back to 7, then 4 new = causal MHA over the 11 held (rel {err:.1e}); "
+                   f"back to 0 then 3 = causal MHA over those 3 (rel {err0:.1e})",
+                   kept == 7 and r.session_length == 11 and err <= TOL and zero == 0 and r0.session_length == 3 and
+                   err0 <= TOL)
+
         # Statuses.
         q = np.zeros((1, 1, E), dtype=np.float32)
         for field in ("memory", "session"):
@@ -198,6 +223,14 @@ def main():
         except Error as e:
             checks("closed session: NOT_FOUND saying closed",
                    e.code == grpc.StatusCode.NOT_FOUND and "closed" in e.message, e.message)
+        with client.session("plain", 1) as s:
+            s.step(np.zeros((1, 3, E), np.float32))
+            try:
+                s.truncate(4)
+                checks("truncating past the length: refused", False)
+            except Error as e:
+                checks("truncating past the length: INVALID_ARGUMENT naming what it holds",
+                       e.code == grpc.StatusCode.INVALID_ARGUMENT and "allowed: 0 to 3" in e.message, e.message)
         try:
             client.session("cross_dims", 1)
             checks("session on a kdim != embed_dim model refused", False)

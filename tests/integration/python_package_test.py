@@ -6,8 +6,8 @@ sent; max|out-ref|/max|ref| <= 1e-5 in float32, 2e-3 float16, 2e-2 bfloat16): at
 across self-attention with bool masks and averaged weights, sequence-first with a float mask and
 per-head weights, causal, float16, bfloat16 (ml_dtypes where installed, torch where installed),
 cross-attention; torch tensors in, torch tensors out (where torch is installed); a session as a context
-manager (three steps equal causal attention over the whole sequence; a replayed step is ABORTED; closed
-on exit), a memory likewise; errors as AttnserveError with the gRPC code and the server's message; a
+manager (three steps equal causal attention over the whole sequence; truncate() then the same tokens
+again answer the same; a stale step is ABORTED; closed on exit), a memory likewise; errors as AttnserveError with the gRPC code and the server's message; a
 deadline; list_models/get_model; the asyncio twin; the service configs (a two-address target is
 balanced, a config that is not JSON refused); TLS with a CA and server name made here.
 
@@ -88,14 +88,19 @@ def main():
     with client.session("mha", batch=2) as s:
         outs = [s.step(x[:, a:b]).output for a, b in ((0, 2), (2, 5), (5, 6))]
         length = s.length
+        kept = s.truncate(2)  # Take back the last 4 tokens, then send them again.
+        again = s.step(x[:, 2:6]).output
+        retruncated = s.length
         try:
-            client.attend(x[:, :1], session=s.handle, session_length=2)  # A replay of step 2.
+            client.attend(x[:, :1], session=s.handle, session_length=2)  # A stale step: it holds 6.
             replay = None
         except attnserve.AttnserveError as e:
             replay = e
         handle = s.handle
     checks(f"[{env}] a session's steps equal causal attention over the whole sequence",
            err(np.concatenate(outs, axis=1), c["session_out"]) <= 1e-5 and length == 6)
+    checks(f"[{env}] truncate(2) then the same 4 tokens again: the same answers, 6 tokens held",
+           kept == 2 and retruncated == 6 and err(again, c["session_out"][:, 2:]) <= 1e-5)
     checks(f"[{env}] a replayed step (stale session_length) is ABORTED, not applied",
            replay is not None and replay.code == grpc.StatusCode.ABORTED, str(replay))
     try:
@@ -158,6 +163,8 @@ def main():
             results = await asyncio.gather(*[ac.attend(c["causal_q"], model="mha", is_causal=True) for _ in range(8)])
             async with await ac.session("mha", batch=2) as s:
                 outs = [(await s.step(x[:, a:b])).output for a, b in ((0, 2), (2, 5), (5, 6))]
+                await s.truncate(5)
+                outs[-1] = (await s.step(x[:, 5:6])).output
             try:
                 await ac.attend(c["self_q"], model="nope")
                 e = None
@@ -165,7 +172,7 @@ def main():
                 e = ex
             return results, outs, e
     results, outs, e = asyncio.run(run_aio())
-    checks(f"[{env}] aio: eight concurrent calls, a session, an error",
+    checks(f"[{env}] aio: eight concurrent calls, a session (with a truncation), an error",
            all(err(r.output, c["causal_out"]) <= 1e-5 for r in results) and
            err(np.concatenate(outs, axis=1), c["session_out"]) <= 1e-5 and e is not None and
            e.code == grpc.StatusCode.NOT_FOUND)

@@ -243,6 +243,8 @@ class ModelCheck {
         DropHold();
       else if (op < 28)
         Release();
+      else if (op < 30)
+        Truncate();
       else if (op < 31)
         Tick();
       else if (c_.OneIn(32))
@@ -860,6 +862,39 @@ class ModelCheck {
       });
     Remove(r, KvEndReason::kReleased,
            kind == KvKind::kMemory ? "deleted (DeleteMemory)" : "closed (CloseSession)");
+  }
+
+  // TruncateSession: any length the session holds (most often), just past it, or any int64.
+  void Truncate() {
+    std::string handle;
+    const size_t i = PickRef(KvKind::kSession, &handle);
+    const int64_t known = i == SIZE_MAX ? 0 : refs_[i].length;
+    int64_t length;
+    switch (c_.Below(4)) {
+      case 0:
+        length = known + 1 + static_cast<int64_t>(c_.Below(64));  // Lengths held stay small.
+        break;
+      case 1:
+        length = c_.Size(8);  // Anything, the int64 extremes included.
+        break;
+      default:
+        length = static_cast<int64_t>(c_.Below(static_cast<uint64_t>(known) + 1));
+    }
+    Note([&] {
+      return std::string("Truncate " + handle.substr(0, 6) + " to " + std::to_string(length));
+    });
+    const Status got = store_->Truncate(handle, length);
+    const std::string missing = Lookup(i, KvKind::kSession);
+    if (!missing.empty()) return ExpectNotFound(got, missing, "Truncate");
+    Ref& r = refs_[i];
+    if (r.busy) return ExpectCode(got, StatusCode::kAborted, "Truncate on a busy session");
+    if (length < 0 || length > r.length) {
+      return ExpectCode(got, StatusCode::kInvalidArgument, "Truncate out of range");
+    }
+    ExpectCode(got, StatusCode::kOk, "Truncate");
+    r.length = length;
+    const size_t keep = static_cast<size_t>(length * r.batch * kE);
+    if (r.tokens.size() > keep) r.tokens.resize(keep);
   }
 
   void Tick() {

@@ -5,6 +5,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <map>
 #include <set>
 
@@ -195,6 +196,44 @@ TEST(KvStoreTest, SessionStepsAreOneAtATimeAndGrowByDoubling) {
   ASSERT_TRUE(closed.ok());
   EXPECT_EQ(*closed, 2 * 32 * 100);
   EXPECT_THAT(store.BeginStep(h, std::nullopt).status().message(), HasSubstr("closed"));
+}
+
+// TruncateSession: back to any length it holds, never while a step is in flight, never beyond its
+// length or below 0; the next step starts there and the allocation stays.
+TEST(KvStoreTest, TruncateTakesBackTokensBetweenSteps) {
+  KvStore store(KvOptions{});
+  auto model = std::make_shared<FakeModel>();
+  auto s = store.Create(KvKind::kSession, model, std::make_shared<FakeCache>(), 1, 0);
+  ASSERT_TRUE(s.ok());
+  const std::string h = (*s)->handle;
+  auto step = Begin(store, h, 0);
+  ASSERT_TRUE(step->Reserve(9).ok());
+  Compute(*step);
+  EXPECT_EQ(store.Truncate(h, 4).code(), StatusCode::kAborted);  // In flight.
+  step->End(true);
+  EXPECT_EQ((*s)->length, 9);
+  for (const int64_t bad : {int64_t{-1}, int64_t{10}, std::numeric_limits<int64_t>::max(),
+                            std::numeric_limits<int64_t>::min()}) {
+    const Status st = store.Truncate(h, bad);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(st.message(), HasSubstr("allowed: 0 to 9")) << bad;
+  }
+  const int64_t bytes = store.bytes();
+  ASSERT_TRUE(store.Truncate(h, 4).ok());
+  EXPECT_EQ((*s)->length, 4);
+  EXPECT_EQ(store.bytes(), bytes);         // The allocation stays for the steps to come.
+  ASSERT_TRUE(store.Truncate(h, 4).ok());  // Idempotent: a retried truncation is harmless.
+  EXPECT_EQ(store.BeginStep(h, 9).status().code(), StatusCode::kAborted);
+  auto next = Begin(store, h, 4);
+  ASSERT_TRUE(next->Reserve(2).ok());
+  next->End(true);
+  EXPECT_EQ((*s)->length, 6);
+  ASSERT_TRUE(store.Truncate(h, 0).ok());
+  EXPECT_EQ((*s)->length, 0);
+  auto memory = NewMemory(store, model, 3);
+  EXPECT_THAT(store.Truncate(memory->handle, 0).message(), HasSubstr("is a memory, not a session"));
+  ASSERT_TRUE(store.Release(h, KvKind::kSession).ok());
+  EXPECT_THAT(store.Truncate(h, 0).message(), HasSubstr("closed"));
 }
 
 // Issue 17: a step that claimed ~2^62 tokens reserved an overflowed byte count, left its session at

@@ -105,6 +105,14 @@ class Session(_calls.Kept):
         self.length = r.session_length
         return r
 
+    def truncate(self, length, *, deadline=DEFAULT):
+        """Takes the session back to its first `length` tokens (speculative decoding: a rejected draft's
+        tail); the next step appends after them. Returns the tokens it holds."""
+        req = pb.TruncateSessionRequest(handle=self.handle, length=length)
+        self.info = self._client._call(self._client._stub.TruncateSession, req, deadline)
+        self.length = self.info.length
+        return self.length
+
     def close(self, *, deadline=DEFAULT):
         """Frees it on the server; returns the bytes freed."""
         return self._client._release(self._client._stub.CloseSession, self.handle, deadline)
