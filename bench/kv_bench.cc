@@ -11,6 +11,11 @@
 //   eviction    more memories than the server's --kv-budget-bytes holds: how many are kept, and
 //   what
 //               a request naming an evicted one gets.
+//   speculative speculative decoding with a D-token draft: each round verifies the draft in one
+//               step and accepts a random prefix of it (seeded). On a session: the step, then
+//               TruncateSession back to the accepted tokens. Resending: the accepted prefix plus
+//               the draft as key and value, the draft as query, masked as the session attends.
+//               Round latency and bytes, both answers compared.
 //
 // Every mode writes one JSON line per result (--json) and prints a table; decode also writes its
 // per-step figures as CSV (--csv) for bench/kv.sh to plot.
@@ -118,6 +123,7 @@ struct Options {
   int callers = 32;
   int prompt = 0;
   int memories = 64;
+  int draft = 4;
   std::string json, csv;
 };
 
@@ -278,6 +284,125 @@ int Decode(const Options& o) {
                 {"total_resend_s", total_resend / 1000},
                 {"at", rows},
                 {"growth", growth}});
+  return worst <= 1e-5 ? 0 : 2;
+}
+
+// ---- speculative
+// -----------------------------------------------------------------------------------
+
+int Speculative(const Options& o) {
+  auto stub = pb::AttentionService::NewStub(Channel(o));
+  const int64_t d = o.draft, e = o.embed;
+  // Enough rows for every draft any round may send: the sequence grows by 0 to d a round.
+  const int64_t rows = int64_t{o.steps} * (d + 1) + d;
+  const auto tokens = Tokens(rows, e, 4);
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<int> accepted_of(0, static_cast<int>(d));
+  std::vector<double> session_ms, resend_ms;
+  size_t session_bytes = 0, resend_bytes = 0;
+  double worst = 0;
+  int64_t held = 0, rounds = 0, drafted = 0;  // Accepted tokens; the draft rounds.
+  const std::string session = OpenSession(stub.get(), o);
+  // Round r's draft is rows [held, held + d) of a stream that moves on by d every round, so a
+  // rejected draft is never sent again.
+  int64_t next = 0;
+  std::vector<float> kept;  // The accepted rows, in order.
+  while (held < o.steps) {
+    std::vector<float> draft(tokens.begin() + next * e, tokens.begin() + (next + d) * e);
+    next += d;
+    // The sequence so far (accepted rows) followed by the draft, for the resend request.
+    std::vector<float> seq;
+    seq.reserve(static_cast<size_t>((held + d) * e));
+    seq.insert(seq.end(), kept.begin(), kept.end());
+    seq.insert(seq.end(), draft.begin(), draft.end());
+
+    pb::AttendRequest a = SessionStep(draft, 0, d, e, session);
+    a.set_session_length(held);
+    pb::AttendRequest b;
+    b.set_model(o.model);
+    SetTensor(draft, 0, d, e, b.mutable_query());
+    SetTensor(seq, 0, held + d, e, b.mutable_key());
+    *b.mutable_value() = b.key();
+    // Draft row i attends keys 0 .. held + i, as the session's new rows do.
+    pb::Tensor* mask = b.mutable_attn_mask();
+    mask->set_dtype(pb::DATA_TYPE_BOOL);
+    mask->add_shape(d);
+    mask->add_shape(held + d);
+    std::string bits(static_cast<size_t>(d * (held + d)), '\0');
+    for (int64_t i = 0; i < d; ++i)
+      for (int64_t j = held + i + 1; j < held + d; ++j)
+        bits[static_cast<size_t>(i * (held + d) + j)] = 1;
+    mask->set_data(bits);
+
+    const int accepted = accepted_of(rng);
+    pb::AttendResponse ra, rb;
+    pb::TruncateSessionRequest truncate;
+    truncate.set_handle(session);
+    truncate.set_length(held + accepted);
+    pb::KvHandle after;
+    Call ca, ct, cb;
+    if (rounds % 2 == 0) {
+      ca = Timed(stub.get(), &Stub::Attend, a, &ra);
+      ct = Timed(stub.get(), &Stub::TruncateSession, truncate, &after);
+      cb = Timed(stub.get(), &Stub::Attend, b, &rb);
+    } else {
+      cb = Timed(stub.get(), &Stub::Attend, b, &rb);
+      ca = Timed(stub.get(), &Stub::Attend, a, &ra);
+      ct = Timed(stub.get(), &Stub::TruncateSession, truncate, &after);
+    }
+    if (!ca.status.ok()) Fail("session round " + std::to_string(rounds + 1), ca.status);
+    if (!ct.status.ok()) Fail("TruncateSession", ct.status);
+    if (!cb.status.ok()) Fail("resend round " + std::to_string(rounds + 1), cb.status);
+    if (after.length() != held + accepted) {
+      std::fprintf(stderr, "attnserve-kv-bench: truncated to %lld, expected %lld\n",
+                   static_cast<long long>(after.length()), static_cast<long long>(held + accepted));
+      return 2;
+    }
+    worst = std::max(worst, RelDiff(ra.output(), rb.output()));
+    session_ms.push_back(ca.ms + ct.ms);
+    resend_ms.push_back(cb.ms);
+    session_bytes += ca.request_bytes + ca.response_bytes + ct.request_bytes + ct.response_bytes;
+    resend_bytes += cb.request_bytes + cb.response_bytes;
+    kept.insert(kept.end(), draft.begin(), draft.begin() + accepted * e);
+    held += accepted;
+    drafted += d;
+    ++rounds;
+  }
+  Release(stub.get(), session, true);
+  double ts = 0, tr = 0;
+  for (double x : session_ms) ts += x;
+  for (double x : resend_ms) tr += x;
+  std::printf(
+      "speculative: E=%lld, %lld-token drafts, %lld rounds to %d accepted tokens (%lld drafted); "
+      "worst |session - resend| / max|resend| = %.2e\n",
+      static_cast<long long>(e), static_cast<long long>(d), static_cast<long long>(rounds), o.steps,
+      static_cast<long long>(drafted), worst);
+  std::printf("%28s %12s %12s %8s\n", "", "session", "resend", "ratio");
+  std::printf("%28s %12.3f %12.3f %8.2f\n", "round p50 ms", Percentile(session_ms, 0.5),
+              Percentile(resend_ms, 0.5), Percentile(resend_ms, 0.5) / Percentile(session_ms, 0.5));
+  // The last tenth of the rounds: the longest sequences, where resending costs the most.
+  const auto tail_p50 = [rounds](const std::vector<double>& v) {
+    return Percentile({v.end() - static_cast<ptrdiff_t>(rounds / 10 + 1), v.end()}, 0.5);
+  };
+  std::printf("%28s %12.3f %12.3f %8.2f\n", "last tenth of rounds p50 ms", tail_p50(session_ms),
+              tail_p50(resend_ms), tail_p50(resend_ms) / tail_p50(session_ms));
+  std::printf("%28s %12.2f %12.2f %8.2f\n", "whole sequence s", ts / 1000, tr / 1000, tr / ts);
+  std::printf("%28s %12.2f %12.2f %8.1f\n", "bytes on the wire MB", session_bytes / 1e6,
+              resend_bytes / 1e6,
+              static_cast<double>(resend_bytes) / static_cast<double>(session_bytes));
+  WriteJson(o, {{"mode", "speculative"},
+                {"draft", d},
+                {"accepted", o.steps},
+                {"rounds", rounds},
+                {"worst_rel_diff", worst},
+                {"session_p50_ms", Percentile(session_ms, 0.5)},
+                {"session_tail_p50_ms", tail_p50(session_ms)},
+                {"resend_tail_p50_ms", tail_p50(resend_ms)},
+                {"resend_p50_ms", Percentile(resend_ms, 0.5)},
+                {"total_session_s", ts / 1000},
+                {"total_resend_s", tr / 1000},
+                {"session_bytes", session_bytes},
+                {"resend_bytes", resend_bytes}});
   return worst <= 1e-5 ? 0 : 2;
 }
 
@@ -502,15 +627,16 @@ int main(int argc, char** argv) {
   CLI::App app{"attnserve-kv-bench: sessions and memories versus resending keys and values"};
   Options o;
   std::string mode;
-  app.add_option("mode", mode, "decode | memory | concurrent | eviction")
+  app.add_option("mode", mode, "decode | memory | concurrent | eviction | speculative")
       ->required()
-      ->check(CLI::IsMember({"decode", "memory", "concurrent", "eviction"}));
+      ->check(CLI::IsMember({"decode", "memory", "concurrent", "eviction", "speculative"}));
   app.add_option("--target", o.target, "attnserve address")->capture_default_str();
   app.add_option("--model", o.model, "Model (its embed_dim must be --embed)")
       ->capture_default_str();
   app.add_option("--embed", o.embed, "The model's embed_dim")->capture_default_str();
   app.add_option("--steps", o.steps,
-                 "decode: tokens decoded; memory: queries; concurrent: steps per caller")
+                 "decode: tokens decoded; memory: queries; concurrent: steps per caller; "
+                 "speculative: tokens accepted")
       ->capture_default_str();
   app.add_option("--repeats", o.repeats, "decode: sequences decoded (per-step medians over them)")
       ->capture_default_str();
@@ -520,11 +646,13 @@ int main(int argc, char** argv) {
   app.add_option("--prompt", o.prompt, "concurrent: prompt tokens each sequence starts with")
       ->capture_default_str();
   app.add_option("--memories", o.memories, "eviction: memories created")->capture_default_str();
+  app.add_option("--draft", o.draft, "speculative: draft tokens a round")->capture_default_str();
   app.add_option("--json", o.json, "Append one JSON line per result here");
   app.add_option("--csv", o.csv, "decode: per-step medians here");
   CLI11_PARSE(app, argc, argv);
   if (mode == "decode") return Decode(o);
   if (mode == "memory") return Memory(o);
   if (mode == "concurrent") return Concurrent(o);
+  if (mode == "speculative") return Speculative(o);
   return Eviction(o);
 }
