@@ -4,12 +4,32 @@
 
 #include <cerrno>
 #include <cstdio>
+#include <algorithm>
 #include <cstring>
 #include <limits>
 
 #include "server/checked_math.h"
 
 namespace attnserve {
+namespace {
+
+// `bytes` random bytes from the kernel as 2 * bytes lowercase hex digits.
+std::string RandomHex(size_t bytes) {
+  unsigned char bits[16];
+  size_t got = 0;
+  bytes = std::min(bytes, sizeof bits);
+  while (got < bytes) {
+    const ssize_t n = getrandom(bits + got, bytes - got, 0);
+    if (n > 0) got += static_cast<size_t>(n);
+    // getrandom(2) blocks until the kernel's pool is seeded and retries on EINTR; other errors
+    // cannot happen with these arguments.
+  }
+  char hex[33];
+  for (size_t i = 0; i < bytes; ++i) std::snprintf(hex + 2 * i, 3, "%02x", bits[i]);
+  return std::string(hex, 2 * bytes);
+}
+
+}  // namespace
 
 /// Bytes counted against the budget, shared by the store and its entries: an entry that left the
 /// index gives its bytes back when its last holder lets go.
@@ -74,6 +94,7 @@ KvStore::KvStore(KvOptions options, KvMetricsHooks hooks,
     : options_(options),
       hooks_(std::move(hooks)),
       clock_(std::move(clock)),
+      replica_id_(RandomHex(4)),
       account_(std::make_shared<KvAccount>()) {
   account_->on_size = hooks_.on_size;
   if (!clock_) expiry_ = std::thread([this] { ExpiryLoop(); });
@@ -97,17 +118,18 @@ int64_t KvStore::GrowCapacity(int64_t capacity, int64_t needed) {
 }
 
 std::string KvStore::NewHandle() {
-  unsigned char bits[16];
-  size_t got = 0;
-  while (got < sizeof bits) {
-    const ssize_t n = getrandom(bits + got, sizeof bits - got, 0);
-    if (n > 0) got += static_cast<size_t>(n);
-    // getrandom(2) blocks until the kernel's pool is seeded and retries on EINTR; other errors
-    // cannot happen with these arguments.
-  }
-  char hex[33];
-  for (size_t i = 0; i < sizeof bits; ++i) std::snprintf(hex + 2 * i, 3, "%02x", bits[i]);
-  return std::string(hex, 32);
+  // The replica's 32 bits, then 96 random ones: guessing a live handle stays hopeless.
+  return replica_id_ + RandomHex(12);
+}
+
+void KvStore::SetAdvertisedAddress(std::string address) {
+  std::lock_guard<std::mutex> lock(mu_);
+  advertised_ = std::move(address);
+}
+
+std::string KvStore::advertised_address() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return advertised_;
 }
 
 bool KvStore::Indexed(const KvEntry* e) const {
@@ -242,6 +264,13 @@ StatusOr<std::shared_ptr<KvEntry>> KvStore::Lookup(const std::string& handle, Kv
       why = std::string("is a ") + KvKindName(it->second->kind) + ", not a " + KvKindName(kind);
     } else if (const auto g = gone_.find(handle); g != gone_.end()) {
       why = g->second;
+    } else if (handle.size() == 32 && handle.compare(0, replica_id_.size(), replica_id_) != 0) {
+      why = "made by replica " + handle.substr(0, replica_id_.size()) +
+            " (its handle's first 8 hex digits), but this is replica " + replica_id_ +
+            (advertised_.empty() ? std::string() : " at " + advertised_) +
+            ": send a memory's or session's calls to the replica that made it (KvHandle.replica; "
+            "the attnserve clients do, README \"Sessions across replicas\"); if that replica "
+            "stopped or restarted, what it held is gone: make it again";
     } else {
       why =
           "unknown: this server holds no memory or session with this handle (they live on the "

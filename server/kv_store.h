@@ -143,6 +143,14 @@ class KvStore {
 
   const KvOptions& options() const { return options_; }
 
+  /// This replica: 8 random hex digits chosen when the store is made, the first 8 of each handle
+  /// it gives out, so a handle that reaches another replica is known for someone else's.
+  const std::string& replica_id() const { return replica_id_; }
+  /// The address clients reach this replica at (--advertise-address; "" for none): in each
+  /// KvHandle, and in the message for a handle of another replica. Set before serving.
+  void SetAdvertisedAddress(std::string address);
+  std::string advertised_address() const;
+
   /// Reserves a new entry of `capacity` tokens per sequence, evicting least recently used entries
   /// not in use when the budget needs room. A memory is not found by Lookup until MarkReady.
   /// INVALID_ARGUMENT for batch < 1, capacity < 0 or over --kv-max-entry-bytes;
@@ -217,12 +225,14 @@ class KvStore {
   const KvOptions options_;
   const KvMetricsHooks hooks_;
   const std::function<KvClock::time_point()> clock_;
+  const std::string replica_id_;
   std::shared_ptr<KvAccount> account_;
   mutable std::mutex mu_;
   std::unordered_map<std::string, std::shared_ptr<KvEntry>> entries_;
   std::list<KvEntry*> lru_;                                 // Front: most recently used.
   std::map<const AttentionModel*, int64_t> model_entries_;  // Entries in the index, by weights.
   // Why recent handles are gone, for NOT_FOUND messages: bounded, oldest dropped first.
+  std::string advertised_;  // Guarded by mu_.
   std::unordered_map<std::string, std::string> gone_;
   std::deque<std::string> gone_order_;
   bool stop_ = false;

@@ -89,6 +89,11 @@ int main(int argc, char** argv) {
                  "Second, plaintext listener serving only grpc.health.v1 (for probes that cannot "
                  "speak TLS); empty = none")
       ->capture_default_str();
+  app.add_option("--advertise-address", o.advertise_address,
+                 "host:port clients reach this replica at, named in every memory's and session's "
+                 "handle so their calls come back here (e.g. the pod's IP behind a headless "
+                 "Service); empty = --address when its host is not 0.0.0.0 or [::], else none")
+      ->capture_default_str();
   app.add_option("--admin-token-file", o.admin.token_file,
                  "File holding a secret token: AdminService calls (ReloadModels) that send "
                  "'authorization: Bearer <token>' are allowed (read at each call)");

@@ -65,7 +65,7 @@ StatusOr<std::shared_ptr<KvCache>> NewKvCacheOf(const AttentionModel& model) {
   return cache;
 }
 
-void FillHandle(const KvEntry& e, int64_t length, double ttl, v1::KvHandle* h) {
+void FillHandle(const KvEntry& e, int64_t length, const KvStore& kv, v1::KvHandle* h) {
   const ModelSpec& spec = e.model->spec();
   h->set_handle(e.handle);
   h->set_model(spec.name);
@@ -74,7 +74,8 @@ void FillHandle(const KvEntry& e, int64_t length, double ttl, v1::KvHandle* h) {
   h->set_batch(e.batch);
   h->set_length(length);
   h->set_bytes(e.bytes);
-  h->set_ttl_seconds(ttl);
+  h->set_ttl_seconds(kv.options().ttl_seconds);
+  h->set_replica(kv.advertised_address());
 }
 
 // The memory or session a request names, begun (a session step) or looked up (a memory), and
@@ -297,7 +298,7 @@ void RequestPipeline::CreateMemory(const v1::CreateMemoryRequest& req, CallConte
                    Status st, const WorkItem&) {
     if (st.ok()) st = kv_.MarkReady(entry, length);
     if (st.ok()) {
-      FillHandle(*entry, length, kv_.options().ttl_seconds, resp);
+      FillHandle(*entry, length, kv_, resp);
     } else {
       kv_.Discard(entry);
     }
@@ -327,7 +328,7 @@ Status RequestPipeline::OpenSession(const v1::OpenSessionRequest& req, v1::KvHan
     ASSIGN_OR_RETURN(std::shared_ptr<KvCache> cache, NewKvCacheOf(*model));
     ASSIGN_OR_RETURN(std::shared_ptr<KvEntry> entry,
                      kv_.Create(KvKind::kSession, model, cache, req.batch(), 0));
-    FillHandle(*entry, 0, kv_.options().ttl_seconds, resp);
+    FillHandle(*entry, 0, kv_, resp);
     return Status::Ok();
   }();
   RecordCall(model ? model->spec().name : "", "OpenSession", st, received);
@@ -341,7 +342,7 @@ Status RequestPipeline::TruncateSession(const v1::TruncateSessionRequest& req, v
     RETURN_IF_ERROR(kv_.Truncate(req.handle(), req.length()));
     ASSIGN_OR_RETURN(std::shared_ptr<KvEntry> entry, kv_.Lookup(req.handle(), KvKind::kSession));
     model = entry->model->spec().name;
-    FillHandle(*entry, req.length(), kv_.options().ttl_seconds, resp);
+    FillHandle(*entry, req.length(), kv_, resp);
     return Status::Ok();
   }();
   RecordCall(model, "TruncateSession", st, received);

@@ -6,6 +6,7 @@
 #include <prometheus/exposer.h>
 #include <prometheus/registry.h>
 
+#include <cstdlib>
 #include <mutex>
 
 #include "server/attention_service.h"
@@ -200,6 +201,18 @@ void Server::Impl::StartPipeline() {
   admin = std::make_unique<AdminServiceImpl>(*models, options.admin);
 }
 
+namespace {
+
+// ServerOptions::advertise_address, or --address with `port` when its host is a concrete one.
+std::string AdvertisedAddress(const ServerOptions& options, int port) {
+  if (!options.advertise_address.empty()) return options.advertise_address;
+  const std::string host = options.address.substr(0, options.address.rfind(':'));
+  if (host.empty() || host == "0.0.0.0" || host == "[::]" || host == "::" || host == "*") return "";
+  return host + ":" + std::to_string(port);
+}
+
+}  // namespace
+
 Status Server::Impl::StartGrpc() {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -212,7 +225,11 @@ Status Server::Impl::StartGrpc() {
   builder.RegisterService(admin.get());
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
+  // Known before the first call when --address names its port; port 0 is known once bound.
+  const std::string port_text = options.address.substr(options.address.rfind(':') + 1);
+  if (port_text != "0") kv->SetAdvertisedAddress(AdvertisedAddress(options, std::atoi(port_text.c_str())));
   grpc_server = builder.BuildAndStart();
+  if (grpc_server && port_text == "0") kv->SetAdvertisedAddress(AdvertisedAddress(options, port));
   if (grpc_server && port != 0) return Status::Ok();
   return Refuse(
       "--address " + options.address + ": cannot listen (in use, or not an address" +
@@ -295,6 +312,9 @@ std::string Server::Describe() const {
                         std::to_string(b.max_queue_delay.count()) + " us"
                   : std::string("off")) +
        ", " + EngineDescription() + ", BLAS " + ConfigureBlas().description;
+  const std::string advertised = impl_->kv->advertised_address();
+  s += ", replica " + impl_->kv->replica_id() +
+       (advertised.empty() ? " (advertises no address)" : " advertised as " + advertised);
   return s;
 }
 

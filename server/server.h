@@ -34,6 +34,10 @@ struct ServerOptions {
   /// A second listener, always plaintext, that serves only grpc.health.v1 (the same statuses as
   /// --address): for probes that cannot speak TLS, such as Kubernetes' gRPC probes. "" = none.
   std::string health_address;
+  /// The host:port clients reach this replica at, named in each memory's and session's KvHandle so
+  /// that clients send its calls here. "" = --address when its host is a concrete one (not
+  /// 0.0.0.0 or [::]; port 0 becomes the bound port), else none.
+  std::string advertise_address;
   /// Who may call AdminService.ReloadModels (token file, client certificate names); none: nobody.
   AdminAuth admin;
 };

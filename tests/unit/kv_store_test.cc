@@ -15,6 +15,7 @@ namespace attnserve {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 // 100 bytes a token; `allocated` is what a step's compute grew it to (the engine's part).
 class FakeCache : public KvCache {
@@ -93,7 +94,10 @@ TEST(KvStoreTest, HandlesAreRandom128BitHexAndUnknownOnesSaySo) {
     seen.insert(e->handle);
   }
   EXPECT_EQ(seen.size(), 200u);
-  auto miss = store.Lookup("00000000000000000000000000000000", KvKind::kMemory);
+  // Each starts with the replica's ID, 8 hex digits; the rest is 96 random bits.
+  ASSERT_EQ(store.replica_id().size(), 8u);
+  for (const std::string& h : seen) EXPECT_EQ(h.substr(0, 8), store.replica_id()) << h;
+  auto miss = store.Lookup(store.replica_id() + "000000000000000000000000", KvKind::kMemory);
   ASSERT_FALSE(miss.ok());
   EXPECT_EQ(miss.status().code(), StatusCode::kNotFound);
   EXPECT_THAT(miss.status().message(), HasSubstr("unknown"));
@@ -103,6 +107,24 @@ TEST(KvStoreTest, HandlesAreRandom128BitHexAndUnknownOnesSaySo) {
   auto wrong = store.Lookup((*s)->handle, KvKind::kMemory);
   ASSERT_FALSE(wrong.ok());
   EXPECT_THAT(wrong.status().message(), HasSubstr("is a session, not a memory"));
+}
+
+TEST(KvStoreTest, AHandleOfAnotherReplicaNamesBothReplicas) {
+  KvStore here(KvOptions{}), there(KvOptions{});
+  ASSERT_NE(here.replica_id(), there.replica_id());  // 1 in 2^32 to fail by chance
+  here.SetAdvertisedAddress("10.0.0.7:50051");
+  auto model = std::make_shared<FakeModel>();
+  auto s = there.Create(KvKind::kSession, model, std::make_shared<FakeCache>(), 1, 0);
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(here.advertised_address(), "10.0.0.7:50051");
+  auto miss = here.Lookup((*s)->handle, KvKind::kSession);
+  ASSERT_FALSE(miss.ok());
+  EXPECT_EQ(miss.status().code(), StatusCode::kNotFound);
+  const std::string& m = miss.status().message();
+  EXPECT_THAT(m, HasSubstr("made by replica " + there.replica_id()));
+  EXPECT_THAT(m, HasSubstr("this is replica " + here.replica_id() + " at 10.0.0.7:50051"));
+  EXPECT_THAT(m, HasSubstr("KvHandle.replica"));
+  EXPECT_THAT(m, Not(HasSubstr("unknown")));
 }
 
 TEST(KvStoreTest, BudgetEvictsLeastRecentlyUsedButNeverWhatIsInUse) {
