@@ -7,12 +7,14 @@
 #include <fstream>
 #include <future>
 #include <iterator>
+#include <map>
 #include <mutex>
 #include <stdexcept>
 #include <thread>
 
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "kv_routes.h"
 
 // A call handed to gRPC comes back on another thread (the completion-queue poller, or a callback
 // thread). Debian's gRPC is not built with ThreadSanitizer, so TSan cannot see that handoff; these
@@ -65,7 +67,7 @@ void ToWire(const AttendRequest& r, pb::AttendRequest* out) {
 
 KvInfo FromWire(const pb::KvHandle& h) {
   return KvInfo{h.handle(), h.model(),  h.model_version(), h.weights_hash(),
-                h.batch(),  h.length(), h.bytes(),         h.ttl_seconds()};
+                h.batch(),  h.length(), h.bytes(),         h.ttl_seconds(), h.replica()};
 }
 
 AttendResult FromWire(pb::AttendResponse* r) {
@@ -136,6 +138,7 @@ std::string CallStatus::ToString() const {
 // One unary call on the completion-queue API; the poller thread completes and deletes it.
 struct AsyncAttend {
   grpc::ClientContext ctx;
+  std::string replica;  // The replica a routed call went straight to ("" when none).
   pb::AttendRequest request;
   pb::AttendResponse response;
   grpc::Status status;
@@ -160,7 +163,7 @@ struct Client::Impl {
     while (cq.Next(&tag, &ok)) {
       ATTNSERVE_HANDOFF_ACQUIRE(tag);
       std::unique_ptr<AsyncAttend> call(static_cast<AsyncAttend*>(tag));
-      call->done(FromGrpc(call->status),
+      call->done(Explained(FromGrpc(call->status), call->replica),
                  call->status.ok() ? FromWire(&call->response) : AttendResult{});
       call.reset();
       std::lock_guard<std::mutex> lock(mu);
@@ -177,6 +180,50 @@ struct Client::Impl {
     if (deadline.count() > 0) ctx->set_deadline(std::chrono::system_clock::now() + deadline);
     if (!call.bearer_token.empty())
       ctx->AddMetadata("authorization", "Bearer " + call.bearer_token);
+  }
+
+  // Memories and sessions this client made: their routes, and a channel to each replica that
+  // holds some (ClientOptions::route_to_replica).
+  KvRoutes routes;
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
+  grpc::ChannelArguments replica_args;  // The channel's, without balancing or health checks.
+  std::mutex replicas_mu;
+  std::map<std::string, std::unique_ptr<pb::AttentionService::Stub>> replicas;
+
+  // The stub for calls on `handle` (empty: none), with its route key added to `ctx`; `replica`
+  // gets the address the call goes straight to ("" when through the target).
+  pb::AttentionService::Stub* Routed(const std::string& handle, grpc::ClientContext* ctx,
+                                     std::string* replica) {
+    replica->clear();
+    if (handle.empty()) return stub.get();
+    const KvRoute route = routes.Find(handle);
+    if (route.key.empty()) return stub.get();
+    ctx->AddMetadata(KvRoutes::kMetadataKey, route.key);
+    return ReplicaStub(route.replica, replica);
+  }
+  // A new entry's calls: a fresh route key in `ctx`, and the stub the entry's making goes through.
+  std::string NewRoute(grpc::ClientContext* ctx) {
+    std::string key = KvRoutes::NewKey();
+    ctx->AddMetadata(KvRoutes::kMetadataKey, key);
+    return key;
+  }
+  pb::AttentionService::Stub* ReplicaStub(const std::string& address, std::string* replica) {
+    if (!options.route_to_replica || address.empty() || address == options.target)
+      return stub.get();
+    std::lock_guard<std::mutex> lock(replicas_mu);
+    auto& s = replicas[address];
+    if (!s) s = pb::AttentionService::NewStub(grpc::CreateCustomChannel(address, credentials, replica_args));
+    *replica = address;
+    return s.get();
+  }
+  // Names the replica when a call sent straight to it failed for want of it.
+  static CallStatus Explained(CallStatus s, const std::string& replica) {
+    if (!replica.empty() && (s.code == 14 || s.code == 4)) {
+      s.message += " (from the replica at " + replica +
+                   " that holds this memory or session: if it stopped, what it held is gone; "
+                   "make it again)";
+    }
+    return s;
   }
 };
 
@@ -257,15 +304,23 @@ Client::Client(const ClientOptions& options) : impl_(std::make_shared<Impl>()) {
     impl_->cq.Shutdown();  // Nothing was queued; a queue must be shut down before it is destroyed.
     throw;
   }
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(options.max_message_bytes);
-  args.SetMaxSendMessageSize(options.max_message_bytes);
-  // A call can only be retried while its request is still buffered: keep whole requests.
-  args.SetInt("grpc.per_rpc_retry_buffer_size", options.max_message_bytes);
-  if (!options.service_config.empty()) args.SetServiceConfigJSON(options.service_config);
-  if (!options.tls.server_name.empty()) args.SetSslTargetNameOverride(options.tls.server_name);
-  for (const auto& [name, value] : options.channel_args) args.SetInt(name, value);
-  impl_->channel = grpc::CreateCustomChannel(options.target, credentials, args);
+  auto channel_args = [&options](const std::string& service_config) {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(options.max_message_bytes);
+    args.SetMaxSendMessageSize(options.max_message_bytes);
+    // A call can only be retried while its request is still buffered: keep whole requests.
+    args.SetInt("grpc.per_rpc_retry_buffer_size", options.max_message_bytes);
+    if (!service_config.empty()) args.SetServiceConfigJSON(service_config);
+    if (!options.tls.server_name.empty()) args.SetSslTargetNameOverride(options.tls.server_name);
+    for (const auto& [name, value] : options.channel_args) args.SetInt(name, value);
+    return args;
+  };
+  impl_->channel =
+      grpc::CreateCustomChannel(options.target, credentials, channel_args(options.service_config));
+  // One replica, one address: the retries without the balancing.
+  impl_->replica_args =
+      channel_args(options.service_config.empty() ? "" : kProxyServiceConfig);
+  impl_->credentials = credentials;
   impl_->stub = pb::AttentionService::NewStub(impl_->channel);
   impl_->admin = pb::AdminService::NewStub(impl_->channel);
   impl_->health = grpc::health::v1::Health::NewStub(impl_->channel);
@@ -305,7 +360,9 @@ void Client::AttendAsync(const AttendRequest& request,
     std::lock_guard<std::mutex> lock(impl_->mu);
     ++impl_->in_flight;
   }
-  rpc->reader = impl_->stub->PrepareAsyncAttend(&rpc->ctx, rpc->request, &impl_->cq);
+  pb::AttentionService::Stub* stub = impl_->Routed(
+      request.session.empty() ? request.memory : request.session, &rpc->ctx, &rpc->replica);
+  rpc->reader = stub->PrepareAsyncAttend(&rpc->ctx, rpc->request, &impl_->cq);
   rpc->reader->StartCall();
   auto* reader = rpc->reader.get();
   ATTNSERVE_HANDOFF_RELEASE(rpc);  // Nothing here touches rpc after this: the poller deletes it.
@@ -464,8 +521,12 @@ CallStatus Client::CreateMemory(const MemoryRequest& request, KvInfo* memory,
   if (request.key_padding_mask) ToWire(*request.key_padding_mask, req.mutable_key_padding_mask());
   req.set_layout(static_cast<pb::Layout>(request.layout));
   pb::KvHandle resp;
+  const std::string key = impl_->NewRoute(&ctx);
   const grpc::Status s = impl_->stub->CreateMemory(&ctx, req, &resp);
-  if (s.ok()) *memory = FromWire(resp);
+  if (s.ok()) {
+    *memory = FromWire(resp);
+    impl_->routes.Remember(resp.handle(), KvRoute{key, resp.replica()});
+  }
   return FromGrpc(s);
 }
 
@@ -478,8 +539,12 @@ CallStatus Client::OpenSession(const std::string& model, int64_t batch, KvInfo* 
   req.set_model_version(model_version);
   req.set_batch(batch);
   pb::KvHandle resp;
+  const std::string key = impl_->NewRoute(&ctx);
   const grpc::Status s = impl_->stub->OpenSession(&ctx, req, &resp);
-  if (s.ok()) *session = FromWire(resp);
+  if (s.ok()) {
+    *session = FromWire(resp);
+    impl_->routes.Remember(resp.handle(), KvRoute{key, resp.replica()});
+  }
   return FromGrpc(s);
 }
 
@@ -491,9 +556,10 @@ CallStatus Client::TruncateSession(const std::string& handle, int64_t length, Kv
   req.set_handle(handle);
   req.set_length(length);
   pb::KvHandle resp;
-  const grpc::Status s = impl_->stub->TruncateSession(&ctx, req, &resp);
+  std::string replica;
+  const grpc::Status s = impl_->Routed(handle, &ctx, &replica)->TruncateSession(&ctx, req, &resp);
   if (s.ok() && session != nullptr) *session = FromWire(resp);
-  return FromGrpc(s);
+  return Impl::Explained(FromGrpc(s), replica);
 }
 
 CallStatus Client::DeleteMemory(const std::string& handle, const CallOptions& call) {
@@ -502,7 +568,10 @@ CallStatus Client::DeleteMemory(const std::string& handle, const CallOptions& ca
   pb::ReleaseRequest req;
   req.set_handle(handle);
   pb::ReleaseResponse resp;
-  return FromGrpc(impl_->stub->DeleteMemory(&ctx, req, &resp));
+  std::string replica;
+  const grpc::Status s = impl_->Routed(handle, &ctx, &replica)->DeleteMemory(&ctx, req, &resp);
+  if (s.ok() || s.error_code() == grpc::StatusCode::NOT_FOUND) impl_->routes.Forget(handle);
+  return Impl::Explained(FromGrpc(s), replica);
 }
 
 CallStatus Client::CloseSession(const std::string& handle, const CallOptions& call) {
@@ -511,7 +580,10 @@ CallStatus Client::CloseSession(const std::string& handle, const CallOptions& ca
   pb::ReleaseRequest req;
   req.set_handle(handle);
   pb::ReleaseResponse resp;
-  return FromGrpc(impl_->stub->CloseSession(&ctx, req, &resp));
+  std::string replica;
+  const grpc::Status s = impl_->Routed(handle, &ctx, &replica)->CloseSession(&ctx, req, &resp);
+  if (s.ok() || s.error_code() == grpc::StatusCode::NOT_FOUND) impl_->routes.Forget(handle);
+  return Impl::Explained(FromGrpc(s), replica);
 }
 
 CallStatus Client::Health(const std::string& service, bool* serving, const CallOptions& call) {

@@ -69,6 +69,10 @@ struct KvInfo {
   int64_t length = 0;      ///< Tokens held per sequence.
   int64_t bytes = 0;       ///< Server memory held.
   double ttl_seconds = 0;  ///< Expires this long after its last use.
+  /// The replica holding it, as it advertises itself (server flag --advertise-address); "" when
+  /// it advertises none. The Client that made it sends its calls there (ClientOptions::
+  /// route_to_replica).
+  std::string replica;
 };
 
 /// CreateMemory's inputs: key and value in `layout`, optional key padding.
@@ -159,6 +163,16 @@ struct ClientOptions {
   /// no retries).
   std::string service_config = kDefaultServiceConfig;
   TlsOptions tls;
+  /// Memories and sessions live on the replica that made them, so the calls on one this Client
+  /// made (Attend with it, TruncateSession, CloseSession, DeleteMemory) follow it there: each
+  /// carries its route key as `attnserve-route` metadata (what deploy/nginx/nginx.conf hashes on,
+  /// so a proxy sends them all to one replica), and with route_to_replica they go straight to the
+  /// address the replica advertises (KvInfo::replica) over a channel of this client's own (TLS as
+  /// above, no balancing, the service config's retries). Set false behind a proxy whose replicas
+  /// this client cannot reach. Handles made by another Client go through `target` without a key;
+  /// AttendStream calls are not routed (a stream reaches one replica: open it on a Client whose
+  /// target is the session's replica).
+  bool route_to_replica = true;
 };
 
 /// Per-call settings.
@@ -218,8 +232,10 @@ class Client {
   /// in --admin-client-names; else UNAUTHENTICATED (16) or PERMISSION_DENIED (7).
   CallStatus ReloadModels(ReloadResult* result, const CallOptions& call = {});
   /// Keys and values kept on the server (README "Keys and values kept on the server"). A memory or
-  /// session lives on the server that made it: with several replicas behind one target, use a
-  /// Client whose target is one replica for them.
+  /// session lives on the replica that made it; its calls follow it there
+  /// (ClientOptions::route_to_replica). A call that reaches another replica is refused with
+  /// NOT_FOUND naming the replica that made it; one whose replica cannot be reached, UNAVAILABLE
+  /// naming the replica (what it held is lost if it stopped).
   CallStatus CreateMemory(const MemoryRequest& request, KvInfo* memory,
                           const CallOptions& call = {});
   CallStatus DeleteMemory(const std::string& handle, const CallOptions& call = {});

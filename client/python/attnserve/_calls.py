@@ -2,12 +2,19 @@
 import dataclasses
 import importlib.resources
 import json
+import secrets
+import threading
 from typing import Any, Optional
 
 import grpc
 
 from . import _tensors
+from .errors import AttnserveError
 from .v1 import attention_pb2 as pb
+from .v1 import attention_pb2_grpc as pb_grpc
+
+# The metadata key that carries a memory's or session's route key: deploy/nginx hashes on it.
+ROUTE_METADATA = "attnserve-route"
 
 LAYOUTS = {"batch_first": pb.LAYOUT_BATCH_FIRST, "sequence_first": pb.LAYOUT_SEQUENCE_FIRST}
 WEIGHTS = {"none": pb.ATTN_WEIGHTS_NONE, "averaged": pb.ATTN_WEIGHTS_AVERAGED, "per_head": pb.ATTN_WEIGHTS_PER_HEAD}
@@ -125,12 +132,65 @@ def memory_request(key, value, *, model, model_version, key_padding_mask, layout
     return req
 
 
-class Kept:
-    """What a memory and a session share, blocking or asyncio: the client that made it and its KvHandle
-    (`info`: handle, model, batch, length, bytes, ttl_seconds)."""
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """Where a memory's or session's calls go: `key` rides along as `attnserve-route` metadata (a proxy
+    hashes on it), `replica` is the address its server advertised (KvHandle.replica; "" for none)."""
+    key: str
+    replica: str = ""
 
-    def __init__(self, client, info):
-        self._client, self.info = client, info
+
+def new_route_key():
+    return secrets.token_hex(8)
+
+
+class Channels:
+    """A client's channel to its target, and with route_to_replica one to each replica holding a memory or
+    session it made (no balancing: "proxy" retries, or gRPC's defaults when the client has no config)."""
+
+    def __init__(self, grpc_module, target, *, route_to_replica, service_config, **settings):
+        self._grpc, self._target, self._direct, self._settings = grpc_module, target, route_to_replica, settings
+        self._replica_config = None if service_config is None else "proxy"
+        self.main = channel(grpc_module, target, service_config=service_config, **settings)
+        self.stub = pb_grpc.AttentionServiceStub(self.main)
+        self._replicas = {}
+        self._lock = threading.Lock()
+
+    def routed(self, route):
+        """(stub, metadata, replica) for a call on a memory or session with `route` (None: not routed);
+        replica is the address the call goes straight to, "" when through the target."""
+        if route is None:
+            return self.stub, None, ""
+        metadata = ((ROUTE_METADATA, route.key),)
+        if not self._direct or not route.replica or route.replica == self._target:
+            return self.stub, metadata, ""
+        with self._lock:
+            entry = self._replicas.get(route.replica)
+            if entry is None:
+                ch = channel(self._grpc, route.replica, service_config=self._replica_config, **self._settings)
+                entry = self._replicas[route.replica] = (ch, pb_grpc.AttentionServiceStub(ch))
+        return entry[1], metadata, route.replica
+
+    def all(self):
+        with self._lock:
+            return [self.main] + [ch for ch, _ in self._replicas.values()]
+
+
+def error(e, replica):
+    """AttnserveError for a refused call; one sent straight to a replica that did not answer says so."""
+    err = AttnserveError.from_rpc(e)
+    if replica and err.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        err = AttnserveError(err.code, f"{err.message} (from the replica at {replica} that holds this memory or "
+                                       "session: if it stopped, what it held is gone; make it again)")
+    return err
+
+
+class Kept:
+    """What a memory and a session share, blocking or asyncio: the client that made it, its KvHandle
+    (`info`: handle, model, batch, length, bytes, ttl_seconds, replica) and its Route."""
+
+    def __init__(self, client, info, route):
+        self._client, self.info, self.route = client, info, route
 
     @property
     def handle(self):

@@ -6,7 +6,6 @@ import grpc
 from . import _calls, _tensors
 from .errors import AttnserveError
 from .v1 import attention_pb2 as pb
-from .v1 import attention_pb2_grpc as pb_grpc
 
 DEFAULT = object()  # A call's deadline when not given: the client's.
 
@@ -21,15 +20,20 @@ class Client:
     service_config: "default" (round_robin, health checks, retries: deploy/grpc/service-config.json),
         "proxy" (retries only: for nginx or Envoy in front), None (gRPC's defaults), or a JSON text.
     max_message_bytes: largest message sent or received. options: more gRPC channel arguments.
-    Thread-safe; close() (or `with`) closes the channel."""
+    route_to_replica: a memory's or session's calls go straight to the replica holding it (the address it
+        advertises, KvHandle.replica) over a channel of the client's own; False behind a proxy whose replicas
+        the client cannot reach. Either way they carry its route key as `attnserve-route` metadata, which
+        deploy/nginx hashes on (README "Sessions across replicas").
+    Thread-safe; close() (or `with`) closes the channels."""
 
     def __init__(self, target="127.0.0.1:50051", *, tls=False, root_certs=None, cert=None, key=None,
                  server_name=None, deadline=30.0, service_config="default", max_message_bytes=64 << 20,
-                 options=None):
-        self._channel = _calls.channel(grpc, target, tls=tls, root_certs=root_certs, cert=cert, key=key,
-                                       server_name=server_name, service_config=service_config,
-                                       max_message_bytes=max_message_bytes, options=options)
-        self._stub = pb_grpc.AttentionServiceStub(self._channel)
+                 options=None, route_to_replica=True):
+        self._channels = _calls.Channels(grpc, target, route_to_replica=route_to_replica, tls=tls,
+                                         root_certs=root_certs, cert=cert, key=key, server_name=server_name,
+                                         service_config=service_config, max_message_bytes=max_message_bytes,
+                                         options=options)
+        self._stub = self._channels.stub
         self._deadline = deadline
         self._ids = itertools.count(1)
 
@@ -40,7 +44,8 @@ class Client:
         self.close()
 
     def close(self):
-        self._channel.close()
+        for ch in self._channels.all():
+            ch.close()
 
     def _call(self, method, request, deadline):
         timeout = self._deadline if deadline is DEFAULT else deadline
@@ -49,17 +54,38 @@ class Client:
         except grpc.RpcError as e:
             raise AttnserveError.from_rpc(e) from None
 
+    def _routed(self, name, request, deadline, route):
+        """AttentionService method `name` for a memory or session with `route`, where it lives."""
+        stub, metadata, replica = self._channels.routed(route)
+        timeout = self._deadline if deadline is DEFAULT else deadline
+        try:
+            return getattr(stub, name)(request, timeout=timeout, metadata=metadata)
+        except grpc.RpcError as e:
+            raise _calls.error(e, replica) from None
+
+    def _make(self, name, request, deadline, kind):
+        """Makes a memory or session (`kind`) with a fresh route key."""
+        key = _calls.new_route_key()
+        info = self._routed(name, request, deadline, _calls.Route(key))
+        return kind(self, info, _calls.Route(key, info.replica))
+
     def attend(self, query, key=None, value=None, *, model="demo", model_version=0, key_padding_mask=None,
                attn_mask=None, is_causal=False, attn_weights="none", layout="batch_first", memory=None,
                session=None, session_length=None, deadline=DEFAULT):
         """nn.MultiheadAttention's forward on the server: self-attention without key and value, cross-attention
         with them. attn_weights: "none", "averaged" or "per_head"; layout: "batch_first" or "sequence_first".
-        Bool masks: True = masked out. Returns a Result; raises AttnserveError."""
+        Bool masks: True = masked out. memory and session: a Memory or Session (routed to its replica) or a
+        handle (sent through the target). Returns a Result; raises AttnserveError."""
+        route = None
+        if isinstance(memory, _calls.Kept):
+            memory, route = memory.handle, memory.route
+        if isinstance(session, _calls.Kept):
+            session, route = session.handle, session.route
         req = _calls.attend_request(query, key, value, model=model, model_version=model_version,
                                     key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal,
                                     attn_weights=attn_weights, layout=layout, memory=memory, session=session,
                                     session_length=session_length, request_id=next(self._ids))
-        return _calls.result(self._call(self._stub.Attend, req, deadline), _tensors.is_torch(query))
+        return _calls.result(self._routed("Attend", req, deadline, route), _tensors.is_torch(query))
 
     def list_models(self, *, deadline=DEFAULT):
         """Every loaded version of every model (ModelInfo messages)."""
@@ -73,7 +99,7 @@ class Client:
         """Opens a decoding session: its keys and values stay on the server between steps. Use it with
         `with`, which closes it."""
         req = pb.OpenSessionRequest(model=model, model_version=model_version, batch=batch)
-        return Session(self, self._call(self._stub.OpenSession, req, deadline))
+        return self._make("OpenSession", req, deadline, Session)
 
     def memory(self, key, value, *, model="demo", model_version=0, key_padding_mask=None, layout="batch_first",
                deadline=DEFAULT):
@@ -81,10 +107,10 @@ class Client:
         `with`, which deletes it."""
         req = _calls.memory_request(key, value, model=model, model_version=model_version,
                                     key_padding_mask=key_padding_mask, layout=layout)
-        return Memory(self, self._call(self._stub.CreateMemory, req, deadline))
+        return self._make("CreateMemory", req, deadline, Memory)
 
-    def _release(self, method, handle, deadline):
-        return self._call(method, pb.ReleaseRequest(handle=handle), deadline).bytes_freed
+    def _release(self, name, kept, deadline):
+        return self._routed(name, pb.ReleaseRequest(handle=kept.handle), deadline, kept.route).bytes_freed
 
 
 class Session(_calls.Kept):
@@ -93,14 +119,14 @@ class Session(_calls.Kept):
     applied (an answer lost, the call retried) is refused with ABORTED instead of applied twice.
     `info` is the server's KvHandle."""
 
-    def __init__(self, client, info):
-        super().__init__(client, info)
+    def __init__(self, client, info, route):
+        super().__init__(client, info, route)
         self.length = info.length
 
     def step(self, query, *, key_padding_mask=None, attn_mask=None, attn_weights="none", layout="batch_first",
              deadline=DEFAULT):
         r = self._client.attend(query, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
-                                attn_weights=attn_weights, layout=layout, session=self.handle,
+                                attn_weights=attn_weights, layout=layout, session=self,
                                 session_length=self.length, deadline=deadline)
         self.length = r.session_length
         return r
@@ -109,13 +135,13 @@ class Session(_calls.Kept):
         """Takes the session back to its first `length` tokens (speculative decoding: a rejected draft's
         tail); the next step appends after them. Returns the tokens it holds."""
         req = pb.TruncateSessionRequest(handle=self.handle, length=length)
-        self.info = self._client._call(self._client._stub.TruncateSession, req, deadline)
+        self.info = self._client._routed("TruncateSession", req, deadline, self.route)
         self.length = self.info.length
         return self.length
 
     def close(self, *, deadline=DEFAULT):
         """Frees it on the server; returns the bytes freed."""
-        return self._client._release(self._client._stub.CloseSession, self.handle, deadline)
+        return self._client._release("CloseSession", self, deadline)
 
     def __enter__(self):
         return self
@@ -130,11 +156,11 @@ class Memory(_calls.Kept):
     def attend(self, query, *, attn_mask=None, is_causal=False, attn_weights="none", layout="batch_first",
                deadline=DEFAULT):
         return self._client.attend(query, attn_mask=attn_mask, is_causal=is_causal, attn_weights=attn_weights,
-                                   layout=layout, memory=self.handle, deadline=deadline)
+                                   layout=layout, memory=self, deadline=deadline)
 
     def delete(self, *, deadline=DEFAULT):
         """Frees it on the server; returns the bytes freed."""
-        return self._client._release(self._client._stub.DeleteMemory, self.handle, deadline)
+        return self._client._release("DeleteMemory", self, deadline)
 
     def __enter__(self):
         return self

@@ -14,7 +14,6 @@ from . import _calls, _tensors
 from ._client import DEFAULT
 from .errors import AttnserveError
 from .v1 import attention_pb2 as pb
-from .v1 import attention_pb2_grpc as pb_grpc
 
 
 class Client:
@@ -23,11 +22,12 @@ class Client:
 
     def __init__(self, target="127.0.0.1:50051", *, tls=False, root_certs=None, cert=None, key=None,
                  server_name=None, deadline=30.0, service_config="default", max_message_bytes=64 << 20,
-                 options=None):
-        self._channel = _calls.channel(grpc.aio, target, tls=tls, root_certs=root_certs, cert=cert, key=key,
-                                       server_name=server_name, service_config=service_config,
-                                       max_message_bytes=max_message_bytes, options=options)
-        self._stub = pb_grpc.AttentionServiceStub(self._channel)
+                 options=None, route_to_replica=True):
+        self._channels = _calls.Channels(grpc.aio, target, route_to_replica=route_to_replica, tls=tls,
+                                         root_certs=root_certs, cert=cert, key=key, server_name=server_name,
+                                         service_config=service_config, max_message_bytes=max_message_bytes,
+                                         options=options)
+        self._stub = self._channels.stub
         self._deadline = deadline
         self._ids = itertools.count(1)
 
@@ -38,7 +38,8 @@ class Client:
         await self.close()
 
     async def close(self):
-        await self._channel.close()
+        for ch in self._channels.all():
+            await ch.close()
 
     async def _call(self, method, request, deadline):
         timeout = self._deadline if deadline is DEFAULT else deadline
@@ -47,15 +48,33 @@ class Client:
         except grpc.RpcError as e:
             raise AttnserveError.from_rpc(e) from None
 
+    async def _routed(self, name, request, deadline, route):
+        stub, metadata, replica = self._channels.routed(route)
+        timeout = self._deadline if deadline is DEFAULT else deadline
+        try:
+            return await getattr(stub, name)(request, timeout=timeout, metadata=metadata)
+        except grpc.RpcError as e:
+            raise _calls.error(e, replica) from None
+
+    async def _make(self, name, request, deadline, kind):
+        key = _calls.new_route_key()
+        info = await self._routed(name, request, deadline, _calls.Route(key))
+        return kind(self, info, _calls.Route(key, info.replica))
+
     async def attend(self, query, key=None, value=None, *, model="demo", model_version=0, key_padding_mask=None,
                      attn_mask=None, is_causal=False, attn_weights="none", layout="batch_first", memory=None,
                      session=None, session_length=None, deadline=DEFAULT):
         """See attnserve.Client.attend."""
+        route = None
+        if isinstance(memory, _calls.Kept):
+            memory, route = memory.handle, memory.route
+        if isinstance(session, _calls.Kept):
+            session, route = session.handle, session.route
         req = _calls.attend_request(query, key, value, model=model, model_version=model_version,
                                     key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal,
                                     attn_weights=attn_weights, layout=layout, memory=memory, session=session,
                                     session_length=session_length, request_id=next(self._ids))
-        return _calls.result(await self._call(self._stub.Attend, req, deadline), _tensors.is_torch(query))
+        return _calls.result(await self._routed("Attend", req, deadline, route), _tensors.is_torch(query))
 
     async def list_models(self, *, deadline=DEFAULT):
         return list((await self._call(self._stub.ListModels, pb.ListModelsRequest(), deadline)).models)
@@ -66,30 +85,30 @@ class Client:
     async def session(self, model="demo", batch=1, *, model_version=0, deadline=DEFAULT):
         """Opens a decoding session (`async with await client.session(...) as s`)."""
         req = pb.OpenSessionRequest(model=model, model_version=model_version, batch=batch)
-        return Session(self, await self._call(self._stub.OpenSession, req, deadline))
+        return await self._make("OpenSession", req, deadline, Session)
 
     async def memory(self, key, value, *, model="demo", model_version=0, key_padding_mask=None,
                      layout="batch_first", deadline=DEFAULT):
         """Keeps projected keys and values on the server (`async with await client.memory(k, v) as m`)."""
         req = _calls.memory_request(key, value, model=model, model_version=model_version,
                                     key_padding_mask=key_padding_mask, layout=layout)
-        return Memory(self, await self._call(self._stub.CreateMemory, req, deadline))
+        return await self._make("CreateMemory", req, deadline, Memory)
 
-    async def _release(self, method, handle, deadline):
-        return (await self._call(method, pb.ReleaseRequest(handle=handle), deadline)).bytes_freed
+    async def _release(self, name, kept, deadline):
+        return (await self._routed(name, pb.ReleaseRequest(handle=kept.handle), deadline, kept.route)).bytes_freed
 
 
 class Session(_calls.Kept):
     """See attnserve.Session."""
 
-    def __init__(self, client, info):
-        super().__init__(client, info)
+    def __init__(self, client, info, route):
+        super().__init__(client, info, route)
         self.length = info.length
 
     async def step(self, query, *, key_padding_mask=None, attn_mask=None, attn_weights="none",
                    layout="batch_first", deadline=DEFAULT):
         r = await self._client.attend(query, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
-                                      attn_weights=attn_weights, layout=layout, session=self.handle,
+                                      attn_weights=attn_weights, layout=layout, session=self,
                                       session_length=self.length, deadline=deadline)
         self.length = r.session_length
         return r
@@ -98,12 +117,12 @@ class Session(_calls.Kept):
         """Takes the session back to its first `length` tokens (speculative decoding: a rejected draft's
         tail); the next step appends after them. Returns the tokens it holds."""
         req = pb.TruncateSessionRequest(handle=self.handle, length=length)
-        self.info = await self._client._call(self._client._stub.TruncateSession, req, deadline)
+        self.info = await self._client._routed("TruncateSession", req, deadline, self.route)
         self.length = self.info.length
         return self.length
 
     async def close(self, *, deadline=DEFAULT):
-        return await self._client._release(self._client._stub.CloseSession, self.handle, deadline)
+        return await self._client._release("CloseSession", self, deadline)
 
     async def __aenter__(self):
         return self
@@ -118,11 +137,11 @@ class Memory(_calls.Kept):
     async def attend(self, query, *, attn_mask=None, is_causal=False, attn_weights="none", layout="batch_first",
                      deadline=DEFAULT):
         return await self._client.attend(query, attn_mask=attn_mask, is_causal=is_causal,
-                                         attn_weights=attn_weights, layout=layout, memory=self.handle,
+                                         attn_weights=attn_weights, layout=layout, memory=self,
                                          deadline=deadline)
 
     async def delete(self, *, deadline=DEFAULT):
-        return await self._client._release(self._client._stub.DeleteMemory, self.handle, deadline)
+        return await self._client._release("DeleteMemory", self, deadline)
 
     async def __aenter__(self):
         return self

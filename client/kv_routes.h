@@ -1,0 +1,44 @@
+#pragma once
+// Where a memory's or session's calls go (README "Sessions across replicas"): the route each
+// handle this client made was given, so that its calls reach the replica holding it. Not public
+// API: client.cc's only.
+
+#include <cstddef>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+namespace attnserve {
+
+/// A memory's or session's way back to its replica: `key` is sent as the `attnserve-route`
+/// metadata with each of its calls (what deploy/nginx hashes on), and `replica` is the address its
+/// server advertised (KvHandle.replica; "" when none).
+struct KvRoute {
+  std::string key;
+  std::string replica;
+};
+
+/// The routes of the handles a client made, bounded: beyond `capacity` the oldest are forgotten
+/// (their calls then go through the client's target, with no key). Thread-safe.
+class KvRoutes {
+ public:
+  static constexpr const char* kMetadataKey = "attnserve-route";
+  explicit KvRoutes(size_t capacity = size_t{1} << 18) : capacity_(capacity) {}
+
+  /// A fresh key (16 random hex digits) for a memory or session about to be made.
+  static std::string NewKey();
+  void Remember(const std::string& handle, KvRoute route);
+  /// The route of `handle`; key "" when this client did not make it (or forgot it).
+  KvRoute Find(const std::string& handle) const;
+  void Forget(const std::string& handle);
+  size_t size() const;
+
+ private:
+  const size_t capacity_;
+  mutable std::mutex mu_;
+  std::unordered_map<std::string, KvRoute> routes_;
+  std::deque<std::string> order_;  // Oldest first; may name handles already forgotten.
+};
+
+}  // namespace attnserve
