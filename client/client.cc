@@ -190,37 +190,30 @@ struct Client::Impl {
   std::mutex replicas_mu;
   std::map<std::string, std::unique_ptr<pb::AttentionService::Stub>> replicas;
 
-  // The stub for calls on `handle` (empty: none), with its route key added to `ctx`; `replica`
-  // gets the address the call goes straight to ("" when through the target).
+  // The stub for calls on `handle` (empty: none), with its replica named in `ctx`'s metadata;
+  // `replica` gets that replica's address ("" when the call is not routed).
   pb::AttentionService::Stub* Routed(const std::string& handle, grpc::ClientContext* ctx,
                                      std::string* replica) {
     replica->clear();
     if (handle.empty()) return stub.get();
-    const KvRoute route = routes.Find(handle);
-    if (route.key.empty()) return stub.get();
-    ctx->AddMetadata(KvRoutes::kMetadataKey, route.key);
-    return ReplicaStub(route.replica, replica);
-  }
-  // A new entry's calls: a fresh route key in `ctx`, and the stub the entry's making goes through.
-  std::string NewRoute(grpc::ClientContext* ctx) {
-    std::string key = KvRoutes::NewKey();
-    ctx->AddMetadata(KvRoutes::kMetadataKey, key);
-    return key;
-  }
-  pb::AttentionService::Stub* ReplicaStub(const std::string& address, std::string* replica) {
-    if (!options.route_to_replica || address.empty() || address == options.target)
-      return stub.get();
+    const std::string address = routes.Find(handle).replica;
+    if (address.empty()) return stub.get();
+    ctx->AddMetadata(KvRoutes::kMetadataKey, address);
+    *replica = address;
+    if (!options.route_to_replica || address == options.target) return stub.get();
     std::lock_guard<std::mutex> lock(replicas_mu);
     auto& s = replicas[address];
-    if (!s) s = pb::AttentionService::NewStub(grpc::CreateCustomChannel(address, credentials, replica_args));
-    *replica = address;
+    if (!s) {
+      s = pb::AttentionService::NewStub(
+          grpc::CreateCustomChannel(address, credentials, replica_args));
+    }
     return s.get();
   }
-  // Names the replica when a call sent straight to it failed for want of it.
+  // Names the replica when a call routed to it failed for want of it.
   static CallStatus Explained(CallStatus s, const std::string& replica) {
     if (!replica.empty() && (s.code == 14 || s.code == 4)) {
-      s.message += " (from the replica at " + replica +
-                   " that holds this memory or session: if it stopped, what it held is gone; "
+      s.message += " (the call went to the replica at " + replica +
+                   ", which holds this memory or session: if it stopped, what it held is gone; "
                    "make it again)";
     }
     return s;
@@ -521,11 +514,10 @@ CallStatus Client::CreateMemory(const MemoryRequest& request, KvInfo* memory,
   if (request.key_padding_mask) ToWire(*request.key_padding_mask, req.mutable_key_padding_mask());
   req.set_layout(static_cast<pb::Layout>(request.layout));
   pb::KvHandle resp;
-  const std::string key = impl_->NewRoute(&ctx);
   const grpc::Status s = impl_->stub->CreateMemory(&ctx, req, &resp);
   if (s.ok()) {
     *memory = FromWire(resp);
-    impl_->routes.Remember(resp.handle(), KvRoute{key, resp.replica()});
+    impl_->routes.Remember(resp.handle(), KvRoute{resp.replica()});
   }
   return FromGrpc(s);
 }
@@ -539,11 +531,10 @@ CallStatus Client::OpenSession(const std::string& model, int64_t batch, KvInfo* 
   req.set_model_version(model_version);
   req.set_batch(batch);
   pb::KvHandle resp;
-  const std::string key = impl_->NewRoute(&ctx);
   const grpc::Status s = impl_->stub->OpenSession(&ctx, req, &resp);
   if (s.ok()) {
     *session = FromWire(resp);
-    impl_->routes.Remember(resp.handle(), KvRoute{key, resp.replica()});
+    impl_->routes.Remember(resp.handle(), KvRoute{resp.replica()});
   }
   return FromGrpc(s);
 }

@@ -1,16 +1,8 @@
 #include "kv_routes.h"
 
-#include <cstdio>
-#include <random>
+#include <utility>
 
 namespace attnserve {
-
-std::string KvRoutes::NewKey() {
-  thread_local std::mt19937_64 bits{std::random_device{}()};
-  char hex[17];
-  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(bits()));
-  return std::string(hex, 16);
-}
 
 void KvRoutes::Remember(const std::string& handle, KvRoute route) {
   std::lock_guard<std::mutex> lock(mu_);

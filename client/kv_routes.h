@@ -11,25 +11,22 @@
 
 namespace attnserve {
 
-/// A memory's or session's way back to its replica: `key` is sent as the `attnserve-route`
-/// metadata with each of its calls (what deploy/nginx hashes on), and `replica` is the address its
-/// server advertised (KvHandle.replica; "" when none).
+/// A memory's or session's way back to its replica: the address its server advertised
+/// (KvHandle.replica; "" when none), sent as the `attnserve-replica` metadata with each of its
+/// calls (deploy/nginx routes by it) or, with ClientOptions::route_to_replica, called straight.
 struct KvRoute {
-  std::string key;
   std::string replica;
 };
 
 /// The routes of the handles a client made, bounded: beyond `capacity` the oldest are forgotten
-/// (their calls then go through the client's target, with no key). Thread-safe.
+/// (their calls then go through the client's target, unrouted). Thread-safe.
 class KvRoutes {
  public:
-  static constexpr const char* kMetadataKey = "attnserve-route";
+  static constexpr const char* kMetadataKey = "attnserve-replica";
   explicit KvRoutes(size_t capacity = size_t{1} << 18) : capacity_(capacity) {}
 
-  /// A fresh key (16 random hex digits) for a memory or session about to be made.
-  static std::string NewKey();
   void Remember(const std::string& handle, KvRoute route);
-  /// The route of `handle`; key "" when this client did not make it (or forgot it).
+  /// The route of `handle`; replica "" when this client did not make it (or forgot it).
   KvRoute Find(const std::string& handle) const;
   void Forget(const std::string& handle);
   size_t size() const;

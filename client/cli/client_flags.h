@@ -27,9 +27,14 @@ inline void AddClientFlags(CLI::App& app, ClientOptions* options, const char* ta
   app.add_option("--tls-server-name", options->tls.server_name,
                  "Name to check in the server certificate instead of the target's host");
   app.add_flag_callback(
-      "--proxy", [options] { options->service_config = kProxyServiceConfig; },
+      "--proxy",
+      [options] {
+        options->service_config = kProxyServiceConfig;
+        options->route_to_replica = false;
+      },
       "The target is a proxy in front of the replicas (nginx, Envoy): retries of UNAVAILABLE and "
-      "CANCELLED without client-side health checking");
+      "CANCELLED without client-side health checking; sessions and memories reach their replica "
+      "through the proxy, which routes by the replica their calls name (attnserve-replica)");
   app.add_flag_callback(
       "--no-balancing", [options] { options->service_config.clear(); },
       "gRPC's defaults (pick_first, no retries) instead of round_robin over every address of the "

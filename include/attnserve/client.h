@@ -165,11 +165,11 @@ struct ClientOptions {
   TlsOptions tls;
   /// Memories and sessions live on the replica that made them, so the calls on one this Client
   /// made (Attend with it, TruncateSession, CloseSession, DeleteMemory) follow it there: each
-  /// carries its route key as `attnserve-route` metadata (what deploy/nginx/nginx.conf hashes on,
-  /// so a proxy sends them all to one replica), and with route_to_replica they go straight to the
-  /// address the replica advertises (KvInfo::replica) over a channel of this client's own (TLS as
-  /// above, no balancing, the service config's retries). Set false behind a proxy whose replicas
-  /// this client cannot reach. Handles made by another Client go through `target` without a key;
+  /// names the address its replica advertises (KvInfo::replica) in the `attnserve-replica`
+  /// metadata key (deploy/nginx/nginx.conf routes by it), and with route_to_replica they go
+  /// straight to that address over a channel of this client's own (TLS as above, no balancing,
+  /// the service config's retries). Set false behind a proxy whose replicas this client cannot
+  /// reach. Handles made by another Client go through `target` without a key;
   /// AttendStream calls are not routed (a stream reaches one replica: open it on a Client whose
   /// target is the session's replica).
   bool route_to_replica = true;

@@ -10,14 +10,20 @@ Some of the load is Open Inference Protocol calls (ModelInfer) on the same chann
                deploy/grpc/service-config.json (round_robin, health checking, retries)
 
 and, during the same events, attnserve-bench (the C++ client) with the same target (`--proxy`
-behind nginx). Answers report the attempts that failed before them
+behind nginx), and decoding sessions through the attnserve Python package (replica_sessions.py, in
+a process of its own): straight to their replica in client-side mode, by their attnserve-route key
+through nginx. Sessions on the replica never signalled must lose nothing; sessions on the SIGTERMed
+one answer the steps sent during its drain's hand-off, and sessions on either signalled replica
+then fail with a status that names a replica (UNAVAILABLE, or NOT_FOUND from another replica or the
+restarted one); every step answered equals one causal call over the session's sequence. Before the
+events, attnserve-cli's decode (C++ client) runs sessions through the same target. Answers report the attempts that failed before them
 (ServerTiming.previous_attempts). SIGTERM must cost no request in either mode; what SIGKILL costs is
 reported. First, behind the same nginx.conf, a replica that resets every call after reading it:
 nginx must answer such calls as gRPC UNAVAILABLE, and the client's policy must retry every one. A
 real Prometheus scrapes every replica through file-based targets and must hold per-replica series.
 Loopback only; the load is bounded (a request budget and a time limit per phase).
 
-usage: replicas_test.py PATH/TO/attnserve PATH/TO/attnserve-bench [--threads 6]
+usage: replicas_test.py PATH/TO/attnserve PATH/TO/attnserve-bench PATH/TO/attnserve-cli [--threads 6]
 """
 import argparse
 import json
@@ -153,9 +159,14 @@ def port_open(port):
 def start_nginx(prefix, upstream_ports, listen_port):
     """nginx from deploy/nginx/nginx.conf with these upstreams and this port; its log in prefix/."""
     conf = open(os.path.join(ROOT, "deploy", "nginx", "nginx.conf")).read()
-    upstreams = "".join(f"    server 127.0.0.1:{p} max_fails=1 fail_timeout=2s;\n" for p in upstream_ports)
-    lines = [l for l in conf.splitlines(keepends=True) if not l.strip().startswith("server 127.0.0.1:")]
-    conf = "".join(lines).replace("keepalive 32;", upstreams.strip() + "\n    keepalive 32;", 1)
+    # Its replicas' section, rewritten for these: the pool, an upstream each, the map between.
+    begin, end = conf.index("  upstream attnserve {"), conf.index("  # --- end of the replicas")
+    pool = "".join(f"    server 127.0.0.1:{p} max_fails=1 fail_timeout=2s;\n" for p in upstream_ports)
+    own = "".join(f"  upstream attnserve_{p} {{ server 127.0.0.1:{p}; keepalive 8; }}\n" for p in upstream_ports)
+    entries = "".join(f"    127.0.0.1:{p} attnserve_{p};\n" for p in upstream_ports)
+    conf = (conf[:begin] + "  upstream attnserve {\n" + pool + "    keepalive 32;\n    keepalive_timeout 60s;\n  }\n"
+            + own + "  map $http_attnserve_replica $attnserve_upstream {\n    default attnserve;\n" + entries
+            + "  }\n" + conf[end:])
     conf = conf.replace("listen 127.0.0.1:8080", f"listen 127.0.0.1:{listen_port}")
     os.makedirs(os.path.join(prefix, "tmp"), exist_ok=True)
     with open(os.path.join(prefix, "nginx.conf"), "w") as f:
@@ -248,18 +259,22 @@ def check_replica_lost_mid_call(checks, pb, rpc, service_config, tmp, callers=8,
         dying.close()
 
 
-def scenario(replicas, load, bench_cmd):
-    """Steady, then SIGTERM + restart of replica 0, then SIGKILL + restart of replica 1."""
+def scenario(replicas, load, bench_cmd, sessions_cmd):
+    """Steady, then SIGTERM + restart of replica 0, then SIGKILL + restart of replica 1. Returns the
+    SIGTERMed replica's exit code, how long it took, and when (time.time) each was signalled."""
     bench = subprocess.Popen(bench_cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    sessions = subprocess.Popen(sessions_cmd)
     time.sleep(2)
     load.phase = "sigterm"
-    t0 = time.monotonic()
+    t0, signalled = time.monotonic(), {}
+    signalled[0] = time.time()
     rc = replicas[0].stop(signal.SIGTERM)
     took = time.monotonic() - t0
     print(f"SIGTERM to exit {rc}: {took:.1f} s (--shutdown-grace 30)")
     replicas[0].start()
     time.sleep(1.5)
     load.phase = "sigkill"
+    signalled[1] = time.time()
     replicas[1].stop(signal.SIGKILL)
     time.sleep(0.5)
     replicas[1].start()
@@ -267,13 +282,61 @@ def scenario(replicas, load, bench_cmd):
     load.phase = "after"
     time.sleep(1)
     bench.communicate(timeout=120)
-    return rc, took
+    sessions.wait(timeout=120)
+    return rc, took, signalled
+
+
+def check_cli_sessions(checks, cli, target, flags, mode, runs=6):
+    """attnserve-cli decode (the C++ client) opens and steps sessions through `target`: without routing,
+    2 in 3 steps would reach a replica that does not hold the session."""
+    failed = []
+    for i in range(runs):
+        p = subprocess.run([cli, "--target", target, *flags, "decode", "--prompt-len", "4", "--steps", "6"],
+                           capture_output=True, text=True, timeout=60)
+        if p.returncode != 0:
+            failed.append(p.stderr.strip()[-300:])
+    checks(f"{mode}: attnserve-cli decode: {runs} sessions, every step answered", not failed, failed[:2])
+
+
+def check_sessions(checks, mode, records, replicas, signalled, tolerance):
+    """The sessions of replica_sessions.py against the events of scenario()."""
+    addr = {i: f"127.0.0.1:{r.port}" for i, r in enumerate(replicas)}
+    on = {i: [r for r in records if r["replica"] == a] for i, a in addr.items()}
+    failed = [r for r in records if r["error"]]
+    print(f"{mode}: sessions {len(records)} ({', '.join(f'replica {i}: {len(v)}' for i, v in on.items())}), "
+          f"failed {len(failed)}: " + json.dumps(sorted({f['error']['code'] for f in failed})))
+    checks(f"{mode}: sessions opened on every replica and decoded there",
+           all(any(not r["error"] and r["steps"] >= 25 for r in on[i]) for i in addr),
+           {i: len(v) for i, v in on.items()})
+    answered = [r for r in records if r["steps"] > 0]
+    worst = max((r["worst"] for r in answered), default=None)
+    checks(f"{mode}: every session step answered equals one causal call over its sequence (tol {tolerance})",
+           worst is not None and worst <= tolerance, worst)
+    checks(f"{mode}: sessions on the replica never signalled lost nothing", not any(r["error"] for r in on[2]),
+           [r["error"] for r in on[2] if r["error"]][:2])
+    stray = [r for r in failed if r["replica"] not in (addr[0], addr[1])
+             or r["error"]["at"] < signalled[0 if r["replica"] == addr[0] else 1]]
+    checks(f"{mode}: only sessions on a signalled replica failed, and only after its signal", not stray,
+           [(r["replica"], r["error"]) for r in stray][:2])
+    unclear = [r["error"] for r in failed if r["error"]["code"] not in ("UNAVAILABLE", "NOT_FOUND")
+               or "replica" not in r["error"]["message"]]
+    checks(f"{mode}: every lost session's status names a replica (UNAVAILABLE or NOT_FOUND)", not unclear,
+           unclear[:2])
+    drained = [r for r in on[0] if r["opened"] < signalled[0] and r["last_ok"] and r["last_ok"] > signalled[0]]
+    checks(f"{mode}: sessions on the SIGTERMed replica answered steps sent during its drain", len(drained) > 0,
+           f"{len(drained)} sessions")
+    for i, what in ((0, "SIGTERM"), (1, "SIGKILL")):
+        lost = [r for r in on[i] if r["error"]]
+        if lost:
+            print(f"{mode}: after the {what}, {len(lost)} sessions on replica {i} ended with, e.g., "
+                  f"{lost[0]['error']['code']}: {lost[0]['error']['message'][:200]}")
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("binary")
     ap.add_argument("bench")
+    ap.add_argument("cli")
     ap.add_argument("--threads", type=int, default=6)
     args = ap.parse_args()
     pb, rpc = lib.load_stubs()
@@ -309,13 +372,20 @@ def main():
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
         outcome = {}
-        for mode, target, config, bench_flags in (
-                ("nginx", f"127.0.0.1:{proxy_port}", configs["service-config-proxy.json"], ["--proxy"]),
-                ("client-side", ipv4, configs["service-config.json"], [])):
+        sessions_script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "replica_sessions.py")
+        for mode, target, config, bench_flags, session_mode in (
+                ("nginx", f"127.0.0.1:{proxy_port}", configs["service-config-proxy.json"], ["--proxy"], "proxy"),
+                ("client-side", ipv4, configs["service-config.json"], [], "direct")):
+            check_cli_sessions(checks, args.cli, target, bench_flags, mode)
             bench_cmd = [args.bench, "--target", target, *bench_flags, "--callers", "4", "--lengths", "fixed:8",
                          "--duration", "7", "--warmup", "0", "--label", f"cpp-{mode}", "--json", f"{tmp}/bench.jsonl"]
+            sessions_out = os.path.join(tmp, f"sessions-{mode}.json")
+            sessions_cmd = [sys.executable, sessions_script, target, "--mode", session_mode, "--seconds", "8",
+                            "--replicas", ",".join(f"127.0.0.1:{r.port}" for r in replicas), "--out", sessions_out]
             with Load(pb, rpc, target, args.threads, config, oip) as load:
-                rc, took = scenario(replicas, load, bench_cmd)
+                rc, took, signalled = scenario(replicas, load, bench_cmd, sessions_cmd)
+            with open(sessions_out) as f:
+                check_sessions(checks, mode, json.load(f), replicas, signalled, 2e-5)
             checks(f"{mode}: OIP ModelInfer calls answered through the same target", load.oip_answered > 0,
                    f"{load.oip_answered}")
             checks(f"{mode}: SIGTERMed replica exited 0", rc == 0, f"exit {rc}")

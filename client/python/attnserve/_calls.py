@@ -2,7 +2,6 @@
 import dataclasses
 import importlib.resources
 import json
-import secrets
 import threading
 from typing import Any, Optional
 
@@ -13,8 +12,9 @@ from .errors import AttnserveError
 from .v1 import attention_pb2 as pb
 from .v1 import attention_pb2_grpc as pb_grpc
 
-# The metadata key that carries a memory's or session's route key: deploy/nginx hashes on it.
-ROUTE_METADATA = "attnserve-route"
+# The metadata key that names the replica holding a memory or session (KvHandle.replica): a call on
+# one carries it, and deploy/nginx routes by it.
+ROUTE_METADATA = "attnserve-replica"
 
 LAYOUTS = {"batch_first": pb.LAYOUT_BATCH_FIRST, "sequence_first": pb.LAYOUT_SEQUENCE_FIRST}
 WEIGHTS = {"none": pb.ATTN_WEIGHTS_NONE, "averaged": pb.ATTN_WEIGHTS_AVERAGED, "per_head": pb.ATTN_WEIGHTS_PER_HEAD}
@@ -134,14 +134,10 @@ def memory_request(key, value, *, model, model_version, key_padding_mask, layout
 
 @dataclasses.dataclass(frozen=True)
 class Route:
-    """Where a memory's or session's calls go: `key` rides along as `attnserve-route` metadata (a proxy
-    hashes on it), `replica` is the address its server advertised (KvHandle.replica; "" for none)."""
-    key: str
+    """Where a memory's or session's calls go: the address its replica advertised (KvHandle.replica; ""
+    for none), named in each call's `attnserve-replica` metadata (a proxy routes by it) and, with
+    route_to_replica, called straight."""
     replica: str = ""
-
-
-def new_route_key():
-    return secrets.token_hex(8)
 
 
 class Channels:
@@ -158,12 +154,12 @@ class Channels:
 
     def routed(self, route):
         """(stub, metadata, replica) for a call on a memory or session with `route` (None: not routed);
-        replica is the address the call goes straight to, "" when through the target."""
-        if route is None:
+        replica is the address of the replica the call is routed to ("" when none)."""
+        if route is None or not route.replica:
             return self.stub, None, ""
-        metadata = ((ROUTE_METADATA, route.key),)
-        if not self._direct or not route.replica or route.replica == self._target:
-            return self.stub, metadata, ""
+        metadata = ((ROUTE_METADATA, route.replica),)
+        if not self._direct or route.replica == self._target:
+            return self.stub, metadata, route.replica
         with self._lock:
             entry = self._replicas.get(route.replica)
             if entry is None:
@@ -177,11 +173,11 @@ class Channels:
 
 
 def error(e, replica):
-    """AttnserveError for a refused call; one sent straight to a replica that did not answer says so."""
+    """AttnserveError for a refused call; one routed to a replica that did not answer says so."""
     err = AttnserveError.from_rpc(e)
     if replica and err.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        err = AttnserveError(err.code, f"{err.message} (from the replica at {replica} that holds this memory or "
-                                       "session: if it stopped, what it held is gone; make it again)")
+        err = AttnserveError(err.code, f"{err.message} (the call went to the replica at {replica}, which holds "
+                                       "this memory or session: if it stopped, what it held is gone; make it again)")
     return err
 
 

@@ -22,8 +22,8 @@ class Client:
     max_message_bytes: largest message sent or received. options: more gRPC channel arguments.
     route_to_replica: a memory's or session's calls go straight to the replica holding it (the address it
         advertises, KvHandle.replica) over a channel of the client's own; False behind a proxy whose replicas
-        the client cannot reach. Either way they carry its route key as `attnserve-route` metadata, which
-        deploy/nginx hashes on (README "Sessions across replicas").
+        the client cannot reach. Either way they name the replica in their `attnserve-replica` metadata,
+        which deploy/nginx routes by (README "Sessions across replicas").
     Thread-safe; close() (or `with`) closes the channels."""
 
     def __init__(self, target="127.0.0.1:50051", *, tls=False, root_certs=None, cert=None, key=None,
@@ -64,10 +64,9 @@ class Client:
             raise _calls.error(e, replica) from None
 
     def _make(self, name, request, deadline, kind):
-        """Makes a memory or session (`kind`) with a fresh route key."""
-        key = _calls.new_route_key()
-        info = self._routed(name, request, deadline, _calls.Route(key))
-        return kind(self, info, _calls.Route(key, info.replica))
+        """Makes a memory or session (`kind`) on whichever replica the target picks; its calls then follow it."""
+        info = self._routed(name, request, deadline, None)
+        return kind(self, info, _calls.Route(info.replica))
 
     def attend(self, query, key=None, value=None, *, model="demo", model_version=0, key_padding_mask=None,
                attn_mask=None, is_causal=False, attn_weights="none", layout="batch_first", memory=None,

@@ -57,9 +57,8 @@ class Client:
             raise _calls.error(e, replica) from None
 
     async def _make(self, name, request, deadline, kind):
-        key = _calls.new_route_key()
-        info = await self._routed(name, request, deadline, _calls.Route(key))
-        return kind(self, info, _calls.Route(key, info.replica))
+        info = await self._routed(name, request, deadline, None)
+        return kind(self, info, _calls.Route(info.replica))
 
     async def attend(self, query, key=None, value=None, *, model="demo", model_version=0, key_padding_mask=None,
                      attn_mask=None, is_causal=False, attn_weights="none", layout="batch_first", memory=None,
