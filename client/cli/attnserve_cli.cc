@@ -153,9 +153,10 @@ int main(int argc, char** argv) {
     attnserve::KvInfo session;
     s = client.OpenSession(decode_model, decode_batch, &session);
     if (!s.ok()) return Fail(s);
-    std::printf("session %s on %s version %lld, batch %lld\n", session.handle.c_str(),
+    std::printf("session %s on %s version %lld, batch %lld, replica %s\n", session.handle.c_str(),
                 session.model.c_str(), static_cast<long long>(session.model_version),
-                static_cast<long long>(decode_batch));
+                static_cast<long long>(decode_batch),
+                session.replica.empty() ? "(none advertised)" : session.replica.c_str());
     std::mt19937 rng(7);
     attnserve::AttendRequest req;
     req.session = session.handle;

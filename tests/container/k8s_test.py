@@ -76,6 +76,11 @@ def structure(checks, attnserve_help):
     flags = set(re.findall(r"--[a-z][a-z-]+", attnserve_help))
     used = {a for a in c["args"] if a.startswith("--")}
     checks("every flag in the Deployment exists in attnserve --help", used <= flags, used - flags)
+    env = {e["name"]: e for e in c.get("env", [])}
+    checks("pods advertise their own IP (--advertise-address $(POD_IP):50051, POD_IP from status.podIP)",
+           "--advertise-address" in c["args"]
+           and c["args"][c["args"].index("--advertise-address") + 1] == "$(POD_IP):50051"
+           and env.get("POD_IP", {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "status.podIP")
     grace = float(c["args"][c["args"].index("--shutdown-grace") + 1])
     checks("terminationGracePeriodSeconds covers --shutdown-grace", pod["terminationGracePeriodSeconds"] > grace)
     headless, cluster = services["Service/attnserve-headless"], services["Service/attnserve"]
@@ -127,6 +132,9 @@ def run_pod(checks, dep, image, cli, engine):
     args = c["args"]
     args[args.index("--address") + 1] = f"127.0.0.1:{port}"
     args[args.index("--metrics-address") + 1] = f"127.0.0.1:{metrics}"
+    # Host networking: the pod's IP is this machine's loopback (podman has no status.podIP to give).
+    args[args.index("--advertise-address") + 1] = f"127.0.0.1:{port}"
+    c["env"] = [e for e in c["env"] if e["name"] != "POD_IP"]
     for p in ("startupProbe", "readinessProbe", "livenessProbe"):
         c[p]["grpc"]["port"] = port
     pod["volumes"][0] = {"name": "models", "hostPath": {"path": os.path.join(tmp, "models"), "type": "Directory"}}
@@ -144,6 +152,10 @@ def run_pod(checks, dep, image, cli, engine):
         out = subprocess.run([cli, "--target", target, "attend", "--model", "m64", "--batch", "2", "--query-len", "5"],
                              capture_output=True, text=True)
         checks("it answers an attend on the mounted model", "output [2, 5, 64]" in out.stdout, out.stdout + out.stderr)
+        out = subprocess.run([cli, "--target", target, "decode", "--model", "m64", "--steps", "3"],
+                             capture_output=True, text=True)
+        checks("a session there names the address the pod advertises, and decodes",
+               f"replica {target}" in out.stdout and out.stdout.count("step ") == 4, out.stdout + out.stderr)
         # The Open Inference Protocol on the same port, through the Deployment unchanged.
         import grpc
         import numpy as np
