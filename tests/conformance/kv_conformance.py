@@ -196,13 +196,23 @@ def main():
 
         # Statuses.
         q = np.zeros((1, 1, E), dtype=np.float32)
+        with client.session("plain", 1) as s:
+            here = s.handle[:8]  # This replica's ID begins each of its handles.
+        other = "0" * 8 if here != "0" * 8 else "1" * 8
         for field in ("memory", "session"):
             try:
-                client.attend(q, **{field: "0" * 32})
+                client.attend(q, **{field: here + "0" * 24})
                 checks(f"unknown {field}: refused", False)
             except Error as e:
                 checks(f"unknown {field}: NOT_FOUND saying unknown",
                        e.code == grpc.StatusCode.NOT_FOUND and "unknown" in e.message, e.message)
+            try:
+                client.attend(q, **{field: other + "0" * 24})
+                checks(f"{field} of another replica: refused", False)
+            except Error as e:
+                checks(f"{field} of another replica: NOT_FOUND naming both replicas",
+                       e.code == grpc.StatusCode.NOT_FOUND and f"made by replica {other}" in e.message
+                       and f"this is replica {here}" in e.message, e.message)
         with client.session("plain", 1) as s:
             s.step(q)
             try:

@@ -19,6 +19,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 #include <regex>
+#include <set>
 #include <thread>
 
 #include "attnserve/client.h"
@@ -451,6 +452,82 @@ TEST(GrpcStatusTest, OneMappingForEveryCode) {
 }
 
 // Overload and deadlines end to end: one worker, a queue of 2, requests that take a while.
+// Sessions and memories through one client balanced over two replicas: each call on one reaches
+// the replica that made it (ClientOptions::route_to_replica); without routing, calls that land on
+// the other replica are NOT_FOUND naming both.
+TEST(ReplicaRoutingTest, SessionsFollowTheirReplicaThroughARoundRobinTarget) {
+  std::vector<std::unique_ptr<Server>> replicas;
+  for (int i = 0; i < 2; ++i) {
+    ServerOptions o;
+    o.address = "127.0.0.1:0";
+    o.metrics_address = "";
+    o.batcher.workers = 1;
+    auto s = Server::Start(o);
+    ASSERT_TRUE(s.ok()) << s.status().message();
+    replicas.push_back(std::move(s).value());
+  }
+  const std::string target =
+      "ipv4:" + TargetOf(*replicas[0]).target + "," + TargetOf(*replicas[1]).target;
+  std::mt19937 rng(21);
+  for (bool routed : {true, false}) {
+    ClientOptions options;
+    options.target = target;
+    options.route_to_replica = routed;
+    Client client(options);
+    std::set<std::string> seen;
+    // round_robin spreads calls over the replicas it is connected to: wait until both are.
+    for (int tries = 0; tries < 200 && seen.size() < 2; ++tries) {
+      KvInfo s;
+      ASSERT_TRUE(client.OpenSession("demo", 1, &s).ok());
+      seen.insert(s.replica);
+      client.CloseSession(s.handle);
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    ASSERT_EQ(seen.size(), 2u);
+    seen.clear();
+    int answered = 0, misrouted = 0;
+    for (int n = 0; n < 6; ++n) {
+      // One more balanced call on odd rounds, so sessions land on both replicas.
+      std::vector<ModelInfo> models;
+      if (n % 2 == 1) ASSERT_TRUE(client.ListModels(&models).ok());
+      KvInfo session, memory;
+      ASSERT_TRUE(client.OpenSession("demo", 1, &session).ok());
+      seen.insert(session.replica);
+      MemoryRequest m;
+      m.key = RandomTensor(rng, {1, 5, 512});
+      m.value = RandomTensor(rng, {1, 5, 512});
+      ASSERT_TRUE(client.CreateMemory(m, &memory).ok());
+      EXPECT_EQ(memory.handle.substr(0, 8) == session.handle.substr(0, 8),
+                memory.replica == session.replica);
+      for (int call = 0; call < 8; ++call) {  // 4 session steps, then 4 memory queries
+        AttendRequest r;
+        r.query = RandomTensor(rng, {1, 1, 512});
+        (call < 4 ? r.session : r.memory) = call < 4 ? session.handle : memory.handle;
+        AttendResult res;
+        const CallStatus c = client.Attend(r, &res);
+        if (c.ok()) {
+          ++answered;
+        } else {
+          EXPECT_EQ(c.code, 5) << c.ToString();
+          EXPECT_THAT(c.message, HasSubstr("made by replica " +
+                                           (call < 4 ? session : memory).handle.substr(0, 8)));
+          ++misrouted;
+        }
+      }
+      client.CloseSession(session.handle);
+      client.DeleteMemory(memory.handle);
+    }
+    EXPECT_EQ(seen, (std::set<std::string>{TargetOf(*replicas[0]).target,
+                                           TargetOf(*replicas[1]).target}));
+    if (routed) {
+      EXPECT_EQ(misrouted, 0);
+      EXPECT_EQ(answered, 6 * 4 * 2);
+    } else {
+      EXPECT_GT(misrouted, 0);  // round_robin alternates: about half land elsewhere
+    }
+  }
+}
+
 TEST(ServerLoadTest, OverloadIsRefusedQuicklyAndExpiredRequestsAreDropped) {
   ServerOptions o;
   o.address = "127.0.0.1:0";
