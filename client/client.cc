@@ -66,8 +66,8 @@ void ToWire(const AttendRequest& r, pb::AttendRequest* out) {
 }
 
 KvInfo FromWire(const pb::KvHandle& h) {
-  return KvInfo{h.handle(), h.model(),  h.model_version(), h.weights_hash(),
-                h.batch(),  h.length(), h.bytes(),         h.ttl_seconds(), h.replica()};
+  return KvInfo{h.handle(), h.model(), h.model_version(), h.weights_hash(), h.batch(),
+                h.length(), h.bytes(), h.ttl_seconds(),   h.replica()};
 }
 
 AttendResult FromWire(pb::AttendResponse* r) {
@@ -311,8 +311,7 @@ Client::Client(const ClientOptions& options) : impl_(std::make_shared<Impl>()) {
   impl_->channel =
       grpc::CreateCustomChannel(options.target, credentials, channel_args(options.service_config));
   // One replica, one address: the retries without the balancing.
-  impl_->replica_args =
-      channel_args(options.service_config.empty() ? "" : kProxyServiceConfig);
+  impl_->replica_args = channel_args(options.service_config.empty() ? "" : kProxyServiceConfig);
   impl_->credentials = credentials;
   impl_->stub = pb::AttentionService::NewStub(impl_->channel);
   impl_->admin = pb::AdminService::NewStub(impl_->channel);

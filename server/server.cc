@@ -227,7 +227,8 @@ Status Server::Impl::StartGrpc() {
   builder.SetMaxSendMessageSize(options.max_message_bytes);
   // Known before the first call when --address names its port; port 0 is known once bound.
   const std::string port_text = options.address.substr(options.address.rfind(':') + 1);
-  if (port_text != "0") kv->SetAdvertisedAddress(AdvertisedAddress(options, std::atoi(port_text.c_str())));
+  if (port_text != "0")
+    kv->SetAdvertisedAddress(AdvertisedAddress(options, std::atoi(port_text.c_str())));
   grpc_server = builder.BuildAndStart();
   if (grpc_server && port_text == "0") kv->SetAdvertisedAddress(AdvertisedAddress(options, port));
   if (grpc_server && port != 0) return Status::Ok();
