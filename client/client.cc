@@ -483,6 +483,17 @@ CallStatus Client::OpenSession(const std::string& model, int64_t batch, KvInfo* 
   return FromGrpc(s);
 }
 
+CallStatus Client::ForkSession(const std::string& handle, KvInfo* fork, const CallOptions& call) {
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx, call);
+  pb::ForkSessionRequest req;
+  req.set_handle(handle);
+  pb::KvHandle resp;
+  const grpc::Status s = impl_->stub->ForkSession(&ctx, req, &resp);
+  if (s.ok()) *fork = FromWire(resp);
+  return FromGrpc(s);
+}
+
 CallStatus Client::TruncateSession(const std::string& handle, int64_t length, KvInfo* session,
                                    const CallOptions& call) {
   grpc::ClientContext ctx;

@@ -72,7 +72,8 @@ int64_t Choices::Size(int64_t small) {
 std::string KvCheckStats::ToString() const {
   return std::to_string(operations) + " operations: steps " + std::to_string(steps_applied) +
          " applied (" + std::to_string(step_answers_checked) + " answers checked), " +
-         std::to_string(steps_not_applied) + " not; memories " + std::to_string(memories_computed) +
+         std::to_string(steps_not_applied) + " not; " + std::to_string(forks) + " forks, " +
+         std::to_string(truncations) + " truncations; memories " + std::to_string(memories_computed) +
          " computed (" + std::to_string(memory_answers_checked) +
          " answers checked); ends: " + std::to_string(evicted) + " evicted, " +
          std::to_string(expired) + " expired, " + std::to_string(released) + " released, " +
@@ -243,8 +244,10 @@ class ModelCheck {
         DropHold();
       else if (op < 28)
         Release();
-      else if (op < 30)
+      else if (op < 29)
         Truncate();
+      else if (op < 30)
+        Fork();
       else if (op < 31)
         Tick();
       else if (c_.OneIn(32))
@@ -864,6 +867,51 @@ class ModelCheck {
            kind == KvKind::kMemory ? "deleted (DeleteMemory)" : "closed (CloseSession)");
   }
 
+  // ForkSession: a copy of a session as it is (tokens, length, capacity), held like a step while
+  // it is made, so a session with a step in flight is ABORTED and the parent is never evicted to
+  // make room for its copy.
+  void Fork() {
+    std::string handle;
+    const size_t i = PickRef(KvKind::kSession, &handle);
+    Note([&] { return std::string("Fork " + handle.substr(0, 6)); });
+    std::shared_ptr<KvCache> cache =
+        models_[i == SIZE_MAX ? 0 : refs_[i].model]->NewKvCache();
+    auto got = store_->Fork(handle, cache);
+    const std::string missing = Lookup(i, KvKind::kSession);
+    if (!missing.empty()) return ExpectNotFound(got.status(), missing, "Fork");
+    if (refs_[i].busy) return ExpectCode(got.status(), StatusCode::kAborted, "Fork of a busy session");
+    Ref r;
+    {
+      const Ref& p = refs_[i];
+      r.kind = KvKind::kSession;
+      r.model = p.model;
+      r.cache = cache;
+      r.batch = p.batch;
+      r.ready = true;
+      r.real = p.real;
+      r.tokens = p.tokens;
+      r.length = p.length;
+      r.allocated = p.allocated > 0 ? p.capacity : 0;
+    }
+    const int64_t capacity = refs_[i].capacity;
+    int64_t bytes = 0;
+    refs_[i].busy = true;  // As the store holds it while the copy is made.
+    const StatusCode want = PredictCreate(r, capacity, &bytes);
+    ExpectCode(got.status(), want, "Fork");
+    if (got.ok() && want == StatusCode::kOk) {
+      Room(bytes, nullptr, true);
+      r.handle = (*got)->handle;
+      r.capacity = capacity;
+      r.bytes = bytes;
+      Touch(r);
+      refs_[i].busy = false;
+      refs_.push_back(std::move(r));
+      ++stats_.forks;
+    } else {
+      refs_[i].busy = false;
+    }
+  }
+
   // TruncateSession: any length the session holds (most often), just past it, or any int64.
   void Truncate() {
     std::string handle;
@@ -892,6 +940,7 @@ class ModelCheck {
       return ExpectCode(got, StatusCode::kInvalidArgument, "Truncate out of range");
     }
     ExpectCode(got, StatusCode::kOk, "Truncate");
+    ++stats_.truncations;
     r.length = length;
     const size_t keep = static_cast<size_t>(length * r.batch * kE);
     if (r.tokens.size() > keep) r.tokens.resize(keep);

@@ -94,6 +94,12 @@ class Session(_calls.Kept):
         self.length = r.session_length
         return r
 
+    async def fork(self, *, deadline=DEFAULT):
+        """A new session holding a copy of this one's tokens (beam search, parallel sampling): each steps on
+        its own. Use it with `with` too."""
+        req = pb.ForkSessionRequest(handle=self.handle)
+        return Session(self._client, await self._client._call(self._client._stub.ForkSession, req, deadline))
+
     async def truncate(self, length, *, deadline=DEFAULT):
         """Takes the session back to its first `length` tokens (speculative decoding: a rejected draft's
         tail); the next step appends after them. Returns the tokens it holds."""
