@@ -338,13 +338,13 @@ void KvStore::EndStep(KvStep* step, bool applied) {
 }
 
 StatusOr<std::shared_ptr<KvEntry>> KvStore::Fork(const std::string& handle,
-                                                  std::shared_ptr<KvCache> cache) {
+                                                 std::shared_ptr<KvCache> cache) {
   // Held like a step (busy) and ended not applied: the parent is as it was when the fork returns.
   ASSIGN_OR_RETURN(std::unique_ptr<KvStep> hold, BeginStep(handle, std::nullopt));
   const KvEntry& parent = *hold->entry();
-  ASSIGN_OR_RETURN(std::shared_ptr<KvEntry> child,
-                   Create(KvKind::kSession, parent.model, std::move(cache), parent.batch,
-                          hold->capacity()));
+  ASSIGN_OR_RETURN(
+      std::shared_ptr<KvEntry> child,
+      Create(KvKind::kSession, parent.model, std::move(cache), parent.batch, hold->capacity()));
   const Status copied = child->cache->CopyFrom(*parent.cache, hold->length(), hold->capacity());
   if (!copied.ok()) {
     Discard(child);

@@ -73,8 +73,9 @@ std::string KvCheckStats::ToString() const {
   return std::to_string(operations) + " operations: steps " + std::to_string(steps_applied) +
          " applied (" + std::to_string(step_answers_checked) + " answers checked), " +
          std::to_string(steps_not_applied) + " not; " + std::to_string(forks) + " forks, " +
-         std::to_string(truncations) + " truncations; memories " + std::to_string(memories_computed) +
-         " computed (" + std::to_string(memory_answers_checked) +
+         std::to_string(truncations) + " truncations; memories " +
+         std::to_string(memories_computed) + " computed (" +
+         std::to_string(memory_answers_checked) +
          " answers checked); ends: " + std::to_string(evicted) + " evicted, " +
          std::to_string(expired) + " expired, " + std::to_string(released) + " released, " +
          std::to_string(unloaded) + " unloaded; refusals: " + std::to_string(invalid) +
@@ -874,12 +875,12 @@ class ModelCheck {
     std::string handle;
     const size_t i = PickRef(KvKind::kSession, &handle);
     Note([&] { return std::string("Fork " + handle.substr(0, 6)); });
-    std::shared_ptr<KvCache> cache =
-        models_[i == SIZE_MAX ? 0 : refs_[i].model]->NewKvCache();
+    std::shared_ptr<KvCache> cache = models_[i == SIZE_MAX ? 0 : refs_[i].model]->NewKvCache();
     auto got = store_->Fork(handle, cache);
     const std::string missing = Lookup(i, KvKind::kSession);
     if (!missing.empty()) return ExpectNotFound(got.status(), missing, "Fork");
-    if (refs_[i].busy) return ExpectCode(got.status(), StatusCode::kAborted, "Fork of a busy session");
+    if (refs_[i].busy)
+      return ExpectCode(got.status(), StatusCode::kAborted, "Fork of a busy session");
     Ref r;
     {
       const Ref& p = refs_[i];
