@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Keys and values kept on the server versus resent with every request (issue 10), one run, side by
-# side: attnserve-kv-bench's five modes against one attnserve (built-in demo model, E=512, H=8), then
+# side: attnserve-kv-bench's six modes against one attnserve (built-in demo model, E=512, H=8), then
 # a second attnserve with a small --kv-budget-bytes for the eviction figures (server memory from
 # /proc and the attnserve_kv_* metrics). Writes bench/out-kv/ (results.jsonl, decode.csv, the plot
 # kv_decode.png) and prints the tables. Takes ~3 minutes here (KV_STEPS=2048, KV_REPEATS=3).
 #   KV_STEPS  decode length (default 2048)   KV_REPEATS  decode repeats (3)   KV_CALLERS  (32)
-#   KV_SPECULATIVE  tokens accepted in the speculative-decoding run (512)
+#   KV_SPECULATIVE  tokens accepted in the speculative-decoding run (512)   KV_BEAM  beam-search steps (512)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${ATTNSERVE_BUILD_DIR:-build}
@@ -44,6 +44,9 @@ bench concurrent --callers "$callers" --prompt 1024 --steps 64
 echo
 # Speculative decoding: 4-token drafts, a random accepted prefix each round (TruncateSession vs resend).
 bench speculative --draft 4 --steps "${KV_SPECULATIVE:-512}"
+echo
+# Beam search: 4 beams, 512 steps (ForkSession vs resending vs re-prompting a session per beam).
+bench beam --beams 4 --steps "${KV_BEAM:-512}"
 
 # Eviction: a 64 MiB budget, 4 MiB memories (1,024 tokens, K and V at E=512 in float32), 200 of them.
 budget=$((64 << 20))

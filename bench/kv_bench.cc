@@ -16,6 +16,12 @@
 //               TruncateSession back to the accepted tokens. Resending: the accepted prefix plus
 //               the draft as key and value, the draft as query, masked as the session attends.
 //               Round latency and bytes, both answers compared.
+//   beam        beam search with W beams over S steps: every step each beam takes one token, then
+//               the next beams are drawn from the current ones (seeded; a beam may have several
+//               children or none). Forking: a session per beam, ForkSession for a second child,
+//               CloseSession for a beam without any. Resending: each beam's whole prefix with its
+//               token. Re-prompting: a session per beam, a new one fed the whole prefix as one step
+//               for a second child. Time and bytes of the whole search; the answers compared.
 //
 // Every mode writes one JSON line per result (--json) and prints a table; decode also writes its
 // per-step figures as CSV (--csv) for bench/kv.sh to plot.
@@ -124,6 +130,7 @@ struct Options {
   int prompt = 0;
   int memories = 64;
   int draft = 4;
+  int beams = 4;
   std::string json, csv;
 };
 
@@ -406,6 +413,132 @@ int Speculative(const Options& o) {
   return worst <= 1e-5 ? 0 : 2;
 }
 
+// ---- beam
+// ------------------------------------------------------------------------------------------
+
+int Beam(const Options& o) {
+  auto stub = pb::AttentionService::NewStub(Channel(o));
+  const size_t w = static_cast<size_t>(o.beams);
+  const int64_t e = o.embed;
+  const auto pool = Tokens(int64_t{o.steps} * o.beams, e, 6);  // Step t of beam b: row t * w + b.
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<size_t> parent_of(0, w - 1);
+  struct Cost {
+    double ms = 0;
+    size_t bytes = 0;
+    int64_t calls = 0;
+    void Add(const Call& c, const char* what) {
+      if (!c.status.ok()) Fail(what, c.status);
+      ms += c.ms;
+      bytes += c.request_bytes + c.response_bytes;
+      ++calls;
+    }
+  } fork_cost, resend_cost, reprompt_cost;
+  // Each beam's rows of `pool`, its forked session, its re-prompted session (fed the whole prefix
+  // at its next step when `fresh`).
+  struct BeamState {
+    std::vector<int64_t> rows;
+    std::string forked, reprompted;
+    bool fresh = false;
+  };
+  std::vector<BeamState> beams(w);
+  for (BeamState& b : beams) {
+    b.forked = OpenSession(stub.get(), o);
+    b.reprompted = OpenSession(stub.get(), o);
+  }
+  const auto close = [&](const std::string& handle, Cost* cost) {
+    pb::ReleaseRequest r;
+    r.set_handle(handle);
+    pb::ReleaseResponse rr;
+    cost->Add(Timed(stub.get(), &Stub::CloseSession, r, &rr), "CloseSession");
+  };
+  double worst = 0;
+  for (int t = 0; t < o.steps; ++t) {
+    for (size_t i = 0; i < w; ++i) {
+      BeamState& b = beams[i];
+      b.rows.push_back(int64_t{t} * o.beams + static_cast<int64_t>(i));
+      std::vector<float> tokens;
+      tokens.reserve(b.rows.size() * static_cast<size_t>(e));
+      for (int64_t r : b.rows)
+        tokens.insert(tokens.end(), pool.begin() + r * e, pool.begin() + (r + 1) * e);
+      const int64_t n = static_cast<int64_t>(b.rows.size());
+      pb::AttendResponse ra, rb, rc;
+      fork_cost.Add(
+          Timed(stub.get(), &Stub::Attend, SessionStep(tokens, n - 1, 1, e, b.forked), &ra),
+          "fork: a beam's step");
+      resend_cost.Add(Timed(stub.get(), &Stub::Attend, ResendStep(tokens, n - 1, e, o.model), &rb),
+                      "resend: a beam's step");
+      const int64_t first = b.fresh ? 0 : n - 1;
+      reprompt_cost.Add(Timed(stub.get(), &Stub::Attend,
+                              SessionStep(tokens, first, n - first, e, b.reprompted), &rc),
+                        "re-prompt: a beam's step");
+      b.fresh = false;
+      worst = std::max(worst, RelDiff(ra.output(), rb.output()));
+      pb::Tensor last = rc.output();  // Its last row is the new token's.
+      last.set_data(last.data().substr(static_cast<size_t>((n - first - 1) * e) * sizeof(float)));
+      worst = std::max(worst, RelDiff(last, rb.output()));
+    }
+    if (t + 1 == o.steps) break;
+    // The next beams, each drawn from a current one: its first child continues its sessions, a
+    // second one forks (or opens a session to re-prompt), a beam with no child is closed.
+    std::vector<BeamState> next(w);
+    std::vector<bool> taken(w, false);
+    for (BeamState& child : next) {
+      const size_t p = parent_of(rng);
+      child.rows = beams[p].rows;
+      if (!taken[p]) {
+        taken[p] = true;
+        child.forked = beams[p].forked;
+        child.reprompted = beams[p].reprompted;
+        continue;
+      }
+      pb::ForkSessionRequest fr;
+      fr.set_handle(beams[p].forked);
+      pb::KvHandle fh, oh;
+      fork_cost.Add(Timed(stub.get(), &Stub::ForkSession, fr, &fh), "ForkSession");
+      child.forked = fh.handle();
+      pb::OpenSessionRequest open;
+      open.set_model(o.model);
+      open.set_batch(1);
+      reprompt_cost.Add(Timed(stub.get(), &Stub::OpenSession, open, &oh), "OpenSession");
+      child.reprompted = oh.handle();
+      child.fresh = true;
+    }
+    for (size_t p = 0; p < w; ++p) {
+      if (taken[p]) continue;
+      close(beams[p].forked, &fork_cost);
+      close(beams[p].reprompted, &reprompt_cost);
+    }
+    beams = std::move(next);
+  }
+  for (BeamState& b : beams) {
+    Release(stub.get(), b.forked, true);
+    Release(stub.get(), b.reprompted, true);
+  }
+  std::printf(
+      "beam: E=%lld, %zu beams, %d steps; worst relative difference between the forms %.2e\n",
+      static_cast<long long>(e), w, o.steps, worst);
+  std::printf("%12s %8s %10s %9s %12s %9s\n", "", "calls", "seconds", "vs fork", "MB on wire",
+              "vs fork");
+  for (const auto& [name, c] :
+       {std::pair{"fork", &fork_cost}, {"resend", &resend_cost}, {"re-prompt", &reprompt_cost}}) {
+    std::printf("%12s %8lld %10.2f %9.2f %12.2f %9.1f\n", name, static_cast<long long>(c->calls),
+                c->ms / 1000, c->ms / fork_cost.ms, static_cast<double>(c->bytes) / 1e6,
+                static_cast<double>(c->bytes) / static_cast<double>(fork_cost.bytes));
+  }
+  WriteJson(o, {{"mode", "beam"},
+                {"beams", o.beams},
+                {"steps", o.steps},
+                {"worst_rel_diff", worst},
+                {"fork_s", fork_cost.ms / 1000},
+                {"resend_s", resend_cost.ms / 1000},
+                {"reprompt_s", reprompt_cost.ms / 1000},
+                {"fork_bytes", fork_cost.bytes},
+                {"resend_bytes", resend_cost.bytes},
+                {"reprompt_bytes", reprompt_cost.bytes}});
+  return worst <= 1e-5 ? 0 : 2;
+}
+
 // ---- memory
 // ----------------------------------------------------------------------------------------
 
@@ -627,16 +760,16 @@ int main(int argc, char** argv) {
   CLI::App app{"attnserve-kv-bench: sessions and memories versus resending keys and values"};
   Options o;
   std::string mode;
-  app.add_option("mode", mode, "decode | memory | concurrent | eviction | speculative")
+  app.add_option("mode", mode, "decode | memory | concurrent | eviction | speculative | beam")
       ->required()
-      ->check(CLI::IsMember({"decode", "memory", "concurrent", "eviction", "speculative"}));
+      ->check(CLI::IsMember({"decode", "memory", "concurrent", "eviction", "speculative", "beam"}));
   app.add_option("--target", o.target, "attnserve address")->capture_default_str();
   app.add_option("--model", o.model, "Model (its embed_dim must be --embed)")
       ->capture_default_str();
   app.add_option("--embed", o.embed, "The model's embed_dim")->capture_default_str();
   app.add_option("--steps", o.steps,
                  "decode: tokens decoded; memory: queries; concurrent: steps per caller; "
-                 "speculative: tokens accepted")
+                 "speculative: tokens accepted; beam: steps")
       ->capture_default_str();
   app.add_option("--repeats", o.repeats, "decode: sequences decoded (per-step medians over them)")
       ->capture_default_str();
@@ -647,6 +780,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--memories", o.memories, "eviction: memories created")->capture_default_str();
   app.add_option("--draft", o.draft, "speculative: draft tokens a round")->capture_default_str();
+  app.add_option("--beams", o.beams, "beam: beams")->capture_default_str();
   app.add_option("--json", o.json, "Append one JSON line per result here");
   app.add_option("--csv", o.csv, "decode: per-step medians here");
   CLI11_PARSE(app, argc, argv);
@@ -654,5 +788,6 @@ int main(int argc, char** argv) {
   if (mode == "memory") return Memory(o);
   if (mode == "concurrent") return Concurrent(o);
   if (mode == "speculative") return Speculative(o);
+  if (mode == "beam") return Beam(o);
   return Eviction(o);
 }

@@ -538,6 +538,21 @@ CallStatus Client::OpenSession(const std::string& model, int64_t batch, KvInfo* 
   return FromGrpc(s);
 }
 
+CallStatus Client::ForkSession(const std::string& handle, KvInfo* fork, const CallOptions& call) {
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx, call);
+  pb::ForkSessionRequest req;
+  req.set_handle(handle);
+  pb::KvHandle resp;
+  std::string replica;
+  const grpc::Status s = impl_->Routed(handle, &ctx, &replica)->ForkSession(&ctx, req, &resp);
+  if (s.ok()) {
+    *fork = FromWire(resp);
+    impl_->routes.Remember(resp.handle(), KvRoute{resp.replica()});  // The parent's replica.
+  }
+  return Impl::Explained(FromGrpc(s), replica);
+}
+
 CallStatus Client::TruncateSession(const std::string& handle, int64_t length, KvInfo* session,
                                    const CallOptions& call) {
   grpc::ClientContext ctx;

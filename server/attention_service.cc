@@ -107,6 +107,12 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CreateMemory(grpc::CallbackServe
   return reactor;
 }
 
+grpc::ServerUnaryReactor* AttentionServiceImpl::ForkSession(grpc::CallbackServerContext* ctx,
+                                                            const v1::ForkSessionRequest* req,
+                                                            v1::KvHandle* resp) {
+  return Finished(ctx, pipeline_.ForkSession(*req, resp));
+}
+
 grpc::ServerUnaryReactor* AttentionServiceImpl::TruncateSession(
     grpc::CallbackServerContext* ctx, const v1::TruncateSessionRequest* req, v1::KvHandle* resp) {
   return Finished(ctx, pipeline_.TruncateSession(*req, resp));

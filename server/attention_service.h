@@ -24,7 +24,8 @@ class AttentionServiceImpl final
                               v1::AttentionService::WithCallbackMethod_OpenSession<
                                   v1::AttentionService::WithCallbackMethod_CloseSession<
                                       v1::AttentionService::WithCallbackMethod_TruncateSession<
-                                          v1::AttentionService::Service>>>>>>>>> {
+                                          v1::AttentionService::WithCallbackMethod_ForkSession<
+                                              v1::AttentionService::Service>>>>>>>>>> {
  public:
   /// Borrows the pipeline, which must outlive the service.
   explicit AttentionServiceImpl(RequestPipeline& pipeline);
@@ -45,6 +46,9 @@ class AttentionServiceImpl final
   grpc::ServerUnaryReactor* DeleteMemory(grpc::CallbackServerContext* ctx,
                                          const v1::ReleaseRequest* req,
                                          v1::ReleaseResponse* resp) override;
+  grpc::ServerUnaryReactor* ForkSession(grpc::CallbackServerContext* ctx,
+                                        const v1::ForkSessionRequest* req,
+                                        v1::KvHandle* resp) override;
   grpc::ServerUnaryReactor* TruncateSession(grpc::CallbackServerContext* ctx,
                                             const v1::TruncateSessionRequest* req,
                                             v1::KvHandle* resp) override;

@@ -366,6 +366,30 @@ void KvStore::EndStep(KvStep* step, bool applied) {
   if (Indexed(e)) Touch(e);
 }
 
+StatusOr<std::shared_ptr<KvEntry>> KvStore::Fork(const std::string& handle,
+                                                 std::shared_ptr<KvCache> cache) {
+  // Held like a step (busy) and ended not applied: the parent is as it was when the fork returns.
+  ASSIGN_OR_RETURN(std::unique_ptr<KvStep> hold, BeginStep(handle, std::nullopt));
+  const KvEntry& parent = *hold->entry();
+  ASSIGN_OR_RETURN(
+      std::shared_ptr<KvEntry> child,
+      Create(KvKind::kSession, parent.model, std::move(cache), parent.batch, hold->capacity()));
+  const Status copied = child->cache->CopyFrom(*parent.cache, hold->length(), hold->capacity());
+  if (!copied.ok()) {
+    Discard(child);
+    return copied;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!Indexed(child.get())) {
+    const auto gone = gone_.find(child->handle);
+    return Status(StatusCode::kAborted,
+                  "session '" + handle + "': its fork ended while being copied: " +
+                      (gone == gone_.end() ? std::string("ended") : gone->second));
+  }
+  child->length = hold->length();
+  return child;
+}
+
 Status KvStore::Truncate(const std::string& handle, int64_t length) {
   ASSIGN_OR_RETURN(std::shared_ptr<KvEntry> e, Lookup(handle, KvKind::kSession));
   std::lock_guard<std::mutex> lock(mu_);

@@ -335,6 +335,22 @@ Status RequestPipeline::OpenSession(const v1::OpenSessionRequest& req, v1::KvHan
   return st;
 }
 
+Status RequestPipeline::ForkSession(const v1::ForkSessionRequest& req, v1::KvHandle* resp) {
+  const auto received = SteadyClock::now();
+  std::string model;
+  const Status st = [&]() -> Status {
+    ASSIGN_OR_RETURN(std::shared_ptr<KvEntry> parent, kv_.Lookup(req.handle(), KvKind::kSession));
+    model = parent->model->spec().name;
+    ASSIGN_OR_RETURN(std::shared_ptr<KvCache> cache, NewKvCacheOf(*parent->model));
+    parent.reset();
+    ASSIGN_OR_RETURN(std::shared_ptr<KvEntry> child, kv_.Fork(req.handle(), std::move(cache)));
+    FillHandle(*child, child->length, kv_, resp);
+    return Status::Ok();
+  }();
+  RecordCall(model, "ForkSession", st, received);
+  return st;
+}
+
 Status RequestPipeline::TruncateSession(const v1::TruncateSessionRequest& req, v1::KvHandle* resp) {
   const auto received = SteadyClock::now();
   std::string model;

@@ -107,6 +107,8 @@ class RequestPipeline {
                     std::function<void(const Status&)> done);
   /// Opens an empty decoding session.
   Status OpenSession(const v1::OpenSessionRequest& req, v1::KvHandle* resp);
+  /// ForkSession: the new session, or the store's refusal.
+  Status ForkSession(const v1::ForkSessionRequest& req, v1::KvHandle* resp);
   /// TruncateSession: the session after it, or the store's refusal.
   Status TruncateSession(const v1::TruncateSessionRequest& req, v1::KvHandle* resp);
   /// Ends a memory or a session (`method` is the metrics label).

@@ -39,6 +39,14 @@ class KvCache {
   /// request computes into the cache: a session step grows it to AttendCall::kv_capacity, whether
   /// the step then succeeds or not.
   virtual int64_t AllocatedTokens() const = 0;
+  /// Makes this (empty) cache a copy of `source`'s first `length` tokens, allocated for `capacity`
+  /// tokens (a forked session). `source` is a cache of the same model that no request computes into
+  /// meanwhile. RESOURCE_EXHAUSTED when the memory cannot be had; UNIMPLEMENTED by default.
+  virtual Status CopyFrom(const KvCache& source, int64_t length, int64_t capacity) {
+    (void)source, (void)length, (void)capacity;
+    return Status(StatusCode::kFailedPrecondition,
+                  "this engine does not copy kept keys and values");
+  }
 };
 
 /// One loaded multi-head attention model. Thread-safe: Forward may run on many threads at once.

@@ -27,6 +27,31 @@ std::optional<int64_t> TorchKv::BytesFor(int64_t batch, int64_t capacity) const 
   return CheckedMul({batch, capacity, 2 * embed_dim_ + 1, elem_});  // keys, values, key padding
 }
 
+Status TorchKv::CopyFrom(const KvCache& source, int64_t length, int64_t capacity) {
+  const auto* from = dynamic_cast<const TorchKv*>(&source);
+  if (from == nullptr || from->embed_dim_ != embed_dim_ || length < 0 || capacity < length) {
+    return Status(StatusCode::kInternal, "kept keys and values: a copy between unlike caches");
+  }
+  if (!from->k_.defined()) return Status::Ok();  // Nothing allocated: nothing to copy.
+  try {
+    const int64_t b = from->k_.size(0), h = from->k_.size(1), d = from->k_.size(3);
+    at::Tensor k = KeptEmpty({b, h, capacity, d}, from->k_.options()),
+               v = KeptEmpty({b, h, capacity, d}, from->v_.options()), kpm;
+    const int64_t rows = std::min(length, from->k_.size(2));  // Rows a step computed.
+    k.narrow(2, 0, rows).copy_(from->k_.narrow(2, 0, rows));
+    v.narrow(2, 0, rows).copy_(from->v_.narrow(2, 0, rows));
+    if (from->kpm_.defined()) {
+      kpm = KeptEmpty({b, capacity}, from->kpm_.options()).zero_();
+      kpm.narrow(1, 0, rows).copy_(from->kpm_.narrow(1, 0, rows));
+    }
+    k_ = std::move(k), v_ = std::move(v), kpm_ = std::move(kpm);
+    return Status::Ok();
+  } catch (const std::exception& e) {
+    return Status(StatusCode::kResourceExhausted,
+                  std::string("kept keys and values: the copy could not be made: ") + e.what());
+  }
+}
+
 TorchKv::Window TorchKv::Memory() const {
   const int64_t b = k_.size(0), lk = k_.size(2);
   return {k_, v_, kpm_.defined() ? kpm_.view({b, 1, 1, lk}) : at::Tensor()};

@@ -27,6 +27,7 @@ class TorchKv final : public KvCache {
   TorchKv(int64_t embed_dim, int64_t elem) : embed_dim_(embed_dim), elem_(elem) {}
   std::optional<int64_t> BytesFor(int64_t batch, int64_t capacity) const override;
   int64_t AllocatedTokens() const override { return k_.defined() ? k_.size(2) : 0; }
+  Status CopyFrom(const KvCache& source, int64_t length, int64_t capacity) override;
 
   /// Keeps a memory's heads-split keys or values [B, H, L, D], or its additive key padding [B, L]:
   /// one at a time, so each projection's temporary is gone before the next is made (the server's

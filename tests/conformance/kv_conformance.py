@@ -8,6 +8,7 @@ memory's key, value and key padding. Several sessions step at once from threads,
 different sessions and memory requests share the server's batches. Plus the statuses: NOT_FOUND
 saying why (unknown, deleted, closed), ABORTED for a step at the wrong session_length. TruncateSession
 (speculative decoding): steps after a truncation = causal MHA over the tokens kept plus the new ones.
+ForkSession (beam search): every branch = causal MHA over its own sequence.
 Fresh fixed-seed inputs; tolerance max|out - ref| / max|ref| <= 1e-5 (float32), weights 1e-5 absolute.
 Called through the attnserve Python package (client/python; lib.load_package).
 
@@ -193,6 +194,30 @@ def main():
                    f"back to 0 then 3 = causal MHA over those 3 (rel {err0:.1e})",
                    kept == 7 and r.session_length == 11 and err <= TOL and zero == 0 and r0.session_length == 3 and
                    err0 <= TOL)
+
+        # Forks (beam search): a prompt, three branches from it stepping different tokens, the parent
+        # going on too; each = causal MHA over its own sequence (bias_kv + zero key model as well).
+        for name in ("plain", "both"):
+            m = modules[name]
+            rng = np.random.default_rng(41)
+            prompt = rng.standard_normal((2, 5, E)).astype(np.float32)
+            tails = [rng.standard_normal((2, 3, E)).astype(np.float32) for _ in range(4)]
+            causal = lambda n: np.triu(np.ones((n, n), dtype=bool), 1)
+            worst, lengths = 0.0, []
+            with client.session(name, 2) as parent:
+                parent.step(prompt[:, :4])
+                parent.step(prompt[:, 4:])
+                branches = [parent.fork() for _ in range(3)]
+                for s, tail in zip([parent] + branches, tails):
+                    outs = [s.step(tail[:, :1]).output, s.step(tail[:, 1:]).output]
+                    seq = np.concatenate([prompt, tail], axis=1)
+                    want = reference(m, seq, seq, seq, None, causal(8))[0][:, 5:]
+                    worst = max(worst, rel_err(np.concatenate(outs, axis=1), want))
+                    lengths.append(s.length)
+                for b in branches:
+                    b.close()
+            checks(f"fork {name}: three branches and the parent, each = causal MHA over its own sequence "
+                   f"(worst rel {worst:.1e})", worst <= TOL and lengths == [8, 8, 8, 8], str(lengths))
 
         # Statuses.
         q = np.zeros((1, 1, E), dtype=np.float32)

@@ -88,6 +88,8 @@ def main():
     with client.session("mha", batch=2) as s:
         outs = [s.step(x[:, a:b]).output for a, b in ((0, 2), (2, 5), (5, 6))]
         length = s.length
+        with s.fork() as f:  # A copy of the 6 tokens: its step = the 7th row of a longer sequence.
+            forked = (f.length, f.step(x[:, 5:6]).session_length)
         kept = s.truncate(2)  # Take back the last 4 tokens, then send them again.
         again = s.step(x[:, 2:6]).output
         retruncated = s.length
@@ -99,6 +101,7 @@ def main():
         handle = s.handle
     checks(f"[{env}] a session's steps equal causal attention over the whole sequence",
            err(np.concatenate(outs, axis=1), c["session_out"]) <= 1e-5 and length == 6)
+    checks(f"[{env}] fork(): a session holding the 6 tokens, stepping on its own", forked == (6, 7), str(forked))
     checks(f"[{env}] truncate(2) then the same 4 tokens again: the same answers, 6 tokens held",
            kept == 2 and retruncated == 6 and err(again, c["session_out"][:, 2:]) <= 1e-5)
     checks(f"[{env}] a replayed step (stale session_length) is ABORTED, not applied",

@@ -72,8 +72,10 @@ int64_t Choices::Size(int64_t small) {
 std::string KvCheckStats::ToString() const {
   return std::to_string(operations) + " operations: steps " + std::to_string(steps_applied) +
          " applied (" + std::to_string(step_answers_checked) + " answers checked), " +
-         std::to_string(steps_not_applied) + " not; memories " + std::to_string(memories_computed) +
-         " computed (" + std::to_string(memory_answers_checked) +
+         std::to_string(steps_not_applied) + " not; " + std::to_string(forks) + " forks, " +
+         std::to_string(truncations) + " truncations; memories " +
+         std::to_string(memories_computed) + " computed (" +
+         std::to_string(memory_answers_checked) +
          " answers checked); ends: " + std::to_string(evicted) + " evicted, " +
          std::to_string(expired) + " expired, " + std::to_string(released) + " released, " +
          std::to_string(unloaded) + " unloaded; refusals: " + std::to_string(invalid) +
@@ -206,6 +208,7 @@ class ModelCheck {
       s.evicted += stats_.evicted, s.expired += stats_.expired, s.released += stats_.released;
       s.unloaded += stats_.unloaded, s.invalid += stats_.invalid, s.not_found += stats_.not_found;
       s.exhausted += stats_.exhausted, s.aborted += stats_.aborted;
+      s.forks += stats_.forks, s.truncations += stats_.truncations;
     }
     // Operations in flight end before the store goes (the server drains its batcher first), and the
     // store (whose hooks write here) before the rest of this.
@@ -243,8 +246,10 @@ class ModelCheck {
         DropHold();
       else if (op < 28)
         Release();
-      else if (op < 30)
+      else if (op < 29)
         Truncate();
+      else if (op < 30)
+        Fork();
       else if (op < 31)
         Tick();
       else if (c_.OneIn(32))
@@ -359,9 +364,13 @@ class ModelCheck {
     }
     const uint64_t how = c_.Below(16);
     if (refs_.empty() || how == 0) {
-      static const char* kStrangers[] = {"", "00000000000000000000000000000000", "zz",
-                                         "not a handle at all"};
-      *handle = kStrangers[c_.Below(4)];
+      // This replica's prefix but never made, another replica's, and no handle at all.
+      const std::string& here = store_->replica_id();
+      const std::string there = here == "00000000" ? "11111111" : "00000000";
+      const std::string strangers[] = {"", here + std::string(24, '0'), "zz", "not a handle at all",
+                                       there + std::string(24, 'a')};
+      *handle = strangers[c_.Below(5)];
+      stranger_ = *handle;
       return SIZE_MAX;
     }
     const size_t i = how < 3 || live.empty() ? c_.Below(refs_.size()) : live[c_.Below(live.size())];
@@ -371,7 +380,11 @@ class ModelCheck {
 
   // The store's Lookup, plainly: NOT_FOUND's reason, or "" when found (and renewed).
   std::string Lookup(size_t i, KvKind kind) {
-    if (i == SIZE_MAX) return "unknown";
+    if (i == SIZE_MAX) {
+      return stranger_.size() == 32 && stranger_.compare(0, 8, store_->replica_id()) != 0
+                 ? "made by replica " + stranger_.substr(0, 8)
+                 : std::string("unknown");
+    }
     Ref& r = refs_[i];
     if (!r.indexed) return r.gone;
     if (r.kind != kind)
@@ -482,7 +495,7 @@ class ModelCheck {
     Ref& r = refs_[m->ref];
     const bool computed = r.real && !c_.OneIn(8);
     Note([&] {
-      return std::string(std::string("CompleteMemory ") + r.handle.substr(0, 6) +
+      return std::string(std::string("CompleteMemory ") + r.handle.substr(8, 6) +
                          (computed ? " computed" : " failed"));
     });
     if (computed) {
@@ -537,7 +550,7 @@ class ModelCheck {
         break;
     }
     Note([&] {
-      return std::string("BeginStep " + handle.substr(0, 6) + " expecting " +
+      return std::string("BeginStep " + handle.substr(8, 6) + " expecting " +
                          (expected ? std::to_string(*expected) : "-"));
     });
     auto got = store_->BeginStep(handle, expected);
@@ -777,7 +790,7 @@ class ModelCheck {
     const size_t i = PickRef(KvKind::kMemory, &handle);
     const bool hold = c_.OneIn(4);
     Note([&] {
-      return std::string("QueryMemory " + handle.substr(0, 6) + (hold ? " (held)" : ""));
+      return std::string("QueryMemory " + handle.substr(8, 6) + (hold ? " (held)" : ""));
     });
     auto got = store_->Lookup(handle, KvKind::kMemory);
     const std::string missing = Lookup(i, KvKind::kMemory);
@@ -837,7 +850,7 @@ class ModelCheck {
   void DropHold() {
     if (holds_.empty()) return;
     const size_t i = c_.Below(holds_.size());
-    Note([&] { return std::string("DropHold " + refs_[holds_[i].ref].handle.substr(0, 6)); });
+    Note([&] { return std::string("DropHold " + refs_[holds_[i].ref].handle.substr(8, 6)); });
     const size_t ref = holds_[i].ref;
     holds_.erase(holds_.begin() + static_cast<ptrdiff_t>(i));
     Unhold(ref);
@@ -848,7 +861,7 @@ class ModelCheck {
     std::string handle;
     const size_t i = PickRef(kind, &handle);
     Note([&] {
-      return std::string(std::string("Release ") + KvKindName(kind) + " " + handle.substr(0, 6));
+      return std::string(std::string("Release ") + KvKindName(kind) + " " + handle.substr(8, 6));
     });
     auto got = store_->Release(handle, kind);
     const std::string missing = Lookup(i, kind);
@@ -862,6 +875,52 @@ class ModelCheck {
       });
     Remove(r, KvEndReason::kReleased,
            kind == KvKind::kMemory ? "deleted (DeleteMemory)" : "closed (CloseSession)");
+  }
+
+  // ForkSession: a copy of a session as it is (tokens, length, capacity), held like a step while
+  // it is made, so a session with a step in flight is ABORTED and the parent is never evicted to
+  // make room for its copy.
+  void Fork() {
+    std::string handle;
+    const size_t i = PickRef(KvKind::kSession, &handle);
+    Note([&] { return std::string("Fork " + handle.substr(8, 6)); });
+    std::shared_ptr<KvCache> cache = models_[i == SIZE_MAX ? 0 : refs_[i].model]->NewKvCache();
+    auto got = store_->Fork(handle, cache);
+    const std::string missing = Lookup(i, KvKind::kSession);
+    if (!missing.empty()) return ExpectNotFound(got.status(), missing, "Fork");
+    if (refs_[i].busy)
+      return ExpectCode(got.status(), StatusCode::kAborted, "Fork of a busy session");
+    Ref r;
+    {
+      const Ref& p = refs_[i];
+      r.kind = KvKind::kSession;
+      r.model = p.model;
+      r.cache = cache;
+      r.batch = p.batch;
+      r.ready = true;
+      r.real = p.real;
+      r.tokens = p.tokens;
+      r.length = p.length;
+      r.allocated = p.allocated > 0 ? p.capacity : 0;
+    }
+    const int64_t capacity = refs_[i].capacity;
+    int64_t bytes = 0;
+    refs_[i].busy = true;  // As the store holds it while the copy is made.
+    const StatusCode want = PredictCreate(r, capacity, &bytes);
+    ExpectCode(got.status(), want, "Fork");
+    if (got.ok() && want == StatusCode::kOk) {
+      Room(bytes, nullptr, true);
+      r.handle = (*got)->handle;
+      r.capacity = capacity;
+      r.bytes = bytes;
+      Touch(r);
+      refs_[i].busy = false;
+      Touch(refs_[i]);  // The store lets go of the parent after making the fork: it is the newer.
+      refs_.push_back(std::move(r));
+      ++stats_.forks;
+    } else {
+      refs_[i].busy = false;
+    }
   }
 
   // TruncateSession: any length the session holds (most often), just past it, or any int64.
@@ -881,7 +940,7 @@ class ModelCheck {
         length = static_cast<int64_t>(c_.Below(static_cast<uint64_t>(known) + 1));
     }
     Note([&] {
-      return std::string("Truncate " + handle.substr(0, 6) + " to " + std::to_string(length));
+      return std::string("Truncate " + handle.substr(8, 6) + " to " + std::to_string(length));
     });
     const Status got = store_->Truncate(handle, length);
     const std::string missing = Lookup(i, KvKind::kSession);
@@ -892,6 +951,7 @@ class ModelCheck {
       return ExpectCode(got, StatusCode::kInvalidArgument, "Truncate out of range");
     }
     ExpectCode(got, StatusCode::kOk, "Truncate");
+    ++stats_.truncations;
     r.length = length;
     const size_t keep = static_cast<size_t>(length * r.batch * kE);
     if (r.tokens.size() > keep) r.tokens.resize(keep);
@@ -943,7 +1003,7 @@ class ModelCheck {
           std::lower_bound(snapshot.begin(), snapshot.end(), r.handle,
                            [](const KvEntryInfo& x, const std::string& h) { return x.handle < h; });
       const auto name = [&] {
-        return std::string(KvKindName(r.kind)) + " " + r.handle.substr(0, 6);
+        return std::string(KvKindName(r.kind)) + " " + r.handle.substr(8, 6);
       };
       if (!Expect(it != snapshot.end() && it->handle == r.handle,
                   [&] { return name() + " is gone from the store; the reference holds it"; })) {
@@ -1019,6 +1079,7 @@ class ModelCheck {
   KvOptions options_;
   KvClock::time_point now_ = KvClock::time_point{} + std::chrono::hours(1);
   std::unique_ptr<KvStore> store_;
+  std::string stranger_;  // The handle nobody made that PickRef named last.
   std::vector<Ref> refs_;
   std::vector<std::unique_ptr<Flight>> flights_;
   std::vector<std::unique_ptr<Creating>> creating_;

@@ -50,6 +50,7 @@ struct KvCheckStats {
   int64_t operations = 0;
   int64_t steps_applied = 0, steps_not_applied = 0, step_answers_checked = 0;
   int64_t memories_computed = 0, memory_answers_checked = 0;
+  int64_t forks = 0, truncations = 0;  // Made.
   int64_t evicted = 0, expired = 0, released = 0, unloaded = 0;
   int64_t invalid = 0, not_found = 0, exhausted = 0, aborted = 0;  // Refusals seen.
   std::string ToString() const;

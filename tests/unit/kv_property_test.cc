@@ -56,7 +56,7 @@ TEST(KvPropertyTest, RandomOperationSequencesKeepEveryInvariant) {
   for (int64_t n :
        {stats.step_answers_checked, stats.steps_not_applied, stats.memory_answers_checked,
         stats.evicted, stats.expired, stats.released, stats.unloaded, stats.invalid,
-        stats.not_found, stats.exhausted, stats.aborted}) {
+        stats.not_found, stats.exhausted, stats.aborted, stats.forks, stats.truncations}) {
     EXPECT_GE(n, 100) << stats.ToString();
   }
 }

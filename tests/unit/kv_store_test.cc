@@ -25,6 +25,10 @@ class FakeCache : public KvCache {
     return CheckedMul({batch, capacity, 100});
   }
   int64_t AllocatedTokens() const override { return allocated; }
+  Status CopyFrom(const KvCache& source, int64_t, int64_t capacity) override {
+    if (source.AllocatedTokens() > 0) allocated = capacity;
+    return Status::Ok();
+  }
   int64_t allocated = 0;
 };
 
@@ -256,6 +260,53 @@ TEST(KvStoreTest, TruncateTakesBackTokensBetweenSteps) {
   EXPECT_THAT(store.Truncate(memory->handle, 0).message(), HasSubstr("is a memory, not a session"));
   ASSERT_TRUE(store.Release(h, KvKind::kSession).ok());
   EXPECT_THAT(store.Truncate(h, 0).message(), HasSubstr("closed"));
+}
+
+// ForkSession: a copy of the parent as it is (length, capacity, bytes counted again), never while a
+// step is in flight; the parent is free again afterwards and the two step on their own.
+TEST(KvStoreTest, ForkCopiesTheSessionAsItIs) {
+  KvStore store(KvOptions{});
+  auto model = std::make_shared<FakeModel>();
+  auto s = store.Create(KvKind::kSession, model, std::make_shared<FakeCache>(), 2, 0);
+  ASSERT_TRUE(s.ok());
+  const std::string h = (*s)->handle;
+  auto step = Begin(store, h, 0);
+  ASSERT_TRUE(step->Reserve(5).ok());
+  Compute(*step);
+  EXPECT_EQ(store.Fork(h, std::make_shared<FakeCache>()).status().code(), StatusCode::kAborted);
+  step->End(true);
+  const int64_t one = store.bytes();
+  auto fork = store.Fork(h, std::make_shared<FakeCache>());
+  ASSERT_TRUE(fork.ok()) << fork.status().message();
+  EXPECT_NE((*fork)->handle, h);
+  EXPECT_EQ((*fork)->length, 5);
+  EXPECT_EQ((*fork)->capacity, (*s)->capacity);
+  EXPECT_EQ((*fork)->cache->AllocatedTokens(), (*s)->capacity);
+  EXPECT_EQ(store.bytes(), 2 * one);
+  EXPECT_FALSE((*s)->busy);
+  auto a = Begin(store, h, 5), b = Begin(store, (*fork)->handle, 5);  // Both at once.
+  ASSERT_TRUE(a && b);
+  a->End(false);
+  b->End(false);
+  EXPECT_THAT(store.Fork(store.replica_id() + std::string(24, '0'), std::make_shared<FakeCache>())
+                  .status()
+                  .message(),
+              HasSubstr("unknown"));
+  // The budget refuses a fork it cannot hold, and nothing changes.
+  KvOptions small;
+  small.budget_bytes = small.max_entry_bytes = 2 * 16 * 100;
+  KvStore tight(small);
+  auto t = tight.Create(KvKind::kSession, model, std::make_shared<FakeCache>(), 2, 0);
+  ASSERT_TRUE(t.ok());
+  auto ts = Begin(tight, (*t)->handle, 0);
+  ASSERT_TRUE(ts->Reserve(3).ok());
+  Compute(*ts);
+  ts->End(true);
+  auto refused = tight.Fork((*t)->handle, std::make_shared<FakeCache>());
+  EXPECT_EQ(refused.status().code(), StatusCode::kResourceExhausted) << refused.status().message();
+  EXPECT_EQ(tight.size(), 1u);
+  EXPECT_EQ(tight.bytes(), 2 * 16 * 100);
+  EXPECT_FALSE((*t)->busy);
 }
 
 // Issue 17: a step that claimed ~2^62 tokens reserved an overflowed byte count, left its session at

@@ -112,6 +112,13 @@ class Session(_calls.Kept):
         self.length = r.session_length
         return r
 
+    async def fork(self, *, deadline=DEFAULT):
+        """A new session holding a copy of this one's tokens (beam search, parallel sampling): each steps on
+        its own. Use it with `with` too."""
+        req = pb.ForkSessionRequest(handle=self.handle)
+        info = await self._client._routed("ForkSession", req, deadline, self.route)
+        return Session(self._client, info, _calls.Route(info.replica))
+
     async def truncate(self, length, *, deadline=DEFAULT):
         """Takes the session back to its first `length` tokens (speculative decoding: a rejected draft's
         tail); the next step appends after them. Returns the tokens it holds."""
