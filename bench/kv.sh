@@ -47,6 +47,9 @@ bench speculative --draft 4 --steps "${KV_SPECULATIVE:-512}"
 echo
 # Beam search: 4 beams, 512 steps (ForkSession vs resending vs re-prompting a session per beam).
 bench beam --beams 4 --steps "${KV_BEAM:-512}"
+echo
+# What one ForkSession costs on a 2,048-token history (time, bytes, the fork's first step).
+bench fork --prompt 2048 --repeats 20
 
 # Eviction: a 64 MiB budget, 4 MiB memories (1,024 tokens, K and V at E=512 in float32), 200 of them.
 budget=$((64 << 20))

@@ -22,6 +22,9 @@
 //               CloseSession for a beam without any. Resending: each beam's whole prefix with its
 //               token. Re-prompting: a session per beam, a new one fed the whole prefix as one step
 //               for a second child. Time and bytes of the whole search; the answers compared.
+//   fork        the cost of ForkSession on a session holding H tokens (--prompt): its latency, the
+//               server memory the fork holds (KvHandle.bytes), and its first step's latency beside
+//               the parent's next step; the two answers compared with the parent's (same token).
 //
 // Every mode writes one JSON line per result (--json) and prints a table; decode also writes its
 // per-step figures as CSV (--csv) for bench/kv.sh to plot.
@@ -539,6 +542,69 @@ int Beam(const Options& o) {
   return worst <= 1e-5 ? 0 : 2;
 }
 
+// ---- fork
+// ----------------------------------------------------------------------------------------
+
+int Fork(const Options& o) {
+  auto stub = pb::AttentionService::NewStub(Channel(o));
+  const int64_t e = o.embed, h = o.prompt > 0 ? o.prompt : 2048;
+  const auto tokens = Tokens(h + 1, e, 9);
+  const std::string parent = OpenSession(stub.get(), o);
+  pb::AttendResponse out;
+  const Call prompt = Timed(stub.get(), &Stub::Attend, SessionStep(tokens, 0, h, e, parent), &out);
+  if (!prompt.status.ok()) Fail("Attend (prompt)", prompt.status);
+  std::vector<double> fork_ms, fork_step_ms, parent_step_ms;
+  int64_t fork_bytes = 0, parent_bytes = 0;
+  double worst = 0;
+  for (int r = 0; r < o.repeats; ++r) {
+    pb::ForkSessionRequest fr;
+    fr.set_handle(parent);
+    pb::KvHandle child;
+    const Call f = Timed(stub.get(), &Stub::ForkSession, fr, &child);
+    if (!f.status.ok()) Fail("ForkSession", f.status);
+    fork_ms.push_back(f.ms);
+    fork_bytes = child.bytes();
+    // The same next token on the fork and on the parent (then the parent is taken back).
+    pb::AttendResponse a, b;
+    const Call cs =
+        Timed(stub.get(), &Stub::Attend, SessionStep(tokens, h, 1, e, child.handle()), &a);
+    if (!cs.status.ok()) Fail("Attend (fork's step)", cs.status);
+    const Call ps = Timed(stub.get(), &Stub::Attend, SessionStep(tokens, h, 1, e, parent), &b);
+    if (!ps.status.ok()) Fail("Attend (parent's step)", ps.status);
+    fork_step_ms.push_back(cs.ms);
+    parent_step_ms.push_back(ps.ms);
+    worst = std::max(worst, RelDiff(a.output(), b.output()));
+    pb::TruncateSessionRequest tr;
+    tr.set_handle(parent);
+    tr.set_length(h);
+    pb::KvHandle after;
+    const Call t = Timed(stub.get(), &Stub::TruncateSession, tr, &after);
+    if (!t.status.ok()) Fail("TruncateSession", t.status);
+    parent_bytes = after.bytes();
+    Release(stub.get(), child.handle(), true);
+  }
+  Release(stub.get(), parent, true);
+  const double fork_p50 = Percentile(fork_ms, 0.5);
+  std::printf(
+      "fork: E=%lld, a %lld-token history, %d forks; the fork's and the parent's next step "
+      "differ by %.2e\n"
+      "  ForkSession p50 %.3f ms; the fork holds %lld bytes (the parent %lld)\n"
+      "  next step p50: fork %.3f ms, parent %.3f ms\n",
+      static_cast<long long>(e), static_cast<long long>(h), o.repeats, worst, fork_p50,
+      static_cast<long long>(fork_bytes), static_cast<long long>(parent_bytes),
+      Percentile(fork_step_ms, 0.5), Percentile(parent_step_ms, 0.5));
+  WriteJson(o, {{"mode", "fork"},
+                {"history", h},
+                {"forks", o.repeats},
+                {"fork_ms_p50", fork_p50},
+                {"fork_bytes", fork_bytes},
+                {"parent_bytes", parent_bytes},
+                {"fork_step_ms_p50", Percentile(fork_step_ms, 0.5)},
+                {"parent_step_ms_p50", Percentile(parent_step_ms, 0.5)},
+                {"worst_rel_diff", worst}});
+  return worst <= 1e-5 ? 0 : 1;
+}
+
 // ---- memory
 // ----------------------------------------------------------------------------------------
 
@@ -760,9 +826,11 @@ int main(int argc, char** argv) {
   CLI::App app{"attnserve-kv-bench: sessions and memories versus resending keys and values"};
   Options o;
   std::string mode;
-  app.add_option("mode", mode, "decode | memory | concurrent | eviction | speculative | beam")
+  app.add_option("mode", mode,
+                 "decode | memory | concurrent | eviction | speculative | beam | fork")
       ->required()
-      ->check(CLI::IsMember({"decode", "memory", "concurrent", "eviction", "speculative", "beam"}));
+      ->check(CLI::IsMember(
+          {"decode", "memory", "concurrent", "eviction", "speculative", "beam", "fork"}));
   app.add_option("--target", o.target, "attnserve address")->capture_default_str();
   app.add_option("--model", o.model, "Model (its embed_dim must be --embed)")
       ->capture_default_str();
@@ -771,12 +839,14 @@ int main(int argc, char** argv) {
                  "decode: tokens decoded; memory: queries; concurrent: steps per caller; "
                  "speculative: tokens accepted; beam: steps")
       ->capture_default_str();
-  app.add_option("--repeats", o.repeats, "decode: sequences decoded (per-step medians over them)")
+  app.add_option("--repeats", o.repeats,
+                 "decode: sequences decoded (per-step medians over them); fork: forks")
       ->capture_default_str();
   app.add_option("--memory-length", o.memory_length, "memory, eviction: encoder tokens")
       ->capture_default_str();
   app.add_option("--callers", o.callers, "concurrent: callers")->capture_default_str();
-  app.add_option("--prompt", o.prompt, "concurrent: prompt tokens each sequence starts with")
+  app.add_option("--prompt", o.prompt,
+                 "concurrent: prompt tokens each sequence starts with; fork: the history (0: 2048)")
       ->capture_default_str();
   app.add_option("--memories", o.memories, "eviction: memories created")->capture_default_str();
   app.add_option("--draft", o.draft, "speculative: draft tokens a round")->capture_default_str();
@@ -789,5 +859,6 @@ int main(int argc, char** argv) {
   if (mode == "concurrent") return Concurrent(o);
   if (mode == "speculative") return Speculative(o);
   if (mode == "beam") return Beam(o);
+  if (mode == "fork") return Fork(o);
   return Eviction(o);
 }
