@@ -126,6 +126,19 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   decode->add_option("--steps", decode_steps, "One-token steps after the prompt")
       ->capture_default_str();
+  int64_t decode_forks = 0, decode_truncate = 0;
+  decode
+      ->add_option("--forks", decode_forks,
+                   "Then fork the session this many times (ForkSession: beam search, parallel "
+                   "sampling) and step each fork once")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  decode
+      ->add_option("--truncate", decode_truncate,
+                   "Then take back this many tokens (TruncateSession: a rejected draft) and step "
+                   "once more")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   attnserve::cli::FinishClientFlags(&options);
 
@@ -178,6 +191,52 @@ int main(int argc, char** argv) {
       std::printf("step %lld: %lld new token(s), session holds %lld, output %s, %.2f ms\n",
                   static_cast<long long>(step), static_cast<long long>(tokens),
                   static_cast<long long>(held), Shape(res.output.shape).c_str(), ms);
+    }
+    // Branches: each fork holds the session's tokens and takes its own next token.
+    for (int64_t f = 0; f < decode_forks; ++f) {
+      attnserve::KvInfo fork;
+      auto t0 = std::chrono::steady_clock::now();
+      s = client.ForkSession(session.handle, &fork);
+      if (!s.ok()) break;
+      const double fork_ms =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      attnserve::AttendRequest fr;
+      fr.session = fork.handle;
+      fr.session_length = fork.length;
+      fr.query = RandomTensor(rng, {decode_batch, 1, m.embed_dim}, false);
+      attnserve::AttendResult res;
+      t0 = std::chrono::steady_clock::now();
+      s = client.Attend(fr, &res);
+      const double ms =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      client.CloseSession(fork.handle);
+      if (!s.ok()) break;
+      std::printf(
+          "fork %lld: %s holds %lld tokens, %lld bytes (%.2f ms); its step: %lld, %.2f ms\n",
+          static_cast<long long>(f), fork.handle.c_str(), static_cast<long long>(fork.length),
+          static_cast<long long>(fork.bytes), fork_ms, static_cast<long long>(res.session_length),
+          ms);
+    }
+    if (s.ok() && decode_truncate > 0) {
+      attnserve::KvInfo after;
+      s = client.TruncateSession(session.handle, std::max<int64_t>(0, held - decode_truncate),
+                                 &after);
+      if (s.ok()) {
+        held = after.length;
+        req.query = RandomTensor(rng, {decode_batch, 1, m.embed_dim}, false);
+        req.session_length = held;
+        attnserve::AttendResult res;
+        s = client.Attend(req, &res);
+        if (s.ok()) {
+          std::printf("truncated to %lld tokens; the next step: session holds %lld\n",
+                      static_cast<long long>(after.length),
+                      static_cast<long long>(res.session_length));
+        }
+      }
+    }
+    if (!s.ok()) {
+      client.CloseSession(session.handle);
+      return Fail(s);
     }
     s = client.CloseSession(session.handle);
     return s.ok() ? 0 : Fail(s);

@@ -287,15 +287,16 @@ def scenario(replicas, load, bench_cmd, sessions_cmd):
 
 
 def check_cli_sessions(checks, cli, target, flags, mode, runs=6):
-    """attnserve-cli decode (the C++ client) opens and steps sessions through `target`: without routing,
-    2 in 3 steps would reach a replica that does not hold the session."""
+    """attnserve-cli decode (the C++ client) opens, steps, forks and truncates sessions through `target`:
+    without routing, 2 in 3 calls would reach a replica that does not hold the session."""
     failed = []
     for i in range(runs):
-        p = subprocess.run([cli, "--target", target, *flags, "decode", "--prompt-len", "4", "--steps", "6"],
-                           capture_output=True, text=True, timeout=60)
-        if p.returncode != 0:
-            failed.append(p.stderr.strip()[-300:])
-    checks(f"{mode}: attnserve-cli decode: {runs} sessions, every step answered", not failed, failed[:2])
+        p = subprocess.run([cli, "--target", target, *flags, "decode", "--prompt-len", "4", "--steps", "6",
+                            "--forks", "2", "--truncate", "3"], capture_output=True, text=True, timeout=60)
+        if p.returncode != 0 or "fork 1:" not in p.stdout or "truncated to 8 tokens" not in p.stdout:
+            failed.append((p.stdout + p.stderr).strip()[-300:])
+    checks(f"{mode}: attnserve-cli decode: {runs} sessions, every step, fork and truncation answered", not failed,
+           failed[:2])
 
 
 def check_sessions(checks, mode, records, replicas, signalled, tolerance):
