@@ -32,8 +32,9 @@ std::string RandomHex(size_t bytes) {
 }  // namespace
 
 /// Bytes counted against the budget, shared by the store and its entries: an entry that left the
-/// index gives its bytes back when its last holder lets go.
-struct KvAccount {
+/// index gives its bytes back when its last holder lets go; a block of keys and values that forks
+/// still read after its session let go of it counts itself here (KvLedger) until freed.
+struct KvAccount final : public KvLedger {
   std::mutex mu;
   int64_t bytes = 0;
   int64_t entries[2] = {0, 0};                             // In the index, by KvKind.
@@ -48,6 +49,7 @@ struct KvAccount {
     std::lock_guard<std::mutex> lock(mu);
     return bytes;
   }
+  void Charge(int64_t delta_bytes) override { Add(delta_bytes); }
 };
 
 KvEntry::~KvEntry() {
@@ -177,11 +179,21 @@ Status KvStore::MakeRoom(int64_t need, const KvEntry* keep) {
     KvEntry* e = *it;
     if (!evictable(e)) continue;
     const std::string handle = e->handle;
-    held -= e->bytes;    // Freed now: only the index held it.
     it = std::next(it);  // Remove erases *it: step past it first.
     Remove(handle, KvEndReason::kEvicted,
            std::string("evicted (least recently used, to make room under --kv-budget-bytes ") +
                std::to_string(options_.budget_bytes) + ")");
+    // Freed now (only the index held it), except blocks its forks still read: they count on.
+    held = account_->Get();
+  }
+  if (held + need > options_.budget_bytes) {
+    return Status(StatusCode::kResourceExhausted,
+                  "key/value memory is full: " + std::to_string(held) +
+                      " bytes held by memories, sessions and the blocks their forks share, " +
+                      std::to_string(need) + " more needed, budget " +
+                      std::to_string(options_.budget_bytes) +
+                      " (server flag --kv-budget-bytes); close sessions or delete memories, or "
+                      "retry later");
   }
   return Status::Ok();
 }
@@ -222,6 +234,7 @@ StatusOr<std::shared_ptr<KvEntry>> KvStore::Create(KvKind kind,
     do e->handle = NewHandle();
     while (entries_.count(e->handle) || gone_.count(e->handle));
     e->account = account_;
+    e->cache->set_ledger(account_);
     e->bytes = *bytes;
     e->last_use = Now();
     lru_.push_front(e.get());
@@ -327,15 +340,20 @@ Status KvStore::Reserve(KvStep* step, int64_t tokens) {
   const std::optional<int64_t> needed =
       tokens < 0 ? std::nullopt : CheckedAdd(step->length_, tokens);
   if (!needed) return InvalidArgument(what() + ": not a token count (negative or over 2^63)");
-  if (*needed <= e->capacity) {
+  // Tokens in blocks shared with forks are counted once, by their own: the session counts the
+  // tokens of its own allocation (KvCache::PlanAppend).
+  const KvCache::Plan plan = e->cache->PlanAppend(step->length_);
+  const int64_t own_needed = *needed - plan.shared;
+  if (own_needed <= plan.own) {
     step->tokens_ = tokens;
     step->capacity_ = e->capacity;
     return Status::Ok();
   }
-  // Doubled when that fits (one entry's limit, the budget), else just what the step needs.
+  // Doubled when that fits (one entry's limit, the budget), else just what the step needs. A
+  // replaced allocation that forks still read stays counted until the step ends.
   Status refused;
-  for (const int64_t capacity : {GrowCapacity(e->capacity, *needed), *needed}) {
-    const std::optional<int64_t> bytes = e->cache->BytesFor(e->batch, capacity);
+  for (const int64_t own : {GrowCapacity(plan.own, own_needed), own_needed}) {
+    const std::optional<int64_t> bytes = e->cache->BytesFor(e->batch, own);
     if (!bytes || *bytes > options_.max_entry_bytes) {
       refused =
           InvalidArgument(what() + " need " + (bytes ? std::to_string(*bytes) : "more than 2^63") +
@@ -343,11 +361,12 @@ Status KvStore::Reserve(KvStep* step, int64_t tokens) {
                           " one entry may hold (server flag --kv-max-entry-bytes)");
       continue;
     }
-    refused = MakeRoom(*bytes - e->bytes, e);
+    const int64_t charge = plan.retained ? e->bytes + *bytes : *bytes;  // <= 2 x 2^50: no overflow
+    refused = MakeRoom(charge - e->bytes, e);
     if (!refused.ok()) continue;
-    Recount(e, capacity, *bytes);
+    Recount(e, plan.shared + own, charge);
     step->tokens_ = tokens;
-    step->capacity_ = capacity;
+    step->capacity_ = plan.shared + own;
     return Status::Ok();
   }
   return refused;
@@ -362,31 +381,35 @@ void KvStore::EndStep(KvStep* step, bool applied) {
   // before growing it. Counted for ended entries too: their bytes go back when the last holder
   // goes.
   const int64_t held = std::max(e->cache->AllocatedTokens(), applied ? step->capacity_ : 0);
-  if (held != e->capacity) Recount(e, held, e->cache->BytesFor(e->batch, held).value_or(e->bytes));
+  const int64_t bytes =
+      e->cache->BytesFor(e->batch, held - e->cache->SharedTokens()).value_or(e->bytes);
+  if (held != e->capacity || bytes != e->bytes) Recount(e, held, bytes);
   if (Indexed(e)) Touch(e);
 }
 
 StatusOr<std::shared_ptr<KvEntry>> KvStore::Fork(const std::string& handle,
                                                  std::shared_ptr<KvCache> cache) {
-  // Held like a step (busy) and ended not applied: the parent is as it was when the fork returns.
+  // Held like a step (busy) and ended not applied: no step changes the parent while the fork is
+  // made, and it is as it was when the fork returns.
   ASSIGN_OR_RETURN(std::unique_ptr<KvStep> hold, BeginStep(handle, std::nullopt));
   const KvEntry& parent = *hold->entry();
-  ASSIGN_OR_RETURN(
-      std::shared_ptr<KvEntry> child,
-      Create(KvKind::kSession, parent.model, std::move(cache), parent.batch, hold->capacity()));
-  const Status copied = child->cache->CopyFrom(*parent.cache, hold->length(), hold->capacity());
-  if (!copied.ok()) {
+  ASSIGN_OR_RETURN(std::shared_ptr<KvEntry> child,
+                   Create(KvKind::kSession, parent.model, std::move(cache), parent.batch, 0));
+  const Status shared = child->cache->ShareFrom(*parent.cache, hold->length());
+  if (!shared.ok()) {
     Discard(child);
-    return copied;
+    return shared;
   }
   std::lock_guard<std::mutex> lock(mu_);
   if (!Indexed(child.get())) {
     const auto gone = gone_.find(child->handle);
     return Status(StatusCode::kAborted,
-                  "session '" + handle + "': its fork ended while being copied: " +
+                  "session '" + handle + "': its fork ended while being made: " +
                       (gone == gone_.end() ? std::string("ended") : gone->second));
   }
   child->length = hold->length();
+  // All of its tokens are the parent's, shared: none counted for it until it writes its own.
+  child->capacity = child->cache->AllocatedTokens();
   return child;
 }
 

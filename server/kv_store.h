@@ -175,11 +175,11 @@ class KvStore {
   StatusOr<std::unique_ptr<KvStep>> BeginStep(const std::string& handle,
                                               std::optional<int64_t> expected_length);
 
-  /// ForkSession: a new session holding a copy of the session `handle` as it is (its tokens, its
-  /// capacity, its model's weights), counted against the budget like any entry. `cache` is the new
-  /// session's empty cache; the engine copies into it (KvCache::CopyFrom) while the parent is held
-  /// like a step: ABORTED while one is in flight, and none starts until the copy is done. Refusals
-  /// as Create's (entry and budget limits) and BeginStep's.
+  /// ForkSession: a new session holding the tokens of the session `handle` as it is (and its
+  /// model's weights) without copying them: `cache`, the new session's empty cache, shares the
+  /// parent's (KvCache::ShareFrom) while the parent is held like a step (ABORTED while one is in
+  /// flight). The shared tokens count once: the fork holds 0 bytes until its steps write tokens of
+  /// its own. Refusals as Create's (--kv-max-entries) and BeginStep's.
   StatusOr<std::shared_ptr<KvEntry>> Fork(const std::string& handle,
                                           std::shared_ptr<KvCache> cache);
   /// Takes a session back to its first `length` tokens (TruncateSession), renewing its expiry; its

@@ -26,9 +26,20 @@ struct AttendOutputs {
   double device_seconds = -1;
 };
 
+/// Where kept keys and values that no one entry counts as its own count their bytes (the store's
+/// budget): blocks a session shared with its forks and then let go of, while a fork still reads
+/// them. Thread-safe.
+class KvLedger {
+ public:
+  virtual ~KvLedger() = default;
+  virtual void Charge(int64_t bytes) = 0;  ///< Negative: given back.
+};
+
 /// Keys and values an engine keeps on its device between requests: a memory's projected keys and
 /// values, or a decoding session's so far (AttendCall::kv). Made by AttentionModel::NewKvCache;
-/// only that model reads or writes it, one request at a time for a session.
+/// only that model reads or writes it, one request at a time for a session. A session's tokens may
+/// lie partly in blocks it shares with the sessions forked from it or that it was forked from
+/// (ShareFrom): those are its shared tokens, counted once whoever holds them.
 class KvCache {
  public:
   virtual ~KvCache() = default;
@@ -39,14 +50,34 @@ class KvCache {
   /// request computes into the cache: a session step grows it to AttendCall::kv_capacity, whether
   /// the step then succeeds or not.
   virtual int64_t AllocatedTokens() const = 0;
-  /// Makes this (empty) cache a copy of `source`'s first `length` tokens, allocated for `capacity`
-  /// tokens (a forked session). `source` is a cache of the same model that no request computes into
-  /// meanwhile. RESOURCE_EXHAUSTED when the memory cannot be had; UNIMPLEMENTED by default.
-  virtual Status CopyFrom(const KvCache& source, int64_t length, int64_t capacity) {
-    (void)source, (void)length, (void)capacity;
+  /// Of AllocatedTokens, those held in shared blocks (the store does not count them for this
+  /// entry: a block shared is counted once, by the entry whose own allocation it is, or by itself
+  /// through the ledger once no entry owns it).
+  virtual int64_t SharedTokens() const { return 0; }
+  /// What a session step appending after `held` tokens can keep (read while no request computes
+  /// into the cache): the tokens it will share (`shared`), the tokens of its own allocation it can
+  /// write on (`own`: 0 when the step starts a new one), and whether that allocation, replaced by
+  /// a larger one, stays alive for forks that read it (`retained`). The step is then given a
+  /// capacity of shared + own' tokens and allocates own' - own more when own' > own.
+  struct Plan {
+    int64_t shared = 0, own = 0;
+    bool retained = false;
+  };
+  virtual Plan PlanAppend(int64_t held) const { return Plan{0, AllocatedTokens(), false}; }
+  /// Makes this empty cache a fork of `source`'s first `length` tokens: it shares them, nothing is
+  /// copied, and `source` will not overwrite them (a later step of its own that would writes
+  /// elsewhere). `source` is a cache of the same model that no request computes into meanwhile.
+  /// FAILED_PRECONDITION where the engine cannot.
+  virtual Status ShareFrom(KvCache& source, int64_t length) {
+    (void)source, (void)length;
     return Status(StatusCode::kFailedPrecondition,
-                  "this engine does not copy kept keys and values");
+                  "this engine does not fork kept keys and values");
   }
+  /// The store's budget, for blocks that outlive their owner's count.
+  void set_ledger(std::shared_ptr<KvLedger> ledger) { ledger_ = std::move(ledger); }
+
+ protected:
+  std::shared_ptr<KvLedger> ledger_;
 };
 
 /// One loaded multi-head attention model. Thread-safe: Forward may run on many threads at once.

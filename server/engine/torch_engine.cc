@@ -580,8 +580,8 @@ class TorchModel final : public AttentionModel {
                                ? Additive(Wrap(*call.key_padding_mask)).view({b, 1, 1, lk})
                                : at::Tensor();
     return AttendHeads(call, SplitHeads(q, batch_first, b, call.query_len),
-                       SplitHeads(k, batch_first, b, lk), SplitHeads(v, batch_first, b, lk), kpm, 0,
-                       dst, out, parallel);
+                       {SplitHeads(k, batch_first, b, lk)}, {SplitHeads(v, batch_first, b, lk)},
+                       kpm, 0, dst, out, parallel);
   }
 
   // Attention of a call whatever its keys: its own (rows r), a memory's, or a session's.
@@ -590,9 +590,9 @@ class TorchModel final : public AttentionModel {
     const bool batch_first = call.batch_first();
     const int64_t b = call.batch, lq = call.query_len;
     if (call.kv_use == AttendCall::Kv::kMemory) {
-      const TorchKv::Window m = static_cast<const TorchKv&>(*call.kv).Memory();
-      return AttendHeads(call, SplitHeads(r.q, batch_first, b, lq), m.k, m.v, m.kpm, 0, dst, out,
-                         parallel);
+      TorchKv::Window m = static_cast<const TorchKv&>(*call.kv).Memory();
+      return AttendHeads(call, SplitHeads(r.q, batch_first, b, lq), std::move(m.k), std::move(m.v),
+                         m.kpm, 0, dst, out, parallel);
     }
     if (call.kv_use == AttendCall::Kv::kSession) return AttendSession(call, r, dst, out, parallel);
     return AttendRows(call, r.q, r.k, r.v, dst, out, parallel);
@@ -618,33 +618,52 @@ class TorchModel final : public AttentionModel {
     const int64_t b = call.batch, t = call.query_len, held = call.kv_length;
     const at::Tensor kpm =
         call.key_padding_mask ? Additive(Wrap(*call.key_padding_mask)).view({b, t}) : at::Tensor();
-    const TorchKv::Window all = static_cast<TorchKv&>(*call.kv).Append(
+    TorchKv::Window all = static_cast<TorchKv&>(*call.kv).Append(
         held, call.kv_capacity, SplitHeads(r.k, batch_first, b, t),
         SplitHeads(r.v, batch_first, b, t), kpm);
-    return AttendHeads(call, SplitHeads(r.q, batch_first, b, t), all.k, all.v, all.kpm, held, dst,
-                       out, parallel);
+    return AttendHeads(call, SplitHeads(r.q, batch_first, b, t), std::move(all.k), std::move(all.v),
+                       all.kpm, held, dst, out, parallel);
   }
 
-  // Attention over heads: qh [B, H, Lq, D], kh and vh [B, H, Lk, D] (Lk = call.key_len), kpm
-  // additive and broadcastable to [B, 1, 1, Lk] (or undefined). A causal query i may attend key j
-  // when j <= i + causal_offset (a session's queries come after the keys it already held).
-  Attended AttendHeads(const AttendCall& call, const at::Tensor& qh, at::Tensor kh, at::Tensor vh,
-                       const at::Tensor& kpm, int64_t causal_offset, const at::Tensor& dst,
-                       AttendOutputs* out, const Parallel& parallel) const {
+  // Attention over heads: qh [B, H, Lq, D]; keys and values [B, H, Lk, D] (Lk = call.key_len), as
+  // consecutive pieces along the sequence (a session forked from another: its shared blocks, then
+  // its own; else one piece); kpm additive and broadcastable to [B, 1, 1, Lk] (or undefined). A
+  // causal query i may attend key j when j <= i + causal_offset (a session's queries come after the
+  // keys it already held). Several pieces are attended where they lie (scores and products piece by
+  // piece) on the float32/float16 math path; the widened and fused paths get them joined.
+  Attended AttendHeads(const AttendCall& call, const at::Tensor& qh, std::vector<at::Tensor> ks,
+                       std::vector<at::Tensor> vs, const at::Tensor& kpm, int64_t causal_offset,
+                       const at::Tensor& dst, AttendOutputs* out, const Parallel& parallel) const {
     const int64_t b = call.batch, lq = call.query_len, lk = call.key_len;
     const int64_t e = spec_.embed_dim, h = spec_.num_heads, d = spec_.head_dim();
     const int64_t extra = spec_.extra_keys(), sl = lk + extra;
     const bool batch_first = call.batch_first();
+    const bool want_weights = call.weights != WeightsMode::kNone;
+    if (ks.size() > 1 && (widen_ || (compat::kHasFusedSdpa && !want_weights))) {
+      ks = {at::cat(ks, 2)};
+      vs = {at::cat(vs, 2)};
+    }
 
-    // bias_k/bias_v, then the zero key/value, appended along the key sequence.
+    // bias_k/bias_v, then the zero key/value, appended along the key sequence (as pieces of their
+    // own when there are several).
+    const auto append = [&](const at::Tensor& k, const at::Tensor& v) {
+      if (ks.size() > 1) {
+        ks.push_back(k);
+        vs.push_back(v);
+      } else {
+        ks[0] = at::cat({ks[0], k}, 2);
+        vs[0] = at::cat({vs[0], v}, 2);
+      }
+    };
     if (bias_k_.defined()) {
-      kh = at::cat({kh, bias_k_.view({1, h, 1, d}).expand({b, h, 1, d})}, 2);
-      vh = at::cat({vh, bias_v_.view({1, h, 1, d}).expand({b, h, 1, d})}, 2);
+      append(bias_k_.view({1, h, 1, d}).expand({b, h, 1, d}),
+             bias_v_.view({1, h, 1, d}).expand({b, h, 1, d}));
     }
     if (spec_.add_zero_attn) {
-      kh = at::cat({kh, at::zeros({b, h, 1, d}, kh.options())}, 2);
-      vh = at::cat({vh, at::zeros({b, h, 1, d}, vh.options())}, 2);
+      append(at::zeros({b, h, 1, d}, qh.options()), at::zeros({b, h, 1, d}, qh.options()));
     }
+    const at::Tensor& kh = ks[0];
+    const at::Tensor& vh = vs[0];
 
     // The masks stay in their wire form ([Lq, Lk] or [B, H, Lq, Lk], bool or float) and become
     // additive one query block at a time.
@@ -653,8 +672,7 @@ class TorchModel final : public AttentionModel {
       attn_mask = Wrap(*call.attn_mask);
       if (attn_mask.dim() == 3) attn_mask = attn_mask.view({b, h, lq, lk});
     }
-    const bool want_weights = call.weights != WeightsMode::kNone;
-    const bool fused = compat::kHasFusedSdpa && !want_weights;
+    const bool fused = compat::kHasFusedSdpa && !want_weights && ks.size() == 1;
     // Query blocks: bounded by kBlockScores, and with idle cores one per core (4 * B*H*S*D flops a
     // query row: QK^T and PV).
     const int64_t width = Blocks(parallel, lq, 4.0 * b * h * sl * d, 1);
@@ -727,19 +745,39 @@ class TorchModel final : public AttentionModel {
         const at::Tensor block_heads = merged_heads.narrow(2, q0, n);
         for (int64_t bi = 0; bi < b; ++bi) {
           at::Tensor pb = p.select(0, bi);
-          const at::Tensor kt = kh.select(0, bi).transpose(-2, -1);
-          if (mask.defined()) {
-            const at::Tensor mb = mask.select(0, mask.size(0) == 1 ? 0 : bi).expand({h, n, sl});
-            at::baddbmm_out(pb, mb, qc.select(0, bi), kt, /*beta=*/1, /*alpha=*/scale);
-          } else {
-            at::baddbmm_out(pb, pb, qc.select(0, bi), kt, /*beta=*/0, /*alpha=*/scale);
+          const at::Tensor mb = mask.defined()
+                                    ? mask.select(0, mask.size(0) == 1 ? 0 : bi).expand({h, n, sl})
+                                    : at::Tensor();
+          int64_t off = 0;
+          for (const at::Tensor& kp : ks) {  // The scores of each piece of keys, in place.
+            const int64_t rows = kp.size(2);
+            at::Tensor pp = ks.size() == 1 ? pb : pb.narrow(-1, off, rows);
+            const at::Tensor kt = kp.select(0, bi).transpose(-2, -1);
+            if (mb.defined()) {
+              at::baddbmm_out(pp, ks.size() == 1 ? mb : mb.narrow(-1, off, rows), qc.select(0, bi),
+                              kt, /*beta=*/1, /*alpha=*/scale);
+            } else {
+              at::baddbmm_out(pp, pp, qc.select(0, bi), kt, /*beta=*/0, /*alpha=*/scale);
+            }
+            off += rows;
           }
         }
         at::_softmax_out(p, p, -1, /*half_to_float=*/false);
         if (any_dead) p.masked_fill_(dead, 0);
         for (int64_t bi = 0; bi < b; ++bi) {
           at::Tensor out_b = block_heads.select(0, bi);
-          at::bmm_out(out_b, p.select(0, bi), vh.select(0, bi));
+          const at::Tensor pb = p.select(0, bi);
+          int64_t off = 0;
+          for (size_t i = 0; i < vs.size(); ++i) {  // Summed over the pieces of values.
+            const int64_t rows = vs[i].size(2);
+            const at::Tensor pp = vs.size() == 1 ? pb : pb.narrow(-1, off, rows);
+            if (i == 0) {
+              at::bmm_out(out_b, pp, vs[i].select(0, bi));
+            } else {
+              out_b.baddbmm_(pp, vs[i].select(0, bi));
+            }
+            off += rows;
+          }
         }
         if (want_weights) {
           weights_out.narrow(2, q0, n).copy_(

@@ -3,6 +3,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <stdexcept>
 #include <utility>
 
 #include "server/checked_math.h"
@@ -22,73 +23,188 @@ at::Tensor KeptEmpty(at::IntArrayRef sizes, const at::TensorOptions& opts) {
       p, sizes, [bytes](void* q) { munmap(q, bytes); }, opts);
 }
 
+KvBlock::~KvBlock() {
+  if (ledger) ledger->Charge(-bytes);
+}
+
+TorchKv::~TorchKv() { ReleaseOwn(); }
+
 std::optional<int64_t> TorchKv::BytesFor(int64_t batch, int64_t capacity) const {
   if (batch < 0 || capacity < 0) return std::nullopt;
   return CheckedMul({batch, capacity, 2 * embed_dim_ + 1, elem_});  // keys, values, key padding
 }
 
-Status TorchKv::CopyFrom(const KvCache& source, int64_t length, int64_t capacity) {
-  const auto* from = dynamic_cast<const TorchKv*>(&source);
-  if (from == nullptr || from->embed_dim_ != embed_dim_ || length < 0 || capacity < length) {
-    return Status(StatusCode::kInternal, "kept keys and values: a copy between unlike caches");
+int64_t TorchKv::AllocatedTokens() const {
+  if (mk_.defined()) return mk_.size(2);  // A memory.
+  return own_ || base_ > 0 ? base_ + OwnRows() : 0;
+}
+
+std::vector<TorchKv::Shared> TorchKv::SharedUpTo(int64_t tokens) const {
+  std::vector<Shared> kept;
+  int64_t off = 0;
+  for (const Shared& s : shared_) {
+    if (off >= tokens) break;
+    const int64_t rows = std::min(s.rows, tokens - off);
+    kept.push_back(Shared{s.block, rows});
+    off += rows;
   }
-  if (!from->k_.defined()) return Status::Ok();  // Nothing allocated: nothing to copy.
-  try {
-    const int64_t b = from->k_.size(0), h = from->k_.size(1), d = from->k_.size(3);
-    at::Tensor k = KeptEmpty({b, h, capacity, d}, from->k_.options()),
-               v = KeptEmpty({b, h, capacity, d}, from->v_.options()), kpm;
-    const int64_t rows = std::min(length, from->k_.size(2));  // Rows a step computed.
-    k.narrow(2, 0, rows).copy_(from->k_.narrow(2, 0, rows));
-    v.narrow(2, 0, rows).copy_(from->v_.narrow(2, 0, rows));
-    if (from->kpm_.defined()) {
-      kpm = KeptEmpty({b, capacity}, from->kpm_.options()).zero_();
-      kpm.narrow(1, 0, rows).copy_(from->kpm_.narrow(1, 0, rows));
-    }
-    k_ = std::move(k), v_ = std::move(v), kpm_ = std::move(kpm);
-    return Status::Ok();
-  } catch (const std::exception& e) {
-    return Status(StatusCode::kResourceExhausted,
-                  std::string("kept keys and values: the copy could not be made: ") + e.what());
+  return kept;
+}
+
+void TorchKv::ReleaseOwn() {
+  // Forks may still read it: from now on it counts itself, until its last reader lets go (then
+  // ~KvBlock gives the bytes back; at once when none is left).
+  if (own_ && frozen_ > 0 && ledger_ && !own_->ledger) {
+    own_->ledger = ledger_;
+    ledger_->Charge(own_->bytes);
   }
+  own_.reset();
+  frozen_ = 0;
+}
+
+std::shared_ptr<KvBlock> TorchKv::NewBlock(int64_t b, int64_t h, int64_t rows, int64_t d,
+                                           const at::TensorOptions& opts, bool padding) const {
+  auto block = std::make_shared<KvBlock>();
+  block->k = KeptEmpty({b, h, rows, d}, opts);
+  block->v = KeptEmpty({b, h, rows, d}, opts);
+  if (padding) block->kpm = KeptEmpty({b, rows}, opts).zero_();
+  block->bytes = BytesFor(b, rows).value_or(0);
+  return block;
+}
+
+// How a step after `held` tokens treats what the session holds (PlanAppend tells the store,
+// Append does it):
+//   trim     it was taken back into its shared tokens: keep the shared blocks up to `held`, and
+//            start a new own block;
+//   freeze   it would overwrite rows of its own block that forks read: those rows up to `held`
+//            become a shared block of its own, and a new own block starts after them;
+//   compact  more than kMaxShared shared blocks would remain: the whole history is copied into
+//            one new own block;
+//   in place the own block takes the step (grown first when full: copied when private, frozen as
+//            above when forks read it).
+TorchKv::Plan TorchKv::PlanAppend(int64_t held) const {
+  Plan p;
+  size_t pieces = 0;
+  if (held < base_) {
+    p = Plan{held, 0, frozen_ > 0};
+    pieces = SharedUpTo(held).size();
+  } else if (frozen_ > 0 && held - base_ < frozen_) {
+    p = Plan{held, 0, true};
+    pieces = shared_.size() + (held > base_ ? 1 : 0);
+  } else {
+    p = Plan{base_, OwnRows(), frozen_ > 0};
+    pieces = shared_.size();
+  }
+  if (pieces > kMaxShared) p = Plan{0, 0, frozen_ > 0};
+  return p;
+}
+
+Status TorchKv::ShareFrom(KvCache& source, int64_t length) {
+  auto* from = dynamic_cast<TorchKv*>(&source);
+  if (from == nullptr || from->embed_dim_ != embed_dim_ || from->mk_.defined() || length < 0 ||
+      length > from->AllocatedTokens() || own_ || base_ > 0) {
+    return Status(StatusCode::kInternal, "kept keys and values: a fork between unlike caches");
+  }
+  shared_ = from->SharedUpTo(std::min(length, from->base_));
+  if (length > from->base_) {
+    const int64_t rows = length - from->base_;
+    shared_.push_back(Shared{from->own_, rows});
+    from->frozen_ = std::max(from->frozen_, rows);  // Its next steps write past them, or elsewhere.
+  }
+  base_ = length;
+  return Status::Ok();
 }
 
 TorchKv::Window TorchKv::Memory() const {
-  const int64_t b = k_.size(0), lk = k_.size(2);
-  return {k_, v_, kpm_.defined() ? kpm_.view({b, 1, 1, lk}) : at::Tensor()};
+  const int64_t b = mk_.size(0), lk = mk_.size(2);
+  return {{mk_}, {mv_}, mkpm_.defined() ? mkpm_.view({b, 1, 1, lk}) : at::Tensor()};
 }
 
 TorchKv::Window TorchKv::Append(int64_t held, int64_t capacity, const at::Tensor& kh,
                                 const at::Tensor& vh, const at::Tensor& kpm) {
   const int64_t b = kh.size(0), h = kh.size(1), t = kh.size(2), d = kh.size(3);
   const auto opts = kh.options();
-  if (!k_.defined() || k_.size(2) < capacity) {
-    // All of the grown cache first, then swapped in at once: a failed allocation leaves the
-    // session's tensors as they were, never keys grown without their padding mask.
-    at::Tensor nk = KeptEmpty({b, h, capacity, d}, opts), nv = KeptEmpty({b, h, capacity, d}, opts),
-               nkpm;
-    if (kpm_.defined()) nkpm = KeptEmpty({b, capacity}, opts).zero_();
-    if (held > 0) {
-      nk.narrow(2, 0, held).copy_(k_.narrow(2, 0, held));
-      nv.narrow(2, 0, held).copy_(v_.narrow(2, 0, held));
-      if (nkpm.defined()) nkpm.narrow(1, 0, held).copy_(kpm_.narrow(1, 0, held));
+  const Plan plan = PlanAppend(held);
+  bool padded = kpm.defined() || (own_ && own_->kpm.defined());
+  for (const Shared& s : shared_) padded = padded || s.block->kpm.defined();
+
+  // Every allocation first, then swapped in: a failed one leaves the session as it was.
+  if (plan.shared == 0 && plan.own == 0 && base_ > 0) {
+    // Compact: the first `held` tokens, wherever they lie, into one new block.
+    std::shared_ptr<KvBlock> block = NewBlock(b, h, capacity, d, opts, padded);
+    int64_t off = 0;
+    std::vector<Shared> pieces = SharedUpTo(std::min(held, base_));
+    if (held > base_) pieces.push_back(Shared{own_, held - base_});
+    for (const Shared& s : pieces) {
+      block->k.narrow(2, off, s.rows).copy_(s.block->k.narrow(2, 0, s.rows));
+      block->v.narrow(2, off, s.rows).copy_(s.block->v.narrow(2, 0, s.rows));
+      if (s.block->kpm.defined())
+        block->kpm.narrow(1, off, s.rows).copy_(s.block->kpm.narrow(1, 0, s.rows));
+      off += s.rows;
     }
-    k_ = std::move(nk);
-    v_ = std::move(nv);
-    if (nkpm.defined()) kpm_ = std::move(nkpm);
-  }
-  k_.narrow(2, held, t).copy_(kh);
-  v_.narrow(2, held, t).copy_(vh);
-  if (kpm.defined() && !kpm_.defined()) kpm_ = KeptEmpty({b, k_.size(2)}, opts).zero_();
-  if (kpm_.defined()) {
-    if (kpm.defined()) {
-      kpm_.narrow(1, held, t).copy_(kpm);
+    ReleaseOwn();
+    shared_.clear();
+    own_ = std::move(block);
+    base_ = 0;
+  } else if (plan.own == 0 && plan.shared == held && (held != base_ || !own_ || frozen_ > 0)) {
+    // Trim or freeze: the step starts a new own block after `held`.
+    std::shared_ptr<KvBlock> block = NewBlock(b, h, capacity - held, d, opts, padded);
+    if (held < base_) {
+      shared_ = SharedUpTo(held);
+    } else if (held > base_) {
+      shared_.push_back(Shared{own_, held - base_});
+    }
+    ReleaseOwn();
+    own_ = std::move(block);
+    base_ = held;
+  } else if (OwnRows() < held - base_ + t) {
+    if (frozen_ > 0) {
+      // Forks read this block: its rows up to `held` become shared, the step goes to a new one.
+      std::shared_ptr<KvBlock> block = NewBlock(b, h, capacity - held, d, opts, padded);
+      if (held > base_) shared_.push_back(Shared{own_, held - base_});
+      ReleaseOwn();
+      own_ = std::move(block);
+      base_ = held;
     } else {
-      kpm_.narrow(1, held, t).zero_();
+      std::shared_ptr<KvBlock> block = NewBlock(b, h, capacity - base_, d, opts, padded);
+      const int64_t rows = held - base_;
+      if (rows > 0) {
+        block->k.narrow(2, 0, rows).copy_(own_->k.narrow(2, 0, rows));
+        block->v.narrow(2, 0, rows).copy_(own_->v.narrow(2, 0, rows));
+        if (own_->kpm.defined()) block->kpm.narrow(1, 0, rows).copy_(own_->kpm.narrow(1, 0, rows));
+      }
+      own_ = std::move(block);
     }
   }
+  const int64_t off = held - base_;
+  own_->k.narrow(2, off, t).copy_(kh);
+  own_->v.narrow(2, off, t).copy_(vh);
+  if (kpm.defined() && !own_->kpm.defined()) own_->kpm = KeptEmpty({b, OwnRows()}, opts).zero_();
+  if (own_->kpm.defined()) {
+    if (kpm.defined()) {
+      own_->kpm.narrow(1, off, t).copy_(kpm);
+    } else {
+      own_->kpm.narrow(1, off, t).zero_();
+    }
+  }
+
+  Window w;
   const int64_t lk = held + t;
-  return {k_.narrow(2, 0, lk), v_.narrow(2, 0, lk),
-          kpm_.defined() ? kpm_.narrow(1, 0, lk).view({b, 1, 1, lk}) : at::Tensor()};
+  std::vector<at::Tensor> paddings;
+  const auto add = [&](const KvBlock& block, int64_t rows) {
+    w.k.push_back(block.k.narrow(2, 0, rows));
+    w.v.push_back(block.v.narrow(2, 0, rows));
+    if (padded) {
+      paddings.push_back(block.kpm.defined() ? block.kpm.narrow(1, 0, rows)
+                                             : at::zeros({b, rows}, opts));
+    }
+  };
+  for (const Shared& s : shared_) add(*s.block, s.rows);
+  add(*own_, off + t);
+  if (padded) {
+    w.kpm = (paddings.size() == 1 ? paddings[0] : at::cat(paddings, 1)).view({b, 1, 1, lk});
+  }
+  return w;
 }
 
 }  // namespace attnserve

@@ -137,7 +137,10 @@ struct Ref {
   std::string handle;
   KvKind kind = KvKind::kSession;
   int model = 0;
-  std::shared_ptr<KvCache> cache;
+  // Its engine cache, held by the store's entry (and by a request using it): the reference must
+  // not keep it alive, or an entry the store ends would keep its blocks past their count.
+  std::weak_ptr<KvCache> cache;
+  std::shared_ptr<KvCache> made;  // The new cache, until the store holds it.
   int64_t batch = 0, length = 0, capacity = 0, bytes = 0;
   int64_t allocated = 0;  // Tokens the engine allocated in the cache.
   bool ready = false, busy = false, indexed = true;
@@ -148,9 +151,33 @@ struct Ref {
   bool real = false;              // Its contents came from the engine (answers can be checked).
   std::vector<float> tokens;      // A session's applied tokens, sequence-first [L, B, E].
   std::vector<float> key, value;  // A memory's inputs, batch-first [B, Lk, E].
+  // A session's storage as the engine lays it out (README: forks share, nothing is copied): its
+  // first `base` tokens in shared blocks `segs` (block, rows), the rest in its own block `own`
+  // (-1: none) of own_rows rows, whose first `frozen` rows forks read.
+  std::vector<std::pair<int, int64_t>> segs;
+  int own = -1;
+  int64_t own_rows = 0, base = 0, frozen = 0;
+  bool destroyed = false;  // No one holds it any more: its cache is gone.
   bool in_use() const { return busy || !ready || holders > 0; }
   bool counted() const { return indexed || holders > 0; }
 };
+
+// One allocation of a session's keys and values, as the reference counts it: `holders` sessions
+// read it (its owner among them); once its owner let go of it while forks still read it, it
+// counts itself (`self`) until the last of them goes.
+struct Block {
+  int64_t bytes = 0;
+  int holders = 0;
+  bool self = false;
+};
+
+// Past this many shared blocks a session's step copies its history into one block (TorchKv).
+constexpr size_t kMaxShared = 8;
+
+// A handle as the log names it: 6 of its random digits (the first 8 name the replica).
+std::string Short(const std::string& handle) {
+  return handle.size() >= 14 ? handle.substr(8, 6) : handle;
+}
 
 struct Flight {  // A session step in flight.
   std::unique_ptr<KvStep> step;
@@ -285,11 +312,128 @@ class ModelCheck {
            "', the reference expects " + StatusCodeName(want));
     }
   }
-  int64_t Account() const {
+  // Bytes the budget holds: live entries (and ended ones still held), and the blocks that count
+  // themselves.
+  int64_t Account() {
+    Reap();
     int64_t sum = 0;
     for (const Ref& r : refs_) sum += r.counted() ? r.bytes : 0;
+    for (const Block& b : blocks_) sum += b.self && b.holders > 0 ? b.bytes : 0;
     return sum;
   }
+  // Entries no one holds any more: their caches go (the store's entry is gone with them), letting
+  // go of their blocks.
+  void Reap() {
+    for (Ref& r : refs_) {
+      if (r.counted() || r.destroyed) continue;
+      r.destroyed = true;
+      for (const auto& [block, rows] : r.segs) --blocks_[static_cast<size_t>(block)].holders;
+      r.segs.clear();
+      ReleaseOwn(r);
+      r.cache.reset();
+    }
+  }
+  // The session lets go of its own block; one that forks read counts itself from now on.
+  void ReleaseOwn(Ref& r) {
+    if (r.own >= 0) {
+      Block& b = blocks_[static_cast<size_t>(r.own)];
+      if (r.frozen > 0) b.self = true;
+      --b.holders;
+    }
+    r.own = -1;
+    r.own_rows = 0;
+    r.frozen = 0;
+  }
+  int NewBlock(const Ref& r, int64_t rows) {
+    blocks_.push_back(Block{BytesFor(r, rows).value_or(-1), 1, false});
+    return static_cast<int>(blocks_.size() - 1);
+  }
+  // The shared blocks covering the first `tokens` tokens of `r` (those past it dropped, the last
+  // cut), each held once more.
+  std::vector<std::pair<int, int64_t>> SegsUpTo(const Ref& r, int64_t tokens) {
+    std::vector<std::pair<int, int64_t>> kept;
+    int64_t at = 0;
+    for (const auto& [block, rows] : r.segs) {
+      if (at >= tokens) break;
+      kept.emplace_back(block, std::min(rows, tokens - at));
+      ++blocks_[static_cast<size_t>(block)].holders;
+      at += kept.back().second;
+    }
+    return kept;
+  }
+  void SetSegs(Ref& r, std::vector<std::pair<int, int64_t>> segs) {
+    for (const auto& [block, rows] : r.segs) --blocks_[static_cast<size_t>(block)].holders;
+    r.segs = std::move(segs);
+  }
+  // The engine's plan for a step after `held` tokens (README's fork rules): the tokens it will
+  // share, the own tokens it can write on, and whether a replaced own block stays alive.
+  struct Plan {
+    int64_t shared = 0, own = 0;
+    bool retained = false;
+  };
+  Plan PlanOf(const Ref& r, int64_t held) const {
+    Plan p;
+    size_t pieces = r.segs.size();
+    if (held < r.base) {
+      p = Plan{held, 0, r.frozen > 0};
+      int64_t at = 0;
+      pieces = 0;
+      for (const auto& seg : r.segs) {
+        if (at >= held) break;
+        ++pieces;
+        at += seg.second;
+      }
+    } else if (r.frozen > 0 && held - r.base < r.frozen) {
+      p = Plan{held, 0, true};
+      pieces += held > r.base ? 1 : 0;
+    } else {
+      p = Plan{r.base, r.own_rows, r.frozen > 0};
+    }
+    if (pieces > kMaxShared) p = Plan{0, 0, r.frozen > 0};
+    return p;
+  }
+  // What one computed step does to the session's storage (TorchKv::Append).
+  void Append(Ref& r, int64_t held, int64_t capacity, int64_t t) {
+    const Plan p = PlanOf(r, held);
+    if (p.shared == 0 && p.own == 0 && r.base > 0) {  // Compacted: one new block, all copied in.
+      const int block = NewBlock(r, capacity);
+      SetSegs(r, {});
+      ReleaseOwn(r);
+      r.own = block;
+      r.own_rows = capacity;
+      r.base = 0;
+    } else if (p.own == 0 && p.shared == held && (held != r.base || r.own < 0 || r.frozen > 0)) {
+      const int block = NewBlock(r, capacity - held);  // Trimmed or frozen: a new block after held.
+      if (held < r.base) {
+        SetSegs(r, SegsUpTo(r, held));
+      } else if (held > r.base) {
+        ++blocks_[static_cast<size_t>(r.own)].holders;
+        r.segs.emplace_back(r.own, held - r.base);
+      }
+      ReleaseOwn(r);
+      r.own = block;
+      r.own_rows = capacity - held;
+      r.base = held;
+    } else if (r.own_rows < held - r.base + t) {
+      if (r.frozen > 0) {  // Grown past rows forks read: those become shared, a new block after.
+        const int block = NewBlock(r, capacity - held);
+        if (held > r.base) {
+          ++blocks_[static_cast<size_t>(r.own)].holders;
+          r.segs.emplace_back(r.own, held - r.base);
+        }
+        ReleaseOwn(r);
+        r.own = block;
+        r.own_rows = capacity - held;
+        r.base = held;
+      } else {  // Grown: copied into a larger block, the old one freed.
+        const int block = NewBlock(r, capacity - r.base);
+        ReleaseOwn(r);
+        r.own = block;
+        r.own_rows = capacity - r.base;
+      }
+    }
+  }
+
   int64_t Indexed(KvKind kind) const {
     int64_t n = 0;
     for (const Ref& r : refs_) n += r.indexed && r.kind == kind;
@@ -329,29 +473,40 @@ class ModelCheck {
   }
   void Unhold(size_t ref) { --refs_[ref].holders; }
   std::optional<int64_t> BytesFor(const Ref& r, int64_t capacity) const {
-    return r.cache->BytesFor(r.batch, capacity);
+    std::shared_ptr<KvCache> c = r.cache.lock();
+    return (c ? c : models_[r.model]->NewKvCache())->BytesFor(r.batch, capacity);
   }
 
   // The store's MakeRoom, plainly: can `need` more bytes fit once every entry not in use (but
-  // `keep`) is evicted? If so, and `apply`, evict least recently used first until they fit.
-  bool Room(int64_t need, const Ref* keep, bool apply) {
-    std::vector<Ref*> candidates;
+  // `keep`) is evicted? If so, evict least recently used first until they fit; evicting one whose
+  // block forks still read frees nothing (the block counts itself), so it may still not fit. Not
+  // `apply`: what would happen, the reference left as it was.
+  enum class Fit { kFits, kRefused, kEvictedThenRefused };
+  Fit Room(int64_t need, const Ref* keep, bool apply) {
+    if (!apply) {
+      const auto saved = std::make_tuple(refs_, blocks_, removed_now_, want_ends_, stats_);
+      const Fit fit =
+          Room(need, keep ? &refs_[static_cast<size_t>(keep - refs_.data())] : nullptr, true);
+      std::tie(refs_, blocks_, removed_now_, want_ends_, stats_) = saved;
+      return fit;
+    }
+    std::vector<size_t> candidates;
     int64_t freeable = 0;
-    for (Ref& r : refs_) {
+    for (size_t i = 0; i < refs_.size(); ++i) {
+      Ref& r = refs_[i];
       if (r.indexed && !r.in_use() && &r != keep) {
-        candidates.push_back(&r);
+        candidates.push_back(i);
         freeable += r.bytes;
       }
     }
-    if (Account() + need - freeable > options_.budget_bytes) return false;
-    if (!apply) return true;
+    if (Account() + need - freeable > options_.budget_bytes) return Fit::kRefused;
     std::sort(candidates.begin(), candidates.end(),
-              [](const Ref* a, const Ref* b) { return a->touched < b->touched; });
-    for (Ref* r : candidates) {
+              [&](size_t a, size_t b) { return refs_[a].touched < refs_[b].touched; });
+    for (size_t i : candidates) {
       if (Account() + need <= options_.budget_bytes) break;
-      Remove(*r, KvEndReason::kEvicted, "evicted (least recently used");
+      Remove(refs_[i], KvEndReason::kEvicted, "evicted (least recently used");
     }
-    return true;
+    return Account() + need <= options_.budget_bytes ? Fit::kFits : Fit::kEvictedThenRefused;
   }
 
   // A handle to name: one the reference knows (any kind, any state), or one nobody made.
@@ -411,13 +566,18 @@ class ModelCheck {
     if (Indexed(KvKind::kMemory) + Indexed(KvKind::kSession) >= options_.max_entries) {
       return StatusCode::kResourceExhausted;
     }
-    return Room(*b, nullptr, false) ? StatusCode::kOk : StatusCode::kResourceExhausted;
+    const Fit fit = Room(*b, nullptr, false);
+    if (fit == Fit::kEvictedThenRefused)
+      Room(*b, nullptr, true);  // The store evicted, then refused.
+    return fit == Fit::kFits ? StatusCode::kOk : StatusCode::kResourceExhausted;
   }
 
   std::shared_ptr<KvEntry> Create(Ref r, int64_t capacity, const char* op) {
     int64_t bytes = 0;
     const StatusCode want = PredictCreate(r, capacity, &bytes);
-    auto got = store_->Create(r.kind, models_[r.model], r.cache, r.batch, capacity);
+    std::shared_ptr<KvCache> cache = std::move(r.made);
+    r.cache = cache;
+    auto got = store_->Create(r.kind, models_[r.model], cache, r.batch, capacity);
     ExpectCode(got.status(), want, op);
     if (!got.ok() || want != StatusCode::kOk) return nullptr;
     Room(bytes, nullptr, true);
@@ -433,7 +593,7 @@ class ModelCheck {
     Ref r;
     r.kind = KvKind::kSession;
     r.model = static_cast<int>(c_.Below(2));
-    r.cache = models_[r.model]->NewKvCache();
+    r.made = models_[r.model]->NewKvCache();
     r.batch = c_.Size(3);
     r.ready = true;
     r.real = r.batch >= 1 && r.batch <= 3;
@@ -445,7 +605,7 @@ class ModelCheck {
     Ref r;
     r.kind = KvKind::kMemory;
     r.model = static_cast<int>(c_.Below(2));
-    r.cache = models_[r.model]->NewKvCache();
+    r.made = models_[r.model]->NewKvCache();
     auto m = std::make_unique<Creating>();
     int64_t length;
     if (raw) {  // The store's own contract, with any sizes.
@@ -483,7 +643,7 @@ class ModelCheck {
     m->ref = index;
     refs_[index].holders = 1;
     refs_[index].length = 0;
-    m->call.kv = refs_[index].cache;
+    m->call.kv = refs_[index].cache.lock();
     creating_.push_back(std::move(m));
   }
 
@@ -495,7 +655,7 @@ class ModelCheck {
     Ref& r = refs_[m->ref];
     const bool computed = r.real && !c_.OneIn(8);
     Note([&] {
-      return std::string(std::string("CompleteMemory ") + r.handle.substr(8, 6) +
+      return std::string(std::string("CompleteMemory ") + Short(r.handle) +
                          (computed ? " computed" : " failed"));
     });
     if (computed) {
@@ -550,7 +710,7 @@ class ModelCheck {
         break;
     }
     Note([&] {
-      return std::string("BeginStep " + handle.substr(8, 6) + " expecting " +
+      return std::string("BeginStep " + Short(handle) + " expecting " +
                          (expected ? std::to_string(*expected) : "-"));
     });
     auto got = store_->BeginStep(handle, expected);
@@ -616,7 +776,7 @@ class ModelCheck {
       f.call.layout = f.seq_first ? TensorLayout::kSequenceFirst : TensorLayout::kBatchFirst;
       f.call.is_causal = true;  // As FromWire sets it for every session step.
       f.call.kv_use = AttendCall::Kv::kSession;
-      f.call.kv = r.cache;
+      f.call.kv = r.cache.lock();
       f.call.kv_batch = r.batch;
       f.call.kv_length = f.step->length();
       Note([&] {
@@ -629,35 +789,41 @@ class ModelCheck {
       if (!valid.ok()) return EndFlight(k, false, "refused by validation");
       tokens = f.call.query_len;
     }
-    // The store's Reserve, plainly.
+    // The store's Reserve, plainly: the session counts the tokens of its own block (those it
+    // shares are counted once, by their block), grown by doubling.
     StatusCode want = StatusCode::kOk;
     int64_t capacity = r.capacity, bytes = r.bytes;
     const std::optional<int64_t> needed = tokens < 0 ? std::nullopt : CheckedAdd(r.length, tokens);
+    const Plan plan = PlanOf(r, r.length);
     if (!needed) {
       want = StatusCode::kInvalidArgument;
-    } else if (*needed > r.capacity) {
-      const int64_t doubled = CheckedMul({r.capacity, 2}).value_or(*needed);
+    } else if (*needed - plan.shared > plan.own) {
+      const int64_t own_needed = *needed - plan.shared;
+      const int64_t doubled = CheckedMul({plan.own, 2}).value_or(own_needed);
       want = StatusCode::kInvalidArgument;
-      for (const int64_t c : {std::max<int64_t>({*needed, doubled, 16}), *needed}) {
+      for (const int64_t c : {std::max<int64_t>({own_needed, doubled, 16}), own_needed}) {
         const std::optional<int64_t> b = BytesFor(r, c);
         if (!b || *b > options_.max_entry_bytes) {
           want = StatusCode::kInvalidArgument;
           continue;
         }
-        if (!Room(*b - r.bytes, &r, false)) {
+        const int64_t charge = plan.retained ? r.bytes + *b : *b;
+        const Fit fit = Room(charge - r.bytes, &r, false);
+        if (fit != Fit::kFits) {
+          if (fit == Fit::kEvictedThenRefused) Room(charge - r.bytes, &r, true);
           want = StatusCode::kResourceExhausted;
           continue;
         }
         want = StatusCode::kOk;
-        capacity = c;
-        bytes = *b;
+        capacity = plan.shared + c;
+        bytes = charge;
         break;
       }
     }
     const Status got = f.step->Reserve(tokens);
     ExpectCode(got, want, "Reserve");
     if (!got.ok() || want != StatusCode::kOk) return EndFlight(k, false, "not reserved");
-    if (capacity != r.capacity) {
+    if (capacity != r.capacity || bytes != r.bytes) {
       Room(bytes - r.bytes, &r, true);
       r.capacity = capacity;
       r.bytes = bytes;
@@ -694,10 +860,8 @@ class ModelCheck {
       r.tokens.insert(r.tokens.end(), f->new_tokens.begin(), f->new_tokens.end());
     }
     const int64_t held = std::max(r.allocated, applied ? step_capacity : 0);
-    if (held != r.capacity) {
-      r.capacity = held;
-      r.bytes = BytesFor(r, held).value_or(-1);
-    }
+    r.capacity = held;
+    r.bytes = BytesFor(r, held - r.base).value_or(-1);
     if (r.indexed) Touch(r);
     f->step.reset();
     Unhold(f->ref);
@@ -738,7 +902,8 @@ class ModelCheck {
             return std::string("engine: a session step failed: " + statuses[i].message());
           }))
         return;
-      r.allocated = std::max(r.allocated, f->step->capacity());
+      Append(r, f->step->length(), f->step->capacity(), f->tokens);
+      r.allocated = r.base + r.own_rows;
       const bool applied = !c_.OneIn(4);
       const size_t k = std::find_if(flights_.begin(), flights_.end(),
                                     [&](const auto& p) { return p.get() == f; }) -
@@ -789,9 +954,7 @@ class ModelCheck {
     std::string handle;
     const size_t i = PickRef(KvKind::kMemory, &handle);
     const bool hold = c_.OneIn(4);
-    Note([&] {
-      return std::string("QueryMemory " + handle.substr(8, 6) + (hold ? " (held)" : ""));
-    });
+    Note([&] { return std::string("QueryMemory " + Short(handle) + (hold ? " (held)" : "")); });
     auto got = store_->Lookup(handle, KvKind::kMemory);
     const std::string missing = Lookup(i, KvKind::kMemory);
     if (!missing.empty()) return ExpectNotFound(got.status(), missing, "Lookup");
@@ -809,7 +972,7 @@ class ModelCheck {
     AttendCall call;
     call.query = q.view();
     call.kv_use = AttendCall::Kv::kMemory;
-    call.kv = r.cache;
+    call.kv = r.cache.lock();
     call.kv_batch = r.batch;
     call.kv_length = (*got)->length;
     const ModelSpec& spec = models_[r.model]->spec();
@@ -850,7 +1013,7 @@ class ModelCheck {
   void DropHold() {
     if (holds_.empty()) return;
     const size_t i = c_.Below(holds_.size());
-    Note([&] { return std::string("DropHold " + refs_[holds_[i].ref].handle.substr(8, 6)); });
+    Note([&] { return std::string("DropHold " + Short(refs_[holds_[i].ref].handle)); });
     const size_t ref = holds_[i].ref;
     holds_.erase(holds_.begin() + static_cast<ptrdiff_t>(i));
     Unhold(ref);
@@ -861,7 +1024,7 @@ class ModelCheck {
     std::string handle;
     const size_t i = PickRef(kind, &handle);
     Note([&] {
-      return std::string(std::string("Release ") + KvKindName(kind) + " " + handle.substr(8, 6));
+      return std::string(std::string("Release ") + KvKindName(kind) + " " + Short(handle));
     });
     auto got = store_->Release(handle, kind);
     const std::string missing = Lookup(i, kind);
@@ -883,7 +1046,7 @@ class ModelCheck {
   void Fork() {
     std::string handle;
     const size_t i = PickRef(KvKind::kSession, &handle);
-    Note([&] { return std::string("Fork " + handle.substr(8, 6)); });
+    Note([&] { return std::string("Fork " + Short(handle)); });
     std::shared_ptr<KvCache> cache = models_[i == SIZE_MAX ? 0 : refs_[i].model]->NewKvCache();
     auto got = store_->Fork(handle, cache);
     const std::string missing = Lookup(i, KvKind::kSession);
@@ -901,18 +1064,24 @@ class ModelCheck {
       r.real = p.real;
       r.tokens = p.tokens;
       r.length = p.length;
-      r.allocated = p.allocated > 0 ? p.capacity : 0;
     }
-    const int64_t capacity = refs_[i].capacity;
     int64_t bytes = 0;
-    refs_[i].busy = true;  // As the store holds it while the copy is made.
-    const StatusCode want = PredictCreate(r, capacity, &bytes);
+    refs_[i].busy = true;  // As the store holds it while the fork is made.
+    const StatusCode want = PredictCreate(r, 0, &bytes);
     ExpectCode(got.status(), want, "Fork");
     if (got.ok() && want == StatusCode::kOk) {
-      Room(bytes, nullptr, true);
+      // It shares the parent's first `length` tokens: nothing copied, nothing counted for it.
+      Ref& p = refs_[i];
+      r.segs = SegsUpTo(p, std::min(p.length, p.base));
+      if (p.length > p.base) {
+        ++blocks_[static_cast<size_t>(p.own)].holders;
+        r.segs.emplace_back(p.own, p.length - p.base);
+        p.frozen = std::max(p.frozen, p.length - p.base);
+      }
+      r.base = p.length;
+      r.allocated = r.capacity = p.length;
       r.handle = (*got)->handle;
-      r.capacity = capacity;
-      r.bytes = bytes;
+      r.bytes = 0;
       Touch(r);
       refs_[i].busy = false;
       Touch(refs_[i]);  // The store lets go of the parent after making the fork: it is the newer.
@@ -939,9 +1108,8 @@ class ModelCheck {
       default:
         length = static_cast<int64_t>(c_.Below(static_cast<uint64_t>(known) + 1));
     }
-    Note([&] {
-      return std::string("Truncate " + handle.substr(8, 6) + " to " + std::to_string(length));
-    });
+    Note(
+        [&] { return std::string("Truncate " + Short(handle) + " to " + std::to_string(length)); });
     const Status got = store_->Truncate(handle, length);
     const std::string missing = Lookup(i, KvKind::kSession);
     if (!missing.empty()) return ExpectNotFound(got, missing, "Truncate");
@@ -1002,9 +1170,7 @@ class ModelCheck {
       const auto it =
           std::lower_bound(snapshot.begin(), snapshot.end(), r.handle,
                            [](const KvEntryInfo& x, const std::string& h) { return x.handle < h; });
-      const auto name = [&] {
-        return std::string(KvKindName(r.kind)) + " " + r.handle.substr(8, 6);
-      };
+      const auto name = [&] { return std::string(KvKindName(r.kind)) + " " + Short(r.handle); };
       if (!Expect(it != snapshot.end() && it->handle == r.handle,
                   [&] { return name() + " is gone from the store; the reference holds it"; })) {
         return;
@@ -1027,17 +1193,25 @@ class ModelCheck {
                   })) {
         return;
       }
-      const std::optional<int64_t> bytes = BytesFor(r, r.capacity);
-      Expect(bytes && *bytes == e.bytes && e.bytes <= options_.max_entry_bytes && e.bytes >= 0,
+      // Its own tokens (those it shares are counted by their block); a step in flight may hold a
+      // replaced block beside the new one.
+      const std::optional<int64_t> bytes = BytesFor(r, r.capacity - r.base);
+      Expect((e.busy || (bytes && *bytes == e.bytes)) && e.bytes <= 2 * options_.max_entry_bytes &&
+                 e.bytes >= 0,
              [&] {
                return name() + ": " + std::to_string(e.bytes) +
-                      " bytes for its capacity, over the entry limit or not its size";
+                      " bytes for its capacity, over the entry limit or not its size (capacity " +
+                      std::to_string(r.capacity) + ", shared " + std::to_string(r.base) + ", own " +
+                      std::to_string(r.own_rows) + ", length " + std::to_string(r.length) +
+                      (e.busy ? ", busy" : "") + ", allocated " + std::to_string(r.allocated) + ")";
              });
       Expect(r.kind == KvKind::kMemory || e.capacity >= e.length,
              [&] { return name() + ": capacity below its length"; });
       if (!e.busy && e.ready) {
-        Expect(r.cache->AllocatedTokens() == e.capacity, [&] {
-          return name() + ": the engine holds " + std::to_string(r.cache->AllocatedTokens()) +
+        const std::shared_ptr<KvCache> cache = r.cache.lock();
+        Expect(cache && cache->AllocatedTokens() == e.capacity, [&] {
+          return name() + ": the engine holds " +
+                 (cache ? std::to_string(cache->AllocatedTokens()) : std::string("nothing")) +
                  " tokens, the store counts " + std::to_string(e.capacity);
         });
       }
@@ -1081,6 +1255,7 @@ class ModelCheck {
   std::unique_ptr<KvStore> store_;
   std::string stranger_;  // The handle nobody made that PickRef named last.
   std::vector<Ref> refs_;
+  std::vector<Block> blocks_;  // Every block a session allocated, by index.
   std::vector<std::unique_ptr<Flight>> flights_;
   std::vector<std::unique_ptr<Creating>> creating_;
   std::vector<Hold> holds_;

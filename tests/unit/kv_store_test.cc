@@ -25,11 +25,16 @@ class FakeCache : public KvCache {
     return CheckedMul({batch, capacity, 100});
   }
   int64_t AllocatedTokens() const override { return allocated; }
-  Status CopyFrom(const KvCache& source, int64_t, int64_t capacity) override {
-    if (source.AllocatedTokens() > 0) allocated = capacity;
+  int64_t SharedTokens() const override { return shared; }
+  // A fork's shared tokens stay shared until a step goes back into them.
+  Plan PlanAppend(int64_t held) const override {
+    return held < shared ? Plan{held, 0, false} : Plan{shared, allocated - shared, false};
+  }
+  Status ShareFrom(KvCache&, int64_t length) override {
+    allocated = shared = length;
     return Status::Ok();
   }
-  int64_t allocated = 0;
+  int64_t allocated = 0, shared = 0;
 };
 
 std::unique_ptr<KvStep> Begin(KvStore& store, const std::string& handle,
@@ -262,9 +267,10 @@ TEST(KvStoreTest, TruncateTakesBackTokensBetweenSteps) {
   EXPECT_THAT(store.Truncate(h, 0).message(), HasSubstr("closed"));
 }
 
-// ForkSession: a copy of the parent as it is (length, capacity, bytes counted again), never while a
-// step is in flight; the parent is free again afterwards and the two step on their own.
-TEST(KvStoreTest, ForkCopiesTheSessionAsItIs) {
+// ForkSession: the parent's tokens shared, not copied (the fork counts 0 bytes until it writes its
+// own), never while a step is in flight; the parent is free again afterwards and the two step on
+// their own, the fork's first step counting only its own tokens.
+TEST(KvStoreTest, ForkSharesTheSessionAsItIs) {
   KvStore store(KvOptions{});
   auto model = std::make_shared<FakeModel>();
   auto s = store.Create(KvKind::kSession, model, std::make_shared<FakeCache>(), 2, 0);
@@ -280,19 +286,26 @@ TEST(KvStoreTest, ForkCopiesTheSessionAsItIs) {
   ASSERT_TRUE(fork.ok()) << fork.status().message();
   EXPECT_NE((*fork)->handle, h);
   EXPECT_EQ((*fork)->length, 5);
-  EXPECT_EQ((*fork)->capacity, (*s)->capacity);
-  EXPECT_EQ((*fork)->cache->AllocatedTokens(), (*s)->capacity);
-  EXPECT_EQ(store.bytes(), 2 * one);
+  EXPECT_EQ((*fork)->capacity, 5);
+  EXPECT_EQ((*fork)->bytes, 0);
+  EXPECT_EQ(store.bytes(), one);
   EXPECT_FALSE((*s)->busy);
   auto a = Begin(store, h, 5), b = Begin(store, (*fork)->handle, 5);  // Both at once.
   ASSERT_TRUE(a && b);
+  ASSERT_TRUE(b->Reserve(1).ok());
+  EXPECT_EQ(b->capacity(), 5 + 16);  // Its own tokens: at least 16, after the 5 shared.
+  EXPECT_EQ((*fork)->bytes, 2 * 16 * 100);
+  Compute(*b);
+  b->End(true);
+  EXPECT_EQ((*fork)->length, 6);
+  EXPECT_EQ((*fork)->bytes, 2 * 16 * 100);
+  EXPECT_EQ(store.bytes(), one + 2 * 16 * 100);
   a->End(false);
-  b->End(false);
   EXPECT_THAT(store.Fork(store.replica_id() + std::string(24, '0'), std::make_shared<FakeCache>())
                   .status()
                   .message(),
               HasSubstr("unknown"));
-  // The budget refuses a fork it cannot hold, and nothing changes.
+  // A fork takes no room; its first step is refused when the budget cannot hold its own tokens.
   KvOptions small;
   small.budget_bytes = small.max_entry_bytes = 2 * 16 * 100;
   KvStore tight(small);
@@ -302,11 +315,16 @@ TEST(KvStoreTest, ForkCopiesTheSessionAsItIs) {
   ASSERT_TRUE(ts->Reserve(3).ok());
   Compute(*ts);
   ts->End(true);
-  auto refused = tight.Fork((*t)->handle, std::make_shared<FakeCache>());
-  EXPECT_EQ(refused.status().code(), StatusCode::kResourceExhausted) << refused.status().message();
-  EXPECT_EQ(tight.size(), 1u);
+  auto tf = tight.Fork((*t)->handle, std::make_shared<FakeCache>());
+  ASSERT_TRUE(tf.ok()) << tf.status().message();
+  EXPECT_EQ(tight.size(), 2u);
   EXPECT_EQ(tight.bytes(), 2 * 16 * 100);
   EXPECT_FALSE((*t)->busy);
+  auto fs = Begin(tight, (*tf)->handle, 3);
+  const Status refused = fs->Reserve(1);  // The parent is busy-free but the only thing to evict.
+  EXPECT_EQ(refused.code(), StatusCode::kResourceExhausted) << refused.message();
+  fs->End(false);
+  EXPECT_EQ((*tf)->bytes, 0);
 }
 
 // Issue 17: a step that claimed ~2^62 tokens reserved an overflowed byte count, left its session at
