@@ -242,8 +242,8 @@ class Client {
   CallStatus OpenSession(const std::string& model, int64_t batch, KvInfo* session,
                          const CallOptions& call = {}, int64_t model_version = 0);
   CallStatus CloseSession(const std::string& handle, const CallOptions& call = {});
-  /// A new session holding a copy of `handle`'s tokens (beam search, parallel sampling); close it
-  /// like any session.
+  /// A new session holding `handle`'s tokens (beam search, parallel sampling), sharing them on the
+  /// server (nothing copied, counted once); close it like any session.
   CallStatus ForkSession(const std::string& handle, KvInfo* fork, const CallOptions& call = {});
   /// Takes a session back to its first `length` tokens; the next step appends after them
   /// (speculative decoding). Idempotent, so the retry policy may resend it. `session` (may be

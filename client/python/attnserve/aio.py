@@ -113,8 +113,8 @@ class Session(_calls.Kept):
         return r
 
     async def fork(self, *, deadline=DEFAULT):
-        """A new session holding a copy of this one's tokens (beam search, parallel sampling): each steps on
-        its own. Use it with `with` too."""
+        """A new session holding this one's tokens (beam search, parallel sampling), shared on the server
+        (nothing copied): each steps on its own. Use it with `with` too."""
         req = pb.ForkSessionRequest(handle=self.handle)
         info = await self._client._routed("ForkSession", req, deadline, self.route)
         return Session(self._client, info, _calls.Route(info.replica))
