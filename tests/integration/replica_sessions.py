@@ -6,7 +6,7 @@ where it sends them: one on another replica is closed and opened again, up to 12
 between steps) and check every answered step against one causal call over the session's whole
 sequence, sent as a plain Attend (any replica: they hold the same model). Writes one JSON record
 per session: the replica it was opened on (KvHandle.replica), when it opened and ended (time.time),
-the steps answered and when the last was, the worst difference from the causal call, and the error that ended it, if any.
+the steps answered and when the last was, when the step that failed was sent, the worst difference from the causal call, and the error that ended it, if any.
 
 usage: replica_sessions.py TARGET --replicas A,B,C --mode direct|proxy --seconds S --out FILE
                            [--threads-per-replica 2]
@@ -46,13 +46,14 @@ def run_sessions(attnserve, client, replica, seed, stop, records, lock):
     rng = np.random.default_rng(seed)
     while not stop.is_set():
         rec = {"replica": None, "opened": time.time(), "ended": None, "steps": 0, "last_ok": None, "worst": 0.0,
-               "error": None}
+               "error": None, "sent": None}
         outputs, tokens = [], []
         try:
             with open_on(client, replica) as s:
                 rec["replica"] = s.info.replica
                 for step in range(STEPS + 1):
                     x = rng.standard_normal((1, PROMPT if step == 0 else 1, 512)).astype(np.float32)
+                    rec["sent"] = time.time()  # The step in flight, if it fails.
                     outputs.append(s.step(x).output)
                     tokens.append(x)
                     rec["steps"] += 1
@@ -62,7 +63,7 @@ def run_sessions(attnserve, client, replica, seed, stop, records, lock):
                 ref = client.attend(whole, is_causal=True).output
                 rec["worst"] = float(np.abs(np.concatenate(outputs, axis=1) - ref).max())
         except attnserve.AttnserveError as e:
-            rec["error"] = {"code": e.code.name, "message": e.message, "at": time.time()}
+            rec["error"] = {"code": e.code.name, "message": e.message, "at": time.time(), "sent": rec["sent"]}
         rec["ended"] = time.time()
         with lock:
             records.append(rec)
