@@ -392,6 +392,21 @@ class ModelCheck {
     if (pieces > kMaxShared) p = Plan{0, 0, r.frozen > 0};
     return p;
   }
+  // A new own block after `held` tokens: the session's shared blocks cut to `held` (trimmed), or
+  // its own rows up to `held` kept as a shared block (frozen).
+  void NewOwnAfter(Ref& r, int64_t held, int64_t capacity) {
+    const int block = NewBlock(r, capacity - held);
+    if (held < r.base) {
+      SetSegs(r, SegsUpTo(r, held));
+    } else if (held > r.base) {
+      ++blocks_[static_cast<size_t>(r.own)].holders;
+      r.segs.emplace_back(r.own, held - r.base);
+    }
+    ReleaseOwn(r);
+    r.own = block;
+    r.own_rows = capacity - held;
+    r.base = held;
+  }
   // What one computed step does to the session's storage (TorchKv::Append).
   void Append(Ref& r, int64_t held, int64_t capacity, int64_t t) {
     const Plan p = PlanOf(r, held);
@@ -403,28 +418,10 @@ class ModelCheck {
       r.own_rows = capacity;
       r.base = 0;
     } else if (p.own == 0 && p.shared == held && (held != r.base || r.own < 0 || r.frozen > 0)) {
-      const int block = NewBlock(r, capacity - held);  // Trimmed or frozen: a new block after held.
-      if (held < r.base) {
-        SetSegs(r, SegsUpTo(r, held));
-      } else if (held > r.base) {
-        ++blocks_[static_cast<size_t>(r.own)].holders;
-        r.segs.emplace_back(r.own, held - r.base);
-      }
-      ReleaseOwn(r);
-      r.own = block;
-      r.own_rows = capacity - held;
-      r.base = held;
+      NewOwnAfter(r, held, capacity);  // Trimmed or frozen.
     } else if (r.own_rows < held - r.base + t) {
       if (r.frozen > 0) {  // Grown past rows forks read: those become shared, a new block after.
-        const int block = NewBlock(r, capacity - held);
-        if (held > r.base) {
-          ++blocks_[static_cast<size_t>(r.own)].holders;
-          r.segs.emplace_back(r.own, held - r.base);
-        }
-        ReleaseOwn(r);
-        r.own = block;
-        r.own_rows = capacity - held;
-        r.base = held;
+        NewOwnAfter(r, held, capacity);
       } else {  // Grown: copied into a larger block, the old one freed.
         const int block = NewBlock(r, capacity - r.base);
         ReleaseOwn(r);
