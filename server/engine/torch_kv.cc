@@ -146,8 +146,10 @@ TorchKv::Window TorchKv::Append(int64_t held, int64_t capacity, const at::Tensor
     shared_.clear();
     own_ = std::move(block);
     base_ = 0;
-  } else if (plan.own == 0 && plan.shared == held && (held != base_ || !own_ || frozen_ > 0)) {
-    // Trim or freeze: the step starts a new own block after `held`.
+  } else if ((plan.own == 0 && plan.shared == held && (held != base_ || !own_ || frozen_ > 0)) ||
+             (frozen_ > 0 && OwnRows() < held - base_ + t)) {
+    // A new own block after `held`: trimmed back into its shared tokens, or its rows up to `held`,
+    // which forks read, kept as a shared block (frozen; also when it must grow past them).
     std::shared_ptr<KvBlock> block = NewBlock(b, h, capacity - held, d, opts, padded);
     if (held < base_) {
       shared_ = SharedUpTo(held);
@@ -158,23 +160,15 @@ TorchKv::Window TorchKv::Append(int64_t held, int64_t capacity, const at::Tensor
     own_ = std::move(block);
     base_ = held;
   } else if (OwnRows() < held - base_ + t) {
-    if (frozen_ > 0) {
-      // Forks read this block: its rows up to `held` become shared, the step goes to a new one.
-      std::shared_ptr<KvBlock> block = NewBlock(b, h, capacity - held, d, opts, padded);
-      if (held > base_) shared_.push_back(Shared{own_, held - base_});
-      ReleaseOwn();
-      own_ = std::move(block);
-      base_ = held;
-    } else {
-      std::shared_ptr<KvBlock> block = NewBlock(b, h, capacity - base_, d, opts, padded);
-      const int64_t rows = held - base_;
-      if (rows > 0) {
-        block->k.narrow(2, 0, rows).copy_(own_->k.narrow(2, 0, rows));
-        block->v.narrow(2, 0, rows).copy_(own_->v.narrow(2, 0, rows));
-        if (own_->kpm.defined()) block->kpm.narrow(1, 0, rows).copy_(own_->kpm.narrow(1, 0, rows));
-      }
-      own_ = std::move(block);
+    // Grown: a private block copied into a larger one.
+    std::shared_ptr<KvBlock> block = NewBlock(b, h, capacity - base_, d, opts, padded);
+    const int64_t rows = held - base_;
+    if (rows > 0) {
+      block->k.narrow(2, 0, rows).copy_(own_->k.narrow(2, 0, rows));
+      block->v.narrow(2, 0, rows).copy_(own_->v.narrow(2, 0, rows));
+      if (own_->kpm.defined()) block->kpm.narrow(1, 0, rows).copy_(own_->kpm.narrow(1, 0, rows));
     }
+    own_ = std::move(block);
   }
   const int64_t off = held - base_;
   own_->k.narrow(2, off, t).copy_(kh);
