@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <iostream>
 #include <map>
+#include <sstream>
 #include <string>
 #include <thread>
 
@@ -212,13 +213,33 @@ int main(int argc, char** argv) {
             << ": draining in-flight requests" << std::endl;
   // Later signals land in the pipe unread: the drain goes on (the grace period still bounds it).
   // The grace period is a promise to the orchestrator: past it the process goes, whatever is
-  // still computing.
-  std::thread([grace = o.shutdown_grace_seconds] {
+  // still computing. Exit codes (README "Shutdown"): 0 when every call accepted was answered, 1
+  // when the grace period cut calls in flight.
+  const double grace = o.shutdown_grace_seconds;
+  const auto outcome = (*server)->shutdown_outcome();
+  const auto cut_line = [grace](int64_t cut) {
+    std::ostringstream line;
+    line << "attnserve: the grace period (--shutdown-grace " << grace << " s) cut " << cut
+         << (cut == 1 ? " call" : " calls")
+         << " still in flight (their clients got CANCELLED or UNAVAILABLE); exit 1";
+    return line.str();
+  };
+  std::thread([grace, outcome, cut_line] {
     std::this_thread::sleep_for(std::chrono::duration<double>(grace));
-    std::cerr << "attnserve: shutdown took longer than --shutdown-grace; exiting now" << std::endl;
-    std::_Exit(1);
+    const int64_t cut = outcome->calls_cut.load();
+    if (cut > 0) {
+      std::cerr << cut_line(cut) << " (work they started was still computing)" << std::endl;
+    } else {
+      std::cerr << "attnserve: shutdown took longer than --shutdown-grace " << grace
+                << " s; every call accepted was answered; exiting now" << std::endl;
+    }
+    std::_Exit(cut > 0 ? 1 : 0);
   }).detach();
   (*server)->Shutdown();
+  if (const int64_t cut = outcome->calls_cut.load(); cut > 0) {
+    std::cerr << cut_line(cut) << std::endl;
+    return 1;
+  }
   std::cout << "attnserve: stopped" << std::endl;
   return 0;
 }

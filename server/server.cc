@@ -3,19 +3,21 @@
 #include <grpc/grpc.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
-#include <prometheus/exposer.h>
 #include <prometheus/registry.h>
 
 #include <cstdlib>
+#include <future>
 #include <mutex>
 
 #include "server/attention_service.h"
+#include "server/call_counter.h"
 #include "server/engine/blas.h"
 #include "server/files.h"
 #include "server/grpc_codec.h"
 #include "server/health.h"
 #include "server/memory_sampler.h"
 #include "server/metrics.h"
+#include "server/metrics_listener.h"
 #include "server/oip_service.h"
 #include "server/reload_hooks.h"
 #include "server/request_pipeline.h"
@@ -30,6 +32,8 @@ namespace attnserve {
 /// the listener and sends GOAWAY, which is what moves a proxy to the other replicas.
 static constexpr std::chrono::milliseconds kDrainQuietPeriod{250};
 static constexpr std::chrono::milliseconds kDrainHandOff{1000};
+/// How often the stop looks again for connections left with no call on them.
+static constexpr std::chrono::milliseconds kIdleCloseInterval{20};
 
 namespace {
 
@@ -78,16 +82,18 @@ struct Server::Impl {
   std::unique_ptr<AdminServiceImpl> admin;
   std::shared_ptr<prometheus::Registry> registry = std::make_shared<prometheus::Registry>();
   std::unique_ptr<ServerMetrics> metrics;
-  std::unique_ptr<prometheus::Exposer> exposer;
+  std::unique_ptr<MetricsListener> exposer;
   std::unique_ptr<MemorySampler> memory;
   std::unique_ptr<Batcher> batcher;
   std::unique_ptr<KvStore> kv;
   std::unique_ptr<RequestPipeline> pipeline;
   std::unique_ptr<AttentionServiceImpl> service;
   std::unique_ptr<OipServiceImpl> oip;
+  CallCounter calls;  // Declared before the servers, so it outlives every call they destroy.
   std::unique_ptr<grpc::Server> grpc_server;
   std::unique_ptr<grpc::Server> health_server;  // --health-address: grpc.health.v1 only, plaintext
   std::unique_ptr<HealthReporter> health;
+  std::shared_ptr<ShutdownOutcome> outcome = std::make_shared<ShutdownOutcome>();
   int port = 0;
   int health_port = 0;
   int metrics_port = 0;
@@ -97,6 +103,7 @@ struct Server::Impl {
   void StartPipeline();
   Status StartGrpc();
   Status StartHealth();
+  void StopGrpc(SteadyClock::time_point cut_at);
 };
 
 namespace {
@@ -152,14 +159,8 @@ Status Server::Impl::StartMetrics() {
         "--metrics-address: this executable does not export attnserve's pthread_attr_setstacksize "
         "(server/thread_stacks.cc); link it through attnserve::server");
   }
-  try {
-    exposer = std::make_unique<prometheus::Exposer>(options.metrics_address);
-  } catch (const std::exception& e) {
-    return Refuse("--metrics-address " + options.metrics_address + ": cannot listen: " + e.what());
-  }
-  exposer->RegisterCollectable(registry);
-  const auto ports = exposer->GetListeningPorts();
-  metrics_port = ports.empty() ? 0 : ports.front();
+  ASSIGN_OR_RETURN(exposer, MetricsListener::Start(options.metrics_address, registry));
+  metrics_port = exposer->port();
   return Status::Ok();
 }
 
@@ -223,6 +224,9 @@ Status Server::Impl::StartGrpc() {
   builder.RegisterService(service.get());
   builder.RegisterService(oip.get());
   builder.RegisterService(admin.get());
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> counters;
+  counters.push_back(calls.Factory());
+  builder.experimental().SetInterceptorCreators(std::move(counters));
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
   // Known before the first call when --address names its port; port 0 is known once bound.
@@ -319,6 +323,32 @@ std::string Server::Describe() const {
   return s;
 }
 
+void Server::Impl::StopGrpc(SteadyClock::time_point cut_at) {
+  const auto system_cut_at = std::chrono::system_clock::now() +
+                             std::chrono::duration_cast<std::chrono::system_clock::duration>(
+                                 std::max(cut_at - SteadyClock::now(), SteadyClock::duration::zero()));
+  std::future<void> stopped = std::async(std::launch::async, [this, system_cut_at] {
+    grpc_server->Shutdown(system_cut_at);
+  });
+  // gRPC's Shutdown also waits for every connection to close, which each client does only once it
+  // has read the GOAWAY: a grpcio client with no call open reads it at its next backup poll, up to
+  // 5 s later, and a client's health watch stays open until cut. So once no call is open, what is
+  // left is closed at once (and again, until gRPC is done, in case a connection slipped in before
+  // the listener closed). The first look waits a moment so gRPC's own shutdown has begun.
+  while (stopped.wait_for(kIdleCloseInterval) != std::future_status::ready) {
+    if (!calls.WaitNone(cut_at)) {
+      outcome->calls_cut = calls.open();  // gRPC cancels them now.
+      break;
+    }
+    grpc_server_cancel_all_calls(grpc_server->c_server());
+  }
+  stopped.wait();
+}
+
+int64_t Server::calls_open() const { return impl_->calls.open(); }
+
+std::shared_ptr<const ShutdownOutcome> Server::shutdown_outcome() const { return impl_->outcome; }
+
 void Server::RequestReload() { impl_->models->RequestReload(nullptr); }
 
 void Server::Shutdown() {
@@ -336,16 +366,14 @@ void Server::Shutdown() {
     impl_->models->Stop();  // Reloads waiting are answered UNAVAILABLE; none starts.
     impl_->pipeline->WaitIdle(
         start + std::min<SteadyClock::duration>(kDrainHandOff, grace * 8 / 10), kDrainQuietPeriod);
-    // 2. Stop gRPC (listener closed, GOAWAY); calls already accepted finish; whatever is still open
-    //    at 90% of the grace period is cancelled.
-    const auto left = start + grace * 9 / 10 - SteadyClock::now();
-    impl_->grpc_server->Shutdown(std::chrono::system_clock::now() +
-                                 std::chrono::duration_cast<std::chrono::system_clock::duration>(
-                                     std::max(left, SteadyClock::duration::zero())));
+    // 2. Stop gRPC: listener closed, GOAWAY; calls accepted finish; whatever is still open at 90%
+    //    of the grace period is cancelled. Then the queue drains (work still computing finishes).
+    impl_->StopGrpc(start + grace * 9 / 10);
     impl_->batcher->Drain();
     impl_->grpc_server->Wait();
     if (impl_->health_server) {
-      impl_->health_server->Shutdown();
+      // Health only: its checks are answered at once, its watches are cut.
+      impl_->health_server->Shutdown(std::chrono::system_clock::now());
       impl_->health_server->Wait();
     }
     impl_->exposer.reset();

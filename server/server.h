@@ -1,5 +1,6 @@
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <string>
 
@@ -42,6 +43,13 @@ struct ServerOptions {
   AdminAuth admin;
 };
 
+/// What a shutdown had to cut; shared, so that a watchdog may read it while the server goes.
+struct ShutdownOutcome {
+  /// Calls still open when the grace period ended (gRPC cancelled them: their clients got
+  /// CANCELLED); 0 when every call accepted was answered.
+  std::atomic<int64_t> calls_cut{0};
+};
+
 /// A running attnserve: models loaded, gRPC and metrics listening. Thread-safe.
 class Server {
  public:
@@ -63,9 +71,14 @@ class Server {
   void RequestReload();
   /// Graceful shutdown within the grace period: health goes NOT_SERVING; new requests (unary, or on
   /// open streams) get UNAVAILABLE while accepted ones finish and every stream is finished; then
-  /// gRPC stops (cancelling whatever is left at 90% of the grace period), the queue drains and the
-  /// engine is released. Idempotent.
+  /// gRPC stops (cancelling whatever is left at 90% of the grace period; connections with no call
+  /// left are closed at once, health watches cut), the queue drains and the engine is released.
+  /// Idempotent; shutdown_outcome() then says what was cut.
   void Shutdown();
+  /// Calls gRPC has handed to the server's methods and not yet finished (health watches and
+  /// reflection streams not counted).
+  int64_t calls_open() const;
+  std::shared_ptr<const ShutdownOutcome> shutdown_outcome() const;
 
  private:
   struct Impl;

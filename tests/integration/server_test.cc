@@ -7,7 +7,10 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -619,10 +622,104 @@ TEST(ServerShutdownTest, InFlightRequestsFinishOnShutdown) {
   (*server)->Shutdown();
   while (done < 4) std::this_thread::sleep_for(std::chrono::milliseconds(5));
   EXPECT_EQ(ok, 4);
+  EXPECT_EQ((*server)->shutdown_outcome()->calls_cut, 0);
+  EXPECT_EQ((*server)->calls_open(), 0);
   AttendResult out;
   CallOptions call;
   call.deadline = std::chrono::milliseconds(500);
   EXPECT_NE(client.Attend(r, &out, call).code, 0) << "a stopped server takes no new calls";
+}
+
+// Sanitizers slow everything several times; a timing bound is scaled for them.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+constexpr int kSlowdown = 5;
+#else
+constexpr int kSlowdown = 1;
+#endif
+
+// The attnserve binary as a child process on a free port, its output read through a pipe.
+class ChildServer {
+ public:
+  explicit ChildServer(std::vector<std::string> flags) {
+    std::vector<std::string> args = {ATTNSERVE_BINARY, "--address", "127.0.0.1:0",
+                                     "--metrics-address", "127.0.0.1:0"};
+    args.insert(args.end(), flags.begin(), flags.end());
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    int fds[2];
+    if (pipe(fds) != 0) return;
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_adddup2(&actions, fds[1], 1);
+    posix_spawn_file_actions_adddup2(&actions, fds[1], 2);
+    posix_spawn_file_actions_addclose(&actions, fds[0]);
+    if (posix_spawn(&pid_, argv[0], &actions, nullptr, argv.data(), environ) != 0) pid_ = -1;
+    posix_spawn_file_actions_destroy(&actions);
+    close(fds[1]);
+    out_ = fdopen(fds[0], "r");
+    char line[4096];
+    if (pid_ > 0 && fgets(line, sizeof line, out_) != nullptr) {
+      banner_ = line;
+      std::smatch m;
+      if (std::regex_search(banner_, m, std::regex(" on 127\\.0\\.0\\.1:(\\d+)")))
+        port_ = std::stoi(m[1]);
+    }
+  }
+  ~ChildServer() {
+    if (pid_ > 0 && !reaped_) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+    if (out_ != nullptr) fclose(out_);
+  }
+  int port() const { return port_; }
+  const std::string& banner() const { return banner_; }
+  /// SIGTERM, then the seconds until the process is gone; `code` gets its exit status (-1: it did
+  /// not exit by itself) and `output` what it printed after the banner.
+  double Stop(int* code, std::string* output) {
+    const auto start = std::chrono::steady_clock::now();
+    kill(pid_, SIGTERM);
+    int status = 0;
+    waitpid(pid_, &status, 0);
+    reaped_ = true;
+    const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    *code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    char buf[4096];
+    size_t n;
+    while ((n = fread(buf, 1, sizeof buf, out_)) > 0) output->append(buf, n);
+    return took;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  FILE* out_ = nullptr;
+  std::string banner_;
+  int port_ = 0;
+  bool reaped_ = false;
+};
+
+// A rolling restart with a C++ client connected and idle (its channel keeps its connection and a
+// health watch open): SIGTERM stops the binary in under a second with exit 0, at --shutdown-grace
+// 2. It took ~2 s and exited 1 (the watchdog): gRPC waited for the client to close its connection.
+TEST(ServerShutdownTest, BinaryStopsAtOnceWithAnIdleClientConnected) {
+  ChildServer child({"--shutdown-grace", "2"});
+  ASSERT_GT(child.port(), 0) << child.banner();
+  ClientOptions c;
+  c.target = "127.0.0.1:" + std::to_string(child.port());
+  Client client(c);
+  std::mt19937 rng(22);
+  AttendRequest r;
+  r.query = RandomTensor(rng, {1, 4, 512});
+  AttendResult out;
+  ASSERT_TRUE(client.Attend(r, &out).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // Idle past the drain's quiet period.
+  int code = 0;
+  std::string output;
+  const double took = child.Stop(&code, &output);
+  EXPECT_EQ(code, 0) << output;
+  EXPECT_LT(took, 1.0 * kSlowdown) << output;
+  EXPECT_THAT(output, HasSubstr("attnserve: stopped"));
 }
 
 }  // namespace

@@ -1,0 +1,155 @@
+#!/usr/bin/python3
+"""SIGTERM on the real attnserve binary with clients connected, as a rolling restart does it:
+
+- idle: clients keep their channels open after their calls (a plain grpcio channel after a unary call,
+  one after a stream it cancelled after the first answer, the attnserve package's client, whose channel
+  also holds a health watch): the server stops in under a second with exit 0, at --shutdown-grace 2
+  as at 30 (it used to wait ~5 s for grpcio to read its GOAWAY, and at grace 2 exit 1);
+- busy: a request computing when SIGTERM comes is answered, and the process is gone within a second of
+  the answer;
+- cut: work still computing when the grace period ends gets a status, the process exits 1 and says how
+  many calls the grace period cut.
+
+Prints the measured stop times (README "Shutdown" quotes them).
+
+usage: shutdown_test.py PATH/TO/attnserve
+"""
+import os
+import re
+import signal
+import sys
+import threading
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
+import attnserve_py as lib  # noqa: E402
+
+check = lib.Checks()
+IDLE_LIMIT_S = 1.0
+
+
+def stop(server):
+    """SIGTERM; the seconds until the process is gone, its exit code and its output."""
+    start = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    code = server.proc.wait(timeout=60)
+    took = time.monotonic() - start
+    server._drain.join(timeout=10)
+    return took, code, server.output()
+
+
+def idle_stop(binary, name, connect, grace="2"):
+    """Starts a server, lets `connect(target)` make its calls and keep its channel (returns a closer),
+    waits past the drain's quiet period, then SIGTERM: exit 0 in under IDLE_LIMIT_S."""
+    server = lib.Server(binary, "--shutdown-grace", grace)
+    close = connect(server.target)
+    time.sleep(0.5)
+    took, code, out = stop(server)
+    close()
+    print(f"  {name}, --shutdown-grace {grace}: stopped in {took:.3f} s, exit {code}")
+    check(f"{name}, grace {grace}: exit 0", code == 0, f"exit {code}: {out[-600:]}")
+    check(f"{name}, grace {grace}: stops in under {IDLE_LIMIT_S} s", took < IDLE_LIMIT_S, f"{took:.2f} s")
+    check(f"{name}, grace {grace}: says it stopped", "attnserve: stopped" in out, out[-600:])
+    return took
+
+
+def main():
+    binary = sys.argv[1]
+    attnserve = lib.load_package()
+    import grpc
+    from attnserve.v1 import attention_pb2 as pb
+    rng = np.random.default_rng(22)
+    small = pb.AttendRequest(model="demo", query=lib.to_wire(pb, rng.standard_normal((1, 4, 512))))
+    # ~1 s of compute on two cores (16 x 1024 tokens of the demo model).
+    slow = pb.AttendRequest(model="demo", query=lib.to_wire(pb, rng.standard_normal((16, 1024, 512))))
+    big = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+
+    def unary_then_idle(target):
+        channel = grpc.insecure_channel(target)
+        channel.unary_unary("/attnserve.v1.AttentionService/Attend")(small.SerializeToString(), timeout=10)
+        return channel.close
+
+    def cancelled_stream_then_idle(target):
+        channel = grpc.insecure_channel(target)
+        release = threading.Event()
+
+        def requests():
+            yield small.SerializeToString()
+            release.wait(30)
+
+        call = channel.stream_stream("/attnserve.v1.AttentionService/AttendStream")(requests(), timeout=30)
+        next(call)  # The first answer ...
+        call.cancel()  # ... then the client cancels and keeps its channel.
+        release.set()
+        return channel.close
+
+    def package_client_then_idle(target):
+        client = attnserve.Client(target)
+        client.attend(rng.standard_normal((1, 4, 512)).astype(np.float32))
+        return client.close
+
+    # 1. Idle with connected clients: fast, exit 0.
+    times = []
+    for grace in ("2", "30"):
+        times.append(idle_stop(binary, "idle grpcio channel after a unary call", unary_then_idle, grace))
+    times.append(idle_stop(binary, "idle grpcio channel after a cancelled stream", cancelled_stream_then_idle))
+    times.append(idle_stop(binary, "idle attnserve.Client (round_robin, health watch)", package_client_then_idle))
+    print(f"  idle stops: {min(times):.3f} to {max(times):.3f} s")
+
+    # 2. Busy: the request in flight is answered; the process goes right after.
+    server = lib.Server(binary, "--shutdown-grace", "20")
+    channel = grpc.insecure_channel(server.target, options=big)
+    answered = []
+    future = channel.unary_unary("/attnserve.v1.AttentionService/Attend").future(slow.SerializeToString(),
+                                                                                timeout=60)
+    future.add_done_callback(lambda f: answered.append(time.monotonic()))
+    time.sleep(0.2)  # Accepted and computing.
+    sigterm = time.monotonic()
+    took, code, out = stop(server)
+    gone = sigterm + took
+    try:
+        future.result()
+        check("busy: the request in flight is answered", True)
+    except grpc.RpcError as e:
+        check("busy: the request in flight is answered", False, f"{e.code()} {e.details()!r}")
+    check("busy: exit 0", code == 0, f"exit {code}: {out[-600:]}")
+    after = gone - answered[0] if answered else float("inf")
+    print(f"  busy (one ~1 s request in flight): stopped {took:.3f} s after SIGTERM, "
+          f"{after:.3f} s after its answer")
+    check(f"busy: gone within {IDLE_LIMIT_S} s of the last answer", after < IDLE_LIMIT_S, f"{after:.2f} s")
+    channel.close()
+
+    # 3. Cut: the grace period ends with work in flight. Each call gets a status; exit 1; the log says
+    #    how many calls were cut.
+    server = lib.Server(binary, "--shutdown-grace", "0.5", "--workers", "1")
+    channel = grpc.insecure_channel(server.target, options=big)
+    futures = [channel.unary_unary("/attnserve.v1.AttentionService/Attend").future(slow.SerializeToString(),
+                                                                                  timeout=60)
+               for _ in range(3)]
+    time.sleep(0.3)  # All three accepted: one computing, two queued.
+    took, code, out = stop(server)
+    codes = []
+    for f in futures:
+        try:
+            f.result(timeout=30)
+            codes.append("OK")
+        except grpc.FutureTimeoutError:
+            codes.append("no answer")
+        except grpc.RpcError as e:
+            codes.append(e.code().name)
+    print(f"  cut (grace 0.5 s, three ~1 s requests): stopped in {took:.3f} s, exit {code}, calls {codes}")
+    check("cut: exit 1", code == 1, f"exit {code}: {out[-600:]}")
+    check("cut: gone by the end of the grace period (+0.5 s)", took < 1.0, f"{took:.2f} s")
+    check("cut: every call gets a status", "no answer" not in codes, str(codes))
+    m = re.search(r"the grace period .* cut (\d+) calls?", out)
+    check("cut: the log says how many calls were cut",
+          m is not None and int(m.group(1)) == sum(c != "OK" for c in codes), out[-600:])
+    channel.close()
+
+    return check.summary("shutdown_test")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
