@@ -19,7 +19,8 @@ restarted one); every step answered equals one causal call over the session's se
 events, attnserve-cli's decode (C++ client) runs sessions through the same target. Answers report the attempts that failed before them
 (ServerTiming.previous_attempts). SIGTERM must cost no request in either mode; what SIGKILL costs is
 reported. First, behind the same nginx.conf, a replica that resets every call after reading it:
-nginx must answer such calls as gRPC UNAVAILABLE, and the client's policy must retry every one. A
+nginx must answer such calls as gRPC UNAVAILABLE, and the client's policy must retry every one; a
+request over nginx's client_max_body_size gets RESOURCE_EXHAUSTED naming the limit. A
 real Prometheus scrapes every replica through file-based targets and must hold per-replica series.
 Loopback only; the load is bounded (a request budget and a time limit per phase).
 
@@ -259,6 +260,24 @@ def check_replica_lost_mid_call(checks, pb, rpc, service_config, tmp, callers=8,
         dying.close()
 
 
+def check_nginx_body_limit(checks, pb, proxy_port):
+    """A request over nginx's client_max_body_size (40,000 tokens: 82 MB) gets a gRPC status naming the
+    limit, not HTTP 413 with an HTML page (which grpcio reported as UNKNOWN "Received http2 header with
+    status: 413")."""
+    channel = grpc.insecure_channel(f"127.0.0.1:{proxy_port}")
+    rng = np.random.default_rng(413)
+    big = pb.AttendRequest(model="demo", query=lib.to_wire(pb, rng.standard_normal((1, 40000, 512))))
+    try:
+        channel.unary_unary("/attnserve.v1.AttentionService/Attend")(big.SerializeToString(), timeout=60)
+        checks("nginx: a request over client_max_body_size is refused", False, "it was answered")
+    except grpc.RpcError as e:
+        checks("nginx: a request over client_max_body_size gets RESOURCE_EXHAUSTED",
+               e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e.code()} {e.details()!r}")
+        checks("nginx: ... naming the limit", "client_max_body_size (64m" in (e.details() or ""),
+               repr(e.details()))
+    channel.close()
+
+
 def scenario(replicas, load, bench_cmd, sessions_cmd):
     """Steady, then SIGTERM + restart of replica 0, then SIGKILL + restart of replica 1. Returns the
     SIGTERMed replica's exit code, how long it took, and when (time.time) each was signalled."""
@@ -362,6 +381,7 @@ def main():
         nginx = start_nginx(os.path.join(tmp, "nginx"), [r.port for r in replicas], proxy_port)
         checks("nginx proxies grpc.health.v1 to the replicas",
                lib.wait_until(lambda: lib.health_serving(f"127.0.0.1:{proxy_port}"), timeout=30, step=0.2))
+        check_nginx_body_limit(checks, pb, proxy_port)
 
         # Prometheus with file-based targets: every replica's /metrics.
         prom_port = free_port()
