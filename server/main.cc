@@ -226,9 +226,9 @@ int main(int argc, char** argv) {
   };
   std::thread([grace, outcome, cut_line] {
     std::this_thread::sleep_for(std::chrono::duration<double>(grace));
-    const int64_t cut = outcome->calls_cut.load();
+    const int64_t cut = outcome->CutByExitNow();
     if (cut > 0) {
-      std::cerr << cut_line(cut) << " (work they started was still computing)" << std::endl;
+      std::cerr << cut_line(cut) << " (exiting with work still computing)" << std::endl;
     } else {
       std::cerr << "attnserve: shutdown took longer than --shutdown-grace " << grace
                 << " s; every call accepted was answered; exiting now" << std::endl;

@@ -76,6 +76,14 @@ StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(const Serve
 
 }  // namespace
 
+namespace {
+std::shared_ptr<ShutdownOutcome> MakeOutcome(std::shared_ptr<const CallCounter> calls) {
+  auto outcome = std::make_shared<ShutdownOutcome>();
+  outcome->calls = std::move(calls);
+  return outcome;
+}
+}  // namespace
+
 struct Server::Impl {
   ServerOptions options;
   std::unique_ptr<ModelRepository> models;
@@ -89,11 +97,12 @@ struct Server::Impl {
   std::unique_ptr<RequestPipeline> pipeline;
   std::unique_ptr<AttentionServiceImpl> service;
   std::unique_ptr<OipServiceImpl> oip;
-  CallCounter calls;  // Declared before the servers, so it outlives every call they destroy.
+  // Shared with the shutdown outcome; declared before the servers, so it outlives their calls.
+  std::shared_ptr<CallCounter> calls = std::make_shared<CallCounter>();
+  std::shared_ptr<ShutdownOutcome> outcome = MakeOutcome(calls);
   std::unique_ptr<grpc::Server> grpc_server;
   std::unique_ptr<grpc::Server> health_server;  // --health-address: grpc.health.v1 only, plaintext
   std::unique_ptr<HealthReporter> health;
-  std::shared_ptr<ShutdownOutcome> outcome = std::make_shared<ShutdownOutcome>();
   int port = 0;
   int health_port = 0;
   int metrics_port = 0;
@@ -225,7 +234,7 @@ Status Server::Impl::StartGrpc() {
   builder.RegisterService(oip.get());
   builder.RegisterService(admin.get());
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> counters;
-  counters.push_back(calls.Factory());
+  counters.push_back(calls->Factory());
   builder.experimental().SetInterceptorCreators(std::move(counters));
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
@@ -336,8 +345,8 @@ void Server::Impl::StopGrpc(SteadyClock::time_point cut_at) {
   // left is closed at once (and again, until gRPC is done, in case a connection slipped in before
   // the listener closed). The first look waits a moment so gRPC's own shutdown has begun.
   while (stopped.wait_for(kIdleCloseInterval) != std::future_status::ready) {
-    if (!calls.WaitNone(cut_at)) {
-      outcome->calls_cut = calls.open();  // gRPC cancels them now.
+    if (!calls->WaitNone(cut_at)) {
+      outcome->calls_cut = calls->open();  // gRPC cancels them now.
       break;
     }
     grpc_server_cancel_all_calls(grpc_server->c_server());
@@ -345,7 +354,7 @@ void Server::Impl::StopGrpc(SteadyClock::time_point cut_at) {
   stopped.wait();
 }
 
-int64_t Server::calls_open() const { return impl_->calls.open(); }
+int64_t Server::calls_open() const { return impl_->calls->open(); }
 
 std::shared_ptr<const ShutdownOutcome> Server::shutdown_outcome() const { return impl_->outcome; }
 

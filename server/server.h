@@ -1,11 +1,13 @@
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <memory>
 #include <string>
 
 #include "server/admin_service.h"
 #include "server/batcher.h"
+#include "server/call_counter.h"
 #include "server/kv_store.h"
 #include "server/request_pipeline.h"
 #include "server/status.h"
@@ -48,6 +50,12 @@ struct ShutdownOutcome {
   /// Calls still open when the grace period ended (gRPC cancelled them: their clients got
   /// CANCELLED); 0 when every call accepted was answered.
   std::atomic<int64_t> calls_cut{0};
+  /// The server's count of calls open.
+  std::shared_ptr<const CallCounter> calls;
+
+  /// The calls an exit now would cut: those the grace period cut, or, when the stop has not come
+  /// that far, those open.
+  int64_t CutByExitNow() const { return std::max(calls_cut.load(), calls->open()); }
 };
 
 /// A running attnserve: models loaded, gRPC and metrics listening. Thread-safe.

@@ -1,5 +1,5 @@
 // The real server in-process on 127.0.0.1:0, the real C++ client over the real wire, and a real
-// /metrics scrape. Servers are few and shared: each start costs ~2 s of exporter shutdown.
+// /metrics scrape. Servers are few and shared (each start loads the model and binds its ports).
 #include "server/server.h"
 
 #include <arpa/inet.h>
