@@ -18,8 +18,7 @@ class CallCounter::Marker final : public grpc::experimental::Interceptor {
   CallCounter& counter_;
 };
 
-class CallCounter::Factory_ final
-    : public grpc::experimental::ServerInterceptorFactoryInterface {
+class CallCounter::Factory_ final : public grpc::experimental::ServerInterceptorFactoryInterface {
  public:
   explicit Factory_(CallCounter& counter) : counter_(counter) {}
   grpc::experimental::Interceptor* CreateServerInterceptor(

@@ -12,10 +12,11 @@ namespace attnserve {
 
 /// Counts the calls gRPC has handed to this server's methods and not yet finished: from the moment
 /// a call is matched to its method (before its handler runs) until gRPC has sent its status and let
-/// it go. Health watches and reflection streams are not counted: they stay open for as long as their
-/// clients like, and the shutdown cuts them. With nothing counted, what a stopping server still holds
-/// is idle connections, which the shutdown closes at once instead of waiting for each client to read
-/// its GOAWAY (a grpcio client with no call open reads it only at its 5 s backup poll). Thread-safe.
+/// it go. Health watches and reflection streams are not counted: they stay open for as long as
+/// their clients like, and the shutdown cuts them. With nothing counted, what a stopping server
+/// still holds is idle connections, which the shutdown closes at once instead of waiting for each
+/// client to read its GOAWAY (a grpcio client with no call open reads it only at its 5 s backup
+/// poll). Thread-safe.
 class CallCounter {
  public:
   /// The interceptor factory to give the gRPC server builder; it borrows this counter, which must

@@ -188,8 +188,10 @@ int main(int argc, char** argv) {
                  "A memory or session unused this long expires")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  app.add_option("--shutdown-grace", o.shutdown_grace_seconds,
-                 "Seconds in-flight requests get to finish on SIGINT/SIGTERM")
+  app.add_option(
+         "--shutdown-grace", o.shutdown_grace_seconds,
+         "Seconds in-flight requests get to finish on SIGINT/SIGTERM; the process exits 1 when "
+         "it cuts any, 0 when every call was answered")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);

@@ -1,11 +1,10 @@
 #include "server/metrics_listener.h"
 
 #include <netdb.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <prometheus/exposer.h>
 #include <prometheus/registry.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>

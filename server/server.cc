@@ -333,12 +333,12 @@ std::string Server::Describe() const {
 }
 
 void Server::Impl::StopGrpc(SteadyClock::time_point cut_at) {
-  const auto system_cut_at = std::chrono::system_clock::now() +
-                             std::chrono::duration_cast<std::chrono::system_clock::duration>(
-                                 std::max(cut_at - SteadyClock::now(), SteadyClock::duration::zero()));
-  std::future<void> stopped = std::async(std::launch::async, [this, system_cut_at] {
-    grpc_server->Shutdown(system_cut_at);
-  });
+  const auto system_cut_at =
+      std::chrono::system_clock::now() +
+      std::chrono::duration_cast<std::chrono::system_clock::duration>(
+          std::max(cut_at - SteadyClock::now(), SteadyClock::duration::zero()));
+  std::future<void> stopped = std::async(
+      std::launch::async, [this, system_cut_at] { grpc_server->Shutdown(system_cut_at); });
   // gRPC's Shutdown also waits for every connection to close, which each client does only once it
   // has read the GOAWAY: a grpcio client with no call open reads it at its next backup poll, up to
   // 5 s later, and a client's health watch stays open until cut. So once no call is open, what is

@@ -683,7 +683,8 @@ class ChildServer {
     int status = 0;
     waitpid(pid_, &status, 0);
     reaped_ = true;
-    const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double took =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     *code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
     char buf[4096];
     size_t n;
@@ -713,7 +714,8 @@ TEST(ServerShutdownTest, BinaryStopsAtOnceWithAnIdleClientConnected) {
   r.query = RandomTensor(rng, {1, 4, 512});
   AttendResult out;
   ASSERT_TRUE(client.Attend(r, &out).ok());
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // Idle past the drain's quiet period.
+  std::this_thread::sleep_for(
+      std::chrono::milliseconds(500));  // Idle past the drain's quiet period.
   int code = 0;
   std::string output;
   const double took = child.Stop(&code, &output);
