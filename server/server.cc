@@ -112,7 +112,7 @@ struct Server::Impl {
   void StartPipeline();
   Status StartGrpc();
   Status StartHealth();
-  void StopGrpc(SteadyClock::time_point cut_at);
+  void StopGrpc(SteadyClock::time_point cut_at, SteadyClock::time_point backstop);
 };
 
 namespace {
@@ -236,13 +236,16 @@ Status Server::Impl::StartGrpc() {
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> counters;
   counters.push_back(calls->Factory());
   builder.experimental().SetInterceptorCreators(std::move(counters));
+  builder.AddChannelArgument(GRPC_ARG_ENABLE_CHANNELZ, 1);  // CallCounter's counts.
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
   // Known before the first call when --address names its port; port 0 is known once bound.
   const std::string port_text = options.address.substr(options.address.rfind(':') + 1);
   if (port_text != "0")
     kv->SetAdvertisedAddress(AdvertisedAddress(options, std::atoi(port_text.c_str())));
+  calls->BeforeBuild();
   grpc_server = builder.BuildAndStart();
+  if (grpc_server) calls->Attach();
   if (grpc_server && port_text == "0") kv->SetAdvertisedAddress(AdvertisedAddress(options, port));
   if (grpc_server && port != 0) return Status::Ok();
   return Refuse(
@@ -332,24 +335,26 @@ std::string Server::Describe() const {
   return s;
 }
 
-void Server::Impl::StopGrpc(SteadyClock::time_point cut_at) {
-  const auto system_cut_at =
+void Server::Impl::StopGrpc(SteadyClock::time_point cut_at, SteadyClock::time_point backstop) {
+  const auto system_backstop =
       std::chrono::system_clock::now() +
       std::chrono::duration_cast<std::chrono::system_clock::duration>(
-          std::max(cut_at - SteadyClock::now(), SteadyClock::duration::zero()));
+          std::max(backstop - SteadyClock::now(), SteadyClock::duration::zero()));
   std::future<void> stopped = std::async(
-      std::launch::async, [this, system_cut_at] { grpc_server->Shutdown(system_cut_at); });
+      std::launch::async, [this, system_backstop] { grpc_server->Shutdown(system_backstop); });
   // gRPC's Shutdown also waits for every connection to close, which each client does only once it
   // has read the GOAWAY: a grpcio client with no call open reads it at its next backup poll, up to
   // 5 s later, and a client's health watch stays open until cut. So once no call is open, what is
   // left is closed at once (and again, until gRPC is done, in case a connection slipped in before
-  // the listener closed). The first look waits a moment so gRPC's own shutdown has begun.
+  // the listener closed). The first look waits a moment so gRPC's own shutdown has begun. At
+  // `cut_at` the calls still open are counted, then cancelled. (gRPC's own deadline, `backstop`,
+  // comes later: it only acts when there is no count, channelz being off.)
   while (stopped.wait_for(kIdleCloseInterval) != std::future_status::ready) {
-    if (!calls->WaitNone(cut_at)) {
-      outcome->calls_cut = calls->open();  // gRPC cancels them now.
-      break;
-    }
+    if (calls->open() < 0) continue;
+    const bool none = calls->WaitNone(cut_at);
+    if (!none) outcome->calls_cut = std::max<int64_t>(calls->open(), 0);
     grpc_server_cancel_all_calls(grpc_server->c_server());
+    if (!none) break;
   }
   stopped.wait();
 }
@@ -377,7 +382,7 @@ void Server::Shutdown() {
         start + std::min<SteadyClock::duration>(kDrainHandOff, grace * 8 / 10), kDrainQuietPeriod);
     // 2. Stop gRPC: listener closed, GOAWAY; calls accepted finish; whatever is still open at 90%
     //    of the grace period is cancelled. Then the queue drains (work still computing finishes).
-    impl_->StopGrpc(start + grace * 9 / 10);
+    impl_->StopGrpc(start + grace * 9 / 10, start + grace * 19 / 20);
     impl_->batcher->Drain();
     impl_->grpc_server->Wait();
     if (impl_->health_server) {
