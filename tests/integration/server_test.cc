@@ -665,30 +665,48 @@ class ChildServer {
       if (std::regex_search(banner_, m, std::regex(" on 127\\.0\\.0\\.1:(\\d+)")))
         port_ = std::stoi(m[1]);
     }
+    // Read what it prints as it comes: a full pipe would stop it.
+    reader_ = std::thread([this] {
+      char buf[4096];
+      size_t n;
+      while ((n = fread(buf, 1, sizeof buf, out_)) > 0) {
+        std::lock_guard<std::mutex> lock(mu_);
+        output_.append(buf, n);
+      }
+    });
   }
   ~ChildServer() {
     if (pid_ > 0 && !reaped_) {
       kill(pid_, SIGKILL);
       waitpid(pid_, nullptr, 0);
     }
+    if (reader_.joinable()) reader_.join();
     if (out_ != nullptr) fclose(out_);
   }
   int port() const { return port_; }
   const std::string& banner() const { return banner_; }
-  /// SIGTERM, then the seconds until the process is gone; `code` gets its exit status (-1: it did
-  /// not exit by itself) and `output` what it printed after the banner.
+  /// SIGTERM, then the seconds until the process is gone (at most 30: then SIGKILL); `code` gets
+  /// its exit status (-1: it did not exit by itself) and `output` what it printed after the banner.
   double Stop(int* code, std::string* output) {
     const auto start = std::chrono::steady_clock::now();
     kill(pid_, SIGTERM);
     int status = 0;
-    waitpid(pid_, &status, 0);
-    reaped_ = true;
+    bool exited = false;
+    while (!(exited = waitpid(pid_, &status, WNOHANG) == pid_) &&
+           std::chrono::steady_clock::now() - start < std::chrono::seconds(30)) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
     const double took =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    *code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-    char buf[4096];
-    size_t n;
-    while ((n = fread(buf, 1, sizeof buf, out_)) > 0) output->append(buf, n);
+    if (!exited) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, &status, 0);
+    }
+    reaped_ = true;
+    *code = exited && WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    reader_.join();
+    std::lock_guard<std::mutex> lock(mu_);
+    *output = output_;
     return took;
   }
 
@@ -698,12 +716,22 @@ class ChildServer {
   std::string banner_;
   int port_ = 0;
   bool reaped_ = false;
+  std::thread reader_;
+  std::mutex mu_;
+  std::string output_;
 };
 
 // A rolling restart with a C++ client connected and idle (its channel keeps its connection and a
 // health watch open): SIGTERM stops the binary in under a second with exit 0, at --shutdown-grace
 // 2. It took ~2 s and exited 1 (the watchdog): gRPC waited for the client to close its connection.
 TEST(ServerShutdownTest, BinaryStopsAtOnceWithAnIdleClientConnected) {
+#if defined(__SANITIZE_THREAD__)
+  // ThreadSanitizer holds a signal that lands on a thread it does not see wake (OpenBLAS's pool,
+  // started before main and not blocking SIGTERM) until that thread calls into it: the TSan
+  // binary never stops on SIGTERM. The in-process shutdown tests run under TSan; this one runs in
+  // the plain and ASan builds.
+  GTEST_SKIP() << "the attnserve binary under ThreadSanitizer does not act on SIGTERM";
+#endif
   ChildServer child({"--shutdown-grace", "2"});
   ASSERT_GT(child.port(), 0) << child.banner();
   ClientOptions c;
