@@ -134,6 +134,31 @@ def to_wire(pb, array, dtype=None):
     return pb.Tensor(dtype=code, shape=a.shape, data=a.astype(np_type).tobytes())
 
 
+# The tolerance of an answer computed twice, by the conformance suite's measure (max|a - b| / max|b|):
+# float32 rounding, or the wire's own rounding for float16 and bfloat16.
+SAME_ANSWER_TOLERANCE = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 1e-2}
+
+
+def same_answer(a, b, dtype="float32"):
+    """Whether two answers' raw bytes (of `dtype`) hold the same values to float rounding; and a detail.
+    The engine cuts a request into query blocks by the cores idle when it runs, and a causal query that
+    is one block takes the fused kernel's own causal mask: two calls of one request agree to float32
+    rounding, not always to the bit."""
+    if dtype == "bfloat16":
+        import ml_dtypes  # numpy's bfloat16 (the OIP environment has it)
+        np_type = ml_dtypes.bfloat16
+    else:
+        np_type = {"float32": np.float32, "float16": np.float16}[dtype]
+    x = np.frombuffer(a, dtype=np_type).astype(np.float64)
+    y = np.frombuffer(b, dtype=np_type).astype(np.float64)
+    if x.shape != y.shape:
+        return False, f"{x.size} values against {y.size}"
+    if a == b:
+        return True, "the same bytes"
+    err = float(np.max(np.abs(x - y)) / max(float(np.max(np.abs(y))), 1e-30))
+    return err <= SAME_ANSWER_TOLERANCE[dtype], f"relative difference {err:.2e}"
+
+
 def from_wire(pb, t):
     np_type = {pb.DATA_TYPE_FLOAT32: np.float32, pb.DATA_TYPE_FLOAT16: np.float16}[t.dtype]
     return np.frombuffer(t.data, dtype=np_type).reshape(tuple(t.shape)).astype(np.float64)
