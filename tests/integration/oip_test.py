@@ -112,14 +112,16 @@ def stream_checks(checks, server, client, native, pb, m64, rng):
                 ref = m64(xx, xx, xx, need_weights=False)[0].numpy()
             worst = max(worst, np.abs(got[rid].as_numpy("attn_output") - ref).max() / np.abs(ref).max())
     checks("stream: plain answers match nn.MultiheadAttention (1e-5)", worst <= 1e-5, f"error {worst:.2e}")
-    same = True
+    same, details = True, []
     for s, x in enumerate(steps):
         n = native.Attend(pb.AttendRequest(session=twin.handle, query=pb.Tensor(dtype=1, shape=x.shape,
                                                                                  data=x.tobytes())))
         r = got.get(f"s{s}")
-        same = same and r is not None and r.get_response().raw_output_contents[0] == n.output.data
-    checks("stream: a sequence's steps sent back to back run in order (the same bytes as a native session)",
-           same)
+        ok, detail = lib.same_answer(r.get_response().raw_output_contents[0], n.output.data) if r else (False, "none")
+        same, details = same and ok, details + [f"step {s}: {detail}"]
+    # Out of order, a step would attend over other keys: far beyond float32 rounding.
+    checks("stream: a sequence's steps sent back to back run in order (a native session's answers)",
+           same, "; ".join(details))
 
     # The raw stub: an error answer names its request and carries the code.
     channel = grpc.insecure_channel(server.target)
