@@ -359,8 +359,6 @@ void Server::Impl::StopGrpc(SteadyClock::time_point cut_at, SteadyClock::time_po
   stopped.wait();
 }
 
-int64_t Server::calls_open() const { return impl_->calls->open(); }
-
 std::shared_ptr<const ShutdownOutcome> Server::shutdown_outcome() const { return impl_->outcome; }
 
 void Server::RequestReload() { impl_->models->RequestReload(nullptr); }

@@ -83,9 +83,6 @@ class Server {
   /// left are closed at once, health watches cut), the queue drains and the engine is released.
   /// Idempotent; shutdown_outcome() then says what was cut.
   void Shutdown();
-  /// Calls gRPC has handed to the server's methods and not yet finished (health watches and
-  /// reflection streams not counted).
-  int64_t calls_open() const;
   std::shared_ptr<const ShutdownOutcome> shutdown_outcome() const;
 
  private:

@@ -623,7 +623,7 @@ TEST(ServerShutdownTest, InFlightRequestsFinishOnShutdown) {
   while (done < 4) std::this_thread::sleep_for(std::chrono::milliseconds(5));
   EXPECT_EQ(ok, 4);
   EXPECT_EQ((*server)->shutdown_outcome()->calls_cut, 0);
-  EXPECT_EQ((*server)->calls_open(), 0);
+  EXPECT_EQ((*server)->shutdown_outcome()->calls->open(), 0);
   AttendResult out;
   CallOptions call;
   call.deadline = std::chrono::milliseconds(500);
