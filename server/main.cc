@@ -215,8 +215,8 @@ int main(int argc, char** argv) {
             << ": draining in-flight requests" << std::endl;
   // Later signals land in the pipe unread: the drain goes on (the grace period still bounds it).
   // The grace period is a promise to the orchestrator: past it the process goes, whatever is
-  // still computing. Exit codes (README "Shutdown"): 0 when every call accepted was answered, 1
-  // when the grace period cut calls in flight.
+  // still computing. Exit codes (README "Shutdown"): 0 when every call accepted was answered and
+  // read, 1 when the grace period cut calls in flight or answers on their way.
   const double grace = o.shutdown_grace_seconds;
   const auto outcome = (*server)->shutdown_outcome();
   const auto cut_line = [grace](int64_t cut) {
@@ -240,6 +240,14 @@ int main(int argc, char** argv) {
   (*server)->Shutdown();
   if (const int64_t cut = outcome->calls_cut.load(); cut > 0) {
     std::cerr << cut_line(cut) << std::endl;
+    return 1;
+  }
+  if (const int64_t unread = outcome->connections_undelivered.load(); unread > 0) {
+    std::cerr << "attnserve: the grace period (--shutdown-grace " << grace << " s) closed " << unread
+              << (unread == 1 ? " connection" : " connections")
+              << " before its client had read everything sent on it (an answer may be cut short: "
+                 "UNAVAILABLE); exit 1"
+              << std::endl;
     return 1;
   }
   std::cout << "attnserve: stopped" << std::endl;

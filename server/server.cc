@@ -21,6 +21,7 @@
 #include "server/oip_service.h"
 #include "server/reload_hooks.h"
 #include "server/request_pipeline.h"
+#include "server/socket_linger.h"
 #include "server/thread_stacks.h"
 
 namespace attnserve {
@@ -103,6 +104,7 @@ struct Server::Impl {
   std::unique_ptr<grpc::Server> grpc_server;
   std::unique_ptr<grpc::Server> health_server;  // --health-address: grpc.health.v1 only, plaintext
   std::unique_ptr<HealthReporter> health;
+  SocketLinger linger;  // The client connections, held while the server stops.
   int port = 0;
   int health_port = 0;
   int metrics_port = 0;
@@ -340,16 +342,19 @@ void Server::Impl::StopGrpc(SteadyClock::time_point cut_at, SteadyClock::time_po
       std::chrono::system_clock::now() +
       std::chrono::duration_cast<std::chrono::system_clock::duration>(
           std::max(backstop - SteadyClock::now(), SteadyClock::duration::zero()));
+  // Held before gRPC may close any, so that no answer still travelling is reset (SocketLinger).
+  linger.HoldConnectionsOn(port);
   std::future<void> stopped = std::async(
       std::launch::async, [this, system_backstop] { grpc_server->Shutdown(system_backstop); });
   // gRPC's Shutdown also waits for every connection to close, which each client does only once it
   // has read the GOAWAY: a grpcio client with no call open reads it at its next backup poll, up to
   // 5 s later, and a client's health watch stays open until cut. So once no call is open, what is
   // left is closed at once (and again, until gRPC is done, in case a connection slipped in before
-  // the listener closed). The first look waits a moment so gRPC's own shutdown has begun. At
-  // `cut_at` the calls still open are counted, then cancelled. (gRPC's own deadline, `backstop`,
-  // comes later: it only acts when there is no count, channelz being off.)
+  // the listener closed: it is held too). The first look waits a moment so gRPC's own shutdown has
+  // begun. At `cut_at` the calls still open are counted, then cancelled. (gRPC's own deadline,
+  // `backstop`, comes later: it only acts when there is no count, channelz being off.)
   while (stopped.wait_for(kIdleCloseInterval) != std::future_status::ready) {
+    linger.HoldConnectionsOn(port);
     if (calls->open() < 0) continue;
     const bool none = calls->WaitNone(cut_at);
     if (!none) outcome->calls_cut = std::max<int64_t>(calls->open(), 0);
@@ -373,6 +378,7 @@ void Server::Shutdown() {
     //    reopen elsewhere). Calls that reach a gRPC server already shutting down are cancelled by
     //    gRPC itself (CANCELLED, see README "Shutdown"), so the hand-off first gives clients that
     //    watch health the time to leave.
+    impl_->linger.HoldConnectionsOn(impl_->port);  // Answers sent from now on are read whole.
     impl_->health->Shutdown();
     impl_->pipeline->BeginDrain();
     impl_->models->Stop();  // Reloads waiting are answered UNAVAILABLE; none starts.
@@ -388,6 +394,9 @@ void Server::Shutdown() {
       impl_->health_server->Shutdown(std::chrono::system_clock::now());
       impl_->health_server->Wait();
     }
+    // 3. gRPC has closed its connections; ours close once their clients have everything.
+    impl_->outcome->connections_undelivered =
+        impl_->linger.CloseWhenRead(start + grace * 19 / 20);
     impl_->exposer.reset();
     impl_->models.reset();
   });

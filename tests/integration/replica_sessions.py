@@ -32,14 +32,19 @@ PAUSE = 0.02     # seconds between steps, so that sessions span the test's event
 TOLERANCE = 2e-5  # float32: a step (over kept keys) vs one causal call over the same sequence
 
 
-def open_on(client, replica):
-    """A session on `replica` if the target sends one there within 12 tries, else the last one opened."""
+def open_on(client, replica, rec):
+    """A session on `replica` if the target sends one there within 12 tries, else the last one opened.
+    rec["replica"] names the replica of the session in hand, so that an error closing one that landed
+    elsewhere (its replica stopped meanwhile) is put down to that replica."""
     for _ in range(11):
         s = client.session("demo")
+        rec["replica"] = s.info.replica
         if s.info.replica == replica:
             return s
         s.close()
-    return client.session("demo")
+    s = client.session("demo")
+    rec["replica"] = s.info.replica
+    return s
 
 
 def run_sessions(attnserve, client, replica, seed, stop, records, lock):
@@ -49,8 +54,7 @@ def run_sessions(attnserve, client, replica, seed, stop, records, lock):
                "error": None, "sent": None}
         outputs, tokens = [], []
         try:
-            with open_on(client, replica) as s:
-                rec["replica"] = s.info.replica
+            with open_on(client, replica, rec) as s:
                 for step in range(STEPS + 1):
                     x = rng.standard_normal((1, PROMPT if step == 0 else 1, 512)).astype(np.float32)
                     rec["sent"] = time.time()  # The step in flight, if it fails.

@@ -7,6 +7,10 @@
   as at 30 (it used to wait ~5 s for grpcio to read its GOAWAY, and at grace 2 exit 1);
 - busy: a request computing when SIGTERM comes is answered, and the process is gone within a second of
   the answer;
+- slow link: an answer that ends after the SIGTERM and travels over a slow link (a relay that hands the
+  client 8 MB/s) arrives whole: the server closes the connection only once the client has read it all
+  (it used to lose the last 1.27 MB of 32 MiB: gRPC's close reset the connection on the client's next
+  flow-control update);
 - cut: work still computing when the grace period ends gets a status, the process exits 1 and says how
   many calls the grace period cut.
 
@@ -17,6 +21,7 @@ usage: shutdown_test.py PATH/TO/attnserve
 import os
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -28,6 +33,48 @@ import attnserve_py as lib  # noqa: E402
 
 check = lib.Checks()
 IDLE_LIMIT_S = 1.0
+
+
+class SlowLink:
+    """A TCP relay that hands the server's bytes to the client at `rate` bytes/s, as a slow network
+    does; counts the bytes it delivered."""
+
+    def __init__(self, upstream_port, rate):
+        self.rate, self.delivered = rate, 0
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen()
+        self.port = self.listener.getsockname()[1]
+        self.upstream_port = upstream_port
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.upstream_port))
+            threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, True), daemon=True).start()
+
+    def _pump(self, src, dst, slow):
+        try:
+            while data := src.recv(16 << 10):
+                dst.sendall(data)
+                if slow:
+                    self.delivered += len(data)
+                    time.sleep(len(data) / self.rate)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self):
+        self.listener.close()
 
 
 def stop(server):
@@ -121,7 +168,27 @@ def main():
     check(f"busy: gone within {IDLE_LIMIT_S} s of the last answer", after < IDLE_LIMIT_S, f"{after:.2f} s")
     channel.close()
 
-    # 3. Cut: the grace period ends with work in flight. Each call gets a status; exit 1; the log says
+    # 3. Slow link: the answer ends after the SIGTERM and crawls to the client; it arrives whole.
+    server = lib.Server(binary, "--shutdown-grace", "20")
+    link = SlowLink(server.port, 8 << 20)
+    channel = grpc.insecure_channel(f"127.0.0.1:{link.port}", options=big)
+    future = channel.unary_unary("/attnserve.v1.AttentionService/Attend").future(slow.SerializeToString(),
+                                                                                timeout=60)
+    time.sleep(0.5)  # Accepted and computing.
+    took, code, out = stop(server)
+    try:
+        answer = pb.AttendResponse.FromString(future.result(timeout=30))
+        check("slow link: the answer in flight arrives whole", len(answer.output.data) == 16 * 1024 * 512 * 4,
+              f"{len(answer.output.data)} bytes")
+    except grpc.RpcError as e:
+        check("slow link: the answer in flight arrives whole", False,
+              f"{e.code()} {e.details()!r} after {link.delivered} bytes")
+    print(f"  slow link (32 MiB answer at 8 MB/s): stopped {took:.3f} s after SIGTERM, exit {code}")
+    check("slow link: exit 0", code == 0, f"exit {code}: {out[-600:]}")
+    channel.close()
+    link.close()
+
+    # 4. Cut: the grace period ends with work in flight. Each call gets a status; exit 1; the log says
     #    how many calls were cut.
     server = lib.Server(binary, "--shutdown-grace", "0.5", "--workers", "1")
     channel = grpc.insecure_channel(server.target, options=big)

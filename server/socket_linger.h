@@ -1,0 +1,73 @@
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+
+namespace attnserve {
+
+/// Closes a stopping server's client connections the way web servers do ("lingering close"), so
+/// that an answer still travelling is never reset on its way.
+///
+/// gRPC 1.51 closes a connection as soon as its last call has ended once the server is stopping
+/// (and attnserve closes idle ones itself). It shuts the socket down both ways, then closes it,
+/// while the end of an answer may still be unread by the client (in a proxy's or the client's
+/// kernel, or on the way). Any byte the client sends after that (it acknowledges what it reads
+/// with flow-control updates) makes the kernel reset the connection, and a reset throws away what
+/// the client had not read yet. Here, a held connection is shut down for sending only (the answer,
+/// then the end of the stream, still go out as written), gRPC's close leaves it open (a second
+/// descriptor is held), and it is closed once its client has read everything: the client has
+/// closed its end (a client reads the end of the stream after the answer), or it has acknowledged
+/// every byte, its receive window is as wide as it has been since the connection was held (nothing
+/// of ours waits unread in its kernel) and it has been quiet for long enough.
+///
+/// Linux (reads /proc/self/fd and TCP_INFO; TCP connections only). The executable must export
+/// this file's `shutdown` (CMake does so for executables that link attnserve::server); without
+/// it, connections close as gRPC closes them. Not thread-safe: one stopping thread.
+class SocketLinger {
+ public:
+  /// How long a connection that has been sent nothing but gRPC's goodbye (GOAWAY, PING: under
+  /// kGoodbyeBytes) since it was held must stay quiet before it is closed: a flow-control update
+  /// on its way would otherwise meet a closed socket.
+  static constexpr std::chrono::milliseconds kIdleQuiet{20};
+  /// How long one that carried more (an answer) must stay quiet, with no input and no change of its
+  /// client's window, when its client does not close its end: a client that reads slowly may
+  /// still hold part of the answer unread without its window showing it.
+  static constexpr std::chrono::milliseconds kAnsweredQuiet{1000};
+  static constexpr uint64_t kGoodbyeBytes = 2048;
+
+  SocketLinger() = default;
+  SocketLinger(const SocketLinger&) = delete;
+  SocketLinger& operator=(const SocketLinger&) = delete;
+  /// Closes whatever is still held.
+  ~SocketLinger();
+
+  /// Holds every connected TCP socket of this process whose local port is `port` (the server's
+  /// accepted connections; the listener is left alone) that is not held yet. Call it before the
+  /// server starts to close connections and again while it stops, to catch connections accepted
+  /// meanwhile. Returns how many are held in all.
+  int HoldConnectionsOn(int port);
+
+  /// Once the server has closed its connections: waits until each held one is read (as above) or
+  /// until `deadline`, and closes it. Returns how many were closed at the deadline with bytes their
+  /// clients had not yet read.
+  int CloseWhenRead(std::chrono::steady_clock::time_point deadline);
+
+  /// True when this process's `shutdown` is the one here (lingering close in effect).
+  static bool Installed();
+
+ private:
+  struct Held {
+    int fd = -1;           // Our descriptor for the connection.
+    uint32_t widest = 0;   // The client's widest receive window seen since it was held.
+    uint64_t sent_at_hold = 0;  // Bytes acknowledged or in flight when it was held.
+    std::chrono::steady_clock::time_point heard;  // When the client last sent or read anything.
+  };
+  // kDone: closed by the client, or read and quiet; kQuieting: read, not quiet yet; kUnread.
+  enum class State { kDone, kQuieting, kUnread };
+  static State Look(Held& held, std::chrono::steady_clock::time_point now);
+
+  std::map<unsigned long, Held> held_;  // by socket inode
+};
+
+}  // namespace attnserve
