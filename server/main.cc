@@ -243,8 +243,8 @@ int main(int argc, char** argv) {
     return 1;
   }
   if (const int64_t unread = outcome->connections_undelivered.load(); unread > 0) {
-    std::cerr << "attnserve: the grace period (--shutdown-grace " << grace << " s) closed " << unread
-              << (unread == 1 ? " connection" : " connections")
+    std::cerr << "attnserve: the grace period (--shutdown-grace " << grace << " s) closed "
+              << unread << (unread == 1 ? " connection" : " connections")
               << " before its client had read everything sent on it (an answer may be cut short: "
                  "UNAVAILABLE); exit 1"
               << std::endl;

@@ -172,7 +172,7 @@ SocketLinger::State SocketLinger::Look(Held& held, std::chrono::steady_clock::ti
   }
   const bool answered = info.tcpi_bytes_acked > held.sent_at_hold + kGoodbyeBytes;
   return now - held.heard >= (answered ? kAnsweredQuiet : kIdleQuiet) ? State::kDone
-                                                                        : State::kQuieting;
+                                                                      : State::kQuieting;
 }
 
 int SocketLinger::CloseWhenRead(std::chrono::steady_clock::time_point deadline) {

@@ -18,8 +18,9 @@ namespace attnserve {
 /// then the end of the stream, still go out as written), gRPC's close leaves it open (a second
 /// descriptor is held), and it is closed once its client has read everything: the client has
 /// closed its end (a client reads the end of the stream after the answer), or it has acknowledged
-/// every byte, its receive window is as wide as it has been since the connection was held (nothing
-/// of ours waits unread in its kernel) and it has been quiet for long enough.
+/// every byte, its receive window is as wide as it has been since the connection was held, give or
+/// take gRPC's goodbye (nothing else of ours waits unread in its kernel), and it has been quiet for
+/// long enough.
 ///
 /// Linux (reads /proc/self/fd and TCP_INFO; TCP connections only). The executable must export
 /// this file's `shutdown` (CMake does so for executables that link attnserve::server); without
@@ -58,8 +59,8 @@ class SocketLinger {
 
  private:
   struct Held {
-    int fd = -1;           // Our descriptor for the connection.
-    uint32_t widest = 0;   // The client's widest receive window seen since it was held.
+    int fd = -1;                // Our descriptor for the connection.
+    uint32_t widest = 0;        // The client's widest receive window seen since it was held.
     uint64_t sent_at_hold = 0;  // Bytes acknowledged or in flight when it was held.
     std::chrono::steady_clock::time_point heard;  // When the client last sent or read anything.
   };
