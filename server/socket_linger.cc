@@ -117,6 +117,16 @@ bool SocketLinger::Installed() {
   return dlsym(RTLD_DEFAULT, "shutdown") == reinterpret_cast<void*>(&::shutdown);
 }
 
+bool SocketLinger::SeesClientWindow() {
+  const int probe = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (probe < 0) return false;
+  tcp_info info;
+  bool has_window = false;
+  const bool ok = Info(probe, info, has_window);
+  close(probe);
+  return ok && has_window;
+}
+
 int SocketLinger::HoldConnectionsOn(int port) {
   if (port <= 0) return static_cast<int>(held_.size());
   DIR* dir = opendir("/proc/self/fd");

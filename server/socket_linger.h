@@ -56,6 +56,10 @@ class SocketLinger {
 
   /// True when this process's `shutdown` is the one here (lingering close in effect).
   static bool Installed();
+  /// True when the kernel reports a client's receive window (TCP_INFO tcpi_snd_wnd, Linux 5.4 and
+  /// later). Without it, a held connection that carried an answer is taken as read once quiet for
+  /// kAnsweredQuiet with every byte acknowledged, and only unacknowledged bytes count as unread.
+  static bool SeesClientWindow();
 
  private:
   struct Held {
