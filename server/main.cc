@@ -242,11 +242,11 @@ int main(int argc, char** argv) {
     std::cerr << cut_line(cut) << std::endl;
     return 1;
   }
-  if (const int64_t unread = outcome->connections_undelivered.load(); unread > 0) {
+  if (const int64_t unread = outcome->connections_unread.load(); unread > 0) {
     std::cerr << "attnserve: the grace period (--shutdown-grace " << grace << " s) closed "
-              << unread << (unread == 1 ? " connection" : " connections")
-              << " before its client had read everything sent on it (an answer may be cut short: "
-                 "UNAVAILABLE); exit 1"
+              << unread << (unread == 1 ? " connection whose client" : " connections whose clients")
+              << " had not read everything sent on it (an answer may be cut short: UNAVAILABLE); "
+                 "exit 1"
               << std::endl;
     return 1;
   }

@@ -395,7 +395,7 @@ void Server::Shutdown() {
       impl_->health_server->Wait();
     }
     // 3. gRPC has closed its connections; ours close once their clients have everything.
-    impl_->outcome->connections_undelivered = impl_->linger.CloseWhenRead(start + grace * 19 / 20);
+    impl_->outcome->connections_unread = impl_->linger.CloseWhenRead(start + grace * 19 / 20);
     impl_->exposer.reset();
     impl_->models.reset();
   });

@@ -50,9 +50,9 @@ struct ShutdownOutcome {
   /// Calls still open when the grace period ended (gRPC cancelled them: their clients got
   /// CANCELLED); 0 when every call accepted was answered.
   std::atomic<int64_t> calls_cut{0};
-  /// Connections closed at the end of the grace period with bytes their clients had not yet
-  /// acknowledged (an answer may be lost); 0 when everything written arrived.
-  std::atomic<int64_t> connections_undelivered{0};
+  /// Connections closed at the end of the grace period with bytes their clients had not yet read
+  /// (an answer may be cut short); 0 when everything written was read.
+  std::atomic<int64_t> connections_unread{0};
   /// The server's count of calls open.
   std::shared_ptr<const CallCounter> calls;
 

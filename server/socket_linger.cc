@@ -34,7 +34,7 @@ std::set<unsigned long>& Lingering() {
   static auto* inodes = new std::set<unsigned long>;
   return *inodes;
 }
-std::atomic<int> lingering_count{0};
+std::atomic<int> lingering_count{0};  // Its size, read without the lock by every shutdown.
 
 unsigned long SocketInode(int fd) {
   struct stat st {};
@@ -134,8 +134,7 @@ int SocketLinger::HoldConnectionsOn(int port) {
   const int dir_fd = dirfd(dir);
   while (const dirent* entry = readdir(dir)) {
     char* end = nullptr;
-    const long number = std::strtol(entry->d_name, &end, 10);
-    const int fd = static_cast<int>(number);
+    const int fd = static_cast<int>(std::strtol(entry->d_name, &end, 10));
     if (end == entry->d_name || *end != '\0' || fd == dir_fd) continue;
     const unsigned long inode = SocketInode(fd);
     if (inode == 0 || held_.count(inode) || ConnectedTcpPort(fd) != port) continue;
