@@ -6,7 +6,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/sockios.h>
-#include <linux/tcp.h>  // Linux's tcp_info (glibc's lacks the receive window); states below.
+#include <linux/tcp.h>  // Linux's tcp_info (glibc's lacks tcpi_bytes_acked); states below.
 #include <netinet/in.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
@@ -15,7 +15,6 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <cstddef>
 #include <cstdlib>
 #include <mutex>
 #include <set>
@@ -71,13 +70,11 @@ int ConnectedTcpPort(int fd) {
   return 0;
 }
 
-// TCP_INFO; false when unavailable. `has_window`: the kernel reports the peer's window.
-bool Info(int fd, tcp_info& info, bool& has_window) {
+// TCP_INFO; false when unavailable.
+bool Info(int fd, tcp_info& info) {
   info = {};
   socklen_t len = sizeof(info);
-  if (getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &len) != 0) return false;
-  has_window = len >= offsetof(tcp_info, tcpi_snd_wnd) + sizeof(info.tcpi_snd_wnd);
-  return true;
+  return getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &len) == 0;
 }
 
 // Bytes sent and not yet acknowledged by the client; after our FIN the queue counts it as one more.
@@ -117,16 +114,6 @@ bool SocketLinger::Installed() {
   return dlsym(RTLD_DEFAULT, "shutdown") == reinterpret_cast<void*>(&::shutdown);
 }
 
-bool SocketLinger::SeesClientWindow() {
-  const int probe = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (probe < 0) return false;
-  tcp_info info;
-  bool has_window = false;
-  const bool ok = Info(probe, info, has_window);
-  close(probe);
-  return ok && has_window;
-}
-
 int SocketLinger::HoldConnectionsOn(int port) {
   if (port <= 0) return static_cast<int>(held_.size());
   DIR* dir = opendir("/proc/self/fd");
@@ -149,10 +136,8 @@ int SocketLinger::HoldConnectionsOn(int port) {
     Held held;
     held.fd = ours;
     tcp_info info;
-    bool has_window = false;
-    if (Info(ours, info, has_window)) {
+    if (Info(ours, info)) {
       held.sent_at_hold = info.tcpi_bytes_acked + static_cast<uint64_t>(Unacknowledged(ours, info));
-      if (has_window) held.widest = info.tcpi_snd_wnd;
     }
     held_.emplace(inode, held);
     SetLingering(inode, true);
@@ -166,19 +151,10 @@ SocketLinger::State SocketLinger::Look(Held& held, std::chrono::steady_clock::ti
   if (!DrainInput(held.fd, heard)) return State::kDone;  // The client closed: it read it all.
   if (heard) held.heard = now;
   tcp_info info;
-  bool has_window = false;
-  if (!Info(held.fd, info, has_window)) return State::kDone;
+  if (!Info(held.fd, info)) return State::kDone;
   const uint8_t state = info.tcpi_state;
   if (state == kClose || state == kTimeWait || state == kCloseWait) return State::kDone;
-  const int unacknowledged = Unacknowledged(held.fd, info);
-  if (unacknowledged > 0) return State::kUnread;
-  if (has_window) {
-    // The window shrinks by what the client's kernel holds unread; it is back to its widest once
-    // the client has read everything we sent (gRPC's goodbye may stay unread: it loses nothing).
-    if (info.tcpi_snd_wnd + kGoodbyeBytes < held.widest) return State::kUnread;
-    if (info.tcpi_snd_wnd > held.widest) held.heard = now;  // The client is reading.
-    held.widest = info.tcpi_snd_wnd;
-  }
+  if (Unacknowledged(held.fd, info) > 0) return State::kUnread;
   const bool answered = info.tcpi_bytes_acked > held.sent_at_hold + kGoodbyeBytes;
   return now - held.heard >= (answered ? kAnsweredQuiet : kIdleQuiet) ? State::kDone
                                                                       : State::kQuieting;

@@ -18,9 +18,9 @@ namespace attnserve {
 /// then the end of the stream, still go out as written), gRPC's close leaves it open (a second
 /// descriptor is held), and it is closed once its client has read everything: the client has
 /// closed its end (a client reads the end of the stream after the answer), or it has acknowledged
-/// every byte, its receive window is as wide as it has been since the connection was held, give or
-/// take gRPC's goodbye (nothing else of ours waits unread in its kernel), and it has been quiet for
-/// long enough.
+/// every byte and been quiet for long enough (a client reading what its kernel holds sends
+/// flow-control updates as it goes). The client's receive window is not used: a kernel may
+/// advertise a narrower one with nothing unread (seen once behind nginx: a 27 s stop).
 ///
 /// Linux (reads /proc/self/fd and TCP_INFO; TCP connections only). The executable must export
 /// this file's `shutdown` (CMake does so for executables that link attnserve::server); without
@@ -31,9 +31,9 @@ class SocketLinger {
   /// kGoodbyeBytes) since it was held must stay quiet before it is closed: a flow-control update
   /// on its way would otherwise meet a closed socket.
   static constexpr std::chrono::milliseconds kIdleQuiet{20};
-  /// How long one that carried more (an answer) must stay quiet, with no input and no change of its
-  /// client's window, when its client does not close its end: a client that reads slowly may
-  /// still hold part of the answer unread without its window showing it.
+  /// How long one that carried more (an answer) must stay quiet, every byte acknowledged, when its
+  /// client does not close its end: a client that reads slowly may still hold part of the answer
+  /// unread in its kernel.
   static constexpr std::chrono::milliseconds kAnsweredQuiet{1000};
   static constexpr uint64_t kGoodbyeBytes = 2048;
 
@@ -51,20 +51,15 @@ class SocketLinger {
 
   /// Once the server has closed its connections: waits until each held one is read (as above) or
   /// until `deadline`, and closes it. Returns how many were closed at the deadline with bytes their
-  /// clients had not yet read.
+  /// clients had not yet acknowledged.
   int CloseWhenRead(std::chrono::steady_clock::time_point deadline);
 
   /// True when this process's `shutdown` is the one here (lingering close in effect).
   static bool Installed();
-  /// True when the kernel reports a client's receive window (TCP_INFO tcpi_snd_wnd, Linux 5.4 and
-  /// later). Without it, a held connection that carried an answer is taken as read once quiet for
-  /// kAnsweredQuiet with every byte acknowledged, and only unacknowledged bytes count as unread.
-  static bool SeesClientWindow();
 
  private:
   struct Held {
     int fd = -1;                // Our descriptor for the connection.
-    uint32_t widest = 0;        // The client's widest receive window seen since it was held.
     uint64_t sent_at_hold = 0;  // Bytes acknowledged or in flight when it was held.
     std::chrono::steady_clock::time_point heard;  // When the client last sent or read anything.
   };
