@@ -154,7 +154,12 @@ SocketLinger::State SocketLinger::Look(Held& held, std::chrono::steady_clock::ti
   if (!Info(held.fd, info)) return State::kDone;
   const uint8_t state = info.tcpi_state;
   if (state == kClose || state == kTimeWait || state == kCloseWait) return State::kDone;
-  if (Unacknowledged(held.fd, info) > 0) return State::kUnread;
+  if (Unacknowledged(held.fd, info) > 0) {
+    held.acknowledged = {};
+    return State::kUnread;
+  }
+  if (held.acknowledged == std::chrono::steady_clock::time_point{}) held.acknowledged = now;
+  if (now - held.acknowledged >= kAcknowledgedLinger) return State::kDone;
   const bool answered = info.tcpi_bytes_acked > held.sent_at_hold + kGoodbyeBytes;
   return now - held.heard >= (answered ? kAnsweredQuiet : kIdleQuiet) ? State::kDone
                                                                       : State::kQuieting;

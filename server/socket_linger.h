@@ -36,6 +36,10 @@ class SocketLinger {
   /// unread in its kernel.
   static constexpr std::chrono::milliseconds kAnsweredQuiet{1000};
   static constexpr uint64_t kGoodbyeBytes = 2048;
+  /// A connection whose every byte has been acknowledged this long is closed even if its client
+  /// keeps sending and does not close: a client reading a slow answer stops sending once it has
+  /// it all, one that sends on regardless would hold the stop to the end of the grace period.
+  static constexpr std::chrono::milliseconds kAcknowledgedLinger{1500};
 
   SocketLinger() = default;
   SocketLinger(const SocketLinger&) = delete;
@@ -62,6 +66,7 @@ class SocketLinger {
     int fd = -1;                // Our descriptor for the connection.
     uint64_t sent_at_hold = 0;  // Bytes acknowledged or in flight when it was held.
     std::chrono::steady_clock::time_point heard;  // When the client last sent or read anything.
+    std::chrono::steady_clock::time_point acknowledged{};  // Since when every byte is (or never).
   };
   // kDone: closed by the client, or read and quiet; kQuieting: read, not quiet yet; kUnread.
   enum class State { kDone, kQuieting, kUnread };

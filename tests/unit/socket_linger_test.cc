@@ -11,6 +11,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <future>
 #include <thread>
@@ -186,6 +187,26 @@ TEST(SocketLingerTest, AnAcknowledgedAnswerIsKeptForTheQuietPeriodAndClosedClean
   EXPECT_GE(Clock::now() - start, SocketLinger::kAnsweredQuiet);
   EXPECT_LT(Clock::now() - start, SocketLinger::kAnsweredQuiet + 2s);
   EXPECT_EQ(c.ClientReadsAll(), std::make_pair(answer.size(), 0));  // Closed without a reset.
+}
+
+// A client that keeps sending after the end of the stream, and never closes, does not hold the stop
+// to its deadline once everything sent to it is acknowledged.
+TEST(SocketLingerTest, AClientThatSendsOnAndNeverClosesIsClosedAfterTheAcknowledgedLinger) {
+  Connection c;
+  SocketLinger linger;
+  linger.HoldConnectionsOn(c.port);
+  c.CloseServerAsGrpcDoes();
+  std::atomic<bool> done{false};
+  std::thread sender([&] {
+    while (!done && send(c.client, "u", 1, MSG_NOSIGNAL) == 1) std::this_thread::sleep_for(5ms);
+  });
+  const auto start = Clock::now();
+  EXPECT_EQ(linger.CloseWhenRead(start + 20s), 0);
+  const auto took = Clock::now() - start;
+  done = true;
+  sender.join();
+  EXPECT_GE(took, SocketLinger::kAcknowledgedLinger);
+  EXPECT_LT(took, SocketLinger::kAcknowledgedLinger + 2s);
 }
 
 TEST(SocketLingerTest, OtherSocketsAreShutAsAsked) {
