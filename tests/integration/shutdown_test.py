@@ -16,7 +16,7 @@
 
 Prints the measured stop times (README "Shutdown" quotes them).
 
-usage: shutdown_test.py PATH/TO/attnserve
+usage: shutdown_test.py PATH/TO/attnserve [--busy-rounds N]   (N busy stops instead of one)
 """
 import os
 import re
@@ -104,6 +104,7 @@ def idle_stop(binary, name, connect, grace="2"):
 
 def main():
     binary = sys.argv[1]
+    busy_rounds = int(sys.argv[3]) if sys.argv[2:3] == ["--busy-rounds"] else 1
     attnserve = lib.load_package()
     import grpc
     from attnserve.v1 import attention_pb2 as pb
@@ -145,28 +146,34 @@ def main():
     times.append(idle_stop(binary, "idle attnserve.Client (round_robin, health watch)", package_client_then_idle))
     print(f"  idle stops: {min(times):.3f} to {max(times):.3f} s")
 
-    # 2. Busy: the request in flight is answered; the process goes right after.
-    server = lib.Server(binary, "--shutdown-grace", "20")
-    channel = grpc.insecure_channel(server.target, options=big)
-    answered = []
-    future = channel.unary_unary("/attnserve.v1.AttentionService/Attend").future(slow.SerializeToString(),
-                                                                                timeout=60)
-    future.add_done_callback(lambda f: answered.append(time.monotonic()))
-    time.sleep(0.2)  # Accepted and computing.
-    sigterm = time.monotonic()
-    took, code, out = stop(server)
-    gone = sigterm + took
-    try:
-        future.result()
-        check("busy: the request in flight is answered", True)
-    except grpc.RpcError as e:
-        check("busy: the request in flight is answered", False, f"{e.code()} {e.details()!r}")
-    check("busy: exit 0", code == 0, f"exit {code}: {out[-600:]}")
-    after = gone - answered[0] if answered else float("inf")
-    print(f"  busy (one ~1 s request in flight): stopped {took:.3f} s after SIGTERM, "
-          f"{after:.3f} s after its answer")
-    check(f"busy: gone within {IDLE_LIMIT_S} s of the last answer", after < IDLE_LIMIT_S, f"{after:.2f} s")
-    channel.close()
+    # 2. Busy: the request in flight is answered; the process goes right after. (--busy-rounds N
+    #    repeats it: gRPC's clean-up used to add 10 s in about 1 stop in 9 under CPU load.)
+    late = 0
+    for _ in range(busy_rounds):
+        server = lib.Server(binary, "--shutdown-grace", "20")
+        channel = grpc.insecure_channel(server.target, options=big)
+        answered = []
+        future = channel.unary_unary("/attnserve.v1.AttentionService/Attend").future(slow.SerializeToString(),
+                                                                                    timeout=60)
+        future.add_done_callback(lambda f: answered.append(time.monotonic()))
+        time.sleep(0.2)  # Accepted and computing.
+        sigterm = time.monotonic()
+        took, code, out = stop(server)
+        gone = sigterm + took
+        try:
+            future.result()
+            check("busy: the request in flight is answered", True)
+        except grpc.RpcError as e:
+            check("busy: the request in flight is answered", False, f"{e.code()} {e.details()!r}")
+        check("busy: exit 0", code == 0, f"exit {code}: {out[-600:]}")
+        after = gone - answered[0] if answered else float("inf")
+        print(f"  busy (one ~1 s request in flight): stopped {took:.3f} s after SIGTERM, "
+              f"{after:.3f} s after its answer")
+        check(f"busy: gone within {IDLE_LIMIT_S} s of the last answer", after < IDLE_LIMIT_S, f"{after:.2f} s")
+        late += after >= IDLE_LIMIT_S
+        channel.close()
+    if busy_rounds > 1:
+        print(f"  busy: {late} of {busy_rounds} stops gone later than {IDLE_LIMIT_S} s after the answer")
 
     # 3. Slow link: the answer ends after the SIGTERM and crawls to the client; it arrives whole.
     server = lib.Server(binary, "--shutdown-grace", "20")
