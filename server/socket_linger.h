@@ -68,7 +68,8 @@ class SocketLinger {
     std::chrono::steady_clock::time_point heard;  // When the client last sent or read anything.
     std::chrono::steady_clock::time_point acknowledged{};  // Since when every byte is (or never).
   };
-  // kDone: closed by the client, or read and quiet; kQuieting: read, not quiet yet; kUnread.
+  // kDone: closed by the client, or read and quiet (or acknowledged for kAcknowledgedLinger);
+  // kQuieting: read, not quiet yet; kUnread.
   enum class State { kDone, kQuieting, kUnread };
   static State Look(Held& held, std::chrono::steady_clock::time_point now);
 
