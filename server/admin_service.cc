@@ -3,6 +3,7 @@
 #include <iostream>
 
 #include "server/files.h"
+#include "server/grpc_call.h"
 #include "server/grpc_status.h"
 
 namespace attnserve {
@@ -110,13 +111,13 @@ Status AuthorizeAdmin(const AdminAuth& auth, const grpc::CallbackServerContext& 
                : "present a client certificate named in --admin-client-names"));
 }
 
-AdminServiceImpl::AdminServiceImpl(ModelRepository& models, AdminAuth auth)
-    : models_(models), auth_(std::move(auth)) {}
+AdminServiceImpl::AdminServiceImpl(ModelRepository& models, CallCounter& calls, AdminAuth auth)
+    : models_(models), calls_(calls), auth_(std::move(auth)) {}
 
 grpc::ServerUnaryReactor* AdminServiceImpl::ReloadModels(grpc::CallbackServerContext* ctx,
                                                          const v1::ReloadModelsRequest*,
                                                          v1::ReloadModelsResponse* resp) {
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  grpc::ServerUnaryReactor* reactor = NewUnaryReactor(calls_, ctx);
   const Status allowed = AuthorizeAdmin(auth_, *ctx);
   if (!allowed.ok()) {
     reactor->Finish(ToGrpcStatus(allowed));

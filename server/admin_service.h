@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "server/call_counter.h"
 #include "server/model_repository.h"
 #include "server/status.h"
 
@@ -27,10 +28,11 @@ struct AdminAuth {
 /// credentials) or PERMISSION_DENIED (credentials that are not an administrator's; admin disabled).
 Status AuthorizeAdmin(const AdminAuth& auth, const grpc::CallbackServerContext& ctx);
 
-/// attnserve.v1.AdminService on the callback API. Thread-safe; borrows the repository.
+/// attnserve.v1.AdminService on the callback API. Thread-safe; borrows the repository and the count
+/// of calls open.
 class AdminServiceImpl final : public v1::AdminService::CallbackService {
  public:
-  AdminServiceImpl(ModelRepository& models, AdminAuth auth);
+  AdminServiceImpl(ModelRepository& models, CallCounter& calls, AdminAuth auth);
 
   grpc::ServerUnaryReactor* ReloadModels(grpc::CallbackServerContext* ctx,
                                          const v1::ReloadModelsRequest* req,
@@ -38,6 +40,7 @@ class AdminServiceImpl final : public v1::AdminService::CallbackService {
 
  private:
   ModelRepository& models_;
+  CallCounter& calls_;
   const AdminAuth auth_;
 };
 

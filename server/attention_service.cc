@@ -13,11 +13,13 @@ namespace {
 /// was is only certain once the call is done, so the outcome is recorded in OnDone.
 class NoMessageReactor final : public grpc::ServerUnaryReactor {
  public:
-  NoMessageReactor(RequestPipeline& pipeline, grpc::CallbackServerContext* ctx)
-      : pipeline_(pipeline), ctx_(ctx) {
+  NoMessageReactor(RequestPipeline& pipeline, CallCounter& calls, grpc::CallbackServerContext* ctx)
+      : pipeline_(pipeline), calls_(calls), ctx_(ctx) {
+    calls_.Begin();
     Finish(ToGrpcStatus(kRefusal));
   }
   void OnDone() override {
+    calls_.End(ctx_->IsCancelled());
     pipeline_.RecordUndecoded(
         "Attend", ctx_->IsCancelled()
                       ? Status(StatusCode::kCancelled, "cancelled before its request arrived")
@@ -30,6 +32,7 @@ class NoMessageReactor final : public grpc::ServerUnaryReactor {
       "request: no request message arrived (the client half-closed without one); "
       "Attend takes exactly one AttendRequest");
   RequestPipeline& pipeline_;
+  CallCounter& calls_;
   grpc::CallbackServerContext* ctx_;
 };
 
@@ -54,22 +57,22 @@ class AttendStreamCodec final : public StreamCodec {
 
 }  // namespace
 
-AttentionServiceImpl::AttentionServiceImpl(RequestPipeline& pipeline)
-    : pipeline_(pipeline), stream_codec_(std::make_unique<AttendStreamCodec>()) {}
+AttentionServiceImpl::AttentionServiceImpl(RequestPipeline& pipeline, CallCounter& calls)
+    : pipeline_(pipeline), calls_(calls), stream_codec_(std::make_unique<AttendStreamCodec>()) {}
 
 AttentionServiceImpl::~AttentionServiceImpl() = default;
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerContext* ctx,
                                                        const grpc::ByteBuffer* req,
                                                        grpc::ByteBuffer* resp) {
-  if (!req->Valid()) return new NoMessageReactor(pipeline_, ctx);
+  if (!req->Valid()) return new NoMessageReactor(pipeline_, calls_, ctx);
   auto x = std::make_unique<Exchange>();
   const Status parsed = ParseRequest(*req, &x->request);
   if (!parsed.ok()) {
     pipeline_.RecordUndecoded("Attend", parsed);
-    return Finished(ctx, parsed);
+    return Finished(calls_, ctx, parsed);
   }
-  auto* reactor = ctx->DefaultReactor();
+  auto* reactor = NewUnaryReactor(calls_, ctx);
   Exchange* raw = x.release();
   pipeline_.Attend("Attend", raw, CallOf(ctx), [this, raw, reactor, resp](const Status& seen) {
     if (seen.ok()) *resp = EncodeAnswer(&raw->answer);
@@ -82,26 +85,26 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionServiceImpl::AttendStream(
     grpc::CallbackServerContext* ctx) {
-  return new StreamReactor(pipeline_, *stream_codec_, ctx);
+  return new StreamReactor(pipeline_, calls_, *stream_codec_, ctx);
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(grpc::CallbackServerContext* ctx,
                                                            const v1::ListModelsRequest*,
                                                            v1::ListModelsResponse* resp) {
   pipeline_.ListModels(resp);
-  return Finished(ctx, Status::Ok());
+  return Finished(calls_, ctx, Status::Ok());
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::GetModel(grpc::CallbackServerContext* ctx,
                                                          const v1::GetModelRequest* req,
                                                          v1::ModelInfo* resp) {
-  return Finished(ctx, pipeline_.GetModel(*req, resp));
+  return Finished(calls_, ctx, pipeline_.GetModel(*req, resp));
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::CreateMemory(grpc::CallbackServerContext* ctx,
                                                              const v1::CreateMemoryRequest* req,
                                                              v1::KvHandle* resp) {
-  auto* reactor = ctx->DefaultReactor();
+  auto* reactor = NewUnaryReactor(calls_, ctx);
   pipeline_.CreateMemory(*req, CallOf(ctx), resp,
                          [reactor](const Status& st) { reactor->Finish(ToGrpcStatus(st)); });
   return reactor;
@@ -110,30 +113,30 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CreateMemory(grpc::CallbackServe
 grpc::ServerUnaryReactor* AttentionServiceImpl::ForkSession(grpc::CallbackServerContext* ctx,
                                                             const v1::ForkSessionRequest* req,
                                                             v1::KvHandle* resp) {
-  return Finished(ctx, pipeline_.ForkSession(*req, resp));
+  return Finished(calls_, ctx, pipeline_.ForkSession(*req, resp));
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::TruncateSession(
     grpc::CallbackServerContext* ctx, const v1::TruncateSessionRequest* req, v1::KvHandle* resp) {
-  return Finished(ctx, pipeline_.TruncateSession(*req, resp));
+  return Finished(calls_, ctx, pipeline_.TruncateSession(*req, resp));
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::OpenSession(grpc::CallbackServerContext* ctx,
                                                             const v1::OpenSessionRequest* req,
                                                             v1::KvHandle* resp) {
-  return Finished(ctx, pipeline_.OpenSession(*req, resp));
+  return Finished(calls_, ctx, pipeline_.OpenSession(*req, resp));
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::DeleteMemory(grpc::CallbackServerContext* ctx,
                                                              const v1::ReleaseRequest* req,
                                                              v1::ReleaseResponse* resp) {
-  return Finished(ctx, pipeline_.Release("DeleteMemory", KvKind::kMemory, *req, resp));
+  return Finished(calls_, ctx, pipeline_.Release("DeleteMemory", KvKind::kMemory, *req, resp));
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::CloseSession(grpc::CallbackServerContext* ctx,
                                                              const v1::ReleaseRequest* req,
                                                              v1::ReleaseResponse* resp) {
-  return Finished(ctx, pipeline_.Release("CloseSession", KvKind::kSession, *req, resp));
+  return Finished(calls_, ctx, pipeline_.Release("CloseSession", KvKind::kSession, *req, resp));
 }
 
 }  // namespace attnserve

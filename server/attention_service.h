@@ -3,6 +3,7 @@
 #include <memory>
 
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "server/call_counter.h"
 #include "server/request_pipeline.h"
 
 namespace attnserve {
@@ -27,8 +28,8 @@ class AttentionServiceImpl final
                                           v1::AttentionService::WithCallbackMethod_ForkSession<
                                               v1::AttentionService::Service>>>>>>>>>> {
  public:
-  /// Borrows the pipeline, which must outlive the service.
-  explicit AttentionServiceImpl(RequestPipeline& pipeline);
+  /// Borrows the pipeline and the count of calls open, which must outlive the service.
+  AttentionServiceImpl(RequestPipeline& pipeline, CallCounter& calls);
   ~AttentionServiceImpl() override;
 
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
@@ -61,6 +62,7 @@ class AttentionServiceImpl final
 
  private:
   RequestPipeline& pipeline_;
+  CallCounter& calls_;
   std::unique_ptr<StreamCodec> stream_codec_;  // AttendStream's messages.
 };
 

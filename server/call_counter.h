@@ -2,47 +2,57 @@
 
 #include <grpcpp/support/server_interceptor.h>
 
-#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 
 namespace attnserve {
 
-/// Counts the calls one gRPC server holds, from the moment it takes a call until the call has ended
-/// (its status sent), leaving out the long-lived ones: health watches (they stay open for as long
-/// as their clients like) and reflection streams, which the shutdown cuts. With nothing counted,
-/// what a stopping server still holds is idle connections, which the shutdown closes at once
-/// instead of waiting for each client to read its GOAWAY (a grpcio client with no call open reads
-/// it only at its 5 s backup poll).
+/// Counts the calls attnserve has taken and not yet finished: from the moment one of its handlers
+/// takes a call (or gRPC's health service a Check) until gRPC is done with it (its status sent, or
+/// the call cancelled). This is what a stop must wait for, and what it cuts when the grace period
+/// ends. Calls that never reach a handler are not counted: a request whose deadline passed or that
+/// its client reset while it was still arriving, a message over the size limit; nothing of theirs
+/// is held (gRPC's own per-server counts, channelz, keep such calls as started for ever). Nor are
+/// the long-lived calls that the stop ends itself: health watches and reflection streams.
 ///
-/// Costs nothing per call: the counts are gRPC's own (channelz: calls started, succeeded and
-/// failed per server, kept whatever we do), less the long-lived calls, which an interceptor marks;
-/// its factory declines every other call, so no other call runs interceptor hooks. Thread-safe.
+/// Once the stop begins to cut (BeginCut), a call that ends cancelled was cut by it; cut() counts
+/// those and the calls still open, which an exit then would cut. Thread-safe.
 class CallCounter {
  public:
-  /// The interceptor factory to give the gRPC server builder; it borrows this counter, which must
-  /// outlive the server.
-  std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> Factory();
+  /// A call was taken; End must follow exactly once.
+  void Begin();
+  /// The call is done; `cancelled`: it ended without its status reaching the client (gRPC's
+  /// IsCancelled: cancelled by its client or by the stop, or broken), not by a status we chose.
+  void End(bool cancelled);
 
-  /// Call once before building the server, then Attach once it is built.
-  void BeforeBuild();
-  /// Finds the server built since BeforeBuild (the first channelz server created after it). False
-  /// when there is none (channelz off): open() then stays unknown.
-  bool Attach();
-
-  /// Calls held and not ended, long-lived ones left out; -1 when unknown (not attached).
+  /// Calls taken and not ended.
   int64_t open() const;
-  /// Waits until open() is 0 (true) or until `deadline` (false; also when unknown).
+  /// Waits until open() is 0 (true) or until `deadline` (false).
   bool WaitNone(std::chrono::steady_clock::time_point deadline) const;
 
- private:
-  class Factory_;
-  class Marker;
+  /// The stop cuts what is open from now on: calls that end cancelled after this count as cut.
+  void BeginCut();
+  /// Calls the stop cut: those ended cancelled since BeginCut plus those still open (an exit now
+  /// cuts them too). Before BeginCut, the calls an exit now would cut: those open.
+  int64_t cut() const;
 
-  intptr_t last_id_before_ = 0;  // The newest channelz server id before the build.
-  intptr_t server_id_ = 0;       // Ours, once attached.
-  std::atomic<int64_t> long_lived_{0};
+  /// An interceptor factory for the gRPC server builder that counts gRPC's own health Check calls
+  /// (answered at once, but a stop should not cut one mid-answer); it declines every other call, so
+  /// no other call runs interceptor hooks. Borrows this counter, which must outlive the server.
+  std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> HealthChecks();
+
+ private:
+  class Marker;
+  class Factory;
+
+  mutable std::mutex mu_;
+  mutable std::condition_variable none_;
+  int64_t open_ = 0;
+  bool cutting_ = false;
+  int64_t cut_ended_ = 0;  // Ended cancelled since BeginCut.
 };
 
 }  // namespace attnserve

@@ -22,8 +22,32 @@ CallContext CallOf(grpc::CallbackServerContext* ctx) {
   return call;
 }
 
-grpc::ServerUnaryReactor* Finished(grpc::CallbackServerContext* ctx, const Status& status) {
-  auto* reactor = ctx->DefaultReactor();
+namespace {
+
+class UnaryReactor final : public grpc::ServerUnaryReactor {
+ public:
+  UnaryReactor(CallCounter& calls, grpc::CallbackServerContext* ctx) : calls_(calls), ctx_(ctx) {
+    calls_.Begin();
+  }
+  void OnDone() override {
+    calls_.End(ctx_->IsCancelled());
+    delete this;
+  }
+
+ private:
+  CallCounter& calls_;
+  grpc::CallbackServerContext* ctx_;
+};
+
+}  // namespace
+
+grpc::ServerUnaryReactor* NewUnaryReactor(CallCounter& calls, grpc::CallbackServerContext* ctx) {
+  return new UnaryReactor(calls, ctx);
+}
+
+grpc::ServerUnaryReactor* Finished(CallCounter& calls, grpc::CallbackServerContext* ctx,
+                                   const Status& status) {
+  grpc::ServerUnaryReactor* reactor = NewUnaryReactor(calls, ctx);
   reactor->Finish(ToGrpcStatus(status));
   return reactor;
 }

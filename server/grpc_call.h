@@ -2,6 +2,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "server/call_counter.h"
 #include "server/request_pipeline.h"
 
 namespace attnserve {
@@ -11,7 +12,13 @@ namespace attnserve {
 /// sends (gRFC A6's grpc-previous-rpc-attempts).
 CallContext CallOf(grpc::CallbackServerContext* ctx);
 
-/// The call's default reactor, finished at once with `status` (a unary call answered in place).
-grpc::ServerUnaryReactor* Finished(grpc::CallbackServerContext* ctx, const Status& status);
+/// A unary call's reactor, counted in `calls` from its making until gRPC is done with the call (so
+/// a stop waits for its answer to go out). Deletes itself then. Every unary handler answers
+/// through one.
+grpc::ServerUnaryReactor* NewUnaryReactor(CallCounter& calls, grpc::CallbackServerContext* ctx);
+
+/// A unary call answered in place: its reactor, finished at once with `status`.
+grpc::ServerUnaryReactor* Finished(CallCounter& calls, grpc::CallbackServerContext* ctx,
+                                   const Status& status);
 
 }  // namespace attnserve

@@ -229,7 +229,7 @@ int main(int argc, char** argv) {
   };
   std::thread([grace, outcome, cut_line] {
     std::this_thread::sleep_for(std::chrono::duration<double>(grace));
-    const int64_t cut = outcome->CutByExitNow();
+    const int64_t cut = outcome->calls_cut();
     if (cut > 0) {
       std::cerr << cut_line(cut) << " (exiting with work still computing)" << std::endl;
     } else {
@@ -240,7 +240,7 @@ int main(int argc, char** argv) {
   }).detach();
   (*server)->Shutdown();
   int code = 0;
-  if (const int64_t cut = outcome->calls_cut.load(); cut > 0) {
+  if (const int64_t cut = outcome->calls_cut(); cut > 0) {
     std::cerr << cut_line(cut) << std::endl;
     code = 1;
   } else if (const int64_t unread = outcome->connections_unread.load(); unread > 0) {

@@ -51,9 +51,10 @@ class OipServiceImpl::Stream final : public StreamCodec {
   OipServiceImpl& service_;
 };
 
-OipServiceImpl::OipServiceImpl(RequestPipeline& pipeline, size_t max_sequences,
+OipServiceImpl::OipServiceImpl(RequestPipeline& pipeline, CallCounter& calls, size_t max_sequences,
                                std::chrono::steady_clock::duration sequence_idle)
     : pipeline_(pipeline),
+      calls_(calls),
       sequences_(max_sequences, sequence_idle),
       stream_(std::make_unique<Stream>(*this)) {}
 
@@ -94,23 +95,23 @@ grpc::ServerUnaryReactor* OipServiceImpl::ServerLive(grpc::CallbackServerContext
                                                      const inference::ServerLiveRequest*,
                                                      inference::ServerLiveResponse* resp) {
   resp->set_live(true);
-  return Finished(ctx, Status::Ok());
+  return Finished(calls_, ctx, Status::Ok());
 }
 
 grpc::ServerUnaryReactor* OipServiceImpl::ServerReady(grpc::CallbackServerContext* ctx,
                                                       const inference::ServerReadyRequest*,
                                                       inference::ServerReadyResponse* resp) {
   resp->set_ready(pipeline_.Ready("", 0));
-  return Finished(ctx, Status::Ok());
+  return Finished(calls_, ctx, Status::Ok());
 }
 
 grpc::ServerUnaryReactor* OipServiceImpl::ModelReady(grpc::CallbackServerContext* ctx,
                                                      const inference::ModelReadyRequest* req,
                                                      inference::ModelReadyResponse* resp) {
   const StatusOr<int64_t> version = OipVersion(req->version());
-  if (!version.ok()) return Finished(ctx, version.status());
+  if (!version.ok()) return Finished(calls_, ctx, version.status());
   resp->set_ready(pipeline_.Ready(req->name(), *version));
-  return Finished(ctx, Status::Ok());
+  return Finished(calls_, ctx, Status::Ok());
 }
 
 grpc::ServerUnaryReactor* OipServiceImpl::ServerMetadata(grpc::CallbackServerContext* ctx,
@@ -118,18 +119,18 @@ grpc::ServerUnaryReactor* OipServiceImpl::ServerMetadata(grpc::CallbackServerCon
                                                          inference::ServerMetadataResponse* resp) {
   resp->set_name("attnserve");
   resp->set_version(ATTNSERVE_VERSION);
-  return Finished(ctx, Status::Ok());
+  return Finished(calls_, ctx, Status::Ok());
 }
 
 grpc::ServerUnaryReactor* OipServiceImpl::ModelMetadata(grpc::CallbackServerContext* ctx,
                                                         const inference::ModelMetadataRequest* req,
                                                         inference::ModelMetadataResponse* resp) {
   const StatusOr<int64_t> version = OipVersion(req->version());
-  if (!version.ok()) return Finished(ctx, version.status());
+  if (!version.ok()) return Finished(calls_, ctx, version.status());
   std::vector<int64_t> versions;
   const StatusOr<ModelSpec> spec = pipeline_.Describe(req->name(), *version, &versions);
   if (spec.ok()) *resp = OipModelMetadata(*spec, versions);
-  return Finished(ctx, spec.status());
+  return Finished(calls_, ctx, spec.status());
 }
 
 grpc::ServerUnaryReactor* OipServiceImpl::ModelInfer(grpc::CallbackServerContext* ctx,
@@ -142,9 +143,9 @@ grpc::ServerUnaryReactor* OipServiceImpl::ModelInfer(grpc::CallbackServerContext
   if (st.ok()) st = BeginSequence(x.get());
   if (!st.ok()) {
     pipeline_.RecordUndecoded("ModelInfer", st);
-    return Finished(ctx, st);
+    return Finished(calls_, ctx, st);
   }
-  auto* reactor = ctx->DefaultReactor();
+  auto* reactor = NewUnaryReactor(calls_, ctx);
   Exchange* raw = x.release();
   pipeline_.Attend("ModelInfer", raw, CallOf(ctx), [this, raw, reactor, resp](const Status& seen) {
     EndSequence(*raw, seen);
@@ -162,7 +163,7 @@ grpc::ServerUnaryReactor* OipServiceImpl::ModelInfer(grpc::CallbackServerContext
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* OipServiceImpl::ModelStreamInfer(
     grpc::CallbackServerContext* ctx) {
-  return new StreamReactor(pipeline_, *stream_, ctx);
+  return new StreamReactor(pipeline_, calls_, *stream_, ctx);
 }
 
 }  // namespace attnserve

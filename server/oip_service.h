@@ -3,6 +3,7 @@
 #include <memory>
 
 #include "inference/grpc_service.grpc.pb.h"
+#include "server/call_counter.h"
 #include "server/oip_sequences.h"
 #include "server/request_pipeline.h"
 
@@ -23,9 +24,10 @@ class OipServiceImpl final
                               inference::GRPCInferenceService::WithCallbackMethod_ModelMetadata<
                                   inference::GRPCInferenceService::Service>>>>>>> {
  public:
-  /// Borrows the pipeline, which must outlive the service. Triton's sequences are sessions: at most
-  /// `max_sequences` at once, forgotten after `sequence_idle` unused (the sessions' TTL).
-  OipServiceImpl(RequestPipeline& pipeline, size_t max_sequences,
+  /// Borrows the pipeline and the count of calls open, which must outlive the service. Triton's
+  /// sequences are sessions: at most `max_sequences` at once, forgotten after `sequence_idle`
+  /// unused (the sessions' TTL).
+  OipServiceImpl(RequestPipeline& pipeline, CallCounter& calls, size_t max_sequences,
                  std::chrono::steady_clock::duration sequence_idle);
   ~OipServiceImpl() override;
 
@@ -63,6 +65,7 @@ class OipServiceImpl final
   void CloseSession(const std::string& handle);
 
   RequestPipeline& pipeline_;
+  CallCounter& calls_;
   OipSequences sequences_;
   std::unique_ptr<Stream> stream_;
 };

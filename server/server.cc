@@ -205,12 +205,12 @@ void Server::Impl::StartPipeline() {
   limits.max_answer_bytes = int64_t{options.max_message_bytes} - int64_t{kResponseOverheadBytes};
   pipeline =
       std::make_unique<RequestPipeline>(*models, *batcher, *metrics, limits, options.flow, *kv);
-  service = std::make_unique<AttentionServiceImpl>(*pipeline);
-  oip =
-      std::make_unique<OipServiceImpl>(*pipeline, static_cast<size_t>(options.kv.max_entries),
-                                       std::chrono::duration_cast<SteadyClock::duration>(
-                                           std::chrono::duration<double>(options.kv.ttl_seconds)));
-  admin = std::make_unique<AdminServiceImpl>(*models, options.admin);
+  service = std::make_unique<AttentionServiceImpl>(*pipeline, *calls);
+  oip = std::make_unique<OipServiceImpl>(
+      *pipeline, *calls, static_cast<size_t>(options.kv.max_entries),
+      std::chrono::duration_cast<SteadyClock::duration>(
+          std::chrono::duration<double>(options.kv.ttl_seconds)));
+  admin = std::make_unique<AdminServiceImpl>(*models, *calls, options.admin);
 }
 
 namespace {
@@ -236,18 +236,15 @@ Status Server::Impl::StartGrpc() {
   builder.RegisterService(oip.get());
   builder.RegisterService(admin.get());
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> counters;
-  counters.push_back(calls->Factory());
+  counters.push_back(calls->HealthChecks());
   builder.experimental().SetInterceptorCreators(std::move(counters));
-  builder.AddChannelArgument(GRPC_ARG_ENABLE_CHANNELZ, 1);  // CallCounter's counts.
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
   // Known before the first call when --address names its port; port 0 is known once bound.
   const std::string port_text = options.address.substr(options.address.rfind(':') + 1);
   if (port_text != "0")
     kv->SetAdvertisedAddress(AdvertisedAddress(options, std::atoi(port_text.c_str())));
-  calls->BeforeBuild();
   grpc_server = builder.BuildAndStart();
-  if (grpc_server) calls->Attach();
   if (grpc_server && port_text == "0") kv->SetAdvertisedAddress(AdvertisedAddress(options, port));
   if (grpc_server && port != 0) return Status::Ok();
   return Refuse(
@@ -348,16 +345,15 @@ void Server::Impl::StopGrpc(SteadyClock::time_point cut_at, SteadyClock::time_po
       std::launch::async, [this, system_backstop] { grpc_server->Shutdown(system_backstop); });
   // gRPC's Shutdown also waits for every connection to close, which each client does only once it
   // has read the GOAWAY: a grpcio client with no call open reads it at its next backup poll, up to
-  // 5 s later, and a client's health watch stays open until cut. So once no call is open, what is
-  // left is closed at once (and again, until gRPC is done, in case a connection slipped in before
-  // the listener closed: it is held too). The first look waits a moment so gRPC's own shutdown has
-  // begun. At `cut_at` the calls still open are counted, then cancelled. (gRPC's own deadline,
-  // `backstop`, comes later: it only acts when there is no count, channelz being off.)
+  // 5 s later, and a client's health watch stays open until cut. So once no call attnserve took is
+  // open, what is left is closed at once (and again, until gRPC is done, in case a connection
+  // slipped in before the listener closed: it is held too). The first look waits a moment so
+  // gRPC's own shutdown has begun. At `cut_at` the calls still open are cancelled, and each that
+  // then ends cancelled is counted as cut. (gRPC's own deadline, `backstop`, comes later.)
   while (stopped.wait_for(kIdleCloseInterval) != std::future_status::ready) {
     linger.HoldConnectionsOn(port);
-    if (calls->open() < 0) continue;
     const bool none = calls->WaitNone(cut_at);
-    if (!none) outcome->calls_cut = std::max<int64_t>(calls->open(), 0);
+    if (!none) calls->BeginCut();
     grpc_server_cancel_all_calls(grpc_server->c_server());
     if (!none) break;
   }

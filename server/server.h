@@ -1,6 +1,5 @@
 #pragma once
 
-#include <algorithm>
 #include <atomic>
 #include <memory>
 #include <string>
@@ -47,18 +46,16 @@ struct ServerOptions {
 
 /// What a shutdown had to cut; shared, so that a watchdog may read it while the server goes.
 struct ShutdownOutcome {
-  /// Calls still open when the grace period ended (gRPC cancelled them: their clients got
-  /// CANCELLED); 0 when every call accepted was answered.
-  std::atomic<int64_t> calls_cut{0};
   /// Connections closed at the end of the grace period with bytes their clients had not yet read
   /// (an answer may be cut short); 0 when everything written was read.
   std::atomic<int64_t> connections_unread{0};
-  /// The server's count of calls open.
+  /// The calls attnserve took and has not finished, and those the stop cut.
   std::shared_ptr<const CallCounter> calls;
 
-  /// The calls an exit now would cut: those the grace period cut, or, when the stop has not come
-  /// that far, those open.
-  int64_t CutByExitNow() const { return std::max(calls_cut.load(), calls->open()); }
+  /// The calls the grace period cut (their clients got CANCELLED or UNAVAILABLE), counting those
+  /// still open, which an exit now would cut; before the grace period ends, those open. 0 when
+  /// every call taken was answered.
+  int64_t calls_cut() const { return calls->cut(); }
 };
 
 /// A running attnserve: models loaded, gRPC and metrics listening. Thread-safe.

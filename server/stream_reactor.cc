@@ -6,9 +6,10 @@
 
 namespace attnserve {
 
-StreamReactor::StreamReactor(RequestPipeline& pipeline, StreamCodec& codec,
+StreamReactor::StreamReactor(RequestPipeline& pipeline, CallCounter& calls, StreamCodec& codec,
                              grpc::CallbackServerContext* ctx)
-    : pipeline_(pipeline), codec_(codec), call_(CallOf(ctx)) {
+    : pipeline_(pipeline), calls_(calls), codec_(codec), call_(CallOf(ctx)) {
+  calls_.Begin();
   pipeline_.AddCall(this);
   Actions a;
   {
@@ -248,6 +249,7 @@ void StreamReactor::FinishNow() { Finish(drain_finish_); }
 
 void StreamReactor::OnDone() {
   pipeline_.RemoveCall(this);
+  calls_.End(call_.IsCancelled());
   delete this;
 }
 

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "server/call_counter.h"
 #include "server/request_pipeline.h"
 #include "server/status.h"
 
@@ -73,8 +74,10 @@ class StreamCodec {
 class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>,
                             public OpenCall {
  public:
-  /// Borrows the pipeline and the codec, which must outlive the call.
-  StreamReactor(RequestPipeline& pipeline, StreamCodec& codec, grpc::CallbackServerContext* ctx);
+  /// Borrows the pipeline, the count of calls open and the codec, which must outlive the call; the
+  /// call is counted open until OnDone.
+  StreamReactor(RequestPipeline& pipeline, CallCounter& calls, StreamCodec& codec,
+                grpc::CallbackServerContext* ctx);
 
   void OnReadDone(bool ok) override;
   void OnWriteDone(bool ok) override;
@@ -121,6 +124,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   Status Undelivered() const;
 
   RequestPipeline& pipeline_;
+  CallCounter& calls_;
   StreamCodec& codec_;
   const CallContext call_;        // The stream's deadline and cancellation, shared by its requests.
   grpc::ByteBuffer read_buffer_;  // Target of the one outstanding read.

@@ -21,6 +21,8 @@ packages=(
   libcli11-dev nlohmann-json3-dev
   # Test peers: PyTorch itself (conformance), Python gRPC (client path), a real Prometheus and promtool.
   python3-torch python3-grpcio python3-grpc-tools python3-numpy
+  # HTTP/2 frames at chosen moments (RST_STREAM mid-upload, frames cut short): tests/integration/stop_test.py.
+  python3-h2
   prometheus curl
   # Certificates made at test time (tests/integration/tls_test.py); the L7 gRPC proxy in front of
   # replicas (deploy/nginx, tests/integration/replicas_test.py).

@@ -622,7 +622,7 @@ TEST(ServerShutdownTest, InFlightRequestsFinishOnShutdown) {
   (*server)->Shutdown();
   while (done < 4) std::this_thread::sleep_for(std::chrono::milliseconds(5));
   EXPECT_EQ(ok, 4);
-  EXPECT_EQ((*server)->shutdown_outcome()->calls_cut, 0);
+  EXPECT_EQ((*server)->shutdown_outcome()->calls_cut(), 0);
   EXPECT_EQ((*server)->shutdown_outcome()->calls->open(), 0);
   AttendResult out;
   CallOptions call;
