@@ -144,7 +144,8 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(int64_t{0}, int64_t{10000000}))
       ->capture_default_str();
   app.add_option("--max-message-bytes", o.max_message_bytes,
-                 "Largest gRPC message received or sent, in bytes")
+                 "Largest gRPC message received or sent, in bytes (unset: lowered to fit a "
+                 "container's memory limit, README \"Memory\")")
       ->check(CLI::Range(1 << 20, 1 << 30))
       ->capture_default_str();
   app.add_option("--max-request-tokens", o.limits.max_tokens,
@@ -157,8 +158,9 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app.add_option("--max-inflight-bytes", o.flow.max_inflight_bytes,
-                 "Most request plus answer bytes held for all requests in flight; beyond it new "
-                 "requests get RESOURCE_EXHAUSTED")
+                 "Most request plus answer bytes (at the width they are computed in) held for all "
+                 "requests in flight; beyond it new requests get RESOURCE_EXHAUSTED (unset: "
+                 "lowered to fit a container's memory limit)")
       ->check(CLI::Range(int64_t{1} << 20, int64_t{1} << 40))
       ->capture_default_str();
   app.add_option("--max-stream-inflight", o.flow.max_stream_requests,
@@ -172,11 +174,13 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--kv-budget-bytes", o.kv.budget_bytes,
                  "Device bytes all memories and decoding sessions together may hold; the least "
-                 "recently used ones not in use are evicted to make room")
+                 "recently used ones not in use are evicted to make room (unset: lowered to fit a "
+                 "container's memory limit)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 50))
       ->capture_default_str();
   app.add_option("--kv-max-entry-bytes", o.kv.max_entry_bytes,
-                 "Device bytes one memory or session may hold (a session grows as it decodes)")
+                 "Device bytes one memory or session may hold (a session grows as it decodes; "
+                 "unset: at most --kv-budget-bytes)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 50))
       ->capture_default_str();
   app.add_option(
@@ -196,6 +200,8 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  o.memory_given = {app.count("--kv-budget-bytes") > 0, app.count("--kv-max-entry-bytes") > 0,
+                    app.count("--max-inflight-bytes") > 0, app.count("--max-message-bytes") > 0};
   o.batcher.enabled = !no_batching;
   o.batcher.max_queue_delay = std::chrono::microseconds(delay_us);
 
@@ -207,6 +213,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   std::cout << (*server)->Describe() << std::endl;
+  if (const std::string warning = (*server)->MemoryWarning(); !warning.empty())
+    std::cerr << warning << std::endl;
   int sig = 0;
   while ((sig = WaitSignal()) == SIGHUP) {
     std::cout << "attnserve: SIGHUP: reloading --models in the background" << std::endl;

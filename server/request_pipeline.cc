@@ -196,24 +196,43 @@ Status RequestPipeline::Resolve(Exchange* x, WorkItem* item, std::shared_ptr<KvS
 
 Status RequestPipeline::Admit(Exchange* x, const WorkItem& item) {
   // Request and answer bytes count against the in-flight budget until the outcome is recorded.
-  const int64_t bytes = static_cast<int64_t>(x->request.ByteSizeLong()) + item.call.output_bytes +
-                        item.call.weights_bytes;
+  const int64_t bytes = HeldBytes(static_cast<int64_t>(x->request.ByteSizeLong()) +
+                                      item.call.output_bytes + item.call.weights_bytes,
+                                  item.call.query.dtype, item.model->spec().compute_dtype);
+  RETURN_IF_ERROR(Reserve(x->model, bytes));
+  x->held_bytes = bytes;
+  return Status::Ok();
+}
+
+int64_t RequestPipeline::HeldBytes(int64_t wire_bytes, DType wire, DType compute) {
+  // A request on a narrower wire than its model computes in is held widened (a float16 request
+  // to a float32 model: its decoded copy, projections and answer are float32).
+  const size_t w = DTypeSize(wire), c = DTypeSize(compute);
+  return w > 0 && c > w ? wire_bytes * static_cast<int64_t>(c / w) : wire_bytes;
+}
+
+Status RequestPipeline::Reserve(const std::string& model, int64_t bytes) {
   std::string held;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    // One request runs alone whatever its size: the per-request limits bound it.
     if (held_bytes_ == 0 || held_bytes_ + bytes <= flow_.max_inflight_bytes) {
       held_bytes_ += bytes;
-      x->held_bytes = bytes;
       return Status::Ok();
     }
     held = std::to_string(held_bytes_);
   }
-  metrics_.RecordRejection(x->model, "memory");
+  metrics_.RecordRejection(model, "memory");
   return Status(StatusCode::kResourceExhausted,
                 "server memory for requests in flight is full: " + held +
                     " bytes held, this request needs " + std::to_string(bytes) + " of at most " +
                     std::to_string(flow_.max_inflight_bytes) +
                     " (server flag --max-inflight-bytes); retry later");
+}
+
+void RequestPipeline::Unreserve(int64_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  held_bytes_ -= bytes;
 }
 
 void RequestPipeline::Record(const char* method, Exchange* x, const Status& seen) {
@@ -277,25 +296,32 @@ void RequestPipeline::CreateMemory(const v1::CreateMemoryRequest& req, CallConte
   item->deadline = call.deadline;
   item->cancelled = std::move(call.cancelled);
   std::shared_ptr<KvEntry> entry;
+  int64_t held = 0;  // The request's bytes, in the in-flight budget until it is done.
   const Status st = [&]() -> Status {
     ASSIGN_OR_RETURN(item->model, models_.Snapshot()->Lookup(req.model(), req.model_version()));
     RETURN_IF_ERROR(FromWire(req, &item->call));
     RETURN_IF_ERROR(ValidateCreateMemory(item->model->spec(), limits_, &item->call));
     ASSIGN_OR_RETURN(item->call.kv, NewKvCacheOf(*item->model));
+    const int64_t bytes = HeldBytes(static_cast<int64_t>(req.ByteSizeLong()), item->call.key->dtype,
+                                    item->model->spec().compute_dtype);
+    RETURN_IF_ERROR(Reserve(item->model->spec().name, bytes));
+    held = bytes;
     ASSIGN_OR_RETURN(entry, kv_.Create(KvKind::kMemory, item->model, item->call.kv,
                                        item->call.batch, item->call.key_len));
     return Status::Ok();
   }();
   const std::string name = item->model ? item->model->spec().name : "";
   if (!st.ok()) {
+    Unreserve(held);
     RecordCall(name, "CreateMemory", st, received);
     done(st);
     return;
   }
   item->kv_entry = entry;
   const int64_t length = item->call.key_len;
-  item->done = [this, name, received, entry, length, resp, done = std::move(done)](
+  item->done = [this, name, received, entry, length, held, resp, done = std::move(done)](
                    Status st, const WorkItem&) {
+    Unreserve(held);
     if (st.ok()) st = kv_.MarkReady(entry, length);
     if (st.ok()) {
       FillHandle(*entry, length, kv_, resp);

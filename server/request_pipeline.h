@@ -132,6 +132,11 @@ class RequestPipeline {
   // The steps of Attend; each returns the failure that ends the request there.
   Status Resolve(Exchange* x, WorkItem* item, std::shared_ptr<KvStep>* step);
   Status Admit(Exchange* x, const WorkItem& item);
+  // The in-flight budget: Reserve takes `bytes` or refuses (RESOURCE_EXHAUSTED naming the flag);
+  // Unreserve gives them back.
+  Status Reserve(const std::string& model, int64_t bytes);
+  void Unreserve(int64_t bytes);
+  static int64_t HeldBytes(int64_t wire_bytes, DType wire, DType compute);
   // Metrics for a call that is not an Attend.
   void RecordCall(const std::string& model, const char* method, const Status& st,
                   SteadyClock::time_point received);

@@ -15,6 +15,8 @@
 #include "server/files.h"
 #include "server/grpc_codec.h"
 #include "server/health.h"
+#include "server/host_memory.h"
+#include "server/memory_plan.h"
 #include "server/memory_sampler.h"
 #include "server/metrics.h"
 #include "server/metrics_listener.h"
@@ -109,7 +111,9 @@ struct Server::Impl {
   int health_port = 0;
   int metrics_port = 0;
   std::once_flag shutdown_once;
+  MemoryPlan memory_plan;
 
+  Status PlanMemory();
   Status StartMetrics();
   void StartPipeline();
   Status StartGrpc();
@@ -157,6 +161,31 @@ grpc::ServerBuilder& Builder(grpc::ServerBuilder& builder) {
 }
 
 }  // namespace
+
+Status Server::Impl::PlanMemory() {
+  // Sized once the models are loaded: their weights are part of the idle size.
+  const MemoryLimit limit = ContainerMemoryLimit();
+  MemoryPlanInput in;
+  in.limit_bytes = limit.bytes;
+  in.limit_source = limit.source;
+  in.idle_bytes = ResidentBytes();
+  in.workers = options.batcher.workers;
+  MemoryBudgets& b = in.budgets;
+  b.kv_budget_bytes = options.kv.budget_bytes;
+  b.kv_max_entry_bytes = options.kv.max_entry_bytes;
+  b.max_inflight_bytes = options.flow.max_inflight_bytes;
+  b.max_message_bytes = options.max_message_bytes;
+  b.kv_budget_given = options.memory_given.kv_budget;
+  b.kv_max_entry_given = options.memory_given.kv_max_entry;
+  b.inflight_given = options.memory_given.inflight;
+  b.message_given = options.memory_given.message;
+  memory_plan = attnserve::PlanMemory(in);
+  options.kv.budget_bytes = memory_plan.budgets.kv_budget_bytes;
+  options.kv.max_entry_bytes = memory_plan.budgets.kv_max_entry_bytes;
+  options.flow.max_inflight_bytes = memory_plan.budgets.max_inflight_bytes;
+  options.max_message_bytes = static_cast<int>(memory_plan.budgets.max_message_bytes);
+  return options.kv.Validate();
+}
 
 Status Server::Impl::StartMetrics() {
   metrics = std::make_unique<ServerMetrics>(*registry);
@@ -284,6 +313,7 @@ StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   impl->options = options;
   ASSIGN_OR_RETURN(impl->models,
                    ModelRepository::Open(options.models_dir, EngineOptionsOf(options)));
+  RETURN_IF_ERROR(impl->PlanMemory());
   RETURN_IF_ERROR(impl->StartMetrics());
   impl->StartPipeline();
   RETURN_IF_ERROR(impl->StartGrpc());
@@ -331,8 +361,11 @@ std::string Server::Describe() const {
   const std::string advertised = impl_->kv->advertised_address();
   s += ", replica " + impl_->kv->replica_id() +
        (advertised.empty() ? " (advertises no address)" : " advertised as " + advertised);
+  if (!impl_->memory_plan.description.empty()) s += ", " + impl_->memory_plan.description;
   return s;
 }
+
+std::string Server::MemoryWarning() const { return impl_->memory_plan.warning; }
 
 void Server::Impl::StopGrpc(SteadyClock::time_point cut_at, SteadyClock::time_point backstop) {
   const auto system_backstop =

@@ -14,6 +14,16 @@
 
 namespace attnserve {
 
+/// Which memory budgets were given as flags. Those not given follow the container's memory limit:
+/// each is lowered from its default so that the process fits under it (PlanMemory, README
+/// "Memory"). Without a limit, or when all are given, nothing changes.
+struct MemoryFlagsGiven {
+  bool kv_budget = false;     ///< --kv-budget-bytes
+  bool kv_max_entry = false;  ///< --kv-max-entry-bytes
+  bool inflight = false;      ///< --max-inflight-bytes
+  bool message = false;       ///< --max-message-bytes
+};
+
 /// Everything `attnserve` can be told on its command line; defaults are the flags' defaults.
 struct ServerOptions {
   std::string address = "127.0.0.1:50051";         ///< gRPC listen address; port 0 picks one.
@@ -29,6 +39,7 @@ struct ServerOptions {
   AttendLimits limits;                 ///< max_answer_bytes follows max_message_bytes.
   FlowLimits flow;                     ///< Bytes in flight; per-stream backpressure.
   KvOptions kv;                        ///< Memories and decoding sessions: budget, TTL.
+  MemoryFlagsGiven memory_given;       ///< The rest follow the container's memory limit.
   double shutdown_grace_seconds = 30;  ///< In-flight requests get this long to finish.
   /// TLS on --address: PEM certificate chain and key; with client_ca_file, clients must present a
   /// certificate signed by it (mutual TLS). All empty: plaintext.
@@ -72,8 +83,11 @@ class Server {
   int health_port() const;
   /// The bound metrics port, or 0 when metrics are disabled.
   int metrics_port() const;
-  /// The start-up log line: models, addresses, device, LibTorch version.
+  /// The start-up log line: models, addresses, device, LibTorch version, the memory limit and the
+  /// budgets sized to it.
   std::string Describe() const;
+  /// A warning for the log, or "": memory budgets given as flags that may not fit the limit.
+  std::string MemoryWarning() const;
   /// Rescans --models in the background, as AdminService.ReloadModels does (SIGHUP); the outcome
   /// goes to the log, the metrics and health.
   void RequestReload();
