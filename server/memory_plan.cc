@@ -22,7 +22,8 @@ int64_t EstimatePeak(int64_t idle_bytes, int workers, const MemoryBudgets& b) {
   const int64_t in_flight =
       std::max(b.max_inflight_bytes, LargestRequestBytes(b.max_message_bytes));
   return idle_bytes + kIdleGrowthBytes + workers * kPerWorkerBytes + b.kv_budget_bytes +
-         kWorkingSetPerInflightByte * in_flight + 2 * kArrivingMessages * b.max_message_bytes;
+         kWorkingSetPerInflightByte * in_flight +
+         kCopiesPerArrivingMessage * kArrivingMessages * b.max_message_bytes;
 }
 
 MemoryPlan PlanMemory(const MemoryPlanInput& in) {
@@ -48,10 +49,10 @@ MemoryPlan PlanMemory(const MemoryPlanInput& in) {
   } else {
     b.kv_max_entry_bytes = std::min(b.kv_max_entry_bytes, b.kv_budget_bytes);
   }
-  // What requests in flight and messages arriving may take: 5 F + 16 M, with M <= F / 4.
+  // What requests in flight and messages on the move may take: 6 F + 24 M, with M <= F / 4.
   const double rest = std::max(0.0, left - static_cast<double>(b.kv_budget_bytes));
   const double k = static_cast<double>(kWorkingSetPerInflightByte);
-  const double arriving = 2.0 * static_cast<double>(kArrivingMessages);
+  const double arriving = static_cast<double>(kCopiesPerArrivingMessage * kArrivingMessages);
   if (!b.inflight_given && !b.message_given) {
     b.max_inflight_bytes = size(b.max_inflight_bytes, rest / (k + arriving / 4));
     b.max_message_bytes = size(b.max_message_bytes, b.max_inflight_bytes / 4.0);

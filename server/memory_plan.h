@@ -37,14 +37,16 @@ struct MemoryPlan {
 /// The memory model (README "Memory"), measured on the demo model's largest requests: the process
 /// holds its idle size, plus per compute thread its attention blocks, plus the kept keys and
 /// values (the K/V budget), plus for requests in flight about kWorkingSetPerInflightByte times
-/// the bytes they hold (wire buffer, decoded copy, projections, answer), plus messages arriving
-/// (kArrivingMessages of the largest size at once, each with its decoded copy until the budget
-/// admits or refuses it). A single request larger than the in-flight budget still runs alone, so
+/// the bytes they hold (wire buffer, decoded copy, projections, answer), plus messages on the move
+/// (kArrivingMessages of the largest size at once, each held three times: its wire bytes and
+/// decoded copy until the budget admits or refuses it, an answer's bytes still leaving after its
+/// call was counted out). A single request larger than the in-flight budget still runs alone, so
 /// the in-flight term is at least the largest request's bytes.
-inline constexpr int64_t kIdleGrowthBytes = int64_t{32} << 20;  ///< Warm-up, threads, buffers.
+inline constexpr int64_t kIdleGrowthBytes = int64_t{64} << 20;  ///< Warm-up, threads, heap slack.
 inline constexpr int64_t kPerWorkerBytes = int64_t{32} << 20;   ///< Attention blocks, stack.
-inline constexpr int64_t kWorkingSetPerInflightByte = 5;
+inline constexpr int64_t kWorkingSetPerInflightByte = 6;
 inline constexpr int64_t kArrivingMessages = 8;
+inline constexpr int64_t kCopiesPerArrivingMessage = 3;
 /// The share of the limit kept free: allocator slack and everything the model leaves out.
 inline constexpr double kMarginFraction = 0.10;
 

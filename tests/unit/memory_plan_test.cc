@@ -64,9 +64,9 @@ TEST(MemoryPlanTest, SmallContainersGetBudgetsThatFitUnderTheLimit) {
   // 768 MiB: what is left after the idle size is shared 40/60 between kept keys and values and
   // requests in flight.
   const MemoryBudgets b = PlanMemory(Input(768)).budgets;
-  EXPECT_EQ(b.kv_budget_bytes, 166 * kMiB);
-  EXPECT_EQ(b.max_inflight_bytes, 27 * kMiB);
-  EXPECT_EQ(b.max_message_bytes, 6 * kMiB);
+  EXPECT_EQ(b.kv_budget_bytes, 153 * kMiB);
+  EXPECT_EQ(b.max_inflight_bytes, 19 * kMiB);
+  EXPECT_EQ(b.max_message_bytes, 4 * kMiB);
 }
 
 TEST(MemoryPlanTest, LargeContainersKeepTheDefaults) {
