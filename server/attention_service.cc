@@ -66,13 +66,14 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
                                                        const grpc::ByteBuffer* req,
                                                        grpc::ByteBuffer* resp) {
   if (!req->Valid()) return new NoMessageReactor(pipeline_, calls_, ctx);
+  auto* reactor = NewUnaryReactor(calls_, ctx);  // Counted open from here, while it decodes too.
   auto x = std::make_unique<Exchange>();
   const Status parsed = ParseRequest(*req, &x->request);
   if (!parsed.ok()) {
     pipeline_.RecordUndecoded("Attend", parsed);
-    return Finished(calls_, ctx, parsed);
+    reactor->Finish(ToGrpcStatus(parsed));
+    return reactor;
   }
-  auto* reactor = NewUnaryReactor(calls_, ctx);
   Exchange* raw = x.release();
   pipeline_.Attend("Attend", raw, CallOf(ctx), [this, raw, reactor, resp](const Status& seen) {
     if (seen.ok()) *resp = EncodeAnswer(&raw->answer);

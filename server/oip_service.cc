@@ -136,6 +136,7 @@ grpc::ServerUnaryReactor* OipServiceImpl::ModelMetadata(grpc::CallbackServerCont
 grpc::ServerUnaryReactor* OipServiceImpl::ModelInfer(grpc::CallbackServerContext* ctx,
                                                      const grpc::ByteBuffer* req,
                                                      grpc::ByteBuffer* resp) {
+  auto* reactor = NewUnaryReactor(calls_, ctx);  // Counted open from here, while it decodes too.
   inference::ModelInferRequest infer;
   auto x = std::make_unique<Exchange>();
   Status st = ParseMessage(*req, &infer);
@@ -143,9 +144,9 @@ grpc::ServerUnaryReactor* OipServiceImpl::ModelInfer(grpc::CallbackServerContext
   if (st.ok()) st = BeginSequence(x.get());
   if (!st.ok()) {
     pipeline_.RecordUndecoded("ModelInfer", st);
-    return Finished(calls_, ctx, st);
+    reactor->Finish(ToGrpcStatus(st));
+    return reactor;
   }
-  auto* reactor = NewUnaryReactor(calls_, ctx);
   Exchange* raw = x.release();
   pipeline_.Attend("ModelInfer", raw, CallOf(ctx), [this, raw, reactor, resp](const Status& seen) {
     EndSequence(*raw, seen);

@@ -494,6 +494,8 @@ def soak(binary, rounds, seed):
     named count and stop time checked against what the clients saw."""
     rnd = random.Random(seed)
     worst = {"quiet": 0.0, "busy": 0.0, "cut": 0.0}
+    rounds_of = {"quiet": 0, "busy": 0, "cut": 0}
+    cut_seen = cut_named = 0
     for r in range(rounds):
         mode = rnd.choice(["quiet", "quiet", "busy", "cut"])
         grace = "0.6" if mode == "cut" else "10"
@@ -527,10 +529,14 @@ def soak(binary, rounds, seed):
         else:
             ok = ok and took < float(grace) + 0.5
         worst[mode] = max(worst[mode], took if mode != "busy" else after_answer)
+        rounds_of[mode] += 1
+        cut_seen += cut
+        cut_named += cut_count(out)
         check(label, ok, f"clients saw {seen}, exit {code}, log names {cut_count(out)}, stopped in {took:.2f} s "
                          f"({after_answer:.2f} s after the last answer): {out[-400:]}")
-    print(f"  soak: slowest quiet stop {worst['quiet']:.3f} s; busy: {worst['busy']:.3f} s after the last "
-          f"answer; cut: {worst['cut']:.3f} s (grace 0.6 s)")
+    print(f"  soak: {rounds_of['quiet']} quiet, {rounds_of['busy']} busy, {rounds_of['cut']} cut rounds; slowest "
+          f"quiet stop {worst['quiet']:.3f} s; busy: {worst['busy']:.3f} s after the last answer; cut: "
+          f"{worst['cut']:.3f} s (grace 0.6 s); calls the clients saw cut {cut_seen}, named in the logs {cut_named}")
 
 
 def main():
