@@ -1,5 +1,6 @@
 #include "server/call_counter.h"
 
+#include <algorithm>
 #include <cstring>
 
 #if defined(__SANITIZE_THREAD__)
@@ -27,8 +28,10 @@ void DeletedHere([[maybe_unused]] void* object) {
 }  // namespace
 
 void CallCounter::Begin() {
+  const auto now = std::chrono::steady_clock::now();
   std::lock_guard<std::mutex> lock(mu_);
   ++open_;
+  last_begin_ = now;
 }
 
 void CallCounter::End(bool cancelled) {
@@ -43,9 +46,18 @@ int64_t CallCounter::open() const {
   return open_;
 }
 
-bool CallCounter::WaitNone(std::chrono::steady_clock::time_point deadline) const {
+bool CallCounter::WaitNone(std::chrono::steady_clock::time_point deadline,
+                           std::chrono::steady_clock::duration quiet) const {
   std::unique_lock<std::mutex> lock(mu_);
-  return none_.wait_until(lock, deadline, [this] { return open_ == 0; });
+  for (;;) {
+    if (!none_.wait_until(lock, deadline, [this] { return open_ == 0; })) return false;
+    const auto quiet_until = last_begin_ + quiet;
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= quiet_until) return true;
+    if (now >= deadline) return false;
+    // A call began within the quiet period: look again once it is over (or a call ends).
+    none_.wait_until(lock, std::min(deadline, quiet_until));
+  }
 }
 
 void CallCounter::BeginCut() {

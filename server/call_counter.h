@@ -30,8 +30,11 @@ class CallCounter {
 
   /// Calls taken and not ended.
   int64_t open() const;
-  /// Waits until open() is 0 (true) or until `deadline` (false).
-  bool WaitNone(std::chrono::steady_clock::time_point deadline) const;
+  /// Waits until open() is 0 and no call began for `quiet` (true), or until `deadline` (false).
+  /// The quiet period lets calls a stopping gRPC received just before it stopped reach their
+  /// handlers instead of being cancelled with the idle connections.
+  bool WaitNone(std::chrono::steady_clock::time_point deadline,
+                std::chrono::steady_clock::duration quiet = {}) const;
 
   /// The stop cuts what is open from now on: calls that end cancelled after this count as cut.
   void BeginCut();
@@ -51,6 +54,7 @@ class CallCounter {
   mutable std::mutex mu_;
   mutable std::condition_variable none_;
   int64_t open_ = 0;
+  std::chrono::steady_clock::time_point last_begin_;
   bool cutting_ = false;
   int64_t cut_ended_ = 0;  // Ended cancelled since BeginCut.
 };

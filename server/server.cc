@@ -37,6 +37,9 @@ static constexpr std::chrono::milliseconds kDrainQuietPeriod{250};
 static constexpr std::chrono::milliseconds kDrainHandOff{1000};
 /// How often the stop looks again for connections left with no call on them.
 static constexpr std::chrono::milliseconds kIdleCloseInterval{20};
+/// How long no call must have begun before the stop closes the connections left: calls gRPC took
+/// in just before it stopped reach their handlers within it.
+static constexpr std::chrono::milliseconds kCallsSettle{100};
 
 namespace {
 
@@ -385,7 +388,7 @@ void Server::Impl::StopGrpc(SteadyClock::time_point cut_at, SteadyClock::time_po
   // then ends cancelled is counted as cut. (gRPC's own deadline, `backstop`, comes later.)
   while (stopped.wait_for(kIdleCloseInterval) != std::future_status::ready) {
     linger.HoldConnectionsOn(port);
-    const bool none = calls->WaitNone(cut_at);
+    const bool none = calls->WaitNone(cut_at, kCallsSettle);
     if (!none) calls->BeginCut();
     grpc_server_cancel_all_calls(grpc_server->c_server());
     if (!none) break;

@@ -39,6 +39,18 @@ TEST(CallCounterTest, WaitNoneReturnsWhenTheLastCallEnds) {
   ender.join();
 }
 
+TEST(CallCounterTest, WaitNoneWaitsOutTheQuietPeriodAfterTheLastCallBegan) {
+  CallCounter calls;
+  calls.Begin();
+  calls.End(false);
+  const auto start = steady_clock::now();
+  EXPECT_FALSE(calls.WaitNone(start + milliseconds(20), milliseconds(2000)));  // Too soon.
+  EXPECT_LT(steady_clock::now() - start, milliseconds(1500));
+  EXPECT_TRUE(calls.WaitNone(start + milliseconds(10000), milliseconds(100)));
+  EXPECT_GE(steady_clock::now() - start, milliseconds(100));
+  EXPECT_TRUE(calls.WaitNone(steady_clock::now(), milliseconds(100)));  // Quiet already.
+}
+
 TEST(CallCounterTest, CutCountsCallsThatEndCancelledAfterTheCutAndThoseStillOpen) {
   CallCounter calls;
   for (int i = 0; i < 5; ++i) calls.Begin();
