@@ -6,9 +6,11 @@
 #               memcpy calls inside Debian's uninstrumented gRPC/protobuf/libstdc++ are not tracked,
 #               since TSan cannot see those libraries' synchronization anyway; without it every
 #               large message copy reported (then suppressed) a race per slice and the integration
-#               tests ran ~100x slower (one stream test 290 s instead of 2 s). history_size=4
-#               (default 2): a report whose earlier access "failed to restore the stack" cannot match
-#               the suppressions; one did (a gRPC tag's std::function, fresh-clone CI 2026-11-22).
+#               tests ran ~100x slower (one stream test 290 s instead of 2 s). history_size=7
+#               (the most; default 2): a report whose earlier access "failed to restore the stack"
+#               cannot match the suppressions. At 4, the client stream's WritesDone tag, Set on one
+#               gRPC callback thread and Run on another, escaped its suppression so in 2 of 20
+#               ServerConcurrencyTest runs beside two CPU hogs; at 7, 0 of 13 (bench/RESULTS.md).
 #   tools/sanitize.sh [asan|tsan]...     (default: both)
 # Suppressions (tests/sanitizers/*.supp) cover third-party code only; each entry says why. Ends with
 # "sanitizers: N passed, N failed".
@@ -43,7 +45,7 @@ for kind in "${kinds[@]}"; do
   export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:detect_stack_use_after_return=0"
   export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0"
   export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:suppressions=$supp/ubsan.supp"
-  export TSAN_OPTIONS="suppressions=$supp/tsan.supp:halt_on_error=1:second_deadlock_stack=1:history_size=4:ignore_noninstrumented_modules=1"
+  export TSAN_OPTIONS="suppressions=$supp/tsan.supp:halt_on_error=1:second_deadlock_stack=1:history_size=7:ignore_noninstrumented_modules=1"
   for t in "${targets[@]}"; do
     run "$kind-${t#attnserve_}" "$build/tests/$t"
   done
