@@ -2,7 +2,7 @@
 
 #include <unistd.h>
 
-#include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 #include <vector>
@@ -24,11 +24,12 @@ bool Exists(const std::string& path) { return access(path.c_str(), F_OK) == 0; }
 
 // `mount` + `path` and each folder above it up to `mount` itself: a cgroup's limit is the
 // smallest along its path. A path that is not under the mount (a container's own cgroup mounted
-// at its root while /proc/self/cgroup names the host's path) leaves the mount's own files.
+// at its root while /proc/self/cgroup names the host's path) leaves the mount's own files (a
+// missing folder reads as no limit).
 std::vector<std::string> CgroupDirs(const std::string& mount, std::string path) {
   std::vector<std::string> dirs;
   while (!path.empty() && path != "/") {
-    if (Exists(mount + path)) dirs.push_back(mount + path);
+    dirs.push_back(mount + path);
     path = path.substr(0, path.rfind('/'));
   }
   dirs.push_back(mount);

@@ -43,8 +43,8 @@ MemoryPlan PlanMemory(const MemoryPlanInput& in) {
   const auto size = [](int64_t fallback, double share) {
     return std::max(kMiB, std::min(fallback, FloorMib(share)));
   };
-  if (!b.kv_budget_given) b.kv_budget_bytes = size(b.kv_budget_bytes, 0.4 * left);
-  if (b.kv_max_entry_given) {
+  if (!b.given.kv_budget) b.kv_budget_bytes = size(b.kv_budget_bytes, 0.4 * left);
+  if (b.given.kv_max_entry) {
     b.kv_budget_bytes = std::max(b.kv_budget_bytes, b.kv_max_entry_bytes);
   } else {
     b.kv_max_entry_bytes = std::min(b.kv_max_entry_bytes, b.kv_budget_bytes);
@@ -53,13 +53,13 @@ MemoryPlan PlanMemory(const MemoryPlanInput& in) {
   const double rest = std::max(0.0, left - static_cast<double>(b.kv_budget_bytes));
   const double k = static_cast<double>(kWorkingSetPerInflightByte);
   const double arriving = static_cast<double>(kCopiesPerArrivingMessage * kArrivingMessages);
-  if (!b.inflight_given && !b.message_given) {
+  if (!b.given.inflight && !b.given.message) {
     b.max_inflight_bytes = size(b.max_inflight_bytes, rest / (k + arriving / 4));
     b.max_message_bytes = size(b.max_message_bytes, b.max_inflight_bytes / 4.0);
-  } else if (!b.inflight_given) {
+  } else if (!b.given.inflight) {
     b.max_inflight_bytes = size(b.max_inflight_bytes,
                                 (rest - arriving * static_cast<double>(b.max_message_bytes)) / k);
-  } else if (!b.message_given) {
+  } else if (!b.given.message) {
     const double by_rest = (rest - k * static_cast<double>(b.max_inflight_bytes)) / arriving;
     b.max_message_bytes = size(b.max_message_bytes, std::min(b.max_inflight_bytes / 4.0, by_rest));
   }
@@ -69,12 +69,12 @@ MemoryPlan PlanMemory(const MemoryPlanInput& in) {
   const auto note = [&](bool given, const char* flag, int64_t value, int64_t before) {
     if (!given && value != before) sized.push_back(std::string(flag) + " " + Mib(value));
   };
-  note(b.kv_budget_given, "--kv-budget-bytes", b.kv_budget_bytes, in.budgets.kv_budget_bytes);
-  note(b.kv_max_entry_given, "--kv-max-entry-bytes", b.kv_max_entry_bytes,
+  note(b.given.kv_budget, "--kv-budget-bytes", b.kv_budget_bytes, in.budgets.kv_budget_bytes);
+  note(b.given.kv_max_entry, "--kv-max-entry-bytes", b.kv_max_entry_bytes,
        in.budgets.kv_max_entry_bytes);
-  note(b.inflight_given, "--max-inflight-bytes", b.max_inflight_bytes,
+  note(b.given.inflight, "--max-inflight-bytes", b.max_inflight_bytes,
        in.budgets.max_inflight_bytes);
-  note(b.message_given, "--max-message-bytes", b.max_message_bytes, in.budgets.max_message_bytes);
+  note(b.given.message, "--max-message-bytes", b.max_message_bytes, in.budgets.max_message_bytes);
   plan.description = "memory limit " + Mib(in.limit_bytes) + " (" + in.limit_source + ")";
   if (!sized.empty()) {
     plan.description += ": ";

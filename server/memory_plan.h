@@ -5,15 +5,24 @@
 
 namespace attnserve {
 
-/// The memory budgets the server runs with, as configured (flags or their defaults) and whether
-/// each was given explicitly.
+/// Which memory budgets were given as flags. Those not given follow the container's memory limit:
+/// each is lowered from its default so that the process fits under it (PlanMemory, README
+/// "Memory"). Without a limit, or when all are given, nothing changes.
+struct MemoryFlagsGiven {
+  bool kv_budget = false;     ///< --kv-budget-bytes
+  bool kv_max_entry = false;  ///< --kv-max-entry-bytes
+  bool inflight = false;      ///< --max-inflight-bytes
+  bool message = false;       ///< --max-message-bytes
+};
+
+/// The memory budgets the server runs with, as configured (flags or their defaults) and which were
+/// given explicitly.
 struct MemoryBudgets {
   int64_t kv_budget_bytes = 0;     ///< --kv-budget-bytes
   int64_t kv_max_entry_bytes = 0;  ///< --kv-max-entry-bytes
   int64_t max_inflight_bytes = 0;  ///< --max-inflight-bytes
   int64_t max_message_bytes = 0;   ///< --max-message-bytes
-  bool kv_budget_given = false, kv_max_entry_given = false, inflight_given = false,
-       message_given = false;
+  MemoryFlagsGiven given;
 };
 
 /// What the plan starts from: the container's limit (0: none), the process's resident size once

@@ -173,15 +173,8 @@ Status Server::Impl::PlanMemory() {
   in.limit_source = limit.source;
   in.idle_bytes = ResidentBytes();
   in.workers = options.batcher.workers;
-  MemoryBudgets& b = in.budgets;
-  b.kv_budget_bytes = options.kv.budget_bytes;
-  b.kv_max_entry_bytes = options.kv.max_entry_bytes;
-  b.max_inflight_bytes = options.flow.max_inflight_bytes;
-  b.max_message_bytes = options.max_message_bytes;
-  b.kv_budget_given = options.memory_given.kv_budget;
-  b.kv_max_entry_given = options.memory_given.kv_max_entry;
-  b.inflight_given = options.memory_given.inflight;
-  b.message_given = options.memory_given.message;
+  in.budgets = {options.kv.budget_bytes, options.kv.max_entry_bytes,
+                options.flow.max_inflight_bytes, options.max_message_bytes, options.memory_given};
   memory_plan = attnserve::PlanMemory(in);
   options.kv.budget_bytes = memory_plan.budgets.kv_budget_bytes;
   options.kv.max_entry_bytes = memory_plan.budgets.kv_max_entry_bytes;

@@ -8,21 +8,12 @@
 #include "server/batcher.h"
 #include "server/call_counter.h"
 #include "server/kv_store.h"
+#include "server/memory_plan.h"
 #include "server/request_pipeline.h"
 #include "server/status.h"
 #include "server/types.h"
 
 namespace attnserve {
-
-/// Which memory budgets were given as flags. Those not given follow the container's memory limit:
-/// each is lowered from its default so that the process fits under it (PlanMemory, README
-/// "Memory"). Without a limit, or when all are given, nothing changes.
-struct MemoryFlagsGiven {
-  bool kv_budget = false;     ///< --kv-budget-bytes
-  bool kv_max_entry = false;  ///< --kv-max-entry-bytes
-  bool inflight = false;      ///< --max-inflight-bytes
-  bool message = false;       ///< --max-message-bytes
-};
 
 /// Everything `attnserve` can be told on its command line; defaults are the flags' defaults.
 struct ServerOptions {

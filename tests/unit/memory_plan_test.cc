@@ -80,7 +80,7 @@ TEST(MemoryPlanTest, LargeContainersKeepTheDefaults) {
 
 TEST(MemoryPlanTest, GivenFlagsAreKeptAndWarnedAboutWhenTheyCannotFit) {
   MemoryBudgets b = Defaults();
-  b.kv_budget_given = b.inflight_given = true;
+  b.given.kv_budget = b.given.inflight = true;
   const MemoryPlan plan = PlanMemory(Input(768, b));
   EXPECT_EQ(plan.budgets.kv_budget_bytes, int64_t{1} << 30);
   EXPECT_EQ(plan.budgets.max_inflight_bytes, int64_t{1} << 30);
@@ -94,7 +94,7 @@ TEST(MemoryPlanTest, GivenBudgetsThatFitAreKeptWithoutAWarning) {
   MemoryBudgets b = Defaults();
   b.kv_budget_bytes = 64 * kMiB;
   b.kv_max_entry_bytes = 16 * kMiB;
-  b.kv_budget_given = b.kv_max_entry_given = true;
+  b.given.kv_budget = b.given.kv_max_entry = true;
   const MemoryPlan plan = PlanMemory(Input(1024, b));
   EXPECT_EQ(plan.budgets.kv_budget_bytes, 64 * kMiB);
   EXPECT_EQ(plan.budgets.kv_max_entry_bytes, 16 * kMiB);
