@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <climits>
+#include <cstdint>
 #include <filesystem>
 #include <fstream>
 
@@ -106,6 +108,32 @@ TEST(MemoryPlanTest, ATinyContainerGetsTheLeastAndAWarning) {
   const MemoryPlan plan = PlanMemory(Input(256));
   EXPECT_EQ(plan.budgets.max_message_bytes, kMiB);
   EXPECT_EQ(plan.budgets.max_inflight_bytes, kMiB);
+  EXPECT_NE(plan.warning, "");
+}
+
+TEST(MemoryPlanTest, SizesAtTheInt64ExtremesStayInRange) {
+  // The largest limit a cgroup can name, the largest each flag takes, and a limit of one byte.
+  MemoryBudgets most = Defaults();
+  most.kv_budget_bytes = int64_t{1} << 50;
+  most.kv_max_entry_bytes = int64_t{1} << 50;
+  most.max_inflight_bytes = int64_t{1} << 40;
+  most.max_message_bytes = int64_t{1} << 30;
+  most.given = {true, true, true, true};
+  MemoryPlanInput in = Input(0, most);
+  in.limit_bytes = INT64_MAX;
+  MemoryPlan plan = PlanMemory(in);
+  EXPECT_EQ(plan.budgets.kv_budget_bytes, int64_t{1} << 50);
+  EXPECT_GT(plan.peak_bytes, int64_t{1} << 50);
+  EXPECT_EQ(plan.warning, "");
+  in.budgets = Defaults();
+  plan = PlanMemory(in);
+  EXPECT_EQ(plan.budgets.kv_budget_bytes, Defaults().kv_budget_bytes);
+  EXPECT_EQ(plan.budgets.max_message_bytes, Defaults().max_message_bytes);
+  in.limit_bytes = 1;
+  plan = PlanMemory(in);
+  EXPECT_EQ(plan.budgets.kv_budget_bytes, kMiB);  // The least each flag takes.
+  EXPECT_EQ(plan.budgets.max_inflight_bytes, kMiB);
+  EXPECT_EQ(plan.budgets.max_message_bytes, kMiB);
   EXPECT_NE(plan.warning, "");
 }
 
