@@ -8,7 +8,13 @@ module's own forward in float32. Tolerance: max|out - ref| / max|ref| <= 1e-5 fo
 <= 1e-3 for float16 on the wire (the answer is rounded to float16); weights: max abs error <= 1e-5.
 
 usage: conformance.py PATH/TO/attnserve [--server-args "--device cuda --dtype float16"]
-                      [--reference float64] [--tolerance 1e-2]
+                      [--reference float64] [--tolerance 1e-2] [--weights-tolerance 1e-2]
+                      [--random N --seed S]
+--random N adds N randomized configurations (seeded): random models (bias, bias_kv, add_zero_attn,
+kdim/vdim, layout) and requests with bool or float masks of large magnitudes (up to 1e4, -inf
+entries), bool or float key-padding masks, causal masks, per-head and averaged weights, and query
+rows masked for every key. Where the reference has no answer (PyTorch gives NaN for a row masked
+everywhere), the server's row must be finite and is not compared.
 On a GPU (bench/gpu_check.sh) the server computes on CUDA at each dtype and the reference is the module
 in float64 on the CPU; the tolerance is then the one given for that dtype.
 """
@@ -95,6 +101,59 @@ CONFIGS = [
 ]
 
 
+def random_configs(n, seed):
+    """n random configurations (see the module doc), reproducible from seed."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        h = int(rng.choice([1, 2, 4, 8]))
+        e = h * int(rng.choice([4, 8, 16, 32]))
+        cross = bool(rng.random() < 0.5)
+        c = dict(name=f"random{i:03d}", E=e, H=h, B=int(rng.integers(1, 5)),
+                 Lq=int(rng.integers(1, 17)), bias=bool(rng.random() < 0.8),
+                 bias_kv=bool(rng.random() < 0.3), zero_attn=bool(rng.random() < 0.3),
+                 layout="sf" if rng.random() < 0.3 else "bf",
+                 weights=str(rng.choice(["none", "avg", "head"])), random=True)
+        if cross:
+            c["Lk"] = int(rng.integers(1, 21))
+            if rng.random() < 0.3:
+                c["kdim"], c["vdim"] = int(rng.integers(4, 65)), int(rng.integers(4, 65))
+        c["causal"] = bool(rng.random() < 0.2)
+        c["mask"] = str(rng.choice(["none", "bool2d", "bool3d", "float2d", "float3d"]))
+        c["mask_scale"] = float(rng.choice([1.0, 10.0, 100.0, 1e4]))
+        c["kpm"] = str(rng.choice(["none", "bool", "float"]))
+        c["dead_rows"] = bool(rng.random() < 0.3)  # some query rows masked for every key
+        if rng.random() < 0.15:
+            c["unbatched"], c["B"] = True, 1
+        out.append(c)
+    return out
+
+
+def random_masks(c, rng, b, lq, lk):
+    """The key-padding and attention masks of a random configuration."""
+    h, scale = c["H"], c["mask_scale"]
+    kpm = mask = None
+    if c["kpm"] == "bool":
+        kpm = rng.random((b, lk)) < 0.3
+    elif c["kpm"] == "float":
+        kpm = (rng.standard_normal((b, lk)) * scale).astype(np.float32)
+        kpm[rng.random((b, lk)) < 0.2] = -np.inf
+    if c.get("unbatched") and kpm is not None:
+        kpm = kpm[0]
+    kind = c["mask"]
+    if kind != "none":
+        shape = (lq, lk) if kind.endswith("2d") else (b * h, lq, lk)
+        if kind.startswith("bool"):
+            mask = rng.random(shape) < 0.4
+        else:
+            mask = (rng.standard_normal(shape) * scale).astype(np.float32)
+            mask[rng.random(shape) < 0.2] = -np.inf
+        if c["dead_rows"]:
+            rows = rng.random(lq) < 0.3
+            mask[..., rows, :] = True if kind.startswith("bool") else -np.inf
+    return kpm, mask
+
+
 def build_module(c, seed):
     torch.manual_seed(seed)
     e = c["E"]
@@ -131,6 +190,9 @@ def make_inputs(c, rng):
     if c.get("dtype") == "float16":  # The reference sees exactly what the server receives.
         q = q.astype(np.float16).astype(np.float32)
     kpm = mask = None
+    if c.get("random"):
+        kpm, mask = random_masks(c, rng, b, lq, lk)
+        return q, k, v, kpm, mask
     if c.get("kpm") == "bool":
         valid = rng.integers(1, lk + 1, size=b)  # Every row keeps >= 1 key: no NaN in PyTorch.
         kpm = np.arange(lk)[None, :] >= valid[:, None]
@@ -161,6 +223,23 @@ def reference(c, m, q, k, v, kpm, mask, dtype=torch.float32):
         if c.get("seed"):
             return m(qt, kt, vt).numpy().astype(np.float64), None
         am = t(mask)
+        kp = t(kpm)
+        if c.get("random"):
+            # Both masks as one additive float mask (bool: -inf where True), as PyTorch 2.x reads a
+            # float key_padding_mask; 1.13 would treat its non-zeros as True.
+            additive = lambda x: torch.zeros(x.shape, dtype=dtype).masked_fill(x, float("-inf")) \
+                if x.dtype == torch.bool else x
+            b, h, lq = c.get("B", 1), c["H"], c["Lq"]
+            lk = c.get("Lk") or lq
+            full = torch.zeros(b, h, lq, lk, dtype=dtype)
+            if am is not None:
+                full = full + additive(am).reshape(-1, lq, lk).reshape(-1 if am.dim() == 3 else 1, h if am.dim() == 3 else 1, lq, lk)
+            if kp is not None:
+                full = full + additive(kp).reshape(b, 1, 1, lk)
+            am = None if (mask is None and kpm is None) else full.reshape(b * h, lq, lk)
+            if am is not None and c.get("unbatched"):
+                am = am.reshape(h, lq, lk)
+            kp = None
         native = {}
         if c.get("causal"):
             # The mask spelled out; PyTorch 2.x's module also takes the is_causal hint (which lets it
@@ -173,7 +252,7 @@ def reference(c, m, q, k, v, kpm, mask, dtype=torch.float32):
             am = causal if am is None else (am | causal if am.dtype == torch.bool else
                                             am.masked_fill(causal, float("-inf")))
         w = c.get("weights", "none")
-        out, weights = m(qt, kt, vt, key_padding_mask=t(kpm), attn_mask=am,
+        out, weights = m(qt, kt, vt, key_padding_mask=kp, attn_mask=am,
                          need_weights=w != "none", average_attn_weights=w == "avg", **native)
     return out.numpy().astype(np.float64), None if weights is None else weights.numpy().astype(np.float64)
 
@@ -185,13 +264,18 @@ def main():
     ap.add_argument("--reference", choices=["float32", "float64"], default="float32")
     ap.add_argument("--tolerance", type=float, default=None,
                     help="max |out-ref|/max|ref| (default 1e-5; 1e-3 for float16 on the wire)")
+    ap.add_argument("--weights-tolerance", type=float, default=None,
+                    help="max |weights-ref| (default: the output tolerance, at least 1e-5)")
+    ap.add_argument("--random", type=int, default=0, help="add N randomized configurations")
+    ap.add_argument("--seed", type=int, default=1, help="seed of the randomized configurations")
     args = ap.parse_args()
     binary = args.binary
+    configs = CONFIGS + random_configs(args.random, args.seed)
     ref_dtype = torch.float64 if args.reference == "float64" else torch.float32
     pb, rpc = lib.load_stubs()
     tmp = tempfile.mkdtemp(prefix="attnserve-conformance-")
     modules = {}
-    for i, c in enumerate(CONFIGS):
+    for i, c in enumerate(configs):
         m = build_module(c, seed=1000 + i)
         modules[c["name"]] = m
         export_model.export(m, os.path.join(tmp, c["name"]), fmt=c.get("fmt", "safetensors"))
@@ -202,7 +286,8 @@ def main():
     failures = 0
     print(f"{'configuration':28s} {'output rel err':>14s} {'weights abs err':>15s} {'tolerance':>9s}")
     try:
-        for i, c in enumerate(CONFIGS):
+        worst = [0.0, 0.0]
+        for i, c in enumerate(configs):
             rng = np.random.default_rng(2000 + i)
             q, k, v, kpm, mask = make_inputs(c, rng)
             module = modules[c["name"]].to(ref_dtype)
@@ -222,22 +307,31 @@ def main():
             resp = stub.Attend(req, timeout=30)
             got = lib.from_wire(pb, resp.output)
             tol = args.tolerance or (1e-5 if dtype == "float32" else 1e-3)
-            wtol = max(tol, 1e-5)
+            wtol = args.weights_tolerance or max(tol, 1e-5)
             assert got.shape == want.shape, (c["name"], got.shape, want.shape)
-            err = float(np.abs(got - want).max() / np.abs(want).max())
+            # PyTorch answers NaN for a query masked for every key: the server's row must be finite
+            # (README: zero where masked in every head), and is compared where the reference has one.
+            known = np.isfinite(want)
+            err = float(np.abs(got - want)[known].max(initial=0) / max(np.abs(want[known]).max(initial=0), 1e-30))
             werr = float("nan")
-            ok = err <= tol and resp.request_id == i
+            ok = err <= tol and resp.request_id == i and bool(np.isfinite(got).all())
             if want_w is not None:
                 gw = lib.from_wire(pb, resp.attn_weights)
                 ok = ok and gw.shape == want_w.shape
-                werr = float(np.abs(gw - want_w).max()) if gw.shape == want_w.shape else float("inf")
-                ok = ok and werr <= wtol
+                wknown = np.isfinite(want_w)
+                werr = float(np.abs(gw - want_w)[wknown].max(initial=0)) if gw.shape == want_w.shape else float("inf")
+                ok = ok and werr <= wtol and bool(np.isfinite(gw).all())
+                worst[1] = max(worst[1], werr)
+            worst[0] = max(worst[0], err)
             failures += not ok
             wtext = "-" if want_w is None else f"{werr:.2e}"
-            print(f"{c['name']:28s} {err:14.2e} {wtext:>15s} {tol:9.0e} {'ok' if ok else 'FAIL'}")
+            if not c.get("random") or not ok:
+                print(f"{c['name']:28s} {err:14.2e} {wtext:>15s} {tol:9.0e} {'ok' if ok else 'FAIL'}"
+                      + (f"  {c}" if c.get("random") else ""))
     finally:
         server.stop()
-    print(f"conformance: {len(CONFIGS) - failures} passed, {failures} failed")
+    print(f"worst output rel err {worst[0]:.2e}, worst weights abs err {worst[1]:.2e}")
+    print(f"conformance: {len(configs) - failures} passed, {failures} failed")
     return 1 if failures else 0
 
 
