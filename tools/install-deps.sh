@@ -12,6 +12,8 @@ packages=(
   # grpc.health.v1's health.proto, compiled into the client library (Client::Health).
   grpc-proto
   libtorch-dev
+  # oneDNN's headers: the engine calls the library LibTorch's CPU products run on (server/engine/onednn.h).
+  libdnnl-dev
   # The fast BLAS must be named explicitly: libtorch only recommends one, and the reference BLAS
   # is ~40x slower. It must be thread-safe: the serial OpenBLAS gives wrong answers when two compute
   # threads multiply at once. README "BLAS" has the measurements behind this choice.

@@ -21,6 +21,7 @@
 #include "server/engine/attention_model.h"
 #include "server/engine/blas.h"
 #include "server/engine/device_support.h"
+#include "server/engine/onednn.h"
 #include "server/engine/packing_plan.h"
 #include "server/engine/torch_compat.h"
 #include "server/engine/torch_kv.h"
@@ -99,6 +100,21 @@ class WorkerStream {
   c10::optional<c10::StreamGuard> guard_;
 };
 
+// A tensor's bytes, dims and strides as oneDNN reads them (float32 or bfloat16 tensors only).
+onednn::View ViewOf(const at::Tensor& t) {
+  return {t.data_ptr(),
+          t.scalar_type() == at::kBFloat16 ? onednn::Type::kBFloat16 : onednn::Type::kFloat32,
+          t.sizes().vec(), t.strides().vec()};
+}
+
+// One projection: y = x · wᵀ + b. w [out, in] and b [out] (undefined: no bias) as LibTorch
+// tensors; `packed` (CPU bfloat16): the same weights reordered once into the layout oneDNN's
+// matrix-unit kernels read, which the products use where it runs.
+struct Proj {
+  at::Tensor w, b;
+  std::shared_ptr<const onednn::PackedLinear> packed;
+};
+
 at::Tensor FromHost(const HostTensor& h, const at::TensorOptions& opts) {
   return at::from_blob(const_cast<float*>(h.values.data()), h.shape, at::kFloat)
       .to(opts, /*non_blocking=*/false, /*copy=*/true);
@@ -111,6 +127,7 @@ class TorchModel final : public AttentionModel {
       : spec_(w.spec),
         device_(device),
         dtype_(ToScalarType(dtype)),
+        score_dtype_(device.is_cpu() ? at::kFloat : dtype_),
         min_piece_flops_(min_piece_flops),
         varlen_(varlen == EngineOptions::Varlen::kEmulate ? Varlen::kEmulate
                 : varlen == EngineOptions::Varlen::kAuto && device.is_cuda() && compat::kHasVarlen
@@ -145,6 +162,12 @@ class TorchModel final : public AttentionModel {
     }
     w_out_t_ = FromHost(w.out_proj, opts).t().contiguous();
     if (w.out_proj_bias) b_out_ = FromHost(*w.out_proj_bias, opts);
+    proj_in_ = {w_in_, b_in_, nullptr};
+    proj_q_ = {w_q_, b_q_, nullptr};
+    proj_k_ = {w_k_, b_k_, nullptr};
+    proj_v_ = {w_v_, b_v_, nullptr};
+    proj_out_ = {w_out_t_.t(), b_out_, nullptr};
+    if (device.is_cpu() && dtype_ == at::kBFloat16 && !widen_) PackWeights(w);
     if (w.bias_k) {
       bias_k_ = FromHost(*w.bias_k, opts.dtype(dtype_));
       bias_v_ = FromHost(*w.bias_v, opts.dtype(dtype_));
@@ -152,6 +175,29 @@ class TorchModel final : public AttentionModel {
   }
 
   const ModelSpec& spec() const override { return spec_; }
+
+  // The projections' weights packed once for oneDNN's bfloat16 kernels (onednn.h); a projection
+  // oneDNN does not pack here keeps LibTorch's products.
+  void PackWeights(const ModelWeights& w) {
+    const auto pack = [](const HostTensor& weight, const std::optional<HostTensor>& bias,
+                         int64_t bias_offset) -> std::shared_ptr<const onednn::PackedLinear> {
+      return onednn::PackedLinear::Make(
+          weight.values.data(), bias ? bias->values.data() + bias_offset : nullptr,
+          weight.shape[0], weight.shape[1], onednn::Type::kBFloat16);
+    };
+    const int64_t e = spec_.embed_dim;
+    proj_q_.packed = pack(w.q_proj, w.in_proj_bias, 0);
+    proj_k_.packed = pack(w.k_proj, w.in_proj_bias, e);
+    proj_v_.packed = pack(w.v_proj, w.in_proj_bias, 2 * e);
+    proj_out_.packed = pack(w.out_proj, w.out_proj_bias, 0);
+    if (packed_) {
+      HostTensor in;
+      in.shape = {3 * e, e};
+      for (const HostTensor* part : {&w.q_proj, &w.k_proj, &w.v_proj})
+        in.values.insert(in.values.end(), part->values.begin(), part->values.end());
+      proj_in_.packed = pack(in, w.in_proj_bias, 0);
+    }
+  }
 
   Status Forward(const AttendCall& call, AttendOutputs* out) const override {
     return ForwardOne(call, out, SerialParallel());
@@ -289,8 +335,10 @@ class TorchModel final : public AttentionModel {
 
   // x [rows, in] · wt [in, out] (+ b) into y [rows, out], the rows cut into blocks, one GEMM each,
   // when cores are idle: every output row is computed as the single GEMM would.
-  void GemmInto(const at::Tensor& y, const at::Tensor& x, const at::Tensor& wt, const at::Tensor& b,
+  void GemmInto(const at::Tensor& y, const at::Tensor& x, const Proj& proj,
                 const Parallel& parallel) const {
+    const at::Tensor wt = proj.w.t();
+    const at::Tensor& b = proj.b;
     if (UseGemv(x, wt) && y.scalar_type() == at::kFloat) {
       GemvInto(y, x, wt, b);
       return;
@@ -300,7 +348,9 @@ class TorchModel final : public AttentionModel {
       const auto [r0, n] =
           blocks > 1 ? Block(x.size(0), blocks, i) : std::make_pair(int64_t{0}, x.size(0));
       at::Tensor yi = y.narrow(0, r0, n);
-      if (x.scalar_type() != wt.scalar_type()) {  // widened: float32 weights, bfloat16 rows
+      if (RunPacked(proj, x.narrow(0, r0, n), yi)) return;
+      if (x.scalar_type() != wt.scalar_type() || yi.scalar_type() != wt.scalar_type()) {
+        // Widened (float32 weights, bfloat16 rows), or rows written in another dtype.
         const at::Tensor xi = x.narrow(0, r0, n).to(wt.scalar_type());
         yi.copy_(b.defined() ? at::addmm(b, xi, wt) : at::mm(xi, wt));
       } else if (b.defined()) {
@@ -311,12 +361,30 @@ class TorchModel final : public AttentionModel {
     });
   }
 
+  // The product on the packed weights when oneDNN runs it: x [rows, in] and y [rows, out] with
+  // unit column strides, x in the packed type, y in it or float32.
+  bool RunPacked(const Proj& proj, const at::Tensor& x, const at::Tensor& y) const {
+    if (!proj.packed || x.scalar_type() != at::kBFloat16 || x.stride(1) != 1 ||
+        y.stride(1) != 1 || (y.scalar_type() != at::kBFloat16 && y.scalar_type() != at::kFloat))
+      return false;
+    return proj.packed->Run(x.data_ptr(), x.size(0), x.stride(0), y.data_ptr(),
+                            y.scalar_type() == at::kFloat ? onednn::Type::kFloat32
+                                                          : onednn::Type::kBFloat16,
+                            y.stride(0));
+  }
+
   // nn.functional.linear(x, w, b) (w [out, in]), split as GemmInto.
-  at::Tensor Linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
-                    const Parallel& parallel) const {
+  at::Tensor Linear(const at::Tensor& x, const Proj& proj, const Parallel& parallel) const {
+    const at::Tensor& w = proj.w;
+    const at::Tensor& b = proj.b;
     if (UseGemv(x, w)) {
       at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
       GemvInto(y, x, w.t(), b);
+      return y;
+    }
+    if (proj.packed) {
+      at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
+      GemmInto(y, x, proj, parallel);
       return y;
     }
     if (Blocks(parallel, x.size(0), 2.0 * w.size(0) * w.size(1), kMinGemmRows) <= 1) {
@@ -325,7 +393,7 @@ class TorchModel final : public AttentionModel {
                  : at::linear(x.to(w.scalar_type()), w, b).to(x.scalar_type());
     }
     at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
-    GemmInto(y, x.contiguous(), w.t(), b, parallel);
+    GemmInto(y, x.contiguous(), proj, parallel);
     return y;
   }
 
@@ -380,15 +448,15 @@ class TorchModel final : public AttentionModel {
   Rows Project(const AttendCall& call, const Parallel& parallel) const {
     const at::Tensor q_in = InputRows(call.query);
     if (call.kv_use == AttendCall::Kv::kMemory)
-      return {Linear(q_in, w_q_, b_q_, parallel), at::Tensor(), at::Tensor()};
+      return {Linear(q_in, proj_q_, parallel), at::Tensor(), at::Tensor()};
     if (call.self_attention() && packed_) {
-      auto qkv = Linear(q_in, w_in_, b_in_, parallel).chunk(3, -1);
+      auto qkv = Linear(q_in, proj_in_, parallel).chunk(3, -1);
       return {qkv[0], qkv[1], qkv[2]};
     }
     const at::Tensor k_in = call.self_attention() ? q_in : InputRows(*call.key);
     const at::Tensor v_in = call.self_attention() ? q_in : InputRows(*call.value);
-    return {Linear(q_in, w_q_, b_q_, parallel), Linear(k_in, w_k_, b_k_, parallel),
-            Linear(v_in, w_v_, b_v_, parallel)};
+    return {Linear(q_in, proj_q_, parallel), Linear(k_in, proj_k_, parallel),
+            Linear(v_in, proj_v_, parallel)};
   }
 
   // Packs every call's rows into one matrix per projection (no padding rows; PlanPacking says
@@ -415,13 +483,13 @@ class TorchModel final : public AttentionModel {
     }
     std::vector<at::Tensor> qkv_self;
     if (self_rows)
-      qkv_self = Linear(x.narrow(0, 0, self_rows), w_in_, b_in_, parallel).chunk(3, -1);
+      qkv_self = Linear(x.narrow(0, 0, self_rows), proj_in_, parallel).chunk(3, -1);
     at::Tensor q_cross, k_cross, v_cross;
     if (self_rows < q_rows) {
-      q_cross = Linear(x.narrow(0, self_rows, q_rows - self_rows), w_q_, b_q_, parallel);
+      q_cross = Linear(x.narrow(0, self_rows, q_rows - self_rows), proj_q_, parallel);
       if (k_rows) {
-        k_cross = Linear(kx, w_k_, b_k_, parallel);
-        v_cross = Linear(vx, w_v_, b_v_, parallel);
+        k_cross = Linear(kx, proj_k_, parallel);
+        v_cross = Linear(vx, proj_v_, parallel);
       }
     }
     // Projected rows from call i's on: rq query rows, rk key and value rows ([rows, E] each).
@@ -466,7 +534,7 @@ class TorchModel final : public AttentionModel {
       }
     });
     at::Tensor y = at::empty({q_rows, e}, opts);
-    GemmInto(y, merged, w_out_t_, b_out_, parallel);
+    GemmInto(y, merged, proj_out_, parallel);
     for (size_t i = 0; i < calls.size(); ++i) {
       const AttendCall& c = *calls[i];
       WriteOutput(c, attended[i], y.narrow(0, q_off[i], c.batch * c.query_len), outs[i],
@@ -556,10 +624,10 @@ class TorchModel final : public AttentionModel {
   at::Tensor Additive(const at::Tensor& m) const {
     const at::Tensor d = m.to(device_);
     if (d.scalar_type() == at::kBool) {
-      return at::zeros(d.sizes(), d.options().dtype(dtype_))
+      return at::zeros(d.sizes(), d.options().dtype(score_dtype_))
           .masked_fill_(d, -std::numeric_limits<double>::infinity());
     }
-    return d.to(dtype_);
+    return d.to(score_dtype_);
   }
 
   // Most attention scores one block of queries may hold at once (B·H·rows·S). Attention is
@@ -603,11 +671,11 @@ class TorchModel final : public AttentionModel {
     TorchKv& m = static_cast<TorchKv&>(*call.kv);
     const bool batch_first = call.batch_first();
     const int64_t b = call.batch, lk = call.key_len;
-    m.KeepKeys(SplitHeads(Linear(InputRows(*call.key), w_k_, b_k_, parallel), batch_first, b, lk));
+    m.KeepKeys(SplitHeads(Linear(InputRows(*call.key), proj_k_, parallel), batch_first, b, lk));
     m.KeepValues(
-        SplitHeads(Linear(InputRows(*call.value), w_v_, b_v_, parallel), batch_first, b, lk));
+        SplitHeads(Linear(InputRows(*call.value), proj_v_, parallel), batch_first, b, lk));
     if (call.key_padding_mask)
-      m.KeepPadding(Additive(Wrap(*call.key_padding_mask)).reshape({b, lk}));
+      m.KeepPadding(Additive(Wrap(*call.key_padding_mask)).reshape({b, lk}).to(dtype_));
   }
 
   // One session step: the new tokens' keys and values go after the L the session holds, then the
@@ -623,6 +691,27 @@ class TorchModel final : public AttentionModel {
         SplitHeads(r.v, batch_first, b, t), kpm);
     return AttendHeads(call, SplitHeads(r.q, batch_first, b, t), std::move(all.k), std::move(all.v),
                        all.kpm, held, dst, out, parallel);
+  }
+
+  // pp [H, n, S'] = scale · q [H, n, D] · kt [H, D, S'] (+ mask, broadcastable to pp). Scores wider
+  // than the operands (float32 from bfloat16) come from oneDNN, which keeps its float32 accumulators
+  // (LibTorch's products would round them to bfloat16); the mask is then added in float32.
+  void ScoresInto(at::Tensor pp, const at::Tensor& q, const at::Tensor& kt,
+                  const at::Tensor& mask, double scale) const {
+    if (pp.scalar_type() == q.scalar_type()) {
+      if (mask.defined()) {
+        at::baddbmm_out(pp, mask, q, kt, /*beta=*/1, /*alpha=*/scale);
+      } else {
+        at::baddbmm_out(pp, pp, q, kt, /*beta=*/0, /*alpha=*/scale);
+      }
+      return;
+    }
+    if (!(device_.is_cpu() &&
+          onednn::Matmul(ViewOf(q), ViewOf(kt), ViewOf(pp), static_cast<float>(scale)))) {
+      at::bmm_out(pp, q.to(pp.scalar_type()), kt.to(pp.scalar_type()));
+      pp.mul_(scale);
+    }
+    if (mask.defined()) pp.add_(mask);
   }
 
   // Attention over heads: qh [B, H, Lq, D]; keys and values [B, H, Lk, D] (Lk = call.key_len), as
@@ -661,6 +750,13 @@ class TorchModel final : public AttentionModel {
     }
     if (spec_.add_zero_attn) {
       append(at::zeros({b, h, 1, d}, qh.options()), at::zeros({b, h, 1, d}, qh.options()));
+    }
+    // Widened bfloat16 (CPUs whose bfloat16 products add in bfloat16): attention in float32.
+    at::Tensor q_all = qh;
+    if (widen_) {
+      q_all = qh.to(at::kFloat);
+      for (at::Tensor& k : ks) k = k.to(at::kFloat);
+      for (at::Tensor& v : vs) v = v.to(at::kFloat);
     }
     const at::Tensor& kh = ks[0];
     const at::Tensor& vh = vs[0];
@@ -729,19 +825,22 @@ class TorchModel final : public AttentionModel {
         dead = mask.eq(ninf).all(-1, /*keepdim=*/true).expand({b, h, n, 1});
         any_dead = dead.any().item<bool>();
       }
-      const at::Tensor qc = qh.narrow(2, q0, n);
+      const at::Tensor qc = q_all.narrow(2, q0, n);
       at::Tensor attn;  // [B, H, n, D]
       if (fused) {
         backends[block] = compat::FusedSdpaBackend(qc, kh, vh, mask, fused_causal);
         attn = compat::FusedSdpa(qc, kh, vh, mask, fused_causal);
         if (any_dead) attn = attn.masked_fill(dead, 0);
-      } else if (!widen_) {
+      } else {
         // Per batch element, three products and no temporaries beyond the scores: scale·q·kᵀ plus
-        // the mask in one baddbmm, the softmax in place, p·v straight into the merged rows.
+        // the mask, the softmax in place, p·v straight into the merged rows. The scores are in
+        // score_dtype_: float32 for CPU bfloat16, from the products' float32 accumulators, so that
+        // neither the mask nor the softmax sees bfloat16 rounding (a score of 50 rounds by 0.25).
         // Zeroed when there is no mask to add: LibTorch 1.13's small-matrix baddbmm reads its input
         // even with beta 0 (0 · NaN of uninitialised memory is NaN).
-        at::Tensor p = mask.defined() ? at::empty({b, h, n, sl}, qh.options())
-                                      : at::zeros({b, h, n, sl}, qh.options());
+        const auto score_opts = qc.options().dtype(score_dtype_);
+        at::Tensor p = mask.defined() ? at::empty({b, h, n, sl}, score_opts)
+                                      : at::zeros({b, h, n, sl}, score_opts);
         const at::Tensor block_heads = merged_heads.narrow(2, q0, n);
         for (int64_t bi = 0; bi < b; ++bi) {
           at::Tensor pb = p.select(0, bi);
@@ -751,45 +850,36 @@ class TorchModel final : public AttentionModel {
           int64_t off = 0;
           for (const at::Tensor& kp : ks) {  // The scores of each piece of keys, in place.
             const int64_t rows = kp.size(2);
-            at::Tensor pp = ks.size() == 1 ? pb : pb.narrow(-1, off, rows);
-            const at::Tensor kt = kp.select(0, bi).transpose(-2, -1);
-            if (mb.defined()) {
-              at::baddbmm_out(pp, ks.size() == 1 ? mb : mb.narrow(-1, off, rows), qc.select(0, bi),
-                              kt, /*beta=*/1, /*alpha=*/scale);
-            } else {
-              at::baddbmm_out(pp, pp, qc.select(0, bi), kt, /*beta=*/0, /*alpha=*/scale);
-            }
+            ScoresInto(ks.size() == 1 ? pb : pb.narrow(-1, off, rows), qc.select(0, bi),
+                       kp.select(0, bi).transpose(-2, -1),
+                       !mb.defined() ? mb : ks.size() == 1 ? mb : mb.narrow(-1, off, rows), scale);
             off += rows;
           }
         }
         at::_softmax_out(p, p, -1, /*half_to_float=*/false);
         if (any_dead) p.masked_fill_(dead, 0);
+        // p·v in the values' dtype (bfloat16 probabilities, as fused CPU kernels multiply them).
+        const at::Tensor pv = p.scalar_type() == vh.scalar_type() ? p : p.to(vh.scalar_type());
         for (int64_t bi = 0; bi < b; ++bi) {
           at::Tensor out_b = block_heads.select(0, bi);
-          const at::Tensor pb = p.select(0, bi);
+          // Widened: the float32 result, rounded into the merged rows.
+          at::Tensor acc = out_b.scalar_type() == vh.scalar_type()
+                               ? out_b
+                               : at::empty(out_b.sizes(), out_b.options().dtype(vh.scalar_type()));
+          const at::Tensor pb = pv.select(0, bi);
           int64_t off = 0;
           for (size_t i = 0; i < vs.size(); ++i) {  // Summed over the pieces of values.
             const int64_t rows = vs[i].size(2);
             const at::Tensor pp = vs.size() == 1 ? pb : pb.narrow(-1, off, rows);
             if (i == 0) {
-              at::bmm_out(out_b, pp, vs[i].select(0, bi));
+              at::bmm_out(acc, pp, vs[i].select(0, bi));
             } else {
-              out_b.baddbmm_(pp, vs[i].select(0, bi));
+              acc.baddbmm_(pp, vs[i].select(0, bi));
             }
             off += rows;
           }
+          if (!acc.is_same(out_b)) out_b.copy_(acc);
         }
-        if (want_weights) {
-          weights_out.narrow(2, q0, n).copy_(
-              call.weights == WeightsMode::kAveraged ? p.mean(1, true) : p);
-        }
-      } else {
-        at::Tensor scores = Matmul(qc * scale, kh.transpose(-2, -1));
-        if (mask.defined()) scores.add_(mask);
-        at::Tensor p = at::softmax(scores, -1);
-        scores.reset();
-        if (any_dead) p.masked_fill_(dead, 0);
-        attn = Matmul(p, vh);
         if (want_weights) {
           weights_out.narrow(2, q0, n).copy_(
               call.weights == WeightsMode::kAveraged ? p.mean(1, true) : p);
@@ -827,11 +917,12 @@ class TorchModel final : public AttentionModel {
     at::Tensor dst = at::from_blob(out->output->data(), {b * lq, e}, ToScalarType(out_dtype));
     if (y.defined()) {
       dst.copy_(y);
-    } else if (device_.is_cpu() && dst.scalar_type() == dtype_) {
-      GemmInto(dst, a.merged, w_out_t_, b_out_, parallel);
+    } else if (device_.is_cpu() && (dst.scalar_type() == dtype_ || proj_out_.packed)) {
+      // Straight into the response (oneDNN writes float32 answers from bfloat16 rows itself).
+      GemmInto(dst, a.merged, proj_out_, parallel);
     } else {
       at::Tensor projected = at::empty({b * lq, e}, a.merged.options());
-      GemmInto(projected, a.merged, w_out_t_, b_out_, parallel);
+      GemmInto(projected, a.merged, proj_out_, parallel);
       dst.copy_(projected);
     }
     if (a.dead.defined()) dst.masked_fill_(a.dead, 0);
@@ -840,6 +931,9 @@ class TorchModel final : public AttentionModel {
   ModelSpec spec_;
   at::Device device_;
   at::ScalarType dtype_;
+  // Attention scores' dtype: float32 on the CPU whatever dtype_ (scores, masks and softmax from
+  // the products' float32 accumulators); dtype_ on CUDA (its fused kernels take masks in it).
+  at::ScalarType score_dtype_;
   double min_piece_flops_;
   // CPU bfloat16 where LibTorch's bfloat16 products accumulate in bfloat16: projection weights are
   // kept in float32 and every matrix product runs in float32, its result rounded to bfloat16.
@@ -848,6 +942,7 @@ class TorchModel final : public AttentionModel {
   at::Tensor w_in_, w_q_, w_k_, w_v_;  // [3E, E] and its row blocks (or three separate matrices)
   at::Tensor b_in_, b_q_, b_k_, b_v_;  // undefined without input biases
   at::Tensor w_out_t_, b_out_;         // out_proj.weight transposed: [E, E]
+  Proj proj_in_, proj_q_, proj_k_, proj_v_, proj_out_;  // the above as projections
   at::Tensor bias_k_, bias_v_;         // [E], undefined without add_bias_kv
   // How packed calls attend: kKernel = LibTorch's varlen kernels (CUDA), kEmulate = the same
   // packing by per-sequence attention (tests), kOff = per call.

@@ -1,0 +1,266 @@
+#include "server/engine/onednn.h"
+
+#include <oneapi/dnnl/dnnl.hpp>
+
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <unordered_map>
+#include <utility>
+
+namespace attnserve::onednn {
+namespace {
+
+using dnnl::memory;
+
+dnnl::engine& Engine() {
+  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  return engine;
+}
+
+// Streams are not thread-safe: one per thread.
+dnnl::stream& Stream() {
+  thread_local dnnl::stream stream(Engine());
+  return stream;
+}
+
+// The thread's scratchpad (primitives made with scratchpad_mode::user), grown as needed.
+void* Scratchpad(size_t bytes) {
+  struct Buffer {
+    void* p = nullptr;
+    size_t size = 0;
+    ~Buffer() { std::free(p); }
+  };
+  thread_local Buffer buffer;
+  if (bytes > buffer.size) {
+    std::free(buffer.p);
+    buffer.size = (bytes + 4095) / 4096 * 4096;
+    buffer.p = std::aligned_alloc(64, buffer.size);
+    if (buffer.p == nullptr) buffer.size = 0;
+  }
+  return buffer.p;
+}
+
+memory::data_type DataType(Type t) {
+  return t == Type::kBFloat16 ? memory::data_type::bf16 : memory::data_type::f32;
+}
+
+memory::desc Desc(const View& v) {
+  return memory::desc(memory::dims(v.dims.begin(), v.dims.end()), DataType(v.type),
+                      memory::dims(v.strides.begin(), v.strides.end()));
+}
+
+// A primitive and what executing it needs; `ok` false: oneDNN offered only its reference kernel
+// (or none) for these operands, so the caller multiplies another way.
+struct Entry {
+  bool ok = false;
+  dnnl::matmul prim;
+  memory::desc scratchpad;
+};
+
+// Primitives by their operands' shapes. Bounded: when full it starts again (the shapes a server
+// sees repeat, and making one again costs what a cache miss costs).
+class Cache {
+ public:
+  template <typename Make>
+  std::shared_ptr<const Entry> Get(const std::string& key, Make&& make) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = entries_.find(key);
+      if (it != entries_.end()) return it->second;
+    }
+    auto entry = std::make_shared<Entry>();
+    try {
+      dnnl::matmul::primitive_desc pd = make();
+      const std::string impl = pd.impl_info_str();
+      entry->ok = impl.rfind("ref", 0) != 0 && impl.find(":ref") == std::string::npos;
+      if (entry->ok) {
+        entry->scratchpad = pd.scratchpad_desc();
+        entry->prim = dnnl::matmul(pd);
+      }
+    } catch (const dnnl::error&) {
+      entry->ok = false;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    if (entries_.size() >= kMaxEntries) entries_.clear();
+    return entries_.emplace(key, std::move(entry)).first->second;
+  }
+
+ private:
+  static constexpr size_t kMaxEntries = 4096;
+  std::mutex mu_;
+  std::unordered_map<std::string, std::shared_ptr<const Entry>> entries_;
+};
+
+void Append(std::string* key, const View& v) {
+  key->push_back(v.type == Type::kBFloat16 ? 'h' : 'f');
+  for (int64_t d : v.dims) key->append(std::to_string(d)).push_back(',');
+  key->push_back('/');
+  for (int64_t s : v.strides) key->append(std::to_string(s)).push_back(',');
+  key->push_back(';');
+}
+
+dnnl::primitive_attr Attr(float alpha) {
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  if (alpha != 1.0f) attr.set_output_scales(0, {alpha});
+  return attr;
+}
+
+void Execute(const Entry& e, std::unordered_map<int, memory> args) {
+  const size_t bytes = e.scratchpad.get_size();
+  if (bytes > 0) args.emplace(DNNL_ARG_SCRATCHPAD, memory(e.scratchpad, Engine(), Scratchpad(bytes)));
+  e.prim.execute(Stream(), args);
+  Stream().wait();
+}
+
+}  // namespace
+
+std::string CpuClass() {
+  const dnnl::cpu_isa isa = dnnl::get_effective_cpu_isa();
+  if (isa == dnnl::cpu_isa::avx512_core_amx) return "AMX";
+  if (isa == dnnl::cpu_isa::avx512_core_bf16) return "AVX512-BF16";
+  // oneDNN may be capped below the CPU (ONEDNN_MAX_CPU_ISA); the instructions themselves decide.
+  if (__builtin_cpu_supports("avx512bf16")) return "AVX512-BF16";
+  return "AVX2 only";
+}
+
+std::string Describe() {
+  const dnnl_version_t* v = dnnl::version();
+  std::string isa;
+  switch (dnnl::get_effective_cpu_isa()) {
+    case dnnl::cpu_isa::avx512_core_amx:
+      isa = "avx512_core_amx";
+      break;
+    case dnnl::cpu_isa::avx512_core_bf16:
+      isa = "avx512_core_bf16";
+      break;
+    case dnnl::cpu_isa::avx512_core_vnni:
+      isa = "avx512_core_vnni";
+      break;
+    case dnnl::cpu_isa::avx512_core:
+      isa = "avx512_core";
+      break;
+    case dnnl::cpu_isa::avx2:
+      isa = "avx2";
+      break;
+    default:
+      isa = "other";
+  }
+  return "oneDNN " + std::to_string(v->major) + "." + std::to_string(v->minor) + "." +
+         std::to_string(v->patch) + ", " + isa;
+}
+
+bool Matmul(const View& a, const View& b, const View& dst, float alpha) {
+  static Cache cache;
+  std::string key;
+  Append(&key, a);
+  Append(&key, b);
+  Append(&key, dst);
+  key.append(std::to_string(alpha));
+  const std::shared_ptr<const Entry> e = cache.Get(key, [&] {
+    return dnnl::matmul::primitive_desc(dnnl::matmul::desc(Desc(a), Desc(b), Desc(dst)),
+                                        Attr(alpha), Engine());
+  });
+  if (!e->ok) return false;
+  Execute(*e, {{DNNL_ARG_SRC, memory(Desc(a), Engine(), a.data)},
+               {DNNL_ARG_WEIGHTS, memory(Desc(b), Engine(), b.data)},
+               {DNNL_ARG_DST, memory(Desc(dst), Engine(), dst.data)}});
+  return true;
+}
+
+struct PackedLinear::Impl {
+  int64_t n = 0, k = 0;
+  Type type = Type::kFloat32;
+  memory::desc packed_desc;
+  memory weights, bias;
+  bool has_bias = false;
+  mutable Cache cache;
+};
+
+PackedLinear::PackedLinear(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+PackedLinear::~PackedLinear() = default;
+int64_t PackedLinear::out_features() const { return impl_->n; }
+int64_t PackedLinear::in_features() const { return impl_->k; }
+
+std::string PackedLinear::Layout() const {
+  const dnnl_memory_desc_t& d = impl_->packed_desc.data;
+  if (d.format_kind != dnnl_blocked) return "non-blocked";
+  // Outer dims by stride (largest first), then the inner blocks: as oneDNN's verbose tags read.
+  std::string tag;
+  std::vector<int> order = {0, 1};
+  if (d.format_desc.blocking.strides[1] > d.format_desc.blocking.strides[0]) order = {1, 0};
+  for (int i : order) {
+    bool blocked = false;
+    for (int j = 0; j < d.format_desc.blocking.inner_nblks; ++j)
+      blocked = blocked || d.format_desc.blocking.inner_idxs[j] == i;
+    tag.push_back(static_cast<char>((blocked ? 'A' : 'a') + i));
+  }
+  for (int j = 0; j < d.format_desc.blocking.inner_nblks; ++j) {
+    tag += std::to_string(d.format_desc.blocking.inner_blks[j]);
+    tag.push_back(static_cast<char>('a' + d.format_desc.blocking.inner_idxs[j]));
+  }
+  return tag;
+}
+
+std::unique_ptr<PackedLinear> PackedLinear::Make(const float* w, const float* bias, int64_t n,
+                                                 int64_t k, Type type) {
+  try {
+    auto impl = std::make_unique<Impl>();
+    impl->n = n;
+    impl->k = k;
+    impl->type = type;
+    const memory::data_type dt = DataType(type);
+    // The layout the kernels want, asked of a product of a typical batch's height.
+    const memory::desc src({128, k}, dt, memory::dims{k, 1});
+    const memory::desc wei_any({k, n}, dt, memory::format_tag::any);
+    const memory::desc dst({128, n}, dt, memory::dims{n, 1});
+    const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(src, wei_any, dst), Attr(1.0f),
+                                          Engine());
+    const std::string impl_name = pd.impl_info_str();
+    if (impl_name.rfind("ref", 0) == 0) return nullptr;
+    impl->packed_desc = pd.weights_desc();
+    impl->weights = memory(impl->packed_desc, Engine());
+    // W [n, k] row-major is Wᵀ [k, n] with strides (1, k): reordered (and converted) once.
+    memory plain(memory::desc({k, n}, memory::data_type::f32, memory::dims{1, k}), Engine(),
+                 const_cast<float*>(w));
+    dnnl::reorder(plain, impl->weights).execute(Stream(), plain, impl->weights);
+    if (bias != nullptr) {
+      impl->has_bias = true;
+      impl->bias = memory(memory::desc({1, n}, memory::data_type::f32, memory::dims{n, 1}),
+                          Engine());
+      std::memcpy(impl->bias.get_data_handle(), bias, static_cast<size_t>(n) * sizeof(float));
+    }
+    Stream().wait();
+    return std::unique_ptr<PackedLinear>(new PackedLinear(std::move(impl)));
+  } catch (const dnnl::error&) {
+    return nullptr;
+  }
+}
+
+bool PackedLinear::Run(const void* x, int64_t m, int64_t ldx, void* y, Type y_type,
+                       int64_t ldy) const {
+  const Impl& p = *impl_;
+  const memory::desc src({m, p.k}, DataType(p.type), memory::dims{ldx, 1});
+  const memory::desc dst({m, p.n}, DataType(y_type), memory::dims{ldy, 1});
+  const std::string key = std::to_string(m) + "," + std::to_string(ldx) + "," +
+                          std::to_string(ldy) + (y_type == Type::kBFloat16 ? "h" : "f");
+  const std::shared_ptr<const Entry> e = p.cache.Get(key, [&] {
+    return p.has_bias
+               ? dnnl::matmul::primitive_desc(
+                     dnnl::matmul::desc(src, p.packed_desc, p.bias.get_desc(), dst), Attr(1.0f),
+                     Engine())
+               : dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, p.packed_desc, dst),
+                                              Attr(1.0f), Engine());
+  });
+  if (!e->ok) return false;
+  std::unordered_map<int, memory> args = {
+      {DNNL_ARG_SRC, memory(src, Engine(), const_cast<void*>(x))},
+      {DNNL_ARG_WEIGHTS, p.weights},
+      {DNNL_ARG_DST, memory(dst, Engine(), y)}};
+  if (p.has_bias) args.emplace(DNNL_ARG_BIAS, p.bias);
+  Execute(*e, std::move(args));
+  return true;
+}
+
+}  // namespace attnserve::onednn

@@ -1,0 +1,63 @@
+// Matrix products straight through oneDNN, the library LibTorch's own CPU products call (Debian's
+// libdnnl, the one LibTorch 1.13 links): where LibTorch's ops cannot say what the engine needs.
+//   * bfloat16 operands with a float32 result (attention scores kept in float32 from the
+//     products' float32 accumulators: LibTorch 1.13 rounds a bfloat16 product's result to bfloat16);
+//   * weights reordered once, at model load, into the blocked layout the matrix-unit kernels read
+//     (LibTorch hands oneDNN the plain layout and the AMX kernels pack it again on every call).
+// Primitives are made once per shape and kept (a bounded cache); each thread executes on its own
+// stream with its own scratchpad, so one primitive serves every compute thread at once. No LibTorch
+// here: plain pointers, dims and strides.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace attnserve::onednn {
+
+enum class Type { kFloat32, kBFloat16 };
+
+/// A strided view of a (batched) matrix: dims and strides in elements, outermost first.
+struct View {
+  void* data = nullptr;
+  Type type = Type::kFloat32;
+  std::vector<int64_t> dims, strides;
+};
+
+/// The CPU's class for bfloat16 products, as oneDNN dispatches them: "AMX" (amx_bf16 tiles),
+/// "AVX512-BF16" (vdpbf16ps), or "AVX2 only" (no bfloat16 instructions).
+std::string CpuClass();
+/// oneDNN's version and the ISA its kernels use here, e.g. "oneDNN 2.6.3, avx512_core_bf16".
+std::string Describe();
+
+/// dst = alpha · a · b over the batch dims (a [..., M, K], b [..., K, N], dst [..., M, N]; a batch
+/// dim of 1 broadcasts). Types: a and b alike; dst float32 or their type. Returns false (and does
+/// nothing) when oneDNN has no kernel for these operands other than its reference one; the caller
+/// then multiplies another way.
+bool Matmul(const View& a, const View& b, const View& dst, float alpha);
+
+/// y [M, N] = x [M, K] · Wᵀ + bias, with W [N, K] reordered once into the layout oneDNN's kernels
+/// for this CPU want. Thread-safe; the products of every M share the one packed copy.
+class PackedLinear {
+ public:
+  /// w: [n, k] row-major, bias: [n] or null, both float32 values; type: the compute type (weights
+  /// and x). Returns null when oneDNN packs no kernel for this type here.
+  static std::unique_ptr<PackedLinear> Make(const float* w, const float* bias, int64_t n,
+                                            int64_t k, Type type);
+  ~PackedLinear();
+  /// x: [m, k] with row stride ldx, type as made; y: [m, n] with row stride ldy, in that type or
+  /// float32. Returns false when no kernel took these operands (nothing written).
+  bool Run(const void* x, int64_t m, int64_t ldx, void* y, Type y_type, int64_t ldy) const;
+  int64_t out_features() const;
+  int64_t in_features() const;
+  /// The packed layout, as oneDNN's verbose lines print it (e.g. "BA16a64b2a").
+  std::string Layout() const;
+
+ private:
+  struct Impl;
+  explicit PackedLinear(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace attnserve::onednn
