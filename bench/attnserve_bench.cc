@@ -137,7 +137,11 @@ class EngineBackend : public Backend {
 
  private:
   static attnserve::TensorView View(const attnserve::Tensor& t) {
-    return {attnserve::DType::kFloat32, t.shape, t.data.data(), t.data.size()};
+    const attnserve::DType dtype = t.dtype == attnserve::DataType::kBFloat16 ? attnserve::DType::kBFloat16
+                                   : t.dtype == attnserve::DataType::kFloat16
+                                       ? attnserve::DType::kFloat16
+                                       : attnserve::DType::kFloat32;
+    return {dtype, t.shape, t.data.data(), t.data.size()};
   }
   void Loop() {
     for (;;) {
@@ -224,7 +228,8 @@ double Percentile(std::vector<double>& v, double q) {
 int main(int argc, char** argv) {
   CLI::App app{"attnserve-bench: load generator for attnserve", "attnserve-bench"};
   std::string target = "127.0.0.1:50051", lengths = "uniform:8:64", label = "run", json_path;
-  std::string model_name = "demo", models_dir, device = "cpu", dtype = "float32";
+  std::string model_name = "demo", models_dir, device = "cpu", dtype = "float32",
+              wire_dtype = "float32";
   int callers = 32, workers = 2, pool_size = 64, embed = 512;
   double rate = 0, duration = 10, warmup = 2, cross = 0;
   uint32_t seed = 1;
@@ -254,6 +259,10 @@ int main(int argc, char** argv) {
   app.add_option("--device", device, "inprocess: cpu, cuda or cuda:N")->capture_default_str();
   app.add_option("--dtype", dtype, "inprocess: compute dtype float32, float16 or bfloat16")
       ->capture_default_str();
+  app.add_option("--wire-dtype", wire_dtype,
+                 "Dtype of queries, keys and values on the wire (answers come back in it)")
+      ->check(CLI::IsMember({"float32", "float16", "bfloat16"}))
+      ->capture_default_str();
   app.add_option("--label", label, "Name in the output")->capture_default_str();
   app.add_option("--json", json_path, "Append the result as one JSON line to this file");
   app.add_option("--seed", seed, "Seed of lengths and data")->capture_default_str();
@@ -274,7 +283,9 @@ int main(int argc, char** argv) {
     auto tensor = [&](int64_t len) {
       std::vector<float> v(static_cast<size_t>(len * embed));
       for (float& x : v) x = normal(rng);
-      return attnserve::Tensor::Float32({1, len, embed}, v);
+      return wire_dtype == "bfloat16"  ? attnserve::Tensor::BFloat16({1, len, embed}, v)
+             : wire_dtype == "float16" ? attnserve::Tensor::Float16({1, len, embed}, v)
+                                       : attnserve::Tensor::Float32({1, len, embed}, v);
     };
     p.request.model = model_name;
     p.request.query = tensor(lq);

@@ -1,10 +1,13 @@
-// The engine alone (Google Benchmark): a set of requests computed one by one with Forward versus
-// together with ForwardBatch, for W1-like (self, 8-64) and W2-like (16-512, half cross) sets.
-// Same requests, same thread, so the ratio is what batching buys the engine. Each reports FLOP/s
-// (projections and attention, as the server's metrics count them: ForwardFlops) beside GemmBound:
-// the BLAS alone multiplying the same rows by the same projection matrices (sgemm through the BLAS
-// that LibTorch uses, looked up at run time), the ceiling for a batch whose time is all projection
-// GEMM.
+// The engine alone (Google Benchmark), in float32 (F32) and CPU bfloat16 (BF16): a set of requests
+// computed one by one with Forward versus together with ForwardBatch, for W1-like (self, 8-64) and
+// W2-like (16-512, half cross) sets, and one long lone request (Lone, [1, 1024, 512]). Same
+// requests, same thread, so the ratio is what batching buys the engine. Each reports FLOP/s
+// (projections and attention, as the server's metrics count them: ForwardFlops) beside the bare
+// product bound of the same rows in the same dtype: ProductBound/F32 multiplies them by the
+// projection matrices with sgemm (the BLAS LibTorch uses, looked up at run time), ProductBound/BF16
+// with oneDNN's bfloat16 kernels on weights packed once (what the engine calls). The ceiling for a
+// batch whose time is all projection products; the context block names the CPU class (AMX,
+// AVX512-BF16 or AVX2 only) and oneDNN's ISA.
 #include <benchmark/benchmark.h>
 #include <dlfcn.h>
 
@@ -12,6 +15,7 @@
 
 #include "server/engine/attention_model.h"
 #include "server/engine/model_loader.h"
+#include "server/engine/onednn.h"
 #include "server/types.h"
 #include "server/validator.h"
 
@@ -27,10 +31,15 @@ struct Set {
   std::vector<attnserve::AttendOutputs> outputs;
 };
 
-const attnserve::AttentionModel& Model() {
-  static auto* model =
+const attnserve::AttentionModel& Model(bool bf16 = false) {
+  static auto* f32 =
       attnserve::CreateTorchModel(attnserve::DemoModelWeights(), {}).value().release();
-  return *model;
+  static auto* b16 = [] {
+    attnserve::EngineOptions o;
+    o.compute_dtype = attnserve::DType::kBFloat16;
+    return attnserve::CreateTorchModel(attnserve::DemoModelWeights(), o).value().release();
+  }();
+  return bf16 ? *b16 : *f32;
 }
 
 Set MakeSet(int n, int lo, int hi, double cross, uint32_t seed) {
@@ -68,17 +77,17 @@ Set MakeSet(int n, int lo, int hi, double cross, uint32_t seed) {
   return s;
 }
 
-void OneByOne(benchmark::State& state, int lo, int hi, double cross) {
+void OneByOne(benchmark::State& state, bool bf16, int lo, int hi, double cross) {
   Set s = MakeSet(static_cast<int>(state.range(0)), lo, hi, cross, 7);
   for (auto _ : state) {
-    for (size_t i = 0; i < s.calls.size(); ++i) Model().Forward(s.calls[i], &s.outputs[i]);
+    for (size_t i = 0; i < s.calls.size(); ++i) Model(bf16).Forward(s.calls[i], &s.outputs[i]);
   }
   state.SetItemsProcessed(state.iterations() * state.range(0));
   state.counters["FLOP/s"] =
       benchmark::Counter(s.flops, benchmark::Counter::kIsIterationInvariantRate);
 }
 
-void Batched(benchmark::State& state, int lo, int hi, double cross) {
+void Batched(benchmark::State& state, bool bf16, int lo, int hi, double cross) {
   Set s = MakeSet(static_cast<int>(state.range(0)), lo, hi, cross, 7);
   std::vector<const attnserve::AttendCall*> calls;
   std::vector<attnserve::AttendOutputs*> outs;
@@ -86,56 +95,94 @@ void Batched(benchmark::State& state, int lo, int hi, double cross) {
     calls.push_back(&s.calls[i]);
     outs.push_back(&s.outputs[i]);
   }
-  for (auto _ : state) Model().ForwardBatch(calls, outs);
+  for (auto _ : state) Model(bf16).ForwardBatch(calls, outs);
   state.SetItemsProcessed(state.iterations() * state.range(0));
   state.counters["FLOP/s"] =
       benchmark::Counter(s.flops, benchmark::Counter::kIsIterationInvariantRate);
 }
 
-// The set's projections as plain sgemm calls on one thread: query rows (and, for self-attention,
-// key and value rows) by the [E, 3E] or [E, E] input matrices, every query row by the output
-// matrix. No attention, no copies: what the projections cost at the BLAS's own speed.
-void GemmBound(benchmark::State& state, int lo, int hi, double cross) {
-  using Sgemm = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int,
-                         float, float*, int);
-  const auto sgemm = reinterpret_cast<Sgemm>(dlsym(RTLD_DEFAULT, "cblas_sgemm"));
-  if (!sgemm) {
-    state.SkipWithError("LibTorch's BLAS exports no cblas_sgemm in this process");
-    return;
-  }
-  Model();  // Sets the BLAS to one thread per caller, as in the server.
+// The set's projections as bare products on one thread: query rows (and, for self-attention, key
+// and value rows) by the [E, 3E] or [E, E] input matrices, every query row by the output matrix.
+// No attention, no copies: what the projections cost at the product's own speed. float32: sgemm;
+// bfloat16: oneDNN on packed weights.
+void ProductBound(benchmark::State& state, bool bf16, int lo, int hi, double cross) {
+  Model(bf16);  // Sets the BLAS to one thread per caller, as in the server.
   const Set s = MakeSet(static_cast<int>(state.range(0)), lo, hi, cross, 7);
   const int e = 512;
   const int self_rows = static_cast<int>(s.self_rows), cross_rows = static_cast<int>(s.cross_rows);
   const int key_rows = static_cast<int>(s.key_rows), rows = self_rows + cross_rows + 2 * key_rows;
-  std::vector<float> x(static_cast<size_t>(rows) * e, 0.5f);
-  std::vector<float> w(static_cast<size_t>(3 * e) * e, 0.25f), y(static_cast<size_t>(rows) * 3 * e);
-  constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
-  for (auto _ : state) {
-    // y = x · w^T as at::linear does: self-attention rows by [3E, E] (q, k, v at once), the
-    // cross-attention queries, keys and values each by its [E, E]; then every query row by the
-    // output matrix.
-    sgemm(kRowMajor, kNoTrans, kTrans, self_rows, 3 * e, e, 1.0f, x.data(), e, w.data(), e, 0.0f,
-          y.data(), 3 * e);
-    if (cross_rows + key_rows > 0) {
-      sgemm(kRowMajor, kNoTrans, kTrans, cross_rows + 2 * key_rows, e, e, 1.0f, x.data(), e,
-            w.data(), e, 0.0f, y.data(), e);
+  std::vector<float> wf(static_cast<size_t>(3 * e) * e, 0.25f);
+  std::vector<float> x(static_cast<size_t>(rows) * e, 0.5f), y(static_cast<size_t>(rows) * 3 * e);
+  if (bf16) {
+    using attnserve::onednn::PackedLinear;
+    using attnserve::onednn::Type;
+    const auto in = PackedLinear::Make(wf.data(), nullptr, 3 * e, e, Type::kBFloat16);
+    const auto one = PackedLinear::Make(wf.data(), nullptr, e, e, Type::kBFloat16);
+    if (!in || !one) {
+      state.SkipWithError("oneDNN packs no bfloat16 kernel on this CPU");
+      return;
     }
-    sgemm(kRowMajor, kNoTrans, kNoTrans, self_rows + cross_rows, e, e, 1.0f, x.data(), e, w.data(),
-          e, 0.0f, y.data(), e);
+    std::vector<uint16_t> xb(static_cast<size_t>(rows) * e, 0x3f00);  // 0.5 in bfloat16
+    std::vector<uint16_t> yb(static_cast<size_t>(rows) * 3 * e);
+    for (auto _ : state) {
+      in->Run(xb.data(), self_rows, e, yb.data(), Type::kBFloat16, 3 * e);
+      if (cross_rows + key_rows > 0)
+        one->Run(xb.data(), cross_rows + 2 * key_rows, e, yb.data(), Type::kBFloat16, e);
+      one->Run(xb.data(), self_rows + cross_rows, e, y.data(), Type::kFloat32, e);
+    }
+  } else {
+    using Sgemm = void (*)(int, int, int, int, int, int, float, const float*, int, const float*,
+                           int, float, float*, int);
+    const auto sgemm = reinterpret_cast<Sgemm>(dlsym(RTLD_DEFAULT, "cblas_sgemm"));
+    if (!sgemm) {
+      state.SkipWithError("LibTorch's BLAS exports no cblas_sgemm in this process");
+      return;
+    }
+    constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
+    for (auto _ : state) {
+      // y = x · w^T as at::linear does: self-attention rows by [3E, E] (q, k, v at once), the
+      // cross-attention queries, keys and values each by its [E, E]; then every query row by the
+      // output matrix.
+      sgemm(kRowMajor, kNoTrans, kTrans, self_rows, 3 * e, e, 1.0f, x.data(), e, wf.data(), e,
+            0.0f, y.data(), 3 * e);
+      if (cross_rows + key_rows > 0) {
+        sgemm(kRowMajor, kNoTrans, kTrans, cross_rows + 2 * key_rows, e, e, 1.0f, x.data(), e,
+              wf.data(), e, 0.0f, y.data(), e);
+      }
+      sgemm(kRowMajor, kNoTrans, kNoTrans, self_rows + cross_rows, e, e, 1.0f, x.data(), e,
+            wf.data(), e, 0.0f, y.data(), e);
+    }
   }
   // The FLOPs the engine's passes are credited with, so the two FLOP/s compare directly.
   state.counters["FLOP/s"] =
       benchmark::Counter(s.flops, benchmark::Counter::kIsIterationInvariantRate);
 }
 
-BENCHMARK_CAPTURE(OneByOne, W1, 8, 64, 0.0)->Arg(16)->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(Batched, W1, 8, 64, 0.0)->Arg(16)->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(OneByOne, W2, 16, 512, 0.5)->Arg(8)->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(Batched, W2, 16, 512, 0.5)->Arg(8)->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(GemmBound, W1, 8, 64, 0.0)->Arg(16)->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(GemmBound, W2, 16, 512, 0.5)->Arg(8)->Unit(benchmark::kMillisecond);
+#define ATTNSERVE_SETS(DT, BF16)                                                              \
+  BENCHMARK_CAPTURE(OneByOne, W1/DT, BF16, 8, 64, 0.0)->Arg(16)->Unit(benchmark::kMillisecond); \
+  BENCHMARK_CAPTURE(Batched, W1/DT, BF16, 8, 64, 0.0)->Arg(16)->Unit(benchmark::kMillisecond);  \
+  BENCHMARK_CAPTURE(ProductBound, W1/DT, BF16, 8, 64, 0.0)                                     \
+      ->Arg(16)                                                                               \
+      ->Unit(benchmark::kMillisecond);                                                        \
+  BENCHMARK_CAPTURE(OneByOne, W2/DT, BF16, 16, 512, 0.5)->Arg(8)->Unit(benchmark::kMillisecond); \
+  BENCHMARK_CAPTURE(Batched, W2/DT, BF16, 16, 512, 0.5)->Arg(8)->Unit(benchmark::kMillisecond);  \
+  BENCHMARK_CAPTURE(ProductBound, W2/DT, BF16, 16, 512, 0.5)                                    \
+      ->Arg(8)                                                                                 \
+      ->Unit(benchmark::kMillisecond);                                                         \
+  BENCHMARK_CAPTURE(OneByOne, Lone/DT, BF16, 1024, 1024, 0.0)->Arg(1)->Unit(benchmark::kMillisecond); \
+  BENCHMARK_CAPTURE(ProductBound, Lone/DT, BF16, 1024, 1024, 0.0)->Arg(1)->Unit(benchmark::kMillisecond)
+
+ATTNSERVE_SETS(F32, false);
+ATTNSERVE_SETS(BF16, true);
 
 }  // namespace
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+  benchmark::AddCustomContext("cpu_class", attnserve::onednn::CpuClass());
+  benchmark::AddCustomContext("onednn", attnserve::onednn::Describe());
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -1,5 +1,6 @@
 #include "attnserve/tensor.h"
 
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
 
@@ -76,6 +77,22 @@ Tensor Tensor::Float16(std::vector<int64_t> shape, const std::vector<float>& val
   for (size_t i = 0; i < values.size(); ++i) {
     const uint16_t h = FloatToHalf(values[i]);
     std::memcpy(&t.data[2 * i], &h, 2);
+  }
+  return t;
+}
+
+Tensor Tensor::BFloat16(std::vector<int64_t> shape, const std::vector<float>& values) {
+  CheckCount(shape, values.size());
+  Tensor t{DataType::kBFloat16, std::move(shape), {}};
+  t.data.resize(values.size() * 2);
+  for (size_t i = 0; i < values.size(); ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, &values[i], 4);
+    // Round to nearest even on the 16 bits dropped; a NaN keeps a mantissa bit (stays NaN).
+    const uint16_t b = std::isnan(values[i])
+                           ? static_cast<uint16_t>((bits >> 16) | 0x40)
+                           : static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+    std::memcpy(&t.data[2 * i], &b, 2);
   }
   return t;
 }

@@ -25,6 +25,9 @@ struct Tensor {
   static Tensor Float32(std::vector<int64_t> shape, const std::vector<float>& values);
   /// A float16 tensor from float values (rounded to nearest even).
   static Tensor Float16(std::vector<int64_t> shape, const std::vector<float>& values);
+  /// A bfloat16 tensor from float values (rounded to nearest even; NaN stays NaN): half the
+  /// bytes of float32 on the wire, what a `--dtype bfloat16` server computes in.
+  static Tensor BFloat16(std::vector<int64_t> shape, const std::vector<float>& values);
   /// A BOOL tensor (true = masked out, PyTorch's convention).
   static Tensor Bool(std::vector<int64_t> shape, const std::vector<bool>& values);
   /// The values as float, whatever the floating dtype (BOOL gives 0/1).
