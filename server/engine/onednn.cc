@@ -125,6 +125,18 @@ std::string CpuClass() {
   return "AVX2 only";
 }
 
+bool HasAvx512Kernels() {
+  switch (dnnl::get_effective_cpu_isa()) {
+    case dnnl::cpu_isa::avx512_core:
+    case dnnl::cpu_isa::avx512_core_vnni:
+    case dnnl::cpu_isa::avx512_core_bf16:
+    case dnnl::cpu_isa::avx512_core_amx:
+      return true;
+    default:
+      return false;
+  }
+}
+
 std::string Describe() {
   const dnnl_version_t* v = dnnl::version();
   std::string isa;

@@ -28,6 +28,9 @@ struct View {
 /// The CPU's class for bfloat16 products, as oneDNN dispatches them: "AMX" (amx_bf16 tiles),
 /// "AVX512-BF16" (vdpbf16ps), or "AVX2 only" (no bfloat16 instructions).
 std::string CpuClass();
+/// Whether oneDNN's kernels here are its AVX-512 ones (brgemm): float32 products on packed weights
+/// then beat the BLAS (bench/RESULTS.md); on AVX2-only CPUs float32 stays on the BLAS.
+bool HasAvx512Kernels();
 /// oneDNN's version and the ISA its kernels use here, e.g. "oneDNN 2.6.3, avx512_core_bf16".
 std::string Describe();
 

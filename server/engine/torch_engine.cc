@@ -167,7 +167,11 @@ class TorchModel final : public AttentionModel {
     proj_k_ = {w_k_, b_k_, nullptr};
     proj_v_ = {w_v_, b_v_, nullptr};
     proj_out_ = {w_out_t_.t(), b_out_, nullptr};
-    if (device.is_cpu() && dtype_ == at::kBFloat16 && !widen_) PackWeights(w);
+    // Projection weights packed once for oneDNN: bfloat16 on every CPU that multiplies it (the
+    // products' own kernels), float32 where oneDNN's AVX-512 kernels beat the BLAS.
+    if (device.is_cpu() && ((dtype_ == at::kBFloat16 && !widen_) ||
+                            (dtype_ == at::kFloat && onednn::HasAvx512Kernels())))
+      PackWeights(w);
     if (w.bias_k) {
       bias_k_ = FromHost(*w.bias_k, opts.dtype(dtype_));
       bias_v_ = FromHost(*w.bias_v, opts.dtype(dtype_));
@@ -179,11 +183,13 @@ class TorchModel final : public AttentionModel {
   // The projections' weights packed once for oneDNN's bfloat16 kernels (onednn.h); a projection
   // oneDNN does not pack here keeps LibTorch's products.
   void PackWeights(const ModelWeights& w) {
-    const auto pack = [](const HostTensor& weight, const std::optional<HostTensor>& bias,
+    const onednn::Type type =
+        dtype_ == at::kBFloat16 ? onednn::Type::kBFloat16 : onednn::Type::kFloat32;
+    const auto pack = [type](const HostTensor& weight, const std::optional<HostTensor>& bias,
                          int64_t bias_offset) -> std::shared_ptr<const onednn::PackedLinear> {
       return onednn::PackedLinear::Make(
           weight.values.data(), bias ? bias->values.data() + bias_offset : nullptr,
-          weight.shape[0], weight.shape[1], onednn::Type::kBFloat16);
+          weight.shape[0], weight.shape[1], type);
     };
     const int64_t e = spec_.embed_dim;
     proj_q_.packed = pack(w.q_proj, w.in_proj_bias, 0);
@@ -364,7 +370,7 @@ class TorchModel final : public AttentionModel {
   // The product on the packed weights when oneDNN runs it: x [rows, in] and y [rows, out] with
   // unit column strides, x in the packed type, y in it or float32.
   bool RunPacked(const Proj& proj, const at::Tensor& x, const at::Tensor& y) const {
-    if (!proj.packed || x.scalar_type() != at::kBFloat16 || x.stride(1) != 1 ||
+    if (!proj.packed || x.scalar_type() != dtype_ || x.stride(1) != 1 ||
         y.stride(1) != 1 || (y.scalar_type() != at::kBFloat16 && y.scalar_type() != at::kFloat))
       return false;
     return proj.packed->Run(x.data_ptr(), x.size(0), x.stride(0), y.data_ptr(),
@@ -867,6 +873,12 @@ class TorchModel final : public AttentionModel {
                                ? out_b
                                : at::empty(out_b.sizes(), out_b.options().dtype(vh.scalar_type()));
           const at::Tensor pb = pv.select(0, bi);
+          // One piece of bfloat16 values on the CPU: oneDNN writes the strided merged rows itself
+          // (LibTorch's bmm multiplies into a contiguous temporary and reorders it there).
+          if (vs.size() == 1 && acc.is_same(out_b) && pb.scalar_type() == at::kBFloat16 &&
+              device_.is_cpu() &&
+              onednn::Matmul(ViewOf(pb), ViewOf(vs[0].select(0, bi)), ViewOf(out_b), 1.0f))
+            continue;
           int64_t off = 0;
           for (size_t i = 0; i < vs.size(); ++i) {  // Summed over the pieces of values.
             const int64_t rows = vs[i].size(2);
