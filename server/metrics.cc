@@ -83,6 +83,11 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
                       .Name("attnserve_model_info")
                       .Help("A loaded model version (value 1), described by its labels.")
                       .Register(registry)),
+      cpu_info_(prometheus::BuildGauge()
+                    .Name("attnserve_cpu_info")
+                    .Help("The CPU's class for bfloat16 products (AMX, AVX512-BF16, AVX2 only), "
+                          "oneDNN's version and ISA, and the BLAS (value 1).")
+                    .Register(registry)),
       reloads_(prometheus::BuildCounter()
                    .Name("attnserve_model_reloads_total")
                    .Help("Model repository reloads (SIGHUP or AdminService.ReloadModels), by "
@@ -184,8 +189,14 @@ void ServerMetrics::AddModelInfo(const ModelSpec& s) {
                                                  {"vdim", std::to_string(s.vdim)},
                                                  {"device", s.device},
                                                  {"compute_dtype", DTypeName(s.compute_dtype)},
+                                                 {"kernels", s.kernels},
                                                  {"weights_hash", s.weights_hash}});
   info_[{s.name, s.version}]->Set(1);
+}
+
+void ServerMetrics::SetCpuInfo(const std::string& cpu_class, const std::string& onednn,
+                               const std::string& blas) {
+  cpu_info_.Add({{"cpu_class", cpu_class}, {"onednn", onednn}, {"blas", blas}}).Set(1);
 }
 
 void ServerMetrics::RemoveModelInfo(const ModelSpec& s) {

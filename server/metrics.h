@@ -40,6 +40,8 @@ class ServerMetrics {
   void RecordRejection(const std::string& model, const char* reason);
   /// Sets attnserve_model_info{...} 1 for a loaded model version (replacing that version's series).
   void AddModelInfo(const ModelSpec& spec);
+  /// attnserve_cpu_info{cpu_class, onednn, blas} 1: the CPU's class and the libraries' kernels.
+  void SetCpuInfo(const std::string& cpu_class, const std::string& onednn, const std::string& blas);
   /// Removes an unloaded model version's attnserve_model_info series.
   void RemoveModelInfo(const ModelSpec& spec);
   /// One reload: attnserve_model_reloads_total{outcome="ok"|"failed"}, and for each model with a
@@ -72,6 +74,7 @@ class ServerMetrics {
   prometheus::Family<prometheus::Gauge>& flops_rate_;
   prometheus::Family<prometheus::Gauge>& device_memory_;
   prometheus::Family<prometheus::Gauge>& model_info_;
+  prometheus::Family<prometheus::Gauge>& cpu_info_;
   prometheus::Family<prometheus::Counter>& reloads_;
   prometheus::Family<prometheus::Counter>& load_failures_;
   prometheus::Family<prometheus::Gauge>& load_failing_;

@@ -185,6 +185,7 @@ Status Server::Impl::PlanMemory() {
 
 Status Server::Impl::StartMetrics() {
   metrics = std::make_unique<ServerMetrics>(*registry);
+  metrics->SetCpuInfo(EngineCpuClass(), EngineOnednnDescription(), ConfigureBlas().description);
   for (const auto& [name, versions] : models->Snapshot()->models) {
     for (const auto& [version, model] : versions) metrics->AddModelInfo(model->spec());
   }
@@ -328,7 +329,8 @@ std::string Server::Describe() const {
       const ModelSpec& m = model->spec();
       s += " " + name + (versions.size() > 1 || version != 1 ? "/" + std::to_string(version) : "") +
            " (E=" + std::to_string(m.embed_dim) + ", H=" + std::to_string(m.num_heads) + ", " +
-           m.weights_hash.substr(0, 19) + ")";
+           m.weights_hash.substr(0, 19) + ", " + DTypeName(m.compute_dtype) + ": " + m.kernels +
+           ")";
     }
   }
   const std::string host = impl_->options.address.substr(0, impl_->options.address.rfind(':'));
@@ -353,7 +355,8 @@ std::string Server::Describe() const {
        (b.enabled ? std::to_string(b.max_batch_tokens) + " tokens/" +
                         std::to_string(b.max_queue_delay.count()) + " us"
                   : std::string("off")) +
-       ", " + EngineDescription() + ", BLAS " + ConfigureBlas().description;
+       ", " + EngineDescription() + ", CPU " + EngineCpuClass() + " (" +
+       EngineOnednnDescription() + "), BLAS " + ConfigureBlas().description;
   const std::string advertised = impl_->kv->advertised_address();
   s += ", replica " + impl_->kv->replica_id() +
        (advertised.empty() ? " (advertises no address)" : " advertised as " + advertised);

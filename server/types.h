@@ -49,6 +49,9 @@ struct ModelSpec {
   bool add_zero_attn = false;
   DType compute_dtype = DType::kFloat32;
   std::string device = "cpu";
+  /// Which kernels compute it, e.g. "oneDNN bfloat16 on packed weights, float32 scores" (the
+  /// start-up line, and attnserve_model_info's kernels label).
+  std::string kernels;
   std::string weights_hash;  ///< "sha256:<hex>" over the canonical weights.
   std::string source;        ///< File the weights came from, or "built-in".
   int64_t version = 1;       ///< N for DIR/name/N/; 1 for an unversioned model directory.

@@ -172,6 +172,7 @@ class TorchModel final : public AttentionModel {
     if (device.is_cpu() && ((dtype_ == at::kBFloat16 && !widen_) ||
                             (dtype_ == at::kFloat && onednn::HasAvx512Kernels())))
       PackWeights(w);
+    spec_.kernels = Kernels();
     if (w.bias_k) {
       bias_k_ = FromHost(*w.bias_k, opts.dtype(dtype_));
       bias_v_ = FromHost(*w.bias_v, opts.dtype(dtype_));
@@ -179,6 +180,23 @@ class TorchModel final : public AttentionModel {
   }
 
   const ModelSpec& spec() const override { return spec_; }
+
+  // Which kernels compute this model (ModelSpec::kernels).
+  std::string Kernels() const {
+    if (device_.is_cuda()) return "LibTorch CUDA";
+    std::string s;
+    if (proj_out_.packed) {
+      s = std::string("oneDNN ") + (dtype_ == at::kBFloat16 ? "bfloat16" : "float32") +
+          " on packed weights (" + proj_out_.packed->Layout() + ")";
+    } else if (widen_) {
+      s = "float32 products rounded to bfloat16 (no bfloat16 products here)";
+    } else {
+      s = std::string("LibTorch ") + c10::toString(dtype_) + " products (BLAS)";
+    }
+    s += compat::kHasFusedSdpa ? ", fused attention" : ", attention";
+    if (dtype_ != at::kFloat) s += " with float32 scores";
+    return s;
+  }
 
   // The projections' weights packed once for oneDNN's bfloat16 kernels (onednn.h); a projection
   // oneDNN does not pack here keeps LibTorch's products.
@@ -1008,6 +1026,10 @@ StatusOr<std::unique_ptr<AttentionModel>> CreateTorchModel(const ModelWeights& w
 }
 
 bool EngineHasFusedAttention() { return compat::kHasFusedSdpa; }
+
+std::string EngineCpuClass() { return onednn::CpuClass(); }
+
+std::string EngineOnednnDescription() { return onednn::Describe(); }
 
 std::string EngineDescription() {
   return std::string("LibTorch ") + TORCH_VERSION +

@@ -407,6 +407,10 @@ TEST_F(ServerTest, MetricsMoveAfterRequests) {
   EXPECT_GT(Sample(after, "attnserve_achieved_flops_per_second{model=\"demo\"}"), 1e6);
   EXPECT_EQ(Sample(after, "attnserve_requests_in_flight{method=\"Attend\"}"), 0);
   EXPECT_THAT(after, HasSubstr("attnserve_model_info{"));
+  // The kernels a model runs on, and the CPU's class for bfloat16 products.
+  EXPECT_THAT(after, ::testing::ContainsRegex("attnserve_model_info\\{[^}]*kernels=\"[^\"]+\""));
+  EXPECT_THAT(after, ::testing::ContainsRegex(
+                         "attnserve_cpu_info\\{[^}]*cpu_class=\"(AMX|AVX512-BF16|AVX2 only)\""));
   // Histogram buckets are cumulative and end at the count.
   std::regex bucket(
       R"re(attnserve_request_duration_seconds_bucket\{code="OK",method="Attend",model="demo",le="([^"]+)"\} (\d+))re");
