@@ -331,8 +331,9 @@ inference::ModelMetadataResponse OipModelMetadata(const ModelSpec& spec,
   m.set_name(spec.name);
   for (int64_t v : versions) m.add_versions(std::to_string(v));
   m.set_platform("attnserve_multihead_attention");
-  const char* dtype =
-      OipDatatype(spec.compute_dtype == DType::kBFloat16 ? DType::kFloat32 : spec.compute_dtype);
+  // The compute dtype: a bfloat16 model takes BF16 and answers in it (half the bytes of FP32, no
+  // conversion); every model takes FP32, FP16 and BF16 alike.
+  const char* dtype = OipDatatype(spec.compute_dtype);
   const auto add = [](auto* list, const std::string& name, const char* type,
                       std::vector<int64_t> shape) {
     auto* t = list->Add();

@@ -222,3 +222,28 @@ TEST(OipCodecTest, AnswersCarryTheRequestedOutputsInOrder) {
 
 }  // namespace
 }  // namespace attnserve
+
+namespace attnserve {
+namespace {
+
+// A bfloat16 model says so in its metadata (it takes BF16 on the wire and answers in it, half the
+// bytes of FP32, no conversion pass); float32 stays FP32.
+TEST(OipCodecTest, MetadataNamesTheModelsComputeDtype) {
+  ModelSpec spec;
+  spec.name = "m";
+  spec.embed_dim = spec.kdim = spec.vdim = 8;
+  spec.num_heads = 2;
+  for (const auto& [dtype, want] :
+       {std::pair{DType::kFloat32, "FP32"}, std::pair{DType::kBFloat16, "BF16"}}) {
+    spec.compute_dtype = dtype;
+    const inference::ModelMetadataResponse m = OipModelMetadata(spec, {1});
+    for (const auto& t : m.inputs()) {
+      if (t.name() == "query" || t.name() == "key" || t.name() == "value")
+        EXPECT_EQ(t.datatype(), want) << t.name();
+    }
+    for (const auto& t : m.outputs()) EXPECT_EQ(t.datatype(), want) << t.name();
+  }
+}
+
+}  // namespace
+}  // namespace attnserve
