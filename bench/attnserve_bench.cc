@@ -395,6 +395,8 @@ int main(int argc, char** argv) {
   nlohmann::json j;
   j["label"] = label;
   j["target"] = target;
+  j["cpu_class"] = attnserve::EngineCpuClass();  // the machine's, whatever the target's
+  j["wire_dtype"] = wire_dtype;
   j["mode"] = rate > 0 ? "open" : stream ? "closed-stream" : "closed";
   j["callers"] = callers;
   j["rate"] = rate;
@@ -413,11 +415,11 @@ int main(int argc, char** argv) {
                      {"max", mx}};
   std::printf(
       "%-28s %9.1f req/s %10.0f tok/s %7.3f TFLOP/s  p50 %7.2f  p90 %7.2f  p99 %7.2f  max %7.2f ms "
-      " errors %s\n",
+      " errors %s  [CPU %s]\n",
       label.c_str(), j["requests_per_s"].get<double>(), j["tokens_per_s"].get<double>(),
       j["tflops"].get<double>(), j["latency_ms"]["p50"].get<double>(),
       j["latency_ms"]["p90"].get<double>(), j["latency_ms"]["p99"].get<double>(), mx,
-      j["errors"].dump().c_str());
+      j["errors"].dump().c_str(), j["cpu_class"].get<std::string>().c_str());
   if (!json_path.empty()) std::ofstream(json_path, std::ios::app) << j.dump() << "\n";
   return 0;
 }

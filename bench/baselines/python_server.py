@@ -1,7 +1,8 @@
 #!/usr/bin/python3
 """What a user might write instead of attnserve: a Python gRPC server (Debian's python3-grpcio) that
-wraps torch.nn.MultiheadAttention behind the same .proto. Float32 on the wire, batch-first, unary Attend
-only; computes in float32, or in bfloat16 with --dtype bfloat16 (as attnserve --dtype bfloat16 does).
+wraps torch.nn.MultiheadAttention behind the same .proto. Batch-first, unary Attend
+only; computes in float32, or in bfloat16 with --dtype bfloat16 (as attnserve --dtype bfloat16 does);
+takes FLOAT32 or BFLOAT16 queries, keys and values and answers in the query's dtype.
 Runs on whichever PyTorch its interpreter has (Debian's 1.13, or the 2.x flavour's venv).
 
 usage: python_server.py --port PORT [--workers N] [--dtype float32|bfloat16]
@@ -28,17 +29,25 @@ class Servicer(rpc.AttentionServiceServicer):
         self.mha = torch.nn.MultiheadAttention(512, 8, batch_first=True).eval().to(dtype)
 
     def Attend(self, request, context):
-        def tensor(t):
-            return torch.from_numpy(np.frombuffer(t.data, dtype=np.float32).reshape(tuple(t.shape))).to(self.dtype)
+        bf16_wire = request.query.dtype == pb.DATA_TYPE_BFLOAT16
+
+        def tensor(t):  # FLOAT32 or BFLOAT16 bytes (numpy has no bfloat16: through torch)
+            if t.dtype == pb.DATA_TYPE_BFLOAT16:
+                x = torch.frombuffer(bytearray(t.data), dtype=torch.bfloat16)
+            else:
+                x = torch.from_numpy(np.frombuffer(t.data, dtype=np.float32))
+            return x.reshape(tuple(t.shape)).to(self.dtype)
         q = tensor(request.query)
         k = tensor(request.key) if request.HasField("key") else q
         v = tensor(request.value) if request.HasField("value") else q
         with torch.inference_mode():
             out, _ = self.mha(q, k, v, need_weights=False)
-            out = out.float()
+            # The answer in the query's dtype, as attnserve answers.
+            out = out.to(torch.bfloat16 if bf16_wire else torch.float32).contiguous()
+        data = out.view(torch.int16).numpy().tobytes() if bf16_wire else out.numpy().tobytes()
         return pb.AttendResponse(request_id=request.request_id, model="demo",
-                                 output=pb.Tensor(dtype=pb.DATA_TYPE_FLOAT32, shape=out.shape,
-                                                  data=out.numpy().tobytes()))
+                                 output=pb.Tensor(dtype=pb.DATA_TYPE_BFLOAT16 if bf16_wire else pb.DATA_TYPE_FLOAT32,
+                                                  shape=out.shape, data=data))
 
 
 def main():

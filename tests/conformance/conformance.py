@@ -154,6 +154,27 @@ def random_masks(c, rng, b, lq, lk):
     return kpm, mask
 
 
+def dead_queries(c, kpm, mask):
+    """[B, Lq] bool ([Lq] unbatched): queries masked
+    for every key in every head, with no bias_kv or zero key to fall back on. attnserve answers a
+    zero row there (README); PyTorch NaN (1.13) or the output bias (2.x): not compared."""
+    b, h, lq = c.get("B", 1), c["H"], c["Lq"]
+    lk = c.get("Lk") or lq
+    masked = np.zeros((b, h, lq, lk), dtype=bool)
+    if mask is not None:
+        m = np.isneginf(mask) if mask.dtype != np.bool_ else mask
+        masked |= m.reshape(b, h, lq, lk) if m.ndim == 3 else m.reshape(1, 1, lq, lk)
+    if kpm is not None:
+        m = np.isneginf(kpm) if kpm.dtype != np.bool_ else kpm
+        masked |= m.reshape(b, 1, 1, lk)
+    if c.get("causal"):
+        masked |= np.triu(np.ones((lq, lk), dtype=bool), 1)[None, None]
+    dead = masked.all(-1).all(1)  # [B, Lq]
+    if c.get("bias_kv") or c.get("zero_attn"):
+        dead[:] = False
+    return dead[0] if c.get("unbatched") else dead
+
+
 def build_module(c, seed):
     torch.manual_seed(seed)
     e = c["E"]
@@ -311,14 +332,21 @@ def main():
             assert got.shape == want.shape, (c["name"], got.shape, want.shape)
             # PyTorch answers NaN for a query masked for every key: the server's row must be finite
             # (README: zero where masked in every head), and is compared where the reference has one.
-            known = np.isfinite(want)
+            dead = dead_queries(c, kpm, mask)  # [B, Lq] or [Lq]
+            dead_rows = dead.T if c.get("layout", "bf") == "sf" and not c.get("unbatched") else dead
+            ok_dead = bool((got[dead_rows] == 0).all())  # the documented zero rows
+            known = np.isfinite(want) & ~dead_rows[..., None]
             err = float(np.abs(got - want)[known].max(initial=0) / max(np.abs(want[known]).max(initial=0), 1e-30))
             werr = float("nan")
-            ok = err <= tol and resp.request_id == i and bool(np.isfinite(got).all())
+            ok = err <= tol and resp.request_id == i and bool(np.isfinite(got).all()) and ok_dead
             if want_w is not None:
                 gw = lib.from_wire(pb, resp.attn_weights)
                 ok = ok and gw.shape == want_w.shape
-                wknown = np.isfinite(want_w)
+                # weights [B, (H,) Lq, S] ([(H,) Lq, S] unbatched): dead queries' rows not compared
+                per_head = want_w.ndim == dead.ndim + 2
+                wdead = (dead[:, None, :, None] if dead.ndim == 2 else dead[None, :, None]) if per_head \
+                    else dead[..., None]
+                wknown = np.isfinite(want_w) & ~np.broadcast_to(wdead, want_w.shape)
                 werr = float(np.abs(gw - want_w)[wknown].max(initial=0)) if gw.shape == want_w.shape else float("inf")
                 ok = ok and werr <= wtol and bool(np.isfinite(gw).all())
                 worst[1] = max(worst[1], werr)

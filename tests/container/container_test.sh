@@ -58,7 +58,7 @@ wrapper=$(bash tests/container/in_image_wrapper.sh "$engine" "$image")
 check "conformance through the image, float32" \
   '/usr/bin/python3 tests/conformance/conformance.py "$wrapper" | tail -1 | grep -qE "^conformance: [0-9]+ passed, 0 failed"'
 check "conformance through the image, bfloat16" \
-  '/usr/bin/python3 tests/conformance/conformance.py "$wrapper" --server-args "--dtype bfloat16" --reference float64 --tolerance 2e-2 | tail -1 | grep -qE "^conformance: [0-9]+ passed, 0 failed"'
+  '/usr/bin/python3 tests/conformance/conformance.py "$wrapper" --server-args "--dtype bfloat16" --reference float64 --tolerance 2e-2 --weights-tolerance 1e-2 --random 300 --seed 1 | tail -1 | grep -qE "^conformance: [0-9]+ passed, 0 failed"'
 rm -f "$wrapper"
 
 # deploy/k8s: the manifests' structure, and the Deployment run with `podman kube play` on this image.
