@@ -4,8 +4,9 @@
 // requests, same thread, so the ratio is what batching buys the engine. Each reports FLOP/s
 // (projections and attention, as the server's metrics count them: ForwardFlops) beside the bare
 // product bound of the same rows in the same dtype: ProductBound/F32 multiplies them by the
-// projection matrices with sgemm (the BLAS LibTorch uses, looked up at run time), ProductBound/BF16
-// with oneDNN's bfloat16 kernels on weights packed once (what the engine calls). The ceiling for a
+// projection matrices as the engine does: oneDNN on weights packed once (bfloat16; float32 where
+// oneDNN's AVX-512 kernels run), else sgemm (the BLAS LibTorch uses, looked up at run time);
+// BlasBound/F32 is sgemm whatever the engine runs. The ceiling for a
 // batch whose time is all projection products; the context block names the CPU class (AMX,
 // AVX512-BF16 or AVX2 only) and oneDNN's ISA.
 #include <benchmark/benchmark.h>
@@ -105,7 +106,7 @@ void Batched(benchmark::State& state, bool bf16, int lo, int hi, double cross) {
 // and value rows) by the [E, 3E] or [E, E] input matrices, every query row by the output matrix.
 // No attention, no copies: what the projections cost at the product's own speed. float32: sgemm;
 // bfloat16: oneDNN on packed weights.
-void ProductBound(benchmark::State& state, bool bf16, int lo, int hi, double cross) {
+void Bound(benchmark::State& state, bool bf16, bool blas, int lo, int hi, double cross) {
   Model(bf16);  // Sets the BLAS to one thread per caller, as in the server.
   const Set s = MakeSet(static_cast<int>(state.range(0)), lo, hi, cross, 7);
   const int e = 512;
@@ -113,22 +114,24 @@ void ProductBound(benchmark::State& state, bool bf16, int lo, int hi, double cro
   const int key_rows = static_cast<int>(s.key_rows), rows = self_rows + cross_rows + 2 * key_rows;
   std::vector<float> wf(static_cast<size_t>(3 * e) * e, 0.25f);
   std::vector<float> x(static_cast<size_t>(rows) * e, 0.5f), y(static_cast<size_t>(rows) * 3 * e);
-  if (bf16) {
+  if (bf16 || (!blas && attnserve::onednn::HasAvx512Kernels())) {
     using attnserve::onednn::PackedLinear;
     using attnserve::onednn::Type;
-    const auto in = PackedLinear::Make(wf.data(), nullptr, 3 * e, e, Type::kBFloat16);
-    const auto one = PackedLinear::Make(wf.data(), nullptr, e, e, Type::kBFloat16);
+    const Type type = bf16 ? Type::kBFloat16 : Type::kFloat32;
+    const auto in = PackedLinear::Make(wf.data(), nullptr, 3 * e, e, type);
+    const auto one = PackedLinear::Make(wf.data(), nullptr, e, e, type);
     if (!in || !one) {
-      state.SkipWithError("oneDNN packs no bfloat16 kernel on this CPU");
+      state.SkipWithError("oneDNN packs no kernel of this dtype on this CPU");
       return;
     }
     std::vector<uint16_t> xb(static_cast<size_t>(rows) * e, 0x3f00);  // 0.5 in bfloat16
     std::vector<uint16_t> yb(static_cast<size_t>(rows) * 3 * e);
+    void* xp = bf16 ? static_cast<void*>(xb.data()) : x.data();
+    void* yp = bf16 ? static_cast<void*>(yb.data()) : y.data();
     for (auto _ : state) {
-      in->Run(xb.data(), self_rows, e, yb.data(), Type::kBFloat16, 3 * e);
-      if (cross_rows + key_rows > 0)
-        one->Run(xb.data(), cross_rows + 2 * key_rows, e, yb.data(), Type::kBFloat16, e);
-      one->Run(xb.data(), self_rows + cross_rows, e, y.data(), Type::kFloat32, e);
+      in->Run(xp, self_rows, e, yp, type, 3 * e);
+      if (cross_rows + key_rows > 0) one->Run(xp, cross_rows + 2 * key_rows, e, yp, type, e);
+      one->Run(xp, self_rows + cross_rows, e, y.data(), Type::kFloat32, e);
     }
   } else {
     using Sgemm = void (*)(int, int, int, int, int, int, float, const float*, int, const float*,
@@ -158,6 +161,13 @@ void ProductBound(benchmark::State& state, bool bf16, int lo, int hi, double cro
       benchmark::Counter(s.flops, benchmark::Counter::kIsIterationInvariantRate);
 }
 
+void ProductBound(benchmark::State& state, bool bf16, int lo, int hi, double cross) {
+  Bound(state, bf16, false, lo, hi, cross);
+}
+void BlasBound(benchmark::State& state, bool bf16, int lo, int hi, double cross) {
+  Bound(state, bf16, true, lo, hi, cross);
+}
+
 #define ATTNSERVE_SETS(DT, BF16)                                                              \
   BENCHMARK_CAPTURE(OneByOne, W1/DT, BF16, 8, 64, 0.0)->Arg(16)->Unit(benchmark::kMillisecond); \
   BENCHMARK_CAPTURE(Batched, W1/DT, BF16, 8, 64, 0.0)->Arg(16)->Unit(benchmark::kMillisecond);  \
@@ -173,6 +183,8 @@ void ProductBound(benchmark::State& state, bool bf16, int lo, int hi, double cro
   BENCHMARK_CAPTURE(ProductBound, Lone/DT, BF16, 1024, 1024, 0.0)->Arg(1)->Unit(benchmark::kMillisecond)
 
 ATTNSERVE_SETS(F32, false);
+BENCHMARK_CAPTURE(BlasBound, W1/F32, false, 8, 64, 0.0)->Arg(16)->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BlasBound, W2/F32, false, 16, 512, 0.5)->Arg(8)->Unit(benchmark::kMillisecond);
 ATTNSERVE_SETS(BF16, true);
 
 }  // namespace

@@ -147,7 +147,8 @@ std::string EngineCpuClass();
 std::string EngineOnednnDescription();
 
 /// True when the LibTorch in use has fused scaled-dot-product attention (2.x): a forward that asks
-/// for no attention weights runs in it (AttendOutputs::attention_backend names the kernel).
+/// for no attention weights runs in it (AttendOutputs::attention_backend names the kernel), except
+/// CPU bfloat16 models, whose attention runs through oneDNN with float32 scores (faster there).
 bool EngineHasFusedAttention();
 
 }  // namespace attnserve

@@ -193,7 +193,7 @@ class TorchModel final : public AttentionModel {
     } else {
       s = std::string("LibTorch ") + c10::toString(dtype_) + " products (BLAS)";
     }
-    s += compat::kHasFusedSdpa ? ", fused attention" : ", attention";
+    s += FusedAttention(false) ? ", fused attention" : ", attention";
     if (dtype_ != at::kFloat) s += " with float32 scores";
     return s;
   }
@@ -717,6 +717,14 @@ class TorchModel final : public AttentionModel {
                        all.kpm, held, dst, out, parallel);
   }
 
+  // Whether attention runs LibTorch's fused kernel (2.x; not when weights are asked for). Not for
+  // CPU bfloat16: the oneDNN path below (float32 scores) was faster than 2.11's CPU flash kernel
+  // at every shape measured (in-process W1 302k against 264k tokens/s, W2 347k against 206k, a lone
+  // [1, 1024, 512] request 8.4 against 16.9 ms; bench/RESULTS.md), and as accurate.
+  bool FusedAttention(bool want_weights) const {
+    return compat::kHasFusedSdpa && !want_weights && !(device_.is_cpu() && dtype_ == at::kBFloat16);
+  }
+
   // pp [H, n, S'] = scale · q [H, n, D] · kt [H, D, S'] (+ mask, broadcastable to pp). Scores wider
   // than the operands (float32 from bfloat16) come from oneDNN, which keeps its float32 accumulators
   // (LibTorch's products would round them to bfloat16); the mask is then added in float32.
@@ -752,7 +760,7 @@ class TorchModel final : public AttentionModel {
     const int64_t extra = spec_.extra_keys(), sl = lk + extra;
     const bool batch_first = call.batch_first();
     const bool want_weights = call.weights != WeightsMode::kNone;
-    if (ks.size() > 1 && (widen_ || (compat::kHasFusedSdpa && !want_weights))) {
+    if (ks.size() > 1 && (widen_ || FusedAttention(want_weights))) {
       ks = {at::cat(ks, 2)};
       vs = {at::cat(vs, 2)};
     }
@@ -792,7 +800,7 @@ class TorchModel final : public AttentionModel {
       attn_mask = Wrap(*call.attn_mask);
       if (attn_mask.dim() == 3) attn_mask = attn_mask.view({b, h, lq, lk});
     }
-    const bool fused = compat::kHasFusedSdpa && !want_weights && ks.size() == 1;
+    const bool fused = FusedAttention(want_weights) && ks.size() == 1;
     // Query blocks: bounded by kBlockScores, and with idle cores one per core (4 * B*H*S*D flops a
     // query row: QK^T and PV).
     const int64_t width = Blocks(parallel, lq, 4.0 * b * h * sl * d, 1);
@@ -860,11 +868,13 @@ class TorchModel final : public AttentionModel {
         // the mask, the softmax in place, p·v straight into the merged rows. The scores are in
         // score_dtype_: float32 for CPU bfloat16, from the products' float32 accumulators, so that
         // neither the mask nor the softmax sees bfloat16 rounding (a score of 50 rounds by 0.25).
-        // Zeroed when there is no mask to add: LibTorch 1.13's small-matrix baddbmm reads its input
-        // even with beta 0 (0 · NaN of uninitialised memory is NaN).
+        // Zeroed when LibTorch's baddbmm writes them with no mask to add: its small-matrix kernel in
+        // 1.13 reads its input even with beta 0 (0 · NaN of uninitialised memory is NaN). Wider
+        // scores come from oneDNN, which only writes.
         const auto score_opts = qc.options().dtype(score_dtype_);
-        at::Tensor p = mask.defined() ? at::empty({b, h, n, sl}, score_opts)
-                                      : at::zeros({b, h, n, sl}, score_opts);
+        at::Tensor p = mask.defined() || score_dtype_ != qc.scalar_type()
+                           ? at::empty({b, h, n, sl}, score_opts)
+                           : at::zeros({b, h, n, sl}, score_opts);
         const at::Tensor block_heads = merged_heads.narrow(2, q0, n);
         for (int64_t bi = 0; bi < b; ++bi) {
           at::Tensor pb = p.select(0, bi);
