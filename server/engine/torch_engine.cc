@@ -170,7 +170,7 @@ class TorchModel final : public AttentionModel {
     // Projection weights packed once for oneDNN: bfloat16 on every CPU that multiplies it (the
     // products' own kernels), float32 where oneDNN's AVX-512 kernels beat the BLAS.
     if (device.is_cpu() && ((dtype_ == at::kBFloat16 && !widen_) ||
-                            (dtype_ == at::kFloat && onednn::HasAvx512Kernels())))
+                            (dtype_ == at::kFloat && onednn_float32_)))
       PackWeights(w);
     spec_.kernels = Kernels();
     if (w.bias_k) {
@@ -717,6 +717,14 @@ class TorchModel final : public AttentionModel {
                        all.kpm, held, dst, out, parallel);
   }
 
+  // Whether attention's products on `t`'s dtype go to oneDNN: on the CPU in bfloat16, and in float32
+  // where oneDNN's AVX-512 kernels run (LibTorch's float32 bmm calls the BLAS, at half their speed
+  // on the AVX-512 EPYC measured); oneDNN takes the strided heads as they lie.
+  bool OnednnAttends(const at::Tensor& t) const {
+    return device_.is_cpu() && (t.scalar_type() == at::kBFloat16 ||
+                                (t.scalar_type() == at::kFloat && onednn_float32_));
+  }
+
   // Whether attention runs LibTorch's fused kernel (2.x; not when weights are asked for). Not for
   // CPU bfloat16: the oneDNN path below (float32 scores) was faster than 2.11's CPU flash kernel
   // at every shape measured (in-process W1 302k against 264k tokens/s, W2 347k against 206k, a lone
@@ -730,7 +738,7 @@ class TorchModel final : public AttentionModel {
   // (LibTorch's products would round them to bfloat16); the mask is then added in float32.
   void ScoresInto(at::Tensor pp, const at::Tensor& q, const at::Tensor& kt,
                   const at::Tensor& mask, double scale) const {
-    if (pp.scalar_type() == q.scalar_type()) {
+    if (pp.scalar_type() == q.scalar_type() && !OnednnAttends(q)) {
       if (mask.defined()) {
         at::baddbmm_out(pp, mask, q, kt, /*beta=*/1, /*alpha=*/scale);
       } else {
@@ -872,7 +880,7 @@ class TorchModel final : public AttentionModel {
         // 1.13 reads its input even with beta 0 (0 · NaN of uninitialised memory is NaN). Wider
         // scores come from oneDNN, which only writes.
         const auto score_opts = qc.options().dtype(score_dtype_);
-        at::Tensor p = mask.defined() || score_dtype_ != qc.scalar_type()
+        at::Tensor p = mask.defined() || score_dtype_ != qc.scalar_type() || OnednnAttends(qc)
                            ? at::empty({b, h, n, sl}, score_opts)
                            : at::zeros({b, h, n, sl}, score_opts);
         const at::Tensor block_heads = merged_heads.narrow(2, q0, n);
@@ -903,8 +911,7 @@ class TorchModel final : public AttentionModel {
           const at::Tensor pb = pv.select(0, bi);
           // One piece of bfloat16 values on the CPU: oneDNN writes the strided merged rows itself
           // (LibTorch's bmm multiplies into a contiguous temporary and reorders it there).
-          if (vs.size() == 1 && acc.is_same(out_b) && pb.scalar_type() == at::kBFloat16 &&
-              device_.is_cpu() &&
+          if (vs.size() == 1 && acc.is_same(out_b) && OnednnAttends(pb) &&
               onednn::Matmul(ViewOf(pb), ViewOf(vs[0].select(0, bi)), ViewOf(out_b), 1.0f))
             continue;
           int64_t off = 0;
@@ -974,6 +981,8 @@ class TorchModel final : public AttentionModel {
   // Attention scores' dtype: float32 on the CPU whatever dtype_ (scores, masks and softmax from
   // the products' float32 accumulators); dtype_ on CUDA (its fused kernels take masks in it).
   at::ScalarType score_dtype_;
+  // oneDNN's AVX-512 kernels run here: float32 products go to them (onednn::HasAvx512Kernels).
+  bool onednn_float32_ = onednn::HasAvx512Kernels();
   double min_piece_flops_;
   // CPU bfloat16 where LibTorch's bfloat16 products accumulate in bfloat16: projection weights are
   // kept in float32 and every matrix product runs in float32, its result rounded to bfloat16.
