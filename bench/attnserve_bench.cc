@@ -137,10 +137,10 @@ class EngineBackend : public Backend {
 
  private:
   static attnserve::TensorView View(const attnserve::Tensor& t) {
-    const attnserve::DType dtype = t.dtype == attnserve::DataType::kBFloat16 ? attnserve::DType::kBFloat16
-                                   : t.dtype == attnserve::DataType::kFloat16
-                                       ? attnserve::DType::kFloat16
-                                       : attnserve::DType::kFloat32;
+    const attnserve::DType dtype =
+        t.dtype == attnserve::DataType::kBFloat16  ? attnserve::DType::kBFloat16
+        : t.dtype == attnserve::DataType::kFloat16 ? attnserve::DType::kFloat16
+                                                   : attnserve::DType::kFloat32;
     return {dtype, t.shape, t.data.data(), t.data.size()};
   }
   void Loop() {

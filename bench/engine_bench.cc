@@ -146,8 +146,8 @@ void Bound(benchmark::State& state, bool bf16, bool blas, int lo, int hi, double
       // y = x · w^T as at::linear does: self-attention rows by [3E, E] (q, k, v at once), the
       // cross-attention queries, keys and values each by its [E, E]; then every query row by the
       // output matrix.
-      sgemm(kRowMajor, kNoTrans, kTrans, self_rows, 3 * e, e, 1.0f, x.data(), e, wf.data(), e,
-            0.0f, y.data(), 3 * e);
+      sgemm(kRowMajor, kNoTrans, kTrans, self_rows, 3 * e, e, 1.0f, x.data(), e, wf.data(), e, 0.0f,
+            y.data(), 3 * e);
       if (cross_rows + key_rows > 0) {
         sgemm(kRowMajor, kNoTrans, kTrans, cross_rows + 2 * key_rows, e, e, 1.0f, x.data(), e,
               wf.data(), e, 0.0f, y.data(), e);
@@ -168,23 +168,27 @@ void BlasBound(benchmark::State& state, bool bf16, int lo, int hi, double cross)
   Bound(state, bf16, true, lo, hi, cross);
 }
 
-#define ATTNSERVE_SETS(DT, BF16)                                                              \
-  BENCHMARK_CAPTURE(OneByOne, W1/DT, BF16, 8, 64, 0.0)->Arg(16)->Unit(benchmark::kMillisecond); \
-  BENCHMARK_CAPTURE(Batched, W1/DT, BF16, 8, 64, 0.0)->Arg(16)->Unit(benchmark::kMillisecond);  \
-  BENCHMARK_CAPTURE(ProductBound, W1/DT, BF16, 8, 64, 0.0)                                     \
-      ->Arg(16)                                                                               \
-      ->Unit(benchmark::kMillisecond);                                                        \
-  BENCHMARK_CAPTURE(OneByOne, W2/DT, BF16, 16, 512, 0.5)->Arg(8)->Unit(benchmark::kMillisecond); \
-  BENCHMARK_CAPTURE(Batched, W2/DT, BF16, 16, 512, 0.5)->Arg(8)->Unit(benchmark::kMillisecond);  \
-  BENCHMARK_CAPTURE(ProductBound, W2/DT, BF16, 16, 512, 0.5)                                    \
-      ->Arg(8)                                                                                 \
-      ->Unit(benchmark::kMillisecond);                                                         \
-  BENCHMARK_CAPTURE(OneByOne, Lone/DT, BF16, 1024, 1024, 0.0)->Arg(1)->Unit(benchmark::kMillisecond); \
-  BENCHMARK_CAPTURE(ProductBound, Lone/DT, BF16, 1024, 1024, 0.0)->Arg(1)->Unit(benchmark::kMillisecond)
+#define ATTNSERVE_SETS(DT, BF16)                                                                   \
+  BENCHMARK_CAPTURE(OneByOne, W1 / DT, BF16, 8, 64, 0.0)->Arg(16)->Unit(benchmark::kMillisecond);  \
+  BENCHMARK_CAPTURE(Batched, W1 / DT, BF16, 8, 64, 0.0)->Arg(16)->Unit(benchmark::kMillisecond);   \
+  BENCHMARK_CAPTURE(ProductBound, W1 / DT, BF16, 8, 64, 0.0)                                       \
+      ->Arg(16)                                                                                    \
+      ->Unit(benchmark::kMillisecond);                                                             \
+  BENCHMARK_CAPTURE(OneByOne, W2 / DT, BF16, 16, 512, 0.5)->Arg(8)->Unit(benchmark::kMillisecond); \
+  BENCHMARK_CAPTURE(Batched, W2 / DT, BF16, 16, 512, 0.5)->Arg(8)->Unit(benchmark::kMillisecond);  \
+  BENCHMARK_CAPTURE(ProductBound, W2 / DT, BF16, 16, 512, 0.5)                                     \
+      ->Arg(8)                                                                                     \
+      ->Unit(benchmark::kMillisecond);                                                             \
+  BENCHMARK_CAPTURE(OneByOne, Lone / DT, BF16, 1024, 1024, 0.0)                                    \
+      ->Arg(1)                                                                                     \
+      ->Unit(benchmark::kMillisecond);                                                             \
+  BENCHMARK_CAPTURE(ProductBound, Lone / DT, BF16, 1024, 1024, 0.0)                                \
+      ->Arg(1)                                                                                     \
+      ->Unit(benchmark::kMillisecond)
 
 ATTNSERVE_SETS(F32, false);
-BENCHMARK_CAPTURE(BlasBound, W1/F32, false, 8, 64, 0.0)->Arg(16)->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BlasBound, W2/F32, false, 16, 512, 0.5)->Arg(8)->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BlasBound, W1 / F32, false, 8, 64, 0.0)->Arg(16)->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BlasBound, W2 / F32, false, 16, 512, 0.5)->Arg(8)->Unit(benchmark::kMillisecond);
 ATTNSERVE_SETS(BF16, true);
 
 }  // namespace

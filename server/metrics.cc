@@ -85,7 +85,8 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
                       .Register(registry)),
       cpu_info_(prometheus::BuildGauge()
                     .Name("attnserve_cpu_info")
-                    .Help("The CPU's class for bfloat16 products (AMX, AVX512-BF16, AVX2 only), "
+                    .Help("The CPU's class for bfloat16 products (AMX, AVX512-BF16, AVX-512 "
+                          "without BF16, AVX2 only), "
                           "oneDNN's version and ISA, and the BLAS (value 1).")
                     .Register(registry)),
       reloads_(prometheus::BuildCounter()

@@ -355,8 +355,8 @@ std::string Server::Describe() const {
        (b.enabled ? std::to_string(b.max_batch_tokens) + " tokens/" +
                         std::to_string(b.max_queue_delay.count()) + " us"
                   : std::string("off")) +
-       ", " + EngineDescription() + ", CPU " + EngineCpuClass() + " (" +
-       EngineOnednnDescription() + "), BLAS " + ConfigureBlas().description;
+       ", " + EngineDescription() + ", CPU " + EngineCpuClass() + " (" + EngineOnednnDescription() +
+       "), BLAS " + ConfigureBlas().description;
   const std::string advertised = impl_->kv->advertised_address();
   s += ", replica " + impl_->kv->replica_id() +
        (advertised.empty() ? " (advertises no address)" : " advertised as " + advertised);

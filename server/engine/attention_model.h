@@ -141,7 +141,8 @@ StatusOr<std::unique_ptr<AttentionModel>> CreateTorchModel(const ModelWeights& w
 /// "LibTorch 1.13.0 (CPU)" or "LibTorch 2.5.1 (CUDA 12.4)", for the start-up log.
 std::string EngineDescription();
 
-/// The CPU's class for bfloat16 products: "AMX", "AVX512-BF16" or "AVX2 only".
+/// The CPU's class for bfloat16 products: "AMX", "AVX512-BF16", "AVX-512 without BF16" or "AVX2
+/// only".
 std::string EngineCpuClass();
 /// oneDNN's version and the ISA of its kernels here, e.g. "oneDNN 2.6.3, avx512_core_bf16".
 std::string EngineOnednnDescription();

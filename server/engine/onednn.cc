@@ -1,10 +1,9 @@
 #include "server/engine/onednn.h"
 
-#include <oneapi/dnnl/dnnl.hpp>
-
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <oneapi/dnnl/dnnl.hpp>
 #include <unordered_map>
 #include <utility>
 
@@ -109,7 +108,8 @@ dnnl::primitive_attr Attr(float alpha) {
 
 void Execute(const Entry& e, std::unordered_map<int, memory> args) {
   const size_t bytes = e.scratchpad.get_size();
-  if (bytes > 0) args.emplace(DNNL_ARG_SCRATCHPAD, memory(e.scratchpad, Engine(), Scratchpad(bytes)));
+  if (bytes > 0)
+    args.emplace(DNNL_ARG_SCRATCHPAD, memory(e.scratchpad, Engine(), Scratchpad(bytes)));
   e.prim.execute(Stream(), args);
   Stream().wait();
 }
@@ -117,12 +117,23 @@ void Execute(const Entry& e, std::unordered_map<int, memory> args) {
 }  // namespace
 
 std::string CpuClass() {
+  // What oneDNN dispatches to (ONEDNN_MAX_CPU_ISA may cap it below what the CPU has).
+  switch (dnnl::get_effective_cpu_isa()) {
+    case dnnl::cpu_isa::avx512_core_amx:
+      return "AMX";
+    case dnnl::cpu_isa::avx512_core_bf16:
+      return "AVX512-BF16";
+    case dnnl::cpu_isa::avx512_core:
+    case dnnl::cpu_isa::avx512_core_vnni:
+      return "AVX-512 without BF16";
+    default:
+      return "AVX2 only";
+  }
+}
+
+bool HasBfloat16Kernels() {
   const dnnl::cpu_isa isa = dnnl::get_effective_cpu_isa();
-  if (isa == dnnl::cpu_isa::avx512_core_amx) return "AMX";
-  if (isa == dnnl::cpu_isa::avx512_core_bf16) return "AVX512-BF16";
-  // oneDNN may be capped below the CPU (ONEDNN_MAX_CPU_ISA); the instructions themselves decide.
-  if (__builtin_cpu_supports("avx512bf16")) return "AVX512-BF16";
-  return "AVX2 only";
+  return isa == dnnl::cpu_isa::avx512_core_bf16 || isa == dnnl::cpu_isa::avx512_core_amx;
 }
 
 bool HasAvx512Kernels() {
@@ -239,8 +250,8 @@ std::unique_ptr<PackedLinear> PackedLinear::Make(const float* w, const float* bi
     dnnl::reorder(plain, impl->weights).execute(Stream(), plain, impl->weights);
     if (bias != nullptr) {
       impl->has_bias = true;
-      impl->bias = memory(memory::desc({1, n}, memory::data_type::f32, memory::dims{n, 1}),
-                          Engine());
+      impl->bias =
+          memory(memory::desc({1, n}, memory::data_type::f32, memory::dims{n, 1}), Engine());
       std::memcpy(impl->bias.get_data_handle(), bias, static_cast<size_t>(n) * sizeof(float));
     }
     Stream().wait();
@@ -258,12 +269,11 @@ bool PackedLinear::Run(const void* x, int64_t m, int64_t ldx, void* y, Type y_ty
   const std::string key = std::to_string(m) + "," + std::to_string(ldx) + "," +
                           std::to_string(ldy) + (y_type == Type::kBFloat16 ? "h" : "f");
   const std::shared_ptr<const Entry> e = p.cache.Get(key, [&] {
-    return p.has_bias
-               ? dnnl::matmul::primitive_desc(
-                     dnnl::matmul::desc(src, p.packed_desc, p.bias.get_desc(), dst), Attr(1.0f),
-                     Engine())
-               : dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, p.packed_desc, dst),
-                                              Attr(1.0f), Engine());
+    return p.has_bias ? dnnl::matmul::primitive_desc(
+                            dnnl::matmul::desc(src, p.packed_desc, p.bias.get_desc(), dst),
+                            Attr(1.0f), Engine())
+                      : dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, p.packed_desc, dst),
+                                                     Attr(1.0f), Engine());
   });
   if (!e->ok) return false;
   std::unordered_map<int, memory> args = {

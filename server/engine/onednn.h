@@ -1,7 +1,8 @@
 // Matrix products straight through oneDNN, the library LibTorch's own CPU products call (Debian's
 // libdnnl, the one LibTorch 1.13 links): where LibTorch's ops cannot say what the engine needs.
 //   * bfloat16 operands with a float32 result (attention scores kept in float32 from the
-//     products' float32 accumulators: LibTorch 1.13 rounds a bfloat16 product's result to bfloat16);
+//     products' float32 accumulators: LibTorch 1.13 rounds a bfloat16 product's result to
+//     bfloat16);
 //   * weights reordered once, at model load, into the blocked layout the matrix-unit kernels read
 //     (LibTorch hands oneDNN the plain layout and the AMX kernels pack it again on every call).
 // Primitives are made once per shape and kept (a bounded cache); each thread executes on its own
@@ -26,8 +27,10 @@ struct View {
 };
 
 /// The CPU's class for bfloat16 products, as oneDNN dispatches them: "AMX" (amx_bf16 tiles),
-/// "AVX512-BF16" (vdpbf16ps), or "AVX2 only" (no bfloat16 instructions).
+/// "AVX512-BF16" (vdpbf16ps), "AVX-512 without BF16", or "AVX2 only" (no bfloat16 instructions).
 std::string CpuClass();
+/// Whether oneDNN multiplies bfloat16 natively here (AVX512-BF16 or AMX kernels).
+bool HasBfloat16Kernels();
 /// Whether oneDNN's kernels here are its AVX-512 ones (brgemm): float32 products on packed weights
 /// then beat the BLAS (bench/RESULTS.md); on AVX2-only CPUs float32 stays on the BLAS.
 bool HasAvx512Kernels();
@@ -46,8 +49,8 @@ class PackedLinear {
  public:
   /// w: [n, k] row-major, bias: [n] or null, both float32 values; type: the compute type (weights
   /// and x). Returns null when oneDNN packs no kernel for this type here.
-  static std::unique_ptr<PackedLinear> Make(const float* w, const float* bias, int64_t n,
-                                            int64_t k, Type type);
+  static std::unique_ptr<PackedLinear> Make(const float* w, const float* bias, int64_t n, int64_t k,
+                                            Type type);
   ~PackedLinear();
   /// x: [m, k] with row stride ldx, type as made; y: [m, n] with row stride ldy, in that type or
   /// float32. Returns false when no kernel took these operands (nothing written).

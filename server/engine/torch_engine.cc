@@ -80,7 +80,9 @@ bool CpuBfloat16ProductsAccumulateInFloat32() {
 // it LibTorch's bfloat16 products either add in bfloat16 (1.13, above) or run many times slower
 // than float32 (2.11 on an AMD EPYC with AVX2: the service's W1 3,190 tokens/s in bfloat16 against
 // 42,446 in float32), so the engine multiplies in float32 there.
-bool CpuHasBfloat16Products() { return __builtin_cpu_supports("avx512bf16"); }
+// As oneDNN dispatches (ONEDNN_MAX_CPU_ISA may cap it below the CPU: LibTorch's own bfloat16
+// products then throw).
+bool CpuHasBfloat16Products() { return onednn::HasBfloat16Kernels(); }
 
 // On a CUDA device, makes a stream from LibTorch's pool current for this thread: each compute
 // worker keeps its own stream, so workers overlap and a worker's synchronous copy back waits for
@@ -169,8 +171,8 @@ class TorchModel final : public AttentionModel {
     proj_out_ = {w_out_t_.t(), b_out_, nullptr};
     // Projection weights packed once for oneDNN: bfloat16 on every CPU that multiplies it (the
     // products' own kernels), float32 where oneDNN's AVX-512 kernels beat the BLAS.
-    if (device.is_cpu() && ((dtype_ == at::kBFloat16 && !widen_) ||
-                            (dtype_ == at::kFloat && onednn_float32_)))
+    if (device.is_cpu() &&
+        ((dtype_ == at::kBFloat16 && !widen_) || (dtype_ == at::kFloat && onednn_float32_)))
       PackWeights(w);
     spec_.kernels = Kernels();
     if (w.bias_k) {
@@ -204,10 +206,10 @@ class TorchModel final : public AttentionModel {
     const onednn::Type type =
         dtype_ == at::kBFloat16 ? onednn::Type::kBFloat16 : onednn::Type::kFloat32;
     const auto pack = [type](const HostTensor& weight, const std::optional<HostTensor>& bias,
-                         int64_t bias_offset) -> std::shared_ptr<const onednn::PackedLinear> {
-      return onednn::PackedLinear::Make(
-          weight.values.data(), bias ? bias->values.data() + bias_offset : nullptr,
-          weight.shape[0], weight.shape[1], type);
+                             int64_t bias_offset) -> std::shared_ptr<const onednn::PackedLinear> {
+      return onednn::PackedLinear::Make(weight.values.data(),
+                                        bias ? bias->values.data() + bias_offset : nullptr,
+                                        weight.shape[0], weight.shape[1], type);
     };
     const int64_t e = spec_.embed_dim;
     proj_q_.packed = pack(w.q_proj, w.in_proj_bias, 0);
@@ -388,13 +390,13 @@ class TorchModel final : public AttentionModel {
   // The product on the packed weights when oneDNN runs it: x [rows, in] and y [rows, out] with
   // unit column strides, x in the packed type, y in it or float32.
   bool RunPacked(const Proj& proj, const at::Tensor& x, const at::Tensor& y) const {
-    if (!proj.packed || x.scalar_type() != dtype_ || x.stride(1) != 1 ||
-        y.stride(1) != 1 || (y.scalar_type() != at::kBFloat16 && y.scalar_type() != at::kFloat))
+    if (!proj.packed || x.scalar_type() != dtype_ || x.stride(1) != 1 || y.stride(1) != 1 ||
+        (y.scalar_type() != at::kBFloat16 && y.scalar_type() != at::kFloat))
       return false;
-    return proj.packed->Run(x.data_ptr(), x.size(0), x.stride(0), y.data_ptr(),
-                            y.scalar_type() == at::kFloat ? onednn::Type::kFloat32
-                                                          : onednn::Type::kBFloat16,
-                            y.stride(0));
+    return proj.packed->Run(
+        x.data_ptr(), x.size(0), x.stride(0), y.data_ptr(),
+        y.scalar_type() == at::kFloat ? onednn::Type::kFloat32 : onednn::Type::kBFloat16,
+        y.stride(0));
   }
 
   // nn.functional.linear(x, w, b) (w [out, in]), split as GemmInto.
@@ -506,8 +508,7 @@ class TorchModel final : public AttentionModel {
       }
     }
     std::vector<at::Tensor> qkv_self;
-    if (self_rows)
-      qkv_self = Linear(x.narrow(0, 0, self_rows), proj_in_, parallel).chunk(3, -1);
+    if (self_rows) qkv_self = Linear(x.narrow(0, 0, self_rows), proj_in_, parallel).chunk(3, -1);
     at::Tensor q_cross, k_cross, v_cross;
     if (self_rows < q_rows) {
       q_cross = Linear(x.narrow(0, self_rows, q_rows - self_rows), proj_q_, parallel);
@@ -696,8 +697,7 @@ class TorchModel final : public AttentionModel {
     const bool batch_first = call.batch_first();
     const int64_t b = call.batch, lk = call.key_len;
     m.KeepKeys(SplitHeads(Linear(InputRows(*call.key), proj_k_, parallel), batch_first, b, lk));
-    m.KeepValues(
-        SplitHeads(Linear(InputRows(*call.value), proj_v_, parallel), batch_first, b, lk));
+    m.KeepValues(SplitHeads(Linear(InputRows(*call.value), proj_v_, parallel), batch_first, b, lk));
     if (call.key_padding_mask)
       m.KeepPadding(Additive(Wrap(*call.key_padding_mask)).reshape({b, lk}).to(dtype_));
   }
@@ -717,12 +717,12 @@ class TorchModel final : public AttentionModel {
                        all.kpm, held, dst, out, parallel);
   }
 
-  // Whether attention's products on `t`'s dtype go to oneDNN: on the CPU in bfloat16, and in float32
-  // where oneDNN's AVX-512 kernels run (LibTorch's float32 bmm calls the BLAS, at half their speed
-  // on the AVX-512 EPYC measured); oneDNN takes the strided heads as they lie.
+  // Whether attention's products on `t`'s dtype go to oneDNN: on the CPU in bfloat16, and in
+  // float32 where oneDNN's AVX-512 kernels run (LibTorch's float32 bmm calls the BLAS, at half
+  // their speed on the AVX-512 EPYC measured); oneDNN takes the strided heads as they lie.
   bool OnednnAttends(const at::Tensor& t) const {
-    return device_.is_cpu() && (t.scalar_type() == at::kBFloat16 ||
-                                (t.scalar_type() == at::kFloat && onednn_float32_));
+    return device_.is_cpu() &&
+           (t.scalar_type() == at::kBFloat16 || (t.scalar_type() == at::kFloat && onednn_float32_));
   }
 
   // Whether attention runs LibTorch's fused kernel (2.x; not when weights are asked for). Not for
@@ -734,10 +734,11 @@ class TorchModel final : public AttentionModel {
   }
 
   // pp [H, n, S'] = scale · q [H, n, D] · kt [H, D, S'] (+ mask, broadcastable to pp). Scores wider
-  // than the operands (float32 from bfloat16) come from oneDNN, which keeps its float32 accumulators
-  // (LibTorch's products would round them to bfloat16); the mask is then added in float32.
-  void ScoresInto(at::Tensor pp, const at::Tensor& q, const at::Tensor& kt,
-                  const at::Tensor& mask, double scale) const {
+  // than the operands (float32 from bfloat16) come from oneDNN, which keeps its float32
+  // accumulators (LibTorch's products would round them to bfloat16); the mask is then added in
+  // float32.
+  void ScoresInto(at::Tensor pp, const at::Tensor& q, const at::Tensor& kt, const at::Tensor& mask,
+                  double scale) const {
     if (pp.scalar_type() == q.scalar_type() && !OnednnAttends(q)) {
       if (mask.defined()) {
         at::baddbmm_out(pp, mask, q, kt, /*beta=*/1, /*alpha=*/scale);
@@ -876,8 +877,8 @@ class TorchModel final : public AttentionModel {
         // the mask, the softmax in place, p·v straight into the merged rows. The scores are in
         // score_dtype_: float32 for CPU bfloat16, from the products' float32 accumulators, so that
         // neither the mask nor the softmax sees bfloat16 rounding (a score of 50 rounds by 0.25).
-        // Zeroed when LibTorch's baddbmm writes them with no mask to add: its small-matrix kernel in
-        // 1.13 reads its input even with beta 0 (0 · NaN of uninitialised memory is NaN). Wider
+        // Zeroed when LibTorch's baddbmm writes them with no mask to add: its small-matrix kernel
+        // in 1.13 reads its input even with beta 0 (0 · NaN of uninitialised memory is NaN). Wider
         // scores come from oneDNN, which only writes.
         const auto score_opts = qc.options().dtype(score_dtype_);
         at::Tensor p = mask.defined() || score_dtype_ != qc.scalar_type() || OnednnAttends(qc)
@@ -894,7 +895,10 @@ class TorchModel final : public AttentionModel {
             const int64_t rows = kp.size(2);
             ScoresInto(ks.size() == 1 ? pb : pb.narrow(-1, off, rows), qc.select(0, bi),
                        kp.select(0, bi).transpose(-2, -1),
-                       !mb.defined() ? mb : ks.size() == 1 ? mb : mb.narrow(-1, off, rows), scale);
+                       !mb.defined()    ? mb
+                       : ks.size() == 1 ? mb
+                                        : mb.narrow(-1, off, rows),
+                       scale);
             off += rows;
           }
         }
@@ -992,7 +996,7 @@ class TorchModel final : public AttentionModel {
   at::Tensor b_in_, b_q_, b_k_, b_v_;  // undefined without input biases
   at::Tensor w_out_t_, b_out_;         // out_proj.weight transposed: [E, E]
   Proj proj_in_, proj_q_, proj_k_, proj_v_, proj_out_;  // the above as projections
-  at::Tensor bias_k_, bias_v_;         // [E], undefined without add_bias_kv
+  at::Tensor bias_k_, bias_v_;                          // [E], undefined without add_bias_kv
   // How packed calls attend: kKernel = LibTorch's varlen kernels (CUDA), kEmulate = the same
   // packing by per-sequence attention (tests), kOff = per call.
   enum class Varlen { kOff, kKernel, kEmulate };

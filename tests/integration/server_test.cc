@@ -409,8 +409,8 @@ TEST_F(ServerTest, MetricsMoveAfterRequests) {
   EXPECT_THAT(after, HasSubstr("attnserve_model_info{"));
   // The kernels a model runs on, and the CPU's class for bfloat16 products.
   EXPECT_THAT(after, ::testing::ContainsRegex("attnserve_model_info\\{[^}]*kernels=\"[^\"]+\""));
-  EXPECT_THAT(after, ::testing::ContainsRegex(
-                         "attnserve_cpu_info\\{[^}]*cpu_class=\"(AMX|AVX512-BF16|AVX2 only)\""));
+  EXPECT_THAT(after, ::testing::ContainsRegex("attnserve_cpu_info\\{[^}]*cpu_class=\"(AMX|AVX512-"
+                                              "BF16|AVX-512 without BF16|AVX2 only)\""));
   // Histogram buckets are cumulative and end at the count.
   std::regex bucket(
       R"re(attnserve_request_duration_seconds_bucket\{code="OK",method="Attend",model="demo",le="([^"]+)"\} (\d+))re");
