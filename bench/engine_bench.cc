@@ -168,34 +168,47 @@ void BlasBound(benchmark::State& state, bool bf16, int lo, int hi, double cross)
   Bound(state, bf16, true, lo, hi, cross);
 }
 
-#define ATTNSERVE_SETS(DT, BF16)                                                                   \
-  BENCHMARK_CAPTURE(OneByOne, W1 / DT, BF16, 8, 64, 0.0)->Arg(16)->Unit(benchmark::kMillisecond);  \
-  BENCHMARK_CAPTURE(Batched, W1 / DT, BF16, 8, 64, 0.0)->Arg(16)->Unit(benchmark::kMillisecond);   \
-  BENCHMARK_CAPTURE(ProductBound, W1 / DT, BF16, 8, 64, 0.0)                                       \
-      ->Arg(16)                                                                                    \
-      ->Unit(benchmark::kMillisecond);                                                             \
-  BENCHMARK_CAPTURE(OneByOne, W2 / DT, BF16, 16, 512, 0.5)->Arg(8)->Unit(benchmark::kMillisecond); \
-  BENCHMARK_CAPTURE(Batched, W2 / DT, BF16, 16, 512, 0.5)->Arg(8)->Unit(benchmark::kMillisecond);  \
-  BENCHMARK_CAPTURE(ProductBound, W2 / DT, BF16, 16, 512, 0.5)                                     \
-      ->Arg(8)                                                                                     \
-      ->Unit(benchmark::kMillisecond);                                                             \
-  BENCHMARK_CAPTURE(OneByOne, Lone / DT, BF16, 1024, 1024, 0.0)                                    \
-      ->Arg(1)                                                                                     \
-      ->Unit(benchmark::kMillisecond);                                                             \
-  BENCHMARK_CAPTURE(ProductBound, Lone / DT, BF16, 1024, 1024, 0.0)                                \
-      ->Arg(1)                                                                                     \
-      ->Unit(benchmark::kMillisecond)
-
-ATTNSERVE_SETS(F32, false);
-BENCHMARK_CAPTURE(BlasBound, W1 / F32, false, 8, 64, 0.0)->Arg(16)->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BlasBound, W2 / F32, false, 16, 512, 0.5)->Arg(8)->Unit(benchmark::kMillisecond);
-ATTNSERVE_SETS(BF16, true);
-
 }  // namespace
 
 int main(int argc, char** argv) {
   benchmark::AddCustomContext("cpu_class", attnserve::onednn::CpuClass());
   benchmark::AddCustomContext("onednn", attnserve::onednn::Describe());
+  // Named Kind/Set/DTYPE (bench/flavours.sh reads the ProductBound ones).
+  for (const auto& [dt, bf16] : {std::pair{"F32", false}, std::pair{"BF16", true}}) {
+    const std::string d = dt;
+    const auto ms = benchmark::kMillisecond;
+    benchmark::RegisterBenchmark(("OneByOne/W1/" + d).c_str(), OneByOne, bf16, 8, 64, 0.0)
+        ->Arg(16)
+        ->Unit(ms);
+    benchmark::RegisterBenchmark(("Batched/W1/" + d).c_str(), Batched, bf16, 8, 64, 0.0)
+        ->Arg(16)
+        ->Unit(ms);
+    benchmark::RegisterBenchmark(("ProductBound/W1/" + d).c_str(), ProductBound, bf16, 8, 64, 0.0)
+        ->Arg(16)
+        ->Unit(ms);
+    benchmark::RegisterBenchmark(("OneByOne/W2/" + d).c_str(), OneByOne, bf16, 16, 512, 0.5)
+        ->Arg(8)
+        ->Unit(ms);
+    benchmark::RegisterBenchmark(("Batched/W2/" + d).c_str(), Batched, bf16, 16, 512, 0.5)
+        ->Arg(8)
+        ->Unit(ms);
+    benchmark::RegisterBenchmark(("ProductBound/W2/" + d).c_str(), ProductBound, bf16, 16, 512, 0.5)
+        ->Arg(8)
+        ->Unit(ms);
+    benchmark::RegisterBenchmark(("OneByOne/Lone/" + d).c_str(), OneByOne, bf16, 1024, 1024, 0.0)
+        ->Arg(1)
+        ->Unit(ms);
+    benchmark::RegisterBenchmark(("ProductBound/Lone/" + d).c_str(), ProductBound, bf16, 1024, 1024,
+                                 0.0)
+        ->Arg(1)
+        ->Unit(ms);
+  }
+  benchmark::RegisterBenchmark("BlasBound/W1/F32", BlasBound, false, 8, 64, 0.0)
+      ->Arg(16)
+      ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("BlasBound/W2/F32", BlasBound, false, 16, 512, 0.5)
+      ->Arg(8)
+      ->Unit(benchmark::kMillisecond);
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();
