@@ -17,6 +17,7 @@
 #include <cmath>
 #include <fstream>
 #include <future>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -272,6 +273,35 @@ TEST_F(ServerTest, HalfPrecisionWireRoundTripsCloseToFloat32) {
   const auto fc = c.output.ToFloats();
   for (size_t i = 0; i < fa.size(); ++i)
     ASSERT_NEAR(fa[i], fc[i], 5e-2 * std::max(1.f, std::fabs(fa[i])));
+}
+
+// Tensor::BFloat16 rounds each float to the nearest bfloat16 (ties to even), keeps NaN a NaN and
+// infinities infinite; ToFloats reads the values back exactly.
+TEST(ClientTensorTest, BFloat16RoundsToNearestEven) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float one_ulp = 1.0f / 128;  // bfloat16's spacing at 1: 8 significant bits
+  const std::vector<float> in = {1.0f,
+                                 1.0f + one_ulp * 0.49f,  // rounds down
+                                 1.0f + one_ulp * 0.51f,  // rounds up
+                                 1.0f + one_ulp * 0.5f,   // tie: to even (1.0)
+                                 1.0f + one_ulp * 1.5f,   // tie: to even (1 + 2 ulp)
+                                 -3.0f,
+                                 inf,
+                                 -inf,
+                                 std::numeric_limits<float>::quiet_NaN()};
+  const Tensor t = Tensor::BFloat16({static_cast<int64_t>(in.size())}, in);
+  ASSERT_EQ(t.dtype, DataType::kBFloat16);
+  ASSERT_EQ(t.data.size(), in.size() * 2);
+  const std::vector<float> out = t.ToFloats();
+  EXPECT_EQ(out[0], 1.0f);
+  EXPECT_EQ(out[1], 1.0f);
+  EXPECT_EQ(out[2], 1.0f + one_ulp);
+  EXPECT_EQ(out[3], 1.0f);
+  EXPECT_EQ(out[4], 1.0f + 2 * one_ulp);
+  EXPECT_EQ(out[5], -3.0f);
+  EXPECT_EQ(out[6], inf);
+  EXPECT_EQ(out[7], -inf);
+  EXPECT_TRUE(std::isnan(out[8]));
 }
 
 TEST_F(ServerTest, BadRequestsGetInvalidArgumentNamingTheField) {
