@@ -13,7 +13,9 @@ packages=(
   grpc-proto
   libtorch-dev
   # oneDNN's headers: the engine calls the library LibTorch's CPU products run on (server/engine/onednn.h).
-  libdnnl-dev
+  # Its CMake config asks for OpenCL (Debian builds it with the OpenCL GPU runtime), which
+  # libdnnl-dev only recommends.
+  libdnnl-dev ocl-icd-opencl-dev
   # The fast BLAS must be named explicitly: libtorch only recommends one, and the reference BLAS
   # is ~40x slower. It must be thread-safe: the serial OpenBLAS gives wrong answers when two compute
   # threads multiply at once. README "BLAS" has the measurements behind this choice.
