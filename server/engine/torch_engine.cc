@@ -843,7 +843,11 @@ class TorchModel final : public AttentionModel {
       const int64_t q0 = block * rows, n = std::min(rows, lq - q0);
       // One additive mask for the block, broadcastable to [B, H, n, S]; appended keys never masked.
       at::Tensor mask;
-      auto add = [&mask](const at::Tensor& m) { mask = mask.defined() ? mask + m : m; };
+      // In the scores' dtype: a kept key padding is in the model's, the causal mask is made in it.
+      auto add = [&mask, this](const at::Tensor& m) {
+        const at::Tensor f = m.scalar_type() == score_dtype_ ? m : m.to(score_dtype_);
+        mask = mask.defined() ? mask + f : f;
+      };
       if (attn_mask.defined()) {
         const at::Tensor m = attn_mask.narrow(-2, q0, n);
         add(Additive(m.dim() == 2 ? m.view({1, 1, n, lk}) : m));
