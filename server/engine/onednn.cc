@@ -116,62 +116,45 @@ void Execute(const Entry& e, std::unordered_map<int, memory> args) {
 
 }  // namespace
 
-std::string CpuClass() {
-  // What oneDNN dispatches to (ONEDNN_MAX_CPU_ISA may cap it below what the CPU has).
+namespace {
+
+// What oneDNN dispatches to here (ONEDNN_MAX_CPU_ISA may cap it below what the CPU has): its ISA's
+// name, the CPU class for bfloat16 products, and which kernels it has.
+struct Isa {
+  const char* name;
+  const char* cpu_class;
+  bool avx512 = false, bf16 = false;
+};
+
+Isa EffectiveIsa() {
   switch (dnnl::get_effective_cpu_isa()) {
     case dnnl::cpu_isa::avx512_core_amx:
-      return "AMX";
+      return {"avx512_core_amx", "AMX", true, true};
     case dnnl::cpu_isa::avx512_core_bf16:
-      return "AVX512-BF16";
-    case dnnl::cpu_isa::avx512_core:
+      return {"avx512_core_bf16", "AVX512-BF16", true, true};
     case dnnl::cpu_isa::avx512_core_vnni:
-      return "AVX-512 without BF16";
+      return {"avx512_core_vnni", "AVX-512 without BF16", true, false};
+    case dnnl::cpu_isa::avx512_core:
+      return {"avx512_core", "AVX-512 without BF16", true, false};
+    case dnnl::cpu_isa::avx2:
+      return {"avx2", "AVX2 only"};
     default:
-      return "AVX2 only";
+      return {"other", "AVX2 only"};
   }
 }
 
-bool HasBfloat16Kernels() {
-  const dnnl::cpu_isa isa = dnnl::get_effective_cpu_isa();
-  return isa == dnnl::cpu_isa::avx512_core_bf16 || isa == dnnl::cpu_isa::avx512_core_amx;
-}
+}  // namespace
 
-bool HasAvx512Kernels() {
-  switch (dnnl::get_effective_cpu_isa()) {
-    case dnnl::cpu_isa::avx512_core:
-    case dnnl::cpu_isa::avx512_core_vnni:
-    case dnnl::cpu_isa::avx512_core_bf16:
-    case dnnl::cpu_isa::avx512_core_amx:
-      return true;
-    default:
-      return false;
-  }
-}
+std::string CpuClass() { return EffectiveIsa().cpu_class; }
+
+bool HasBfloat16Kernels() { return EffectiveIsa().bf16; }
+
+bool HasAvx512Kernels() { return EffectiveIsa().avx512; }
 
 std::string Describe() {
   const dnnl_version_t* v = dnnl::version();
-  std::string isa;
-  switch (dnnl::get_effective_cpu_isa()) {
-    case dnnl::cpu_isa::avx512_core_amx:
-      isa = "avx512_core_amx";
-      break;
-    case dnnl::cpu_isa::avx512_core_bf16:
-      isa = "avx512_core_bf16";
-      break;
-    case dnnl::cpu_isa::avx512_core_vnni:
-      isa = "avx512_core_vnni";
-      break;
-    case dnnl::cpu_isa::avx512_core:
-      isa = "avx512_core";
-      break;
-    case dnnl::cpu_isa::avx2:
-      isa = "avx2";
-      break;
-    default:
-      isa = "other";
-  }
   return "oneDNN " + std::to_string(v->major) + "." + std::to_string(v->minor) + "." +
-         std::to_string(v->patch) + ", " + isa;
+         std::to_string(v->patch) + ", " + EffectiveIsa().name;
 }
 
 bool Matmul(const View& a, const View& b, const View& dst, float alpha) {
