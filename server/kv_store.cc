@@ -389,10 +389,16 @@ void KvStore::EndStep(KvStep* step, bool applied) {
 
 StatusOr<std::shared_ptr<KvEntry>> KvStore::Fork(const std::string& handle,
                                                  std::shared_ptr<KvCache> cache) {
+  return Fork(handle, [&cache](const AttentionModel&) { return std::move(cache); });
+}
+
+StatusOr<std::shared_ptr<KvEntry>> KvStore::Fork(const std::string& handle,
+                                                 const CacheFactory& new_cache) {
   // Held like a step (busy) and ended not applied: no step changes the parent while the fork is
   // made, and it is as it was when the fork returns.
   ASSIGN_OR_RETURN(std::unique_ptr<KvStep> hold, BeginStep(handle, std::nullopt));
   const KvEntry& parent = *hold->entry();
+  ASSIGN_OR_RETURN(std::shared_ptr<KvCache> cache, new_cache(*parent.model));
   ASSIGN_OR_RETURN(std::shared_ptr<KvEntry> child,
                    Create(KvKind::kSession, parent.model, std::move(cache), parent.batch, 0));
   const Status shared = child->cache->ShareFrom(*parent.cache, hold->length());
@@ -413,8 +419,10 @@ StatusOr<std::shared_ptr<KvEntry>> KvStore::Fork(const std::string& handle,
   return child;
 }
 
-Status KvStore::Truncate(const std::string& handle, int64_t length) {
+Status KvStore::Truncate(const std::string& handle, int64_t length,
+                         std::shared_ptr<KvEntry>* entry) {
   ASSIGN_OR_RETURN(std::shared_ptr<KvEntry> e, Lookup(handle, KvKind::kSession));
+  if (entry != nullptr) *entry = e;
   std::lock_guard<std::mutex> lock(mu_);
   if (!Indexed(e.get())) {
     const auto gone = gone_.find(handle);

@@ -182,10 +182,16 @@ class KvStore {
   /// its own. Refusals as Create's (--kv-max-entries) and BeginStep's.
   StatusOr<std::shared_ptr<KvEntry>> Fork(const std::string& handle,
                                           std::shared_ptr<KvCache> cache);
+  /// The same, the empty cache made by `new_cache` for the parent's model once it is held (the
+  /// session is looked up once: attnserve_kv_lookups counts the call once).
+  using CacheFactory =
+      std::function<StatusOr<std::shared_ptr<KvCache>>(const AttentionModel& parent_model)>;
+  StatusOr<std::shared_ptr<KvEntry>> Fork(const std::string& handle, const CacheFactory& new_cache);
   /// Takes a session back to its first `length` tokens (TruncateSession), renewing its expiry; its
   /// allocation stays. INVALID_ARGUMENT for a length outside 0 to its length, ABORTED while a step
-  /// is in flight, NOT_FOUND saying why when it is not held.
-  Status Truncate(const std::string& handle, int64_t length);
+  /// is in flight, NOT_FOUND saying why when it is not held. `entry`, when given, gets the session.
+  Status Truncate(const std::string& handle, int64_t length,
+                  std::shared_ptr<KvEntry>* entry = nullptr);
   /// Removes an entry at once (DeleteMemory, CloseSession): the bytes it frees, or NOT_FOUND.
   StatusOr<int64_t> Release(const std::string& handle, KvKind kind);
   /// Ends every entry whose model is `spec` (name, version and weights): a reload removed that

@@ -365,11 +365,11 @@ Status RequestPipeline::ForkSession(const v1::ForkSessionRequest& req, v1::KvHan
   const auto received = SteadyClock::now();
   std::string model;
   const Status st = [&]() -> Status {
-    ASSIGN_OR_RETURN(std::shared_ptr<KvEntry> parent, kv_.Lookup(req.handle(), KvKind::kSession));
-    model = parent->model->spec().name;
-    ASSIGN_OR_RETURN(std::shared_ptr<KvCache> cache, NewKvCacheOf(*parent->model));
-    parent.reset();
-    ASSIGN_OR_RETURN(std::shared_ptr<KvEntry> child, kv_.Fork(req.handle(), std::move(cache)));
+    ASSIGN_OR_RETURN(std::shared_ptr<KvEntry> child,
+                     kv_.Fork(req.handle(), [&model](const AttentionModel& parent_model) {
+                       model = parent_model.spec().name;
+                       return NewKvCacheOf(parent_model);
+                     }));
     FillHandle(*child, child->length, kv_, resp);
     return Status::Ok();
   }();
@@ -381,8 +381,8 @@ Status RequestPipeline::TruncateSession(const v1::TruncateSessionRequest& req, v
   const auto received = SteadyClock::now();
   std::string model;
   const Status st = [&]() -> Status {
-    RETURN_IF_ERROR(kv_.Truncate(req.handle(), req.length()));
-    ASSIGN_OR_RETURN(std::shared_ptr<KvEntry> entry, kv_.Lookup(req.handle(), KvKind::kSession));
+    std::shared_ptr<KvEntry> entry;
+    RETURN_IF_ERROR(kv_.Truncate(req.handle(), req.length(), &entry));
     model = entry->model->spec().name;
     FillHandle(*entry, req.length(), kv_, resp);
     return Status::Ok();

@@ -275,6 +275,29 @@ TEST_F(ServerTest, HalfPrecisionWireRoundTripsCloseToFloat32) {
     ASSERT_NEAR(fa[i], fc[i], 5e-2 * std::max(1.f, std::fabs(fa[i])));
 }
 
+// attnserve_kv_lookups_total counts one lookup per call that names a session: ForkSession and
+// TruncateSession each looked theirs up twice (once themselves, once in the store's own call).
+TEST_F(ServerTest, ForkAndTruncateCountOneLookupEach) {
+  KvInfo session;
+  ASSERT_TRUE(client_->OpenSession("demo", 1, &session).ok());
+  AttendRequest step;
+  step.session = session.handle;
+  step.query = Request(1, 3, 0, 21).query;
+  AttendResult r;
+  ASSERT_TRUE(client_->Attend(step, &r).ok());
+  const std::string hits = "attnserve_kv_lookups_total{kind=\"session\",result=\"hit\"}";
+  const auto lookups = [&] { return Sample(HttpGet(server_->metrics_port(), "/metrics"), hits); };
+  const double before = lookups();
+  ASSERT_GT(before, 0);
+  KvInfo fork;
+  ASSERT_TRUE(client_->ForkSession(session.handle, &fork).ok());
+  EXPECT_EQ(lookups(), before + 1) << "ForkSession";
+  ASSERT_TRUE(client_->TruncateSession(session.handle, 1).ok());
+  EXPECT_EQ(lookups(), before + 2) << "TruncateSession";
+  ASSERT_TRUE(client_->CloseSession(fork.handle).ok());
+  ASSERT_TRUE(client_->CloseSession(session.handle).ok());
+}
+
 // Tensor::BFloat16 rounds each float to the nearest bfloat16 (ties to even), keeps NaN a NaN and
 // infinities infinite; ToFloats reads the values back exactly.
 TEST(ClientTensorTest, BFloat16RoundsToNearestEven) {
