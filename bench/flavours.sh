@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Side by side in one run, per CPU class (issue 32's table): the service on Debian's LibTorch 1.13 and
+# Side by side in one run, per CPU class (bench/RESULTS.md's CPU table): the service on Debian's LibTorch 1.13 and
 # on the 2.x flavour (PyPI torch 2.11), each in float32 and bfloat16 (bfloat16 with float32 and with
 # bfloat16 on the wire), each beside its in-process floor (attnserve-bench --target inprocess: the
 # engine without gRPC) and the Python server on the same PyTorch and dtype; and, from the engine

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Where a batch's time goes (issue 32): perf samples grouped by what runs them, then the oneDNN
+# Where a batch's time goes: perf samples grouped by what runs them, then the oneDNN
 # kernels ONEDNN_VERBOSE saw, with their time.
 #   bench/profile.sh engine 'Batched/W1/BF16'          # the engine bench alone, one benchmark
 #   bench/profile.sh service bfloat16 bfloat16 W1      # attnserve --dtype D under attnserve-bench,
