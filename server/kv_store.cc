@@ -538,6 +538,11 @@ std::vector<KvEntryInfo> KvStore::Snapshot() const {
   return out;
 }
 
+KvEntryInfo KvStore::Info(const KvEntry& e) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return {e.handle, e.kind, e.batch, e.length, e.capacity, e.bytes, e.busy, e.ready};
+}
+
 int64_t KvStore::bytes() const { return account_->Get(); }
 
 size_t KvStore::size() const {

@@ -206,6 +206,8 @@ class KvStore {
 
   /// Every entry in the index, copied under one lock; renews nothing (checks and diagnostics).
   std::vector<KvEntryInfo> Snapshot() const;
+  /// One entry's fields as they are now, copied under the lock (indexed or not).
+  KvEntryInfo Info(const KvEntry& e) const;
   /// Bytes counted against the budget now (entries ended but still in use included).
   int64_t bytes() const;
   /// Entries in the index.

@@ -65,15 +65,18 @@ StatusOr<std::shared_ptr<KvCache>> NewKvCacheOf(const AttentionModel& model) {
   return cache;
 }
 
-void FillHandle(const KvEntry& e, int64_t length, const KvStore& kv, v1::KvHandle* h) {
+// The KvHandle answer for an entry: `length` as this call left it, or (unset) the store's now.
+void FillHandle(const KvEntry& e, std::optional<int64_t> length, const KvStore& kv,
+                v1::KvHandle* h) {
   const ModelSpec& spec = e.model->spec();
-  h->set_handle(e.handle);
+  const KvEntryInfo now = kv.Info(e);  // bytes and length are the store's, under its lock
+  h->set_handle(now.handle);
   h->set_model(spec.name);
   h->set_model_version(spec.version);
   h->set_weights_hash(spec.weights_hash);
-  h->set_batch(e.batch);
-  h->set_length(length);
-  h->set_bytes(e.bytes);
+  h->set_batch(now.batch);
+  h->set_length(length.value_or(now.length));
+  h->set_bytes(now.bytes);
   h->set_ttl_seconds(kv.options().ttl_seconds);
   h->set_replica(kv.advertised_address());
 }
@@ -370,7 +373,7 @@ Status RequestPipeline::ForkSession(const v1::ForkSessionRequest& req, v1::KvHan
                        model = parent_model.spec().name;
                        return NewKvCacheOf(parent_model);
                      }));
-    FillHandle(*child, child->length, kv_, resp);
+    FillHandle(*child, std::nullopt, kv_, resp);
     return Status::Ok();
   }();
   RecordCall(model, "ForkSession", st, received);
