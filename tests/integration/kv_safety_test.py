@@ -17,6 +17,7 @@ Tolerances: float32 1e-5, bfloat16 2e-2 of the output's scale (max |out - ref| /
 
 usage: kv_safety_test.py PATH/TO/attnserve
 """
+import math
 import os
 import sys
 import tempfile
@@ -179,9 +180,13 @@ def expiry_races(binary, pb, rpc, checks):
     server = lib.Server(binary, "--kv-ttl-seconds", "1", "--workers", "1")
     stub = rpc.AttentionServiceStub(channel(server))
     a = stub.OpenSession(pb.OpenSessionRequest(model="demo", batch=1), timeout=30).handle
-    # Long enough to outlast the 2.9 s below with room: 6 such calls took ~2.1 s once float32
-    # went through oneDNN on an AVX-512 EPYC (they took ~4 s on OpenBLAS).
-    threads = long_queue(pb, stub, 16)
+    # A queue that outlasts the 2.9 s below with room, however fast this machine and flavour
+    # compute one long call (from ~0.1 s with a fused kernel to ~0.7 s on a plain BLAS).
+    q = lib.to_wire(pb, np.random.default_rng(3).standard_normal((1, 5000, 512)).astype(np.float32))
+    started = time.monotonic()
+    stub.Attend(pb.AttendRequest(model="demo", query=q), timeout=300)
+    one = time.monotonic() - started
+    threads = long_queue(pb, stub, min(64, max(6, math.ceil(4.5 / one) + 1)))
     x = lib.to_wire(pb, np.random.default_rng(6).standard_normal((1, 1, 512)).astype(np.float32))
     step = stub.Attend.future(pb.AttendRequest(session=a, query=x), timeout=300)
     time.sleep(0.3)
