@@ -145,30 +145,28 @@ class TorchModel final : public AttentionModel {
     const auto opts = at::TensorOptions().device(device).dtype(widen_ ? at::kFloat : dtype_);
     packed_ = spec_.kdim == e && spec_.vdim == e;
     if (packed_) {
-      // One [3E, E] matrix: self-attention projects q, k and v in a single matmul.
-      w_in_ =
+      // One [3E, E] matrix: self-attention projects q, k and v in a single matmul; q, k and v
+      // are its row blocks.
+      proj_in_.w =
           at::cat({FromHost(w.q_proj, opts), FromHost(w.k_proj, opts), FromHost(w.v_proj, opts)});
-      w_q_ = w_in_.narrow(0, 0, e);
-      w_k_ = w_in_.narrow(0, e, e);
-      w_v_ = w_in_.narrow(0, 2 * e, e);
+      proj_q_.w = proj_in_.w.narrow(0, 0, e);
+      proj_k_.w = proj_in_.w.narrow(0, e, e);
+      proj_v_.w = proj_in_.w.narrow(0, 2 * e, e);
     } else {
-      w_q_ = FromHost(w.q_proj, opts);
-      w_k_ = FromHost(w.k_proj, opts);
-      w_v_ = FromHost(w.v_proj, opts);
+      proj_q_.w = FromHost(w.q_proj, opts);
+      proj_k_.w = FromHost(w.k_proj, opts);
+      proj_v_.w = FromHost(w.v_proj, opts);
     }
     if (w.in_proj_bias) {
-      b_in_ = FromHost(*w.in_proj_bias, opts);
-      b_q_ = b_in_.narrow(0, 0, e);
-      b_k_ = b_in_.narrow(0, e, e);
-      b_v_ = b_in_.narrow(0, 2 * e, e);
+      proj_in_.b = FromHost(*w.in_proj_bias, opts);
+      proj_q_.b = proj_in_.b.narrow(0, 0, e);
+      proj_k_.b = proj_in_.b.narrow(0, e, e);
+      proj_v_.b = proj_in_.b.narrow(0, 2 * e, e);
     }
-    w_out_t_ = FromHost(w.out_proj, opts).t().contiguous();
-    if (w.out_proj_bias) b_out_ = FromHost(*w.out_proj_bias, opts);
-    proj_in_ = {w_in_, b_in_, nullptr};
-    proj_q_ = {w_q_, b_q_, nullptr};
-    proj_k_ = {w_k_, b_k_, nullptr};
-    proj_v_ = {w_v_, b_v_, nullptr};
-    proj_out_ = {w_out_t_.t(), b_out_, nullptr};
+    // out_proj.weight transposed and contiguous ([in, out], what the BLAS reads), viewed as [out,
+    // in].
+    proj_out_.w = FromHost(w.out_proj, opts).t().contiguous().t();
+    if (w.out_proj_bias) proj_out_.b = FromHost(*w.out_proj_bias, opts);
     // Projection weights packed once for oneDNN: bfloat16 on every CPU that multiplies it (the
     // products' own kernels), float32 where oneDNN's AVX-512 kernels beat the BLAS.
     if (device.is_cpu() &&
@@ -996,11 +994,10 @@ class TorchModel final : public AttentionModel {
   // kept in float32 and every matrix product runs in float32, its result rounded to bfloat16.
   bool widen_ = false;
   bool packed_ = false;
-  at::Tensor w_in_, w_q_, w_k_, w_v_;  // [3E, E] and its row blocks (or three separate matrices)
-  at::Tensor b_in_, b_q_, b_k_, b_v_;  // undefined without input biases
-  at::Tensor w_out_t_, b_out_;         // out_proj.weight transposed: [E, E]
-  Proj proj_in_, proj_q_, proj_k_, proj_v_, proj_out_;  // the above as projections
-  at::Tensor bias_k_, bias_v_;                          // [E], undefined without add_bias_kv
+  // The input projection ([3E, E], self-attention with kdim = vdim = E; undefined otherwise), q, k
+  // and v (its row blocks, or three matrices), and the output projection. Biases undefined without.
+  Proj proj_in_, proj_q_, proj_k_, proj_v_, proj_out_;
+  at::Tensor bias_k_, bias_v_;  // [E], undefined without add_bias_kv
   // How packed calls attend: kKernel = LibTorch's varlen kernels (CUDA), kEmulate = the same
   // packing by per-sequence attention (tests), kOff = per call.
   enum class Varlen { kOff, kKernel, kEmulate };
