@@ -118,13 +118,16 @@ void StreamReactor::OnReadDone(bool ok) {
   }
   Actions a;
   bool dispatch = false, undecodable = false;
+  Status lost;  // Not OK for a request read when nobody can receive its answer.
   {
     std::lock_guard<std::mutex> lock(mu_);
     reading_ = false;
     if (!ok) {
       reads_closed_ = true;  // The client half-closed (or the call ended).
     } else if (finished_ || gone_) {
-      // Read after Finish or after the client left: nobody can receive an answer.
+      // Read after Finish or after the client left: nobody can receive an answer, but the request
+      // arrived, so it is counted with the outcome its client sees.
+      lost = gone_ || finish_status_.ok() ? Undelivered() : finish_status_;
     } else if (!parsed.ok()) {
       // Without a decodable message there is no request id to answer: end the stream, after the
       // requests before it are answered, with a status that says why.
@@ -152,6 +155,7 @@ void StreamReactor::OnReadDone(bool ok) {
     Decide(&a);
   }
   if (undecodable) pipeline_.RecordUndecoded(codec_.method(), parsed);
+  if (!lost.ok()) pipeline_.RecordUndecoded(codec_.method(), lost);
   Run(std::move(a));  // computing_ counts the request read, so the call is still open after Run.
   if (dispatch) Dispatch(std::move(request));
 }
