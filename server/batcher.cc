@@ -9,6 +9,13 @@ namespace {
 
 double Seconds(SteadyClock::duration d) { return std::chrono::duration<double>(d).count(); }
 
+// The item lets go of its memory or session before `done` tells the client, so the client's next
+// call finds it idle (evictable). The engine is done with it; the cache stays alive in `call.kv`.
+void Complete(WorkItem& item, const Status& status) {
+  item.kv_entry.reset();
+  item.done(status, item);
+}
+
 bool Compatible(const WorkItem& a, const WorkItem& b) {
   return a.call.query.dtype == b.call.query.dtype && a.call.weights == b.call.weights;
 }
@@ -143,7 +150,7 @@ void Batcher::Finish(Dropped* dropped) {
                          status.code() == StatusCode::kDeadlineExceeded ? "deadline" : "cancelled");
     }
     item->queue_seconds = Seconds(SteadyClock::now() - item->accepted);
-    item->done(status, *item);
+    Complete(*item, status);
   }
   dropped->clear();
 }
@@ -173,7 +180,7 @@ void Batcher::Submit(std::unique_ptr<WorkItem> item) {
       options_.on_reject(item->model->spec().name,
                          refused.code() == StatusCode::kUnavailable ? "draining" : "queue_full");
     }
-    item->done(refused, *item);
+    Complete(*item, refused);
     return;
   }
   cv_.notify_one();
@@ -292,7 +299,7 @@ void Batcher::Run(std::vector<std::unique_ptr<WorkItem>> batch) {
     raw.push_back(item.get());
   }
   if (options_.on_batch) options_.on_batch(model->spec().name, raw, compute);
-  for (size_t i = 0; i < batch.size(); ++i) batch[i]->done(statuses[i], *batch[i]);
+  for (size_t i = 0; i < batch.size(); ++i) Complete(*batch[i], statuses[i]);
 }
 
 }  // namespace attnserve

@@ -27,8 +27,9 @@ struct WorkItem {
   /// Held until the item is destroyed: a model that a reload replaced or removed finishes what it
   /// accepted and unloads after its last item.
   std::shared_ptr<const AttentionModel> model;
-  /// The memory or session the call uses (a KvEntry), held the same way: an evicted or closed one
-  /// stays allocated, and counted, until its last request is done.
+  /// The memory or session the call uses (a KvEntry), held the same way while the item waits and
+  /// computes: an evicted or closed one stays allocated, and counted, until its last request is
+  /// computed. Let go of before `done` runs, so the client told finds it idle.
   std::shared_ptr<const void> kv_entry;
   AttendCall call;
   AttendOutputs outputs;
@@ -36,7 +37,8 @@ struct WorkItem {
   SteadyClock::time_point deadline = SteadyClock::time_point::max();
   /// Polled while queued; true drops the item with CANCELLED.
   std::function<bool()> cancelled;
-  /// Runs exactly once, on a worker thread (or the submitter's when refused), with the outcome.
+  /// Runs exactly once, on a worker thread (or the submitter's when refused), with the outcome;
+  /// whatever it captures of the memory or session it lets go of before telling the client.
   std::function<void(const Status&, const WorkItem&)> done;
 
   // Filled on completion.

@@ -150,9 +150,11 @@ void RequestPipeline::Attend(const char* method, Exchange* x, CallContext call,
   // A session step counts once its answer is computed in time for the client; refused or failed at
   // any point, or computed too late, the session is as it was. It ends before the answer leaves,
   // so the client's next step finds it idle.
-  auto finish = [step, call = std::move(call), done = std::move(done)](const Status& result) {
+  auto finish = [step = std::move(step), call = std::move(call),
+                 done = std::move(done)](const Status& result) mutable {
     const Status seen = Deliverable(call, result, step != nullptr);
     if (step) step->End(seen.ok());
+    step.reset();  // Idle and not held: the client's next call may evict it.
     done(seen);
   };
   if (!st.ok()) {
@@ -322,8 +324,8 @@ void RequestPipeline::CreateMemory(const v1::CreateMemoryRequest& req, CallConte
   }
   item->kv_entry = entry;
   const int64_t length = item->call.key_len;
-  item->done = [this, name, received, entry, length, held, resp, done = std::move(done)](
-                   Status st, const WorkItem&) {
+  item->done = [this, name, received, entry = std::move(entry), length, held, resp,
+                done = std::move(done)](Status st, const WorkItem&) mutable {
     Unreserve(held);
     if (st.ok()) st = kv_.MarkReady(entry, length);
     if (st.ok()) {
@@ -331,6 +333,7 @@ void RequestPipeline::CreateMemory(const v1::CreateMemoryRequest& req, CallConte
     } else {
       kv_.Discard(entry);
     }
+    entry.reset();  // Not held once told: the client's next call may evict it.
     RecordCall(name, "CreateMemory", st, received);
     done(st);
   };

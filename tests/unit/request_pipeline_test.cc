@@ -25,7 +25,7 @@ class RequestPipelineTest : public ::testing::Test {
  protected:
   void SetUp() override { Build(FlowLimits{}); }
 
-  void Build(const FlowLimits& flow) {
+  void Build(const FlowLimits& flow, const KvOptions& kv = {}) {
     pipeline_.reset();
     auto opened = ModelRepository::Open("", EngineOptions());
     ASSERT_TRUE(opened.ok()) << opened.status().message();
@@ -33,7 +33,7 @@ class RequestPipelineTest : public ::testing::Test {
     BatcherOptions options;
     options.workers = 1;
     batcher_ = std::make_unique<Batcher>(options);
-    kv_ = std::make_unique<KvStore>(KvOptions{});
+    kv_ = std::make_unique<KvStore>(kv);
     pipeline_ = std::make_unique<RequestPipeline>(*models_, *batcher_, metrics_, AttendLimits{},
                                                   flow, *kv_);
   }
@@ -183,6 +183,76 @@ TEST_F(RequestPipelineTest, ASessionStepTheClientCannotReceiveIsNotApplied) {
   EXPECT_GT(freed.bytes_freed(), 0);
   EXPECT_EQ(pipeline_->Release("CloseSession", KvKind::kSession, close, &freed).code(),
             StatusCode::kNotFound);
+  EXPECT_TRUE(Idle());
+}
+
+// A client is told its answer only once the request has let go of its memory or session, so the
+// client's next call can evict it at once: no RESOURCE_EXHAUSTED for room that only an answered
+// request still held. The probe runs where the client is told (in `done`): it needs room that only
+// evicting the request's memory or session makes.
+TEST_F(RequestPipelineTest, AnAnsweredRequestNoLongerHoldsItsMemoryOrSession) {
+  KvOptions kv;
+  kv.budget_bytes = 60000;  // One 10-token memory of the demo model is 41,000 bytes.
+  kv.max_entry_bytes = 60000;
+  Build(FlowLimits{}, kv);
+  auto model = models_->Snapshot()->Lookup("demo", 0);
+  ASSERT_TRUE(model.ok());
+  const auto evicts_the_rest = [&]() -> Status {
+    auto probe = kv_->Create(KvKind::kMemory, *model, (*model)->NewKvCache(), 1, 10);
+    if (!probe.ok()) return probe.status();
+    RETURN_IF_ERROR(kv_->MarkReady(*probe, 10));
+    const std::string handle = (*probe)->handle;
+    probe->reset();
+    return kv_->Release(handle, KvKind::kMemory).status();
+  };
+  const auto create_memory = [&](v1::KvHandle* handle, bool probe) {
+    v1::CreateMemoryRequest req;
+    req.set_model("demo");
+    const v1::AttendRequest kv_tokens = Request(10);
+    *req.mutable_key() = kv_tokens.query();
+    *req.mutable_value() = kv_tokens.query();
+    std::promise<std::pair<Status, Status>> told;
+    pipeline_->CreateMemory(req, {}, handle, [&](const Status& st) {
+      told.set_value({st, probe ? evicts_the_rest() : Status::Ok()});
+    });
+    return told.get_future().get();
+  };
+  const auto attend = [&](Exchange* x) {
+    std::promise<std::pair<Status, Status>> told;
+    pipeline_->Attend("Attend", x, {}, [&](const Status& st) {
+      told.set_value({st, evicts_the_rest()});
+    });
+    auto got = told.get_future().get();
+    pipeline_->Record("Attend", x, got.first);
+    return got;
+  };
+
+  v1::KvHandle memory;
+  auto [created, probe1] = create_memory(&memory, true);
+  ASSERT_TRUE(created.ok()) << created.ToString();
+  EXPECT_TRUE(probe1.ok()) << "told CreateMemory's answer: " << probe1.ToString();
+
+  ASSERT_TRUE(create_memory(&memory, false).first.ok());  // The probe evicted the first.
+  Exchange read;
+  read.request = Request(3);
+  read.request.set_model("");
+  read.request.set_memory(memory.handle());
+  auto [answered, probe2] = attend(&read);
+  ASSERT_TRUE(answered.ok()) << answered.ToString();
+  EXPECT_TRUE(probe2.ok()) << "told an answer from a memory: " << probe2.ToString();
+
+  v1::OpenSessionRequest open;
+  open.set_model("demo");
+  open.set_batch(1);
+  v1::KvHandle session;
+  ASSERT_TRUE(pipeline_->OpenSession(open, &session).ok());
+  Exchange step;
+  step.request = Request(8);
+  step.request.set_model("");
+  step.request.set_session(session.handle());
+  auto [stepped, probe3] = attend(&step);
+  ASSERT_TRUE(stepped.ok()) << stepped.ToString();
+  EXPECT_TRUE(probe3.ok()) << "told a session step's answer: " << probe3.ToString();
   EXPECT_TRUE(Idle());
 }
 
