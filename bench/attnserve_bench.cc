@@ -18,9 +18,9 @@
 
 #include "attnserve/client.h"
 #include "client/cli/client_flags.h"
+#include "server/core/validator.h"
 #include "server/engine/attention_model.h"
-#include "server/engine/model_loader.h"
-#include "server/validator.h"
+#include "server/models/model_loader.h"
 
 namespace {
 

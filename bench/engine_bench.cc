@@ -14,11 +14,11 @@
 
 #include <random>
 
+#include "server/core/types.h"
+#include "server/core/validator.h"
 #include "server/engine/attention_model.h"
-#include "server/engine/model_loader.h"
 #include "server/engine/onednn.h"
-#include "server/types.h"
-#include "server/validator.h"
+#include "server/models/model_loader.h"
 
 namespace {
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Keys and values kept on the server versus resent with every request (issue 10), one run, side by
+# Keys and values kept on the server versus resent with every request, one run, side by
 # side: attnserve-kv-bench's six modes against one attnserve (built-in demo model, E=512, H=8), then
 # a second attnserve with a small --kv-budget-bytes for the eviction figures (server memory from
 # /proc and the attnserve_kv_* metrics). Writes bench/out-kv/ (results.jsonl, decode.csv, the plot

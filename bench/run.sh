@@ -10,7 +10,7 @@
 # Workloads: W1 (32 callers, L 8-64), W2 (32 callers, L 16-512, half cross-attention), W3 (one
 # caller, L=128), L1024 (one caller, L=1024). Then attnserve alone on one core (taskset -c 0) against
 # all cores, with one caller (the same binary). Prints one table with ratios against floor, python
-# and ray, the goals, and plots p99 latency against offered load (bench/out/p99_vs_load.png).
+# and ray, the goals, and plots p99 latency against offered load (bench/out/p99_vs_load.png).
 # Clients: against the same `on` server, W1 and W3 also through Python clients (bench/python_clients.py,
 # one thread and one client per caller): "oip" = unmodified tritonclient 2.73 (ModelInfer), "pypkg" =
 # the attnserve package (client/python); their cost over the C++ client is printed as ratios.

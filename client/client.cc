@@ -209,6 +209,19 @@ struct Client::Impl {
     }
     return s.get();
   }
+  // One unary call on the memory or session `handle`: deadline and token set, sent to the replica
+  // that holds it, and a failure for want of that replica explained.
+  template <typename Request, typename Response>
+  CallStatus Kept(const std::string& handle, const CallOptions& call,
+                  grpc::Status (pb::AttentionService::Stub::*rpc)(grpc::ClientContext*,
+                                                                  const Request&, Response*),
+                  const Request& req, Response* resp) {
+    grpc::ClientContext ctx;
+    Prepare(&ctx, call);
+    std::string replica;
+    pb::AttentionService::Stub* to = Routed(handle, &ctx, &replica);
+    return Explained(FromGrpc((to->*rpc)(&ctx, req, resp)), replica);
+  }
   // Names the replica when a call routed to it failed for want of it.
   static CallStatus Explained(CallStatus s, const std::string& replica) {
     if (!replica.empty() && (s.code == 14 || s.code == 4)) {
@@ -539,56 +552,50 @@ CallStatus Client::OpenSession(const std::string& model, int64_t batch, KvInfo* 
 }
 
 CallStatus Client::ForkSession(const std::string& handle, KvInfo* fork, const CallOptions& call) {
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx, call);
   pb::ForkSessionRequest req;
   req.set_handle(handle);
   pb::KvHandle resp;
-  std::string replica;
-  const grpc::Status s = impl_->Routed(handle, &ctx, &replica)->ForkSession(&ctx, req, &resp);
+  const CallStatus s =
+      impl_->Kept(handle, call, &pb::AttentionService::Stub::ForkSession, req, &resp);
   if (s.ok()) {
     *fork = FromWire(resp);
     impl_->routes.Remember(resp.handle(), KvRoute{resp.replica()});  // The parent's replica.
   }
-  return Impl::Explained(FromGrpc(s), replica);
+  return s;
 }
 
 CallStatus Client::TruncateSession(const std::string& handle, int64_t length, KvInfo* session,
                                    const CallOptions& call) {
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx, call);
   pb::TruncateSessionRequest req;
   req.set_handle(handle);
   req.set_length(length);
   pb::KvHandle resp;
-  std::string replica;
-  const grpc::Status s = impl_->Routed(handle, &ctx, &replica)->TruncateSession(&ctx, req, &resp);
+  const CallStatus s =
+      impl_->Kept(handle, call, &pb::AttentionService::Stub::TruncateSession, req, &resp);
   if (s.ok() && session != nullptr) *session = FromWire(resp);
-  return Impl::Explained(FromGrpc(s), replica);
+  return s;
 }
 
 CallStatus Client::DeleteMemory(const std::string& handle, const CallOptions& call) {
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx, call);
   pb::ReleaseRequest req;
   req.set_handle(handle);
   pb::ReleaseResponse resp;
-  std::string replica;
-  const grpc::Status s = impl_->Routed(handle, &ctx, &replica)->DeleteMemory(&ctx, req, &resp);
-  if (s.ok() || s.error_code() == grpc::StatusCode::NOT_FOUND) impl_->routes.Forget(handle);
-  return Impl::Explained(FromGrpc(s), replica);
+  const CallStatus s =
+      impl_->Kept(handle, call, &pb::AttentionService::Stub::DeleteMemory, req, &resp);
+  if (s.ok() || s.code == static_cast<int>(grpc::StatusCode::NOT_FOUND))
+    impl_->routes.Forget(handle);
+  return s;
 }
 
 CallStatus Client::CloseSession(const std::string& handle, const CallOptions& call) {
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx, call);
   pb::ReleaseRequest req;
   req.set_handle(handle);
   pb::ReleaseResponse resp;
-  std::string replica;
-  const grpc::Status s = impl_->Routed(handle, &ctx, &replica)->CloseSession(&ctx, req, &resp);
-  if (s.ok() || s.error_code() == grpc::StatusCode::NOT_FOUND) impl_->routes.Forget(handle);
-  return Impl::Explained(FromGrpc(s), replica);
+  const CallStatus s =
+      impl_->Kept(handle, call, &pb::AttentionService::Stub::CloseSession, req, &resp);
+  if (s.ok() || s.code == static_cast<int>(grpc::StatusCode::NOT_FOUND))
+    impl_->routes.Forget(handle);
+  return s;
 }
 
 CallStatus Client::Health(const std::string& service, bool* serving, const CallOptions& call) {

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Runs the test binaries under sanitizers, each in its own build tree:
-#   build-asan: AddressSanitizer + UndefinedBehaviorSanitizer (leaks too): unit, batcher, integration
-#   build-tsan: ThreadSanitizer: batcher tests (worker threads over a fake and the real engine) and
+#   build-asan: AddressSanitizer + UndefinedBehaviorSanitizer (leaks too): every room's unit tests
+#               and the integration tests
+#   build-tsan: ThreadSanitizer: the unit tests of the rooms with threads or shared state (worker
+#               threads over a fake and the real engine, the store from several threads) and the
 #               integration tests (real server and clients). ignore_noninstrumented_modules=1: the
 #               memcpy calls inside Debian's uninstrumented gRPC/protobuf/libstdc++ are not tracked,
 #               since TSan cannot see those libraries' synchronization anyway; without it every
@@ -28,10 +30,16 @@ run() {  # name, command...
     failed=$((failed + 1)); echo "sanitizers: $name FAILED"; grep -h -B2 -A30 -m3 -E 'ERROR: |WARNING: ThreadSanitizer|runtime error|FAILED' "$log_dir/$name.log" | head -80
   fi
 }
+# One unit-test binary per room (tests/CMakeLists.txt); ThreadSanitizer runs those whose rooms keep
+# threads or state shared between them.
+unit=(attnserve_core_tests attnserve_weights_tests attnserve_engine_tests attnserve_models_tests
+  attnserve_kv_tests attnserve_pipeline_tests attnserve_grpc_tests attnserve_oip_tests attnserve_process_tests)
+threaded=(attnserve_models_tests attnserve_kv_tests attnserve_pipeline_tests attnserve_grpc_tests
+  attnserve_oip_tests attnserve_process_tests)
 for kind in "${kinds[@]}"; do
   case "$kind" in
-    asan) flags=address,undefined; targets=(attnserve_unit_tests attnserve_batcher_tests attnserve_integration_tests) ;;
-    tsan) flags=thread; targets=(attnserve_batcher_tests attnserve_integration_tests) ;;
+    asan) flags=address,undefined; targets=("${unit[@]}" attnserve_integration_tests) ;;
+    tsan) flags=thread; targets=("${threaded[@]}" attnserve_integration_tests) ;;
     *) echo "usage: tools/sanitize.sh [asan|tsan]..." >&2; exit 2 ;;
   esac
   build=build-$kind

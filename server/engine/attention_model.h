@@ -5,10 +5,10 @@
 #include <string>
 #include <vector>
 
-#include "server/engine/model_weights.h"
+#include "server/core/status.h"
+#include "server/core/types.h"
 #include "server/engine/parallel.h"
-#include "server/status.h"
-#include "server/types.h"
+#include "server/weights/model_weights.h"
 
 namespace attnserve {
 

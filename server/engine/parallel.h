@@ -1,6 +1,6 @@
 #pragma once
-// Splitting one batch's compute across cores that are idle at the moment (STYLE 17: a lone request
-// gets the whole machine, a busy machine gets full batches). The engine cuts its work into pieces
+// Splitting one batch's compute across cores that are idle at the moment (a lone request gets the
+// whole machine, a busy machine gets full batches). The engine cuts its work into pieces
 // (projection rows, query blocks, requests) and hands them to a Parallel; who runs the pieces is
 // the caller's business: the batcher lends its idle compute threads, a benchmark or test its own
 // pool. Every piece runs single-threaded LibTorch and BLAS on one thread, so answers are what they

@@ -17,12 +17,12 @@
 #include <string>
 #include <utility>
 
-#include "server/checked_math.h"
+#include "server/core/checked_math.h"
+#include "server/core/packing_plan.h"
 #include "server/engine/attention_model.h"
 #include "server/engine/blas.h"
 #include "server/engine/device_support.h"
 #include "server/engine/onednn.h"
-#include "server/engine/packing_plan.h"
 #include "server/engine/torch_compat.h"
 #include "server/engine/torch_kv.h"
 

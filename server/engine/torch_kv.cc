@@ -6,7 +6,7 @@
 #include <stdexcept>
 #include <utility>
 
-#include "server/checked_math.h"
+#include "server/core/checked_math.h"
 
 namespace attnserve {
 

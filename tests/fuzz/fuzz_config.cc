@@ -1,7 +1,7 @@
 // A model directory's config.json.
 #include <string>
 
-#include "server/engine/model_loader.h"
+#include "server/models/model_loader.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   (void)attnserve::ParseModelConfig(std::string(reinterpret_cast<const char*>(data), size),

@@ -4,10 +4,10 @@
 // the refusal paths are reached too.
 #include <grpcpp/support/byte_buffer.h>
 
-#include "server/grpc_codec.h"
-#include "server/oip_codec.h"
-#include "server/validator.h"
-#include "server/wire.h"
+#include "server/core/validator.h"
+#include "server/core/wire.h"
+#include "server/grpc/grpc_codec.h"
+#include "server/oip/oip_codec.h"
 
 namespace {
 

@@ -1,7 +1,7 @@
 // A safetensors weights file: parse, then map to nn.MultiheadAttention weights.
 #include <string>
 
-#include "server/engine/safetensors.h"
+#include "server/weights/safetensors.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string bytes(reinterpret_cast<const char*>(data), size);

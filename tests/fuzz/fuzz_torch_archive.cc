@@ -1,7 +1,7 @@
 // A torch.save() archive: zip container and pickle, then map to nn.MultiheadAttention weights.
 #include <string>
 
-#include "server/engine/torch_archive.h"
+#include "server/weights/torch_archive.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string bytes(reinterpret_cast<const char*>(data), size);

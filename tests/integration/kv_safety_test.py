@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""Kept keys and values under hostile input and races, through the real server and wire (issue 17).
+"""Kept keys and values under hostile input and races, through the real server and wire.
 
 - A session step whose query shape claims ~2^62 tokens (batch-first, sequence-first, B=2; no data)
   is refused with INVALID_ARGUMENT and leaves the session and the byte budget as they were: the

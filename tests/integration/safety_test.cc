@@ -1,6 +1,5 @@
 // AttendStream and the unary path under cancellation, shutdown, flood, oversize answers, memory
-// pressure and deadlines (issue "Correct and safe under concurrent load", items 2 and 3). Real
-// server in-process, real wire, real /metrics.
+// pressure and deadlines. Real server in-process, real wire, real /metrics.
 #include <gmock/gmock.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
@@ -387,6 +386,27 @@ TEST(DeadlineTest, UnaryCallsRacingShutdownGetOkOrUnavailable) {
     for (const auto& [code, n] : codes) {
       EXPECT_TRUE(code == 0 || code == 14) << n << " calls got code " << code;
     }
+  }
+}
+
+// --lingering-close: on (the default), a stopping server holds its client connections until they
+// are read; off, it holds none and they close as gRPC closes them.
+TEST(LingeringCloseTest, ConnectionsAreHeldOnStopOnlyWhenItIsOn) {
+  for (const bool on : {true, false}) {
+    auto server = StartServer([on](ServerOptions& o) { o.lingering_close = on; });
+    ASSERT_TRUE(server);
+    auto stub = StubFor(*server);
+    grpc::ClientContext ctx;
+    v1::ListModelsResponse models;
+    ASSERT_TRUE(stub->ListModels(&ctx, v1::ListModelsRequest(), &models).ok());
+    const std::shared_ptr<const ShutdownOutcome> outcome = server->shutdown_outcome();
+    EXPECT_GE(TimedShutdown(*server, std::chrono::seconds(20)), 0) << "Shutdown hung";
+    if (on) {
+      EXPECT_GE(outcome->connections_held.load(), 1) << "the client's connection was not held";
+    } else {
+      EXPECT_EQ(outcome->connections_held.load(), 0);
+    }
+    EXPECT_EQ(outcome->connections_unread.load(), 0);
   }
 }
 

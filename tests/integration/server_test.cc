@@ -1,6 +1,6 @@
 // The real server in-process on 127.0.0.1:0, the real C++ client over the real wire, and a real
 // /metrics scrape. Servers are few and shared (each start loads the model and binds its ports).
-#include "server/server.h"
+#include "server/process/server.h"
 
 #include <arpa/inet.h>
 #include <gmock/gmock.h>
@@ -28,8 +28,8 @@
 
 #include "attnserve/client.h"
 #include "attnserve/v1/attention.grpc.pb.h"
-#include "server/batcher.h"
-#include "server/grpc_status.h"
+#include "server/grpc/grpc_status.h"
+#include "server/pipeline/batcher.h"
 #include "tests/integration/test_support.h"
 
 namespace attnserve {

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "attnserve/client.h"
-#include "server/server.h"
+#include "server/process/server.h"
 
 namespace attnserve::testing {
 

@@ -1,7 +1,7 @@
 // Threads created with a small explicit stack (civetweb's 100 KiB, under the metrics exporter)
 // must start and get the stack they asked for, although this process carries ~105 KB of static
 // TLS (LibTorch, glog, the pthread OpenBLAS) that glibc places inside every thread's stack.
-#include "server/thread_stacks.h"
+#include "server/process/thread_stacks.h"
 
 #include <gtest/gtest.h>
 #include <pthread.h>

@@ -12,10 +12,10 @@
 #include <string>
 #include <vector>
 
-#include "server/checked_math.h"
+#include "server/core/checked_math.h"
+#include "server/core/validator.h"
 #include "server/engine/attention_model.h"
-#include "server/kv_store.h"
-#include "server/validator.h"
+#include "server/kv/kv_store.h"
 #include "tests/lib/mha_reference.h"
 
 namespace attnserve::testing {

@@ -1,5 +1,5 @@
 #pragma once
-// A model check of the keys and values kept between requests (STYLE 15). It decodes a stream of
+// A model check of the keys and values kept between requests. It decodes a stream of
 // choices into operations on a KvStore and the LibTorch engine, in the order the service runs them:
 // sessions opened, stepped (BeginStep, validation, Reserve, computed or failed at each stage,
 // several in flight, racing on one session), closed; memories created (validated, or raw with any
@@ -11,7 +11,7 @@
 // why; a failed operation changes nothing; a removed entry answers NOT_FOUND with its reason; each
 // computed answer equals its one-call form (a session step: one causal self-attention over the
 // applied tokens). Used by the libFuzzer target tests/fuzz/fuzz_kv_store.cc and
-// tests/unit/kv_property_test.cc.
+// tests/unit/kv/kv_property_test.cc.
 
 #include <cstdint>
 #include <functional>

@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "server/engine/model_weights.h"
-#include "tests/unit/test_util.h"
+#include "server/weights/model_weights.h"
+#include "tests/lib/test_util.h"
 
 namespace attnserve::testing {
 

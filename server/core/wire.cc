@@ -1,0 +1,124 @@
+#include "server/core/wire.h"
+
+namespace attnserve {
+namespace {
+
+Status ViewOf(const char* field, const pb::Tensor& t, TensorView* view) {
+  switch (t.dtype()) {
+    case pb::DATA_TYPE_FLOAT32:
+      view->dtype = DType::kFloat32;
+      break;
+    case pb::DATA_TYPE_FLOAT16:
+      view->dtype = DType::kFloat16;
+      break;
+    case pb::DATA_TYPE_BFLOAT16:
+      view->dtype = DType::kBFloat16;
+      break;
+    case pb::DATA_TYPE_BOOL:
+      view->dtype = DType::kBool;
+      break;
+    default:
+      return InvalidArgument(std::string(field) + ": dtype " + std::to_string(t.dtype()) +
+                             " is not allowed; expected FLOAT32, FLOAT16, BFLOAT16 or BOOL");
+  }
+  view->shape.assign(t.shape().begin(), t.shape().end());
+  if (view->shape.empty()) {
+    return InvalidArgument(std::string(field) +
+                           ": shape is empty; expected at least one dimension");
+  }
+  view->data = t.data().data();
+  view->nbytes = t.data().size();
+  return Status::Ok();
+}
+
+Status OptionalView(const char* field, bool present, const pb::Tensor& t,
+                    std::optional<TensorView>* view) {
+  if (!present) return Status::Ok();
+  view->emplace();
+  return ViewOf(field, t, &**view);
+}
+
+Status LayoutFromWire(int layout, AttendCall* call) {
+  switch (layout) {
+    case pb::LAYOUT_UNSPECIFIED:
+    case pb::LAYOUT_BATCH_FIRST:
+      call->layout = TensorLayout::kBatchFirst;
+      return Status::Ok();
+    case pb::LAYOUT_SEQUENCE_FIRST:
+      call->layout = TensorLayout::kSequenceFirst;
+      return Status::Ok();
+    default:
+      return InvalidArgument("layout: " + std::to_string(layout) +
+                             " is not allowed; expected BATCH_FIRST (1) or SEQUENCE_FIRST (2)");
+  }
+}
+
+}  // namespace
+
+Status FromWire(const pb::AttendRequest& r, AttendCall* call) {
+  if (!r.has_query()) return InvalidArgument("query: missing; expected a tensor");
+  RETURN_IF_ERROR(ViewOf("query", r.query(), &call->query));
+  RETURN_IF_ERROR(OptionalView("key", r.has_key(), r.key(), &call->key));
+  RETURN_IF_ERROR(OptionalView("value", r.has_value(), r.value(), &call->value));
+  RETURN_IF_ERROR(OptionalView("key_padding_mask", r.has_key_padding_mask(), r.key_padding_mask(),
+                               &call->key_padding_mask));
+  RETURN_IF_ERROR(OptionalView("attn_mask", r.has_attn_mask(), r.attn_mask(), &call->attn_mask));
+  call->is_causal = r.is_causal();
+  switch (r.attn_weights()) {
+    case pb::ATTN_WEIGHTS_NONE:
+      call->weights = WeightsMode::kNone;
+      break;
+    case pb::ATTN_WEIGHTS_AVERAGED:
+      call->weights = WeightsMode::kAveraged;
+      break;
+    case pb::ATTN_WEIGHTS_PER_HEAD:
+      call->weights = WeightsMode::kPerHead;
+      break;
+    default:
+      return InvalidArgument("attn_weights: " + std::to_string(r.attn_weights()) +
+                             " is not allowed; expected NONE (0), AVERAGED (1) or PER_HEAD (2)");
+  }
+  RETURN_IF_ERROR(LayoutFromWire(r.layout(), call));
+  if (!r.session().empty()) call->is_causal = true;  // A session's steps are causal.
+  return Status::Ok();
+}
+
+Status FromWire(const pb::CreateMemoryRequest& r, AttendCall* call) {
+  RETURN_IF_ERROR(OptionalView("key", r.has_key(), r.key(), &call->key));
+  RETURN_IF_ERROR(OptionalView("value", r.has_value(), r.value(), &call->value));
+  RETURN_IF_ERROR(OptionalView("key_padding_mask", r.has_key_padding_mask(), r.key_padding_mask(),
+                               &call->key_padding_mask));
+  return LayoutFromWire(r.layout(), call);
+}
+
+pb::DataType ToWire(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return pb::DATA_TYPE_FLOAT32;
+    case DType::kFloat16:
+      return pb::DATA_TYPE_FLOAT16;
+    case DType::kBFloat16:
+      return pb::DATA_TYPE_BFLOAT16;
+    case DType::kBool:
+      return pb::DATA_TYPE_BOOL;
+  }
+  return pb::DATA_TYPE_UNSPECIFIED;
+}
+
+void ToWire(const ModelSpec& s, pb::ModelInfo* info) {
+  info->set_name(s.name);
+  info->set_embed_dim(s.embed_dim);
+  info->set_num_heads(s.num_heads);
+  info->set_kdim(s.kdim);
+  info->set_vdim(s.vdim);
+  info->set_bias(s.bias);
+  info->set_add_bias_kv(s.add_bias_kv);
+  info->set_add_zero_attn(s.add_zero_attn);
+  info->set_compute_dtype(ToWire(s.compute_dtype));
+  info->set_device(s.device);
+  info->set_weights_hash(s.weights_hash);
+  info->set_source(s.source);
+  info->set_version(s.version);
+}
+
+}  // namespace attnserve

@@ -1,0 +1,35 @@
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "attnserve/v1/attention.pb.h"
+#include "server/core/status.h"
+#include "server/core/types.h"
+
+namespace attnserve {
+
+namespace pb = ::attnserve::v1;
+
+/// An answer in parts: the response's fields with the tensors' dtype and shape but no data, and the
+/// tensors' bytes, which the engine wrote in place. Each front end encodes it its own way
+/// (attnserve.v1 over gRPC: grpc_codec.h's EncodeResponse, without copying the bytes).
+struct AttendAnswer {
+  pb::AttendResponse meta;
+  std::unique_ptr<std::string> output;
+  std::unique_ptr<std::string> weights;  ///< Null when no attention weights were asked for.
+};
+
+/// Builds the engine's view of `request` without copying tensor bytes: the views point into
+/// `request`, which must outlive `call`. Rejects unknown enum values (INVALID_ARGUMENT).
+Status FromWire(const pb::AttendRequest& request, AttendCall* call);
+/// The same for CreateMemory's key, value, key_padding_mask and layout (no query).
+Status FromWire(const pb::CreateMemoryRequest& request, AttendCall* call);
+
+/// Wire dtype of a domain dtype.
+pb::DataType ToWire(DType dtype);
+
+/// Fills a ModelInfo.
+void ToWire(const ModelSpec& spec, pb::ModelInfo* info);
+
+}  // namespace attnserve

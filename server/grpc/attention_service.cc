@@ -1,0 +1,143 @@
+#include "server/grpc/attention_service.h"
+
+#include "server/grpc/grpc_call.h"
+#include "server/grpc/grpc_codec.h"
+#include "server/grpc/grpc_status.h"
+#include "server/grpc/stream_reactor.h"
+
+namespace attnserve {
+namespace {
+
+/// A unary call whose request message never arrived: the client cancelled before sending it, or
+/// half-closed without one. (An empty message is a valid, empty AttendRequest.) Which of the two it
+/// was is only certain once the call is done, so the outcome is recorded in OnDone.
+class NoMessageReactor final : public grpc::ServerUnaryReactor {
+ public:
+  NoMessageReactor(RequestPipeline& pipeline, CallCounter& calls, grpc::CallbackServerContext* ctx)
+      : pipeline_(pipeline), calls_(calls), ctx_(ctx) {
+    calls_.Begin();
+    Finish(ToGrpcStatus(kRefusal));
+  }
+  void OnDone() override {
+    calls_.End(ctx_->IsCancelled());
+    pipeline_.RecordUndecoded(
+        "Attend", ctx_->IsCancelled()
+                      ? Status(StatusCode::kCancelled, "cancelled before its request arrived")
+                      : kRefusal);
+    delete this;
+  }
+
+ private:
+  inline static const Status kRefusal = InvalidArgument(
+      "request: no request message arrived (the client half-closed without one); "
+      "Attend takes exactly one AttendRequest");
+  RequestPipeline& pipeline_;
+  CallCounter& calls_;
+  grpc::CallbackServerContext* ctx_;
+};
+
+/// AttendStream's messages: AttendRequest in, AttendResponse out (an error travels in `error`).
+class AttendStreamCodec final : public StreamCodec {
+ public:
+  const char* method() const override { return "AttendStream"; }
+  Status Decode(const grpc::ByteBuffer& bytes, std::unique_ptr<Exchange>* x, Status*,
+                std::string*) override {
+    *x = std::make_unique<Exchange>();
+    return ParseRequest(bytes, &(*x)->request);
+  }
+  grpc::ByteBuffer Encode(Exchange* x, const Status& status) override {
+    if (status.ok()) return EncodeAnswer(&x->answer);
+    v1::AttendResponse meta;
+    meta.set_request_id(x->request.request_id());
+    meta.mutable_error()->set_code(static_cast<int>(ToGrpcCode(status.code())));
+    meta.mutable_error()->set_message(status.message());
+    return EncodeResponse(meta, nullptr, nullptr);
+  }
+};
+
+}  // namespace
+
+AttentionServiceImpl::AttentionServiceImpl(RequestPipeline& pipeline, CallCounter& calls)
+    : pipeline_(pipeline), calls_(calls), stream_codec_(std::make_unique<AttendStreamCodec>()) {}
+
+AttentionServiceImpl::~AttentionServiceImpl() = default;
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerContext* ctx,
+                                                       const grpc::ByteBuffer* req,
+                                                       grpc::ByteBuffer* resp) {
+  if (!req->Valid()) return new NoMessageReactor(pipeline_, calls_, ctx);
+  auto* reactor = NewUnaryReactor(calls_, ctx);  // Counted open from here, while it decodes too.
+  auto x = std::make_unique<Exchange>();
+  const Status parsed = ParseRequest(*req, &x->request);
+  if (!parsed.ok()) {
+    pipeline_.RecordUndecoded("Attend", parsed);
+    reactor->Finish(ToGrpcStatus(parsed));
+    return reactor;
+  }
+  Exchange* raw = x.release();
+  pipeline_.Attend("Attend", raw, CallOf(ctx), [this, raw, reactor, resp](const Status& seen) {
+    if (seen.ok()) *resp = EncodeAnswer(&raw->answer);
+    pipeline_.Record("Attend", raw, seen);
+    delete raw;
+    reactor->Finish(ToGrpcStatus(seen));
+  });
+  return reactor;
+}
+
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionServiceImpl::AttendStream(
+    grpc::CallbackServerContext* ctx) {
+  return new StreamReactor(pipeline_, calls_, *stream_codec_, ctx);
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(grpc::CallbackServerContext* ctx,
+                                                           const v1::ListModelsRequest*,
+                                                           v1::ListModelsResponse* resp) {
+  pipeline_.ListModels(resp);
+  return Finished(calls_, ctx, Status::Ok());
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::GetModel(grpc::CallbackServerContext* ctx,
+                                                         const v1::GetModelRequest* req,
+                                                         v1::ModelInfo* resp) {
+  return Finished(calls_, ctx, pipeline_.GetModel(*req, resp));
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::CreateMemory(grpc::CallbackServerContext* ctx,
+                                                             const v1::CreateMemoryRequest* req,
+                                                             v1::KvHandle* resp) {
+  auto* reactor = NewUnaryReactor(calls_, ctx);
+  pipeline_.CreateMemory(*req, CallOf(ctx), resp,
+                         [reactor](const Status& st) { reactor->Finish(ToGrpcStatus(st)); });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::ForkSession(grpc::CallbackServerContext* ctx,
+                                                            const v1::ForkSessionRequest* req,
+                                                            v1::KvHandle* resp) {
+  return Finished(calls_, ctx, pipeline_.ForkSession(*req, resp));
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::TruncateSession(
+    grpc::CallbackServerContext* ctx, const v1::TruncateSessionRequest* req, v1::KvHandle* resp) {
+  return Finished(calls_, ctx, pipeline_.TruncateSession(*req, resp));
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::OpenSession(grpc::CallbackServerContext* ctx,
+                                                            const v1::OpenSessionRequest* req,
+                                                            v1::KvHandle* resp) {
+  return Finished(calls_, ctx, pipeline_.OpenSession(*req, resp));
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::DeleteMemory(grpc::CallbackServerContext* ctx,
+                                                             const v1::ReleaseRequest* req,
+                                                             v1::ReleaseResponse* resp) {
+  return Finished(calls_, ctx, pipeline_.Release("DeleteMemory", KvKind::kMemory, *req, resp));
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::CloseSession(grpc::CallbackServerContext* ctx,
+                                                             const v1::ReleaseRequest* req,
+                                                             v1::ReleaseResponse* resp) {
+  return Finished(calls_, ctx, pipeline_.Release("CloseSession", KvKind::kSession, *req, resp));
+}
+
+}  // namespace attnserve

@@ -1,0 +1,148 @@
+#include "server/grpc/grpc_codec.h"
+
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
+#include <google/protobuf/stubs/logging.h>
+#include <google/protobuf/wire_format_lite.h>
+#include <grpcpp/support/proto_buffer_reader.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+
+namespace attnserve {
+namespace {
+
+namespace gp = google::protobuf;
+namespace pb = ::attnserve::v1;
+
+// Protobuf logs an ERROR line for every message it fails to parse (e.g. a string field that is not
+// UTF-8). Those are a client's bad input, which the client is told about in its status: writing
+// them per request would let any client fill the log and, once a log pipe is slow or unread,
+// block the server's gRPC threads in write(2) (the soak stalled so). While a thread parses a
+// request, protobuf's message is captured for the status instead; anything else protobuf logs
+// goes to stderr, at most one line a second.
+thread_local std::string* t_parse_log = nullptr;
+std::atomic<int64_t> g_last_log_second{0};
+
+void ProtobufLog(gp::LogLevel level, const char* file, int line, const std::string& message) {
+  if (t_parse_log != nullptr && level != gp::LOGLEVEL_FATAL) {
+    if (t_parse_log->empty()) *t_parse_log = message;
+    return;
+  }
+  const int64_t now = std::chrono::duration_cast<std::chrono::seconds>(
+                          std::chrono::steady_clock::now().time_since_epoch())
+                          .count();
+  int64_t last = g_last_log_second.load();
+  if (level != gp::LOGLEVEL_FATAL &&
+      (now == last || !g_last_log_second.compare_exchange_strong(last, now))) {
+    return;
+  }
+  std::fprintf(stderr, "attnserve: protobuf %s:%d: %s\n", file, line, message.c_str());
+}
+
+// Sets t_parse_log for one parse; installs the handler on first use.
+class CaptureProtobufLog {
+ public:
+  explicit CaptureProtobufLog(std::string* into) {
+    static const bool installed = (gp::SetLogHandler(&ProtobufLog), true);
+    (void)installed;
+    t_parse_log = into;
+  }
+  ~CaptureProtobufLog() { t_parse_log = nullptr; }
+  CaptureProtobufLog(const CaptureProtobufLog&) = delete;
+  CaptureProtobufLog& operator=(const CaptureProtobufLog&) = delete;
+};
+
+// `field` (a Tensor in AttendResponse) again, holding only data = `bytes` (which follow the
+// returned prefix): tag, length of the Tensor, then Tensor.data's tag and length.
+std::string LengthPrefix(int field, size_t length) {
+  using gp::internal::WireFormatLite;
+  std::string p;
+  {
+    gp::io::StringOutputStream stream(&p);
+    gp::io::CodedOutputStream out(&stream);
+    out.WriteTag(WireFormatLite::MakeTag(field, WireFormatLite::WIRETYPE_LENGTH_DELIMITED));
+    out.WriteVarint64(length);
+  }
+  return p;
+}
+
+std::string TensorDataPrefix(int field, size_t bytes) {
+  const std::string data = LengthPrefix(pb::Tensor::kDataFieldNumber, bytes);
+  return LengthPrefix(field, data.size() + bytes) + data;
+}
+
+void DeleteString(void* s) { delete static_cast<std::string*>(s); }
+
+// A slice over `s`'s bytes that owns `s`.
+grpc::Slice OwningSlice(std::unique_ptr<std::string> s) {
+  std::string* raw = s.release();
+  return grpc::Slice(raw->data(), raw->size(), DeleteString, raw);
+}
+
+}  // namespace
+
+Status ParseMessage(const grpc::ByteBuffer& bytes, gp::Message* message) {
+  grpc::ByteBuffer copy(bytes);  // Shares the slices; the reader needs a mutable buffer.
+  grpc::ProtoBufferReader reader(&copy);
+  std::string why;
+  bool parsed;
+  {
+    CaptureProtobufLog capture(&why);
+    parsed = message->ParseFromZeroCopyStream(&reader);
+  }
+  if (!parsed) {
+    // Protobuf says why only for some failures (a string field that is not UTF-8 names the field).
+    while (!why.empty() && why.back() == ' ') why.pop_back();
+    return InvalidArgument("request: " + std::to_string(bytes.Length()) +
+                           " bytes do not decode as an " + message->GetTypeName() + ": " +
+                           (why.empty() ? "malformed protobuf" : "protobuf: " + why));
+  }
+  return Status::Ok();
+}
+
+Status ParseRequest(const grpc::ByteBuffer& bytes, pb::AttendRequest* request) {
+  return ParseMessage(bytes, request);
+}
+
+grpc::ByteBuffer EncodeWithRawBytes(const gp::Message& head, int field,
+                                    std::vector<std::unique_ptr<std::string>> raw, int outer,
+                                    const gp::Message* outer_head) {
+  std::vector<grpc::Slice> slices;
+  slices.emplace_back();  // The outer message's head and prefix, once the inner length is known.
+  std::string inner = head.SerializeAsString();
+  size_t inner_length = inner.size();
+  slices.emplace_back(std::move(inner));
+  for (std::unique_ptr<std::string>& bytes : raw) {
+    std::string prefix = LengthPrefix(field, bytes->size());
+    inner_length += prefix.size() + bytes->size();
+    slices.emplace_back(std::move(prefix));
+    slices.push_back(OwningSlice(std::move(bytes)));
+  }
+  if (outer == 0) return grpc::ByteBuffer(slices.data() + 1, slices.size() - 1);
+  slices[0] = grpc::Slice((outer_head ? outer_head->SerializeAsString() : std::string()) +
+                          LengthPrefix(outer, inner_length));
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+grpc::ByteBuffer EncodeResponse(const pb::AttendResponse& meta, std::unique_ptr<std::string> output,
+                                std::unique_ptr<std::string> weights) {
+  std::vector<grpc::Slice> slices;
+  std::string head = meta.SerializeAsString();
+  if (output) {
+    head += TensorDataPrefix(pb::AttendResponse::kOutputFieldNumber, output->size());
+    slices.emplace_back(head);
+    slices.push_back(OwningSlice(std::move(output)));
+  } else {
+    slices.emplace_back(head);
+  }
+  if (weights) {
+    slices.emplace_back(
+        TensorDataPrefix(pb::AttendResponse::kAttnWeightsFieldNumber, weights->size()));
+    slices.push_back(OwningSlice(std::move(weights)));
+  }
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+}  // namespace attnserve

@@ -1,0 +1,46 @@
+#pragma once
+
+#include <google/protobuf/message.h>
+#include <grpcpp/support/byte_buffer.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "attnserve/v1/attention.pb.h"
+#include "server/core/status.h"
+#include "server/core/wire.h"
+
+namespace attnserve {
+
+/// Decodes one message of `message`'s type. INVALID_ARGUMENT saying why when the bytes are not one.
+Status ParseMessage(const grpc::ByteBuffer& bytes, google::protobuf::Message* message);
+
+/// Encodes `head` followed by each of `raw` as one more occurrence of the repeated bytes field
+/// `field` (top level), each buffer handed to gRPC as a slice of its own without a copy. With an
+/// `outer` field number, that message is itself the value of field `outer` of the message encoded
+/// (ModelStreamInferResponse's infer_response), the rest of which is `outer_head`.
+grpc::ByteBuffer EncodeWithRawBytes(const google::protobuf::Message& head, int field,
+                                    std::vector<std::unique_ptr<std::string>> raw, int outer = 0,
+                                    const google::protobuf::Message* outer_head = nullptr);
+
+/// Decodes one AttendRequest message. INVALID_ARGUMENT saying why when the bytes are not one (for
+/// example a `model` string that is not UTF-8, which protobuf refuses).
+Status ParseRequest(const grpc::ByteBuffer& bytes, v1::AttendRequest* request);
+
+/// Encodes `meta` (an AttendResponse whose tensors carry dtype and shape but no data) followed by
+/// the output and attention-weights bytes, which become the message's slices without a copy: the
+/// buffers are handed to gRPC and freed once sent. Protobuf merges a repeated occurrence of a
+/// message field into the first, so receivers see the bytes as output.data and attn_weights.data.
+grpc::ByteBuffer EncodeResponse(const v1::AttendResponse& meta, std::unique_ptr<std::string> output,
+                                std::unique_ptr<std::string> weights);
+
+/// Fixed bytes an encoded response adds to its tensor data (ids, names, hash, shapes, timing).
+inline constexpr size_t kResponseOverheadBytes = 1024;
+
+/// EncodeResponse of an answer's parts (its buffers are handed over).
+inline grpc::ByteBuffer EncodeAnswer(AttendAnswer* answer) {
+  return EncodeResponse(answer->meta, std::move(answer->output), std::move(answer->weights));
+}
+
+}  // namespace attnserve

@@ -1,0 +1,41 @@
+#pragma once
+
+#include <grpcpp/health_check_service_interface.h>
+
+#include <map>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "server/models/model_repository.h"
+
+namespace attnserve {
+
+/// What grpc.health.v1 says, on every listener that serves it (--address, --health-address):
+///   ""  and "attnserve.v1.AttentionService"  SERVING until the drain begins;
+///   "attnserve.v1.ModelRepository"            NOT_SERVING while the latest load of some model
+///   failed
+///                                             (what served before still serves);
+///   "attnserve.v1.AttentionService/<model>"   SERVING while the model is loaded, NOT_SERVING once
+///   a
+///                                             reload removed it (or its first load failed).
+/// Thread-safe.
+class HealthReporter {
+ public:
+  /// Reports `models` as SERVING on each of `services` (gRPC's default health services).
+  HealthReporter(std::vector<grpc::HealthCheckServiceInterface*> services, const ModelSet& models);
+
+  /// After a reload: the repository's status and every model's that health has ever named.
+  void OnReloaded(const ReloadReport& report, const ModelSet& set,
+                  const std::map<std::string, std::string>& failing);
+  /// NOT_SERVING for everything, from now on (the drain began).
+  void Shutdown();
+
+ private:
+  std::mutex mu_;
+  const std::vector<grpc::HealthCheckServiceInterface*> services_;
+  std::set<std::string> known_;  // Every model name health has reported on.
+};
+
+}  // namespace attnserve

@@ -1,0 +1,260 @@
+#include "server/grpc/stream_reactor.h"
+
+#include "server/grpc/grpc_call.h"
+#include "server/grpc/grpc_codec.h"
+#include "server/grpc/grpc_status.h"
+
+namespace attnserve {
+
+StreamReactor::StreamReactor(RequestPipeline& pipeline, CallCounter& calls, StreamCodec& codec,
+                             grpc::CallbackServerContext* ctx)
+    : pipeline_(pipeline), calls_(calls), codec_(codec), call_(CallOf(ctx)) {
+  calls_.Begin();
+  pipeline_.AddCall(this);
+  Actions a;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (pipeline_.draining()) {
+      reads_closed_ = true;
+      finish_status_ =
+          Status(StatusCode::kUnavailable, "server is shutting down; retry on another replica");
+    }
+    Decide(&a);
+  }
+  Run(std::move(a));
+}
+
+bool StreamReactor::Finishable() const {
+  return !finished_ && reads_closed_ && computing_ == 0 && !writing_ && answers_.empty();
+}
+
+bool StreamReactor::CanRead() const {
+  if (reads_closed_ || reading_ || finished_) return false;
+  const FlowLimits& flow = pipeline_.flow();
+  return requests_ == 0 || (requests_ < flow.max_stream_requests && bytes_ < flow.max_stream_bytes);
+}
+
+Status StreamReactor::Undelivered() const {
+  if (SteadyClock::now() >= call_.deadline) {
+    return Status(StatusCode::kDeadlineExceeded,
+                  "the stream's deadline passed before the answer was sent");
+  }
+  return Status(StatusCode::kCancelled, "the client cancelled or left before the answer was sent");
+}
+
+void StreamReactor::Decide(Actions* a) {
+  if (CanRead()) {
+    reading_ = true;
+    a->read = true;
+  }
+  if (!writing_ && !answers_.empty()) {
+    writing_ = true;
+    a->write = &answers_.front().encoded;
+  }
+  if (Finishable()) {
+    finished_ = true;
+    a->finish = true;
+    a->finish_status = ToGrpcStatus(gone_ ? Undelivered() : finish_status_);
+  }
+}
+
+void StreamReactor::DropAnswers(Actions* a) {
+  // The front answer stays while it is being written: OnWriteDone accounts for it.
+  const size_t keep = writing_ ? 1 : 0;
+  while (answers_.size() > keep) {
+    Answer& dropped = answers_.back();
+    --requests_;
+    bytes_ -= dropped.bytes;
+    a->dropped.push_back(std::move(dropped));
+    answers_.pop_back();
+  }
+}
+
+void StreamReactor::Run(Actions a) {
+  // The order matters: a started read is not part of Finishable(), so it goes first; after a
+  // started write or Finish, another thread may finish and delete the reactor.
+  // A request in a.next is still counted in computing_, so the call cannot finish before it is
+  // dispatched: dispatching it last keeps every step above safe.
+  RequestPipeline& pipeline = pipeline_;
+  const char* method = codec_.method();
+  const Status undelivered = a.dropped.empty() && a.unsent.empty() ? Status() : Undelivered();
+  for (Answer& d : a.dropped) pipeline.Record(method, d.exchange.get(), undelivered);
+  for (size_t i = 0; i < a.unsent.size(); ++i) pipeline.RecordUndecoded(method, undelivered);
+  if (a.read) StartRead(&read_buffer_);
+  if (a.write) StartWrite(a.write);
+  if (a.finish) Finish(a.finish_status);
+  if (a.next) Dispatch(std::move(*a.next));
+}
+
+void StreamReactor::Dispatch(Answer request) {
+  const Status prepared =
+      request.status.ok() ? codec_.Prepare(request.exchange.get()) : request.status;
+  if (!prepared.ok()) {
+    // Refused before the pipeline: counted now, answered like any failed request.
+    pipeline_.RecordUndecoded(codec_.method(), prepared);
+    request.exchange->recorded = true;
+    request.status = prepared;
+    OnComputed(std::move(request));
+    return;
+  }
+  // computing_ holds the call open until OnComputed; `done` may run before Attend returns.
+  auto* pending = new Answer(std::move(request));
+  pipeline_.Attend(codec_.method(), pending->exchange.get(), call_,
+                   [this, pending](const Status& st) {
+                     std::unique_ptr<Answer> r(pending);
+                     codec_.Computed(r->exchange.get(), st);
+                     r->status = st;
+                     OnComputed(std::move(*r));
+                   });
+}
+
+void StreamReactor::OnReadDone(bool ok) {
+  Answer request;
+  Status parsed;
+  if (ok) {  // read_buffer_ belongs to the read chain until the next StartRead.
+    request.bytes = static_cast<int64_t>(read_buffer_.Length());
+    parsed = codec_.Decode(read_buffer_, &request.exchange, &request.status, &request.order);
+    read_buffer_.Clear();
+  }
+  Actions a;
+  bool dispatch = false, undecodable = false;
+  Status lost;  // Not OK for a request read when nobody can receive its answer.
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    reading_ = false;
+    if (!ok) {
+      reads_closed_ = true;  // The client half-closed (or the call ended).
+    } else if (finished_ || gone_) {
+      // Read after Finish or after the client left: nobody can receive an answer, but the request
+      // arrived, so it is counted with the outcome its client sees.
+      lost = gone_ || finish_status_.ok() ? Undelivered() : finish_status_;
+    } else if (!parsed.ok()) {
+      // Without a decodable message there is no request id to answer: end the stream, after the
+      // requests before it are answered, with a status that says why.
+      undecodable = true;
+      reads_closed_ = true;
+      finish_status_ = InvalidArgument("message " + std::to_string(messages_ + 1) +
+                                       " on this stream: " + parsed.message() +
+                                       "; the stream ends after answering the requests before it");
+    } else {
+      ++messages_;
+      ++computing_;
+      ++requests_;
+      bytes_ += request.bytes;
+      dispatch = true;
+      if (!request.status.ok()) request.order.clear();  // Answered at once, in no order.
+      if (!request.order.empty()) {
+        // A later request of an order in compute waits for the ones before it.
+        auto [it, first] = ordered_.try_emplace(request.order);
+        if (!first) {
+          it->second.push_back(std::move(request));
+          dispatch = false;
+        }
+      }
+    }
+    Decide(&a);
+  }
+  if (undecodable) pipeline_.RecordUndecoded(codec_.method(), parsed);
+  if (!lost.ok()) pipeline_.RecordUndecoded(codec_.method(), lost);
+  Run(std::move(a));  // computing_ counts the request read, so the call is still open after Run.
+  if (dispatch) Dispatch(std::move(request));
+}
+
+void StreamReactor::OnComputed(Answer request) {
+  request.encoded = codec_.Encode(request.exchange.get(), request.status);
+  const int64_t answer_bytes = static_cast<int64_t>(request.encoded.Length());
+  Actions a;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    --computing_;
+    if (!request.order.empty()) {
+      auto it = ordered_.find(request.order);
+      if (it != ordered_.end()) {
+        if (it->second.empty()) {
+          ordered_.erase(it);
+        } else if (gone_) {
+          // Nobody can receive their answers: the waiting requests are not dispatched.
+          for (Answer& w : it->second) {
+            --computing_;
+            --requests_;
+            bytes_ -= w.bytes;
+            a.unsent.push_back(std::move(w));
+          }
+          ordered_.erase(it);
+        } else {
+          a.next = std::move(it->second.front());
+          it->second.pop_front();
+        }
+      }
+    }
+    request.bytes += answer_bytes;
+    bytes_ += answer_bytes;
+    if (gone_) {
+      --requests_;
+      bytes_ -= request.bytes;
+      a.dropped.push_back(std::move(request));
+    } else {
+      answers_.push_back(std::move(request));
+    }
+    Decide(&a);
+  }
+  Run(std::move(a));  // On a compute thread: after it, the reactor may be gone.
+}
+
+void StreamReactor::OnWriteDone(bool ok) {
+  Actions a;
+  Answer written;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    written = std::move(answers_.front());
+    answers_.pop_front();
+    writing_ = false;
+    --requests_;
+    bytes_ -= written.bytes;
+    if (!ok) {  // The client is gone: nothing more can be delivered.
+      gone_ = true;
+      reads_closed_ = true;
+      DropAnswers(&a);
+    }
+    Decide(&a);
+  }
+  pipeline_.Record(codec_.method(), written.exchange.get(), ok ? written.status : Undelivered());
+  Run(std::move(a));
+}
+
+void StreamReactor::OnCancel() {
+  Actions a;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    gone_ = true;
+    reads_closed_ = true;
+    DropAnswers(&a);
+    Decide(&a);
+  }
+  Run(std::move(a));
+}
+
+bool StreamReactor::Drain() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!reads_closed_) {
+    reads_closed_ = true;
+    finish_status_ = Status(StatusCode::kUnavailable,
+                            "server is shutting down: this stream takes no more requests (every "
+                            "request answered before this status was processed); retry on another "
+                            "replica");
+  }
+  Actions a;
+  Decide(&a);  // Closed reads start nothing; with no work left this finishes.
+  drain_finish_ = a.finish_status;
+  return a.finish;
+}
+
+void StreamReactor::FinishNow() { Finish(drain_finish_); }
+
+void StreamReactor::OnDone() {
+  pipeline_.RemoveCall(this);
+  calls_.End(call_.IsCancelled());
+  delete this;
+}
+
+}  // namespace attnserve

@@ -1,0 +1,355 @@
+#include "server/oip/oip_codec.h"
+
+#include <cerrno>
+#include <cstdlib>
+#include <map>
+#include <set>
+
+namespace attnserve {
+namespace {
+
+using inference::InferParameter;
+
+StatusOr<v1::DataType> DataTypeFromOip(const std::string& field, const std::string& name) {
+  static const std::map<std::string, v1::DataType> kTypes = {{"FP32", v1::DATA_TYPE_FLOAT32},
+                                                             {"FP16", v1::DATA_TYPE_FLOAT16},
+                                                             {"BF16", v1::DATA_TYPE_BFLOAT16},
+                                                             {"BOOL", v1::DATA_TYPE_BOOL}};
+  auto it = kTypes.find(name);
+  if (it != kTypes.end()) return it->second;
+  return InvalidArgument(field + ": '" + name +
+                         "' is not allowed; expected FP32, FP16, BF16 or BOOL");
+}
+
+// The AttendRequest field an input name stands for.
+v1::Tensor* InputField(const std::string& name, v1::AttendRequest* out) {
+  if (name == "query") return out->mutable_query();
+  if (name == "key") return out->mutable_key();
+  if (name == "value") return out->mutable_value();
+  if (name == "key_padding_mask") return out->mutable_key_padding_mask();
+  if (name == "attn_mask") return out->mutable_attn_mask();
+  return nullptr;
+}
+
+const char* KindOf(const InferParameter& p) {
+  switch (p.parameter_choice_case()) {
+    case InferParameter::kBoolParam:
+      return "bool";
+    case InferParameter::kInt64Param:
+      return "int64";
+    case InferParameter::kStringParam:
+      return "string";
+    case InferParameter::kDoubleParam:
+      return "double";
+    case InferParameter::kUint64Param:
+      return "uint64";
+    default:
+      return "empty";
+  }
+}
+
+Status WrongKind(const std::string& name, const InferParameter& p, const char* expected) {
+  return InvalidArgument("parameters['" + name + "']: a " + KindOf(p) + " parameter; expected " +
+                         expected);
+}
+
+// One request parameter into the AttendRequest.
+Status ApplyParameter(const std::string& name, const InferParameter& p, v1::AttendRequest* out) {
+  const bool is_string = p.parameter_choice_case() == InferParameter::kStringParam;
+  if (name == "is_causal") {
+    if (p.parameter_choice_case() != InferParameter::kBoolParam) return WrongKind(name, p, "bool");
+    out->set_is_causal(p.bool_param());
+  } else if (name == "attn_weights") {
+    if (!is_string) return WrongKind(name, p, "string: none, averaged or per_head");
+    const std::string& v = p.string_param();
+    if (v == "none")
+      out->set_attn_weights(v1::ATTN_WEIGHTS_NONE);
+    else if (v == "averaged")
+      out->set_attn_weights(v1::ATTN_WEIGHTS_AVERAGED);
+    else if (v == "per_head")
+      out->set_attn_weights(v1::ATTN_WEIGHTS_PER_HEAD);
+    else
+      return InvalidArgument("parameters['attn_weights']: '" + v +
+                             "'; allowed: none, averaged, per_head");
+  } else if (name == "layout") {
+    if (!is_string) return WrongKind(name, p, "string: batch_first or sequence_first");
+    const std::string& v = p.string_param();
+    if (v == "batch_first")
+      out->set_layout(v1::LAYOUT_BATCH_FIRST);
+    else if (v == "sequence_first")
+      out->set_layout(v1::LAYOUT_SEQUENCE_FIRST);
+    else
+      return InvalidArgument("parameters['layout']: '" + v +
+                             "'; allowed: batch_first, sequence_first");
+  } else if (name == "memory" || name == "session") {
+    if (!is_string) return WrongKind(name, p, "string: a handle from CreateMemory or OpenSession");
+    (name == "memory" ? *out->mutable_memory() : *out->mutable_session()) = p.string_param();
+  } else if (name == "session_length") {
+    if (p.parameter_choice_case() != InferParameter::kInt64Param)
+      return WrongKind(name, p, "int64");
+    out->set_session_length(p.int64_param());
+  } else if (name == "sequence_id" || name == "sequence_start" || name == "sequence_end") {
+    return Status::Ok();  // SequenceOf reads them.
+  } else {
+    return InvalidArgument(
+        "parameters['" + name +
+        "']: not a parameter of attnserve; allowed: is_causal, attn_weights, layout, "
+        "memory, session, session_length");
+  }
+  return Status::Ok();
+}
+
+// An input's parameters: binary_data_size (what HTTP clients and KServe's SDK send along with
+// raw bytes) is taken and ignored; shared memory is refused.
+Status CheckInputParameters(const std::string& field,
+                            const inference::ModelInferRequest::InferInputTensor& t) {
+  for (const auto& [name, p] : t.parameters()) {
+    if (name == "binary_data_size") continue;
+    if (name.rfind("shared_memory", 0) == 0) {
+      return InvalidArgument(
+          field + ".parameters['" + name +
+          "']: shared memory is not supported; send the bytes in raw_input_contents");
+    }
+    return InvalidArgument(field + ".parameters['" + name +
+                           "']: not an input parameter of attnserve");
+  }
+  return Status::Ok();
+}
+
+// Typed contents as the raw bytes the native API takes: FP32 from fp32_contents, BOOL from
+// bool_contents (one byte each).
+Status TypedBytes(const std::string& field, v1::DataType dtype,
+                  const inference::InferTensorContents& c, std::string* bytes) {
+  if (dtype == v1::DATA_TYPE_FLOAT32) {
+    bytes->assign(reinterpret_cast<const char*>(c.fp32_contents().data()),
+                  c.fp32_contents_size() * sizeof(float));
+    return Status::Ok();
+  }
+  if (dtype == v1::DATA_TYPE_BOOL) {
+    bytes->resize(c.bool_contents_size());
+    for (int i = 0; i < c.bool_contents_size(); ++i) (*bytes)[i] = c.bool_contents(i) ? 1 : 0;
+    return Status::Ok();
+  }
+  return InvalidArgument(
+      field +
+      ".contents: FP16 and BF16 have no typed contents in the protocol; send the "
+      "bytes in raw_input_contents");
+}
+
+// Triton's sequence parameters, when there are any.
+StatusOr<std::optional<OipSequence>> SequenceOf(const inference::ModelInferRequest& in,
+                                                const v1::AttendRequest& out) {
+  const auto& params = in.parameters();
+  const auto flag = [&](const char* name, bool* value) -> Status {
+    auto it = params.find(name);
+    if (it == params.end()) return Status::Ok();
+    if (it->second.parameter_choice_case() != InferParameter::kBoolParam)
+      return WrongKind(name, it->second, "bool");
+    *value = it->second.bool_param();
+    return Status::Ok();
+  };
+  OipSequence seq;
+  RETURN_IF_ERROR(flag("sequence_start", &seq.start));
+  RETURN_IF_ERROR(flag("sequence_end", &seq.end));
+  auto id = params.find("sequence_id");
+  if (id == params.end()) {
+    if (params.count("sequence_start") || params.count("sequence_end")) {
+      return InvalidArgument(
+          "parameters['sequence_start'], ['sequence_end']: need parameters['sequence_id']");
+    }
+    return std::optional<OipSequence>();
+  }
+  switch (id->second.parameter_choice_case()) {
+    case InferParameter::kInt64Param:
+      seq.id = "i:" + std::to_string(id->second.int64_param());
+      break;
+    case InferParameter::kUint64Param:
+      seq.id = "i:" + std::to_string(id->second.uint64_param());
+      break;
+    case InferParameter::kStringParam:
+      seq.id = "s:" + id->second.string_param();
+      break;
+    default:
+      return WrongKind("sequence_id", id->second, "int64, uint64 or string");
+  }
+  if (seq.id == "i:0" || seq.id == "s:") {
+    return InvalidArgument(
+        "parameters['sequence_id']: 0 and \"\" mean no sequence; send none, or another id");
+  }
+  if (!out.session().empty() || !out.memory().empty()) {
+    return InvalidArgument(
+        "parameters['sequence_id']: a sequence is a session of its own; not with parameters['" +
+        std::string(out.session().empty() ? "memory" : "session") + "']");
+  }
+  if (out.model().empty())
+    return InvalidArgument("model_name: empty; a sequence needs its model named");
+  return std::optional<OipSequence>(seq);
+}
+
+}  // namespace
+
+int64_t OipBatchOf(const v1::AttendRequest& request) {
+  const auto& shape = request.query().shape();
+  if (shape.size() != 3) return 1;
+  return request.layout() == v1::LAYOUT_SEQUENCE_FIRST ? shape[1] : shape[0];
+}
+
+StatusOr<int64_t> OipVersion(const std::string& version) {
+  if (version.empty()) return int64_t{0};
+  char* end = nullptr;
+  errno = 0;
+  const long long v = std::strtoll(version.c_str(), &end, 10);
+  if (errno != 0 || end == version.c_str() || *end != '\0' || v < 1) {
+    return InvalidArgument("model_version: '" + version +
+                           "'; allowed: \"\" (the highest loaded) or a loaded version number");
+  }
+  return static_cast<int64_t>(v);
+}
+
+const char* OipDatatype(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return "FP32";
+    case DType::kFloat16:
+      return "FP16";
+    case DType::kBFloat16:
+      return "BF16";
+    case DType::kBool:
+      return "BOOL";
+  }
+  return "FP32";
+}
+
+Status OipToAttend(inference::ModelInferRequest* in, v1::AttendRequest* out, OipReply* reply) {
+  out->set_model(in->model_name());
+  reply->id = in->id();
+  ASSIGN_OR_RETURN(const int64_t version, OipVersion(in->model_version()));
+  out->set_model_version(version);
+  // Raw contents, one per input in order; or, with none, typed contents (FP32 and BOOL only: the
+  // protocol has no typed field for FP16 or BF16).
+  const bool raw = in->raw_input_contents_size() > 0;
+  if (raw && in->raw_input_contents_size() != in->inputs_size()) {
+    return InvalidArgument("raw_input_contents: " + std::to_string(in->raw_input_contents_size()) +
+                           " entries for " + std::to_string(in->inputs_size()) +
+                           " inputs; expected one per input, in order");
+  }
+  std::set<std::string> seen;
+  for (int i = 0; i < in->inputs_size(); ++i) {
+    inference::ModelInferRequest::InferInputTensor* t = in->mutable_inputs(i);
+    const std::string field = "inputs[" + std::to_string(i) + "]";
+    v1::Tensor* target = InputField(t->name(), out);
+    if (target == nullptr) {
+      return InvalidArgument(field + ".name: '" + t->name() +
+                             "' is not an input; allowed: query, key, value, key_padding_mask, "
+                             "attn_mask");
+    }
+    if (!seen.insert(t->name()).second) {
+      return InvalidArgument(field + ".name: '" + t->name() + "' given twice");
+    }
+    RETURN_IF_ERROR(CheckInputParameters(field, *t));
+    ASSIGN_OR_RETURN(const v1::DataType dtype, DataTypeFromOip(field + ".datatype", t->datatype()));
+    target->set_dtype(dtype);
+    target->mutable_shape()->Swap(t->mutable_shape());
+    if (raw) {
+      if (t->has_contents()) {
+        return InvalidArgument(field +
+                               ".contents: given with raw_input_contents; send one or the other");
+      }
+      target->mutable_data()->swap(*in->mutable_raw_input_contents(i));
+    } else {
+      RETURN_IF_ERROR(TypedBytes(field, dtype, t->contents(), target->mutable_data()));
+    }
+  }
+  for (const auto& [name, p] : in->parameters()) RETURN_IF_ERROR(ApplyParameter(name, p, out));
+  ASSIGN_OR_RETURN(reply->sequence, SequenceOf(*in, *out));
+  // Outputs: all of them by default (attn_weights when the parameter asks for weights); asking for
+  // attn_weights asks for the averaged weights unless the parameter says which.
+  reply->outputs.clear();
+  for (int i = 0; i < in->outputs_size(); ++i) {
+    const std::string& name = in->outputs(i).name();
+    if (name != oip::kOutput && name != oip::kWeights) {
+      return InvalidArgument("outputs[" + std::to_string(i) + "].name: '" + name +
+                             "' is not an output; allowed: attn_output, attn_weights");
+    }
+    reply->outputs.push_back(name);
+    if (name == oip::kWeights && !in->parameters().count("attn_weights")) {
+      out->set_attn_weights(v1::ATTN_WEIGHTS_AVERAGED);
+    } else if (name == oip::kWeights && out->attn_weights() == v1::ATTN_WEIGHTS_NONE) {
+      return InvalidArgument(
+          "outputs: attn_weights asked for while parameters['attn_weights'] is 'none'");
+    }
+  }
+  if (reply->outputs.empty()) {
+    reply->outputs.push_back(oip::kOutput);
+    if (out->attn_weights() != v1::ATTN_WEIGHTS_NONE) reply->outputs.push_back(oip::kWeights);
+  }
+  return Status::Ok();
+}
+
+inference::ModelInferResponse OipResponseHead(const AttendAnswer& answer, const OipReply& reply) {
+  inference::ModelInferResponse head;
+  head.set_model_name(answer.meta.model());
+  head.set_model_version(std::to_string(answer.meta.model_version()));
+  head.set_id(reply.id);
+  for (const std::string& name : reply.outputs) {
+    const v1::Tensor& t = name == oip::kOutput ? answer.meta.output() : answer.meta.attn_weights();
+    auto* o = head.add_outputs();
+    o->set_name(name);
+    o->set_datatype(t.dtype() == v1::DATA_TYPE_FLOAT16    ? "FP16"
+                    : t.dtype() == v1::DATA_TYPE_BFLOAT16 ? "BF16"
+                                                          : "FP32");
+    o->mutable_shape()->CopyFrom(t.shape());
+  }
+  return head;
+}
+
+inference::ModelStreamInferResponse OipStreamError(const v1::AttendRequest& request,
+                                                   const OipReply& reply, const Status& status) {
+  inference::ModelStreamInferResponse r;
+  r.set_error_message(status.message());
+  inference::ModelInferResponse* head = r.mutable_infer_response();
+  head->set_model_name(request.model());
+  if (request.model_version() > 0) head->set_model_version(std::to_string(request.model_version()));
+  head->set_id(reply.id);
+  (*head->mutable_parameters())["error_code"].set_string_param(StatusCodeName(status.code()));
+  return r;
+}
+
+std::vector<std::unique_ptr<std::string>> OipRawOutputs(AttendAnswer* answer,
+                                                        const OipReply& reply) {
+  std::vector<std::unique_ptr<std::string>> raw;
+  for (const std::string& name : reply.outputs) {
+    raw.push_back(std::move(name == oip::kOutput ? answer->output : answer->weights));
+    if (!raw.back()) raw.back() = std::make_unique<std::string>();
+  }
+  return raw;
+}
+
+inference::ModelMetadataResponse OipModelMetadata(const ModelSpec& spec,
+                                                  const std::vector<int64_t>& versions) {
+  inference::ModelMetadataResponse m;
+  m.set_name(spec.name);
+  for (int64_t v : versions) m.add_versions(std::to_string(v));
+  m.set_platform("attnserve_multihead_attention");
+  // The compute dtype: a bfloat16 model takes BF16 and answers in it (half the bytes of FP32, no
+  // conversion); every model takes FP32, FP16 and BF16 alike.
+  const char* dtype = OipDatatype(spec.compute_dtype);
+  const auto add = [](auto* list, const std::string& name, const char* type,
+                      std::vector<int64_t> shape) {
+    auto* t = list->Add();
+    t->set_name(name);
+    t->set_datatype(type);
+    for (int64_t d : shape) t->add_shape(d);
+  };
+  // Batch-first shapes; sequence-first ([L, B, *]) and unbatched ([L, *]) are taken too.
+  add(m.mutable_inputs(), "query", dtype, {-1, -1, spec.embed_dim});
+  add(m.mutable_inputs(), "key", dtype, {-1, -1, spec.kdim});
+  add(m.mutable_inputs(), "value", dtype, {-1, -1, spec.vdim});
+  add(m.mutable_inputs(), "key_padding_mask", "BOOL", {-1, -1});
+  add(m.mutable_inputs(), "attn_mask", "BOOL", {-1, -1});
+  add(m.mutable_outputs(), oip::kOutput, dtype, {-1, -1, spec.embed_dim});
+  add(m.mutable_outputs(), oip::kWeights, dtype, {-1, -1, -1});
+  return m;
+}
+
+}  // namespace attnserve

@@ -1,0 +1,170 @@
+#include "server/oip/oip_service.h"
+
+#include "server/grpc/grpc_call.h"
+#include "server/grpc/grpc_codec.h"
+#include "server/grpc/grpc_status.h"
+#include "server/grpc/stream_reactor.h"
+#include "server/oip/oip_codec.h"
+
+namespace attnserve {
+// An OIP exchange: the pipeline's, plus what only the OIP answer carries.
+struct OipServiceImpl::Exchange : attnserve::Exchange {
+  OipReply reply;
+};
+
+// ModelStreamInfer: ModelInferRequest in, ModelStreamInferResponse out.
+class OipServiceImpl::Stream final : public StreamCodec {
+ public:
+  explicit Stream(OipServiceImpl& service) : service_(service) {}
+  const char* method() const override { return "ModelStreamInfer"; }
+
+  Status Decode(const grpc::ByteBuffer& bytes, std::unique_ptr<attnserve::Exchange>* out,
+                Status* refused, std::string* order) override {
+    inference::ModelInferRequest infer;
+    RETURN_IF_ERROR(ParseMessage(bytes, &infer));
+    auto x = std::make_unique<Exchange>();
+    *refused = OipToAttend(&infer, &x->request, &x->reply);
+    if (refused->ok() && x->reply.sequence)
+      *order = infer.model_name() + '\n' + x->reply.sequence->id;
+    *out = std::move(x);
+    return Status::Ok();
+  }
+  Status Prepare(attnserve::Exchange* x) override {
+    return service_.BeginSequence(static_cast<Exchange*>(x));
+  }
+  void Computed(attnserve::Exchange* x, const Status& seen) override {
+    service_.EndSequence(*static_cast<Exchange*>(x), seen);
+  }
+  grpc::ByteBuffer Encode(attnserve::Exchange* base, const Status& status) override {
+    auto* x = static_cast<Exchange*>(base);
+    if (status.ok()) {
+      return EncodeWithRawBytes(OipResponseHead(x->answer, x->reply),
+                                inference::ModelInferResponse::kRawOutputContentsFieldNumber,
+                                OipRawOutputs(&x->answer, x->reply),
+                                inference::ModelStreamInferResponse::kInferResponseFieldNumber);
+    }
+    inference::ModelStreamInferResponse error = OipStreamError(x->request, x->reply, status);
+    return EncodeWithRawBytes(error, 0, {});
+  }
+
+ private:
+  OipServiceImpl& service_;
+};
+
+OipServiceImpl::OipServiceImpl(RequestPipeline& pipeline, CallCounter& calls, size_t max_sequences,
+                               std::chrono::steady_clock::duration sequence_idle)
+    : pipeline_(pipeline),
+      calls_(calls),
+      sequences_(max_sequences, sequence_idle),
+      stream_(std::make_unique<Stream>(*this)) {}
+
+OipServiceImpl::~OipServiceImpl() = default;
+
+void OipServiceImpl::CloseSession(const std::string& handle) {
+  v1::ReleaseRequest req;
+  req.set_handle(handle);
+  v1::ReleaseResponse resp;
+  pipeline_.Release("CloseSession", KvKind::kSession, req, &resp);
+}
+
+Status OipServiceImpl::BeginSequence(Exchange* x) {
+  if (!x->reply.sequence) return Status::Ok();
+  v1::AttendRequest& r = x->request;
+  const auto open = [&]() -> StatusOr<std::string> {
+    v1::OpenSessionRequest req;
+    req.set_model(r.model());
+    req.set_model_version(r.model_version());
+    req.set_batch(OipBatchOf(r));
+    v1::KvHandle handle;
+    RETURN_IF_ERROR(pipeline_.OpenSession(req, &handle));
+    return handle.handle();
+  };
+  ASSIGN_OR_RETURN(*r.mutable_session(),
+                   sequences_.Begin(r.model(), *x->reply.sequence, open,
+                                    [this](const std::string& h) { CloseSession(h); }));
+  return Status::Ok();
+}
+
+void OipServiceImpl::EndSequence(const Exchange& x, const Status& seen) {
+  if (!x.reply.sequence) return;
+  sequences_.Finish(x.request.model(), *x.reply.sequence, x.request.session(), seen,
+                    [this](const std::string& h) { CloseSession(h); });
+}
+
+grpc::ServerUnaryReactor* OipServiceImpl::ServerLive(grpc::CallbackServerContext* ctx,
+                                                     const inference::ServerLiveRequest*,
+                                                     inference::ServerLiveResponse* resp) {
+  resp->set_live(true);
+  return Finished(calls_, ctx, Status::Ok());
+}
+
+grpc::ServerUnaryReactor* OipServiceImpl::ServerReady(grpc::CallbackServerContext* ctx,
+                                                      const inference::ServerReadyRequest*,
+                                                      inference::ServerReadyResponse* resp) {
+  resp->set_ready(pipeline_.Ready("", 0));
+  return Finished(calls_, ctx, Status::Ok());
+}
+
+grpc::ServerUnaryReactor* OipServiceImpl::ModelReady(grpc::CallbackServerContext* ctx,
+                                                     const inference::ModelReadyRequest* req,
+                                                     inference::ModelReadyResponse* resp) {
+  const StatusOr<int64_t> version = OipVersion(req->version());
+  if (!version.ok()) return Finished(calls_, ctx, version.status());
+  resp->set_ready(pipeline_.Ready(req->name(), *version));
+  return Finished(calls_, ctx, Status::Ok());
+}
+
+grpc::ServerUnaryReactor* OipServiceImpl::ServerMetadata(grpc::CallbackServerContext* ctx,
+                                                         const inference::ServerMetadataRequest*,
+                                                         inference::ServerMetadataResponse* resp) {
+  resp->set_name("attnserve");
+  resp->set_version(ATTNSERVE_VERSION);
+  return Finished(calls_, ctx, Status::Ok());
+}
+
+grpc::ServerUnaryReactor* OipServiceImpl::ModelMetadata(grpc::CallbackServerContext* ctx,
+                                                        const inference::ModelMetadataRequest* req,
+                                                        inference::ModelMetadataResponse* resp) {
+  const StatusOr<int64_t> version = OipVersion(req->version());
+  if (!version.ok()) return Finished(calls_, ctx, version.status());
+  std::vector<int64_t> versions;
+  const StatusOr<ModelSpec> spec = pipeline_.Describe(req->name(), *version, &versions);
+  if (spec.ok()) *resp = OipModelMetadata(*spec, versions);
+  return Finished(calls_, ctx, spec.status());
+}
+
+grpc::ServerUnaryReactor* OipServiceImpl::ModelInfer(grpc::CallbackServerContext* ctx,
+                                                     const grpc::ByteBuffer* req,
+                                                     grpc::ByteBuffer* resp) {
+  auto* reactor = NewUnaryReactor(calls_, ctx);  // Counted open from here, while it decodes too.
+  inference::ModelInferRequest infer;
+  auto x = std::make_unique<Exchange>();
+  Status st = ParseMessage(*req, &infer);
+  if (st.ok()) st = OipToAttend(&infer, &x->request, &x->reply);
+  if (st.ok()) st = BeginSequence(x.get());
+  if (!st.ok()) {
+    pipeline_.RecordUndecoded("ModelInfer", st);
+    reactor->Finish(ToGrpcStatus(st));
+    return reactor;
+  }
+  Exchange* raw = x.release();
+  pipeline_.Attend("ModelInfer", raw, CallOf(ctx), [this, raw, reactor, resp](const Status& seen) {
+    EndSequence(*raw, seen);
+    if (seen.ok()) {
+      *resp = EncodeWithRawBytes(OipResponseHead(raw->answer, raw->reply),
+                                 inference::ModelInferResponse::kRawOutputContentsFieldNumber,
+                                 OipRawOutputs(&raw->answer, raw->reply));
+    }
+    pipeline_.Record("ModelInfer", raw, seen);
+    delete raw;
+    reactor->Finish(ToGrpcStatus(seen));
+  });
+  return reactor;
+}
+
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* OipServiceImpl::ModelStreamInfer(
+    grpc::CallbackServerContext* ctx) {
+  return new StreamReactor(pipeline_, calls_, *stream_, ctx);
+}
+
+}  // namespace attnserve

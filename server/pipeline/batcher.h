@@ -1,0 +1,172 @@
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "server/core/status.h"
+#include "server/core/types.h"
+#include "server/engine/attention_model.h"
+#include "server/pipeline/host_cpus.h"
+
+namespace attnserve {
+
+using SteadyClock = std::chrono::steady_clock;
+
+/// One accepted request on its way to the engine. Owns nothing on the wire: `call` and `outputs`
+/// point into the RPC's request and response, which live until `done` has run.
+struct WorkItem {
+  /// Held until the item is destroyed: a model that a reload replaced or removed finishes what it
+  /// accepted and unloads after its last item.
+  std::shared_ptr<const AttentionModel> model;
+  /// The memory or session the call uses (a KvEntry), held the same way while the item waits and
+  /// computes: an evicted or closed one stays allocated, and counted, until its last request is
+  /// computed. Let go of before `done` runs, so the client told finds it idle.
+  std::shared_ptr<const void> kv_entry;
+  AttendCall call;
+  AttendOutputs outputs;
+  SteadyClock::time_point accepted;
+  SteadyClock::time_point deadline = SteadyClock::time_point::max();
+  /// Polled while queued; true drops the item with CANCELLED.
+  std::function<bool()> cancelled;
+  /// Runs exactly once, on a worker thread (or the submitter's when refused), with the outcome;
+  /// whatever it captures of the memory or session it lets go of before telling the client.
+  std::function<void(const Status&, const WorkItem&)> done;
+
+  // Filled on completion.
+  double queue_seconds = 0;
+  double compute_seconds = 0;
+  int batch_size = 0;
+
+  /// The validated call's AttendCall::tokens and attention_cost.
+  int64_t tokens() const { return call.tokens; }
+  int64_t attention_cost() const { return call.attention_cost; }
+};
+
+/// Items dropped before compute, each with the reason (DEADLINE_EXCEEDED or CANCELLED).
+using Dropped = std::vector<std::pair<std::unique_ptr<WorkItem>, Status>>;
+
+/// How batches are formed. Defaults suit this 2-core machine (bench/RESULTS.md).
+struct BatcherOptions {
+  /// Most tokens (WorkItem::tokens) in one batch. A single larger request still runs, alone. Past
+  /// ~1k tokens the engine's GEMMs are efficient anyway, and smaller batches keep every worker
+  /// busy.
+  int64_t max_batch_tokens = 1024;
+  /// Requests with more tokens than this are computed alone and never wait for company: they fill
+  /// the engine's GEMMs by themselves, and sharing a batch would only hold their answers back.
+  int64_t max_shared_request_tokens = 256;
+  /// Most Σ batch·Lq·Lk in one batch (bounds the attention part).
+  int64_t max_batch_attention = int64_t{1} << 22;
+  /// How long the oldest request may wait for company before its batch closes anyway.
+  std::chrono::microseconds max_queue_delay{500};
+  /// Accepted, not yet started requests per model; beyond: RESOURCE_EXHAUSTED.
+  size_t max_queue_size = 1024;
+  /// false: every request is its own batch and none waits for company.
+  bool enabled = true;
+  /// Compute threads, shared by all models: one per usable core (host_cpus.h's UsableCpus: CPU
+  /// affinity, capped by a cgroup CPU quota), as the server flag --workers defaults to.
+  int workers = UsableCpus();
+  /// Called once per computed batch (for metrics), on the worker thread.
+  std::function<void(const std::string& model, const std::vector<WorkItem*>& batch,
+                     double compute_seconds)>
+      on_batch;
+  /// Called for each request refused or dropped before compute: reason is "queue_full",
+  /// "draining", "deadline" or "cancelled".
+  std::function<void(const std::string& model, const char* reason)> on_reject;
+
+  /// Checks the options: FAILED_PRECONDITION naming the flag at fault.
+  Status Validate() const;
+};
+
+/// The batch-forming rules for one model's queue, without threads or clocks of its own: every
+/// method takes `now`, so tests drive it deterministically. Not thread-safe.
+///
+/// Rules: requests leave in arrival order. A batch starts with the oldest request and takes each
+/// later one that is compatible with it (same wire dtype and same attention-weights mode) while the
+/// token and attention budgets hold; incompatible requests wait for a later batch. A batch is ready
+/// when the compatible requests fill the budget, when the oldest has waited max_queue_delay, or at
+/// once when no worker is computing (waiting for company only pays off under load). Requests over
+/// max_shared_request_tokens always form a batch of their own, at once. A worker takes at most
+/// its share of the queue, ⌈queued / workers⌉ requests, so that below saturation requests spread
+/// over the cores instead of queueing behind each other in one batch.
+/// Expired and cancelled requests are dropped when a batch is taken and whenever the queue is full.
+class BatchQueue {
+ public:
+  explicit BatchQueue(const BatcherOptions& options) : options_(&options) {}
+
+  /// Adds an item; when the queue stays full after dropping dead items, returns the item (refused).
+  std::unique_ptr<WorkItem> Add(std::unique_ptr<WorkItem> item, SteadyClock::time_point now,
+                                Dropped* dropped);
+  /// True when a batch should be taken now; otherwise `*wake` is when one will be (max if empty).
+  /// `busy_workers`: how many workers are computing right now.
+  bool Ready(SteadyClock::time_point now, int busy_workers, SteadyClock::time_point* wake) const;
+  /// Takes the next batch (empty when nothing is queued), of at most `max_requests` requests.
+  /// Dead items go to `dropped`.
+  std::vector<std::unique_ptr<WorkItem>> Take(SteadyClock::time_point now, Dropped* dropped,
+                                              size_t max_requests = SIZE_MAX);
+  size_t size() const { return items_.size(); }
+  /// The oldest item's acceptance time (queue must not be empty).
+  SteadyClock::time_point oldest() const { return items_.front()->accepted; }
+
+ private:
+  void DropDead(SteadyClock::time_point now, Dropped* dropped);
+  bool BudgetFull() const;
+  bool Shares(const WorkItem& item) const;
+
+  const BatcherOptions* options_;
+  std::deque<std::unique_ptr<WorkItem>> items_;
+};
+
+/// Per-model BatchQueues served by a pool of compute threads. Thread-safe.
+///
+/// A batch's compute may be split across the workers that are idle when it runs (Parallel, passed
+/// to ForwardBatch): a worker with nothing to take helps whichever batch offers pieces. While any
+/// request waits in a queue the width is 1: under load every core computes whole batches.
+class Batcher {
+ public:
+  explicit Batcher(BatcherOptions options);
+  ~Batcher();  ///< Drains.
+  Batcher(const Batcher&) = delete;
+  Batcher& operator=(const Batcher&) = delete;
+
+  /// Takes the item. When it is refused (queue full: RESOURCE_EXHAUSTED; draining: UNAVAILABLE)
+  /// its `done` runs before Submit returns.
+  void Submit(std::unique_ptr<WorkItem> item);
+
+  /// Stops accepting, computes everything queued, joins the workers. Idempotent.
+  void Drain();
+
+ private:
+  void WorkerLoop();
+  void Finish(Dropped* dropped);
+  void Run(std::vector<std::unique_ptr<WorkItem>> batch);
+  // Threads that may run a batch's pieces now: 1 while any request waits, else 1 + idle workers.
+  int Width() const;
+  // Under mu_: updates idle_ and queued_ after busy_ or a queue changed.
+  void Mirror();
+
+  const BatcherOptions options_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<const AttentionModel*, BatchQueue> queues_;
+  bool draining_ = false;
+  int busy_ = 0;  // Workers computing a batch, or pieces of one.
+  // Mirrors for Width(), read without mu_: workers not busy, requests queued.
+  std::atomic<int> idle_{0};
+  std::atomic<size_t> queued_{0};
+  PieceExchange pieces_;
+  bool trim_pending_ = false;           // Work ran since the last malloc_trim.
+  SteadyClock::time_point idle_since_;  // When the last worker went idle (zero: not idle).
+  static constexpr std::chrono::seconds kTrimAfterIdle{1};
+  std::vector<std::thread> workers_;
+};
+
+}  // namespace attnserve

@@ -1,0 +1,252 @@
+#include "server/pipeline/metrics.h"
+
+namespace attnserve {
+namespace {
+
+// 100 µs to ~26 s, factor 2: spans a tiny CPU forward up to a long queue wait.
+const prometheus::Histogram::BucketBoundaries& LatencyBuckets() {
+  static const auto* kBuckets = [] {
+    auto* b = new prometheus::Histogram::BucketBoundaries;
+    for (double v = 1e-4; v < 30; v *= 2) b->push_back(v);
+    return b;
+  }();
+  return *kBuckets;
+}
+
+const prometheus::Histogram::BucketBoundaries& BatchBuckets() {
+  static const auto* kBuckets =
+      new prometheus::Histogram::BucketBoundaries{1, 2, 4, 8, 16, 32, 64, 128};
+  return *kBuckets;
+}
+
+const prometheus::Histogram::BucketBoundaries& TokenBuckets() {
+  static const auto* kBuckets = new prometheus::Histogram::BucketBoundaries{
+      16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536};
+  return *kBuckets;
+}
+
+}  // namespace
+
+ServerMetrics::ServerMetrics(prometheus::Registry& registry)
+    : latency_(prometheus::BuildHistogram()
+                   .Name("attnserve_request_duration_seconds")
+                   .Help("Time from receiving a request to its answer, at the RPC boundary.")
+                   .Register(registry)),
+      requests_(prometheus::BuildCounter()
+                    .Name("attnserve_requests_total")
+                    .Help("Requests answered, by model, method and gRPC status code.")
+                    .Register(registry)),
+      in_flight_(prometheus::BuildGauge()
+                     .Name("attnserve_requests_in_flight")
+                     .Help("Requests received and not yet answered.")
+                     .Register(registry)),
+      queue_(prometheus::BuildHistogram()
+                 .Name("attnserve_queue_wait_seconds")
+                 .Help("Time a request waited between acceptance and the start of compute.")
+                 .Register(registry)),
+      compute_(prometheus::BuildHistogram()
+                   .Name("attnserve_compute_seconds")
+                   .Help("Engine time of one batch.")
+                   .Register(registry)),
+      batch_size_(prometheus::BuildHistogram()
+                      .Name("attnserve_batch_size_requests")
+                      .Help("Requests computed together in one engine call.")
+                      .Register(registry)),
+      batch_tokens_(prometheus::BuildHistogram()
+                        .Name("attnserve_batch_size_tokens")
+                        .Help("Query plus key tokens computed together in one engine call.")
+                        .Register(registry)),
+      rejections_(prometheus::BuildCounter()
+                      .Name("attnserve_rejections_total")
+                      .Help("Requests refused or dropped before compute, by reason.")
+                      .Register(registry)),
+      backend_(prometheus::BuildCounter()
+                   .Name("attnserve_attention_backend_total")
+                   .Help("Computed requests by the attention kernel that ran (math, flash, "
+                         "efficient, cudnn).")
+                   .Register(registry)),
+      flops_(prometheus::BuildCounter()
+                 .Name("attnserve_flops_total")
+                 .Help("Floating-point operations computed (projections, QK^T, PV).")
+                 .Register(registry)),
+      flops_rate_(prometheus::BuildGauge()
+                      .Name("attnserve_achieved_flops_per_second")
+                      .Help("FLOP/s achieved by the last batch: its FLOPs over its compute time.")
+                      .Register(registry)),
+      device_memory_(
+          prometheus::BuildGauge()
+              .Name("attnserve_device_memory_bytes")
+              .Help("Device memory by kind: on CUDA the caching allocator's allocated and reserved "
+                    "bytes; on the CPU the process's resident set (kind resident).")
+              .Register(registry)),
+      model_info_(prometheus::BuildGauge()
+                      .Name("attnserve_model_info")
+                      .Help("A loaded model version (value 1), described by its labels.")
+                      .Register(registry)),
+      cpu_info_(prometheus::BuildGauge()
+                    .Name("attnserve_cpu_info")
+                    .Help("The CPU's class for bfloat16 products (AMX, AVX512-BF16, AVX-512 "
+                          "without BF16, AVX2 only), "
+                          "oneDNN's version and ISA, and the BLAS (value 1).")
+                    .Register(registry)),
+      reloads_(prometheus::BuildCounter()
+                   .Name("attnserve_model_reloads_total")
+                   .Help("Model repository reloads (SIGHUP or AdminService.ReloadModels), by "
+                         "outcome: ok, or failed (a version did not load, or the repository could "
+                         "not be read; what served before still serves).")
+                   .Register(registry)),
+      load_failures_(prometheus::BuildCounter()
+                         .Name("attnserve_model_load_failures_total")
+                         .Help("Reloads in which a version of this model failed to load.")
+                         .Register(registry)),
+      load_failing_(prometheus::BuildGauge()
+                        .Name("attnserve_model_load_failing")
+                        .Help("1 while the latest load of a version of this model failed (what "
+                              "served before still serves); 0 once it loads or its directory goes.")
+                        .Register(registry)),
+      kv_bytes_(prometheus::BuildGauge()
+                    .Name("attnserve_kv_bytes")
+                    .Help("Device bytes held by memories and decoding sessions (ended ones still "
+                          "in use included).")
+                    .Register(registry)
+                    .Add({})),
+      kv_entries_(prometheus::BuildGauge()
+                      .Name("attnserve_kv_entries")
+                      .Help("Memories and decoding sessions held, by kind.")
+                      .Register(registry)),
+      kv_model_entries_(prometheus::BuildGauge()
+                            .Name("attnserve_kv_model_entries")
+                            .Help("Memories and decoding sessions on one model version's weights "
+                                  "(they keep the weights they were made with across reloads).")
+                            .Register(registry)),
+      kv_lookups_(prometheus::BuildCounter()
+                      .Name("attnserve_kv_lookups_total")
+                      .Help("Requests naming a memory or session, by kind and result (hit, miss).")
+                      .Register(registry)),
+      kv_ends_(prometheus::BuildCounter()
+                   .Name("attnserve_kv_ends_total")
+                   .Help("Memories and sessions ended, by kind and reason (released, evicted, "
+                         "expired, unloaded, "
+                         "failed, shutdown).")
+                   .Register(registry)) {
+  // Both outcomes exist from the start, so rate() and increase() see the first reload.
+  reloads_.Add({{"outcome", "ok"}});
+  reloads_.Add({{"outcome", "failed"}});
+}
+
+void ServerMetrics::RecordRequest(const std::string& model, const std::string& method,
+                                  const std::string& code, double seconds) {
+  const prometheus::Labels labels{{"model", model}, {"method", method}, {"code", code}};
+  latency_.Add(labels, LatencyBuckets()).Observe(seconds);
+  requests_.Add(labels).Increment();
+}
+
+void ServerMetrics::AddInFlight(const std::string& method, double delta) {
+  in_flight_.Add({{"method", method}}).Increment(delta);
+}
+
+void ServerMetrics::RecordBatch(const std::string& model, const std::vector<WorkItem*>& batch,
+                                double seconds) {
+  const prometheus::Labels labels{{"model", model}};
+  auto& queue = queue_.Add(labels, LatencyBuckets());
+  int64_t tokens = 0;
+  double flops = 0;
+  for (const WorkItem* item : batch) {
+    queue.Observe(item->queue_seconds);
+    tokens += item->tokens();
+    flops += ForwardFlops(item->model->spec(), item->call);
+    backend_.Add({{"model", model}, {"backend", item->outputs.attention_backend}}).Increment();
+  }
+  flops_.Add(labels).Increment(flops);
+  if (seconds > 0) flops_rate_.Add(labels).Set(flops / seconds);
+  compute_.Add(labels, LatencyBuckets()).Observe(seconds);
+  batch_size_.Add(labels, BatchBuckets()).Observe(static_cast<double>(batch.size()));
+  batch_tokens_.Add(labels, TokenBuckets()).Observe(static_cast<double>(tokens));
+}
+
+void ServerMetrics::SetDeviceMemory(const std::string& device, int64_t allocated,
+                                    int64_t reserved) {
+  device_memory_.Add({{"device", device}, {"kind", "allocated"}})
+      .Set(static_cast<double>(allocated));
+  device_memory_.Add({{"device", device}, {"kind", "reserved"}}).Set(static_cast<double>(reserved));
+}
+
+void ServerMetrics::SetHostMemory(int64_t resident) {
+  device_memory_.Add({{"device", "cpu"}, {"kind", "resident"}}).Set(static_cast<double>(resident));
+}
+
+void ServerMetrics::RecordRejection(const std::string& model, const char* reason) {
+  rejections_.Add({{"model", model}, {"reason", reason}}).Increment();
+}
+
+void ServerMetrics::AddModelInfo(const ModelSpec& s) {
+  RemoveModelInfo(s);
+  std::lock_guard<std::mutex> lock(info_mu_);
+  info_[{s.name, s.version}] = &model_info_.Add({{"model", s.name},
+                                                 {"version", std::to_string(s.version)},
+                                                 {"embed_dim", std::to_string(s.embed_dim)},
+                                                 {"num_heads", std::to_string(s.num_heads)},
+                                                 {"kdim", std::to_string(s.kdim)},
+                                                 {"vdim", std::to_string(s.vdim)},
+                                                 {"device", s.device},
+                                                 {"compute_dtype", DTypeName(s.compute_dtype)},
+                                                 {"kernels", s.kernels},
+                                                 {"weights_hash", s.weights_hash}});
+  info_[{s.name, s.version}]->Set(1);
+}
+
+void ServerMetrics::SetCpuInfo(const std::string& cpu_class, const std::string& onednn,
+                               const std::string& blas) {
+  cpu_info_.Add({{"cpu_class", cpu_class}, {"onednn", onednn}, {"blas", blas}}).Set(1);
+}
+
+void ServerMetrics::RemoveModelInfo(const ModelSpec& s) {
+  std::lock_guard<std::mutex> lock(info_mu_);
+  auto it = info_.find({s.name, s.version});
+  if (it == info_.end()) return;
+  model_info_.Remove(it->second);
+  info_.erase(it);
+}
+
+void ServerMetrics::SetModelsFailing(const std::vector<std::string>& failing) {
+  std::lock_guard<std::mutex> lock(info_mu_);
+  for (auto& [model, gauge] : failing_) gauge->Set(0);
+  for (const std::string& model : failing) {
+    auto it = failing_.find(model);
+    if (it == failing_.end())
+      it = failing_.emplace(model, &load_failing_.Add({{"model", model}})).first;
+    it->second->Set(1);
+  }
+}
+
+void ServerMetrics::RecordReload(bool failed, const std::vector<std::string>& failed_models) {
+  reloads_.Add({{"outcome", failed ? "failed" : "ok"}}).Increment();
+  for (const std::string& model : failed_models) load_failures_.Add({{"model", model}}).Increment();
+}
+
+void ServerMetrics::SetKvSize(int64_t bytes, int64_t memories, int64_t sessions) {
+  kv_bytes_.Set(static_cast<double>(bytes));
+  kv_entries_.Add({{"kind", "memory"}}).Set(static_cast<double>(memories));
+  kv_entries_.Add({{"kind", "session"}}).Set(static_cast<double>(sessions));
+}
+
+void ServerMetrics::SetKvModelEntries(const ModelSpec& s, int64_t entries) {
+  const std::map<std::string, std::string> labels = {
+      {"model", s.name}, {"version", std::to_string(s.version)}, {"weights_hash", s.weights_hash}};
+  prometheus::Gauge& gauge = kv_model_entries_.Add(labels);
+  if (entries > 0) {
+    gauge.Set(static_cast<double>(entries));
+  } else {
+    kv_model_entries_.Remove(&gauge);
+  }
+}
+
+void ServerMetrics::RecordKvLookup(const char* kind, bool hit) {
+  kv_lookups_.Add({{"kind", kind}, {"result", hit ? "hit" : "miss"}}).Increment();
+}
+
+void ServerMetrics::RecordKvEnd(const char* kind, const char* reason) {
+  kv_ends_.Add({{"kind", kind}, {"reason", reason}}).Increment();
+}
+
+}  // namespace attnserve

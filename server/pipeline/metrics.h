@@ -1,0 +1,91 @@
+#pragma once
+
+#include <prometheus/counter.h>
+#include <prometheus/family.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+
+#include <map>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include "server/core/types.h"
+#include "server/pipeline/batcher.h"
+
+namespace attnserve {
+
+/// The server's Prometheus metrics (README "Metrics"). Registers its families once in the registry
+/// it is given. Thread-safe.
+class ServerMetrics {
+ public:
+  explicit ServerMetrics(prometheus::Registry& registry);
+
+  /// One finished RPC (or one request inside AttendStream): count and latency, success or not.
+  /// `model` is "" when the request named no loaded model.
+  void RecordRequest(const std::string& model, const std::string& method, const std::string& code,
+                     double seconds);
+  /// Requests accepted and not yet answered, by method.
+  void AddInFlight(const std::string& method, double delta);
+  /// One computed batch: its size in requests and tokens, compute time and FLOPs, and each
+  /// request's queue wait. (No padding metric: the engine packs rows and never pads.)
+  void RecordBatch(const std::string& model, const std::vector<WorkItem*>& batch, double seconds);
+  /// Allocated and reserved bytes of a CUDA device's caching allocator.
+  void SetDeviceMemory(const std::string& device, int64_t allocated, int64_t reserved);
+  /// The CPU device's memory: the process's resident set (device "cpu", kind "resident").
+  void SetHostMemory(int64_t resident);
+  /// A request refused or dropped before compute; reason: queue_full, draining, deadline,
+  /// cancelled.
+  void RecordRejection(const std::string& model, const char* reason);
+  /// Sets attnserve_model_info{...} 1 for a loaded model version (replacing that version's series).
+  void AddModelInfo(const ModelSpec& spec);
+  /// attnserve_cpu_info{cpu_class, onednn, blas} 1: the CPU's class and the libraries' kernels.
+  void SetCpuInfo(const std::string& cpu_class, const std::string& onednn, const std::string& blas);
+  /// Removes an unloaded model version's attnserve_model_info series.
+  void RemoveModelInfo(const ModelSpec& spec);
+  /// One reload: attnserve_model_reloads_total{outcome="ok"|"failed"}, and for each model with a
+  /// version that failed to load, attnserve_model_load_failures_total{model}.
+  void RecordReload(bool failed, const std::vector<std::string>& failed_models);
+  /// attnserve_model_load_failing{model}: 1 for each model whose latest load failed, 0 for those
+  /// that failed before and load now.
+  void SetModelsFailing(const std::vector<std::string>& failing);
+  /// attnserve_kv_bytes and attnserve_kv_entries{kind}.
+  void SetKvSize(int64_t bytes, int64_t memories, int64_t sessions);
+  /// attnserve_kv_model_entries{model, version, weights_hash}: memories and sessions on these
+  /// weights (a version a reload replaced stays loaded for them); the series goes at 0.
+  void SetKvModelEntries(const ModelSpec& spec, int64_t entries);
+  /// attnserve_kv_lookups_total{kind, result="hit"|"miss"}.
+  void RecordKvLookup(const char* kind, bool hit);
+  /// attnserve_kv_ends_total{kind, reason} (KvEndReasonName).
+  void RecordKvEnd(const char* kind, const char* reason);
+
+ private:
+  prometheus::Family<prometheus::Histogram>& latency_;
+  prometheus::Family<prometheus::Counter>& requests_;
+  prometheus::Family<prometheus::Gauge>& in_flight_;
+  prometheus::Family<prometheus::Histogram>& queue_;
+  prometheus::Family<prometheus::Histogram>& compute_;
+  prometheus::Family<prometheus::Histogram>& batch_size_;
+  prometheus::Family<prometheus::Histogram>& batch_tokens_;
+  prometheus::Family<prometheus::Counter>& rejections_;
+  prometheus::Family<prometheus::Counter>& backend_;
+  prometheus::Family<prometheus::Counter>& flops_;
+  prometheus::Family<prometheus::Gauge>& flops_rate_;
+  prometheus::Family<prometheus::Gauge>& device_memory_;
+  prometheus::Family<prometheus::Gauge>& model_info_;
+  prometheus::Family<prometheus::Gauge>& cpu_info_;
+  prometheus::Family<prometheus::Counter>& reloads_;
+  prometheus::Family<prometheus::Counter>& load_failures_;
+  prometheus::Family<prometheus::Gauge>& load_failing_;
+  prometheus::Gauge& kv_bytes_;
+  prometheus::Family<prometheus::Gauge>& kv_entries_;
+  prometheus::Family<prometheus::Gauge>& kv_model_entries_;
+  prometheus::Family<prometheus::Counter>& kv_lookups_;
+  prometheus::Family<prometheus::Counter>& kv_ends_;
+  std::mutex info_mu_;
+  std::map<std::pair<std::string, int64_t>, prometheus::Gauge*> info_;  // (model, version)
+  std::map<std::string, prometheus::Gauge*> failing_;  // attnserve_model_load_failing by model
+};
+
+}  // namespace attnserve

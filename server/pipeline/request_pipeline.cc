@@ -1,0 +1,458 @@
+#include "server/pipeline/request_pipeline.h"
+
+#include <iostream>
+
+#include "server/core/validator.h"
+#include "server/core/wire.h"
+
+namespace attnserve {
+namespace {
+
+double SecondsSince(SteadyClock::time_point t) {
+  return std::chrono::duration<double>(SteadyClock::now() - t).count();
+}
+
+void SetTensorMeta(v1::Tensor* t, DType dtype, const std::vector<int64_t>& shape) {
+  t->set_dtype(ToWire(dtype));
+  t->mutable_shape()->Assign(shape.begin(), shape.end());
+}
+
+// The answer's fields besides the tensors' bytes, for a computed item.
+v1::AttendResponse AnswerMeta(const v1::AttendRequest& request, const WorkItem& w,
+                              uint32_t previous_attempts) {
+  const ModelSpec& spec = w.model->spec();
+  v1::AttendResponse meta;
+  meta.set_request_id(request.request_id());
+  meta.set_model(spec.name);
+  meta.set_weights_hash(spec.weights_hash);
+  meta.set_model_version(spec.version);
+  SetTensorMeta(meta.mutable_output(), w.call.query.dtype, w.call.output_shape);
+  if (w.outputs.weights)
+    SetTensorMeta(meta.mutable_attn_weights(), w.call.query.dtype, w.call.weights_shape);
+  auto* timing = meta.mutable_timing();
+  timing->set_queue_seconds(w.queue_seconds);
+  timing->set_compute_seconds(w.compute_seconds);
+  timing->set_batch_size(static_cast<uint32_t>(w.batch_size));
+  timing->set_previous_attempts(previous_attempts);
+  if (w.call.kv_use == AttendCall::Kv::kSession)
+    meta.set_session_length(w.call.kv_length + w.call.query_len);
+  return meta;
+}
+
+// What the client can be told of a computed result: an answer finished after its deadline or after
+// it cancelled never reaches it (and a session's step is then not applied).
+Status Deliverable(const CallContext& call, const Status& computed, bool step) {
+  if (!computed.ok()) return computed;
+  const char* consequence = step ? "the step was not applied" : "the answer was dropped";
+  if (SteadyClock::now() >= call.deadline) {
+    return Status(StatusCode::kDeadlineExceeded,
+                  std::string("deadline passed during compute; ") + consequence);
+  }
+  if (call.IsCancelled()) {
+    return Status(StatusCode::kCancelled,
+                  std::string("cancelled by the client during compute; ") + consequence);
+  }
+  return computed;
+}
+
+// An empty key/value cache for a memory or session of `model`.
+StatusOr<std::shared_ptr<KvCache>> NewKvCacheOf(const AttentionModel& model) {
+  std::shared_ptr<KvCache> cache = model.NewKvCache();
+  if (!cache) {
+    return Status(StatusCode::kFailedPrecondition,
+                  "model '" + model.spec().name + "': its engine keeps no keys and values");
+  }
+  return cache;
+}
+
+// The KvHandle answer for an entry: `length` as this call left it, or (unset) the store's now.
+void FillHandle(const KvEntry& e, std::optional<int64_t> length, const KvStore& kv,
+                const std::string& replica, v1::KvHandle* h) {
+  const ModelSpec& spec = e.model->spec();
+  const KvEntryInfo now = kv.Info(e);  // bytes and length are the store's, under its lock
+  h->set_handle(now.handle);
+  h->set_model(spec.name);
+  h->set_model_version(spec.version);
+  h->set_weights_hash(spec.weights_hash);
+  h->set_batch(now.batch);
+  h->set_length(length.value_or(now.length));
+  h->set_bytes(now.bytes);
+  h->set_ttl_seconds(kv.options().ttl_seconds);
+  h->set_replica(replica);
+}
+
+// The memory or session a request names, begun (a session step) or looked up (a memory), and
+// checked against the model the request names, if any.
+Status ResolveKept(KvStore& kv, const v1::AttendRequest& request, WorkItem* item,
+                   std::shared_ptr<KvStep>* step) {
+  const bool session = !request.session().empty();
+  if (session && !request.memory().empty()) {
+    return InvalidArgument("memory, session: a request names one or the other, not both");
+  }
+  std::shared_ptr<KvEntry> entry;
+  if (session) {
+    const auto length = request.has_session_length()
+                            ? std::optional<int64_t>(request.session_length())
+                            : std::nullopt;
+    ASSIGN_OR_RETURN(*step, kv.BeginStep(request.session(), length));
+    entry = (*step)->entry();
+    item->call.kv_use = AttendCall::Kv::kSession;
+    item->call.kv_length = (*step)->length();
+  } else {
+    ASSIGN_OR_RETURN(entry, kv.Lookup(request.memory(), KvKind::kMemory));
+    item->call.kv_use = AttendCall::Kv::kMemory;
+    item->call.kv_length = entry->length;
+  }
+  const ModelSpec& spec = entry->model->spec();
+  if ((!request.model().empty() && request.model() != spec.name) ||
+      (request.model_version() != 0 && request.model_version() != spec.version)) {
+    return InvalidArgument(
+        "model: '" + request.model() + "' version " + std::to_string(request.model_version()) +
+        ", but " + (session ? "session" : "memory") + " '" + entry->handle +
+        "' belongs to model '" + spec.name + "' version " + std::to_string(spec.version) +
+        " (leave model empty and model_version 0 to use the handle's)");
+  }
+  item->model = entry->model;
+  item->call.kv = entry->cache;
+  item->call.kv_batch = entry->batch;
+  item->kv_entry = entry;
+  return Status::Ok();
+}
+
+}  // namespace
+
+RequestPipeline::RequestPipeline(const ModelRepository& models, Batcher& batcher,
+                                 ServerMetrics& metrics, const AttendLimits& limits,
+                                 const FlowLimits& flow, KvStore& kv)
+    : models_(models),
+      batcher_(batcher),
+      metrics_(metrics),
+      limits_(limits),
+      flow_(flow),
+      kv_(kv) {}
+
+void RequestPipeline::Attend(const char* method, Exchange* x, CallContext call,
+                             std::function<void(const Status&)> done) {
+  metrics_.AddInFlight(method, 1);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++in_flight_;
+    last_arrival_ = SteadyClock::now();
+  }
+  auto item = std::make_unique<WorkItem>();
+  item->accepted = x->received;
+  item->deadline = call.deadline;
+  item->cancelled = call.cancelled;
+  std::shared_ptr<KvStep> step;
+  const uint32_t attempts = call.previous_attempts;
+  Status st = Resolve(x, item.get(), &step);
+  if (st.ok()) st = Admit(x, *item);
+  // A session step counts once its answer is computed in time for the client; refused or failed at
+  // any point, or computed too late, the session is as it was. It ends before the answer leaves,
+  // so the client's next step finds it idle.
+  auto finish = [step = std::move(step), call = std::move(call),
+                 done = std::move(done)](const Status& result) mutable {
+    const Status seen = Deliverable(call, result, step != nullptr);
+    if (step) step->End(seen.ok());
+    step.reset();  // Idle and not held: the client's next call may evict it.
+    done(seen);
+  };
+  if (!st.ok()) {
+    finish(st);
+    return;
+  }
+  // The engine writes straight into these; the front end encodes them without a copy.
+  x->answer.output = std::make_unique<std::string>();
+  item->outputs.output = x->answer.output.get();
+  if (item->call.weights != WeightsMode::kNone) {
+    x->answer.weights = std::make_unique<std::string>();
+    item->outputs.weights = x->answer.weights.get();
+  }
+  item->done = [x, attempts, finish = std::move(finish)](const Status& st,
+                                                         const WorkItem& w) mutable {
+    if (st.ok()) x->answer.meta = AnswerMeta(x->request, w, attempts);
+    finish(st);
+  };
+  batcher_.Submit(std::move(item));
+}
+
+Status RequestPipeline::Resolve(Exchange* x, WorkItem* item, std::shared_ptr<KvStep>* step) {
+  const v1::AttendRequest& request = x->request;
+  if (request.model_version() < 0) {
+    return InvalidArgument("model_version: " + std::to_string(request.model_version()) +
+                           "; allowed: 0 (the highest loaded) or a loaded version");
+  }
+  RETURN_IF_ERROR(FromWire(request, &item->call));
+  if (!request.memory().empty() || !request.session().empty()) {
+    // Keys and values kept on the server: the handle names the model.
+    RETURN_IF_ERROR(ResolveKept(kv_, request, item, step));
+  } else {
+    ASSIGN_OR_RETURN(item->model,
+                     models_.Snapshot()->Lookup(request.model(), request.model_version()));
+  }
+  x->model = item->model->spec().name;
+  RETURN_IF_ERROR(Validate(item->model->spec(), limits_, &item->call));
+  if (*step) {
+    RETURN_IF_ERROR((*step)->Reserve(item->call.query_len));
+    item->call.kv_capacity = (*step)->capacity();
+  }
+  return Status::Ok();
+}
+
+Status RequestPipeline::Admit(Exchange* x, const WorkItem& item) {
+  // Request and answer bytes count against the in-flight budget until the outcome is recorded.
+  const int64_t bytes = HeldBytes(static_cast<int64_t>(x->request.ByteSizeLong()) +
+                                      item.call.output_bytes + item.call.weights_bytes,
+                                  item.call.query.dtype, item.model->spec().compute_dtype);
+  RETURN_IF_ERROR(Reserve(x->model, bytes));
+  x->held_bytes = bytes;
+  return Status::Ok();
+}
+
+int64_t RequestPipeline::HeldBytes(int64_t wire_bytes, DType wire, DType compute) {
+  // A request on a narrower wire than its model computes in is held widened (a float16 request
+  // to a float32 model: its decoded copy, projections and answer are float32).
+  const size_t w = DTypeSize(wire), c = DTypeSize(compute);
+  return w > 0 && c > w ? wire_bytes * static_cast<int64_t>(c / w) : wire_bytes;
+}
+
+Status RequestPipeline::Reserve(const std::string& model, int64_t bytes) {
+  std::string held;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // One request runs alone whatever its size: the per-request limits bound it.
+    if (held_bytes_ == 0 || held_bytes_ + bytes <= flow_.max_inflight_bytes) {
+      held_bytes_ += bytes;
+      return Status::Ok();
+    }
+    held = std::to_string(held_bytes_);
+  }
+  metrics_.RecordRejection(model, "memory");
+  return Status(StatusCode::kResourceExhausted,
+                "server memory for requests in flight is full: " + held +
+                    " bytes held, this request needs " + std::to_string(bytes) + " of at most " +
+                    std::to_string(flow_.max_inflight_bytes) +
+                    " (server flag --max-inflight-bytes); retry later");
+}
+
+void RequestPipeline::Unreserve(int64_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  held_bytes_ -= bytes;
+}
+
+void RequestPipeline::Record(const char* method, Exchange* x, const Status& seen) {
+  if (x->recorded) return;
+  x->recorded = true;
+  if (seen.code() == StatusCode::kInternal) std::cerr << "attnserve: " << seen.ToString() << "\n";
+  metrics_.RecordRequest(x->model, method, StatusCodeName(seen.code()), SecondsSince(x->received));
+  metrics_.AddInFlight(method, -1);
+  std::lock_guard<std::mutex> lock(mu_);
+  held_bytes_ -= x->held_bytes;
+  x->held_bytes = 0;
+  --in_flight_;
+  if (in_flight_ == 0) idle_cv_.notify_all();
+}
+
+void RequestPipeline::RecordUndecoded(const char* method, const Status& seen) {
+  metrics_.RecordRequest("", method, StatusCodeName(seen.code()), 0);
+  std::lock_guard<std::mutex> lock(mu_);
+  last_arrival_ = SteadyClock::now();
+}
+
+void RequestPipeline::RecordCall(const std::string& model, const char* method, const Status& st,
+                                 SteadyClock::time_point received) {
+  metrics_.RecordRequest(model, method, StatusCodeName(st.code()), SecondsSince(received));
+}
+
+void RequestPipeline::ListModels(v1::ListModelsResponse* resp) const {
+  const std::shared_ptr<const ModelSet> models = models_.Snapshot();
+  for (const auto& [name, versions] : models->models) {
+    for (const auto& [version, model] : versions) ToWire(model->spec(), resp->add_models());
+  }
+}
+
+Status RequestPipeline::GetModel(const v1::GetModelRequest& req, v1::ModelInfo* resp) const {
+  ASSIGN_OR_RETURN(auto model,
+                   models_.Snapshot()->Lookup(req.name(), req.version(), "name", "version"));
+  ToWire(model->spec(), resp);
+  return Status::Ok();
+}
+
+bool RequestPipeline::Ready(const std::string& model, int64_t version) const {
+  if (draining()) return false;
+  const std::shared_ptr<const ModelSet> models = models_.Snapshot();
+  return model.empty() ? !models->models.empty() : models->Find(model, version) != nullptr;
+}
+
+StatusOr<ModelSpec> RequestPipeline::Describe(const std::string& model, int64_t version,
+                                              std::vector<int64_t>* versions) const {
+  const std::shared_ptr<const ModelSet> models = models_.Snapshot();
+  ASSIGN_OR_RETURN(auto found, models->Lookup(model, version, "name", "version"));
+  versions->clear();
+  for (const auto& [v, m] : models->models.at(model)) versions->push_back(v);
+  return found->spec();
+}
+
+void RequestPipeline::SetAdvertisedAddress(std::string address) {
+  std::lock_guard<std::mutex> lock(mu_);
+  advertised_ = std::move(address);
+}
+
+std::string RequestPipeline::advertised_address() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return advertised_;
+}
+
+void RequestPipeline::CreateMemory(const v1::CreateMemoryRequest& req, CallContext call,
+                                   v1::KvHandle* resp, std::function<void(const Status&)> done) {
+  const auto received = SteadyClock::now();
+  auto item = std::make_unique<WorkItem>();
+  item->accepted = received;
+  item->deadline = call.deadline;
+  item->cancelled = std::move(call.cancelled);
+  std::shared_ptr<KvEntry> entry;
+  int64_t held = 0;  // The request's bytes, in the in-flight budget until it is done.
+  const Status st = [&]() -> Status {
+    ASSIGN_OR_RETURN(item->model, models_.Snapshot()->Lookup(req.model(), req.model_version()));
+    RETURN_IF_ERROR(FromWire(req, &item->call));
+    RETURN_IF_ERROR(ValidateCreateMemory(item->model->spec(), limits_, &item->call));
+    ASSIGN_OR_RETURN(item->call.kv, NewKvCacheOf(*item->model));
+    const int64_t bytes = HeldBytes(static_cast<int64_t>(req.ByteSizeLong()), item->call.key->dtype,
+                                    item->model->spec().compute_dtype);
+    RETURN_IF_ERROR(Reserve(item->model->spec().name, bytes));
+    held = bytes;
+    ASSIGN_OR_RETURN(entry, kv_.Create(KvKind::kMemory, item->model, item->call.kv,
+                                       item->call.batch, item->call.key_len));
+    return Status::Ok();
+  }();
+  const std::string name = item->model ? item->model->spec().name : "";
+  if (!st.ok()) {
+    Unreserve(held);
+    RecordCall(name, "CreateMemory", st, received);
+    done(st);
+    return;
+  }
+  item->kv_entry = entry;
+  const int64_t length = item->call.key_len;
+  item->done = [this, name, received, entry = std::move(entry), length, held, resp,
+                done = std::move(done)](Status st, const WorkItem&) mutable {
+    Unreserve(held);
+    if (st.ok()) st = kv_.MarkReady(entry, length);
+    if (st.ok()) {
+      FillHandle(*entry, length, kv_, advertised_address(), resp);
+    } else {
+      kv_.Discard(entry);
+    }
+    entry.reset();  // Not held once told: the client's next call may evict it.
+    RecordCall(name, "CreateMemory", st, received);
+    done(st);
+  };
+  batcher_.Submit(std::move(item));
+}
+
+Status RequestPipeline::OpenSession(const v1::OpenSessionRequest& req, v1::KvHandle* resp) {
+  const auto received = SteadyClock::now();
+  std::shared_ptr<const AttentionModel> model;
+  const Status st = [&]() -> Status {
+    ASSIGN_OR_RETURN(model, models_.Snapshot()->Lookup(req.model(), req.model_version()));
+    if (req.batch() < 1 || req.batch() > limits_.max_tokens) {
+      return InvalidArgument("batch: " + std::to_string(req.batch()) + "; allowed: 1 to " +
+                             std::to_string(limits_.max_tokens) +
+                             " (server flag --max-request-tokens)");
+    }
+    const ModelSpec& m = model->spec();
+    if (m.kdim != m.embed_dim || m.vdim != m.embed_dim) {
+      return InvalidArgument(
+          "model: '" + m.name + "' has kdim=" + std::to_string(m.kdim) +
+          ", vdim=" + std::to_string(m.vdim) + " != embed_dim=" + std::to_string(m.embed_dim) +
+          "; a decoding session is self-attention, which needs kdim = vdim = embed_dim");
+    }
+    ASSIGN_OR_RETURN(std::shared_ptr<KvCache> cache, NewKvCacheOf(*model));
+    ASSIGN_OR_RETURN(std::shared_ptr<KvEntry> entry,
+                     kv_.Create(KvKind::kSession, model, cache, req.batch(), 0));
+    FillHandle(*entry, 0, kv_, advertised_address(), resp);
+    return Status::Ok();
+  }();
+  RecordCall(model ? model->spec().name : "", "OpenSession", st, received);
+  return st;
+}
+
+Status RequestPipeline::ForkSession(const v1::ForkSessionRequest& req, v1::KvHandle* resp) {
+  const auto received = SteadyClock::now();
+  std::string model;
+  const Status st = [&]() -> Status {
+    ASSIGN_OR_RETURN(std::shared_ptr<KvEntry> child,
+                     kv_.Fork(req.handle(), [&model](const AttentionModel& parent_model) {
+                       model = parent_model.spec().name;
+                       return NewKvCacheOf(parent_model);
+                     }));
+    FillHandle(*child, std::nullopt, kv_, advertised_address(), resp);
+    return Status::Ok();
+  }();
+  RecordCall(model, "ForkSession", st, received);
+  return st;
+}
+
+Status RequestPipeline::TruncateSession(const v1::TruncateSessionRequest& req, v1::KvHandle* resp) {
+  const auto received = SteadyClock::now();
+  std::string model;
+  const Status st = [&]() -> Status {
+    std::shared_ptr<KvEntry> entry;
+    RETURN_IF_ERROR(kv_.Truncate(req.handle(), req.length(), &entry));
+    model = entry->model->spec().name;
+    FillHandle(*entry, req.length(), kv_, advertised_address(), resp);
+    return Status::Ok();
+  }();
+  RecordCall(model, "TruncateSession", st, received);
+  return st;
+}
+
+Status RequestPipeline::Release(const char* method, KvKind kind, const v1::ReleaseRequest& req,
+                                v1::ReleaseResponse* resp) {
+  const auto received = SteadyClock::now();
+  StatusOr<int64_t> freed = kv_.Release(req.handle(), kind);
+  if (freed.ok()) resp->set_bytes_freed(*freed);
+  RecordCall("", method, freed.status(), received);
+  return freed.status();
+}
+
+void RequestPipeline::AddCall(OpenCall* call) {
+  std::lock_guard<std::mutex> lock(mu_);
+  calls_.insert(call);
+  last_arrival_ = SteadyClock::now();
+}
+
+void RequestPipeline::RemoveCall(OpenCall* call) {
+  std::lock_guard<std::mutex> lock(mu_);
+  calls_.erase(call);
+  if (calls_.empty()) idle_cv_.notify_all();
+}
+
+void RequestPipeline::BeginDrain() {
+  draining_ = true;
+  std::vector<OpenCall*> finish;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (OpenCall* c : calls_) {
+      if (c->Drain()) finish.push_back(c);
+    }
+  }
+  // Outside mu_: a finished call's end removes it from calls_. It cannot be gone before FinishNow,
+  // which is the only finish it will get.
+  for (OpenCall* c : finish) c->FinishNow();
+}
+
+bool RequestPipeline::WaitIdle(SteadyClock::time_point deadline, SteadyClock::duration quiet) {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    const bool idle = in_flight_ == 0 && calls_.empty();
+    const auto quiet_since = last_arrival_ + quiet;
+    const auto now = SteadyClock::now();
+    if (idle && now >= quiet_since) return true;
+    if (now >= deadline) return false;
+    // In-flight work notifies when it ends; a quiet period just needs time to pass.
+    idle_cv_.wait_until(lock, std::min(deadline, idle ? quiet_since : now + quiet));
+  }
+}
+
+}  // namespace attnserve

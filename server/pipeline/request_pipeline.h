@@ -1,0 +1,166 @@
+#pragma once
+
+#include <condition_variable>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+
+#include "attnserve/v1/attention.pb.h"
+#include "server/core/wire.h"
+#include "server/kv/kv_store.h"
+#include "server/models/model_repository.h"
+#include "server/pipeline/batcher.h"
+#include "server/pipeline/metrics.h"
+
+namespace attnserve {
+
+/// Bounds on what requests in flight may hold (README "Limits").
+struct FlowLimits {
+  /// Request plus answer bytes of every request accepted and not yet answered, over all calls; a
+  /// request that would go past it gets RESOURCE_EXHAUSTED (server flag --max-inflight-bytes).
+  int64_t max_inflight_bytes = int64_t{1} << 30;
+  /// Requests one AttendStream may have accepted and not yet answered; at the limit the server
+  /// stops reading that stream until the client takes answers (--max-stream-inflight).
+  int max_stream_requests = 32;
+  /// The same bound in request plus answer bytes (--max-stream-inflight-bytes); one request over it
+  /// still runs, alone.
+  int64_t max_stream_bytes = int64_t{64} << 20;
+};
+
+/// What the pipeline needs to know of the call a request came on, in no front end's terms.
+struct CallContext {
+  /// When the client stops waiting (steady clock; max: never).
+  SteadyClock::time_point deadline = SteadyClock::time_point::max();
+  /// True once the client has cancelled; polled while the request waits and after compute. Empty:
+  /// never.
+  std::function<bool()> cancelled;
+  /// Earlier attempts of this call under the client's retry policy (reported in the answer).
+  uint32_t previous_attempts = 0;
+
+  bool IsCancelled() const { return cancelled && cancelled(); }
+};
+
+/// One AttendRequest on its way through the pipeline: the decoded request (the engine's views
+/// point into it) and, once the pipeline reported success, its answer.
+struct Exchange {
+  virtual ~Exchange() = default;  // Front ends extend it with what their answers carry.
+  v1::AttendRequest request;
+  AttendAnswer answer;
+  std::string model;  ///< Metrics label: the loaded model's name, or "" when none.
+  SteadyClock::time_point received = SteadyClock::now();
+  int64_t held_bytes = 0;  ///< Counted against FlowLimits::max_inflight_bytes until recorded.
+  bool recorded = false;
+};
+
+/// A call that stays open across requests (an AttendStream), which the drain must close.
+class OpenCall {
+ public:
+  virtual ~OpenCall() = default;
+  /// Runs under the pipeline's lock when the drain begins: take no more requests. True when that
+  /// leaves the call with nothing to do; the pipeline then calls FinishNow, after its lock.
+  virtual bool Drain() = 0;
+  /// Ends the call that Drain found finished.
+  virtual void FinishNow() = 0;
+};
+
+/// The request path of every front end, with no transport in it: model or kept keys and values
+/// resolved, the request validated against the model and limits, its bytes admitted against the
+/// in-flight budget, submitted to the batcher, and completed with an answer or a status. Also the
+/// in-flight accounting (metrics, bytes held, the drain). Front ends decode, call in here, and
+/// encode what comes back. Thread-safe.
+class RequestPipeline {
+ public:
+  /// Borrows everything; all must outlive the pipeline. Each request takes the repository's set of
+  /// the moment it arrives, so a reload never changes a request already accepted.
+  RequestPipeline(const ModelRepository& models, Batcher& batcher, ServerMetrics& metrics,
+                  const AttendLimits& limits, const FlowLimits& flow, KvStore& kv);
+
+  /// Runs `x->request` and counts it in flight. `done` runs exactly once, on any thread (possibly
+  /// before Attend returns), with what the client can be told: OK with `x->answer` filled, or the
+  /// failure (also DEADLINE_EXCEEDED or CANCELLED when the answer came too late to be delivered; a
+  /// session's step then is not applied). The caller then calls Record once the client's outcome
+  /// is known; `x` must live until then.
+  void Attend(const char* method, Exchange* x, CallContext call,
+              std::function<void(const Status&)> done);
+  /// Records an exchange's outcome as the client saw it (count, latency, in flight) and gives its
+  /// bytes back. Once per exchange; later calls do nothing.
+  void Record(const char* method, Exchange* x, const Status& seen);
+  /// Counts a request that never reached Attend (it did not decode) as answered with `seen`.
+  void RecordUndecoded(const char* method, const Status& seen);
+
+  /// The address clients reach this replica at (--advertise-address; "" for none), returned in
+  /// every KvHandle so clients route a memory's or session's calls to it. Set before serving.
+  void SetAdvertisedAddress(std::string address);
+  std::string advertised_address() const;
+
+  /// Every loaded version of every model.
+  void ListModels(v1::ListModelsResponse* resp) const;
+  /// One model version's description (version 0: the highest loaded).
+  Status GetModel(const v1::GetModelRequest& req, v1::ModelInfo* resp) const;
+
+  /// Whether requests for `model` (version 0: the highest) would be served now: loaded and not
+  /// draining. An empty `model`: whether the server takes requests at all.
+  bool Ready(const std::string& model, int64_t version) const;
+  /// A loaded model version's spec and every loaded version of it (NOT_FOUND naming what is there).
+  StatusOr<ModelSpec> Describe(const std::string& model, int64_t version,
+                               std::vector<int64_t>* versions) const;
+
+  /// Projects and keeps a memory; `done` runs once, on any thread, with `resp` filled when OK.
+  void CreateMemory(const v1::CreateMemoryRequest& req, CallContext call, v1::KvHandle* resp,
+                    std::function<void(const Status&)> done);
+  /// Opens an empty decoding session.
+  Status OpenSession(const v1::OpenSessionRequest& req, v1::KvHandle* resp);
+  /// ForkSession: the new session, or the store's refusal.
+  Status ForkSession(const v1::ForkSessionRequest& req, v1::KvHandle* resp);
+  /// TruncateSession: the session after it, or the store's refusal.
+  Status TruncateSession(const v1::TruncateSessionRequest& req, v1::KvHandle* resp);
+  /// Ends a memory or a session (`method` is the metrics label).
+  Status Release(const char* method, KvKind kind, const v1::ReleaseRequest& req,
+                 v1::ReleaseResponse* resp);
+
+  /// Registers an open call for the drain (a stream, from its start until it is done). A call that
+  /// registers after the drain began is told by `draining()`.
+  void AddCall(OpenCall* call);
+  void RemoveCall(OpenCall* call);
+  /// Starts the shutdown drain: every open call takes no new requests and finishes once its
+  /// accepted requests are answered. Single requests are still served. Idempotent.
+  void BeginDrain();
+  /// Waits until no request is in flight, no call is open and none arrived for `quiet`, or until
+  /// `deadline`; true when everything finished.
+  bool WaitIdle(SteadyClock::time_point deadline, SteadyClock::duration quiet);
+  bool draining() const { return draining_.load(); }
+  const FlowLimits& flow() const { return flow_; }
+
+ private:
+  // The steps of Attend; each returns the failure that ends the request there.
+  Status Resolve(Exchange* x, WorkItem* item, std::shared_ptr<KvStep>* step);
+  Status Admit(Exchange* x, const WorkItem& item);
+  // The in-flight budget: Reserve takes `bytes` or refuses (RESOURCE_EXHAUSTED naming the flag);
+  // Unreserve gives them back.
+  Status Reserve(const std::string& model, int64_t bytes);
+  void Unreserve(int64_t bytes);
+  static int64_t HeldBytes(int64_t wire_bytes, DType wire, DType compute);
+  // Metrics for a call that is not an Attend.
+  void RecordCall(const std::string& model, const char* method, const Status& st,
+                  SteadyClock::time_point received);
+
+  const ModelRepository& models_;
+  Batcher& batcher_;
+  ServerMetrics& metrics_;
+  const AttendLimits limits_;
+  const FlowLimits flow_;
+  KvStore& kv_;
+  std::atomic<bool> draining_{false};
+
+  mutable std::mutex mu_;
+  std::condition_variable idle_cv_;
+  int64_t held_bytes_ = 0;                // Σ Exchange::held_bytes of requests not yet recorded.
+  int64_t in_flight_ = 0;                 // Accepted by Attend and not yet recorded.
+  SteadyClock::time_point last_arrival_;  // Latest request or open call received.
+  std::set<OpenCall*> calls_;
+  std::string advertised_;
+};
+
+}  // namespace attnserve

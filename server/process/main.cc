@@ -1,0 +1,276 @@
+// attnserve: serves multi-head attention over gRPC. `attnserve --help` lists the flags.
+#include <signal.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <thread>
+
+#include "server/pipeline/host_cpus.h"
+#include "server/process/server.h"
+
+namespace {
+
+// SIGHUP asks for a model reload and the server goes on. SIGINT/SIGTERM are handled, never left to
+// their default action: threads created before main() (OpenBLAS's pool) do not block them, so a
+// signal arriving while main() was not waiting for it (a second SIGTERM during the drain) used to
+// kill the process mid-drain. The handler only writes the signal number to a pipe that main() reads
+// (async-signal-safe).
+int g_signal_pipe[2] = {-1, -1};
+
+void OnSignal(int sig) {
+  const int saved = errno;
+  const unsigned char b = static_cast<unsigned char>(sig);
+  (void)!write(g_signal_pipe[1], &b, 1);
+  errno = saved;
+}
+
+void InstallSignals() {
+  if (pipe(g_signal_pipe) != 0) {
+    std::perror("attnserve: pipe");
+    std::exit(1);
+  }
+  struct sigaction sa = {};
+  sa.sa_handler = OnSignal;
+  sa.sa_flags = SA_RESTART;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGHUP, &sa, nullptr);
+}
+
+int WaitSignal() {
+  unsigned char b = 0;
+  while (read(g_signal_pipe[0], &b, 1) != 1) {
+    if (errno != EINTR) return SIGTERM;
+  }
+  return b;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  attnserve::ServerOptions o;
+  CLI::App app{
+      "attnserve: multi-head attention inference over gRPC, computed exactly as PyTorch's\n"
+      "nn.MultiheadAttention. With no --models it serves the built-in `demo` model\n"
+      "(embed_dim 512, 8 heads). Stops gracefully on SIGINT/SIGTERM; reloads --models on SIGHUP.",
+      "attnserve"};
+  app.add_option("--address", o.address, "gRPC listen address (host:port; port 0 picks one)")
+      ->capture_default_str();
+  app.add_option("--metrics-address", o.metrics_address,
+                 "Prometheus /metrics listen address; empty to disable")
+      ->capture_default_str();
+  app.add_option("--models", o.models_dir,
+                 "Directory of models: one subdirectory per model with config.json and weights "
+                 "(README \"Models\"); default: the built-in demo model");
+  app.add_option("--device", o.device, "Compute device: cpu, cuda or cuda:N")
+      ->capture_default_str();
+  const std::map<std::string, attnserve::DType> dtypes{{"float32", attnserve::DType::kFloat32},
+                                                       {"float16", attnserve::DType::kFloat16},
+                                                       {"bfloat16", attnserve::DType::kBFloat16}};
+  app.add_option(
+         "--dtype", o.compute_dtype,
+         "Weights and compute dtype: float32 (default, exact), bfloat16, or float16 (CUDA only)")
+      ->transform(CLI::CheckedTransformer(dtypes).description("{float32, float16, bfloat16}"))
+      ->default_str("float32");
+  app.add_flag("--tf32", o.allow_tf32,
+               "CUDA float32: let matmuls use TF32 tensor cores (faster, ~1e-3 relative error)");
+  app.add_option("--tls-cert", o.tls_cert_file,
+                 "PEM certificate chain: serve gRPC over TLS (with --tls-key)");
+  app.add_option("--tls-key", o.tls_key_file, "PEM private key of --tls-cert");
+  app.add_option("--tls-client-ca", o.tls_client_ca_file,
+                 "PEM CA certificate(s): require client certificates signed by it (mutual TLS)");
+  app.add_option("--health-address", o.health_address,
+                 "Second, plaintext listener serving only grpc.health.v1 (for probes that cannot "
+                 "speak TLS); empty = none")
+      ->capture_default_str();
+  app.add_option("--advertise-address", o.advertise_address,
+                 "host:port clients reach this replica at, named in every memory's and session's "
+                 "handle so their calls come back here (e.g. the pod's IP behind a headless "
+                 "Service); empty = --address when its host is not 0.0.0.0 or [::], else none")
+      ->capture_default_str();
+  app.add_option("--admin-token-file", o.admin.token_file,
+                 "File holding a secret token: AdminService calls (ReloadModels) that send "
+                 "'authorization: Bearer <token>' are allowed (read at each call)");
+  app.add_option("--admin-client-names", o.admin.client_names,
+                 "Client certificate names (CN or subject alternative name) allowed to call "
+                 "AdminService; needs --tls-client-ca")
+      ->delimiter(',');
+  using Varlen = attnserve::EngineOptions::Varlen;
+  const std::map<std::string, Varlen> varlens{
+      {"auto", Varlen::kAuto}, {"off", Varlen::kOff}, {"emulate", Varlen::kEmulate}};
+  app.add_option("--varlen-attention", o.varlen,
+                 "Small requests batched together: auto = one varlen flash/memory-efficient kernel "
+                 "launch over their packed rows on CUDA (LibTorch >= 2.11), else one attention per "
+                 "request; off = one per request; emulate = the varlen packing with per-sequence "
+                 "attention on any device (for tests)")
+      ->transform(CLI::CheckedTransformer(varlens).description("{auto, off, emulate}"))
+      ->default_str("auto");
+  app.add_option("--workers", o.batcher.workers,
+                 "Compute threads (default: one per usable core: CPU affinity, capped by a cgroup "
+                 "CPU quota)")
+      ->check(CLI::Range(1, 256))
+      ->capture_default_str();
+  app.add_option("--max-queue-size", o.batcher.max_queue_size,
+                 "Requests that may wait for compute; beyond it new ones get RESOURCE_EXHAUSTED")
+      ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
+  bool no_batching = false;
+  app.add_flag("--no-batching", no_batching,
+               "Compute every request on its own, at once (default: dynamic batching)");
+  app.add_option("--max-batch-tokens", o.batcher.max_batch_tokens,
+                 "Most tokens one batch packs together: query tokens, plus key tokens of "
+                 "cross-attention requests")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--max-shared-request-tokens", o.batcher.max_shared_request_tokens,
+                 "Requests with more tokens are computed alone, at once")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--max-batch-attention", o.batcher.max_batch_attention,
+                 "Most attention cost in one batch: sum of batch * query_len * key_len")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  int64_t delay_us = o.batcher.max_queue_delay.count();
+  app.add_option("--max-queue-delay-us", delay_us,
+                 "Longest the oldest request waits for company before its batch closes, in us")
+      ->check(CLI::Range(int64_t{0}, int64_t{10000000}))
+      ->capture_default_str();
+  app.add_option("--max-message-bytes", o.max_message_bytes,
+                 "Largest gRPC message received or sent, in bytes (unset: lowered to fit a "
+                 "container's memory limit, README \"Memory\")")
+      ->check(CLI::Range(1 << 20, 1 << 30))
+      ->capture_default_str();
+  app.add_option("--max-request-tokens", o.limits.max_tokens,
+                 "Most tokens in one request: batch * query_len, plus batch * key_len for "
+                 "cross-attention")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--max-attention-scores", o.limits.max_attention_scores,
+                 "Most attention scores in one request: batch * heads * query_len * key_len")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--max-inflight-bytes", o.flow.max_inflight_bytes,
+                 "Most request plus answer bytes (at the width they are computed in) held for all "
+                 "requests in flight; beyond it new requests get RESOURCE_EXHAUSTED (unset: "
+                 "lowered to fit a container's memory limit)")
+      ->check(CLI::Range(int64_t{1} << 20, int64_t{1} << 40))
+      ->capture_default_str();
+  app.add_option("--max-stream-inflight", o.flow.max_stream_requests,
+                 "Unanswered requests one AttendStream may have; at the limit the server stops "
+                 "reading it until the client takes answers")
+      ->check(CLI::Range(1, 1 << 16))
+      ->capture_default_str();
+  app.add_option("--max-stream-inflight-bytes", o.flow.max_stream_bytes,
+                 "The same per-stream bound in request plus answer bytes")
+      ->check(CLI::Range(int64_t{1} << 16, int64_t{1} << 40))
+      ->capture_default_str();
+  app.add_option("--kv-budget-bytes", o.kv.budget_bytes,
+                 "Device bytes all memories and decoding sessions together may hold; the least "
+                 "recently used ones not in use are evicted to make room (unset: lowered to fit a "
+                 "container's memory limit)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 50))
+      ->capture_default_str();
+  app.add_option("--kv-max-entry-bytes", o.kv.max_entry_bytes,
+                 "Device bytes one memory or session may hold (a session grows as it decodes; "
+                 "unset: at most --kv-budget-bytes)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 50))
+      ->capture_default_str();
+  app.add_option(
+         "--kv-max-entries", o.kv.max_entries,
+         "Memories and sessions held at once; beyond it CreateMemory and OpenSession are "
+         "refused with RESOURCE_EXHAUSTED (each entry costs ~1 KiB outside the byte budget)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 24))
+      ->capture_default_str();
+  app.add_option("--kv-ttl-seconds", o.kv.ttl_seconds,
+                 "A memory or session unused this long expires")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option(
+         "--shutdown-grace", o.shutdown_grace_seconds,
+         "Seconds in-flight requests get to finish on SIGINT/SIGTERM; the process exits 1 when "
+         "it cuts any, 0 when every call was answered")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--lingering-close", o.lingering_close,
+                 "On stop, close each client connection only once its client has read everything "
+                 "(false: close as gRPC does, e.g. behind a proxy that buffers whole answers)")
+      ->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  o.memory_given = {app.count("--kv-budget-bytes") > 0, app.count("--kv-max-entry-bytes") > 0,
+                    app.count("--max-inflight-bytes") > 0, app.count("--max-message-bytes") > 0};
+  o.batcher.enabled = !no_batching;
+  o.batcher.max_queue_delay = std::chrono::microseconds(delay_us);
+
+  InstallSignals();
+
+  auto server = attnserve::Server::Start(o);
+  if (!server.ok()) {
+    std::cerr << "attnserve: error: " << server.status().message() << "\n";
+    return 2;
+  }
+  std::cout << (*server)->Describe() << std::endl;
+  if (const std::string warning = (*server)->MemoryWarning(); !warning.empty())
+    std::cerr << warning << std::endl;
+  int sig = 0;
+  while ((sig = WaitSignal()) == SIGHUP) {
+    std::cout << "attnserve: SIGHUP: reloading --models in the background" << std::endl;
+    (*server)->RequestReload();
+  }
+  std::cout << "attnserve: " << (sig == SIGINT ? "SIGINT" : "SIGTERM")
+            << ": draining in-flight requests" << std::endl;
+  // Later signals land in the pipe unread: the drain goes on (the grace period still bounds it).
+  // The grace period is a promise to the orchestrator: past it the process goes, whatever is
+  // still computing. Exit codes (README "Shutdown"): 0 when every call accepted was answered and
+  // read, 1 when the grace period cut calls in flight or answers on their way.
+  const double grace = o.shutdown_grace_seconds;
+  const auto outcome = (*server)->shutdown_outcome();
+  const auto cut_line = [grace](int64_t cut) {
+    std::ostringstream line;
+    line << "attnserve: the grace period (--shutdown-grace " << grace << " s) cut " << cut
+         << (cut == 1 ? " call" : " calls")
+         << " still in flight (their clients got CANCELLED or UNAVAILABLE); exit 1";
+    return line.str();
+  };
+  std::thread([grace, outcome, cut_line] {
+    std::this_thread::sleep_for(std::chrono::duration<double>(grace));
+    const int64_t cut = outcome->calls_cut();
+    if (cut > 0) {
+      std::cerr << cut_line(cut) << " (exiting with work still computing)" << std::endl;
+    } else {
+      std::cerr << "attnserve: shutdown took longer than --shutdown-grace " << grace
+                << " s; every call accepted was answered; exiting now" << std::endl;
+    }
+    std::_Exit(cut > 0 ? 1 : 0);
+  }).detach();
+  (*server)->Shutdown();
+  int code = 0;
+  if (const int64_t cut = outcome->calls_cut(); cut > 0) {
+    std::cerr << cut_line(cut) << std::endl;
+    code = 1;
+  } else if (const int64_t unread = outcome->connections_unread.load(); unread > 0) {
+    std::cerr << "attnserve: the grace period (--shutdown-grace " << grace << " s) closed "
+              << unread << (unread == 1 ? " connection whose client" : " connections whose clients")
+              << " had not read everything sent on it (an answer may be cut short: UNAVAILABLE); "
+                 "exit 1"
+              << std::endl;
+    code = 1;
+  } else {
+    std::cout << "attnserve: stopped" << std::endl;
+  }
+  // The stop is over (every call answered or cut, every connection closed): nothing is left to do
+  // but free memory, so the process goes now. Returning would run gRPC 1.51's library clean-up
+  // (grpc_shutdown), which joins an executor thread that may be sleeping in the TCP backup poller's
+  // 10 s poll (started when a large answer's write had to wait; nothing wakes it once the
+  // connections are gone): 3 of 30 busy stops under CPU load were 10 s late
+  // (tests/integration/shutdown_test.py --busy-rounds 30).
+  std::fflush(nullptr);
+  std::_Exit(code);
+}

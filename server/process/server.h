@@ -1,0 +1,105 @@
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <string>
+
+#include "server/core/status.h"
+#include "server/core/types.h"
+#include "server/grpc/admin_service.h"
+#include "server/grpc/call_counter.h"
+#include "server/kv/kv_store.h"
+#include "server/pipeline/batcher.h"
+#include "server/pipeline/request_pipeline.h"
+#include "server/process/memory_plan.h"
+
+namespace attnserve {
+
+/// Everything `attnserve` can be told on its command line; defaults are the flags' defaults.
+struct ServerOptions {
+  std::string address = "127.0.0.1:50051";         ///< gRPC listen address; port 0 picks one.
+  std::string metrics_address = "127.0.0.1:9464";  ///< /metrics listen address; "" disables.
+  std::string models_dir;                          ///< "" serves the built-in demo model.
+  std::string device = "cpu";
+  DType compute_dtype = DType::kFloat32;  ///< Weights and compute (CUDA: any float).
+  bool allow_tf32 = false;                ///< CUDA float32 matmuls on TF32 tensor cores.
+  EngineOptions::Varlen varlen =
+      EngineOptions::Varlen::kAuto;    ///< Batched small requests' attention.
+  BatcherOptions batcher;              ///< Batching, queue and compute threads.
+  int max_message_bytes = 64 << 20;    ///< gRPC send/receive limit.
+  AttendLimits limits;                 ///< max_answer_bytes follows max_message_bytes.
+  FlowLimits flow;                     ///< Bytes in flight; per-stream backpressure.
+  KvOptions kv;                        ///< Memories and decoding sessions: budget, TTL.
+  MemoryFlagsGiven memory_given;       ///< The rest follow the container's memory limit.
+  double shutdown_grace_seconds = 30;  ///< In-flight requests get this long to finish.
+  /// On stop, client connections are held until their clients have read everything (SocketLinger;
+  /// needs process/interposers.cc in the executable). Off: they close as gRPC closes them, for a
+  /// deployment behind a proxy that buffers whole answers anyway.
+  bool lingering_close = true;
+  /// TLS on --address: PEM certificate chain and key; with client_ca_file, clients must present a
+  /// certificate signed by it (mutual TLS). All empty: plaintext.
+  std::string tls_cert_file, tls_key_file, tls_client_ca_file;
+  /// A second listener, always plaintext, that serves only grpc.health.v1 (the same statuses as
+  /// --address): for probes that cannot speak TLS, such as Kubernetes' gRPC probes. "" = none.
+  std::string health_address;
+  /// The host:port clients reach this replica at, named in each memory's and session's KvHandle so
+  /// that clients send its calls here. "" = --address when its host is a concrete one (not
+  /// 0.0.0.0 or [::]; port 0 becomes the bound port), else none.
+  std::string advertise_address;
+  /// Who may call AdminService.ReloadModels (token file, client certificate names); none: nobody.
+  AdminAuth admin;
+};
+
+/// What a shutdown had to cut; shared, so that a watchdog may read it while the server goes.
+struct ShutdownOutcome {
+  /// Connections closed at the end of the grace period with bytes their clients had not yet read
+  /// (an answer may be cut short); 0 when everything written was read.
+  std::atomic<int64_t> connections_unread{0};
+  /// Client connections held for a lingering close (0 with lingering close off).
+  std::atomic<int64_t> connections_held{0};
+  /// The calls attnserve took and has not finished, and those the stop cut.
+  std::shared_ptr<const CallCounter> calls;
+
+  /// The calls the grace period cut (their clients got CANCELLED or UNAVAILABLE), counting those
+  /// still open, which an exit now would cut; before the grace period ends, those open. 0 when
+  /// every call taken was answered.
+  int64_t calls_cut() const { return calls->cut(); }
+};
+
+/// A running attnserve: models loaded, gRPC and metrics listening. Thread-safe.
+class Server {
+ public:
+  /// Loads the models and starts listening. FAILED_PRECONDITION (with the file, flag or address
+  /// at fault) when anything is wrong: nothing is served half-broken.
+  static StatusOr<std::unique_ptr<Server>> Start(const ServerOptions& options);
+  ~Server();  ///< Shuts down if still running.
+
+  /// The bound gRPC port (useful with port 0).
+  int port() const;
+  /// The bound --health-address port, or 0 without one.
+  int health_port() const;
+  /// The bound metrics port, or 0 when metrics are disabled.
+  int metrics_port() const;
+  /// The start-up log line: models, addresses, device, LibTorch version, the memory limit and the
+  /// budgets sized to it.
+  std::string Describe() const;
+  /// A warning for the log, or "": memory budgets given as flags that may not fit the limit.
+  std::string MemoryWarning() const;
+  /// Rescans --models in the background, as AdminService.ReloadModels does (SIGHUP); the outcome
+  /// goes to the log, the metrics and health.
+  void RequestReload();
+  /// Graceful shutdown within the grace period: health goes NOT_SERVING; new requests (unary, or on
+  /// open streams) get UNAVAILABLE while accepted ones finish and every stream is finished; then
+  /// gRPC stops (cancelling whatever is left at 90% of the grace period; connections with no call
+  /// left are closed at once, health watches cut), the queue drains and the engine is released.
+  /// Idempotent; shutdown_outcome() then says what was cut.
+  void Shutdown();
+  std::shared_ptr<const ShutdownOutcome> shutdown_outcome() const;
+
+ private:
+  struct Impl;
+  explicit Server(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace attnserve

@@ -1,0 +1,26 @@
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "server/core/files.h"
+#include "server/core/status.h"
+#include "server/weights/model_weights.h"
+
+namespace attnserve {
+
+/// Parses a safetensors file held in memory (8-byte little-endian header length, JSON header,
+/// data). Every header entry is checked against the data: dtype (F32, F16, BF16, F64; integer and
+/// other types are refused, never cast), shape (element counts checked for overflow), offsets
+/// inside the data, byte count equal to the shape's, and the tensors tiling the data section
+/// exactly (no overlaps, no holes), as the format requires. The header must be strict JSON (no
+/// duplicate keys). Values come back as float32. Errors are FAILED_PRECONDITION naming `where` and
+/// the problem.
+StatusOr<NamedTensors> ParseSafetensors(const std::string& bytes, const std::string& where);
+
+/// Parses `text` as one JSON value, refusing what nlohmann::json would let pass silently: duplicate
+/// object keys (it keeps the last) and nesting deeper than 64. Messages name `where`.
+StatusOr<nlohmann::json> ParseStrictJson(const std::string& text, const std::string& where);
+
+}  // namespace attnserve

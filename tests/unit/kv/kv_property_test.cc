@@ -1,0 +1,405 @@
+// The keys and values kept between requests as a state machine: random
+// operation sequences over a KvStore and the LibTorch engine, every invariant of the reference
+// model checked after every operation (tests/lib/kv_model_check.h), and the same store driven from
+// several threads at once (run under ThreadSanitizer by tools/sanitize.sh).
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstdio>
+#include <map>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "server/core/validator.h"
+#include "server/engine/attention_model.h"
+#include "server/kv/kv_store.h"
+#include "tests/lib/kv_model_check.h"
+#include "tests/lib/mha_reference.h"
+
+namespace attnserve {
+namespace {
+
+using testing::Choices;
+using testing::KvCheckOptions;
+using testing::KvCheckStats;
+using testing::RunKvModelCheck;
+
+TEST(KvPropertyTest, RandomOperationSequencesKeepEveryInvariant) {
+  KvCheckStats stats;
+  const HelperPool helpers(2);
+  for (uint64_t seed = 1; seed <= 1000; ++seed) {
+    std::mt19937_64 rng(seed);
+    Choices choices([&rng](uint8_t* b) {
+      *b = static_cast<uint8_t>(rng());
+      return true;
+    });
+    KvCheckOptions options;
+    options.max_ops = 400;
+    options.stats = &stats;
+    if (seed % 2 == 0) options.parallel = &helpers;  // Half the runs compute split across threads.
+    const std::string failure = RunKvModelCheck(choices, options);
+    if (!failure.empty()) {  // The same sequence again, with the operations that led there.
+      std::string log;
+      std::mt19937_64 again(seed);
+      Choices replay([&again](uint8_t* b) {
+        *b = static_cast<uint8_t>(again());
+        return true;
+      });
+      options.log = &log;
+      RunKvModelCheck(replay, options);
+      FAIL() << "seed " << seed << ": " << failure << "\noperations:\n" << log;
+    }
+  }
+  std::printf("kv property: %s\n", stats.ToString().c_str());
+  // Not vacuous: every kind of event happened, many times.
+  for (int64_t n :
+       {stats.step_answers_checked, stats.steps_not_applied, stats.memory_answers_checked,
+        stats.evicted, stats.expired, stats.released, stats.unloaded, stats.invalid,
+        stats.not_found, stats.exhausted, stats.aborted, stats.forks, stats.truncations}) {
+    EXPECT_GE(n, 100) << stats.ToString();
+  }
+}
+
+// ---- several threads on one store ---------------------------------------------------------------
+constexpr int64_t kE = 8;
+
+std::unique_ptr<AttentionModel> SmallModel(const char* name, uint32_t seed) {
+  std::mt19937 rng(seed);
+  ModelWeights w = testing::RandomWeights(rng, name, kE, 2);
+  w.spec.weights_hash = std::string("sha256:") + name;
+  auto m = CreateTorchModel(w, EngineOptions{});
+  EXPECT_TRUE(m.ok()) << m.status().message();
+  return std::move(m).value();
+}
+
+// One causal self-attention over `tokens` ([L, B, E], sequence-first): its last `t` rows.
+std::vector<float> CausalTail(const AttentionModel& m, const std::vector<float>& tokens, int64_t b,
+                              int64_t t) {
+  const int64_t l = static_cast<int64_t>(tokens.size()) / (b * kE);
+  testing::Buffer x = testing::Floats({l, b, kE}, tokens);
+  AttendCall whole;
+  whole.query = x.view();
+  whole.layout = TensorLayout::kSequenceFirst;
+  whole.is_causal = true;
+  EXPECT_TRUE(Validate(m.spec(), {}, &whole).ok());
+  std::string out;
+  AttendOutputs o;
+  o.output = &out;
+  EXPECT_TRUE(m.Forward(whole, &o).ok());
+  const float* f = reinterpret_cast<const float*>(out.data());
+  return std::vector<float>(f + (l - t) * b * kE, f + l * b * kE);
+}
+
+// A step the way the service runs one: BeginStep, validation against the session's length, Reserve,
+// compute, End. The answer ([T, B, E]) when computed; `code` and `message` say what stopped it.
+struct StepResult {
+  StatusCode code = StatusCode::kOk;
+  std::string message;
+  int64_t length = 0;  // Before the step.
+  bool applied = false;
+  std::vector<float> answer;
+};
+StepResult Step(KvStore& store, const AttentionModel& model, const std::string& handle,
+                std::optional<int64_t> expected, int64_t b, const std::vector<float>& tokens,
+                bool apply) {
+  StepResult r;
+  auto begun = store.BeginStep(handle, expected);
+  if (!begun.ok()) {
+    r.code = begun.status().code();
+    r.message = begun.status().message();
+    return r;
+  }
+  std::unique_ptr<KvStep> step = std::move(*begun);
+  r.length = step->length();
+  const int64_t t = static_cast<int64_t>(tokens.size()) / (b * kE);
+  testing::Buffer q = testing::Floats({t, b, kE}, tokens);
+  AttendCall call;
+  call.query = q.view();
+  call.layout = TensorLayout::kSequenceFirst;
+  call.is_causal = true;
+  call.kv_use = AttendCall::Kv::kSession;
+  call.kv = step->entry()->cache;
+  call.kv_batch = step->entry()->batch;
+  call.kv_length = step->length();
+  Status st = Validate(model.spec(), {}, &call);
+  if (st.ok()) st = step->Reserve(call.query_len);
+  if (st.ok()) {
+    call.kv_capacity = step->capacity();
+    std::string out;
+    AttendOutputs o;
+    o.output = &out;
+    st = model.Forward(call, &o);
+    const float* f = reinterpret_cast<const float*>(out.data());
+    if (st.ok()) r.answer.assign(f, f + out.size() / sizeof(float));
+  }
+  r.code = st.code();
+  r.message = st.message();
+  r.applied = st.ok() && apply;
+  step->End(r.applied);
+  return r;
+}
+
+// Four threads open, step (their own sessions, and one session all of them race on), create, query
+// and release memories on one store, while another ticks the store's clock (expiry), unloads a
+// model and reads snapshots. Each applied step's answer equals one causal call over its session's
+// applied tokens; the shared session's applied steps tile it without gaps or overlaps; no gauge is
+// ever negative or over the budget; every entry's bytes are its capacity's; at the end, bytes held
+// = the sum over the entries, and nothing once they are cleared.
+TEST(KvPropertyTest, ThreadsSharingOneStoreKeepItsAccountsAndAnswers) {
+  const std::shared_ptr<AttentionModel> models[2] = {SmallModel("a", 11), SmallModel("b", 12)};
+  KvOptions o;
+  o.budget_bytes = 160 << 10;
+  o.max_entry_bytes = 64 << 10;
+  o.max_entries = 24;
+  o.ttl_seconds = 30;
+  std::atomic<int64_t> now_ns{int64_t{3600} * 1000000000};
+  std::atomic<bool> negative{false}, over_budget{false};
+  std::atomic<int64_t> gauge{0};
+  KvMetricsHooks hooks;
+  hooks.on_size = [&](int64_t b, int64_t m, int64_t s) {
+    gauge = b;
+    if (b < 0 || m < 0 || s < 0) negative = true;
+    if (b > o.budget_bytes) over_budget = true;
+  };
+  KvStore store(o, hooks,
+                [&] { return KvClock::time_point(std::chrono::nanoseconds(now_ns.load())); });
+  auto shared = store.Create(KvKind::kSession, models[0], models[0]->NewKvCache(), 1, 0);
+  ASSERT_TRUE(shared.ok());
+  const std::string shared_handle = (*shared)->handle;
+  shared->reset();
+
+  struct Applied {
+    int64_t begin;
+    std::vector<float> tokens, answer;
+  };
+  std::mutex mu;
+  std::vector<Applied> shared_steps;
+  std::vector<Applied> fork_steps;  // A fork of the shared session, one step: begin = its length.
+  std::atomic<int64_t> forks{0};
+  std::map<std::string, int> failures;  // What went wrong, by message.
+  std::atomic<int64_t> applied{0}, checked{0}, not_found{0}, aborted{0}, exhausted{0};
+  const auto fail = [&](const std::string& what) {
+    std::lock_guard<std::mutex> lock(mu);
+    ++failures[what];
+  };
+  std::atomic<int> running{4};
+  std::vector<std::thread> threads;
+  for (int id = 0; id < 4; ++id) {
+    threads.emplace_back([&, id] {
+      std::mt19937_64 rng(900 + id);
+      struct Mine {
+        std::string handle;
+        int model = 0;
+        int64_t batch = 1;
+        std::vector<float> tokens;
+      };
+      std::optional<Mine> mine;
+      const auto fresh = [&rng](int64_t n) {
+        std::mt19937 g(static_cast<uint32_t>(rng()));
+        return testing::RandomFloats(g, static_cast<size_t>(n));
+      };
+      std::vector<std::shared_ptr<KvEntry>> holds;
+      for (int iter = 0; iter < 1500; ++iter) {
+        const uint64_t op = rng() % 8;
+        if (op == 0 && !mine) {
+          Mine m;
+          m.model = static_cast<int>(rng() % 2);
+          m.batch = 1 + static_cast<int64_t>(rng() % 2);
+          auto e = store.Create(KvKind::kSession, models[m.model], models[m.model]->NewKvCache(),
+                                m.batch, 0);
+          if (e.ok()) {
+            m.handle = (*e)->handle;
+            mine = m;
+          } else if (e.status().code() == StatusCode::kResourceExhausted) {
+            ++exhausted;
+          } else {
+            fail("OpenSession: " + e.status().message());
+          }
+        } else if (op <= 2 && mine) {
+          const int64_t t = 1 + static_cast<int64_t>(rng() % 3);
+          const std::vector<float> x = fresh(t * mine->batch * kE);
+          const int64_t length = static_cast<int64_t>(mine->tokens.size()) / (mine->batch * kE);
+          const bool apply = rng() % 4 != 0;
+          StepResult r =
+              Step(store, *models[mine->model], mine->handle, length, mine->batch, x, apply);
+          if (r.code == StatusCode::kNotFound) {
+            ++not_found;  // Evicted, expired or unloaded: another thread's doing.
+            if (r.message.find("evicted") == std::string::npos &&
+                r.message.find("expired") == std::string::npos &&
+                r.message.find("unloaded") == std::string::npos) {
+              fail("own session: " + r.message);
+            }
+            mine.reset();
+          } else if (r.code == StatusCode::kResourceExhausted) {
+            ++exhausted;
+          } else if (r.code != StatusCode::kOk) {
+            fail("own step: " + r.message);  // Only this thread steps it, at its length.
+          } else if (r.applied) {
+            ++applied;
+            mine->tokens.insert(mine->tokens.end(), x.begin(), x.end());
+            const double err = testing::RelativeError(
+                std::string(reinterpret_cast<const char*>(r.answer.data()),
+                            r.answer.size() * sizeof(float)),
+                CausalTail(*models[mine->model], mine->tokens, mine->batch, t));
+            ++checked;
+            if (err > 1e-5)
+              fail("a step's answer differs from one causal call by " + std::to_string(err));
+            if (mine->tokens.size() >= static_cast<size_t>(24 * mine->batch * kE)) {
+              store.Release(mine->handle, KvKind::kSession);
+              mine.reset();
+            }
+          }
+        } else if (op == 3) {  // The session every thread races on.
+          const std::vector<float> x = fresh(kE);
+          StepResult r = Step(store, *models[0], shared_handle, std::nullopt, 1, x, true);
+          if (r.code == StatusCode::kAborted) {
+            ++aborted;
+          } else if (r.code == StatusCode::kOk) {
+            std::lock_guard<std::mutex> lock(mu);
+            shared_steps.push_back({r.length, x, r.answer});
+          } else if (r.code != StatusCode::kNotFound && r.code != StatusCode::kResourceExhausted &&
+                     r.message.find("--kv-max-entry-bytes") == std::string::npos) {
+            fail("shared step: " + r.message);
+          }
+        } else if (op == 4) {  // A memory: created, computed, queried (and held, sometimes).
+          const int m = static_cast<int>(rng() % 2);
+          const int64_t lk = 1 + static_cast<int64_t>(rng() % 6);
+          testing::Buffer kv = testing::Floats({1, lk, kE}, fresh(lk * kE));
+          AttendCall create;
+          create.key = kv.view();
+          create.value = kv.view();
+          if (!ValidateCreateMemory(models[m]->spec(), {}, &create).ok())
+            fail("memory does not validate");
+          auto e = store.Create(KvKind::kMemory, models[m], models[m]->NewKvCache(), 1, lk);
+          if (!e.ok()) {
+            if (e.status().code() != StatusCode::kResourceExhausted)
+              fail("CreateMemory: " + e.status().message());
+            continue;
+          }
+          create.kv = (*e)->cache;
+          std::string none;
+          AttendOutputs out;
+          out.output = &none;
+          if (!models[m]->Forward(create, &out).ok()) fail("engine: CreateMemory");
+          const Status ready = store.MarkReady(*e, lk);
+          if (!ready.ok()) {
+            if (ready.message().find("unloaded") == std::string::npos)
+              fail("MarkReady: " + ready.message());
+            continue;
+          }
+          if (rng() % 3 == 0) holds.push_back(*e);  // A request still using it...
+          if (rng() % 8 != 0)
+            store.Release((*e)->handle, KvKind::kMemory);  // ... when it is deleted.
+        } else if (op == 5 && !holds.empty()) {
+          holds.erase(holds.begin());
+        } else if (op == 7 && rng() % 2 == 0) {
+          // A fork of the session every thread steps: it shares what the session holds at that
+          // moment (ABORTED while a step is in flight), and its own step must see exactly that,
+          // whatever the session's later steps write.
+          auto fork = store.Fork(shared_handle, models[0]->NewKvCache());
+          if (fork.ok()) {
+            ++forks;
+            const std::string handle = (*fork)->handle;
+            const int64_t length = (*fork)->length;
+            fork->reset();
+            const std::vector<float> x = fresh(kE);
+            StepResult r = Step(store, *models[0], handle, length, 1, x, true);
+            if (r.code == StatusCode::kOk) {
+              std::lock_guard<std::mutex> lock(mu);
+              fork_steps.push_back({length, x, r.answer});
+            } else if (r.code != StatusCode::kNotFound &&
+                       r.code != StatusCode::kResourceExhausted) {
+              fail("a fork's step: " + r.message);
+            }
+            store.Release(handle, KvKind::kSession);
+          } else if (fork.status().code() == StatusCode::kAborted) {
+            ++aborted;
+          } else if (fork.status().code() != StatusCode::kNotFound &&
+                     fork.status().code() != StatusCode::kResourceExhausted) {
+            fail("fork: " + fork.status().message());
+          }
+        } else if (op == 6 && mine && rng() % 4 == 0) {
+          store.Release(mine->handle, KvKind::kSession);
+          mine.reset();
+        }
+      }
+      holds.clear();
+      --running;
+    });
+  }
+  // The clock, expiry, a reload now and then, and snapshots: racing the workers.
+  std::thread chaos([&] {
+    std::mt19937_64 rng(77);
+    while (running > 0) {
+      now_ns += static_cast<int64_t>(rng() % 1000) * 1000000;  // Up to 1 s a millisecond.
+      store.ExpireIdle(KvClock::time_point(std::chrono::nanoseconds(now_ns.load())));
+      if (rng() % 200 == 0) store.EndModel(models[1]->spec());
+      // A step in flight that outgrew a block forks still read holds both until it ends (the
+      // budget counts the replaced one): up to twice the entry limit while busy.
+      for (const KvEntryInfo& e : store.Snapshot()) {
+        if (e.bytes < 0 || e.bytes > (e.busy ? 2 : 1) * o.max_entry_bytes ||
+            (e.kind == KvKind::kSession && e.capacity < e.length)) {
+          fail("snapshot: an entry with " + std::to_string(e.bytes) + " bytes, capacity " +
+               std::to_string(e.capacity) + ", length " + std::to_string(e.length) +
+               (e.busy ? ", a step in flight" : ", no step in flight"));
+        }
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  });
+  for (auto& t : threads) t.join();
+  chaos.join();
+
+  for (const auto& [what, n] : failures) ADD_FAILURE() << what << " (" << n << " times)";
+  EXPECT_FALSE(negative);
+  EXPECT_FALSE(over_budget);
+  // The shared session: applied steps tile it in order, and each answered what one causal call
+  // over the steps before it and itself answers.
+  std::sort(shared_steps.begin(), shared_steps.end(),
+            [](const Applied& a, const Applied& b) { return a.begin < b.begin; });
+  std::vector<float> sequence;
+  for (const Applied& a : shared_steps) {
+    ASSERT_EQ(static_cast<int64_t>(sequence.size()) / kE, a.begin)
+        << "a gap or an overlap in the shared session";
+    sequence.insert(sequence.end(), a.tokens.begin(), a.tokens.end());
+    const std::vector<float> want = CausalTail(*models[0], sequence, 1, 1);
+    EXPECT_LE(
+        testing::RelativeError(
+            std::string(reinterpret_cast<const char*>(a.answer.data()), a.answer.size() * 4), want),
+        1e-5);
+  }
+  // Each fork's step: one causal call over the shared session's first `begin` tokens and its own.
+  for (const Applied& f : fork_steps) {
+    ASSERT_LE(f.begin * kE, static_cast<int64_t>(sequence.size()));
+    std::vector<float> mine(sequence.begin(), sequence.begin() + f.begin * kE);
+    mine.insert(mine.end(), f.tokens.begin(), f.tokens.end());
+    EXPECT_LE(testing::RelativeError(
+                  std::string(reinterpret_cast<const char*>(f.answer.data()), f.answer.size() * 4),
+                  CausalTail(*models[0], mine, 1, 1)),
+              1e-5)
+        << "a fork of " << f.begin << " tokens";
+  }
+  // Quiescent: bytes held = the gauge, at least the sum over the entries (blocks forks shared
+  // count on their own once their session let go of them); cleared, nothing.
+  int64_t sum = 0;
+  for (const KvEntryInfo& e : store.Snapshot()) sum += e.bytes;
+  EXPECT_GE(store.bytes(), sum);
+  EXPECT_EQ(gauge.load(), store.bytes());
+  store.Clear("the test ends");
+  EXPECT_EQ(store.bytes(), 0);
+  EXPECT_EQ(gauge.load(), 0);
+  std::printf(
+      "kv threads: %lld own steps applied (%lld answers checked), %zu shared steps, %lld forks "
+      "of it (%zu stepped), %lld ABORTED, %lld NOT_FOUND, %lld RESOURCE_EXHAUSTED\n",
+      static_cast<long long>(applied.load()), static_cast<long long>(checked.load()),
+      shared_steps.size(), static_cast<long long>(forks.load()), fork_steps.size(),
+      static_cast<long long>(aborted.load()), static_cast<long long>(not_found.load()),
+      static_cast<long long>(exhausted.load()));
+  EXPECT_GE(checked.load(), 100);
+  EXPECT_GE(shared_steps.size(), 20u);
+  EXPECT_GE(fork_steps.size(), 20u);
+}
+
+}  // namespace
+}  // namespace attnserve

@@ -1,0 +1,249 @@
+// The Open Inference Protocol's mapping onto attnserve.v1 without a server: what each field
+// becomes, that the inputs' bytes move (no copy), and every refusal naming its field.
+#include "server/oip/oip_codec.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <limits>
+#include <set>
+
+namespace attnserve {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+inference::ModelInferRequest Request() {
+  inference::ModelInferRequest r;
+  r.set_model_name("demo");
+  r.set_id("req-1");
+  auto* q = r.add_inputs();
+  q->set_name("query");
+  q->set_datatype("FP32");
+  q->add_shape(1);
+  q->add_shape(2);
+  q->add_shape(4);
+  r.add_raw_input_contents(std::string(32, '\x01'));
+  return r;
+}
+
+TEST(OipCodecTest, MapsInputsParametersAndVersionAndMovesTheBytes) {
+  inference::ModelInferRequest in = Request();
+  in.set_model_version("3");
+  auto* mask = in.add_inputs();
+  mask->set_name("key_padding_mask");
+  mask->set_datatype("BOOL");
+  mask->add_shape(1);
+  mask->add_shape(2);
+  in.add_raw_input_contents(std::string("\x00\x01", 2));
+  (*in.mutable_parameters())["is_causal"].set_bool_param(true);
+  (*in.mutable_parameters())["layout"].set_string_param("sequence_first");
+  in.add_outputs()->set_name("attn_weights");
+  const void* bytes = in.raw_input_contents(0).data();
+  v1::AttendRequest out;
+  OipReply reply;
+  ASSERT_TRUE(OipToAttend(&in, &out, &reply).ok());
+  EXPECT_EQ(out.model(), "demo");
+  EXPECT_EQ(out.model_version(), 3);
+  EXPECT_EQ(out.query().dtype(), v1::DATA_TYPE_FLOAT32);
+  EXPECT_THAT(out.query().shape(), ElementsAre(1, 2, 4));
+  EXPECT_EQ(out.query().data().size(), 32u);
+  EXPECT_EQ(static_cast<const void*>(out.query().data().data()), bytes);  // Moved, not copied.
+  EXPECT_EQ(out.key_padding_mask().dtype(), v1::DATA_TYPE_BOOL);
+  EXPECT_TRUE(out.is_causal());
+  EXPECT_EQ(out.layout(), v1::LAYOUT_SEQUENCE_FIRST);
+  EXPECT_EQ(out.attn_weights(),
+            v1::ATTN_WEIGHTS_AVERAGED);  // Asking for the output asks for weights.
+  EXPECT_EQ(reply.id, "req-1");
+  EXPECT_THAT(reply.outputs, ElementsAre("attn_weights"));
+}
+
+TEST(OipCodecTest, RefusesWhatItDoesNotTakeNamingTheField) {
+  struct Case {
+    std::function<void(inference::ModelInferRequest*)> change;
+    const char* says;
+  };
+  const Case cases[] = {
+      {[](auto* r) { r->mutable_inputs(0)->set_name("q"); },
+       "inputs[0].name: 'q' is not an input; allowed: query"},
+      {[](auto* r) { r->mutable_inputs(0)->set_datatype("INT8"); },
+       "inputs[0].datatype: 'INT8' is not allowed"},
+      {[](auto* r) { r->add_raw_input_contents("x"); },
+       "raw_input_contents: 2 entries for 1 inputs"},
+      {[](auto* r) { r->mutable_inputs(0)->mutable_contents()->add_fp32_contents(1); },
+       "inputs[0].contents: given with raw_input_contents"},
+      {[](auto* r) {
+         r->clear_raw_input_contents();
+         r->mutable_inputs(0)->set_datatype("FP16");
+       },
+       "FP16 and BF16 have no typed contents"},
+      {[](auto* r) {
+         (*r->mutable_inputs(0)->mutable_parameters())["colour"].set_string_param("x");
+       },
+       "inputs[0].parameters['colour']: not an input parameter"},
+      {[](auto* r) {
+         (*r->mutable_inputs(0)->mutable_parameters())["shared_memory_region"].set_string_param(
+             "x");
+       },
+       "shared memory"},
+      {[](auto* r) { r->set_model_version("latest"); }, "model_version: 'latest'"},
+      {[](auto* r) { r->set_model_version("-1"); }, "model_version: '-1'"},
+      {[](auto* r) { r->set_model_version("99999999999999999999"); },
+       "model_version: '99999999999999999999'"},
+      {[](auto* r) { (*r->mutable_parameters())["is_causal"].set_string_param("yes"); },
+       "parameters['is_causal']: a string parameter; expected bool"},
+      {[](auto* r) { (*r->mutable_parameters())["attn_weights"].set_string_param("all"); },
+       "allowed: none, averaged"},
+      {[](auto* r) { (*r->mutable_parameters())["sequence_start"].set_bool_param(true); },
+       "need parameters['sequence_id']"},
+      {[](auto* r) { (*r->mutable_parameters())["sequence_id"].set_int64_param(0); },
+       "0 and \"\" mean no sequence"},
+      {[](auto* r) { (*r->mutable_parameters())["sequence_id"].set_double_param(1.5); },
+       "a double parameter; expected int64, uint64 or string"},
+      {[](auto* r) {
+         (*r->mutable_parameters())["sequence_id"].set_int64_param(3);
+         (*r->mutable_parameters())["session"].set_string_param("abc");
+       },
+       "a sequence is a session of its own"},
+      {[](auto* r) { (*r->mutable_parameters())["priority"].set_int64_param(1); },
+       "parameters['priority']"},
+      {[](auto* r) { r->add_outputs()->set_name("logits"); },
+       "outputs[0].name: 'logits' is not an output"},
+      {[](auto* r) {
+         (*r->mutable_parameters())["attn_weights"].set_string_param("none");
+         r->add_outputs()->set_name("attn_weights");
+       },
+       "parameters['attn_weights'] is 'none'"},
+      {[](auto* r) {
+         *r->add_inputs() = r->inputs(0);
+         r->add_raw_input_contents(r->raw_input_contents(0));
+       },
+       "'query' given twice"},
+  };
+  for (const Case& c : cases) {
+    inference::ModelInferRequest in = Request();
+    c.change(&in);
+    v1::AttendRequest out;
+    OipReply reply;
+    const Status st = OipToAttend(&in, &out, &reply);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << c.says;
+    EXPECT_THAT(st.message(), HasSubstr(c.says));
+  }
+}
+
+TEST(OipCodecTest, TypedFp32AndBoolContentsBecomeTheSameBytes) {
+  inference::ModelInferRequest in = Request();
+  in.clear_raw_input_contents();
+  for (float v : {1.f, -2.f, 0.5f, 3.f, 0.f, 1.f, 2.f, 4.f})
+    in.mutable_inputs(0)->mutable_contents()->add_fp32_contents(v);
+  (*in.mutable_inputs(0)->mutable_parameters())["binary_data_size"].set_int64_param(
+      32);  // Ignored.
+  auto* mask = in.add_inputs();
+  mask->set_name("key_padding_mask");
+  mask->set_datatype("BOOL");
+  mask->add_shape(1);
+  mask->add_shape(2);
+  mask->mutable_contents()->add_bool_contents(false);
+  mask->mutable_contents()->add_bool_contents(true);
+  v1::AttendRequest out;
+  OipReply reply;
+  ASSERT_TRUE(OipToAttend(&in, &out, &reply).ok());
+  ASSERT_EQ(out.query().data().size(), 32u);
+  float second;
+  std::memcpy(&second, out.query().data().data() + 4, 4);
+  EXPECT_EQ(second, -2.f);
+  EXPECT_EQ(out.key_padding_mask().data(), std::string("\x00\x01", 2));
+}
+
+TEST(OipCodecTest, SequenceParametersNameTheSequenceAndItsBatch) {
+  inference::ModelInferRequest in = Request();
+  (*in.mutable_parameters())["sequence_id"].set_string_param("conv-1");
+  (*in.mutable_parameters())["sequence_start"].set_bool_param(true);
+  v1::AttendRequest out;
+  OipReply reply;
+  ASSERT_TRUE(OipToAttend(&in, &out, &reply).ok());
+  ASSERT_TRUE(reply.sequence.has_value());
+  EXPECT_EQ(reply.sequence->id, "s:conv-1");
+  EXPECT_TRUE(reply.sequence->start);
+  EXPECT_FALSE(reply.sequence->end);
+  EXPECT_EQ(OipBatchOf(out), 1);
+  out.set_layout(v1::LAYOUT_SEQUENCE_FIRST);
+  EXPECT_EQ(OipBatchOf(out), 2);  // [L=1, B=2, E=4] read sequence-first
+}
+
+TEST(OipCodecTest, SequenceIdsAtTheIntegerExtremesStayDistinct) {
+  std::set<std::string> ids;
+  const auto id_of = [](const std::function<void(inference::InferParameter*)>& set) {
+    inference::ModelInferRequest in = Request();
+    set(&(*in.mutable_parameters())["sequence_id"]);
+    v1::AttendRequest out;
+    OipReply reply;
+    const Status st = OipToAttend(&in, &out, &reply);
+    EXPECT_TRUE(st.ok()) << st.ToString();
+    return st.ok() ? reply.sequence->id : std::string();
+  };
+  ids.insert(id_of([](auto* p) { p->set_int64_param(std::numeric_limits<int64_t>::min()); }));
+  ids.insert(id_of([](auto* p) { p->set_int64_param(std::numeric_limits<int64_t>::max()); }));
+  ids.insert(id_of([](auto* p) { p->set_uint64_param(std::numeric_limits<uint64_t>::max()); }));
+  ids.insert(id_of([](auto* p) { p->set_int64_param(-1); }));
+  ids.insert(id_of([](auto* p) { p->set_string_param("-1"); }));  // A string id is not a number id.
+  EXPECT_EQ(ids.size(), 5u);
+  EXPECT_EQ(ids.count("i:18446744073709551615"), 1u);
+  // The same number as int64 and as uint64 is the same id (clients send either).
+  EXPECT_EQ(id_of([](auto* p) { p->set_int64_param(7); }),
+            id_of([](auto* p) { p->set_uint64_param(7); }));
+}
+
+TEST(OipCodecTest, AnswersCarryTheRequestedOutputsInOrder) {
+  AttendAnswer answer;
+  answer.meta.set_model("demo");
+  answer.meta.set_model_version(2);
+  answer.meta.mutable_output()->set_dtype(v1::DATA_TYPE_FLOAT16);
+  for (int64_t d : {1, 2, 4}) answer.meta.mutable_output()->add_shape(d);
+  answer.meta.mutable_attn_weights()->set_dtype(v1::DATA_TYPE_FLOAT16);
+  for (int64_t d : {1, 2, 2}) answer.meta.mutable_attn_weights()->add_shape(d);
+  answer.output = std::make_unique<std::string>("out");
+  answer.weights = std::make_unique<std::string>("w");
+  const OipReply reply{"id-9", {"attn_weights", "attn_output"}};
+  const inference::ModelInferResponse head = OipResponseHead(answer, reply);
+  EXPECT_EQ(head.model_version(), "2");
+  EXPECT_EQ(head.id(), "id-9");
+  ASSERT_EQ(head.outputs_size(), 2);
+  EXPECT_EQ(head.outputs(0).name(), "attn_weights");
+  EXPECT_EQ(head.outputs(0).datatype(), "FP16");
+  EXPECT_THAT(head.outputs(1).shape(), ElementsAre(1, 2, 4));
+  const auto raw = OipRawOutputs(&answer, reply);
+  ASSERT_EQ(raw.size(), 2u);
+  EXPECT_EQ(*raw[0], "w");
+  EXPECT_EQ(*raw[1], "out");
+}
+
+}  // namespace
+}  // namespace attnserve
+
+namespace attnserve {
+namespace {
+
+// A bfloat16 model says so in its metadata (it takes BF16 on the wire and answers in it, half the
+// bytes of FP32, no conversion pass); float32 stays FP32.
+TEST(OipCodecTest, MetadataNamesTheModelsComputeDtype) {
+  ModelSpec spec;
+  spec.name = "m";
+  spec.embed_dim = spec.kdim = spec.vdim = 8;
+  spec.num_heads = 2;
+  for (const auto& [dtype, want] :
+       {std::pair{DType::kFloat32, "FP32"}, std::pair{DType::kBFloat16, "BF16"}}) {
+    spec.compute_dtype = dtype;
+    const inference::ModelMetadataResponse m = OipModelMetadata(spec, {1});
+    for (const auto& t : m.inputs()) {
+      if (t.name() == "query" || t.name() == "key" || t.name() == "value")
+        EXPECT_EQ(t.datatype(), want) << t.name();
+    }
+    for (const auto& t : m.outputs()) EXPECT_EQ(t.datatype(), want) << t.name();
+  }
+}
+
+}  // namespace
+}  // namespace attnserve

@@ -1,0 +1,284 @@
+// RequestPipeline without a server: the request path every front end shares, driven directly with
+// decoded messages and a real repository (the demo model), batcher and store. Numbers are checked
+// against the float64 reference (tests/lib/mha_reference.h) with fresh random inputs of a fixed
+// seed; relative tolerance 1e-4 (float32 over E=512).
+#include "server/pipeline/request_pipeline.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <future>
+#include <random>
+
+#include "server/models/model_loader.h"
+#include "tests/lib/mha_reference.h"
+
+namespace attnserve {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::Vec;
+
+class RequestPipelineTest : public ::testing::Test {
+ protected:
+  void SetUp() override { Build(FlowLimits{}); }
+
+  void Build(const FlowLimits& flow, const KvOptions& kv = {}) {
+    pipeline_.reset();
+    auto opened = ModelRepository::Open("", EngineOptions());
+    ASSERT_TRUE(opened.ok()) << opened.status().message();
+    models_ = std::move(*opened);
+    BatcherOptions options;
+    options.workers = 1;
+    batcher_ = std::make_unique<Batcher>(options);
+    kv_ = std::make_unique<KvStore>(kv);
+    pipeline_ = std::make_unique<RequestPipeline>(*models_, *batcher_, metrics_, AttendLimits{},
+                                                  flow, *kv_);
+  }
+
+  // A request for the demo model with a random [1, len, 512] query (its values in *query).
+  v1::AttendRequest Request(int64_t len, Vec* query = nullptr) {
+    std::vector<float> values = testing::RandomFloats(rng_, static_cast<size_t>(len * 512));
+    if (query) query->assign(values.begin(), values.end());
+    v1::AttendRequest r;
+    r.set_request_id(static_cast<uint64_t>(1000 + len));
+    r.set_model("demo");
+    r.mutable_query()->set_dtype(v1::DATA_TYPE_FLOAT32);
+    for (int64_t d : {int64_t{1}, len, int64_t{512}}) r.mutable_query()->add_shape(d);
+    r.mutable_query()->set_data(values.data(), values.size() * sizeof(float));
+    return r;
+  }
+
+  // Attend until `done` ran: the status the client is told. Recorded unless `record` is false.
+  Status Attend(Exchange* x, CallContext call = {}, bool record = true) {
+    std::promise<Status> told;
+    pipeline_->Attend("Attend", x, std::move(call), [&](const Status& st) { told.set_value(st); });
+    const Status st = told.get_future().get();
+    if (record) pipeline_->Record("Attend", x, st);
+    return st;
+  }
+
+  bool Idle() { return pipeline_->WaitIdle(SteadyClock::now() + std::chrono::seconds(2), {}); }
+
+  std::mt19937 rng_{20261124};
+  prometheus::Registry registry_;
+  ServerMetrics metrics_{registry_};
+  std::unique_ptr<ModelRepository> models_;
+  std::unique_ptr<Batcher> batcher_;
+  std::unique_ptr<KvStore> kv_;
+  std::unique_ptr<RequestPipeline> pipeline_;
+};
+
+TEST_F(RequestPipelineTest, AnswersLikeTheFloat64ReferenceWithTheRequestsFieldsInTheAnswer) {
+  Vec query;
+  Exchange x;
+  x.request = Request(5, &query);
+  x.request.set_attn_weights(v1::ATTN_WEIGHTS_PER_HEAD);
+  CallContext call;
+  call.previous_attempts = 2;
+  ASSERT_TRUE(Attend(&x, call).ok());
+
+  const v1::AttendResponse& meta = x.answer.meta;
+  EXPECT_EQ(meta.request_id(), 1005u);
+  EXPECT_EQ(meta.model(), "demo");
+  EXPECT_EQ(meta.model_version(), 1);
+  EXPECT_EQ(meta.timing().previous_attempts(), 2u);
+  EXPECT_THAT(meta.output().shape(), ::testing::ElementsAre(1, 5, 512));
+  EXPECT_THAT(meta.attn_weights().shape(), ::testing::ElementsAre(1, 8, 5, 5));
+  EXPECT_EQ(x.model, "demo");
+
+  Vec out, weights;
+  testing::Reference(DemoModelWeights(), 1, 5, 5, query, query, query, {}, &out, &weights);
+  ASSERT_NE(x.answer.output, nullptr);
+  ASSERT_NE(x.answer.weights, nullptr);
+  EXPECT_LT(testing::RelativeError(*x.answer.output, std::vector<float>(out.begin(), out.end())),
+            1e-4);
+  EXPECT_LT(
+      testing::RelativeError(*x.answer.weights, std::vector<float>(weights.begin(), weights.end())),
+      1e-4);
+  EXPECT_TRUE(Idle());
+}
+
+TEST_F(RequestPipelineTest, RefusesWhatItCannotResolveNamingTheFieldAndWhatIsThere) {
+  struct Case {
+    std::function<void(v1::AttendRequest*)> change;
+    StatusCode code;
+    const char* says;
+  };
+  const Case cases[] = {
+      {[](v1::AttendRequest* r) { r->set_model("nope"); }, StatusCode::kNotFound,
+       "model: 'nope' is not loaded; available: demo"},
+      {[](v1::AttendRequest* r) { r->set_model_version(-1); }, StatusCode::kInvalidArgument,
+       "model_version: -1"},
+      {[](v1::AttendRequest* r) { r->set_model_version(7); }, StatusCode::kNotFound,
+       "loaded versions: 1"},
+      {[](v1::AttendRequest* r) { r->set_model_version(INT64_MAX); }, StatusCode::kNotFound,
+       "loaded versions: 1"},
+      {[](v1::AttendRequest* r) { r->set_memory("m"), r->set_session("s"); },
+       StatusCode::kInvalidArgument, "memory, session: a request names one or the other"},
+      {[](v1::AttendRequest* r) { r->set_session("0123"); }, StatusCode::kNotFound, "session"},
+      {[](v1::AttendRequest* r) { r->mutable_query()->clear_shape(); },
+       StatusCode::kInvalidArgument, "query"},
+  };
+  for (const Case& c : cases) {
+    Exchange x;
+    x.request = Request(3);
+    c.change(&x.request);
+    const Status st = Attend(&x);
+    EXPECT_EQ(st.code(), c.code) << st.ToString();
+    EXPECT_THAT(st.message(), HasSubstr(c.says));
+  }
+  EXPECT_TRUE(Idle());  // Every refusal was counted out again.
+}
+
+TEST_F(RequestPipelineTest, RefusesBytesOverTheInFlightBudgetOnlyWhileOthersHoldIt) {
+  FlowLimits flow;
+  flow.max_inflight_bytes = 20'000;  // A request of 4 tokens holds 2 x 8 KiB plus its fields.
+  Build(flow);
+  Exchange first, second, third;
+  first.request = Request(4);
+  second.request = Request(4);
+  third.request = Request(4);
+  ASSERT_TRUE(Attend(&first, {}, /*record=*/false).ok());  // Held until recorded.
+  const Status refused = Attend(&second);
+  EXPECT_EQ(refused.code(), StatusCode::kResourceExhausted);
+  EXPECT_THAT(refused.message(), HasSubstr("--max-inflight-bytes"));
+  EXPECT_FALSE(pipeline_->WaitIdle(SteadyClock::now() + std::chrono::milliseconds(50), {}));
+  pipeline_->Record("Attend", &first, Status::Ok());
+  EXPECT_TRUE(Attend(&third).ok());
+  EXPECT_TRUE(Idle());
+}
+
+TEST_F(RequestPipelineTest, ASessionStepTheClientCannotReceiveIsNotApplied) {
+  v1::OpenSessionRequest open;
+  open.set_model("demo");
+  open.set_batch(1);
+  v1::KvHandle handle;
+  ASSERT_TRUE(pipeline_->OpenSession(open, &handle).ok());
+
+  const auto step = [&](CallContext call) {
+    Exchange x;
+    x.request = Request(2);
+    x.request.set_model("");
+    x.request.set_session(handle.handle());
+    const Status st = Attend(&x, std::move(call));
+    return std::make_pair(st, x.answer.meta.session_length());
+  };
+  CallContext late;
+  late.deadline = SteadyClock::now();  // Passed before compute, or during it: either way too late.
+  EXPECT_EQ(step(late).first.code(), StatusCode::kDeadlineExceeded);
+  CallContext gone;
+  gone.cancelled = [] { return true; };
+  EXPECT_EQ(step(gone).first.code(), StatusCode::kCancelled);
+  const auto [st, length] = step({});
+  ASSERT_TRUE(st.ok()) << st.ToString();
+  EXPECT_EQ(length, 2);  // Neither refused step was kept.
+
+  v1::ReleaseRequest close;
+  close.set_handle(handle.handle());
+  v1::ReleaseResponse freed;
+  EXPECT_TRUE(pipeline_->Release("CloseSession", KvKind::kSession, close, &freed).ok());
+  EXPECT_GT(freed.bytes_freed(), 0);
+  EXPECT_EQ(pipeline_->Release("CloseSession", KvKind::kSession, close, &freed).code(),
+            StatusCode::kNotFound);
+  EXPECT_TRUE(Idle());
+}
+
+// A client is told its answer only once the request has let go of its memory or session, so the
+// client's next call can evict it at once: no RESOURCE_EXHAUSTED for room that only an answered
+// request still held. The probe runs where the client is told (in `done`): it needs room that only
+// evicting the request's memory or session makes.
+TEST_F(RequestPipelineTest, AnAnsweredRequestNoLongerHoldsItsMemoryOrSession) {
+  KvOptions kv;
+  kv.budget_bytes = 60000;  // One 10-token memory of the demo model is 41,000 bytes.
+  kv.max_entry_bytes = 60000;
+  Build(FlowLimits{}, kv);
+  auto model = models_->Snapshot()->Lookup("demo", 0);
+  ASSERT_TRUE(model.ok());
+  const auto evicts_the_rest = [&]() -> Status {
+    auto probe = kv_->Create(KvKind::kMemory, *model, (*model)->NewKvCache(), 1, 10);
+    if (!probe.ok()) return probe.status();
+    RETURN_IF_ERROR(kv_->MarkReady(*probe, 10));
+    const std::string handle = (*probe)->handle;
+    probe->reset();
+    return kv_->Release(handle, KvKind::kMemory).status();
+  };
+  const auto create_memory = [&](v1::KvHandle* handle, bool probe) {
+    v1::CreateMemoryRequest req;
+    req.set_model("demo");
+    const v1::AttendRequest kv_tokens = Request(10);
+    *req.mutable_key() = kv_tokens.query();
+    *req.mutable_value() = kv_tokens.query();
+    std::promise<std::pair<Status, Status>> told;
+    pipeline_->CreateMemory(req, {}, handle, [&](const Status& st) {
+      told.set_value({st, probe ? evicts_the_rest() : Status::Ok()});
+    });
+    return told.get_future().get();
+  };
+  const auto attend = [&](Exchange* x) {
+    std::promise<std::pair<Status, Status>> told;
+    pipeline_->Attend("Attend", x, {}, [&](const Status& st) {
+      told.set_value({st, evicts_the_rest()});
+    });
+    auto got = told.get_future().get();
+    pipeline_->Record("Attend", x, got.first);
+    return got;
+  };
+
+  v1::KvHandle memory;
+  auto [created, probe1] = create_memory(&memory, true);
+  ASSERT_TRUE(created.ok()) << created.ToString();
+  EXPECT_TRUE(probe1.ok()) << "told CreateMemory's answer: " << probe1.ToString();
+
+  ASSERT_TRUE(create_memory(&memory, false).first.ok());  // The probe evicted the first.
+  Exchange read;
+  read.request = Request(3);
+  read.request.set_model("");
+  read.request.set_memory(memory.handle());
+  auto [answered, probe2] = attend(&read);
+  ASSERT_TRUE(answered.ok()) << answered.ToString();
+  EXPECT_TRUE(probe2.ok()) << "told an answer from a memory: " << probe2.ToString();
+
+  v1::OpenSessionRequest open;
+  open.set_model("demo");
+  open.set_batch(1);
+  v1::KvHandle session;
+  ASSERT_TRUE(pipeline_->OpenSession(open, &session).ok());
+  Exchange step;
+  step.request = Request(8);
+  step.request.set_model("");
+  step.request.set_session(session.handle());
+  auto [stepped, probe3] = attend(&step);
+  ASSERT_TRUE(stepped.ok()) << stepped.ToString();
+  EXPECT_TRUE(probe3.ok()) << "told a session step's answer: " << probe3.ToString();
+  EXPECT_TRUE(Idle());
+}
+
+TEST_F(RequestPipelineTest, DrainClosesOpenCallsAndWaitIdleWaitsForThem) {
+  struct FakeCall : OpenCall {
+    RequestPipeline* pipeline = nullptr;
+    int drains = 0;
+    bool finished = false;
+    bool Drain() override { return ++drains == 1; }
+    void FinishNow() override {
+      finished = true;
+      pipeline->RemoveCall(this);
+    }
+  } call;
+  call.pipeline = pipeline_.get();
+  pipeline_->AddCall(&call);
+  EXPECT_FALSE(pipeline_->draining());
+  EXPECT_FALSE(pipeline_->WaitIdle(SteadyClock::now() + std::chrono::milliseconds(50), {}));
+  pipeline_->BeginDrain();
+  EXPECT_TRUE(pipeline_->draining());
+  EXPECT_EQ(call.drains, 1);
+  EXPECT_TRUE(call.finished);
+  EXPECT_TRUE(Idle());
+  // Single requests are still served while draining.
+  Exchange x;
+  x.request = Request(1);
+  EXPECT_TRUE(Attend(&x).ok());
+}
+
+}  // namespace
+}  // namespace attnserve
