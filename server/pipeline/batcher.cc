@@ -1,4 +1,4 @@
-#include "server/batcher.h"
+#include "server/pipeline/batcher.h"
 
 #include <malloc.h>
 
