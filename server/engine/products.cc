@@ -1,0 +1,104 @@
+#include "server/engine/products.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace attnserve {
+
+int64_t Products::Blocks(const Parallel& parallel, int64_t rows, double flops_per_row,
+                         int64_t min_rows) const {
+  const int64_t width = Width(parallel);
+  if (width <= 1) return 1;
+  const auto by_flops =
+      static_cast<int64_t>(std::ceil(min_piece_flops_ / std::max(flops_per_row, 1.0)));
+  return std::max<int64_t>(1, std::min(width, rows / std::max(min_rows, by_flops)));
+}
+
+std::pair<int64_t, int64_t> Products::Block(int64_t total, int64_t blocks, int64_t i) {
+  const int64_t base = total / blocks, extra = total % blocks;
+  return {i * base + std::min(i, extra), base + (i < extra ? 1 : 0)};
+}
+
+bool Products::UseGemv(const at::Tensor& x, const at::Tensor& w) const {
+  return device_.is_cpu() && x.size(0) <= kGemvRows && x.scalar_type() == at::kFloat &&
+         w.scalar_type() == at::kFloat;
+}
+
+void Products::GemvInto(const at::Tensor& y, const at::Tensor& x, const at::Tensor& wt,
+                        const at::Tensor& b) {
+  const at::Tensor w = wt.t();  // [out, in]
+  for (int64_t i = 0; i < x.size(0); ++i) {
+    at::Tensor yi = y.select(0, i);
+    if (b.defined()) {
+      at::addmv_out(yi, b, w, x.select(0, i));
+    } else {
+      at::mv_out(yi, w, x.select(0, i));
+    }
+  }
+}
+
+void Products::GemmInto(const at::Tensor& y, const at::Tensor& x, const Proj& proj,
+                        const Parallel& parallel) const {
+  const at::Tensor wt = proj.w.t();
+  const at::Tensor& b = proj.b;
+  if (UseGemv(x, wt) && y.scalar_type() == at::kFloat) {
+    GemvInto(y, x, wt, b);
+    return;
+  }
+  const int64_t blocks = Blocks(parallel, x.size(0), 2.0 * wt.size(0) * wt.size(1), kMinGemmRows);
+  Pieces(parallel, blocks, [&](int64_t i) {
+    const auto [r0, n] =
+        blocks > 1 ? Block(x.size(0), blocks, i) : std::make_pair(int64_t{0}, x.size(0));
+    at::Tensor yi = y.narrow(0, r0, n);
+    if (RunPacked(proj, x.narrow(0, r0, n), yi)) return;
+    if (x.scalar_type() != wt.scalar_type() || yi.scalar_type() != wt.scalar_type()) {
+      // Widened (float32 weights, bfloat16 rows), or rows written in another dtype.
+      const at::Tensor xi = x.narrow(0, r0, n).to(wt.scalar_type());
+      yi.copy_(b.defined() ? at::addmm(b, xi, wt) : at::mm(xi, wt));
+    } else if (b.defined()) {
+      at::addmm_out(yi, b, x.narrow(0, r0, n), wt);
+    } else {
+      at::mm_out(yi, x.narrow(0, r0, n), wt);
+    }
+  });
+}
+
+bool Products::RunPacked(const Proj& proj, const at::Tensor& x, const at::Tensor& y) const {
+  if (!proj.packed || x.scalar_type() != dtype_ || x.stride(1) != 1 || y.stride(1) != 1 ||
+      (y.scalar_type() != at::kBFloat16 && y.scalar_type() != at::kFloat))
+    return false;
+  return proj.packed->Run(
+      x.data_ptr(), x.size(0), x.stride(0), y.data_ptr(),
+      y.scalar_type() == at::kFloat ? onednn::Type::kFloat32 : onednn::Type::kBFloat16,
+      y.stride(0));
+}
+
+at::Tensor Products::Linear(const at::Tensor& x, const Proj& proj, const Parallel& parallel) const {
+  const at::Tensor& w = proj.w;
+  const at::Tensor& b = proj.b;
+  if (UseGemv(x, w)) {
+    at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
+    GemvInto(y, x, w.t(), b);
+    return y;
+  }
+  if (proj.packed) {
+    at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
+    GemmInto(y, x, proj, parallel);
+    return y;
+  }
+  if (Blocks(parallel, x.size(0), 2.0 * w.size(0) * w.size(1), kMinGemmRows) <= 1) {
+    return x.scalar_type() == w.scalar_type()
+               ? at::linear(x, w, b)
+               : at::linear(x.to(w.scalar_type()), w, b).to(x.scalar_type());
+  }
+  at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
+  GemmInto(y, x.contiguous(), proj, parallel);
+  return y;
+}
+
+at::Tensor Products::Matmul(const at::Tensor& a, const at::Tensor& b) const {
+  if (!widen_) return at::matmul(a, b);
+  return at::matmul(a.to(at::kFloat), b.to(at::kFloat)).to(a.scalar_type());
+}
+
+}  // namespace attnserve

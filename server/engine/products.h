@@ -1,0 +1,99 @@
+#pragma once
+// The engine's matrix products: projections y = x · wᵀ + b on LibTorch, the BLAS or oneDNN's packed
+// weights, cut into row blocks for the cores idle at the moment (parallel.h), and one-row products
+// as matrix-vector products. Included only by the engine's LibTorch translation units.
+
+#include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
+
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <utility>
+
+#include "server/engine/onednn.h"
+#include "server/engine/parallel.h"
+
+namespace attnserve {
+
+/// One projection: y = x · wᵀ + b. w [out, in] and b [out] (undefined: no bias) as LibTorch
+/// tensors; `packed` (CPU): the same weights reordered once into the layout oneDNN's kernels read,
+/// which the products use where it runs.
+struct Proj {
+  at::Tensor w, b;
+  std::shared_ptr<const onednn::PackedLinear> packed;
+};
+
+/// How one model's products run: its device, its compute dtype, the least work worth a piece of
+/// its own, and whether bfloat16 products are widened to float32 (CPUs whose bfloat16 products add
+/// in bfloat16). Thread-safe.
+class Products {
+ public:
+  /// A GEMM piece has at least this many rows (the BLAS kernels' height).
+  static constexpr int64_t kMinGemmRows = 16;
+  /// Up to this many rows, a float32 product on the CPU runs as one matrix-vector product per row:
+  /// an OpenBLAS GEMM call has a fixed cost (it packs the whole weight matrix and computes whole
+  /// micro-tiles), which a one-token decoding step would pay per projection: against [3E, E] at
+  /// E=512 here a 1-row GEMM took 0.30 ms, 4 rows 0.25, 16 rows 0.46, a GEMV 0.05 ms a row.
+  static constexpr int64_t kGemvRows = 4;
+
+  Products(at::Device device, at::ScalarType dtype, double min_piece_flops, bool widen)
+      : device_(device), dtype_(dtype), min_piece_flops_(min_piece_flops), widen_(widen) {}
+
+  /// Threads the work may be cut for: the idle cores on the CPU; one on a GPU (its kernels are
+  /// parallel already, and one stream per worker keeps their order).
+  int64_t Width(const Parallel& parallel) const { return device_.is_cpu() ? parallel.Width() : 1; }
+  /// How many pieces of at least `min_rows` rows to cut `rows` rows into, each worth
+  /// `flops_per_row`, each piece at least min_piece_flops of work.
+  int64_t Blocks(const Parallel& parallel, int64_t rows, double flops_per_row,
+                 int64_t min_rows) const;
+  /// [start, size) of block i when `total` rows are cut into `blocks` nearly equal blocks.
+  static std::pair<int64_t, int64_t> Block(int64_t total, int64_t blocks, int64_t i);
+
+  /// Runs fn(i) for i in [0, n) on `parallel`'s threads, each piece under its own inference mode
+  /// (it is thread-local); the first exception a piece throws comes back here once all have run.
+  template <typename F>
+  void Pieces(const Parallel& parallel, int64_t n, F&& fn) const {
+    if (n <= 1) {
+      if (n == 1) fn(0);
+      return;
+    }
+    std::mutex mu;
+    std::exception_ptr first;
+    parallel.For(n, [&](int64_t i) {
+      try {
+        c10::InferenceMode guard;
+        fn(i);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!first) first = std::current_exception();
+      }
+    });
+    if (first) std::rethrow_exception(first);
+  }
+
+  /// x [rows, in] · projᵀ (+ b) into y [rows, out], the rows cut into blocks, one GEMM each, when
+  /// cores are idle: every output row is computed as the single GEMM would.
+  void GemmInto(const at::Tensor& y, const at::Tensor& x, const Proj& proj,
+                const Parallel& parallel) const;
+  /// nn.functional.linear(x, w, b), split as GemmInto.
+  at::Tensor Linear(const at::Tensor& x, const Proj& proj, const Parallel& parallel) const;
+  /// a · b (batched as at::matmul), in float32 and rounded back when bfloat16 products are widened.
+  at::Tensor Matmul(const at::Tensor& a, const at::Tensor& b) const;
+
+ private:
+  bool UseGemv(const at::Tensor& x, const at::Tensor& w) const;
+  // y = x · wt (+ b) row by row as matrix-vector products (for UseGemv).
+  static void GemvInto(const at::Tensor& y, const at::Tensor& x, const at::Tensor& wt,
+                       const at::Tensor& b);
+  // The product on the packed weights when oneDNN runs it: x [rows, in] and y [rows, out] with
+  // unit column strides, x in the packed type, y in it or float32.
+  bool RunPacked(const Proj& proj, const at::Tensor& x, const at::Tensor& y) const;
+
+  at::Device device_;
+  at::ScalarType dtype_;
+  double min_piece_flops_;
+  bool widen_;
+};
+
+}  // namespace attnserve

@@ -1,0 +1,85 @@
+// The engine's products on their own (server/engine/products.h): projections cut into row blocks
+// across helper threads, one-row matrix-vector products, widened bfloat16, against a float64
+// reference with fresh random inputs of fixed seeds. Tolerances: float32 1e-5 of the result's
+// scale; bfloat16 inputs multiplied in float32 and rounded once, 8e-3.
+#include "server/engine/products.h"
+
+#include <gtest/gtest.h>
+
+#include <stdexcept>
+
+namespace attnserve {
+namespace {
+
+at::Tensor Random(std::vector<int64_t> shape, uint64_t seed) {
+  at::manual_seed(seed);
+  return at::randn(shape, at::kFloat);
+}
+
+// max |got - want| / max |want|, in float64.
+double RelativeError(const at::Tensor& got, const at::Tensor& want) {
+  const at::Tensor w = want.to(at::kDouble);
+  return (got.to(at::kDouble) - w).abs().max().item<double>() / w.abs().max().item<double>();
+}
+
+TEST(ProductsTest, RowBlocksOnHelperThreadsEqualOneGemmAndTheReference) {
+  const Products products(at::kCPU, at::kFloat, /*min_piece_flops=*/0, /*widen=*/false);
+  const HelperPool pool(2);
+  ASSERT_EQ(products.Blocks(pool, 64, 2.0 * 48 * 32, Products::kMinGemmRows), 3);
+  Proj proj{Random({32, 48}, 1), Random({32}, 2), nullptr};
+  const at::Tensor x = Random({64, 48}, 3);
+  at::Tensor one = at::empty({64, 32}), split = at::empty({64, 32});
+  products.GemmInto(one, x, proj, SerialParallel());
+  products.GemmInto(split, x, proj, pool);
+  const at::Tensor want =
+      at::addmm(proj.b.to(at::kDouble), x.to(at::kDouble), proj.w.to(at::kDouble).t());
+  EXPECT_LE(RelativeError(one, want), 1e-5);
+  EXPECT_LE(RelativeError(split, one), 1e-6) << "a row block differs from the single GEMM";
+  EXPECT_LE(RelativeError(products.Linear(x, proj, pool), want), 1e-5);
+}
+
+TEST(ProductsTest, FewRowsRunAsMatrixVectorProductsWithAndWithoutBias) {
+  const Products products(at::kCPU, at::kFloat, 0, false);
+  for (const bool bias : {true, false}) {
+    Proj proj{Random({16, 24}, 4), bias ? Random({16}, 5) : at::Tensor(), nullptr};
+    const at::Tensor x = Random({Products::kGemvRows, 24}, 6);
+    at::Tensor want = at::mm(x.to(at::kDouble), proj.w.to(at::kDouble).t());
+    if (bias) want += proj.b.to(at::kDouble);
+    EXPECT_LE(RelativeError(products.Linear(x, proj, SerialParallel()), want), 1e-5) << bias;
+  }
+}
+
+TEST(ProductsTest, WidenedBfloat16MultipliesInFloat32AndRoundsOnce) {
+  const Products widened(at::kCPU, at::kBFloat16, 0, /*widen=*/true);
+  // 512 terms: summed in bfloat16 they would be off by ~4.5e-2 of the scale.
+  const at::Tensor a = Random({4, 8, 512}, 7).to(at::kBFloat16);
+  const at::Tensor b = Random({4, 512, 8}, 8).to(at::kBFloat16);
+  const at::Tensor got = widened.Matmul(a, b);
+  EXPECT_EQ(got.scalar_type(), at::kBFloat16);
+  EXPECT_LE(RelativeError(got, at::matmul(a.to(at::kDouble), b.to(at::kDouble))), 8e-3);
+}
+
+TEST(ProductsTest, PiecesRunEachOnceAndRethrowTheFirstException) {
+  const Products products(at::kCPU, at::kFloat, 0, false);
+  const HelperPool pool(2);
+  std::vector<int> runs(7, 0);
+  products.Pieces(pool, 7, [&](int64_t i) { ++runs[static_cast<size_t>(i)]; });
+  EXPECT_EQ(runs, std::vector<int>(7, 1));
+  EXPECT_THROW(products.Pieces(pool, 5,
+                               [](int64_t i) {
+                                 if (i == 3) throw std::runtime_error("piece 3");
+                               }),
+               std::runtime_error);
+  for (int64_t blocks : {1, 3, 7}) {  // Blocks tile the rows exactly.
+    int64_t next = 0;
+    for (int64_t i = 0; i < blocks; ++i) {
+      const auto [start, size] = Products::Block(20, blocks, i);
+      EXPECT_EQ(start, next);
+      next += size;
+    }
+    EXPECT_EQ(next, 20);
+  }
+}
+
+}  // namespace
+}  // namespace attnserve
