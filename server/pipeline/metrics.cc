@@ -25,110 +25,79 @@ const prometheus::Histogram::BucketBoundaries& TokenBuckets() {
   return *kBuckets;
 }
 
+// A metric family of each kind, registered.
+prometheus::Family<prometheus::Histogram>& Histogram(prometheus::Registry& r, const char* name,
+                                                     const char* help) {
+  return prometheus::BuildHistogram().Name(name).Help(help).Register(r);
+}
+prometheus::Family<prometheus::Counter>& Counter(prometheus::Registry& r, const char* name,
+                                                 const char* help) {
+  return prometheus::BuildCounter().Name(name).Help(help).Register(r);
+}
+prometheus::Family<prometheus::Gauge>& Gauge(prometheus::Registry& r, const char* name,
+                                             const char* help) {
+  return prometheus::BuildGauge().Name(name).Help(help).Register(r);
+}
+
 }  // namespace
 
 ServerMetrics::ServerMetrics(prometheus::Registry& registry)
-    : latency_(prometheus::BuildHistogram()
-                   .Name("attnserve_request_duration_seconds")
-                   .Help("Time from receiving a request to its answer, at the RPC boundary.")
-                   .Register(registry)),
-      requests_(prometheus::BuildCounter()
-                    .Name("attnserve_requests_total")
-                    .Help("Requests answered, by model, method and gRPC status code.")
-                    .Register(registry)),
-      in_flight_(prometheus::BuildGauge()
-                     .Name("attnserve_requests_in_flight")
-                     .Help("Requests received and not yet answered.")
-                     .Register(registry)),
-      queue_(prometheus::BuildHistogram()
-                 .Name("attnserve_queue_wait_seconds")
-                 .Help("Time a request waited between acceptance and the start of compute.")
-                 .Register(registry)),
-      compute_(prometheus::BuildHistogram()
-                   .Name("attnserve_compute_seconds")
-                   .Help("Engine time of one batch.")
-                   .Register(registry)),
-      batch_size_(prometheus::BuildHistogram()
-                      .Name("attnserve_batch_size_requests")
-                      .Help("Requests computed together in one engine call.")
-                      .Register(registry)),
-      batch_tokens_(prometheus::BuildHistogram()
-                        .Name("attnserve_batch_size_tokens")
-                        .Help("Query plus key tokens computed together in one engine call.")
-                        .Register(registry)),
-      rejections_(prometheus::BuildCounter()
-                      .Name("attnserve_rejections_total")
-                      .Help("Requests refused or dropped before compute, by reason.")
-                      .Register(registry)),
-      backend_(prometheus::BuildCounter()
-                   .Name("attnserve_attention_backend_total")
-                   .Help("Computed requests by the attention kernel that ran (math, flash, "
-                         "efficient, cudnn).")
-                   .Register(registry)),
-      flops_(prometheus::BuildCounter()
-                 .Name("attnserve_flops_total")
-                 .Help("Floating-point operations computed (projections, QK^T, PV).")
-                 .Register(registry)),
-      flops_rate_(prometheus::BuildGauge()
-                      .Name("attnserve_achieved_flops_per_second")
-                      .Help("FLOP/s achieved by the last batch: its FLOPs over its compute time.")
-                      .Register(registry)),
+    : latency_(Histogram(registry, "attnserve_request_duration_seconds",
+                         "Time from receiving a request to its answer, at the RPC boundary.")),
+      requests_(Counter(registry, "attnserve_requests_total",
+                        "Requests answered, by model, method and gRPC status code.")),
+      in_flight_(Gauge(registry, "attnserve_requests_in_flight",
+                       "Requests received and not yet answered.")),
+      queue_(Histogram(registry, "attnserve_queue_wait_seconds",
+                       "Time a request waited between acceptance and the start of compute.")),
+      compute_(Histogram(registry, "attnserve_compute_seconds", "Engine time of one batch.")),
+      batch_size_(Histogram(registry, "attnserve_batch_size_requests",
+                            "Requests computed together in one engine call.")),
+      batch_tokens_(Histogram(registry, "attnserve_batch_size_tokens",
+                              "Query plus key tokens computed together in one engine call.")),
+      rejections_(Counter(registry, "attnserve_rejections_total",
+                          "Requests refused or dropped before compute, by reason.")),
+      backend_(Counter(registry, "attnserve_attention_backend_total",
+                       "Computed requests by the attention kernel that ran (math, flash, "
+                       "efficient, cudnn).")),
+      flops_(Counter(registry, "attnserve_flops_total",
+                     "Floating-point operations computed (projections, QK^T, PV).")),
+      flops_rate_(Gauge(registry, "attnserve_achieved_flops_per_second",
+                        "FLOP/s achieved by the last batch: its FLOPs over its compute time.")),
       device_memory_(
-          prometheus::BuildGauge()
-              .Name("attnserve_device_memory_bytes")
-              .Help("Device memory by kind: on CUDA the caching allocator's allocated and reserved "
-                    "bytes; on the CPU the process's resident set (kind resident).")
-              .Register(registry)),
-      model_info_(prometheus::BuildGauge()
-                      .Name("attnserve_model_info")
-                      .Help("A loaded model version (value 1), described by its labels.")
-                      .Register(registry)),
-      cpu_info_(prometheus::BuildGauge()
-                    .Name("attnserve_cpu_info")
-                    .Help("The CPU's class for bfloat16 products (AMX, AVX512-BF16, AVX-512 "
-                          "without BF16, AVX2 only), "
-                          "oneDNN's version and ISA, and the BLAS (value 1).")
-                    .Register(registry)),
-      reloads_(prometheus::BuildCounter()
-                   .Name("attnserve_model_reloads_total")
-                   .Help("Model repository reloads (SIGHUP or AdminService.ReloadModels), by "
-                         "outcome: ok, or failed (a version did not load, or the repository could "
-                         "not be read; what served before still serves).")
-                   .Register(registry)),
-      load_failures_(prometheus::BuildCounter()
-                         .Name("attnserve_model_load_failures_total")
-                         .Help("Reloads in which a version of this model failed to load.")
-                         .Register(registry)),
-      load_failing_(prometheus::BuildGauge()
-                        .Name("attnserve_model_load_failing")
-                        .Help("1 while the latest load of a version of this model failed (what "
-                              "served before still serves); 0 once it loads or its directory goes.")
-                        .Register(registry)),
-      kv_bytes_(prometheus::BuildGauge()
-                    .Name("attnserve_kv_bytes")
-                    .Help("Device bytes held by memories and decoding sessions (ended ones still "
-                          "in use included).")
-                    .Register(registry)
+          Gauge(registry, "attnserve_device_memory_bytes",
+                "Device memory by kind: on CUDA the caching allocator's allocated and reserved "
+                "bytes; on the CPU the process's resident set (kind resident).")),
+      model_info_(Gauge(registry, "attnserve_model_info",
+                        "A loaded model version (value 1), described by its labels.")),
+      cpu_info_(Gauge(registry, "attnserve_cpu_info",
+                      "The CPU's class for bfloat16 products (AMX, AVX512-BF16, AVX-512 "
+                      "without BF16, AVX2 only), "
+                      "oneDNN's version and ISA, and the BLAS (value 1).")),
+      reloads_(Counter(registry, "attnserve_model_reloads_total",
+                       "Model repository reloads (SIGHUP or AdminService.ReloadModels), by "
+                       "outcome: ok, or failed (a version did not load, or the repository could "
+                       "not be read; what served before still serves).")),
+      load_failures_(Counter(registry, "attnserve_model_load_failures_total",
+                             "Reloads in which a version of this model failed to load.")),
+      load_failing_(Gauge(registry, "attnserve_model_load_failing",
+                          "1 while the latest load of a version of this model failed (what "
+                          "served before still serves); 0 once it loads or its directory goes.")),
+      kv_bytes_(Gauge(registry, "attnserve_kv_bytes",
+                      "Device bytes held by memories and decoding sessions (ended ones still "
+                      "in use included).")
                     .Add({})),
-      kv_entries_(prometheus::BuildGauge()
-                      .Name("attnserve_kv_entries")
-                      .Help("Memories and decoding sessions held, by kind.")
-                      .Register(registry)),
-      kv_model_entries_(prometheus::BuildGauge()
-                            .Name("attnserve_kv_model_entries")
-                            .Help("Memories and decoding sessions on one model version's weights "
-                                  "(they keep the weights they were made with across reloads).")
-                            .Register(registry)),
-      kv_lookups_(prometheus::BuildCounter()
-                      .Name("attnserve_kv_lookups_total")
-                      .Help("Requests naming a memory or session, by kind and result (hit, miss).")
-                      .Register(registry)),
-      kv_ends_(prometheus::BuildCounter()
-                   .Name("attnserve_kv_ends_total")
-                   .Help("Memories and sessions ended, by kind and reason (released, evicted, "
-                         "expired, unloaded, "
-                         "failed, shutdown).")
-                   .Register(registry)) {
+      kv_entries_(
+          Gauge(registry, "attnserve_kv_entries", "Memories and decoding sessions held, by kind.")),
+      kv_model_entries_(Gauge(registry, "attnserve_kv_model_entries",
+                              "Memories and decoding sessions on one model version's weights "
+                              "(they keep the weights they were made with across reloads).")),
+      kv_lookups_(Counter(registry, "attnserve_kv_lookups_total",
+                          "Requests naming a memory or session, by kind and result (hit, miss).")),
+      kv_ends_(Counter(registry, "attnserve_kv_ends_total",
+                       "Memories and sessions ended, by kind and reason (released, evicted, "
+                       "expired, unloaded, "
+                       "failed, shutdown).")) {
   // Both outcomes exist from the start, so rate() and increase() see the first reload.
   reloads_.Add({{"outcome", "ok"}});
   reloads_.Add({{"outcome", "failed"}});

@@ -53,10 +53,10 @@ int WaitSignal() {
   return b;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  attnserve::ServerOptions o;
+// The flags into `options`; false when the process should exit now with *exit_code (--help, or
+// a flag refused).
+bool ParseFlags(int argc, char** argv, attnserve::ServerOptions* options, int* exit_code) {
+  attnserve::ServerOptions& o = *options;
   CLI::App app{
       "attnserve: multi-head attention inference over gRPC, computed exactly as PyTorch's\n"
       "nn.MultiheadAttention. With no --models it serves the built-in `demo` model\n"
@@ -203,14 +203,27 @@ int main(int argc, char** argv) {
                  "On stop, close each client connection only once its client has read everything "
                  "(false: close as gRPC does, e.g. behind a proxy that buffers whole answers)")
       ->capture_default_str();
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    *exit_code = app.exit(e);
+    return false;
+  }
   o.memory_given = {app.count("--kv-budget-bytes") > 0, app.count("--kv-max-entry-bytes") > 0,
                     app.count("--max-inflight-bytes") > 0, app.count("--max-message-bytes") > 0};
   o.batcher.enabled = !no_batching;
   o.batcher.max_queue_delay = std::chrono::microseconds(delay_us);
 
-  InstallSignals();
+  return true;
+}
 
+// The stop after SIGINT/SIGTERM, bounded by the grace period; exits with its code (README
+// "Shutdown").
+[[noreturn]] void Stop(attnserve::Server& server, double grace);
+
+// Starts the server and serves until SIGINT/SIGTERM (SIGHUP: a reload), then stops.
+int Serve(const attnserve::ServerOptions& o) {
+  InstallSignals();
   auto server = attnserve::Server::Start(o);
   if (!server.ok()) {
     std::cerr << "attnserve: error: " << server.status().message() << "\n";
@@ -226,12 +239,15 @@ int main(int argc, char** argv) {
   }
   std::cout << "attnserve: " << (sig == SIGINT ? "SIGINT" : "SIGTERM")
             << ": draining in-flight requests" << std::endl;
+  Stop(**server, o.shutdown_grace_seconds);
+}
+
+[[noreturn]] void Stop(attnserve::Server& server, double grace) {
   // Later signals land in the pipe unread: the drain goes on (the grace period still bounds it).
   // The grace period is a promise to the orchestrator: past it the process goes, whatever is
   // still computing. Exit codes (README "Shutdown"): 0 when every call accepted was answered and
   // read, 1 when the grace period cut calls in flight or answers on their way.
-  const double grace = o.shutdown_grace_seconds;
-  const auto outcome = (*server)->shutdown_outcome();
+  const auto outcome = server.shutdown_outcome();
   const auto cut_line = [grace](int64_t cut) {
     std::ostringstream line;
     line << "attnserve: the grace period (--shutdown-grace " << grace << " s) cut " << cut
@@ -250,7 +266,7 @@ int main(int argc, char** argv) {
     }
     std::_Exit(cut > 0 ? 1 : 0);
   }).detach();
-  (*server)->Shutdown();
+  server.Shutdown();
   int code = 0;
   if (const int64_t cut = outcome->calls_cut(); cut > 0) {
     std::cerr << cut_line(cut) << std::endl;
@@ -273,4 +289,13 @@ int main(int argc, char** argv) {
   // (tests/integration/shutdown_test.py --busy-rounds 30).
   std::fflush(nullptr);
   std::_Exit(code);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  attnserve::ServerOptions options;
+  int exit_code = 0;
+  if (!ParseFlags(argc, argv, &options, &exit_code)) return exit_code;
+  return Serve(options);
 }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <set>
 #include <tuple>
 
@@ -32,8 +33,115 @@ StatusOr<nlohmann::json> ParseStrictJson(const std::string& text, const std::str
   return j;
 }
 
+namespace {
+
+// One header entry, checked: dtype, shape and the data range it claims.
+struct EntryPlan {
+  std::string dtype;
+  size_t elem = 0;  // Bytes per element.
+  std::vector<int64_t> shape;
+  uint64_t numel = 1, begin = 0, end = 0;
+};
+
+// The element size of a safetensors dtype this server reads; 0 for any other.
+size_t ElementBytes(const std::string& dtype) {
+  if (dtype == "F32") return 4;
+  if (dtype == "F16" || dtype == "BF16") return 2;
+  if (dtype == "F64") return 8;
+  return 0;
+}
+
+StatusOr<EntryPlan> PlanEntry(const std::string& name, const nlohmann::json& e, uint64_t data_len,
+                              const std::function<Status(const std::string&)>& fail) {
+  if (!e.is_object() || !e.contains("dtype") || !e.contains("shape") ||
+      !e.contains("data_offsets") || !e["dtype"].is_string() || !e["shape"].is_array() ||
+      !e["data_offsets"].is_array() || e["data_offsets"].size() != 2) {
+    return fail("'" + name + "': header entry needs dtype, shape and data_offsets [begin, end]");
+  }
+  EntryPlan p;
+  p.dtype = e["dtype"].get<std::string>();
+  p.elem = ElementBytes(p.dtype);
+  if (p.elem == 0) {
+    return fail("'" + name + "': dtype " + p.dtype +
+                " is not supported; expected F32, F16, BF16 or F64");
+  }
+  if (e["shape"].size() > 8) return fail("'" + name + "': shape has more than 8 dimensions");
+  for (const auto& d : e["shape"]) {
+    if (!d.is_number_unsigned())
+      return fail("'" + name + "': shape must hold non-negative integers");
+    const uint64_t dim = d.get<uint64_t>();
+    p.shape.push_back(static_cast<int64_t>(std::min<uint64_t>(dim, INT64_MAX)));
+    if (__builtin_mul_overflow(p.numel, dim, &p.numel) || p.numel > (uint64_t{1} << 34))
+      return fail("'" + name + "': shape " + e["shape"].dump() + " has more than 2^34 elements");
+  }
+  const auto& off = e["data_offsets"];
+  if (!off[0].is_number_unsigned() || !off[1].is_number_unsigned())
+    return fail("'" + name + "': data_offsets must be non-negative integers");
+  p.begin = off[0].get<uint64_t>();
+  p.end = off[1].get<uint64_t>();
+  if (p.begin > p.end || p.end > data_len) {
+    return fail("'" + name + "': data_offsets [" + std::to_string(p.begin) + ", " +
+                std::to_string(p.end) + "] lie outside the " + std::to_string(data_len) +
+                "-byte data section");
+  }
+  if (p.end - p.begin != p.numel * p.elem) {
+    return fail("'" + name + "': data_offsets span " + std::to_string(p.end - p.begin) +
+                " bytes, but shape " + ShapeString(p.shape) + " of " + p.dtype + " needs " +
+                std::to_string(p.numel * p.elem));
+  }
+  return p;
+}
+
+// The entry's elements as float32.
+HostTensor Read(const EntryPlan& p, const char* data) {
+  HostTensor t;
+  t.shape = p.shape;
+  t.values.resize(p.numel);
+  const char* src = data + p.begin;
+  for (uint64_t i = 0; i < p.numel; ++i) {
+    if (p.elem == 4) {
+      std::memcpy(&t.values[i], src + 4 * i, 4);
+    } else if (p.elem == 8) {
+      double d;
+      std::memcpy(&d, src + 8 * i, 8);
+      t.values[i] = static_cast<float>(d);
+    } else {
+      uint16_t h;
+      std::memcpy(&h, src + 2 * i, 2);
+      t.values[i] = p.dtype == "BF16" ? BFloat16ToFloat(h) : HalfToFloat(h);
+    }
+  }
+  return t;
+}
+
+// The tensors must tile the data section: an overlap would make two tensors share bytes, a hole
+// would carry bytes nobody asked for.
+Status CheckTiling(std::vector<std::tuple<uint64_t, uint64_t, std::string>> ranges,
+                   uint64_t data_len, const std::function<Status(const std::string&)>& fail) {
+  std::sort(ranges.begin(), ranges.end());
+  uint64_t covered = 0;
+  std::string previous;
+  for (const auto& [begin, end, name] : ranges) {
+    if (begin < covered)
+      return fail("'" + name + "' overlaps '" + previous + "' in the data section");
+    if (begin > covered) {
+      return fail("bytes [" + std::to_string(covered) + ", " + std::to_string(begin) +
+                  ") of the data section belong to no tensor");
+    }
+    covered = end;
+    previous = name;
+  }
+  if (covered != data_len) {
+    return fail(std::to_string(data_len - covered) +
+                " bytes after the last tensor belong to no tensor");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 StatusOr<NamedTensors> ParseSafetensors(const std::string& bytes, const std::string& where) {
-  auto fail = [&](const std::string& what) {
+  const std::function<Status(const std::string&)> fail = [&](const std::string& what) {
     return Status(StatusCode::kFailedPrecondition, where + ": " + what);
   };
   if (bytes.size() < 8)
@@ -55,89 +163,12 @@ StatusOr<NamedTensors> ParseSafetensors(const std::string& bytes, const std::str
   NamedTensors out;
   for (auto it = header.begin(); it != header.end(); ++it) {
     if (it.key() == "__metadata__") continue;
-    const std::string name = it.key();
-    const nlohmann::json& e = it.value();
-    if (!e.is_object() || !e.contains("dtype") || !e.contains("shape") ||
-        !e.contains("data_offsets") || !e["dtype"].is_string() || !e["shape"].is_array() ||
-        !e["data_offsets"].is_array() || e["data_offsets"].size() != 2) {
-      return fail("'" + name + "': header entry needs dtype, shape and data_offsets [begin, end]");
-    }
-    const std::string dtype = e["dtype"].get<std::string>();
-    size_t elem = 0;
-    if (dtype == "F32")
-      elem = 4;
-    else if (dtype == "F16" || dtype == "BF16")
-      elem = 2;
-    else if (dtype == "F64")
-      elem = 8;
-    else
-      return fail("'" + name + "': dtype " + dtype +
-                  " is not supported; expected F32, F16, BF16 or F64");
-    HostTensor t;
-    uint64_t numel = 1;
-    if (e["shape"].size() > 8) return fail("'" + name + "': shape has more than 8 dimensions");
-    for (const auto& d : e["shape"]) {
-      if (!d.is_number_unsigned())
-        return fail("'" + name + "': shape must hold non-negative integers");
-      const uint64_t dim = d.get<uint64_t>();
-      t.shape.push_back(static_cast<int64_t>(std::min<uint64_t>(dim, INT64_MAX)));
-      if (__builtin_mul_overflow(numel, dim, &numel) || numel > (uint64_t{1} << 34)) {
-        return fail("'" + name + "': shape " + e["shape"].dump() + " has more than 2^34 elements");
-      }
-    }
-    const auto& off = e["data_offsets"];
-    if (!off[0].is_number_unsigned() || !off[1].is_number_unsigned()) {
-      return fail("'" + name + "': data_offsets must be non-negative integers");
-    }
-    const uint64_t begin = off[0].get<uint64_t>(), end = off[1].get<uint64_t>();
-    if (begin > end || end > data_len) {
-      return fail("'" + name + "': data_offsets [" + std::to_string(begin) + ", " +
-                  std::to_string(end) + "] lie outside the " + std::to_string(data_len) +
-                  "-byte data section");
-    }
-    if (end - begin != numel * elem) {
-      return fail("'" + name + "': data_offsets span " + std::to_string(end - begin) +
-                  " bytes, but shape " + ShapeString(t.shape) + " of " + dtype + " needs " +
-                  std::to_string(numel * elem));
-    }
-    ranges.emplace_back(begin, end, name);
-    t.values.resize(numel);
-    const char* src = data + begin;
-    for (uint64_t i = 0; i < numel; ++i) {
-      if (elem == 4) {
-        std::memcpy(&t.values[i], src + 4 * i, 4);
-      } else if (elem == 8) {
-        double d;
-        std::memcpy(&d, src + 8 * i, 8);
-        t.values[i] = static_cast<float>(d);
-      } else {
-        uint16_t h;
-        std::memcpy(&h, src + 2 * i, 2);
-        t.values[i] = dtype == "BF16" ? BFloat16ToFloat(h) : HalfToFloat(h);
-      }
-    }
-    out.emplace(name, std::move(t));
+    ASSIGN_OR_RETURN(const EntryPlan p, PlanEntry(it.key(), it.value(), data_len, fail));
+    ranges.emplace_back(p.begin, p.end, it.key());
+    out.emplace(it.key(), Read(p, data));
   }
   if (out.empty()) return fail("holds no tensors");
-  // The tensors must tile the data section: an overlap would make two tensors share bytes, a hole
-  // would carry bytes nobody asked for.
-  std::sort(ranges.begin(), ranges.end());
-  uint64_t covered = 0;
-  std::string previous;
-  for (const auto& [begin, end, name] : ranges) {
-    if (begin < covered)
-      return fail("'" + name + "' overlaps '" + previous + "' in the data section");
-    if (begin > covered) {
-      return fail("bytes [" + std::to_string(covered) + ", " + std::to_string(begin) +
-                  ") of the data section belong to no tensor");
-    }
-    covered = end;
-    previous = name;
-  }
-  if (covered != data_len) {
-    return fail(std::to_string(data_len - covered) +
-                " bytes after the last tensor belong to no tensor");
-  }
+  RETURN_IF_ERROR(CheckTiling(std::move(ranges), data_len, fail));
   return out;
 }
 

@@ -180,209 +180,15 @@ class Unpickler {
     for (;;) {
       if (pos_ >= n_) return Fail("ends without STOP");
       at_ = pos_;
-      const uint8_t op = static_cast<uint8_t>(d_[pos_++]);
-      switch (op) {
-        case 0x80:
-          RETURN_IF_ERROR(Skip(1));
-          break;  // PROTO
-        case 0x95:
-          RETURN_IF_ERROR(Skip(8));
-          break;  // FRAME
-        case '(':
-          marks_.push_back(stack_.size());
-          break;   // MARK
-        case '.':  // STOP
-          if (stack_.size() != 1 || !marks_.empty())
-            return Fail("STOP leaves " + std::to_string(stack_.size()) + " values");
-          *result = stack_.back();
-          return Status::Ok();
-        case 'N':
-          RETURN_IF_ERROR(Push(New(Kind::kNone)));
-          break;
-        case 0x88:
-        case 0x89: {  // NEWTRUE, NEWFALSE
-          const int v = New(Kind::kBool);
-          heap_[v].i = op == 0x88;
-          RETURN_IF_ERROR(Push(v));
-          break;
-        }
-        case 'K':
-        case 'M':
-        case 'J': {  // BININT1, BININT2, BININT
-          const int len = op == 'K' ? 1 : op == 'M' ? 2 : 4;
-          uint64_t raw;
-          RETURN_IF_ERROR(ReadLe(len, &raw));
-          const int v = New(Kind::kInt);
-          heap_[v].i = op == 'J' ? static_cast<int32_t>(raw) : static_cast<int64_t>(raw);
-          RETURN_IF_ERROR(Push(v));
-          break;
-        }
-        case 0x8a: {  // LONG1
-          uint64_t len;
-          RETURN_IF_ERROR(ReadLe(1, &len));
-          if (len > 8) return Fail("LONG1 of " + std::to_string(len) + " bytes is too large");
-          uint64_t raw = 0;
-          if (len) RETURN_IF_ERROR(ReadLe(static_cast<int>(len), &raw));
-          if (len && len < 8 && (raw >> (8 * len - 1)) & 1) raw |= ~uint64_t{0} << (8 * len);
-          const int v = New(Kind::kInt);
-          heap_[v].i = static_cast<int64_t>(raw);
-          RETURN_IF_ERROR(Push(v));
-          break;
-        }
-        case 'G': {  // BINFLOAT (big-endian)
-          RETURN_IF_ERROR(Need(8));
-          uint64_t raw = 0;
-          for (int k = 0; k < 8; ++k) raw = (raw << 8) | static_cast<uint8_t>(d_[pos_ + k]);
-          pos_ += 8;
-          const int v = New(Kind::kFloat);
-          std::memcpy(&heap_[v].f, &raw, 8);
-          RETURN_IF_ERROR(Push(v));
-          break;
-        }
-        case 'X':
-        case 0x8c:
-        case 0x8d: {  // BINUNICODE, SHORT_, 8
-          uint64_t len;
-          RETURN_IF_ERROR(ReadLe(op == 'X' ? 4 : op == 0x8c ? 1 : 8, &len));
-          RETURN_IF_ERROR(Need(len));
-          const int v = New(Kind::kStr);
-          heap_[v].s.assign(d_ + pos_, len);
-          pos_ += len;
-          RETURN_IF_ERROR(Push(v));
-          break;
-        }
-        case 'c': {  // GLOBAL module\nname\n
-          std::string module, name;
-          RETURN_IF_ERROR(ReadLine(&module));
-          RETURN_IF_ERROR(ReadLine(&name));
-          RETURN_IF_ERROR(PushGlobal(module + "." + name));
-          break;
-        }
-        case 0x93: {  // STACK_GLOBAL
-          int name, module;
-          RETURN_IF_ERROR(Pop(&name));
-          RETURN_IF_ERROR(Pop(&module));
-          if (heap_[name].kind != Kind::kStr || heap_[module].kind != Kind::kStr)
-            return Fail("STACK_GLOBAL needs two strings");
-          RETURN_IF_ERROR(PushGlobal(heap_[module].s + "." + heap_[name].s));
-          break;
-        }
-        case ')':
-          RETURN_IF_ERROR(Push(New(Kind::kTuple)));
-          break;  // EMPTY_TUPLE
-        case ']':
-          RETURN_IF_ERROR(Push(New(Kind::kList)));
-          break;  // EMPTY_LIST
-        case '}':
-          RETURN_IF_ERROR(Push(New(Kind::kDict)));
-          break;     // EMPTY_DICT
-        case 't': {  // TUPLE
-          std::vector<int> items;
-          RETURN_IF_ERROR(PopMark(&items));
-          const int v = New(Kind::kTuple);
-          heap_[v].items = std::move(items);
-          RETURN_IF_ERROR(Push(v));
-          break;
-        }
-        case 0x85:
-        case 0x86:
-        case 0x87: {  // TUPLE1..3
-          const size_t k = op - 0x84;
-          if (stack_.size() < k + (marks_.empty() ? 0 : marks_.back()))
-            return Fail("TUPLE" + std::to_string(k) + " on a stack of " +
-                        std::to_string(stack_.size()));
-          const int v = New(Kind::kTuple);
-          heap_[v].items.assign(stack_.end() - static_cast<long>(k), stack_.end());
-          stack_.resize(stack_.size() - k);
-          RETURN_IF_ERROR(Push(v));
-          break;
-        }
-        case 'q':
-        case 'r':
-        case 0x94: {  // BINPUT, LONG_BINPUT, MEMOIZE
-          uint64_t key = memo_.size();
-          if (op != 0x94) RETURN_IF_ERROR(ReadLe(op == 'q' ? 1 : 4, &key));
-          if (stack_.empty()) return Fail("memo store from an empty stack");
-          if (memo_.size() >= kMaxValues) return Fail("too many memo entries");
-          memo_[key] = stack_.back();
-          break;
-        }
-        case 'h':
-        case 'j': {  // BINGET, LONG_BINGET
-          uint64_t key;
-          RETURN_IF_ERROR(ReadLe(op == 'h' ? 1 : 4, &key));
-          auto it = memo_.find(key);
-          if (it == memo_.end())
-            return Fail("memo key " + std::to_string(key) + " was never stored");
-          RETURN_IF_ERROR(Push(it->second));
-          break;
-        }
-        case 'a':
-        case 'e': {  // APPEND, APPENDS
-          std::vector<int> items;
-          if (op == 'a') {
-            int x;
-            RETURN_IF_ERROR(Pop(&x));
-            items.push_back(x);
-          } else {
-            RETURN_IF_ERROR(PopMark(&items));
-          }
-          if (stack_.empty() || heap_[stack_.back()].kind != Kind::kList)
-            return Fail("APPEND to something that is not a list");
-          auto& list = heap_[stack_.back()].items;
-          list.insert(list.end(), items.begin(), items.end());
-          break;
-        }
-        case 's':
-        case 'u': {  // SETITEM, SETITEMS
-          std::vector<int> items;
-          if (op == 's') {
-            int k, v;
-            RETURN_IF_ERROR(Pop(&v));
-            RETURN_IF_ERROR(Pop(&k));
-            items = {k, v};
-          } else {
-            RETURN_IF_ERROR(PopMark(&items));
-            if (items.size() % 2) return Fail("SETITEMS with an odd number of values");
-          }
-          if (stack_.empty() || heap_[stack_.back()].kind != Kind::kDict)
-            return Fail("SETITEM on something that is not a dict");
-          auto& dict = heap_[stack_.back()].items;
-          dict.insert(dict.end(), items.begin(), items.end());
-          break;
-        }
-        case 'Q': {  // BINPERSID
-          int pid;
-          RETURN_IF_ERROR(Pop(&pid));
-          int v;
-          RETURN_IF_ERROR(Storage(pid, &v));
-          RETURN_IF_ERROR(Push(v));
-          break;
-        }
-        case 'R': {  // REDUCE
-          int args, fn;
-          RETURN_IF_ERROR(Pop(&args));
-          RETURN_IF_ERROR(Pop(&fn));
-          int v;
-          RETURN_IF_ERROR(Reduce(fn, args, &v));
-          RETURN_IF_ERROR(Push(v));
-          break;
-        }
-        case 'b': {  // BUILD: state is ignored
-          int state;
-          RETURN_IF_ERROR(Pop(&state));
-          if (stack_.empty()) return Fail("BUILD on an empty stack");
-          const Kind k = heap_[stack_.back()].kind;
-          if (k != Kind::kDict && k != Kind::kTensor)
-            return Fail("BUILD on something that is neither a dict nor a tensor");
-          break;
-        }
-        default: {
-          char hex[8];
-          std::snprintf(hex, sizeof hex, "0x%02x", op);
-          return Fail(std::string("opcode ") + hex + " is not allowed in a state_dict");
-        }
+      const auto op = static_cast<Op>(d_[pos_++]);
+      if (op != Op::kStop) {
+        RETURN_IF_ERROR(Step(op));
+        continue;
       }
+      if (stack_.size() != 1 || !marks_.empty())
+        return Fail("STOP leaves " + std::to_string(stack_.size()) + " values");
+      *result = stack_.back();
+      return Status::Ok();
     }
   }
 
@@ -390,6 +196,269 @@ class Unpickler {
   const std::vector<TensorRef>& tensors() const { return tensors_; }
 
  private:
+  // The opcodes a state_dict uses (Python's pickle module names them so); any other is refused.
+  enum class Op : uint8_t {
+    kMark = '(',
+    kStop = '.',
+    kNone = 'N',
+    kBinInt = 'J',
+    kBinInt1 = 'K',
+    kBinInt2 = 'M',
+    kBinFloat = 'G',
+    kBinUnicode = 'X',
+    kGlobal = 'c',
+    kEmptyTuple = ')',
+    kEmptyList = ']',
+    kEmptyDict = '}',
+    kTuple = 't',
+    kBinPut = 'q',
+    kLongBinPut = 'r',
+    kBinGet = 'h',
+    kLongBinGet = 'j',
+    kAppend = 'a',
+    kAppends = 'e',
+    kSetItem = 's',
+    kSetItems = 'u',
+    kBinPersId = 'Q',
+    kReduce = 'R',
+    kBuild = 'b',
+    kProto = 0x80,
+    kTuple1 = 0x85,
+    kTuple2 = 0x86,
+    kTuple3 = 0x87,
+    kNewTrue = 0x88,
+    kNewFalse = 0x89,
+    kLong1 = 0x8a,
+    kShortBinUnicode = 0x8c,
+    kBinUnicode8 = 0x8d,
+    kStackGlobal = 0x93,
+    kMemoize = 0x94,
+    kFrame = 0x95,
+  };
+
+  // One opcode other than STOP.
+  Status Step(Op op) {
+    switch (op) {
+      case Op::kProto:
+        return Skip(1);
+      case Op::kFrame:
+        return Skip(8);
+      case Op::kMark:
+        marks_.push_back(stack_.size());
+        return Status::Ok();
+      case Op::kNone:
+      case Op::kEmptyTuple:
+      case Op::kEmptyList:
+      case Op::kEmptyDict:
+        return Push(New(op == Op::kNone         ? Kind::kNone
+                        : op == Op::kEmptyTuple ? Kind::kTuple
+                        : op == Op::kEmptyList  ? Kind::kList
+                                                : Kind::kDict));
+      case Op::kNewTrue:
+      case Op::kNewFalse:
+        return PushInt(Kind::kBool, op == Op::kNewTrue);
+      case Op::kBinInt1:
+      case Op::kBinInt2:
+      case Op::kBinInt:
+        return OnBinInt(op);
+      case Op::kLong1:
+        return OnLong1();
+      case Op::kBinFloat:
+        return OnBinFloat();
+      case Op::kBinUnicode:
+      case Op::kShortBinUnicode:
+      case Op::kBinUnicode8:
+        return OnString(op);
+      case Op::kGlobal:
+        return OnGlobal();
+      case Op::kStackGlobal:
+        return OnStackGlobal();
+      case Op::kTuple:
+        return OnTuple();
+      case Op::kTuple1:
+      case Op::kTuple2:
+      case Op::kTuple3:
+        return OnSmallTuple(static_cast<size_t>(op) - 0x84);
+      case Op::kBinPut:
+      case Op::kLongBinPut:
+      case Op::kMemoize:
+        return OnPut(op);
+      case Op::kBinGet:
+      case Op::kLongBinGet:
+        return OnGet(op);
+      case Op::kAppend:
+      case Op::kAppends:
+        return OnAppend(op);
+      case Op::kSetItem:
+      case Op::kSetItems:
+        return OnSetItem(op);
+      case Op::kBinPersId:
+        return OnBinPersId();
+      case Op::kReduce:
+        return OnReduce();
+      case Op::kBuild:
+        return OnBuild();
+      case Op::kStop:
+        break;
+    }
+    char hex[8];
+    std::snprintf(hex, sizeof hex, "0x%02x", static_cast<unsigned>(op));
+    return Fail(std::string("opcode ") + hex + " is not allowed in a state_dict");
+  }
+
+  Status PushInt(Kind kind, int64_t value) {
+    const int v = New(kind);
+    heap_[v].i = value;
+    return Push(v);
+  }
+
+  Status OnBinInt(Op op) {
+    const int len = op == Op::kBinInt1 ? 1 : op == Op::kBinInt2 ? 2 : 4;
+    uint64_t raw;
+    RETURN_IF_ERROR(ReadLe(len, &raw));
+    return PushInt(Kind::kInt,
+                   op == Op::kBinInt ? static_cast<int32_t>(raw) : static_cast<int64_t>(raw));
+  }
+
+  Status OnLong1() {
+    uint64_t len;
+    RETURN_IF_ERROR(ReadLe(1, &len));
+    if (len > 8) return Fail("LONG1 of " + std::to_string(len) + " bytes is too large");
+    uint64_t raw = 0;
+    if (len) RETURN_IF_ERROR(ReadLe(static_cast<int>(len), &raw));
+    if (len && len < 8 && (raw >> (8 * len - 1)) & 1) raw |= ~uint64_t{0} << (8 * len);
+    return PushInt(Kind::kInt, static_cast<int64_t>(raw));
+  }
+
+  Status OnBinFloat() {  // Big-endian.
+    RETURN_IF_ERROR(Need(8));
+    uint64_t raw = 0;
+    for (int k = 0; k < 8; ++k) raw = (raw << 8) | static_cast<uint8_t>(d_[pos_ + k]);
+    pos_ += 8;
+    const int v = New(Kind::kFloat);
+    std::memcpy(&heap_[v].f, &raw, 8);
+    return Push(v);
+  }
+
+  Status OnString(Op op) {
+    uint64_t len;
+    RETURN_IF_ERROR(ReadLe(op == Op::kBinUnicode ? 4 : op == Op::kShortBinUnicode ? 1 : 8, &len));
+    RETURN_IF_ERROR(Need(len));
+    const int v = New(Kind::kStr);
+    heap_[v].s.assign(d_ + pos_, len);
+    pos_ += len;
+    return Push(v);
+  }
+
+  Status OnGlobal() {  // module\nname\n
+    std::string module, name;
+    RETURN_IF_ERROR(ReadLine(&module));
+    RETURN_IF_ERROR(ReadLine(&name));
+    return PushGlobal(module + "." + name);
+  }
+
+  Status OnStackGlobal() {
+    int name, module;
+    RETURN_IF_ERROR(Pop(&name));
+    RETURN_IF_ERROR(Pop(&module));
+    if (heap_[name].kind != Kind::kStr || heap_[module].kind != Kind::kStr)
+      return Fail("STACK_GLOBAL needs two strings");
+    return PushGlobal(heap_[module].s + "." + heap_[name].s);
+  }
+
+  Status OnTuple() {
+    std::vector<int> items;
+    RETURN_IF_ERROR(PopMark(&items));
+    const int v = New(Kind::kTuple);
+    heap_[v].items = std::move(items);
+    return Push(v);
+  }
+
+  Status OnSmallTuple(size_t k) {
+    if (stack_.size() < k + (marks_.empty() ? 0 : marks_.back()))
+      return Fail("TUPLE" + std::to_string(k) + " on a stack of " + std::to_string(stack_.size()));
+    const int v = New(Kind::kTuple);
+    heap_[v].items.assign(stack_.end() - static_cast<long>(k), stack_.end());
+    stack_.resize(stack_.size() - k);
+    return Push(v);
+  }
+
+  Status OnPut(Op op) {
+    uint64_t key = memo_.size();
+    if (op != Op::kMemoize) RETURN_IF_ERROR(ReadLe(op == Op::kBinPut ? 1 : 4, &key));
+    if (stack_.empty()) return Fail("memo store from an empty stack");
+    if (memo_.size() >= kMaxValues) return Fail("too many memo entries");
+    memo_[key] = stack_.back();
+    return Status::Ok();
+  }
+
+  Status OnGet(Op op) {
+    uint64_t key;
+    RETURN_IF_ERROR(ReadLe(op == Op::kBinGet ? 1 : 4, &key));
+    auto it = memo_.find(key);
+    if (it == memo_.end()) return Fail("memo key " + std::to_string(key) + " was never stored");
+    return Push(it->second);
+  }
+
+  Status OnAppend(Op op) {
+    std::vector<int> items;
+    if (op == Op::kAppend) {
+      int x;
+      RETURN_IF_ERROR(Pop(&x));
+      items.push_back(x);
+    } else {
+      RETURN_IF_ERROR(PopMark(&items));
+    }
+    if (stack_.empty() || heap_[stack_.back()].kind != Kind::kList)
+      return Fail("APPEND to something that is not a list");
+    auto& list = heap_[stack_.back()].items;
+    list.insert(list.end(), items.begin(), items.end());
+    return Status::Ok();
+  }
+
+  Status OnSetItem(Op op) {
+    std::vector<int> items;
+    if (op == Op::kSetItem) {
+      int k, v;
+      RETURN_IF_ERROR(Pop(&v));
+      RETURN_IF_ERROR(Pop(&k));
+      items = {k, v};
+    } else {
+      RETURN_IF_ERROR(PopMark(&items));
+      if (items.size() % 2) return Fail("SETITEMS with an odd number of values");
+    }
+    if (stack_.empty() || heap_[stack_.back()].kind != Kind::kDict)
+      return Fail("SETITEM on something that is not a dict");
+    auto& dict = heap_[stack_.back()].items;
+    dict.insert(dict.end(), items.begin(), items.end());
+    return Status::Ok();
+  }
+
+  Status OnBinPersId() {
+    int pid, v;
+    RETURN_IF_ERROR(Pop(&pid));
+    RETURN_IF_ERROR(Storage(pid, &v));
+    return Push(v);
+  }
+
+  Status OnReduce() {
+    int args, fn, v;
+    RETURN_IF_ERROR(Pop(&args));
+    RETURN_IF_ERROR(Pop(&fn));
+    RETURN_IF_ERROR(Reduce(fn, args, &v));
+    return Push(v);
+  }
+
+  Status OnBuild() {  // The state is ignored.
+    int state;
+    RETURN_IF_ERROR(Pop(&state));
+    if (stack_.empty()) return Fail("BUILD on an empty stack");
+    const Kind k = heap_[stack_.back()].kind;
+    if (k != Kind::kDict && k != Kind::kTensor)
+      return Fail("BUILD on something that is neither a dict nor a tensor");
+    return Status::Ok();
+  }
+
   static constexpr size_t kMaxValues = 1 << 22;
 
   int New(Kind k) {
@@ -536,30 +605,109 @@ class Unpickler {
   std::vector<TensorRef> tensors_;
 };
 
+// The archive's data.pkl and the prefix its entries share ("archive/"); a byteorder entry must
+// say little-endian.
+Status FindPickle(const Zip& zip, const std::string& bytes,
+                  const std::map<std::string, Entry>& entries, const Entry** pickle,
+                  std::string* prefix) {
+  *pickle = nullptr;
+  for (const auto& [name, e] : entries) {
+    const std::string tail = "data.pkl";
+    const size_t slash = name.find('/');
+    if (slash != std::string::npos && name.compare(slash + 1, std::string::npos, tail) == 0) {
+      if (*pickle) return zip.Fail("more than one data.pkl");
+      *prefix = name.substr(0, slash + 1);
+      *pickle = &e;
+    }
+  }
+  if (!*pickle) return zip.Fail("no <archive>/data.pkl entry (not written by torch.save()?)");
+  auto order = entries.find(*prefix + "byteorder");
+  if (order != entries.end() &&
+      bytes.compare(order->second.data, order->second.size, "little") != 0) {
+    return zip.Fail("byteorder is not 'little'");
+  }
+  return Status::Ok();
+}
+
+// The element count of tensor `t` (named `name`) after checking that every element it views lies
+// inside its storage of `storage_elements`.
+StatusOr<int64_t> CheckedView(const Zip& zip, const std::string& name, const TensorRef& t,
+                              int64_t storage_elements) {
+  int64_t numel = 1, last = t.offset;
+  for (size_t d = 0; d < t.sizes.size(); ++d) {
+    if (t.sizes[d] < 0 || t.strides[d] < 0)
+      return zip.Fail("'" + name + "': negative size or stride");
+    int64_t span;
+    if (__builtin_mul_overflow(numel, t.sizes[d], &numel) ||
+        __builtin_mul_overflow(t.sizes[d] > 0 ? t.sizes[d] - 1 : 0, t.strides[d], &span) ||
+        __builtin_add_overflow(last, span, &last)) {
+      return zip.Fail("'" + name + "': size " + ShapeString(t.sizes) + " overflows");
+    }
+  }
+  if (t.offset < 0 || (numel > 0 && last >= storage_elements)) {
+    return zip.Fail("'" + name + "': shape " + ShapeString(t.sizes) + " at offset " +
+                    std::to_string(t.offset) + " reaches past its storage of " +
+                    std::to_string(storage_elements) + " elements");
+  }
+  return numel;
+}
+
+// One element of a storage of `type` at `p`, as float32.
+float ElementAt(const char* p, const StorageType& type) {
+  if (type.bytes == 4) {
+    float x;
+    std::memcpy(&x, p, 4);
+    return x;
+  }
+  if (type.bytes == 8) {
+    double x;
+    std::memcpy(&x, p, 8);
+    return static_cast<float>(x);
+  }
+  uint16_t x;
+  std::memcpy(&x, p, 2);
+  return std::strcmp(type.global, "torch.BFloat16Storage") == 0 ? BFloat16ToFloat(x)
+                                                                : HalfToFloat(x);
+}
+
+// Tensor `t`'s `numel` elements, in row-major order, from its storage's bytes at `base`.
+HostTensor CopyTensor(const TensorRef& t, int64_t numel, const StorageType& type,
+                      const char* base) {
+  HostTensor h;
+  h.shape = t.sizes;
+  h.values.resize(static_cast<size_t>(numel));
+  bool contiguous = true;  // Row-major strides: elements are consecutive from the offset.
+  for (int64_t d = static_cast<int64_t>(t.sizes.size()) - 1, want = 1; d >= 0; --d) {
+    contiguous &= t.sizes[d] == 1 || t.strides[d] == want;
+    want *= t.sizes[d];
+  }
+  std::vector<int64_t> index(t.sizes.size(), 0);
+  for (int64_t n = 0; n < numel; ++n) {
+    int64_t e = t.offset;
+    if (contiguous) {
+      e += n;
+    } else {
+      for (size_t d = 0; d < index.size(); ++d) e += index[d] * t.strides[d];
+    }
+    h.values[static_cast<size_t>(n)] = ElementAt(base + e * type.bytes, type);
+    for (size_t d = index.size(); d-- > 0;) {  // Row-major odometer.
+      if (++index[d] < t.sizes[d]) break;
+      index[d] = 0;
+    }
+  }
+  return h;
+}
+
 }  // namespace
 
+// Three jobs: find the pickle, unpickle the state_dict, copy each tensor out of its storage.
 StatusOr<NamedTensors> ParseTorchArchive(const std::string& bytes, const std::string& where) {
   Zip zip(bytes, where);
   std::map<std::string, Entry> entries;
   RETURN_IF_ERROR(zip.Read(&entries));
   std::string prefix;
   const Entry* pickle = nullptr;
-  for (const auto& [name, e] : entries) {
-    const std::string tail = "data.pkl";
-    const size_t slash = name.find('/');
-    if (slash != std::string::npos && name.compare(slash + 1, std::string::npos, tail) == 0) {
-      if (pickle) return zip.Fail("more than one data.pkl");
-      prefix = name.substr(0, slash + 1);
-      pickle = &e;
-    }
-  }
-  if (!pickle) return zip.Fail("no <archive>/data.pkl entry (not written by torch.save()?)");
-  auto order = entries.find(prefix + "byteorder");
-  if (order != entries.end() &&
-      bytes.compare(order->second.data, order->second.size, "little") != 0) {
-    return zip.Fail("byteorder is not 'little'");
-  }
-
+  RETURN_IF_ERROR(FindPickle(zip, bytes, entries, &pickle, &prefix));
   Unpickler u(bytes.data() + pickle->data, pickle->size, where);
   int root = -1;
   RETURN_IF_ERROR(u.Run(&root));
@@ -587,59 +735,8 @@ StatusOr<NamedTensors> ParseTorchArchive(const std::string& bytes, const std::st
                       std::to_string(it->second.size) + " bytes, expected " + std::to_string(want) +
                       " for " + std::to_string(storage.i) + " elements (cut short or padded)");
     }
-    // Every element the tensor views must lie inside its storage.
-    HostTensor h;
-    h.shape = t.sizes;
-    int64_t numel = 1, last = t.offset;
-    for (size_t d = 0; d < t.sizes.size(); ++d) {
-      if (t.sizes[d] < 0 || t.strides[d] < 0)
-        return zip.Fail("'" + key.s + "': negative size or stride");
-      int64_t span;
-      if (__builtin_mul_overflow(numel, t.sizes[d], &numel) ||
-          __builtin_mul_overflow(t.sizes[d] > 0 ? t.sizes[d] - 1 : 0, t.strides[d], &span) ||
-          __builtin_add_overflow(last, span, &last)) {
-        return zip.Fail("'" + key.s + "': size " + ShapeString(t.sizes) + " overflows");
-      }
-    }
-    if (t.offset < 0 || (numel > 0 && last >= storage.i)) {
-      return zip.Fail("'" + key.s + "': shape " + ShapeString(t.sizes) + " at offset " +
-                      std::to_string(t.offset) + " reaches past its storage of " +
-                      std::to_string(storage.i) + " elements");
-    }
-    h.values.resize(static_cast<size_t>(numel));
-    const char* base = bytes.data() + it->second.data;
-    bool contiguous = true;  // Row-major strides: elements are consecutive from the offset.
-    for (int64_t d = static_cast<int64_t>(t.sizes.size()) - 1, want = 1; d >= 0; --d) {
-      contiguous &= t.sizes[d] == 1 || t.strides[d] == want;
-      want *= t.sizes[d];
-    }
-    std::vector<int64_t> index(t.sizes.size(), 0);
-    for (int64_t n = 0; n < numel; ++n) {
-      int64_t e = t.offset;
-      if (contiguous) {
-        e += n;
-      } else {
-        for (size_t d = 0; d < index.size(); ++d) e += index[d] * t.strides[d];
-      }
-      const char* p = base + e * type.bytes;
-      float& dst = h.values[static_cast<size_t>(n)];
-      if (type.bytes == 4) {
-        std::memcpy(&dst, p, 4);
-      } else if (type.bytes == 8) {
-        double x;
-        std::memcpy(&x, p, 8);
-        dst = static_cast<float>(x);
-      } else {
-        uint16_t x;
-        std::memcpy(&x, p, 2);
-        dst = std::strcmp(type.global, "torch.BFloat16Storage") == 0 ? BFloat16ToFloat(x)
-                                                                     : HalfToFloat(x);
-      }
-      for (size_t d = index.size(); d-- > 0;) {  // Row-major odometer.
-        if (++index[d] < t.sizes[d]) break;
-        index[d] = 0;
-      }
-    }
+    ASSIGN_OR_RETURN(const int64_t numel, CheckedView(zip, key.s, t, storage.i));
+    HostTensor h = CopyTensor(t, numel, type, bytes.data() + it->second.data);
     if (!out.emplace(key.s, std::move(h)).second) return zip.Fail("'" + key.s + "' appears twice");
   }
   if (out.empty()) return zip.Fail("the state_dict holds no tensors");
