@@ -1,6 +1,6 @@
-// attnserve-kv-bench: what keeping keys and values on the server buys (README "Keys and values kept
-// on the server"), measured side by side in one run against a running attnserve. It speaks the wire
-// protocol through the generated stub, so the bytes it reports are the messages' exact sizes.
+// attnserve-kv-bench: what keeping keys and values on the server buys (docs/kv.md "Keys and values
+// kept on the server"), measured side by side in one run against a running attnserve. It speaks the
+// wire protocol through the generated stub, so the bytes it reports are the messages' exact sizes.
 //
 //   decode      one sequence decoded token by token, T = 1..N: a session step (the new token only)
 //               and, right after it, the same step resending the whole prefix as key and value

@@ -1,5 +1,5 @@
 #pragma once
-// Where a memory's or session's calls go (README "Sessions across replicas"): the route each
+// Where a memory's or session's calls go (docs/kv.md "Sessions across replicas"): the route each
 // handle this client made was given, so that its calls reach the replica holding it. Not public
 // API: client.cc's only.
 

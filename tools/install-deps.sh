@@ -18,7 +18,7 @@ packages=(
   libdnnl-dev ocl-icd-opencl-dev
   # The fast BLAS must be named explicitly: libtorch only recommends one, and the reference BLAS
   # is ~40x slower. It must be thread-safe: the serial OpenBLAS gives wrong answers when two compute
-  # threads multiply at once. README "BLAS" has the measurements behind this choice.
+  # threads multiply at once. docs/hardware.md "BLAS" has the measurements behind this choice.
   libopenblas0-pthread
   prometheus-cpp-dev
   libgtest-dev libgmock-dev libbenchmark-dev

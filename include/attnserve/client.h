@@ -231,8 +231,8 @@ class Client {
   /// Needs admin credentials: CallOptions::bearer_token, or a client certificate the server names
   /// in --admin-client-names; else UNAUTHENTICATED (16) or PERMISSION_DENIED (7).
   CallStatus ReloadModels(ReloadResult* result, const CallOptions& call = {});
-  /// Keys and values kept on the server (README "Keys and values kept on the server"). A memory or
-  /// session lives on the replica that made it; its calls follow it there
+  /// Keys and values kept on the server (docs/kv.md "Keys and values kept on the server"). A memory
+  /// or session lives on the replica that made it; its calls follow it there
   /// (ClientOptions::route_to_replica). A call that reaches another replica is refused with
   /// NOT_FOUND naming the replica that made it; one whose replica cannot be reached, UNAVAILABLE
   /// naming the replica (what it held is lost if it stopped).

@@ -7,7 +7,7 @@
 namespace attnserve {
 
 /// Why an operation failed, in the server's own terms. Mapped to gRPC codes in one place
-/// (grpc_status.cc); see README "Errors".
+/// (grpc_status.cc); see docs/api.md "Errors".
 enum class StatusCode {
   kOk = 0,
   kInvalidArgument,  ///< The request is malformed, over a per-request limit, or names a bad field.

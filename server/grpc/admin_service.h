@@ -10,7 +10,7 @@
 
 namespace attnserve {
 
-/// Who may call AdminService (README "Model lifecycle"). Neither set: nobody (SIGHUP still
+/// Who may call AdminService (docs/models.md "Model lifecycle"). Neither set: nobody (SIGHUP still
 /// reloads).
 struct AdminAuth {
   /// A file holding a secret token; callers send `authorization: Bearer <token>` metadata. Read at

@@ -6,7 +6,7 @@
 
 namespace attnserve {
 
-/// The one mapping from internal status to gRPC status (README "Errors"):
+/// The one mapping from internal status to gRPC status (docs/api.md "Errors"):
 /// INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE (draining: retryable), RESOURCE_EXHAUSTED (queue full,
 /// device memory), DEADLINE_EXCEEDED, CANCELLED; anything else is INTERNAL.
 grpc::StatusCode ToGrpcCode(StatusCode code);

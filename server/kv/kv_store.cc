@@ -271,7 +271,7 @@ StatusOr<std::shared_ptr<KvEntry>> KvStore::Lookup(const std::string& handle, Kv
       why = "made by replica " + handle.substr(0, replica_id_.size()) +
             " (its handle's first 8 hex digits), but this is replica " + replica_id_ +
             ": send a memory's or session's calls to the replica that made it (KvHandle.replica; "
-            "the attnserve clients do, README \"Sessions across replicas\"); if that replica "
+            "the attnserve clients do, docs/kv.md \"Sessions across replicas\"); if that replica "
             "stopped or restarted, what it held is gone: make it again";
     } else {
       why =

@@ -25,7 +25,7 @@ struct RepositoryScan {
   std::vector<std::pair<std::string, std::string>> errors;  ///< (model name, why).
 };
 
-/// Lists a model repository (README "Models"). Each subdirectory DIR/name/ is a model:
+/// Lists a model repository (docs/models.md "Models"). Each subdirectory DIR/name/ is a model:
 ///   DIR/name/config.json + weights        a model with one version, 1 (the original layout), or
 ///   DIR/name/N/config.json + weights      versions N = 1, 2, ... (positive integers, no leading 0)
 /// Subdirectories of DIR/name/ that are not version numbers are ignored (a version being copied in

@@ -14,7 +14,7 @@
 
 namespace attnserve {
 
-/// The Open Inference Protocol's names for attnserve's tensors and parameters (README "Open
+/// The Open Inference Protocol's names for attnserve's tensors and parameters (docs/api.md "Open
 /// Inference Protocol"). Inputs: query, key, value, key_padding_mask, attn_mask (the names of
 /// AttendRequest's fields); outputs: attn_output and attn_weights (nn.MultiheadAttention's).
 /// Request parameters: is_causal (bool), attn_weights ("none", "averaged", "per_head"), layout

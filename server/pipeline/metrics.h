@@ -16,8 +16,8 @@
 
 namespace attnserve {
 
-/// The server's Prometheus metrics (README "Metrics"). Registers its families once in the registry
-/// it is given. Thread-safe.
+/// The server's Prometheus metrics (docs/metrics.md "Metrics"). Registers its families once in the
+/// registry it is given. Thread-safe.
 class ServerMetrics {
  public:
   explicit ServerMetrics(prometheus::Registry& registry);

@@ -16,7 +16,7 @@
 
 namespace attnserve {
 
-/// Bounds on what requests in flight may hold (README "Limits").
+/// Bounds on what requests in flight may hold (docs/shutdown.md "Limits").
 struct FlowLimits {
   /// Request plus answer bytes of every request accepted and not yet answered, over all calls; a
   /// request that would go past it gets RESOURCE_EXHAUSTED (server flag --max-inflight-bytes).

@@ -69,7 +69,7 @@ bool ParseFlags(int argc, char** argv, attnserve::ServerOptions* options, int* e
       ->capture_default_str();
   app.add_option("--models", o.models_dir,
                  "Directory of models: one subdirectory per model with config.json and weights "
-                 "(README \"Models\"); default: the built-in demo model");
+                 "(docs/models.md \"Models\"); default: the built-in demo model");
   app.add_option("--device", o.device, "Compute device: cpu, cuda or cuda:N")
       ->capture_default_str();
   const std::map<std::string, attnserve::DType> dtypes{{"float32", attnserve::DType::kFloat32},
@@ -145,7 +145,7 @@ bool ParseFlags(int argc, char** argv, attnserve::ServerOptions* options, int* e
       ->capture_default_str();
   app.add_option("--max-message-bytes", o.max_message_bytes,
                  "Largest gRPC message received or sent, in bytes (unset: lowered to fit a "
-                 "container's memory limit, README \"Memory\")")
+                 "container's memory limit, docs/shutdown.md \"Memory\")")
       ->check(CLI::Range(1 << 20, 1 << 30))
       ->capture_default_str();
   app.add_option("--max-request-tokens", o.limits.max_tokens,
@@ -245,8 +245,8 @@ int Serve(const attnserve::ServerOptions& o) {
 [[noreturn]] void Stop(attnserve::Server& server, double grace) {
   // Later signals land in the pipe unread: the drain goes on (the grace period still bounds it).
   // The grace period is a promise to the orchestrator: past it the process goes, whatever is
-  // still computing. Exit codes (README "Shutdown"): 0 when every call accepted was answered and
-  // read, 1 when the grace period cut calls in flight or answers on their way.
+  // still computing. Exit codes (docs/shutdown.md "Shutdown"): 0 when every call accepted was
+  // answered and read, 1 when the grace period cut calls in flight or answers on their way.
   const auto outcome = server.shutdown_outcome();
   const auto cut_line = [grace](int64_t cut) {
     std::ostringstream line;

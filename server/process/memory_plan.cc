@@ -82,15 +82,15 @@ MemoryPlan PlanMemory(const MemoryPlanInput& in) {
   }
   plan.description += "; peak at most ~" + Mib(plan.peak_bytes);
   if (static_cast<double>(plan.peak_bytes) > usable) {
-    plan.warning = "attnserve: warning: the memory limit " + Mib(in.limit_bytes) + " (" +
-                   in.limit_source + ") is too small for these budgets: idle " +
-                   Mib(in.idle_bytes) + ", --kv-budget-bytes " + Mib(b.kv_budget_bytes) +
-                   ", --max-inflight-bytes " + Mib(b.max_inflight_bytes) +
-                   ", --max-message-bytes " + Mib(b.max_message_bytes) + " may reach ~" +
-                   Mib(plan.peak_bytes) + ", over the " + Mib(static_cast<int64_t>(usable)) +
-                   " attnserve keeps under the limit (README \"Memory\"); the kernel may kill the "
-                   "process when they fill. Lower them, or leave them unset to size them from the "
-                   "limit";
+    plan.warning =
+        "attnserve: warning: the memory limit " + Mib(in.limit_bytes) + " (" + in.limit_source +
+        ") is too small for these budgets: idle " + Mib(in.idle_bytes) + ", --kv-budget-bytes " +
+        Mib(b.kv_budget_bytes) + ", --max-inflight-bytes " + Mib(b.max_inflight_bytes) +
+        ", --max-message-bytes " + Mib(b.max_message_bytes) + " may reach ~" +
+        Mib(plan.peak_bytes) + ", over the " + Mib(static_cast<int64_t>(usable)) +
+        " attnserve keeps under the limit (docs/shutdown.md \"Memory\"); the kernel may kill the "
+        "process when they fill. Lower them, or leave them unset to size them from the "
+        "limit";
   }
   return plan;
 }

@@ -43,9 +43,9 @@ struct MemoryPlan {
   std::string warning;      ///< Non-empty when budgets given as flags may not fit the limit.
 };
 
-/// The memory model (README "Memory"), measured on the demo model's largest requests: the process
-/// holds its idle size, plus per compute thread its attention blocks, plus the kept keys and
-/// values (the K/V budget), plus for requests in flight about kWorkingSetPerInflightByte times
+/// The memory model (docs/shutdown.md "Memory"), measured on the demo model's largest requests: the
+/// process holds its idle size, plus per compute thread its attention blocks, plus the kept keys
+/// and values (the K/V budget), plus for requests in flight about kWorkingSetPerInflightByte times
 /// the bytes they hold (wire buffer, decoded copy, projections, answer), plus messages on the move
 /// (kArrivingMessages of the largest size at once, each held three times: its wire bytes and
 /// decoded copy until the budget admits or refuses it, an answer's bytes still leaving after its

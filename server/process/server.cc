@@ -141,10 +141,10 @@ Status CheckOptions(const ServerOptions& options) {
   if (!blas.thread_safe && options.device == "cpu" && options.batcher.workers > 1) {
     // Several compute threads on such a BLAS silently give wrong answers, some of them another
     // request's: refuse rather than serve them.
-    return Refuse("--workers " + std::to_string(options.batcher.workers) + ": the BLAS is " +
-                  blas.description +
-                  "; with more than one compute thread it gives wrong results. " +
-                  "Install libopenblas0-pthread (README \"BLAS\") or run with --workers 1");
+    return Refuse(
+        "--workers " + std::to_string(options.batcher.workers) + ": the BLAS is " +
+        blas.description + "; with more than one compute thread it gives wrong results. " +
+        "Install libopenblas0-pthread (docs/hardware.md \"BLAS\") or run with --workers 1");
   }
   return Status::Ok();
 }
@@ -411,8 +411,8 @@ void Server::Shutdown() {
     // 1. Hand off while gRPC still serves: load balancers see NOT_SERVING, unary calls are served
     //    as before, open streams take no new requests and finish once answered (their clients
     //    reopen elsewhere). Calls that reach a gRPC server already shutting down are cancelled by
-    //    gRPC itself (CANCELLED, see README "Shutdown"), so the hand-off first gives clients that
-    //    watch health the time to leave.
+    //    gRPC itself (CANCELLED, see docs/shutdown.md "Shutdown"), so the hand-off first gives
+    //    clients that watch health the time to leave.
     impl_->HoldConnections();  // Answers sent from now on are read whole.
     impl_->health->Shutdown();
     impl_->pipeline->BeginDrain();

@@ -14,7 +14,7 @@
 - cut: work still computing when the grace period ends gets a status, the process exits 1 and says how
   many calls the grace period cut.
 
-Prints the measured stop times (README "Shutdown" quotes them).
+Prints the measured stop times (docs/shutdown.md "Shutdown" quotes them).
 
 usage: shutdown_test.py PATH/TO/attnserve [--busy-rounds N]   (N busy stops instead of one)
 """

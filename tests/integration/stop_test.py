@@ -25,7 +25,7 @@ naming exactly the calls the clients saw cut.
 
 --soak N runs N stops instead, each after a random mix of the endings above and of calls left in
 flight that finish within the grace period or are cut by it; each exit code, the count the log
-names and the stop time are checked against what the clients saw (README "Shutdown").
+names and the stop time are checked against what the clients saw (docs/shutdown.md "Shutdown").
 
 usage: stop_test.py PATH/TO/attnserve [--soak N] [--seed S]
 """
@@ -53,7 +53,7 @@ import attnserve_py as lib  # noqa: E402
 check = lib.Checks()
 STOP_LIMIT_S = 1.0
 # A connection that carried an answer since the SIGTERM is held until its client has been quiet 1 s
-# (it may still be reading; README "Shutdown"), unless the client closes it first, and the client's
+# (it may still be reading; docs/shutdown.md "Shutdown"), unless the client closes it first, and the client's
 # last flow-control bytes may come a little after the answer: a stop ends up to about 1.5 s after its
 # last answer (the slowest of 460 soak rounds: 1.54 s). Far from the grace period either way.
 AFTER_ANSWER_LIMIT_S = 2.0

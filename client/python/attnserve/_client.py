@@ -23,7 +23,7 @@ class Client:
     route_to_replica: a memory's or session's calls go straight to the replica holding it (the address it
         advertises, KvHandle.replica) over a channel of the client's own; False behind a proxy whose replicas
         the client cannot reach. Either way they name the replica in their `attnserve-replica` metadata,
-        which deploy/nginx routes by (README "Sessions across replicas").
+        which deploy/nginx routes by (docs/kv.md "Sessions across replicas").
     Thread-safe; close() (or `with`) closes the channels."""
 
     def __init__(self, target="127.0.0.1:50051", *, tls=False, root_certs=None, cert=None, key=None,

@@ -489,7 +489,7 @@ ModelWeights RandomBiasedWeights(std::mt19937& rng, const std::string& name, int
 
 // CPU bfloat16 compute (opt-in): weights and activations in bfloat16 (8 mantissa bits), products
 // accumulated in float32 by oneDNN. Against the float64 reference: max |error| <= 2e-2 * max
-// |output| (README "CPU bfloat16"), with and without attention weights (explicit and, on
+// |output| (docs/hardware.md "CPU bfloat16"), with and without attention weights (explicit and, on
 // LibTorch 2.x, fused path). Float32 stays the default and exact.
 TEST(EngineTest, CpuBfloat16MatchesFloat64WithinItsTolerance) {
   std::mt19937 rng(2024);

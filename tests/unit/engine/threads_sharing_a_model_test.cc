@@ -151,7 +151,7 @@ TEST(EngineConcurrencyTest, RequestsSplitAcrossHelperThreadsEachGetTheirOwnAnswe
 }
 
 // CPU bfloat16 (oneDNN's kernels instead of the BLAS) under the same load, at its documented
-// tolerance (README "CPU bfloat16").
+// tolerance (docs/hardware.md "CPU bfloat16").
 TEST(EngineConcurrencyTest, Bfloat16ThreadsEachGetTheirOwnAnswer) {
   CheckConcurrentAnswers(EngineOptions{"cpu", DType::kBFloat16}, 2e-2, 40);
 }
