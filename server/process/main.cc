@@ -14,6 +14,7 @@
 
 #include "server/pipeline/host_cpus.h"
 #include "server/process/server.h"
+#include "server/process/shutdown.h"
 
 namespace {
 
@@ -217,10 +218,6 @@ bool ParseFlags(int argc, char** argv, attnserve::ServerOptions* options, int* e
   return true;
 }
 
-// The stop after SIGINT/SIGTERM, bounded by the grace period; exits with its code (README
-// "Shutdown").
-[[noreturn]] void Stop(attnserve::Server& server, double grace);
-
 // Starts the server and serves until SIGINT/SIGTERM (SIGHUP: a reload), then stops.
 int Serve(const attnserve::ServerOptions& o) {
   InstallSignals();
@@ -239,56 +236,7 @@ int Serve(const attnserve::ServerOptions& o) {
   }
   std::cout << "attnserve: " << (sig == SIGINT ? "SIGINT" : "SIGTERM")
             << ": draining in-flight requests" << std::endl;
-  Stop(**server, o.shutdown_grace_seconds);
-}
-
-[[noreturn]] void Stop(attnserve::Server& server, double grace) {
-  // Later signals land in the pipe unread: the drain goes on (the grace period still bounds it).
-  // The grace period is a promise to the orchestrator: past it the process goes, whatever is
-  // still computing. Exit codes (docs/shutdown.md "Shutdown"): 0 when every call accepted was
-  // answered and read, 1 when the grace period cut calls in flight or answers on their way.
-  const auto outcome = server.shutdown_outcome();
-  const auto cut_line = [grace](int64_t cut) {
-    std::ostringstream line;
-    line << "attnserve: the grace period (--shutdown-grace " << grace << " s) cut " << cut
-         << (cut == 1 ? " call" : " calls")
-         << " still in flight (their clients got CANCELLED or UNAVAILABLE); exit 1";
-    return line.str();
-  };
-  std::thread([grace, outcome, cut_line] {
-    std::this_thread::sleep_for(std::chrono::duration<double>(grace));
-    const int64_t cut = outcome->calls_cut();
-    if (cut > 0) {
-      std::cerr << cut_line(cut) << " (exiting with work still computing)" << std::endl;
-    } else {
-      std::cerr << "attnserve: shutdown took longer than --shutdown-grace " << grace
-                << " s; every call accepted was answered; exiting now" << std::endl;
-    }
-    std::_Exit(cut > 0 ? 1 : 0);
-  }).detach();
-  server.Shutdown();
-  int code = 0;
-  if (const int64_t cut = outcome->calls_cut(); cut > 0) {
-    std::cerr << cut_line(cut) << std::endl;
-    code = 1;
-  } else if (const int64_t unread = outcome->connections_unread.load(); unread > 0) {
-    std::cerr << "attnserve: the grace period (--shutdown-grace " << grace << " s) closed "
-              << unread << (unread == 1 ? " connection whose client" : " connections whose clients")
-              << " had not read everything sent on it (an answer may be cut short: UNAVAILABLE); "
-                 "exit 1"
-              << std::endl;
-    code = 1;
-  } else {
-    std::cout << "attnserve: stopped" << std::endl;
-  }
-  // The stop is over (every call answered or cut, every connection closed): nothing is left to do
-  // but free memory, so the process goes now. Returning would run gRPC 1.51's library clean-up
-  // (grpc_shutdown), which joins an executor thread that may be sleeping in the TCP backup poller's
-  // 10 s poll (started when a large answer's write had to wait; nothing wakes it once the
-  // connections are gone): 3 of 30 busy stops under CPU load were 10 s late
-  // (tests/integration/shutdown_test.py --busy-rounds 30).
-  std::fflush(nullptr);
-  std::_Exit(code);
+  attnserve::StopProcess(**server, o.shutdown_grace_seconds);
 }
 
 }  // namespace

@@ -23,23 +23,11 @@
 #include "server/process/memory_sampler.h"
 #include "server/process/metrics_listener.h"
 #include "server/process/reload_hooks.h"
+#include "server/process/server_impl.h"
 #include "server/process/socket_linger.h"
 #include "server/process/thread_stacks.h"
 
 namespace attnserve {
-
-/// The drain's hand-off: health says NOT_SERVING and unary calls are still served, until nothing is
-/// in flight, no stream is open and no request has arrived for kDrainQuietPeriod (clients that
-/// watch health have moved away), or for at most kDrainHandOff (a proxy such as nginx does not
-/// watch health and keeps sending until the transport tells it to stop). Then gRPC stops: it closes
-/// the listener and sends GOAWAY, which is what moves a proxy to the other replicas.
-static constexpr std::chrono::milliseconds kDrainQuietPeriod{250};
-static constexpr std::chrono::milliseconds kDrainHandOff{1000};
-/// How often the stop looks again for connections left with no call on them.
-static constexpr std::chrono::milliseconds kIdleCloseInterval{20};
-/// How long no call must have begun before the stop closes the connections left: calls gRPC took
-/// in just before it stopped reach their handlers within it.
-static constexpr std::chrono::milliseconds kCallsSettle{100};
 
 namespace {
 
@@ -81,50 +69,6 @@ StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(const Serve
 }
 
 }  // namespace
-
-namespace {
-std::shared_ptr<ShutdownOutcome> MakeOutcome(std::shared_ptr<const CallCounter> calls) {
-  auto outcome = std::make_shared<ShutdownOutcome>();
-  outcome->calls = std::move(calls);
-  return outcome;
-}
-}  // namespace
-
-struct Server::Impl {
-  ServerOptions options;
-  std::unique_ptr<ModelRepository> models;
-  std::unique_ptr<AdminServiceImpl> admin;
-  std::shared_ptr<prometheus::Registry> registry = std::make_shared<prometheus::Registry>();
-  std::unique_ptr<ServerMetrics> metrics;
-  std::unique_ptr<MetricsListener> exposer;
-  std::unique_ptr<MemorySampler> memory;
-  std::unique_ptr<Batcher> batcher;
-  std::unique_ptr<KvStore> kv;
-  std::unique_ptr<RequestPipeline> pipeline;
-  std::unique_ptr<AttentionServiceImpl> service;
-  std::unique_ptr<OipServiceImpl> oip;
-  // Shared with the shutdown outcome; declared before the servers, so it outlives their calls.
-  std::shared_ptr<CallCounter> calls = std::make_shared<CallCounter>();
-  std::shared_ptr<ShutdownOutcome> outcome = MakeOutcome(calls);
-  std::unique_ptr<grpc::Server> grpc_server;
-  std::unique_ptr<grpc::Server> health_server;  // --health-address: grpc.health.v1 only, plaintext
-  std::unique_ptr<HealthReporter> health;
-  SocketLinger linger;  // The client connections, held while the server stops.
-  int port = 0;
-  int health_port = 0;
-  int metrics_port = 0;
-  std::once_flag shutdown_once;
-  MemoryPlan memory_plan;
-
-  Status PlanMemory();
-  Status StartMetrics();
-  void StartPipeline();
-  Status StartGrpc();
-  Status StartHealth();
-  void StopGrpc(SteadyClock::time_point cut_at, SteadyClock::time_point backstop);
-  // Holds the client connections not held yet, for the lingering close (when it is on).
-  void HoldConnections();
-};
 
 namespace {
 
@@ -369,71 +313,8 @@ std::string Server::Describe() const {
 
 std::string Server::MemoryWarning() const { return impl_->memory_plan.warning; }
 
-void Server::Impl::HoldConnections() {
-  if (options.lingering_close) outcome->connections_held = linger.HoldConnectionsOn(port);
-}
-
-void Server::Impl::StopGrpc(SteadyClock::time_point cut_at, SteadyClock::time_point backstop) {
-  const auto system_backstop =
-      std::chrono::system_clock::now() +
-      std::chrono::duration_cast<std::chrono::system_clock::duration>(
-          std::max(backstop - SteadyClock::now(), SteadyClock::duration::zero()));
-  // Held before gRPC may close any, so that no answer still travelling is reset (SocketLinger).
-  HoldConnections();
-  std::future<void> stopped = std::async(
-      std::launch::async, [this, system_backstop] { grpc_server->Shutdown(system_backstop); });
-  // gRPC's Shutdown also waits for every connection to close, which each client does only once it
-  // has read the GOAWAY: a grpcio client with no call open reads it at its next backup poll, up to
-  // 5 s later, and a client's health watch stays open until cut. So once no call attnserve took is
-  // open, what is left is closed at once (and again, until gRPC is done, in case a connection
-  // slipped in before the listener closed: it is held too). The first look waits a moment so
-  // gRPC's own shutdown has begun. At `cut_at` the calls still open are cancelled, and each that
-  // then ends cancelled is counted as cut. (gRPC's own deadline, `backstop`, comes later.)
-  while (stopped.wait_for(kIdleCloseInterval) != std::future_status::ready) {
-    HoldConnections();
-    const bool none = calls->WaitNone(cut_at, kCallsSettle);
-    if (!none) calls->BeginCut();
-    grpc_server_cancel_all_calls(grpc_server->c_server());
-    if (!none) break;
-  }
-  stopped.wait();
-}
-
 std::shared_ptr<const ShutdownOutcome> Server::shutdown_outcome() const { return impl_->outcome; }
 
 void Server::RequestReload() { impl_->models->RequestReload(nullptr); }
-
-void Server::Shutdown() {
-  std::call_once(impl_->shutdown_once, [this] {
-    const auto start = SteadyClock::now();
-    const auto grace = std::chrono::duration_cast<SteadyClock::duration>(
-        std::chrono::duration<double>(impl_->options.shutdown_grace_seconds));
-    // 1. Hand off while gRPC still serves: load balancers see NOT_SERVING, unary calls are served
-    //    as before, open streams take no new requests and finish once answered (their clients
-    //    reopen elsewhere). Calls that reach a gRPC server already shutting down are cancelled by
-    //    gRPC itself (CANCELLED, see docs/shutdown.md "Shutdown"), so the hand-off first gives
-    //    clients that watch health the time to leave.
-    impl_->HoldConnections();  // Answers sent from now on are read whole.
-    impl_->health->Shutdown();
-    impl_->pipeline->BeginDrain();
-    impl_->models->Stop();  // Reloads waiting are answered UNAVAILABLE; none starts.
-    impl_->pipeline->WaitIdle(
-        start + std::min<SteadyClock::duration>(kDrainHandOff, grace * 8 / 10), kDrainQuietPeriod);
-    // 2. Stop gRPC: listener closed, GOAWAY; calls accepted finish; whatever is still open at 90%
-    //    of the grace period is cancelled. Then the queue drains (work still computing finishes).
-    impl_->StopGrpc(start + grace * 9 / 10, start + grace * 19 / 20);
-    impl_->batcher->Drain();
-    impl_->grpc_server->Wait();
-    if (impl_->health_server) {
-      // Health only: its checks are answered at once, its watches are cut.
-      impl_->health_server->Shutdown(std::chrono::system_clock::now());
-      impl_->health_server->Wait();
-    }
-    // 3. gRPC has closed its connections; ours close once their clients have everything.
-    impl_->outcome->connections_unread = impl_->linger.CloseWhenRead(start + grace * 19 / 20);
-    impl_->exposer.reset();
-    impl_->models.reset();
-  });
-}
 
 }  // namespace attnserve

@@ -1,0 +1,67 @@
+#pragma once
+// The parts of a running Server, shared by its start (server.cc) and its stop (shutdown.cc).
+// Private to the process room.
+
+#include <grpcpp/grpcpp.h>
+#include <prometheus/registry.h>
+
+#include <memory>
+#include <mutex>
+
+#include "server/grpc/attention_service.h"
+#include "server/grpc/call_counter.h"
+#include "server/grpc/health.h"
+#include "server/oip/oip_service.h"
+#include "server/pipeline/metrics.h"
+#include "server/pipeline/request_pipeline.h"
+#include "server/process/memory_plan.h"
+#include "server/process/memory_sampler.h"
+#include "server/process/metrics_listener.h"
+#include "server/process/server.h"
+#include "server/process/socket_linger.h"
+
+namespace attnserve {
+
+inline std::shared_ptr<ShutdownOutcome> MakeOutcome(std::shared_ptr<const CallCounter> calls) {
+  auto outcome = std::make_shared<ShutdownOutcome>();
+  outcome->calls = std::move(calls);
+  return outcome;
+}
+
+struct Server::Impl {
+  ServerOptions options;
+  std::unique_ptr<ModelRepository> models;
+  std::unique_ptr<AdminServiceImpl> admin;
+  std::shared_ptr<prometheus::Registry> registry = std::make_shared<prometheus::Registry>();
+  std::unique_ptr<ServerMetrics> metrics;
+  std::unique_ptr<MetricsListener> exposer;
+  std::unique_ptr<MemorySampler> memory;
+  std::unique_ptr<Batcher> batcher;
+  std::unique_ptr<KvStore> kv;
+  std::unique_ptr<RequestPipeline> pipeline;
+  std::unique_ptr<AttentionServiceImpl> service;
+  std::unique_ptr<OipServiceImpl> oip;
+  // Shared with the shutdown outcome; declared before the servers, so it outlives their calls.
+  std::shared_ptr<CallCounter> calls = std::make_shared<CallCounter>();
+  std::shared_ptr<ShutdownOutcome> outcome = MakeOutcome(calls);
+  std::unique_ptr<grpc::Server> grpc_server;
+  std::unique_ptr<grpc::Server> health_server;  // --health-address: grpc.health.v1 only, plaintext
+  std::unique_ptr<HealthReporter> health;
+  SocketLinger linger;  // The client connections, held while the server stops.
+  int port = 0;
+  int health_port = 0;
+  int metrics_port = 0;
+  std::once_flag shutdown_once;
+  MemoryPlan memory_plan;
+
+  Status PlanMemory();
+  Status StartMetrics();
+  void StartPipeline();
+  Status StartGrpc();
+  Status StartHealth();
+  void StopGrpc(SteadyClock::time_point cut_at, SteadyClock::time_point backstop);
+  // Holds the client connections not held yet, for the lingering close (when it is on).
+  void HoldConnections();
+};
+
+}  // namespace attnserve
