@@ -6,6 +6,9 @@
 #                         (tools/sanitize.sh), a bounded fuzz run (tools/fuzz.sh, 30 s a target), then
 #                         the whole ctest suite again on the LibTorch 2.x flavour (stage torch2);
 #                         extra arguments go to ctest. ATTNSERVE_QUICK=1 runs the first ctest only.
+# Configuration, builds and test selections are CMakePresets.json's (cmake --list-presets, ctest
+# --list-presets: e.g. `ctest --preset unit` after a build); this script installs what they need,
+# runs them in stages, and sums the stages up.
 # Flavours (ATTNSERVE_FLAVOUR): `debian` (default): Debian's LibTorch 1.13, CPU, in build/;
 # `torch2`: PyPI's torch 2.11 (LibTorch 2.x, CUDA-enabled, runs on the CPU here) from
 # tools/torch2-env.sh, in build-torch2/build, its tests' Python peers from that environment.
@@ -23,22 +26,22 @@ esac
 bash tools/install-deps.sh
 flavour=${ATTNSERVE_FLAVOUR:-debian}
 torch2_build=build-torch2/build
-configure() {  # flavour, build dir: makes sure of the flavour's environment, configures once, builds
-  local f=$1 dir=$2 venv
+configure() {  # flavour: makes sure of the flavour's environment, configures once (CMakePresets.json), builds
+  local f=$1
   case "$f" in
-    debian) [ -f "$dir/CMakeCache.txt" ] || cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=Release ;;
+    debian) [ -f build/CMakeCache.txt ] || cmake --preset debian ;;
     torch2)
-      venv=$(tools/torch2-env.sh)  # Returns at once when the pinned environment is there.
-      [ -f "$dir/CMakeCache.txt" ] ||
-        cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=Release -DATTNSERVE_PYTHON="$venv/bin/python" \
-          -DCMAKE_PREFIX_PATH="$("$venv/bin/python" -c 'import torch; print(torch.utils.cmake_prefix_path)')" ;;
+      ATTNSERVE_TORCH2_VENV=$(tools/torch2-env.sh)  # Returns at once when the pinned environment is there.
+      ATTNSERVE_TORCH2_PREFIX=$("$ATTNSERVE_TORCH2_VENV/bin/python" -c 'import torch; print(torch.utils.cmake_prefix_path)')
+      export ATTNSERVE_TORCH2_VENV ATTNSERVE_TORCH2_PREFIX
+      [ -f "$torch2_build/CMakeCache.txt" ] || cmake --preset torch2 ;;
     *) echo "tools/build.sh: ATTNSERVE_FLAVOUR is debian or torch2, not '$f'" >&2; exit 2 ;;
   esac
-  cmake --build "$dir" -j"$(nproc)"
+  cmake --build --preset "$f" -j"$(nproc)"
 }
-build=${ATTNSERVE_BUILD_DIR:-build}
+build=build
 [ "$flavour" = torch2 ] && build=$torch2_build
-configure "$flavour" "$build"
+configure "$flavour"
 
 if [ "$verb" = run ]; then
   exec "$build/attnserve" "$@"
@@ -58,9 +61,11 @@ stage() {  # name, command...: counts ctest's JUnit report, or the stage's own "
   set -e
   local p f
   if [ "$1" = ctest ] && [ -s "$junit" ]; then
-    local t; t=$(tr '\n\t' '  ' <"$junit" | grep -oE '<testsuite [^>]*' | head -1)
-    f=$(grep -oE ' failures="[0-9]+"' <<<"$t" | grep -oE '[0-9]+' || echo 1)
-    p=$(( $(grep -oE ' tests="[0-9]+"' <<<"$t" | grep -oE '[0-9]+' || echo 0) - f ))
+    read -r p f < <(python3 -c 'import sys, xml.etree.ElementTree as E
+s = E.parse(sys.argv[1]).getroot()
+s = s if s.tag == "testsuite" else s.find("testsuite")
+t, f = int(s.get("tests", 0)), int(s.get("failures", 0)) + int(s.get("errors", 0))
+print(t - f, f)' "$junit" || echo "0 1")
   else
     p=$(grep -oE '[0-9]+ passed, [0-9]+ failed' "$log" | tail -1 | grep -oE '^[0-9]+' || echo 0)
     f=$(grep -oE '[0-9]+ passed, [0-9]+ failed' "$log" | tail -1 | grep -oE '[0-9]+ failed' | grep -oE '[0-9]+' || echo 1)
@@ -88,16 +93,16 @@ format_check() {
   echo "format: $((all - bad)) passed, $bad failed"
 }
 # The Debian image's container test belongs to the default flavour.
-torch2_stage() { stage torch2 ctest --test-dir "$torch2_build" --output-on-failure -j2 -E '^container$' "$@"; }
+torch2_stage() { stage torch2 ctest --preset torch2 "$@"; }
 if [ "$flavour" = torch2 ]; then
   torch2_stage "$@"
 else
   stage format format_check
-  stage ctest ctest --test-dir "$build" --output-on-failure -j2 "$@"
+  stage ctest ctest --test-dir build --output-on-failure -j2 "$@"
   if [ -z "${ATTNSERVE_QUICK:-}" ]; then
     stage sanitizers tools/sanitize.sh
     stage fuzz tools/fuzz.sh
-    configure torch2 "$torch2_build"
+    configure torch2
     torch2_stage "$@"
   fi
 fi

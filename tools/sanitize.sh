@@ -43,11 +43,9 @@ for kind in "${kinds[@]}"; do
     *) echo "usage: tools/sanitize.sh [asan|tsan]..." >&2; exit 2 ;;
   esac
   build=build-$kind
-  if [ ! -f "$build/CMakeCache.txt" ]; then
-    cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DATTNSERVE_SANITIZE=$flags \
-      -DATTNSERVE_BUILD_BENCH=OFF >/dev/null
-  fi
-  cmake --build "$build" -j"$(nproc)" --target "${targets[@]}" >/dev/null
+  # CMakePresets.json's asan and tsan presets: -DATTNSERVE_SANITIZE=$flags, no benchmarks.
+  [ -f "$build/CMakeCache.txt" ] || cmake --preset "$kind" >/dev/null
+  cmake --build --preset "$kind" -j"$(nproc)" --target "${targets[@]}" >/dev/null
   log_dir=$build/logs
   mkdir -p "$log_dir"
   export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:detect_stack_use_after_return=0"
