@@ -43,8 +43,10 @@ for kind in "${kinds[@]}"; do
     *) echo "usage: tools/sanitize.sh [asan|tsan]..." >&2; exit 2 ;;
   esac
   build=build-$kind
-  # CMakePresets.json's asan and tsan presets: -DATTNSERVE_SANITIZE=$flags, no benchmarks.
-  [ -f "$build/CMakeCache.txt" ] || cmake --preset "$kind" >/dev/null
+  # CMakePresets.json's asan and tsan presets: -DATTNSERVE_SANITIZE=$flags, no benchmarks. Always
+  # configured (a second time costs seconds): building named targets in a tree configured before
+  # they existed would stop at "No rule to make target".
+  cmake --preset "$kind" >/dev/null
   cmake --build --preset "$kind" -j"$(nproc)" --target "${targets[@]}" >/dev/null
   log_dir=$build/logs
   mkdir -p "$log_dir"

@@ -17,7 +17,6 @@ Tolerances: float32 1e-5, bfloat16 2e-2 of the output's scale (max |out - ref| /
 
 usage: kv_safety_test.py PATH/TO/attnserve
 """
-import math
 import os
 import sys
 import tempfile
@@ -179,14 +178,16 @@ def expiry_races(binary, pb, rpc, checks):
     # A busy session at the back of the LRU list does not hold up the expiry of the others.
     server = lib.Server(binary, "--kv-ttl-seconds", "1", "--workers", "1")
     stub = rpc.AttentionServiceStub(channel(server))
-    a = stub.OpenSession(pb.OpenSessionRequest(model="demo", batch=1), timeout=30).handle
-    # A queue that outlasts the 2.9 s below with room, however fast this machine and flavour
-    # compute one long call (from ~0.1 s with a fused kernel to ~0.7 s on a plain BLAS).
+    # A queue that outlasts the 2.9 s below however fast this machine computes one long call (from
+    # ~0.1 s with a fused kernel to ~0.7 s on a plain BLAS, and slower under load): 48 of them on a
+    # channel of their own (the step below must not wait behind their 480 MB on the wire), cancelled
+    # once the check is done (dropped from the queue, so the busy step then runs).
     q = lib.to_wire(pb, np.random.default_rng(3).standard_normal((1, 5000, 512)).astype(np.float32))
-    started = time.monotonic()
-    stub.Attend(pb.AttendRequest(model="demo", query=q), timeout=300)
-    one = time.monotonic() - started
-    threads = long_queue(pb, stub, min(64, max(6, math.ceil(4.5 / one) + 1)))
+    filler = rpc.AttentionServiceStub(grpc.insecure_channel(server.target, options=[
+        ("grpc.max_receive_message_length", 64 << 20), ("grpc.use_local_subchannel_pool", 1)]))
+    queued = [filler.Attend.future(pb.AttendRequest(model="demo", query=q), timeout=300) for _ in range(48)]
+    time.sleep(0.5)  # Many reach the queue before what follows.
+    a = stub.OpenSession(pb.OpenSessionRequest(model="demo", batch=1), timeout=30).handle
     x = lib.to_wire(pb, np.random.default_rng(6).standard_normal((1, 1, 512)).astype(np.float32))
     step = stub.Attend.future(pb.AttendRequest(session=a, query=x), timeout=300)
     time.sleep(0.3)
@@ -201,8 +202,8 @@ def expiry_races(binary, pb, rpc, checks):
     checks("with another session's step busy, an idle session expires on time (NOT_FOUND: expired)",
            busy and outcome.startswith("NOT_FOUND") and "expired" in outcome,
            f"the busy step {'still queued' if busy else 'already done: the queue was too short'}; {outcome}")
-    for t in threads:
-        t.join()
+    for f in queued:
+        f.cancel()
     checks("... and the busy step is applied", step.result().session_length == 1)
     server.stop()
 
