@@ -38,12 +38,12 @@ threaded=(attnserve_models_tests attnserve_kv_tests attnserve_pipeline_tests att
   attnserve_oip_tests attnserve_process_tests)
 for kind in "${kinds[@]}"; do
   case "$kind" in
-    asan) flags=address,undefined; targets=("${unit[@]}" attnserve_integration_tests) ;;
-    tsan) flags=thread; targets=("${threaded[@]}" attnserve_integration_tests) ;;
+    asan) targets=("${unit[@]}" attnserve_integration_tests) ;;
+    tsan) targets=("${threaded[@]}" attnserve_integration_tests) ;;
     *) echo "usage: tools/sanitize.sh [asan|tsan]..." >&2; exit 2 ;;
   esac
   build=build-$kind
-  # CMakePresets.json's asan and tsan presets: -DATTNSERVE_SANITIZE=$flags, no benchmarks. Always
+  # CMakePresets.json's asan and tsan presets (ATTNSERVE_SANITIZE, no benchmarks). Always
   # configured (a second time costs seconds): building named targets in a tree configured before
   # they existed would stop at "No rule to make target".
   cmake --preset "$kind" >/dev/null
