@@ -12,22 +12,16 @@
 #include <string>
 
 #include "server/engine/torch_compat.h"
+#include "tests/lib/torch_check.h"
 
 namespace attnserve {
 namespace {
 
+using testing::RelativeError;
+const auto Random = testing::RandomTensor;
+
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr int64_t kB = 2, kH = 2, kD = 4, kE = kH * kD;
-
-at::Tensor Random(std::vector<int64_t> shape, uint64_t seed) {
-  at::manual_seed(seed);
-  return at::randn(shape, at::kFloat);
-}
-
-double RelativeError(const at::Tensor& got, const at::Tensor& want) {
-  const at::Tensor w = want.to(at::kDouble);
-  return (got.to(at::kDouble) - w).abs().max().item<double>() / w.abs().max().item<double>();
-}
 
 // softmax(q·kᵀ/√d + mask)·v and the probabilities, in float64; rows masked for every key are zero.
 struct Reference {

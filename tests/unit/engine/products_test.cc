@@ -8,19 +8,13 @@
 
 #include <stdexcept>
 
+#include "tests/lib/torch_check.h"
+
 namespace attnserve {
 namespace {
 
-at::Tensor Random(std::vector<int64_t> shape, uint64_t seed) {
-  at::manual_seed(seed);
-  return at::randn(shape, at::kFloat);
-}
-
-// max |got - want| / max |want|, in float64.
-double RelativeError(const at::Tensor& got, const at::Tensor& want) {
-  const at::Tensor w = want.to(at::kDouble);
-  return (got.to(at::kDouble) - w).abs().max().item<double>() / w.abs().max().item<double>();
-}
+using testing::RelativeError;
+const auto Random = testing::RandomTensor;
 
 TEST(ProductsTest, RowBlocksOnHelperThreadsEqualOneGemmAndTheReference) {
   const Products products(at::kCPU, at::kFloat, /*min_piece_flops=*/0, /*widen=*/false);
