@@ -8,6 +8,8 @@ packages=(
   # Fuzzing (tools/fuzz.sh): clang with libFuzzer and its sanitizer runtimes; clang-format for the
   # layout check (tools/build.sh test, stage format).
   clang libclang-rt-14-dev clang-format
+  # Function lengths for the structure check (tools/longest_functions.py, ctest function_lengths).
+  universal-ctags
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   # grpc.health.v1's health.proto, compiled into the client library (Client::Health).
   grpc-proto

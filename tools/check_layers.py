@@ -1,0 +1,65 @@
+#!/usr/bin/env python3
+"""Checks the server's includes against its rooms: a file includes only its own room's headers and
+those of the rooms beneath it (server/CMakeLists.txt's order), and no two headers include each other
+(directly or through others). Prints each violation; exit 1 when there is any.
+
+usage: tools/check_layers.py [ROOT]
+"""
+import os
+import re
+import sys
+
+# Bottom up, as server/CMakeLists.txt builds them; a room may use every room before it that it links.
+ROOMS = ["core", "weights", "engine", "models", "kv", "pipeline", "grpc", "oip", "process"]
+# What each room links (server/CMakeLists.txt): its own and these.
+BELOW = {
+    "core": set(),
+    "weights": {"core"},
+    "engine": {"core", "weights"},
+    "models": {"core", "weights", "engine"},
+    "kv": {"core", "weights", "engine"},
+    "pipeline": {"core", "weights", "engine", "models", "kv"},
+    "grpc": {"core", "weights", "engine", "models", "kv", "pipeline"},
+    "oip": {"core", "weights", "engine", "models", "kv", "pipeline", "grpc"},
+    "process": set(ROOMS) - {"process"},
+}
+INCLUDE = re.compile(r'^\s*#\s*include\s+"(server/([a-z_]+)/[^"]+)"', re.M)
+
+
+def main():
+    root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..")
+    server = os.path.join(root, "server")
+    edges, problems = {}, []
+    for room in ROOMS:
+        for name in sorted(os.listdir(os.path.join(server, room))):
+            if not name.endswith((".h", ".cc")):
+                continue
+            path = f"server/{room}/{name}"
+            text = open(os.path.join(root, path)).read()
+            edges[path] = [m.group(1) for m in INCLUDE.finditer(text)]
+            for target, target_room in ((m.group(1), m.group(2)) for m in INCLUDE.finditer(text)):
+                if target_room != room and target_room not in BELOW[room]:
+                    problems.append(f"{path} includes {target}: room {target_room} is not beneath {room}")
+    # Cycles among the files (a header including, through others, the file that includes it).
+    state = {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        for nxt in edges.get(node, []):
+            if state.get(nxt) == "open":
+                problems.append("include cycle: " + " -> ".join(stack[stack.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = "done"
+
+    for node in edges:
+        if node not in state:
+            visit(node, [node])
+    for p in problems:
+        print(p)
+    print(f"layers: {len(edges)} files in {len(ROOMS)} rooms, {len(problems)} problems")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
