@@ -15,8 +15,8 @@ case "${1:-triton}" in
     pins=("tritonclient[grpc]==2.73.0" grpcio==1.81.1 grpcio-tools==1.81.1 protobuf==6.33.6 ml_dtypes==0.5.4)
     venv=build-oip/venv system=--system-site-packages check='import tritonclient.grpc, grpc_tools, ml_dtypes, torch' ;;
   kserve)
-    pins=(kserve==0.21.0 grpcio==1.85.3 grpcio-tools==1.81.1 protobuf==6.33.6 numpy==2.4.6)
-    venv=build-oip/venv-kserve system= check='import kserve, grpc_tools, numpy' ;;
+    pins=(kserve==0.21.0 grpcio==1.85.3 grpcio-tools==1.81.1 protobuf==6.33.6 numpy==2.4.6 pytest==7.2.1)
+    venv=build-oip/venv-kserve system= check='import kserve, grpc_tools, numpy, pytest' ;;
   *) echo "tools/oip-env.sh: triton or kserve, not '$1'" >&2; exit 2 ;;
 esac
 stamp="$venv/.pins"

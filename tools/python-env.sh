@@ -14,8 +14,8 @@ sources=$(cat client/python/pyproject.toml client/python/setup.py client/python/
   client/python/attnserve/v1/*.py proto/attnserve/v1/attention.proto deploy/grpc/*.json | sha256sum | cut -c1-16)
 case "${1:-debian}" in
   debian) pins=() venv=build-py/debian system=--system-site-packages check='import attnserve, torch, grpc; assert grpc.__version__.startswith("1.51")' ;;
-  newest) pins=(grpcio==1.85.3 protobuf==6.33.6 numpy==2.4.6 ml_dtypes==0.5.4) venv=build-py/newest system=
-          check='import attnserve, ml_dtypes, grpc; assert grpc.__version__ == "1.85.3"' ;;
+  newest) pins=(grpcio==1.85.3 protobuf==6.33.6 numpy==2.4.6 ml_dtypes==0.5.4 pytest==7.2.1) venv=build-py/newest system=
+          check='import attnserve, ml_dtypes, grpc, pytest; assert grpc.__version__ == "1.85.3"' ;;
   wheel)
     rm -rf build-py/dist client/python/build  # setuptools builds in the tree: no stale modules.
     /usr/bin/python3 -m pip wheel -q --no-deps -w build-py/dist client/python >&2

@@ -10,7 +10,7 @@ answer names those weights (weights_hash); the memory likewise; sessions opened 
 the new weights; attnserve_kv_model_entries counts the entries on the old weights while they live and
 drops the series when the last one closes, while attnserve_model_info names only the new weights.
 
-usage: kv_reload_test.py PATH/TO/attnserve
+usage: python3 -m pytest kv_reload_test.py --attnserve PATH/TO/attnserve
 """
 import os
 import shutil
@@ -22,6 +22,8 @@ import time
 
 import numpy as np
 import torch
+
+import pytest  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
 import attnserve_py as lib  # noqa: E402
@@ -61,10 +63,9 @@ def err(got, ref):
     return float(np.abs(np.asarray(got, np.float64) - ref).max() / np.abs(ref).max())
 
 
-def main():
-    binary = sys.argv[1]
+def test_memories_and_sessions_keep_their_weights_across_a_reload(attnserve, checks):
+    binary = attnserve
     attnserve = lib.load_package()
-    checks = lib.Checks()
     tmp = tempfile.mkdtemp(prefix="attnserve-kv-reload-")
     path = os.path.join(tmp, "models", "m")
     os.makedirs(path)
@@ -183,9 +184,8 @@ def main():
         client.close()
         server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
-    return checks.summary("kv_reload")
 
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(pytest.main([__file__, *sys.argv[1:]]))

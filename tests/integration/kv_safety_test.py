@@ -15,11 +15,10 @@
   the server's memory stays flat while thousands more are refused, and closing one makes room.
 Tolerances: float32 1e-5, bfloat16 2e-2 of the output's scale (max |out - ref| / max |ref|).
 
-usage: kv_safety_test.py PATH/TO/attnserve
+usage: python3 -m pytest kv_safety_test.py --attnserve PATH/TO/attnserve [-k NAME]
 """
 import os
 import sys
-import tempfile
 import threading
 import time
 
@@ -27,10 +26,10 @@ import grpc
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools"))
-import attnserve_py as lib  # noqa: E402
-import export_model  # noqa: E402
+import pytest
+
+import attnserve_py as lib  # tests/lib, on the path by tests/conftest.py
+import export_model  # tools/
 
 E, H = 32, 4
 HUGE = [  # (shape, layout): queries that claim ~2^62 tokens and carry no data
@@ -243,29 +242,47 @@ def entry_bound(binary, pb, rpc, checks):
     server.stop()
 
 
-def main():
-    binary = sys.argv[1]
-    pb, rpc = lib.load_stubs()
-    checks = lib.Checks()
-    tmp = tempfile.mkdtemp(prefix="attnserve-kv-safety-")
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    """A small nn.MultiheadAttention (E=32, H=4), exported to a model repository: (dir, module)."""
+    tmp = str(tmp_path_factory.mktemp("kv-safety"))
     torch.manual_seed(1700)
     module = torch.nn.MultiheadAttention(E, H, batch_first=True).eval()
     for p in module.parameters():
         torch.nn.init.normal_(p, std=0.2)
     export_model.export(module, os.path.join(tmp, "small"))
-    for dtype, tol in (("float32", 1e-5), ("bfloat16", 2e-2)):
-        server = lib.Server(binary, "--models", tmp, "--dtype", dtype, "--kv-budget-bytes", "20000",
-                            "--kv-max-entry-bytes", "20000")
-        stub = rpc.AttentionServiceStub(grpc.insecure_channel(server.target))
-        huge_steps(pb, stub, server, module, dtype, tol, checks)
-        if dtype == "float32":
-            negative_lengths(pb, stub, checks)
-        server.stop()
-    late_step(binary, pb, rpc, checks)
-    expiry_races(binary, pb, rpc, checks)
-    entry_bound(binary, pb, rpc, checks)
-    return checks.summary("kv_safety")
+    return tmp, module
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
+def test_huge_steps_change_nothing_and_the_budget_holds(attnserve, stubs, small_model, dtype, tol, checks):
+    pb, rpc = stubs
+    models, module = small_model
+    server = lib.Server(attnserve, "--models", models, "--dtype", dtype, "--kv-budget-bytes", "20000",
+                        "--kv-max-entry-bytes", "20000")
+    stub = rpc.AttentionServiceStub(grpc.insecure_channel(server.target))
+    huge_steps(pb, stub, server, module, dtype, tol, checks)
+    server.stop()
+
+
+def test_negative_session_lengths_are_refused(attnserve, stubs, small_model, checks):
+    pb, rpc = stubs
+    server = lib.Server(attnserve, "--models", small_model[0])
+    negative_lengths(pb, rpc.AttentionServiceStub(grpc.insecure_channel(server.target)), checks)
+    server.stop()
+
+
+def test_a_step_answered_too_late_is_not_applied(attnserve, stubs, checks):
+    late_step(attnserve, *stubs, checks)
+
+
+def test_expiry_races_with_queues_and_busy_sessions(attnserve, stubs, checks):
+    expiry_races(attnserve, *stubs, checks)
+
+
+def test_the_entry_bound_holds_and_memory_stays_flat(attnserve, stubs, checks):
+    entry_bound(attnserve, *stubs, checks)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(pytest.main([__file__, "--attnserve", *sys.argv[1:]]))

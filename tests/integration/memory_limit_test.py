@@ -18,7 +18,7 @@ under the limit; then SIGTERM: exit 0. Before the budgets followed the limit, th
 Uses a child cgroup of the machine's memory hierarchy (v2 `memory.max` or v1
 `memory.limit_in_bytes`), which needs root, as CI has.
 
-usage: memory_limit_test.py PATH/TO/attnserve [LIMIT_MIB ...]   (default 768 1536)
+usage: python3 -m pytest memory_limit_test.py --attnserve PATH/TO/attnserve [-k 768]
 """
 import os
 import re
@@ -31,10 +31,10 @@ import types
 import grpc
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
-import attnserve_py as lib  # noqa: E402
+import pytest
 
-check = lib.Checks()
+import attnserve_py as lib  # tests/lib, on the path by tests/conftest.py
+
 pb, _ = lib.load_stubs()
 MIB = 1 << 20
 E = 512
@@ -106,7 +106,7 @@ def code_of(fn):
         return e.code().name, e.details() or ""
 
 
-def run_at(binary, limit_mib):
+def run_at(binary, limit_mib, check):
     limit = limit_mib * MIB
     cgroup = MemoryCgroup(limit)
     proc = subprocess.Popen(cgroup.wrap([binary, "--address", "127.0.0.1:0", "--metrics-address", "127.0.0.1:0"]),
@@ -210,13 +210,10 @@ def run_at(binary, limit_mib):
         cgroup.remove()
 
 
-def main():
-    binary = sys.argv[1]
-    limits = [int(x) for x in sys.argv[2:]] or [768, 1536]
-    for limit in limits:
-        run_at(binary, limit)
-    return check.summary("memory_limit_test")
+@pytest.mark.parametrize("limit_mib", [768, 1536])
+def test_budgets_follow_the_memory_limit_and_nothing_is_oom_killed(attnserve, limit_mib, checks):
+    run_at(attnserve, limit_mib, checks)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(pytest.main([__file__, "--attnserve", *sys.argv[1:]]))

@@ -5,7 +5,7 @@ is_causal), and an absent model's NOT_FOUND. No torch here (the SDK needs numpy 
 checked against nn.MultiheadAttention by oip_test.py; this checks the SDK's path reaches the same
 computation.
 
-usage: oip_kserve_test.py PATH/TO/attnserve
+usage: python3 -m pytest oip_kserve_test.py --attnserve PATH/TO/attnserve
 """
 import asyncio
 import os
@@ -17,6 +17,8 @@ import numpy as np
 
 warnings.filterwarnings("ignore")
 from kserve import InferenceGRPCClient, InferInput, InferRequest  # noqa: E402
+
+import pytest  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
 import attnserve_py as lib  # noqa: E402
@@ -53,16 +55,14 @@ async def run(server, checks, pb, rpc):
     await client.close()
 
 
-def main():
-    checks = lib.Checks()
+def test_kserve_sdk_over_the_open_inference_protocol(attnserve, checks):
     pb, rpc = lib.load_stubs()
-    server = lib.Server(sys.argv[1])
+    server = lib.Server(attnserve)
     try:
         asyncio.run(run(server, checks, pb, rpc))
     finally:
         server.stop()
-    return checks.summary("oip_kserve")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(pytest.main([__file__, *sys.argv[1:]]))

@@ -11,7 +11,7 @@ through parameters["session"] and a Triton sequence (sequence_id/start/end) as a
 calls counted in /metrics under method="ModelInfer"; ModelStreamInfer through tritonclient's
 streaming API (stream_checks).
 
-usage: oip_test.py PATH/TO/attnserve       (run with tools/oip-env.sh's python)
+usage: python3 -m pytest oip_test.py --attnserve PATH/TO/attnserve       (run with tools/oip-env.sh's python)
 """
 import os
 import sys
@@ -25,6 +25,8 @@ import tritonclient.grpc as tc
 from tritonclient.utils import InferenceServerException
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+import pytest  # noqa: E402
+
 sys.path.insert(0, os.path.join(HERE, "..", "lib"))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "tools"))
 import attnserve_py as lib  # noqa: E402
@@ -156,9 +158,8 @@ def stream_checks(checks, server, client, native, pb, m64, rng):
     checks("/metrics counts ModelStreamInfer", counted >= len(plain) + len(steps) + 3, str(counted))
 
 
-def main():
-    binary = sys.argv[1]
-    checks = lib.Checks()
+def test_tritonclient_over_the_open_inference_protocol(attnserve, checks):
+    binary = attnserve
     pb, rpc = lib.load_stubs()
     tmp = tempfile.mkdtemp(prefix="attnserve-oip-")
     modules = {name: build(name, 2000 + i) for i, name in enumerate(MODELS)}
@@ -396,8 +397,7 @@ def main():
     client.close()
     channel.close()
     server.stop()
-    return checks.summary("oip")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(pytest.main([__file__, *sys.argv[1:]]))

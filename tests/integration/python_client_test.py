@@ -2,7 +2,7 @@
 """The server as outside tools see it: a Python gRPC client, server reflection, promtool, and a real
 Prometheus scraping /metrics. Starts the real attnserve binary and stops it with SIGTERM (exit 0).
 
-usage: python_client_test.py PATH/TO/attnserve
+usage: python3 -m pytest python_client_test.py --attnserve PATH/TO/attnserve
 """
 import json
 import os
@@ -16,6 +16,8 @@ import urllib.request
 import grpc
 import numpy as np
 from google.protobuf import descriptor_pb2
+
+import pytest  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
 import attnserve_py as lib  # noqa: E402
@@ -58,9 +60,9 @@ def reflection(channel, request):
     return next(iter(call(iter([request]), timeout=10)))
 
 
-def main():
+def test_python_client_reflection_and_metrics(attnserve):
     pb, rpc = lib.load_stubs()
-    server = lib.Server(sys.argv[1])
+    server = lib.Server(attnserve)
     channel = grpc.insecure_channel(server.target)
     stub = rpc.AttentionServiceStub(channel)
     tmp = tempfile.mkdtemp(prefix="attnserve-pyclient-")
@@ -159,8 +161,7 @@ def main():
         shutil.rmtree(tmp, ignore_errors=True)
         log = server.stop()
         check("SIGTERM drains and exits 0", "stopped" in log, log)
-    return check.summary("python_client_test")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(pytest.main([__file__, *sys.argv[1:]]))

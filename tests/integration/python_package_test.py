@@ -11,7 +11,7 @@ again answer the same; a stale step is ABORTED; closed on exit), a memory likewi
 deadline; list_models/get_model; the asyncio twin; the service configs (a two-address target is
 balanced, a config that is not JSON refused); TLS with a CA and server name made here.
 
-usage: python_package_test.py PATH/TO/attnserve FIXTURES_DIR
+usage: python3 -m pytest python_package_test.py --attnserve PATH/TO/attnserve --package-fixtures FIXTURES_DIR
 """
 import asyncio
 import importlib.util
@@ -25,6 +25,8 @@ import grpc
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+import pytest  # noqa: E402
+
 sys.path.insert(0, os.path.join(HERE, "..", "lib"))
 import attnserve_py as lib  # noqa: E402  (the server process and checks only: no stubs)
 
@@ -40,9 +42,9 @@ def err(got, ref):
     return float(np.abs(got - ref).max() / np.abs(ref).max())
 
 
-def main():
-    binary, fixtures = sys.argv[1], sys.argv[2]
-    checks = lib.Checks()
+def test_the_attnserve_package_against_nn_multiheadattention(request, checks):
+    # The binary by its option: the name `attnserve` is the package under test here.
+    binary, fixtures = request.config.getoption("--attnserve"), request.config.getoption("--package-fixtures")
     c = dict(np.load(os.path.join(fixtures, "cases.npz")))
     server = lib.Server(binary, "--models", os.path.join(fixtures, "models"))
     env = f"grpcio {grpc.__version__}, torch {'yes' if HAS_TORCH else 'no'}"
@@ -232,8 +234,7 @@ def main():
     finally:
         server.stop()
         shutil.rmtree(d, ignore_errors=True)
-    return checks.summary("python_package")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(pytest.main([__file__, *sys.argv[1:]]))

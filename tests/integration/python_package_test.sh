@@ -22,5 +22,5 @@ sys.exit(0 if ok else 1)
 PY
 for flavour in debian newest; do
   venv=$("$tools/python-env.sh" "$flavour")
-  "$venv/bin/python" "$here/python_package_test.py" "$1" "$fixtures"
+  "$venv/bin/python" -m pytest "$here/python_package_test.py" -q --attnserve "$1" --package-fixtures "$fixtures"
 done

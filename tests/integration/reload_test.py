@@ -34,6 +34,8 @@ import grpc
 import numpy as np
 import torch
 
+import pytest  # noqa: E402
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
 import attnserve_py as lib  # noqa: E402
 
@@ -78,10 +80,9 @@ class Record:
     __slots__ = ("model", "version", "q", "sent", "done_at", "code", "hash", "answered_version", "output", "caller")
 
 
-def main():
-    binary = sys.argv[1]
+def test_versions_reloads_and_broken_models_under_load(attnserve, checks):
+    binary = attnserve
     pb, rpc = lib.load_stubs()
-    checks = lib.Checks()
     root = tempfile.mkdtemp(prefix="attnserve-reload-")
     repo = os.path.join(root, "models")
     w = {"m1": make_weights(1), "m2": make_weights(2), "m3": make_weights(3), "legacy": make_weights(4),
@@ -378,8 +379,7 @@ def main():
                 last = max(last, order[r.hash])
     checks("unary callers never got older weights after newer ones", regress == 0, str(regress))
     checks("server exited cleanly after the reloads", "model reload" in out)
-    return checks.summary("reload_test")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(pytest.main([__file__, *sys.argv[1:]]))

@@ -24,9 +24,9 @@ request over nginx's client_max_body_size gets RESOURCE_EXHAUSTED naming the lim
 real Prometheus scrapes every replica through file-based targets and must hold per-replica series.
 Loopback only; the load is bounded (a request budget and a time limit per phase).
 
-usage: replicas_test.py PATH/TO/attnserve PATH/TO/attnserve-bench PATH/TO/attnserve-cli [--threads 6]
+usage: python3 -m pytest replicas_test.py --attnserve PATH/TO/attnserve --bench PATH/TO/attnserve-bench --cli PATH/TO/attnserve-cli [--threads 6]
 """
-import argparse
+import types
 import json
 import os
 import shutil
@@ -42,6 +42,8 @@ import urllib.request
 
 import grpc
 import numpy as np
+
+import pytest  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
 import attnserve_py as lib  # noqa: E402
@@ -355,16 +357,11 @@ def check_sessions(checks, mode, records, replicas, signalled, tolerance):
                   f"{lost[0]['error']['code']}: {lost[0]['error']['message'][:200]}")
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("binary")
-    ap.add_argument("bench")
-    ap.add_argument("cli")
-    ap.add_argument("--threads", type=int, default=6)
-    args = ap.parse_args()
+def test_three_replicas_behind_nginx_and_client_side_balancing(attnserve, bench, cli, checks, request):
+    args = types.SimpleNamespace(binary=attnserve, bench=bench, cli=cli,
+                                 threads=request.config.getoption("--threads"))
     pb, rpc = lib.load_stubs()
     oip = lib.load_stubs("inference/grpc_service.proto")
-    checks = lib.Checks()
     tmp = tempfile.mkdtemp(prefix="attnserve-replicas-")
     configs = {name: open(os.path.join(ROOT, "deploy", "grpc", name)).read()
                for name in ("service-config.json", "service-config-proxy.json")}
@@ -459,8 +456,7 @@ def main():
                 p.terminate()
                 p.wait(timeout=30)
         shutil.rmtree(tmp, ignore_errors=True)
-    return checks.summary("replicas_test")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(pytest.main([__file__, *sys.argv[1:]]))

@@ -16,7 +16,7 @@
 
 Prints the measured stop times (docs/shutdown.md "Shutdown" quotes them).
 
-usage: shutdown_test.py PATH/TO/attnserve [--busy-rounds N]   (N busy stops instead of one)
+usage: python3 -m pytest shutdown_test.py --attnserve PATH/TO/attnserve [--busy-rounds N]   (N busy stops instead of one)
 """
 import os
 import re
@@ -27,6 +27,8 @@ import threading
 import time
 
 import numpy as np
+
+import pytest  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
 import attnserve_py as lib  # noqa: E402
@@ -102,9 +104,9 @@ def idle_stop(binary, name, connect, grace="2"):
     return took
 
 
-def main():
-    binary = sys.argv[1]
-    busy_rounds = int(sys.argv[3]) if sys.argv[2:3] == ["--busy-rounds"] else 1
+def test_sigterm_with_clients_connected(attnserve, request):
+    binary = attnserve
+    busy_rounds = request.config.getoption("--busy-rounds")
     attnserve = lib.load_package()
     import grpc
     from attnserve.v1 import attention_pb2 as pb
@@ -222,8 +224,7 @@ def main():
           m is not None and int(m.group(1)) == sum(c != "OK" for c in codes), out[-600:])
     channel.close()
 
-    return check.summary("shutdown_test")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(pytest.main([__file__, *sys.argv[1:]]))

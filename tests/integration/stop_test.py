@@ -27,7 +27,8 @@ naming exactly the calls the clients saw cut.
 flight that finish within the grace period or are cut by it; each exit code, the count the log
 names and the stop time are checked against what the clients saw (docs/shutdown.md "Shutdown").
 
-usage: stop_test.py PATH/TO/attnserve [--soak N] [--seed S]
+usage: python3 -m pytest stop_test.py --attnserve PATH/TO/attnserve [-k NAME]
+       stop_test.py PATH/TO/attnserve --soak N [--seed S]   (the soak; not part of the suite)
 """
 import argparse
 import os
@@ -47,8 +48,10 @@ import h2.events
 import h2.exceptions
 import numpy as np
 
+import pytest
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
-import attnserve_py as lib  # noqa: E402
+import attnserve_py as lib  # noqa: E402  (tests/lib; tests/conftest.py puts it on the path under pytest)
 
 check = lib.Checks()
 STOP_LIMIT_S = 1.0
@@ -540,18 +543,13 @@ def soak(binary, rounds, seed):
           f"{worst['cut']:.3f} s (grace 0.6 s); calls the clients saw cut {cut_seen}, named in the logs {cut_named}")
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("binary")
-    p.add_argument("--soak", type=int, default=0)
-    p.add_argument("--seed", type=int, default=31)
-    a = p.parse_args()
-    if a.soak:
-        soak(a.binary, a.soak, a.seed)
-        return check.summary("stop_soak")
-    times = [quiet_stop(a.binary, name, method, flags) for name, method, flags in ENDINGS]
+@pytest.mark.parametrize("name,method,flags", ENDINGS, ids=[e[0] for e in ENDINGS])
+def test_a_stop_after_each_way_a_call_ends_exits_0_at_once(attnserve, name, method, flags):
+    quiet_stop(attnserve, name, method, flags)
 
-    server = lib.Server(a.binary, "--shutdown-grace", "10")
+
+def test_long_lived_calls_open_across_the_stop(attnserve):
+    server = lib.Server(attnserve, "--shutdown-grace", "10")
     traffic = Traffic(server)
     seen = traffic.open_across_the_stop()
     time.sleep(0.5)
@@ -561,11 +559,21 @@ def main():
     check("long-lived calls open across the stop: exit 0", code == 0, f"exit {code}: {out[-600:]}")
     check(f"long-lived calls open across the stop: stops in under {STOP_LIMIT_S} s", took < STOP_LIMIT_S,
           f"{took:.2f} s")
-    times.append(took)
-    print(f"  stops after each ending: {min(times):.3f} to {max(times):.3f} s")
-    cut_after_traffic(a.binary)
-    return check.summary("stop_test")
+
+
+def test_a_real_cut_names_exactly_the_calls_cut(attnserve):
+    cut_after_traffic(attnserve)
+
+
+def main():  # The soak (not part of the suite): stop_test.py PATH/TO/attnserve --soak N [--seed S]
+    p = argparse.ArgumentParser()
+    p.add_argument("binary")
+    p.add_argument("--soak", type=int, required=True)
+    p.add_argument("--seed", type=int, default=31)
+    a = p.parse_args()
+    soak(a.binary, a.soak, a.seed)
+    return check.summary("stop_soak")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main() if "--soak" in sys.argv else pytest.main([__file__, "--attnserve", *sys.argv[1:]]))

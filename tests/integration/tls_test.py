@@ -7,7 +7,7 @@ plaintext --health-address answers grpc.health.v1 and nothing else. Mutual TLS s
 certificate, or one from another CA, refused; the right one served. Bad --tls-* flags stop the
 server at start with a message naming the flag and file.
 
-usage: tls_test.py PATH/TO/attnserve PATH/TO/attnserve-cli
+usage: python3 -m pytest tls_test.py --attnserve PATH/TO/attnserve --cli PATH/TO/attnserve-cli
 """
 import os
 import re
@@ -18,6 +18,8 @@ import tempfile
 
 import grpc
 import numpy as np
+
+import pytest  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
 import attnserve_py as lib  # noqa: E402
@@ -48,12 +50,11 @@ def read(path):
         return f.read()
 
 
-def main():
-    binary, cli = sys.argv[1], sys.argv[2]
+def test_tls_mutual_tls_and_bad_tls_flags(attnserve, cli, checks):
+    binary = attnserve
     pb, rpc = lib.load_stubs()
     d = tempfile.mkdtemp(prefix="attnserve-tls-")
     make_pki(d)
-    checks = lib.Checks()
     q = np.random.default_rng(7).standard_normal((1, 4, 512)).astype(np.float32)
     request = pb.AttendRequest(model="demo", query=lib.to_wire(pb, q))
 
@@ -164,8 +165,7 @@ def main():
         r = subprocess.run([binary, "--address", "127.0.0.1:0", "--metrics-address", "", *flags],
                            capture_output=True, text=True, timeout=60)
         checks(f"refused at start: {want}", r.returncode == 2 and want in r.stderr, r.stderr.strip()[:300])
-    return checks.summary("tls_test")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(pytest.main([__file__, *sys.argv[1:]]))

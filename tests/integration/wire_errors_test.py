@@ -4,7 +4,7 @@ a unary call gets INVALID_ARGUMENT with the reason and is counted; a stream answ
 before the bad message and ends with INVALID_ARGUMENT saying which message. Then SIGTERM with a stream
 still open: the process exits 0 well within the grace period.
 
-usage: wire_errors_test.py PATH/TO/attnserve
+usage: python3 -m pytest wire_errors_test.py --attnserve PATH/TO/attnserve
 """
 import os
 import re
@@ -16,6 +16,8 @@ import urllib.request
 
 import grpc
 import numpy as np
+
+import pytest  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
 import attnserve_py as lib  # noqa: E402
@@ -38,9 +40,9 @@ def expect_refusal(name, call, code, says):
         check(f"{name}: says why", says in (e.details() or ""), repr(e.details()))
 
 
-def main():
+def test_undecodable_messages_and_a_stop_with_a_stream_open(attnserve):
     pb, _ = lib.load_stubs()
-    server = lib.Server(sys.argv[1], "--shutdown-grace", "10")
+    server = lib.Server(attnserve, "--shutdown-grace", "10")
     channel = grpc.insecure_channel(server.target)
     attend = channel.unary_unary("/attnserve.v1.AttentionService/Attend")  # bytes in, bytes out
     stream = channel.stream_stream("/attnserve.v1.AttentionService/AttendStream")
@@ -50,7 +52,7 @@ def main():
     # A second server on a port already in use must refuse to start (gRPC's default SO_REUSEPORT let
     # it start and silently share the port with the first, each getting some of the connections).
     import subprocess
-    second = subprocess.Popen([sys.argv[1], "--address", server.target, "--metrics-address", ""],
+    second = subprocess.Popen([attnserve, "--address", server.target, "--metrics-address", ""],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         second_out, _ = second.communicate(timeout=30)
@@ -168,7 +170,7 @@ def main():
     # A second SIGTERM (or Ctrl-C twice) while draining must not kill the process: a request in
     # flight is still answered and the exit is 0. (Threads created before main(), e.g. OpenBLAS's
     # pool, do not block the signal: without a handler the default action killed the process.)
-    server = lib.Server(sys.argv[1], "--shutdown-grace", "20")
+    server = lib.Server(attnserve, "--shutdown-grace", "20")
     channel = grpc.insecure_channel(server.target, options=[("grpc.max_receive_message_length", 64 << 20)])
     slow = pb.AttendRequest(model="demo", query=lib.to_wire(pb, rng.standard_normal((8, 512, 512))))
     answer = channel.unary_unary("/attnserve.v1.AttentionService/Attend").future(
@@ -210,14 +212,13 @@ def main():
             os.symlink(os.path.join(root, "a"), os.path.join(root, "b"))
             blame = root + "/"  # either link of the loop, whichever the scan meets first
         try:
-            r = subprocess.run([sys.argv[1], "--models", root, "--address", "127.0.0.1:0",
+            r = subprocess.run([attnserve, "--models", root, "--address", "127.0.0.1:0",
                                 "--metrics-address", ""], capture_output=True, text=True, timeout=20)
             check(f"bad model ({case}): exit 2 naming {os.path.basename(blame)}",
                   r.returncode == 2 and blame in r.stderr, f"exit {r.returncode}: {r.stderr[-500:]}")
         except subprocess.TimeoutExpired:
             check(f"bad model ({case}): exit 2", False, "start-up hung")
-    return check.summary("wire_errors_test")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(pytest.main([__file__, *sys.argv[1:]]))

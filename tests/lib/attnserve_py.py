@@ -98,14 +98,18 @@ def metrics_lines(server, name):
 
 
 class Checks:
-    """Named checks that print ok/FAIL as they go and a closing "N passed, N failed" line."""
+    """Named checks that print ok/FAIL as they go and a closing "N passed, N failed" line; under
+    pytest, the `checks` fixture (tests/conftest.py) fails the test with the ones that did not hold."""
 
     def __init__(self):
         self.passed = self.failed = 0
+        self.failures = []  # "name: detail" of each check that did not hold
 
     def __call__(self, name, ok, detail=""):
         self.passed += bool(ok)
         self.failed += not ok
+        if not ok:
+            self.failures.append(f"{name}: {detail}")
         print(f"{'ok  ' if ok else 'FAIL'} {name} {detail if not ok else ''}")
 
     def summary(self, prefix):

@@ -2,15 +2,16 @@
 """Installs attnserve (cmake --install) into a temp prefix, builds tests/consumer against it with
 find_package(attnserve), and runs it against a real server.
 
-usage: run_consumer_test.py BUILD_DIR
+usage: python3 -m pytest find_package_test.py --attnserve BUILD_DIR/attnserve
+       (the build tree is the binary's directory)
 """
 import os
 import subprocess
 import sys
-import tempfile
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "lib"))
-import attnserve_py as lib  # noqa: E402
+import pytest
+
+import attnserve_py as lib  # tests/lib, on the path by tests/conftest.py
 
 
 def run(*cmd):
@@ -18,22 +19,20 @@ def run(*cmd):
     subprocess.run(cmd, check=True)
 
 
-def main():
-    build = os.path.abspath(sys.argv[1])
-    tmp = tempfile.mkdtemp(prefix="attnserve-consumer-")
-    prefix, consumer_build = os.path.join(tmp, "prefix"), os.path.join(tmp, "build")
+def test_a_consumer_project_finds_builds_and_calls_the_client(attnserve, tmp_path):
+    build = os.path.dirname(os.path.abspath(attnserve))
+    prefix, consumer_build = str(tmp_path / "prefix"), str(tmp_path / "build")
     run("cmake", "--install", build, "--prefix", prefix)
     run("cmake", "-S", os.path.dirname(os.path.abspath(__file__)), "-B", consumer_build,
         f"-DCMAKE_PREFIX_PATH={prefix}", "-DCMAKE_BUILD_TYPE=Release")
     run("cmake", "--build", consumer_build, "-j2")
-    server = lib.Server(os.path.join(build, "attnserve"), "--metrics-address", "")
+    server = lib.Server(attnserve, "--metrics-address", "")
     try:
         rc = subprocess.run([os.path.join(consumer_build, "consumer"), server.target]).returncode
     finally:
         server.stop()
-    print(f"consumer_test: {int(rc == 0)} passed, {int(rc != 0)} failed")
-    return rc
+    assert rc == 0, f"the consumer exited {rc}"
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(pytest.main([__file__, *sys.argv[1:]]))
