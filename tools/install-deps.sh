@@ -27,6 +27,8 @@ packages=(
   libcli11-dev nlohmann-json3-dev
   # Test peers: PyTorch itself (conformance), Python gRPC (client path), a real Prometheus and promtool.
   python3-torch python3-grpcio python3-grpc-tools python3-numpy
+  # The Python tests' runner (tests/conftest.py).
+  python3-pytest
   # HTTP/2 frames at chosen moments (RST_STREAM mid-upload, frames cut short): tests/integration/stop_test.py.
   python3-h2
   prometheus curl
