@@ -20,6 +20,19 @@ def pytest_addoption(parser):
     parser.addoption("--busy-rounds", type=int, default=1,
                      help="shutdown_test: stops of a busy server (30 to measure the tail)")
     parser.addoption("--threads", type=int, default=6, help="replicas_test: load threads")
+    # The conformance tests' (tests/conformance/conformance_test.py).
+    parser.addoption("--server-args", default="", help="conformance: extra attnserve flags")
+    parser.addoption("--reference", choices=["float32", "float64"], default="float32",
+                     help="conformance: the reference's dtype")
+    parser.addoption("--tolerance", type=float, default=None, help="conformance: output tolerance")
+    parser.addoption("--weights-tolerance", type=float, default=None,
+                     help="conformance: attention weights' tolerance")
+    parser.addoption("--random", type=int, default=0, help="conformance: N randomized configurations")
+    parser.addoption("--seed", type=int, default=1, help="conformance: their seed")
+    parser.addoption("--requests", type=int, default=1200, help="varlen_load: requests")
+    parser.addoption("--callers", type=int, default=16, help="varlen_load: concurrent callers")
+    parser.addoption("--expect-backend", default="varlen_emulated",
+                     help="varlen_load: a backend /metrics must count at least once (regex)")
     parser.addoption("--package-fixtures", help="python_package_test: the directory python_package_fixtures.py wrote")
 
 

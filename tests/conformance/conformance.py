@@ -278,6 +278,72 @@ def reference(c, m, q, k, v, kpm, mask, dtype=torch.float32):
     return out.numpy().astype(np.float64), None if weights is None else weights.numpy().astype(np.float64)
 
 
+class Served:
+    """Every configuration's model exported to one repository and one attnserve serving them all."""
+
+    def __init__(self, binary, configs, server_args=""):
+        self.pb, rpc = lib.load_stubs()
+        tmp = tempfile.mkdtemp(prefix="attnserve-conformance-")
+        self.modules = {}
+        for i, c in enumerate(configs):
+            m = build_module(c, seed=1000 + i)
+            self.modules[c["name"]] = m
+            export_model.export(m, os.path.join(tmp, c["name"]), fmt=c.get("fmt", "safetensors"))
+        self.server = lib.Server(binary, "--models", tmp, *shlex.split(server_args))
+        self.stub = rpc.AttentionServiceStub(grpc.insecure_channel(self.server.target))
+
+    def stop(self):
+        self.server.stop()
+
+
+def check_config(served, i, c, ref_dtype, tolerance=None, weights_tolerance=None):
+    """Configuration i's request through the server against the module's own forward: (ok, output
+    relative error, weights absolute error or NaN, tolerance)."""
+    pb = served.pb
+    rng = np.random.default_rng(2000 + i)
+    q, k, v, kpm, mask = make_inputs(c, rng)
+    module = served.modules[c["name"]].to(ref_dtype)
+    want, want_w = reference(c, module, q, k, v, kpm, mask, ref_dtype)
+    dtype = c.get("dtype", "float32")
+    req = pb.AttendRequest(
+        model=c["name"], query=lib.to_wire(pb, q, dtype), is_causal=c.get("causal", False),
+        attn_weights={"none": 0, "avg": 1, "head": 2}[c.get("weights", "none")],
+        layout=2 if c.get("layout") == "sf" else 1, request_id=i)
+    if k is not None:
+        req.key.CopyFrom(lib.to_wire(pb, k, dtype))
+        req.value.CopyFrom(lib.to_wire(pb, v, dtype))
+    if kpm is not None:
+        req.key_padding_mask.CopyFrom(lib.to_wire(pb, kpm))
+    if mask is not None:
+        req.attn_mask.CopyFrom(lib.to_wire(pb, mask))
+    resp = served.stub.Attend(req, timeout=30)
+    got = lib.from_wire(pb, resp.output)
+    tol = tolerance or (1e-5 if dtype == "float32" else 1e-3)
+    wtol = weights_tolerance or max(tol, 1e-5)
+    if got.shape != want.shape:
+        return False, float("inf"), float("nan"), tol
+    # PyTorch answers NaN for a query masked for every key: the server's row must be finite (zero
+    # where masked in every head, docs/api.md), and is compared where the reference has one.
+    dead = dead_queries(c, kpm, mask)  # [B, Lq] or [Lq]
+    dead_rows = dead.T if c.get("layout", "bf") == "sf" and not c.get("unbatched") else dead
+    ok_dead = bool((got[dead_rows] == 0).all())  # the documented zero rows
+    known = np.isfinite(want) & ~dead_rows[..., None]
+    err = float(np.abs(got - want)[known].max(initial=0) / max(np.abs(want[known]).max(initial=0), 1e-30))
+    werr = float("nan")
+    ok = err <= tol and resp.request_id == i and bool(np.isfinite(got).all()) and ok_dead
+    if want_w is not None:
+        gw = lib.from_wire(pb, resp.attn_weights)
+        ok = ok and gw.shape == want_w.shape
+        # weights [B, (H,) Lq, S] ([(H,) Lq, S] unbatched): dead queries' rows not compared
+        per_head = want_w.ndim == dead.ndim + 2
+        wdead = (dead[:, None, :, None] if dead.ndim == 2 else dead[None, :, None]) if per_head \
+            else dead[..., None]
+        wknown = np.isfinite(want_w) & ~np.broadcast_to(wdead, want_w.shape)
+        werr = float(np.abs(gw - want_w)[wknown].max(initial=0)) if gw.shape == want_w.shape else float("inf")
+        ok = ok and werr <= wtol and bool(np.isfinite(gw).all())
+    return ok, err, werr, tol
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("binary")
@@ -290,74 +356,27 @@ def main():
     ap.add_argument("--random", type=int, default=0, help="add N randomized configurations")
     ap.add_argument("--seed", type=int, default=1, help="seed of the randomized configurations")
     args = ap.parse_args()
-    binary = args.binary
     configs = CONFIGS + random_configs(args.random, args.seed)
     ref_dtype = torch.float64 if args.reference == "float64" else torch.float32
-    pb, rpc = lib.load_stubs()
-    tmp = tempfile.mkdtemp(prefix="attnserve-conformance-")
-    modules = {}
-    for i, c in enumerate(configs):
-        m = build_module(c, seed=1000 + i)
-        modules[c["name"]] = m
-        export_model.export(m, os.path.join(tmp, c["name"]), fmt=c.get("fmt", "safetensors"))
-    server = lib.Server(binary, "--models", tmp, *shlex.split(args.server_args))
-    print(f"server: {server.banner.strip()}")
+    served = Served(args.binary, configs, args.server_args)
+    print(f"server: {served.server.banner.strip()}")
     print(f"reference: PyTorch {torch.__version__} nn.MultiheadAttention in {args.reference} on the CPU")
-    stub = rpc.AttentionServiceStub(grpc.insecure_channel(server.target))
     failures = 0
     print(f"{'configuration':28s} {'output rel err':>14s} {'weights abs err':>15s} {'tolerance':>9s}")
     try:
         worst = [0.0, 0.0]
         for i, c in enumerate(configs):
-            rng = np.random.default_rng(2000 + i)
-            q, k, v, kpm, mask = make_inputs(c, rng)
-            module = modules[c["name"]].to(ref_dtype)
-            want, want_w = reference(c, module, q, k, v, kpm, mask, ref_dtype)
-            dtype = c.get("dtype", "float32")
-            req = pb.AttendRequest(
-                model=c["name"], query=lib.to_wire(pb, q, dtype), is_causal=c.get("causal", False),
-                attn_weights={"none": 0, "avg": 1, "head": 2}[c.get("weights", "none")],
-                layout=2 if c.get("layout") == "sf" else 1, request_id=i)
-            if k is not None:
-                req.key.CopyFrom(lib.to_wire(pb, k, dtype))
-                req.value.CopyFrom(lib.to_wire(pb, v, dtype))
-            if kpm is not None:
-                req.key_padding_mask.CopyFrom(lib.to_wire(pb, kpm))
-            if mask is not None:
-                req.attn_mask.CopyFrom(lib.to_wire(pb, mask))
-            resp = stub.Attend(req, timeout=30)
-            got = lib.from_wire(pb, resp.output)
-            tol = args.tolerance or (1e-5 if dtype == "float32" else 1e-3)
-            wtol = args.weights_tolerance or max(tol, 1e-5)
-            assert got.shape == want.shape, (c["name"], got.shape, want.shape)
-            # PyTorch answers NaN for a query masked for every key: the server's row must be finite
-            # (README: zero where masked in every head), and is compared where the reference has one.
-            dead = dead_queries(c, kpm, mask)  # [B, Lq] or [Lq]
-            dead_rows = dead.T if c.get("layout", "bf") == "sf" and not c.get("unbatched") else dead
-            ok_dead = bool((got[dead_rows] == 0).all())  # the documented zero rows
-            known = np.isfinite(want) & ~dead_rows[..., None]
-            err = float(np.abs(got - want)[known].max(initial=0) / max(np.abs(want[known]).max(initial=0), 1e-30))
-            werr = float("nan")
-            ok = err <= tol and resp.request_id == i and bool(np.isfinite(got).all()) and ok_dead
-            if want_w is not None:
-                gw = lib.from_wire(pb, resp.attn_weights)
-                ok = ok and gw.shape == want_w.shape
-                # weights [B, (H,) Lq, S] ([(H,) Lq, S] unbatched): dead queries' rows not compared
-                per_head = want_w.ndim == dead.ndim + 2
-                wdead = (dead[:, None, :, None] if dead.ndim == 2 else dead[None, :, None]) if per_head \
-                    else dead[..., None]
-                wknown = np.isfinite(want_w) & ~np.broadcast_to(wdead, want_w.shape)
-                werr = float(np.abs(gw - want_w)[wknown].max(initial=0)) if gw.shape == want_w.shape else float("inf")
-                ok = ok and werr <= wtol and bool(np.isfinite(gw).all())
-                worst[1] = max(worst[1], werr)
+            ok, err, werr, tol = check_config(served, i, c, ref_dtype, args.tolerance, args.weights_tolerance)
             worst[0] = max(worst[0], err)
+            if not math.isnan(werr):
+                worst[1] = max(worst[1], werr)
             failures += not ok
-            wtext = "-" if want_w is None else f"{werr:.2e}"
+            wtext = "-" if math.isnan(werr) else f"{werr:.2e}"
             if not c.get("random") or not ok:
                 print(f"{c['name']:28s} {err:14.2e} {wtext:>15s} {tol:9.0e} {'ok' if ok else 'FAIL'}"
                       + (f"  {c}" if c.get("random") else ""))
     finally:
-        server.stop()
+        served.stop()
     print(f"worst output rel err {worst[0]:.2e}, worst weights abs err {worst[1]:.2e}")
     print(f"conformance: {len(configs) - failures} passed, {failures} failed")
     return 1 if failures else 0

@@ -61,16 +61,22 @@ def reference(m, q, k, v, kpm=None, mask=None, weights="none", seq_first=False):
 
 
 def main():
-    global TOL, WTOL
     ap = argparse.ArgumentParser()
     ap.add_argument("binary")
     ap.add_argument("--server-args", default="", help="extra attnserve flags, e.g. --device cuda")
     ap.add_argument("--tolerance", type=float, default=TOL, help="outputs (relative) and weights (absolute)")
     args = ap.parse_args()
+    checks = lib.Checks()
+    run(args, checks)
+    return checks.summary("kv_conformance")
+
+
+def run(args, checks):
+    """Every check, through `checks`; args: binary, server_args, tolerance."""
+    global TOL, WTOL
     TOL = WTOL = args.tolerance
     attnserve = lib.load_package()
     Error = attnserve.AttnserveError
-    checks = lib.Checks()
     tmp = tempfile.mkdtemp(prefix="attnserve-kv-")
     modules = {}
     for i, (name, kw) in enumerate(MODELS.items()):
@@ -275,7 +281,6 @@ def main():
     finally:
         client.close()
         server.stop()
-    return checks.summary("kv_conformance")
 
 
 if __name__ == "__main__":

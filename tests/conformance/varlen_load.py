@@ -67,6 +67,14 @@ def main():
     ap.add_argument("--expect-backend", default="varlen_emulated",
                     help="a backend /metrics must count at least once (regex)")
     args = ap.parse_args()
+    checks = lib.Checks()
+    run(args, checks)
+    return checks.summary("varlen_load")
+
+
+def run(args, checks):
+    """Every check, through `checks`; args: binary, server_args, requests, callers, tolerance,
+    expect_backend."""
     pb, rpc = lib.load_stubs()
     torch.manual_seed(77)
     module = torch.nn.MultiheadAttention(E, H, batch_first=True)
@@ -76,7 +84,6 @@ def main():
     server = lib.Server(args.binary, "--models", tmp, *shlex.split(args.server_args))
     print(f"server: {server.banner.strip()}")
     stub = rpc.AttentionServiceStub(grpc.insecure_channel(server.target))
-    checks = lib.Checks()
 
     requests = [make_request(i) for i in range(args.requests)]
     messages = []
@@ -114,7 +121,6 @@ def main():
     checks("the server batched requests together", batched > args.requests // 10, f"only {batched}")
     checks(f"/metrics counts backend {args.expect_backend}",
            any(re.fullmatch(args.expect_backend, b) and n > 0 for b, n in backends.items()), str(backends))
-    return checks.summary("varlen_load")
 
 
 if __name__ == "__main__":
