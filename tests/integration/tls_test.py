@@ -50,33 +50,46 @@ def read(path):
         return f.read()
 
 
-def test_tls_mutual_tls_and_bad_tls_flags(attnserve, cli, checks):
-    binary = attnserve
-    pb, rpc = lib.load_stubs()
-    d = tempfile.mkdtemp(prefix="attnserve-tls-")
-    make_pki(d)
-    q = np.random.default_rng(7).standard_normal((1, 4, 512)).astype(np.float32)
-    request = pb.AttendRequest(model="demo", query=lib.to_wire(pb, q))
+class Pki:
+    """Certificates made at test time, and clients and attnserve-cli calls that use them."""
 
-    def attend(channel):
+    def __init__(self, d, cli, pb, rpc):
+        self.d, self.cli, self.pb, self.rpc = d, cli, pb, rpc
+        make_pki(d)
+        q = np.random.default_rng(7).standard_normal((1, 4, 512)).astype(np.float32)
+        self.q = q
+        self.request = pb.AttendRequest(model="demo", query=lib.to_wire(pb, q))
+
+    def attend(self, channel, request=None):
         """'' when served (an answer of the query's shape), else the gRPC status code's name."""
+        request = request or self.request
         try:
-            resp = rpc.AttentionServiceStub(channel).Attend(request, timeout=10)
+            resp = self.rpc.AttentionServiceStub(channel).Attend(request, timeout=10)
             return "" if tuple(resp.output.shape) == tuple(request.query.shape) else f"shape {resp.output.shape}"
         except grpc.RpcError as e:
             return e.code().name
 
-    def tls_channel(target, ca, cert=None):
+    def tls_channel(self, target, ca, cert=None):
+        d = self.d
         creds = grpc.ssl_channel_credentials(read(f"{d}/{ca}.pem"),
                                              read(f"{d}/{cert}.key") if cert else None,
                                              read(f"{d}/{cert}.pem") if cert else None)
         return grpc.secure_channel(target, creds)
 
-    def run_cli(target, *flags):
-        r = subprocess.run([cli, "--target", target, "--deadline-ms", "5000", *flags, "health"],
+    def run_cli(self, target, *flags):
+        r = subprocess.run([self.cli, "--target", target, "--deadline-ms", "5000", *flags, "health"],
                            capture_output=True, text=True)
         return r.returncode, (r.stdout + r.stderr).strip()
 
+
+@pytest.fixture(scope="module")
+def pki(cli, stubs, tmp_path_factory):
+    return Pki(str(tmp_path_factory.mktemp("tls")), cli, *stubs)
+
+
+def test_tls_with_a_plaintext_health_listener(attnserve, pki, checks):
+    binary, d = attnserve, pki.d
+    attend, tls_channel, run_cli = pki.attend, pki.tls_channel, pki.run_cli
     # 1. TLS, with a plaintext health listener.
     server = lib.Server(binary, "--tls-cert", f"{d}/server.pem", "--tls-key", f"{d}/server.key",
                         "--health-address", "127.0.0.1:0")
@@ -101,6 +114,17 @@ def test_tls_mutual_tls_and_bad_tls_flags(attnserve, cli, checks):
         checks("health listener serves nothing else", attend(h) == "UNIMPLEMENTED")
     finally:
         server.stop()
+
+
+
+def test_mutual_tls_and_the_admin_certificate(attnserve, pki, checks):
+    binary, d, cli, pb, rpc, q = attnserve, pki.d, pki.cli, pki.pb, pki.rpc, pki.q
+    request = pb.AttendRequest()
+    request.CopyFrom(pki.request)  # Its own: this test sends model "m" queries.
+    tls_channel, run_cli = pki.tls_channel, pki.run_cli
+
+    def attend(channel):
+        return pki.attend(channel, request)
 
     # 2. Mutual TLS; the certificate named "admin" may call AdminService.
     models = os.path.join(d, "models", "m")
@@ -149,6 +173,10 @@ def test_tls_mutual_tls_and_bad_tls_flags(attnserve, cli, checks):
     finally:
         server.stop()
 
+
+
+def test_bad_tls_flags_stop_the_server_at_start_naming_flag_and_file(attnserve, pki, checks):
+    binary, d = attnserve, pki.d
     # 3. Bad flags stop the server at start, naming flag and file (a FIFO must not block it).
     os.mkfifo(f"{d}/fifo")
     for flags, want in ((["--tls-cert", f"{d}/server.pem"], "--tls-cert and --tls-key go together"),
