@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Checks the server's includes against its rooms: a file includes only its own room's headers and
-those of the rooms beneath it (server/CMakeLists.txt's order), and no two headers include each other
+those of the rooms it links (server/CMakeLists.txt's attnserve_room BELOW lists, read from there),
+and no two headers include each other
 (directly or through others). Prints each violation; exit 1 when there is any.
 
 usage: tools/check_layers.py [ROOT]
@@ -9,26 +10,35 @@ import os
 import re
 import sys
 
-# Bottom up, as server/CMakeLists.txt builds them; a room may use every room before it that it links.
-ROOMS = ["core", "weights", "engine", "models", "kv", "pipeline", "grpc", "oip", "process"]
-# What each room links (server/CMakeLists.txt): its own and these.
-BELOW = {
-    "core": set(),
-    "weights": {"core"},
-    "engine": {"core", "weights"},
-    "models": {"core", "weights", "engine"},
-    "kv": {"core", "weights", "engine"},
-    "pipeline": {"core", "weights", "engine", "models", "kv"},
-    "grpc": {"core", "weights", "engine", "models", "kv", "pipeline"},
-    "oip": {"core", "weights", "engine", "models", "kv", "pipeline", "grpc"},
-    "process": set(ROOMS) - {"process"},
-}
+ROOM = re.compile(r"attnserve_room\((\w+)(.*?)\)", re.S)
+
+
+def rooms(root):
+    """The rooms bottom up, and the rooms each may use (its BELOW rooms and theirs), read from
+    server/CMakeLists.txt, the one place that says it."""
+    below, order = {}, []
+    text = open(os.path.join(root, "server", "CMakeLists.txt")).read()
+    for m in ROOM.finditer(text):
+        room, args = m.group(1), m.group(2)
+        direct = set()
+        if "BELOW" in args:
+            words = args.split("BELOW", 1)[1].split()
+            for w in words:
+                if w in ("PUBLIC", "PRIVATE", "SOURCES"):
+                    break
+                direct.add(w.removeprefix("attnserve_"))
+        below[room] = set().union(direct, *(below[r] for r in direct))
+        order.append(room)
+    return order, below
+
+
 INCLUDE = re.compile(r'^\s*#\s*include\s+"(server/([a-z_]+)/[^"]+)"', re.M)
 
 
 def main():
     root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..")
     server = os.path.join(root, "server")
+    ROOMS, BELOW = rooms(root)
     edges, problems = {}, []
     for room in ROOMS:
         for name in sorted(os.listdir(os.path.join(server, room))):

@@ -6,14 +6,11 @@
 #include <ATen/Parallel.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/InferenceMode.h>
-#include <c10/core/StreamGuard.h>
-#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <algorithm>
 #include <cmath>
 #include <exception>
 #include <limits>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>

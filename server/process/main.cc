@@ -8,9 +8,7 @@
 #include <cstdlib>
 #include <iostream>
 #include <map>
-#include <sstream>
 #include <string>
-#include <thread>
 
 #include "server/pipeline/host_cpus.h"
 #include "server/process/server.h"

@@ -6,7 +6,6 @@
 #include <prometheus/registry.h>
 
 #include <cstdlib>
-#include <future>
 #include <mutex>
 
 #include "server/core/files.h"
@@ -24,7 +23,6 @@
 #include "server/process/metrics_listener.h"
 #include "server/process/reload_hooks.h"
 #include "server/process/server_impl.h"
-#include "server/process/socket_linger.h"
 #include "server/process/thread_stacks.h"
 
 namespace attnserve {
