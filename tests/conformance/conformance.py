@@ -296,6 +296,9 @@ class Served:
         self.server.stop()
 
 
+WIRE_ROUNDING = {"float16": 1e-3, "bfloat16": 1e-2}
+
+
 def check_config(served, i, c, ref_dtype, tolerance=None, weights_tolerance=None):
     """Configuration i's request through the server against the module's own forward: (ok, output
     relative error, weights absolute error or NaN, tolerance)."""
@@ -318,7 +321,9 @@ def check_config(served, i, c, ref_dtype, tolerance=None, weights_tolerance=None
         req.attn_mask.CopyFrom(lib.to_wire(pb, mask))
     resp = served.stub.Attend(req, timeout=30)
     got = lib.from_wire(pb, resp.output)
-    tol = tolerance or (1e-5 if dtype == "float32" else 1e-3)
+    # An answer on a 16-bit wire is rounded to it: never held to less than that rounding, whatever
+    # tolerance the compute dtype was given.
+    tol = max(tolerance or (1e-5 if dtype == "float32" else 1e-3), WIRE_ROUNDING.get(dtype, 0))
     wtol = weights_tolerance or max(tol, 1e-5)
     if got.shape != want.shape:
         return False, float("inf"), float("nan"), tol
