@@ -34,6 +34,8 @@ ls "$debs"/*.deb >/dev/null 2>&1 || { echo "gpu_check: no .deb files in $debs (r
 for f in "$debs"/*.deb; do dpkg -x "$f" "$prefix"; done
 lib="$prefix/usr/lib/x86_64-linux-gnu"
 export PATH="$prefix/usr/bin:$PATH" LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# pkg-config names libraries as -lNAME with -L/usr/...: the linker finds them in the prefix.
+export LIBRARY_PATH="$lib${LIBRARY_PATH:+:$LIBRARY_PATH}"
 python=${PYTHON:-python3}
 torch_prefix=$("$python" -c 'import torch; print(torch.utils.cmake_prefix_path)')
 log "$("$python" -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda, "on",
@@ -120,8 +122,13 @@ for dtype in bfloat16 float16; do
   for _ in $(seq 150); do grep -q serving "$out/server_$dtype.log" && break; sleep 0.2; done
   "$build/attnserve-bench" --target 127.0.0.1:50151 --label "attnserve-$dtype" --json "$out/gpu_bench.jsonl" \
     "${bench_args[@]}" 2>/dev/null | tee -a "$out/summary.txt"
-  curl -s http://127.0.0.1:9551/metrics | grep -E '^attnserve_(attention_backend_total|device_memory_bytes|achieved_flops)' \
+  LD_LIBRARY_PATH= curl -s http://127.0.0.1:9551/metrics >"$out/metrics_$dtype.txt" || true
+  grep -E '^attnserve_(attention_backend_total|device_memory_bytes|achieved_flops)' "$out/metrics_$dtype.txt" \
     | tee -a "$out/summary.txt" || true
+  # cuDNN's attention compiles a kernel per new shape at run time: ragged lengths stall on it.
+  if grep -q 'backend="cudnn"' "$out/metrics_$dtype.txt"; then
+    status=1; log "FAIL: requests of ragged lengths ran cuDNN's runtime-compiled attention"
+  fi
   kill -TERM $pid; wait $pid || true
 done
 # Varlen vs per-request attention on small ragged requests (8-128 tokens, packed 1024 tokens a
@@ -134,7 +141,7 @@ for varlen in auto off; do
   "$build/attnserve-bench" --target 127.0.0.1:50151 --label "small-varlen-$varlen" --json "$out/gpu_bench.jsonl" \
     --model mha1024 --embed-dim 1024 --callers 64 --lengths uniform:8:128 --pool 64 --duration 10 --warmup 3 \
     2>/dev/null | tee -a "$out/summary.txt"
-  curl -s http://127.0.0.1:9551/metrics | grep -E '^attnserve_attention_backend_total' | tee -a "$out/summary.txt" || true
+  LD_LIBRARY_PATH= curl -s http://127.0.0.1:9551/metrics | grep -E '^attnserve_attention_backend_total' | tee -a "$out/summary.txt" || true
   kill -TERM $pid; wait $pid || true
 done
 # Sessions and memories vs resending (demo model, E=512, H=8) on the GPU, as bench/kv.sh on the CPU.

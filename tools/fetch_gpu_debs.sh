@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=${1:-.debs}
 want=(libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler prometheus-cpp-dev
-      libcli11-dev nlohmann-json3-dev libbenchmark-dev libssl-dev zlib1g-dev libdnnl-dev
+      libcli11-dev nlohmann-json3-dev grpc-proto libbenchmark-dev libssl-dev zlib1g-dev libdnnl-dev
       ocl-icd-opencl-dev)
 # Present (and newer) on the GPU machine: unpacking bookworm's copies there could shadow them.
 skip='^(libc6|libc6-dev|libc-dev-bin|libgcc-s1|libstdc\+\+6|libstdc\+\+-12-dev|libgcc-12-dev|gcc-12-base|linux-libc-dev|libcrypt1|libcrypt-dev|libnsl2|libnsl-dev|libtirpc.*|rpcsvc-proto|debconf|dpkg|perl.*|tar|.*:i386)$'

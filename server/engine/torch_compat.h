@@ -25,6 +25,15 @@ inline at::Tensor FusedSdpa(const at::Tensor& q, const at::Tensor& k, const at::
   if (additive_mask.defined()) mask = additive_mask;
   return at::scaled_dot_product_attention(q, k, v, mask, /*dropout_p=*/0.0, is_causal);
 }
+/// Keeps FusedSdpa off cuDNN's attention: it compiles a kernel at run time for each new shape
+/// (bench/RESULTS.md, H200 with LibTorch 2.11: every worker inside cuDNN's runtime compiler and 7
+/// requests a second for 64 callers of lengths 64-2048, against hundreds with the shapes fixed),
+/// where flash and memory-efficient attention are compiled ahead of time for every length.
+inline void AvoidRuntimeCompiledAttention() {
+#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 3
+  at::globalContext().setSDPUseCuDNN(false);
+#endif
+}
 /// Which kernel FusedSdpa will run for these inputs (for metrics).
 inline const char* FusedSdpaBackend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                     const at::Tensor& additive_mask, bool is_causal) {

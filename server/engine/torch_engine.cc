@@ -604,7 +604,12 @@ StatusOr<std::unique_ptr<AttentionModel>> CreateTorchModel(const ModelWeights& w
           "--dtype bfloat16, or float32 (the default, exact)");
     }
     if (!device.is_cuda() && options.allow_tf32) return fail("--tf32: needs a CUDA device");
-    if (device.is_cuda()) at::globalContext().setAllowTF32CuBLAS(options.allow_tf32);
+    if (device.is_cuda()) {
+      at::globalContext().setAllowTF32CuBLAS(options.allow_tf32);
+#if TORCH_VERSION_MAJOR >= 2
+      compat::AvoidRuntimeCompiledAttention();
+#endif
+    }
     c10::InferenceMode guard;
     auto model = std::make_unique<TorchModel>(weights, device, options.compute_dtype,
                                               options.varlen, options.min_piece_flops,
