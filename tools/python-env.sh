@@ -6,6 +6,8 @@
 #                                # (system site packages; the package's dependencies are all met there)
 #   tools/python-env.sh newest   # a clean environment with the newest grpcio and protobuf, numpy 2 and
 #                                # ml_dtypes; no torch (it is optional)
+#   tools/python-env.sh tracing  # newest, plus OpenTelemetry's API, SDK, OTLP exporter and protos (the
+#                                # tracing tests' client and receiver); the package with its extra
 #   tools/python-env.sh wheel    # builds the wheel into build-py/dist/ (prints its path)
 # Prints the venv's path.
 set -euo pipefail
@@ -16,6 +18,10 @@ case "${1:-debian}" in
   debian) pins=() venv=build-py/debian system=--system-site-packages check='import attnserve, torch, grpc; assert grpc.__version__.startswith("1.51")' ;;
   newest) pins=(grpcio==1.85.3 protobuf==6.33.6 numpy==2.4.6 ml_dtypes==0.5.4 pytest==7.2.1) venv=build-py/newest system=
           check='import attnserve, ml_dtypes, grpc, pytest; assert grpc.__version__ == "1.85.3"' ;;
+  tracing) pins=(grpcio==1.85.3 protobuf==6.33.6 numpy==2.4.6 ml_dtypes==0.5.4 pytest==7.2.1
+                opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-proto==1.45.2
+                opentelemetry-exporter-otlp-proto-grpc==1.45.2) venv=build-py/tracing system= extra=[tracing]
+          check='import attnserve, grpc, opentelemetry.sdk, opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc' ;;
   wheel)
     rm -rf build-py/dist client/python/build  # setuptools builds in the tree: no stale modules.
     /usr/bin/python3 -m pip wheel -q --no-deps -w build-py/dist client/python >&2
@@ -31,7 +37,7 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 [ -x "$venv/bin/python" ] || /usr/bin/python3 -m venv $system "$venv"
 rm -rf client/python/build
-"$venv/bin/pip" install -q ${pins[@]+"${pins[@]}"} ./client/python >&2
+"$venv/bin/pip" install -q ${pins[@]+"${pins[@]}"} "./client/python${extra:-}" >&2
 "$venv/bin/python" -c "$check" >&2
 echo "$want" >"$stamp"
 echo "$PWD/$venv"

@@ -51,6 +51,7 @@ class AttendStreamCodec final : public StreamCodec {
     meta.set_request_id(x->request.request_id());
     meta.mutable_error()->set_code(static_cast<int>(ToGrpcCode(status.code())));
     meta.mutable_error()->set_message(status.message());
+    meta.mutable_error()->set_trace_id(x->trace.trace_id_hex());
     return EncodeResponse(meta, nullptr, nullptr);
   }
 };
@@ -75,9 +76,10 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
     return reactor;
   }
   Exchange* raw = x.release();
-  pipeline_.Attend("Attend", raw, CallOf(ctx), [this, raw, reactor, resp](const Status& seen) {
+  pipeline_.Attend("Attend", raw, CallOf(ctx), [this, ctx, raw, reactor, resp](const Status& seen) {
     if (seen.ok()) *resp = EncodeAnswer(&raw->answer);
     pipeline_.Record("Attend", raw, seen);
+    TellTraceOfFailure(ctx, raw->trace, seen);
     delete raw;
     reactor->Finish(ToGrpcStatus(seen));
   });
@@ -114,30 +116,32 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CreateMemory(grpc::CallbackServe
 grpc::ServerUnaryReactor* AttentionServiceImpl::ForkSession(grpc::CallbackServerContext* ctx,
                                                             const v1::ForkSessionRequest* req,
                                                             v1::KvHandle* resp) {
-  return Finished(calls_, ctx, pipeline_.ForkSession(*req, resp));
+  return Finished(calls_, ctx, pipeline_.ForkSession(*req, resp, TraceOf(ctx)));
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::TruncateSession(
     grpc::CallbackServerContext* ctx, const v1::TruncateSessionRequest* req, v1::KvHandle* resp) {
-  return Finished(calls_, ctx, pipeline_.TruncateSession(*req, resp));
+  return Finished(calls_, ctx, pipeline_.TruncateSession(*req, resp, TraceOf(ctx)));
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::OpenSession(grpc::CallbackServerContext* ctx,
                                                             const v1::OpenSessionRequest* req,
                                                             v1::KvHandle* resp) {
-  return Finished(calls_, ctx, pipeline_.OpenSession(*req, resp));
+  return Finished(calls_, ctx, pipeline_.OpenSession(*req, resp, TraceOf(ctx)));
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::DeleteMemory(grpc::CallbackServerContext* ctx,
                                                              const v1::ReleaseRequest* req,
                                                              v1::ReleaseResponse* resp) {
-  return Finished(calls_, ctx, pipeline_.Release("DeleteMemory", KvKind::kMemory, *req, resp));
+  return Finished(calls_, ctx, pipeline_.Release("DeleteMemory", KvKind::kMemory, *req, resp,
+                                                             TraceOf(ctx)));
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::CloseSession(grpc::CallbackServerContext* ctx,
                                                              const v1::ReleaseRequest* req,
                                                              v1::ReleaseResponse* resp) {
-  return Finished(calls_, ctx, pipeline_.Release("CloseSession", KvKind::kSession, *req, resp));
+  return Finished(calls_, ctx, pipeline_.Release("CloseSession", KvKind::kSession, *req, resp,
+                                                             TraceOf(ctx)));
 }
 
 }  // namespace attnserve

@@ -14,12 +14,30 @@ CallContext CallOf(grpc::CallbackServerContext* ctx) {
     call.deadline = SteadyClock::now() + (deadline - std::chrono::system_clock::now());
   }
   call.cancelled = [ctx] { return ctx->IsCancelled(); };
+  call.trace = TraceOf(ctx);
   const auto& metadata = ctx->client_metadata();
   if (auto it = metadata.find("grpc-previous-rpc-attempts"); it != metadata.end()) {
     const std::string text(it->second.data(), it->second.size());
     call.previous_attempts = static_cast<uint32_t>(std::strtoul(text.c_str(), nullptr, 10));
   }
   return call;
+}
+
+IncomingTrace TraceOf(const grpc::ServerContextBase* ctx) {
+  const auto& metadata = ctx->client_metadata();
+  const auto parent = metadata.equal_range("traceparent");
+  if (parent.first == parent.second || std::next(parent.first) != parent.second) return {};
+  std::string state;
+  for (auto [it, end] = metadata.equal_range("tracestate"); it != end; ++it) {
+    if (!state.empty()) state += ',';
+    state.append(it->second.data(), it->second.size());
+  }
+  const grpc::string_ref p = parent.first->second;
+  return ReadIncoming(std::string_view(p.data(), p.size()), state);
+}
+
+void TellTraceOfFailure(grpc::ServerContextBase* ctx, const CallTrace& trace, const Status& seen) {
+  if (!seen.ok() && trace.on) ctx->AddTrailingMetadata("attnserve-trace-id", Hex(trace.trace_id));
 }
 
 namespace {

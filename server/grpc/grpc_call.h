@@ -11,6 +11,12 @@ namespace attnserve {
 /// client set none), whether it is cancelled, and the attempt number that a client's retry policy
 /// sends (gRFC A6's grpc-previous-rpc-attempts).
 CallContext CallOf(grpc::CallbackServerContext* ctx);
+/// The caller's W3C trace context: the call's `traceparent` and `tracestate` metadata (malformed:
+/// none; several `tracestate` values are one list, joined with commas).
+IncomingTrace TraceOf(const grpc::ServerContextBase* ctx);
+/// A failed call traced by the server names its trace in the `attnserve-trace-id` trailing
+/// metadata (before the call finishes), so its client can find it.
+void TellTraceOfFailure(grpc::ServerContextBase* ctx, const CallTrace& trace, const Status& seen);
 
 /// A unary call's reactor, counted in `calls` from its making until gRPC is done with the call (so
 /// a stop waits for its answer to go out). Deletes itself then. Every unary handler answers

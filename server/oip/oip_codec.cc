@@ -90,11 +90,18 @@ Status ApplyParameter(const std::string& name, const InferParameter& p, v1::Atte
     out->set_session_length(p.int64_param());
   } else if (name == "sequence_id" || name == "sequence_start" || name == "sequence_end") {
     return Status::Ok();  // SequenceOf reads them.
+  } else if (name == "traceparent" || name == "tracestate") {
+    // A request's own W3C trace context (a stream's requests may each carry one); a malformed
+    // value is ignored, as the spec says, and so is one of the wrong kind.
+    if (is_string) {
+      (name == "traceparent" ? *out->mutable_traceparent() : *out->mutable_tracestate()) =
+          p.string_param();
+    }
   } else {
     return InvalidArgument(
         "parameters['" + name +
         "']: not a parameter of attnserve; allowed: is_causal, attn_weights, layout, "
-        "memory, session, session_length");
+        "memory, session, session_length, traceparent, tracestate");
   }
   return Status::Ok();
 }
@@ -304,7 +311,8 @@ inference::ModelInferResponse OipResponseHead(const AttendAnswer& answer, const 
 }
 
 inference::ModelStreamInferResponse OipStreamError(const v1::AttendRequest& request,
-                                                   const OipReply& reply, const Status& status) {
+                                                   const OipReply& reply, const Status& status,
+                                                   const std::string& trace_id) {
   inference::ModelStreamInferResponse r;
   r.set_error_message(status.message());
   inference::ModelInferResponse* head = r.mutable_infer_response();
@@ -312,6 +320,7 @@ inference::ModelStreamInferResponse OipStreamError(const v1::AttendRequest& requ
   if (request.model_version() > 0) head->set_model_version(std::to_string(request.model_version()));
   head->set_id(reply.id);
   (*head->mutable_parameters())["error_code"].set_string_param(StatusCodeName(status.code()));
+  if (!trace_id.empty()) (*head->mutable_parameters())["trace_id"].set_string_param(trace_id);
   return r;
 }
 

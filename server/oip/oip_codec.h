@@ -50,9 +50,11 @@ Status OipToAttend(inference::ModelInferRequest* in, v1::AttendRequest* out, Oip
 inference::ModelInferResponse OipResponseHead(const AttendAnswer& answer, const OipReply& reply);
 /// A ModelStreamInfer answer carrying an error: error_message is the status's message (as a unary
 /// call's status would carry it), infer_response names the request (id, model, version) and
-/// carries the status code's name ("INVALID_ARGUMENT") in its `error_code` parameter.
+/// carries the status code's name ("INVALID_ARGUMENT") in its `error_code` parameter, and the
+/// server's trace id of the request in `trace_id` when tracing is on.
 inference::ModelStreamInferResponse OipStreamError(const v1::AttendRequest& request,
-                                                   const OipReply& reply, const Status& status);
+                                                   const OipReply& reply, const Status& status,
+                                                   const std::string& trace_id = "");
 /// The answer's buffers in `reply.outputs` order (handed over).
 std::vector<std::unique_ptr<std::string>> OipRawOutputs(AttendAnswer* answer,
                                                         const OipReply& reply);

@@ -280,6 +280,7 @@ void Batcher::WorkerLoop() {
 
 void Batcher::Run(std::vector<std::unique_ptr<WorkItem>> batch) {
   const auto start = SteadyClock::now();
+  const int width = options_.tracer ? Width() : 0;
   std::vector<const AttendCall*> calls;
   std::vector<AttendOutputs*> outs;
   for (auto& item : batch) {
@@ -293,13 +294,40 @@ void Batcher::Run(std::vector<std::unique_ptr<WorkItem>> batch) {
   // On a GPU the engine times the batch with CUDA events: kernel time, not the host's wait.
   const double device = outs.empty() ? -1 : outs[0]->device_seconds;
   const double compute = device >= 0 ? device : Seconds(SteadyClock::now() - start);
+  const auto end = SteadyClock::now();
   std::vector<WorkItem*> raw;
   for (auto& item : batch) {
     item->compute_seconds = compute;
+    item->started = start;
+    item->finished = end;
     raw.push_back(item.get());
   }
+  if (options_.tracer) TraceBatch(batch, width);
   if (options_.on_batch) options_.on_batch(model->spec().name, raw, compute);
   for (size_t i = 0; i < batch.size(); ++i) Complete(*batch[i], statuses[i]);
+}
+
+void Batcher::TraceBatch(const std::vector<std::unique_ptr<WorkItem>>& batch, int width) const {
+  const auto sampled = [](const auto& item) { return item->trace && item->trace->sampled; };
+  if (std::none_of(batch.begin(), batch.end(), sampled)) return;
+  const WorkItem& first = *batch.front();
+  SpanData span = options_.tracer->Root("attnserve.batch", first.started, first.finished);
+  int64_t tokens = 0;
+  for (const auto& item : batch) {
+    tokens += item->tokens();
+    if (sampled(item)) span.links.push_back({item->trace->trace_id, item->trace->span_id});
+  }
+  span.Set("attnserve.model", first.model->spec().name);
+  span.Set("attnserve.model_version", first.model->spec().version);
+  span.Set("attnserve.batch.size", static_cast<int64_t>(batch.size()));
+  span.Set("attnserve.batch.tokens", tokens);
+  span.Set("attnserve.batch.width", static_cast<int64_t>(width));
+  span.Set("attnserve.batch.compute_seconds", first.compute_seconds);
+  for (const auto& item : batch) {
+    item->batch_trace = span.trace_id;
+    item->batch_span = span.span_id;
+  }
+  options_.tracer->Emit(std::move(span));
 }
 
 }  // namespace attnserve

@@ -16,6 +16,7 @@
 #include "server/core/types.h"
 #include "server/engine/attention_model.h"
 #include "server/pipeline/host_cpus.h"
+#include "server/trace/tracer.h"
 
 namespace attnserve {
 
@@ -41,10 +42,17 @@ struct WorkItem {
   /// whatever it captures of the memory or session it lets go of before telling the client.
   std::function<void(const Status&, const WorkItem&)> done;
 
+  /// The request's trace (owned by the call, which outlives the item); null: none.
+  const CallTrace* trace = nullptr;
+
   // Filled on completion.
   double queue_seconds = 0;
   double compute_seconds = 0;
   int batch_size = 0;
+  SteadyClock::time_point started, finished;  ///< The batch's compute, on the host's clock.
+  /// The batch's span, when it was traced (some request of it sampled); zero otherwise.
+  TraceId batch_trace{};
+  SpanId batch_span{};
 
   /// The validated call's AttendCall::tokens and attention_cost.
   int64_t tokens() const { return call.tokens; }
@@ -78,6 +86,9 @@ struct BatcherOptions {
   std::function<void(const std::string& model, const std::vector<WorkItem*>& batch,
                      double compute_seconds)>
       on_batch;
+  /// Traces batches that carry a sampled request (a span of their own, linked to each such
+  /// request's span); null: none. Borrowed.
+  const Tracer* tracer = nullptr;
   /// Called for each request refused or dropped before compute: reason is "queue_full",
   /// "draining", "deadline" or "cancelled".
   std::function<void(const std::string& model, const char* reason)> on_reject;
@@ -148,6 +159,8 @@ class Batcher {
   void WorkerLoop();
   void Finish(Dropped* dropped);
   void Run(std::vector<std::unique_ptr<WorkItem>> batch);
+  // The batch's span, when a request in it is sampled: stamps the items with its ids.
+  void TraceBatch(const std::vector<std::unique_ptr<WorkItem>>& batch, int width) const;
   // Threads that may run a batch's pieces now: 1 while any request waits, else 1 + idle workers.
   int Width() const;
   // Under mu_: updates idle_ and queued_ after busy_ or a queue changed.

@@ -97,7 +97,20 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
       kv_ends_(Counter(registry, "attnserve_kv_ends_total",
                        "Memories and sessions ended, by kind and reason (released, evicted, "
                        "expired, unloaded, "
-                       "failed, shutdown).")) {
+                       "failed, shutdown).")),
+      spans_exported_(Counter(registry, "attnserve_trace_spans_exported_total",
+                              "Trace spans the OTLP collector accepted (docs/tracing.md).")
+                          .Add({})),
+      spans_dropped_(Counter(registry, "attnserve_trace_spans_dropped_total",
+                             "Trace spans dropped, by reason: queue_full (the exporter's queue was "
+                             "full), export_failed (the collector was down, slow or refused), "
+                             "rejected (the collector said so).")),
+      access_log_dropped_(Counter(registry, "attnserve_access_log_dropped_total",
+                                  "Access-log lines dropped because the log's queue was full.")
+                              .Add({})) {
+  for (const char* reason : {"queue_full", "export_failed", "rejected"}) {
+    spans_dropped_.Add({{"reason", reason}});
+  }
   // Both outcomes exist from the start, so rate() and increase() see the first reload.
   reloads_.Add({{"outcome", "ok"}});
   reloads_.Add({{"outcome", "failed"}});
@@ -217,5 +230,15 @@ void ServerMetrics::RecordKvLookup(const char* kind, bool hit) {
 void ServerMetrics::RecordKvEnd(const char* kind, const char* reason) {
   kv_ends_.Add({{"kind", kind}, {"reason", reason}}).Increment();
 }
+
+void ServerMetrics::RecordSpansExported(int64_t spans) {
+  spans_exported_.Increment(static_cast<double>(spans));
+}
+
+void ServerMetrics::RecordSpansDropped(int64_t spans, const char* reason) {
+  spans_dropped_.Add({{"reason", reason}}).Increment(static_cast<double>(spans));
+}
+
+void ServerMetrics::RecordAccessLogDropped() { access_log_dropped_.Increment(); }
 
 }  // namespace attnserve

@@ -59,6 +59,12 @@ class ServerMetrics {
   void RecordKvLookup(const char* kind, bool hit);
   /// attnserve_kv_ends_total{kind, reason} (KvEndReasonName).
   void RecordKvEnd(const char* kind, const char* reason);
+  /// attnserve_trace_spans_exported_total: spans a collector accepted.
+  void RecordSpansExported(int64_t spans);
+  /// attnserve_trace_spans_dropped_total{reason="queue_full"|"export_failed"|"rejected"}.
+  void RecordSpansDropped(int64_t spans, const char* reason);
+  /// attnserve_access_log_dropped_total: access-log lines dropped with the log's queue full.
+  void RecordAccessLogDropped();
 
  private:
   prometheus::Family<prometheus::Histogram>& latency_;
@@ -83,6 +89,9 @@ class ServerMetrics {
   prometheus::Family<prometheus::Gauge>& kv_model_entries_;
   prometheus::Family<prometheus::Counter>& kv_lookups_;
   prometheus::Family<prometheus::Counter>& kv_ends_;
+  prometheus::Counter& spans_exported_;
+  prometheus::Family<prometheus::Counter>& spans_dropped_;
+  prometheus::Counter& access_log_dropped_;
   std::mutex info_mu_;
   std::map<std::pair<std::string, int64_t>, prometheus::Gauge*> info_;  // (model, version)
   std::map<std::string, prometheus::Gauge*> failing_;  // attnserve_model_load_failing by model

@@ -1,6 +1,9 @@
 #include "server/pipeline/request_pipeline.h"
 
+#include <ctime>
 #include <iostream>
+
+#include <nlohmann/json.hpp>
 
 #include "server/core/validator.h"
 #include "server/core/wire.h"
@@ -10,6 +13,42 @@ namespace {
 
 double SecondsSince(SteadyClock::time_point t) {
   return std::chrono::duration<double>(SteadyClock::now() - t).count();
+}
+
+double Millis(SteadyClock::time_point from, SteadyClock::time_point to) {
+  return std::chrono::duration<double, std::milli>(to - from).count();
+}
+
+// The RPC service a method label belongs to (OpenTelemetry's rpc.service).
+const char* ServiceOf(const char* method) {
+  const std::string m = method;
+  return m == "ModelInfer" || m == "ModelStreamInfer" ? "inference.GRPCInferenceService"
+                                                      : "attnserve.v1.AttentionService";
+}
+
+// The wall-clock time now as RFC 3339 UTC with milliseconds.
+std::string NowUtc() {
+  const auto now = std::chrono::system_clock::now();
+  const std::time_t t = std::chrono::system_clock::to_time_t(now);
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char text[40];
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch()) % 1000;
+  const size_t n = std::strftime(text, sizeof text, "%Y-%m-%dT%H:%M:%S", &tm);
+  std::snprintf(text + n, sizeof text - n, ".%03dZ", static_cast<int>(ms.count()));
+  return text;
+}
+
+// The attributes OpenTelemetry's RPC conventions give a server span, and the call's status.
+void SetRpc(SpanData* span, const char* method, const Status& seen) {
+  span->Set("rpc.system", std::string("grpc"));
+  span->Set("rpc.service", std::string(ServiceOf(method)));
+  span->Set("rpc.method", std::string(method));
+  span->Set("attnserve.status", std::string(StatusCodeName(seen.code())));  // the metrics' label
+  if (!seen.ok()) {
+    span->error = true;
+    span->error_message = seen.message();
+  }
 }
 
 void SetTensorMeta(v1::Tensor* t, DType dtype, const std::vector<int64_t>& shape) {
@@ -143,18 +182,27 @@ void RequestPipeline::Attend(const char* method, Exchange* x, CallContext call,
   item->accepted = x->received;
   item->deadline = call.deadline;
   item->cancelled = call.cancelled;
+  // A request's own trace context (a stream's requests may each carry one) wins over the call's.
+  x->trace = BeginTrace(x->request.traceparent().empty()
+                            ? call.trace
+                            : ReadIncoming(x->request.traceparent(), x->request.tracestate()));
+  if (x->trace.on) item->trace = &x->trace;
   std::shared_ptr<KvStep> step;
   const uint32_t attempts = call.previous_attempts;
+  x->times.attempts = attempts;
   Status st = Resolve(x, item.get(), &step);
   if (st.ok()) st = Admit(x, *item);
+  x->times.admitted = SteadyClock::now();
+  x->times.tokens = item->tokens();
   // A session step counts once its answer is computed in time for the client; refused or failed at
   // any point, or computed too late, the session is as it was. It ends before the answer leaves,
   // so the client's next step finds it idle.
-  auto finish = [step = std::move(step), call = std::move(call),
+  auto finish = [x, step = std::move(step), call = std::move(call),
                  done = std::move(done)](const Status& result) mutable {
     const Status seen = Deliverable(call, result, step != nullptr);
     if (step) step->End(seen.ok());
     step.reset();  // Idle and not held: the client's next call may evict it.
+    x->times.answered = SteadyClock::now();
     done(seen);
   };
   if (!st.ok()) {
@@ -171,6 +219,11 @@ void RequestPipeline::Attend(const char* method, Exchange* x, CallContext call,
   item->done = [x, attempts, finish = std::move(finish)](const Status& st,
                                                          const WorkItem& w) mutable {
     if (st.ok()) x->answer.meta = AnswerMeta(x->request, w, attempts);
+    x->times.started = w.started;
+    x->times.finished = w.finished;
+    x->times.batch_trace = w.batch_trace;
+    x->times.batch_span = w.batch_span;
+    x->times.batch_size = w.batch_size;
     finish(st);
   };
   batcher_.Submit(std::move(item));
@@ -246,6 +299,7 @@ void RequestPipeline::Record(const char* method, Exchange* x, const Status& seen
   if (seen.code() == StatusCode::kInternal) std::cerr << "attnserve: " << seen.ToString() << "\n";
   metrics_.RecordRequest(x->model, method, StatusCodeName(seen.code()), SecondsSince(x->received));
   metrics_.AddInFlight(method, -1);
+  Observed(method, *x, seen);
   std::lock_guard<std::mutex> lock(mu_);
   held_bytes_ -= x->held_bytes;
   x->held_bytes = 0;
@@ -260,8 +314,101 @@ void RequestPipeline::RecordUndecoded(const char* method, const Status& seen) {
 }
 
 void RequestPipeline::RecordCall(const std::string& model, const char* method, const Status& st,
-                                 SteadyClock::time_point received) {
+                                 SteadyClock::time_point received, const IncomingTrace& in,
+                                 const std::string& handle) {
   metrics_.RecordRequest(model, method, StatusCodeName(st.code()), SecondsSince(received));
+  if (!tracer_ && !access_log_) return;
+  const CallTrace trace = BeginTrace(in);
+  if (trace.sampled) {
+    SpanData span = tracer_->ServerSpan(trace, std::string(ServiceOf(method)) + "/" + method,
+                                        received, SteadyClock::now());
+    SetRpc(&span, method, st);
+    if (!model.empty()) span.Set("attnserve.model", model);
+    if (!handle.empty()) span.Set("attnserve.handle", handle);
+    const std::string replica = advertised_address();
+    if (!replica.empty()) span.Set("attnserve.replica", replica);
+    tracer_->Emit(std::move(span));
+  }
+  LogAccess(method, model, trace, st, received, nullptr);
+}
+
+void RequestPipeline::Observe(const Tracer* tracer, AccessLog* access_log) {
+  tracer_ = tracer && tracer->on() ? tracer : nullptr;
+  access_log_ = access_log;
+}
+
+CallTrace RequestPipeline::BeginTrace(const IncomingTrace& in) const {
+  return tracer_ ? tracer_->Begin(in) : CallTrace();
+}
+
+void RequestPipeline::Observed(const char* method, const Exchange& x, const Status& seen) const {
+  const CallTrace& t = x.trace;
+  if (t.sampled) {
+    const auto now = SteadyClock::now();
+    const Exchange::Times& tm = x.times;
+    const SteadyClock::time_point none{};
+    const auto admitted = tm.admitted == none ? now : tm.admitted;
+    tracer_->Emit(tracer_->ChildOf(t, "attnserve.decode", x.received, admitted));
+    if (tm.started != none) {
+      tracer_->Emit(tracer_->ChildOf(t, "attnserve.queue", admitted, tm.started));
+      SpanData compute = tracer_->ChildOf(t, "attnserve.compute", tm.started, tm.finished);
+      compute.Set("attnserve.batch.size", static_cast<int64_t>(tm.batch_size));
+      if (!IsZero(tm.batch_span.data(), tm.batch_span.size()))
+        compute.links.push_back({tm.batch_trace, tm.batch_span});
+      tracer_->Emit(std::move(compute));
+    }
+    if (tm.answered != none) tracer_->Emit(tracer_->ChildOf(t, "attnserve.encode", tm.answered, now));
+    SpanData call = tracer_->ServerSpan(t, std::string(ServiceOf(method)) + "/" + method,
+                                        x.received, now);
+    SetRpc(&call, method, seen);
+    const v1::AttendRequest& r = x.request;
+    if (!x.model.empty()) call.Set("attnserve.model", x.model);
+    if (seen.ok()) {
+      call.Set("attnserve.model_version", x.answer.meta.model_version());
+      call.Set("attnserve.weights_hash", x.answer.meta.weights_hash());
+    }
+    call.Set("attnserve.tokens", tm.tokens);
+    call.Set("attnserve.dtype", v1::DataType_Name(r.query().dtype()));
+    call.Set("attnserve.request_id", static_cast<int64_t>(r.request_id()));
+    call.Set("attnserve.previous_attempts", static_cast<int64_t>(tm.attempts));
+    if (!r.session().empty()) call.Set("attnserve.session", r.session());
+    if (!r.memory().empty()) call.Set("attnserve.memory", r.memory());
+    if (!r.session().empty() || !r.memory().empty()) {
+      const std::string replica = advertised_address();
+      if (!replica.empty()) call.Set("attnserve.replica", replica);
+    }
+    tracer_->Emit(std::move(call));
+  }
+  LogAccess(method, x.model, t, seen, x.received, &x);
+}
+
+void RequestPipeline::LogAccess(const char* method, const std::string& model,
+                                const CallTrace& trace, const Status& seen,
+                                SteadyClock::time_point received, const Exchange* x) const {
+  if (!access_log_) return;
+  const auto now = SteadyClock::now();
+  nlohmann::ordered_json line = {{"time", NowUtc()}, {"method", method}, {"model", model},
+                         {"status", StatusCodeName(seen.code())},
+                         {"total_ms", Millis(received, now)}};
+  if (trace.on) {
+    line["trace_id"] = Hex(trace.trace_id);
+    line["span_id"] = Hex(trace.span_id);
+    line["sampled"] = trace.sampled;
+  }
+  if (!seen.ok()) line["message"] = seen.message();
+  if (x) {
+    line["request_id"] = x->request.request_id();
+    line["tokens"] = x->times.tokens;
+    if (!x->request.session().empty()) line["session"] = x->request.session();
+    if (!x->request.memory().empty()) line["memory"] = x->request.memory();
+    const SteadyClock::time_point none{};
+    if (x->times.started != none) {
+      line["batch_size"] = x->times.batch_size;
+      line["queue_ms"] = Millis(x->times.admitted, x->times.started);
+      line["compute_ms"] = Millis(x->times.started, x->times.finished);
+    }
+  }
+  access_log_->Write(line.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace));
 }
 
 void RequestPipeline::ListModels(v1::ListModelsResponse* resp) const {
@@ -310,6 +457,7 @@ void RequestPipeline::CreateMemory(const v1::CreateMemoryRequest& req, CallConte
   item->accepted = received;
   item->deadline = call.deadline;
   item->cancelled = std::move(call.cancelled);
+  const IncomingTrace trace = call.trace;
   std::shared_ptr<KvEntry> entry;
   int64_t held = 0;  // The request's bytes, in the in-flight budget until it is done.
   const Status st = [&]() -> Status {
@@ -328,13 +476,13 @@ void RequestPipeline::CreateMemory(const v1::CreateMemoryRequest& req, CallConte
   const std::string name = item->model ? item->model->spec().name : "";
   if (!st.ok()) {
     Unreserve(held);
-    RecordCall(name, "CreateMemory", st, received);
+    RecordCall(name, "CreateMemory", st, received, trace);
     done(st);
     return;
   }
   item->kv_entry = entry;
   const int64_t length = item->call.key_len;
-  item->done = [this, name, received, entry = std::move(entry), length, held, resp,
+  item->done = [this, name, received, trace, entry = std::move(entry), length, held, resp,
                 done = std::move(done)](Status st, const WorkItem&) mutable {
     Unreserve(held);
     if (st.ok()) st = kv_.MarkReady(entry, length);
@@ -343,14 +491,16 @@ void RequestPipeline::CreateMemory(const v1::CreateMemoryRequest& req, CallConte
     } else {
       kv_.Discard(entry);
     }
+    const std::string handle = entry->handle;
     entry.reset();  // Not held once told: the client's next call may evict it.
-    RecordCall(name, "CreateMemory", st, received);
+    RecordCall(name, "CreateMemory", st, received, trace, handle);
     done(st);
   };
   batcher_.Submit(std::move(item));
 }
 
-Status RequestPipeline::OpenSession(const v1::OpenSessionRequest& req, v1::KvHandle* resp) {
+Status RequestPipeline::OpenSession(const v1::OpenSessionRequest& req, v1::KvHandle* resp,
+                                    const IncomingTrace& trace) {
   const auto received = SteadyClock::now();
   std::shared_ptr<const AttentionModel> model;
   const Status st = [&]() -> Status {
@@ -373,11 +523,12 @@ Status RequestPipeline::OpenSession(const v1::OpenSessionRequest& req, v1::KvHan
     FillHandle(*entry, 0, kv_, advertised_address(), resp);
     return Status::Ok();
   }();
-  RecordCall(model ? model->spec().name : "", "OpenSession", st, received);
+  RecordCall(model ? model->spec().name : "", "OpenSession", st, received, trace, resp->handle());
   return st;
 }
 
-Status RequestPipeline::ForkSession(const v1::ForkSessionRequest& req, v1::KvHandle* resp) {
+Status RequestPipeline::ForkSession(const v1::ForkSessionRequest& req, v1::KvHandle* resp,
+                                    const IncomingTrace& trace) {
   const auto received = SteadyClock::now();
   std::string model;
   const Status st = [&]() -> Status {
@@ -389,11 +540,12 @@ Status RequestPipeline::ForkSession(const v1::ForkSessionRequest& req, v1::KvHan
     FillHandle(*child, std::nullopt, kv_, advertised_address(), resp);
     return Status::Ok();
   }();
-  RecordCall(model, "ForkSession", st, received);
+  RecordCall(model, "ForkSession", st, received, trace, req.handle());
   return st;
 }
 
-Status RequestPipeline::TruncateSession(const v1::TruncateSessionRequest& req, v1::KvHandle* resp) {
+Status RequestPipeline::TruncateSession(const v1::TruncateSessionRequest& req, v1::KvHandle* resp,
+                                        const IncomingTrace& trace) {
   const auto received = SteadyClock::now();
   std::string model;
   const Status st = [&]() -> Status {
@@ -403,16 +555,16 @@ Status RequestPipeline::TruncateSession(const v1::TruncateSessionRequest& req, v
     FillHandle(*entry, req.length(), kv_, advertised_address(), resp);
     return Status::Ok();
   }();
-  RecordCall(model, "TruncateSession", st, received);
+  RecordCall(model, "TruncateSession", st, received, trace, req.handle());
   return st;
 }
 
 Status RequestPipeline::Release(const char* method, KvKind kind, const v1::ReleaseRequest& req,
-                                v1::ReleaseResponse* resp) {
+                                v1::ReleaseResponse* resp, const IncomingTrace& trace) {
   const auto received = SteadyClock::now();
   StatusOr<int64_t> freed = kv_.Release(req.handle(), kind);
   if (freed.ok()) resp->set_bytes_freed(*freed);
-  RecordCall("", method, freed.status(), received);
+  RecordCall("", method, freed.status(), received, trace, req.handle());
   return freed.status();
 }
 

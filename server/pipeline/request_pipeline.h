@@ -13,6 +13,8 @@
 #include "server/models/model_repository.h"
 #include "server/pipeline/batcher.h"
 #include "server/pipeline/metrics.h"
+#include "server/trace/access_log.h"
+#include "server/trace/tracer.h"
 
 namespace attnserve {
 
@@ -38,6 +40,8 @@ struct CallContext {
   std::function<bool()> cancelled;
   /// Earlier attempts of this call under the client's retry policy (reported in the answer).
   uint32_t previous_attempts = 0;
+  /// The caller's W3C trace context (the call's `traceparent`/`tracestate` metadata).
+  IncomingTrace trace;
 
   bool IsCancelled() const { return cancelled && cancelled(); }
 };
@@ -52,6 +56,17 @@ struct Exchange {
   SteadyClock::time_point received = SteadyClock::now();
   int64_t held_bytes = 0;  ///< Counted against FlowLimits::max_inflight_bytes until recorded.
   bool recorded = false;
+  /// Its trace (docs/tracing.md) and the times its spans take: decoded and admitted, computed (the
+  /// batch's host times), answered (the pipeline told the front end).
+  CallTrace trace;
+  struct Times {
+    SteadyClock::time_point admitted, started, finished, answered;
+    TraceId batch_trace{};
+    SpanId batch_span{};
+    int batch_size = 0;
+    int64_t tokens = 0;
+    uint32_t attempts = 0;
+  } times;
 };
 
 /// A call that stays open across requests (an AttendStream), which the drain must close.
@@ -90,6 +105,12 @@ class RequestPipeline {
   /// Counts a request that never reached Attend (it did not decode) as answered with `seen`.
   void RecordUndecoded(const char* method, const Status& seen);
 
+  /// Where calls' spans and access-log lines go (both may be null: none). Set before serving;
+  /// borrowed, and must outlive the pipeline's calls.
+  void Observe(const Tracer* tracer, AccessLog* access_log);
+  /// The trace a call with this context joins (empty with tracing off).
+  CallTrace BeginTrace(const IncomingTrace& in) const;
+
   /// The address clients reach this replica at (--advertise-address; "" for none), returned in
   /// every KvHandle so clients route a memory's or session's calls to it. Set before serving.
   void SetAdvertisedAddress(std::string address);
@@ -111,14 +132,17 @@ class RequestPipeline {
   void CreateMemory(const v1::CreateMemoryRequest& req, CallContext call, v1::KvHandle* resp,
                     std::function<void(const Status&)> done);
   /// Opens an empty decoding session.
-  Status OpenSession(const v1::OpenSessionRequest& req, v1::KvHandle* resp);
+  Status OpenSession(const v1::OpenSessionRequest& req, v1::KvHandle* resp,
+                     const IncomingTrace& trace = {});
   /// ForkSession: the new session, or the store's refusal.
-  Status ForkSession(const v1::ForkSessionRequest& req, v1::KvHandle* resp);
+  Status ForkSession(const v1::ForkSessionRequest& req, v1::KvHandle* resp,
+                     const IncomingTrace& trace = {});
   /// TruncateSession: the session after it, or the store's refusal.
-  Status TruncateSession(const v1::TruncateSessionRequest& req, v1::KvHandle* resp);
+  Status TruncateSession(const v1::TruncateSessionRequest& req, v1::KvHandle* resp,
+                         const IncomingTrace& trace = {});
   /// Ends a memory or a session (`method` is the metrics label).
   Status Release(const char* method, KvKind kind, const v1::ReleaseRequest& req,
-                 v1::ReleaseResponse* resp);
+                 v1::ReleaseResponse* resp, const IncomingTrace& trace = {});
 
   /// Registers an open call for the drain (a stream, from its start until it is done). A call that
   /// registers after the drain began is told by `draining()`.
@@ -142,9 +166,15 @@ class RequestPipeline {
   Status Reserve(const std::string& model, int64_t bytes);
   void Unreserve(int64_t bytes);
   static int64_t HeldBytes(int64_t wire_bytes, DType wire, DType compute);
-  // Metrics for a call that is not an Attend.
+  // Metrics, span and access-log line for a call that is not an Attend; `handle`: the memory or
+  // session it made or used.
   void RecordCall(const std::string& model, const char* method, const Status& st,
-                  SteadyClock::time_point received);
+                  SteadyClock::time_point received, const IncomingTrace& trace = {},
+                  const std::string& handle = "");
+  // An Attend's spans (the call's, decode, queue, compute, encode) and access-log line.
+  void Observed(const char* method, const Exchange& x, const Status& seen) const;
+  void LogAccess(const char* method, const std::string& model, const CallTrace& trace,
+                 const Status& seen, SteadyClock::time_point received, const Exchange* x) const;
 
   const ModelRepository& models_;
   Batcher& batcher_;
@@ -161,6 +191,8 @@ class RequestPipeline {
   SteadyClock::time_point last_arrival_;  // Latest request or open call received.
   std::set<OpenCall*> calls_;
   std::string advertised_;
+  const Tracer* tracer_ = nullptr;
+  AccessLog* access_log_ = nullptr;
 };
 
 }  // namespace attnserve

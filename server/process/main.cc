@@ -23,6 +23,52 @@ namespace {
 // (async-signal-safe).
 int g_signal_pipe[2] = {-1, -1};
 
+// OpenTelemetry's environment variables, where the flags were not given.
+const char* Env(const char* name) {
+  const char* v = std::getenv(name);
+  return v && *v ? v : nullptr;
+}
+
+// Traces and the access log (docs/tracing.md).
+void AddTracingFlags(CLI::App& app, attnserve::TracingOptions& t) {
+  app.add_option("--trace-endpoint", t.endpoint,
+                 "OTLP/gRPC collector to export spans to: host:port, a host (port 4317), or an "
+                 "http:// or https:// (TLS) URL; empty = tracing off (default: "
+                 "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT when set)");
+  app.add_option("--trace-rate", t.rate,
+                 "Fraction of calls without a sampled W3C traceparent that start a sampled trace; "
+                 "0 = only calls that arrive sampled")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
+  app.add_flag("--trace-tls", t.tls, "TLS to the collector (implied by an https:// endpoint)");
+  app.add_option("--trace-tls-ca", t.tls_ca_file,
+                 "PEM CA bundle that signed the collector's certificate (default: system roots)");
+  app.add_option("--trace-tls-cert", t.tls_cert_file,
+                 "PEM client certificate for mutual TLS to the collector (with --trace-tls-key)");
+  app.add_option("--trace-tls-key", t.tls_key_file, "PEM private key of --trace-tls-cert");
+  app.add_option("--trace-service-name", t.service_name,
+                 "The service.name of every span (default: OTEL_SERVICE_NAME, else attnserve)");
+  app.add_option("--access-log", t.access_log,
+                 "One JSON line per call (time, trace id, method, model, tokens, status, timings): "
+                 "a file appended to, or - for standard output; empty = off")
+      ->capture_default_str();
+  app.add_option("--access-log-max-lines", t.access_log_max_lines,
+                 "Lines the access log holds before it drops new ones (it never blocks a call)")
+      ->check(CLI::Range(1, 1 << 24))
+      ->capture_default_str();
+}
+
+// Where the tracing flags were not given: OpenTelemetry's standard environment variables.
+void ApplyTracingEnvironment(const CLI::App& app, attnserve::TracingOptions& t) {
+  if (app.count("--trace-endpoint") == 0) {
+    if (const char* e = Env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")) t.endpoint = e;
+    else if (const char* e2 = Env("OTEL_EXPORTER_OTLP_ENDPOINT")) t.endpoint = e2;
+  }
+  if (app.count("--trace-service-name") == 0) {
+    if (const char* n = Env("OTEL_SERVICE_NAME")) t.service_name = n;
+  }
+}
+
 void OnSignal(int sig) {
   const int saved = errno;
   const unsigned char b = static_cast<unsigned char>(sig);
@@ -202,12 +248,14 @@ bool ParseFlags(int argc, char** argv, attnserve::ServerOptions* options, int* e
                  "On stop, close each client connection only once its client has read everything "
                  "(false: close as gRPC does, e.g. behind a proxy that buffers whole answers)")
       ->capture_default_str();
+  AddTracingFlags(app, o.tracing);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     *exit_code = app.exit(e);
     return false;
   }
+  ApplyTracingEnvironment(app, o.tracing);
   o.memory_given = {app.count("--kv-budget-bytes") > 0, app.count("--kv-max-entry-bytes") > 0,
                     app.count("--max-inflight-bytes") > 0, app.count("--max-message-bytes") > 0};
   o.batcher.enabled = !no_batching;

@@ -1,5 +1,7 @@
 #include "server/process/server.h"
 
+#include <sstream>
+
 #include <grpc/grpc.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
@@ -145,18 +147,33 @@ Status Server::Impl::StartMetrics() {
   return Status::Ok();
 }
 
-void Server::Impl::StartPipeline() {
-  BatcherOptions batching = options.batcher;
-  batching.on_batch = [m = metrics.get(), s = memory.get()](const std::string& model,
-                                                            const std::vector<WorkItem*>& batch,
-                                                            double seconds) {
-    m->RecordBatch(model, batch, seconds);
-    s->Sample();
-  };
-  batching.on_reject = [m = metrics.get()](const std::string& model, const char* reason) {
-    m->RecordRejection(model, reason);
-  };
-  batcher = std::make_unique<Batcher>(std::move(batching));
+namespace {
+
+// --trace-endpoint as gRPC's target: a URL's scheme goes (https:// turns TLS on), a host alone
+// takes OTLP/gRPC's port 4317.
+ExporterOptions ExporterOptionsOf(const TracingOptions& t) {
+  ExporterOptions e;
+  std::string target = t.endpoint;
+  e.tls = t.tls;
+  for (const char* scheme : {"http://", "https://"}) {
+    if (target.rfind(scheme, 0) == 0) {
+      e.tls = e.tls || std::string(scheme) == "https://";
+      target = target.substr(std::string(scheme).size());
+    }
+  }
+  if (!target.empty() && target.back() == '/') target.pop_back();
+  const size_t colon = target.rfind(':');
+  if (colon == std::string::npos || target.back() == ']') target += ":4317";
+  e.endpoint = target;
+  e.tls_ca_file = t.tls_ca_file;
+  e.tls_cert_file = t.tls_cert_file;
+  e.tls_key_file = t.tls_key_file;
+  return e;
+}
+
+}  // namespace
+
+void Server::Impl::StartKv() {
   KvMetricsHooks kv_hooks;
   kv_hooks.on_size = [m = metrics.get()](int64_t bytes, int64_t memories, int64_t sessions) {
     m->SetKvSize(bytes, memories, sessions);
@@ -171,10 +188,46 @@ void Server::Impl::StartPipeline() {
     m->SetKvModelEntries(spec, entries);
   };
   kv = std::make_unique<KvStore>(options.kv, std::move(kv_hooks));
+}
+
+Status Server::Impl::StartTracing() {
+  const TracingOptions& t = options.tracing;
+  if (!t.endpoint.empty()) {
+    ExporterOptions e = ExporterOptionsOf(t);
+    e.resource = {{"service.name", t.service_name},
+                  {"service.version", std::string(ATTNSERVE_VERSION)},
+                  {"service.instance.id", kv->replica_id()},
+                  {"telemetry.sdk.name", std::string("attnserve")}};
+    e.on_exported = [m = metrics.get()](int64_t n) { m->RecordSpansExported(n); };
+    e.on_dropped = [m = metrics.get()](int64_t n, const char* why) { m->RecordSpansDropped(n, why); };
+    ASSIGN_OR_RETURN(exporter, OtlpExporter::Start(std::move(e)));
+  }
+  tracer = std::make_unique<Tracer>(t.rate, exporter.get());
+  if (!t.access_log.empty()) {
+    ASSIGN_OR_RETURN(access_log, AccessLog::Open(t.access_log, t.access_log_max_lines,
+                                                 [m = metrics.get()] { m->RecordAccessLogDropped(); }));
+  }
+  return Status::Ok();
+}
+
+void Server::Impl::StartPipeline() {
+  BatcherOptions batching = options.batcher;
+  batching.tracer = tracer->on() ? tracer.get() : nullptr;
+  batching.on_batch = [m = metrics.get(), s = memory.get()](const std::string& model,
+                                                            const std::vector<WorkItem*>& batch,
+                                                            double seconds) {
+    m->RecordBatch(model, batch, seconds);
+    s->Sample();
+  };
+  batching.on_reject = [m = metrics.get()](const std::string& model, const char* reason) {
+    m->RecordRejection(model, reason);
+  };
+  batcher = std::make_unique<Batcher>(std::move(batching));
   AttendLimits limits = options.limits;
   limits.max_answer_bytes = int64_t{options.max_message_bytes} - int64_t{kResponseOverheadBytes};
   pipeline =
       std::make_unique<RequestPipeline>(*models, *batcher, *metrics, limits, options.flow, *kv);
+  pipeline->Observe(tracer.get(), access_log.get());
   service = std::make_unique<AttentionServiceImpl>(*pipeline, *calls);
   oip = std::make_unique<OipServiceImpl>(
       *pipeline, *calls, static_cast<size_t>(options.kv.max_entries),
@@ -257,6 +310,8 @@ StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
                    ModelRepository::Open(options.models_dir, EngineOptionsOf(options)));
   RETURN_IF_ERROR(impl->PlanMemory());
   RETURN_IF_ERROR(impl->StartMetrics());
+  impl->StartKv();
+  RETURN_IF_ERROR(impl->StartTracing());
   impl->StartPipeline();
   RETURN_IF_ERROR(impl->StartGrpc());
   RETURN_IF_ERROR(impl->StartHealth());
@@ -306,6 +361,14 @@ std::string Server::Describe() const {
   s += ", replica " + impl_->kv->replica_id() +
        (advertised.empty() ? " (advertises no address)" : " advertised as " + advertised);
   if (!impl_->memory_plan.description.empty()) s += ", " + impl_->memory_plan.description;
+  const TracingOptions& t = impl_->options.tracing;
+  if (impl_->exporter) {
+    std::ostringstream rate;
+    rate << t.rate;
+    s += ", tracing to " + impl_->exporter->endpoint() + " (calls sampled by their caller, and " +
+         rate.str() + " of the others)";
+  }
+  if (impl_->access_log) s += ", access log to " + (t.access_log == "-" ? "stdout" : t.access_log);
   return s;
 }
 

@@ -16,6 +16,26 @@
 namespace attnserve {
 
 /// Everything `attnserve` can be told on its command line; defaults are the flags' defaults.
+/// Traces and the access log (docs/tracing.md; server flags --trace-*, --access-log).
+struct TracingOptions {
+  /// The OTLP/gRPC collector: host:port, a host alone (port 4317), or an http:// (plaintext) or
+  /// https:// (TLS) URL as OTEL_EXPORTER_OTLP_ENDPOINT writes it. "" = tracing off: no trace
+  /// context is read and no span is made.
+  std::string endpoint;
+  /// Calls without a sampled parent that start a sampled trace: 0 = only calls that arrive sampled.
+  double rate = 0;
+  /// TLS to the collector (also implied by an https:// endpoint): its CA bundle ("" = the system's
+  /// roots) and a client certificate and key for mutual TLS.
+  bool tls = false;
+  std::string tls_ca_file, tls_cert_file, tls_key_file;
+  /// The service.name resource attribute (OTEL_SERVICE_NAME when the flag is not given).
+  std::string service_name = "attnserve";
+  /// One JSON line per call: "" = off, "-" = standard output, else a file appended to.
+  std::string access_log;
+  /// Lines the access log may hold before it drops (it never blocks a call).
+  size_t access_log_max_lines = 10000;
+};
+
 struct ServerOptions {
   std::string address = "127.0.0.1:50051";         ///< gRPC listen address; port 0 picks one.
   std::string metrics_address = "127.0.0.1:9464";  ///< /metrics listen address; "" disables.
@@ -48,6 +68,7 @@ struct ServerOptions {
   std::string advertise_address;
   /// Who may call AdminService.ReloadModels (token file, client certificate names); none: nobody.
   AdminAuth admin;
+  TracingOptions tracing;
 };
 
 /// What a shutdown had to cut; shared, so that a watchdog may read it while the server goes.

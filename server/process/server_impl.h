@@ -19,6 +19,9 @@
 #include "server/process/metrics_listener.h"
 #include "server/process/server.h"
 #include "server/process/socket_linger.h"
+#include "server/trace/access_log.h"
+#include "server/trace/otlp_exporter.h"
+#include "server/trace/tracer.h"
 
 namespace attnserve {
 
@@ -36,6 +39,10 @@ struct Server::Impl {
   std::unique_ptr<ServerMetrics> metrics;
   std::unique_ptr<MetricsListener> exposer;
   std::unique_ptr<MemorySampler> memory;
+  // Spans and access-log lines: made before the pipeline and the batcher, gone after them.
+  std::unique_ptr<OtlpExporter> exporter;
+  std::unique_ptr<Tracer> tracer;
+  std::unique_ptr<AccessLog> access_log;
   std::unique_ptr<Batcher> batcher;
   std::unique_ptr<KvStore> kv;
   std::unique_ptr<RequestPipeline> pipeline;
@@ -56,6 +63,8 @@ struct Server::Impl {
 
   Status PlanMemory();
   Status StartMetrics();
+  void StartKv();
+  Status StartTracing();
   void StartPipeline();
   Status StartGrpc();
   Status StartHealth();

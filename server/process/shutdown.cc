@@ -91,6 +91,9 @@ void Server::Shutdown() {
     }
     // 3. gRPC has closed its connections; ours close once their clients have everything.
     impl_->outcome->connections_unread = impl_->linger.CloseWhenRead(start + grace * 19 / 20);
+    // Every call is answered: its spans are queued. They go to the collector (one last try, within
+    // the export timeout) before the process does.
+    if (impl_->exporter) impl_->exporter->Shutdown();
     impl_->exposer.reset();
     impl_->models.reset();
   });

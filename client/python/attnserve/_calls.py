@@ -12,12 +12,29 @@ from .errors import AttnserveError
 from .v1 import attention_pb2 as pb
 from .v1 import attention_pb2_grpc as pb_grpc
 
+try:  # The `tracing` extra: every call carries the caller's OpenTelemetry context (W3C traceparent).
+    from opentelemetry import propagate as _propagate
+except ImportError:
+    _propagate = None
+
 # The metadata key that names the replica holding a memory or session (KvHandle.replica): a call on
 # one carries it, and deploy/nginx routes by it.
 ROUTE_METADATA = "attnserve-replica"
 
 LAYOUTS = {"batch_first": pb.LAYOUT_BATCH_FIRST, "sequence_first": pb.LAYOUT_SEQUENCE_FIRST}
 WEIGHTS = {"none": pb.ATTN_WEIGHTS_NONE, "averaged": pb.ATTN_WEIGHTS_AVERAGED, "per_head": pb.ATTN_WEIGHTS_PER_HEAD}
+
+
+def with_trace(metadata=None):
+    """`metadata` plus the current OpenTelemetry context (`traceparent`, `tracestate`) when
+    opentelemetry-api is installed and a span is current; `metadata` unchanged otherwise."""
+    if _propagate is None:
+        return metadata
+    carrier = {}
+    _propagate.inject(carrier)
+    if not carrier:
+        return metadata
+    return tuple(metadata or ()) + tuple((k.lower(), v) for k, v in carrier.items())
 
 
 def service_config(which):
@@ -156,8 +173,8 @@ class Channels:
         """(stub, metadata, replica) for a call on a memory or session with `route` (None: not routed);
         replica is the address of the replica the call is routed to ("" when none)."""
         if route is None or not route.replica:
-            return self.stub, None, ""
-        metadata = ((ROUTE_METADATA, route.replica),)
+            return self.stub, with_trace(), ""
+        metadata = with_trace(((ROUTE_METADATA, route.replica),))
         if not self._direct or route.replica == self._target:
             return self.stub, metadata, route.replica
         with self._lock:

@@ -44,7 +44,7 @@ class Client:
     async def _call(self, method, request, deadline):
         timeout = self._deadline if deadline is DEFAULT else deadline
         try:
-            return await method(request, timeout=timeout)
+            return await method(request, timeout=timeout, metadata=_calls.with_trace())
         except grpc.RpcError as e:
             raise AttnserveError.from_rpc(e) from None
 
