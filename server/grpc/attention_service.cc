@@ -133,15 +133,15 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::OpenSession(grpc::CallbackServer
 grpc::ServerUnaryReactor* AttentionServiceImpl::DeleteMemory(grpc::CallbackServerContext* ctx,
                                                              const v1::ReleaseRequest* req,
                                                              v1::ReleaseResponse* resp) {
-  return Finished(calls_, ctx, pipeline_.Release("DeleteMemory", KvKind::kMemory, *req, resp,
-                                                             TraceOf(ctx)));
+  return Finished(calls_, ctx,
+                  pipeline_.Release("DeleteMemory", KvKind::kMemory, *req, resp, TraceOf(ctx)));
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::CloseSession(grpc::CallbackServerContext* ctx,
                                                              const v1::ReleaseRequest* req,
                                                              v1::ReleaseResponse* resp) {
-  return Finished(calls_, ctx, pipeline_.Release("CloseSession", KvKind::kSession, *req, resp,
-                                                             TraceOf(ctx)));
+  return Finished(calls_, ctx,
+                  pipeline_.Release("CloseSession", KvKind::kSession, *req, resp, TraceOf(ctx)));
 }
 
 }  // namespace attnserve

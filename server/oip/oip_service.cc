@@ -43,8 +43,8 @@ class OipServiceImpl::Stream final : public StreamCodec {
                                 OipRawOutputs(&x->answer, x->reply),
                                 inference::ModelStreamInferResponse::kInferResponseFieldNumber);
     }
-    inference::ModelStreamInferResponse error = OipStreamError(x->request, x->reply, status,
-                                                                x->trace.trace_id_hex());
+    inference::ModelStreamInferResponse error =
+        OipStreamError(x->request, x->reply, status, x->trace.trace_id_hex());
     return EncodeWithRawBytes(error, 0, {});
   }
 
@@ -149,18 +149,19 @@ grpc::ServerUnaryReactor* OipServiceImpl::ModelInfer(grpc::CallbackServerContext
     return reactor;
   }
   Exchange* raw = x.release();
-  pipeline_.Attend("ModelInfer", raw, CallOf(ctx), [this, ctx, raw, reactor, resp](const Status& seen) {
-    EndSequence(*raw, seen);
-    if (seen.ok()) {
-      *resp = EncodeWithRawBytes(OipResponseHead(raw->answer, raw->reply),
-                                 inference::ModelInferResponse::kRawOutputContentsFieldNumber,
-                                 OipRawOutputs(&raw->answer, raw->reply));
-    }
-    pipeline_.Record("ModelInfer", raw, seen);
-    TellTraceOfFailure(ctx, raw->trace, seen);
-    delete raw;
-    reactor->Finish(ToGrpcStatus(seen));
-  });
+  pipeline_.Attend(
+      "ModelInfer", raw, CallOf(ctx), [this, ctx, raw, reactor, resp](const Status& seen) {
+        EndSequence(*raw, seen);
+        if (seen.ok()) {
+          *resp = EncodeWithRawBytes(OipResponseHead(raw->answer, raw->reply),
+                                     inference::ModelInferResponse::kRawOutputContentsFieldNumber,
+                                     OipRawOutputs(&raw->answer, raw->reply));
+        }
+        pipeline_.Record("ModelInfer", raw, seen);
+        TellTraceOfFailure(ctx, raw->trace, seen);
+        delete raw;
+        reactor->Finish(ToGrpcStatus(seen));
+      });
   return reactor;
 }
 

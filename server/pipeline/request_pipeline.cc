@@ -2,7 +2,6 @@
 
 #include <ctime>
 #include <iostream>
-
 #include <nlohmann/json.hpp>
 
 #include "server/core/validator.h"
@@ -33,7 +32,8 @@ std::string NowUtc() {
   std::tm tm{};
   gmtime_r(&t, &tm);
   char text[40];
-  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch()) % 1000;
+  const auto ms =
+      std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch()) % 1000;
   const size_t n = std::strftime(text, sizeof text, "%Y-%m-%dT%H:%M:%S", &tm);
   std::snprintf(text + n, sizeof text - n, ".%03dZ", static_cast<int>(ms.count()));
   return text;
@@ -357,9 +357,10 @@ void RequestPipeline::Observed(const char* method, const Exchange& x, const Stat
         compute.links.push_back({tm.batch_trace, tm.batch_span});
       tracer_->Emit(std::move(compute));
     }
-    if (tm.answered != none) tracer_->Emit(tracer_->ChildOf(t, "attnserve.encode", tm.answered, now));
-    SpanData call = tracer_->ServerSpan(t, std::string(ServiceOf(method)) + "/" + method,
-                                        x.received, now);
+    if (tm.answered != none)
+      tracer_->Emit(tracer_->ChildOf(t, "attnserve.encode", tm.answered, now));
+    SpanData call =
+        tracer_->ServerSpan(t, std::string(ServiceOf(method)) + "/" + method, x.received, now);
     SetRpc(&call, method, seen);
     const v1::AttendRequest& r = x.request;
     if (!x.model.empty()) call.Set("attnserve.model", x.model);
@@ -387,9 +388,11 @@ void RequestPipeline::LogAccess(const char* method, const std::string& model,
                                 SteadyClock::time_point received, const Exchange* x) const {
   if (!access_log_) return;
   const auto now = SteadyClock::now();
-  nlohmann::ordered_json line = {{"time", NowUtc()}, {"method", method}, {"model", model},
-                         {"status", StatusCodeName(seen.code())},
-                         {"total_ms", Millis(received, now)}};
+  nlohmann::ordered_json line = {{"time", NowUtc()},
+                                 {"method", method},
+                                 {"model", model},
+                                 {"status", StatusCodeName(seen.code())},
+                                 {"total_ms", Millis(received, now)}};
   if (trace.on) {
     line["trace_id"] = Hex(trace.trace_id);
     line["span_id"] = Hex(trace.span_id);

@@ -61,8 +61,10 @@ void AddTracingFlags(CLI::App& app, attnserve::TracingOptions& t) {
 // Where the tracing flags were not given: OpenTelemetry's standard environment variables.
 void ApplyTracingEnvironment(const CLI::App& app, attnserve::TracingOptions& t) {
   if (app.count("--trace-endpoint") == 0) {
-    if (const char* e = Env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")) t.endpoint = e;
-    else if (const char* e2 = Env("OTEL_EXPORTER_OTLP_ENDPOINT")) t.endpoint = e2;
+    if (const char* e = Env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+      t.endpoint = e;
+    else if (const char* e2 = Env("OTEL_EXPORTER_OTLP_ENDPOINT"))
+      t.endpoint = e2;
   }
   if (app.count("--trace-service-name") == 0) {
     if (const char* n = Env("OTEL_SERVICE_NAME")) t.service_name = n;

@@ -1,7 +1,5 @@
 #include "server/process/server.h"
 
-#include <sstream>
-
 #include <grpc/grpc.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
@@ -9,6 +7,7 @@
 
 #include <cstdlib>
 #include <mutex>
+#include <sstream>
 
 #include "server/core/files.h"
 #include "server/engine/blas.h"
@@ -199,13 +198,16 @@ Status Server::Impl::StartTracing() {
                   {"service.instance.id", kv->replica_id()},
                   {"telemetry.sdk.name", std::string("attnserve")}};
     e.on_exported = [m = metrics.get()](int64_t n) { m->RecordSpansExported(n); };
-    e.on_dropped = [m = metrics.get()](int64_t n, const char* why) { m->RecordSpansDropped(n, why); };
+    e.on_dropped = [m = metrics.get()](int64_t n, const char* why) {
+      m->RecordSpansDropped(n, why);
+    };
     ASSIGN_OR_RETURN(exporter, OtlpExporter::Start(std::move(e)));
   }
   tracer = std::make_unique<Tracer>(t.rate, exporter.get());
   if (!t.access_log.empty()) {
-    ASSIGN_OR_RETURN(access_log, AccessLog::Open(t.access_log, t.access_log_max_lines,
-                                                 [m = metrics.get()] { m->RecordAccessLogDropped(); }));
+    ASSIGN_OR_RETURN(access_log,
+                     AccessLog::Open(t.access_log, t.access_log_max_lines,
+                                     [m = metrics.get()] { m->RecordAccessLogDropped(); }));
   }
   return Status::Ok();
 }

@@ -8,7 +8,8 @@ namespace attnserve {
 StatusOr<std::unique_ptr<AccessLog>> AccessLog::Open(const std::string& path, size_t max_lines,
                                                      std::function<void()> on_dropped) {
   if (path == "-") {
-    return std::unique_ptr<AccessLog>(new AccessLog(stdout, false, max_lines, std::move(on_dropped)));
+    return std::unique_ptr<AccessLog>(
+        new AccessLog(stdout, false, max_lines, std::move(on_dropped)));
   }
   std::FILE* f = std::fopen(path.c_str(), "a");
   if (!f) {

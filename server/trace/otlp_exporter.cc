@@ -1,6 +1,5 @@
 #include "server/trace/otlp_exporter.h"
 
-
 #include <iostream>
 
 #include "otlp/trace_export.grpc.pb.h"
@@ -10,7 +9,9 @@ namespace attnserve {
 namespace otlp = opentelemetry::proto::collector::trace::v1;
 namespace {
 
-std::string Bytes(const uint8_t* p, size_t n) { return std::string(reinterpret_cast<const char*>(p), n); }
+std::string Bytes(const uint8_t* p, size_t n) {
+  return std::string(reinterpret_cast<const char*>(p), n);
+}
 
 void ToWire(const SpanAttribute& a, otlp::KeyValue* kv) {
   kv->set_key(a.key);
@@ -62,9 +63,12 @@ Status ReadPem(const std::string& path, const char* flag, std::string* out) {
 
 Status ExporterOptions::Validate() const {
   const auto fail = [](const std::string& m) { return Status(StatusCode::kFailedPrecondition, m); };
-  if (endpoint.empty()) return fail("--trace-endpoint: empty; expected host:port of an OTLP/gRPC collector");
+  if (endpoint.empty())
+    return fail("--trace-endpoint: empty; expected host:port of an OTLP/gRPC collector");
   if (!tls && !(tls_ca_file.empty() && tls_cert_file.empty() && tls_key_file.empty()))
-    return fail("--trace-tls-ca, --trace-tls-cert, --trace-tls-key: given without TLS to the collector (an https:// endpoint or --trace-tls)");
+    return fail(
+        "--trace-tls-ca, --trace-tls-cert, --trace-tls-key: given without TLS to the collector (an "
+        "https:// endpoint or --trace-tls)");
   if (tls_cert_file.empty() != tls_key_file.empty())
     return fail("--trace-tls-cert and --trace-tls-key: give both (mutual TLS) or neither");
   if (max_queue_spans < 1 || max_batch_spans < 1)
@@ -142,7 +146,8 @@ void OtlpExporter::Loop() {
 bool OtlpExporter::Send(std::vector<SpanData> batch) {
   otlp::ExportTraceServiceRequest req;
   otlp::ResourceSpans* rs = req.add_resource_spans();
-  for (const SpanAttribute& a : options_.resource) ToWire(a, rs->mutable_resource()->add_attributes());
+  for (const SpanAttribute& a : options_.resource)
+    ToWire(a, rs->mutable_resource()->add_attributes());
   otlp::ScopeSpans* scope = rs->add_scope_spans();
   scope->mutable_scope()->set_name("attnserve");
   for (const SpanData& s : batch) ToWire(s, scope->add_spans());

@@ -37,8 +37,8 @@ struct SpanData {
   int64_t end_unix_nanos = 0;
   std::vector<SpanAttribute> attributes;
   std::vector<SpanLink> links;
-  bool error = false;          ///< OTLP status ERROR (else UNSET).
-  std::string error_message;   ///< With `error`.
+  bool error = false;         ///< OTLP status ERROR (else UNSET).
+  std::string error_message;  ///< With `error`.
 
   void Set(std::string key, AttributeValue value) {
     attributes.push_back({std::move(key), std::move(value)});

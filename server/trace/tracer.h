@@ -14,8 +14,8 @@ struct CallTrace {
   bool on = false;       ///< Tracing is configured: the ids below exist (logs, error metadata).
   bool sampled = false;  ///< The call's spans are exported.
   TraceId trace_id{};
-  SpanId span_id{};      ///< The call's own (server) span.
-  SpanId parent{};       ///< The caller's span; zero: the call's span is a root.
+  SpanId span_id{};  ///< The call's own (server) span.
+  SpanId parent{};   ///< The caller's span; zero: the call's span is a root.
   std::string tracestate;
 
   std::string trace_id_hex() const { return on ? Hex(trace_id) : std::string(); }
