@@ -62,6 +62,8 @@ void ToWire(const AttendRequest& r, pb::AttendRequest* out) {
   out->set_model_version(r.model_version);
   out->set_memory(r.memory);
   out->set_session(r.session);
+  out->set_traceparent(r.traceparent);
+  out->set_tracestate(r.tracestate);
   if (r.session_length) out->set_session_length(*r.session_length);
 }
 
@@ -104,8 +106,16 @@ ModelInfo FromWire(const pb::ModelInfo& m) {
   return out;
 }
 
-CallStatus FromGrpc(const grpc::Status& s) {
-  return CallStatus{static_cast<int>(s.error_code()), s.error_message()};
+// A call's outcome; a failed one names the server's trace of it (docs/tracing.md) when `ctx`
+// carries it back.
+CallStatus FromGrpc(const grpc::Status& s, const grpc::ClientContext* ctx = nullptr) {
+  CallStatus out{static_cast<int>(s.error_code()), s.error_message(), ""};
+  if (!s.ok() && ctx) {
+    const auto& trailing = ctx->GetServerTrailingMetadata();
+    if (auto it = trailing.find("attnserve-trace-id"); it != trailing.end())
+      out.trace_id.assign(it->second.data(), it->second.size());
+  }
+  return out;
 }
 
 }  // namespace
@@ -163,7 +173,7 @@ struct Client::Impl {
     while (cq.Next(&tag, &ok)) {
       ATTNSERVE_HANDOFF_ACQUIRE(tag);
       std::unique_ptr<AsyncAttend> call(static_cast<AsyncAttend*>(tag));
-      call->done(Explained(FromGrpc(call->status), call->replica),
+      call->done(Explained(FromGrpc(call->status, &call->ctx), call->replica),
                  call->status.ok() ? FromWire(&call->response) : AttendResult{});
       call.reset();
       std::lock_guard<std::mutex> lock(mu);
@@ -180,6 +190,8 @@ struct Client::Impl {
     if (deadline.count() > 0) ctx->set_deadline(std::chrono::system_clock::now() + deadline);
     if (!call.bearer_token.empty())
       ctx->AddMetadata("authorization", "Bearer " + call.bearer_token);
+    if (!call.traceparent.empty()) ctx->AddMetadata("traceparent", call.traceparent);
+    if (!call.tracestate.empty()) ctx->AddMetadata("tracestate", call.tracestate);
   }
 
   // Memories and sessions this client made: their routes, and a channel to each replica that
@@ -220,7 +232,8 @@ struct Client::Impl {
     Prepare(&ctx, call);
     std::string replica;
     pb::AttentionService::Stub* to = Routed(handle, &ctx, &replica);
-    return Explained(FromGrpc((to->*rpc)(&ctx, req, resp)), replica);
+    const grpc::Status s = (to->*rpc)(&ctx, req, resp);
+    return Explained(FromGrpc(s, &ctx), replica);
   }
   // Names the replica when a call routed to it failed for want of it.
   static CallStatus Explained(CallStatus s, const std::string& replica) {
@@ -427,7 +440,8 @@ class StreamReactor final : public grpc::ClientBidiReactor<pb::AttendRequest, pb
     if (!ok) return;
     CallStatus status;
     if (response_.has_error())
-      status = CallStatus{response_.error().code(), response_.error().message()};
+      status = CallStatus{response_.error().code(), response_.error().message(),
+                          response_.error().trace_id()};
     AttendResult result = status.ok() ? FromWire(&response_) : AttendResult{};
     result.request_id = response_.request_id();
     on_response_(std::move(status), std::move(result));

@@ -19,7 +19,23 @@ namespace {
 
 int Fail(const attnserve::CallStatus& s) {
   std::cerr << "attnserve-cli: " << s.ToString() << "\n";
+  if (!s.trace_id.empty()) std::cerr << "attnserve-cli: the server's trace: " << s.trace_id << "\n";
   return 1;
+}
+
+// A new sampled W3C traceparent: "00-<32 hex>-<16 hex>-01" from the OS's random numbers.
+std::string NewTraceparent() {
+  std::random_device rd;
+  static constexpr char kHex[] = "0123456789abcdef";
+  const auto hex = [&](int n) {
+    std::string out;
+    while (static_cast<int>(out.size()) < n) out += kHex[rd() & 15];
+    return out;
+  };
+  std::string trace = hex(32), span = hex(16);
+  if (trace.find_first_not_of('0') == std::string::npos) trace[31] = '1';
+  if (span.find_first_not_of('0') == std::string::npos) span[15] = '1';
+  return "00-" + trace + "-" + span + "-01";
 }
 
 std::string Shape(const std::vector<int64_t>& s) {
@@ -191,6 +207,11 @@ class AttendCommand final : public Command {
         ->capture_default_str();
     sub_->add_flag("--causal", causal_, "Apply a causal mask");
     sub_->add_option("--seed", seed_, "Seed of the random inputs")->capture_default_str();
+    sub_->add_option("--traceparent", traceparent_,
+                     "W3C traceparent to send: the server's spans join that trace");
+    sub_->add_flag("--trace", trace_,
+                   "Start a new sampled trace for the call and print its trace id (the server "
+                   "exports its spans when it has --trace-endpoint)");
   }
   int Run(attnserve::Client& client) override {
     attnserve::ModelInfo m;
@@ -198,9 +219,14 @@ class AttendCommand final : public Command {
     if (!s.ok()) return Fail(s);
     attnserve::AttendRequest req;
     if (!Prepare(m, &req)) return 1;
+    attnserve::CallOptions call;
+    call.traceparent = trace_ && traceparent_.empty() ? NewTraceparent() : traceparent_;
+    if (!call.traceparent.empty() && call.traceparent.size() >= 35) {
+      std::printf("trace %s\n", call.traceparent.substr(3, 32).c_str());
+    }
     attnserve::AttendResult r;
     const auto start = std::chrono::steady_clock::now();
-    s = client.Attend(req, &r);
+    s = client.Attend(req, &r, call);
     const double ms = MsSince(start);
     if (!s.ok()) return Fail(s);
     double sum = 0, abs_sum = 0;
@@ -249,9 +275,9 @@ class AttendCommand final : public Command {
                                              : attnserve::AttnWeights::kNone;
     return true;
   }
-  std::string model_ = "demo", query_file_, weights_ = "none", dtype_ = "float32";
+  std::string model_ = "demo", query_file_, weights_ = "none", dtype_ = "float32", traceparent_;
   int64_t batch_ = 1, query_len_ = 16, key_len_ = 0, model_version_ = 0;
-  bool causal_ = false;
+  bool causal_ = false, trace_ = false;
   uint64_t seed_ = 0;
 };
 

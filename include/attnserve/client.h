@@ -42,6 +42,9 @@ struct AttendRequest {
   /// With `session`: the tokens the session should hold before this step (else ABORTED); unset:
   /// not checked.
   std::optional<int64_t> session_length;
+  /// This request's own W3C trace context, for a request on an AttendStream (where the call's
+  /// CallOptions::traceparent covers the whole stream); empty: none.
+  std::string traceparent, tracestate;
 };
 
 /// A successful answer.
@@ -116,6 +119,9 @@ struct ReloadResult {
 struct CallStatus {
   int code = 0;
   std::string message;
+  /// A failed call's trace id when the server traces (its `attnserve-trace-id` trailing metadata;
+  /// an AttendStream request's Error.trace_id); "" otherwise.
+  std::string trace_id;
   bool ok() const { return code == 0; }
   /// "INVALID_ARGUMENT: key: shape [2, 7] has 2 dims, ..." or "OK".
   std::string ToString() const;
@@ -183,6 +189,10 @@ struct CallOptions {
   /// secret, for AdminService calls. Use it over TLS: on a plaintext channel anyone on the path
   /// can read it.
   std::string bearer_token;
+  /// W3C Trace Context of the caller's span (docs/tracing.md): sent as `traceparent` (and
+  /// `tracestate`) metadata when not empty, so the server's spans join the caller's trace. A
+  /// failed call's CallStatus::trace_id then names the server's trace.
+  std::string traceparent, tracestate;
 };
 
 /// One AttendStream call: many requests on one stream, answered in completion order (match them

@@ -136,7 +136,17 @@ void OtlpExporter::Loop() {
       lock.unlock();
       const bool sent = Send(std::move(batch));
       lock.lock();
-      if (!sent && !last) break;  // The rest waits for the next round (or the queue drops).
+      if (!sent && last) {
+        // Stopping while the collector fails: one try is enough. The rest is dropped (counted)
+        // rather than each batch waiting out a timeout of its own.
+        const int64_t rest = static_cast<int64_t>(queue_.size());
+        queue_.clear();
+        lock.unlock();
+        Dropped(rest, "export_failed");
+        lock.lock();
+        break;
+      }
+      if (!sent) break;  // The rest waits for the next round (or the queue drops).
       if (!last && queue_.size() < options_.max_batch_spans) break;
     }
     if (last) return;

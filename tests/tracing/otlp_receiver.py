@@ -53,10 +53,15 @@ class _Service(trace_service_pb2_grpc.TraceServiceServicer):
         if self.r.mode == "stall":
             self.r.stalled.wait()  # until stop(): the exporter's deadline ends the call first
             context.abort(grpc.StatusCode.UNAVAILABLE, "stalled (test collector)")
+        if not self.r.keep:  # counting only (the memory test's hundreds of thousands)
+            with self.r.lock:
+                self.r.count += sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+            return trace_service_pb2.ExportTraceServiceResponse()
         got = [span_dict(rs.resource, ss.scope, s)
                for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans]
         with self.r.lock:
             self.r._spans.extend(got)
+            self.r.count += len(got)
         if self.r.sink:
             for s in got:
                 self.r.sink.write(json.dumps(s) + "\n")
@@ -65,8 +70,8 @@ class _Service(trace_service_pb2_grpc.TraceServiceServicer):
 
 
 class Receiver:
-    def __init__(self, mode="ok", port=0, sink=None):
-        self.mode, self.sink, self.calls = mode, sink, 0
+    def __init__(self, mode="ok", port=0, sink=None, keep=True):
+        self.mode, self.sink, self.calls, self.keep, self.count = mode, sink, 0, keep, 0
         self.lock, self.stalled = threading.Lock(), threading.Event()
         self._spans = []
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
@@ -124,9 +129,10 @@ def main():
     ap.add_argument("--port-file", required=True)
     ap.add_argument("--mode", choices=["ok", "stall", "refuse"], default="ok")
     ap.add_argument("--out", default=None, help="append spans here as JSON lines")
+    ap.add_argument("--count-only", action="store_true", help="decode and count, keep nothing")
     args = ap.parse_args()
     sink = open(args.out, "a") if args.out else None
-    r = Receiver(args.mode, args.port, sink)
+    r = Receiver(args.mode, args.port, sink, keep=not args.count_only)
     with open(args.port_file + ".tmp", "w") as f:
         f.write(str(r.port))
     import os
