@@ -70,13 +70,18 @@ class _Service(trace_service_pb2_grpc.TraceServiceServicer):
 
 
 class Receiver:
-    def __init__(self, mode="ok", port=0, sink=None, keep=True):
+    def __init__(self, mode="ok", port=0, sink=None, keep=True, tls=None):
+        """tls: (key PEM, certificate PEM) bytes to serve over TLS."""
         self.mode, self.sink, self.calls, self.keep, self.count = mode, sink, 0, keep, 0
         self.lock, self.stalled = threading.Lock(), threading.Event()
         self._spans = []
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_Service(self), self.server)
-        self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
+        if tls:
+            creds = grpc.ssl_server_credentials([tls])
+            self.port = self.server.add_secure_port(f"127.0.0.1:{port}", creds)
+        else:
+            self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
         self.server.start()
 
     @property

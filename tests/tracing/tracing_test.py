@@ -26,6 +26,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.trace import SpanKind
 
 import attnserve_py as lib
+from pki import make_pki
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import otlp_receiver  # noqa: E402
@@ -413,6 +414,38 @@ def test_memory_stays_flat_over_100000_requests_at_rate_1(attnserve, bench, chec
            total >= 100000 and exported + dropped >= 5 * total and exported > 0)
     checks(f"resident memory {rss_start / 1024:.0f} MiB after 20,000, {rss_end / 1024:.0f} MiB after "
            f"{total:.0f} (growth {growth:.1f} MiB, at most 24)", growth <= 24)
+
+
+def test_tls_to_the_collector(attnserve, checks, tmp_path):
+    """--trace-endpoint https://... with --trace-tls-ca: spans arrive over TLS; a collector whose
+    certificate another CA signed gets none (dropped, counted, said once)."""
+    make_pki(str(tmp_path))
+    key, cert = (tmp_path / "server.key").read_bytes(), (tmp_path / "server.pem").read_bytes()
+    collector = otlp_receiver.Receiver(tls=(key, cert))
+    rng = np.random.default_rng(8)
+    try:
+        for ca, want in (("ca", True), ("other_ca", False)):
+            server = lib.Server(attnserve, "--trace-endpoint", f"https://{collector.endpoint}",
+                                "--trace-tls-ca", str(tmp_path / f"{ca}.pem"), "--trace-rate", "1")
+            try:
+                with grpc.insecure_channel(server.target) as ch:
+                    attend_with(pb_grpc.AttentionServiceStub(ch), 500 + want, None, rng)
+                if want:
+                    spans = collector.wait_for(lambda s: any(x["attributes"].get("attnserve.request_id") == 501
+                                                             for x in s))
+                    checks("a collector the CA signed gets the spans over TLS",
+                           any(x["attributes"].get("attnserve.request_id") == 501 for x in spans))
+                else:
+                    lib.wait_until(lambda: metric(server, "attnserve_trace_spans_dropped_total") > 0, timeout=15)
+                    checks("another CA's collector: the spans are dropped and counted",
+                           metric(server, "attnserve_trace_spans_dropped_total") > 0
+                           and not any(x["attributes"].get("attnserve.request_id") == 500 for x in collector.spans()))
+            finally:
+                out = server.stop()
+            if not want:
+                checks("and the failure is said once", len(re.findall("trace export to .* failed", out)) == 1, out)
+    finally:
+        collector.stop()
 
 
 def test_access_log_is_one_json_line_per_call(attnserve, receiver, checks, tmp_path):
