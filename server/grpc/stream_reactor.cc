@@ -34,8 +34,10 @@ bool StreamReactor::CanRead() const {
   return requests_ == 0 || (requests_ < flow.max_stream_requests && bytes_ < flow.max_stream_bytes);
 }
 
-Status StreamReactor::Undelivered() const {
-  if (SteadyClock::now() >= call_.deadline) {
+Status StreamReactor::Undelivered() const { return UndeliveredBy(call_.deadline); }
+
+Status StreamReactor::UndeliveredBy(SteadyClock::time_point deadline) {
+  if (SteadyClock::now() >= deadline) {
     return Status(StatusCode::kDeadlineExceeded,
                   "the stream's deadline passed before the answer was sent");
   }
@@ -43,6 +45,9 @@ Status StreamReactor::Undelivered() const {
 }
 
 void StreamReactor::Decide(Actions* a) {
+  a->pipeline = &pipeline_;
+  a->method = codec_.method();
+  a->deadline = call_.deadline;
   if (CanRead()) {
     reading_ = true;
     a->read = true;
@@ -75,15 +80,18 @@ void StreamReactor::Run(Actions a) {
   // started write or Finish, another thread may finish and delete the reactor.
   // A request in a.next is still counted in computing_, so the call cannot finish before it is
   // dispatched: dispatching it last keeps every step above safe.
-  RequestPipeline& pipeline = pipeline_;
-  const char* method = codec_.method();
-  const Status undelivered = a.dropped.empty() && a.unsent.empty() ? Status() : Undelivered();
-  for (Answer& d : a.dropped) pipeline.Record(method, d.exchange.get(), undelivered);
-  for (size_t i = 0; i < a.unsent.size(); ++i) pipeline.RecordUndecoded(method, undelivered);
+  RecordDropped(a);
   if (a.read) StartRead(&read_buffer_);
   if (a.write) StartWrite(a.write);
   if (a.finish) Finish(a.finish_status);
   if (a.next) Dispatch(std::move(*a.next));
+}
+
+void StreamReactor::RecordDropped(const Actions& a) {
+  if (a.dropped.empty() && a.unsent.empty()) return;
+  const Status undelivered = UndeliveredBy(a.deadline);
+  for (const Answer& d : a.dropped) a.pipeline->Record(a.method, d.exchange.get(), undelivered);
+  for (size_t i = 0; i < a.unsent.size(); ++i) a.pipeline->RecordUndecoded(a.method, undelivered);
 }
 
 void StreamReactor::Dispatch(Answer request) {
@@ -197,6 +205,15 @@ void StreamReactor::OnComputed(Answer request) {
       answers_.push_back(std::move(request));
     }
     Decide(&a);
+  }
+  const bool holds_call_open = a.read || a.write || a.finish || a.next;
+  if (auto hook = computed_unlocked_for_test.load(std::memory_order_relaxed)) hook(holds_call_open);
+  if (!holds_call_open) {
+    // Nothing this thread does holds the call open: gRPC's threads may already have finished the
+    // stream and deleted the reactor, so not even a member function of it is called (a static one
+    // records what was dropped, with the pipeline and method copied under the lock).
+    RecordDropped(a);
+    return;
   }
   Run(std::move(a));  // On a compute thread: after it, the reactor may be gone.
 }

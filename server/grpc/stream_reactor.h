@@ -2,6 +2,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
 #include <deque>
 #include <map>
 #include <memory>
@@ -90,6 +91,11 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   /// Finishes the call with the status chosen when Drain returned true.
   void FinishNow() override;
 
+  /// Test seam (StreamSafetyTest): when set, runs on the compute thread right after OnComputed
+  /// lets go of the lock, told whether this thread's actions hold the call open; a test widens the
+  /// window in which gRPC's threads may finish and delete the reactor. Null in production.
+  static inline std::atomic<void (*)(bool holds_call_open)> computed_unlocked_for_test{nullptr};
+
  private:
   /// One request's answer on its way out.
   struct Answer {
@@ -108,8 +114,16 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     std::vector<Answer> dropped;  // Recorded as not delivered.
     std::vector<Answer> unsent;   // Never dispatched; counted as not delivered.
     std::optional<Answer> next;   // The next request of an order, dispatched after Run.
+    // Copied from the reactor under its lock: on a compute thread, once the lock is let go, the
+    // reactor may be finished and deleted by gRPC's threads unless an action above holds it open,
+    // so Run reads nothing of it for the recording.
+    RequestPipeline* pipeline = nullptr;
+    const char* method = nullptr;
+    SteadyClock::time_point deadline = SteadyClock::time_point::max();
   };
 
+  // Records the answers dropped and the requests never dispatched; reads nothing of a reactor.
+  static void RecordDropped(const Actions& a);
   // Hands a request to the pipeline (or answers it with the codec's refusal).
   void Dispatch(Answer request);
   // A request's outcome (`request.status`): encodes and queues its answer.
@@ -121,7 +135,10 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   void DropAnswers(Actions* a);
   // Without mu_.
   void Run(Actions a);
+  // What a client that cannot receive an answer is counted as: DEADLINE_EXCEEDED once the stream's
+  // deadline passed, else CANCELLED.
   Status Undelivered() const;
+  static Status UndeliveredBy(SteadyClock::time_point deadline);
 
   RequestPipeline& pipeline_;
   CallCounter& calls_;

@@ -28,7 +28,10 @@ void ToWire(const SpanData& s, otlp::Span* out) {
   if (!IsZero(s.parent_span_id.data(), s.parent_span_id.size()))
     out->set_parent_span_id(Bytes(s.parent_span_id.data(), s.parent_span_id.size()));
   out->set_trace_state(s.tracestate);
-  out->set_flags(0x101);  // sampled; the parent's remote-ness is known (bit 8)
+  // Sampled (bit 0); whether the parent is remote is known (bit 8): a server span's parent is
+  // its caller's, in another process (bit 9); every other span's parent is attnserve's own.
+  const bool remote_parent = s.kind == SpanKind::kServer && !IsZero(s.parent_span_id.data(), 8);
+  out->set_flags(remote_parent ? 0x301 : 0x101);
   out->set_name(s.name);
   out->set_kind(s.kind == SpanKind::kServer ? otlp::Span::SPAN_KIND_SERVER
                                             : otlp::Span::SPAN_KIND_INTERNAL);

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "server/grpc/stream_reactor.h"
 #include "tests/integration/test_support.h"
 
 namespace attnserve {
@@ -168,6 +169,40 @@ TEST(StreamSafetyTest, ShutdownAnswersAcceptedRefusesNewAndFinishesEveryStream) 
 // 2c: a stream whose client never reads its answers is held back by flow control: the server
 // keeps at most --max-stream-inflight of its requests, and every request is answered once the
 // client reads.
+// A compute thread that queued a stream's answer behind a write in flight holds nothing of the
+// call once it lets go of the reactor's lock: gRPC's threads may write that answer, finish the
+// stream and delete the reactor before the thread goes on. The seam sleeps in exactly that window.
+// Before the fix the thread then read the deleted reactor (the pipeline and method it records
+// with): AddressSanitizer reported it here (tools/sanitize.sh), and once in 10 runs of
+// ShutdownAnswersAccepted... without the seam.
+TEST(StreamSafetyTest, AComputeThreadTouchesNoReactorThatTheStreamsEndDeleted) {
+  static std::atomic<int> windows{0};
+  StreamReactor::computed_unlocked_for_test = +[](bool holds_call_open) {
+    if (holds_call_open) return;
+    ++windows;
+    std::this_thread::sleep_for(std::chrono::milliseconds(150));
+  };
+  auto server = StartServer();
+  ASSERT_NE(server, nullptr);
+  auto stub = StubFor(*server);
+  std::mt19937 rng(11);
+  for (int round = 0; round < 8; ++round) {
+    grpc::ClientContext ctx;
+    auto stream = stub->AttendStream(&ctx);
+    for (int i = 0; i < 4; ++i) ASSERT_TRUE(stream->Write(WireRequest(rng, i, {1, 8, 512})));
+    stream->WritesDone();
+    v1::AttendResponse r;
+    int answers = 0;
+    while (stream->Read(&r)) answers += !r.has_error();
+    EXPECT_TRUE(stream->Finish().ok());
+    EXPECT_EQ(answers, 4);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(400));  // the last sleepers go on
+  StreamReactor::computed_unlocked_for_test = nullptr;
+  EXPECT_GT(windows.load(), 0) << "no answer was queued behind a write: the window never opened";
+  server->Shutdown();
+}
+
 TEST(StreamSafetyTest, UnreadStreamIsHeldBackByFlowControl) {
   auto server = StartServer([](ServerOptions& o) { o.flow.max_stream_requests = 4; });
   ASSERT_TRUE(server);
