@@ -58,9 +58,13 @@ class StreamCodec {
 ///       client is gone the waiting answers are dropped instead of written).
 ///   That event's handler sets finished_ under mu_ and calls Finish after releasing it. No gRPC
 ///   operation (StartRead, StartWrite, Finish) is ever started while mu_ is held, because gRPC may
-///   run a reaction inline, and no member is touched after the operation is started. Since compute
-///   completions are counted in computing_, none can still reference the reactor when OnDone
-///   (which gRPC runs after Finish and after every reaction) deletes it.
+///   run a reaction inline, and no member is touched after the operation is started. A reaction
+///   cannot outlive the reactor (gRPC runs OnDone, which deletes it, after Finish and after every
+///   reaction). A compute completion stops counting in computing_ under mu_; after that it touches
+///   the reactor only through an action that holds the call open (a read, a write, the finish, the
+///   next request of an order). Holding none, it records what it dropped with the pipeline, method
+///   and deadline copied under mu_ and calls nothing of the reactor: gRPC's threads may already
+///   have finished the stream and deleted it.
 ///   A read outstanding at Finish completes afterwards and is dropped.
 ///
 /// Flow control: at most one read is outstanding, and a new one starts only while the stream holds
