@@ -182,11 +182,14 @@ void RequestPipeline::Attend(const char* method, Exchange* x, CallContext call,
   item->accepted = x->received;
   item->deadline = call.deadline;
   item->cancelled = call.cancelled;
-  // A request's own trace context (a stream's requests may each carry one) wins over the call's.
-  x->trace = BeginTrace(x->request.traceparent().empty()
-                            ? call.trace
-                            : ReadIncoming(x->request.traceparent(), x->request.tracestate()));
-  if (x->trace.on) item->trace = &x->trace;
+  if (tracer_) {
+    // A request's own trace context (a stream's requests may each carry one) wins over the call's.
+    x->trace =
+        tracer_->Begin(x->request.traceparent().empty()
+                           ? call.trace
+                           : ReadIncoming(x->request.traceparent(), x->request.tracestate()));
+    item->trace = &x->trace;
+  }
   std::shared_ptr<KvStep> step;
   const uint32_t attempts = call.previous_attempts;
   x->times.attempts = attempts;
