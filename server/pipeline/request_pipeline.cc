@@ -312,6 +312,7 @@ void RequestPipeline::Record(const char* method, Exchange* x, const Status& seen
 
 void RequestPipeline::RecordUndecoded(const char* method, const Status& seen) {
   metrics_.RecordRequest("", method, StatusCodeName(seen.code()), 0);
+  LogAccess(method, "", CallTrace(), seen, SteadyClock::now(), nullptr);
   std::lock_guard<std::mutex> lock(mu_);
   last_arrival_ = SteadyClock::now();
 }

@@ -462,10 +462,19 @@ def test_access_log_is_one_json_line_per_call(attnserve, receiver, checks, tmp_p
                                              query=lib.to_wire(pb, query(rng, 4))), timeout=30)
             except grpc.RpcError:
                 pass
+            raw = ch.unary_unary("/attnserve.v1.AttentionService/Attend", request_serializer=lambda b: b,
+                                 response_deserializer=lambda b: b)
+            try:
+                raw(b"\xff\xff\xff", timeout=30)  # not an AttendRequest
+            except grpc.RpcError:
+                pass
     finally:
         server.stop()
     lines = [json.loads(l) for l in path.read_text().splitlines()]
-    checks("two lines, one per call", len(lines) == 2, lines)
+    checks("three lines, one per call", len(lines) == 3, lines)
+    undecodable = [l for l in lines if l.get("status") == "INVALID_ARGUMENT"]
+    checks("a request that did not decode has its line too",
+           len(undecodable) == 1 and undecodable[0]["method"] == "Attend" and undecodable[0]["message"], undecodable)
     ok = next((l for l in lines if l.get("request_id") == 7), {})
     checks("a line has time, trace id, method, model, tokens, status and timings",
            ok.get("trace_id") == TRACE and ok.get("method") == "Attend" and ok.get("model") == "demo"
