@@ -39,16 +39,22 @@ std::string NowUtc() {
   return text;
 }
 
-// The attributes OpenTelemetry's RPC conventions give a server span, and the call's status.
-void SetRpc(SpanData* span, const char* method, const Status& seen) {
-  span->Set("rpc.system", std::string("grpc"));
-  span->Set("rpc.service", std::string(ServiceOf(method)));
-  span->Set("rpc.method", std::string(method));
-  span->Set("attnserve.status", std::string(StatusCodeName(seen.code())));  // the metrics' label
+// A call's own span, from `received` to `end`: OpenTelemetry's RPC name ({service}/{method}) and
+// attributes, and the call's status.
+SpanData CallSpan(const Tracer& tracer, const CallTrace& trace, const char* method,
+                  SteadyClock::time_point received, SteadyClock::time_point end,
+                  const Status& seen) {
+  SpanData span =
+      tracer.ServerSpan(trace, std::string(ServiceOf(method)) + "/" + method, received, end);
+  span.Set("rpc.system", std::string("grpc"));
+  span.Set("rpc.service", std::string(ServiceOf(method)));
+  span.Set("rpc.method", std::string(method));
+  span.Set("attnserve.status", std::string(StatusCodeName(seen.code())));  // the metrics' label
   if (!seen.ok()) {
-    span->error = true;
-    span->error_message = seen.message();
+    span.error = true;
+    span.error_message = seen.message();
   }
+  return span;
 }
 
 void SetTensorMeta(v1::Tensor* t, DType dtype, const std::vector<int64_t>& shape) {
@@ -324,9 +330,7 @@ void RequestPipeline::RecordCall(const std::string& model, const char* method, c
   if (!tracer_ && !access_log_) return;
   const CallTrace trace = BeginTrace(in);
   if (trace.sampled) {
-    SpanData span = tracer_->ServerSpan(trace, std::string(ServiceOf(method)) + "/" + method,
-                                        received, SteadyClock::now());
-    SetRpc(&span, method, st);
+    SpanData span = CallSpan(*tracer_, trace, method, received, SteadyClock::now(), st);
     if (!model.empty()) span.Set("attnserve.model", model);
     if (!handle.empty()) span.Set("attnserve.handle", handle);
     const std::string replica = advertised_address();
@@ -363,9 +367,7 @@ void RequestPipeline::Observed(const char* method, const Exchange& x, const Stat
     }
     if (tm.answered != none)
       tracer_->Emit(tracer_->ChildOf(t, "attnserve.encode", tm.answered, now));
-    SpanData call =
-        tracer_->ServerSpan(t, std::string(ServiceOf(method)) + "/" + method, x.received, now);
-    SetRpc(&call, method, seen);
+    SpanData call = CallSpan(*tracer_, t, method, x.received, now, seen);
     const v1::AttendRequest& r = x.request;
     if (!x.model.empty()) call.Set("attnserve.model", x.model);
     if (seen.ok()) {

@@ -68,11 +68,9 @@ SpanData Tracer::ServerSpan(const CallTrace& call, std::string name, Clock::time
 }
 
 SpanData Tracer::Root(std::string name, Clock::time_point start, Clock::time_point end) const {
-  CallTrace fresh;
+  CallTrace fresh;  // no span of its own: the span is a root
   fresh.trace_id = NewTraceId();
-  SpanData s = ChildOf(fresh, std::move(name), start, end);
-  s.parent_span_id = SpanId{};
-  return s;
+  return ChildOf(fresh, std::move(name), start, end);
 }
 
 void Tracer::Emit(SpanData span) const {
