@@ -20,14 +20,21 @@ class NoMessageReactor final : public grpc::ServerUnaryReactor {
   }
   void OnDone() override {
     calls_.End(ctx_->IsCancelled());
-    pipeline_.RecordUndecoded(
-        "Attend", ctx_->IsCancelled()
-                      ? Status(StatusCode::kCancelled, "cancelled before its request arrived")
-                      : kRefusal);
+    pipeline_.RecordUndecoded("Attend", Outcome());
     delete this;
   }
 
  private:
+  // gRPC marks a call whose deadline passed as cancelled too: the deadline first, as the client
+  // saw it.
+  Status Outcome() const {
+    if (!ctx_->IsCancelled()) return kRefusal;
+    if (std::chrono::system_clock::now() >= ctx_->deadline()) {
+      return Status(StatusCode::kDeadlineExceeded, "deadline passed before its request arrived");
+    }
+    return Status(StatusCode::kCancelled, "cancelled before its request arrived");
+  }
+
   inline static const Status kRefusal = InvalidArgument(
       "request: no request message arrived (the client half-closed without one); "
       "Attend takes exactly one AttendRequest");

@@ -108,6 +108,13 @@ def test_undecodable_messages_and_a_stop_with_a_stream_open(attnserve):
         future = no_message.future(no_request_yet(), timeout=10)
         time.sleep(0.3)
         future.cancel()
+    # A call whose deadline passes before its request arrives: the client saw DEADLINE_EXCEEDED,
+    # and so does the server's count (gRPC marks such a call cancelled too).
+    late = [no_message.future(no_request_yet(), timeout=0.2) for _ in range(2)]
+    for future in late:
+        check("a call whose deadline passed before its request: the client's status",
+              future.exception() is not None and future.code() == grpc.StatusCode.DEADLINE_EXCEEDED,
+              str(future.exception()))
     time.sleep(0.5)
     never.set()
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read().decode()
@@ -119,6 +126,9 @@ def test_undecodable_messages_and_a_stop_with_a_stream_open(attnserve):
           "\n".join(l for l in metrics.splitlines() if 'method="Attend"' in l))
     check("the cancelled calls are counted as CANCELLED",
           counter(metrics, 'attnserve_requests_total{code="CANCELLED",method="Attend",model=""}') == 3,
+          "\n".join(l for l in metrics.splitlines() if 'method="Attend"' in l))
+    check("the calls whose deadline passed first are counted as DEADLINE_EXCEEDED",
+          counter(metrics, 'attnserve_requests_total{code="DEADLINE_EXCEEDED",method="Attend",model=""}') == 2,
           "\n".join(l for l in metrics.splitlines() if 'method="Attend"' in l))
 
     first = pb.AttendRequest()
