@@ -1,7 +1,8 @@
 #!/usr/bin/python3
 """deploy/grafana/attnserve-dashboard.json and deploy/prometheus/rules.yml against a real Prometheus
 scraping a real attnserve under load: every panel's query (Grafana's $job and $__rate_interval
-filled in as Grafana would) returns data, and Prometheus loads every rule group healthy.
+filled in as Grafana would) returns data, and Prometheus loads every rule group healthy. The server
+traces every call to a collector that is down, so the spans panel shows drops.
 
 The load (bounded: a fixed number of waves) makes every panel's series exist: good requests from
 concurrent callers, a few bad ones (errors panel), more callers than a small queue holds
@@ -42,7 +43,11 @@ def test_every_dashboard_panel_returns_data_from_a_real_prometheus(attnserve, ch
     pb, rpc = lib.load_stubs()
     dashboard = json.load(open(os.path.join(ROOT, "deploy", "grafana", "attnserve-dashboard.json")))
     tmp = tempfile.mkdtemp(prefix="attnserve-dashboard-")
-    server = lib.Server(binary, "--workers", "1", "--max-queue-size", "4", "--metrics-address", "127.0.0.1:0")
+    # Tracing every call to a collector that is down (a port nobody listens on): the spans panel's
+    # export_failed drops.
+    dead_collector = free_port()
+    server = lib.Server(binary, "--workers", "1", "--max-queue-size", "4", "--metrics-address", "127.0.0.1:0",
+                        "--trace-endpoint", f"127.0.0.1:{dead_collector}", "--trace-rate", "1")
     prom = None
     try:
         prom_port = free_port()
@@ -115,6 +120,10 @@ def test_every_dashboard_panel_returns_data_from_a_real_prometheus(attnserve, ch
                     result = [f"error: {e}"]
                 finite = [r for r in result if isinstance(r, dict) and np.isfinite(float(r["value"][1]))]
                 checks(f"panel '{panel['title']}' has data", bool(finite), f"{expr} -> {result}")
+        dropped = api("query", query='sum by (reason) (attnserve_trace_spans_dropped_total{job="attnserve"})')["result"]
+        failed = {r["metric"].get("reason"): float(r["value"][1]) for r in dropped}
+        checks("the spans panel's source counts the spans a down collector cost, as export_failed",
+               failed.get("export_failed", 0) > 0 and failed.get("queue_full", -1) == 0, failed)
         groups = api("rules")["groups"]
         bad_rules = [r["name"] for g in groups for r in g["rules"] if r.get("health") != "ok"]
         checks("Prometheus loaded deploy/prometheus/rules.yml, every rule healthy",
