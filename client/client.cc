@@ -545,7 +545,7 @@ CallStatus Client::CreateMemory(const MemoryRequest& request, KvInfo* memory,
     *memory = FromWire(resp);
     impl_->routes.Remember(resp.handle(), KvRoute{resp.replica()});
   }
-  return FromGrpc(s);
+  return FromGrpc(s, &ctx);
 }
 
 CallStatus Client::OpenSession(const std::string& model, int64_t batch, KvInfo* session,
@@ -562,7 +562,7 @@ CallStatus Client::OpenSession(const std::string& model, int64_t batch, KvInfo* 
     *session = FromWire(resp);
     impl_->routes.Remember(resp.handle(), KvRoute{resp.replica()});
   }
-  return FromGrpc(s);
+  return FromGrpc(s, &ctx);
 }
 
 CallStatus Client::ForkSession(const std::string& handle, KvInfo* fork, const CallOptions& call) {

@@ -116,39 +116,52 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CreateMemory(grpc::CallbackServe
                                                              v1::KvHandle* resp) {
   auto* reactor = NewUnaryReactor(calls_, ctx);
   pipeline_.CreateMemory(*req, CallOf(ctx), resp,
-                         [reactor](const Status& st) { reactor->Finish(ToGrpcStatus(st)); });
+                         [ctx, reactor](const Status& st, const CallTrace& trace) {
+                           TellTraceOfFailure(ctx, trace, st);
+                           reactor->Finish(ToGrpcStatus(st));
+                         });
   return reactor;
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::ForkSession(grpc::CallbackServerContext* ctx,
                                                             const v1::ForkSessionRequest* req,
                                                             v1::KvHandle* resp) {
-  return Finished(calls_, ctx, pipeline_.ForkSession(*req, resp, TraceOf(ctx)));
+  CallTrace traced;
+  const Status st = pipeline_.ForkSession(*req, resp, TraceOf(ctx), &traced);
+  return Finished(calls_, ctx, st, traced);
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::TruncateSession(
     grpc::CallbackServerContext* ctx, const v1::TruncateSessionRequest* req, v1::KvHandle* resp) {
-  return Finished(calls_, ctx, pipeline_.TruncateSession(*req, resp, TraceOf(ctx)));
+  CallTrace traced;
+  const Status st = pipeline_.TruncateSession(*req, resp, TraceOf(ctx), &traced);
+  return Finished(calls_, ctx, st, traced);
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::OpenSession(grpc::CallbackServerContext* ctx,
                                                             const v1::OpenSessionRequest* req,
                                                             v1::KvHandle* resp) {
-  return Finished(calls_, ctx, pipeline_.OpenSession(*req, resp, TraceOf(ctx)));
+  CallTrace traced;
+  const Status st = pipeline_.OpenSession(*req, resp, TraceOf(ctx), &traced);
+  return Finished(calls_, ctx, st, traced);
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::DeleteMemory(grpc::CallbackServerContext* ctx,
                                                              const v1::ReleaseRequest* req,
                                                              v1::ReleaseResponse* resp) {
-  return Finished(calls_, ctx,
-                  pipeline_.Release("DeleteMemory", KvKind::kMemory, *req, resp, TraceOf(ctx)));
+  CallTrace traced;
+  const Status st =
+      pipeline_.Release("DeleteMemory", KvKind::kMemory, *req, resp, TraceOf(ctx), &traced);
+  return Finished(calls_, ctx, st, traced);
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::CloseSession(grpc::CallbackServerContext* ctx,
                                                              const v1::ReleaseRequest* req,
                                                              v1::ReleaseResponse* resp) {
-  return Finished(calls_, ctx,
-                  pipeline_.Release("CloseSession", KvKind::kSession, *req, resp, TraceOf(ctx)));
+  CallTrace traced;
+  const Status st =
+      pipeline_.Release("CloseSession", KvKind::kSession, *req, resp, TraceOf(ctx), &traced);
+  return Finished(calls_, ctx, st, traced);
 }
 
 }  // namespace attnserve

@@ -69,8 +69,9 @@ grpc::ServerUnaryReactor* NewUnaryReactor(CallCounter& calls, grpc::CallbackServ
 }
 
 grpc::ServerUnaryReactor* Finished(CallCounter& calls, grpc::CallbackServerContext* ctx,
-                                   const Status& status) {
+                                   const Status& status, const CallTrace& trace) {
   grpc::ServerUnaryReactor* reactor = NewUnaryReactor(calls, ctx);
+  TellTraceOfFailure(ctx, trace, status);
   reactor->Finish(ToGrpcStatus(status));
   return reactor;
 }

@@ -23,8 +23,9 @@ void TellTraceOfFailure(grpc::ServerContextBase* ctx, const CallTrace& trace, co
 /// through one.
 grpc::ServerUnaryReactor* NewUnaryReactor(CallCounter& calls, grpc::CallbackServerContext* ctx);
 
-/// A unary call answered in place: its reactor, finished at once with `status`.
+/// A unary call answered in place: its reactor, finished at once with `status` (a failure names
+/// `trace`, when the server traced the call).
 grpc::ServerUnaryReactor* Finished(CallCounter& calls, grpc::CallbackServerContext* ctx,
-                                   const Status& status);
+                                   const Status& status, const CallTrace& trace = {});
 
 }  // namespace attnserve

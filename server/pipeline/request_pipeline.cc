@@ -323,11 +323,11 @@ void RequestPipeline::RecordUndecoded(const char* method, const Status& seen) {
   last_arrival_ = SteadyClock::now();
 }
 
-void RequestPipeline::RecordCall(const std::string& model, const char* method, const Status& st,
-                                 SteadyClock::time_point received, const IncomingTrace& in,
-                                 const std::string& handle) {
+CallTrace RequestPipeline::RecordCall(const std::string& model, const char* method,
+                                      const Status& st, SteadyClock::time_point received,
+                                      const IncomingTrace& in, const std::string& handle) {
   metrics_.RecordRequest(model, method, StatusCodeName(st.code()), SecondsSince(received));
-  if (!tracer_ && !access_log_) return;
+  if (!tracer_ && !access_log_) return CallTrace();
   const CallTrace trace = BeginTrace(in);
   if (trace.sampled) {
     SpanData span = CallSpan(*tracer_, trace, method, received, SteadyClock::now(), st);
@@ -338,6 +338,7 @@ void RequestPipeline::RecordCall(const std::string& model, const char* method, c
     tracer_->Emit(std::move(span));
   }
   LogAccess(method, model, trace, st, received, nullptr);
+  return trace;
 }
 
 void RequestPipeline::Observe(const Tracer* tracer, AccessLog* access_log) {
@@ -460,7 +461,8 @@ std::string RequestPipeline::advertised_address() const {
 }
 
 void RequestPipeline::CreateMemory(const v1::CreateMemoryRequest& req, CallContext call,
-                                   v1::KvHandle* resp, std::function<void(const Status&)> done) {
+                                   v1::KvHandle* resp,
+                                   std::function<void(const Status&, const CallTrace&)> done) {
   const auto received = SteadyClock::now();
   auto item = std::make_unique<WorkItem>();
   item->accepted = received;
@@ -485,8 +487,7 @@ void RequestPipeline::CreateMemory(const v1::CreateMemoryRequest& req, CallConte
   const std::string name = item->model ? item->model->spec().name : "";
   if (!st.ok()) {
     Unreserve(held);
-    RecordCall(name, "CreateMemory", st, received, trace);
-    done(st);
+    done(st, RecordCall(name, "CreateMemory", st, received, trace));
     return;
   }
   item->kv_entry = entry;
@@ -502,14 +503,13 @@ void RequestPipeline::CreateMemory(const v1::CreateMemoryRequest& req, CallConte
     }
     const std::string handle = entry->handle;
     entry.reset();  // Not held once told: the client's next call may evict it.
-    RecordCall(name, "CreateMemory", st, received, trace, handle);
-    done(st);
+    done(st, RecordCall(name, "CreateMemory", st, received, trace, handle));
   };
   batcher_.Submit(std::move(item));
 }
 
 Status RequestPipeline::OpenSession(const v1::OpenSessionRequest& req, v1::KvHandle* resp,
-                                    const IncomingTrace& trace) {
+                                    const IncomingTrace& trace, CallTrace* traced) {
   const auto received = SteadyClock::now();
   std::shared_ptr<const AttentionModel> model;
   const Status st = [&]() -> Status {
@@ -532,12 +532,14 @@ Status RequestPipeline::OpenSession(const v1::OpenSessionRequest& req, v1::KvHan
     FillHandle(*entry, 0, kv_, advertised_address(), resp);
     return Status::Ok();
   }();
-  RecordCall(model ? model->spec().name : "", "OpenSession", st, received, trace, resp->handle());
+  const CallTrace t = RecordCall(model ? model->spec().name : "", "OpenSession", st, received,
+                                 trace, resp->handle());
+  if (traced) *traced = t;
   return st;
 }
 
 Status RequestPipeline::ForkSession(const v1::ForkSessionRequest& req, v1::KvHandle* resp,
-                                    const IncomingTrace& trace) {
+                                    const IncomingTrace& trace, CallTrace* traced) {
   const auto received = SteadyClock::now();
   std::string model;
   const Status st = [&]() -> Status {
@@ -549,12 +551,13 @@ Status RequestPipeline::ForkSession(const v1::ForkSessionRequest& req, v1::KvHan
     FillHandle(*child, std::nullopt, kv_, advertised_address(), resp);
     return Status::Ok();
   }();
-  RecordCall(model, "ForkSession", st, received, trace, req.handle());
+  const CallTrace t = RecordCall(model, "ForkSession", st, received, trace, req.handle());
+  if (traced) *traced = t;
   return st;
 }
 
 Status RequestPipeline::TruncateSession(const v1::TruncateSessionRequest& req, v1::KvHandle* resp,
-                                        const IncomingTrace& trace) {
+                                        const IncomingTrace& trace, CallTrace* traced) {
   const auto received = SteadyClock::now();
   std::string model;
   const Status st = [&]() -> Status {
@@ -564,16 +567,19 @@ Status RequestPipeline::TruncateSession(const v1::TruncateSessionRequest& req, v
     FillHandle(*entry, req.length(), kv_, advertised_address(), resp);
     return Status::Ok();
   }();
-  RecordCall(model, "TruncateSession", st, received, trace, req.handle());
+  const CallTrace t = RecordCall(model, "TruncateSession", st, received, trace, req.handle());
+  if (traced) *traced = t;
   return st;
 }
 
 Status RequestPipeline::Release(const char* method, KvKind kind, const v1::ReleaseRequest& req,
-                                v1::ReleaseResponse* resp, const IncomingTrace& trace) {
+                                v1::ReleaseResponse* resp, const IncomingTrace& trace,
+                                CallTrace* traced) {
   const auto received = SteadyClock::now();
   StatusOr<int64_t> freed = kv_.Release(req.handle(), kind);
   if (freed.ok()) resp->set_bytes_freed(*freed);
-  RecordCall("", method, freed.status(), received, trace, req.handle());
+  const CallTrace t = RecordCall("", method, freed.status(), received, trace, req.handle());
+  if (traced) *traced = t;
   return freed.status();
 }
 

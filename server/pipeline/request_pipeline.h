@@ -128,21 +128,25 @@ class RequestPipeline {
   StatusOr<ModelSpec> Describe(const std::string& model, int64_t version,
                                std::vector<int64_t>* versions) const;
 
-  /// Projects and keeps a memory; `done` runs once, on any thread, with `resp` filled when OK.
+  /// Projects and keeps a memory; `done` runs once, on any thread, with `resp` filled when OK and
+  /// the call's trace (for a failure to name).
   void CreateMemory(const v1::CreateMemoryRequest& req, CallContext call, v1::KvHandle* resp,
-                    std::function<void(const Status&)> done);
+                    std::function<void(const Status&, const CallTrace&)> done);
+  /// The other calls of kept keys and values answer at once; `traced`, when given, receives the
+  /// call's trace (for a failure to name).
   /// Opens an empty decoding session.
   Status OpenSession(const v1::OpenSessionRequest& req, v1::KvHandle* resp,
-                     const IncomingTrace& trace = {});
+                     const IncomingTrace& trace = {}, CallTrace* traced = nullptr);
   /// ForkSession: the new session, or the store's refusal.
   Status ForkSession(const v1::ForkSessionRequest& req, v1::KvHandle* resp,
-                     const IncomingTrace& trace = {});
+                     const IncomingTrace& trace = {}, CallTrace* traced = nullptr);
   /// TruncateSession: the session after it, or the store's refusal.
   Status TruncateSession(const v1::TruncateSessionRequest& req, v1::KvHandle* resp,
-                         const IncomingTrace& trace = {});
+                         const IncomingTrace& trace = {}, CallTrace* traced = nullptr);
   /// Ends a memory or a session (`method` is the metrics label).
   Status Release(const char* method, KvKind kind, const v1::ReleaseRequest& req,
-                 v1::ReleaseResponse* resp, const IncomingTrace& trace = {});
+                 v1::ReleaseResponse* resp, const IncomingTrace& trace = {},
+                 CallTrace* traced = nullptr);
 
   /// Registers an open call for the drain (a stream, from its start until it is done). A call that
   /// registers after the drain began is told by `draining()`.
@@ -167,10 +171,10 @@ class RequestPipeline {
   void Unreserve(int64_t bytes);
   static int64_t HeldBytes(int64_t wire_bytes, DType wire, DType compute);
   // Metrics, span and access-log line for a call that is not an Attend; `handle`: the memory or
-  // session it made or used.
-  void RecordCall(const std::string& model, const char* method, const Status& st,
-                  SteadyClock::time_point received, const IncomingTrace& trace = {},
-                  const std::string& handle = "");
+  // session it made or used. Returns the call's trace.
+  CallTrace RecordCall(const std::string& model, const char* method, const Status& st,
+                       SteadyClock::time_point received, const IncomingTrace& trace = {},
+                       const std::string& handle = "");
   // An Attend's spans (the call's, decode, queue, compute, encode) and access-log line.
   void Observed(const char* method, const Exchange& x, const Status& seen) const;
   void LogAccess(const char* method, const std::string& model, const CallTrace& trace,

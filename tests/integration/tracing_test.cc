@@ -137,6 +137,22 @@ TEST(TracingTest, ConcurrentCallsAndStreamRequestsEachJoinTheirCallersTrace) {
   const CallStatus failed = client.Attend(bad, &unused, call);
   EXPECT_FALSE(failed.ok());
   EXPECT_EQ(failed.trace_id, bad_trace);
+  // So does each failed call of kept keys and values.
+  KvInfo kv;
+  MemoryRequest memory;
+  memory.model = "no_such_model";
+  memory.key = memory.value = bad.query;
+  const std::map<std::string, CallStatus> kv_failed = {
+      {"CreateMemory", client.CreateMemory(memory, &kv, call)},
+      {"OpenSession", client.OpenSession("no_such_model", 1, &kv, call)},
+      {"ForkSession", client.ForkSession(std::string(32, '0'), &kv, call)},
+      {"TruncateSession", client.TruncateSession(std::string(32, '0'), 1, &kv, call)},
+      {"DeleteMemory", client.DeleteMemory(std::string(32, '0'), call)},
+      {"CloseSession", client.CloseSession(std::string(32, '0'), call)}};
+  for (const auto& [method, status] : kv_failed) {
+    EXPECT_EQ(status.code, 5) << method << ": " << status.ToString();
+    EXPECT_EQ(status.trace_id, bad_trace) << method;
+  }
 
   (*server)->Shutdown();  // every call answered: its spans go out before the exporter stops
   const std::vector<Span> spans = collector.spans();

@@ -282,6 +282,31 @@ def test_a_failed_call_names_its_trace(attnserve, receiver, checks):
                 trailing = {}
             except grpc.RpcError as e:
                 trailing = dict(e.trailing_metadata() or ())
+            # Each failed call of kept keys and values names the caller's trace too.
+            stub = pb_grpc.AttentionServiceStub(ch)
+            kv_trace = "%032x" % 0x5eed0001
+            parent = [("traceparent", f"00-{kv_trace}-{'%016x' % 7}-01")]
+            failing = {
+                "CreateMemory": lambda: stub.CreateMemory(pb.CreateMemoryRequest(model="no_such_model"),
+                                                          metadata=parent, timeout=30),
+                "OpenSession": lambda: stub.OpenSession(pb.OpenSessionRequest(model="no_such_model", batch=1),
+                                                        metadata=parent, timeout=30),
+                "ForkSession": lambda: stub.ForkSession(pb.ForkSessionRequest(handle="0" * 32),
+                                                        metadata=parent, timeout=30),
+                "TruncateSession": lambda: stub.TruncateSession(
+                    pb.TruncateSessionRequest(handle="0" * 32, length=1), metadata=parent, timeout=30),
+                "CloseSession": lambda: stub.CloseSession(pb.ReleaseRequest(handle="0" * 32),
+                                                          metadata=parent, timeout=30),
+                "DeleteMemory": lambda: stub.DeleteMemory(pb.ReleaseRequest(handle="0" * 32),
+                                                          metadata=parent, timeout=30),
+            }
+            kv_told = {}
+            for name, call in failing.items():
+                try:
+                    call()
+                    kv_told[name] = "answered OK"
+                except grpc.RpcError as e:
+                    kv_told[name] = (e.code().name, dict(e.trailing_metadata() or ()).get("attnserve-trace-id"))
     finally:
         provider.shutdown()
         server.stop()
@@ -293,6 +318,9 @@ def test_a_failed_call_names_its_trace(attnserve, receiver, checks):
            and call[0]["attributes"]["attnserve.status"] == "NOT_FOUND", call)
     checks("an unsampled failed call names the server's own trace id too",
            re.fullmatch(r"[0-9a-f]{32}", trailing.get("attnserve-trace-id", "")), trailing)
+    checks("every failed call of kept keys and values names its caller's trace",
+           len(kv_told) == 6 and all(isinstance(told, tuple) and told[1] == kv_trace for told in kv_told.values()),
+           kv_told)
 
 
 def test_kept_keys_and_values_calls_are_traced(attnserve, receiver, checks):

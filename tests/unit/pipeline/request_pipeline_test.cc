@@ -210,7 +210,7 @@ TEST_F(RequestPipelineTest, AnAnsweredRequestNoLongerHoldsItsMemoryOrSession) {
     *req.mutable_key() = kv_tokens.query();
     *req.mutable_value() = kv_tokens.query();
     std::promise<std::pair<Status, Status>> told;
-    pipeline_->CreateMemory(req, {}, handle, [&](const Status& st) {
+    pipeline_->CreateMemory(req, {}, handle, [&](const Status& st, const CallTrace&) {
       told.set_value({st, probe ? evicts_the_rest() : Status::Ok()});
     });
     return told.get_future().get();
