@@ -46,12 +46,15 @@ class Backend {
   virtual ~Backend() = default;
   /// `caller` is the closed-loop caller's index (0 in open loop).
   virtual void Call(int caller, const Prepared& p, std::function<void(int)> done) = 0;
+  /// Where the model computes ("cpu", "cuda:0"): the engine's, or the server's as GetModel says.
+  virtual std::string Device() = 0;
 };
 
 class ClientBackend : public Backend {
  public:
   // With `streams` > 0 each caller sends on its own AttendStream, one request at a time.
-  ClientBackend(attnserve::ClientOptions o, int streams) {
+  ClientBackend(attnserve::ClientOptions o, int streams, std::string model)
+      : model_(std::move(model)) {
     o.deadline = std::chrono::milliseconds(120000);
     client_ = std::make_unique<attnserve::Client>(o);
     pending_.resize(static_cast<size_t>(streams));
@@ -84,8 +87,14 @@ class ClientBackend : public Backend {
     }
     if (!streams_[static_cast<size_t>(caller)]->Send(p.request)) done(14);
   }
+  std::string Device() override {
+    attnserve::ModelInfo info;
+    const attnserve::CallStatus s = client_->GetModel(model_, &info);
+    return s.ok() ? info.device : "unknown (GetModel: " + s.ToString() + ")";
+  }
 
  private:
+  const std::string model_;
   std::unique_ptr<attnserve::Client> client_;
   std::vector<std::unique_ptr<attnserve::AttendStream>> streams_;
   std::mutex mu_;
@@ -126,6 +135,7 @@ class EngineBackend : public Backend {
     cv_.notify_all();
     for (auto& t : threads_) t.join();
   }
+  std::string Device() override { return model_->spec().device; }
   void Call(int, const Prepared& p, std::function<void(int)> done) override {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -310,12 +320,14 @@ int main(int argc, char** argv) {
     backend = std::make_unique<EngineBackend>(workers, models_dir, model_name, options);
   } else {
     try {
-      backend = std::make_unique<ClientBackend>(client_options, stream ? callers : 0);
+      backend = std::make_unique<ClientBackend>(client_options, stream ? callers : 0, model_name);
     } catch (const std::invalid_argument& e) {
       std::fprintf(stderr, "attnserve-bench: %s\n", e.what());
       return 2;
     }
   }
+
+  const std::string computes_on = backend->Device();
 
   std::mutex mu;
   std::vector<Sample> samples;
@@ -395,7 +407,8 @@ int main(int argc, char** argv) {
   nlohmann::json j;
   j["label"] = label;
   j["target"] = target;
-  j["cpu_class"] = attnserve::EngineCpuClass();  // the machine's, whatever the target's
+  j["cpu_class"] = attnserve::EngineCpuClass();  // this machine's, whatever the target's
+  j["device"] = computes_on;                     // the model's, where it computes
   j["wire_dtype"] = wire_dtype;
   j["mode"] = rate > 0 ? "open" : stream ? "closed-stream" : "closed";
   j["callers"] = callers;
@@ -415,11 +428,11 @@ int main(int argc, char** argv) {
                      {"max", mx}};
   std::printf(
       "%-28s %9.1f req/s %10.0f tok/s %7.3f TFLOP/s  p50 %7.2f  p90 %7.2f  p99 %7.2f  max %7.2f ms "
-      " errors %s  [CPU %s]\n",
+      " errors %s  [device %s; CPU class %s]\n",
       label.c_str(), j["requests_per_s"].get<double>(), j["tokens_per_s"].get<double>(),
       j["tflops"].get<double>(), j["latency_ms"]["p50"].get<double>(),
       j["latency_ms"]["p90"].get<double>(), j["latency_ms"]["p99"].get<double>(), mx,
-      j["errors"].dump().c_str(), j["cpu_class"].get<std::string>().c_str());
+      j["errors"].dump().c_str(), computes_on.c_str(), j["cpu_class"].get<std::string>().c_str());
   if (!json_path.empty()) std::ofstream(json_path, std::ios::app) << j.dump() << "\n";
   return 0;
 }

@@ -8,41 +8,6 @@
 namespace attnserve {
 namespace {
 
-/// A unary call whose request message never arrived: the client cancelled before sending it, or
-/// half-closed without one. (An empty message is a valid, empty AttendRequest.) Which of the two it
-/// was is only certain once the call is done, so the outcome is recorded in OnDone.
-class NoMessageReactor final : public grpc::ServerUnaryReactor {
- public:
-  NoMessageReactor(RequestPipeline& pipeline, CallCounter& calls, grpc::CallbackServerContext* ctx)
-      : pipeline_(pipeline), calls_(calls), ctx_(ctx) {
-    calls_.Begin();
-    Finish(ToGrpcStatus(kRefusal));
-  }
-  void OnDone() override {
-    calls_.End(ctx_->IsCancelled());
-    pipeline_.RecordUndecoded("Attend", Outcome());
-    delete this;
-  }
-
- private:
-  // gRPC marks a call whose deadline passed as cancelled too: the deadline first, as the client
-  // saw it.
-  Status Outcome() const {
-    if (!ctx_->IsCancelled()) return kRefusal;
-    if (std::chrono::system_clock::now() >= ctx_->deadline()) {
-      return Status(StatusCode::kDeadlineExceeded, "deadline passed before its request arrived");
-    }
-    return Status(StatusCode::kCancelled, "cancelled before its request arrived");
-  }
-
-  inline static const Status kRefusal = InvalidArgument(
-      "request: no request message arrived (the client half-closed without one); "
-      "Attend takes exactly one AttendRequest");
-  RequestPipeline& pipeline_;
-  CallCounter& calls_;
-  grpc::CallbackServerContext* ctx_;
-};
-
 /// AttendStream's messages: AttendRequest in, AttendResponse out (an error travels in `error`).
 class AttendStreamCodec final : public StreamCodec {
  public:
@@ -73,7 +38,7 @@ AttentionServiceImpl::~AttentionServiceImpl() = default;
 grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerContext* ctx,
                                                        const grpc::ByteBuffer* req,
                                                        grpc::ByteBuffer* resp) {
-  if (!req->Valid()) return new NoMessageReactor(pipeline_, calls_, ctx);
+  if (!req->Valid()) return NoMessage(pipeline_, calls_, ctx, "Attend", "AttendRequest");
   auto* reactor = NewUnaryReactor(calls_, ctx);  // Counted open from here, while it decodes too.
   auto x = std::make_unique<Exchange>();
   const Status parsed = ParseRequest(*req, &x->request);

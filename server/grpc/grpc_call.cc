@@ -62,7 +62,51 @@ class UnaryReactor final : public grpc::ServerUnaryReactor {
   grpc::CallbackServerContext* ctx_;
 };
 
+class NoMessageReactor final : public grpc::ServerUnaryReactor {
+ public:
+  NoMessageReactor(RequestPipeline& pipeline, CallCounter& calls, grpc::CallbackServerContext* ctx,
+                   const char* method, const char* message)
+      : pipeline_(pipeline),
+        calls_(calls),
+        ctx_(ctx),
+        method_(method),
+        refusal_(InvalidArgument(std::string("request: no request message arrived (the client "
+                                             "half-closed without one); ") +
+                                 method + " takes exactly one " + message)) {
+    calls_.Begin();
+    Finish(ToGrpcStatus(refusal_));
+  }
+  void OnDone() override {
+    calls_.End(ctx_->IsCancelled());
+    pipeline_.RecordUndecoded(method_, Outcome());
+    delete this;
+  }
+
+ private:
+  // gRPC marks a call whose deadline passed as cancelled too, and a client's deadline arrives as
+  // a cancellation: the deadline first, as the client saw it.
+  Status Outcome() const {
+    if (!ctx_->IsCancelled()) return refusal_;
+    if (CancelledByDeadline(CallOf(ctx_).deadline, SteadyClock::now())) {
+      return Status(StatusCode::kDeadlineExceeded, "deadline passed before its request arrived");
+    }
+    return Status(StatusCode::kCancelled, "cancelled before its request arrived");
+  }
+
+  RequestPipeline& pipeline_;
+  CallCounter& calls_;
+  grpc::CallbackServerContext* ctx_;
+  const char* method_;
+  const Status refusal_;
+};
+
 }  // namespace
+
+grpc::ServerUnaryReactor* NoMessage(RequestPipeline& pipeline, CallCounter& calls,
+                                    grpc::CallbackServerContext* ctx, const char* method,
+                                    const char* message) {
+  return new NoMessageReactor(pipeline, calls, ctx, method, message);
+}
 
 grpc::ServerUnaryReactor* NewUnaryReactor(CallCounter& calls, grpc::CallbackServerContext* ctx) {
   return new UnaryReactor(calls, ctx);

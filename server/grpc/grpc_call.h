@@ -23,6 +23,15 @@ void TellTraceOfFailure(grpc::ServerContextBase* ctx, const CallTrace& trace, co
 /// through one.
 grpc::ServerUnaryReactor* NewUnaryReactor(CallCounter& calls, grpc::CallbackServerContext* ctx);
 
+/// A unary call whose request message never arrived (the handler's ByteBuffer is not valid): the
+/// client half-closed without one (INVALID_ARGUMENT saying `method` takes exactly one `message`),
+/// cancelled before sending it (CANCELLED) or its deadline passed first (DEADLINE_EXCEEDED). None
+/// is a request for a model; which of these it was is only certain once the call is done, so the
+/// outcome is recorded (as `method`, model "") then.
+grpc::ServerUnaryReactor* NoMessage(RequestPipeline& pipeline, CallCounter& calls,
+                                    grpc::CallbackServerContext* ctx, const char* method,
+                                    const char* message);
+
 /// A unary call answered in place: its reactor, finished at once with `status` (a failure names
 /// `trace`, when the server traced the call).
 grpc::ServerUnaryReactor* Finished(CallCounter& calls, grpc::CallbackServerContext* ctx,

@@ -137,6 +137,7 @@ grpc::ServerUnaryReactor* OipServiceImpl::ModelMetadata(grpc::CallbackServerCont
 grpc::ServerUnaryReactor* OipServiceImpl::ModelInfer(grpc::CallbackServerContext* ctx,
                                                      const grpc::ByteBuffer* req,
                                                      grpc::ByteBuffer* resp) {
+  if (!req->Valid()) return NoMessage(pipeline_, calls_, ctx, "ModelInfer", "ModelInferRequest");
   auto* reactor = NewUnaryReactor(calls_, ctx);  // Counted open from here, while it decodes too.
   inference::ModelInferRequest infer;
   auto x = std::make_unique<Exchange>();

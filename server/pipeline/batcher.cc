@@ -38,13 +38,15 @@ Status BatcherOptions::Validate() const {
 void BatchQueue::DropDead(SteadyClock::time_point now, Dropped* dropped) {
   std::deque<std::unique_ptr<WorkItem>> alive;
   for (auto& item : items_) {
-    // The deadline first: gRPC also marks a call whose deadline passed as cancelled.
-    if (now >= item->deadline) {
+    // The deadline first: gRPC also marks a call whose deadline passed as cancelled, and a
+    // client's deadline arrives as a cancellation.
+    const bool cancelled = item->cancelled && item->cancelled();
+    if (now >= item->deadline || (cancelled && CancelledByDeadline(item->deadline, now))) {
       const std::string waited = std::to_string(Seconds(now - item->accepted));
       dropped->emplace_back(std::move(item), Status(StatusCode::kDeadlineExceeded,
                                                     "deadline passed after " + waited +
                                                         " s in the queue, before compute started"));
-    } else if (item->cancelled && item->cancelled()) {
+    } else if (cancelled) {
       dropped->emplace_back(std::move(item), Status(StatusCode::kCancelled,
                                                     "cancelled by the client before compute"));
     } else {

@@ -22,6 +22,17 @@ namespace attnserve {
 
 using SteadyClock = std::chrono::steady_clock;
 
+/// How much later than the client's the server's copy of a call's deadline may fall: the server
+/// counts it from the call's arrival, the client from its sending. A client whose deadline passes
+/// cancels the call (HTTP/2 has no code for a deadline), and that can reach the server first.
+inline constexpr std::chrono::milliseconds kDeadlineSkew{100};
+
+/// Whether a cancelled call was ended by its deadline (due within kDeadlineSkew of `now`) rather
+/// than by its client: it is then counted as DEADLINE_EXCEEDED, as the client saw it.
+inline bool CancelledByDeadline(SteadyClock::time_point deadline, SteadyClock::time_point now) {
+  return deadline - now <= kDeadlineSkew;
+}
+
 /// One accepted request on its way to the engine. Owns nothing on the wire: `call` and `outputs`
 /// point into the RPC's request and response, which live until `done` has run.
 struct WorkItem {

@@ -89,11 +89,13 @@ v1::AttendResponse AnswerMeta(const v1::AttendRequest& request, const WorkItem& 
 Status Deliverable(const CallContext& call, const Status& computed, bool step) {
   if (!computed.ok()) return computed;
   const char* consequence = step ? "the step was not applied" : "the answer was dropped";
-  if (SteadyClock::now() >= call.deadline) {
+  const auto now = SteadyClock::now();
+  const bool cancelled = call.IsCancelled();
+  if (now >= call.deadline || (cancelled && CancelledByDeadline(call.deadline, now))) {
     return Status(StatusCode::kDeadlineExceeded,
                   std::string("deadline passed during compute; ") + consequence);
   }
-  if (call.IsCancelled()) {
+  if (cancelled) {
     return Status(StatusCode::kCancelled,
                   std::string("cancelled by the client during compute; ") + consequence);
   }

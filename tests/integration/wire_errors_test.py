@@ -93,43 +93,46 @@ def test_undecodable_messages_and_a_stop_with_a_stream_open(attnserve):
           f"{len(grown)} bytes, starting {grown[:300]!r}")
 
     # A unary call whose request message never arrives: the client half-closes without one, or
-    # cancels before sending it. Neither is a request for model "": the first gets INVALID_ARGUMENT
-    # saying so, the second is counted as CANCELLED.
-    no_message = channel.stream_unary("/attnserve.v1.AttentionService/Attend")
-    expect_refusal("unary call without a message", lambda: no_message(iter([]), timeout=10),
-                   grpc.StatusCode.INVALID_ARGUMENT, "no request message")
+    # cancels before sending it, or its deadline passes first. None is a request for model "": the
+    # first gets INVALID_ARGUMENT saying so, the others are counted as CANCELLED and as
+    # DEADLINE_EXCEEDED (gRPC marks a call whose deadline passed cancelled too). attnserve.v1's
+    # Attend and the Open Inference Protocol's ModelInfer alike.
     never = threading.Event()
 
     def no_request_yet():
         never.wait()
         yield b""
 
-    for _ in range(3):
-        future = no_message.future(no_request_yet(), timeout=10)
-        time.sleep(0.3)
-        future.cancel()
-    # A call whose deadline passes before its request arrives: the client saw DEADLINE_EXCEEDED,
-    # and so does the server's count (gRPC marks such a call cancelled too).
-    late = [no_message.future(no_request_yet(), timeout=0.2) for _ in range(2)]
-    for future in late:
-        check("a call whose deadline passed before its request: the client's status",
-              future.exception() is not None and future.code() == grpc.StatusCode.DEADLINE_EXCEEDED,
-              str(future.exception()))
+    methods = {"Attend": "/attnserve.v1.AttentionService/Attend",
+               "ModelInfer": "/inference.GRPCInferenceService/ModelInfer"}
+    for method, path in methods.items():
+        no_message = channel.stream_unary(path)
+        expect_refusal(f"{method} without a message", lambda: no_message(iter([]), timeout=10),
+                       grpc.StatusCode.INVALID_ARGUMENT, "no request message")
+        for _ in range(3):
+            future = no_message.future(no_request_yet(), timeout=10)
+            time.sleep(0.3)
+            future.cancel()
+        late = [no_message.future(no_request_yet(), timeout=0.2) for _ in range(2)]
+        for future in late:
+            check(f"{method} whose deadline passed before its request: the client's status",
+                  future.exception() is not None and future.code() == grpc.StatusCode.DEADLINE_EXCEEDED,
+                  str(future.exception()))
     time.sleep(0.5)
     never.set()
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read().decode()
-    check("no call counted as a request for model ''",
-          counter(metrics, 'attnserve_requests_total{code="NOT_FOUND",method="Attend",model=""}') == 0,
-          "\n".join(l for l in metrics.splitlines() if 'method="Attend"' in l))
-    check("the call without a message is counted",
-          counter(metrics, 'attnserve_requests_total{code="INVALID_ARGUMENT",method="Attend",model=""}') == 2003,
-          "\n".join(l for l in metrics.splitlines() if 'method="Attend"' in l))
-    check("the cancelled calls are counted as CANCELLED",
-          counter(metrics, 'attnserve_requests_total{code="CANCELLED",method="Attend",model=""}') == 3,
-          "\n".join(l for l in metrics.splitlines() if 'method="Attend"' in l))
-    check("the calls whose deadline passed first are counted as DEADLINE_EXCEEDED",
-          counter(metrics, 'attnserve_requests_total{code="DEADLINE_EXCEEDED",method="Attend",model=""}') == 2,
-          "\n".join(l for l in metrics.splitlines() if 'method="Attend"' in l))
+    undecodable = {"Attend": 2002, "ModelInfer": 0}  # the 2 + 2,000 undecodable Attend messages above
+    for method in methods:
+        lines = "\n".join(l for l in metrics.splitlines() if f'method="{method}"' in l)
+        series = 'attnserve_requests_total{code="%s",method="' + method + '",model=""}'
+        check(f"{method}: no call counted as a request for model ''", counter(metrics, series % "NOT_FOUND") == 0,
+              lines)
+        check(f"{method}: the call without a message is counted",
+              counter(metrics, series % "INVALID_ARGUMENT") == 1 + undecodable[method], lines)
+        check(f"{method}: the cancelled calls are counted as CANCELLED", counter(metrics, series % "CANCELLED") == 3,
+              lines)
+        check(f"{method}: the calls whose deadline passed first are counted as DEADLINE_EXCEEDED",
+              counter(metrics, series % "DEADLINE_EXCEEDED") == 2, lines)
 
     first = pb.AttendRequest()
     first.CopyFrom(good)

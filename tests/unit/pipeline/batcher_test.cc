@@ -157,6 +157,25 @@ TEST_F(BatchQueueTest, DropsExpiredAndCancelledRequestsBeforeCompute) {
   EXPECT_EQ(dropped_[1].second.code(), StatusCode::kCancelled);
 }
 
+// A client's deadline reaches the server as a cancellation, which can arrive before the server's
+// copy of the deadline (counted from the call's arrival) passes: a cancellation that close to the
+// deadline counts as the deadline, as the client saw it; one well before it as the client's own.
+TEST_F(BatchQueueTest, ACancellationAtTheDeadlineIsCountedAsTheDeadline) {
+  auto at_deadline = Item(&model_, 1);
+  at_deadline->deadline = kT0 + 10ms;
+  at_deadline->cancelled = [] { return true; };
+  auto early = Item(&model_, 2);
+  early->deadline = kT0 + 10s;
+  early->cancelled = [] { return true; };
+  Add(std::move(at_deadline));
+  Add(std::move(early));
+  EXPECT_THAT(Ids(queue_.Take(kT0 + 1ms, &dropped_)), ElementsAre());
+  ASSERT_EQ(dropped_.size(), 2u);
+  EXPECT_EQ(dropped_[0].second.code(), StatusCode::kDeadlineExceeded)
+      << dropped_[0].second.ToString();
+  EXPECT_EQ(dropped_[1].second.code(), StatusCode::kCancelled) << dropped_[1].second.ToString();
+}
+
 TEST_F(BatchQueueTest, FullQueueRefusesButFreesThePlacesOfDeadRequests) {
   for (int i = 1; i <= 4; ++i) Add(Item(&model_, i));
   auto refused = queue_.Add(Item(&model_, 5), kT0, &dropped_);

@@ -170,6 +170,12 @@ TEST_F(RequestPipelineTest, ASessionStepTheClientCannotReceiveIsNotApplied) {
   CallContext gone;
   gone.cancelled = [] { return true; };
   EXPECT_EQ(step(gone).first.code(), StatusCode::kCancelled);
+  // A cancellation that arrives as the deadline is due is the client's deadline (which reaches
+  // the server as a cancellation, before the server's copy of it passes).
+  CallContext due;
+  due.deadline = SteadyClock::now() + std::chrono::milliseconds(50);
+  due.cancelled = [] { return true; };
+  EXPECT_EQ(step(due).first.code(), StatusCode::kDeadlineExceeded);
   const auto [st, length] = step({});
   ASSERT_TRUE(st.ok()) << st.ToString();
   EXPECT_EQ(length, 2);  // Neither refused step was kept.
