@@ -37,7 +37,8 @@ bool StreamReactor::CanRead() const {
 Status StreamReactor::Undelivered() const { return UndeliveredBy(call_.deadline); }
 
 Status StreamReactor::UndeliveredBy(SteadyClock::time_point deadline) {
-  if (SteadyClock::now() >= deadline) {
+  // A client's deadline arrives as a cancellation, possibly before the server's copy passes.
+  if (CancelledByDeadline(deadline, SteadyClock::now())) {
     return Status(StatusCode::kDeadlineExceeded,
                   "the stream's deadline passed before the answer was sent");
   }

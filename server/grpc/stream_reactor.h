@@ -74,8 +74,9 @@ class StreamCodec {
 ///
 /// Every request read is recorded exactly once: when its answer has been written, or when it is
 /// dropped because the client is gone (CANCELLED, or DEADLINE_EXCEEDED once the stream's deadline
-/// passed). One refused before the pipeline (codec) is recorded when refused; one that waited for
-/// its order when the client left is never dispatched and recorded then.
+/// passed or is due: UndeliveredBy). One refused before the pipeline (codec) is recorded when
+/// refused; one that waited for its order when the client left is never dispatched and recorded
+/// then.
 class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>,
                             public OpenCall {
  public:
@@ -94,6 +95,11 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   bool Drain() override;
   /// Finishes the call with the status chosen when Drain returned true.
   void FinishNow() override;
+
+  /// What a request whose answer the client can no longer receive is counted as, the stream's
+  /// deadline being `deadline`: DEADLINE_EXCEEDED once it passed or is due within kDeadlineSkew (a
+  /// client's deadline reaches the server as a cancellation, possibly first), else CANCELLED.
+  static Status UndeliveredBy(SteadyClock::time_point deadline);
 
   /// Test seam (StreamSafetyTest): when set, runs on the compute thread right after OnComputed
   /// lets go of the lock, told whether this thread's actions hold the call open; a test widens the
@@ -139,10 +145,8 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   void DropAnswers(Actions* a);
   // Without mu_.
   void Run(Actions a);
-  // What a client that cannot receive an answer is counted as: DEADLINE_EXCEEDED once the stream's
-  // deadline passed, else CANCELLED.
+  // Undelivered() for this stream's deadline.
   Status Undelivered() const;
-  static Status UndeliveredBy(SteadyClock::time_point deadline);
 
   RequestPipeline& pipeline_;
   CallCounter& calls_;
