@@ -666,7 +666,7 @@ TEST(ServerLoadTest, OverloadIsRefusedQuicklyAndExpiredRequestsAreDropped) {
 TEST(ServerShutdownTest, InFlightRequestsFinishOnShutdown) {
   ServerOptions o;
   o.address = "127.0.0.1:0";
-  o.metrics_address = "";
+  o.metrics_address = "127.0.0.1:0";
   o.batcher.workers = 1;
   auto server = Server::Start(o);
   ASSERT_TRUE(server.ok());
@@ -685,7 +685,16 @@ TEST(ServerShutdownTest, InFlightRequestsFinishOnShutdown) {
       ++done;
     });
   }
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // All four accepted.
+  // All four accepted (in flight or answered) before the stop: a fixed wait is not enough for 2 MiB
+  // on a loaded machine.
+  const auto taken = [&] {
+    const std::string m = HttpGet((*server)->metrics_port(), "/metrics");
+    return Counter(m, "attnserve_requests_in_flight{method=\"Attend\"}") +
+           Counter(m, "attnserve_requests_total{code=\"OK\",method=\"Attend\",model=\"demo\"}");
+  };
+  for (int i = 0; i < 2000 && taken() < 5; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_GE(taken(), 5) << "the warm-up call and the four";
   (*server)->Shutdown();
   while (done < 4) std::this_thread::sleep_for(std::chrono::milliseconds(5));
   EXPECT_EQ(ok, 4);
