@@ -317,7 +317,12 @@ int main(int argc, char** argv) {
     options.compute_dtype = dtype == "float16"    ? attnserve::DType::kFloat16
                             : dtype == "bfloat16" ? attnserve::DType::kBFloat16
                                                   : attnserve::DType::kFloat32;
-    backend = std::make_unique<EngineBackend>(workers, models_dir, model_name, options);
+    try {
+      backend = std::make_unique<EngineBackend>(workers, models_dir, model_name, options);
+    } catch (const std::runtime_error& e) {
+      std::fprintf(stderr, "attnserve-bench: %s\n", e.what());
+      return 2;
+    }
   } else {
     try {
       backend = std::make_unique<ClientBackend>(client_options, stream ? callers : 0, model_name);
