@@ -7,12 +7,22 @@
 
 namespace attnserve {
 
+namespace {
+
+// The call's deadline on the steady clock (max when the client set none).
+SteadyClock::time_point SteadyDeadlineOf(const grpc::CallbackServerContext* ctx) {
+  const auto deadline = ctx->deadline();
+  if (deadline == std::chrono::system_clock::time_point::max()) {
+    return SteadyClock::time_point::max();
+  }
+  return SteadyClock::now() + (deadline - std::chrono::system_clock::now());
+}
+
+}  // namespace
+
 CallContext CallOf(grpc::CallbackServerContext* ctx) {
   CallContext call;
-  const auto deadline = ctx->deadline();
-  if (deadline != std::chrono::system_clock::time_point::max()) {
-    call.deadline = SteadyClock::now() + (deadline - std::chrono::system_clock::now());
-  }
+  call.deadline = SteadyDeadlineOf(ctx);
   call.cancelled = [ctx] { return ctx->IsCancelled(); };
   call.trace = TraceOf(ctx);
   const auto& metadata = ctx->client_metadata();
@@ -87,7 +97,7 @@ class NoMessageReactor final : public grpc::ServerUnaryReactor {
   // a cancellation: the deadline first, as the client saw it.
   Status Outcome() const {
     if (!ctx_->IsCancelled()) return refusal_;
-    if (CancelledByDeadline(CallOf(ctx_).deadline, SteadyClock::now())) {
+    if (CancelledByDeadline(SteadyDeadlineOf(ctx_), SteadyClock::now())) {
       return Status(StatusCode::kDeadlineExceeded, "deadline passed before its request arrived");
     }
     return Status(StatusCode::kCancelled, "cancelled before its request arrived");

@@ -38,10 +38,9 @@ Status BatcherOptions::Validate() const {
 void BatchQueue::DropDead(SteadyClock::time_point now, Dropped* dropped) {
   std::deque<std::unique_ptr<WorkItem>> alive;
   for (auto& item : items_) {
-    // The deadline first: gRPC also marks a call whose deadline passed as cancelled, and a
-    // client's deadline arrives as a cancellation.
+    // The deadline first: a client's deadline arrives as a cancellation.
     const bool cancelled = item->cancelled && item->cancelled();
-    if (now >= item->deadline || (cancelled && CancelledByDeadline(item->deadline, now))) {
+    if (DeadlineEnded(item->deadline, now, cancelled)) {
       const std::string waited = std::to_string(Seconds(now - item->accepted));
       dropped->emplace_back(std::move(item), Status(StatusCode::kDeadlineExceeded,
                                                     "deadline passed after " + waited +

@@ -33,6 +33,13 @@ inline bool CancelledByDeadline(SteadyClock::time_point deadline, SteadyClock::t
   return deadline - now <= kDeadlineSkew;
 }
 
+/// Whether a call's deadline ended it by `now`: it passed, or the call is `cancelled` and it is due
+/// within kDeadlineSkew (gRPC also marks a call whose deadline passed as cancelled).
+inline bool DeadlineEnded(SteadyClock::time_point deadline, SteadyClock::time_point now,
+                          bool cancelled) {
+  return cancelled ? CancelledByDeadline(deadline, now) : now >= deadline;
+}
+
 /// One accepted request on its way to the engine. Owns nothing on the wire: `call` and `outputs`
 /// point into the RPC's request and response, which live until `done` has run.
 struct WorkItem {

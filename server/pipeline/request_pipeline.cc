@@ -89,9 +89,8 @@ v1::AttendResponse AnswerMeta(const v1::AttendRequest& request, const WorkItem& 
 Status Deliverable(const CallContext& call, const Status& computed, bool step) {
   if (!computed.ok()) return computed;
   const char* consequence = step ? "the step was not applied" : "the answer was dropped";
-  const auto now = SteadyClock::now();
   const bool cancelled = call.IsCancelled();
-  if (now >= call.deadline || (cancelled && CancelledByDeadline(call.deadline, now))) {
+  if (DeadlineEnded(call.deadline, SteadyClock::now(), cancelled)) {
     return Status(StatusCode::kDeadlineExceeded,
                   std::string("deadline passed during compute; ") + consequence);
   }
@@ -325,12 +324,13 @@ void RequestPipeline::RecordUndecoded(const char* method, const Status& seen) {
   last_arrival_ = SteadyClock::now();
 }
 
-CallTrace RequestPipeline::RecordCall(const std::string& model, const char* method,
-                                      const Status& st, SteadyClock::time_point received,
-                                      const IncomingTrace& in, const std::string& handle) {
+void RequestPipeline::RecordCall(const std::string& model, const char* method, const Status& st,
+                                 SteadyClock::time_point received, const IncomingTrace& in,
+                                 const std::string& handle, CallTrace* traced) {
   metrics_.RecordRequest(model, method, StatusCodeName(st.code()), SecondsSince(received));
-  if (!tracer_ && !access_log_) return CallTrace();
+  if (!tracer_ && !access_log_) return;
   const CallTrace trace = BeginTrace(in);
+  if (traced) *traced = trace;
   if (trace.sampled) {
     SpanData span = CallSpan(*tracer_, trace, method, received, SteadyClock::now(), st);
     if (!model.empty()) span.Set("attnserve.model", model);
@@ -340,7 +340,6 @@ CallTrace RequestPipeline::RecordCall(const std::string& model, const char* meth
     tracer_->Emit(std::move(span));
   }
   LogAccess(method, model, trace, st, received, nullptr);
-  return trace;
 }
 
 void RequestPipeline::Observe(const Tracer* tracer, AccessLog* access_log) {
@@ -489,7 +488,9 @@ void RequestPipeline::CreateMemory(const v1::CreateMemoryRequest& req, CallConte
   const std::string name = item->model ? item->model->spec().name : "";
   if (!st.ok()) {
     Unreserve(held);
-    done(st, RecordCall(name, "CreateMemory", st, received, trace));
+    CallTrace traced;
+    RecordCall(name, "CreateMemory", st, received, trace, "", &traced);
+    done(st, traced);
     return;
   }
   item->kv_entry = entry;
@@ -505,7 +506,9 @@ void RequestPipeline::CreateMemory(const v1::CreateMemoryRequest& req, CallConte
     }
     const std::string handle = entry->handle;
     entry.reset();  // Not held once told: the client's next call may evict it.
-    done(st, RecordCall(name, "CreateMemory", st, received, trace, handle));
+    CallTrace traced;
+    RecordCall(name, "CreateMemory", st, received, trace, handle, &traced);
+    done(st, traced);
   };
   batcher_.Submit(std::move(item));
 }
@@ -534,9 +537,8 @@ Status RequestPipeline::OpenSession(const v1::OpenSessionRequest& req, v1::KvHan
     FillHandle(*entry, 0, kv_, advertised_address(), resp);
     return Status::Ok();
   }();
-  const CallTrace t = RecordCall(model ? model->spec().name : "", "OpenSession", st, received,
-                                 trace, resp->handle());
-  if (traced) *traced = t;
+  RecordCall(model ? model->spec().name : "", "OpenSession", st, received, trace, resp->handle(),
+             traced);
   return st;
 }
 
@@ -553,8 +555,7 @@ Status RequestPipeline::ForkSession(const v1::ForkSessionRequest& req, v1::KvHan
     FillHandle(*child, std::nullopt, kv_, advertised_address(), resp);
     return Status::Ok();
   }();
-  const CallTrace t = RecordCall(model, "ForkSession", st, received, trace, req.handle());
-  if (traced) *traced = t;
+  RecordCall(model, "ForkSession", st, received, trace, req.handle(), traced);
   return st;
 }
 
@@ -569,8 +570,7 @@ Status RequestPipeline::TruncateSession(const v1::TruncateSessionRequest& req, v
     FillHandle(*entry, req.length(), kv_, advertised_address(), resp);
     return Status::Ok();
   }();
-  const CallTrace t = RecordCall(model, "TruncateSession", st, received, trace, req.handle());
-  if (traced) *traced = t;
+  RecordCall(model, "TruncateSession", st, received, trace, req.handle(), traced);
   return st;
 }
 
@@ -580,8 +580,7 @@ Status RequestPipeline::Release(const char* method, KvKind kind, const v1::Relea
   const auto received = SteadyClock::now();
   StatusOr<int64_t> freed = kv_.Release(req.handle(), kind);
   if (freed.ok()) resp->set_bytes_freed(*freed);
-  const CallTrace t = RecordCall("", method, freed.status(), received, trace, req.handle());
-  if (traced) *traced = t;
+  RecordCall("", method, freed.status(), received, trace, req.handle(), traced);
   return freed.status();
 }
 

@@ -171,10 +171,10 @@ class RequestPipeline {
   void Unreserve(int64_t bytes);
   static int64_t HeldBytes(int64_t wire_bytes, DType wire, DType compute);
   // Metrics, span and access-log line for a call that is not an Attend; `handle`: the memory or
-  // session it made or used. Returns the call's trace.
-  CallTrace RecordCall(const std::string& model, const char* method, const Status& st,
-                       SteadyClock::time_point received, const IncomingTrace& trace = {},
-                       const std::string& handle = "");
+  // session it made or used; `traced`, when given, receives the call's trace.
+  void RecordCall(const std::string& model, const char* method, const Status& st,
+                  SteadyClock::time_point received, const IncomingTrace& trace = {},
+                  const std::string& handle = "", CallTrace* traced = nullptr);
   // An Attend's spans (the call's, decode, queue, compute, encode) and access-log line.
   void Observed(const char* method, const Exchange& x, const Status& seen) const;
   void LogAccess(const char* method, const std::string& model, const CallTrace& trace,
