@@ -9,30 +9,6 @@
 namespace attnserve {
 namespace {
 
-uint16_t FloatToHalf(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
-  const uint32_t sign = (x >> 16) & 0x8000;
-  const uint32_t abs = x & 0x7fffffff;
-  if (abs >= 0x7f800000)
-    return static_cast<uint16_t>(sign | 0x7c00 | (abs > 0x7f800000 ? 0x200 : 0));
-  if (abs >= 0x477ff000) return static_cast<uint16_t>(sign | 0x7c00);  // Overflow to inf.
-  if (abs < 0x38800000) {  // Subnormal or zero in half precision.
-    const int shift = 113 - static_cast<int>(abs >> 23);
-    if (shift > 24) return static_cast<uint16_t>(sign);
-    const uint32_t mant = (abs & 0x7fffff) | 0x800000;
-    uint32_t half = mant >> (shift + 13);
-    const uint32_t rem = mant & ((1u << (shift + 13)) - 1);
-    const uint32_t mid = 1u << (shift + 12);
-    if (rem > mid || (rem == mid && (half & 1))) ++half;
-    return static_cast<uint16_t>(sign | half);
-  }
-  uint32_t half = ((abs - 0x38000000) >> 13);
-  const uint32_t rem = abs & 0x1fff;
-  if (rem > 0x1000 || (rem == 0x1000 && (half & 1))) ++half;
-  return static_cast<uint16_t>(sign | half);
-}
-
 void CheckCount(const std::vector<int64_t>& shape, size_t n) {
   int64_t want = 1;
   for (int64_t d : shape) want *= d;
@@ -86,12 +62,7 @@ Tensor Tensor::BFloat16(std::vector<int64_t> shape, const std::vector<float>& va
   Tensor t{DataType::kBFloat16, std::move(shape), {}};
   t.data.resize(values.size() * 2);
   for (size_t i = 0; i < values.size(); ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, &values[i], 4);
-    // Round to nearest even on the 16 bits dropped; a NaN keeps a mantissa bit (stays NaN).
-    const uint16_t b = std::isnan(values[i])
-                           ? static_cast<uint16_t>((bits >> 16) | 0x40)
-                           : static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+    const uint16_t b = FloatToBFloat16(values[i]);
     std::memcpy(&t.data[2 * i], &b, 2);
   }
   return t;

@@ -14,11 +14,31 @@ HealthReporter::HealthReporter(std::vector<grpc::HealthCheckServiceInterface*> s
                                const ModelSet& models)
     : services_(std::move(services)) {
   for (const auto& [name, versions] : models.models) known_.insert(name);
+  served_ = known_;
+  for (auto* health : services_) {
+    health->SetServingStatus(false);
+    health->SetServingStatus(kServiceName, false);
+    health->SetServingStatus(kRepositoryName, false);
+    for (const std::string& name : known_) health->SetServingStatus(ModelName(name), false);
+  }
+}
+
+void HealthReporter::Ready() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (shut_) return;
+  ready_ = true;
   for (auto* health : services_) {
     health->SetServingStatus(true);
     health->SetServingStatus(kServiceName, true);
-    health->SetServingStatus(kRepositoryName, true);
-    for (const std::string& name : known_) health->SetServingStatus(ModelName(name), true);
+  }
+  Apply();
+}
+
+void HealthReporter::Apply() {
+  for (auto* health : services_) {
+    health->SetServingStatus(kRepositoryName, repository_ok_);
+    for (const std::string& name : known_)
+      health->SetServingStatus(ModelName(name), served_.count(name) > 0);
   }
 }
 
@@ -26,16 +46,16 @@ void HealthReporter::OnReloaded(const ReloadReport& report, const ModelSet& set,
                                 const std::map<std::string, std::string>& failing) {
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& [name, why] : failing) known_.insert(name);
-  for (const auto& [name, versions] : set.models) known_.insert(name);
-  for (auto* health : services_) {
-    health->SetServingStatus(kRepositoryName, report.status.ok() && failing.empty());
-    for (const std::string& name : known_)
-      health->SetServingStatus(ModelName(name), set.models.count(name) > 0);
-  }
+  served_.clear();
+  for (const auto& [name, versions] : set.models) served_.insert(name);
+  known_.insert(served_.begin(), served_.end());
+  repository_ok_ = report.status.ok() && failing.empty();
+  if (ready_ && !shut_) Apply();  // Before Ready, Ready applies them.
 }
 
 void HealthReporter::Shutdown() {
   std::lock_guard<std::mutex> lock(mu_);
+  shut_ = true;
   for (auto* health : services_) health->Shutdown();
 }
 

@@ -13,7 +13,8 @@
 namespace attnserve {
 
 /// What grpc.health.v1 says, on every listener that serves it (--address, --health-address):
-///   ""  and "attnserve.v1.AttentionService"  SERVING until the drain begins;
+///   every name                                NOT_SERVING while the models warm up at start;
+///   ""  and "attnserve.v1.AttentionService"  SERVING once warm, until the drain begins;
 ///   "attnserve.v1.ModelRepository"            NOT_SERVING while the latest load of some model
 ///   failed
 ///                                             (what served before still serves);
@@ -23,8 +24,12 @@ namespace attnserve {
 /// Thread-safe.
 class HealthReporter {
  public:
-  /// Reports `models` as SERVING on each of `services` (gRPC's default health services).
+  /// Reports everything NOT_SERVING on each of `services` (gRPC's default health services) until
+  /// Ready: the models are warming up.
   HealthReporter(std::vector<grpc::HealthCheckServiceInterface*> services, const ModelSet& models);
+
+  /// The models are warm: `models` and the server SERVING (unless the drain began meanwhile).
+  void Ready();
 
   /// After a reload: the repository's status and every model's that health has ever named.
   void OnReloaded(const ReloadReport& report, const ModelSet& set,
@@ -36,6 +41,11 @@ class HealthReporter {
   std::mutex mu_;
   const std::vector<grpc::HealthCheckServiceInterface*> services_;
   std::set<std::string> known_;  // Every model name health has reported on.
+  std::set<std::string> served_;  // The model names loaded now.
+  bool repository_ok_ = true;     // The latest reload failed nowhere.
+  bool ready_ = false;            // Warm: what health says follows the models.
+  bool shut_ = false;             // The drain began: NOT_SERVING for good.
+  void Apply();                   // Under mu_, once ready: the statuses above.
 };
 
 }  // namespace attnserve

@@ -19,10 +19,14 @@ bool SameModel(const ModelSpec& a, const ModelSpec& b) {
          a.add_zero_attn == b.add_zero_attn && a.source == b.source;
 }
 
+// A version loaded and warmed: it serves fast from its first request.
 StatusOr<std::shared_ptr<const AttentionModel>> Build(const ModelSource& source,
-                                                      const EngineOptions& engine) {
+                                                      const EngineOptions& engine,
+                                                      const WarmupShapes& warmup) {
   ASSIGN_OR_RETURN(ModelWeights w, LoadModel(source.dir, source.name, source.version));
   ASSIGN_OR_RETURN(std::unique_ptr<AttentionModel> model, CreateTorchModel(w, engine));
+  const Status warm = WarmModel(*model, warmup);
+  if (!warm.ok()) return Status(StatusCode::kFailedPrecondition, source.dir + ": " + warm.message());
   return std::shared_ptr<const AttentionModel>(std::move(model));
 }
 
@@ -78,14 +82,15 @@ bool ReloadReport::failed() const {
   return false;
 }
 
-ModelRepository::ModelRepository(std::string dir, EngineOptions engine)
-    : dir_(std::move(dir)), engine_(std::move(engine)) {}
+ModelRepository::ModelRepository(std::string dir, EngineOptions engine, WarmupShapes warmup)
+    : dir_(std::move(dir)), engine_(std::move(engine)), warmup_(warmup) {}
 
 ModelRepository::~ModelRepository() { Stop(); }
 
 StatusOr<std::unique_ptr<ModelRepository>> ModelRepository::Open(const std::string& dir,
-                                                                 const EngineOptions& engine) {
-  std::unique_ptr<ModelRepository> repo(new ModelRepository(dir, engine));
+                                                                 const EngineOptions& engine,
+                                                                 const WarmupShapes& warmup) {
+  std::unique_ptr<ModelRepository> repo(new ModelRepository(dir, engine, warmup));
   auto set = std::make_shared<ModelSet>();
   if (dir.empty()) {
     ASSIGN_OR_RETURN(auto model, CreateTorchModel(DemoModelWeights(), engine));
@@ -104,6 +109,19 @@ StatusOr<std::unique_ptr<ModelRepository>> ModelRepository::Open(const std::stri
   }
   repo->set_ = std::move(set);
   return repo;
+}
+
+Status ModelRepository::Warm() const {
+  for (const auto& [name, versions] : Snapshot()->models) {
+    for (const auto& [version, model] : versions) {
+      const Status warm = WarmModel(*model, warmup_);
+      if (!warm.ok()) {
+        return Status(StatusCode::kFailedPrecondition,
+                      name + " version " + std::to_string(version) + ": " + warm.message());
+      }
+    }
+  }
+  return Status::Ok();
 }
 
 std::shared_ptr<const ModelSet> ModelRepository::Snapshot() const {
@@ -298,7 +316,7 @@ bool ModelRepository::LoadChanged(const RepositoryDiff& diff, const ModelSet& cu
     }
     const Key key{source->name, source->version};
     const auto previous = current.Find(source->name, source->version);
-    StatusOr<std::shared_ptr<const AttentionModel>> model = Build(*source, engine_);
+    StatusOr<std::shared_ptr<const AttentionModel>> model = Build(*source, engine_, warmup_);
     if (!model.ok()) {
       failures_[key] = model.status().message();
       report->changes.push_back({source->name, source->version, RepositoryChange::Action::kFailed,

@@ -11,6 +11,7 @@
 
 #include "server/core/status.h"
 #include "server/engine/attention_model.h"
+#include "server/models/warmup.h"
 
 namespace attnserve {
 
@@ -73,9 +74,14 @@ struct RepositoryDiff;  // What a rescan changes (model_repository.cc).
 /// Thread-safe.
 class ModelRepository {
  public:
-  /// `dir` "" serves the built-in demo model (nothing to reload).
-  static StatusOr<std::unique_ptr<ModelRepository>> Open(const std::string& dir,
-                                                         const EngineOptions& engine);
+  /// `dir` "" serves the built-in demo model (nothing to reload). The models opened are not warmed
+  /// (Warm does it); every version a reload loads is warmed for `warmup` before it serves.
+  static StatusOr<std::unique_ptr<ModelRepository>> Open(
+      const std::string& dir, const EngineOptions& engine,
+      const WarmupShapes& warmup = WarmupShapes::Off());
+
+  /// Warms every version serving now (WarmModel): the first failure, naming the model.
+  Status Warm() const;
   ~ModelRepository();  ///< Stops.
 
   /// The set serving now: cheap (a shared_ptr copy under a mutex); hold it as long as needed.
@@ -95,7 +101,7 @@ class ModelRepository {
   const std::string& dir() const { return dir_; }
 
  private:
-  ModelRepository(std::string dir, EngineOptions engine);
+  ModelRepository(std::string dir, EngineOptions engine, WarmupShapes warmup);
   void Loop();
   // A rescan: what changed (a pure diff against the set serving), those versions loaded, then one
   // publish and the hooks told.
@@ -116,6 +122,7 @@ class ModelRepository {
 
   const std::string dir_;
   const EngineOptions engine_;
+  const WarmupShapes warmup_;
   ModelRepositoryHooks hooks_;
 
   mutable std::mutex set_mu_;

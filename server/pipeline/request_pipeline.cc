@@ -437,7 +437,7 @@ Status RequestPipeline::GetModel(const v1::GetModelRequest& req, v1::ModelInfo* 
 }
 
 bool RequestPipeline::Ready(const std::string& model, int64_t version) const {
-  if (draining()) return false;
+  if (draining() || warming_.load()) return false;
   const std::shared_ptr<const ModelSet> models = models_.Snapshot();
   return model.empty() ? !models->models.empty() : models->Find(model, version) != nullptr;
 }

@@ -121,9 +121,12 @@ class RequestPipeline {
   /// One model version's description (version 0: the highest loaded).
   Status GetModel(const v1::GetModelRequest& req, v1::ModelInfo* resp) const;
 
-  /// Whether requests for `model` (version 0: the highest) would be served now: loaded and not
-  /// draining. An empty `model`: whether the server takes requests at all.
+  /// Whether requests for `model` (version 0: the highest) would be served now: loaded, warm and
+  /// not draining. An empty `model`: whether the server takes requests at all.
   bool Ready(const std::string& model, int64_t version) const;
+  /// While true, Ready says no: the models are warming up at start (requests are still served,
+  /// only slower). False unless set.
+  void SetWarming(bool warming) { warming_.store(warming); }
   /// A loaded model version's spec and every loaded version of it (NOT_FOUND naming what is there).
   StatusOr<ModelSpec> Describe(const std::string& model, int64_t version,
                                std::vector<int64_t>* versions) const;
@@ -187,6 +190,7 @@ class RequestPipeline {
   const FlowLimits flow_;
   KvStore& kv_;
   std::atomic<bool> draining_{false};
+  std::atomic<bool> warming_{false};
 
   mutable std::mutex mu_;
   std::condition_variable idle_cv_;

@@ -169,6 +169,10 @@ bool ParseFlags(int argc, char** argv, attnserve::ServerOptions* options, int* e
                  "Requests that may wait for compute; beyond it new ones get RESOURCE_EXHAUSTED")
       ->check(CLI::Range(1, 1 << 20))
       ->capture_default_str();
+  bool no_warmup = false;
+  app.add_flag("--no-warmup", no_warmup,
+               "Serve at once, cold: the first requests make the kernels (default: every model is "
+               "warmed for the shapes its batches take before health says SERVING)");
   bool no_batching = false;
   app.add_flag("--no-batching", no_batching,
                "Compute every request on its own, at once (default: dynamic batching)");
@@ -261,6 +265,7 @@ bool ParseFlags(int argc, char** argv, attnserve::ServerOptions* options, int* e
   o.memory_given = {app.count("--kv-budget-bytes") > 0, app.count("--kv-max-entry-bytes") > 0,
                     app.count("--max-inflight-bytes") > 0, app.count("--max-message-bytes") > 0};
   o.batcher.enabled = !no_batching;
+  o.warmup = !no_warmup;
   o.batcher.max_queue_delay = std::chrono::microseconds(delay_us);
 
   return true;

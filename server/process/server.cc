@@ -92,6 +92,16 @@ Status CheckOptions(const ServerOptions& options) {
   return Status::Ok();
 }
 
+// What the batcher will give each model: the shapes its warm-up runs.
+WarmupShapes WarmupOf(const ServerOptions& options) {
+  if (!options.warmup) return WarmupShapes::Off();
+  WarmupShapes w;
+  w.batch_tokens = options.batcher.max_batch_tokens;
+  w.shared_request_tokens = options.batcher.max_shared_request_tokens;
+  w.max_request_tokens = options.limits.max_tokens;
+  return w;
+}
+
 EngineOptions EngineOptionsOf(const ServerOptions& options) {
   EngineOptions engine;
   engine.device = options.device;
@@ -230,6 +240,7 @@ void Server::Impl::StartPipeline() {
   pipeline =
       std::make_unique<RequestPipeline>(*models, *batcher, *metrics, limits, options.flow, *kv);
   pipeline->Observe(tracer.get(), access_log.get());
+  pipeline->SetWarming(options.warmup);
   service = std::make_unique<AttentionServiceImpl>(*pipeline, *calls);
   oip = std::make_unique<OipServiceImpl>(
       *pipeline, *calls, static_cast<size_t>(options.kv.max_entries),
@@ -301,6 +312,21 @@ Status Server::Impl::StartHealth() {
   return Status::Ok();
 }
 
+Status Server::Impl::WarmUp() {
+  if (options.warming_for_test) options.warming_for_test(port);
+  const auto start = SteadyClock::now();
+  const Status warm = models->Warm();
+  warmup_seconds = std::chrono::duration<double>(SteadyClock::now() - start).count();
+  if (!warm.ok()) {
+    grpc_server->Shutdown();
+    if (health_server) health_server->Shutdown();
+    return Refuse("warm-up: " + warm.message());
+  }
+  pipeline->SetWarming(false);
+  health->Ready();
+  return Status::Ok();
+}
+
 Server::Server(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Server::~Server() { Shutdown(); }
 
@@ -309,7 +335,8 @@ StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   ASSIGN_OR_RETURN(impl->models,
-                   ModelRepository::Open(options.models_dir, EngineOptionsOf(options)));
+                   ModelRepository::Open(options.models_dir, EngineOptionsOf(options),
+                                         WarmupOf(options)));
   RETURN_IF_ERROR(impl->PlanMemory());
   RETURN_IF_ERROR(impl->StartMetrics());
   impl->StartKv();
@@ -317,6 +344,7 @@ StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   impl->StartPipeline();
   RETURN_IF_ERROR(impl->StartGrpc());
   RETURN_IF_ERROR(impl->StartHealth());
+  RETURN_IF_ERROR(impl->WarmUp());
   return std::unique_ptr<Server>(new Server(std::move(impl)));
 }
 
@@ -352,6 +380,9 @@ std::string Server::Describe() const {
          std::to_string(impl_->health_port);
   }
   const BatcherOptions& b = impl_->options.batcher;
+  if (impl_->options.warmup) {
+    s += ", warmed in " + std::to_string(static_cast<int>(impl_->warmup_seconds * 1e3)) + " ms";
+  }
   s += ", device " + impl_->options.device + ", " + std::to_string(b.workers) +
        " workers, batching " +
        (b.enabled ? std::to_string(b.max_batch_tokens) + " tokens/" +

@@ -1,6 +1,7 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -66,6 +67,13 @@ struct ServerOptions {
   /// that clients send its calls here. "" = --address when its host is a concrete one (not
   /// 0.0.0.0 or [::]; port 0 becomes the bound port), else none.
   std::string advertise_address;
+  /// Warm every model at start (and each version a reload loads) for the shapes its batches will
+  /// take, before health says SERVING: the first requests are then as fast as the rest. Off: the
+  /// server is ready at once and its first requests make the kernels (--no-warmup).
+  bool warmup = true;
+  /// Tests: runs on the starting thread once everything listens and health says NOT_SERVING,
+  /// before the warm-up. Null in production.
+  std::function<void(int port)> warming_for_test;
   /// Who may call AdminService.ReloadModels (token file, client certificate names); none: nobody.
   AdminAuth admin;
   TracingOptions tracing;

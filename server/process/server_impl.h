@@ -60,6 +60,7 @@ struct Server::Impl {
   int metrics_port = 0;
   std::once_flag shutdown_once;
   MemoryPlan memory_plan;
+  double warmup_seconds = 0;
 
   Status PlanMemory();
   Status StartMetrics();
@@ -68,6 +69,8 @@ struct Server::Impl {
   void StartPipeline();
   Status StartGrpc();
   Status StartHealth();
+  // Warms the models while health says NOT_SERVING, then says SERVING.
+  Status WarmUp();
   void StopGrpc(SteadyClock::time_point cut_at, SteadyClock::time_point backstop);
   // Holds the client connections not held yet, for the lingering close (when it is on).
   void HoldConnections();

@@ -433,6 +433,48 @@ TEST_F(ServerTest, HealthReportsServerServiceAndModels) {
   EXPECT_EQ(client_->Health("attnserve.v1.AttentionService/nope", &serving).code, 5);
 }
 
+// While the models warm up at start the server already listens: health (every name) says
+// NOT_SERVING, a request sent anyway is still answered; once Start returns, everything says
+// SERVING. (The client's default service config checks health itself and would send nothing to a
+// NOT_SERVING server: gRPC's defaults here.)
+TEST(ServerWarmupTest, HealthSaysNotServingUntilTheModelsAreWarm) {
+  ServerOptions o;
+  o.address = "127.0.0.1:0";
+  o.metrics_address = "";
+  o.batcher.workers = 2;
+  struct Seen {
+    bool server = true, service = true, model = true;
+    CallStatus attend;
+  } seen;
+  o.warming_for_test = [&seen](int port) {
+    ClientOptions c;
+    c.target = "127.0.0.1:" + std::to_string(port);
+    c.service_config = "";
+    Client client(c);
+    EXPECT_TRUE(client.Health("", &seen.server).ok());
+    EXPECT_TRUE(client.Health("attnserve.v1.AttentionService", &seen.service).ok());
+    EXPECT_TRUE(client.Health("attnserve.v1.AttentionService/demo", &seen.model).ok());
+    std::mt19937 rng(3);
+    AttendRequest r;
+    r.query = RandomTensor(rng, {1, 5, 512});
+    AttendResult res;
+    seen.attend = client.Attend(r, &res);
+  };
+  auto s = Server::Start(o);
+  ASSERT_TRUE(s.ok()) << s.status().message();
+  EXPECT_FALSE(seen.server);
+  EXPECT_FALSE(seen.service);
+  EXPECT_FALSE(seen.model);
+  EXPECT_TRUE(seen.attend.ok()) << seen.attend.ToString();
+  EXPECT_THAT((*s)->Describe(), HasSubstr("warmed in"));
+  Client client(TargetOf(**s));
+  bool serving = false;
+  ASSERT_TRUE(client.Health("", &serving).ok());
+  EXPECT_TRUE(serving);
+  ASSERT_TRUE(client.Health("attnserve.v1.AttentionService/demo", &serving).ok());
+  EXPECT_TRUE(serving);
+}
+
 TEST_F(ServerTest, MetricsMoveAfterRequests) {
   const std::string ok_count =
       "attnserve_request_duration_seconds_count{code=\"OK\",method=\"Attend\",model=\"demo\"}";
