@@ -122,6 +122,13 @@ struct EngineOptions {
   /// same packing on any device with per-sequence attention: how the CPU tests check it.
   enum class Varlen { kOff, kAuto, kEmulate };
   Varlen varlen = Varlen::kAuto;
+  /// Calls of up to this many rows per projection (batch * max(query_len, key_len)) share a
+  /// batch's packed projection GEMMs and varlen attention; larger ones are computed alone. 0: the
+  /// device's default: 128 on the CPU (larger requests fill a GEMM there by themselves, and
+  /// packing would only add copies: bench/RESULTS.md), every call on CUDA (one GEMM per
+  /// projection and one varlen launch per group for the whole batch, long requests included:
+  /// docs/hardware.md).
+  int64_t pack_rows = 0;
   /// With idle cores (ForwardBatch's Parallel), the least work (floating-point operations) a piece
   /// of one batch must hold to go to another core: ~40 µs on one core here, several times what
   /// waking a worker for it costs. Tests set 0 to cut every call as finely as the cores allow.

@@ -67,8 +67,11 @@ bool CpuHasBfloat16Products() { return onednn::HasBfloat16Kernels(); }
 class TorchModel final : public AttentionModel {
  public:
   TorchModel(const ModelWeights& w, at::Device device, DType dtype, EngineOptions::Varlen varlen,
-             double min_piece_flops, bool force_widen)
+             double min_piece_flops, bool force_widen, int64_t pack_rows)
       : spec_(w.spec),
+        pack_rows_(pack_rows > 0          ? pack_rows
+                   : device.is_cuda()     ? std::numeric_limits<int64_t>::max()
+                                          : kCpuPackRows),
         device_(device),
         dtype_(ToScalarType(dtype)),
         score_dtype_(device.is_cpu() ? at::kFloat : dtype_),
@@ -196,10 +199,11 @@ class TorchModel final : public AttentionModel {
                                      static_cast<int64_t>(c10::elementSize(dtype_)));
   }
 
-  // Requests of up to this many query (and key) rows share packed projection GEMMs. Larger ones
-  // already fill a GEMM well, so packing would only add copies: they run alone, straight into
-  // their responses (bench/RESULTS.md has the measurements behind the number).
-  static constexpr int64_t kPackRows = 128;
+  // On the CPU, requests of up to this many query (and key) rows share packed projection GEMMs.
+  // Larger ones already fill a GEMM well, so packing would only add copies: they run alone,
+  // straight into their responses (bench/RESULTS.md has the measurements behind the number). On
+  // CUDA every call packs (EngineOptions::pack_rows).
+  static constexpr int64_t kCpuPackRows = 128;
 
   std::vector<Status> ForwardBatch(const std::vector<const AttendCall*>& calls,
                                    const std::vector<AttendOutputs*>& outs,
@@ -217,7 +221,7 @@ class TorchModel final : public AttentionModel {
       // Small calls share the projection GEMMs: query rows, plus the key rows a call carries (a
       // memory's or session's kept keys are projected already). A memory's creation runs alone.
       if (c.kv_use != AttendCall::Kv::kCreateMemory &&
-          c.batch * std::max(c.query_len, c.key ? c.key_len : 0) <= kPackRows) {
+          c.batch * std::max(c.query_len, c.key ? c.key_len : 0) <= pack_rows_) {
         small_calls.push_back(&c);
         small_outs.push_back(outs[i]);
         small_index.push_back(i);
@@ -547,6 +551,8 @@ class TorchModel final : public AttentionModel {
   }
 
   ModelSpec spec_;
+  // Calls of up to this many rows per projection pack into the batch's shared GEMMs.
+  int64_t pack_rows_;
   at::Device device_;
   at::ScalarType dtype_;
   // Attention scores' dtype: float32 on the CPU whatever dtype_ (scores, masks and softmax from
@@ -613,7 +619,8 @@ StatusOr<std::unique_ptr<AttentionModel>> CreateTorchModel(const ModelWeights& w
     c10::InferenceMode guard;
     auto model = std::make_unique<TorchModel>(weights, device, options.compute_dtype,
                                               options.varlen, options.min_piece_flops,
-                                              options.force_float32_bfloat16_products);
+                                              options.force_float32_bfloat16_products,
+                                              options.pack_rows);
     return std::unique_ptr<AttentionModel>(std::move(model));
   } catch (const c10::Error& e) {
     return fail("--device " + options.device + ": " + e.what_without_backtrace());

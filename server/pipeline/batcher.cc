@@ -33,6 +33,16 @@ Status BatcherOptions::Validate() const {
   return Status::Ok();
 }
 
+BatcherOptions BatcherOptions::ForDevice(const std::string& device, const Given& given) const {
+  BatcherOptions o = *this;
+  if (device.rfind("cuda", 0) != 0) return o;
+  if (!given.max_batch_tokens) o.max_batch_tokens = kCudaBatchTokens;
+  if (!given.max_shared_request_tokens) o.max_shared_request_tokens = o.max_batch_tokens;
+  if (!given.max_batch_attention) o.max_batch_attention = kCudaBatchAttention;
+  if (!given.workers) o.workers = kCudaWorkers;
+  return o;
+}
+
 // ---- BatchQueue ---------------------------------------------------------------------------------
 
 void BatchQueue::DropDead(SteadyClock::time_point now, Dropped* dropped) {

@@ -80,7 +80,8 @@ struct WorkItem {
 /// Items dropped before compute, each with the reason (DEADLINE_EXCEEDED or CANCELLED).
 using Dropped = std::vector<std::pair<std::unique_ptr<WorkItem>, Status>>;
 
-/// How batches are formed. Defaults suit this 2-core machine (bench/RESULTS.md).
+/// How batches are formed. Defaults suit a CPU (measured on the 2-core machines,
+/// bench/RESULTS.md); ForDevice gives a CUDA device its own.
 struct BatcherOptions {
   /// Most tokens (WorkItem::tokens) in one batch. A single larger request still runs, alone. Past
   /// ~1k tokens the engine's GEMMs are efficient anyway, and smaller batches keep every worker
@@ -113,6 +114,22 @@ struct BatcherOptions {
 
   /// Checks the options: FAILED_PRECONDITION naming the flag at fault.
   Status Validate() const;
+
+  /// Which of the budgets were set by the operator (server flags); ForDevice keeps those.
+  struct Given {
+    bool max_batch_tokens = false, max_shared_request_tokens = false,
+         max_batch_attention = false, workers = false;
+  };
+  /// On a CUDA device ("cuda", "cuda:N"), the budgets not `given` become the GPU's: batches of
+  /// kCudaBatchTokens tokens that every request up to that size shares (one packed GEMM per
+  /// projection and varlen attention over long requests too), an attention budget that never
+  /// binds before the token budget does, and kCudaWorkers host threads feeding the device.
+  /// Elsewhere nothing changes. docs/hardware.md "GPU defaults" gives the reasoning and the
+  /// measurement that checks them.
+  BatcherOptions ForDevice(const std::string& device, const Given& given) const;
+  static constexpr int64_t kCudaBatchTokens = 16384;
+  static constexpr int64_t kCudaBatchAttention = int64_t{1} << 32;
+  static constexpr int kCudaWorkers = 4;
 };
 
 /// The batch-forming rules for one model's queue, without threads or clocks of its own: every

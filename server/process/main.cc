@@ -162,7 +162,7 @@ bool ParseFlags(int argc, char** argv, attnserve::ServerOptions* options, int* e
       ->default_str("auto");
   app.add_option("--workers", o.batcher.workers,
                  "Compute threads (default: one per usable core: CPU affinity, capped by a cgroup "
-                 "CPU quota)")
+                 "CPU quota; on CUDA 4)")
       ->check(CLI::Range(1, 256))
       ->capture_default_str();
   app.add_option("--max-queue-size", o.batcher.max_queue_size,
@@ -178,15 +178,17 @@ bool ParseFlags(int argc, char** argv, attnserve::ServerOptions* options, int* e
                "Compute every request on its own, at once (default: dynamic batching)");
   app.add_option("--max-batch-tokens", o.batcher.max_batch_tokens,
                  "Most tokens one batch packs together: query tokens, plus key tokens of "
-                 "cross-attention requests")
+                 "cross-attention requests (on CUDA 16384)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app.add_option("--max-shared-request-tokens", o.batcher.max_shared_request_tokens,
-                 "Requests with more tokens are computed alone, at once")
+                 "Requests with more tokens are computed alone, at once (on CUDA: "
+                 "--max-batch-tokens, every request shares)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app.add_option("--max-batch-attention", o.batcher.max_batch_attention,
-                 "Most attention cost in one batch: sum of batch * query_len * key_len")
+                 "Most attention cost in one batch: sum of batch * query_len * key_len (on CUDA "
+                 "2^32)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   int64_t delay_us = o.batcher.max_queue_delay.count();
@@ -265,6 +267,10 @@ bool ParseFlags(int argc, char** argv, attnserve::ServerOptions* options, int* e
   o.memory_given = {app.count("--kv-budget-bytes") > 0, app.count("--kv-max-entry-bytes") > 0,
                     app.count("--max-inflight-bytes") > 0, app.count("--max-message-bytes") > 0};
   o.batcher.enabled = !no_batching;
+  // Budgets not given follow the device (docs/hardware.md "GPU defaults").
+  o.batcher = o.batcher.ForDevice(
+      o.device, {app.count("--max-batch-tokens") > 0, app.count("--max-shared-request-tokens") > 0,
+                 app.count("--max-batch-attention") > 0, app.count("--workers") > 0});
   o.warmup = !no_warmup;
   o.batcher.max_queue_delay = std::chrono::microseconds(delay_us);
 

@@ -1,6 +1,9 @@
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -39,6 +42,25 @@ inline std::vector<float> RandomFloats(std::mt19937& rng, size_t n, float scale 
   std::vector<float> v(n);
   for (float& x : v) x = d(rng);
   return v;
+}
+
+/// max |a - b| over two float32 byte strings of the same size (infinity when the sizes differ).
+inline double MaxAbsDiff(const std::string& a, const std::string& b) {
+  if (a.size() != b.size()) return std::numeric_limits<double>::infinity();
+  const float* x = reinterpret_cast<const float*>(a.data());
+  const float* y = reinterpret_cast<const float*>(b.data());
+  double m = 0;
+  for (size_t i = 0; i < a.size() / 4; ++i)
+    m = std::max(m, std::fabs(static_cast<double>(x[i]) - static_cast<double>(y[i])));
+  return m;
+}
+
+/// max |a| over float32 bytes.
+inline double MaxAbs(const std::string& a) {
+  const float* x = reinterpret_cast<const float*>(a.data());
+  double m = 0;
+  for (size_t i = 0; i < a.size() / 4; ++i) m = std::max(m, std::fabs(static_cast<double>(x[i])));
+  return m;
 }
 
 }  // namespace attnserve::testing

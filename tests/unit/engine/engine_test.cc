@@ -726,3 +726,72 @@ INSTANTIATE_TEST_SUITE_P(Varlen, EngineBatchTest,
 
 }  // namespace
 }  // namespace attnserve
+
+namespace attnserve {
+namespace {
+
+// Requests of any size may share a batch's packed projections and varlen attention when the engine
+// is told to pack them (EngineOptions::pack_rows; CUDA's default): long requests then answer what
+// they answer alone, and join the varlen runs; with the CPU's default they run alone.
+// Tolerance: max abs difference <= 1e-5 * max |output|.
+TEST(EngineBatchTest, LongRequestsPackedTogetherEqualOneByOne) {
+  std::mt19937 rng(321);
+  const ModelWeights w = testing::RandomWeights(rng, "long", 32, 4);
+  for (const int64_t pack_rows : {int64_t{0}, int64_t{1} << 20}) {
+    EngineOptions options;
+    options.varlen = EngineOptions::Varlen::kEmulate;
+    if (pack_rows) options.pack_rows = pack_rows;  // 0: the device's default (CPU: 128).
+    auto model = CreateTorchModel(w, options);
+    ASSERT_TRUE(model.ok());
+    // Long self-attention (two varlen partners), a long causal pair, long cross-attention, and a
+    // long request with a key padding mask (packed projections, its own attention).
+    const std::vector<std::pair<int64_t, int64_t>> shapes = {{300, 0}, {700, 0}, {260, 0},
+                                                            {333, 0}, {150, 400}, {170, 220},
+                                                            {290, 0}};
+    std::vector<std::vector<testing::Buffer>> bufs(shapes.size());
+    std::vector<AttendCall> calls(shapes.size());
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      const auto [lq, lk] = shapes[i];
+      bufs[i].reserve(4);
+      bufs[i].push_back(testing::Floats({1, lq, 32}, testing::RandomFloats(rng, lq * 32)));
+      calls[i].query = bufs[i][0].view();
+      if (lk) {
+        for (int kv = 0; kv < 2; ++kv)
+          bufs[i].push_back(testing::Floats({1, lk, 32}, testing::RandomFloats(rng, lk * 32)));
+        calls[i].key = bufs[i][1].view();
+        calls[i].value = bufs[i][2].view();
+      }
+      calls[i].is_causal = i == 2 || i == 3;
+      if (i == 6) {
+        bufs[i].push_back(testing::Zeros({1, lq}, DType::kBool));
+        bufs[i].back().bytes[lq - 1] = 1;
+        calls[i].key_padding_mask = bufs[i].back().view();
+      }
+      ASSERT_TRUE(Validate(w.spec, {}, &calls[i]).ok());
+    }
+    std::vector<std::string> alone(calls.size()), together(calls.size());
+    std::vector<AttendOutputs> a(calls.size()), t(calls.size());
+    std::vector<const AttendCall*> batch;
+    std::vector<AttendOutputs*> outs;
+    for (size_t i = 0; i < calls.size(); ++i) {
+      a[i].output = &alone[i];
+      t[i].output = &together[i];
+      ASSERT_TRUE((*model)->Forward(calls[i], &a[i]).ok());
+      batch.push_back(&calls[i]);
+      outs.push_back(&t[i]);
+    }
+    const std::vector<Status> st = (*model)->ForwardBatch(batch, outs);
+    for (size_t i = 0; i < calls.size(); ++i) {
+      ASSERT_TRUE(st[i].ok()) << st[i].message();
+      const double err = testing::MaxAbsDiff(alone[i], together[i]);
+      const double scale = testing::MaxAbs(alone[i]);
+      EXPECT_GT(scale, 0.1);
+      EXPECT_LE(err, 1e-5 * scale) << "request " << i << ", pack_rows " << pack_rows;
+      const bool varlen = std::string(t[i].attention_backend) == "varlen_emulated";
+      EXPECT_EQ(varlen, pack_rows > 0 && i != 6) << "request " << i << ", pack_rows " << pack_rows;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace attnserve

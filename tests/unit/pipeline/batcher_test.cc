@@ -210,6 +210,32 @@ TEST_F(BatchQueueTest, DisabledBatchingTakesOneRequestAtOnce) {
   EXPECT_THAT(Ids(queue_.Take(kT0, &dropped_)), ElementsAre(1));
 }
 
+TEST(BatcherOptionsTest, ACudaDeviceGetsTheGpuBudgetsExceptThoseGiven) {
+  BatcherOptions cpu;
+  cpu.workers = 2;
+  const BatcherOptions same = cpu.ForDevice("cpu", {});
+  EXPECT_EQ(same.max_batch_tokens, 1024);
+  EXPECT_EQ(same.max_shared_request_tokens, 256);
+  EXPECT_EQ(same.workers, 2);
+  for (const char* device : {"cuda", "cuda:1"}) {
+    const BatcherOptions gpu = cpu.ForDevice(device, {});
+    EXPECT_EQ(gpu.max_batch_tokens, BatcherOptions::kCudaBatchTokens);
+    EXPECT_EQ(gpu.max_shared_request_tokens, gpu.max_batch_tokens);  // Long requests share.
+    EXPECT_EQ(gpu.max_batch_attention, BatcherOptions::kCudaBatchAttention);
+    EXPECT_EQ(gpu.workers, BatcherOptions::kCudaWorkers);
+    EXPECT_TRUE(gpu.Validate().ok());
+  }
+  BatcherOptions flags = cpu;
+  flags.max_batch_tokens = 4096;
+  flags.workers = 7;
+  BatcherOptions::Given given;
+  given.max_batch_tokens = given.workers = true;
+  const BatcherOptions kept = flags.ForDevice("cuda", given);
+  EXPECT_EQ(kept.max_batch_tokens, 4096);
+  EXPECT_EQ(kept.max_shared_request_tokens, 4096);  // Follows the budget given.
+  EXPECT_EQ(kept.workers, 7);
+}
+
 TEST(BatcherTest, IdleWorkerTakesAtOnceBusyWorkerLetsBatchesFillToBudget) {
   FakeModel model;
   std::promise<void> open;
