@@ -29,6 +29,18 @@ struct TensorView {
   std::vector<int64_t> shape;
   const void* data = nullptr;
   size_t nbytes = 0;
+  /// The bytes lie in page-locked host memory (a HostStaging block): a device copies them
+  /// straight from there, asynchronously, without staging them first.
+  bool pinned = false;
+};
+
+/// Bytes inside a block that someone else owns (a staging block of pinned memory), kept alive by
+/// `owner` for as long as this is held.
+struct BlockBytes {
+  std::shared_ptr<const void> owner;
+  const char* data = nullptr;
+  size_t size = 0;
+  explicit operator bool() const { return owner != nullptr; }
 };
 
 /// Which attention weights a request wants back.

@@ -17,7 +17,17 @@ namespace pb = ::attnserve::v1;
 struct AttendAnswer {
   pb::AttendResponse meta;
   std::unique_ptr<std::string> output;
+  /// The output's bytes when the engine left them in a staging block (AttendOutputs::output_block);
+  /// `output` is then empty.
+  BlockBytes output_block;
   std::unique_ptr<std::string> weights;  ///< Null when no attention weights were asked for.
+};
+
+/// One answer tensor's bytes on their way out: a string of its own, or a staging block's bytes.
+struct AnswerBytes {
+  std::unique_ptr<std::string> own;
+  BlockBytes block;
+  size_t size() const { return block ? block.size : own ? own->size() : 0; }
 };
 
 /// Builds the engine's view of `request` without copying tensor bytes: the views point into

@@ -7,6 +7,7 @@
 
 #include "server/core/status.h"
 #include "server/core/types.h"
+#include "server/engine/host_staging.h"
 #include "server/engine/parallel.h"
 #include "server/weights/model_weights.h"
 
@@ -18,6 +19,10 @@ namespace attnserve {
 struct AttendOutputs {
   std::string* output = nullptr;   ///< Required.
   std::string* weights = nullptr;  ///< Required when weights were requested.
+  /// Set by the engine instead of writing *output when the answer lies in a staging block of its
+  /// own (CUDA: the batch's answers copied back from the device into one pinned block); the front
+  /// end sends it from there.
+  BlockBytes output_block;
   /// The attention kernel that ran: "math", or on LibTorch 2.x the fused SDPA backend chosen
   /// ("flash", "efficient", "cudnn", ...). Set by Forward.
   const char* attention_backend = "math";
@@ -138,6 +143,11 @@ struct EngineOptions {
   /// itself where they do not (LibTorch 1.13 on CPUs without AVX-512: checked once at start); tests
   /// force it.
   bool force_float32_bfloat16_products = false;
+  /// CUDA: the pinned host memory a batch's copies pass through (its inputs gathered into one
+  /// block and copied in one copy, its answers copied back into one block and sent from there).
+  /// Shared by every model of the server; null: the model makes one of kDefaultStagingBytes.
+  std::shared_ptr<HostStaging> staging;
+  static constexpr int64_t kDefaultStagingBytes = int64_t{1} << 30;
 };
 
 /// Builds a LibTorch model from host weights. FAILED_PRECONDITION when the device is unusable

@@ -6,9 +6,11 @@
 #include <ATen/Parallel.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/InferenceMode.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <exception>
 #include <limits>
 #include <optional>
@@ -67,8 +69,10 @@ bool CpuHasBfloat16Products() { return onednn::HasBfloat16Kernels(); }
 class TorchModel final : public AttentionModel {
  public:
   TorchModel(const ModelWeights& w, at::Device device, DType dtype, EngineOptions::Varlen varlen,
-             double min_piece_flops, bool force_widen, int64_t pack_rows)
+             double min_piece_flops, bool force_widen, int64_t pack_rows,
+             std::shared_ptr<HostStaging> staging)
       : spec_(w.spec),
+        staging_(std::move(staging)),
         pack_rows_(pack_rows > 0          ? pack_rows
                    : device.is_cuda()     ? std::numeric_limits<int64_t>::max()
                                           : kCpuPackRows),
@@ -229,7 +233,8 @@ class TorchModel final : public AttentionModel {
         statuses[i] = ForwardOne(c, outs[i], parallel);
       }
     }
-    if (small_calls.size() == 1) {
+    // On CUDA a lone call packs too: its copies and answer take the batch's staged path.
+    if (small_calls.size() == 1 && !device_.is_cuda()) {
       statuses[small_index[0]] = ForwardOne(*small_calls[0], small_outs[0], parallel);
     } else if (!small_calls.empty()) {
       const Status st = Guarded([&] { ForwardPacked(small_calls, small_outs, parallel); });
@@ -316,12 +321,16 @@ class TorchModel final : public AttentionModel {
     at::Tensor x = at::empty({q_rows, e}, opts);
     at::Tensor kx = k_rows ? at::empty({k_rows, spec_.kdim}, opts) : at::Tensor();
     at::Tensor vx = k_rows ? at::empty({k_rows, spec_.vdim}, opts) : at::Tensor();
-    for (size_t i = 0; i < calls.size(); ++i) {
+    // The wire's tensors where the products read them: the request bytes on the CPU; on CUDA the
+    // device copies of one staged transfer (`held` keeps its host block until the copy is done).
+    std::vector<std::shared_ptr<void>> held;
+    const std::vector<at::Tensor> wire = WireTensors(calls, &held);
+    for (size_t i = 0, t = 0; i < calls.size(); ++i) {
       const AttendCall& c = *calls[i];
-      x.narrow(0, q_off[i], c.batch * c.query_len).copy_(Wrap(c.query).view({-1, e}));
+      x.narrow(0, q_off[i], c.batch * c.query_len).copy_(wire[t++].view({-1, e}));
       if (c.key) {
-        kx.narrow(0, k_off[i], c.batch * c.key_len).copy_(Wrap(*c.key).view({-1, spec_.kdim}));
-        vx.narrow(0, k_off[i], c.batch * c.key_len).copy_(Wrap(*c.value).view({-1, spec_.vdim}));
+        kx.narrow(0, k_off[i], c.batch * c.key_len).copy_(wire[t++].view({-1, spec_.kdim}));
+        vx.narrow(0, k_off[i], c.batch * c.key_len).copy_(wire[t++].view({-1, spec_.vdim}));
       }
     }
     std::vector<at::Tensor> qkv_self;
@@ -378,11 +387,104 @@ class TorchModel final : public AttentionModel {
     });
     at::Tensor y = at::empty({q_rows, e}, opts);
     products_.GemmInto(y, merged, proj_out_, parallel);
+    if (device_.is_cuda() && AnswersToStaging(calls, attended, y, q_off, outs)) return;
     for (size_t i = 0; i < calls.size(); ++i) {
       const AttendCall& c = *calls[i];
       WriteOutput(c, attended[i], y.narrow(0, q_off[i], c.batch * c.query_len), outs[i],
                   SerialParallel());
     }
+  }
+
+  // The batch's query, key and value tensors in call order (query, then key and value where the
+  // call has them), shaped as on the wire, in the wire's dtype. On the CPU: the request bytes,
+  // uncopied. On CUDA: one device buffer filled by one host-to-device copy of a pinned staging
+  // block the bytes are gathered into (or, when every tensor already lies in pinned memory, one
+  // asynchronous copy each, no gathering); without room in the staging, a plain copy each.
+  std::vector<at::Tensor> WireTensors(const std::vector<const AttendCall*>& calls,
+                                      std::vector<std::shared_ptr<void>>* held) const {
+    std::vector<const TensorView*> views;
+    for (const AttendCall* c : calls) {
+      views.push_back(&c->query);
+      if (c->key) {
+        views.push_back(&*c->key);
+        views.push_back(&*c->value);
+      }
+    }
+    std::vector<at::Tensor> out;
+    if (!device_.is_cuda()) {
+      for (const TensorView* v : views) out.push_back(Wrap(*v));
+      return out;
+    }
+    std::vector<int64_t> offset;
+    int64_t total = 0;
+    bool all_pinned = true;
+    for (const TensorView* v : views) {
+      offset.push_back(total);
+      total += static_cast<int64_t>((v->nbytes + 63) / 64 * 64);  // Aligned for any dtype.
+      all_pinned = all_pinned && v->pinned;
+    }
+    const at::Tensor device_bytes = at::empty({total}, at::TensorOptions().device(device_).dtype(at::kByte));
+    const auto host = [](const void* p, int64_t n) {
+      return at::from_blob(const_cast<void*>(p), {n}, at::TensorOptions().dtype(at::kByte));
+    };
+    char* block = nullptr;
+    std::shared_ptr<void> staged;
+    if (!all_pinned) staged = staging_->Allocate(static_cast<size_t>(total), &block);
+    if (staged) {
+      for (size_t i = 0; i < views.size(); ++i)
+        std::memcpy(block + offset[i], views[i]->data, views[i]->nbytes);
+      device_bytes.copy_(host(block, total), /*non_blocking=*/true);
+      held->push_back(std::move(staged));
+    } else {
+      for (size_t i = 0; i < views.size(); ++i) {
+        const int64_t n = static_cast<int64_t>(views[i]->nbytes);
+        device_bytes.narrow(0, offset[i], n).copy_(host(views[i]->data, n), all_pinned);
+      }
+    }
+    for (size_t i = 0; i < views.size(); ++i) {
+      const int64_t n = static_cast<int64_t>(views[i]->nbytes);
+      out.push_back(device_bytes.narrow(0, offset[i], n)
+                        .view(ToScalarType(views[i]->dtype))
+                        .view(views[i]->shape));
+    }
+    return out;
+  }
+
+  // CUDA: the batch's answers, converted to the wire's dtype on the device, copied back in one
+  // asynchronous copy into a pinned staging block that each call's answer then points into
+  // (AttendOutputs::output_block: sent from there, no further copy). False when the staging has no
+  // room (the caller writes each answer into its response instead) or a call wants weights.
+  bool AnswersToStaging(const std::vector<const AttendCall*>& calls,
+                        const std::vector<Attended>& attended, const at::Tensor& y,
+                        const std::vector<int64_t>& q_off,
+                        const std::vector<AttendOutputs*>& outs) const {
+    const DType wire = calls[0]->query.dtype;  // One wire dtype per batch (the batcher's rule).
+    for (const AttendCall* c : calls) {
+      if (c->query.dtype != wire || c->weights != WeightsMode::kNone) return false;
+    }
+    const int64_t e = spec_.embed_dim, rows = y.size(0);
+    const size_t row_bytes = static_cast<size_t>(e) * DTypeSize(wire);
+    char* block = nullptr;
+    std::shared_ptr<void> staged = staging_->Allocate(static_cast<size_t>(rows) * row_bytes, &block);
+    if (!staged) return false;
+    at::Tensor answers = y.to(ToScalarType(wire));
+    for (size_t i = 0; i < calls.size(); ++i) {
+      if (attended[i].dead.defined())
+        answers.narrow(0, q_off[i], calls[i]->batch * calls[i]->query_len)
+            .masked_fill_(attended[i].dead, 0);
+    }
+    at::from_blob(block, {rows, e}, at::TensorOptions().dtype(ToScalarType(wire)))
+        .copy_(answers, /*non_blocking=*/true);
+    // The copy is on this worker's stream: wait for it (and only it) before the answers go out.
+    c10::impl::VirtualGuardImpl(device_.type()).getStream(device_).synchronize();
+    std::shared_ptr<const void> owner = std::move(staged);
+    for (size_t i = 0; i < calls.size(); ++i) {
+      const size_t rows_i = static_cast<size_t>(calls[i]->batch * calls[i]->query_len);
+      outs[i]->output_block = {owner, block + static_cast<size_t>(q_off[i]) * row_bytes,
+                               rows_i * row_bytes};
+      outs[i]->attention_backend = attended[i].backend;
+    }
+    return true;
   }
 
   // One varlen attention over a group's calls (same kind: self or cross, causal or not; eligible;
@@ -551,6 +653,8 @@ class TorchModel final : public AttentionModel {
   }
 
   ModelSpec spec_;
+  // CUDA: pinned host memory for the batches' copies (null on the CPU).
+  std::shared_ptr<HostStaging> staging_;
   // Calls of up to this many rows per projection pack into the batch's shared GEMMs.
   int64_t pack_rows_;
   at::Device device_;
@@ -616,11 +720,14 @@ StatusOr<std::unique_ptr<AttentionModel>> CreateTorchModel(const ModelWeights& w
       compat::AvoidRuntimeCompiledAttention();
 #endif
     }
+    std::shared_ptr<HostStaging> staging = options.staging;
+    if (device.is_cuda() && !staging)
+      staging = std::make_shared<HostStaging>(EngineOptions::kDefaultStagingBytes, true);
     c10::InferenceMode guard;
     auto model = std::make_unique<TorchModel>(weights, device, options.compute_dtype,
                                               options.varlen, options.min_piece_flops,
                                               options.force_float32_bfloat16_products,
-                                              options.pack_rows);
+                                              options.pack_rows, std::move(staging));
     return std::unique_ptr<AttentionModel>(std::move(model));
   } catch (const c10::Error& e) {
     return fail("--device " + options.device + ": " + e.what_without_backtrace());

@@ -24,7 +24,7 @@ class AttendStreamCodec final : public StreamCodec {
     meta.mutable_error()->set_code(static_cast<int>(ToGrpcCode(status.code())));
     meta.mutable_error()->set_message(status.message());
     meta.mutable_error()->set_trace_id(x->trace.trace_id_hex());
-    return EncodeResponse(meta, nullptr, nullptr);
+    return EncodeResponse(meta, {}, nullptr);
   }
 };
 

@@ -81,6 +81,16 @@ grpc::Slice OwningSlice(std::unique_ptr<std::string> s) {
   return grpc::Slice(raw->data(), raw->size(), DeleteString, raw);
 }
 
+void DeleteOwner(void* owner) { delete static_cast<std::shared_ptr<const void>*>(owner); }
+
+// A slice over an answer's bytes that holds them: its string, or its staging block (given back
+// once gRPC has sent them).
+grpc::Slice AnswerSlice(AnswerBytes bytes) {
+  if (!bytes.block) return OwningSlice(bytes.own ? std::move(bytes.own) : std::make_unique<std::string>());
+  auto* owner = new std::shared_ptr<const void>(std::move(bytes.block.owner));
+  return grpc::Slice(const_cast<char*>(bytes.block.data), bytes.block.size, DeleteOwner, owner);
+}
+
 }  // namespace
 
 Status ParseMessage(const grpc::ByteBuffer& bytes, gp::Message* message) {
@@ -106,19 +116,18 @@ Status ParseRequest(const grpc::ByteBuffer& bytes, pb::AttendRequest* request) {
   return ParseMessage(bytes, request);
 }
 
-grpc::ByteBuffer EncodeWithRawBytes(const gp::Message& head, int field,
-                                    std::vector<std::unique_ptr<std::string>> raw, int outer,
-                                    const gp::Message* outer_head) {
+grpc::ByteBuffer EncodeWithRawBytes(const gp::Message& head, int field, std::vector<AnswerBytes> raw,
+                                    int outer, const gp::Message* outer_head) {
   std::vector<grpc::Slice> slices;
   slices.emplace_back();  // The outer message's head and prefix, once the inner length is known.
   std::string inner = head.SerializeAsString();
   size_t inner_length = inner.size();
   slices.emplace_back(std::move(inner));
-  for (std::unique_ptr<std::string>& bytes : raw) {
-    std::string prefix = LengthPrefix(field, bytes->size());
-    inner_length += prefix.size() + bytes->size();
+  for (AnswerBytes& bytes : raw) {
+    std::string prefix = LengthPrefix(field, bytes.size());
+    inner_length += prefix.size() + bytes.size();
     slices.emplace_back(std::move(prefix));
-    slices.push_back(OwningSlice(std::move(bytes)));
+    slices.push_back(AnswerSlice(std::move(bytes)));
   }
   if (outer == 0) return grpc::ByteBuffer(slices.data() + 1, slices.size() - 1);
   slices[0] = grpc::Slice((outer_head ? outer_head->SerializeAsString() : std::string()) +
@@ -126,14 +135,14 @@ grpc::ByteBuffer EncodeWithRawBytes(const gp::Message& head, int field,
   return grpc::ByteBuffer(slices.data(), slices.size());
 }
 
-grpc::ByteBuffer EncodeResponse(const pb::AttendResponse& meta, std::unique_ptr<std::string> output,
+grpc::ByteBuffer EncodeResponse(const pb::AttendResponse& meta, AnswerBytes output,
                                 std::unique_ptr<std::string> weights) {
   std::vector<grpc::Slice> slices;
   std::string head = meta.SerializeAsString();
-  if (output) {
-    head += TensorDataPrefix(pb::AttendResponse::kOutputFieldNumber, output->size());
+  if (output.own || output.block) {
+    head += TensorDataPrefix(pb::AttendResponse::kOutputFieldNumber, output.size());
     slices.emplace_back(head);
-    slices.push_back(OwningSlice(std::move(output)));
+    slices.push_back(AnswerSlice(std::move(output)));
   } else {
     slices.emplace_back(head);
   }

@@ -21,7 +21,7 @@ Status ParseMessage(const grpc::ByteBuffer& bytes, google::protobuf::Message* me
 /// `outer` field number, that message is itself the value of field `outer` of the message encoded
 /// (ModelStreamInferResponse's infer_response), the rest of which is `outer_head`.
 grpc::ByteBuffer EncodeWithRawBytes(const google::protobuf::Message& head, int field,
-                                    std::vector<std::unique_ptr<std::string>> raw, int outer = 0,
+                                    std::vector<AnswerBytes> raw, int outer = 0,
                                     const google::protobuf::Message* outer_head = nullptr);
 
 /// Decodes one AttendRequest message. INVALID_ARGUMENT saying why when the bytes are not one (for
@@ -32,7 +32,8 @@ Status ParseRequest(const grpc::ByteBuffer& bytes, v1::AttendRequest* request);
 /// the output and attention-weights bytes, which become the message's slices without a copy: the
 /// buffers are handed to gRPC and freed once sent. Protobuf merges a repeated occurrence of a
 /// message field into the first, so receivers see the bytes as output.data and attn_weights.data.
-grpc::ByteBuffer EncodeResponse(const v1::AttendResponse& meta, std::unique_ptr<std::string> output,
+/// The output may lie in a staging block instead (AnswerBytes::block), which the slice holds.
+grpc::ByteBuffer EncodeResponse(const v1::AttendResponse& meta, AnswerBytes output,
                                 std::unique_ptr<std::string> weights);
 
 /// Fixed bytes an encoded response adds to its tensor data (ids, names, hash, shapes, timing).
@@ -40,7 +41,8 @@ inline constexpr size_t kResponseOverheadBytes = 1024;
 
 /// EncodeResponse of an answer's parts (its buffers are handed over).
 inline grpc::ByteBuffer EncodeAnswer(AttendAnswer* answer) {
-  return EncodeResponse(answer->meta, std::move(answer->output), std::move(answer->weights));
+  return EncodeResponse(answer->meta, {std::move(answer->output), std::move(answer->output_block)},
+                        std::move(answer->weights));
 }
 
 }  // namespace attnserve

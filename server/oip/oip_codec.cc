@@ -324,12 +324,18 @@ inference::ModelStreamInferResponse OipStreamError(const v1::AttendRequest& requ
   return r;
 }
 
-std::vector<std::unique_ptr<std::string>> OipRawOutputs(AttendAnswer* answer,
-                                                        const OipReply& reply) {
-  std::vector<std::unique_ptr<std::string>> raw;
+std::vector<AnswerBytes> OipRawOutputs(AttendAnswer* answer, const OipReply& reply) {
+  std::vector<AnswerBytes> raw;
   for (const std::string& name : reply.outputs) {
-    raw.push_back(std::move(name == oip::kOutput ? answer->output : answer->weights));
-    if (!raw.back()) raw.back() = std::make_unique<std::string>();
+    AnswerBytes bytes;
+    if (name == oip::kOutput) {
+      bytes.own = std::move(answer->output);
+      bytes.block = std::move(answer->output_block);
+    } else {
+      bytes.own = std::move(answer->weights);
+    }
+    if (!bytes.own && !bytes.block) bytes.own = std::make_unique<std::string>();
+    raw.push_back(std::move(bytes));
   }
   return raw;
 }

@@ -56,8 +56,7 @@ inference::ModelStreamInferResponse OipStreamError(const v1::AttendRequest& requ
                                                    const OipReply& reply, const Status& status,
                                                    const std::string& trace_id = "");
 /// The answer's buffers in `reply.outputs` order (handed over).
-std::vector<std::unique_ptr<std::string>> OipRawOutputs(AttendAnswer* answer,
-                                                        const OipReply& reply);
+std::vector<AnswerBytes> OipRawOutputs(AttendAnswer* answer, const OipReply& reply);
 
 /// An OIP version string as attnserve's: "" = 0 (the highest loaded), else a positive number.
 StatusOr<int64_t> OipVersion(const std::string& version);

@@ -229,6 +229,7 @@ void RequestPipeline::Attend(const char* method, Exchange* x, CallContext call,
   item->done = [x, attempts, finish = std::move(finish)](const Status& st,
                                                          const WorkItem& w) mutable {
     if (st.ok()) x->answer.meta = AnswerMeta(x->request, w, attempts);
+    x->answer.output_block = w.outputs.output_block;
     x->times.started = w.started;
     x->times.finished = w.finished;
     x->times.batch_trace = w.batch_trace;

@@ -216,8 +216,16 @@ TEST(OipCodecTest, AnswersCarryTheRequestedOutputsInOrder) {
   EXPECT_THAT(head.outputs(1).shape(), ElementsAre(1, 2, 4));
   const auto raw = OipRawOutputs(&answer, reply);
   ASSERT_EQ(raw.size(), 2u);
-  EXPECT_EQ(*raw[0], "w");
-  EXPECT_EQ(*raw[1], "out");
+  EXPECT_EQ(*raw[0].own, "w");
+  EXPECT_EQ(*raw[1].own, "out");
+  // An output the engine left in a staging block goes out from there.
+  auto block = std::make_shared<std::string>("staged");
+  AttendAnswer staged;
+  staged.output_block = {block, block->data(), block->size()};
+  const auto from_block = OipRawOutputs(&staged, OipReply{"id", {"attn_output"}});
+  ASSERT_EQ(from_block.size(), 1u);
+  EXPECT_EQ(from_block[0].block.data, block->data());
+  EXPECT_EQ(from_block[0].size(), 6u);
 }
 
 }  // namespace

@@ -1,0 +1,58 @@
+#include "server/engine/host_staging.h"
+
+#include <ATen/ATen.h>
+
+#include <cstdlib>
+
+namespace attnserve {
+
+HostStaging::HostStaging(int64_t budget_bytes, bool pinned)
+    : budget_(budget_bytes < 0 ? 0 : budget_bytes), pinned_(pinned) {}
+
+HostStaging::~HostStaging() = default;
+
+std::shared_ptr<void> HostStaging::Allocate(size_t bytes, char** data) {
+  *data = nullptr;
+  const int64_t n = static_cast<int64_t>((bytes + 63) / 64 * 64);
+  if (n <= 0 || n > budget_) {
+    if (n > 0) counts_->refused.fetch_add(1);
+    return nullptr;
+  }
+  int64_t held = counts_->held.load();
+  do {
+    if (held + n > budget_) {
+      counts_->refused.fetch_add(1);
+      return nullptr;
+    }
+  } while (!counts_->held.compare_exchange_weak(held, held + n));
+  std::shared_ptr<Counts> counts = counts_;
+  const auto give_back = [counts, n] { counts->held.fetch_sub(n); };
+  try {
+    if (pinned_) {
+      // LibTorch's caching host allocator: page-locked blocks, kept for reuse once freed (pinning
+      // fresh memory costs milliseconds).
+      auto* tensor = new at::Tensor(
+          at::empty({n}, at::TensorOptions().dtype(at::kByte).pinned_memory(true)));
+      *data = static_cast<char*>(tensor->data_ptr());
+      return std::shared_ptr<void>(tensor, [give_back](void* t) {
+        delete static_cast<at::Tensor*>(t);
+        give_back();
+      });
+    }
+    void* p = std::aligned_alloc(64, static_cast<size_t>(n));
+    if (p == nullptr) {
+      give_back();
+      return nullptr;
+    }
+    *data = static_cast<char*>(p);
+    return std::shared_ptr<void>(p, [give_back](void* q) {
+      std::free(q);
+      give_back();
+    });
+  } catch (const std::exception&) {
+    give_back();
+    return nullptr;
+  }
+}
+
+}  // namespace attnserve
