@@ -14,13 +14,14 @@ HostStaging::~HostStaging() = default;
 std::shared_ptr<void> HostStaging::Allocate(size_t bytes, char** data) {
   *data = nullptr;
   const int64_t n = static_cast<int64_t>((bytes + 63) / 64 * 64);
-  if (n <= 0 || n > budget_) {
+  const int64_t budget = budget_.load();
+  if (n <= 0 || n > budget) {
     if (n > 0) counts_->refused.fetch_add(1);
     return nullptr;
   }
   int64_t held = counts_->held.load();
   do {
-    if (held + n > budget_) {
+    if (held + n > budget) {
       counts_->refused.fetch_add(1);
       return nullptr;
     }

@@ -28,7 +28,10 @@ class HostStaging {
   /// failed). The block may outlive the HostStaging.
   std::shared_ptr<void> Allocate(size_t bytes, char** data);
 
-  int64_t budget_bytes() const { return budget_; }
+  int64_t budget_bytes() const { return budget_.load(); }
+  /// A new budget (the memory plan's, once the models are loaded): blocks held stay; new ones
+  /// count against it.
+  void SetBudget(int64_t bytes) { budget_.store(bytes < 0 ? 0 : bytes); }
   /// Bytes in blocks alive now.
   int64_t held_bytes() const { return counts_->held.load(); }
   /// Allocations refused since start (the budget was full).
@@ -39,7 +42,7 @@ class HostStaging {
   struct Counts {
     std::atomic<int64_t> held{0}, refused{0};
   };
-  const int64_t budget_;
+  std::atomic<int64_t> budget_;
   const bool pinned_;
   std::shared_ptr<Counts> counts_ = std::make_shared<Counts>();  // Blocks may outlive this.
 };

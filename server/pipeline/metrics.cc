@@ -68,6 +68,12 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
           Gauge(registry, "attnserve_device_memory_bytes",
                 "Device memory by kind: on CUDA the caching allocator's allocated and reserved "
                 "bytes; on the CPU the process's resident set (kind resident).")),
+      staging_(Gauge(registry, "attnserve_staging_bytes",
+                     "Pinned host memory for copies to and from the GPU (--staging-bytes): kind "
+                     "held (in blocks alive now: batches copying, answers being sent) and budget.")),
+      staging_refused_(Counter(registry, "attnserve_staging_refused_total",
+                               "Staging blocks refused because the budget was full: that batch's "
+                               "copies went through pageable memory (slower).")),
       model_info_(Gauge(registry, "attnserve_model_info",
                         "A loaded model version (value 1), described by its labels.")),
       cpu_info_(Gauge(registry, "attnserve_cpu_info",
@@ -155,6 +161,12 @@ void ServerMetrics::SetDeviceMemory(const std::string& device, int64_t allocated
 
 void ServerMetrics::SetHostMemory(int64_t resident) {
   device_memory_.Add({{"device", "cpu"}, {"kind", "resident"}}).Set(static_cast<double>(resident));
+}
+
+void ServerMetrics::SetStaging(int64_t held, int64_t budget, int64_t refused) {
+  staging_.Add({{"kind", "held"}}).Set(static_cast<double>(held));
+  staging_.Add({{"kind", "budget"}}).Set(static_cast<double>(budget));
+  if (refused > 0) staging_refused_.Add({}).Increment(static_cast<double>(refused));
 }
 
 void ServerMetrics::RecordRejection(const std::string& model, const char* reason) {

@@ -210,6 +210,13 @@ bool ParseFlags(int argc, char** argv, attnserve::ServerOptions* options, int* e
                  "Most attention scores in one request: batch * heads * query_len * key_len")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  app.add_option("--staging-bytes", o.staging_bytes,
+                 "CUDA: most pinned host memory held at once by copies to and from the GPU (a "
+                 "batch's inputs and answers on their way); past it a batch copies through "
+                 "pageable memory (unset: lowered to fit a container's memory limit; unused on the "
+                 "CPU)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 40))
+      ->capture_default_str();
   app.add_option("--max-inflight-bytes", o.flow.max_inflight_bytes,
                  "Most request plus answer bytes (at the width they are computed in) held for all "
                  "requests in flight; beyond it new requests get RESOURCE_EXHAUSTED (unset: "
@@ -265,7 +272,8 @@ bool ParseFlags(int argc, char** argv, attnserve::ServerOptions* options, int* e
   }
   ApplyTracingEnvironment(app, o.tracing);
   o.memory_given = {app.count("--kv-budget-bytes") > 0, app.count("--kv-max-entry-bytes") > 0,
-                    app.count("--max-inflight-bytes") > 0, app.count("--max-message-bytes") > 0};
+                    app.count("--max-inflight-bytes") > 0, app.count("--max-message-bytes") > 0,
+                    app.count("--staging-bytes") > 0};
   o.batcher.enabled = !no_batching;
   // Budgets not given follow the device (docs/hardware.md "GPU defaults").
   o.batcher = o.batcher.ForDevice(

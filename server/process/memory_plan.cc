@@ -22,6 +22,7 @@ int64_t EstimatePeak(int64_t idle_bytes, int workers, const MemoryBudgets& b) {
   const int64_t in_flight =
       std::max(b.max_inflight_bytes, LargestRequestBytes(b.max_message_bytes));
   return idle_bytes + kIdleGrowthBytes + workers * kPerWorkerBytes + b.kv_budget_bytes +
+         b.staging_bytes +
          kWorkingSetPerInflightByte * in_flight +
          kCopiesPerArrivingMessage * kArrivingMessages * b.max_message_bytes;
 }
@@ -37,12 +38,15 @@ MemoryPlan PlanMemory(const MemoryPlanInput& in) {
   const double usable = static_cast<double>(in.limit_bytes) * (1 - kMarginFraction);
   const double fixed =
       static_cast<double>(in.idle_bytes + kIdleGrowthBytes + in.workers * kPerWorkerBytes);
-  const double left = std::max(0.0, usable - fixed);
+  double left = std::max(0.0, usable - fixed);
   // Each budget not given is the smaller of its default and its share, and at least the least its
   // flag takes (1 MiB).
   const auto size = [](int64_t fallback, double share) {
     return std::max(kMiB, std::min(fallback, FloorMib(share)));
   };
+  if (!b.given.staging && b.staging_bytes > 0)
+    b.staging_bytes = size(b.staging_bytes, 0.1 * left);
+  left = std::max(0.0, left - static_cast<double>(b.staging_bytes));
   if (!b.given.kv_budget) b.kv_budget_bytes = size(b.kv_budget_bytes, 0.4 * left);
   if (b.given.kv_max_entry) {
     b.kv_budget_bytes = std::max(b.kv_budget_bytes, b.kv_max_entry_bytes);
@@ -75,6 +79,7 @@ MemoryPlan PlanMemory(const MemoryPlanInput& in) {
   note(b.given.inflight, "--max-inflight-bytes", b.max_inflight_bytes,
        in.budgets.max_inflight_bytes);
   note(b.given.message, "--max-message-bytes", b.max_message_bytes, in.budgets.max_message_bytes);
+  note(b.given.staging, "--staging-bytes", b.staging_bytes, in.budgets.staging_bytes);
   plan.description = "memory limit " + Mib(in.limit_bytes) + " (" + in.limit_source + ")";
   if (!sized.empty()) {
     plan.description += ": ";
@@ -86,6 +91,7 @@ MemoryPlan PlanMemory(const MemoryPlanInput& in) {
         "attnserve: warning: the memory limit " + Mib(in.limit_bytes) + " (" + in.limit_source +
         ") is too small for these budgets: idle " + Mib(in.idle_bytes) + ", --kv-budget-bytes " +
         Mib(b.kv_budget_bytes) + ", --max-inflight-bytes " + Mib(b.max_inflight_bytes) +
+        (b.staging_bytes > 0 ? ", --staging-bytes " + Mib(b.staging_bytes) : std::string()) +
         ", --max-message-bytes " + Mib(b.max_message_bytes) + " may reach ~" +
         Mib(plan.peak_bytes) + ", over the " + Mib(static_cast<int64_t>(usable)) +
         " attnserve keeps under the limit (docs/shutdown.md \"Memory\"); the kernel may kill the "

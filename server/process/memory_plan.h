@@ -13,6 +13,7 @@ struct MemoryFlagsGiven {
   bool kv_max_entry = false;  ///< --kv-max-entry-bytes
   bool inflight = false;      ///< --max-inflight-bytes
   bool message = false;       ///< --max-message-bytes
+  bool staging = false;       ///< --staging-bytes
 };
 
 /// The memory budgets the server runs with, as configured (flags or their defaults) and which were
@@ -23,6 +24,7 @@ struct MemoryBudgets {
   int64_t max_inflight_bytes = 0;  ///< --max-inflight-bytes
   int64_t max_message_bytes = 0;   ///< --max-message-bytes
   MemoryFlagsGiven given;
+  int64_t staging_bytes = 0;  ///< --staging-bytes (CUDA; 0 on the CPU, which stages nothing)
 };
 
 /// What the plan starts from: the container's limit (0: none), the process's resident size once
@@ -49,8 +51,9 @@ struct MemoryPlan {
 /// the bytes they hold (wire buffer, decoded copy, projections, answer), plus messages on the move
 /// (kArrivingMessages of the largest size at once, each held three times: its wire bytes and
 /// decoded copy until the budget admits or refuses it, an answer's bytes still leaving after its
-/// call was counted out). A single request larger than the in-flight budget still runs alone, so
-/// the in-flight term is at least the largest request's bytes.
+/// call was counted out), plus on CUDA the pinned staging. A single request larger than the
+/// in-flight budget still runs alone, so the in-flight term is at least the largest request's
+/// bytes.
 inline constexpr int64_t kIdleGrowthBytes = int64_t{64} << 20;  ///< Warm-up, threads, heap slack.
 inline constexpr int64_t kPerWorkerBytes = int64_t{32} << 20;   ///< Attention blocks, stack.
 inline constexpr int64_t kWorkingSetPerInflightByte = 6;
@@ -66,8 +69,9 @@ int64_t EstimatePeak(int64_t idle_bytes, int workers, const MemoryBudgets& budge
 /// each is lowered, never raised, from its default (40% of what the limit leaves after the idle
 /// size for kept keys and values, the rest for requests in flight and messages arriving; one
 /// message at most a quarter of the in-flight budget, so that a request and its answer fit it even
-/// at float32 width from a 16-bit wire). Budgets given as flags are kept, with a warning naming the
-/// numbers when they may not fit. Without a limit nothing changes.
+/// at float32 width from a 16-bit wire; the pinned staging at most 10% of what the limit leaves).
+/// Budgets given as flags are kept, with a warning naming the numbers when they may not fit.
+/// Without a limit nothing changes.
 MemoryPlan PlanMemory(const MemoryPlanInput& in);
 
 }  // namespace attnserve

@@ -10,13 +10,23 @@
 
 namespace attnserve {
 
-MemorySampler::MemorySampler(const std::string& device, ServerMetrics& metrics)
-    : metrics_(metrics) {
+MemorySampler::MemorySampler(const std::string& device, ServerMetrics& metrics,
+                             const HostStaging* staging)
+    : metrics_(metrics), staging_(staging) {
   if (device.rfind("cuda", 0) == 0)
     cuda_index_ = device.size() > 5 ? std::atoi(device.c_str() + 5) : 0;
 }
 
 void MemorySampler::Sample() {
+  if (staging_) {
+    // Counted once however many threads sample: each refusal goes to the counter by one of them.
+    const int64_t refused = staging_->refused();
+    int64_t seen = refused_seen_.load();
+    while (refused > seen && !refused_seen_.compare_exchange_weak(seen, refused)) {
+    }
+    metrics_.SetStaging(staging_->held_bytes(), staging_->budget_bytes(),
+                        refused > seen ? refused - seen : 0);
+  }
   if (cuda_index_ >= 0) {
     DeviceMemory memory;
     if (ReadDeviceMemory(cuda_index_, &memory)) {

@@ -3,6 +3,7 @@
 #include <atomic>
 #include <string>
 
+#include "server/engine/host_staging.h"
 #include "server/pipeline/metrics.h"
 
 namespace attnserve {
@@ -13,12 +14,16 @@ namespace attnserve {
 /// cost more than the gauge is worth. Thread-safe.
 class MemorySampler {
  public:
-  /// `device`: the server's --device ("cpu", "cuda", "cuda:N").
-  MemorySampler(const std::string& device, ServerMetrics& metrics);
+  /// `device`: the server's --device ("cpu", "cuda", "cuda:N"); `staging`: its pinned staging
+  /// (CUDA; may be null), borrowed.
+  MemorySampler(const std::string& device, ServerMetrics& metrics,
+                const HostStaging* staging = nullptr);
   void Sample();
 
  private:
   ServerMetrics& metrics_;
+  const HostStaging* staging_;
+  std::atomic<int64_t> refused_seen_{0};
   int cuda_index_ = -1;  // -1: the CPU.
   std::atomic<int64_t> last_read_ns_{0};
 };

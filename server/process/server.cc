@@ -71,6 +71,9 @@ StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(const Serve
 
 namespace {
 
+bool IsCuda(const std::string& device) { return device.rfind("cuda", 0) == 0; }
+
+
 Status Refuse(const std::string& message) {
   return Status(StatusCode::kFailedPrecondition, message);
 }
@@ -102,8 +105,10 @@ WarmupShapes WarmupOf(const ServerOptions& options) {
   return w;
 }
 
-EngineOptions EngineOptionsOf(const ServerOptions& options) {
+EngineOptions EngineOptionsOf(const ServerOptions& options,
+                              std::shared_ptr<HostStaging> staging) {
   EngineOptions engine;
+  engine.staging = std::move(staging);
   engine.device = options.device;
   engine.compute_dtype = options.compute_dtype;
   engine.allow_tf32 = options.allow_tf32;
@@ -129,8 +134,10 @@ Status Server::Impl::PlanMemory() {
   in.idle_bytes = ResidentBytes();
   in.workers = options.batcher.workers;
   in.budgets = {options.kv.budget_bytes, options.kv.max_entry_bytes,
-                options.flow.max_inflight_bytes, options.max_message_bytes, options.memory_given};
+                options.flow.max_inflight_bytes, options.max_message_bytes, options.memory_given,
+                staging ? staging->budget_bytes() : 0};
   memory_plan = attnserve::PlanMemory(in);
+  if (staging) staging->SetBudget(memory_plan.budgets.staging_bytes);
   options.kv.budget_bytes = memory_plan.budgets.kv_budget_bytes;
   options.kv.max_entry_bytes = memory_plan.budgets.kv_max_entry_bytes;
   options.flow.max_inflight_bytes = memory_plan.budgets.max_inflight_bytes;
@@ -144,7 +151,7 @@ Status Server::Impl::StartMetrics() {
   for (const auto& [name, versions] : models->Snapshot()->models) {
     for (const auto& [version, model] : versions) metrics->AddModelInfo(model->spec());
   }
-  memory = std::make_unique<MemorySampler>(options.device, *metrics);
+  memory = std::make_unique<MemorySampler>(options.device, *metrics, staging.get());
   if (options.metrics_address.empty()) return Status::Ok();
   if (!ThreadStacksIncludeStaticTls()) {
     return Refuse(
@@ -334,8 +341,11 @@ StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   RETURN_IF_ERROR(CheckOptions(options));
   auto impl = std::make_unique<Impl>();
   impl->options = options;
+  if (IsCuda(options.device))
+    impl->staging = std::make_shared<HostStaging>(options.staging_bytes, /*pinned=*/true);
   ASSIGN_OR_RETURN(impl->models,
-                   ModelRepository::Open(options.models_dir, EngineOptionsOf(options),
+                   ModelRepository::Open(options.models_dir,
+                                         EngineOptionsOf(options, impl->staging),
                                          WarmupOf(options)));
   RETURN_IF_ERROR(impl->PlanMemory());
   RETURN_IF_ERROR(impl->StartMetrics());

@@ -44,6 +44,9 @@ struct ServerOptions {
   std::string device = "cpu";
   DType compute_dtype = DType::kFloat32;  ///< Weights and compute (CUDA: any float).
   bool allow_tf32 = false;                ///< CUDA float32 matmuls on TF32 tensor cores.
+  /// CUDA: most pinned host memory the copies to and from the GPU hold at once (batches' inputs
+  /// and answers on their way; HostStaging). Unused on the CPU. Counted in the memory plan.
+  int64_t staging_bytes = EngineOptions::kDefaultStagingBytes;
   EngineOptions::Varlen varlen =
       EngineOptions::Varlen::kAuto;    ///< Batched small requests' attention.
   BatcherOptions batcher;              ///< Batching, queue and compute threads.

@@ -33,6 +33,8 @@ inline std::shared_ptr<ShutdownOutcome> MakeOutcome(std::shared_ptr<const CallCo
 
 struct Server::Impl {
   ServerOptions options;
+  // CUDA: the pinned staging every model's copies share (null on the CPU); made before the models.
+  std::shared_ptr<HostStaging> staging;
   std::unique_ptr<ModelRepository> models;
   std::unique_ptr<AdminServiceImpl> admin;
   std::shared_ptr<prometheus::Registry> registry = std::make_shared<prometheus::Registry>();

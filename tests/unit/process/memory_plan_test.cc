@@ -80,6 +80,32 @@ TEST(MemoryPlanTest, LargeContainersKeepTheDefaults) {
   EXPECT_EQ(plan.description.find("--"), std::string::npos) << plan.description;
 }
 
+// A CUDA server's pinned staging is memory too: counted in the peak, lowered to a tenth of what a
+// small limit leaves when not given, kept (and warned about) when given.
+TEST(MemoryPlanTest, TheStagingIsCountedAndSizedToTheLimit) {
+  MemoryBudgets gpu = Defaults();
+  gpu.staging_bytes = int64_t{1} << 30;
+  const MemoryPlan unlimited = PlanMemory(Input(0, gpu));
+  EXPECT_EQ(unlimited.budgets.staging_bytes, int64_t{1} << 30);
+  EXPECT_EQ(unlimited.peak_bytes,
+            EstimatePeak(180 * kMiB, 2, Defaults()) + (int64_t{1} << 30));
+  for (int64_t limit : {1024, 2048, 8192}) {
+    SCOPED_TRACE(limit);
+    const MemoryPlan plan = PlanMemory(Input(limit, gpu));
+    EXPECT_LE(static_cast<double>(plan.peak_bytes), Usable(limit));
+    EXPECT_LT(plan.budgets.staging_bytes, static_cast<int64_t>(0.1 * Usable(limit)));
+    EXPECT_GE(plan.budgets.staging_bytes, kMiB);
+    EXPECT_NE(plan.description.find("--staging-bytes"), std::string::npos) << plan.description;
+    EXPECT_EQ(plan.warning, "");
+  }
+  gpu.given.staging = true;
+  const MemoryPlan given = PlanMemory(Input(1024, gpu));
+  EXPECT_EQ(given.budgets.staging_bytes, int64_t{1} << 30);
+  EXPECT_NE(given.warning.find("--staging-bytes 1024 MiB"), std::string::npos) << given.warning;
+  // The CPU stages nothing: the plan is as it was.
+  EXPECT_EQ(PlanMemory(Input(768)).budgets.kv_budget_bytes, 153 * kMiB);
+}
+
 TEST(MemoryPlanTest, GivenFlagsAreKeptAndWarnedAboutWhenTheyCannotFit) {
   MemoryBudgets b = Defaults();
   b.given.kv_budget = b.given.inflight = true;
