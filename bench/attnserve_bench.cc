@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstring>
 #include <cstdio>
 #include <deque>
 #include <fstream>
@@ -20,7 +21,9 @@
 #include "client/cli/client_flags.h"
 #include "server/core/validator.h"
 #include "server/engine/attention_model.h"
+#include "server/engine/device_support.h"
 #include "server/models/model_loader.h"
+#include "server/pipeline/batcher.h"
 
 namespace {
 
@@ -101,13 +104,17 @@ class ClientBackend : public Backend {
   std::vector<std::function<void(int)>> pending_;
 };
 
-// The engine with no gRPC and no batching: `workers` threads call it directly. Like the server's
-// workers, an idle one takes pieces of the request another is computing when nothing is queued
-// (attnserve::PieceExchange), so a lone caller gets the same cores here as through the server.
+// The engine with no gRPC. Without batching, `workers` threads call it directly, one request at a
+// time; like the server's workers, an idle one takes pieces of the request another is computing
+// when nothing is queued (attnserve::PieceExchange), so a lone caller gets the same cores here as
+// through the server. With batching (--batching), the server's own Batcher with its device
+// defaults forms the batches: the server without gRPC. On CUDA the requests' bytes lie in pinned
+// staging, as a server decodes them, so the engine copies them straight to the device.
 class EngineBackend : public Backend {
  public:
-  EngineBackend(int workers, const std::string& models_dir, const std::string& name,
-                const attnserve::EngineOptions& options)
+  EngineBackend(int workers, bool batching, const std::string& models_dir,
+                const std::string& name, const attnserve::EngineOptions& options,
+                const std::vector<Prepared>& pool)
       : idle_(workers),
         pieces_([this] { return queued_.load() > 0 ? 1 : 1 + idle_.load(); },
                 [this] {
@@ -125,6 +132,14 @@ class EngineBackend : public Backend {
     auto model = attnserve::CreateTorchModel(weights, options);
     if (!model.ok()) throw std::runtime_error(model.status().message());
     model_ = std::move(model).value();
+    Stage(pool, options);
+    if (batching) {
+      attnserve::BatcherOptions b;
+      b.workers = workers;
+      b = b.ForDevice(options.device, {false, false, false, true});
+      batcher_ = std::make_unique<attnserve::Batcher>(b);
+      return;
+    }
     for (int i = 0; i < workers; ++i) threads_.emplace_back([this] { Loop(); });
   }
   ~EngineBackend() override {
@@ -134,9 +149,24 @@ class EngineBackend : public Backend {
     }
     cv_.notify_all();
     for (auto& t : threads_) t.join();
+    if (batcher_) batcher_->Drain();
   }
   std::string Device() override { return model_->spec().device; }
   void Call(int, const Prepared& p, std::function<void(int)> done) override {
+    if (batcher_) {
+      auto item = std::make_unique<attnserve::WorkItem>();
+      item->model = model_;
+      item->call = calls_.at(&p);
+      item->accepted = attnserve::SteadyClock::now();
+      auto out = std::make_shared<std::string>();
+      item->outputs.output = out.get();
+      item->done = [out, done = std::move(done)](const attnserve::Status& st,
+                                                  const attnserve::WorkItem&) {
+        done(st.ok() ? 0 : static_cast<int>(st.code()));
+      };
+      batcher_->Submit(std::move(item));
+      return;
+    }
     {
       std::lock_guard<std::mutex> lock(mu_);
       queue_.emplace_back(&p, std::move(done));
@@ -146,6 +176,40 @@ class EngineBackend : public Backend {
   }
 
  private:
+  // Each prepared request as the engine's validated call; on CUDA over pinned copies of its bytes.
+  void Stage(const std::vector<Prepared>& pool, const attnserve::EngineOptions& options) {
+    const bool cuda = options.device.rfind("cuda", 0) == 0;
+    size_t bytes = 0;
+    for (const Prepared& p : pool) {
+      bytes += p.request.query.data.size() + 64;
+      if (p.request.key) bytes += p.request.key->data.size() + p.request.value->data.size() + 128;
+    }
+    attnserve::HostStaging staging(static_cast<int64_t>(bytes), /*pinned=*/true);
+    const auto view = [&](const attnserve::Tensor& t) {
+      attnserve::TensorView v = View(t);
+      char* data = nullptr;
+      if (cuda) {
+        if (auto block = staging.Allocate(t.data.size(), &data)) {
+          std::memcpy(data, t.data.data(), t.data.size());
+          v.data = data;
+          v.pinned = true;
+          blocks_.push_back(std::move(block));
+        }
+      }
+      return v;
+    };
+    for (const Prepared& p : pool) {
+      attnserve::AttendCall call;
+      call.query = view(p.request.query);
+      if (p.request.key) {
+        call.key = view(*p.request.key);
+        call.value = view(*p.request.value);
+      }
+      const attnserve::Status st = attnserve::Validate(model_->spec(), {}, &call);
+      if (!st.ok()) throw std::runtime_error("a prepared request: " + st.message());
+      calls_.emplace(&p, std::move(call));
+    }
+  }
   static attnserve::TensorView View(const attnserve::Tensor& t) {
     const attnserve::DType dtype =
         t.dtype == attnserve::DataType::kBFloat16  ? attnserve::DType::kBFloat16
@@ -173,23 +237,19 @@ class EngineBackend : public Backend {
         queued_ = queue_.size();
         --idle_;
       }
-      const attnserve::AttendRequest& r = job.first->request;
-      attnserve::AttendCall call;
-      call.query = View(r.query);
-      if (r.key) {
-        call.key = View(*r.key);
-        call.value = View(*r.value);
-      }
+      attnserve::AttendCall call = calls_.at(job.first);
       std::string out;
       attnserve::AttendOutputs outs;
       outs.output = &out;
-      attnserve::Status st = attnserve::Validate(model_->spec(), {}, &call);
-      if (st.ok()) st = model_->ForwardBatch({&call}, {&outs}, pieces_)[0];
+      const attnserve::Status st = model_->ForwardBatch({&call}, {&outs}, pieces_)[0];
       ++idle_;
       job.second(st.ok() ? 0 : 13);
     }
   }
-  std::unique_ptr<attnserve::AttentionModel> model_;
+  std::shared_ptr<const attnserve::AttentionModel> model_;
+  std::vector<std::shared_ptr<void>> blocks_;  // The pool's pinned bytes (CUDA).
+  std::map<const Prepared*, attnserve::AttendCall> calls_;
+  std::unique_ptr<attnserve::Batcher> batcher_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::pair<const Prepared*, std::function<void(int)>>> queue_;
@@ -226,6 +286,32 @@ std::function<int64_t(std::mt19937&)> LengthDistribution(const std::string& spec
                               ": expected fixed:N, uniform:LO:HI or longtail");
 }
 
+// The bus's bound on this workload (CUDA): pinned host<->device bandwidth measured now (64 MiB
+// copies), and the requests a second that copying each request's inputs in and its answer out
+// at that rate, both ways at once, would allow.
+nlohmann::json CopyBound(const std::string& device, const std::vector<Prepared>& pool) {
+  attnserve::CopyBandwidth bw;
+  const int index = device.size() > 5 ? std::atoi(device.c_str() + 5) : 0;
+  if (!attnserve::MeasureCopyBandwidth(index, int64_t{64} << 20, &bw)) return nullptr;
+  double in = 0, out = 0;
+  for (const Prepared& p : pool) {
+    in += static_cast<double>(p.request.query.data.size());
+    if (p.request.key)
+      in += static_cast<double>(p.request.key->data.size() + p.request.value->data.size());
+    out += static_cast<double>(p.request.query.data.size());  // The answer: the query's shape.
+  }
+  in /= static_cast<double>(pool.size());
+  out /= static_cast<double>(pool.size());
+  nlohmann::json j;
+  j["to_device_gbps"] = bw.to_device / 1e9;
+  j["to_host_gbps"] = bw.to_host / 1e9;
+  j["both_gbps"] = bw.both / 1e9;
+  j["bytes_in"] = in;
+  j["bytes_out"] = out;
+  j["bound_requests_per_s"] = std::min(bw.both / in, bw.both / out);
+  return j;
+}
+
 double Percentile(std::vector<double>& v, double q) {
   if (v.empty()) return 0;
   const size_t i = std::min(v.size() - 1, static_cast<size_t>(q * static_cast<double>(v.size())));
@@ -243,7 +329,7 @@ int main(int argc, char** argv) {
   int callers = 32, workers = 2, pool_size = 64, embed = 512;
   double rate = 0, duration = 10, warmup = 2, cross = 0;
   uint32_t seed = 1;
-  bool stream = false;
+  bool stream = false, batching = false;
   attnserve::ClientOptions client_options;
   client_options.target = target;
   attnserve::cli::AddClientFlags(
@@ -260,6 +346,9 @@ int main(int argc, char** argv) {
   app.add_option("--duration", duration, "Measured seconds")->capture_default_str();
   app.add_option("--warmup", warmup, "Unmeasured seconds first")->capture_default_str();
   app.add_option("--workers", workers, "inprocess: compute threads")->capture_default_str();
+  app.add_flag("--batching", batching,
+               "inprocess: batches formed by the server's batcher with its defaults for --device "
+               "(default: each request computed alone, as it arrives)");
   app.add_option("--pool", pool_size, "Distinct prepared requests cycled through")
       ->capture_default_str();
   app.add_option("--embed-dim", embed, "Model embed_dim (demo: 512)")->capture_default_str();
@@ -318,7 +407,8 @@ int main(int argc, char** argv) {
                             : dtype == "bfloat16" ? attnserve::DType::kBFloat16
                                                   : attnserve::DType::kFloat32;
     try {
-      backend = std::make_unique<EngineBackend>(workers, models_dir, model_name, options);
+      backend = std::make_unique<EngineBackend>(workers, batching, models_dir, model_name, options,
+                                                pool);
     } catch (const std::runtime_error& e) {
       std::fprintf(stderr, "attnserve-bench: %s\n", e.what());
       return 2;
@@ -333,6 +423,9 @@ int main(int argc, char** argv) {
   }
 
   const std::string computes_on = backend->Device();
+  // On a GPU, the bus: what copying this workload's bytes both ways would allow at most.
+  nlohmann::json copy;
+  if (target == "inprocess" && computes_on.rfind("cuda", 0) == 0) copy = CopyBound(computes_on, pool);
 
   std::mutex mu;
   std::vector<Sample> samples;
@@ -427,6 +520,10 @@ int main(int argc, char** argv) {
   j["tokens_per_s"] = static_cast<double>(tokens) / duration;
   j["tflops"] = flops / duration / 1e12;
   const double mx = lat.empty() ? 0 : *std::max_element(lat.begin(), lat.end());
+  if (!copy.is_null()) {
+    copy["of_bound"] = j["requests_per_s"].get<double>() / copy["bound_requests_per_s"].get<double>();
+    j["copy"] = copy;
+  }
   j["latency_ms"] = {{"p50", Percentile(lat, 0.50)},
                      {"p90", Percentile(lat, 0.90)},
                      {"p99", Percentile(lat, 0.99)},
@@ -438,6 +535,14 @@ int main(int argc, char** argv) {
       j["tflops"].get<double>(), j["latency_ms"]["p50"].get<double>(),
       j["latency_ms"]["p90"].get<double>(), j["latency_ms"]["p99"].get<double>(), mx,
       j["errors"].dump().c_str(), computes_on.c_str(), j["cpu_class"].get<std::string>().c_str());
+  if (!copy.is_null()) {
+    std::printf("%-28s %9.1f req/s copy bound (pinned host<->device: %.1f GB/s in, %.1f out, %.1f "
+                "each way at once; %.2f MB in, %.2f MB out a request): %.2f of it\n",
+                label.c_str(), copy["bound_requests_per_s"].get<double>(),
+                copy["to_device_gbps"].get<double>(), copy["to_host_gbps"].get<double>(),
+                copy["both_gbps"].get<double>(), copy["bytes_in"].get<double>() / 1e6,
+                copy["bytes_out"].get<double>() / 1e6, copy["of_bound"].get<double>());
+  }
   if (!json_path.empty()) std::ofstream(json_path, std::ios::app) << j.dump() << "\n";
   return 0;
 }

@@ -21,6 +21,16 @@ bool ReadDeviceMemory(int index, DeviceMemory* out);
 /// CUDA. Thread-safe.
 void ReleaseCachedDeviceMemory();
 
+/// Host-device copy bandwidth between pinned host memory and device `index`, in bytes per second:
+/// each way alone, and each way while both run at once (a GPU copies both ways concurrently).
+struct CopyBandwidth {
+  double to_device = 0, to_host = 0, both = 0;
+};
+
+/// Measures CopyBandwidth with copies of `bytes` (ten each, after one unmeasured); false in
+/// builds without CUDA. For benchmarks: it occupies the bus while it runs.
+bool MeasureCopyBandwidth(int index, int64_t bytes, CopyBandwidth* out);
+
 /// Times the work a thread queues on its current CUDA stream with a pair of CUDA events: made
 /// before the work, Seconds() after it (waits for the work to finish). Without CUDA it measures
 /// nothing and Seconds() returns -1.

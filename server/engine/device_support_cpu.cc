@@ -6,6 +6,7 @@ namespace attnserve {
 bool BuiltWithCuda() { return false; }
 bool ReadDeviceMemory(int, DeviceMemory*) { return false; }
 void ReleaseCachedDeviceMemory() {}
+bool MeasureCopyBandwidth(int, int64_t, CopyBandwidth*) { return false; }
 
 struct DeviceTimer::Events {};
 DeviceTimer::DeviceTimer(bool) {}

@@ -1,9 +1,13 @@
 // Built only against a CUDA LibTorch (CMake: ATTNSERVE_CUDA). The rest of the engine reaches the
 // GPU through c10's device-generic interfaces; the caching allocator's statistics and CUDA event
 // timing have none.
+#include <ATen/ATen.h>
 #include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAStream.h>
+
+#include <chrono>
 
 #include "server/engine/device_support.h"
 
@@ -21,6 +25,44 @@ bool ReadDeviceMemory(int index, DeviceMemory* out) {
 }
 
 void ReleaseCachedDeviceMemory() { c10::cuda::CUDACachingAllocator::emptyCache(); }
+
+bool MeasureCopyBandwidth(int index, int64_t bytes, CopyBandwidth* out) {
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(index));
+  const auto pinned = at::TensorOptions().dtype(at::kByte).pinned_memory(true);
+  const auto device = at::TensorOptions().dtype(at::kByte).device(at::kCUDA, index);
+  const at::Tensor host_in = at::empty({bytes}, pinned), host_out = at::empty({bytes}, pinned);
+  const at::Tensor dev_in = at::empty({bytes}, device), dev_out = at::empty({bytes}, device);
+  const c10::cuda::CUDAStream in = c10::cuda::getStreamFromPool(false, index);
+  const c10::cuda::CUDAStream back = c10::cuda::getStreamFromPool(false, index);
+  const auto to_device = [&] {
+    C10_CUDA_CHECK(cudaMemcpyAsync(dev_in.data_ptr(), host_in.data_ptr(), bytes,
+                                   cudaMemcpyHostToDevice, in.stream()));
+  };
+  const auto to_host = [&] {
+    C10_CUDA_CHECK(cudaMemcpyAsync(host_out.data_ptr(), dev_out.data_ptr(), bytes,
+                                   cudaMemcpyDeviceToHost, back.stream()));
+  };
+  constexpr int kRepeats = 10;
+  // Bytes per second of `copy` run kRepeats times (one unmeasured first).
+  const auto rate = [&](const auto& copy) {
+    copy();
+    in.synchronize();
+    back.synchronize();
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < kRepeats; ++i) copy();
+    in.synchronize();
+    back.synchronize();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return static_cast<double>(bytes) * kRepeats / s;
+  };
+  out->to_device = rate(to_device);
+  out->to_host = rate(to_host);
+  out->both = rate([&] {
+    to_device();
+    to_host();
+  });
+  return true;
+}
 
 struct DeviceTimer::Events {
   at::cuda::CUDAEvent start{cudaEventDefault};  // Timing events (the default flags disable timing).
