@@ -93,7 +93,10 @@ class ClientBackend : public Backend {
   std::string Device() override {
     attnserve::ModelInfo info;
     const attnserve::CallStatus s = client_->GetModel(model_, &info);
-    return s.ok() ? info.device : "unknown (GetModel: " + s.ToString() + ")";
+    // A peer that does not say (no GetModel, or an error with a traceback in it) is named by the
+    // status code alone: the row's label stays one line.
+    return s.ok() ? info.device
+                  : "unknown (GetModel: " + std::string(attnserve::StatusCodeName(s.code)) + ")";
   }
 
  private:
