@@ -55,6 +55,18 @@ Status LayoutFromWire(int layout, AttendCall* call) {
 
 }  // namespace
 
+void UseStaged(const StagedInputs& staged, AttendCall* call) {
+  const auto use = [](const BlockBytes& b, TensorView* v) {
+    if (!b || v == nullptr) return;
+    v->data = b.data;
+    v->nbytes = b.size;
+    v->pinned = true;
+  };
+  use(staged.query, &call->query);
+  use(staged.key, call->key ? &*call->key : nullptr);
+  use(staged.value, call->value ? &*call->value : nullptr);
+}
+
 Status FromWire(const pb::AttendRequest& r, AttendCall* call) {
   if (!r.has_query()) return InvalidArgument("query: missing; expected a tensor");
   RETURN_IF_ERROR(ViewOf("query", r.query(), &call->query));

@@ -30,6 +30,19 @@ struct AnswerBytes {
   size_t size() const { return block ? block.size : own ? own->size() : 0; }
 };
 
+/// An AttendRequest's query, key and value bytes that the front end decoded straight into pinned
+/// staging blocks (a CUDA server: grpc_codec.h's ParseRequest) instead of the message, whose
+/// Tensor.data then stays empty: each is one copy from the wire, and the device copies it from
+/// there without staging it again. Empty for a tensor that was not staged.
+struct StagedInputs {
+  BlockBytes query, key, value;
+  /// Bytes staged (they are not in the message's ByteSizeLong).
+  int64_t bytes() const { return static_cast<int64_t>(query.size + key.size + value.size); }
+};
+
+/// Points `call`'s query, key and value views (FromWire's) at their staged bytes, marked pinned.
+void UseStaged(const StagedInputs& staged, AttendCall* call);
+
 /// Builds the engine's view of `request` without copying tensor bytes: the views point into
 /// `request`, which must outlive `call`. Rejects unknown enum values (INVALID_ARGUMENT).
 Status FromWire(const pb::AttendRequest& request, AttendCall* call);

@@ -73,9 +73,9 @@ class TorchModel final : public AttentionModel {
              std::shared_ptr<HostStaging> staging)
       : spec_(w.spec),
         staging_(std::move(staging)),
-        pack_rows_(pack_rows > 0          ? pack_rows
-                   : device.is_cuda()     ? std::numeric_limits<int64_t>::max()
-                                          : kCpuPackRows),
+        pack_rows_(pack_rows > 0      ? pack_rows
+                   : device.is_cuda() ? std::numeric_limits<int64_t>::max()
+                                      : kCpuPackRows),
         device_(device),
         dtype_(ToScalarType(dtype)),
         score_dtype_(device.is_cpu() ? at::kFloat : dtype_),
@@ -318,21 +318,8 @@ class TorchModel final : public AttentionModel {
     const std::vector<int64_t>& q_off = plan.q_offset;
     const std::vector<int64_t>& k_off = plan.k_offset;
     const int64_t q_rows = plan.q_rows, self_rows = plan.self_rows, k_rows = plan.k_rows;
-    at::Tensor x = at::empty({q_rows, e}, opts);
-    at::Tensor kx = k_rows ? at::empty({k_rows, spec_.kdim}, opts) : at::Tensor();
-    at::Tensor vx = k_rows ? at::empty({k_rows, spec_.vdim}, opts) : at::Tensor();
-    // The wire's tensors where the products read them: the request bytes on the CPU; on CUDA the
-    // device copies of one staged transfer (`held` keeps its host block until the copy is done).
-    std::vector<std::shared_ptr<void>> held;
-    const std::vector<at::Tensor> wire = WireTensors(calls, &held);
-    for (size_t i = 0, t = 0; i < calls.size(); ++i) {
-      const AttendCall& c = *calls[i];
-      x.narrow(0, q_off[i], c.batch * c.query_len).copy_(wire[t++].view({-1, e}));
-      if (c.key) {
-        kx.narrow(0, k_off[i], c.batch * c.key_len).copy_(wire[t++].view({-1, spec_.kdim}));
-        vx.narrow(0, k_off[i], c.batch * c.key_len).copy_(wire[t++].view({-1, spec_.vdim}));
-      }
-    }
+    const Packed in = Pack(calls, plan);
+    const at::Tensor &x = in.x, &kx = in.kx, &vx = in.vx;
     std::vector<at::Tensor> qkv_self;
     if (self_rows)
       qkv_self = products_.Linear(x.narrow(0, 0, self_rows), proj_in_, parallel).chunk(3, -1);
@@ -395,6 +382,35 @@ class TorchModel final : public AttentionModel {
     }
   }
 
+  // A batch's wire rows in the compute dtype, packed as its plan says: every query row in x, the
+  // key and value rows that came on the wire in kx and vx; `held` keeps the host block they were
+  // staged in until its copy to the device is done.
+  struct Packed {
+    at::Tensor x, kx, vx;
+    std::vector<std::shared_ptr<void>> held;
+  };
+  Packed Pack(const std::vector<const AttendCall*>& calls, const PackingPlan& plan) const {
+    const int64_t e = spec_.embed_dim;
+    const auto opts = at::TensorOptions().device(device_).dtype(dtype_);
+    Packed p;
+    p.x = at::empty({plan.q_rows, e}, opts);
+    if (plan.k_rows) {
+      p.kx = at::empty({plan.k_rows, spec_.kdim}, opts);
+      p.vx = at::empty({plan.k_rows, spec_.vdim}, opts);
+    }
+    const std::vector<at::Tensor> wire = WireTensors(calls, &p.held);
+    for (size_t i = 0, t = 0; i < calls.size(); ++i) {
+      const AttendCall& c = *calls[i];
+      p.x.narrow(0, plan.q_offset[i], c.batch * c.query_len).copy_(wire[t++].view({-1, e}));
+      if (c.key) {
+        const int64_t at = plan.k_offset[i], rows = c.batch * c.key_len;
+        p.kx.narrow(0, at, rows).copy_(wire[t++].view({-1, spec_.kdim}));
+        p.vx.narrow(0, at, rows).copy_(wire[t++].view({-1, spec_.vdim}));
+      }
+    }
+    return p;
+  }
+
   // The batch's query, key and value tensors in call order (query, then key and value where the
   // call has them), shaped as on the wire, in the wire's dtype. On the CPU: the request bytes,
   // uncopied. On CUDA: one device buffer filled by one host-to-device copy of a pinned staging
@@ -423,7 +439,8 @@ class TorchModel final : public AttentionModel {
       total += static_cast<int64_t>((v->nbytes + 63) / 64 * 64);  // Aligned for any dtype.
       all_pinned = all_pinned && v->pinned;
     }
-    const at::Tensor device_bytes = at::empty({total}, at::TensorOptions().device(device_).dtype(at::kByte));
+    const at::Tensor device_bytes =
+        at::empty({total}, at::TensorOptions().device(device_).dtype(at::kByte));
     const auto host = [](const void* p, int64_t n) {
       return at::from_blob(const_cast<void*>(p), {n}, at::TensorOptions().dtype(at::kByte));
     };
@@ -465,7 +482,8 @@ class TorchModel final : public AttentionModel {
     const int64_t e = spec_.embed_dim, rows = y.size(0);
     const size_t row_bytes = static_cast<size_t>(e) * DTypeSize(wire);
     char* block = nullptr;
-    std::shared_ptr<void> staged = staging_->Allocate(static_cast<size_t>(rows) * row_bytes, &block);
+    std::shared_ptr<void> staged =
+        staging_->Allocate(static_cast<size_t>(rows) * row_bytes, &block);
     if (!staged) return false;
     at::Tensor answers = y.to(ToScalarType(wire));
     for (size_t i = 0; i < calls.size(); ++i) {
@@ -724,10 +742,9 @@ StatusOr<std::unique_ptr<AttentionModel>> CreateTorchModel(const ModelWeights& w
     if (device.is_cuda() && !staging)
       staging = std::make_shared<HostStaging>(EngineOptions::kDefaultStagingBytes, true);
     c10::InferenceMode guard;
-    auto model = std::make_unique<TorchModel>(weights, device, options.compute_dtype,
-                                              options.varlen, options.min_piece_flops,
-                                              options.force_float32_bfloat16_products,
-                                              options.pack_rows, std::move(staging));
+    auto model = std::make_unique<TorchModel>(
+        weights, device, options.compute_dtype, options.varlen, options.min_piece_flops,
+        options.force_float32_bfloat16_products, options.pack_rows, std::move(staging));
     return std::unique_ptr<AttentionModel>(std::move(model));
   } catch (const c10::Error& e) {
     return fail("--device " + options.device + ": " + e.what_without_backtrace());

@@ -11,11 +11,13 @@ namespace {
 /// AttendStream's messages: AttendRequest in, AttendResponse out (an error travels in `error`).
 class AttendStreamCodec final : public StreamCodec {
  public:
+  /// `staging`: where requests' tensors are decoded to (a CUDA server's; null: the message).
+  explicit AttendStreamCodec(HostStaging* staging) : staging_(staging) {}
   const char* method() const override { return "AttendStream"; }
   Status Decode(const grpc::ByteBuffer& bytes, std::unique_ptr<Exchange>* x, Status*,
                 std::string*) override {
     *x = std::make_unique<Exchange>();
-    return ParseRequest(bytes, &(*x)->request);
+    return ParseRequest(bytes, &(*x)->request, staging_, &(*x)->staged);
   }
   grpc::ByteBuffer Encode(Exchange* x, const Status& status) override {
     if (status.ok()) return EncodeAnswer(&x->answer);
@@ -26,12 +28,17 @@ class AttendStreamCodec final : public StreamCodec {
     meta.mutable_error()->set_trace_id(x->trace.trace_id_hex());
     return EncodeResponse(meta, {}, nullptr);
   }
+
+ private:
+  HostStaging* staging_;
 };
 
 }  // namespace
 
 AttentionServiceImpl::AttentionServiceImpl(RequestPipeline& pipeline, CallCounter& calls)
-    : pipeline_(pipeline), calls_(calls), stream_codec_(std::make_unique<AttendStreamCodec>()) {}
+    : pipeline_(pipeline),
+      calls_(calls),
+      stream_codec_(std::make_unique<AttendStreamCodec>(pipeline.staging())) {}
 
 AttentionServiceImpl::~AttentionServiceImpl() = default;
 
@@ -41,7 +48,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
   if (!req->Valid()) return NoMessage(pipeline_, calls_, ctx, "Attend", "AttendRequest");
   auto* reactor = NewUnaryReactor(calls_, ctx);  // Counted open from here, while it decodes too.
   auto x = std::make_unique<Exchange>();
-  const Status parsed = ParseRequest(*req, &x->request);
+  const Status parsed = ParseRequest(*req, &x->request, pipeline_.staging(), &x->staged);
   if (!parsed.ok()) {
     pipeline_.RecordUndecoded("Attend", parsed);
     reactor->Finish(ToGrpcStatus(parsed));

@@ -10,6 +10,7 @@
 #include "attnserve/v1/attention.pb.h"
 #include "server/core/status.h"
 #include "server/core/wire.h"
+#include "server/engine/host_staging.h"
 
 namespace attnserve {
 
@@ -25,8 +26,14 @@ grpc::ByteBuffer EncodeWithRawBytes(const google::protobuf::Message& head, int f
                                     const google::protobuf::Message* outer_head = nullptr);
 
 /// Decodes one AttendRequest message. INVALID_ARGUMENT saying why when the bytes are not one (for
-/// example a `model` string that is not UTF-8, which protobuf refuses).
-Status ParseRequest(const grpc::ByteBuffer& bytes, v1::AttendRequest* request);
+/// example a `model` string that is not UTF-8, which protobuf refuses). With a `staging` (a CUDA
+/// server's), the query's, key's and value's data go from the wire straight into pinned staging
+/// blocks (`*staged`; their Tensor.data stays empty), one copy, which the device then copies from.
+/// The message decodes exactly as without: anything unusual in those three fields (a field or its
+/// data repeated, an unknown field inside a Tensor, a malformed message) and a staging without
+/// room take the plain path, where nothing is staged.
+Status ParseRequest(const grpc::ByteBuffer& bytes, v1::AttendRequest* request,
+                    HostStaging* staging = nullptr, StagedInputs* staged = nullptr);
 
 /// Encodes `meta` (an AttendResponse whose tensors carry dtype and shape but no data) followed by
 /// the output and attention-weights bytes, which become the message's slices without a copy: the

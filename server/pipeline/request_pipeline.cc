@@ -230,6 +230,7 @@ void RequestPipeline::Attend(const char* method, Exchange* x, CallContext call,
                                                          const WorkItem& w) mutable {
     if (st.ok()) x->answer.meta = AnswerMeta(x->request, w, attempts);
     x->answer.output_block = w.outputs.output_block;
+    x->staged = StagedInputs();  // Computed: the staged inputs go back to the staging's budget.
     x->times.started = w.started;
     x->times.finished = w.finished;
     x->times.batch_trace = w.batch_trace;
@@ -247,6 +248,7 @@ Status RequestPipeline::Resolve(Exchange* x, WorkItem* item, std::shared_ptr<KvS
                            "; allowed: 0 (the highest loaded) or a loaded version");
   }
   RETURN_IF_ERROR(FromWire(request, &item->call));
+  UseStaged(x->staged, &item->call);
   if (!request.memory().empty() || !request.session().empty()) {
     // Keys and values kept on the server: the handle names the model.
     RETURN_IF_ERROR(ResolveKept(kv_, request, item, step));
@@ -265,9 +267,10 @@ Status RequestPipeline::Resolve(Exchange* x, WorkItem* item, std::shared_ptr<KvS
 
 Status RequestPipeline::Admit(Exchange* x, const WorkItem& item) {
   // Request and answer bytes count against the in-flight budget until the outcome is recorded.
-  const int64_t bytes = HeldBytes(static_cast<int64_t>(x->request.ByteSizeLong()) +
-                                      item.call.output_bytes + item.call.weights_bytes,
-                                  item.call.query.dtype, item.model->spec().compute_dtype);
+  const int64_t bytes =
+      HeldBytes(static_cast<int64_t>(x->request.ByteSizeLong()) + x->staged.bytes() +
+                    item.call.output_bytes + item.call.weights_bytes,
+                item.call.query.dtype, item.model->spec().compute_dtype);
   RETURN_IF_ERROR(Reserve(x->model, bytes));
   x->held_bytes = bytes;
   return Status::Ok();

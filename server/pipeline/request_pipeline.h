@@ -51,6 +51,9 @@ struct CallContext {
 struct Exchange {
   virtual ~Exchange() = default;  // Front ends extend it with what their answers carry.
   v1::AttendRequest request;
+  /// The request's tensors decoded straight into pinned staging (CUDA; empty otherwise): the
+  /// engine reads them there; given back once the request is computed.
+  StagedInputs staged;
   AttendAnswer answer;
   std::string model;  ///< Metrics label: the loaded model's name, or "" when none.
   SteadyClock::time_point received = SteadyClock::now();
@@ -127,6 +130,10 @@ class RequestPipeline {
   /// While true, Ready says no: the models are warming up at start (requests are still served,
   /// only slower). False unless set.
   void SetWarming(bool warming) { warming_.store(warming); }
+  /// The pinned staging requests' tensors may be decoded into (a CUDA server's; null: none). Set
+  /// before serving; borrowed.
+  void SetStaging(HostStaging* staging) { staging_ = staging; }
+  HostStaging* staging() const { return staging_; }
   /// A loaded model version's spec and every loaded version of it (NOT_FOUND naming what is there).
   StatusOr<ModelSpec> Describe(const std::string& model, int64_t version,
                                std::vector<int64_t>* versions) const;
@@ -191,6 +198,7 @@ class RequestPipeline {
   KvStore& kv_;
   std::atomic<bool> draining_{false};
   std::atomic<bool> warming_{false};
+  HostStaging* staging_ = nullptr;
 
   mutable std::mutex mu_;
   std::condition_variable idle_cv_;

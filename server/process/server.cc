@@ -73,7 +73,6 @@ namespace {
 
 bool IsCuda(const std::string& device) { return device.rfind("cuda", 0) == 0; }
 
-
 Status Refuse(const std::string& message) {
   return Status(StatusCode::kFailedPrecondition, message);
 }
@@ -105,8 +104,7 @@ WarmupShapes WarmupOf(const ServerOptions& options) {
   return w;
 }
 
-EngineOptions EngineOptionsOf(const ServerOptions& options,
-                              std::shared_ptr<HostStaging> staging) {
+EngineOptions EngineOptionsOf(const ServerOptions& options, std::shared_ptr<HostStaging> staging) {
   EngineOptions engine;
   engine.staging = std::move(staging);
   engine.device = options.device;
@@ -133,9 +131,9 @@ Status Server::Impl::PlanMemory() {
   in.limit_source = limit.source;
   in.idle_bytes = ResidentBytes();
   in.workers = options.batcher.workers;
-  in.budgets = {options.kv.budget_bytes, options.kv.max_entry_bytes,
-                options.flow.max_inflight_bytes, options.max_message_bytes, options.memory_given,
-                staging ? staging->budget_bytes() : 0};
+  in.budgets = {
+      options.kv.budget_bytes,   options.kv.max_entry_bytes, options.flow.max_inflight_bytes,
+      options.max_message_bytes, options.memory_given,       staging ? staging->budget_bytes() : 0};
   memory_plan = attnserve::PlanMemory(in);
   if (staging) staging->SetBudget(memory_plan.budgets.staging_bytes);
   options.kv.budget_bytes = memory_plan.budgets.kv_budget_bytes;
@@ -248,6 +246,7 @@ void Server::Impl::StartPipeline() {
       std::make_unique<RequestPipeline>(*models, *batcher, *metrics, limits, options.flow, *kv);
   pipeline->Observe(tracer.get(), access_log.get());
   pipeline->SetWarming(options.warmup);
+  pipeline->SetStaging(staging.get());
   service = std::make_unique<AttentionServiceImpl>(*pipeline, *calls);
   oip = std::make_unique<OipServiceImpl>(
       *pipeline, *calls, static_cast<size_t>(options.kv.max_entries),
@@ -343,10 +342,9 @@ StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   impl->options = options;
   if (IsCuda(options.device))
     impl->staging = std::make_shared<HostStaging>(options.staging_bytes, /*pinned=*/true);
-  ASSIGN_OR_RETURN(impl->models,
-                   ModelRepository::Open(options.models_dir,
-                                         EngineOptionsOf(options, impl->staging),
-                                         WarmupOf(options)));
+  ASSIGN_OR_RETURN(impl->models, ModelRepository::Open(options.models_dir,
+                                                       EngineOptionsOf(options, impl->staging),
+                                                       WarmupOf(options)));
   RETURN_IF_ERROR(impl->PlanMemory());
   RETURN_IF_ERROR(impl->StartMetrics());
   impl->StartKv();

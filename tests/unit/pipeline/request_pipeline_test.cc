@@ -7,6 +7,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <future>
 #include <random>
 
@@ -97,6 +98,34 @@ TEST_F(RequestPipelineTest, AnswersLikeTheFloat64ReferenceWithTheRequestsFieldsI
       testing::RelativeError(*x.answer.weights, std::vector<float>(weights.begin(), weights.end())),
       1e-4);
   EXPECT_TRUE(Idle());
+}
+
+// A request whose tensors were decoded into staging (a CUDA server's front end): the engine reads
+// them there, the in-flight budget counts them, and they go back to the staging once computed.
+TEST_F(RequestPipelineTest, StagedInputsAreReadFromTheStagingAndGivenBackOnceComputed) {
+  HostStaging staging(int64_t{1} << 20, /*pinned=*/false);
+  Vec query;
+  Exchange x;
+  x.request = Request(6, &query);
+  const std::string bytes = x.request.query().data();
+  char* block = nullptr;
+  std::shared_ptr<void> owner = staging.Allocate(bytes.size(), &block);
+  ASSERT_NE(owner, nullptr);
+  std::memcpy(block, bytes.data(), bytes.size());
+  x.staged.query = {std::move(owner), block, bytes.size()};
+  x.request.mutable_query()->clear_data();  // As the staged decode leaves it.
+  std::promise<Status> told;
+  pipeline_->Attend("Attend", &x, {}, [&](const Status& st) { told.set_value(st); });
+  ASSERT_TRUE(told.get_future().get().ok());
+  EXPECT_EQ(staging.held_bytes(), 0);  // Computed: the block went back.
+  EXPECT_GE(x.held_bytes, static_cast<int64_t>(2 * bytes.size()));  // Request and answer.
+  pipeline_->Record("Attend", &x, Status::Ok());
+  Vec out;
+  Vec weights;
+  testing::Reference(DemoModelWeights(), 1, 6, 6, query, query, query, {}, &out, &weights);
+  ASSERT_NE(x.answer.output, nullptr);
+  EXPECT_LT(testing::RelativeError(*x.answer.output, std::vector<float>(out.begin(), out.end())),
+            1e-4);
 }
 
 TEST_F(RequestPipelineTest, RefusesWhatItCannotResolveNamingTheFieldAndWhatIsThere) {
