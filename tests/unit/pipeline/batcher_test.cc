@@ -5,7 +5,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <condition_variable>
 #include <future>
+#include <random>
 #include <set>
 
 namespace attnserve {
@@ -234,6 +236,82 @@ TEST(BatcherOptionsTest, ACudaDeviceGetsTheGpuBudgetsExceptThoseGiven) {
   EXPECT_EQ(kept.max_batch_tokens, 4096);
   EXPECT_EQ(kept.max_shared_request_tokens, 4096);  // Follows the budget given.
   EXPECT_EQ(kept.workers, 7);
+}
+
+// A GPU's batching, on a fake device whose batches run until the test lets them finish: with the
+// CUDA defaults, while one batch computes the other workers take theirs (each starts its copies
+// while the first computes), every batch within the token budget, long requests sharing batches.
+class HeldDevice : public AttentionModel {
+ public:
+  HeldDevice() { spec_.name = "gpu"; }
+  const ModelSpec& spec() const override { return spec_; }
+  Status Forward(const AttendCall&, AttendOutputs*) const override { return Status::Ok(); }
+  std::vector<Status> ForwardBatch(const std::vector<const AttendCall*>& calls,
+                                   const std::vector<AttendOutputs*>&,
+                                   const Parallel&) const override {
+    std::unique_lock<std::mutex> lock(mu);
+    std::vector<int64_t> tokens;
+    for (const AttendCall* c : calls) tokens.push_back(c->tokens);
+    batches.push_back(tokens);
+    ++running;
+    most_running = std::max(most_running, running);
+    cv.notify_all();
+    cv.wait(lock, [this] { return open; });
+    --running;
+    return std::vector<Status>(calls.size(), Status::Ok());
+  }
+  ModelSpec spec_;
+  mutable std::mutex mu;
+  mutable std::condition_variable cv;
+  mutable bool open = false;
+  mutable int running = 0, most_running = 0;
+  mutable std::vector<std::vector<int64_t>> batches;
+};
+
+TEST(BatcherTest, OnAGpuTheNextBatchesStartWhileOneComputesAndLongRequestsShare) {
+  HeldDevice device;
+  BatcherOptions options = BatcherOptions().ForDevice("cuda", {});
+  Batcher batcher(options);
+  std::atomic<int> done{0};
+  std::mt19937 rng(5);
+  auto submit = [&](int64_t tokens) {
+    auto item = Item(&device, tokens);
+    item->accepted = SteadyClock::now();
+    item->done = [&](const Status& s, const WorkItem&) {
+      EXPECT_TRUE(s.ok());
+      ++done;
+    };
+    batcher.Submit(std::move(item));
+  };
+  submit(2048);  // An idle device: computed at once, alone.
+  {
+    std::unique_lock<std::mutex> lock(device.mu);
+    ASSERT_TRUE(device.cv.wait_for(lock, 5s, [&] { return device.running == 1; }));
+  }
+  for (int i = 0; i < 60; ++i) submit(std::uniform_int_distribution<int64_t>(64, 2048)(rng));
+  {
+    std::unique_lock<std::mutex> lock(device.mu);
+    // The three other workers each take a batch while the first is still computing.
+    ASSERT_TRUE(device.cv.wait_for(lock, 5s, [&] { return device.running == 4; }))
+        << device.running << " batches on the device";
+    device.open = true;
+  }
+  device.cv.notify_all();
+  while (done < 61) std::this_thread::sleep_for(1ms);
+  batcher.Drain();
+  EXPECT_EQ(device.most_running, BatcherOptions::kCudaWorkers);
+  int shared_long = 0;
+  for (const auto& batch : device.batches) {
+    int64_t sum = 0;
+    int long_ones = 0;
+    for (int64_t t : batch) {
+      sum += t;
+      long_ones += t > 256;
+    }
+    EXPECT_LE(sum, BatcherOptions::kCudaBatchTokens);
+    shared_long += long_ones >= 2;
+  }
+  EXPECT_GT(shared_long, 0);  // On the CPU's defaults each of them would run alone.
 }
 
 TEST(BatcherTest, IdleWorkerTakesAtOnceBusyWorkerLetsBatchesFillToBudget) {
