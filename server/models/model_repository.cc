@@ -22,12 +22,15 @@ bool SameModel(const ModelSpec& a, const ModelSpec& b) {
 // A version loaded and warmed: it serves fast from its first request.
 StatusOr<std::shared_ptr<const AttentionModel>> Build(const ModelSource& source,
                                                       const EngineOptions& engine,
-                                                      const WarmupShapes& warmup) {
+                                                      const WarmupShapes& warmup,
+                                                      const WarmRunner& run) {
   ASSIGN_OR_RETURN(ModelWeights w, LoadModel(source.dir, source.name, source.version));
-  ASSIGN_OR_RETURN(std::unique_ptr<AttentionModel> model, CreateTorchModel(w, engine));
-  const Status warm = WarmModel(*model, warmup);
-  if (!warm.ok()) return Status(StatusCode::kFailedPrecondition, source.dir + ": " + warm.message());
-  return std::shared_ptr<const AttentionModel>(std::move(model));
+  ASSIGN_OR_RETURN(std::unique_ptr<AttentionModel> made, CreateTorchModel(w, engine));
+  std::shared_ptr<const AttentionModel> model = std::move(made);
+  const Status warm = WarmModel(model, warmup, run);
+  if (!warm.ok())
+    return Status(StatusCode::kFailedPrecondition, source.dir + ": " + warm.message());
+  return model;
 }
 
 }  // namespace
@@ -111,10 +114,15 @@ StatusOr<std::unique_ptr<ModelRepository>> ModelRepository::Open(const std::stri
   return repo;
 }
 
-Status ModelRepository::Warm() const {
+Status ModelRepository::Warm() {
+  WarmRunner run;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    run = warm_runner_;
+  }
   for (const auto& [name, versions] : Snapshot()->models) {
     for (const auto& [version, model] : versions) {
-      const Status warm = WarmModel(*model, warmup_);
+      const Status warm = WarmModel(model, warmup_, run);
       if (!warm.ok()) {
         return Status(StatusCode::kFailedPrecondition,
                       name + " version " + std::to_string(version) + ": " + warm.message());
@@ -137,6 +145,11 @@ void ModelRepository::Publish(std::shared_ptr<const ModelSet> set) {
     set_ = std::move(set);
   }
   // `old` goes here, outside the lock: models only it held unload now.
+}
+
+void ModelRepository::SetWarmRunner(WarmRunner run) {
+  std::lock_guard<std::mutex> lock(mu_);
+  warm_runner_ = std::move(run);
 }
 
 void ModelRepository::SetHooks(ModelRepositoryHooks hooks) {
@@ -307,8 +320,10 @@ bool ModelRepository::LoadChanged(const RepositoryDiff& diff, const ModelSet& cu
                                   ModelSet* next, std::vector<Replacement>* loaded,
                                   ReloadReport* report) {
   for (const ModelSource* source : diff.to_load) {
+    WarmRunner run;
     {
       std::lock_guard<std::mutex> lock(mu_);
+      run = warm_runner_;
       if (stopping_) {
         report->status = Unavailable("reload: the server is shutting down; nothing was changed");
         return false;
@@ -316,7 +331,7 @@ bool ModelRepository::LoadChanged(const RepositoryDiff& diff, const ModelSet& cu
     }
     const Key key{source->name, source->version};
     const auto previous = current.Find(source->name, source->version);
-    StatusOr<std::shared_ptr<const AttentionModel>> model = Build(*source, engine_, warmup_);
+    StatusOr<std::shared_ptr<const AttentionModel>> model = Build(*source, engine_, warmup_, run);
     if (!model.ok()) {
       failures_[key] = model.status().message();
       report->changes.push_back({source->name, source->version, RepositoryChange::Action::kFailed,

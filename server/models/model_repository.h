@@ -81,7 +81,9 @@ class ModelRepository {
       const WarmupShapes& warmup = WarmupShapes::Off());
 
   /// Warms every version serving now (WarmModel): the first failure, naming the model.
-  Status Warm() const;
+  Status Warm();
+  /// How warm-ups compute from now on (the server's batcher); set before Warm and any reload.
+  void SetWarmRunner(WarmRunner run);
   ~ModelRepository();  ///< Stops.
 
   /// The set serving now: cheap (a shared_ptr copy under a mutex); hold it as long as needed.
@@ -123,6 +125,7 @@ class ModelRepository {
   const std::string dir_;
   const EngineOptions engine_;
   const WarmupShapes warmup_;
+  WarmRunner warm_runner_;  // Under mu_ (a reload may start before it is set).
   ModelRepositoryHooks hooks_;
 
   mutable std::mutex set_mu_;

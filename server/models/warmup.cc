@@ -104,9 +104,9 @@ std::vector<WarmupBatch> PlanWarmup(const ModelSpec& spec, const WarmupShapes& s
   return plan;
 }
 
-Status WarmModel(const AttentionModel& model, const WarmupShapes& shapes,
-                 const Parallel& parallel) {
-  const ModelSpec& spec = model.spec();
+Status WarmModel(const std::shared_ptr<const AttentionModel>& model, const WarmupShapes& shapes,
+                 const WarmRunner& run) {
+  const ModelSpec& spec = model->spec();
   AttendLimits limits;
   limits.max_tokens = std::max<int64_t>(limits.max_tokens, shapes.max_request_tokens);
   for (const WarmupBatch& batch : PlanWarmup(spec, shapes)) {
@@ -119,7 +119,7 @@ Status WarmModel(const AttentionModel& model, const WarmupShapes& shapes,
       calls.push_back(&in.calls[i]);
       outs.push_back(&in.outputs[i]);
     }
-    for (const Status& st : model.ForwardBatch(calls, outs, parallel)) {
+    for (const Status& st : run ? run(model, calls, outs) : model->ForwardBatch(calls, outs)) {
       if (!st.ok()) return Status(st.code(), "warm-up of " + spec.name + ": " + st.message());
     }
   }

@@ -2,6 +2,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -50,11 +51,18 @@ struct WarmupBatch {
 /// lengths). Pure: no LibTorch.
 std::vector<WarmupBatch> PlanWarmup(const ModelSpec& spec, const WarmupShapes& shapes);
 
-/// Computes every batch of PlanWarmup(model.spec(), shapes) on fixed-seed random inputs, through
-/// ForwardBatch on `parallel`, so that the kernels, primitives and library handles its requests
+/// How a warm-up's batch is computed: one Status per call. The server's computes them as requests
+/// (Batcher::ComputeAndWait), on the threads that will serve the model; null: ForwardBatch on the
+/// calling thread.
+using WarmRunner = std::function<std::vector<Status>(const std::shared_ptr<const AttentionModel>&,
+                                                     const std::vector<const AttendCall*>&,
+                                                     const std::vector<AttendOutputs*>&)>;
+
+/// Computes every batch of PlanWarmup(model->spec(), shapes) on fixed-seed random inputs through
+/// `run`, so that the kernels, primitives, library handles and per-thread buffers its requests
 /// need exist before the first one arrives. Returns the first failure (the model is then not fit
 /// to serve).
-Status WarmModel(const AttentionModel& model, const WarmupShapes& shapes,
-                 const Parallel& parallel = SerialParallel());
+Status WarmModel(const std::shared_ptr<const AttentionModel>& model, const WarmupShapes& shapes,
+                 const WarmRunner& run = nullptr);
 
 }  // namespace attnserve

@@ -156,7 +156,7 @@ Batcher::~Batcher() { Drain(); }
 
 void Batcher::Finish(Dropped* dropped) {
   for (auto& [item, status] : *dropped) {
-    if (options_.on_reject) {
+    if (options_.on_reject && !item->warmup) {
       options_.on_reject(item->model->spec().name,
                          status.code() == StatusCode::kDeadlineExceeded ? "deadline" : "cancelled");
     }
@@ -187,7 +187,7 @@ void Batcher::Submit(std::unique_ptr<WorkItem> item) {
   }
   Finish(&dropped);
   if (!refused.ok()) {
-    if (options_.on_reject) {
+    if (options_.on_reject && !item->warmup) {
       options_.on_reject(item->model->spec().name,
                          refused.code() == StatusCode::kUnavailable ? "draining" : "queue_full");
     }
@@ -195,6 +195,33 @@ void Batcher::Submit(std::unique_ptr<WorkItem> item) {
     return;
   }
   cv_.notify_one();
+}
+
+std::vector<Status> Batcher::ComputeAndWait(const std::shared_ptr<const AttentionModel>& model,
+                                            const std::vector<const AttendCall*>& calls,
+                                            const std::vector<AttendOutputs*>& outs) {
+  std::vector<Status> statuses(calls.size());
+  std::mutex mu;
+  std::condition_variable cv;
+  size_t left = calls.size();
+  for (size_t i = 0; i < calls.size(); ++i) {
+    auto item = std::make_unique<WorkItem>();
+    item->model = model;
+    item->call = *calls[i];
+    item->outputs = *outs[i];
+    item->accepted = SteadyClock::now();
+    item->warmup = true;
+    item->done = [&, i, out = outs[i]](const Status& st, const WorkItem& w) {
+      *out = w.outputs;  // What the engine set (backend, a staged answer).
+      std::lock_guard<std::mutex> lock(mu);
+      statuses[i] = st;
+      if (--left == 0) cv.notify_all();
+    };
+    Submit(std::move(item));
+  }
+  std::unique_lock<std::mutex> lock(mu);
+  cv.wait(lock, [&] { return left == 0; });
+  return statuses;
 }
 
 void Batcher::Drain() {
@@ -306,15 +333,15 @@ void Batcher::Run(std::vector<std::unique_ptr<WorkItem>> batch) {
   const double device = outs.empty() ? -1 : outs[0]->device_seconds;
   const double compute = device >= 0 ? device : Seconds(SteadyClock::now() - start);
   const auto end = SteadyClock::now();
-  std::vector<WorkItem*> raw;
+  std::vector<WorkItem*> raw;  // The clients' requests (a warm-up's are not counted).
   for (auto& item : batch) {
     item->compute_seconds = compute;
     item->started = start;
     item->finished = end;
-    raw.push_back(item.get());
+    if (!item->warmup) raw.push_back(item.get());
   }
   if (options_.tracer) TraceBatch(batch, width);
-  if (options_.on_batch) options_.on_batch(model->spec().name, raw, compute);
+  if (options_.on_batch && !raw.empty()) options_.on_batch(model->spec().name, raw, compute);
   for (size_t i = 0; i < batch.size(); ++i) Complete(*batch[i], statuses[i]);
 }
 

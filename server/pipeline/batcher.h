@@ -62,6 +62,9 @@ struct WorkItem {
 
   /// The request's trace (owned by the call, which outlives the item); null: none.
   const CallTrace* trace = nullptr;
+  /// A model's warm-up, not a client's request: computed as one, left out of the batch metrics
+  /// and traces.
+  bool warmup = false;
 
   // Filled on completion.
   double queue_seconds = 0;
@@ -117,8 +120,8 @@ struct BatcherOptions {
 
   /// Which of the budgets were set by the operator (server flags); ForDevice keeps those.
   struct Given {
-    bool max_batch_tokens = false, max_shared_request_tokens = false,
-         max_batch_attention = false, workers = false;
+    bool max_batch_tokens = false, max_shared_request_tokens = false, max_batch_attention = false,
+         workers = false;
   };
   /// On a CUDA device ("cuda", "cuda:N"), the budgets not `given` become the GPU's: batches of
   /// kCudaBatchTokens tokens that every request up to that size shares (one packed GEMM per
@@ -186,6 +189,14 @@ class Batcher {
   /// Takes the item. When it is refused (queue full: RESOURCE_EXHAUSTED; draining: UNAVAILABLE)
   /// its `done` runs before Submit returns.
   void Submit(std::unique_ptr<WorkItem> item);
+
+  /// Computes `calls` of `model` as requests are computed (queued, batched with whatever else
+  /// waits, on the workers and their idle helpers) and waits for them: a model's warm-up, whose
+  /// kernels, primitives and per-thread buffers are then made on the threads that will serve it.
+  /// Not counted in the batch metrics. One Status per call (UNAVAILABLE once draining).
+  std::vector<Status> ComputeAndWait(const std::shared_ptr<const AttentionModel>& model,
+                                     const std::vector<const AttendCall*>& calls,
+                                     const std::vector<AttendOutputs*>& outs);
 
   /// Stops accepting, computes everything queued, joins the workers. Idempotent.
   void Drain();

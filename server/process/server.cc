@@ -321,6 +321,12 @@ Status Server::Impl::StartHealth() {
 Status Server::Impl::WarmUp() {
   if (options.warming_for_test) options.warming_for_test(port);
   const auto start = SteadyClock::now();
+  // Through the batcher: the warm-up's batches run on the threads that will serve, as requests do.
+  models->SetWarmRunner([b = batcher.get()](const std::shared_ptr<const AttentionModel>& model,
+                                            const std::vector<const AttendCall*>& calls,
+                                            const std::vector<AttendOutputs*>& outs) {
+    return b->ComputeAndWait(model, calls, outs);
+  });
   const Status warm = models->Warm();
   warmup_seconds = std::chrono::duration<double>(SteadyClock::now() - start).count();
   if (!warm.ok()) {

@@ -27,7 +27,8 @@ ModelSpec Spec(DType compute) {
 // Records every batch it computes; fails the `fail_at`-th (0 = never). Writes each answer's bytes.
 class RecordingModel final : public AttentionModel {
  public:
-  explicit RecordingModel(ModelSpec spec, int fail_at = 0) : spec_(std::move(spec)), fail_at_(fail_at) {}
+  explicit RecordingModel(ModelSpec spec, int fail_at = 0)
+      : spec_(std::move(spec)), fail_at_(fail_at) {}
   const ModelSpec& spec() const override { return spec_; }
   Status Forward(const AttendCall& call, AttendOutputs* out) const override {
     out->output->assign(static_cast<size_t>(call.output_bytes), '\1');
@@ -95,9 +96,10 @@ TEST(WarmupTest, PlanFollowsTheBudgetsAndNeverExceedsTheRequestLimit) {
 }
 
 TEST(WarmupTest, WarmModelComputesEveryPlannedBatchAsValidatedCalls) {
-  RecordingModel model(Spec(DType::kBFloat16));
+  auto shared = std::make_shared<RecordingModel>(Spec(DType::kBFloat16));
+  RecordingModel& model = *shared;
   WarmupShapes shapes;
-  ASSERT_TRUE(WarmModel(model, shapes).ok());
+  ASSERT_TRUE(WarmModel(shared, shapes).ok());
   const std::vector<WarmupBatch> plan = PlanWarmup(model.spec(), shapes);
   ASSERT_EQ(model.batches.size(), plan.size());
   for (size_t i = 0; i < plan.size(); ++i) {
@@ -113,8 +115,9 @@ TEST(WarmupTest, WarmModelComputesEveryPlannedBatchAsValidatedCalls) {
 }
 
 TEST(WarmupTest, AFailedWarmUpNamesTheModelAndStops) {
-  RecordingModel model(Spec(DType::kFloat32), /*fail_at=*/2);
-  const Status st = WarmModel(model, WarmupShapes());
+  auto shared = std::make_shared<RecordingModel>(Spec(DType::kFloat32), /*fail_at=*/2);
+  RecordingModel& model = *shared;
+  const Status st = WarmModel(shared, WarmupShapes());
   EXPECT_EQ(st.code(), StatusCode::kInternal);
   EXPECT_NE(st.message().find("warm-up of m"), std::string::npos) << st.message();
   EXPECT_NE(st.message().find("no kernel"), std::string::npos) << st.message();
@@ -124,7 +127,8 @@ TEST(WarmupTest, AFailedWarmUpNamesTheModelAndStops) {
 TEST(WarmupTest, TheRealEngineWarmsTheDemoModel) {
   auto model = CreateTorchModel(DemoModelWeights(), EngineOptions());
   ASSERT_TRUE(model.ok());
-  EXPECT_TRUE(WarmModel(**model, WarmupShapes()).ok());
+  EXPECT_TRUE(
+      WarmModel(std::shared_ptr<const AttentionModel>(std::move(*model)), WarmupShapes()).ok());
 }
 
 }  // namespace

@@ -314,6 +314,40 @@ TEST(BatcherTest, OnAGpuTheNextBatchesStartWhileOneComputesAndLongRequestsShare)
   EXPECT_GT(shared_long, 0);  // On the CPU's defaults each of them would run alone.
 }
 
+// A warm-up's calls run as requests do, on the workers, and come back with their statuses; they
+// are left out of the batch metrics.
+TEST(BatcherTest, AWarmUpComputesOnTheWorkersUncounted) {
+  auto model = std::make_shared<FakeModel>();
+  BatcherOptions options;
+  options.workers = 2;
+  int counted = 0;
+  options.on_batch = [&](const std::string&, const std::vector<WorkItem*>& b, double) {
+    counted += static_cast<int>(b.size());
+  };
+  Batcher batcher(options);
+  std::vector<AttendCall> calls(3);
+  std::vector<AttendOutputs> outs(3);
+  std::vector<std::string> bytes(3);
+  std::vector<const AttendCall*> call_ptrs;
+  std::vector<AttendOutputs*> out_ptrs;
+  for (int i = 0; i < 3; ++i) {
+    calls[i].batch = 1;
+    calls[i].query_len = calls[i].tokens = 10 + i;
+    outs[i].output = &bytes[i];
+    call_ptrs.push_back(&calls[i]);
+    out_ptrs.push_back(&outs[i]);
+  }
+  const std::vector<Status> st = batcher.ComputeAndWait(model, call_ptrs, out_ptrs);
+  ASSERT_EQ(st.size(), 3u);
+  for (const Status& s : st) EXPECT_TRUE(s.ok());
+  std::set<int64_t> computed;
+  for (const auto& b : model->batches) computed.insert(b.begin(), b.end());
+  EXPECT_EQ(computed, (std::set<int64_t>{10, 11, 12}));
+  EXPECT_EQ(counted, 0);
+  batcher.Drain();
+  EXPECT_EQ(batcher.ComputeAndWait(model, call_ptrs, out_ptrs)[0].code(), StatusCode::kUnavailable);
+}
+
 TEST(BatcherTest, IdleWorkerTakesAtOnceBusyWorkerLetsBatchesFillToBudget) {
   FakeModel model;
   std::promise<void> open;
