@@ -4,6 +4,8 @@
 # the same machine; prints each round and the median NEW / OLD ratios (tokens/s, p50, p99).
 #   bench/compare.sh OLD_ATTNSERVE NEW_ATTNSERVE [ROUNDS (3)]
 # For a change that should not move speed (a refactor): ratios within the rounds' own spread.
+# SERVER_ARGS: more flags for both servers (e.g. "--dtype bfloat16"); BENCH_ARGS: more for the
+# load (e.g. "--wire-dtype bfloat16").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 old=$1 new=$2 rounds=${3:-3}
@@ -19,12 +21,13 @@ trap stop EXIT
 for round in $(seq "$rounds"); do
   for which in old new; do
     binary=$old; [ "$which" = new ] && binary=$new
-    "$binary" --address 127.0.0.1:$port --metrics-address "" >"$out/server.log" 2>&1 & pid=$!
+    # shellcheck disable=SC2086
+    "$binary" --address 127.0.0.1:$port --metrics-address "" ${SERVER_ARGS:-} >"$out/server.log" 2>&1 & pid=$!
     for _ in $(seq 300); do grep -q serving "$out/server.log" 2>/dev/null && break; sleep 0.2; done
     "$build/attnserve-bench" --target 127.0.0.1:$port --label "$which/W1/r$round" --warmup 2 \
-      --json "$out/results.jsonl" --duration "$duration" --callers 32 --lengths uniform:8:64 >/dev/null
+      --json "$out/results.jsonl" --duration "$duration" --callers 32 --lengths uniform:8:64 ${BENCH_ARGS:-} >/dev/null
     "$build/attnserve-bench" --target 127.0.0.1:$port --label "$which/W3/r$round" --warmup 2 \
-      --json "$out/results.jsonl" --duration "$duration" --callers 1 --lengths fixed:128 >/dev/null
+      --json "$out/results.jsonl" --duration "$duration" --callers 1 --lengths fixed:128 ${BENCH_ARGS:-} >/dev/null
     stop
   done
 done

@@ -489,7 +489,7 @@ class TorchModel final : public AttentionModel {
     for (size_t i = 0; i < calls.size(); ++i) {
       if (attended[i].dead.defined())
         answers.narrow(0, q_off[i], calls[i]->batch * calls[i]->query_len)
-            .masked_fill_(attended[i].dead, 0);
+            .masked_fill_(attended[i].dead.to(device_), 0);  // Dead rows are found on the host.
     }
     at::from_blob(block, {rows, e}, at::TensorOptions().dtype(ToScalarType(wire)))
         .copy_(answers, /*non_blocking=*/true);
