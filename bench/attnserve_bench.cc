@@ -7,8 +7,8 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
-#include <cstring>
 #include <cstdio>
+#include <cstring>
 #include <deque>
 #include <fstream>
 #include <map>
@@ -115,9 +115,8 @@ class ClientBackend : public Backend {
 // staging, as a server decodes them, so the engine copies them straight to the device.
 class EngineBackend : public Backend {
  public:
-  EngineBackend(int workers, bool batching, const std::string& models_dir,
-                const std::string& name, const attnserve::EngineOptions& options,
-                const std::vector<Prepared>& pool)
+  EngineBackend(int workers, bool batching, const std::string& models_dir, const std::string& name,
+                const attnserve::EngineOptions& options, const std::vector<Prepared>& pool)
       : idle_(workers),
         pieces_([this] { return queued_.load() > 0 ? 1 : 1 + idle_.load(); },
                 [this] {
@@ -164,7 +163,7 @@ class EngineBackend : public Backend {
       auto out = std::make_shared<std::string>();
       item->outputs.output = out.get();
       item->done = [out, done = std::move(done)](const attnserve::Status& st,
-                                                  const attnserve::WorkItem&) {
+                                                 const attnserve::WorkItem&) {
         done(st.ok() ? 0 : static_cast<int>(st.code()));
       };
       batcher_->Submit(std::move(item));
@@ -410,8 +409,8 @@ int main(int argc, char** argv) {
                             : dtype == "bfloat16" ? attnserve::DType::kBFloat16
                                                   : attnserve::DType::kFloat32;
     try {
-      backend = std::make_unique<EngineBackend>(workers, batching, models_dir, model_name, options,
-                                                pool);
+      backend =
+          std::make_unique<EngineBackend>(workers, batching, models_dir, model_name, options, pool);
     } catch (const std::runtime_error& e) {
       std::fprintf(stderr, "attnserve-bench: %s\n", e.what());
       return 2;
@@ -428,7 +427,8 @@ int main(int argc, char** argv) {
   const std::string computes_on = backend->Device();
   // On a GPU, the bus: what copying this workload's bytes both ways would allow at most.
   nlohmann::json copy;
-  if (target == "inprocess" && computes_on.rfind("cuda", 0) == 0) copy = CopyBound(computes_on, pool);
+  if (target == "inprocess" && computes_on.rfind("cuda", 0) == 0)
+    copy = CopyBound(computes_on, pool);
 
   std::mutex mu;
   std::vector<Sample> samples;
@@ -524,7 +524,8 @@ int main(int argc, char** argv) {
   j["tflops"] = flops / duration / 1e12;
   const double mx = lat.empty() ? 0 : *std::max_element(lat.begin(), lat.end());
   if (!copy.is_null()) {
-    copy["of_bound"] = j["requests_per_s"].get<double>() / copy["bound_requests_per_s"].get<double>();
+    copy["of_bound"] =
+        j["requests_per_s"].get<double>() / copy["bound_requests_per_s"].get<double>();
     j["copy"] = copy;
   }
   j["latency_ms"] = {{"p50", Percentile(lat, 0.50)},
@@ -539,12 +540,13 @@ int main(int argc, char** argv) {
       j["latency_ms"]["p90"].get<double>(), j["latency_ms"]["p99"].get<double>(), mx,
       j["errors"].dump().c_str(), computes_on.c_str(), j["cpu_class"].get<std::string>().c_str());
   if (!copy.is_null()) {
-    std::printf("%-28s %9.1f req/s copy bound (pinned host<->device: %.1f GB/s in, %.1f out, %.1f "
-                "each way at once; %.2f MB in, %.2f MB out a request): %.2f of it\n",
-                label.c_str(), copy["bound_requests_per_s"].get<double>(),
-                copy["to_device_gbps"].get<double>(), copy["to_host_gbps"].get<double>(),
-                copy["both_gbps"].get<double>(), copy["bytes_in"].get<double>() / 1e6,
-                copy["bytes_out"].get<double>() / 1e6, copy["of_bound"].get<double>());
+    std::printf(
+        "%-28s %9.1f req/s copy bound (pinned host<->device: %.1f GB/s in, %.1f out, %.1f "
+        "each way at once; %.2f MB in, %.2f MB out a request): %.2f of it\n",
+        label.c_str(), copy["bound_requests_per_s"].get<double>(),
+        copy["to_device_gbps"].get<double>(), copy["to_host_gbps"].get<double>(),
+        copy["both_gbps"].get<double>(), copy["bytes_in"].get<double>() / 1e6,
+        copy["bytes_out"].get<double>() / 1e6, copy["of_bound"].get<double>());
   }
   if (!json_path.empty()) std::ofstream(json_path, std::ios::app) << j.dump() << "\n";
   return 0;

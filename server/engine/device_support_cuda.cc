@@ -3,8 +3,8 @@
 // timing have none.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAEvent.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include <chrono>
@@ -52,7 +52,8 @@ bool MeasureCopyBandwidth(int index, int64_t bytes, CopyBandwidth* out) {
     for (int i = 0; i < kRepeats; ++i) copy();
     in.synchronize();
     back.synchronize();
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     return static_cast<double>(bytes) * kRepeats / s;
   };
   out->to_device = rate(to_device);

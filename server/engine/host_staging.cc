@@ -32,8 +32,8 @@ std::shared_ptr<void> HostStaging::Allocate(size_t bytes, char** data) {
     if (pinned_) {
       // LibTorch's caching host allocator: page-locked blocks, kept for reuse once freed (pinning
       // fresh memory costs milliseconds).
-      auto* tensor = new at::Tensor(
-          at::empty({n}, at::TensorOptions().dtype(at::kByte).pinned_memory(true)));
+      auto* tensor =
+          new at::Tensor(at::empty({n}, at::TensorOptions().dtype(at::kByte).pinned_memory(true)));
       *data = static_cast<char*>(tensor->data_ptr());
       return std::shared_ptr<void>(tensor, [give_back](void* t) {
         delete static_cast<at::Tensor*>(t);

@@ -40,7 +40,7 @@ class HealthReporter {
  private:
   std::mutex mu_;
   const std::vector<grpc::HealthCheckServiceInterface*> services_;
-  std::set<std::string> known_;  // Every model name health has reported on.
+  std::set<std::string> known_;   // Every model name health has reported on.
   std::set<std::string> served_;  // The model names loaded now.
   bool repository_ok_ = true;     // The latest reload failed nowhere.
   bool ready_ = false;            // Warm: what health says follows the models.

@@ -67,8 +67,11 @@ void BatchQueue::DropDead(SteadyClock::time_point now, Dropped* dropped) {
 
 std::unique_ptr<WorkItem> BatchQueue::Add(std::unique_ptr<WorkItem> item,
                                           SteadyClock::time_point now, Dropped* dropped) {
-  if (items_.size() >= options_->max_queue_size) DropDead(now, dropped);  // Frees their places.
-  if (items_.size() >= options_->max_queue_size) return item;
+  // The server's own warm-up is never refused: its few items wait beyond the size for a moment.
+  if (!item->warmup && items_.size() >= options_->max_queue_size) {
+    DropDead(now, dropped);  // Frees their places.
+    if (items_.size() >= options_->max_queue_size) return item;
+  }
   items_.push_back(std::move(item));
   return nullptr;
 }

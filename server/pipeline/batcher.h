@@ -152,6 +152,7 @@ class BatchQueue {
   explicit BatchQueue(const BatcherOptions& options) : options_(&options) {}
 
   /// Adds an item; when the queue stays full after dropping dead items, returns the item (refused).
+  /// A warm-up's item is never refused.
   std::unique_ptr<WorkItem> Add(std::unique_ptr<WorkItem> item, SteadyClock::time_point now,
                                 Dropped* dropped);
   /// True when a batch should be taken now; otherwise `*wake` is when one will be (max if empty).

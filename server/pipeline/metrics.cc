@@ -68,9 +68,10 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
           Gauge(registry, "attnserve_device_memory_bytes",
                 "Device memory by kind: on CUDA the caching allocator's allocated and reserved "
                 "bytes; on the CPU the process's resident set (kind resident).")),
-      staging_(Gauge(registry, "attnserve_staging_bytes",
-                     "Pinned host memory for copies to and from the GPU (--staging-bytes): kind "
-                     "held (in blocks alive now: batches copying, answers being sent) and budget.")),
+      staging_(
+          Gauge(registry, "attnserve_staging_bytes",
+                "Pinned host memory for copies to and from the GPU (--staging-bytes): kind "
+                "held (in blocks alive now: batches copying, answers being sent) and budget.")),
       staging_refused_(Counter(registry, "attnserve_staging_refused_total",
                                "Staging blocks refused because the budget was full: that batch's "
                                "copies went through pageable memory (slower).")),

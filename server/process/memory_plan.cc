@@ -22,8 +22,7 @@ int64_t EstimatePeak(int64_t idle_bytes, int workers, const MemoryBudgets& b) {
   const int64_t in_flight =
       std::max(b.max_inflight_bytes, LargestRequestBytes(b.max_message_bytes));
   return idle_bytes + kIdleGrowthBytes + workers * kPerWorkerBytes + b.kv_budget_bytes +
-         b.staging_bytes +
-         kWorkingSetPerInflightByte * in_flight +
+         b.staging_bytes + kWorkingSetPerInflightByte * in_flight +
          kCopiesPerArrivingMessage * kArrivingMessages * b.max_message_bytes;
 }
 
@@ -44,8 +43,7 @@ MemoryPlan PlanMemory(const MemoryPlanInput& in) {
   const auto size = [](int64_t fallback, double share) {
     return std::max(kMiB, std::min(fallback, FloorMib(share)));
   };
-  if (!b.given.staging && b.staging_bytes > 0)
-    b.staging_bytes = size(b.staging_bytes, 0.1 * left);
+  if (!b.given.staging && b.staging_bytes > 0) b.staging_bytes = size(b.staging_bytes, 0.1 * left);
   left = std::max(0.0, left - static_cast<double>(b.staging_bytes));
   if (!b.given.kv_budget) b.kv_budget_bytes = size(b.kv_budget_bytes, 0.4 * left);
   if (b.given.kv_max_entry) {

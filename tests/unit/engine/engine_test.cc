@@ -745,9 +745,8 @@ TEST(EngineBatchTest, LongRequestsPackedTogetherEqualOneByOne) {
     ASSERT_TRUE(model.ok());
     // Long self-attention (two varlen partners), a long causal pair, long cross-attention, and a
     // long request with a key padding mask (packed projections, its own attention).
-    const std::vector<std::pair<int64_t, int64_t>> shapes = {{300, 0}, {700, 0}, {260, 0},
-                                                            {333, 0}, {150, 400}, {170, 220},
-                                                            {290, 0}};
+    const std::vector<std::pair<int64_t, int64_t>> shapes = {
+        {300, 0}, {700, 0}, {260, 0}, {333, 0}, {150, 400}, {170, 220}, {290, 0}};
     std::vector<std::vector<testing::Buffer>> bufs(shapes.size());
     std::vector<AttendCall> calls(shapes.size());
     for (size_t i = 0; i < shapes.size(); ++i) {

@@ -21,8 +21,8 @@ TEST(HostStagingTest, BlocksCountWhileAliveAndThoseOverTheBudgetAreRefused) {
   ASSERT_NE(first, nullptr);
   ASSERT_NE(a, nullptr);
   EXPECT_EQ(reinterpret_cast<uintptr_t>(a) % 64, 0u);
-  std::memset(a, 7, 600);  // Usable memory.
-  EXPECT_EQ(staging.held_bytes(), 640);  // Rounded to 64 bytes.
+  std::memset(a, 7, 600);                         // Usable memory.
+  EXPECT_EQ(staging.held_bytes(), 640);           // Rounded to 64 bytes.
   EXPECT_EQ(staging.Allocate(400, &b), nullptr);  // 640 + 448 > 1000.
   EXPECT_EQ(b, nullptr);
   EXPECT_EQ(staging.refused(), 1);

@@ -348,6 +348,51 @@ TEST(BatcherTest, AWarmUpComputesOnTheWorkersUncounted) {
   EXPECT_EQ(batcher.ComputeAndWait(model, call_ptrs, out_ptrs)[0].code(), StatusCode::kUnavailable);
 }
 
+// The server's own warm-up is never refused for a full queue (a server with --max-queue-size 1
+// must still warm every batch shape, and a reload under load must not fail for it); clients'
+// requests still are.
+TEST(BatcherTest, AWarmUpIsNotRefusedByTheQueueSize) {
+  auto model = std::make_shared<FakeModel>();
+  std::promise<void> open;
+  model->gate = open.get_future().share();
+  BatcherOptions options;
+  options.workers = 1;
+  options.max_queue_size = 1;
+  options.enabled = false;
+  Batcher batcher(options);
+  std::vector<AttendCall> calls(4);
+  std::vector<AttendOutputs> outs(4);
+  std::vector<std::string> bytes(4);
+  std::vector<const AttendCall*> call_ptrs;
+  std::vector<AttendOutputs*> out_ptrs;
+  for (int i = 0; i < 4; ++i) {
+    calls[i].batch = 1;
+    calls[i].query_len = calls[i].tokens = 20 + i;
+    outs[i].output = &bytes[i];
+    call_ptrs.push_back(&calls[i]);
+    out_ptrs.push_back(&outs[i]);
+  }
+  std::vector<Status> st;
+  std::thread warm([&] { st = batcher.ComputeAndWait(model, call_ptrs, out_ptrs); });
+  while (model->started == 0) std::this_thread::sleep_for(1ms);
+  // The worker holds the first; the other three wait in a queue of size 1, where a client's
+  // request is refused (tried until the warm-up's have all arrived).
+  std::atomic<bool> refused{false};
+  for (int tries = 0; tries < 2000 && !refused; ++tries) {
+    auto item = Item(model.get(), 5);
+    item->done = [&](const Status& s, const WorkItem&) {
+      if (s.code() == StatusCode::kResourceExhausted) refused = true;
+    };
+    batcher.Submit(std::move(item));
+    if (!refused) std::this_thread::sleep_for(1ms);
+  }
+  EXPECT_TRUE(refused);
+  open.set_value();
+  warm.join();
+  ASSERT_EQ(st.size(), 4u);
+  for (const Status& s : st) EXPECT_TRUE(s.ok()) << s.message();
+}
+
 TEST(BatcherTest, IdleWorkerTakesAtOnceBusyWorkerLetsBatchesFillToBudget) {
   FakeModel model;
   std::promise<void> open;

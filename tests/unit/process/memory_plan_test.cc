@@ -87,8 +87,7 @@ TEST(MemoryPlanTest, TheStagingIsCountedAndSizedToTheLimit) {
   gpu.staging_bytes = int64_t{1} << 30;
   const MemoryPlan unlimited = PlanMemory(Input(0, gpu));
   EXPECT_EQ(unlimited.budgets.staging_bytes, int64_t{1} << 30);
-  EXPECT_EQ(unlimited.peak_bytes,
-            EstimatePeak(180 * kMiB, 2, Defaults()) + (int64_t{1} << 30));
+  EXPECT_EQ(unlimited.peak_bytes, EstimatePeak(180 * kMiB, 2, Defaults()) + (int64_t{1} << 30));
   for (int64_t limit : {1024, 2048, 8192}) {
     SCOPED_TRACE(limit);
     const MemoryPlan plan = PlanMemory(Input(limit, gpu));
