@@ -1,5 +1,6 @@
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 
@@ -20,6 +21,11 @@ bool ReadDeviceMemory(int index, DeviceMemory* out);
 /// Returns cached, unused device memory to the driver (after an out-of-memory); a no-op without
 /// CUDA. Thread-safe.
 void ReleaseCachedDeviceMemory();
+
+/// A block of `bytes` of page-locked host memory from LibTorch's caching host allocator (blocks
+/// are kept for reuse once freed: pinning fresh memory costs milliseconds); `*data` is its first
+/// byte. nullptr in builds without CUDA or when it cannot be had. Thread-safe.
+std::shared_ptr<void> AllocatePinned(size_t bytes, char** data);
 
 /// Host-device copy bandwidth between pinned host memory and device `index`, in bytes per second:
 /// each way alone, and each way while both run at once (a GPU copies both ways concurrently).

@@ -8,6 +8,11 @@ bool ReadDeviceMemory(int, DeviceMemory*) { return false; }
 void ReleaseCachedDeviceMemory() {}
 bool MeasureCopyBandwidth(int, int64_t, CopyBandwidth*) { return false; }
 
+std::shared_ptr<void> AllocatePinned(size_t, char** data) {
+  *data = nullptr;
+  return nullptr;
+}
+
 struct DeviceTimer::Events {};
 DeviceTimer::DeviceTimer(bool) {}
 DeviceTimer::~DeviceTimer() = default;

@@ -26,6 +26,18 @@ bool ReadDeviceMemory(int index, DeviceMemory* out) {
 
 void ReleaseCachedDeviceMemory() { c10::cuda::CUDACachingAllocator::emptyCache(); }
 
+std::shared_ptr<void> AllocatePinned(size_t bytes, char** data) {
+  *data = nullptr;
+  try {
+    auto* tensor = new at::Tensor(at::empty(
+        {static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true)));
+    *data = static_cast<char*>(tensor->data_ptr());
+    return std::shared_ptr<void>(tensor, [](void* t) { delete static_cast<at::Tensor*>(t); });
+  } catch (const std::exception&) {
+    return nullptr;
+  }
+}
+
 bool MeasureCopyBandwidth(int index, int64_t bytes, CopyBandwidth* out) {
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(index));
   const auto pinned = at::TensorOptions().dtype(at::kByte).pinned_memory(true);

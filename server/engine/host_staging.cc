@@ -1,8 +1,8 @@
 #include "server/engine/host_staging.h"
 
-#include <ATen/ATen.h>
-
 #include <cstdlib>
+
+#include "server/engine/device_support.h"
 
 namespace attnserve {
 
@@ -28,32 +28,27 @@ std::shared_ptr<void> HostStaging::Allocate(size_t bytes, char** data) {
   } while (!counts_->held.compare_exchange_weak(held, held + n));
   std::shared_ptr<Counts> counts = counts_;
   const auto give_back = [counts, n] { counts->held.fetch_sub(n); };
-  try {
-    if (pinned_) {
-      // LibTorch's caching host allocator: page-locked blocks, kept for reuse once freed (pinning
-      // fresh memory costs milliseconds).
-      auto* tensor =
-          new at::Tensor(at::empty({n}, at::TensorOptions().dtype(at::kByte).pinned_memory(true)));
-      *data = static_cast<char*>(tensor->data_ptr());
-      return std::shared_ptr<void>(tensor, [give_back](void* t) {
-        delete static_cast<at::Tensor*>(t);
-        give_back();
-      });
-    }
-    void* p = std::aligned_alloc(64, static_cast<size_t>(n));
-    if (p == nullptr) {
+  if (pinned_) {
+    std::shared_ptr<void> block = AllocatePinned(static_cast<size_t>(n), data);
+    if (!block) {
       give_back();
       return nullptr;
     }
-    *data = static_cast<char*>(p);
-    return std::shared_ptr<void>(p, [give_back](void* q) {
-      std::free(q);
+    return std::shared_ptr<void>(block.get(), [block, give_back](void*) mutable {
+      block.reset();
       give_back();
     });
-  } catch (const std::exception&) {
+  }
+  void* p = std::aligned_alloc(64, static_cast<size_t>(n));
+  if (p == nullptr) {
     give_back();
     return nullptr;
   }
+  *data = static_cast<char*>(p);
+  return std::shared_ptr<void>(p, [give_back](void* q) {
+    std::free(q);
+    give_back();
+  });
 }
 
 }  // namespace attnserve

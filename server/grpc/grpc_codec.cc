@@ -118,16 +118,67 @@ namespace {
 
 using gp::internal::WireFormatLite;
 
+// Reads the way protobuf's own parser does where CodedInputStream is more lenient: a tag or a
+// length takes at most 5 bytes (CodedInputStream keeps the low 32 bits of a longer one, which the
+// parser refuses), and field number 0 is no field. False: the plain parse judges the message.
+// A tag of 0 is the end of the message (the limit, or the stream's end; a tag that reads as 0
+// otherwise is malformed: ConsumedEntireMessage says which).
+bool ReadTag(gp::io::CodedInputStream* in, uint32_t* tag) {
+  const int at = in->CurrentPosition();
+  *tag = in->ReadTag();
+  return *tag == 0 ||
+         (in->CurrentPosition() - at <= 5 && WireFormatLite::GetTagFieldNumber(*tag) != 0);
+}
+bool ReadLength(gp::io::CodedInputStream* in, int* length) {
+  const int at = in->CurrentPosition();
+  return in->ReadVarintSizeAsInt(length) && in->CurrentPosition() - at <= 5;
+}
+
+// One field that is not a staged tensor, copied to `out` as it came (its value re-encoded the
+// same: protobuf merges the copy as it would the original). Groups are left to the plain parse.
+bool CopyField(gp::io::CodedInputStream* in, uint32_t tag, gp::io::CodedOutputStream* out) {
+  uint64_t v64 = 0;
+  uint32_t v32 = 0;
+  int length = 0;
+  std::string bytes;
+  switch (WireFormatLite::GetTagWireType(tag)) {
+    case WireFormatLite::WIRETYPE_VARINT:
+      if (!in->ReadVarint64(&v64)) return false;
+      out->WriteTag(tag);
+      out->WriteVarint64(v64);
+      return true;
+    case WireFormatLite::WIRETYPE_FIXED64:
+      if (!in->ReadLittleEndian64(&v64)) return false;
+      out->WriteTag(tag);
+      out->WriteLittleEndian64(v64);
+      return true;
+    case WireFormatLite::WIRETYPE_FIXED32:
+      if (!in->ReadLittleEndian32(&v32)) return false;
+      out->WriteTag(tag);
+      out->WriteLittleEndian32(v32);
+      return true;
+    case WireFormatLite::WIRETYPE_LENGTH_DELIMITED:
+      if (!ReadLength(in, &length) || !in->ReadString(&bytes, length)) return false;
+      out->WriteTag(tag);
+      out->WriteVarint32(static_cast<uint32_t>(length));
+      out->WriteString(bytes);
+      return true;
+    default:
+      return false;
+  }
+}
+
 // One Tensor's fields from `in` (limited to it) into `t`, its data into a staging block. False on
 // anything the plain parse should judge.
 bool ReadStagedTensor(gp::io::CodedInputStream* in, pb::Tensor* t, HostStaging& staging,
                       BlockBytes* data) {
-  for (;;) {
-    const uint32_t tag = in->ReadTag();
-    if (tag == 0) return in->BytesUntilLimit() == 0;
+  while (in->BytesUntilLimit() > 0) {
+    uint32_t tag = 0;
+    if (!ReadTag(in, &tag) || tag == 0) return false;
     const int field = WireFormatLite::GetTagFieldNumber(tag);
     const auto type = WireFormatLite::GetTagWireType(tag);
     uint64_t v = 0;
+    int length = 0;
     if (field == pb::Tensor::kDtypeFieldNumber && type == WireFormatLite::WIRETYPE_VARINT) {
       if (!in->ReadVarint64(&v)) return false;
       t->set_dtype(static_cast<pb::DataType>(static_cast<int32_t>(v)));
@@ -136,8 +187,7 @@ bool ReadStagedTensor(gp::io::CodedInputStream* in, pb::Tensor* t, HostStaging& 
       t->add_shape(static_cast<int64_t>(v));
     } else if (field == pb::Tensor::kShapeFieldNumber &&
                type == WireFormatLite::WIRETYPE_LENGTH_DELIMITED) {
-      int length = 0;
-      if (!in->ReadVarintSizeAsInt(&length)) return false;
+      if (!ReadLength(in, &length) || length > in->BytesUntilLimit()) return false;
       const auto limit = in->PushLimit(length);
       while (in->BytesUntilLimit() > 0) {
         if (!in->ReadVarint64(&v)) return false;
@@ -146,8 +196,7 @@ bool ReadStagedTensor(gp::io::CodedInputStream* in, pb::Tensor* t, HostStaging& 
       in->PopLimit(limit);
     } else if (field == pb::Tensor::kDataFieldNumber &&
                type == WireFormatLite::WIRETYPE_LENGTH_DELIMITED && !*data) {
-      int length = 0;
-      if (!in->ReadVarintSizeAsInt(&length) || length > in->BytesUntilLimit()) return false;
+      if (!ReadLength(in, &length) || length > in->BytesUntilLimit()) return false;
       char* block = nullptr;
       std::shared_ptr<void> owner = staging.Allocate(static_cast<size_t>(length), &block);
       if (!owner || !in->ReadRaw(block, length)) return false;
@@ -156,6 +205,7 @@ bool ReadStagedTensor(gp::io::CodedInputStream* in, pb::Tensor* t, HostStaging& 
       return false;  // A repeated data, an unknown field: the plain parse decides.
     }
   }
+  return true;
 }
 
 // The staged decode (ParseRequest): the three tensors read here, every other field copied as it
@@ -166,19 +216,24 @@ bool ParseStaged(const grpc::ByteBuffer& bytes, pb::AttendRequest* request, Host
   grpc::ProtoBufferReader reader(&copy);
   gp::io::CodedInputStream in(&reader);
   in.SetTotalBytesLimit(std::numeric_limits<int>::max());
+  const int64_t total = static_cast<int64_t>(bytes.Length());
   std::string rest;
   gp::io::StringOutputStream rest_stream(&rest);
   gp::io::CodedOutputStream rest_out(&rest_stream);
   for (;;) {
-    const uint32_t tag = in.ReadTag();
-    if (tag == 0) break;
+    uint32_t tag = 0;
+    if (!ReadTag(&in, &tag)) return false;
+    if (tag == 0) {
+      if (!in.ConsumedEntireMessage()) return false;
+      break;
+    }
     const int field = WireFormatLite::GetTagFieldNumber(tag);
     BlockBytes* data = field == pb::AttendRequest::kQueryFieldNumber   ? &staged->query
                        : field == pb::AttendRequest::kKeyFieldNumber   ? &staged->key
                        : field == pb::AttendRequest::kValueFieldNumber ? &staged->value
                                                                        : nullptr;
     if (data == nullptr) {
-      if (!WireFormatLite::SkipField(&in, tag, &rest_out)) return false;
+      if (!CopyField(&in, tag, &rest_out)) return false;
       continue;
     }
     pb::Tensor* t = field == pb::AttendRequest::kQueryFieldNumber ? request->mutable_query()
@@ -186,14 +241,13 @@ bool ParseStaged(const grpc::ByteBuffer& bytes, pb::AttendRequest* request, Host
                                                                   : request->mutable_value();
     int length = 0;
     if (*data || WireFormatLite::GetTagWireType(tag) != WireFormatLite::WIRETYPE_LENGTH_DELIMITED ||
-        !in.ReadVarintSizeAsInt(&length)) {
-      return false;  // The field again: protobuf's merge rules decide.
+        !ReadLength(&in, &length) || length > total - in.CurrentPosition()) {
+      return false;  // The field again, or cut short: the plain parse decides.
     }
     const auto limit = in.PushLimit(length);
     if (!ReadStagedTensor(&in, t, staging, data) || !*data) return false;
     in.PopLimit(limit);
   }
-  if (!in.ConsumedEntireMessage()) return false;
   rest_out.Trim();
   std::string why;
   CaptureProtobufLog capture(&why);

@@ -77,10 +77,10 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
                                "copies went through pageable memory (slower).")),
       model_info_(Gauge(registry, "attnserve_model_info",
                         "A loaded model version (value 1), described by its labels.")),
-      cpu_info_(Gauge(registry, "attnserve_cpu_info",
-                      "The CPU's class for bfloat16 products (AMX, AVX512-BF16, AVX-512 "
-                      "without BF16, AVX2 only), "
-                      "oneDNN's version and ISA, and the BLAS (value 1).")),
+      cpu_info_(
+          Gauge(registry, "attnserve_cpu_info",
+                "The CPU's class for bfloat16 products (AMX, AVX512-BF16, AVX-512 "
+                "without BF16, AVX2 only), oneDNN's version and ISA, and the BLAS (value 1).")),
       reloads_(Counter(registry, "attnserve_model_reloads_total",
                        "Model repository reloads (SIGHUP or AdminService.ReloadModels), by "
                        "outcome: ok, or failed (a version did not load, or the repository could "
@@ -103,8 +103,7 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
                           "Requests naming a memory or session, by kind and result (hit, miss).")),
       kv_ends_(Counter(registry, "attnserve_kv_ends_total",
                        "Memories and sessions ended, by kind and reason (released, evicted, "
-                       "expired, unloaded, "
-                       "failed, shutdown).")),
+                       "expired, unloaded, failed, shutdown).")),
       spans_exported_(Counter(registry, "attnserve_trace_spans_exported_total",
                               "Trace spans the OTLP collector accepted (docs/tracing.md).")
                           .Add({})),

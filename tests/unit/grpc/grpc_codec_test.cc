@@ -151,7 +151,16 @@ TEST(GrpcCodecTest, StagedDecodeLeavesTheUnusualToThePlainParse) {
       std::string("\x08\x01\x10\x01\x10\x02\x10\x08\x1a\x40", 10) + std::string(64, 'q');
   unpacked += static_cast<char>(t.size());
   unpacked += t;
+  // A tag of 7 bytes (CodedInputStream keeps its low 32 bits; protobuf's parser refuses it), a
+  // length of 6 bytes, and a query longer than the message (found by fuzz_request).
+  const std::string long_tag = std::string("\xba\xba\xba\xba\xba\xb2\x45\x00", 8) + query;
+  const std::string long_length = std::string("\x0a\x81\x80\x80\x80\x80\x00", 7) + query;
+  std::string cut = query;
+  cut[1] = static_cast<char>(cut[1] + 40);
   const std::vector<std::pair<std::string, bool>> cases = {
+      {long_tag, false},
+      {long_length, false},
+      {cut, false},
       {query + again.SerializeAsString(), false},           // The query field twice: merged.
       {unknown_inside, false},                              // An unknown field in a Tensor.
       {unpacked, true},                                     // Unpacked shape: staged.
