@@ -314,6 +314,24 @@ TEST(BatcherTest, OnAGpuTheNextBatchesStartWhileOneComputesAndLongRequestsShare)
   EXPECT_GT(shared_long, 0);  // On the CPU's defaults each of them would run alone.
 }
 
+// `n` calls of ids (query_len) first, first + 1, ..., with outputs, as a warm-up hands them over.
+struct WarmCalls {
+  WarmCalls(int n, int64_t first) : calls(n), outs(n), bytes(n) {
+    for (int i = 0; i < n; ++i) {
+      calls[i].batch = 1;
+      calls[i].query_len = calls[i].tokens = first + i;
+      outs[i].output = &bytes[i];
+      call_ptrs.push_back(&calls[i]);
+      out_ptrs.push_back(&outs[i]);
+    }
+  }
+  std::vector<AttendCall> calls;
+  std::vector<AttendOutputs> outs;
+  std::vector<std::string> bytes;
+  std::vector<const AttendCall*> call_ptrs;
+  std::vector<AttendOutputs*> out_ptrs;
+};
+
 // A warm-up's calls run as requests do, on the workers, and come back with their statuses; they
 // are left out of the batch metrics.
 TEST(BatcherTest, AWarmUpComputesOnTheWorkersUncounted) {
@@ -325,19 +343,8 @@ TEST(BatcherTest, AWarmUpComputesOnTheWorkersUncounted) {
     counted += static_cast<int>(b.size());
   };
   Batcher batcher(options);
-  std::vector<AttendCall> calls(3);
-  std::vector<AttendOutputs> outs(3);
-  std::vector<std::string> bytes(3);
-  std::vector<const AttendCall*> call_ptrs;
-  std::vector<AttendOutputs*> out_ptrs;
-  for (int i = 0; i < 3; ++i) {
-    calls[i].batch = 1;
-    calls[i].query_len = calls[i].tokens = 10 + i;
-    outs[i].output = &bytes[i];
-    call_ptrs.push_back(&calls[i]);
-    out_ptrs.push_back(&outs[i]);
-  }
-  const std::vector<Status> st = batcher.ComputeAndWait(model, call_ptrs, out_ptrs);
+  WarmCalls w(3, 10);
+  const std::vector<Status> st = batcher.ComputeAndWait(model, w.call_ptrs, w.out_ptrs);
   ASSERT_EQ(st.size(), 3u);
   for (const Status& s : st) EXPECT_TRUE(s.ok());
   std::set<int64_t> computed;
@@ -345,7 +352,8 @@ TEST(BatcherTest, AWarmUpComputesOnTheWorkersUncounted) {
   EXPECT_EQ(computed, (std::set<int64_t>{10, 11, 12}));
   EXPECT_EQ(counted, 0);
   batcher.Drain();
-  EXPECT_EQ(batcher.ComputeAndWait(model, call_ptrs, out_ptrs)[0].code(), StatusCode::kUnavailable);
+  EXPECT_EQ(batcher.ComputeAndWait(model, w.call_ptrs, w.out_ptrs)[0].code(),
+            StatusCode::kUnavailable);
 }
 
 // The server's own warm-up is never refused for a full queue (a server with --max-queue-size 1
@@ -360,20 +368,9 @@ TEST(BatcherTest, AWarmUpIsNotRefusedByTheQueueSize) {
   options.max_queue_size = 1;
   options.enabled = false;
   Batcher batcher(options);
-  std::vector<AttendCall> calls(4);
-  std::vector<AttendOutputs> outs(4);
-  std::vector<std::string> bytes(4);
-  std::vector<const AttendCall*> call_ptrs;
-  std::vector<AttendOutputs*> out_ptrs;
-  for (int i = 0; i < 4; ++i) {
-    calls[i].batch = 1;
-    calls[i].query_len = calls[i].tokens = 20 + i;
-    outs[i].output = &bytes[i];
-    call_ptrs.push_back(&calls[i]);
-    out_ptrs.push_back(&outs[i]);
-  }
+  WarmCalls w(4, 20);
   std::vector<Status> st;
-  std::thread warm([&] { st = batcher.ComputeAndWait(model, call_ptrs, out_ptrs); });
+  std::thread warm([&] { st = batcher.ComputeAndWait(model, w.call_ptrs, w.out_ptrs); });
   while (model->started == 0) std::this_thread::sleep_for(1ms);
   // The worker holds the first; the other three wait in a queue of size 1, where a client's
   // request is refused (tried until the warm-up's have all arrived).
