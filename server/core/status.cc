@@ -36,6 +36,8 @@ const char* StatusCodeName(StatusCode code) {
       return "UNAUTHENTICATED";
     case StatusCode::kAborted:
       return "ABORTED";
+    case StatusCode::kAlreadyExists:
+      return "ALREADY_EXISTS";
     case StatusCode::kPermissionDenied:
       return "PERMISSION_DENIED";
     case StatusCode::kInternal:

@@ -21,8 +21,9 @@ enum class StatusCode {
                         ///< without kept keys.
   kUnauthenticated,     ///< An admin call without valid credentials.
   kPermissionDenied,    ///< An admin call whose credentials are not an administrator's.
-  kAborted,   ///< A session step that conflicts with another (in flight, or a length mismatch).
-  kInternal,  ///< Anything else from the engine.
+  kAborted,  ///< A session step that conflicts with another (in flight, or a length mismatch).
+  kAlreadyExists,  ///< A shared-memory region name that is registered already.
+  kInternal,       ///< Anything else from the engine.
 };
 
 /// Result of an operation: a code and, on failure, a message capped at 1 KiB.

@@ -26,6 +26,8 @@ grpc::StatusCode ToGrpcCode(StatusCode code) {
       return grpc::StatusCode::PERMISSION_DENIED;
     case StatusCode::kAborted:
       return grpc::StatusCode::ABORTED;
+    case StatusCode::kAlreadyExists:
+      return grpc::StatusCode::ALREADY_EXISTS;
     case StatusCode::kInternal:
       return grpc::StatusCode::INTERNAL;
   }

@@ -1,0 +1,264 @@
+#include "server/shm/shared_memory.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "server/core/checked_math.h"
+
+namespace attnserve {
+namespace {
+
+constexpr size_t kMaxNameBytes = 256;
+
+Status Invalid(std::string m) { return InvalidArgument(std::move(m)); }
+
+std::string Quoted(const std::string& s) { return "'" + s + "'"; }
+
+// A region of a POSIX shared memory object, read and written through its descriptor.
+class SystemRegion final : public SharedRegion {
+ public:
+  SystemRegion(RegionInfo info, int fd) : SharedRegion(std::move(info)), fd_(fd) {}
+  ~SystemRegion() override { ::close(fd_); }
+
+  Status Read(int64_t offset, int64_t size, char* dst, const std::string& what) const override {
+    RETURN_IF_ERROR(Check(offset, size, what));
+    const int64_t start = static_cast<int64_t>(info_.offset) + offset;
+    for (int64_t done = 0; done < size;) {
+      const ssize_t n = ::pread(fd_, dst + done, static_cast<size_t>(size - done), start + done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return Shortened(what, start + size);
+      done += n;
+    }
+    return Status::Ok();
+  }
+
+  Status Write(int64_t offset, const char* src, int64_t size,
+               const std::string& what) const override {
+    RETURN_IF_ERROR(Check(offset, size, what));
+    const int64_t start = static_cast<int64_t>(info_.offset) + offset;
+    struct stat st {};
+    if (::fstat(fd_, &st) != 0 || st.st_size < start + size) return Shortened(what, start + size);
+    for (int64_t done = 0; done < size;) {
+      const ssize_t n = ::pwrite(fd_, src + done, static_cast<size_t>(size - done), start + done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        return Status(StatusCode::kFailedPrecondition, what + ": writing shared memory region " +
+                                                           Quoted(info_.name) +
+                                                           " failed: " + std::strerror(errno));
+      }
+      done += n;
+    }
+    return Status::Ok();
+  }
+
+ private:
+  Status Shortened(const std::string& what, int64_t end) const {
+    struct stat st {};
+    const int64_t now = ::fstat(fd_, &st) == 0 ? static_cast<int64_t>(st.st_size) : -1;
+    return Status(StatusCode::kFailedPrecondition,
+                  what + ": shared memory region " + Quoted(info_.name) +
+                      " was cut short after it was registered: its object now holds " +
+                      std::to_string(now) + " bytes, the request needs up to byte " +
+                      std::to_string(end) + "; register it again");
+  }
+  const int fd_;
+};
+
+}  // namespace
+
+bool IsSharedMemoryKey(const std::string& key) {
+  const std::string name = !key.empty() && key[0] == '/' ? key.substr(1) : key;
+  if (name.empty() || name.size() > 200 || name == "." || name == "..") return false;
+  for (char c : name) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '.' || c == '_' || c == '-';
+    if (!ok) return false;
+  }
+  return true;
+}
+
+Status SharedRegion::Check(int64_t offset, int64_t size, const std::string& what) const {
+  const std::optional<int64_t> end = CheckedAdd(offset, size);
+  if (offset < 0 || size < 0 || !end || static_cast<uint64_t>(*end) > info_.byte_size) {
+    return Invalid(what + ": offset " + std::to_string(offset) + " and byte size " +
+                   std::to_string(size) + " do not fit shared memory region " + Quoted(info_.name) +
+                   " of " + std::to_string(info_.byte_size) + " bytes");
+  }
+  return Status::Ok();
+}
+
+SharedMemoryRegistry::SharedMemoryRegistry(SharedMemoryOptions options, CudaRegionOpener cuda)
+    : options_(options), cuda_(std::move(cuda)) {}
+
+SharedMemoryRegistry::~SharedMemoryRegistry() { Clear(); }
+
+Status SharedMemoryRegistry::Admit(const std::string& name, uint64_t byte_size) const {
+  if (!options_.allowed) {
+    return Status(StatusCode::kFailedPrecondition,
+                  "shared memory is off on this server (start it with --allow-shared-memory to "
+                  "let clients on its host register regions)");
+  }
+  if (name.empty() || name.size() > kMaxNameBytes) {
+    return Invalid("name: " + std::to_string(name.size()) + " bytes; expected 1 to " +
+                   std::to_string(kMaxNameBytes));
+  }
+  for (unsigned char c : name) {
+    if (c < 0x20 || c == 0x7f) return Invalid("name: has a control character; expected text");
+  }
+  if (regions_.count(name)) {
+    return Status(StatusCode::kAlreadyExists,
+                  "name: shared memory region " + Quoted(name) +
+                      " is registered already; unregister it first, or choose another name");
+  }
+  if (regions_.size() >= options_.max_regions) {
+    return Status(StatusCode::kResourceExhausted,
+                  "shared memory: " + std::to_string(regions_.size()) +
+                      " regions are registered, the most this server holds; unregister some");
+  }
+  if (byte_size == 0 || byte_size > static_cast<uint64_t>(options_.max_bytes) ||
+      static_cast<int64_t>(byte_size) > options_.max_bytes - bytes_.load()) {
+    return Status(StatusCode::kResourceExhausted,
+                  "byte_size: " + std::to_string(byte_size) + " bytes with " +
+                      std::to_string(bytes_.load()) + " registered would pass the server's " +
+                      std::to_string(options_.max_bytes) +
+                      " (flag --shared-memory-bytes); a region needs at least 1 byte");
+  }
+  return Status::Ok();
+}
+
+Status SharedMemoryRegistry::Add(std::unique_ptr<SharedRegion> region) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const RegionInfo& info = region->info();
+  RETURN_IF_ERROR(Admit(info.name, info.byte_size));  // Again: another call may have come first.
+  bytes_ += static_cast<int64_t>(info.byte_size);
+  regions_.emplace(info.name, std::move(region));
+  return Status::Ok();
+}
+
+Status SharedMemoryRegistry::RegisterSystem(const std::string& name, const std::string& key,
+                                            uint64_t offset, uint64_t byte_size) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    RETURN_IF_ERROR(Admit(name, byte_size));
+  }
+  if (!IsSharedMemoryKey(key)) {
+    return Invalid("key: " + Quoted(key) +
+                   " is not a POSIX shared memory key; expected \"/name\" with letters, digits, "
+                   "'.', '_' or '-' (never a path)");
+  }
+  const std::optional<int64_t> end =
+      offset > static_cast<uint64_t>(INT64_MAX) || byte_size > static_cast<uint64_t>(INT64_MAX)
+          ? std::nullopt
+          : CheckedAdd(static_cast<int64_t>(offset), static_cast<int64_t>(byte_size));
+  if (!end) {
+    return Invalid("offset: " + std::to_string(offset) + " plus byte_size " +
+                   std::to_string(byte_size) + " overflows int64");
+  }
+  const std::string path = key[0] == '/' ? key : "/" + key;
+  int fd = ::shm_open(path.c_str(), O_RDWR | O_CLOEXEC, 0);
+  if (fd < 0 && errno == EACCES) fd = ::shm_open(path.c_str(), O_RDONLY | O_CLOEXEC, 0);
+  if (fd < 0) {
+    const int err = errno;
+    return Status(
+        err == ENOENT ? StatusCode::kNotFound : StatusCode::kFailedPrecondition,
+        "key: shared memory object " + Quoted(key) + " cannot be opened: " + std::strerror(err));
+  }
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size < *end) {
+    const int64_t size = static_cast<int64_t>(st.st_size);
+    ::close(fd);
+    return Invalid("byte_size: offset " + std::to_string(offset) + " plus byte_size " +
+                   std::to_string(byte_size) + " is past the end of shared memory object " +
+                   Quoted(key) + " (" + std::to_string(size) + " bytes)");
+  }
+  RegionInfo info;
+  info.name = name;
+  info.key = key;
+  info.offset = offset;
+  info.byte_size = byte_size;
+  return Add(std::make_unique<SystemRegion>(std::move(info), fd));
+}
+
+Status SharedMemoryRegistry::RegisterCuda(const std::string& name, const std::string& raw_handle,
+                                          int64_t device, uint64_t byte_size) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    RETURN_IF_ERROR(Admit(name, byte_size));
+  }
+  if (!cuda_) {
+    return Status(StatusCode::kFailedPrecondition,
+                  "CUDA shared memory needs a server computing on a GPU (--device cuda)");
+  }
+  RegionInfo info;
+  info.name = name;
+  info.cuda = true;
+  info.device = device;
+  info.byte_size = byte_size;
+  ASSIGN_OR_RETURN(std::unique_ptr<SharedRegion> region, cuda_(info, raw_handle));
+  return Add(std::move(region));
+}
+
+Status SharedMemoryRegistry::Unregister(const std::string& name, bool cuda) {
+  std::vector<std::shared_ptr<const SharedRegion>> gone;  // Closed outside the lock.
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = regions_.begin(); it != regions_.end();) {
+    if ((name.empty() || it->first == name) && it->second->info().cuda == cuda) {
+      bytes_ -= static_cast<int64_t>(it->second->info().byte_size);
+      gone.push_back(std::move(it->second));
+      it = regions_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return Status::Ok();
+}
+
+StatusOr<std::vector<RegionInfo>> SharedMemoryRegistry::List(const std::string& name,
+                                                             bool cuda) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<RegionInfo> out;
+  for (const auto& [n, region] : regions_) {
+    if ((name.empty() || n == name) && region->info().cuda == cuda) out.push_back(region->info());
+  }
+  if (!name.empty() && out.empty()) {
+    return NotFound("name: no " + std::string(cuda ? "CUDA" : "system") + " shared memory region " +
+                    Quoted(name) + " is registered");
+  }
+  return out;
+}
+
+StatusOr<std::shared_ptr<const SharedRegion>> SharedMemoryRegistry::Find(
+    const std::string& name) const {
+  if (!options_.allowed) {
+    return Status(StatusCode::kFailedPrecondition,
+                  "shared memory is off on this server (--allow-shared-memory); send the "
+                  "tensor's bytes in the message");
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = regions_.find(name);
+  if (it == regions_.end()) {
+    return NotFound("shared memory region " + Quoted(name) + " is not registered");
+  }
+  return it->second;
+}
+
+size_t SharedMemoryRegistry::regions() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return regions_.size();
+}
+
+void SharedMemoryRegistry::Clear() {
+  std::map<std::string, std::shared_ptr<const SharedRegion>> gone;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    gone.swap(regions_);
+    bytes_ = 0;
+  }
+}
+
+}  // namespace attnserve

@@ -1,0 +1,258 @@
+// The shared-memory registry: every safety rule of the Open Inference Protocol's shared-memory
+// extension as attnserve keeps it, each with a case that fails without its check, and a random
+// operation sequence against a plain model of what it should hold (counts equal sums, a failed
+// operation changes nothing, a region held by a request outlives its unregistration).
+#include "server/shm/shared_memory.h"
+
+#include <fcntl.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <map>
+#include <random>
+
+namespace attnserve {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+// A POSIX shared memory object of `size` bytes (i % 251 at byte i), unlinked at the end.
+class Object {
+ public:
+  explicit Object(int64_t size, const std::string& tag = "") {
+    key_ = "/attnserve-shm-test-" + std::to_string(::getpid()) + "-" + tag +
+           std::to_string(counter_++);
+    const int fd = ::shm_open(key_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    EXPECT_GE(fd, 0);
+    EXPECT_EQ(::ftruncate(fd, size), 0);
+    std::string bytes(static_cast<size_t>(size), '\0');
+    for (int64_t i = 0; i < size; ++i) bytes[static_cast<size_t>(i)] = static_cast<char>(i % 251);
+    EXPECT_EQ(::pwrite(fd, bytes.data(), bytes.size(), 0), static_cast<ssize_t>(size));
+    ::close(fd);
+  }
+  ~Object() { ::shm_unlink(key_.c_str()); }
+  const std::string& key() const { return key_; }
+  void Truncate(int64_t size) const {
+    const int fd = ::shm_open(key_.c_str(), O_RDWR, 0);
+    EXPECT_EQ(::ftruncate(fd, size), 0);
+    ::close(fd);
+  }
+  int64_t Size() const {
+    const int fd = ::shm_open(key_.c_str(), O_RDONLY, 0);
+    struct stat st {};
+    ::fstat(fd, &st);
+    ::close(fd);
+    return st.st_size;
+  }
+
+ private:
+  std::string key_;
+  static inline int counter_ = 0;
+};
+
+SharedMemoryOptions On(int64_t max_bytes = int64_t{1} << 30, size_t max_regions = 64) {
+  SharedMemoryOptions o;
+  o.allowed = true;
+  o.max_bytes = max_bytes;
+  o.max_regions = max_regions;
+  return o;
+}
+
+TEST(SharedMemoryTest, OffUnlessAllowed) {
+  Object obj(64);
+  SharedMemoryRegistry off(SharedMemoryOptions{});
+  const Status st = off.RegisterSystem("r", obj.key(), 0, 64);
+  EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition);
+  EXPECT_THAT(st.message(), HasSubstr("--allow-shared-memory"));
+  EXPECT_EQ(off.Find("r").status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(off.regions(), 0u);
+}
+
+TEST(SharedMemoryTest, OnlyPosixSharedMemoryKeysNeverAPath) {
+  SharedMemoryRegistry reg(On());
+  for (const char* key : {"", "/", "/../../etc/passwd", "../etc/passwd", "/a/b", "/etc/passwd/",
+                          ".", "/..", "/name with space", "/ctl\n"}) {
+    const Status st = reg.RegisterSystem("r", key, 0, 1);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << key;
+    EXPECT_THAT(st.message(), HasSubstr("never a path")) << key;
+  }
+  EXPECT_TRUE(IsSharedMemoryKey("/input_0.a-b"));
+  EXPECT_TRUE(IsSharedMemoryKey("plain"));
+  EXPECT_EQ(reg.RegisterSystem("r", "/attnserve-no-such-object", 0, 1).code(),
+            StatusCode::kNotFound);
+  EXPECT_EQ(reg.regions(), 0u);
+}
+
+TEST(SharedMemoryTest, ARegistrationLargerThanItsObjectOrOverflowingIsRefused) {
+  Object obj(100);
+  SharedMemoryRegistry reg(On(/*max_bytes=*/INT64_MAX));  // Only the object bounds the window.
+  EXPECT_EQ(reg.RegisterSystem("r", obj.key(), 50, 60).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(reg.RegisterSystem("r", obj.key(), 0, 101).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(reg.RegisterSystem("r", obj.key(), UINT64_MAX, 1).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(reg.RegisterSystem("r", obj.key(), INT64_MAX, INT64_MAX).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(reg.RegisterSystem("r", obj.key(), 1, 0).code(), StatusCode::kResourceExhausted);
+  ASSERT_TRUE(reg.RegisterSystem("r", obj.key(), 40, 60).ok());
+  EXPECT_EQ(reg.registered_bytes(), 60);
+}
+
+TEST(SharedMemoryTest, EveryOffsetAndSizeIsCheckedAgainstTheRegion) {
+  Object obj(100);
+  SharedMemoryRegistry reg(On());
+  ASSERT_TRUE(reg.RegisterSystem("r", obj.key(), 10, 80).ok());
+  auto region = reg.Find("r");
+  ASSERT_TRUE(region.ok());
+  char buf[100];
+  for (const auto& [offset, size] : std::vector<std::pair<int64_t, int64_t>>{
+           {-1, 4}, {0, -1}, {77, 4}, {0, 81}, {80, 1}, {INT64_MAX, 1}, {1, INT64_MAX}}) {
+    const Status st = (*region)->Read(offset, size, buf, "inputs[0]");
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << offset << " " << size;
+    EXPECT_THAT(st.message(), HasSubstr("inputs[0]"));
+    EXPECT_EQ((*region)->Write(offset, buf, size, "outputs[0]").code(),
+              StatusCode::kInvalidArgument);
+  }
+  ASSERT_TRUE((*region)->Read(76, 4, buf, "inputs[0]").ok());
+  EXPECT_EQ(static_cast<unsigned char>(buf[0]), (10 + 76) % 251);  // The window starts at 10.
+  const char out[3] = {7, 8, 9};
+  ASSERT_TRUE((*region)->Write(0, out, 3, "outputs[0]").ok());
+  ASSERT_TRUE((*region)->Read(0, 3, buf, "x").ok());
+  EXPECT_EQ(std::string(buf, 3), std::string(out, 3));
+}
+
+TEST(SharedMemoryTest, ANameRegisteredTwiceIsRefusedWithoutTheOtherKey) {
+  Object a(64, "a"), b(64, "b");
+  SharedMemoryRegistry reg(On());
+  ASSERT_TRUE(reg.RegisterSystem("r", a.key(), 0, 64).ok());
+  const Status st = reg.RegisterSystem("r", b.key(), 0, 64);
+  EXPECT_EQ(st.code(), StatusCode::kAlreadyExists);
+  EXPECT_THAT(st.message(), Not(HasSubstr(a.key())));  // Never another caller's key.
+  EXPECT_THAT(reg.Find("nope").status().message(), Not(HasSubstr(a.key())));
+  EXPECT_THAT(reg.List("nope", false).status().message(), Not(HasSubstr(a.key())));
+  EXPECT_EQ(reg.registered_bytes(), 64);
+}
+
+TEST(SharedMemoryTest, ARegionUnregisteredWhileARequestHoldsItStaysOpenUntilItIsDone) {
+  Object obj(64);
+  SharedMemoryRegistry reg(On());
+  ASSERT_TRUE(reg.RegisterSystem("r", obj.key(), 0, 64).ok());
+  auto held = reg.Find("r");
+  ASSERT_TRUE(held.ok());
+  ASSERT_TRUE(reg.Unregister("r", false).ok());
+  EXPECT_EQ(reg.Find("r").status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(reg.registered_bytes(), 0);
+  char buf[8];
+  EXPECT_TRUE((*held)->Read(0, 8, buf, "inputs[0]").ok());  // The request still reads it.
+  reg.Clear();                                              // A stop, meanwhile.
+  EXPECT_TRUE((*held)->Write(0, buf, 8, "outputs[0]").ok());
+}
+
+TEST(SharedMemoryTest, AnObjectCutShortUnderneathGivesAnErrorNeverSigbus) {
+  Object obj(1 << 16);
+  SharedMemoryRegistry reg(On());
+  ASSERT_TRUE(reg.RegisterSystem("r", obj.key(), 0, 1 << 16).ok());
+  auto region = reg.Find("r");
+  ASSERT_TRUE(region.ok());
+  obj.Truncate(100);
+  std::string buf(1 << 16, '\0');
+  const Status read = (*region)->Read(0, 1 << 16, buf.data(), "inputs[0]");
+  EXPECT_EQ(read.code(), StatusCode::kFailedPrecondition);
+  EXPECT_THAT(read.message(), HasSubstr("cut short"));
+  const Status write = (*region)->Write(1000, buf.data(), 5000, "outputs[0]");
+  EXPECT_EQ(write.code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(obj.Size(), 100);  // Nothing was written past its end.
+  EXPECT_TRUE((*region)->Read(0, 100, buf.data(), "inputs[0]").ok());  // What is left reads.
+}
+
+TEST(SharedMemoryTest, TheBudgetAndTheRegionCountBound) {
+  Object a(600, "a"), b(600, "b"), c(10, "c");
+  SharedMemoryRegistry reg(On(/*max_bytes=*/1000, /*max_regions=*/2));
+  ASSERT_TRUE(reg.RegisterSystem("a", a.key(), 0, 600).ok());
+  const Status full = reg.RegisterSystem("b", b.key(), 0, 600);
+  EXPECT_EQ(full.code(), StatusCode::kResourceExhausted);
+  EXPECT_THAT(full.message(), HasSubstr("--shared-memory-bytes"));
+  ASSERT_TRUE(reg.RegisterSystem("c", c.key(), 0, 10).ok());
+  EXPECT_EQ(reg.RegisterSystem("d", c.key(), 0, 1).code(), StatusCode::kResourceExhausted);
+  ASSERT_TRUE(reg.Unregister("a", false).ok());
+  EXPECT_TRUE(reg.RegisterSystem("b", b.key(), 0, 600).ok());
+  EXPECT_EQ(reg.registered_bytes(), 610);
+}
+
+TEST(SharedMemoryTest, ListAndUnregisterKeepToTheirKind) {
+  Object obj(64);
+  SharedMemoryRegistry reg(On());
+  ASSERT_TRUE(reg.RegisterSystem("r", obj.key(), 0, 64).ok());
+  ASSERT_TRUE(reg.RegisterSystem("s", obj.key(), 8, 8).ok());
+  EXPECT_EQ(reg.RegisterCuda("c", "handle", 0, 64).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(reg.List("r", true).status().code(), StatusCode::kNotFound);
+  ASSERT_TRUE(reg.Unregister("", true).ok());  // No CUDA region: the system ones stay.
+  auto all = reg.List("", false);
+  ASSERT_TRUE(all.ok());
+  ASSERT_EQ(all->size(), 2u);
+  EXPECT_EQ((*all)[1].key, obj.key());
+  EXPECT_EQ((*all)[1].offset, 8u);
+  ASSERT_TRUE(reg.Unregister("", false).ok());
+  EXPECT_EQ(reg.regions(), 0u);
+  EXPECT_TRUE(reg.Unregister("never", false).ok());  // Idempotent, as Triton's.
+}
+
+// Random registrations, unregistrations, lookups, reads, writes and truncations against a plain
+// model of the registry: after every step the counts equal the model's sums, a refused operation
+// changed nothing, and a held region reads and writes whatever happened to its name.
+TEST(SharedMemoryTest, RandomOperationsKeepTheRegistryEqualToItsModel) {
+  std::vector<std::unique_ptr<Object>> objects;
+  for (int i = 0; i < 4; ++i) objects.push_back(std::make_unique<Object>(4096, "p"));
+  SharedMemoryRegistry reg(On(/*max_bytes=*/6000, /*max_regions=*/5));
+  std::map<std::string, uint64_t> model;  // name -> byte_size
+  std::vector<std::shared_ptr<const SharedRegion>> held;
+  std::mt19937 rng(20261127);
+  for (int step = 0; step < 3000; ++step) {
+    const std::string name = "n" + std::to_string(rng() % 7);
+    const int op = static_cast<int>(rng() % 6);
+    if (op == 0) {
+      const int64_t offsets[] = {0, 100, 4000, 4095, -1};
+      const int64_t off = offsets[rng() % 5];
+      const uint64_t size = (rng() % 3 == 0) ? UINT64_MAX - rng() % 3 : 1 + rng() % 3000;
+      const Object& obj = *objects[rng() % objects.size()];
+      int64_t total = 0;
+      for (const auto& [n, s] : model) total += static_cast<int64_t>(s);
+      const bool fits = off >= 0 && size <= 4096 && static_cast<uint64_t>(off) + size <= 4096;
+      const bool room = model.size() < 5 && total + static_cast<int64_t>(size) <= 6000;
+      const Status st = reg.RegisterSystem(name, obj.key(), static_cast<uint64_t>(off), size);
+      const bool want = fits && room && !model.count(name);
+      ASSERT_EQ(st.ok(), want) << step << " " << st.message();
+      if (st.ok()) model[name] = size;
+    } else if (op == 1) {
+      const bool all = rng() % 10 == 0;
+      ASSERT_TRUE(reg.Unregister(all ? "" : name, false).ok());
+      if (all) {
+        model.clear();
+      } else {
+        model.erase(name);
+      }
+    } else if (op == 2) {
+      auto found = reg.Find(name);
+      ASSERT_EQ(found.ok(), model.count(name) > 0) << step;
+      if (found.ok() && held.size() < 8) held.push_back(*found);
+    } else if (op == 3 && !held.empty()) {
+      const auto& r = held[rng() % held.size()];
+      char buf[64];
+      const int64_t at = static_cast<int64_t>(rng() % (r->info().byte_size + 10));
+      const Status st = r->Read(at, 64, buf, "inputs[0]");
+      if (at + 64 > static_cast<int64_t>(r->info().byte_size))
+        ASSERT_EQ(st.code(), StatusCode::kInvalidArgument);
+    } else if (op == 4 && !held.empty()) {
+      held.erase(held.begin());
+    }
+    int64_t total = 0;
+    for (const auto& [n, s] : model) total += static_cast<int64_t>(s);
+    ASSERT_EQ(reg.registered_bytes(), total) << step;
+    ASSERT_EQ(reg.regions(), model.size()) << step;
+    ASSERT_GE(reg.registered_bytes(), 0);
+  }
+}
+
+}  // namespace
+}  // namespace attnserve
