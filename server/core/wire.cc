@@ -1,5 +1,7 @@
 #include "server/core/wire.h"
 
+#include <tuple>
+
 namespace attnserve {
 namespace {
 
@@ -54,6 +56,21 @@ Status LayoutFromWire(int layout, AttendCall* call) {
 }
 
 }  // namespace
+
+Status OutputLimits::Check(const AttendCall& call) const {
+  for (const auto& [bound, need, what] :
+       {std::tuple<const Bound&, int64_t, const char*>{output, call.output_bytes, "output"},
+        std::tuple<const Bound&, int64_t, const char*>{weights, call.weights_bytes, "weights"}}) {
+    if (bound.bytes >= 0 && need > bound.bytes) {
+      return InvalidArgument(
+          bound.field + ": " + std::to_string(bound.bytes) + " bytes given for the " + what +
+          ", which needs " + std::to_string(need) + " (shape " +
+          ShapeString(std::string(what) == "output" ? call.output_shape : call.weights_shape) +
+          ")");
+    }
+  }
+  return Status::Ok();
+}
 
 void UseStaged(const StagedInputs& staged, AttendCall* call) {
   const auto use = [](const BlockBytes& b, TensorView* v) {

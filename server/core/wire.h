@@ -40,6 +40,19 @@ struct StagedInputs {
   int64_t bytes() const { return static_cast<int64_t>(query.size + key.size + value.size); }
 };
 
+/// Where an answer must fit when it goes to memory the caller gave (a shared-memory region): the
+/// most bytes of the output and of the attention weights, and the field that named the place (for
+/// the message). -1: anywhere (the answer travels in the message).
+struct OutputLimits {
+  struct Bound {
+    int64_t bytes = -1;
+    std::string field;
+  };
+  Bound output, weights;
+  /// INVALID_ARGUMENT naming the field when a validated call's answer would not fit.
+  Status Check(const AttendCall& call) const;
+};
+
 /// Points `call`'s query, key and value views (FromWire's) at their staged bytes, marked pinned.
 void UseStaged(const StagedInputs& staged, AttendCall* call);
 

@@ -107,16 +107,13 @@ Status ApplyParameter(const std::string& name, const InferParameter& p, v1::Atte
 }
 
 // An input's parameters: binary_data_size (what HTTP clients and KServe's SDK send along with
-// raw bytes) is taken and ignored; shared memory is refused.
+// raw bytes) is taken and ignored; the shared-memory ones name a region.
 Status CheckInputParameters(const std::string& field,
                             const inference::ModelInferRequest::InferInputTensor& t) {
   for (const auto& [name, p] : t.parameters()) {
-    if (name == "binary_data_size") continue;
-    if (name.rfind("shared_memory", 0) == 0) {
-      return InvalidArgument(
-          field + ".parameters['" + name +
-          "']: shared memory is not supported; send the bytes in raw_input_contents");
-    }
+    if (name == "binary_data_size" || name == "shared_memory_region" ||
+        name == "shared_memory_byte_size" || name == "shared_memory_offset")
+      continue;  // The last three: RegionOf.
     return InvalidArgument(field + ".parameters['" + name +
                            "']: not an input parameter of attnserve");
   }
@@ -227,22 +224,68 @@ const char* OipDatatype(DType dtype) {
   return "FP32";
 }
 
-Status OipToAttend(inference::ModelInferRequest* in, v1::AttendRequest* out, OipReply* reply) {
-  out->set_model(in->model_name());
-  reply->id = in->id();
-  ASSIGN_OR_RETURN(const int64_t version, OipVersion(in->model_version()));
-  out->set_model_version(version);
-  // Raw contents, one per input in order; or, with none, typed contents (FP32 and BOOL only: the
-  // protocol has no typed field for FP16 or BF16).
+namespace {
+
+using InputTensor = inference::ModelInferRequest::InferInputTensor;
+using Parameters = google::protobuf::Map<std::string, inference::InferParameter>;
+
+// A tensor's shared-memory parameters (Triton's): a region name and a byte size, both or neither,
+// and an optional offset. Nothing when the tensor names no region.
+StatusOr<std::optional<OipRegion>> RegionOf(const std::string& field, const Parameters& params,
+                                            const SharedMemoryRegistry* shm) {
+  const auto region = params.find("shared_memory_region");
+  const auto size = params.find("shared_memory_byte_size");
+  const auto offset = params.find("shared_memory_offset");
+  if (region == params.end() && size == params.end() && offset == params.end())
+    return std::optional<OipRegion>();
+  if (region == params.end() || size == params.end()) {
+    return InvalidArgument(field +
+                           ".parameters: shared_memory_region and shared_memory_byte_size go "
+                           "together; one is missing");
+  }
+  if (region->second.parameter_choice_case() != inference::InferParameter::kStringParam)
+    return WrongKind("shared_memory_region", region->second, "string");
+  const auto integer = [&](const inference::InferParameter& p, const char* name,
+                           int64_t* v) -> Status {
+    if (p.parameter_choice_case() == inference::InferParameter::kInt64Param) {
+      *v = p.int64_param();
+    } else if (p.parameter_choice_case() == inference::InferParameter::kUint64Param &&
+               p.uint64_param() <= static_cast<uint64_t>(INT64_MAX)) {
+      *v = static_cast<int64_t>(p.uint64_param());
+    } else {
+      return WrongKind(name, p, "int64 (at most 2^63 - 1)");
+    }
+    return Status::Ok();
+  };
+  OipRegion r;
+  RETURN_IF_ERROR(integer(size->second, "shared_memory_byte_size", &r.byte_size));
+  if (offset != params.end())
+    RETURN_IF_ERROR(integer(offset->second, "shared_memory_offset", &r.offset));
+  if (shm == nullptr) {
+    return Status(StatusCode::kFailedPrecondition,
+                  field + ": shared memory is off on this server (--allow-shared-memory)");
+  }
+  ASSIGN_OR_RETURN(r.region, shm->Find(region->second.string_param()));
+  RETURN_IF_ERROR(r.region->Check(r.offset, r.byte_size, field));
+  return std::optional<OipRegion>(std::move(r));
+}
+
+// The inputs into `out`'s tensors: raw contents (one per input not in shared memory, in order),
+// typed contents, or a region's bytes.
+Status TakeInputs(inference::ModelInferRequest* in, v1::AttendRequest* out, OipReply* reply,
+                  const SharedMemoryRegistry* shm) {
+  int shared = 0;
+  for (const InputTensor& t : in->inputs()) shared += t.parameters().count("shared_memory_region");
+  const int raw_wanted = in->inputs_size() - shared;
   const bool raw = in->raw_input_contents_size() > 0;
-  if (raw && in->raw_input_contents_size() != in->inputs_size()) {
+  if (raw && in->raw_input_contents_size() != raw_wanted) {
     return InvalidArgument("raw_input_contents: " + std::to_string(in->raw_input_contents_size()) +
-                           " entries for " + std::to_string(in->inputs_size()) +
-                           " inputs; expected one per input, in order");
+                           " entries for " + std::to_string(raw_wanted) +
+                           " inputs not in shared memory; expected one per such input, in order");
   }
   std::set<std::string> seen;
-  for (int i = 0; i < in->inputs_size(); ++i) {
-    inference::ModelInferRequest::InferInputTensor* t = in->mutable_inputs(i);
+  for (int i = 0, next_raw = 0; i < in->inputs_size(); ++i) {
+    InputTensor* t = in->mutable_inputs(i);
     const std::string field = "inputs[" + std::to_string(i) + "]";
     v1::Tensor* target = InputField(t->name(), out);
     if (target == nullptr) {
@@ -255,31 +298,47 @@ Status OipToAttend(inference::ModelInferRequest* in, v1::AttendRequest* out, Oip
     }
     RETURN_IF_ERROR(CheckInputParameters(field, *t));
     ASSIGN_OR_RETURN(const v1::DataType dtype, DataTypeFromOip(field + ".datatype", t->datatype()));
+    ASSIGN_OR_RETURN(std::optional<OipRegion> region, RegionOf(field, t->parameters(), shm));
     target->set_dtype(dtype);
     target->mutable_shape()->Swap(t->mutable_shape());
-    if (raw) {
+    if (region) {
+      // The region's bytes, read once into the request (a cut-short region: an error, not SIGBUS).
+      target->mutable_data()->resize(static_cast<size_t>(region->byte_size));
+      RETURN_IF_ERROR(region->region->Read(region->offset, region->byte_size,
+                                           target->mutable_data()->data(), field));
+      reply->regions.push_back(std::move(region->region));
+    } else if (raw) {
       if (t->has_contents()) {
         return InvalidArgument(field +
                                ".contents: given with raw_input_contents; send one or the other");
       }
-      target->mutable_data()->swap(*in->mutable_raw_input_contents(i));
+      target->mutable_data()->swap(*in->mutable_raw_input_contents(next_raw++));
     } else {
       RETURN_IF_ERROR(TypedBytes(field, dtype, t->contents(), target->mutable_data()));
     }
   }
-  for (const auto& [name, p] : in->parameters()) RETURN_IF_ERROR(ApplyParameter(name, p, out));
-  ASSIGN_OR_RETURN(reply->sequence, SequenceOf(*in, *out));
-  // Outputs: all of them by default (attn_weights when the parameter asks for weights); asking for
-  // attn_weights asks for the averaged weights unless the parameter says which.
+  return Status::Ok();
+}
+
+// The outputs asked for: all by default (attn_weights when the parameter asks for weights); asking
+// for attn_weights asks for the averaged weights unless the parameter says which. An output may go
+// to a shared-memory region.
+Status TakeOutputs(const inference::ModelInferRequest& in, v1::AttendRequest* out, OipReply* reply,
+                   const SharedMemoryRegistry* shm) {
   reply->outputs.clear();
-  for (int i = 0; i < in->outputs_size(); ++i) {
-    const std::string& name = in->outputs(i).name();
+  reply->output_regions.clear();
+  for (int i = 0; i < in.outputs_size(); ++i) {
+    const std::string& name = in.outputs(i).name();
+    const std::string field = "outputs[" + std::to_string(i) + "]";
     if (name != oip::kOutput && name != oip::kWeights) {
-      return InvalidArgument("outputs[" + std::to_string(i) + "].name: '" + name +
+      return InvalidArgument(field + ".name: '" + name +
                              "' is not an output; allowed: attn_output, attn_weights");
     }
+    ASSIGN_OR_RETURN(std::optional<OipRegion> region,
+                     RegionOf(field, in.outputs(i).parameters(), shm));
     reply->outputs.push_back(name);
-    if (name == oip::kWeights && !in->parameters().count("attn_weights")) {
+    reply->output_regions.push_back(std::move(region));
+    if (name == oip::kWeights && !in.parameters().count("attn_weights")) {
       out->set_attn_weights(v1::ATTN_WEIGHTS_AVERAGED);
     } else if (name == oip::kWeights && out->attn_weights() == v1::ATTN_WEIGHTS_NONE) {
       return InvalidArgument(
@@ -289,6 +348,56 @@ Status OipToAttend(inference::ModelInferRequest* in, v1::AttendRequest* out, Oip
   if (reply->outputs.empty()) {
     reply->outputs.push_back(oip::kOutput);
     if (out->attn_weights() != v1::ATTN_WEIGHTS_NONE) reply->outputs.push_back(oip::kWeights);
+    reply->output_regions.resize(reply->outputs.size());
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status OipToAttend(inference::ModelInferRequest* in, v1::AttendRequest* out, OipReply* reply,
+                   const SharedMemoryRegistry* shm) {
+  out->set_model(in->model_name());
+  reply->id = in->id();
+  ASSIGN_OR_RETURN(const int64_t version, OipVersion(in->model_version()));
+  out->set_model_version(version);
+  RETURN_IF_ERROR(TakeInputs(in, out, reply, shm));
+  for (const auto& [name, p] : in->parameters()) RETURN_IF_ERROR(ApplyParameter(name, p, out));
+  ASSIGN_OR_RETURN(reply->sequence, SequenceOf(*in, *out));
+  return TakeOutputs(*in, out, reply, shm);
+}
+
+OutputLimits OipOutputLimits(const OipReply& reply) {
+  OutputLimits limits;
+  for (size_t i = 0; i < reply.outputs.size(); ++i) {
+    if (!reply.output_regions[i]) continue;
+    const std::string field = "outputs[" + std::to_string(i) + "]";
+    (reply.outputs[i] == oip::kOutput ? limits.output : limits.weights) = {
+        reply.output_regions[i]->byte_size,
+        field + " (shared memory region '" + reply.output_regions[i]->region->info().name + "')"};
+  }
+  return limits;
+}
+
+Status OipWriteSharedOutputs(AttendAnswer* answer, const OipReply& reply) {
+  for (size_t i = 0; i < reply.outputs.size(); ++i) {
+    const std::optional<OipRegion>& r = reply.output_regions[i];
+    if (!r) continue;
+    const bool output = reply.outputs[i] == oip::kOutput;
+    const char* data = output && answer->output_block ? answer->output_block.data
+                       : output                       ? answer->output->data()
+                                                      : answer->weights->data();
+    const size_t size = output && answer->output_block ? answer->output_block.size
+                        : output                       ? answer->output->size()
+                                                       : answer->weights->size();
+    RETURN_IF_ERROR(r->region->Write(r->offset, data, static_cast<int64_t>(size),
+                                     "outputs[" + std::to_string(i) + "]"));
+    if (output) {
+      answer->output.reset();
+      answer->output_block = BlockBytes();
+    } else {
+      answer->weights.reset();
+    }
   }
   return Status::Ok();
 }

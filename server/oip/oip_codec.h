@@ -11,6 +11,7 @@
 #include "server/core/types.h"
 #include "server/core/wire.h"
 #include "server/oip/oip_sequences.h"
+#include "server/shm/shared_memory.h"
 
 namespace attnserve {
 
@@ -27,9 +28,20 @@ inline constexpr const char* kWeights = "attn_weights";
 
 /// What the answer must carry back that the attnserve.v1 request does not hold: the OIP request's
 /// id and model version string, and the outputs asked for, in order.
+/// A tensor's place in a shared-memory region (Triton's shared_memory_* parameters), checked
+/// against the region when the request was decoded.
+struct OipRegion {
+  std::shared_ptr<const SharedRegion> region;
+  int64_t offset = 0, byte_size = 0;
+};
+
 struct OipReply {
   std::string id;
   std::vector<std::string> outputs;  ///< oip::kOutput and/or oip::kWeights.
+  /// By `outputs` index: the region the output goes to, or nothing (it goes in the message).
+  std::vector<std::optional<OipRegion>> output_regions;
+  /// The regions the request read its inputs from, held until it is answered.
+  std::vector<std::shared_ptr<const SharedRegion>> regions;
   /// Triton's sequence parameters, when the request has them: the session is the sequence's.
   std::optional<OipSequence> sequence;
 };
@@ -39,11 +51,23 @@ struct OipReply {
 int64_t OipBatchOf(const v1::AttendRequest& request);
 
 /// Turns `in` into the AttendRequest the native API would have received for the same call, moving
-/// each raw_input_contents entry into its tensor (no copy). INVALID_ARGUMENT naming the field, what
-/// arrived and what is allowed, for what attnserve does not take: unknown inputs, outputs or
-/// parameters, typed `contents`, shared-memory parameters, raw contents that do not match the
-/// inputs, a version that is not a number.
-Status OipToAttend(inference::ModelInferRequest* in, v1::AttendRequest* out, OipReply* reply);
+/// each raw_input_contents entry into its tensor (no copy), reading an input in a shared-memory
+/// region of `shm` into its tensor (one copy), and noting where outputs in a region go.
+/// INVALID_ARGUMENT naming the field, what arrived and what is allowed, for what attnserve does not
+/// take: unknown inputs, outputs or parameters, typed `contents` other than FP32 and BOOL, raw
+/// contents that do not match the inputs not in shared memory, a version that is not a number, a
+/// region window that does not fit its region; NOT_FOUND for a region not registered;
+/// FAILED_PRECONDITION when shared memory is off (`shm` null or not allowed).
+Status OipToAttend(inference::ModelInferRequest* in, v1::AttendRequest* out, OipReply* reply,
+                   const SharedMemoryRegistry* shm = nullptr);
+
+/// Where the answer must fit: the byte sizes of the output regions asked for.
+OutputLimits OipOutputLimits(const OipReply& reply);
+
+/// Writes the outputs that go to shared-memory regions there, and drops their bytes from `answer`
+/// (their raw_output_contents entries are then empty). FAILED_PRECONDITION when a region was cut
+/// short meanwhile.
+Status OipWriteSharedOutputs(AttendAnswer* answer, const OipReply& reply);
 
 /// The ModelInferResponse fields of a computed answer, without the tensors' bytes (they follow as
 /// raw_output_contents, in `reply.outputs` order: Raw picks them from the answer).

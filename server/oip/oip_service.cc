@@ -23,7 +23,7 @@ class OipServiceImpl::Stream final : public StreamCodec {
     inference::ModelInferRequest infer;
     RETURN_IF_ERROR(ParseMessage(bytes, &infer));
     auto x = std::make_unique<Exchange>();
-    *refused = OipToAttend(&infer, &x->request, &x->reply);
+    *refused = service_.Decode(&infer, x.get());
     if (refused->ok() && x->reply.sequence)
       *order = infer.model_name() + '\n' + x->reply.sequence->id;
     *out = std::move(x);
@@ -37,14 +37,15 @@ class OipServiceImpl::Stream final : public StreamCodec {
   }
   grpc::ByteBuffer Encode(attnserve::Exchange* base, const Status& status) override {
     auto* x = static_cast<Exchange*>(base);
-    if (status.ok()) {
+    Status written = status.ok() ? OipWriteSharedOutputs(&x->answer, x->reply) : status;
+    if (written.ok()) {
       return EncodeWithRawBytes(OipResponseHead(x->answer, x->reply),
                                 inference::ModelInferResponse::kRawOutputContentsFieldNumber,
                                 OipRawOutputs(&x->answer, x->reply),
                                 inference::ModelStreamInferResponse::kInferResponseFieldNumber);
     }
     inference::ModelStreamInferResponse error =
-        OipStreamError(x->request, x->reply, status, x->trace.trace_id_hex());
+        OipStreamError(x->request, x->reply, written, x->trace.trace_id_hex());
     return EncodeWithRawBytes(error, 0, {});
   }
 
@@ -52,14 +53,22 @@ class OipServiceImpl::Stream final : public StreamCodec {
   OipServiceImpl& service_;
 };
 
-OipServiceImpl::OipServiceImpl(RequestPipeline& pipeline, CallCounter& calls, size_t max_sequences,
+OipServiceImpl::OipServiceImpl(RequestPipeline& pipeline, CallCounter& calls,
+                               SharedMemoryRegistry& shm, size_t max_sequences,
                                std::chrono::steady_clock::duration sequence_idle)
     : pipeline_(pipeline),
       calls_(calls),
+      shm_(shm),
       sequences_(max_sequences, sequence_idle),
       stream_(std::make_unique<Stream>(*this)) {}
 
 OipServiceImpl::~OipServiceImpl() = default;
+
+Status OipServiceImpl::Decode(inference::ModelInferRequest* infer, Exchange* x) const {
+  RETURN_IF_ERROR(OipToAttend(infer, &x->request, &x->reply, &shm_));
+  x->output_limits = OipOutputLimits(x->reply);
+  return Status::Ok();
+}
 
 void OipServiceImpl::CloseSession(const std::string& handle) {
   v1::ReleaseRequest req;
@@ -120,6 +129,7 @@ grpc::ServerUnaryReactor* OipServiceImpl::ServerMetadata(grpc::CallbackServerCon
                                                          inference::ServerMetadataResponse* resp) {
   resp->set_name("attnserve");
   resp->set_version(ATTNSERVE_VERSION);
+  if (shm_.allowed()) resp->add_extensions("system_shared_memory");
   return Finished(calls_, ctx, Status::Ok());
 }
 
@@ -142,7 +152,7 @@ grpc::ServerUnaryReactor* OipServiceImpl::ModelInfer(grpc::CallbackServerContext
   inference::ModelInferRequest infer;
   auto x = std::make_unique<Exchange>();
   Status st = ParseMessage(*req, &infer);
-  if (st.ok()) st = OipToAttend(&infer, &x->request, &x->reply);
+  if (st.ok()) st = Decode(&infer, x.get());
   if (st.ok()) st = BeginSequence(x.get());
   if (!st.ok()) {
     pipeline_.RecordUndecoded("ModelInfer", st);
@@ -151,8 +161,11 @@ grpc::ServerUnaryReactor* OipServiceImpl::ModelInfer(grpc::CallbackServerContext
   }
   Exchange* raw = x.release();
   pipeline_.Attend(
-      "ModelInfer", raw, CallOf(ctx), [this, ctx, raw, reactor, resp](const Status& seen) {
-        EndSequence(*raw, seen);
+      "ModelInfer", raw, CallOf(ctx), [this, ctx, raw, reactor, resp](const Status& computed) {
+        EndSequence(*raw, computed);
+        // Outputs asked for in regions go there; a region cut short meanwhile fails the call.
+        const Status seen =
+            computed.ok() ? OipWriteSharedOutputs(&raw->answer, raw->reply) : computed;
         if (seen.ok()) {
           *resp = EncodeWithRawBytes(OipResponseHead(raw->answer, raw->reply),
                                      inference::ModelInferResponse::kRawOutputContentsFieldNumber,
@@ -169,6 +182,64 @@ grpc::ServerUnaryReactor* OipServiceImpl::ModelInfer(grpc::CallbackServerContext
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* OipServiceImpl::ModelStreamInfer(
     grpc::CallbackServerContext* ctx) {
   return new StreamReactor(pipeline_, calls_, *stream_, ctx);
+}
+
+grpc::ServerUnaryReactor* OipServiceImpl::SystemSharedMemoryStatus(
+    grpc::CallbackServerContext* ctx, const inference::SystemSharedMemoryStatusRequest* req,
+    inference::SystemSharedMemoryStatusResponse* resp) {
+  const StatusOr<std::vector<RegionInfo>> regions = shm_.List(req->name(), false);
+  if (regions.ok()) {
+    for (const RegionInfo& r : *regions) {
+      auto& status = (*resp->mutable_regions())[r.name];
+      status.set_name(r.name);
+      status.set_key(r.key);
+      status.set_offset(r.offset);
+      status.set_byte_size(r.byte_size);
+    }
+  }
+  return Finished(calls_, ctx, regions.status());
+}
+
+grpc::ServerUnaryReactor* OipServiceImpl::SystemSharedMemoryRegister(
+    grpc::CallbackServerContext* ctx, const inference::SystemSharedMemoryRegisterRequest* req,
+    inference::SystemSharedMemoryRegisterResponse*) {
+  return Finished(calls_, ctx,
+                  shm_.RegisterSystem(req->name(), req->key(), req->offset(), req->byte_size()));
+}
+
+grpc::ServerUnaryReactor* OipServiceImpl::SystemSharedMemoryUnregister(
+    grpc::CallbackServerContext* ctx, const inference::SystemSharedMemoryUnregisterRequest* req,
+    inference::SystemSharedMemoryUnregisterResponse*) {
+  return Finished(calls_, ctx, shm_.Unregister(req->name(), /*cuda=*/false));
+}
+
+grpc::ServerUnaryReactor* OipServiceImpl::CudaSharedMemoryStatus(
+    grpc::CallbackServerContext* ctx, const inference::CudaSharedMemoryStatusRequest* req,
+    inference::CudaSharedMemoryStatusResponse* resp) {
+  const StatusOr<std::vector<RegionInfo>> regions = shm_.List(req->name(), true);
+  if (regions.ok()) {
+    for (const RegionInfo& r : *regions) {
+      auto& status = (*resp->mutable_regions())[r.name];
+      status.set_name(r.name);
+      status.set_device_id(static_cast<uint64_t>(r.device));
+      status.set_byte_size(r.byte_size);
+    }
+  }
+  return Finished(calls_, ctx, regions.status());
+}
+
+grpc::ServerUnaryReactor* OipServiceImpl::CudaSharedMemoryRegister(
+    grpc::CallbackServerContext* ctx, const inference::CudaSharedMemoryRegisterRequest* req,
+    inference::CudaSharedMemoryRegisterResponse*) {
+  return Finished(
+      calls_, ctx,
+      shm_.RegisterCuda(req->name(), req->raw_handle(), req->device_id(), req->byte_size()));
+}
+
+grpc::ServerUnaryReactor* OipServiceImpl::CudaSharedMemoryUnregister(
+    grpc::CallbackServerContext* ctx, const inference::CudaSharedMemoryUnregisterRequest* req,
+    inference::CudaSharedMemoryUnregisterResponse*) {
+  return Finished(calls_, ctx, shm_.Unregister(req->name(), /*cuda=*/true));
 }
 
 }  // namespace attnserve

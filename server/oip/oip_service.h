@@ -6,6 +6,7 @@
 #include "server/grpc/call_counter.h"
 #include "server/oip/oip_sequences.h"
 #include "server/pipeline/request_pipeline.h"
+#include "server/shm/shared_memory.h"
 
 namespace attnserve {
 
@@ -14,21 +15,29 @@ namespace attnserve {
 /// counted and drained exactly as the attnserve.v1 call it stands for, and its answer carries the
 /// same bytes. ModelInfer takes raw messages: the inputs' bytes move into the request without a
 /// copy, and the outputs' go out as slices of the engine's buffers. Thread-safe.
-class OipServiceImpl final
-    : public inference::GRPCInferenceService::WithRawCallbackMethod_ModelStreamInfer<
-          inference::GRPCInferenceService::WithRawCallbackMethod_ModelInfer<
-              inference::GRPCInferenceService::WithCallbackMethod_ServerLive<
-                  inference::GRPCInferenceService::WithCallbackMethod_ServerReady<
-                      inference::GRPCInferenceService::WithCallbackMethod_ModelReady<
-                          inference::GRPCInferenceService::WithCallbackMethod_ServerMetadata<
-                              inference::GRPCInferenceService::WithCallbackMethod_ModelMetadata<
-                                  inference::GRPCInferenceService::Service>>>>>>> {
+namespace oip_detail {
+namespace g = inference;
+using S = g::GRPCInferenceService;
+// Every method of the service as a callback, ModelInfer and ModelStreamInfer on raw messages.
+using Base = S::WithRawCallbackMethod_ModelStreamInfer<S::WithRawCallbackMethod_ModelInfer<
+    S::WithCallbackMethod_ServerLive<S::WithCallbackMethod_ServerReady<
+        S::WithCallbackMethod_ModelReady<S::WithCallbackMethod_ServerMetadata<
+            S::WithCallbackMethod_ModelMetadata<S::WithCallbackMethod_SystemSharedMemoryStatus<
+                S::WithCallbackMethod_SystemSharedMemoryRegister<
+                    S::WithCallbackMethod_SystemSharedMemoryUnregister<
+                        S::WithCallbackMethod_CudaSharedMemoryStatus<
+                            S::WithCallbackMethod_CudaSharedMemoryRegister<
+                                S::WithCallbackMethod_CudaSharedMemoryUnregister<
+                                    S::Service>>>>>>>>>>>>>;
+}  // namespace oip_detail
+
+class OipServiceImpl final : public oip_detail::Base {
  public:
-  /// Borrows the pipeline and the count of calls open, which must outlive the service. Triton's
-  /// sequences are sessions: at most `max_sequences` at once, forgotten after `sequence_idle`
-  /// unused (the sessions' TTL).
-  OipServiceImpl(RequestPipeline& pipeline, CallCounter& calls, size_t max_sequences,
-                 std::chrono::steady_clock::duration sequence_idle);
+  /// Borrows the pipeline, the count of calls open and the shared-memory regions, which must
+  /// outlive the service. Triton's sequences are sessions: at most `max_sequences` at once,
+  /// forgotten after `sequence_idle` unused (the sessions' TTL).
+  OipServiceImpl(RequestPipeline& pipeline, CallCounter& calls, SharedMemoryRegistry& shm,
+                 size_t max_sequences, std::chrono::steady_clock::duration sequence_idle);
   ~OipServiceImpl() override;
 
   grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* ctx,
@@ -55,6 +64,26 @@ class OipServiceImpl final
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* ModelStreamInfer(
       grpc::CallbackServerContext* ctx) override;
 
+  // The shared-memory extension: regions registered, listed and unregistered by name.
+  grpc::ServerUnaryReactor* SystemSharedMemoryStatus(
+      grpc::CallbackServerContext* ctx, const inference::SystemSharedMemoryStatusRequest* req,
+      inference::SystemSharedMemoryStatusResponse* resp) override;
+  grpc::ServerUnaryReactor* SystemSharedMemoryRegister(
+      grpc::CallbackServerContext* ctx, const inference::SystemSharedMemoryRegisterRequest* req,
+      inference::SystemSharedMemoryRegisterResponse* resp) override;
+  grpc::ServerUnaryReactor* SystemSharedMemoryUnregister(
+      grpc::CallbackServerContext* ctx, const inference::SystemSharedMemoryUnregisterRequest* req,
+      inference::SystemSharedMemoryUnregisterResponse* resp) override;
+  grpc::ServerUnaryReactor* CudaSharedMemoryStatus(
+      grpc::CallbackServerContext* ctx, const inference::CudaSharedMemoryStatusRequest* req,
+      inference::CudaSharedMemoryStatusResponse* resp) override;
+  grpc::ServerUnaryReactor* CudaSharedMemoryRegister(
+      grpc::CallbackServerContext* ctx, const inference::CudaSharedMemoryRegisterRequest* req,
+      inference::CudaSharedMemoryRegisterResponse* resp) override;
+  grpc::ServerUnaryReactor* CudaSharedMemoryUnregister(
+      grpc::CallbackServerContext* ctx, const inference::CudaSharedMemoryUnregisterRequest* req,
+      inference::CudaSharedMemoryUnregisterResponse* resp) override;
+
  private:
   struct Exchange;
   class Stream;  // ModelStreamInfer's StreamCodec.
@@ -64,8 +93,14 @@ class OipServiceImpl final
   void EndSequence(const Exchange& x, const Status& seen);
   void CloseSession(const std::string& handle);
 
+  // A decoded request for the pipeline: its inputs read, its outputs' regions noted.
+  Status Decode(inference::ModelInferRequest* infer, Exchange* x) const;
+  // The answer's outputs that go to regions written there; then its message.
+  grpc::ByteBuffer EncodeAnswer(Exchange* x, Status* status) const;
+
   RequestPipeline& pipeline_;
   CallCounter& calls_;
+  SharedMemoryRegistry& shm_;
   OipSequences sequences_;
   std::unique_ptr<Stream> stream_;
 };

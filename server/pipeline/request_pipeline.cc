@@ -258,6 +258,7 @@ Status RequestPipeline::Resolve(Exchange* x, WorkItem* item, std::shared_ptr<KvS
   }
   x->model = item->model->spec().name;
   RETURN_IF_ERROR(Validate(item->model->spec(), limits_, &item->call));
+  RETURN_IF_ERROR(x->output_limits.Check(item->call));
   if (*step) {
     RETURN_IF_ERROR((*step)->Reserve(item->call.query_len));
     item->call.kv_capacity = (*step)->capacity();

@@ -54,6 +54,9 @@ struct Exchange {
   /// The request's tensors decoded straight into pinned staging (CUDA; empty otherwise): the
   /// engine reads them there; given back once the request is computed.
   StagedInputs staged;
+  /// Where the answer must fit when the front end writes it to memory the caller gave (a
+  /// shared-memory region); checked once the request is validated, before compute.
+  OutputLimits output_limits;
   AttendAnswer answer;
   std::string model;  ///< Metrics label: the loaded model's name, or "" when none.
   SteadyClock::time_point received = SteadyClock::now();

@@ -217,6 +217,14 @@ bool ParseFlags(int argc, char** argv, attnserve::ServerOptions* options, int* e
                  "CPU)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 40))
       ->capture_default_str();
+  app.add_flag("--allow-shared-memory", o.shared_memory.allowed,
+               "Let clients on this host register POSIX shared memory regions (the Open Inference "
+               "Protocol's shared-memory extension) and send and receive tensors through them: "
+               "a local process then hands the server memory (default: off)");
+  app.add_option("--shared-memory-bytes", o.shared_memory.max_bytes,
+                 "Most bytes of shared memory registered at once, over every region")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 50))
+      ->capture_default_str();
   app.add_option("--max-inflight-bytes", o.flow.max_inflight_bytes,
                  "Most request plus answer bytes (at the width they are computed in) held for all "
                  "requests in flight; beyond it new requests get RESOURCE_EXHAUSTED (unset: "

@@ -248,8 +248,9 @@ void Server::Impl::StartPipeline() {
   pipeline->SetWarming(options.warmup);
   pipeline->SetStaging(staging.get());
   service = std::make_unique<AttentionServiceImpl>(*pipeline, *calls);
+  shm = std::make_unique<SharedMemoryRegistry>(options.shared_memory);
   oip = std::make_unique<OipServiceImpl>(
-      *pipeline, *calls, static_cast<size_t>(options.kv.max_entries),
+      *pipeline, *calls, *shm, static_cast<size_t>(options.kv.max_entries),
       std::chrono::duration_cast<SteadyClock::duration>(
           std::chrono::duration<double>(options.kv.ttl_seconds)));
   admin = std::make_unique<AdminServiceImpl>(*models, *calls, options.admin);

@@ -13,6 +13,7 @@
 #include "server/pipeline/batcher.h"
 #include "server/pipeline/request_pipeline.h"
 #include "server/process/memory_plan.h"
+#include "server/shm/shared_memory.h"
 
 namespace attnserve {
 
@@ -48,12 +49,14 @@ struct ServerOptions {
   /// and answers on their way; HostStaging). Unused on the CPU. Counted in the memory plan.
   int64_t staging_bytes = EngineOptions::kDefaultStagingBytes;
   EngineOptions::Varlen varlen =
-      EngineOptions::Varlen::kAuto;    ///< Batched small requests' attention.
-  BatcherOptions batcher;              ///< Batching, queue and compute threads.
-  int max_message_bytes = 64 << 20;    ///< gRPC send/receive limit.
-  AttendLimits limits;                 ///< max_answer_bytes follows max_message_bytes.
-  FlowLimits flow;                     ///< Bytes in flight; per-stream backpressure.
-  KvOptions kv;                        ///< Memories and decoding sessions: budget, TTL.
+      EngineOptions::Varlen::kAuto;  ///< Batched small requests' attention.
+  BatcherOptions batcher;            ///< Batching, queue and compute threads.
+  int max_message_bytes = 64 << 20;  ///< gRPC send/receive limit.
+  AttendLimits limits;               ///< max_answer_bytes follows max_message_bytes.
+  FlowLimits flow;                   ///< Bytes in flight; per-stream backpressure.
+  KvOptions kv;                      ///< Memories and decoding sessions: budget, TTL.
+  /// Regions of shared memory clients on this host may register (off unless allowed).
+  SharedMemoryOptions shared_memory;
   MemoryFlagsGiven memory_given;       ///< The rest follow the container's memory limit.
   double shutdown_grace_seconds = 30;  ///< In-flight requests get this long to finish.
   /// On stop, client connections are held until their clients have read everything (SocketLinger;

@@ -47,6 +47,8 @@ struct Server::Impl {
   std::unique_ptr<AccessLog> access_log;
   std::unique_ptr<Batcher> batcher;
   std::unique_ptr<KvStore> kv;
+  // Shared-memory regions clients registered; cleared at the stop, after the drain.
+  std::unique_ptr<SharedMemoryRegistry> shm;
   std::unique_ptr<RequestPipeline> pipeline;
   std::unique_ptr<AttentionServiceImpl> service;
   std::unique_ptr<OipServiceImpl> oip;

@@ -401,3 +401,139 @@ def test_tritonclient_over_the_open_inference_protocol(attnserve, checks):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))
+
+
+def test_tritonclient_system_shared_memory(attnserve, checks):
+    """Triton's system shared-memory extension through unmodified tritonclient: regions made with
+    tritonclient.utils.shared_memory and registered; inputs and outputs in regions give answers byte
+    for byte equal to the in-message path (FP32 and BF16; query in a region with key and value in
+    the message; the output in a region or in the message); status, unregister (one, then all);
+    the refusals (a region not registered, an output region too small, a name twice, a region cut
+    short underneath: an error and the server goes on), and a server without
+    --allow-shared-memory refusing registration and not listing the extension."""
+    import tritonclient.utils.shared_memory as shm
+
+    tmp = tempfile.mkdtemp(prefix="attnserve-oip-shm-")
+    export_model.export(build("mha", 7), os.path.join(tmp, "mha"))
+    server = lib.Server(attnserve, "--models", tmp, "--allow-shared-memory")
+    client = tc.InferenceServerClient(server.target)
+    rng = np.random.default_rng(11)
+    tag = f"{os.getpid()}"
+    handles = []
+
+    def region(name, nbytes):
+        h = shm.create_shared_memory_region(name, f"/attnserve-test-{tag}-{name}", nbytes)
+        handles.append(h)
+        return h
+
+    checks("server metadata lists system_shared_memory",
+           "system_shared_memory" in client.get_server_metadata().extensions)
+    for dtype in ["FP32", "BF16"]:
+        np_dt = NP[dtype]
+        q = rng.standard_normal((2, 5, E)).astype(np_dt)
+        k = rng.standard_normal((2, 7, E)).astype(np_dt)
+        v = rng.standard_normal((2, 7, E)).astype(np_dt)
+        # The in-message answer.
+        ins = []
+        for tname, a in [("query", q), ("key", k), ("value", v)]:
+            t = tc.InferInput(tname, list(a.shape), dtype)
+            t.set_data_from_numpy(a)
+            ins.append(t)
+        plain = client.infer("mha", ins).get_response().raw_output_contents[0]
+        # Every input in one region (at offsets), the output in another.
+        h_in = region(f"in-{dtype}", q.nbytes + k.nbytes + v.nbytes)
+        shm.set_shared_memory_region(h_in, [q, k, v])
+        out_bytes = q.nbytes
+        h_out = region(f"out-{dtype}", out_bytes)
+        client.register_system_shared_memory(f"in-{dtype}", f"/attnserve-test-{tag}-in-{dtype}",
+                                             q.nbytes + k.nbytes + v.nbytes)
+        client.register_system_shared_memory(f"out-{dtype}", f"/attnserve-test-{tag}-out-{dtype}", out_bytes)
+        ins = []
+        offset = 0
+        for tname, a in [("query", q), ("key", k), ("value", v)]:
+            t = tc.InferInput(tname, list(a.shape), dtype)
+            t.set_shared_memory(f"in-{dtype}", a.nbytes, offset)
+            offset += a.nbytes
+            ins.append(t)
+        out = tc.InferRequestedOutput("attn_output")
+        out.set_shared_memory(f"out-{dtype}", out_bytes)
+        result = client.infer("mha", ins, outputs=[out])
+        got = shm.get_contents_as_numpy(h_out, np_dt, [2, 5, E]).tobytes()
+        checks(f"{dtype}: inputs and output in regions answer the in-message bytes", got == plain,
+               f"{len(got)} vs {len(plain)} bytes")
+        checks(f"{dtype}: the output in a region has no bytes in the message",
+               all(len(r) == 0 for r in result.get_response().raw_output_contents))
+        # Query in a region, key and value in the message, the output in the message.
+        t_q = tc.InferInput("query", list(q.shape), dtype)
+        t_q.set_shared_memory(f"in-{dtype}", q.nbytes, 0)
+        mixed = [t_q]
+        for tname, a in [("key", k), ("value", v)]:
+            t = tc.InferInput(tname, list(a.shape), dtype)
+            t.set_data_from_numpy(a)
+            mixed.append(t)
+        r = client.infer("mha", mixed)
+        checks(f"{dtype}: a query in a region beside key and value in the message",
+               r.get_response().raw_output_contents[0] == plain)
+
+    status = client.get_system_shared_memory_status()
+    names = sorted(status.regions.keys())
+    checks("status lists every region with its key and size",
+           names == ["in-BF16", "in-FP32", "out-BF16", "out-FP32"] and
+           status.regions["out-FP32"].key == f"/attnserve-test-{tag}-out-FP32" and
+           status.regions["out-FP32"].byte_size == 2 * 5 * E * 4, str(status))
+
+    def error(fn):
+        try:
+            fn()
+            return None
+        except InferenceServerException as e:
+            return e
+
+    q = rng.standard_normal((2, 5, E)).astype(np.float32)
+    t_q = tc.InferInput("query", list(q.shape), "FP32")
+    t_q.set_shared_memory("in-FP32", q.nbytes, 0)
+    small = tc.InferRequestedOutput("attn_output")
+    small.set_shared_memory("out-FP32", 100)
+    e = error(lambda: client.infer("mha", [t_q], outputs=[small]))
+    checks("an output region too small: INVALID_ARGUMENT naming the output",
+           e is not None and e.status() == "StatusCode.INVALID_ARGUMENT" and "outputs[0]" in e.message() and
+           "100 bytes" in e.message(), str(e))
+    e = error(lambda: client.register_system_shared_memory("in-FP32", f"/attnserve-test-{tag}-out-FP32", 8))
+    checks("a name registered twice: ALREADY_EXISTS, without the other key",
+           e is not None and e.status() == "StatusCode.ALREADY_EXISTS" and "in-FP32" in e.message() and
+           f"-in-FP32" not in e.message().replace("'in-FP32'", ""), str(e))
+    e = error(lambda: client.register_system_shared_memory("etc", "/../../etc/passwd", 8))
+    checks("a key that is a path: INVALID_ARGUMENT", e is not None and e.status() == "StatusCode.INVALID_ARGUMENT",
+           str(e))
+    # Cut short underneath: an error, and the server goes on.
+    with open(f"/dev/shm/attnserve-test-{tag}-in-FP32", "r+b") as f:
+        f.truncate(100)
+    e = error(lambda: client.infer("mha", [t_q]))
+    checks("a region cut short underneath: FAILED_PRECONDITION, never a crash",
+           e is not None and e.status() == "StatusCode.FAILED_PRECONDITION" and "cut short" in e.message(), str(e))
+    checks("the server serves on after it", client.is_server_live())
+
+    client.unregister_system_shared_memory("out-FP32")
+    t_plain = tc.InferInput("query", list(q.shape), "FP32")
+    t_plain.set_data_from_numpy(q)
+    e = error(lambda: client.infer("mha", [t_plain], outputs=[small]))
+    checks("an unregistered region: NOT_FOUND naming it",
+           e is not None and e.status() == "StatusCode.NOT_FOUND" and "out-FP32" in e.message(), str(e))
+    client.unregister_system_shared_memory()
+    checks("unregister with no name: every region gone",
+           len(client.get_system_shared_memory_status().regions) == 0)
+    for h in handles:
+        shm.destroy_shared_memory_region(h)
+    server.stop()
+
+    plain = lib.Server(attnserve, "--models", tmp)
+    c = tc.InferenceServerClient(plain.target)
+    checks("without --allow-shared-memory the extension is not listed",
+           "system_shared_memory" not in c.get_server_metadata().extensions)
+    h = shm.create_shared_memory_region("off", f"/attnserve-test-{tag}-off", 64)
+    e = error(lambda: c.register_system_shared_memory("off", f"/attnserve-test-{tag}-off", 64))
+    checks("without --allow-shared-memory registration is refused naming the flag",
+           e is not None and e.status() == "StatusCode.FAILED_PRECONDITION" and "--allow-shared-memory" in e.message(),
+           str(e))
+    shm.destroy_shared_memory_region(h)
+    plain.stop()

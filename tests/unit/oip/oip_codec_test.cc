@@ -2,10 +2,14 @@
 // becomes, that the inputs' bytes move (no copy), and every refusal naming its field.
 #include "server/oip/oip_codec.h"
 
+#include <fcntl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <set>
 
@@ -86,8 +90,16 @@ TEST(OipCodecTest, RefusesWhatItDoesNotTakeNamingTheField) {
       {[](auto* r) {
          (*r->mutable_inputs(0)->mutable_parameters())["shared_memory_region"].set_string_param(
              "x");
+         r->clear_raw_input_contents();
        },
-       "shared memory"},
+       "shared_memory_region and shared_memory_byte_size go together"},
+      {[](auto* r) {
+         (*r->mutable_inputs(0)->mutable_parameters())["shared_memory_region"].set_int64_param(1);
+         (*r->mutable_inputs(0)->mutable_parameters())["shared_memory_byte_size"].set_int64_param(
+             32);
+         r->clear_raw_input_contents();
+       },
+       "parameters['shared_memory_region']: a int64 parameter; expected string"},
       {[](auto* r) { r->set_model_version("latest"); }, "model_version: 'latest'"},
       {[](auto* r) { r->set_model_version("-1"); }, "model_version: '-1'"},
       {[](auto* r) { r->set_model_version("99999999999999999999"); },
@@ -251,6 +263,148 @@ TEST(OipCodecTest, MetadataNamesTheModelsComputeDtype) {
     }
     for (const auto& t : m.outputs()) EXPECT_EQ(t.datatype(), want) << t.name();
   }
+}
+
+}  // namespace
+}  // namespace attnserve
+
+namespace attnserve {
+namespace {
+
+// A POSIX shared memory object for the shared-memory cases, filled with `bytes`, unlinked after.
+class ShmObject {
+ public:
+  explicit ShmObject(const std::string& bytes) {
+    key_ = "/attnserve-oip-test-" + std::to_string(::getpid()) + "-" + std::to_string(n_++);
+    const int fd = ::shm_open(key_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    EXPECT_EQ(::ftruncate(fd, static_cast<off_t>(bytes.size())), 0);
+    EXPECT_EQ(::pwrite(fd, bytes.data(), bytes.size(), 0), static_cast<ssize_t>(bytes.size()));
+    ::close(fd);
+  }
+  ~ShmObject() { ::shm_unlink(key_.c_str()); }
+  const std::string& key() const { return key_; }
+  std::string Read(size_t n) const {
+    const int fd = ::shm_open(key_.c_str(), O_RDONLY, 0);
+    std::string out(n, '\0');
+    EXPECT_EQ(::pread(fd, out.data(), n, 0), static_cast<ssize_t>(n));
+    ::close(fd);
+    return out;
+  }
+
+ private:
+  std::string key_;
+  static inline int n_ = 0;
+};
+
+void InRegion(google::protobuf::Map<std::string, inference::InferParameter>* p,
+              const std::string& region, int64_t size, int64_t offset = 0) {
+  (*p)["shared_memory_region"].set_string_param(region);
+  (*p)["shared_memory_byte_size"].set_int64_param(size);
+  if (offset) (*p)["shared_memory_offset"].set_int64_param(offset);
+}
+
+SharedMemoryOptions Allowed() {
+  SharedMemoryOptions o;
+  o.allowed = true;
+  return o;
+}
+
+// Triton's shared-memory parameters: an input read from its region (raw contents carry only the
+// inputs not in shared memory), an output's region noted with its size, and the refusals.
+TEST(OipCodecTest, InputsAndOutputsInSharedMemoryRegions) {
+  std::string bytes(64, '\0');
+  for (int i = 0; i < 64; ++i) bytes[static_cast<size_t>(i)] = static_cast<char>(i);
+  ShmObject obj(bytes);
+  SharedMemoryRegistry shm(Allowed());
+  ASSERT_TRUE(shm.RegisterSystem("in", obj.key(), 0, 64).ok());
+  ASSERT_TRUE(shm.RegisterSystem("out", obj.key(), 16, 48).ok());
+  inference::ModelInferRequest in = Request();
+  in.clear_raw_input_contents();
+  InRegion(in.mutable_inputs(0)->mutable_parameters(), "in", 32, 8);
+  auto* mask = in.add_inputs();  // Not in shared memory: the one raw entry is its.
+  mask->set_name("key_padding_mask");
+  mask->set_datatype("BOOL");
+  mask->add_shape(1);
+  mask->add_shape(2);
+  in.add_raw_input_contents(std::string("\x00\x01", 2));
+  auto* out_tensor = in.add_outputs();
+  out_tensor->set_name("attn_output");
+  InRegion(out_tensor->mutable_parameters(), "out", 40);
+  v1::AttendRequest out;
+  OipReply reply;
+  ASSERT_TRUE(OipToAttend(&in, &out, &reply, &shm).ok());
+  EXPECT_EQ(out.query().data(), bytes.substr(8, 32));
+  EXPECT_EQ(out.key_padding_mask().data(), std::string("\x00\x01", 2));
+  ASSERT_EQ(reply.regions.size(), 1u);
+  ASSERT_EQ(reply.output_regions.size(), 1u);
+  ASSERT_TRUE(reply.output_regions[0]);
+  const OutputLimits limits = OipOutputLimits(reply);
+  EXPECT_EQ(limits.output.bytes, 40);
+  EXPECT_THAT(limits.output.field, HasSubstr("outputs[0]"));
+  EXPECT_EQ(limits.weights.bytes, -1);
+  // The answer goes to the region, and its raw entry is empty.
+  AttendAnswer answer;
+  answer.output = std::make_unique<std::string>(32, 'z');
+  ASSERT_TRUE(OipWriteSharedOutputs(&answer, reply).ok());
+  EXPECT_EQ(obj.Read(64).substr(16, 32), std::string(32, 'z'));
+  const auto raw = OipRawOutputs(&answer, reply);
+  ASSERT_EQ(raw.size(), 1u);
+  EXPECT_EQ(raw[0].size(), 0u);
+  // The same region unregistered now: the request still holds it.
+  ASSERT_TRUE(shm.Unregister("out", false).ok());
+  answer.output = std::make_unique<std::string>(8, 'y');
+  EXPECT_TRUE(OipWriteSharedOutputs(&answer, reply).ok());
+
+  struct Case {
+    std::function<void(inference::ModelInferRequest*)> change;
+    StatusCode code;
+    const char* says;
+  };
+  const Case cases[] = {
+      {[](auto* r) { InRegion(r->mutable_inputs(0)->mutable_parameters(), "nope", 32); },
+       StatusCode::kNotFound, "region 'nope' is not registered"},
+      {[](auto* r) { InRegion(r->mutable_inputs(0)->mutable_parameters(), "in", 32, 40); },
+       StatusCode::kInvalidArgument, "inputs[0]: offset 40 and byte size 32 do not fit"},
+      {[](auto* r) { InRegion(r->mutable_inputs(0)->mutable_parameters(), "in", -1); },
+       StatusCode::kInvalidArgument, "do not fit"},
+      {[](auto* r) {
+         InRegion(r->mutable_inputs(0)->mutable_parameters(), "in", 32,
+                  std::numeric_limits<int64_t>::max());
+       },
+       StatusCode::kInvalidArgument, "do not fit"},
+      {[](auto* r) {
+         InRegion(r->mutable_inputs(0)->mutable_parameters(), "in", 32);
+         r->add_raw_input_contents(std::string(32, 'x'));
+       },
+       StatusCode::kInvalidArgument, "inputs not in shared memory"},
+      {[](auto* r) {
+         InRegion(r->mutable_inputs(0)->mutable_parameters(), "in", 32);
+         InRegion(r->add_outputs()->mutable_parameters(), "in", 8, 60);
+         r->mutable_outputs(0)->set_name("attn_output");
+       },
+       StatusCode::kInvalidArgument, "outputs[0]: offset 60 and byte size 8 do not fit"},
+  };
+  for (const Case& c : cases) {
+    inference::ModelInferRequest r = Request();
+    r.clear_raw_input_contents();
+    c.change(&r);
+    v1::AttendRequest o;
+    OipReply rep;
+    const Status st = OipToAttend(&r, &o, &rep, &shm);
+    EXPECT_EQ(st.code(), c.code) << c.says << ": " << st.message();
+    EXPECT_THAT(st.message(), HasSubstr(c.says));
+    EXPECT_THAT(st.message(), ::testing::Not(HasSubstr(obj.key())));  // Never a key.
+  }
+  // Shared memory off: a request naming a region is refused saying how to turn it on.
+  SharedMemoryRegistry off{SharedMemoryOptions{}};
+  inference::ModelInferRequest r = Request();
+  r.clear_raw_input_contents();
+  InRegion(r.mutable_inputs(0)->mutable_parameters(), "in", 32);
+  v1::AttendRequest o;
+  OipReply rep;
+  const Status st = OipToAttend(&r, &o, &rep, &off);
+  EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition);
+  EXPECT_THAT(st.message(), HasSubstr("--allow-shared-memory"));
 }
 
 }  // namespace
