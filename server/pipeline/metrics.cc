@@ -41,6 +41,19 @@ prometheus::Family<prometheus::Gauge>& Gauge(prometheus::Registry& r, const char
 
 }  // namespace
 
+ServerMetrics::HostTransfer ServerMetrics::MakeHostTransfer(prometheus::Registry& registry) {
+  return {
+      Gauge(registry, "attnserve_staging_bytes",
+            "Pinned host memory for copies to and from the GPU (--staging-bytes): kind held (in "
+            "blocks alive now: batches copying, answers being sent) and budget."),
+      Counter(registry, "attnserve_staging_refused_total",
+              "Staging blocks refused because the budget was full: that batch's copies went "
+              "through pageable memory (slower)."),
+      Gauge(registry, "attnserve_shared_memory",
+            "Shared memory clients registered (--allow-shared-memory): kind bytes and regions. "
+            "Read through descriptors, never mapped into the server.")};
+}
+
 ServerMetrics::ServerMetrics(prometheus::Registry& registry)
     : latency_(Histogram(registry, "attnserve_request_duration_seconds",
                          "Time from receiving a request to its answer, at the RPC boundary.")),
@@ -68,13 +81,7 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
           Gauge(registry, "attnserve_device_memory_bytes",
                 "Device memory by kind: on CUDA the caching allocator's allocated and reserved "
                 "bytes; on the CPU the process's resident set (kind resident).")),
-      staging_(
-          Gauge(registry, "attnserve_staging_bytes",
-                "Pinned host memory for copies to and from the GPU (--staging-bytes): kind "
-                "held (in blocks alive now: batches copying, answers being sent) and budget.")),
-      staging_refused_(Counter(registry, "attnserve_staging_refused_total",
-                               "Staging blocks refused because the budget was full: that batch's "
-                               "copies went through pageable memory (slower).")),
+      transfer_(MakeHostTransfer(registry)),
       model_info_(Gauge(registry, "attnserve_model_info",
                         "A loaded model version (value 1), described by its labels.")),
       cpu_info_(
@@ -163,10 +170,15 @@ void ServerMetrics::SetHostMemory(int64_t resident) {
   device_memory_.Add({{"device", "cpu"}, {"kind", "resident"}}).Set(static_cast<double>(resident));
 }
 
+void ServerMetrics::SetSharedMemory(int64_t bytes, int64_t regions) {
+  transfer_.shared_memory.Add({{"kind", "bytes"}}).Set(static_cast<double>(bytes));
+  transfer_.shared_memory.Add({{"kind", "regions"}}).Set(static_cast<double>(regions));
+}
+
 void ServerMetrics::SetStaging(int64_t held, int64_t budget, int64_t refused) {
-  staging_.Add({{"kind", "held"}}).Set(static_cast<double>(held));
-  staging_.Add({{"kind", "budget"}}).Set(static_cast<double>(budget));
-  if (refused > 0) staging_refused_.Add({}).Increment(static_cast<double>(refused));
+  transfer_.staging.Add({{"kind", "held"}}).Set(static_cast<double>(held));
+  transfer_.staging.Add({{"kind", "budget"}}).Set(static_cast<double>(budget));
+  if (refused > 0) transfer_.staging_refused.Add({}).Increment(static_cast<double>(refused));
 }
 
 void ServerMetrics::RecordRejection(const std::string& model, const char* reason) {

@@ -35,6 +35,8 @@ class ServerMetrics {
   void SetDeviceMemory(const std::string& device, int64_t allocated, int64_t reserved);
   /// The CPU device's memory: the process's resident set (device "cpu", kind "resident").
   void SetHostMemory(int64_t resident);
+  /// Shared memory registered by clients: bytes and regions.
+  void SetSharedMemory(int64_t bytes, int64_t regions);
   /// The pinned staging's held bytes and budget (CUDA), and `refused` more blocks it refused.
   void SetStaging(int64_t held, int64_t budget, int64_t refused);
   /// A request refused or dropped before compute; reason: queue_full, draining, deadline,
@@ -81,8 +83,14 @@ class ServerMetrics {
   prometheus::Family<prometheus::Counter>& flops_;
   prometheus::Family<prometheus::Gauge>& flops_rate_;
   prometheus::Family<prometheus::Gauge>& device_memory_;
-  prometheus::Family<prometheus::Gauge>& staging_;
-  prometheus::Family<prometheus::Counter>& staging_refused_;
+  // Host memory that tensors pass through: a GPU's pinned staging, clients' shared memory.
+  struct HostTransfer {
+    prometheus::Family<prometheus::Gauge>& staging;
+    prometheus::Family<prometheus::Counter>& staging_refused;
+    prometheus::Family<prometheus::Gauge>& shared_memory;
+  };
+  static HostTransfer MakeHostTransfer(prometheus::Registry& registry);
+  HostTransfer transfer_;
   prometheus::Family<prometheus::Gauge>& model_info_;
   prometheus::Family<prometheus::Gauge>& cpu_info_;
   prometheus::Family<prometheus::Counter>& reloads_;

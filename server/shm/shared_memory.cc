@@ -132,12 +132,19 @@ Status SharedMemoryRegistry::Admit(const std::string& name, uint64_t byte_size) 
 }
 
 Status SharedMemoryRegistry::Add(std::unique_ptr<SharedRegion> region) {
-  std::lock_guard<std::mutex> lock(mu_);
-  const RegionInfo& info = region->info();
-  RETURN_IF_ERROR(Admit(info.name, info.byte_size));  // Again: another call may have come first.
-  bytes_ += static_cast<int64_t>(info.byte_size);
-  regions_.emplace(info.name, std::move(region));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const RegionInfo& info = region->info();
+    RETURN_IF_ERROR(Admit(info.name, info.byte_size));  // Again: another call may have come first.
+    bytes_ += static_cast<int64_t>(info.byte_size);
+    regions_.emplace(info.name, std::move(region));
+  }
+  Changed();
   return Status::Ok();
+}
+
+void SharedMemoryRegistry::Changed() const {
+  if (options_.on_change) options_.on_change(bytes_.load(), regions());
 }
 
 Status SharedMemoryRegistry::RegisterSystem(const std::string& name, const std::string& key,
@@ -205,16 +212,19 @@ Status SharedMemoryRegistry::RegisterCuda(const std::string& name, const std::st
 
 Status SharedMemoryRegistry::Unregister(const std::string& name, bool cuda) {
   std::vector<std::shared_ptr<const SharedRegion>> gone;  // Closed outside the lock.
-  std::lock_guard<std::mutex> lock(mu_);
-  for (auto it = regions_.begin(); it != regions_.end();) {
-    if ((name.empty() || it->first == name) && it->second->info().cuda == cuda) {
-      bytes_ -= static_cast<int64_t>(it->second->info().byte_size);
-      gone.push_back(std::move(it->second));
-      it = regions_.erase(it);
-    } else {
-      ++it;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = regions_.begin(); it != regions_.end();) {
+      if ((name.empty() || it->first == name) && it->second->info().cuda == cuda) {
+        bytes_ -= static_cast<int64_t>(it->second->info().byte_size);
+        gone.push_back(std::move(it->second));
+        it = regions_.erase(it);
+      } else {
+        ++it;
+      }
     }
   }
+  if (!gone.empty()) Changed();
   return Status::Ok();
 }
 
@@ -259,6 +269,7 @@ void SharedMemoryRegistry::Clear() {
     gone.swap(regions_);
     bytes_ = 0;
   }
+  Changed();
 }
 
 }  // namespace attnserve

@@ -22,6 +22,8 @@ struct SharedMemoryOptions {
   int64_t max_bytes = int64_t{16} << 30;
   /// Most regions registered at once.
   size_t max_regions = 1024;
+  /// Told the bytes and regions registered after every change (for metrics); may be empty.
+  std::function<void(int64_t bytes, size_t regions)> on_change;
 };
 
 /// What a region holds, for the Status calls and metrics.
@@ -105,6 +107,7 @@ class SharedMemoryRegistry {
 
  private:
   Status Admit(const std::string& name, uint64_t byte_size) const;  // Under mu_.
+  void Changed() const;  // Tells options_.on_change (outside mu_).
   Status Add(std::unique_ptr<SharedRegion> region);
 
   const SharedMemoryOptions options_;
