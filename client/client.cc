@@ -33,10 +33,20 @@ namespace attnserve {
 namespace pb = ::attnserve::v1;
 namespace {
 
+void ToWire(const SharedMemoryRef& r, pb::SharedMemoryRef* out) {
+  out->set_region(r.region);
+  out->set_offset(r.offset);
+  out->set_byte_size(r.byte_size);
+}
+
 void ToWire(const Tensor& t, pb::Tensor* out) {
   out->set_dtype(static_cast<pb::DataType>(t.dtype));
   out->mutable_shape()->Assign(t.shape.begin(), t.shape.end());
-  out->set_data(t.data);
+  if (t.shared_memory) {
+    ToWire(*t.shared_memory, out->mutable_shared_memory());
+  } else {
+    out->set_data(t.data);
+  }
 }
 
 Tensor FromWire(pb::Tensor* t) {
@@ -65,6 +75,9 @@ void ToWire(const AttendRequest& r, pb::AttendRequest* out) {
   out->set_traceparent(r.traceparent);
   out->set_tracestate(r.tracestate);
   if (r.session_length) out->set_session_length(*r.session_length);
+  if (r.output_shared_memory) ToWire(*r.output_shared_memory, out->mutable_output_shared_memory());
+  if (r.attn_weights_shared_memory)
+    ToWire(*r.attn_weights_shared_memory, out->mutable_attn_weights_shared_memory());
 }
 
 KvInfo FromWire(const pb::KvHandle& h) {
@@ -610,6 +623,44 @@ CallStatus Client::CloseSession(const std::string& handle, const CallOptions& ca
   if (s.ok() || s.code == static_cast<int>(grpc::StatusCode::NOT_FOUND))
     impl_->routes.Forget(handle);
   return s;
+}
+
+CallStatus Client::RegisterSharedMemory(const std::string& name, const std::string& key,
+                                        uint64_t offset, uint64_t byte_size,
+                                        const CallOptions& call) {
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx, call);
+  pb::RegisterSharedMemoryRequest req;
+  req.set_name(name);
+  req.set_key(key);
+  req.set_offset(offset);
+  req.set_byte_size(byte_size);
+  pb::RegisterSharedMemoryResponse resp;
+  return FromGrpc(impl_->stub->RegisterSharedMemory(&ctx, req, &resp));
+}
+
+CallStatus Client::UnregisterSharedMemory(const std::string& name, const CallOptions& call) {
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx, call);
+  pb::UnregisterSharedMemoryRequest req;
+  req.set_name(name);
+  pb::UnregisterSharedMemoryResponse resp;
+  return FromGrpc(impl_->stub->UnregisterSharedMemory(&ctx, req, &resp));
+}
+
+CallStatus Client::SharedMemoryStatus(const std::string& name,
+                                      std::vector<SharedMemoryRegionInfo>* regions,
+                                      const CallOptions& call) {
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx, call);
+  pb::SharedMemoryStatusRequest req;
+  req.set_name(name);
+  pb::SharedMemoryStatusResponse resp;
+  const grpc::Status s = impl_->stub->SharedMemoryStatus(&ctx, req, &resp);
+  regions->clear();
+  for (const auto& r : resp.regions())
+    regions->push_back({r.name(), r.key(), r.offset(), r.byte_size()});
+  return FromGrpc(s);
 }
 
 CallStatus Client::Health(const std::string& service, bool* serving, const CallOptions& call) {

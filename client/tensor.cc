@@ -68,6 +68,13 @@ Tensor Tensor::BFloat16(std::vector<int64_t> shape, const std::vector<float>& va
   return t;
 }
 
+Tensor Tensor::InSharedMemory(DataType dtype, std::vector<int64_t> shape, std::string region,
+                              int64_t offset) {
+  Tensor t{dtype, std::move(shape), {}, std::nullopt};
+  t.shared_memory = SharedMemoryRef{std::move(region), offset, t.byte_size()};
+  return t;
+}
+
 Tensor Tensor::Bool(std::vector<int64_t> shape, const std::vector<bool>& values) {
   CheckCount(shape, values.size());
   Tensor t{DataType::kBool, std::move(shape), {}};

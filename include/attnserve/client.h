@@ -45,6 +45,15 @@ struct AttendRequest {
   /// This request's own W3C trace context, for a request on an AttendStream (where the call's
   /// CallOptions::traceparent covers the whole stream); empty: none.
   std::string traceparent, tracestate;
+  /// Write the output (and the attention weights) into these shared-memory regions instead of
+  /// the answer's message; AttendResult's tensors then carry dtype and shape, no data.
+  std::optional<SharedMemoryRef> output_shared_memory, attn_weights_shared_memory;
+};
+
+/// A registered shared-memory region (Client::SharedMemoryStatus).
+struct SharedMemoryRegionInfo {
+  std::string name, key;
+  uint64_t offset = 0, byte_size = 0;
 };
 
 /// A successful answer.
@@ -260,6 +269,18 @@ class Client {
   /// null) gets the session after it.
   CallStatus TruncateSession(const std::string& handle, int64_t length, KvInfo* session = nullptr,
                              const CallOptions& call = {});
+  /// Shared memory (the server on this host runs with --allow-shared-memory; docs/clients.md
+  /// "Shared memory"): registers [offset, offset + byte_size) of the POSIX shared memory object
+  /// `key` (a SharedMemoryRegion's key()) under `name`, for tensors to name instead of carrying
+  /// bytes. ALREADY_EXISTS (6) for a name registered already.
+  CallStatus RegisterSharedMemory(const std::string& name, const std::string& key, uint64_t offset,
+                                  uint64_t byte_size, const CallOptions& call = {});
+  /// Unregisters `name` ("" = every region); requests using it finish with it.
+  CallStatus UnregisterSharedMemory(const std::string& name, const CallOptions& call = {});
+  /// The regions registered ("" = all).
+  CallStatus SharedMemoryStatus(const std::string& name,
+                                std::vector<SharedMemoryRegionInfo>* regions,
+                                const CallOptions& call = {});
   /// gRPC health: `service` "" for the server, "attnserve.v1.AttentionService/<model>" for a model.
   CallStatus Health(const std::string& service, bool* serving, const CallOptions& call = {});
 

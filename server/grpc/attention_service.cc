@@ -3,23 +3,49 @@
 #include "server/grpc/grpc_call.h"
 #include "server/grpc/grpc_codec.h"
 #include "server/grpc/grpc_status.h"
+#include "server/grpc/shared_tensors.h"
 #include "server/grpc/stream_reactor.h"
 
 namespace attnserve {
 namespace {
 
+/// An attnserve.v1 exchange: the pipeline's, plus the shared-memory regions it reads and writes.
+struct V1Exchange : Exchange {
+  SharedTensors shared;
+};
+
+/// Decodes an AttendRequest into `x`: its tensors straight into staging on a CUDA server, those in
+/// shared-memory regions read from them.
+Status DecodeAttend(const grpc::ByteBuffer& bytes, RequestPipeline& pipeline,
+                    const SharedMemoryRegistry& shm, V1Exchange* x) {
+  RETURN_IF_ERROR(ParseRequest(bytes, &x->request, pipeline.staging(), &x->staged));
+  if (!NamesSharedMemory(x->request)) return Status::Ok();
+  return ReadSharedTensors(shm, pipeline.staging(), &x->request, &x->staged, &x->shared,
+                           &x->output_limits);
+}
+
 /// AttendStream's messages: AttendRequest in, AttendResponse out (an error travels in `error`).
 class AttendStreamCodec final : public StreamCodec {
  public:
-  /// `staging`: where requests' tensors are decoded to (a CUDA server's; null: the message).
-  explicit AttendStreamCodec(HostStaging* staging) : staging_(staging) {}
+  AttendStreamCodec(RequestPipeline& pipeline, const SharedMemoryRegistry& shm)
+      : pipeline_(pipeline), shm_(shm) {}
   const char* method() const override { return "AttendStream"; }
-  Status Decode(const grpc::ByteBuffer& bytes, std::unique_ptr<Exchange>* x, Status*,
+  Status Decode(const grpc::ByteBuffer& bytes, std::unique_ptr<Exchange>* out, Status* refused,
                 std::string*) override {
-    *x = std::make_unique<Exchange>();
-    return ParseRequest(bytes, &(*x)->request, staging_, &(*x)->staged);
+    auto x = std::make_unique<V1Exchange>();
+    const Status parsed = ParseRequest(bytes, &x->request, pipeline_.staging(), &x->staged);
+    if (parsed.ok() && NamesSharedMemory(x->request)) {
+      // A region that cannot be read refuses this request; the stream goes on.
+      *refused = ReadSharedTensors(shm_, pipeline_.staging(), &x->request, &x->staged, &x->shared,
+                                   &x->output_limits);
+    }
+    *out = std::move(x);
+    return parsed;
   }
-  grpc::ByteBuffer Encode(Exchange* x, const Status& status) override {
+  grpc::ByteBuffer Encode(Exchange* base, const Status& computed) override {
+    auto* x = static_cast<V1Exchange*>(base);
+    const Status status =
+        computed.ok() && x->shared.any() ? WriteSharedTensors(x->shared, &x->answer) : computed;
     if (status.ok()) return EncodeAnswer(&x->answer);
     v1::AttendResponse meta;
     meta.set_request_id(x->request.request_id());
@@ -30,15 +56,18 @@ class AttendStreamCodec final : public StreamCodec {
   }
 
  private:
-  HostStaging* staging_;
+  RequestPipeline& pipeline_;
+  const SharedMemoryRegistry& shm_;
 };
 
 }  // namespace
 
-AttentionServiceImpl::AttentionServiceImpl(RequestPipeline& pipeline, CallCounter& calls)
+AttentionServiceImpl::AttentionServiceImpl(RequestPipeline& pipeline, CallCounter& calls,
+                                           SharedMemoryRegistry& shm)
     : pipeline_(pipeline),
       calls_(calls),
-      stream_codec_(std::make_unique<AttendStreamCodec>(pipeline.staging())) {}
+      shm_(shm),
+      stream_codec_(std::make_unique<AttendStreamCodec>(pipeline, shm)) {}
 
 AttentionServiceImpl::~AttentionServiceImpl() = default;
 
@@ -47,15 +76,18 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
                                                        grpc::ByteBuffer* resp) {
   if (!req->Valid()) return NoMessage(pipeline_, calls_, ctx, "Attend", "AttendRequest");
   auto* reactor = NewUnaryReactor(calls_, ctx);  // Counted open from here, while it decodes too.
-  auto x = std::make_unique<Exchange>();
-  const Status parsed = ParseRequest(*req, &x->request, pipeline_.staging(), &x->staged);
+  auto x = std::make_unique<V1Exchange>();
+  const Status parsed = DecodeAttend(*req, pipeline_, shm_, x.get());
   if (!parsed.ok()) {
     pipeline_.RecordUndecoded("Attend", parsed);
     reactor->Finish(ToGrpcStatus(parsed));
     return reactor;
   }
-  Exchange* raw = x.release();
-  pipeline_.Attend("Attend", raw, CallOf(ctx), [this, ctx, raw, reactor, resp](const Status& seen) {
+  V1Exchange* raw = x.release();
+  pipeline_.Attend("Attend", raw, CallOf(ctx), [this, ctx, raw, reactor, resp](const Status& done) {
+    // An answer asked for in a region goes there; a region cut short meanwhile fails the call.
+    const Status seen =
+        done.ok() && raw->shared.any() ? WriteSharedTensors(raw->shared, &raw->answer) : done;
     if (seen.ok()) *resp = EncodeAnswer(&raw->answer);
     pipeline_.Record("Attend", raw, seen);
     TellTraceOfFailure(ctx, raw->trace, seen);
@@ -87,8 +119,24 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CreateMemory(grpc::CallbackServe
                                                              const v1::CreateMemoryRequest* req,
                                                              v1::KvHandle* resp) {
   auto* reactor = NewUnaryReactor(calls_, ctx);
-  pipeline_.CreateMemory(*req, CallOf(ctx), resp,
-                         [ctx, reactor](const Status& st, const CallTrace& trace) {
+  if (!NamesSharedMemory(*req)) {
+    pipeline_.CreateMemory(*req, CallOf(ctx), resp,
+                           [ctx, reactor](const Status& st, const CallTrace& trace) {
+                             TellTraceOfFailure(ctx, trace, st);
+                             reactor->Finish(ToGrpcStatus(st));
+                           });
+    return reactor;
+  }
+  // Keys and values in shared-memory regions: read into a copy of the request held until done.
+  auto copy = std::make_shared<v1::CreateMemoryRequest>(*req);
+  auto shared = std::make_shared<SharedTensors>();
+  const Status read = ReadSharedTensors(shm_, copy.get(), shared.get());
+  if (!read.ok()) {
+    reactor->Finish(ToGrpcStatus(read));
+    return reactor;
+  }
+  pipeline_.CreateMemory(*copy, CallOf(ctx), resp,
+                         [ctx, reactor, copy, shared](const Status& st, const CallTrace& trace) {
                            TellTraceOfFailure(ctx, trace, st);
                            reactor->Finish(ToGrpcStatus(st));
                          });
@@ -134,6 +182,35 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CloseSession(grpc::CallbackServe
   const Status st =
       pipeline_.Release("CloseSession", KvKind::kSession, *req, resp, TraceOf(ctx), &traced);
   return Finished(calls_, ctx, st, traced);
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::RegisterSharedMemory(
+    grpc::CallbackServerContext* ctx, const v1::RegisterSharedMemoryRequest* req,
+    v1::RegisterSharedMemoryResponse*) {
+  return Finished(calls_, ctx,
+                  shm_.RegisterSystem(req->name(), req->key(), req->offset(), req->byte_size()));
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::UnregisterSharedMemory(
+    grpc::CallbackServerContext* ctx, const v1::UnregisterSharedMemoryRequest* req,
+    v1::UnregisterSharedMemoryResponse*) {
+  return Finished(calls_, ctx, shm_.Unregister(req->name(), /*cuda=*/false));
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::SharedMemoryStatus(
+    grpc::CallbackServerContext* ctx, const v1::SharedMemoryStatusRequest* req,
+    v1::SharedMemoryStatusResponse* resp) {
+  const StatusOr<std::vector<RegionInfo>> regions = shm_.List(req->name(), false);
+  if (regions.ok()) {
+    for (const RegionInfo& r : *regions) {
+      v1::SharedMemoryRegion* out = resp->add_regions();
+      out->set_name(r.name);
+      out->set_key(r.key);
+      out->set_offset(r.offset);
+      out->set_byte_size(r.byte_size);
+    }
+  }
+  return Finished(calls_, ctx, regions.status());
 }
 
 }  // namespace attnserve

@@ -30,10 +30,7 @@ inline constexpr const char* kWeights = "attn_weights";
 /// id and model version string, and the outputs asked for, in order.
 /// A tensor's place in a shared-memory region (Triton's shared_memory_* parameters), checked
 /// against the region when the request was decoded.
-struct OipRegion {
-  std::shared_ptr<const SharedRegion> region;
-  int64_t offset = 0, byte_size = 0;
-};
+using OipRegion = RegionRef;
 
 struct OipReply {
   std::string id;

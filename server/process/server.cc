@@ -247,13 +247,13 @@ void Server::Impl::StartPipeline() {
   pipeline->Observe(tracer.get(), access_log.get());
   pipeline->SetWarming(options.warmup);
   pipeline->SetStaging(staging.get());
-  service = std::make_unique<AttentionServiceImpl>(*pipeline, *calls);
   SharedMemoryOptions shared = options.shared_memory;
   shared.on_change = [m = metrics.get()](int64_t bytes, size_t regions) {
     m->SetSharedMemory(bytes, static_cast<int64_t>(regions));
   };
   metrics->SetSharedMemory(0, 0);
   shm = std::make_unique<SharedMemoryRegistry>(std::move(shared));
+  service = std::make_unique<AttentionServiceImpl>(*pipeline, *calls, *shm);
   oip = std::make_unique<OipServiceImpl>(
       *pipeline, *calls, *shm, static_cast<size_t>(options.kv.max_entries),
       std::chrono::duration_cast<SteadyClock::duration>(

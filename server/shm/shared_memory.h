@@ -62,6 +62,13 @@ class SharedRegion {
   RegionInfo info_;
 };
 
+/// A tensor's place in a registered region: `byte_size` bytes at `offset` of its window (checked
+/// against it), the region held for as long as the reference is.
+struct RegionRef {
+  std::shared_ptr<const SharedRegion> region;
+  int64_t offset = 0, byte_size = 0;
+};
+
 /// Opens a CUDA region from its IPC handle (device_support_cuda.cc where attnserve has CUDA); the
 /// registry holds what it returns. Null: this build or machine has no CUDA.
 using CudaRegionOpener = std::function<StatusOr<std::unique_ptr<SharedRegion>>(
