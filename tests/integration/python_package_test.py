@@ -238,3 +238,57 @@ def test_the_attnserve_package_against_nn_multiheadattention(request, checks):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))
+
+
+def test_the_package_through_shared_memory(request, checks):
+    """Arrays of a SharedMemoryRegion (Client.shared_memory) travel as references: self- and cross-attention,
+    a memory and the asyncio twin answer byte for byte as the in-message path; `out=` receives the output in
+    the region; status lists the region, close() unregisters and unlinks it; an `out=` outside any region is
+    refused before anything is sent."""
+    binary, fixtures = request.config.getoption("--attnserve"), request.config.getoption("--package-fixtures")
+    c = dict(np.load(os.path.join(fixtures, "cases.npz")))
+    server = lib.Server(binary, "--models", os.path.join(fixtures, "models"), "--allow-shared-memory")
+    env = f"grpcio {grpc.__version__}"
+    client = attnserve.Client(server.target)
+    q, k, v = c["cross_q"], c["cross_k"], c["cross_v"]
+    plain_self = client.attend(c["causal_q"], model="mha", is_causal=True).output
+    plain_cross = client.attend(q, k, v, model="xattn").output
+    with client.shared_memory("io", 1 << 20) as region:
+        names = [r.name for r in client.shared_memory_status()]
+        checks(f"[{env}] the region is registered under its name", names == ["io"], str(names))
+        sq = region.array(c["causal_q"].shape, np.float32, 0)
+        sq[...] = c["causal_q"]
+        out = region.array(plain_self.shape, np.float32, 1 << 19)
+        r = client.attend(sq, model="mha", is_causal=True, out=out)
+        checks(f"[{env}] query in the region, output into it: the in-message bytes",
+               r.output is out and out.tobytes() == plain_self.tobytes())
+        at = 4096
+        views = []
+        for a in (q, k, v):
+            view = region.array(a.shape, np.float32, at)
+            view[...] = a
+            views.append(view)
+            at += a.nbytes + 64
+        r = client.attend(*views, model="xattn")
+        checks(f"[{env}] cross-attention from the region, output in the message",
+               r.output.tobytes() == plain_cross.tobytes())
+        with client.memory(views[1], views[2], model="xattn") as m_shared, client.memory(k, v, model="xattn") as m:
+            checks(f"[{env}] a memory made from the region answers as one made from the message",
+                   m_shared.attend(q).output.tobytes() == m.attend(q).output.tobytes())
+
+        async def aio():
+            async with attnserve.aio.Client(server.target) as ac:
+                return (await ac.attend(*views, model="xattn")).output
+        checks(f"[{env}] the asyncio client sends region arrays as references",
+               asyncio.run(aio()).tobytes() == plain_cross.tobytes())
+        try:
+            client.attend(sq, model="mha", out=np.empty_like(plain_self))
+            refused = None
+        except ValueError as e:
+            refused = e
+        checks(f"[{env}] out= outside any region is refused", refused is not None and "out:" in str(refused))
+        key = region.key
+    checks(f"[{env}] close() unregisters the region and unlinks its object",
+           client.shared_memory_status() == [] and not os.path.exists("/dev/shm" + key))
+    client.close()
+    server.stop()

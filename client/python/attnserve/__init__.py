@@ -11,7 +11,8 @@ float16, bfloat16, bool); answers come back as the query came. attnserve.aio.Cli
 """
 from ._calls import Result
 from ._client import Client, Memory, Session
+from ._shm import SharedMemoryRegion
 from .errors import AttnserveError
 
-__all__ = ["Client", "Session", "Memory", "Result", "AttnserveError"]
+__all__ = ["Client", "Session", "Memory", "Result", "AttnserveError", "SharedMemoryRegion"]
 __version__ = "0.1.0"

@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import grpc
 
-from . import _tensors
+from . import _shm, _tensors
 from .errors import AttnserveError
 from .v1 import attention_pb2 as pb
 from .v1 import attention_pb2_grpc as pb_grpc
@@ -110,7 +110,7 @@ class Result:
 
 
 def attend_request(query, key, value, *, model, model_version, key_padding_mask, attn_mask, is_causal,
-                   attn_weights, layout, memory, session, session_length, request_id):
+                   attn_weights, layout, memory, session, session_length, request_id, out=None):
     if attn_weights not in WEIGHTS:
         raise ValueError(f"attn_weights: '{attn_weights}'; allowed: {', '.join(WEIGHTS)}")
     if layout not in LAYOUTS:
@@ -126,11 +126,16 @@ def attend_request(query, key, value, *, model, model_version, key_padding_mask,
             _tensors.to_wire(t, name, getattr(req, name))
     if session_length is not None:
         req.session_length = session_length
+    if out is not None:
+        ref = _shm.ref_of(out)
+        if ref is None:
+            raise ValueError("out: not an array of a registered SharedMemoryRegion (Client.shared_memory)")
+        req.output_shared_memory.CopyFrom(ref)
     return req
 
 
-def result(resp, like_torch):
-    return Result(output=_tensors.from_wire(resp.output, like_torch),
+def result(resp, like_torch, out=None):
+    return Result(output=_tensors.from_wire(resp.output, like_torch, out),
                   attn_weights=_tensors.from_wire(resp.attn_weights, like_torch)
                   if resp.HasField("attn_weights") else None,
                   model=resp.model, model_version=resp.model_version, weights_hash=resp.weights_hash,

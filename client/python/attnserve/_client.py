@@ -3,7 +3,7 @@ import itertools
 
 import grpc
 
-from . import _calls, _tensors
+from . import _calls, _shm, _tensors
 from .errors import AttnserveError
 from .v1 import attention_pb2 as pb
 
@@ -70,11 +70,13 @@ class Client:
 
     def attend(self, query, key=None, value=None, *, model="demo", model_version=0, key_padding_mask=None,
                attn_mask=None, is_causal=False, attn_weights="none", layout="batch_first", memory=None,
-               session=None, session_length=None, deadline=DEFAULT):
+               session=None, session_length=None, out=None, deadline=DEFAULT):
         """nn.MultiheadAttention's forward on the server: self-attention without key and value, cross-attention
         with them. attn_weights: "none", "averaged" or "per_head"; layout: "batch_first" or "sequence_first".
         Bool masks: True = masked out. memory and session: a Memory or Session (routed to its replica) or a
-        handle (sent through the target). Returns a Result; raises AttnserveError."""
+        handle (sent through the target). Arrays of a SharedMemoryRegion (Client.shared_memory) travel as
+        references; `out=`, such an array, receives the output (Result.output is then `out`). Returns a
+        Result; raises AttnserveError."""
         route = None
         if isinstance(memory, _calls.Kept):
             memory, route = memory.handle, memory.route
@@ -83,8 +85,28 @@ class Client:
         req = _calls.attend_request(query, key, value, model=model, model_version=model_version,
                                     key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal,
                                     attn_weights=attn_weights, layout=layout, memory=memory, session=session,
-                                    session_length=session_length, request_id=next(self._ids))
-        return _calls.result(self._routed("Attend", req, deadline, route), _tensors.is_torch(query))
+                                    session_length=session_length, request_id=next(self._ids), out=out)
+        return _calls.result(self._routed("Attend", req, deadline, route), _tensors.is_torch(query), out)
+
+    def shared_memory(self, name, byte_size):
+        """A POSIX shared memory region of `byte_size` bytes made on this host and registered with the server
+        (which runs with --allow-shared-memory) as `name`: its arrays (region.array(shape, dtype, offset))
+        travel as references, never through the socket. Use it with `with`, which unregisters and unlinks it."""
+        return _shm.SharedMemoryRegion(self, name, byte_size)
+
+    def register_shared_memory(self, name, key, offset, byte_size, *, deadline=DEFAULT):
+        """Registers [offset, offset + byte_size) of the POSIX shared memory object `key` as region `name`."""
+        req = pb.RegisterSharedMemoryRequest(name=name, key=key, offset=offset, byte_size=byte_size)
+        self._call(self._stub.RegisterSharedMemory, req, deadline)
+
+    def unregister_shared_memory(self, name="", *, deadline=DEFAULT):
+        """Unregisters region `name` ("" = every region)."""
+        self._call(self._stub.UnregisterSharedMemory, pb.UnregisterSharedMemoryRequest(name=name), deadline)
+
+    def shared_memory_status(self, name="", *, deadline=DEFAULT):
+        """The regions registered (SharedMemoryRegion messages: name, key, offset, byte_size)."""
+        req = pb.SharedMemoryStatusRequest(name=name)
+        return list(self._call(self._stub.SharedMemoryStatus, req, deadline).regions)
 
     def list_models(self, *, deadline=DEFAULT):
         """Every loaded version of every model (ModelInfo messages)."""

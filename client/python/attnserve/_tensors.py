@@ -3,6 +3,7 @@ import sys
 
 import numpy as np
 
+from . import _shm
 from .v1 import attention_pb2 as pb
 
 _NUMPY = {"float32": pb.DATA_TYPE_FLOAT32, "float16": pb.DATA_TYPE_FLOAT16, "bfloat16": pb.DATA_TYPE_BFLOAT16,
@@ -37,6 +38,12 @@ def to_wire(x, field, into):
     a = np.asarray(x)
     if a.dtype.name not in _NUMPY:
         raise TypeError(f"{field}: numpy dtype {a.dtype}; allowed: float32, float16, bfloat16 (ml_dtypes), bool")
+    ref = _shm.ref_of(a)
+    if ref is not None:  # Backed by a registered region: the server reads it there.
+        into.dtype = _NUMPY[a.dtype.name]
+        into.shape[:] = list(a.shape)
+        into.shared_memory.CopyFrom(ref)
+        return into
     a = np.ascontiguousarray(a)
     if a.dtype.byteorder == ">":
         a = a.byteswap().view(a.dtype.newbyteorder("<"))
@@ -50,8 +57,11 @@ def _fill(into, dtype, shape, array):
     return into
 
 
-def from_wire(t, like_torch):
-    """A Tensor as a numpy array, or as a torch tensor when `like_torch` (the query was one)."""
+def from_wire(t, like_torch, out=None):
+    """A Tensor as a numpy array, or as a torch tensor when `like_torch` (the query was one); `out`, when the
+    server wrote the answer into that region-backed array."""
+    if out is not None:
+        return out
     name = _NAMES.get(t.dtype)
     if name is None:
         raise ValueError(f"answer: tensor dtype {t.dtype} is not one attnserve sends")

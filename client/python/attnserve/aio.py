@@ -62,8 +62,9 @@ class Client:
 
     async def attend(self, query, key=None, value=None, *, model="demo", model_version=0, key_padding_mask=None,
                      attn_mask=None, is_causal=False, attn_weights="none", layout="batch_first", memory=None,
-                     session=None, session_length=None, deadline=DEFAULT):
-        """See attnserve.Client.attend."""
+                     session=None, session_length=None, out=None, deadline=DEFAULT):
+        """See attnserve.Client.attend (arrays of a SharedMemoryRegion, made by a blocking Client of the same
+        server, travel as references here too)."""
         route = None
         if isinstance(memory, _calls.Kept):
             memory, route = memory.handle, memory.route
@@ -72,8 +73,8 @@ class Client:
         req = _calls.attend_request(query, key, value, model=model, model_version=model_version,
                                     key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal,
                                     attn_weights=attn_weights, layout=layout, memory=memory, session=session,
-                                    session_length=session_length, request_id=next(self._ids))
-        return _calls.result(await self._routed("Attend", req, deadline, route), _tensors.is_torch(query))
+                                    session_length=session_length, request_id=next(self._ids), out=out)
+        return _calls.result(await self._routed("Attend", req, deadline, route), _tensors.is_torch(query), out)
 
     async def list_models(self, *, deadline=DEFAULT):
         return list((await self._call(self._stub.ListModels, pb.ListModelsRequest(), deadline)).models)
