@@ -2,6 +2,8 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <fstream>
@@ -9,9 +11,11 @@
 #include <iterator>
 #include <map>
 #include <mutex>
+#include <set>
 #include <stdexcept>
 #include <thread>
 
+#include "attnserve/half.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "kv_routes.h"
@@ -78,6 +82,45 @@ void ToWire(const AttendRequest& r, pb::AttendRequest* out) {
   if (r.output_shared_memory) ToWire(*r.output_shared_memory, out->mutable_output_shared_memory());
   if (r.attn_weights_shared_memory)
     ToWire(*r.attn_weights_shared_memory, out->mutable_attn_weights_shared_memory());
+}
+
+// float32 values in `to` (bfloat16 or float16), rounded to nearest even.
+Tensor Narrowed(const Tensor& t, DataType to) {
+  Tensor out{to, t.shape, std::string(t.data.size() / 2, '\0'), std::nullopt};
+  const float* in = reinterpret_cast<const float*>(t.data.data());
+  uint16_t* o = reinterpret_cast<uint16_t*>(out.data.data());
+  const size_t n = t.data.size() / 4;
+  for (size_t i = 0; i < n; ++i)
+    o[i] = to == DataType::kBFloat16 ? FloatToBFloat16(in[i]) : FloatToHalf(in[i]);
+  return out;
+}
+
+// A 16-bit answer widened back to float32 (exact).
+void Widen(Tensor* t) {
+  if (t->dtype != DataType::kBFloat16 && t->dtype != DataType::kFloat16) return;
+  std::string wide(t->data.size() * 2, '\0');
+  const uint16_t* in = reinterpret_cast<const uint16_t*>(t->data.data());
+  float* o = reinterpret_cast<float*>(wide.data());
+  for (size_t i = 0; i < t->data.size() / 2; ++i)
+    o[i] = t->dtype == DataType::kBFloat16 ? BFloat16ToFloat(in[i]) : HalfToFloat(in[i]);
+  t->data = std::move(wide);
+  t->dtype = DataType::kFloat32;
+}
+
+void Widen(AttendResult* r) {
+  Widen(&r->output);
+  if (r->attn_weights) Widen(&*r->attn_weights);
+}
+
+bool Narrowable(const Tensor& t) { return t.dtype == DataType::kFloat32 && !t.shared_memory; }
+
+// `request` with its float32 query, key and value in `to`.
+AttendRequest NarrowRequest(const AttendRequest& request, DataType to) {
+  AttendRequest r = request;
+  r.query = Narrowed(request.query, to);
+  if (r.key) r.key = Narrowed(*request.key, to);
+  if (r.value) r.value = Narrowed(*request.value, to);
+  return r;
 }
 
 KvInfo FromWire(const pb::KvHandle& h) {
@@ -195,6 +238,60 @@ struct Client::Impl {
   }
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<pb::AttentionService::Stub> stub;
+  // ClientOptions::connections channels, each its own connection; calls go round robin.
+  std::vector<std::shared_ptr<grpc::Channel>> pool;
+  std::vector<std::unique_ptr<pb::AttentionService::Stub>> pool_stubs;
+  std::atomic<size_t> next{0};
+  pb::AttentionService::Stub* Next() {
+    return pool_stubs[next.fetch_add(1, std::memory_order_relaxed) % pool_stubs.size()].get();
+  }
+
+  // The compute dtype of each model this client asked for (ClientOptions::wire_dtype).
+  std::mutex dtypes_mu;
+  std::map<std::pair<std::string, int64_t>, DataType> dtypes;
+  // The 16-bit dtype `request`'s float32 query, key and value travel in, when its model computes
+  // in one (the model's, or the one of the memory or session it names, when this client made it).
+  std::optional<DataType> WireOf(const AttendRequest& request) {
+    if (options.wire_dtype != ClientOptions::WireDtype::kModel || !Narrowable(request.query) ||
+        (request.key && !Narrowable(*request.key)) ||
+        (request.value && !Narrowable(*request.value)))
+      return std::nullopt;
+    std::string model = request.model;
+    int64_t version = request.model_version;
+    const std::string& handle = request.session.empty() ? request.memory : request.session;
+    if (!handle.empty()) {
+      const KvRoute route = routes.Find(handle);
+      if (route.model.empty()) return std::nullopt;
+      model = route.model;
+      version = route.model_version;
+    }
+    return WireOf(model, version);
+  }
+  std::optional<DataType> WireOf(const std::string& model, int64_t version) {
+    {
+      std::lock_guard<std::mutex> lock(dtypes_mu);
+      auto it = dtypes.find({model, version});
+      if (it != dtypes.end()) return Sixteen(it->second);
+    }
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    pb::GetModelRequest req;
+    req.set_name(model);
+    req.set_version(version);
+    pb::ModelInfo info;
+    if (!stub->GetModel(&ctx, req, &info).ok()) return std::nullopt;  // The call will say why.
+    const auto dtype = static_cast<DataType>(info.compute_dtype());
+    std::lock_guard<std::mutex> lock(dtypes_mu);
+    dtypes[{model, version}] = dtype;
+    return Sixteen(dtype);
+  }
+  static std::optional<DataType> Sixteen(DataType d) {
+    return d == DataType::kBFloat16 || d == DataType::kFloat16 ? std::optional<DataType>(d)
+                                                               : std::nullopt;
+  }
+  static AttendRequest Narrow(const AttendRequest& request, DataType to) {
+    return NarrowRequest(request, to);
+  }
   std::unique_ptr<pb::AdminService::Stub> admin;
   std::unique_ptr<grpc::health::v1::Health::Stub> health;
 
@@ -220,7 +317,7 @@ struct Client::Impl {
   pb::AttentionService::Stub* Routed(const std::string& handle, grpc::ClientContext* ctx,
                                      std::string* replica) {
     replica->clear();
-    if (handle.empty()) return stub.get();
+    if (handle.empty()) return Next();
     const std::string address = routes.Find(handle).replica;
     if (address.empty()) return stub.get();
     ctx->AddMetadata(KvRoutes::kMetadataKey, address);
@@ -353,6 +450,16 @@ Client::Client(const ClientOptions& options) : impl_(std::make_shared<Impl>()) {
   impl_->replica_args = channel_args(options.service_config.empty() ? "" : kProxyServiceConfig);
   impl_->credentials = credentials;
   impl_->stub = pb::AttentionService::NewStub(impl_->channel);
+  // The pool: the main channel, then more with a subchannel pool of their own (gRPC shares one
+  // connection among channels of equal arguments otherwise).
+  impl_->pool.push_back(impl_->channel);
+  for (int i = 1; i < std::max(1, options.connections); ++i) {
+    grpc::ChannelArguments args = channel_args(options.service_config);
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    args.SetInt("attnserve.connection", i);
+    impl_->pool.push_back(grpc::CreateCustomChannel(options.target, credentials, args));
+  }
+  for (const auto& ch : impl_->pool) impl_->pool_stubs.push_back(pb::AttentionService::NewStub(ch));
   impl_->admin = pb::AdminService::NewStub(impl_->channel);
   impl_->health = grpc::health::v1::Health::NewStub(impl_->channel);
   impl_->poller = std::thread([impl = impl_.get()] { impl->Poll(); });
@@ -385,8 +492,17 @@ void Client::AttendAsync(const AttendRequest& request,
                          const CallOptions& call) {
   auto* rpc = new AsyncAttend;
   impl_->Prepare(&rpc->ctx, call);
-  ToWire(request, &rpc->request);
-  rpc->done = std::move(done);
+  if (const std::optional<DataType> wire = impl_->WireOf(request)) {
+    // The model computes in 16 bits: the tensors travel in them, the answer is widened here.
+    ToWire(Impl::Narrow(request, *wire), &rpc->request);
+    rpc->done = [done = std::move(done)](CallStatus s, AttendResult r) {
+      Widen(&r);
+      done(std::move(s), std::move(r));
+    };
+  } else {
+    ToWire(request, &rpc->request);
+    rpc->done = std::move(done);
+  }
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
     ++impl_->in_flight;
@@ -406,10 +522,12 @@ namespace {
 class StreamReactor final : public grpc::ClientBidiReactor<pb::AttendRequest, pb::AttendResponse>,
                             public AttendStream {
  public:
+  // `wire_of`: the 16-bit dtype a request travels in (ClientOptions::wire_dtype), or none.
   StreamReactor(pb::AttentionService::Stub* stub,
                 std::function<void(CallStatus, AttendResult)> on_response,
-                std::chrono::milliseconds deadline)
-      : on_response_(std::move(on_response)) {
+                std::chrono::milliseconds deadline,
+                std::function<std::optional<DataType>(const AttendRequest&)> wire_of)
+      : on_response_(std::move(on_response)), wire_of_(std::move(wire_of)) {
     if (deadline.count() > 0) ctx_.set_deadline(std::chrono::system_clock::now() + deadline);
     stub->async()->AttendStream(&ctx_, this);
     StartRead(&response_);
@@ -418,9 +536,15 @@ class StreamReactor final : public grpc::ClientBidiReactor<pb::AttendRequest, pb
   ~StreamReactor() override { Finish(); }
 
   bool Send(const AttendRequest& request) override {
+    const std::optional<DataType> wire = wire_of_ ? wire_of_(request) : std::nullopt;
     std::lock_guard<std::mutex> lock(mu_);
     if (done_ || closing_) return false;
-    ToWire(request, &pending_.emplace_back());
+    if (wire) {
+      ToWire(NarrowRequest(request, *wire), &pending_.emplace_back());
+      widen_.insert(request.request_id);  // Its answer is widened back to float32.
+    } else {
+      ToWire(request, &pending_.emplace_back());
+    }
     if (!writing_) {
       writing_ = true;
       StartWrite(&pending_.front());
@@ -457,6 +581,12 @@ class StreamReactor final : public grpc::ClientBidiReactor<pb::AttendRequest, pb
                           response_.error().trace_id()};
     AttendResult result = status.ok() ? FromWire(&response_) : AttendResult{};
     result.request_id = response_.request_id();
+    bool widen = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      widen = widen_.erase(result.request_id) > 0;
+    }
+    if (widen) Widen(&result);
     on_response_(std::move(status), std::move(result));
     response_.Clear();
     StartRead(&response_);
@@ -472,6 +602,8 @@ class StreamReactor final : public grpc::ClientBidiReactor<pb::AttendRequest, pb
  private:
   grpc::ClientContext ctx_;
   std::function<void(CallStatus, AttendResult)> on_response_;
+  std::function<std::optional<DataType>(const AttendRequest&)> wire_of_;
+  std::multiset<uint64_t> widen_;  // Request ids sent narrowed, answers not yet read.
   pb::AttendResponse response_;
   std::mutex mu_;
   std::condition_variable cv_;
@@ -486,8 +618,10 @@ class StreamReactor final : public grpc::ClientBidiReactor<pb::AttendRequest, pb
 
 std::unique_ptr<AttendStream> Client::OpenStream(
     std::function<void(CallStatus, AttendResult)> on_response, const CallOptions& call) {
-  return std::make_unique<StreamReactor>(impl_->stub.get(), std::move(on_response),
-                                         call.deadline.value_or(impl_->options.deadline));
+  std::shared_ptr<Impl> impl = impl_;
+  return std::make_unique<StreamReactor>(
+      impl_->Next(), std::move(on_response), call.deadline.value_or(impl_->options.deadline),
+      [impl](const AttendRequest& r) { return impl->WireOf(r); });
 }
 
 CallStatus Client::ListModels(std::vector<ModelInfo>* models, const CallOptions& call) {
@@ -548,15 +682,20 @@ CallStatus Client::CreateMemory(const MemoryRequest& request, KvInfo* memory,
   pb::CreateMemoryRequest req;
   req.set_model(request.model);
   req.set_model_version(request.model_version);
-  ToWire(request.key, req.mutable_key());
-  ToWire(request.value, req.mutable_value());
+  std::optional<DataType> wire;
+  if (impl_->options.wire_dtype == ClientOptions::WireDtype::kModel && Narrowable(request.key) &&
+      Narrowable(request.value))
+    wire = impl_->WireOf(request.model, request.model_version);
+  ToWire(wire ? Narrowed(request.key, *wire) : request.key, req.mutable_key());
+  ToWire(wire ? Narrowed(request.value, *wire) : request.value, req.mutable_value());
   if (request.key_padding_mask) ToWire(*request.key_padding_mask, req.mutable_key_padding_mask());
   req.set_layout(static_cast<pb::Layout>(request.layout));
   pb::KvHandle resp;
   const grpc::Status s = impl_->stub->CreateMemory(&ctx, req, &resp);
   if (s.ok()) {
     *memory = FromWire(resp);
-    impl_->routes.Remember(resp.handle(), KvRoute{resp.replica()});
+    impl_->routes.Remember(resp.handle(),
+                           KvRoute{resp.replica(), resp.model(), resp.model_version()});
   }
   return FromGrpc(s, &ctx);
 }
@@ -573,7 +712,8 @@ CallStatus Client::OpenSession(const std::string& model, int64_t batch, KvInfo* 
   const grpc::Status s = impl_->stub->OpenSession(&ctx, req, &resp);
   if (s.ok()) {
     *session = FromWire(resp);
-    impl_->routes.Remember(resp.handle(), KvRoute{resp.replica()});
+    impl_->routes.Remember(resp.handle(),
+                           KvRoute{resp.replica(), resp.model(), resp.model_version()});
   }
   return FromGrpc(s, &ctx);
 }
@@ -586,7 +726,8 @@ CallStatus Client::ForkSession(const std::string& handle, KvInfo* fork, const Ca
       impl_->Kept(handle, call, &pb::AttentionService::Stub::ForkSession, req, &resp);
   if (s.ok()) {
     *fork = FromWire(resp);
-    impl_->routes.Remember(resp.handle(), KvRoute{resp.replica()});  // The parent's replica.
+    impl_->routes.Remember(resp.handle(), KvRoute{resp.replica(), resp.model(),
+                                                  resp.model_version()});  // The parent's replica.
   }
   return s;
 }

@@ -4,6 +4,7 @@
 // API: client.cc's only.
 
 #include <cstddef>
+#include <cstdint>
 #include <deque>
 #include <mutex>
 #include <string>
@@ -16,6 +17,9 @@ namespace attnserve {
 /// calls (deploy/nginx routes by it) or, with ClientOptions::route_to_replica, called straight.
 struct KvRoute {
   std::string replica;
+  /// The model the handle is on (KvHandle.model, model_version): its wire dtype.
+  std::string model;
+  int64_t model_version = 0;
 };
 
 /// The routes of the handles a client made, bounded: beyond `capacity` the oldest are forgotten

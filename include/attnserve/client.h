@@ -188,6 +188,16 @@ struct ClientOptions {
   /// AttendStream calls are not routed (a stream reaches one replica: open it on a Client whose
   /// target is the session's replica).
   bool route_to_replica = true;
+  /// Connections (HTTP/2) the client spreads its calls over, round robin: large tensors from many
+  /// concurrent callers do not all queue on one connection, and the server reads them in
+  /// parallel. A stream, and a memory's or session's calls, keep to one. At least 1.
+  int connections = 4;
+  /// The dtype queries, keys and values travel in. kModel (the default): float32 tensors go as the
+  /// model computes (bfloat16 or float16, learnt once per model with GetModel) and answers come
+  /// back in it, widened to float32 here: half the bytes each way, the same values (the server
+  /// rounds to the model's dtype anyway). kAsGiven: as the caller made them.
+  enum class WireDtype { kModel, kAsGiven };
+  WireDtype wire_dtype = WireDtype::kModel;
 };
 
 /// Per-call settings.
