@@ -292,3 +292,56 @@ def test_the_package_through_shared_memory(request, checks):
            client.shared_memory_status() == [] and not os.path.exists("/dev/shm" + key))
     client.close()
     server.stop()
+
+
+def connections_to(port):
+    """Established TCP connections to `port` on this host (IPv4 and v4-mapped IPv6 sockets)."""
+    n = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            next(f)
+            for line in f:
+                fields = line.split()
+                if int(fields[2].split(":")[1], 16) == port and fields[3] == "01":
+                    n += 1
+    return n
+
+
+def test_the_models_wire_and_the_connection_pool(request, checks):
+    """A bfloat16 model: float32 arrays travel in bfloat16 by default and the answer comes back as float32,
+    the same values as sending bfloat16 by hand; wire_dtype="as_given" sends float32. Concurrent calls of one
+    client spread over its connections (4 by default)."""
+    binary, fixtures = request.config.getoption("--attnserve"), request.config.getoption("--package-fixtures")
+    c = dict(np.load(os.path.join(fixtures, "cases.npz")))
+    server = lib.Server(binary, "--models", os.path.join(fixtures, "models"), "--dtype", "bfloat16")
+    env = f"grpcio {grpc.__version__}"
+    client = attnserve.Client(server.target)
+    q = c["cross_q"]
+    r = client.attend(q, c["cross_k"], c["cross_v"], model="xattn")
+    checks(f"[{env}] bfloat16 model, float32 in: float32 out", r.output.dtype == np.float32, str(r.output.dtype))
+    checks(f"[{env}] within bfloat16's rounding of the reference", err(r.output, c["cross_out"]) <= 3e-2,
+           f"{err(r.output, c['cross_out']):.2e}")
+    if HAS_ML_DTYPES:
+        import ml_dtypes
+        raw = attnserve.Client(server.target, wire_dtype="as_given")
+        by_hand = raw.attend(q.astype(ml_dtypes.bfloat16), c["cross_k"].astype(ml_dtypes.bfloat16),
+                             c["cross_v"].astype(ml_dtypes.bfloat16), model="xattn")
+        checks(f"[{env}] the same values as bfloat16 sent by hand",
+               np.array_equal(by_hand.output.astype(np.float32), r.output))
+        f32 = raw.attend(q, c["cross_k"], c["cross_v"], model="xattn")
+        checks(f"[{env}] wire_dtype='as_given' keeps float32 each way", f32.output.dtype == np.float32)
+        raw.close()
+    with client.memory(c["cross_k"], c["cross_v"], model="xattn") as m:
+        checks(f"[{env}] a memory of a bfloat16 model, float32 in and out",
+               m.attend(q).output.dtype == np.float32)
+    client.close()
+
+    import concurrent.futures
+    pooled = attnserve.Client(server.target, connections=4)
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        outs = list(pool.map(lambda _: pooled.attend(c["causal_q"], model="mha").output, range(32)))
+    checks(f"[{env}] 32 concurrent calls answered", len(outs) == 32)
+    checks(f"[{env}] spread over the client's 4 connections", connections_to(server.port) == 4,
+           str(connections_to(server.port)))
+    pooled.close()
+    server.stop()

@@ -1,6 +1,7 @@
 """What the blocking and the asyncio clients share: channel settings, requests, answers."""
 import dataclasses
 import importlib.resources
+import itertools
 import json
 import threading
 from typing import Any, Optional
@@ -110,7 +111,7 @@ class Result:
 
 
 def attend_request(query, key, value, *, model, model_version, key_padding_mask, attn_mask, is_causal,
-                   attn_weights, layout, memory, session, session_length, request_id, out=None):
+                   attn_weights, layout, memory, session, session_length, request_id, out=None, wire=None):
     if attn_weights not in WEIGHTS:
         raise ValueError(f"attn_weights: '{attn_weights}'; allowed: {', '.join(WEIGHTS)}")
     if layout not in LAYOUTS:
@@ -123,7 +124,7 @@ def attend_request(query, key, value, *, model, model_version, key_padding_mask,
     for name, t in (("query", query), ("key", key), ("value", value), ("key_padding_mask", key_padding_mask),
                     ("attn_mask", attn_mask)):
         if t is not None:
-            _tensors.to_wire(t, name, getattr(req, name))
+            _tensors.to_wire(t, name, getattr(req, name), wire if name in ("query", "key", "value") else None)
     if session_length is not None:
         req.session_length = session_length
     if out is not None:
@@ -134,9 +135,9 @@ def attend_request(query, key, value, *, model, model_version, key_padding_mask,
     return req
 
 
-def result(resp, like_torch, out=None):
-    return Result(output=_tensors.from_wire(resp.output, like_torch, out),
-                  attn_weights=_tensors.from_wire(resp.attn_weights, like_torch)
+def result(resp, like_torch, out=None, widen=False):
+    return Result(output=_tensors.from_wire(resp.output, like_torch, out, widen),
+                  attn_weights=_tensors.from_wire(resp.attn_weights, like_torch, None, widen)
                   if resp.HasField("attn_weights") else None,
                   model=resp.model, model_version=resp.model_version, weights_hash=resp.weights_hash,
                   session_length=resp.session_length, queue_seconds=resp.timing.queue_seconds,
@@ -144,14 +145,24 @@ def result(resp, like_torch, out=None):
                   request_id=resp.request_id)
 
 
-def memory_request(key, value, *, model, model_version, key_padding_mask, layout):
+def memory_request(key, value, *, model, model_version, key_padding_mask, layout, wire=None):
     if layout not in LAYOUTS:
         raise ValueError(f"layout: '{layout}'; allowed: {', '.join(LAYOUTS)}")
     req = pb.CreateMemoryRequest(model=model, model_version=model_version, layout=LAYOUTS[layout])
     for name, t in (("key", key), ("value", value), ("key_padding_mask", key_padding_mask)):
         if t is not None:
-            _tensors.to_wire(t, name, getattr(req, name))
+            _tensors.to_wire(t, name, getattr(req, name), wire if name != "key_padding_mask" else None)
     return req
+
+
+SIXTEEN = {pb.DATA_TYPE_BFLOAT16: "bfloat16", pb.DATA_TYPE_FLOAT16: "float16"}
+
+
+def is_float32(x):
+    """Whether `x` is float32 (numpy or torch): what the model's 16-bit wire narrows."""
+    if _tensors.is_torch(x):
+        return str(x.dtype) == "torch.float32"
+    return getattr(x, "dtype", None) == "float32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,18 +177,31 @@ class Channels:
     """A client's channel to its target, and with route_to_replica one to each replica holding a memory or
     session it made (no balancing: "proxy" retries, or gRPC's defaults when the client has no config)."""
 
-    def __init__(self, grpc_module, target, *, route_to_replica, service_config, **settings):
+    def __init__(self, grpc_module, target, *, route_to_replica, service_config, connections=1, **settings):
         self._grpc, self._target, self._direct, self._settings = grpc_module, target, route_to_replica, settings
         self._replica_config = None if service_config is None else "proxy"
         self.main = channel(grpc_module, target, service_config=service_config, **settings)
         self.stub = pb_grpc.AttentionServiceStub(self.main)
+        # The pool: more channels with subchannel pools of their own (equal channels share one
+        # connection otherwise); unrouted calls go round robin over it.
+        self.pool = [self.main]
+        for i in range(1, max(1, connections)):
+            extra = dict(settings)
+            extra["options"] = list((settings.get("options") or {}).items()) + [
+                ("grpc.use_local_subchannel_pool", 1), ("attnserve.connection", i)]
+            extra["options"] = dict(extra["options"])
+            self.pool.append(channel(grpc_module, target, service_config=service_config, **extra))
+        self._pool_stubs = [pb_grpc.AttentionServiceStub(ch) for ch in self.pool]
+        self._turn = itertools.count()
         self._replicas = {}
         self._lock = threading.Lock()
 
     def routed(self, route):
         """(stub, metadata, replica) for a call on a memory or session with `route` (None: not routed);
         replica is the address of the replica the call is routed to ("" when none)."""
-        if route is None or not route.replica:
+        if route is None:
+            return self._pool_stubs[next(self._turn) % len(self._pool_stubs)], with_trace(), ""
+        if not route.replica:
             return self.stub, with_trace(), ""
         metadata = with_trace(((ROUTE_METADATA, route.replica),))
         if not self._direct or route.replica == self._target:
@@ -191,7 +215,7 @@ class Channels:
 
     def all(self):
         with self._lock:
-            return [self.main] + [ch for ch, _ in self._replicas.values()]
+            return list(self.pool) + [ch for ch, _ in self._replicas.values()]
 
 
 def error(e, replica):

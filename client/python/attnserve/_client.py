@@ -24,18 +24,43 @@ class Client:
         advertises, KvHandle.replica) over a channel of the client's own; False behind a proxy whose replicas
         the client cannot reach. Either way they name the replica in their `attnserve-replica` metadata,
         which deploy/nginx routes by (docs/kv.md "Sessions across replicas").
+    wire_dtype: "model" (the default): float32 queries, keys and values of a model computing in bfloat16 or
+        float16 travel in that dtype (half the bytes; the server rounds to it anyway) and answers come back
+        widened to float32; "as_given": tensors travel as they are.
+    connections: connections (HTTP/2) calls are spread over, round robin, so that large tensors from many
+        threads do not queue on one.
     Thread-safe; close() (or `with`) closes the channels."""
 
     def __init__(self, target="127.0.0.1:50051", *, tls=False, root_certs=None, cert=None, key=None,
                  server_name=None, deadline=30.0, service_config="default", max_message_bytes=64 << 20,
-                 options=None, route_to_replica=True):
+                 options=None, route_to_replica=True, wire_dtype="model", connections=4):
+        if wire_dtype not in ("model", "as_given"):
+            raise ValueError(f"wire_dtype: '{wire_dtype}'; allowed: model, as_given")
         self._channels = _calls.Channels(grpc, target, route_to_replica=route_to_replica, tls=tls,
                                          root_certs=root_certs, cert=cert, key=key, server_name=server_name,
                                          service_config=service_config, max_message_bytes=max_message_bytes,
-                                         options=options)
+                                         options=options, connections=connections)
         self._stub = self._channels.stub
         self._deadline = deadline
         self._ids = itertools.count(1)
+        self._wire_dtype = wire_dtype
+        self._dtypes = {}  # (model, version) -> the 16-bit wire name, or None
+
+    def _wire(self, tensor, model, version, kept=None):
+        """The 16-bit dtype float32 `tensor` travels in for this model (wire_dtype "model"), or None."""
+        if self._wire_dtype != "model" or not _calls.is_float32(tensor):
+            return None
+        if kept is not None:
+            model, version = kept.info.model, kept.info.model_version
+        elif model is None:
+            return None  # A bare handle: its model is not known here.
+        if (model, version) not in self._dtypes:
+            try:
+                info = self.get_model(model, version)
+            except AttnserveError:
+                return None  # The call itself will say what is wrong.
+            self._dtypes[(model, version)] = _calls.SIXTEEN.get(info.compute_dtype)
+        return self._dtypes[(model, version)]
 
     def __enter__(self):
         return self
@@ -78,15 +103,18 @@ class Client:
         references; `out=`, such an array, receives the output (Result.output is then `out`). Returns a
         Result; raises AttnserveError."""
         route = None
+        kept = memory if isinstance(memory, _calls.Kept) else session if isinstance(session, _calls.Kept) else None
         if isinstance(memory, _calls.Kept):
             memory, route = memory.handle, memory.route
         if isinstance(session, _calls.Kept):
             session, route = session.handle, session.route
+        wire = self._wire(query, None if (memory or session) and kept is None else model, model_version, kept)
         req = _calls.attend_request(query, key, value, model=model, model_version=model_version,
                                     key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal,
                                     attn_weights=attn_weights, layout=layout, memory=memory, session=session,
-                                    session_length=session_length, request_id=next(self._ids), out=out)
-        return _calls.result(self._routed("Attend", req, deadline, route), _tensors.is_torch(query), out)
+                                    session_length=session_length, request_id=next(self._ids), out=out, wire=wire)
+        return _calls.result(self._routed("Attend", req, deadline, route), _tensors.is_torch(query), out,
+                             widen=wire is not None)
 
     def shared_memory(self, name, byte_size):
         """A POSIX shared memory region of `byte_size` bytes made on this host and registered with the server
@@ -127,7 +155,8 @@ class Client:
         """Projects `key` and `value` once and keeps them on the server for cross-attention. Use it with
         `with`, which deletes it."""
         req = _calls.memory_request(key, value, model=model, model_version=model_version,
-                                    key_padding_mask=key_padding_mask, layout=layout)
+                                    key_padding_mask=key_padding_mask, layout=layout,
+                                    wire=self._wire(key, model, model_version))
         return self._make("CreateMemory", req, deadline, Memory)
 
     def _release(self, name, kept, deadline):

@@ -22,10 +22,44 @@ def is_torch(x):
     return t is not None and isinstance(x, t.Tensor)
 
 
-def to_wire(x, field, into):
+def narrowed(x, wire):
+    """float32 `x` (numpy or torch) as the 16-bit bytes of `wire` ("bfloat16", "float16"): a uint16 numpy
+    array of bfloat16 bits (rounded to nearest even) or a float16 array; None when `x` is not float32."""
+    if is_torch(x):
+        torch = _torch()
+        if x.dtype != torch.float32:
+            return None
+        x = x.detach().to("cpu").contiguous().numpy()
+    a = np.asarray(x)
+    if a.dtype != np.float32 or _shm.ref_of(a) is not None:
+        return None
+    a = np.ascontiguousarray(a, dtype="<f4")
+    if wire == "float16":
+        return a.astype("<f2")
+    u = a.view("<u4")
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype("<u2")
+
+
+def widened(a):
+    """A 16-bit answer (numpy bfloat16 or float16, or torch) as float32, exactly."""
+    if is_torch(a):
+        return a.float()
+    if a.dtype == np.float16:
+        return a.astype(np.float32)
+    if a.dtype.name == "bfloat16":
+        return (a.view("<u2").astype("<u4") << 16).view("<f4")
+    return a
+
+
+def to_wire(x, field, into, wire=None):
     """Writes a numpy array (float32, float16, ml_dtypes.bfloat16, bool) or torch tensor (float32,
     float16, bfloat16, bool; any device) into the Tensor message `into` (in place: the bytes are copied
-    once, into the message). TypeError naming `field` for anything else."""
+    once, into the message); with `wire` ("bfloat16" or "float16"), float32 goes in that dtype. TypeError
+    naming `field` for anything else."""
+    if wire is not None:
+        n = narrowed(x, wire)
+        if n is not None:
+            return _fill(into, _NUMPY[wire], tuple(x.shape), n)
     if is_torch(x):
         torch = _torch()
         t = x.detach().to("cpu").contiguous()
@@ -57,11 +91,19 @@ def _fill(into, dtype, shape, array):
     return into
 
 
-def from_wire(t, like_torch, out=None):
+def from_wire(t, like_torch, out=None, widen=False):
     """A Tensor as a numpy array, or as a torch tensor when `like_torch` (the query was one); `out`, when the
-    server wrote the answer into that region-backed array."""
+    server wrote the answer into that region-backed array; `widen`: a 16-bit answer as float32 (the query
+    was float32, sent in the model's dtype)."""
     if out is not None:
         return out
+    if widen and not like_torch and t.dtype in (pb.DATA_TYPE_BFLOAT16, pb.DATA_TYPE_FLOAT16):
+        bits = np.frombuffer(t.data, dtype="<u2").reshape(tuple(t.shape))
+        if t.dtype == pb.DATA_TYPE_FLOAT16:
+            return bits.view("<f2").astype(np.float32)
+        return (bits.astype("<u4") << 16).view("<f4")
+    if widen and like_torch:
+        return widened(from_wire(t, like_torch))
     name = _NAMES.get(t.dtype)
     if name is None:
         raise ValueError(f"answer: tensor dtype {t.dtype} is not one attnserve sends")

@@ -22,14 +22,34 @@ class Client:
 
     def __init__(self, target="127.0.0.1:50051", *, tls=False, root_certs=None, cert=None, key=None,
                  server_name=None, deadline=30.0, service_config="default", max_message_bytes=64 << 20,
-                 options=None, route_to_replica=True):
+                 options=None, route_to_replica=True, wire_dtype="model", connections=4):
+        if wire_dtype not in ("model", "as_given"):
+            raise ValueError(f"wire_dtype: '{wire_dtype}'; allowed: model, as_given")
         self._channels = _calls.Channels(grpc.aio, target, route_to_replica=route_to_replica, tls=tls,
                                          root_certs=root_certs, cert=cert, key=key, server_name=server_name,
                                          service_config=service_config, max_message_bytes=max_message_bytes,
-                                         options=options)
+                                         options=options, connections=connections)
         self._stub = self._channels.stub
         self._deadline = deadline
         self._ids = itertools.count(1)
+        self._wire_dtype = wire_dtype
+        self._dtypes = {}
+
+    async def _wire(self, tensor, model, version, kept=None):
+        """See attnserve.Client._wire."""
+        if self._wire_dtype != "model" or not _calls.is_float32(tensor):
+            return None
+        if kept is not None:
+            model, version = kept.info.model, kept.info.model_version
+        elif model is None:
+            return None
+        if (model, version) not in self._dtypes:
+            try:
+                info = await self.get_model(model, version)
+            except AttnserveError:
+                return None
+            self._dtypes[(model, version)] = _calls.SIXTEEN.get(info.compute_dtype)
+        return self._dtypes[(model, version)]
 
     async def __aenter__(self):
         return self
@@ -66,15 +86,19 @@ class Client:
         """See attnserve.Client.attend (arrays of a SharedMemoryRegion, made by a blocking Client of the same
         server, travel as references here too)."""
         route = None
+        kept = memory if isinstance(memory, _calls.Kept) else session if isinstance(session, _calls.Kept) else None
         if isinstance(memory, _calls.Kept):
             memory, route = memory.handle, memory.route
         if isinstance(session, _calls.Kept):
             session, route = session.handle, session.route
+        wire = await self._wire(query, None if (memory or session) and kept is None else model, model_version,
+                                kept)
         req = _calls.attend_request(query, key, value, model=model, model_version=model_version,
                                     key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal,
                                     attn_weights=attn_weights, layout=layout, memory=memory, session=session,
-                                    session_length=session_length, request_id=next(self._ids), out=out)
-        return _calls.result(await self._routed("Attend", req, deadline, route), _tensors.is_torch(query), out)
+                                    session_length=session_length, request_id=next(self._ids), out=out, wire=wire)
+        return _calls.result(await self._routed("Attend", req, deadline, route), _tensors.is_torch(query), out,
+                             widen=wire is not None)
 
     async def list_models(self, *, deadline=DEFAULT):
         return list((await self._call(self._stub.ListModels, pb.ListModelsRequest(), deadline)).models)
@@ -91,7 +115,8 @@ class Client:
                      layout="batch_first", deadline=DEFAULT):
         """Keeps projected keys and values on the server (`async with await client.memory(k, v) as m`)."""
         req = _calls.memory_request(key, value, model=model, model_version=model_version,
-                                    key_padding_mask=key_padding_mask, layout=layout)
+                                    key_padding_mask=key_padding_mask, layout=layout,
+                                    wire=await self._wire(key, model, model_version))
         return await self._make("CreateMemory", req, deadline, Memory)
 
     async def _release(self, name, kept, deadline):
