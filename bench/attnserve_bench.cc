@@ -2,6 +2,8 @@
 // in-process (the compute floor, no gRPC). Closed loop (N callers) or open loop (fixed rate);
 // fixed, uniform or long-tail lengths; self- or cross-attention. Prints throughput and latency
 // percentiles, a progress line while running, and writes JSON.
+#include <unistd.h>
+
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <atomic>
@@ -18,6 +20,7 @@
 #include <thread>
 
 #include "attnserve/client.h"
+#include "attnserve/shared_memory.h"
 #include "client/cli/client_flags.h"
 #include "server/core/validator.h"
 #include "server/engine/attention_model.h"
@@ -53,13 +56,68 @@ class Backend {
   virtual std::string Device() = 0;
 };
 
+// Closed-loop requests whose tensors lie in shared memory on this host (--shared-memory): the
+// pool's queries, keys and values in one registered region, each caller's answer written by the
+// server into its own slot of another. What a client on the server's host sends instead of bytes.
+class SharedPool {
+ public:
+  SharedPool(attnserve::Client& client, const std::vector<Prepared>& pool, int callers) {
+    size_t in = 0, out = 0;
+    for (const Prepared& p : pool) {
+      in += p.request.query.data.size() +
+            (p.request.key ? p.request.key->data.size() + p.request.value->data.size() : 0);
+      out = std::max(out, p.request.query.data.size());
+    }
+    const std::string tag = std::to_string(::getpid());
+    inputs_ = attnserve::SharedMemoryRegion::Create("/attnserve-bench-in-" + tag, in);
+    outputs_ = attnserve::SharedMemoryRegion::Create("/attnserve-bench-out-" + tag,
+                                                     out * static_cast<size_t>(callers));
+    slot_ = out;
+    for (auto* r : {inputs_.get(), outputs_.get()}) {
+      const std::string name = r == inputs_.get() ? "bench-in" : "bench-out";
+      client.UnregisterSharedMemory(name);
+      const attnserve::CallStatus s = client.RegisterSharedMemory(name, r->key(), 0, r->size());
+      if (!s.ok()) throw std::invalid_argument("--shared-memory: " + s.ToString());
+    }
+    size_t at = 0;
+    for (const Prepared& p : pool) {
+      attnserve::AttendRequest r = p.request;
+      r.query = inputs_->Put(p.request.query, "bench-in", at);
+      at += p.request.query.data.size();
+      if (p.request.key) {
+        r.key = inputs_->Put(*p.request.key, "bench-in", at);
+        at += p.request.key->data.size();
+        r.value = inputs_->Put(*p.request.value, "bench-in", at);
+        at += p.request.value->data.size();
+      }
+      requests_.emplace(&p, std::move(r));
+    }
+  }
+  // `p` with its tensors in the region and its answer into `caller`'s slot.
+  attnserve::AttendRequest For(int caller, const Prepared& p) const {
+    attnserve::AttendRequest r = requests_.at(&p);
+    r.output_shared_memory =
+        attnserve::SharedMemoryRef{"bench-out", static_cast<int64_t>(slot_) * caller,
+                                   static_cast<int64_t>(p.request.query.data.size())};
+    return r;
+  }
+
+ private:
+  std::unique_ptr<attnserve::SharedMemoryRegion> inputs_, outputs_;
+  size_t slot_ = 0;
+  std::map<const Prepared*, attnserve::AttendRequest> requests_;
+};
+
 class ClientBackend : public Backend {
  public:
   // With `streams` > 0 each caller sends on its own AttendStream, one request at a time.
-  ClientBackend(attnserve::ClientOptions o, int streams, std::string model)
+  // With `shared` the requests' tensors lie in shared memory (a closed loop of `callers`).
+  ClientBackend(attnserve::ClientOptions o, int streams, std::string model,
+                const std::vector<Prepared>* shared = nullptr, int callers = 0)
       : model_(std::move(model)) {
     o.deadline = std::chrono::milliseconds(120000);
     client_ = std::make_unique<attnserve::Client>(o);
+    if (shared) shared_ = std::make_unique<SharedPool>(*client_, *shared, callers);
     pending_.resize(static_cast<size_t>(streams));
     for (int i = 0; i < streams; ++i) {
       streams_.push_back(
@@ -78,10 +136,9 @@ class ClientBackend : public Backend {
   }
   void Call(int caller, const Prepared& p, std::function<void(int)> done) override {
     if (streams_.empty()) {
-      client_->AttendAsync(
-          p.request, [done = std::move(done)](attnserve::CallStatus s, attnserve::AttendResult) {
-            done(s.code);
-          });
+      client_->AttendAsync(shared_ ? shared_->For(caller, p) : p.request,
+                           [done = std::move(done)](attnserve::CallStatus s,
+                                                    attnserve::AttendResult) { done(s.code); });
       return;
     }
     {
@@ -102,6 +159,7 @@ class ClientBackend : public Backend {
  private:
   const std::string model_;
   std::unique_ptr<attnserve::Client> client_;
+  std::unique_ptr<SharedPool> shared_;
   std::vector<std::unique_ptr<attnserve::AttendStream>> streams_;
   std::mutex mu_;
   std::vector<std::function<void(int)>> pending_;
@@ -314,6 +372,19 @@ nlohmann::json CopyBound(const std::string& device, const std::vector<Prepared>&
   return j;
 }
 
+// The model's compute dtype as the wire's (--wire-dtype model): --dtype in process, else GetModel's
+// (float32 when the server cannot say).
+std::string ModelWire(const std::string& target, const std::string& dtype, const std::string& model,
+                      const attnserve::ClientOptions& options) {
+  if (target == "inprocess") return dtype;
+  attnserve::Client client(options);
+  attnserve::ModelInfo info;
+  if (!client.GetModel(model, &info).ok()) return "float32";
+  return info.compute_dtype == attnserve::DataType::kBFloat16  ? "bfloat16"
+         : info.compute_dtype == attnserve::DataType::kFloat16 ? "float16"
+                                                               : "float32";
+}
+
 double Percentile(std::vector<double>& v, double q) {
   if (v.empty()) return 0;
   const size_t i = std::min(v.size() - 1, static_cast<size_t>(q * static_cast<double>(v.size())));
@@ -327,11 +398,11 @@ int main(int argc, char** argv) {
   CLI::App app{"attnserve-bench: load generator for attnserve", "attnserve-bench"};
   std::string target = "127.0.0.1:50051", lengths = "uniform:8:64", label = "run", json_path;
   std::string model_name = "demo", models_dir, device = "cpu", dtype = "float32",
-              wire_dtype = "float32";
+              wire_dtype = "model";
   int callers = 32, workers = 2, pool_size = 64, embed = 512;
   double rate = 0, duration = 10, warmup = 2, cross = 0;
   uint32_t seed = 1;
-  bool stream = false, batching = false;
+  bool stream = false, batching = false, shared_memory = false;
   attnserve::ClientOptions client_options;
   client_options.target = target;
   attnserve::cli::AddClientFlags(
@@ -361,20 +432,27 @@ int main(int argc, char** argv) {
   app.add_option("--dtype", dtype, "inprocess: compute dtype float32, float16 or bfloat16")
       ->capture_default_str();
   app.add_option("--wire-dtype", wire_dtype,
-                 "Dtype of queries, keys and values on the wire (answers come back in it)")
-      ->check(CLI::IsMember({"float32", "float16", "bfloat16"}))
+                 "Dtype of queries, keys and values on the wire (answers come back in it); model: "
+                 "the model's compute dtype (GetModel, or --dtype in process)")
+      ->check(CLI::IsMember({"model", "float32", "float16", "bfloat16"}))
       ->capture_default_str();
+  app.add_flag("--shared-memory", shared_memory,
+               "Closed loop against a server on this host (--allow-shared-memory): the requests' "
+               "tensors in a registered shared-memory region, answers written into another");
   app.add_option("--label", label, "Name in the output")->capture_default_str();
   app.add_option("--json", json_path, "Append the result as one JSON line to this file");
   app.add_option("--seed", seed, "Seed of lengths and data")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   attnserve::cli::FinishClientFlags(&client_options);
   target = client_options.target;
-  if (stream && (rate > 0 || target == "inprocess")) {
-    std::fprintf(stderr, "attnserve-bench: --stream needs a closed loop against a server\n");
+  if ((stream || shared_memory) && (rate > 0 || target == "inprocess")) {
+    std::fprintf(stderr,
+                 "attnserve-bench: --stream and --shared-memory need a closed loop against a "
+                 "server\n");
     return 2;
   }
 
+  if (wire_dtype == "model") wire_dtype = ModelWire(target, dtype, model_name, client_options);
   std::mt19937 rng(seed);
   const auto draw_len = LengthDistribution(lengths);
   std::normal_distribution<float> normal;
@@ -417,7 +495,8 @@ int main(int argc, char** argv) {
     }
   } else {
     try {
-      backend = std::make_unique<ClientBackend>(client_options, stream ? callers : 0, model_name);
+      backend = std::make_unique<ClientBackend>(client_options, stream ? callers : 0, model_name,
+                                                shared_memory ? &pool : nullptr, callers);
     } catch (const std::invalid_argument& e) {
       std::fprintf(stderr, "attnserve-bench: %s\n", e.what());
       return 2;
@@ -511,6 +590,8 @@ int main(int argc, char** argv) {
   j["cpu_class"] = attnserve::EngineCpuClass();  // this machine's, whatever the target's
   j["device"] = computes_on;                     // the model's, where it computes
   j["wire_dtype"] = wire_dtype;
+  j["shared_memory"] = shared_memory;
+  j["connections"] = client_options.connections;
   j["mode"] = rate > 0 ? "open" : stream ? "closed-stream" : "closed";
   j["callers"] = callers;
   j["rate"] = rate;

@@ -39,6 +39,14 @@ inline void AddClientFlags(CLI::App& app, ClientOptions* options, const char* ta
       "--no-balancing", [options] { options->service_config.clear(); },
       "gRPC's defaults (pick_first, no retries) instead of round_robin over every address of the "
       "target with retries of UNAVAILABLE and CANCELLED");
+  app.add_flag_callback(
+      "--float32-wire", [options] { options->wire_dtype = ClientOptions::WireDtype::kAsGiven; },
+      "Send float32 tensors as float32 even to a bfloat16 or float16 model (default: they travel "
+      "in the model's dtype, half the bytes, and answers are widened back)");
+  app.add_option("--connections", options->connections,
+                 "Connections the client spreads its calls over")
+      ->check(CLI::Range(1, 256))
+      ->capture_default_str();
 }
 
 /// After parsing: any --tls-* flag turns TLS on.
