@@ -4,7 +4,7 @@
 #   tools/fetch_gpu_debs.sh                                        # .debs: gRPC, protobuf, ... (~34 MB)
 #   PYTHON=build-torch2/venv/bin/python bench/gpu_check.sh --build-only   # build-cuda/, ~1 min warm
 # There (the device tool's `run`, carry [".debs", "build-cuda/attnserve", "build-cuda/attnserve-bench",
-# "build-cuda/attnserve-cli"]):
+# "build-cuda/attnserve-cli", "build-cuda/attnserve-echo"]):
 #   bench/gpu_quick.sh                                             # writes $OUT/quick.log, quick.jsonl
 # build-cuda links LibTorch 2.11+cu130 from build-torch2/venv; the device's python3 holds the same
 # torch, whose lib directory (and the CUDA wheels' beside it) this script puts on the library path.
@@ -15,7 +15,9 @@
 #     the engine in process behind the server's batcher >= 0.5x the copy bound (pinned host<->device
 #     bandwidth measured in the same run, both ways at once, over the workload's bytes);
 #     attnserve >= 3x the Python peer (bench/baselines/python_server.py on the same GPU, same dtype
-#     and wire, same weights);
+#     and wire, same weights); attnserve over gRPC (bfloat16 wire, 4 connections) >= 0.8x
+#     attnserve-echo at the same bytes (the transport's own bound) and >= 3x 593 req/s (2026-11-26);
+#     attnserve over shared memory (--shared-memory) >= 0.8x the engine in process;
 #   small ragged requests (8-128 tokens, float32 wire) through attnserve >= 2,997 req/s (2026-11-26);
 #   no cuDNN attention (it compiles a kernel per shape); the first request after start within 2x the
 #   steady p50 of the same request (bench/first_request.sh).
@@ -76,13 +78,20 @@ serve() {
 }
 stop() { kill -TERM "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; port=$((port + 1)); }
 if serve build-cuda/attnserve --address 127.0.0.1:$port --metrics-address 127.0.0.1:9551 \
-     --models $models --device $device --dtype bfloat16; then
+     --models $models --device $device --dtype bfloat16 --allow-shared-memory; then
   timeout 25 $bench --target 127.0.0.1:$port --wire-dtype bfloat16 --label attnserve "${large[@]}" 2>/dev/null
+  timeout 25 $bench --target 127.0.0.1:$port --wire-dtype bfloat16 --shared-memory --label shm \
+    "${large[@]}" 2>/dev/null
   timeout 25 $bench --target 127.0.0.1:$port --model mha1024 --embed-dim 1024 --callers 64 \
-    --lengths uniform:8:128 --pool 64 --duration 6 --warmup 2 --label small --json "$jsonl" 2>/dev/null
+    --lengths uniform:8:128 --pool 64 --duration 6 --warmup 2 --wire-dtype float32 --label small \
+    --json "$jsonl" 2>/dev/null
   backends=$(LD_LIBRARY_PATH= curl -s http://127.0.0.1:9551/metrics | grep -E '^attnserve_(attention_backend_total|staging)')
   echo "$backends"
   if grep -q cudnn <<<"$backends"; then echo "FAIL: cuDNN's attention is in use"; failed=1; fi
+  stop
+fi
+if serve build-cuda/attnserve-echo --address 127.0.0.1:$port; then
+  timeout 25 $bench --target 127.0.0.1:$port --wire-dtype bfloat16 --label echo "${large[@]}" 2>/dev/null
   stop
 fi
 if serve python3 bench/baselines/python_server.py --port $port --device $device --dtype bfloat16 \
@@ -111,7 +120,9 @@ if bound:
 goals.append(("engine / copy bound", bound.get("of_bound", 0.0), 0.5))
 goals.append(("attnserve / python peer (bf16, bf16 wire)", rate("attnserve") / max(rate("python"), 1e-9), 3.0))
 goals.append(("small ragged req/s / 2,997", rate("small") / 2997, 1.0))
-goals.append(("attnserve / engine", rate("attnserve") / max(rate("engine"), 1e-9), 0.0))  # Issue 40's.
+goals.append(("attnserve over shared memory / engine", rate("shm") / max(rate("engine"), 1e-9), 0.8))
+goals.append(("attnserve gRPC / echo bound (bf16 wire)", rate("attnserve") / max(rate("echo"), 1e-9), 0.8))
+goals.append(("attnserve gRPC / 593 req/s (2026-11-26)", rate("attnserve") / 593, 3.0))
 bad = 0
 for name, value, goal in goals:
     ok = value >= goal

@@ -3,6 +3,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 
 namespace attnserve {
 
@@ -36,6 +37,26 @@ struct CopyBandwidth {
 /// Measures CopyBandwidth with copies of `bytes` (ten each, after one unmeasured); false in
 /// builds without CUDA. For benchmarks: it occupies the bus while it runs.
 bool MeasureCopyBandwidth(int index, int64_t bytes, CopyBandwidth* out);
+
+/// A CUDA allocation another process exported with cudaIpcGetMemHandle, opened in this one (the
+/// Open Inference Protocol's CUDA shared memory). Closed when destroyed. Thread-safe.
+class CudaIpcMemory {
+ public:
+  /// Opens `handle` (cudaIpcMemHandle_t's bytes) on `device`; null with `*error` saying why (a
+  /// handle of the wrong size, a build or machine without CUDA, the driver's refusal).
+  static std::unique_ptr<CudaIpcMemory> Open(const std::string& handle, int device,
+                                             std::string* error);
+  ~CudaIpcMemory();
+  /// Copies `size` bytes at `offset` of the allocation to host memory `dst`, or from `src`
+  /// (synchronous). False with `*error` on the driver's refusal.
+  bool CopyOut(int64_t offset, int64_t size, char* dst, std::string* error) const;
+  bool CopyIn(int64_t offset, const char* src, int64_t size, std::string* error) const;
+
+ private:
+  CudaIpcMemory(void* base, int device) : base_(base), device_(device) {}
+  void* base_;
+  int device_;
+};
 
 /// Times the work a thread queues on its current CUDA stream with a pair of CUDA events: made
 /// before the work, Seconds() after it (waits for the work to finish). Without CUDA it measures

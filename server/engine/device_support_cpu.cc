@@ -1,4 +1,6 @@
 // CPU-only LibTorch: no device memory to report or release, no device work to time.
+#include <string>
+
 #include "server/engine/device_support.h"
 
 namespace attnserve {
@@ -11,6 +13,20 @@ bool MeasureCopyBandwidth(int, int64_t, CopyBandwidth*) { return false; }
 std::shared_ptr<void> AllocatePinned(size_t, char** data) {
   *data = nullptr;
   return nullptr;
+}
+
+std::unique_ptr<CudaIpcMemory> CudaIpcMemory::Open(const std::string&, int, std::string* error) {
+  *error = "this attnserve is built without CUDA";
+  return nullptr;
+}
+CudaIpcMemory::~CudaIpcMemory() = default;
+bool CudaIpcMemory::CopyOut(int64_t, int64_t, char*, std::string* error) const {
+  *error = "no CUDA";
+  return false;
+}
+bool CudaIpcMemory::CopyIn(int64_t, const char*, int64_t, std::string* error) const {
+  *error = "no CUDA";
+  return false;
 }
 
 struct DeviceTimer::Events {};

@@ -8,6 +8,8 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <chrono>
+#include <cstring>
+#include <string>
 
 #include "server/engine/device_support.h"
 
@@ -36,6 +38,54 @@ std::shared_ptr<void> AllocatePinned(size_t bytes, char** data) {
   } catch (const std::exception&) {
     return nullptr;
   }
+}
+
+std::unique_ptr<CudaIpcMemory> CudaIpcMemory::Open(const std::string& handle, int device,
+                                                   std::string* error) {
+  if (handle.size() != sizeof(cudaIpcMemHandle_t)) {
+    *error = "raw_handle: " + std::to_string(handle.size()) + " bytes; a CUDA IPC handle has " +
+             std::to_string(sizeof(cudaIpcMemHandle_t));
+    return nullptr;
+  }
+  cudaIpcMemHandle_t h;
+  std::memcpy(&h, handle.data(), sizeof h);
+  int previous = 0;
+  cudaGetDevice(&previous);
+  if (cudaSetDevice(device) != cudaSuccess) {
+    *error = "device_id: " + std::to_string(device) + " is not a CUDA device here";
+    cudaGetLastError();
+    return nullptr;
+  }
+  void* base = nullptr;
+  const cudaError_t e = cudaIpcOpenMemHandle(&base, h, cudaIpcMemLazyEnablePeerAccess);
+  cudaSetDevice(previous);
+  if (e != cudaSuccess) {
+    *error = std::string("raw_handle: CUDA cannot open it: ") + cudaGetErrorString(e);
+    cudaGetLastError();
+    return nullptr;
+  }
+  return std::unique_ptr<CudaIpcMemory>(new CudaIpcMemory(base, device));
+}
+
+CudaIpcMemory::~CudaIpcMemory() {
+  if (base_ != nullptr) cudaIpcCloseMemHandle(base_);
+}
+
+bool CudaIpcMemory::CopyOut(int64_t offset, int64_t size, char* dst, std::string* error) const {
+  const cudaError_t e = cudaMemcpy(dst, static_cast<char*>(base_) + offset,
+                                   static_cast<size_t>(size), cudaMemcpyDeviceToHost);
+  if (e == cudaSuccess) return true;
+  *error = cudaGetErrorString(e);
+  return false;
+}
+
+bool CudaIpcMemory::CopyIn(int64_t offset, const char* src, int64_t size,
+                           std::string* error) const {
+  const cudaError_t e = cudaMemcpy(static_cast<char*>(base_) + offset, src,
+                                   static_cast<size_t>(size), cudaMemcpyHostToDevice);
+  if (e == cudaSuccess) return true;
+  *error = cudaGetErrorString(e);
+  return false;
 }
 
 bool MeasureCopyBandwidth(int index, int64_t bytes, CopyBandwidth* out) {

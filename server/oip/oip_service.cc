@@ -130,6 +130,7 @@ grpc::ServerUnaryReactor* OipServiceImpl::ServerMetadata(grpc::CallbackServerCon
   resp->set_name("attnserve");
   resp->set_version(ATTNSERVE_VERSION);
   if (shm_.allowed()) resp->add_extensions("system_shared_memory");
+  if (shm_.allowed() && shm_.cuda()) resp->add_extensions("cuda_shared_memory");
   return Finished(calls_, ctx, Status::Ok());
 }
 

@@ -18,6 +18,7 @@
 #include "server/oip/oip_service.h"
 #include "server/pipeline/metrics.h"
 #include "server/pipeline/request_pipeline.h"
+#include "server/process/cuda_regions.h"
 #include "server/process/host_memory.h"
 #include "server/process/memory_plan.h"
 #include "server/process/memory_sampler.h"
@@ -252,7 +253,7 @@ void Server::Impl::StartPipeline() {
     m->SetSharedMemory(bytes, static_cast<int64_t>(regions));
   };
   metrics->SetSharedMemory(0, 0);
-  shm = std::make_unique<SharedMemoryRegistry>(std::move(shared));
+  shm = std::make_unique<SharedMemoryRegistry>(std::move(shared), CudaRegions(options.device));
   service = std::make_unique<AttentionServiceImpl>(*pipeline, *calls, *shm);
   oip = std::make_unique<OipServiceImpl>(
       *pipeline, *calls, *shm, static_cast<size_t>(options.kv.max_entries),

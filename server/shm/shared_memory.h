@@ -107,6 +107,8 @@ class SharedMemoryRegistry {
   int64_t registered_bytes() const { return bytes_.load(); }
   size_t regions() const;
   bool allowed() const { return options_.allowed; }
+  /// Whether CUDA regions can be registered (a CUDA server).
+  bool cuda() const { return static_cast<bool>(cuda_); }
   const SharedMemoryOptions& options() const { return options_; }
 
   /// Unregisters everything (the server stops): regions still held close with their last request.
