@@ -371,10 +371,10 @@ OutputLimits OipOutputLimits(const OipReply& reply) {
   OutputLimits limits;
   for (size_t i = 0; i < reply.outputs.size(); ++i) {
     if (!reply.output_regions[i]) continue;
-    const std::string field = "outputs[" + std::to_string(i) + "]";
-    (reply.outputs[i] == oip::kOutput ? limits.output : limits.weights) = {
-        reply.output_regions[i]->byte_size,
-        field + " (shared memory region '" + reply.output_regions[i]->region->info().name + "')"};
+    OutputLimits::Bound& bound = reply.outputs[i] == oip::kOutput ? limits.output : limits.weights;
+    bound.bytes = reply.output_regions[i]->byte_size;
+    bound.field = "outputs[" + std::to_string(i) + "] (shared memory region '" +
+                  reply.output_regions[i]->region->info().name + "')";
   }
   return limits;
 }
