@@ -37,6 +37,7 @@ struct Sample {
   int code;
   int64_t tokens;
   double flops;
+  double end_s;  // When the answer came, in seconds of the system clock (common to processes).
 };
 
 // One prepared request: the client's form, plus views for the in-process engine.
@@ -113,22 +114,24 @@ class ClientBackend : public Backend {
   // With `streams` > 0 each caller sends on its own AttendStream, one request at a time.
   // With `shared` the requests' tensors lie in shared memory (a closed loop of `callers`).
   ClientBackend(attnserve::ClientOptions o, int streams, std::string model,
-                const std::vector<Prepared>* shared = nullptr, int callers = 0)
-      : model_(std::move(model)) {
+                const std::vector<Prepared>* shared = nullptr, int callers = 0,
+                attnserve::CallOptions call = {})
+      : model_(std::move(model)), call_(std::move(call)) {
     o.deadline = std::chrono::milliseconds(120000);
     client_ = std::make_unique<attnserve::Client>(o);
     if (shared) shared_ = std::make_unique<SharedPool>(*client_, *shared, callers);
     pending_.resize(static_cast<size_t>(streams));
     for (int i = 0; i < streams; ++i) {
-      streams_.push_back(
-          client_->OpenStream([this, i](attnserve::CallStatus s, attnserve::AttendResult) {
+      streams_.push_back(client_->OpenStream(
+          [this, i](attnserve::CallStatus s, attnserve::AttendResult) {
             std::function<void(int)> done;
             {
               std::lock_guard<std::mutex> lock(mu_);
               done = std::move(pending_[static_cast<size_t>(i)]);
             }
             done(s.code);
-          }));
+          },
+          call_));
     }
   }
   ~ClientBackend() override {
@@ -136,9 +139,12 @@ class ClientBackend : public Backend {
   }
   void Call(int caller, const Prepared& p, std::function<void(int)> done) override {
     if (streams_.empty()) {
-      client_->AttendAsync(shared_ ? shared_->For(caller, p) : p.request,
-                           [done = std::move(done)](attnserve::CallStatus s,
-                                                    attnserve::AttendResult) { done(s.code); });
+      client_->AttendAsync(
+          shared_ ? shared_->For(caller, p) : p.request,
+          [done = std::move(done)](attnserve::CallStatus s, attnserve::AttendResult) {
+            done(s.code);
+          },
+          call_);
       return;
     }
     {
@@ -158,6 +164,7 @@ class ClientBackend : public Backend {
 
  private:
   const std::string model_;
+  const attnserve::CallOptions call_;  // Every call's metadata (--tenant).
   std::unique_ptr<attnserve::Client> client_;
   std::unique_ptr<SharedPool> shared_;
   std::vector<std::unique_ptr<attnserve::AttendStream>> streams_;
@@ -442,6 +449,18 @@ int main(int argc, char** argv) {
   app.add_option("--label", label, "Name in the output")->capture_default_str();
   app.add_option("--json", json_path, "Append the result as one JSON line to this file");
   app.add_option("--seed", seed, "Seed of lengths and data")->capture_default_str();
+  std::string tenant, tenant_header = "attnserve-tenant", samples_path;
+  uint64_t priority = 0;
+  app.add_option("--tenant", tenant,
+                 "Send every call as this tenant, in the --tenant-header metadata (a server that "
+                 "trusts that header, docs/tenants.md)");
+  app.add_option("--tenant-header", tenant_header, "The metadata key --tenant goes in")
+      ->capture_default_str();
+  app.add_option("--priority", priority, "Every request's priority level (0: the default)")
+      ->capture_default_str();
+  app.add_option("--samples", samples_path,
+                 "Write every measured request as a line: end time (s, system clock), latency "
+                 "(ms), FLOPs, status code (bench/fairness.py reads them)");
   CLI11_PARSE(app, argc, argv);
   attnserve::cli::FinishClientFlags(&client_options);
   target = client_options.target;
@@ -467,6 +486,7 @@ int main(int argc, char** argv) {
                                        : attnserve::Tensor::Float32({1, len, embed}, v);
     };
     p.request.model = model_name;
+    p.request.priority = priority;
     p.request.query = tensor(lq);
     p.tokens = lq;
     int64_t lk = lq;
@@ -495,8 +515,10 @@ int main(int argc, char** argv) {
     }
   } else {
     try {
+      attnserve::CallOptions call;
+      if (!tenant.empty()) call.metadata.emplace_back(tenant_header, tenant);
       backend = std::make_unique<ClientBackend>(client_options, stream ? callers : 0, model_name,
-                                                shared_memory ? &pool : nullptr, callers);
+                                                shared_memory ? &pool : nullptr, callers, call);
     } catch (const std::invalid_argument& e) {
       std::fprintf(stderr, "attnserve-bench: %s\n", e.what());
       return 2;
@@ -527,8 +549,11 @@ int main(int argc, char** argv) {
       const auto now = Clock::now();
       if (sent >= measure_from && now <= end) {
         std::lock_guard<std::mutex> lock(mu);
-        samples.push_back(
-            {std::chrono::duration<double, std::milli>(now - sent).count(), code, tokens, flops});
+        const double wall =
+            std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+                .count();
+        samples.push_back({std::chrono::duration<double, std::milli>(now - sent).count(), code,
+                           tokens, flops, wall});
       }
       --outstanding;
       if (rate <= 0 && !stop && now < end) self(self, caller, Clock::now());  // Closed loop: next.
@@ -571,6 +596,13 @@ int main(int argc, char** argv) {
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   std::fprintf(stderr, "\n");
 
+  if (!samples_path.empty()) {
+    std::ofstream out(samples_path);
+    for (const Sample& s : samples) {
+      out << std::fixed << s.end_s << ' ' << s.latency_ms << ' ' << s.flops << ' ' << s.code
+          << '\n';
+    }
+  }
   std::vector<double> lat;
   std::map<std::string, int> errors;
   int64_t tokens = 0;

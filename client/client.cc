@@ -79,6 +79,8 @@ void ToWire(const AttendRequest& r, pb::AttendRequest* out) {
   out->set_traceparent(r.traceparent);
   out->set_tracestate(r.tracestate);
   if (r.session_length) out->set_session_length(*r.session_length);
+  out->set_priority(r.priority);
+  out->set_queue_timeout_us(r.queue_timeout_us);
   if (r.output_shared_memory) ToWire(*r.output_shared_memory, out->mutable_output_shared_memory());
   if (r.attn_weights_shared_memory)
     ToWire(*r.attn_weights_shared_memory, out->mutable_attn_weights_shared_memory());
@@ -302,6 +304,7 @@ struct Client::Impl {
       ctx->AddMetadata("authorization", "Bearer " + call.bearer_token);
     if (!call.traceparent.empty()) ctx->AddMetadata("traceparent", call.traceparent);
     if (!call.tracestate.empty()) ctx->AddMetadata("tracestate", call.tracestate);
+    for (const auto& [key, value] : call.metadata) ctx->AddMetadata(key, value);
   }
 
   // Memories and sessions this client made: their routes, and a channel to each replica that

@@ -6,6 +6,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attnserve/tensor.h"
@@ -48,6 +49,11 @@ struct AttendRequest {
   /// Write the output (and the attention weights) into these shared-memory regions instead of
   /// the answer's message; AttendResult's tensors then carry dtype and shape, no data.
   std::optional<SharedMemoryRef> output_shared_memory, attn_weights_shared_memory;
+  /// The priority level when the model has levels (docs/tenants.md): 1 first; 0 the default.
+  uint64_t priority = 0;
+  /// Most microseconds the request may wait to start, where the level's policy lets a request
+  /// shorten its timeout; 0: the level's own.
+  uint64_t queue_timeout_us = 0;
 };
 
 /// A registered shared-memory region (Client::SharedMemoryStatus).
@@ -212,6 +218,9 @@ struct CallOptions {
   /// `tracestate`) metadata when not empty, so the server's spans join the caller's trace. A
   /// failed call's CallStatus::trace_id then names the server's trace.
   std::string traceparent, tracestate;
+  /// More metadata sent with the call, e.g. the tenant header a trusted gateway would set:
+  /// {"attnserve-tenant", "team-a"} (docs/tenants.md).
+  std::vector<std::pair<std::string, std::string>> metadata;
 };
 
 /// One AttendStream call: many requests on one stream, answered in completion order (match them

@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "server/core/scheduling.h"
+
 namespace attnserve {
 
 /// Element type of tensor bytes on the wire and in models.
@@ -67,6 +69,9 @@ struct ModelSpec {
   std::string weights_hash;  ///< "sha256:<hex>" over the canonical weights.
   std::string source;        ///< File the weights came from, or "built-in".
   int64_t version = 1;       ///< N for DIR/name/N/; 1 for an unversioned model directory.
+  /// Priority levels and queue policies from its config.json ("dynamic_batching"); none: the
+  /// server's (--priority-levels, --queue-policy).
+  std::optional<PriorityOptions> priorities;
 
   int64_t head_dim() const { return num_heads > 0 ? embed_dim / num_heads : 0; }
   /// Keys after bias_k and the zero key are appended.

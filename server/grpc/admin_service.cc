@@ -111,8 +111,12 @@ Status AuthorizeAdmin(const AdminAuth& auth, const grpc::CallbackServerContext& 
                : "present a client certificate named in --admin-client-names"));
 }
 
-AdminServiceImpl::AdminServiceImpl(ModelRepository& models, CallCounter& calls, AdminAuth auth)
-    : models_(models), calls_(calls), auth_(std::move(auth)) {}
+AdminServiceImpl::AdminServiceImpl(ModelRepository& models, CallCounter& calls, AdminAuth auth,
+                                   std::function<Status()> reload_first)
+    : models_(models),
+      calls_(calls),
+      auth_(std::move(auth)),
+      reload_first_(std::move(reload_first)) {}
 
 grpc::ServerUnaryReactor* AdminServiceImpl::ReloadModels(grpc::CallbackServerContext* ctx,
                                                          const v1::ReloadModelsRequest*,
@@ -122,6 +126,14 @@ grpc::ServerUnaryReactor* AdminServiceImpl::ReloadModels(grpc::CallbackServerCon
   if (!allowed.ok()) {
     reactor->Finish(ToGrpcStatus(allowed));
     return reactor;
+  }
+  if (reload_first_) {
+    const Status first = reload_first_();
+    if (!first.ok()) {
+      reactor->Finish(ToGrpcStatus(
+          Status(first.code(), "reload refused, nothing changed: " + first.message())));
+      return reactor;
+    }
   }
   // Answered from the reloading thread once a reload that started after this call is done.
   models_.RequestReload([reactor, resp](const ReloadReport& report) {

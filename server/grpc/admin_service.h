@@ -32,7 +32,10 @@ Status AuthorizeAdmin(const AdminAuth& auth, const grpc::CallbackServerContext& 
 /// of calls open.
 class AdminServiceImpl final : public v1::AdminService::CallbackService {
  public:
-  AdminServiceImpl(ModelRepository& models, CallCounter& calls, AdminAuth auth);
+  /// `reload_first`, when given, runs before each reload of the models (the tenants file): its
+  /// failure answers the call and nothing is reloaded.
+  AdminServiceImpl(ModelRepository& models, CallCounter& calls, AdminAuth auth,
+                   std::function<Status()> reload_first = nullptr);
 
   grpc::ServerUnaryReactor* ReloadModels(grpc::CallbackServerContext* ctx,
                                          const v1::ReloadModelsRequest* req,
@@ -42,6 +45,7 @@ class AdminServiceImpl final : public v1::AdminService::CallbackService {
   ModelRepository& models_;
   CallCounter& calls_;
   const AdminAuth auth_;
+  const std::function<Status()> reload_first_;
 };
 
 }  // namespace attnserve

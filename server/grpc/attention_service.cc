@@ -84,16 +84,17 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
     return reactor;
   }
   V1Exchange* raw = x.release();
-  pipeline_.Attend("Attend", raw, CallOf(ctx), [this, ctx, raw, reactor, resp](const Status& done) {
-    // An answer asked for in a region goes there; a region cut short meanwhile fails the call.
-    const Status seen =
-        done.ok() && raw->shared.any() ? WriteSharedTensors(raw->shared, &raw->answer) : done;
-    if (seen.ok()) *resp = EncodeAnswer(&raw->answer);
-    pipeline_.Record("Attend", raw, seen);
-    TellTraceOfFailure(ctx, raw->trace, seen);
-    delete raw;
-    reactor->Finish(ToGrpcStatus(seen));
-  });
+  pipeline_.Attend(
+      "Attend", raw, CallOf(ctx, pipeline_), [this, ctx, raw, reactor, resp](const Status& done) {
+        // An answer asked for in a region goes there; a region cut short meanwhile fails the call.
+        const Status seen =
+            done.ok() && raw->shared.any() ? WriteSharedTensors(raw->shared, &raw->answer) : done;
+        if (seen.ok()) *resp = EncodeAnswer(&raw->answer);
+        pipeline_.Record("Attend", raw, seen);
+        TellTraceOfFailure(ctx, raw->trace, seen);
+        delete raw;
+        reactor->Finish(ToGrpcStatus(seen));
+      });
   return reactor;
 }
 
@@ -120,7 +121,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CreateMemory(grpc::CallbackServe
                                                              v1::KvHandle* resp) {
   auto* reactor = NewUnaryReactor(calls_, ctx);
   if (!NamesSharedMemory(*req)) {
-    pipeline_.CreateMemory(*req, CallOf(ctx), resp,
+    pipeline_.CreateMemory(*req, CallOf(ctx, pipeline_), resp,
                            [ctx, reactor](const Status& st, const CallTrace& trace) {
                              TellTraceOfFailure(ctx, trace, st);
                              reactor->Finish(ToGrpcStatus(st));
@@ -135,7 +136,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CreateMemory(grpc::CallbackServe
     reactor->Finish(ToGrpcStatus(read));
     return reactor;
   }
-  pipeline_.CreateMemory(*copy, CallOf(ctx), resp,
+  pipeline_.CreateMemory(*copy, CallOf(ctx, pipeline_), resp,
                          [ctx, reactor, copy, shared](const Status& st, const CallTrace& trace) {
                            TellTraceOfFailure(ctx, trace, st);
                            reactor->Finish(ToGrpcStatus(st));
@@ -147,14 +148,14 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ForkSession(grpc::CallbackServer
                                                             const v1::ForkSessionRequest* req,
                                                             v1::KvHandle* resp) {
   CallTrace traced;
-  const Status st = pipeline_.ForkSession(*req, resp, TraceOf(ctx), &traced);
+  const Status st = pipeline_.ForkSession(*req, resp, KvCallerOf(ctx, pipeline_), &traced);
   return Finished(calls_, ctx, st, traced);
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::TruncateSession(
     grpc::CallbackServerContext* ctx, const v1::TruncateSessionRequest* req, v1::KvHandle* resp) {
   CallTrace traced;
-  const Status st = pipeline_.TruncateSession(*req, resp, TraceOf(ctx), &traced);
+  const Status st = pipeline_.TruncateSession(*req, resp, KvCallerOf(ctx, pipeline_), &traced);
   return Finished(calls_, ctx, st, traced);
 }
 
@@ -162,7 +163,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::OpenSession(grpc::CallbackServer
                                                             const v1::OpenSessionRequest* req,
                                                             v1::KvHandle* resp) {
   CallTrace traced;
-  const Status st = pipeline_.OpenSession(*req, resp, TraceOf(ctx), &traced);
+  const Status st = pipeline_.OpenSession(*req, resp, KvCallerOf(ctx, pipeline_), &traced);
   return Finished(calls_, ctx, st, traced);
 }
 
@@ -170,8 +171,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::DeleteMemory(grpc::CallbackServe
                                                              const v1::ReleaseRequest* req,
                                                              v1::ReleaseResponse* resp) {
   CallTrace traced;
-  const Status st =
-      pipeline_.Release("DeleteMemory", KvKind::kMemory, *req, resp, TraceOf(ctx), &traced);
+  const Status st = pipeline_.Release("DeleteMemory", KvKind::kMemory, *req, resp,
+                                      KvCallerOf(ctx, pipeline_), &traced);
   return Finished(calls_, ctx, st, traced);
 }
 
@@ -179,8 +180,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CloseSession(grpc::CallbackServe
                                                              const v1::ReleaseRequest* req,
                                                              v1::ReleaseResponse* resp) {
   CallTrace traced;
-  const Status st =
-      pipeline_.Release("CloseSession", KvKind::kSession, *req, resp, TraceOf(ctx), &traced);
+  const Status st = pipeline_.Release("CloseSession", KvKind::kSession, *req, resp,
+                                      KvCallerOf(ctx, pipeline_), &traced);
   return Finished(calls_, ctx, st, traced);
 }
 

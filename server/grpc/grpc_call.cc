@@ -20,8 +20,9 @@ SteadyClock::time_point SteadyDeadlineOf(const grpc::CallbackServerContext* ctx)
 
 }  // namespace
 
-CallContext CallOf(grpc::CallbackServerContext* ctx) {
+CallContext CallOf(grpc::CallbackServerContext* ctx, const RequestPipeline& pipeline) {
   CallContext call;
+  call.tenant = TenantOf(ctx, pipeline.tenant_header());
   call.deadline = SteadyDeadlineOf(ctx);
   call.cancelled = [ctx] { return ctx->IsCancelled(); };
   call.trace = TraceOf(ctx);
@@ -31,6 +32,32 @@ CallContext CallOf(grpc::CallbackServerContext* ctx) {
     call.previous_attempts = static_cast<uint32_t>(std::strtoul(text.c_str(), nullptr, 10));
   }
   return call;
+}
+
+std::string TenantOf(const grpc::ServerContextBase* ctx, const std::string& tenant_header) {
+  const std::shared_ptr<const grpc::AuthContext> peer = ctx->auth_context();
+  if (peer && peer->IsPeerAuthenticated()) {
+    for (const char* property : {"x509_common_name", "x509_subject_alternative_name"}) {
+      for (const grpc::string_ref& value : peer->FindPropertyValues(property)) {
+        std::string name(value.begin(), value.end());
+        if (ValidTenantName(name)) return name;
+      }
+    }
+  }
+  if (!tenant_header.empty()) {
+    const auto& metadata = ctx->client_metadata();
+    const auto [first, end] = metadata.equal_range(tenant_header);
+    // Exactly one value: a request carrying two cannot say which is meant.
+    if (first != end && std::next(first) == end) {
+      std::string name(first->second.data(), first->second.size());
+      if (ValidTenantName(name)) return name;
+    }
+  }
+  return kDefaultTenant;
+}
+
+KvCaller KvCallerOf(const grpc::ServerContextBase* ctx, const RequestPipeline& pipeline) {
+  return KvCaller{TraceOf(ctx), TenantOf(ctx, pipeline.tenant_header())};
 }
 
 IncomingTrace TraceOf(const grpc::ServerContextBase* ctx) {

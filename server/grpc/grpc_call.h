@@ -10,7 +10,14 @@ namespace attnserve {
 /// What the request pipeline needs of a gRPC call: its deadline on the steady clock (max when the
 /// client set none), whether it is cancelled, and the attempt number that a client's retry policy
 /// sends (gRFC A6's grpc-previous-rpc-attempts).
-CallContext CallOf(grpc::CallbackServerContext* ctx);
+CallContext CallOf(grpc::CallbackServerContext* ctx, const RequestPipeline& pipeline);
+/// Who is calling (docs/tenants.md): the verified client certificate's name under mutual TLS (its
+/// common name, else its first subject alternative name); else, only when the server was told to
+/// trust one (`tenant_header`, --tenant-header), that metadata key's value; else "default". A
+/// header the server does not trust, or a value that cannot name a tenant, is ignored.
+std::string TenantOf(const grpc::ServerContextBase* ctx, const std::string& tenant_header);
+/// The trace and tenant of a call to one of the kept keys' and values' methods.
+KvCaller KvCallerOf(const grpc::ServerContextBase* ctx, const RequestPipeline& pipeline);
 /// The caller's W3C trace context: the call's `traceparent` and `tracestate` metadata (malformed:
 /// none; several `tracestate` values are one list, joined with commas).
 IncomingTrace TraceOf(const grpc::ServerContextBase* ctx);

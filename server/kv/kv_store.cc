@@ -142,35 +142,84 @@ void KvStore::Touch(KvEntry* e) {
 
 void KvStore::Recount(KvEntry* e, int64_t capacity, int64_t bytes) {
   account_->Add(bytes - e->bytes);
+  ChargeTenant(e, bytes - e->bytes);
   e->bytes = bytes;
   e->capacity = capacity;
 }
 
-Status KvStore::MakeRoom(int64_t need, const KvEntry* keep) {
-  // Under mu_. Entries in use are never evicted; nothing is evicted unless that makes room.
-  const auto evictable = [&](const KvEntry* e) { return e != keep && !InUse(e); };
-  int64_t held = account_->Get(), freeable = 0;
-  for (const KvEntry* e : lru_) {
-    if (evictable(e)) freeable += e->bytes;
+void KvStore::ChargeTenant(const KvEntry* e, int64_t delta) {
+  if (delta == 0 || !Indexed(e)) return;
+  auto it = tenant_bytes_.try_emplace(e->tenant, 0).first;
+  it->second += delta;
+  if (it->second == 0) tenant_bytes_.erase(it);
+  const std::string label = tenants_->Label(e->tenant);
+  const int64_t now = label_bytes_[label] += delta;
+  if (hooks_.on_tenant_bytes) hooks_.on_tenant_bytes(label, now);
+}
+
+int64_t KvStore::TenantBytesLocked(const std::string& tenant) const {
+  const auto it = tenant_bytes_.find(tenant);
+  return it == tenant_bytes_.end() ? 0 : it->second;
+}
+
+int64_t KvStore::TenantBytes(const std::string& tenant) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return TenantBytesLocked(tenant);
+}
+
+void KvStore::SetTenants(std::shared_ptr<const Tenants> tenants) {
+  std::lock_guard<std::mutex> lock(mu_);
+  tenants_ = std::move(tenants);
+  // The labels may have changed: recount them, and zero those that are gone.
+  std::map<std::string, int64_t> labels;
+  for (const auto& [name, bytes] : tenant_bytes_) labels[tenants_->Label(name)] += bytes;
+  for (const auto& [label, bytes] : label_bytes_) labels.try_emplace(label, 0);
+  label_bytes_ = labels;
+  if (hooks_.on_tenant_bytes) {
+    for (const auto& [label, bytes] : labels) hooks_.on_tenant_bytes(label, bytes);
   }
-  // Every count here is at most the budget, and `need` at most --kv-max-entry-bytes: no overflow.
+}
+
+Status KvStore::MakeRoom(int64_t need, const KvEntry* keep, const std::string& tenant) {
+  // Under mu_. Entries in use are never evicted; nothing is evicted unless that makes room.
+  const TenantPolicy& terms = tenants_->Of(tenant);
+  const int64_t mine = TenantBytesLocked(tenant);
+  // Every count here is at most the budget (2^50), `need` at most twice one entry: no overflow.
+  if (terms.kv_max_bytes > 0 && mine + need > terms.kv_max_bytes) {
+    return Status(StatusCode::kResourceExhausted,
+                  "tenant '" + tenant + "' holds " + std::to_string(mine) +
+                      " bytes of memories and sessions and needs " + std::to_string(need) +
+                      " more, over its kv_max_bytes " + std::to_string(terms.kv_max_bytes) +
+                      " (guaranteed " + std::to_string(terms.kv_guaranteed_bytes) +
+                      ", --tenants); close its sessions or delete its memories");
+  }
+  // The victims, least recently used first: the tenant's own entries, and another tenant's only
+  // while what that tenant keeps stays at or above its guarantee.
+  std::unordered_map<std::string, int64_t> kept;
+  std::vector<std::string> victims;
+  int64_t held = account_->Get(), freeable = 0;
+  for (auto it = lru_.rbegin(); it != lru_.rend(); ++it) {
+    const KvEntry* e = *it;
+    if (e == keep || InUse(e)) continue;
+    if (e->tenant != tenant) {
+      int64_t& left = kept.try_emplace(e->tenant, TenantBytesLocked(e->tenant)).first->second;
+      if (left - e->bytes < tenants_->Of(e->tenant).kv_guaranteed_bytes) continue;
+      left -= e->bytes;
+    }
+    victims.push_back(e->handle);
+    freeable += e->bytes;
+  }
   if (held + need - freeable > options_.budget_bytes) {
     return Status(
         StatusCode::kResourceExhausted,
         "key/value memory is full: " + std::to_string(held) +
-            " bytes held by memories and "
-            "sessions (" +
-            std::to_string(held - freeable) + " in use), " + std::to_string(need) +
+            " bytes held by memories and sessions (" + std::to_string(held - freeable) +
+            " in use or guaranteed to other tenants), " + std::to_string(need) +
             " more needed, budget " + std::to_string(options_.budget_bytes) +
             " (server flag --kv-budget-bytes); close sessions or delete memories, or retry later");
   }
-  for (auto it = lru_.end(); held + need > options_.budget_bytes && it != lru_.begin();) {
-    --it;
-    KvEntry* e = *it;
-    if (!evictable(e)) continue;
-    const std::string handle = e->handle;
-    it = std::next(it);  // Remove erases *it: step past it first.
-    Remove(handle, KvEndReason::kEvicted,
+  for (size_t i = 0; i < victims.size() && held + need > options_.budget_bytes; ++i) {
+    Remove(victims[i], KvEndReason::kEvicted,
            std::string("evicted (least recently used, to make room under --kv-budget-bytes ") +
                std::to_string(options_.budget_bytes) + ")");
     // Freed now (only the index held it), except blocks its forks still read: they count on.
@@ -191,7 +240,7 @@ Status KvStore::MakeRoom(int64_t need, const KvEntry* keep) {
 StatusOr<std::shared_ptr<KvEntry>> KvStore::Create(KvKind kind,
                                                    std::shared_ptr<const AttentionModel> model,
                                                    std::shared_ptr<KvCache> cache, int64_t batch,
-                                                   int64_t capacity) {
+                                                   int64_t capacity, const std::string& tenant) {
   if (batch < 1 || capacity < 0) {
     return InvalidArgument(std::string(KvKindName(kind)) + ": batch " + std::to_string(batch) +
                            " of " + std::to_string(capacity) +
@@ -212,6 +261,7 @@ StatusOr<std::shared_ptr<KvEntry>> KvStore::Create(KvKind kind,
   e->batch = batch;
   e->capacity = capacity;
   e->ready = kind == KvKind::kSession;
+  e->tenant = tenant;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (static_cast<int64_t>(entries_.size()) >= options_.max_entries) {
@@ -220,7 +270,7 @@ StatusOr<std::shared_ptr<KvEntry>> KvStore::Create(KvKind kind,
                         " memories and sessions held, the most this server keeps (server flag "
                         "--kv-max-entries); close sessions or delete memories, or retry later");
     }
-    RETURN_IF_ERROR(MakeRoom(*bytes, nullptr));
+    RETURN_IF_ERROR(MakeRoom(*bytes, nullptr, tenant));
     do e->handle = NewHandle();
     while (entries_.count(e->handle) || gone_.count(e->handle));
     e->account = account_;
@@ -231,6 +281,7 @@ StatusOr<std::shared_ptr<KvEntry>> KvStore::Create(KvKind kind,
     e->lru = lru_.begin();
     entries_[e->handle] = e;
     account_->Add(*bytes, kind, 1);
+    ChargeTenant(e.get(), *bytes);
     CountModel(e->model, 1);
   }
   return e;
@@ -257,15 +308,18 @@ void KvStore::Discard(const std::shared_ptr<KvEntry>& entry) {
   Remove(entry->handle, KvEndReason::kFailed, "its keys and values could not be computed");
 }
 
-StatusOr<std::shared_ptr<KvEntry>> KvStore::Lookup(const std::string& handle, KvKind kind) {
+StatusOr<std::shared_ptr<KvEntry>> KvStore::Lookup(const std::string& handle, KvKind kind,
+                                                   const std::string& tenant) {
   std::lock_guard<std::mutex> lock(mu_);
-  const auto it = entries_.find(handle);
+  auto it = entries_.find(handle);
+  // Another tenant's entry is not there for this one: not found, as if never made.
+  if (it != entries_.end() && it->second->tenant != tenant) it = entries_.end();
   if (it == entries_.end() || !it->second->ready || it->second->kind != kind) {
     if (hooks_.on_lookup) hooks_.on_lookup(kind, false);
     std::string why;
     if (it != entries_.end() && it->second->kind != kind) {
       why = std::string("is a ") + KvKindName(it->second->kind) + ", not a " + KvKindName(kind);
-    } else if (const auto g = gone_.find(handle); g != gone_.end()) {
+    } else if (const auto g = gone_.find(handle); g != gone_.end() && !entries_.count(handle)) {
       why = g->second;
     } else if (handle.size() == 32 && handle.compare(0, replica_id_.size(), replica_id_) != 0) {
       why = "made by replica " + handle.substr(0, replica_id_.size()) +
@@ -287,13 +341,14 @@ StatusOr<std::shared_ptr<KvEntry>> KvStore::Lookup(const std::string& handle, Kv
 }
 
 StatusOr<std::unique_ptr<KvStep>> KvStore::BeginStep(const std::string& handle,
-                                                     std::optional<int64_t> expected_length) {
+                                                     std::optional<int64_t> expected_length,
+                                                     const std::string& tenant) {
   if (expected_length && *expected_length < 0) {
     return InvalidArgument(
         "session_length: " + std::to_string(*expected_length) +
         "; allowed: >= 0, the tokens the session holds before this step (or unset)");
   }
-  ASSIGN_OR_RETURN(std::shared_ptr<KvEntry> e, Lookup(handle, KvKind::kSession));
+  ASSIGN_OR_RETURN(std::shared_ptr<KvEntry> e, Lookup(handle, KvKind::kSession, tenant));
   std::lock_guard<std::mutex> lock(mu_);
   if (e->busy) {
     return Status(StatusCode::kAborted,
@@ -351,7 +406,7 @@ Status KvStore::Reserve(KvStep* step, int64_t tokens) {
       continue;
     }
     const int64_t charge = plan.retained ? e->bytes + *bytes : *bytes;  // <= 2 x 2^50: no overflow
-    refused = MakeRoom(charge - e->bytes, e);
+    refused = MakeRoom(charge - e->bytes, e, e->tenant);
     if (!refused.ok()) continue;
     Recount(e, plan.shared + own, charge);
     step->tokens_ = tokens;
@@ -377,19 +432,23 @@ void KvStore::EndStep(KvStep* step, bool applied) {
 }
 
 StatusOr<std::shared_ptr<KvEntry>> KvStore::Fork(const std::string& handle,
-                                                 std::shared_ptr<KvCache> cache) {
-  return Fork(handle, [&cache](const AttentionModel&) { return std::move(cache); });
+                                                 std::shared_ptr<KvCache> cache,
+                                                 const std::string& tenant) {
+  return Fork(
+      handle, [&cache](const AttentionModel&) { return std::move(cache); }, tenant);
 }
 
 StatusOr<std::shared_ptr<KvEntry>> KvStore::Fork(const std::string& handle,
-                                                 const CacheFactory& new_cache) {
+                                                 const CacheFactory& new_cache,
+                                                 const std::string& tenant) {
   // Held like a step (busy) and ended not applied: no step changes the parent while the fork is
   // made, and it is as it was when the fork returns.
-  ASSIGN_OR_RETURN(std::unique_ptr<KvStep> hold, BeginStep(handle, std::nullopt));
+  ASSIGN_OR_RETURN(std::unique_ptr<KvStep> hold, BeginStep(handle, std::nullopt, tenant));
   const KvEntry& parent = *hold->entry();
   ASSIGN_OR_RETURN(std::shared_ptr<KvCache> cache, new_cache(*parent.model));
-  ASSIGN_OR_RETURN(std::shared_ptr<KvEntry> child,
-                   Create(KvKind::kSession, parent.model, std::move(cache), parent.batch, 0));
+  ASSIGN_OR_RETURN(
+      std::shared_ptr<KvEntry> child,
+      Create(KvKind::kSession, parent.model, std::move(cache), parent.batch, 0, tenant));
   const Status shared = child->cache->ShareFrom(*parent.cache, hold->length());
   if (!shared.ok()) {
     Discard(child);
@@ -408,9 +467,9 @@ StatusOr<std::shared_ptr<KvEntry>> KvStore::Fork(const std::string& handle,
   return child;
 }
 
-Status KvStore::Truncate(const std::string& handle, int64_t length,
-                         std::shared_ptr<KvEntry>* entry) {
-  ASSIGN_OR_RETURN(std::shared_ptr<KvEntry> e, Lookup(handle, KvKind::kSession));
+Status KvStore::Truncate(const std::string& handle, int64_t length, std::shared_ptr<KvEntry>* entry,
+                         const std::string& tenant) {
+  ASSIGN_OR_RETURN(std::shared_ptr<KvEntry> e, Lookup(handle, KvKind::kSession, tenant));
   if (entry != nullptr) *entry = e;
   std::lock_guard<std::mutex> lock(mu_);
   if (!Indexed(e.get())) {
@@ -431,8 +490,9 @@ Status KvStore::Truncate(const std::string& handle, int64_t length,
   return Status::Ok();
 }
 
-StatusOr<int64_t> KvStore::Release(const std::string& handle, KvKind kind) {
-  ASSIGN_OR_RETURN(std::shared_ptr<KvEntry> e, Lookup(handle, kind));
+StatusOr<int64_t> KvStore::Release(const std::string& handle, KvKind kind,
+                                   const std::string& tenant) {
+  ASSIGN_OR_RETURN(std::shared_ptr<KvEntry> e, Lookup(handle, kind, tenant));
   std::lock_guard<std::mutex> lock(mu_);
   Remove(handle, KvEndReason::kReleased,
          kind == KvKind::kMemory ? "deleted (DeleteMemory)" : "closed (CloseSession)");
@@ -489,6 +549,7 @@ void KvStore::Remove(std::string handle, KvEndReason why, const std::string& rea
   const auto it = entries_.find(handle);
   if (it == entries_.end()) return;
   const KvKind kind = it->second->kind;
+  ChargeTenant(it->second.get(), -it->second->bytes);
   lru_.erase(it->second->lru);
   CountModel(it->second->model, -1);
   entries_.erase(it);

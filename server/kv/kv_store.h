@@ -20,6 +20,7 @@
 
 #include "server/core/status.h"
 #include "server/engine/attention_model.h"
+#include "server/tenants/tenants.h"
 
 namespace attnserve {
 
@@ -60,6 +61,8 @@ struct KvMetricsHooks {
   /// 0 when the last one ended. Entries pin their weights: a reload that replaces them leaves the
   /// entries on the weights they were made with.
   std::function<void(const ModelSpec&, int64_t entries)> on_model_entries;
+  /// Bytes the entries in the index hold by tenant label (Tenants::Label), after each change.
+  std::function<void(const std::string& label, int64_t bytes)> on_tenant_bytes;
 };
 
 struct KvAccount;
@@ -72,6 +75,9 @@ struct KvEntry {
   ~KvEntry();
   std::string handle;  ///< 32 hex digits.
   KvKind kind = KvKind::kMemory;
+  /// The tenant that made it (a fork: the forker's): only it finds the handle, and its bytes count
+  /// against that tenant's K/V share.
+  std::string tenant = kDefaultTenant;
   std::shared_ptr<const AttentionModel> model;
   std::shared_ptr<KvCache> cache;
   int64_t batch = 0;
@@ -155,7 +161,8 @@ class KvStore {
   StatusOr<std::shared_ptr<KvEntry>> Create(KvKind kind,
                                             std::shared_ptr<const AttentionModel> model,
                                             std::shared_ptr<KvCache> cache, int64_t batch,
-                                            int64_t capacity);
+                                            int64_t capacity,
+                                            const std::string& tenant = kDefaultTenant);
   /// A memory's keys and values are in place: its handle now works. ABORTED, saying why, when the
   /// entry ended while it was computed (a reload unloaded its model, the server stopped).
   Status MarkReady(const std::shared_ptr<KvEntry>& entry, int64_t length);
@@ -164,33 +171,39 @@ class KvStore {
 
   /// The entry named `handle`, renewing its expiry; NOT_FOUND saying why when there is none (or it
   /// is of the other kind).
-  StatusOr<std::shared_ptr<KvEntry>> Lookup(const std::string& handle, KvKind kind);
+  /// Another tenant's entry is NOT_FOUND, as one never made.
+  StatusOr<std::shared_ptr<KvEntry>> Lookup(const std::string& handle, KvKind kind,
+                                            const std::string& tenant = kDefaultTenant);
 
   /// Admits one step on a session and marks it busy: ABORTED when a step is in flight or when
   /// `expected_length` differs from its length; INVALID_ARGUMENT when `expected_length` < 0.
   /// Nothing is reserved yet: the step is validated against its length, then KvStep::Reserve.
   StatusOr<std::unique_ptr<KvStep>> BeginStep(const std::string& handle,
-                                              std::optional<int64_t> expected_length);
+                                              std::optional<int64_t> expected_length,
+                                              const std::string& tenant = kDefaultTenant);
 
   /// ForkSession: a new session holding the tokens of the session `handle` as it is (and its
   /// model's weights) without copying them: `cache`, the new session's empty cache, shares the
   /// parent's (KvCache::ShareFrom) while the parent is held like a step (ABORTED while one is in
   /// flight). The shared tokens count once: the fork holds 0 bytes until its steps write tokens of
   /// its own. Refusals as Create's (--kv-max-entries) and BeginStep's.
-  StatusOr<std::shared_ptr<KvEntry>> Fork(const std::string& handle,
-                                          std::shared_ptr<KvCache> cache);
+  StatusOr<std::shared_ptr<KvEntry>> Fork(const std::string& handle, std::shared_ptr<KvCache> cache,
+                                          const std::string& tenant = kDefaultTenant);
   /// The same, the empty cache made by `new_cache` for the parent's model once it is held (the
   /// session is looked up once: attnserve_kv_lookups counts the call once).
   using CacheFactory =
       std::function<StatusOr<std::shared_ptr<KvCache>>(const AttentionModel& parent_model)>;
-  StatusOr<std::shared_ptr<KvEntry>> Fork(const std::string& handle, const CacheFactory& new_cache);
+  StatusOr<std::shared_ptr<KvEntry>> Fork(const std::string& handle, const CacheFactory& new_cache,
+                                          const std::string& tenant = kDefaultTenant);
   /// Takes a session back to its first `length` tokens (TruncateSession), renewing its expiry; its
   /// allocation stays. INVALID_ARGUMENT for a length outside 0 to its length, ABORTED while a step
   /// is in flight, NOT_FOUND saying why when it is not held. `entry`, when given, gets the session.
   Status Truncate(const std::string& handle, int64_t length,
-                  std::shared_ptr<KvEntry>* entry = nullptr);
+                  std::shared_ptr<KvEntry>* entry = nullptr,
+                  const std::string& tenant = kDefaultTenant);
   /// Removes an entry at once (DeleteMemory, CloseSession): the bytes it frees, or NOT_FOUND.
-  StatusOr<int64_t> Release(const std::string& handle, KvKind kind);
+  StatusOr<int64_t> Release(const std::string& handle, KvKind kind,
+                            const std::string& tenant = kDefaultTenant);
   /// Ends every entry whose model is `spec` (name, version and weights): a reload removed that
   /// version. (A reload that replaces a version's weights ends nothing: entries keep theirs.)
   void EndModel(const ModelSpec& spec);
@@ -200,6 +213,13 @@ class KvStore {
   /// computed, a request holding it), whatever else is in use. The store's own thread calls it
   /// every second.
   void ExpireIdle(KvClock::time_point now);
+
+  /// The tenants' K/V shares (--tenants): a tenant within its kv_guaranteed_bytes never loses an
+  /// entry to another tenant's need for room (it keeps at least that much), and one at its
+  /// kv_max_bytes is refused more. Default: no guarantees, no caps.
+  void SetTenants(std::shared_ptr<const Tenants> tenants);
+  /// Bytes `tenant`'s entries in the index hold.
+  int64_t TenantBytes(const std::string& tenant) const;
 
   /// Every entry in the index, copied under one lock; renews nothing (checks and diagnostics).
   std::vector<KvEntryInfo> Snapshot() const;
@@ -226,8 +246,13 @@ class KvStore {
   void Touch(KvEntry* e);
   // Under mu_: counts `bytes` for `capacity` tokens of `e` against the budget.
   void Recount(KvEntry* e, int64_t capacity, int64_t bytes);
-  // Makes room for `need` more bytes by evicting entries not in use, least recently used first.
-  Status MakeRoom(int64_t need, const KvEntry* keep);
+  // Makes room for `need` more bytes of `tenant` by evicting entries not in use, least recently
+  // used first: its own, and others' only while their tenant keeps its guarantee. Refuses past the
+  // tenant's cap.
+  Status MakeRoom(int64_t need, const KvEntry* keep, const std::string& tenant);
+  // Under mu_: an indexed entry's bytes change by `delta` for its tenant.
+  void ChargeTenant(const KvEntry* e, int64_t delta);
+  int64_t TenantBytesLocked(const std::string& tenant) const;
   void Remove(std::string handle, KvEndReason why, const std::string& reason);
   void Tombstone(const std::string& handle, const std::string& reason);
   // Counts an entry in or out of model_entries_ and reports the count.
@@ -243,6 +268,9 @@ class KvStore {
   std::unordered_map<std::string, std::shared_ptr<KvEntry>> entries_;
   std::list<KvEntry*> lru_;                                 // Front: most recently used.
   std::map<const AttentionModel*, int64_t> model_entries_;  // Entries in the index, by weights.
+  std::shared_ptr<const Tenants> tenants_ = std::make_shared<Tenants>();
+  std::unordered_map<std::string, int64_t> tenant_bytes_;  // Indexed entries' bytes by tenant.
+  std::map<std::string, int64_t> label_bytes_;             // The same by metrics label.
   // Why recent handles are gone, for NOT_FOUND messages: bounded, oldest dropped first.
   std::unordered_map<std::string, std::string> gone_;
   std::deque<std::string> gone_order_;

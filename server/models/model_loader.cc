@@ -22,17 +22,86 @@ bool IsWeightsFile(const fs::path& p) {
   return ext == ".safetensors" || ext == ".pt" || ext == ".pth";
 }
 
+StatusOr<int64_t> NonNegativeInt(const nlohmann::json& v, const std::string& field) {
+  if (v.is_number_unsigned() && v.get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX)) {
+    return v.get<int64_t>();
+  }
+  if (v.is_number_integer() && v.get<int64_t>() >= 0) return v.get<int64_t>();
+  return Fail(field + " is " + v.dump() + "; expected an integer from 0 to " +
+              std::to_string(INT64_MAX));
+}
+
+// One ModelQueuePolicy object.
+StatusOr<QueuePolicy> ParseQueuePolicy(const nlohmann::json& j, const std::string& field) {
+  if (!j.is_object()) return Fail(field + ": expected an object");
+  QueuePolicy p;
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    const std::string key = field + "." + it.key();
+    if (it.key() == "max_queue_size") {
+      ASSIGN_OR_RETURN(p.max_queue_size, NonNegativeInt(*it, key));
+    } else if (it.key() == "default_timeout_microseconds") {
+      ASSIGN_OR_RETURN(p.default_timeout_us, NonNegativeInt(*it, key));
+    } else if (it.key() == "allow_timeout_override") {
+      if (!it->is_boolean()) return Fail(key + ": expected true or false");
+      p.allow_timeout_override = it->get<bool>();
+    } else if (it.key() == "timeout_action") {
+      if (!it->is_string() || !ParseTimeoutAction(it->get<std::string>(), &p.timeout_action)) {
+        return Fail(key + " is " + it->dump() + "; expected \"REJECT\" or \"DELAY\"");
+      }
+    } else {
+      return Fail(field + ": unknown key '" + it.key() +
+                  "'; allowed: max_queue_size, default_timeout_microseconds, "
+                  "allow_timeout_override, timeout_action");
+    }
+  }
+  return p;
+}
+
+// "dynamic_batching": the priority levels and their queues.
+StatusOr<PriorityOptions> ParsePriorities(const nlohmann::json& j, const std::string& where) {
+  const std::string field = where + ": dynamic_batching";
+  if (!j.is_object()) return Fail(field + ": expected an object");
+  PriorityOptions p;
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    const std::string key = field + "." + it.key();
+    if (it.key() == "priority_levels") {
+      ASSIGN_OR_RETURN(p.levels, NonNegativeInt(*it, key));
+    } else if (it.key() == "default_priority_level") {
+      ASSIGN_OR_RETURN(p.default_level, NonNegativeInt(*it, key));
+    } else if (it.key() == "default_queue_policy") {
+      ASSIGN_OR_RETURN(p.default_policy, ParseQueuePolicy(*it, key));
+    } else if (it.key() == "priority_queue_policy") {
+      if (!it->is_object()) return Fail(key + ": expected an object of levels");
+      for (auto l = it->begin(); l != it->end(); ++l) {
+        const std::string level = l.key();
+        if (level.empty() || level.size() > 9 ||
+            level.find_first_not_of("0123456789") != std::string::npos) {
+          return Fail(key + ": '" + level.substr(0, 32) + "' is not a level number");
+        }
+        ASSIGN_OR_RETURN(p.level_policies[std::stoll(level)],
+                         ParseQueuePolicy(*l, key + "['" + level + "']"));
+      }
+    } else {
+      return Fail(field + ": unknown key '" + it.key() +
+                  "'; allowed: priority_levels, default_priority_level, default_queue_policy, "
+                  "priority_queue_policy");
+    }
+  }
+  RETURN_IF_ERROR(p.Validate(field));
+  return p;
+}
+
 }  // namespace
 
 StatusOr<ModelDirConfig> ParseModelConfig(const std::string& text, const std::string& config_path) {
   ASSIGN_OR_RETURN(nlohmann::json j, ParseStrictJson(text, config_path));
   if (!j.is_object()) return Fail(config_path + ": not a JSON object");
-  static const char* kKnown[] = {"num_heads", "weights", "add_zero_attn"};
+  static const char* kKnown[] = {"num_heads", "weights", "add_zero_attn", "dynamic_batching"};
   for (auto it = j.begin(); it != j.end(); ++it) {
     if (std::find_if(std::begin(kKnown), std::end(kKnown),
                      [&](const char* k) { return it.key() == k; }) == std::end(kKnown)) {
       return Fail(config_path + ": unknown key '" + it.key() +
-                  "'; allowed: num_heads, weights, add_zero_attn");
+                  "'; allowed: num_heads, weights, add_zero_attn, dynamic_batching");
     }
   }
   ModelDirConfig out;
@@ -54,6 +123,9 @@ StatusOr<ModelDirConfig> ParseModelConfig(const std::string& text, const std::st
     if (!j["add_zero_attn"].is_boolean())
       return Fail(config_path + ": add_zero_attn must be true or false");
     config.add_zero_attn = j["add_zero_attn"].get<bool>();
+  }
+  if (j.contains("dynamic_batching")) {
+    ASSIGN_OR_RETURN(out.priorities, ParsePriorities(j["dynamic_batching"], config_path));
   }
   if (j.contains("weights")) {
     if (!j["weights"].is_string() || j["weights"].get<std::string>().empty()) {
@@ -104,6 +176,7 @@ StatusOr<ModelWeights> LoadModel(const std::string& model_dir, const std::string
   w.spec.name = name;
   w.spec.version = version;
   w.spec.source = where;
+  w.spec.priorities = parsed.priorities;
   return w;
 }
 

@@ -49,6 +49,10 @@ StatusOr<std::vector<ModelWeights>> LoadModelDirectory(const std::string& dir,
 struct ModelDirConfig {
   ModelConfig config;
   std::string weights;  ///< The weights file named by "weights", or "" to find the only one.
+  /// "dynamic_batching": priority levels and queue policies, as Triton's model config names them
+  /// (priority_levels, default_priority_level, default_queue_policy, priority_queue_policy); none:
+  /// the server's flags.
+  std::optional<PriorityOptions> priorities;
 };
 
 /// Parses config.json text; FAILED_PRECONDITION naming `config_path` and the problem.

@@ -88,6 +88,26 @@ Status ApplyParameter(const std::string& name, const InferParameter& p, v1::Atte
     if (p.parameter_choice_case() != InferParameter::kInt64Param)
       return WrongKind(name, p, "int64");
     out->set_session_length(p.int64_param());
+  } else if (name == "priority" || name == "timeout") {
+    // tritonclient's priority= (uint64) and timeout= (int64, microseconds): either kind, >= 0.
+    const auto kind = p.parameter_choice_case();
+    uint64_t v = 0;
+    if (kind == InferParameter::kUint64Param) {
+      v = p.uint64_param();
+    } else if (kind == InferParameter::kInt64Param) {
+      if (p.int64_param() < 0) {
+        return InvalidArgument("parameters['" + name + "']: " + std::to_string(p.int64_param()) +
+                               "; allowed: 0 or more");
+      }
+      v = static_cast<uint64_t>(p.int64_param());
+    } else {
+      return WrongKind(name, p, "uint64 or int64 >= 0");
+    }
+    if (name == "priority") {
+      out->set_priority(v);
+    } else {
+      out->set_queue_timeout_us(v);
+    }
   } else if (name == "sequence_id" || name == "sequence_start" || name == "sequence_end") {
     return Status::Ok();  // SequenceOf reads them.
   } else if (name == "traceparent" || name == "tracestate") {
@@ -101,7 +121,7 @@ Status ApplyParameter(const std::string& name, const InferParameter& p, v1::Atte
     return InvalidArgument(
         "parameters['" + name +
         "']: not a parameter of attnserve; allowed: is_causal, attn_weights, layout, "
-        "memory, session, session_length, traceparent, tracestate");
+        "memory, session, session_length, priority, timeout, traceparent, tracestate");
   }
   return Status::Ok();
 }

@@ -18,6 +18,8 @@ struct OipSequence {
       id;  ///< The id as text, with its kind ("i:7", "s:abc"): ids of different kinds differ.
   bool start = false;
   bool end = false;
+  /// Who sends it: ids are kept per tenant too, so two tenants' equal ids never meet.
+  std::string tenant = "default";
 };
 
 /// Triton's sequences onto attnserve's decoding sessions: a start opens a session (the caller's
@@ -53,7 +55,7 @@ class OipSequences {
     std::list<std::string>::iterator lru;
   };
   static std::string Key(const std::string& model, const OipSequence& seq) {
-    return model + '\n' + seq.id;
+    return seq.tenant + '\n' + model + '\n' + seq.id;
   }
   // With mu_ held: forgets sequences idle since before `now - idle_`, oldest first.
   void ForgetIdle(Clock::time_point now);

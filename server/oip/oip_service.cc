@@ -70,11 +70,11 @@ Status OipServiceImpl::Decode(inference::ModelInferRequest* infer, Exchange* x) 
   return Status::Ok();
 }
 
-void OipServiceImpl::CloseSession(const std::string& handle) {
+void OipServiceImpl::CloseSession(const std::string& handle, const std::string& tenant) {
   v1::ReleaseRequest req;
   req.set_handle(handle);
   v1::ReleaseResponse resp;
-  pipeline_.Release("CloseSession", KvKind::kSession, req, &resp);
+  pipeline_.Release("CloseSession", KvKind::kSession, req, &resp, KvCaller{{}, tenant});
 }
 
 Status OipServiceImpl::BeginSequence(Exchange* x) {
@@ -86,19 +86,22 @@ Status OipServiceImpl::BeginSequence(Exchange* x) {
     req.set_model_version(r.model_version());
     req.set_batch(OipBatchOf(r));
     v1::KvHandle handle;
-    RETURN_IF_ERROR(pipeline_.OpenSession(req, &handle));
+    RETURN_IF_ERROR(pipeline_.OpenSession(req, &handle, KvCaller{{}, x->reply.sequence->tenant}));
     return handle.handle();
   };
-  ASSIGN_OR_RETURN(*r.mutable_session(),
-                   sequences_.Begin(r.model(), *x->reply.sequence, open,
-                                    [this](const std::string& h) { CloseSession(h); }));
+  ASSIGN_OR_RETURN(
+      *r.mutable_session(),
+      sequences_.Begin(r.model(), *x->reply.sequence, open, [this, &x](const std::string& h) {
+        CloseSession(h, x->reply.sequence->tenant);
+      }));
   return Status::Ok();
 }
 
 void OipServiceImpl::EndSequence(const Exchange& x, const Status& seen) {
   if (!x.reply.sequence) return;
-  sequences_.Finish(x.request.model(), *x.reply.sequence, x.request.session(), seen,
-                    [this](const std::string& h) { CloseSession(h); });
+  sequences_.Finish(
+      x.request.model(), *x.reply.sequence, x.request.session(), seen,
+      [this, &x](const std::string& h) { CloseSession(h, x.reply.sequence->tenant); });
 }
 
 grpc::ServerUnaryReactor* OipServiceImpl::ServerLive(grpc::CallbackServerContext* ctx,
@@ -154,6 +157,9 @@ grpc::ServerUnaryReactor* OipServiceImpl::ModelInfer(grpc::CallbackServerContext
   auto x = std::make_unique<Exchange>();
   Status st = ParseMessage(*req, &infer);
   if (st.ok()) st = Decode(&infer, x.get());
+  if (st.ok() && x->reply.sequence) {
+    x->reply.sequence->tenant = TenantOf(ctx, pipeline_.tenant_header());
+  }
   if (st.ok()) st = BeginSequence(x.get());
   if (!st.ok()) {
     pipeline_.RecordUndecoded("ModelInfer", st);
@@ -161,22 +167,24 @@ grpc::ServerUnaryReactor* OipServiceImpl::ModelInfer(grpc::CallbackServerContext
     return reactor;
   }
   Exchange* raw = x.release();
-  pipeline_.Attend(
-      "ModelInfer", raw, CallOf(ctx), [this, ctx, raw, reactor, resp](const Status& computed) {
-        EndSequence(*raw, computed);
-        // Outputs asked for in regions go there; a region cut short meanwhile fails the call.
-        const Status seen =
-            computed.ok() ? OipWriteSharedOutputs(&raw->answer, raw->reply) : computed;
-        if (seen.ok()) {
-          *resp = EncodeWithRawBytes(OipResponseHead(raw->answer, raw->reply),
-                                     inference::ModelInferResponse::kRawOutputContentsFieldNumber,
-                                     OipRawOutputs(&raw->answer, raw->reply));
-        }
-        pipeline_.Record("ModelInfer", raw, seen);
-        TellTraceOfFailure(ctx, raw->trace, seen);
-        delete raw;
-        reactor->Finish(ToGrpcStatus(seen));
-      });
+  pipeline_.Attend("ModelInfer", raw, CallOf(ctx, pipeline_),
+                   [this, ctx, raw, reactor, resp](const Status& computed) {
+                     EndSequence(*raw, computed);
+                     // Outputs asked for in regions go there; a region cut short meanwhile fails
+                     // the call.
+                     const Status seen =
+                         computed.ok() ? OipWriteSharedOutputs(&raw->answer, raw->reply) : computed;
+                     if (seen.ok()) {
+                       *resp = EncodeWithRawBytes(
+                           OipResponseHead(raw->answer, raw->reply),
+                           inference::ModelInferResponse::kRawOutputContentsFieldNumber,
+                           OipRawOutputs(&raw->answer, raw->reply));
+                     }
+                     pipeline_.Record("ModelInfer", raw, seen);
+                     TellTraceOfFailure(ctx, raw->trace, seen);
+                     delete raw;
+                     reactor->Finish(ToGrpcStatus(seen));
+                   });
   return reactor;
 }
 

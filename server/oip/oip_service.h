@@ -91,7 +91,7 @@ class OipServiceImpl final : public oip_detail::Base {
   Status BeginSequence(Exchange* x);
   // After the step: the sequence's end closes its session.
   void EndSequence(const Exchange& x, const Status& seen);
-  void CloseSession(const std::string& handle);
+  void CloseSession(const std::string& handle, const std::string& tenant);
 
   // A decoded request for the pipeline: its inputs read, its outputs' regions noted.
   Status Decode(inference::ModelInferRequest* infer, Exchange* x) const;

@@ -45,33 +45,94 @@ BatcherOptions BatcherOptions::ForDevice(const std::string& device, const Given&
 
 // ---- BatchQueue ---------------------------------------------------------------------------------
 
+bool BatchQueue::Rank::operator<(const Rank& o) const {
+  if (level != o.level) return level < o.level;
+  if (delayed != o.delayed) return !delayed;
+  if (counter != o.counter) return counter < o.counter;
+  return accepted < o.accepted;
+}
+
+BatchQueue::~BatchQueue() {
+  for (const auto& item : items_) share_->Leave(item->tenant);
+}
+
 void BatchQueue::DropDead(SteadyClock::time_point now, Dropped* dropped) {
   std::deque<std::unique_ptr<WorkItem>> alive;
   for (auto& item : items_) {
     // The deadline first: a client's deadline arrives as a cancellation.
     const bool cancelled = item->cancelled && item->cancelled();
+    const std::string waited = std::to_string(Seconds(now - item->accepted));
+    Status dead;
     if (DeadlineEnded(item->deadline, now, cancelled)) {
-      const std::string waited = std::to_string(Seconds(now - item->accepted));
-      dropped->emplace_back(std::move(item), Status(StatusCode::kDeadlineExceeded,
-                                                    "deadline passed after " + waited +
-                                                        " s in the queue, before compute started"));
+      dead = Status(StatusCode::kDeadlineExceeded,
+                    "deadline passed after " + waited + " s in the queue, before compute started");
     } else if (cancelled) {
-      dropped->emplace_back(std::move(item), Status(StatusCode::kCancelled,
-                                                    "cancelled by the client before compute"));
-    } else {
+      dead = Status(StatusCode::kCancelled, "cancelled by the client before compute");
+    } else if (now >= item->queue_timeout && item->timeout_action == TimeoutAction::kReject) {
+      const auto timeout = std::chrono::duration_cast<std::chrono::microseconds>(
+          item->queue_timeout - item->accepted);
+      dead = Status(StatusCode::kUnavailable,
+                    "queue timeout: waited " + waited + " s at priority level " +
+                        std::to_string(item->level) + ", past its timeout of " +
+                        std::to_string(timeout.count()) +
+                        " us (the level's queue policy, or the request's own timeout); retry "
+                        "later or elsewhere");
+    } else if (now >= item->queue_timeout) {
+      item->delayed = true;  // DELAY: behind its level's requests that have not timed out.
+    }
+    if (dead.ok()) {
       alive.push_back(std::move(item));
+    } else {
+      share_->Leave(item->tenant);
+      dropped->emplace_back(std::move(item), dead);
     }
   }
   items_.swap(alive);
 }
 
+int64_t BatchQueue::QueuedAt(int64_t level) const {
+  int64_t n = 0;
+  for (const auto& item : items_) n += item->level == level ? 1 : 0;
+  return n;
+}
+
 std::unique_ptr<WorkItem> BatchQueue::Add(std::unique_ptr<WorkItem> item,
-                                          SteadyClock::time_point now, Dropped* dropped) {
-  // The server's own warm-up is never refused: its few items wait beyond the size for a moment.
-  if (!item->warmup && items_.size() >= options_->max_queue_size) {
-    DropDead(now, dropped);  // Frees their places.
-    if (items_.size() >= options_->max_queue_size) return item;
+                                          SteadyClock::time_point now, Dropped* dropped,
+                                          Status* refused, const char** reason) {
+  // The server's own warm-up is never refused: its few items wait beyond the bounds for a moment.
+  if (!item->warmup) {
+    const int64_t level_max = priorities_.PolicyOf(item->level).max_queue_size;
+    const auto full = [&] {
+      if (items_.size() >= options_->max_queue_size) {
+        *reason = "queue_full";
+        *refused = Status(StatusCode::kResourceExhausted,
+                          "queue full: " + std::to_string(items_.size()) +
+                              " requests waiting (server flag --max-queue-size); retry later");
+      } else if (level_max > 0 && QueuedAt(item->level) >= level_max) {
+        *reason = "priority_queue_full";
+        *refused = Status(StatusCode::kResourceExhausted,
+                          "queue of priority level " + std::to_string(item->level) +
+                              " full: " + std::to_string(level_max) +
+                              " requests waiting (its queue policy's max_queue_size); retry later");
+      } else if (item->tenant_max_queued > 0 &&
+                 share_->Queued(item->tenant) >= item->tenant_max_queued) {
+        *reason = "tenant_queue_full";
+        *refused = Status(StatusCode::kResourceExhausted,
+                          "tenant '" + item->tenant + "' has " +
+                              std::to_string(share_->Queued(item->tenant)) +
+                              " requests waiting, its max_queued_requests (--tenants); retry "
+                              "later");
+      } else {
+        return false;
+      }
+      return true;
+    };
+    if (full()) {
+      DropDead(now, dropped);  // Frees their places.
+      if (full()) return item;
+    }
   }
+  share_->Arrive(item->tenant);
   items_.push_back(std::move(item));
   return nullptr;
 }
@@ -80,12 +141,86 @@ bool BatchQueue::Shares(const WorkItem& item) const {
   return item.tokens() <= options_->max_shared_request_tokens;
 }
 
+size_t BatchQueue::Leader() const {
+  const bool fair = options_->scheduling == BatcherOptions::Scheduling::kFair;
+  size_t best = 0;
+  Rank best_rank;
+  for (size_t i = 0; i < items_.size(); ++i) {
+    const WorkItem& item = *items_[i];
+    // Arrival order breaks ties, so a tenant is led by its oldest request.
+    const Rank r{item.level, item.delayed, fair ? share_->Counter(item.tenant) : 0.0,
+                 SteadyClock::time_point()};
+    if (i == 0 || r < best_rank) {
+      best = i;
+      best_rank = r;
+    }
+  }
+  return best;
+}
+
+BatchQueue::Rank BatchQueue::rank() const {
+  const WorkItem& lead = *items_[Leader()];
+  const bool fair = options_->scheduling == BatcherOptions::Scheduling::kFair;
+  return Rank{lead.level, lead.delayed, fair ? share_->Counter(lead.tenant) : 0.0, lead.accepted};
+}
+
+std::vector<size_t> BatchQueue::Fill(size_t leader, size_t max_requests) const {
+  const WorkItem& lead = *items_[leader];
+  std::vector<size_t> taken;
+  if (!options_->enabled || !Shares(lead)) return taken;
+  int64_t tokens = lead.tokens(), cost = lead.attention_cost();
+  // Candidates: the leader's level and class, compatible, sharing; by tenant in arrival order.
+  std::vector<std::string> tenants;
+  std::map<std::string, std::deque<size_t>> by_tenant;
+  for (size_t i = 0; i < items_.size(); ++i) {
+    const WorkItem& item = *items_[i];
+    if (i == leader || item.level != lead.level || item.delayed != lead.delayed ||
+        !Compatible(lead, item) || !Shares(item)) {
+      continue;
+    }
+    const bool fair = options_->scheduling == BatcherOptions::Scheduling::kFair;
+    const std::string& key = fair ? item.tenant : lead.tenant;  // kFcfs: one line, by arrival.
+    if (by_tenant[key].empty()) tenants.push_back(key);
+    by_tenant[key].push_back(i);
+  }
+  std::map<std::string, double> counter;  // With what the batch gives each so far.
+  for (const std::string& t : tenants) counter[t] = share_->Counter(t);
+  counter[lead.tenant] += lead.flops / lead.weight;
+  while (taken.size() + 1 < max_requests && !tenants.empty()) {
+    // The tenant whose counter is smallest next, oldest request first among equals.
+    auto next = std::min_element(tenants.begin(), tenants.end(), [&](const auto& a, const auto& b) {
+      return counter[a] != counter[b] ? counter[a] < counter[b]
+                                      : by_tenant[a].front() < by_tenant[b].front();
+    });
+    std::deque<size_t>& line = by_tenant[*next];
+    auto fit = std::find_if(line.begin(), line.end(), [&](size_t i) {
+      return tokens + items_[i]->tokens() <= options_->max_batch_tokens &&
+             cost + items_[i]->attention_cost() <= options_->max_batch_attention;
+    });
+    if (fit == line.end()) {
+      tenants.erase(next);  // Nothing of this tenant fits any more.
+      continue;
+    }
+    const WorkItem& item = *items_[*fit];
+    tokens += item.tokens();
+    cost += item.attention_cost();
+    counter[*next] += item.flops / item.weight;
+    taken.push_back(*fit);
+    line.erase(fit);
+    if (line.empty()) tenants.erase(next);
+  }
+  return taken;
+}
+
 bool BatchQueue::BudgetFull() const {
-  const WorkItem& first = *items_.front();
-  if (!Shares(first)) return true;  // Alone, at once.
+  const WorkItem& lead = *items_[Leader()];
+  if (!Shares(lead)) return true;  // Alone, at once.
   int64_t tokens = 0, cost = 0;
   for (const auto& item : items_) {
-    if (!Compatible(first, *item) || !Shares(*item)) continue;
+    if (item->level != lead.level || item->delayed != lead.delayed || !Compatible(lead, *item) ||
+        !Shares(*item)) {
+      continue;
+    }
     tokens += item->tokens();
     cost += item->attention_cost();
     if (tokens >= options_->max_batch_tokens || cost >= options_->max_batch_attention) return true;
@@ -109,21 +244,18 @@ std::vector<std::unique_ptr<WorkItem>> BatchQueue::Take(SteadyClock::time_point 
   DropDead(now, dropped);
   std::vector<std::unique_ptr<WorkItem>> batch;
   if (items_.empty()) return batch;
-  batch.push_back(std::move(items_.front()));
-  items_.pop_front();
-  if (!options_->enabled || !Shares(*batch[0])) return batch;
-  int64_t tokens = batch[0]->tokens(), cost = batch[0]->attention_cost();
+  const size_t leader = Leader();
+  std::vector<size_t> order = Fill(leader, max_requests);
+  order.insert(order.begin(), leader);
+  for (size_t i : order) {
+    WorkItem& item = *items_[i];
+    share_->Charge(item.tenant, item.flops, item.weight);
+    share_->Leave(item.tenant);
+    batch.push_back(std::move(items_[i]));
+  }
   std::deque<std::unique_ptr<WorkItem>> rest;
   for (auto& item : items_) {
-    const bool fits = tokens + item->tokens() <= options_->max_batch_tokens &&
-                      cost + item->attention_cost() <= options_->max_batch_attention;
-    if (batch.size() < max_requests && fits && Shares(*item) && Compatible(*batch[0], *item)) {
-      tokens += item->tokens();
-      cost += item->attention_cost();
-      batch.push_back(std::move(item));
-    } else {
-      rest.push_back(std::move(item));
-    }
+    if (item) rest.push_back(std::move(item));
   }
   items_.swap(rest);
   return batch;
@@ -160,8 +292,10 @@ Batcher::~Batcher() { Drain(); }
 void Batcher::Finish(Dropped* dropped) {
   for (auto& [item, status] : *dropped) {
     if (options_.on_reject && !item->warmup) {
-      options_.on_reject(item->model->spec().name,
-                         status.code() == StatusCode::kDeadlineExceeded ? "deadline" : "cancelled");
+      const StatusCode code = status.code();
+      options_.on_reject(*item, code == StatusCode::kDeadlineExceeded ? "deadline"
+                                : code == StatusCode::kUnavailable    ? "queue_timeout"
+                                                                      : "cancelled");
     }
     item->queue_seconds = Seconds(SteadyClock::now() - item->accepted);
     Complete(*item, status);
@@ -169,31 +303,36 @@ void Batcher::Finish(Dropped* dropped) {
   dropped->clear();
 }
 
+const PriorityOptions& Batcher::PrioritiesOf(const AttentionModel& model) const {
+  const std::optional<PriorityOptions>& own = model.spec().priorities;
+  return own ? *own : options_.priorities;
+}
+
 void Batcher::Submit(std::unique_ptr<WorkItem> item) {
   Dropped dropped;
   Status refused;
+  const char* reason = "draining";
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (draining_) {
       refused =
           Status(StatusCode::kUnavailable, "server is shutting down; retry on another replica");
     } else {
-      auto it = queues_.try_emplace(item->model.get(), options_).first;
-      item = it->second.Add(std::move(item), SteadyClock::now(), &dropped);
-      Mirror();
-      if (item) {
-        refused = Status(StatusCode::kResourceExhausted,
-                         "queue full: " + std::to_string(it->second.size()) +
-                             " requests waiting (server flag --max-queue-size); retry later");
+      const AttentionModel* model = item->model.get();
+      auto it = queues_.find(model);
+      if (it == queues_.end()) {
+        it = queues_
+                 .emplace(std::piecewise_construct, std::forward_as_tuple(model),
+                          std::forward_as_tuple(options_, PrioritiesOf(*model), &share_))
+                 .first;
       }
+      item = it->second.Add(std::move(item), SteadyClock::now(), &dropped, &refused, &reason);
+      Mirror();
     }
   }
   Finish(&dropped);
   if (!refused.ok()) {
-    if (options_.on_reject && !item->warmup) {
-      options_.on_reject(item->model->spec().name,
-                         refused.code() == StatusCode::kUnavailable ? "draining" : "queue_full");
-    }
+    if (options_.on_reject && !item->warmup) options_.on_reject(*item, reason);
     Complete(*item, refused);
     return;
   }
@@ -252,7 +391,7 @@ void Batcher::WorkerLoop() {
       SteadyClock::time_point w;
       // While draining nothing waits for company.
       if (queue.Ready(now, busy_, &w) || draining_) {
-        if (!best || queue.oldest() < best->oldest()) {
+        if (!best || queue.rank() < best->rank()) {
           best = &queue;
           best_model = model;
         }

@@ -12,9 +12,11 @@
 #include <thread>
 #include <vector>
 
+#include "server/core/scheduling.h"
 #include "server/core/status.h"
 #include "server/core/types.h"
 #include "server/engine/attention_model.h"
+#include "server/pipeline/fair_share.h"
 #include "server/pipeline/host_cpus.h"
 #include "server/trace/tracer.h"
 
@@ -66,6 +68,19 @@ struct WorkItem {
   /// and traces.
   bool warmup = false;
 
+  // Who asks and how urgently (docs/tenants.md), set by the pipeline.
+  std::string tenant = "default";        ///< Whose fair share it draws on.
+  std::string tenant_label = "default";  ///< Its metrics label (Tenants::Label).
+  double weight = 1;                     ///< The tenant's weight (> 0).
+  /// The tenant's most requests queued at once (its `max_queued_requests`); 0: no bound.
+  int64_t tenant_max_queued = 0;
+  int64_t level = 0;  ///< Priority level: 1 first; 0 when the model has no levels.
+  double flops = 0;   ///< What computing it costs (ForwardFlops): the fair share's unit.
+  /// When its level's queue timeout ends its wait (max: none), and what that does.
+  SteadyClock::time_point queue_timeout = SteadyClock::time_point::max();
+  TimeoutAction timeout_action = TimeoutAction::kReject;
+  bool delayed = false;  ///< Timed out with DELAY: behind its level's other requests.
+
   // Filled on completion.
   double queue_seconds = 0;
   double compute_seconds = 0;
@@ -112,8 +127,16 @@ struct BatcherOptions {
   /// request's span); null: none. Borrowed.
   const Tracer* tracer = nullptr;
   /// Called for each request refused or dropped before compute: reason is "queue_full",
-  /// "draining", "deadline" or "cancelled".
-  std::function<void(const std::string& model, const char* reason)> on_reject;
+  /// "priority_queue_full", "tenant_queue_full", "queue_timeout", "draining", "deadline" or
+  /// "cancelled".
+  std::function<void(const WorkItem& item, const char* reason)> on_reject;
+  /// Whose request leads the next batch: kFair, the backlogged tenant with the least weighted
+  /// work served (FairShare), its batch filled in the same order; kFcfs, the oldest request
+  /// (--scheduling). Priority levels come first either way.
+  enum class Scheduling { kFair, kFcfs } scheduling = Scheduling::kFair;
+  /// Priority levels and their queues for models whose config.json sets none (--priority-levels,
+  /// --default-priority-level, --queue-policy).
+  PriorityOptions priorities;
 
   /// Checks the options: FAILED_PRECONDITION naming the flag at fault.
   Status Validate() const;
@@ -138,23 +161,34 @@ struct BatcherOptions {
 /// The batch-forming rules for one model's queue, without threads or clocks of its own: every
 /// method takes `now`, so tests drive it deterministically. Not thread-safe.
 ///
-/// Rules: requests leave in arrival order. A batch starts with the oldest request and takes each
-/// later one that is compatible with it (same wire dtype and same attention-weights mode) while the
-/// token and attention budgets hold; incompatible requests wait for a later batch. A batch is ready
-/// when the compatible requests fill the budget, when the oldest has waited max_queue_delay, or at
-/// once when no worker is computing (waiting for company only pays off under load). Requests over
+/// Rules: a batch is led by a request of the first priority level that has any (requests timed
+/// out with DELAY after the others of their level); within the level, by the oldest request of
+/// the backlogged tenant with the smallest FairShare counter (kFair) or by the oldest request
+/// (kFcfs). It then takes each request of that level that is compatible with its leader (same
+/// wire dtype and attention-weights mode) while the token and attention budgets hold, tenant by
+/// tenant in the same order (the one whose counter, with what the batch already gives it, is
+/// smallest next; kFcfs: arrival order); the rest wait for a later batch. Each request taken is
+/// charged its FLOPs over its tenant's weight. A batch is ready when the compatible requests fill
+/// the budget, when the oldest has waited max_queue_delay, or at once when no worker is
+/// computing (waiting for company only pays off under load). Requests over
 /// max_shared_request_tokens always form a batch of their own, at once. A worker takes at most
 /// its share of the queue, ⌈queued / workers⌉ requests, so that below saturation requests spread
-/// over the cores instead of queueing behind each other in one batch.
-/// Expired and cancelled requests are dropped when a batch is taken and whenever the queue is full.
+/// over the cores instead of queueing behind each other in one batch. Expired, cancelled and
+/// timed-out requests are dropped when a batch is taken and whenever the queue is full.
 class BatchQueue {
  public:
-  explicit BatchQueue(const BatcherOptions& options) : options_(&options) {}
+  /// `share` counts every queue's tenants (the batcher's one); borrowed.
+  BatchQueue(const BatcherOptions& options, PriorityOptions priorities, FairShare* share)
+      : options_(&options), priorities_(std::move(priorities)), share_(share) {}
+  ~BatchQueue();  ///< Tells the share that what it still holds left.
+  BatchQueue(const BatchQueue&) = delete;
+  BatchQueue& operator=(const BatchQueue&) = delete;
 
-  /// Adds an item; when the queue stays full after dropping dead items, returns the item (refused).
-  /// A warm-up's item is never refused.
+  /// Adds an item. When a bound refuses it (--max-queue-size, its level's max_queue_size, its
+  /// tenant's max_queued_requests, after dropping dead items), returns it with `*refused` saying
+  /// why (RESOURCE_EXHAUSTED) and `*reason` the metrics label. A warm-up's item is never refused.
   std::unique_ptr<WorkItem> Add(std::unique_ptr<WorkItem> item, SteadyClock::time_point now,
-                                Dropped* dropped);
+                                Dropped* dropped, Status* refused, const char** reason);
   /// True when a batch should be taken now; otherwise `*wake` is when one will be (max if empty).
   /// `busy_workers`: how many workers are computing right now.
   bool Ready(SteadyClock::time_point now, int busy_workers, SteadyClock::time_point* wake) const;
@@ -165,13 +199,31 @@ class BatchQueue {
   size_t size() const { return items_.size(); }
   /// The oldest item's acceptance time (queue must not be empty).
   SteadyClock::time_point oldest() const { return items_.front()->accepted; }
+  const PriorityOptions& priorities() const { return priorities_; }
+
+  /// Which of several queues a worker serves first (lower first): their leaders' level, then
+  /// DELAY'd after not, then (kFair) the leader's tenant's counter, then its age.
+  struct Rank {
+    int64_t level = 0;
+    bool delayed = false;
+    double counter = 0;
+    SteadyClock::time_point accepted;
+    bool operator<(const Rank& o) const;
+  };
+  Rank rank() const;  ///< Queue must not be empty.
 
  private:
   void DropDead(SteadyClock::time_point now, Dropped* dropped);
   bool BudgetFull() const;
   bool Shares(const WorkItem& item) const;
+  size_t Leader() const;  // Index of the item that leads the next batch (queue not empty).
+  // The requests that join the leader's batch, in the order they are taken (indices).
+  std::vector<size_t> Fill(size_t leader, size_t max_requests) const;
+  int64_t QueuedAt(int64_t level) const;
 
   const BatcherOptions* options_;
+  const PriorityOptions priorities_;
+  FairShare* share_;
   std::deque<std::unique_ptr<WorkItem>> items_;
 };
 
@@ -202,6 +254,9 @@ class Batcher {
   /// Stops accepting, computes everything queued, joins the workers. Idempotent.
   void Drain();
 
+  /// The priority levels `model`'s requests are queued by: its config.json's, else the server's.
+  const PriorityOptions& PrioritiesOf(const AttentionModel& model) const;
+
  private:
   void WorkerLoop();
   void Finish(Dropped* dropped);
@@ -216,6 +271,7 @@ class Batcher {
   const BatcherOptions options_;
   std::mutex mu_;
   std::condition_variable cv_;
+  FairShare share_;  // Every queue's tenants.
   std::map<const AttentionModel*, BatchQueue> queues_;
   bool draining_ = false;
   int busy_ = 0;  // Workers computing a batch, or pieces of one.

@@ -54,6 +54,19 @@ ServerMetrics::HostTransfer ServerMetrics::MakeHostTransfer(prometheus::Registry
             "Read through descriptors, never mapped into the server.")};
 }
 
+ServerMetrics::TenantFamilies ServerMetrics::MakeTenantFamilies(prometheus::Registry& registry) {
+  return {Counter(registry, "attnserve_tenant_flops_total",
+                  "Floating-point operations computed for a tenant (what its fair share counts)."),
+          Histogram(registry, "attnserve_tenant_queue_wait_seconds",
+                    "Time a tenant's request waited between acceptance and the start of compute."),
+          Counter(registry, "attnserve_tenant_requests_total",
+                  "A tenant's requests answered, by gRPC status code."),
+          Counter(registry, "attnserve_tenant_rejections_total",
+                  "A tenant's requests refused or dropped before compute, by reason."),
+          Gauge(registry, "attnserve_tenant_kv_bytes",
+                "Bytes of memories and sessions a tenant holds (counted against its K/V share).")};
+}
+
 ServerMetrics::ServerMetrics(prometheus::Registry& registry)
     : latency_(Histogram(registry, "attnserve_request_duration_seconds",
                          "Time from receiving a request to its answer, at the RPC boundary.")),
@@ -82,6 +95,7 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
                 "Device memory by kind: on CUDA the caching allocator's allocated and reserved "
                 "bytes; on the CPU the process's resident set (kind resident).")),
       transfer_(MakeHostTransfer(registry)),
+      tenant_(MakeTenantFamilies(registry)),
       model_info_(Gauge(registry, "attnserve_model_info",
                         "A loaded model version (value 1), described by its labels.")),
       cpu_info_(
@@ -148,6 +162,9 @@ void ServerMetrics::RecordBatch(const std::string& model, const std::vector<Work
   double flops = 0;
   for (const WorkItem* item : batch) {
     queue.Observe(item->queue_seconds);
+    const prometheus::Labels tenant{{"tenant", item->tenant_label}};
+    tenant_.queue.Add(tenant, LatencyBuckets()).Observe(item->queue_seconds);
+    tenant_.flops.Add(tenant).Increment(item->flops);
     tokens += item->tokens();
     flops += ForwardFlops(item->model->spec(), item->call);
     backend_.Add({{"model", model}, {"backend", item->outputs.attention_backend}}).Increment();
@@ -183,6 +200,18 @@ void ServerMetrics::SetStaging(int64_t held, int64_t budget, int64_t refused) {
 
 void ServerMetrics::RecordRejection(const std::string& model, const char* reason) {
   rejections_.Add({{"model", model}, {"reason", reason}}).Increment();
+}
+
+void ServerMetrics::RecordTenantRequest(const std::string& tenant, const std::string& code) {
+  tenant_.requests.Add({{"tenant", tenant}, {"code", code}}).Increment();
+}
+
+void ServerMetrics::RecordTenantRejection(const std::string& tenant, const char* reason) {
+  tenant_.rejections.Add({{"tenant", tenant}, {"reason", reason}}).Increment();
+}
+
+void ServerMetrics::SetTenantKvBytes(const std::string& tenant, int64_t bytes) {
+  tenant_.kv_bytes.Add({{"tenant", tenant}}).Set(static_cast<double>(bytes));
 }
 
 void ServerMetrics::AddModelInfo(const ModelSpec& s) {

@@ -42,6 +42,12 @@ class ServerMetrics {
   /// A request refused or dropped before compute; reason: queue_full, draining, deadline,
   /// cancelled.
   void RecordRejection(const std::string& model, const char* reason);
+  /// Per tenant (its Tenants::Label): attnserve_tenant_requests_total{tenant, code}.
+  void RecordTenantRequest(const std::string& tenant, const std::string& code);
+  /// attnserve_tenant_rejections_total{tenant, reason}.
+  void RecordTenantRejection(const std::string& tenant, const char* reason);
+  /// attnserve_tenant_kv_bytes{tenant}: memories and sessions it holds.
+  void SetTenantKvBytes(const std::string& tenant, int64_t bytes);
   /// Sets attnserve_model_info{...} 1 for a loaded model version (replacing that version's series).
   void AddModelInfo(const ModelSpec& spec);
   /// attnserve_cpu_info{cpu_class, onednn, blas} 1: the CPU's class and the libraries' kernels.
@@ -91,6 +97,16 @@ class ServerMetrics {
   };
   static HostTransfer MakeHostTransfer(prometheus::Registry& registry);
   HostTransfer transfer_;
+  // Per tenant: served FLOPs, queue wait, requests by outcome, rejections, kept bytes.
+  struct TenantFamilies {
+    prometheus::Family<prometheus::Counter>& flops;
+    prometheus::Family<prometheus::Histogram>& queue;
+    prometheus::Family<prometheus::Counter>& requests;
+    prometheus::Family<prometheus::Counter>& rejections;
+    prometheus::Family<prometheus::Gauge>& kv_bytes;
+  };
+  static TenantFamilies MakeTenantFamilies(prometheus::Registry& registry);
+  TenantFamilies tenant_;
   prometheus::Family<prometheus::Gauge>& model_info_;
   prometheus::Family<prometheus::Gauge>& cpu_info_;
   prometheus::Family<prometheus::Counter>& reloads_;

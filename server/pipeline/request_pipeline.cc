@@ -129,8 +129,8 @@ void FillHandle(const KvEntry& e, std::optional<int64_t> length, const KvStore& 
 
 // The memory or session a request names, begun (a session step) or looked up (a memory), and
 // checked against the model the request names, if any.
-Status ResolveKept(KvStore& kv, const v1::AttendRequest& request, WorkItem* item,
-                   std::shared_ptr<KvStep>* step) {
+Status ResolveKept(KvStore& kv, const v1::AttendRequest& request, const std::string& tenant,
+                   WorkItem* item, std::shared_ptr<KvStep>* step) {
   const bool session = !request.session().empty();
   if (session && !request.memory().empty()) {
     return InvalidArgument("memory, session: a request names one or the other, not both");
@@ -140,12 +140,12 @@ Status ResolveKept(KvStore& kv, const v1::AttendRequest& request, WorkItem* item
     const auto length = request.has_session_length()
                             ? std::optional<int64_t>(request.session_length())
                             : std::nullopt;
-    ASSIGN_OR_RETURN(*step, kv.BeginStep(request.session(), length));
+    ASSIGN_OR_RETURN(*step, kv.BeginStep(request.session(), length, tenant));
     entry = (*step)->entry();
     item->call.kv_use = AttendCall::Kv::kSession;
     item->call.kv_length = (*step)->length();
   } else {
-    ASSIGN_OR_RETURN(entry, kv.Lookup(request.memory(), KvKind::kMemory));
+    ASSIGN_OR_RETURN(entry, kv.Lookup(request.memory(), KvKind::kMemory, tenant));
     item->call.kv_use = AttendCall::Kv::kMemory;
     item->call.kv_length = entry->length;
   }
@@ -185,6 +185,8 @@ void RequestPipeline::Attend(const char* method, Exchange* x, CallContext call,
     ++in_flight_;
     last_arrival_ = SteadyClock::now();
   }
+  x->tenant = call.tenant;
+  x->tenant_label = tenants()->Label(call.tenant);
   auto item = std::make_unique<WorkItem>();
   item->accepted = x->received;
   item->deadline = call.deadline;
@@ -201,6 +203,8 @@ void RequestPipeline::Attend(const char* method, Exchange* x, CallContext call,
   const uint32_t attempts = call.previous_attempts;
   x->times.attempts = attempts;
   Status st = Resolve(x, item.get(), &step);
+  if (st.ok()) st = Schedule(*x, call, item.get());
+  x->level = item->level;
   if (st.ok()) st = Admit(x, *item);
   x->times.admitted = SteadyClock::now();
   x->times.tokens = item->tokens();
@@ -251,7 +255,7 @@ Status RequestPipeline::Resolve(Exchange* x, WorkItem* item, std::shared_ptr<KvS
   UseStaged(x->staged, &item->call);
   if (!request.memory().empty() || !request.session().empty()) {
     // Keys and values kept on the server: the handle names the model.
-    RETURN_IF_ERROR(ResolveKept(kv_, request, item, step));
+    RETURN_IF_ERROR(ResolveKept(kv_, request, x->tenant, item, step));
   } else {
     ASSIGN_OR_RETURN(item->model,
                      models_.Snapshot()->Lookup(request.model(), request.model_version()));
@@ -266,13 +270,53 @@ Status RequestPipeline::Resolve(Exchange* x, WorkItem* item, std::shared_ptr<KvS
   return Status::Ok();
 }
 
+Status RequestPipeline::Schedule(const Exchange& x, const CallContext& call, WorkItem* item) const {
+  const std::shared_ptr<const Tenants> tenants = this->tenants();
+  const TenantPolicy& terms = tenants->Of(call.tenant);
+  item->tenant = call.tenant;
+  item->tenant_label = x.tenant_label;
+  item->weight = terms.weight;
+  item->tenant_max_queued = terms.max_queued_requests;
+  item->flops = ForwardFlops(item->model->spec(), item->call);
+  const PriorityOptions& priorities = batcher_.PrioritiesOf(*item->model);
+  ASSIGN_OR_RETURN(item->level, priorities.LevelOf(x.request.priority()));
+  const int64_t timeout_us = priorities.TimeoutUs(item->level, x.request.queue_timeout_us());
+  if (timeout_us > 0) {
+    // Far timeouts (up to 2^63 µs) saturate at the end of time rather than wrap: compared in
+    // microseconds, which hold them.
+    const int64_t left_us = std::chrono::duration_cast<std::chrono::microseconds>(
+                                SteadyClock::time_point::max() - item->accepted)
+                                .count();
+    item->queue_timeout = timeout_us < left_us
+                              ? item->accepted + std::chrono::microseconds(timeout_us)
+                              : SteadyClock::time_point::max();
+    item->timeout_action = priorities.PolicyOf(item->level).timeout_action;
+  }
+  return Status::Ok();
+}
+
+void RequestPipeline::SetTenants(std::shared_ptr<const Tenants> tenants) {
+  kv_.SetTenants(tenants);
+  std::lock_guard<std::mutex> lock(mu_);
+  tenants_ = std::move(tenants);
+}
+
+std::shared_ptr<const Tenants> RequestPipeline::tenants() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return tenants_;
+}
+
 Status RequestPipeline::Admit(Exchange* x, const WorkItem& item) {
   // Request and answer bytes count against the in-flight budget until the outcome is recorded.
   const int64_t bytes =
       HeldBytes(static_cast<int64_t>(x->request.ByteSizeLong()) + x->staged.bytes() +
                     item.call.output_bytes + item.call.weights_bytes,
                 item.call.query.dtype, item.model->spec().compute_dtype);
-  RETURN_IF_ERROR(Reserve(x->model, bytes));
+  Status reserved = Reserve(x->model, bytes);
+  if (!reserved.ok()) {
+    metrics_.RecordTenantRejection(x->tenant_label, "memory");
+    return reserved;
+  }
   x->held_bytes = bytes;
   return Status::Ok();
 }
@@ -313,6 +357,7 @@ void RequestPipeline::Record(const char* method, Exchange* x, const Status& seen
   x->recorded = true;
   if (seen.code() == StatusCode::kInternal) std::cerr << "attnserve: " << seen.ToString() << "\n";
   metrics_.RecordRequest(x->model, method, StatusCodeName(seen.code()), SecondsSince(x->received));
+  metrics_.RecordTenantRequest(x->tenant_label, StatusCodeName(seen.code()));
   metrics_.AddInFlight(method, -1);
   Observed(method, *x, seen);
   std::lock_guard<std::mutex> lock(mu_);
@@ -487,7 +532,7 @@ void RequestPipeline::CreateMemory(const v1::CreateMemoryRequest& req, CallConte
     RETURN_IF_ERROR(Reserve(item->model->spec().name, bytes));
     held = bytes;
     ASSIGN_OR_RETURN(entry, kv_.Create(KvKind::kMemory, item->model, item->call.kv,
-                                       item->call.batch, item->call.key_len));
+                                       item->call.batch, item->call.key_len, call.tenant));
     return Status::Ok();
   }();
   const std::string name = item->model ? item->model->spec().name : "";
@@ -519,7 +564,8 @@ void RequestPipeline::CreateMemory(const v1::CreateMemoryRequest& req, CallConte
 }
 
 Status RequestPipeline::OpenSession(const v1::OpenSessionRequest& req, v1::KvHandle* resp,
-                                    const IncomingTrace& trace, CallTrace* traced) {
+                                    const KvCaller& caller, CallTrace* traced) {
+  const IncomingTrace& trace = caller.trace;
   const auto received = SteadyClock::now();
   std::shared_ptr<const AttentionModel> model;
   const Status st = [&]() -> Status {
@@ -538,7 +584,7 @@ Status RequestPipeline::OpenSession(const v1::OpenSessionRequest& req, v1::KvHan
     }
     ASSIGN_OR_RETURN(std::shared_ptr<KvCache> cache, NewKvCacheOf(*model));
     ASSIGN_OR_RETURN(std::shared_ptr<KvEntry> entry,
-                     kv_.Create(KvKind::kSession, model, cache, req.batch(), 0));
+                     kv_.Create(KvKind::kSession, model, cache, req.batch(), 0, caller.tenant));
     FillHandle(*entry, 0, kv_, advertised_address(), resp);
     return Status::Ok();
   }();
@@ -548,15 +594,19 @@ Status RequestPipeline::OpenSession(const v1::OpenSessionRequest& req, v1::KvHan
 }
 
 Status RequestPipeline::ForkSession(const v1::ForkSessionRequest& req, v1::KvHandle* resp,
-                                    const IncomingTrace& trace, CallTrace* traced) {
+                                    const KvCaller& caller, CallTrace* traced) {
+  const IncomingTrace& trace = caller.trace;
   const auto received = SteadyClock::now();
   std::string model;
   const Status st = [&]() -> Status {
     ASSIGN_OR_RETURN(std::shared_ptr<KvEntry> child,
-                     kv_.Fork(req.handle(), [&model](const AttentionModel& parent_model) {
-                       model = parent_model.spec().name;
-                       return NewKvCacheOf(parent_model);
-                     }));
+                     kv_.Fork(
+                         req.handle(),
+                         [&model](const AttentionModel& parent_model) {
+                           model = parent_model.spec().name;
+                           return NewKvCacheOf(parent_model);
+                         },
+                         caller.tenant));
     FillHandle(*child, std::nullopt, kv_, advertised_address(), resp);
     return Status::Ok();
   }();
@@ -565,12 +615,13 @@ Status RequestPipeline::ForkSession(const v1::ForkSessionRequest& req, v1::KvHan
 }
 
 Status RequestPipeline::TruncateSession(const v1::TruncateSessionRequest& req, v1::KvHandle* resp,
-                                        const IncomingTrace& trace, CallTrace* traced) {
+                                        const KvCaller& caller, CallTrace* traced) {
+  const IncomingTrace& trace = caller.trace;
   const auto received = SteadyClock::now();
   std::string model;
   const Status st = [&]() -> Status {
     std::shared_ptr<KvEntry> entry;
-    RETURN_IF_ERROR(kv_.Truncate(req.handle(), req.length(), &entry));
+    RETURN_IF_ERROR(kv_.Truncate(req.handle(), req.length(), &entry, caller.tenant));
     model = entry->model->spec().name;
     FillHandle(*entry, req.length(), kv_, advertised_address(), resp);
     return Status::Ok();
@@ -580,10 +631,11 @@ Status RequestPipeline::TruncateSession(const v1::TruncateSessionRequest& req, v
 }
 
 Status RequestPipeline::Release(const char* method, KvKind kind, const v1::ReleaseRequest& req,
-                                v1::ReleaseResponse* resp, const IncomingTrace& trace,
+                                v1::ReleaseResponse* resp, const KvCaller& caller,
                                 CallTrace* traced) {
+  const IncomingTrace& trace = caller.trace;
   const auto received = SteadyClock::now();
-  StatusOr<int64_t> freed = kv_.Release(req.handle(), kind);
+  StatusOr<int64_t> freed = kv_.Release(req.handle(), kind, caller.tenant);
   if (freed.ok()) resp->set_bytes_freed(*freed);
   RecordCall("", method, freed.status(), received, trace, req.handle(), traced);
   return freed.status();

@@ -13,6 +13,7 @@
 #include "server/models/model_repository.h"
 #include "server/pipeline/batcher.h"
 #include "server/pipeline/metrics.h"
+#include "server/tenants/tenants.h"
 #include "server/trace/access_log.h"
 #include "server/trace/tracer.h"
 
@@ -42,8 +43,17 @@ struct CallContext {
   uint32_t previous_attempts = 0;
   /// The caller's W3C trace context (the call's `traceparent`/`tracestate` metadata).
   IncomingTrace trace;
+  /// Who is calling (the front end's TenantOf: a verified certificate's name, a trusted header's
+  /// value, or "default").
+  std::string tenant = kDefaultTenant;
 
   bool IsCancelled() const { return cancelled && cancelled(); }
+};
+
+/// Who calls one of the kept keys' and values' methods, and the trace the call joins.
+struct KvCaller {
+  IncomingTrace trace;
+  std::string tenant = kDefaultTenant;  ///< Only it may use what it made.
 };
 
 /// One AttendRequest on its way through the pipeline: the decoded request (the engine's views
@@ -59,6 +69,9 @@ struct Exchange {
   OutputLimits output_limits;
   AttendAnswer answer;
   std::string model;  ///< Metrics label: the loaded model's name, or "" when none.
+  /// Who asked (CallContext::tenant), its metrics label, and the priority level it was queued at.
+  std::string tenant = kDefaultTenant, tenant_label = kDefaultTenant;
+  int64_t level = 0;
   SteadyClock::time_point received = SteadyClock::now();
   int64_t held_bytes = 0;  ///< Counted against FlowLimits::max_inflight_bytes until recorded.
   bool recorded = false;
@@ -133,6 +146,14 @@ class RequestPipeline {
   /// While true, Ready says no: the models are warming up at start (requests are still served,
   /// only slower). False unless set.
   void SetWarming(bool warming) { warming_.store(warming); }
+  /// The tenants' terms (--tenants; reread on a reload): each request takes those of the moment
+  /// it arrives. Default: every tenant gets default terms.
+  void SetTenants(std::shared_ptr<const Tenants> tenants);
+  std::shared_ptr<const Tenants> tenants() const;
+  /// The metadata key whose value names the tenant, trusted behind a gateway that sets it
+  /// (--tenant-header; "": none, only certificates name tenants). Set before serving.
+  void SetTenantHeader(std::string key) { tenant_header_ = std::move(key); }
+  const std::string& tenant_header() const { return tenant_header_; }
   /// The pinned staging requests' tensors may be decoded into (a CUDA server's; null: none). Set
   /// before serving; borrowed.
   void SetStaging(HostStaging* staging) { staging_ = staging; }
@@ -149,16 +170,16 @@ class RequestPipeline {
   /// call's trace (for a failure to name).
   /// Opens an empty decoding session.
   Status OpenSession(const v1::OpenSessionRequest& req, v1::KvHandle* resp,
-                     const IncomingTrace& trace = {}, CallTrace* traced = nullptr);
+                     const KvCaller& caller = {}, CallTrace* traced = nullptr);
   /// ForkSession: the new session, or the store's refusal.
   Status ForkSession(const v1::ForkSessionRequest& req, v1::KvHandle* resp,
-                     const IncomingTrace& trace = {}, CallTrace* traced = nullptr);
+                     const KvCaller& caller = {}, CallTrace* traced = nullptr);
   /// TruncateSession: the session after it, or the store's refusal.
   Status TruncateSession(const v1::TruncateSessionRequest& req, v1::KvHandle* resp,
-                         const IncomingTrace& trace = {}, CallTrace* traced = nullptr);
+                         const KvCaller& caller = {}, CallTrace* traced = nullptr);
   /// Ends a memory or a session (`method` is the metrics label).
   Status Release(const char* method, KvKind kind, const v1::ReleaseRequest& req,
-                 v1::ReleaseResponse* resp, const IncomingTrace& trace = {},
+                 v1::ReleaseResponse* resp, const KvCaller& caller = {},
                  CallTrace* traced = nullptr);
 
   /// Registers an open call for the drain (a stream, from its start until it is done). A call that
@@ -177,6 +198,8 @@ class RequestPipeline {
  private:
   // The steps of Attend; each returns the failure that ends the request there.
   Status Resolve(Exchange* x, WorkItem* item, std::shared_ptr<KvStep>* step);
+  // Who asks and how urgently: the tenant's terms, the priority level and its queue timeout.
+  Status Schedule(const Exchange& x, const CallContext& call, WorkItem* item) const;
   Status Admit(Exchange* x, const WorkItem& item);
   // The in-flight budget: Reserve takes `bytes` or refuses (RESOURCE_EXHAUSTED naming the flag);
   // Unreserve gives them back.
@@ -202,6 +225,7 @@ class RequestPipeline {
   std::atomic<bool> draining_{false};
   std::atomic<bool> warming_{false};
   HostStaging* staging_ = nullptr;
+  std::string tenant_header_;
 
   mutable std::mutex mu_;
   std::condition_variable idle_cv_;
@@ -212,6 +236,7 @@ class RequestPipeline {
   std::string advertised_;
   const Tracer* tracer_ = nullptr;
   AccessLog* access_log_ = nullptr;
+  std::shared_ptr<const Tenants> tenants_ = std::make_shared<Tenants>();  // Under mu_.
 };
 
 }  // namespace attnserve

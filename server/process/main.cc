@@ -150,6 +150,37 @@ bool ParseFlags(int argc, char** argv, attnserve::ServerOptions* options, int* e
                  "Client certificate names (CN or subject alternative name) allowed to call "
                  "AdminService; needs --tls-client-ca")
       ->delimiter(',');
+  app.add_option("--tenants", o.tenants_file,
+                 "JSON file of tenants and their terms: {\"default\": {...}, \"tenants\": "
+                 "{\"NAME\": {...}}}, each with weight, max_queued_requests, kv_guaranteed_bytes, "
+                 "kv_max_bytes (docs/tenants.md); reread with the models (SIGHUP, ReloadModels)");
+  app.add_option("--tenant-header", o.tenant_header,
+                 "Metadata key whose value names the tenant, trusted only behind a gateway that "
+                 "sets it (e.g. attnserve-tenant); default: none, tenants are named only by their "
+                 "verified client certificate, every other call is tenant 'default'");
+  using Scheduling = attnserve::BatcherOptions::Scheduling;
+  const std::map<std::string, Scheduling> schedulings{{"fair", Scheduling::kFair},
+                                                      {"fcfs", Scheduling::kFcfs}};
+  app.add_option("--scheduling", o.batcher.scheduling,
+                 "Who goes next within a priority level: fair = the waiting tenant with the least "
+                 "weighted work served (FLOPs), fcfs = the oldest request")
+      ->transform(CLI::CheckedTransformer(schedulings).description("{fair, fcfs}"))
+      ->default_str("fair");
+  app.add_option("--priority-levels", o.batcher.priorities.levels,
+                 "Priority levels of models whose config.json sets none (0: priorities ignored); "
+                 "a request's priority 1 is served first")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 20))
+      ->capture_default_str();
+  app.add_option("--default-priority-level", o.batcher.priorities.default_level,
+                 "Level of requests that give priority 0 (0: the lowest level)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  std::vector<std::string> queue_policies;
+  app.add_option("--queue-policy", queue_policies,
+                 "A level's queue (repeatable): LEVEL:key=value,... or default:key=value,... with "
+                 "max_queue_size, default_timeout_microseconds, allow_timeout_override, "
+                 "timeout_action (REJECT or DELAY); a level starts from the default given before "
+                 "it");
   using Varlen = attnserve::EngineOptions::Varlen;
   const std::map<std::string, Varlen> varlens{
       {"auto", Varlen::kAuto}, {"off", Varlen::kOff}, {"emulate", Varlen::kEmulate}};
@@ -279,6 +310,14 @@ bool ParseFlags(int argc, char** argv, attnserve::ServerOptions* options, int* e
     return false;
   }
   ApplyTracingEnvironment(app, o.tracing);
+  for (const std::string& spec : queue_policies) {
+    const attnserve::Status st = attnserve::ParseQueuePolicyFlag(spec, &o.batcher.priorities);
+    if (!st.ok()) {
+      std::cerr << "attnserve: error: " << st.message() << "\n";
+      *exit_code = 2;
+      return false;
+    }
+  }
   o.memory_given = {app.count("--kv-budget-bytes") > 0, app.count("--kv-max-entry-bytes") > 0,
                     app.count("--max-inflight-bytes") > 0, app.count("--max-message-bytes") > 0,
                     app.count("--staging-bytes") > 0};

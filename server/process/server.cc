@@ -5,7 +5,9 @@
 #include <grpcpp/grpcpp.h>
 #include <prometheus/registry.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <iostream>
 #include <mutex>
 #include <sstream>
 
@@ -79,10 +81,33 @@ Status Refuse(const std::string& message) {
 }
 
 // Options that no component checks by itself, and the BLAS the compute threads would share.
+// A metadata key gRPC passes as text: lowercase letters, digits, '-', '_', '.'; not gRPC's own
+// ("grpc-"), not binary ("-bin"), nor one attnserve reads for something else.
+Status CheckTenantHeader(const std::string& key) {
+  if (key.empty()) return Status::Ok();
+  const bool chars = std::all_of(key.begin(), key.end(), [](char c) {
+    return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-' || c == '_' || c == '.';
+  });
+  const auto ends = [&](const std::string& tail) {
+    return key.size() >= tail.size() &&
+           key.compare(key.size() - tail.size(), tail.size(), tail) == 0;
+  };
+  if (!chars || key.rfind("grpc-", 0) == 0 || ends("-bin") || key == "authorization" ||
+      key == "traceparent" || key == "tracestate" || key.size() > 128) {
+    return Refuse("--tenant-header '" + key +
+                  "': expected a text metadata key (lowercase letters, digits, '-', '_', '.'; not "
+                  "grpc-*, *-bin, authorization, traceparent or tracestate)");
+  }
+  return Status::Ok();
+}
+
 Status CheckOptions(const ServerOptions& options) {
   RETURN_IF_ERROR(options.batcher.Validate());
   RETURN_IF_ERROR(options.kv.Validate());
   RETURN_IF_ERROR(options.admin.Check(!options.tls_client_ca_file.empty()));
+  RETURN_IF_ERROR(options.batcher.priorities.Validate(
+      "--priority-levels, --default-priority-level, --queue-policy"));
+  RETURN_IF_ERROR(CheckTenantHeader(options.tenant_header));
   const BlasInfo blas = ConfigureBlas();
   if (!blas.thread_safe && options.device == "cpu" && options.batcher.workers > 1) {
     // Several compute threads on such a BLAS silently give wrong answers, some of them another
@@ -202,6 +227,9 @@ void Server::Impl::StartKv() {
   kv_hooks.on_model_entries = [m = metrics.get()](const ModelSpec& spec, int64_t entries) {
     m->SetKvModelEntries(spec, entries);
   };
+  kv_hooks.on_tenant_bytes = [m = metrics.get()](const std::string& label, int64_t bytes) {
+    m->SetTenantKvBytes(label, bytes);
+  };
   kv = std::make_unique<KvStore>(options.kv, std::move(kv_hooks));
 }
 
@@ -237,8 +265,9 @@ void Server::Impl::StartPipeline() {
     m->RecordBatch(model, batch, seconds);
     s->Sample();
   };
-  batching.on_reject = [m = metrics.get()](const std::string& model, const char* reason) {
-    m->RecordRejection(model, reason);
+  batching.on_reject = [m = metrics.get()](const WorkItem& item, const char* reason) {
+    m->RecordRejection(item.model->spec().name, reason);
+    m->RecordTenantRejection(item.tenant_label, reason);
   };
   batcher = std::make_unique<Batcher>(std::move(batching));
   AttendLimits limits = options.limits;
@@ -246,6 +275,7 @@ void Server::Impl::StartPipeline() {
   pipeline =
       std::make_unique<RequestPipeline>(*models, *batcher, *metrics, limits, options.flow, *kv);
   pipeline->Observe(tracer.get(), access_log.get());
+  pipeline->SetTenantHeader(options.tenant_header);
   pipeline->SetWarming(options.warmup);
   pipeline->SetStaging(staging.get());
   SharedMemoryOptions shared = options.shared_memory;
@@ -259,7 +289,8 @@ void Server::Impl::StartPipeline() {
       *pipeline, *calls, *shm, static_cast<size_t>(options.kv.max_entries),
       std::chrono::duration_cast<SteadyClock::duration>(
           std::chrono::duration<double>(options.kv.ttl_seconds)));
-  admin = std::make_unique<AdminServiceImpl>(*models, *calls, options.admin);
+  admin = std::make_unique<AdminServiceImpl>(*models, *calls, options.admin,
+                                             [this] { return ReloadTenants(); });
 }
 
 namespace {
@@ -363,6 +394,7 @@ StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   impl->StartKv();
   RETURN_IF_ERROR(impl->StartTracing());
   impl->StartPipeline();
+  RETURN_IF_ERROR(impl->ReloadTenants());
   RETURN_IF_ERROR(impl->StartGrpc());
   RETURN_IF_ERROR(impl->StartHealth());
   RETURN_IF_ERROR(impl->WarmUp());
@@ -430,6 +462,21 @@ std::string Server::MemoryWarning() const { return impl_->memory_plan.warning; }
 
 std::shared_ptr<const ShutdownOutcome> Server::shutdown_outcome() const { return impl_->outcome; }
 
-void Server::RequestReload() { impl_->models->RequestReload(nullptr); }
+void Server::RequestReload() {
+  const Status tenants = impl_->ReloadTenants();
+  if (!tenants.ok()) {
+    std::cerr << "attnserve: reload refused, nothing changed: " << tenants.message() << std::endl;
+    return;
+  }
+  impl_->models->RequestReload(nullptr);
+}
+
+Status Server::Impl::ReloadTenants() {
+  if (options.tenants_file.empty()) return Status::Ok();
+  ASSIGN_OR_RETURN(std::shared_ptr<const Tenants> tenants, Tenants::Load(options.tenants_file));
+  RETURN_IF_ERROR(tenants->CheckAgainst(kv->options().budget_bytes));
+  pipeline->SetTenants(std::move(tenants));
+  return Status::Ok();
+}
 
 }  // namespace attnserve

@@ -82,6 +82,10 @@ struct ServerOptions {
   std::function<void(int port)> warming_for_test;
   /// Who may call AdminService.ReloadModels (token file, client certificate names); none: nobody.
   AdminAuth admin;
+  /// Who shares the server on what terms (docs/tenants.md): the tenants file (--tenants; "":
+  /// every tenant on default terms), reread with the models; and the metadata key whose value
+  /// names the tenant behind a gateway that authenticates (--tenant-header; "": none).
+  std::string tenants_file, tenant_header;
   TracingOptions tracing;
 };
 

@@ -71,6 +71,8 @@ struct Server::Impl {
   void StartKv();
   Status StartTracing();
   void StartPipeline();
+  // Reads --tenants again and gives it to the pipeline; its failure changes nothing.
+  Status ReloadTenants();
   Status StartGrpc();
   Status StartHealth();
   // Warms the models while health says NOT_SERVING, then says SERVING.

@@ -119,8 +119,10 @@ TEST(OipCodecTest, RefusesWhatItDoesNotTakeNamingTheField) {
          (*r->mutable_parameters())["session"].set_string_param("abc");
        },
        "a sequence is a session of its own"},
-      {[](auto* r) { (*r->mutable_parameters())["priority"].set_int64_param(1); },
-       "parameters['priority']"},
+      {[](auto* r) { (*r->mutable_parameters())["priority"].set_string_param("high"); },
+       "parameters['priority']: a string parameter"},
+      {[](auto* r) { (*r->mutable_parameters())["timeout"].set_int64_param(-1); },
+       "parameters['timeout']: -1; allowed: 0 or more"},
       {[](auto* r) { r->add_outputs()->set_name("logits"); },
        "outputs[0].name: 'logits' is not an output"},
       {[](auto* r) {

@@ -59,6 +59,14 @@ std::unique_ptr<WorkItem> Item(const AttentionModel* m, int64_t tokens,
   return item;
 }
 
+// BatchQueue::Add without the refusal's status and reason.
+std::unique_ptr<WorkItem> Put(BatchQueue& q, std::unique_ptr<WorkItem> item,
+                              SteadyClock::time_point now, Dropped* dropped) {
+  Status refused;
+  const char* reason = nullptr;
+  return q.Add(std::move(item), now, dropped, &refused, &reason);
+}
+
 std::vector<int64_t> Ids(const std::vector<std::unique_ptr<WorkItem>>& batch) {
   std::vector<int64_t> ids;
   for (const auto& i : batch) ids.push_back(i->call.query_len);
@@ -73,11 +81,12 @@ class BatchQueueTest : public ::testing::Test {
     options_.max_queue_size = 4;
   }
   void Add(std::unique_ptr<WorkItem> item, SteadyClock::time_point now = kT0) {
-    ASSERT_EQ(queue_.Add(std::move(item), now, &dropped_), nullptr);
+    ASSERT_EQ(Put(queue_, std::move(item), now, &dropped_), nullptr);
   }
   FakeModel model_;
   BatcherOptions options_;
-  BatchQueue queue_{options_};
+  FairShare share_;
+  BatchQueue queue_{options_, {}, &share_};
   Dropped dropped_;
 };
 
@@ -180,18 +189,18 @@ TEST_F(BatchQueueTest, ACancellationAtTheDeadlineIsCountedAsTheDeadline) {
 
 TEST_F(BatchQueueTest, FullQueueRefusesButFreesThePlacesOfDeadRequests) {
   for (int i = 1; i <= 4; ++i) Add(Item(&model_, i));
-  auto refused = queue_.Add(Item(&model_, 5), kT0, &dropped_);
+  auto refused = Put(queue_, Item(&model_, 5), kT0, &dropped_);
   ASSERT_NE(refused, nullptr);
   EXPECT_EQ(refused->call.query_len, 5);
   // Once one of them is cancelled, its place goes to the newcomer.
   auto newcomer = Item(&model_, 6);
-  BatchQueue q(options_);
+  BatchQueue q(options_, {}, &share_);
   Dropped d;
-  for (int i = 1; i <= 3; ++i) ASSERT_EQ(q.Add(Item(&model_, i), kT0, &d), nullptr);
+  for (int i = 1; i <= 3; ++i) ASSERT_EQ(Put(q, Item(&model_, i), kT0, &d), nullptr);
   auto gone = Item(&model_, 4);
   gone->cancelled = [] { return true; };
-  ASSERT_EQ(q.Add(std::move(gone), kT0, &d), nullptr);
-  EXPECT_EQ(q.Add(std::move(newcomer), kT0, &d), nullptr);
+  ASSERT_EQ(Put(q, std::move(gone), kT0, &d), nullptr);
+  EXPECT_EQ(Put(q, std::move(newcomer), kT0, &d), nullptr);
   ASSERT_EQ(d.size(), 1u);
   EXPECT_EQ(d[0].second.code(), StatusCode::kCancelled);
 }

@@ -1,0 +1,113 @@
+// The tenants file: every key, every bad value named, the labels the metrics use, the guarantees
+// against the K/V budget up to the int64 extremes.
+#include "server/tenants/tenants.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+namespace attnserve {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+TEST(TenantsTest, ReadsEveryKeyAndGivesUnnamedTenantsTheDefault) {
+  auto t = Tenants::Parse(R"({"default": {"weight": 0.5, "max_queued_requests": 8},
+      "tenants": {"heavy": {"weight": 3, "kv_guaranteed_bytes": 100, "kv_max_bytes": 1000},
+                  "CN=light.example": {}}})",
+                          "t.json");
+  ASSERT_TRUE(t.ok()) << t.status().message();
+  const Tenants& tenants = **t;
+  EXPECT_EQ(tenants.Of("heavy").weight, 3);
+  EXPECT_EQ(tenants.Of("heavy").kv_guaranteed_bytes, 100);
+  EXPECT_EQ(tenants.Of("heavy").kv_max_bytes, 1000);
+  EXPECT_EQ(tenants.Of("heavy").max_queued_requests, 0);
+  EXPECT_EQ(tenants.Of("stranger").weight, 0.5);
+  EXPECT_EQ(tenants.Of("stranger").max_queued_requests, 8);
+  EXPECT_EQ(tenants.Of("CN=light.example").weight, 1);
+  EXPECT_EQ(tenants.Label("heavy"), "heavy");
+  EXPECT_EQ(tenants.Label("default"), "default");
+  EXPECT_EQ(tenants.Label("stranger"), "other");
+  EXPECT_THAT(tenants.Labels(), ElementsAre("default", "CN=light.example", "heavy", "other"));
+  EXPECT_TRUE(tenants.CheckAgainst(100).ok());
+  EXPECT_EQ(tenants.CheckAgainst(99).code(), StatusCode::kFailedPrecondition);
+}
+
+TEST(TenantsTest, EveryBadFileIsRefusedNamingTheField) {
+  const std::pair<const char*, const char*> cases[] = {
+      {"[]", "not a JSON object"},
+      {"{", "t.json"},
+      {R"({"defaults": {}})", "unknown key 'defaults'"},
+      {R"({"tenants": []})", "tenants: expected an object"},
+      {R"({"default": 3})", "default: expected an object"},
+      {R"({"default": {"weight": 0}})", "default.weight is 0"},
+      {R"({"default": {"weight": -1}})", "default.weight is -1"},
+      {R"({"default": {"weight": "2"}})", "default.weight is \"2\""},
+      {R"({"default": {"weight": 1e7}})", "default.weight is 10000000.0"},
+      {R"({"tenants": {"a": {"wieght": 2}}})", "tenants['a']: unknown key 'wieght'"},
+      {R"({"tenants": {"a": {"max_queued_requests": -1}}})",
+       "tenants['a'].max_queued_requests is -1"},
+      {R"({"tenants": {"a": {"max_queued_requests": 1.5}}})",
+       "tenants['a'].max_queued_requests is 1.5"},
+      {R"({"tenants": {"a": {"kv_max_bytes": 9223372036854775808}}})",
+       "tenants['a'].kv_max_bytes is 9223372036854775808"},
+      {R"({"tenants": {"a": {"kv_guaranteed_bytes": 10, "kv_max_bytes": 5}}})",
+       "kv_guaranteed_bytes (10) is above its kv_max_bytes (5)"},
+      {R"({"tenants": {"default": {}}})", "the name 'default' cannot name a tenant"},
+      {R"({"tenants": {"other": {}}})", "the name 'other' cannot name a tenant"},
+      {R"({"tenants": {"two words": {}}})", "the name 'two words' cannot name a tenant"},
+      {R"({"tenants": {"": {}}})", "the name '' cannot name a tenant"},
+  };
+  for (const auto& [text, expected] : cases) {
+    auto t = Tenants::Parse(text, "t.json");
+    ASSERT_FALSE(t.ok()) << text;
+    EXPECT_EQ(t.status().code(), StatusCode::kFailedPrecondition) << text;
+    EXPECT_THAT(t.status().message(), HasSubstr(expected)) << text;
+    EXPECT_THAT(t.status().message(), HasSubstr("t.json")) << text;
+  }
+}
+
+TEST(TenantsTest, GuaranteesAtTheInt64ExtremesDoNotWrap) {
+  auto t = Tenants::Parse(R"({"default": {"kv_guaranteed_bytes": 9223372036854775807},
+      "tenants": {"a": {"kv_guaranteed_bytes": 9223372036854775807}}})",
+                          "t.json");
+  ASSERT_TRUE(t.ok()) << t.status().message();
+  const Status st = (*t)->CheckAgainst(INT64_MAX);
+  EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition);
+  EXPECT_THAT(st.message(), HasSubstr("add up to"));
+}
+
+TEST(TenantsTest, AMissingOrHugeFileIsRefusedNamingIt) {
+  auto missing = Tenants::Load("/nonexistent/tenants.json");
+  ASSERT_FALSE(missing.ok());
+  EXPECT_THAT(missing.status().message(), HasSubstr("/nonexistent/tenants.json"));
+  const std::string path =
+      (std::filesystem::temp_directory_path() / ("tenants_" + std::to_string(getpid()) + ".json"))
+          .string();
+  {
+    std::ofstream f(path);
+    f << "{\"tenants\": {}, \"pad\": \"" << std::string(2 << 20, 'x') << "\"}";
+  }
+  auto huge = Tenants::Load(path);
+  std::remove(path.c_str());
+  ASSERT_FALSE(huge.ok());
+  EXPECT_THAT(huge.status().message(), HasSubstr(path));
+}
+
+TEST(TenantsTest, NamesAreBoundedPrintableAndWithoutSpaces) {
+  EXPECT_TRUE(ValidTenantName("team-a"));
+  EXPECT_TRUE(ValidTenantName("CN=svc.example.com"));
+  EXPECT_TRUE(ValidTenantName(std::string(128, 'a')));
+  EXPECT_FALSE(ValidTenantName(std::string(129, 'a')));
+  EXPECT_FALSE(ValidTenantName(""));
+  EXPECT_FALSE(ValidTenantName("a b"));
+  EXPECT_FALSE(ValidTenantName("a\nb"));
+  EXPECT_FALSE(ValidTenantName("caf\xc3\xa9"));
+}
+
+}  // namespace
+}  // namespace attnserve
