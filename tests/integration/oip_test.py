@@ -399,6 +399,36 @@ def test_tritonclient_over_the_open_inference_protocol(attnserve, checks):
     server.stop()
 
 
+def test_tritonclient_priority_timeout_and_tenant_header(attnserve, checks):
+    """tritonclient's priority= and timeout= arguments unmodified (docs/tenants.md): with 2 levels,
+    priorities 0 to 2 answer exactly as priority 0 does and 3 is INVALID_ARGUMENT naming it; a
+    timeout answers; with --tenant-header, tritonclient's headers= name the tenant in the metrics."""
+    tmp = tempfile.mkdtemp(prefix="attnserve-oip-priority-")
+    export_model.export(build("mha", 9), os.path.join(tmp, "mha"))
+    server = lib.Server(attnserve, "--models", tmp, "--priority-levels", "2", "--queue-policy",
+                        "default:allow_timeout_override=true", "--tenant-header", "attnserve-tenant")
+    client = tc.InferenceServerClient(server.target)
+    q = np.random.default_rng(9).standard_normal((1, 5, MODELS["mha"]["E"])).astype(np.float32)
+    t = tc.InferInput("query", list(q.shape), "FP32")
+    t.set_data_from_numpy(q)
+    first = client.infer("mha", [t]).as_numpy("output")
+    for p in (1, 2):
+        got = client.infer("mha", [t], priority=p, timeout=10_000_000,
+                           headers={"attnserve-tenant": "team-a"}).as_numpy("output")
+        checks(f"tritonclient priority={p} answers as priority 0 does", np.array_equal(got, first))
+    try:
+        client.infer("mha", [t], priority=3)
+        outcome = "OK"
+    except InferenceServerException as e:
+        outcome = f"{e.status()} {e.message()}"
+    checks("tritonclient priority=3 past 2 levels is INVALID_ARGUMENT naming it",
+           "INVALID_ARGUMENT" in outcome and "priority: 3" in outcome, outcome)
+    requests = [l for l in lib.metrics_lines(server, "attnserve_tenant_requests_total") if 'tenant="other"' in l]
+    checks("headers= named the tenant (unnamed in a tenants file: counted as other)",
+           any(l.endswith(" 2") for l in requests), str(requests))
+    server.stop()
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))
 
