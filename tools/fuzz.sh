@@ -4,7 +4,7 @@
 #   tools/fuzz.sh                 30 s per target (what `tools/build.sh test` runs)
 #   tools/fuzz.sh --seconds N     N s per target
 #   tools/fuzz.sh --runs N        N executions per target (the long run: --runs 10000000)
-#   tools/fuzz.sh ... TARGET...   only these targets (request safetensors config torch_archive kv_store)
+#   tools/fuzz.sh ... TARGET...   only these targets (request safetensors config torch_archive kv_store scheduler)
 # New inputs go to build-fuzz/corpus-<target>, seeded from tests/fuzz/corpus/<target>. A crash
 # leaves its input as build-fuzz/crash-* and fails the run. Prints executions per target and ends
 # with "fuzz: N passed, N failed".
@@ -16,10 +16,10 @@ case "${1:-}" in
   --runs) limit=(-runs="$2"); shift 2 ;;
 esac
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(request safetensors config torch_archive kv_store)
+[ ${#targets[@]} -gt 0 ] || targets=(request safetensors config torch_archive kv_store scheduler)
 for t in "${targets[@]}"; do
   case "$t" in
-    request|safetensors|config|torch_archive|kv_store) ;;
+    request|safetensors|config|torch_archive|kv_store|scheduler) ;;
     *) echo "usage: tools/fuzz.sh [--seconds N | --runs N] [TARGET...]" >&2; exit 2 ;;
   esac
 done
@@ -38,6 +38,7 @@ for t in "${targets[@]}"; do
   # store's inputs are operation sequences (a few bytes each, at most 256 operations).
   max_len=65536
   [ "$t" = kv_store ] && max_len=1024
+  [ "$t" = scheduler ] && max_len=4096
   if (cd "$build" && ./fuzz_"$t" "${limit[@]}" -rss_limit_mb=2048 -max_len=$max_len -print_final_stats=1 \
         -artifact_prefix=./crash-"$t"- "corpus-$t" "${seeds[@]}") >"$log" 2>&1; then
     passed=$((passed + 1))

@@ -430,6 +430,8 @@ void RequestPipeline::Observed(const char* method, const Exchange& x, const Stat
     call.Set("attnserve.dtype", v1::DataType_Name(r.query().dtype()));
     call.Set("attnserve.request_id", static_cast<int64_t>(r.request_id()));
     call.Set("attnserve.previous_attempts", static_cast<int64_t>(tm.attempts));
+    call.Set("attnserve.tenant", x.tenant);
+    call.Set("attnserve.priority_level", x.level);
     if (!r.session().empty()) call.Set("attnserve.session", r.session());
     if (!r.memory().empty()) call.Set("attnserve.memory", r.memory());
     if (!r.session().empty() || !r.memory().empty()) {
@@ -460,6 +462,8 @@ void RequestPipeline::LogAccess(const char* method, const std::string& model,
   if (x) {
     line["request_id"] = x->request.request_id();
     line["tokens"] = x->times.tokens;
+    line["tenant"] = x->tenant;
+    line["priority_level"] = x->level;
     if (!x->request.session().empty()) line["session"] = x->request.session();
     if (!x->request.memory().empty()) line["memory"] = x->request.memory();
     const SteadyClock::time_point none{};

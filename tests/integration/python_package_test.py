@@ -345,3 +345,36 @@ def test_the_models_wire_and_the_connection_pool(request, checks):
            str(connections_to(server.port)))
     pooled.close()
     server.stop()
+
+
+def test_the_package_names_its_tenant_and_priority(request, checks):
+    """metadata= on the Client names the tenant behind a server that trusts the header (a session one
+    tenant opens is NOT_FOUND for another, the same call through the maker answers), and attend's
+    priority= reaches the server (past its levels: INVALID_ARGUMENT naming it)."""
+    binary, fixtures = request.config.getoption("--attnserve"), request.config.getoption("--package-fixtures")
+    server = lib.Server(binary, "--models", os.path.join(fixtures, "models"), "--tenant-header", "attnserve-tenant",
+                        "--priority-levels", "2")
+    env = f"grpcio {grpc.__version__}"
+    a = attnserve.Client(server.target, metadata=(("attnserve-tenant", "a"),))
+    b = attnserve.Client(server.target, metadata=(("attnserve-tenant", "b"),))
+    x = np.random.default_rng(3).standard_normal((1, 2, 32)).astype(np.float32)
+    s = a.session(model="mha", batch=1)
+    try:
+        b.attend(x, session=s.handle)
+        outcome = "OK"
+    except attnserve.AttnserveError as e:
+        outcome = f"{e.code.name} {e}"
+    checks(f"[{env}] tenant b cannot step tenant a's session", outcome.startswith("NOT_FOUND"), outcome)
+    r = s.step(x)
+    checks(f"[{env}] tenant a steps it", r.session_length == 2, str(r.session_length))
+    checks(f"[{env}] priority=1 answers", a.attend(x, model="mha", priority=1).output.shape == (1, 2, 32))
+    try:
+        a.attend(x, model="mha", priority=3)
+        outcome = "OK"
+    except attnserve.AttnserveError as e:
+        outcome = f"{e.code.name} {e}"
+    checks(f"[{env}] priority=3 past 2 levels is INVALID_ARGUMENT naming it",
+           outcome.startswith("INVALID_ARGUMENT") and "priority: 3" in outcome, outcome)
+    a.close()
+    b.close()
+    server.stop()

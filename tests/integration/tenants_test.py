@@ -145,10 +145,14 @@ def test_a_trusted_header_names_the_tenant_and_keeps_its_sessions_its_own(attnse
     server.stop()
 
 
-def test_priorities_as_levels(attnserve, stubs, models, checks):
+def test_priorities_as_levels(attnserve, stubs, models, checks, tmp_path):
+    log = tmp_path / "access.log"
     server = lib.Server(attnserve, "--models", models[0], "--priority-levels", "2", "--queue-policy",
-                        "default:allow_timeout_override=true")
+                        "default:allow_timeout_override=true", "--tenant-header", HEADER, "--access-log", str(log))
     pb, stub = stub_of(server, stubs)
+    x = lib.to_wire(pb, np.ones((1, 4, E), np.float32))
+    stub.Attend(pb.AttendRequest(model="small", query=x, priority=1, request_id=77), metadata=as_tenant("t1"),
+                timeout=30)
     x = lib.to_wire(pb, np.ones((1, 4, E), np.float32))
     for model, levels in (("small", 2), ("ranked", 3)):
         for p in range(levels + 1):
@@ -164,6 +168,10 @@ def test_priorities_as_levels(attnserve, stubs, models, checks):
             checks(f"{model}: priority {p} past {levels} levels is INVALID_ARGUMENT naming the field",
                    outcome.startswith("INVALID_ARGUMENT") and "priority: " + str(p) in outcome, outcome)
     server.stop()
+    lines = [json.loads(l) for l in log.read_text().splitlines()]
+    mine = [l for l in lines if l.get("request_id") == 77]
+    checks("the access log names the tenant and the priority level",
+           len(mine) == 1 and mine[0].get("tenant") == "t1" and mine[0].get("priority_level") == 1, str(mine))
 
 
 def refused(binary, *args):

@@ -111,7 +111,8 @@ class Result:
 
 
 def attend_request(query, key, value, *, model, model_version, key_padding_mask, attn_mask, is_causal,
-                   attn_weights, layout, memory, session, session_length, request_id, out=None, wire=None):
+                   attn_weights, layout, memory, session, session_length, request_id, out=None, wire=None,
+                   priority=0, queue_timeout_us=0):
     if attn_weights not in WEIGHTS:
         raise ValueError(f"attn_weights: '{attn_weights}'; allowed: {', '.join(WEIGHTS)}")
     if layout not in LAYOUTS:
@@ -120,7 +121,8 @@ def attend_request(query, key, value, *, model, model_version, key_padding_mask,
         raise ValueError("key and value: give both (cross-attention) or neither (self-attention)")
     req = pb.AttendRequest(model="" if memory or session else model, model_version=model_version,
                            is_causal=is_causal, attn_weights=WEIGHTS[attn_weights], layout=LAYOUTS[layout],
-                           request_id=request_id, memory=memory or "", session=session or "")
+                           request_id=request_id, memory=memory or "", session=session or "",
+                           priority=priority, queue_timeout_us=queue_timeout_us)
     for name, t in (("query", query), ("key", key), ("value", value), ("key_padding_mask", key_padding_mask),
                     ("attn_mask", attn_mask)):
         if t is not None:
@@ -177,8 +179,11 @@ class Channels:
     """A client's channel to its target, and with route_to_replica one to each replica holding a memory or
     session it made (no balancing: "proxy" retries, or gRPC's defaults when the client has no config)."""
 
-    def __init__(self, grpc_module, target, *, route_to_replica, service_config, connections=1, **settings):
+    def __init__(self, grpc_module, target, *, route_to_replica, service_config, connections=1, metadata=(),
+                 **settings):
         self._grpc, self._target, self._direct, self._settings = grpc_module, target, route_to_replica, settings
+        # Sent with every call (e.g. a trusted gateway's tenant header, docs/tenants.md).
+        self.metadata = tuple(metadata)
         self._replica_config = None if service_config is None else "proxy"
         self.main = channel(grpc_module, target, service_config=service_config, **settings)
         self.stub = pb_grpc.AttentionServiceStub(self.main)
@@ -200,10 +205,10 @@ class Channels:
         """(stub, metadata, replica) for a call on a memory or session with `route` (None: not routed);
         replica is the address of the replica the call is routed to ("" when none)."""
         if route is None:
-            return self._pool_stubs[next(self._turn) % len(self._pool_stubs)], with_trace(), ""
+            return self._pool_stubs[next(self._turn) % len(self._pool_stubs)], with_trace(self.metadata), ""
         if not route.replica:
-            return self.stub, with_trace(), ""
-        metadata = with_trace(((ROUTE_METADATA, route.replica),))
+            return self.stub, with_trace(self.metadata), ""
+        metadata = with_trace(self.metadata + ((ROUTE_METADATA, route.replica),))
         if not self._direct or route.replica == self._target:
             return self.stub, metadata, route.replica
         with self._lock:

@@ -29,17 +29,19 @@ class Client:
         widened to float32; "as_given": tensors travel as they are.
     connections: connections (HTTP/2) calls are spread over, round robin, so that large tensors from many
         threads do not queue on one.
+    metadata: (key, value) pairs sent with every call, e.g. (("attnserve-tenant", "search"),) for a server
+        behind a gateway it trusts to name tenants (docs/tenants.md).
     Thread-safe; close() (or `with`) closes the channels."""
 
     def __init__(self, target="127.0.0.1:50051", *, tls=False, root_certs=None, cert=None, key=None,
                  server_name=None, deadline=30.0, service_config="default", max_message_bytes=64 << 20,
-                 options=None, route_to_replica=True, wire_dtype="model", connections=4):
+                 options=None, route_to_replica=True, wire_dtype="model", connections=4, metadata=()):
         if wire_dtype not in ("model", "as_given"):
             raise ValueError(f"wire_dtype: '{wire_dtype}'; allowed: model, as_given")
         self._channels = _calls.Channels(grpc, target, route_to_replica=route_to_replica, tls=tls,
                                          root_certs=root_certs, cert=cert, key=key, server_name=server_name,
                                          service_config=service_config, max_message_bytes=max_message_bytes,
-                                         options=options, connections=connections)
+                                         options=options, connections=connections, metadata=metadata)
         self._stub = self._channels.stub
         self._deadline = deadline
         self._ids = itertools.count(1)
@@ -75,7 +77,7 @@ class Client:
     def _call(self, method, request, deadline):
         timeout = self._deadline if deadline is DEFAULT else deadline
         try:
-            return method(request, timeout=timeout, metadata=_calls.with_trace())
+            return method(request, timeout=timeout, metadata=_calls.with_trace(self._channels.metadata))
         except grpc.RpcError as e:
             raise AttnserveError.from_rpc(e) from None
 
@@ -95,13 +97,14 @@ class Client:
 
     def attend(self, query, key=None, value=None, *, model="demo", model_version=0, key_padding_mask=None,
                attn_mask=None, is_causal=False, attn_weights="none", layout="batch_first", memory=None,
-               session=None, session_length=None, out=None, deadline=DEFAULT):
+               session=None, session_length=None, out=None, priority=0, queue_timeout_us=0, deadline=DEFAULT):
         """nn.MultiheadAttention's forward on the server: self-attention without key and value, cross-attention
         with them. attn_weights: "none", "averaged" or "per_head"; layout: "batch_first" or "sequence_first".
         Bool masks: True = masked out. memory and session: a Memory or Session (routed to its replica) or a
         handle (sent through the target). Arrays of a SharedMemoryRegion (Client.shared_memory) travel as
-        references; `out=`, such an array, receives the output (Result.output is then `out`). Returns a
-        Result; raises AttnserveError."""
+        references; `out=`, such an array, receives the output (Result.output is then `out`). priority: the
+        request's priority level where the model has levels (1 first, 0 the default); queue_timeout_us: its own
+        queue timeout where the level allows one (docs/tenants.md). Returns a Result; raises AttnserveError."""
         route = None
         kept = memory if isinstance(memory, _calls.Kept) else session if isinstance(session, _calls.Kept) else None
         if isinstance(memory, _calls.Kept):
@@ -112,7 +115,8 @@ class Client:
         req = _calls.attend_request(query, key, value, model=model, model_version=model_version,
                                     key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal,
                                     attn_weights=attn_weights, layout=layout, memory=memory, session=session,
-                                    session_length=session_length, request_id=next(self._ids), out=out, wire=wire)
+                                    session_length=session_length, request_id=next(self._ids), out=out, wire=wire,
+                                    priority=priority, queue_timeout_us=queue_timeout_us)
         return _calls.result(self._routed("Attend", req, deadline, route), _tensors.is_torch(query), out,
                              widen=wire is not None)
 

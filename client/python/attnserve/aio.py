@@ -22,13 +22,13 @@ class Client:
 
     def __init__(self, target="127.0.0.1:50051", *, tls=False, root_certs=None, cert=None, key=None,
                  server_name=None, deadline=30.0, service_config="default", max_message_bytes=64 << 20,
-                 options=None, route_to_replica=True, wire_dtype="model", connections=4):
+                 options=None, route_to_replica=True, wire_dtype="model", connections=4, metadata=()):
         if wire_dtype not in ("model", "as_given"):
             raise ValueError(f"wire_dtype: '{wire_dtype}'; allowed: model, as_given")
         self._channels = _calls.Channels(grpc.aio, target, route_to_replica=route_to_replica, tls=tls,
                                          root_certs=root_certs, cert=cert, key=key, server_name=server_name,
                                          service_config=service_config, max_message_bytes=max_message_bytes,
-                                         options=options, connections=connections)
+                                         options=options, connections=connections, metadata=metadata)
         self._stub = self._channels.stub
         self._deadline = deadline
         self._ids = itertools.count(1)
@@ -64,7 +64,7 @@ class Client:
     async def _call(self, method, request, deadline):
         timeout = self._deadline if deadline is DEFAULT else deadline
         try:
-            return await method(request, timeout=timeout, metadata=_calls.with_trace())
+            return await method(request, timeout=timeout, metadata=_calls.with_trace(self._channels.metadata))
         except grpc.RpcError as e:
             raise AttnserveError.from_rpc(e) from None
 
@@ -82,7 +82,8 @@ class Client:
 
     async def attend(self, query, key=None, value=None, *, model="demo", model_version=0, key_padding_mask=None,
                      attn_mask=None, is_causal=False, attn_weights="none", layout="batch_first", memory=None,
-                     session=None, session_length=None, out=None, deadline=DEFAULT):
+                     session=None, session_length=None, out=None, priority=0, queue_timeout_us=0,
+                     deadline=DEFAULT):
         """See attnserve.Client.attend (arrays of a SharedMemoryRegion, made by a blocking Client of the same
         server, travel as references here too)."""
         route = None
@@ -96,7 +97,8 @@ class Client:
         req = _calls.attend_request(query, key, value, model=model, model_version=model_version,
                                     key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal,
                                     attn_weights=attn_weights, layout=layout, memory=memory, session=session,
-                                    session_length=session_length, request_id=next(self._ids), out=out, wire=wire)
+                                    session_length=session_length, request_id=next(self._ids), out=out, wire=wire,
+                                    priority=priority, queue_timeout_us=queue_timeout_us)
         return _calls.result(await self._routed("Attend", req, deadline, route), _tensors.is_torch(query), out,
                              widen=wire is not None)
 

@@ -220,3 +220,51 @@ TEST_F(LoadingTest, AmbiguousVersionLayoutsAreRefusedNamingTheDirectory) {
 }
 
 }  // namespace attnserve
+
+namespace attnserve {
+namespace {
+
+// config.json's "dynamic_batching": Triton's priority levels and queue policies, every bad value
+// refused naming the field, a good one read into the model's spec.
+TEST(ModelConfigTest, DynamicBatchingPrioritiesAreReadOrRefusedNamingTheField) {
+  auto ok = ParseModelConfig(R"({"num_heads": 2, "dynamic_batching": {"priority_levels": 3,
+      "default_priority_level": 2, "default_queue_policy": {"default_timeout_microseconds": 500,
+      "allow_timeout_override": true}, "priority_queue_policy": {"1": {"max_queue_size": 4,
+      "timeout_action": "DELAY"}}}})",
+                             "m/config.json");
+  ASSERT_TRUE(ok.ok()) << ok.status().message();
+  ASSERT_TRUE(ok->priorities.has_value());
+  EXPECT_EQ(ok->priorities->levels, 3);
+  EXPECT_EQ(ok->priorities->default_level, 2);
+  EXPECT_EQ(ok->priorities->PolicyOf(1).max_queue_size, 4);
+  EXPECT_EQ(ok->priorities->PolicyOf(1).timeout_action, TimeoutAction::kDelay);
+  EXPECT_EQ(ok->priorities->PolicyOf(2).default_timeout_us, 500);
+  EXPECT_FALSE(ParseModelConfig(R"({"num_heads": 2})", "m/config.json")->priorities.has_value());
+  const std::pair<const char*, const char*> bad[] = {
+      {R"({"priority_levels": -1})", "dynamic_batching.priority_levels is -1"},
+      {R"({"priority_levels": 2, "default_priority_level": 3})", "default_priority_level is 3"},
+      {R"({"priority_levels": 2, "priority_queue_policy": {"3": {}}})", "names level 3"},
+      {R"({"priority_levels": 2, "priority_queue_policy": {"x": {}}})",
+       "'x' is not a level number"},
+      {R"({"default_queue_policy": {"timeout_action": "DROP"}})", "timeout_action is \"DROP\""},
+      {R"({"default_queue_policy": {"max_queue_size": 1.5}})", "max_queue_size is 1.5"},
+      {R"({"default_queue_policy": {"max_queue_size": 9223372036854775808}})",
+       "max_queue_size is 9223372036854775808"},
+      {R"({"default_queue_policy": {"allow_timeout_override": 1}})", "expected true or false"},
+      {R"({"default_queue_policy": {"preserve_ordering": true}})",
+       "unknown key 'preserve_ordering'"},
+      {R"({"max_batch_size": 8})", "unknown key 'max_batch_size'"},
+      {R"([])", "dynamic_batching: expected an object"},
+  };
+  for (const auto& [batching, expected] : bad) {
+    auto st = ParseModelConfig(
+        std::string(R"({"num_heads": 2, "dynamic_batching": )") + batching + "}", "m/config.json");
+    ASSERT_FALSE(st.ok()) << batching;
+    EXPECT_EQ(st.status().code(), StatusCode::kFailedPrecondition) << batching;
+    EXPECT_THAT(st.status().message(), HasSubstr(expected)) << batching;
+    EXPECT_THAT(st.status().message(), HasSubstr("m/config.json")) << batching;
+  }
+}
+
+}  // namespace
+}  // namespace attnserve
