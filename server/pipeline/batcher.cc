@@ -49,6 +49,7 @@ bool BatchQueue::Rank::operator<(const Rank& o) const {
   if (level != o.level) return level < o.level;
   if (delayed != o.delayed) return !delayed;
   if (counter != o.counter) return counter < o.counter;
+  if (queued != o.queued) return queued < o.queued;
   return accepted < o.accepted;
 }
 
@@ -147,9 +148,10 @@ size_t BatchQueue::Leader() const {
   Rank best_rank;
   for (size_t i = 0; i < items_.size(); ++i) {
     const WorkItem& item = *items_[i];
-    // Arrival order breaks ties, so a tenant is led by its oldest request.
+    // Among equal counters (a tenant back from idle is lifted to the smallest), the tenant with
+    // fewer requests waiting; then arrival order, so a tenant is led by its oldest request.
     const Rank r{item.level, item.delayed, fair ? share_->Counter(item.tenant) : 0.0,
-                 SteadyClock::time_point()};
+                 fair ? share_->Queued(item.tenant) : 0, SteadyClock::time_point()};
     if (i == 0 || r < best_rank) {
       best = i;
       best_rank = r;
@@ -161,7 +163,8 @@ size_t BatchQueue::Leader() const {
 BatchQueue::Rank BatchQueue::rank() const {
   const WorkItem& lead = *items_[Leader()];
   const bool fair = options_->scheduling == BatcherOptions::Scheduling::kFair;
-  return Rank{lead.level, lead.delayed, fair ? share_->Counter(lead.tenant) : 0.0, lead.accepted};
+  return Rank{lead.level, lead.delayed, fair ? share_->Counter(lead.tenant) : 0.0,
+              fair ? share_->Queued(lead.tenant) : 0, lead.accepted};
 }
 
 std::vector<size_t> BatchQueue::Fill(size_t leader, size_t max_requests) const {
@@ -187,10 +190,12 @@ std::vector<size_t> BatchQueue::Fill(size_t leader, size_t max_requests) const {
   for (const std::string& t : tenants) counter[t] = share_->Counter(t);
   counter[lead.tenant] += lead.flops / lead.weight;
   while (taken.size() + 1 < max_requests && !tenants.empty()) {
-    // The tenant whose counter is smallest next, oldest request first among equals.
+    // The tenant whose counter is smallest next; among equals the one with fewer waiting, then the
+    // oldest request.
     auto next = std::min_element(tenants.begin(), tenants.end(), [&](const auto& a, const auto& b) {
-      return counter[a] != counter[b] ? counter[a] < counter[b]
-                                      : by_tenant[a].front() < by_tenant[b].front();
+      if (counter[a] != counter[b]) return counter[a] < counter[b];
+      if (share_->Queued(a) != share_->Queued(b)) return share_->Queued(a) < share_->Queued(b);
+      return by_tenant[a].front() < by_tenant[b].front();
     });
     std::deque<size_t>& line = by_tenant[*next];
     auto fit = std::find_if(line.begin(), line.end(), [&](size_t i) {

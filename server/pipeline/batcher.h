@@ -163,8 +163,9 @@ struct BatcherOptions {
 ///
 /// Rules: a batch is led by a request of the first priority level that has any (requests timed
 /// out with DELAY after the others of their level); within the level, by the oldest request of
-/// the backlogged tenant with the smallest FairShare counter (kFair) or by the oldest request
-/// (kFcfs). It then takes each request of that level that is compatible with its leader (same
+/// the backlogged tenant with the smallest FairShare counter (kFair; among equal counters, the one
+/// with fewer requests waiting: a tenant back from idle is lifted to a tie) or by the oldest
+/// request (kFcfs). It then takes each request of that level that is compatible with its leader (same
 /// wire dtype and attention-weights mode) while the token and attention budgets hold, tenant by
 /// tenant in the same order (the one whose counter, with what the batch already gives it, is
 /// smallest next; kFcfs: arrival order); the rest wait for a later batch. Each request taken is
@@ -202,11 +203,13 @@ class BatchQueue {
   const PriorityOptions& priorities() const { return priorities_; }
 
   /// Which of several queues a worker serves first (lower first): their leaders' level, then
-  /// DELAY'd after not, then (kFair) the leader's tenant's counter, then its age.
+  /// DELAY'd after not, then (kFair) the leader's tenant's counter and its requests waiting, then
+  /// its age.
   struct Rank {
     int64_t level = 0;
     bool delayed = false;
     double counter = 0;
+    int64_t queued = 0;
     SteadyClock::time_point accepted;
     bool operator<(const Rank& o) const;
   };

@@ -108,15 +108,24 @@ TEST_F(FairQueueTest, TheTenantServedLeastLeadsAndFillsFirst) {
   BatchQueue q(options_, {}, &share_);
   for (int i = 1; i <= 6; ++i) ASSERT_TRUE(Add(q, Item("heavy", i, 30, 300)).ok());
   ASSERT_TRUE(Add(q, Item("light", 7, 10, 100)).ok());
-  // Both start level (light was lifted to heavy's 0): heavy's oldest leads, then the batch goes
-  // tenant by tenant by counter: heavy 300 > light 0, so light's request joins second.
-  EXPECT_THAT(Ids(q.Take(kT0, &dropped_)), ElementsAre(1, 7, 2, 3));
+  // Both at 0 (light was lifted to heavy's 0): the tie goes to the tenant with fewer waiting, so
+  // light's request leads though heavy's are older; the batch then fills tenant by tenant by
+  // counter (light at 100 has nothing more): heavy's three oldest.
+  EXPECT_THAT(Ids(q.Take(kT0, &dropped_)), ElementsAre(7, 1, 2, 3));
   EXPECT_EQ(share_.Counter("heavy"), 900);
   EXPECT_EQ(share_.Counter("light"), 100);
   ASSERT_TRUE(Add(q, Item("light", 8, 10, 100)).ok());
-  // light came back from idle: lifted to heavy's 900, so heavy's older request leads on the tie.
+  // light came back from idle: lifted to heavy's 900 (no credit for idling), and leads the tie.
   EXPECT_EQ(share_.Counter("light"), 900);
-  EXPECT_THAT(Ids(q.Take(kT0, &dropped_)), ElementsAre(4, 8, 5, 6));
+  EXPECT_THAT(Ids(q.Take(kT0, &dropped_)), ElementsAre(8, 4, 5, 6));
+  // Both idle, then back: heavy at its 1800 (the last served), light lifted to it; equal counters
+  // and equal waiting: the older request leads.
+  ASSERT_TRUE(Add(q, Item("heavy", 9, 30, 300)).ok());
+  ASSERT_TRUE(Add(q, Item("light", 10, 10, 100)).ok());
+  EXPECT_EQ(share_.Counter("heavy"), 1800);
+  EXPECT_EQ(share_.Counter("light"), 1800);
+  EXPECT_THAT(Ids(q.Take(kT0, &dropped_, 1)), ElementsAre(9));
+  EXPECT_THAT(Ids(q.Take(kT0, &dropped_, 1)), ElementsAre(10));
 }
 
 TEST_F(FairQueueTest, FcfsTakesArrivalOrderWhoeverAsks) {
