@@ -124,6 +124,7 @@ std::unique_ptr<WorkItem> BatchQueue::Add(std::unique_ptr<WorkItem> item,
                               " requests waiting, its max_queued_requests (--tenants); retry "
                               "later");
       } else {
+        *refused = Status();  // A place a dead request freed: accepted after all.
         return false;
       }
       return true;

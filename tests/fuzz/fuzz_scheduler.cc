@@ -4,6 +4,7 @@
 // the requests queued, a batch holds one level and fits the budgets (or is one request), nothing is
 // taken ahead of a higher level, and a Take with requests waiting and none dead takes some.
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <set>
 
@@ -20,9 +21,14 @@ class NullModel : public AttentionModel {
   ModelSpec spec_;
 };
 
-void Check(bool ok) {
-  if (!ok) std::abort();
-}
+// Aborts naming the invariant that failed.
+#define Check(ok)                                                            \
+  do {                                                                       \
+    if (!(ok)) {                                                             \
+      std::fprintf(stderr, "fuzz_scheduler: %s (line %d)\n", #ok, __LINE__); \
+      std::abort();                                                          \
+    }                                                                        \
+  } while (0)
 
 struct Reader {
   const uint8_t* p;

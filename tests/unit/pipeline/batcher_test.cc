@@ -64,7 +64,10 @@ std::unique_ptr<WorkItem> Put(BatchQueue& q, std::unique_ptr<WorkItem> item,
                               SteadyClock::time_point now, Dropped* dropped) {
   Status refused;
   const char* reason = nullptr;
-  return q.Add(std::move(item), now, dropped, &refused, &reason);
+  auto back = q.Add(std::move(item), now, dropped, &refused, &reason);
+  // Refused exactly when handed back (a place freed by a dead request accepts: no refusal left).
+  EXPECT_EQ(back != nullptr, !refused.ok()) << refused.ToString();
+  return back;
 }
 
 std::vector<int64_t> Ids(const std::vector<std::unique_ptr<WorkItem>>& batch) {
