@@ -242,3 +242,65 @@ def test_a_bad_file_on_reload_keeps_the_old_terms(attnserve, stubs, checks, tmp_
     seen = requests_by_tenant(server)
     checks("a good file replaces them: 'c' named, 'a' now other", seen.get("c") == 1 and seen.get("other") == 1, str(seen))
     server.stop()
+
+
+def causal(module, x):
+    n = x.shape[1]
+    mask = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)
+    with torch.no_grad():
+        t = torch.from_numpy(x).double()
+        return module.double()(t, t, t, attn_mask=mask, need_weights=False)[0].numpy()
+
+
+def test_a_flood_never_evicts_another_tenants_guaranteed_sessions(attnserve, stubs, models, checks, tmp_path):
+    """Tenant a keeps two sessions within its kv_guaranteed_bytes while tenant b floods memories and
+    sessions through a small --kv-budget-bytes: b's own entries are evicted (or b refused), a's never,
+    and every step of a's sessions after the flood answers exactly (causal self-attention over every token
+    so far, float64 reference; atol 2e-5 + rtol 1e-4)."""
+    tenants = tmp_path / "tenants.json"
+    tenants.write_text(json.dumps({"tenants": {"a": {"kv_guaranteed_bytes": 16384}, "b": {}}}))
+    server = lib.Server(attnserve, "--models", models[0], "--tenant-header", HEADER, "--tenants", str(tenants),
+                        "--kv-budget-bytes", "65536", "--kv-max-entry-bytes", "32768")
+    pb, stub = stub_of(server, stubs)
+    rng = np.random.default_rng(4101)
+    sessions = {}
+    for i in range(2):  # 2 x 16 tokens of capacity x 2 x 32 x 4 bytes = 8 KiB, within the 16 KiB.
+        h = stub.OpenSession(pb.OpenSessionRequest(model="small", batch=1), metadata=as_tenant("a"), timeout=30).handle
+        x = rng.standard_normal((1, 8, E)).astype(np.float32)
+        stub.Attend(pb.AttendRequest(session=h, query=lib.to_wire(pb, x)), metadata=as_tenant("a"), timeout=30)
+        sessions[h] = x
+    outcomes = {}
+    for i in range(60):  # b: memories of 32 tokens (8 KiB each) and sessions, far past the budget.
+        kv = rng.standard_normal((1, 32, E)).astype(np.float32)
+        try:
+            if i % 3:
+                stub.CreateMemory(pb.CreateMemoryRequest(model="small", key=lib.to_wire(pb, kv),
+                                                         value=lib.to_wire(pb, kv)), metadata=as_tenant("b"), timeout=30)
+            else:
+                h = stub.OpenSession(pb.OpenSessionRequest(model="small", batch=1), metadata=as_tenant("b"),
+                                     timeout=30).handle
+                stub.Attend(pb.AttendRequest(session=h, query=lib.to_wire(pb, kv)), metadata=as_tenant("b"), timeout=30)
+            outcomes["OK"] = outcomes.get("OK", 0) + 1
+        except grpc.RpcError as e:
+            outcomes[e.code().name] = outcomes.get(e.code().name, 0) + 1
+    evicted = sum(float(l.split()[-1]) for l in lib.metrics_lines(server, "attnserve_kv_ends_total")
+                  if 'reason="evicted"' in l)
+    checks("b's flood went on, evicting its own entries", outcomes.get("OK", 0) >= 30 and evicted >= 20,
+           f"{outcomes}, {evicted:.0f} evicted")
+    for h, x in sessions.items():
+        step = rng.standard_normal((1, 4, E)).astype(np.float32)
+        try:
+            r = stub.Attend(pb.AttendRequest(session=h, query=lib.to_wire(pb, step), session_length=8),
+                            metadata=as_tenant("a"), timeout=30)
+        except grpc.RpcError as e:
+            checks(f"a's session {h[:8]} survived the flood", False, f"{e.code().name} {e.details()}")
+            continue
+        want = causal(models[1], np.concatenate([x, step], axis=1))[:, 8:]
+        got = lib.from_wire(pb, r.output)
+        checks(f"a's session {h[:8]} survived the flood and answers exactly",
+               r.session_length == 12 and np.allclose(got, want, atol=2e-5, rtol=1e-4),
+               f"length {r.session_length}, max err {np.abs(got - want).max():.2e}")
+    held = {l.split('tenant="')[1].split('"')[0]: float(l.split()[-1])
+            for l in lib.metrics_lines(server, "attnserve_tenant_kv_bytes")}
+    checks("attnserve_tenant_kv_bytes shows a within its guarantee", 0 < held.get("a", 0) <= 16384, str(held))
+    server.stop()
