@@ -212,6 +212,14 @@ class AttendCommand final : public Command {
     sub_->add_flag("--trace", trace_,
                    "Start a new sampled trace for the call and print its trace id (the server "
                    "exports its spans when it has --trace-endpoint)");
+    sub_->add_option("--priority", priority_,
+                     "Priority level where the model has levels: 1 first; 0 = the default")
+        ->capture_default_str();
+    sub_->add_option("--tenant", tenant_,
+                     "Send the call as this tenant, in the --tenant-header metadata (honoured only "
+                     "by a server started with that --tenant-header, behind a gateway)");
+    sub_->add_option("--tenant-header", tenant_header_, "The metadata key --tenant goes in")
+        ->capture_default_str();
   }
   int Run(attnserve::Client& client) override {
     attnserve::ModelInfo m;
@@ -219,7 +227,9 @@ class AttendCommand final : public Command {
     if (!s.ok()) return Fail(s);
     attnserve::AttendRequest req;
     if (!Prepare(m, &req)) return 1;
+    req.priority = priority_;
     attnserve::CallOptions call;
+    if (!tenant_.empty()) call.metadata.emplace_back(tenant_header_, tenant_);
     call.traceparent = trace_ && traceparent_.empty() ? NewTraceparent() : traceparent_;
     if (!call.traceparent.empty() && call.traceparent.size() >= 35) {
       std::printf("trace %s\n", call.traceparent.substr(3, 32).c_str());
@@ -276,6 +286,8 @@ class AttendCommand final : public Command {
     return true;
   }
   std::string model_ = "demo", query_file_, weights_ = "none", dtype_ = "float32", traceparent_;
+  std::string tenant_, tenant_header_ = "attnserve-tenant";
+  uint64_t priority_ = 0;
   int64_t batch_ = 1, query_len_ = 16, key_len_ = 0, model_version_ = 0;
   bool causal_ = false, trace_ = false;
   uint64_t seed_ = 0;

@@ -304,3 +304,22 @@ def test_a_flood_never_evicts_another_tenants_guaranteed_sessions(attnserve, stu
             for l in lib.metrics_lines(server, "attnserve_tenant_kv_bytes")}
     checks("attnserve_tenant_kv_bytes shows a within its guarantee", 0 < held.get("a", 0) <= 16384, str(held))
     server.stop()
+
+
+def test_the_cli_names_its_tenant_and_priority(attnserve, cli, checks, tmp_path):
+    """attnserve-cli attend --tenant NAME --priority N: the server's access log names both; a priority
+    past the levels fails the command with INVALID_ARGUMENT naming it."""
+    log = tmp_path / "access.log"
+    server = lib.Server(attnserve, "--priority-levels", "2", "--tenant-header", HEADER, "--access-log", str(log))
+    ok = subprocess.run([cli, "--target", server.target, "attend", "--tenant", "cli-tenant", "--priority", "1"],
+                        capture_output=True, text=True, timeout=60)
+    bad = subprocess.run([cli, "--target", server.target, "attend", "--priority", "3"],
+                         capture_output=True, text=True, timeout=60)
+    server.stop()
+    lines = [json.loads(l) for l in log.read_text().splitlines() if '"Attend"' in l]
+    checks("attnserve-cli attend --tenant --priority answers", ok.returncode == 0, ok.stdout + ok.stderr)
+    checks("... and the access log names the tenant and the level",
+           any(l.get("tenant") == "cli-tenant" and l.get("priority_level") == 1 for l in lines), str(lines))
+    checks("--priority 3 past 2 levels fails naming it",
+           bad.returncode != 0 and "INVALID_ARGUMENT" in bad.stdout + bad.stderr and "priority: 3" in bad.stdout + bad.stderr,
+           bad.stdout + bad.stderr)
