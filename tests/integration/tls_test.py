@@ -9,6 +9,7 @@ server at start with a message naming the flag and file.
 
 usage: python3 -m pytest tls_test.py --attnserve PATH/TO/attnserve --cli PATH/TO/attnserve-cli
 """
+import json
 import os
 import re
 import shutil
@@ -178,3 +179,24 @@ def test_bad_tls_flags_stop_the_server_at_start_naming_flag_and_file(attnserve, 
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))
+
+
+def test_the_client_certificate_names_the_tenant(attnserve, pki, checks, tmp_path):
+    """Under mutual TLS the verified certificate's name is the tenant (docs/tenants.md), and a header
+    claiming another tenant does not change it, even where the server trusts that header."""
+    d, pb, rpc = pki.d, pki.pb, pki.rpc
+    log = tmp_path / "access.log"
+    server = lib.Server(attnserve, "--tls-cert", f"{d}/server.pem", "--tls-key", f"{d}/server.key",
+                        "--tls-client-ca", f"{d}/ca.pem", "--tenant-header", "attnserve-tenant",
+                        "--access-log", str(log))
+    stub = rpc.AttentionServiceStub(pki.tls_channel(server.target, "ca", "client"))
+    for request_id, metadata in ((1, ()), (2, (("attnserve-tenant", "admin"),))):
+        request = pb.AttendRequest()
+        request.CopyFrom(pki.request)
+        request.request_id = request_id
+        stub.Attend(request, metadata=metadata, timeout=10)
+    server.stop()
+    tenants = {l["request_id"]: l.get("tenant") for l in map(json.loads, log.read_text().splitlines())
+               if l.get("method") == "Attend"}
+    checks("the certificate's name is the tenant", tenants.get(1) == "client", str(tenants))
+    checks("a header claiming another tenant does not change it", tenants.get(2) == "client", str(tenants))
