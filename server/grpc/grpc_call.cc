@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "server/core/deadline.h"
 #include "server/grpc/grpc_status.h"
 
 namespace attnserve {

@@ -1,5 +1,6 @@
 #include "server/grpc/stream_reactor.h"
 
+#include "server/core/deadline.h"
 #include "server/grpc/grpc_call.h"
 #include "server/grpc/grpc_codec.h"
 #include "server/grpc/grpc_status.h"

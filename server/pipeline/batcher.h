@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "server/core/deadline.h"
 #include "server/core/scheduling.h"
 #include "server/core/status.h"
 #include "server/core/types.h"
@@ -21,26 +22,6 @@
 #include "server/trace/tracer.h"
 
 namespace attnserve {
-
-using SteadyClock = std::chrono::steady_clock;
-
-/// How much later than the client's the server's copy of a call's deadline may fall: the server
-/// counts it from the call's arrival, the client from its sending. A client whose deadline passes
-/// cancels the call (HTTP/2 has no code for a deadline), and that can reach the server first.
-inline constexpr std::chrono::milliseconds kDeadlineSkew{100};
-
-/// Whether a cancelled call was ended by its deadline (due within kDeadlineSkew of `now`) rather
-/// than by its client: it is then counted as DEADLINE_EXCEEDED, as the client saw it.
-inline bool CancelledByDeadline(SteadyClock::time_point deadline, SteadyClock::time_point now) {
-  return deadline - now <= kDeadlineSkew;
-}
-
-/// Whether a call's deadline ended it by `now`: it passed, or the call is `cancelled` and it is due
-/// within kDeadlineSkew (gRPC also marks a call whose deadline passed as cancelled).
-inline bool DeadlineEnded(SteadyClock::time_point deadline, SteadyClock::time_point now,
-                          bool cancelled) {
-  return cancelled ? CancelledByDeadline(deadline, now) : now >= deadline;
-}
 
 /// One accepted request on its way to the engine. Owns nothing on the wire: `call` and `outputs`
 /// point into the RPC's request and response, which live until `done` has run.

@@ -4,6 +4,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
+#include "server/core/deadline.h"
 #include "server/core/validator.h"
 #include "server/core/wire.h"
 
