@@ -33,7 +33,7 @@ run() {  # name, command...
 # One unit-test binary per room (tests/CMakeLists.txt); ThreadSanitizer runs those whose rooms keep
 # threads or state shared between them.
 unit=(attnserve_core_tests attnserve_weights_tests attnserve_engine_tests attnserve_models_tests attnserve_trace_tests
-  attnserve_tenants_tests
+  attnserve_tenants_tests attnserve_v1_tests
   attnserve_kv_tests attnserve_pipeline_tests attnserve_grpc_tests attnserve_oip_tests attnserve_process_tests)
 threaded=(attnserve_models_tests attnserve_trace_tests attnserve_kv_tests attnserve_pipeline_tests attnserve_grpc_tests
   attnserve_oip_tests attnserve_process_tests)

@@ -13,7 +13,7 @@
 
 #include "server/core/files.h"
 #include "server/engine/blas.h"
-#include "server/grpc/attention_service.h"
+#include "server/v1/attention_service.h"
 #include "server/grpc/call_counter.h"
 #include "server/grpc/grpc_codec.h"
 #include "server/grpc/health.h"

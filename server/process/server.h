@@ -7,7 +7,7 @@
 
 #include "server/core/status.h"
 #include "server/core/types.h"
-#include "server/grpc/admin_service.h"
+#include "server/v1/admin_service.h"
 #include "server/grpc/call_counter.h"
 #include "server/kv/kv_store.h"
 #include "server/pipeline/batcher.h"

@@ -8,7 +8,7 @@
 #include <memory>
 #include <mutex>
 
-#include "server/grpc/attention_service.h"
+#include "server/v1/attention_service.h"
 #include "server/grpc/call_counter.h"
 #include "server/grpc/health.h"
 #include "server/oip/oip_service.h"

@@ -1,9 +1,9 @@
-#include "server/grpc/attention_service.h"
+#include "server/v1/attention_service.h"
 
 #include "server/grpc/grpc_call.h"
 #include "server/grpc/grpc_codec.h"
 #include "server/grpc/grpc_status.h"
-#include "server/grpc/shared_tensors.h"
+#include "server/v1/shared_tensors.h"
 #include "server/grpc/stream_reactor.h"
 
 namespace attnserve {

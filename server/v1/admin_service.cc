@@ -1,4 +1,4 @@
-#include "server/grpc/admin_service.h"
+#include "server/v1/admin_service.h"
 
 #include <iostream>
 

@@ -1,4 +1,4 @@
-#include "server/grpc/shared_tensors.h"
+#include "server/v1/shared_tensors.h"
 
 namespace attnserve {
 namespace {

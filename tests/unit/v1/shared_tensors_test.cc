@@ -1,6 +1,6 @@
 // attnserve.v1 tensors in shared-memory regions, without a server: read into the message or into
 // pinned staging, masks too, the answer's room noted, the answer written back, the refusals.
-#include "server/grpc/shared_tensors.h"
+#include "server/v1/shared_tensors.h"
 
 #include <fcntl.h>
 #include <gmock/gmock.h>
