@@ -146,9 +146,9 @@ struct BatcherOptions {
 /// out with DELAY after the others of their level); within the level, by the oldest request of
 /// the backlogged tenant with the smallest FairShare counter (kFair; among equal counters, the one
 /// with fewer requests waiting: a tenant back from idle is lifted to a tie) or by the oldest
-/// request (kFcfs). It then takes each request of that level that is compatible with its leader (same
-/// wire dtype and attention-weights mode) while the token and attention budgets hold, tenant by
-/// tenant in the same order (the one whose counter, with what the batch already gives it, is
+/// request (kFcfs). It then takes each request of that level that is compatible with its leader
+/// (same wire dtype and attention-weights mode) while the token and attention budgets hold, tenant
+/// by tenant in the same order (the one whose counter, with what the batch already gives it, is
 /// smallest next; kFcfs: arrival order); the rest wait for a later batch. Each request taken is
 /// charged its FLOPs over its tenant's weight. A batch is ready when the compatible requests fill
 /// the budget, when the oldest has waited max_queue_delay, or at once when no worker is

@@ -13,7 +13,6 @@
 
 #include "server/core/files.h"
 #include "server/engine/blas.h"
-#include "server/v1/attention_service.h"
 #include "server/grpc/call_counter.h"
 #include "server/grpc/grpc_codec.h"
 #include "server/grpc/health.h"
@@ -28,6 +27,7 @@
 #include "server/process/reload_hooks.h"
 #include "server/process/server_impl.h"
 #include "server/process/thread_stacks.h"
+#include "server/v1/attention_service.h"
 
 namespace attnserve {
 

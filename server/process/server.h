@@ -7,13 +7,13 @@
 
 #include "server/core/status.h"
 #include "server/core/types.h"
-#include "server/v1/admin_service.h"
 #include "server/grpc/call_counter.h"
 #include "server/kv/kv_store.h"
 #include "server/pipeline/batcher.h"
 #include "server/pipeline/request_pipeline.h"
 #include "server/process/memory_plan.h"
 #include "server/shm/shared_memory.h"
+#include "server/v1/admin_service.h"
 
 namespace attnserve {
 

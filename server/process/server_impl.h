@@ -8,7 +8,6 @@
 #include <memory>
 #include <mutex>
 
-#include "server/v1/attention_service.h"
 #include "server/grpc/call_counter.h"
 #include "server/grpc/health.h"
 #include "server/oip/oip_service.h"
@@ -22,6 +21,7 @@
 #include "server/trace/access_log.h"
 #include "server/trace/otlp_exporter.h"
 #include "server/trace/tracer.h"
+#include "server/v1/attention_service.h"
 
 namespace attnserve {
 

@@ -3,8 +3,8 @@
 #include "server/grpc/grpc_call.h"
 #include "server/grpc/grpc_codec.h"
 #include "server/grpc/grpc_status.h"
-#include "server/v1/shared_tensors.h"
 #include "server/grpc/stream_reactor.h"
+#include "server/v1/shared_tensors.h"
 
 namespace attnserve {
 namespace {
