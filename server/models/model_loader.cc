@@ -22,15 +22,6 @@ bool IsWeightsFile(const fs::path& p) {
   return ext == ".safetensors" || ext == ".pt" || ext == ".pth";
 }
 
-StatusOr<int64_t> NonNegativeInt(const nlohmann::json& v, const std::string& field) {
-  if (v.is_number_unsigned() && v.get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX)) {
-    return v.get<int64_t>();
-  }
-  if (v.is_number_integer() && v.get<int64_t>() >= 0) return v.get<int64_t>();
-  return Fail(field + " is " + v.dump() + "; expected an integer from 0 to " +
-              std::to_string(INT64_MAX));
-}
-
 // One ModelQueuePolicy object.
 StatusOr<QueuePolicy> ParseQueuePolicy(const nlohmann::json& j, const std::string& field) {
   if (!j.is_object()) return Fail(field + ": expected an object");
@@ -38,9 +29,9 @@ StatusOr<QueuePolicy> ParseQueuePolicy(const nlohmann::json& j, const std::strin
   for (auto it = j.begin(); it != j.end(); ++it) {
     const std::string key = field + "." + it.key();
     if (it.key() == "max_queue_size") {
-      ASSIGN_OR_RETURN(p.max_queue_size, NonNegativeInt(*it, key));
+      ASSIGN_OR_RETURN(p.max_queue_size, NonNegativeJsonInt(*it, key));
     } else if (it.key() == "default_timeout_microseconds") {
-      ASSIGN_OR_RETURN(p.default_timeout_us, NonNegativeInt(*it, key));
+      ASSIGN_OR_RETURN(p.default_timeout_us, NonNegativeJsonInt(*it, key));
     } else if (it.key() == "allow_timeout_override") {
       if (!it->is_boolean()) return Fail(key + ": expected true or false");
       p.allow_timeout_override = it->get<bool>();
@@ -65,9 +56,9 @@ StatusOr<PriorityOptions> ParsePriorities(const nlohmann::json& j, const std::st
   for (auto it = j.begin(); it != j.end(); ++it) {
     const std::string key = field + "." + it.key();
     if (it.key() == "priority_levels") {
-      ASSIGN_OR_RETURN(p.levels, NonNegativeInt(*it, key));
+      ASSIGN_OR_RETURN(p.levels, NonNegativeJsonInt(*it, key));
     } else if (it.key() == "default_priority_level") {
-      ASSIGN_OR_RETURN(p.default_level, NonNegativeInt(*it, key));
+      ASSIGN_OR_RETURN(p.default_level, NonNegativeJsonInt(*it, key));
     } else if (it.key() == "default_queue_policy") {
       ASSIGN_OR_RETURN(p.default_policy, ParseQueuePolicy(*it, key));
     } else if (it.key() == "priority_queue_policy") {

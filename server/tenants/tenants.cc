@@ -11,15 +11,6 @@ namespace {
 
 Status Fail(const std::string& m) { return {StatusCode::kFailedPrecondition, m}; }
 
-StatusOr<int64_t> NonNegative(const nlohmann::json& v, const std::string& field) {
-  if (v.is_number_unsigned() && v.get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX)) {
-    return v.get<int64_t>();
-  }
-  if (v.is_number_integer() && v.get<int64_t>() >= 0) return v.get<int64_t>();
-  return Fail(field + " is " + v.dump() + "; allowed: an integer from 0 to " +
-              std::to_string(INT64_MAX));
-}
-
 StatusOr<TenantPolicy> ParsePolicy(const nlohmann::json& j, const std::string& field) {
   if (!j.is_object()) return Fail(field + ": expected an object, got " + j.dump());
   TenantPolicy p;
@@ -32,11 +23,11 @@ StatusOr<TenantPolicy> ParsePolicy(const nlohmann::json& j, const std::string& f
       }
       p.weight = it->get<double>();
     } else if (it.key() == "max_queued_requests") {
-      ASSIGN_OR_RETURN(p.max_queued_requests, NonNegative(*it, key));
+      ASSIGN_OR_RETURN(p.max_queued_requests, NonNegativeJsonInt(*it, key));
     } else if (it.key() == "kv_guaranteed_bytes") {
-      ASSIGN_OR_RETURN(p.kv_guaranteed_bytes, NonNegative(*it, key));
+      ASSIGN_OR_RETURN(p.kv_guaranteed_bytes, NonNegativeJsonInt(*it, key));
     } else if (it.key() == "kv_max_bytes") {
-      ASSIGN_OR_RETURN(p.kv_max_bytes, NonNegative(*it, key));
+      ASSIGN_OR_RETURN(p.kv_max_bytes, NonNegativeJsonInt(*it, key));
     } else {
       return Fail(field + ": unknown key '" + it.key() +
                   "'; allowed: weight, max_queued_requests, kv_guaranteed_bytes, kv_max_bytes");

@@ -10,6 +10,16 @@
 
 namespace attnserve {
 
+StatusOr<int64_t> NonNegativeJsonInt(const nlohmann::json& v, const std::string& field) {
+  if (v.is_number_unsigned() && v.get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX)) {
+    return v.get<int64_t>();
+  }
+  if (v.is_number_integer() && v.get<int64_t>() >= 0) return v.get<int64_t>();
+  return Status(
+      StatusCode::kFailedPrecondition,
+      field + " is " + v.dump() + "; expected an integer from 0 to " + std::to_string(INT64_MAX));
+}
+
 StatusOr<nlohmann::json> ParseStrictJson(const std::string& text, const std::string& where) {
   std::vector<std::set<std::string>> keys;  // One set per open object.
   std::string problem;

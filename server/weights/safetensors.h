@@ -23,4 +23,8 @@ StatusOr<NamedTensors> ParseSafetensors(const std::string& bytes, const std::str
 /// object keys (it keeps the last) and nesting deeper than 64. Messages name `where`.
 StatusOr<nlohmann::json> ParseStrictJson(const std::string& text, const std::string& where);
 
+/// `v` as an integer from 0 to INT64_MAX (an unsigned value above it is not wrapped);
+/// FAILED_PRECONDITION "FIELD is V; expected an integer from 0 to 9223372036854775807" otherwise.
+StatusOr<int64_t> NonNegativeJsonInt(const nlohmann::json& v, const std::string& field);
+
 }  // namespace attnserve
