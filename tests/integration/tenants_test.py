@@ -323,3 +323,27 @@ def test_the_cli_names_its_tenant_and_priority(attnserve, cli, checks, tmp_path)
     checks("--priority 3 past 2 levels fails naming it",
            bad.returncode != 0 and "INVALID_ARGUMENT" in bad.stdout + bad.stderr and "priority: 3" in bad.stdout + bad.stderr,
            bad.stdout + bad.stderr)
+
+
+def test_hostile_tenant_headers_name_nobody(attnserve, stubs, models, checks):
+    """Behind --tenant-header, a header sent twice (which value is meant?), an empty value, one with a
+    space or over 128 characters, and a different capitalization of the key all name no tenant: the
+    call is tenant default, and a's session is not found for it."""
+    server = lib.Server(attnserve, "--models", models[0], "--tenant-header", HEADER)
+    pb, stub = stub_of(server, stubs)
+    h = stub.OpenSession(pb.OpenSessionRequest(model="small", batch=1), metadata=as_tenant("a"), timeout=30).handle
+    x = lib.to_wire(pb, np.ones((1, 1, E), np.float32))
+    for name, metadata in (("twice", [(HEADER, "a"), (HEADER, "a")]), ("empty", [(HEADER, "")]),
+                           ("a space", [(HEADER, "a b")]), ("129 characters", [(HEADER, "a" * 129)]),
+                           ("no header", [])):
+        try:
+            stub.Attend(pb.AttendRequest(session=h, query=x), metadata=metadata, timeout=30)
+            outcome = "OK"
+        except grpc.RpcError as e:
+            outcome = f"{e.code().name} {e.details()}"
+        checks(f"header {name}: not tenant a (its session NOT_FOUND)", outcome.startswith("NOT_FOUND"), outcome)
+    r = stub.Attend(pb.AttendRequest(session=h, query=x), metadata=as_tenant("a"), timeout=30)
+    checks("tenant a itself steps it", r.session_length == 1, str(r.session_length))
+    seen = requests_by_tenant(server)
+    checks("the hostile calls counted as default", seen.get("default", 0) == 5, str(seen))
+    server.stop()
