@@ -111,6 +111,7 @@ class RequestPipeline {
   RequestPipeline(const ModelRepository& models, Batcher& batcher, ServerMetrics& metrics,
                   const AttendLimits& limits, const FlowLimits& flow, KvStore& kv);
 
+  // ---- Calls: what every front end uses for a request (Attend, then Record once). ----
   /// Runs `x->request` and counts it in flight. `done` runs exactly once, on any thread (possibly
   /// before Attend returns), with what the client can be told: OK with `x->answer` filled, or the
   /// failure (also DEADLINE_EXCEEDED or CANCELLED when the answer came too late to be delivered; a
@@ -123,45 +124,10 @@ class RequestPipeline {
   void Record(const char* method, Exchange* x, const Status& seen);
   /// Counts a request that never reached Attend (it did not decode) as answered with `seen`.
   void RecordUndecoded(const char* method, const Status& seen);
-
-  /// Where calls' spans and access-log lines go (both may be null: none). Set before serving;
-  /// borrowed, and must outlive the pipeline's calls.
-  void Observe(const Tracer* tracer, AccessLog* access_log);
   /// The trace a call with this context joins (empty with tracing off).
   CallTrace BeginTrace(const IncomingTrace& in) const;
 
-  /// The address clients reach this replica at (--advertise-address; "" for none), returned in
-  /// every KvHandle so clients route a memory's or session's calls to it. Set before serving.
-  void SetAdvertisedAddress(std::string address);
-  std::string advertised_address() const;
-
-  /// Every loaded version of every model.
-  void ListModels(v1::ListModelsResponse* resp) const;
-  /// One model version's description (version 0: the highest loaded).
-  Status GetModel(const v1::GetModelRequest& req, v1::ModelInfo* resp) const;
-
-  /// Whether requests for `model` (version 0: the highest) would be served now: loaded, warm and
-  /// not draining. An empty `model`: whether the server takes requests at all.
-  bool Ready(const std::string& model, int64_t version) const;
-  /// While true, Ready says no: the models are warming up at start (requests are still served,
-  /// only slower). False unless set.
-  void SetWarming(bool warming) { warming_.store(warming); }
-  /// The tenants' terms (--tenants; reread on a reload): each request takes those of the moment
-  /// it arrives. Default: every tenant gets default terms.
-  void SetTenants(std::shared_ptr<const Tenants> tenants);
-  std::shared_ptr<const Tenants> tenants() const;
-  /// The metadata key whose value names the tenant, trusted behind a gateway that sets it
-  /// (--tenant-header; "": none, only certificates name tenants). Set before serving.
-  void SetTenantHeader(std::string key) { tenant_header_ = std::move(key); }
-  const std::string& tenant_header() const { return tenant_header_; }
-  /// The pinned staging requests' tensors may be decoded into (a CUDA server's; null: none). Set
-  /// before serving; borrowed.
-  void SetStaging(HostStaging* staging) { staging_ = staging; }
-  HostStaging* staging() const { return staging_; }
-  /// A loaded model version's spec and every loaded version of it (NOT_FOUND naming what is there).
-  StatusOr<ModelSpec> Describe(const std::string& model, int64_t version,
-                               std::vector<int64_t>* versions) const;
-
+  // ---- Kept keys and values: memories and sessions. ----
   /// Projects and keeps a memory; `done` runs once, on any thread, with `resp` filled when OK and
   /// the call's trace (for a failure to name).
   void CreateMemory(const v1::CreateMemoryRequest& req, CallContext call, v1::KvHandle* resp,
@@ -182,6 +148,19 @@ class RequestPipeline {
                  v1::ReleaseResponse* resp, const KvCaller& caller = {},
                  CallTrace* traced = nullptr);
 
+  // ---- Models: what is served, for the front ends' metadata calls and health. ----
+  /// Every loaded version of every model.
+  void ListModels(v1::ListModelsResponse* resp) const;
+  /// One model version's description (version 0: the highest loaded).
+  Status GetModel(const v1::GetModelRequest& req, v1::ModelInfo* resp) const;
+  /// A loaded model version's spec and every loaded version of it (NOT_FOUND naming what is there).
+  StatusOr<ModelSpec> Describe(const std::string& model, int64_t version,
+                               std::vector<int64_t>* versions) const;
+  /// Whether requests for `model` (version 0: the highest) would be served now: loaded, warm and
+  /// not draining. An empty `model`: whether the server takes requests at all.
+  bool Ready(const std::string& model, int64_t version) const;
+
+  // ---- Open calls and the drain: streams register; the process drains at the stop. ----
   /// Registers an open call for the drain (a stream, from its start until it is done). A call that
   /// registers after the drain began is told by `draining()`.
   void AddCall(OpenCall* call);
@@ -194,6 +173,30 @@ class RequestPipeline {
   bool WaitIdle(SteadyClock::time_point deadline, SteadyClock::duration quiet);
   bool draining() const { return draining_.load(); }
   const FlowLimits& flow() const { return flow_; }
+
+  // ---- Set-up, before serving (the process), and what the front ends read of it. ----
+  /// Where calls' spans and access-log lines go (both may be null: none). Set before serving;
+  /// borrowed, and must outlive the pipeline's calls.
+  void Observe(const Tracer* tracer, AccessLog* access_log);
+  /// The address clients reach this replica at (--advertise-address; "" for none), returned in
+  /// every KvHandle so clients route a memory's or session's calls to it. Set before serving.
+  void SetAdvertisedAddress(std::string address);
+  std::string advertised_address() const;
+  /// While true, Ready says no: the models are warming up at start (requests are still served,
+  /// only slower). False unless set.
+  void SetWarming(bool warming) { warming_.store(warming); }
+  /// The tenants' terms (--tenants; reread on a reload): each request takes those of the moment
+  /// it arrives. Default: every tenant gets default terms.
+  void SetTenants(std::shared_ptr<const Tenants> tenants);
+  std::shared_ptr<const Tenants> tenants() const;
+  /// The metadata key whose value names the tenant, trusted behind a gateway that sets it
+  /// (--tenant-header; "": none, only certificates name tenants). Set before serving.
+  void SetTenantHeader(std::string key) { tenant_header_ = std::move(key); }
+  const std::string& tenant_header() const { return tenant_header_; }
+  /// The pinned staging requests' tensors may be decoded into (a CUDA server's; null: none). Set
+  /// before serving; borrowed.
+  void SetStaging(HostStaging* staging) { staging_ = staging; }
+  HostStaging* staging() const { return staging_; }
 
  private:
   // The steps of Attend; each returns the failure that ends the request there.
