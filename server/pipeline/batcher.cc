@@ -3,6 +3,7 @@
 #include <malloc.h>
 
 #include <algorithm>
+#include <optional>
 
 namespace attnserve {
 namespace {
@@ -383,28 +384,39 @@ void Batcher::Drain() {
   }
 }
 
+BatchQueue* Batcher::NextQueue(SteadyClock::time_point now, SteadyClock::time_point* wake,
+                               bool* any, const AttentionModel** model_of_best) {
+  BatchQueue* best = nullptr;
+  std::optional<BatchQueue::Rank> best_rank;  // best's, once needed (a Rank scans its queue).
+  for (auto& [model, queue] : queues_) {
+    if (queue.size() == 0) continue;
+    *any = true;
+    SteadyClock::time_point w;
+    // While draining nothing waits for company.
+    if (!queue.Ready(now, busy_, &w) && !draining_) {
+      *wake = std::min(*wake, w);
+      continue;
+    }
+    if (best) {
+      if (!best_rank) best_rank = best->rank();
+      const BatchQueue::Rank rank = queue.rank();
+      if (!(rank < *best_rank)) continue;
+      best_rank = rank;
+    }
+    best = &queue;
+    *model_of_best = model;
+  }
+  return best;
+}
+
 void Batcher::WorkerLoop() {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
     const auto now = SteadyClock::now();
     auto wake = SteadyClock::time_point::max();
-    BatchQueue* best = nullptr;
     const AttentionModel* best_model = nullptr;
     bool any = false;
-    for (auto& [model, queue] : queues_) {
-      if (queue.size() == 0) continue;
-      any = true;
-      SteadyClock::time_point w;
-      // While draining nothing waits for company.
-      if (queue.Ready(now, busy_, &w) || draining_) {
-        if (!best || queue.rank() < best->rank()) {
-          best = &queue;
-          best_model = model;
-        }
-      } else {
-        wake = std::min(wake, w);
-      }
-    }
+    BatchQueue* best = NextQueue(now, &wake, &any, &best_model);
     if (best) {
       Dropped dropped;
       const size_t workers = static_cast<size_t>(options_.workers);

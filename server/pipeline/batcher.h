@@ -243,6 +243,11 @@ class Batcher {
 
  private:
   void WorkerLoop();
+  // Under mu_: the queue a worker takes from now (the ready one whose leader ranks first), or null;
+  // lowers `*wake` to when a waiting queue will be ready, sets `*any` when some queue holds
+  // requests.
+  BatchQueue* NextQueue(SteadyClock::time_point now, SteadyClock::time_point* wake, bool* any,
+                        const AttentionModel** model_of_best);
   void Finish(Dropped* dropped);
   void Run(std::vector<std::unique_ptr<WorkItem>> batch);
   // The batch's span, when a request in it is sampled: stamps the items with its ids.

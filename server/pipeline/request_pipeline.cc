@@ -186,8 +186,10 @@ void RequestPipeline::Attend(const char* method, Exchange* x, CallContext call,
     ++in_flight_;
     last_arrival_ = SteadyClock::now();
   }
+  // The tenants' terms of the moment the request arrived, read once.
+  const std::shared_ptr<const Tenants> tenants = this->tenants();
   x->tenant = call.tenant;
-  x->tenant_label = tenants()->Label(call.tenant);
+  x->tenant_label = tenants->Label(call.tenant);
   auto item = std::make_unique<WorkItem>();
   item->accepted = x->received;
   item->deadline = call.deadline;
@@ -204,7 +206,7 @@ void RequestPipeline::Attend(const char* method, Exchange* x, CallContext call,
   const uint32_t attempts = call.previous_attempts;
   x->times.attempts = attempts;
   Status st = Resolve(x, item.get(), &step);
-  if (st.ok()) st = Schedule(*x, call, item.get());
+  if (st.ok()) st = Schedule(*x, tenants->Of(call.tenant), item.get());
   x->level = item->level;
   if (st.ok()) st = Admit(x, *item);
   x->times.admitted = SteadyClock::now();
@@ -271,10 +273,9 @@ Status RequestPipeline::Resolve(Exchange* x, WorkItem* item, std::shared_ptr<KvS
   return Status::Ok();
 }
 
-Status RequestPipeline::Schedule(const Exchange& x, const CallContext& call, WorkItem* item) const {
-  const std::shared_ptr<const Tenants> tenants = this->tenants();
-  const TenantPolicy& terms = tenants->Of(call.tenant);
-  item->tenant = call.tenant;
+Status RequestPipeline::Schedule(const Exchange& x, const TenantPolicy& terms,
+                                 WorkItem* item) const {
+  item->tenant = x.tenant;
   item->tenant_label = x.tenant_label;
   item->weight = terms.weight;
   item->tenant_max_queued = terms.max_queued_requests;

@@ -202,7 +202,7 @@ class RequestPipeline {
   // The steps of Attend; each returns the failure that ends the request there.
   Status Resolve(Exchange* x, WorkItem* item, std::shared_ptr<KvStep>* step);
   // Who asks and how urgently: the tenant's terms, the priority level and its queue timeout.
-  Status Schedule(const Exchange& x, const CallContext& call, WorkItem* item) const;
+  Status Schedule(const Exchange& x, const TenantPolicy& terms, WorkItem* item) const;
   Status Admit(Exchange* x, const WorkItem& item);
   // The in-flight budget: Reserve takes `bytes` or refuses (RESOURCE_EXHAUSTED naming the flag);
   // Unreserve gives them back.
