@@ -7,7 +7,7 @@
 
 namespace attnserve {
 
-StreamReactor::StreamReactor(RequestPipeline& pipeline, CallCounter& calls, StreamCodec& codec,
+StreamReactor::StreamReactor(CallPath& pipeline, CallCounter& calls, StreamCodec& codec,
                              grpc::CallbackServerContext* ctx)
     : pipeline_(pipeline), calls_(calls), codec_(codec), call_(CallOf(ctx, pipeline_)) {
   calls_.Begin();
@@ -36,15 +36,6 @@ bool StreamReactor::CanRead() const {
 }
 
 Status StreamReactor::Undelivered() const { return UndeliveredBy(call_.deadline); }
-
-Status StreamReactor::UndeliveredBy(SteadyClock::time_point deadline) {
-  // A client's deadline arrives as a cancellation, possibly before the server's copy passes.
-  if (CancelledByDeadline(deadline, SteadyClock::now())) {
-    return Status(StatusCode::kDeadlineExceeded,
-                  "the stream's deadline passed before the answer was sent");
-  }
-  return Status(StatusCode::kCancelled, "the client cancelled or left before the answer was sent");
-}
 
 void StreamReactor::Decide(Actions* a) {
   a->pipeline = &pipeline_;
@@ -82,40 +73,43 @@ void StreamReactor::Run(Actions a) {
   // started write or Finish, another thread may finish and delete the reactor.
   // A request in a.next is still counted in computing_, so the call cannot finish before it is
   // dispatched: dispatching it last keeps every step above safe.
-  RecordDropped(a);
+  RecordDropped(&a);
   if (a.read) StartRead(&read_buffer_);
   if (a.write) StartWrite(a.write);
   if (a.finish) Finish(a.finish_status);
   if (a.next) Dispatch(std::move(*a.next));
 }
 
-void StreamReactor::RecordDropped(const Actions& a) {
-  if (a.dropped.empty() && a.unsent.empty()) return;
-  const Status undelivered = UndeliveredBy(a.deadline);
-  for (const Answer& d : a.dropped) a.pipeline->Record(a.method, d.exchange.get(), undelivered);
-  for (size_t i = 0; i < a.unsent.size(); ++i) a.pipeline->RecordUndecoded(a.method, undelivered);
+void StreamReactor::RecordDropped(Actions* a) {
+  a->dropped.clear();  // Each answered request's handle records it as not delivered.
+  if (a->unsent.empty()) return;
+  const Status undelivered = UndeliveredBy(a->deadline);
+  for (size_t i = 0; i < a->unsent.size(); ++i) {
+    a->pipeline->RecordUndecoded(a->method, undelivered);
+  }
+  a->unsent.clear();
 }
 
 void StreamReactor::Dispatch(Answer request) {
   const Status prepared =
-      request.status.ok() ? codec_.Prepare(request.exchange.get()) : request.status;
+      request.status.ok() ? codec_.Prepare(request.request.get()) : request.status;
   if (!prepared.ok()) {
     // Refused before the pipeline: counted now, answered like any failed request.
     pipeline_.RecordUndecoded(codec_.method(), prepared);
-    request.exchange->recorded = true;
     request.status = prepared;
     OnComputed(std::move(request));
     return;
   }
   // computing_ holds the call open until OnComputed; `done` may run before Attend returns.
+  std::unique_ptr<Exchange> x = std::move(request.request);
   auto* pending = new Answer(std::move(request));
-  pipeline_.Attend(codec_.method(), pending->exchange.get(), call_,
-                   [this, pending](const Status& st) {
-                     std::unique_ptr<Answer> r(pending);
-                     codec_.Computed(r->exchange.get(), st);
-                     r->status = st;
-                     OnComputed(std::move(*r));
-                   });
+  pipeline_.Attend(codec_.method(), std::move(x), call_, [this, pending](Answered answered) {
+    std::unique_ptr<Answer> r(pending);
+    r->status = answered.status();
+    r->answered = std::move(answered);
+    codec_.Computed(r->exchange(), r->status);
+    OnComputed(std::move(*r));
+  });
 }
 
 void StreamReactor::OnReadDone(bool ok) {
@@ -123,7 +117,7 @@ void StreamReactor::OnReadDone(bool ok) {
   Status parsed;
   if (ok) {  // read_buffer_ belongs to the read chain until the next StartRead.
     request.bytes = static_cast<int64_t>(read_buffer_.Length());
-    parsed = codec_.Decode(read_buffer_, &request.exchange, &request.status, &request.order);
+    parsed = codec_.Decode(read_buffer_, &request.request, &request.status, &request.order);
     read_buffer_.Clear();
   }
   Actions a;
@@ -171,7 +165,7 @@ void StreamReactor::OnReadDone(bool ok) {
 }
 
 void StreamReactor::OnComputed(Answer request) {
-  request.encoded = codec_.Encode(request.exchange.get(), request.status);
+  request.encoded = codec_.Encode(request.exchange(), request.status);
   const int64_t answer_bytes = static_cast<int64_t>(request.encoded.Length());
   Actions a;
   {
@@ -214,7 +208,7 @@ void StreamReactor::OnComputed(Answer request) {
     // Nothing this thread does holds the call open: gRPC's threads may already have finished the
     // stream and deleted the reactor, so not even a member function of it is called (a static one
     // records what was dropped, with the pipeline and method copied under the lock).
-    RecordDropped(a);
+    RecordDropped(&a);
     return;
   }
   Run(std::move(a));  // On a compute thread: after it, the reactor may be gone.
@@ -237,7 +231,7 @@ void StreamReactor::OnWriteDone(bool ok) {
     }
     Decide(&a);
   }
-  pipeline_.Record(codec_.method(), written.exchange.get(), ok ? written.status : Undelivered());
+  written.answered.Deliver(ok ? written.status : Undelivered());
   Run(std::move(a));
 }
 

@@ -13,7 +13,7 @@
 
 #include "server/core/status.h"
 #include "server/grpc/call_counter.h"
-#include "server/pipeline/request_pipeline.h"
+#include "server/pipeline/calls.h"
 
 namespace attnserve {
 
@@ -62,9 +62,10 @@ class StreamCodec {
 ///   cannot outlive the reactor (gRPC runs OnDone, which deletes it, after Finish and after every
 ///   reaction). A compute completion stops counting in computing_ under mu_; after that it touches
 ///   the reactor only through an action that holds the call open (a read, a write, the finish, the
-///   next request of an order). Holding none, it records what it dropped with the pipeline, method
-///   and deadline copied under mu_ and calls nothing of the reactor: gRPC's threads may already
-///   have finished the stream and deleted it.
+///   next request of an order). Holding none, it lets go of what it dropped (each answer's handle
+///   records itself) and counts what it never dispatched with the pipeline and method copied under
+///   mu_, and calls nothing of the reactor: gRPC's threads may already have finished the stream
+///   and deleted it.
 ///   A read outstanding at Finish completes afterwards and is dropped.
 ///
 /// Flow control: at most one read is outstanding, and a new one starts only while the stream holds
@@ -72,17 +73,17 @@ class StreamCodec {
 /// request plus answer bytes. Otherwise reading resumes when a write completes, so a client that
 /// does not read its answers is held back by gRPC's flow control instead of growing the server.
 ///
-/// Every request read is recorded exactly once: when its answer has been written, or when it is
-/// dropped because the client is gone (CANCELLED, or DEADLINE_EXCEEDED once the stream's deadline
-/// passed or is due: UndeliveredBy). One refused before the pipeline (codec) is recorded when
-/// refused; one that waited for its order when the client left is never dispatched and recorded
-/// then.
+/// Every request read is recorded exactly once: one the pipeline answered by its handle
+/// (Answered), when its answer has been written, or when it is dropped because the client is gone
+/// (CANCELLED, or DEADLINE_EXCEEDED once the stream's deadline passed or is due: UndeliveredBy).
+/// One refused before the pipeline (codec) is recorded when refused; one that waited for its order
+/// when the client left is never dispatched and recorded then.
 class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>,
                             public OpenCall {
  public:
   /// Borrows the pipeline, the count of calls open and the codec, which must outlive the call; the
   /// call is counted open until OnDone.
-  StreamReactor(RequestPipeline& pipeline, CallCounter& calls, StreamCodec& codec,
+  StreamReactor(CallPath& pipeline, CallCounter& calls, StreamCodec& codec,
                 grpc::CallbackServerContext* ctx);
 
   void OnReadDone(bool ok) override;
@@ -96,11 +97,6 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   /// Finishes the call with the status chosen when Drain returned true.
   void FinishNow() override;
 
-  /// What a request whose answer the client can no longer receive is counted as, the stream's
-  /// deadline being `deadline`: DEADLINE_EXCEEDED once it passed or is due within kDeadlineSkew (a
-  /// client's deadline reaches the server as a cancellation, possibly first), else CANCELLED.
-  static Status UndeliveredBy(SteadyClock::time_point deadline);
-
   /// Test seam (StreamSafetyTest): when set, runs on the compute thread right after OnComputed
   /// lets go of the lock, told whether this thread's actions hold the call open; a test widens the
   /// window in which gRPC's threads may finish and delete the reactor. Null in production.
@@ -109,11 +105,15 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
  private:
   /// One request's answer on its way out.
   struct Answer {
-    std::unique_ptr<Exchange> exchange;
+    // Read, until it goes to the pipeline (kept when refused before it).
+    std::unique_ptr<Exchange> request;
+    // Back from the pipeline: recorded when written, or when dropped (as not delivered).
+    Answered answered;
     Status status;             // What the answer tells the client (OK, or the error it carries).
     grpc::ByteBuffer encoded;  // The answer's wire bytes.
     int64_t bytes = 0;         // Counted in bytes_ until written or dropped.
     std::string order;         // The codec's order key ("" when none).
+    Exchange* exchange() const { return request ? request.get() : answered.get(); }
   };
   /// What an event decided under mu_, carried out after releasing it.
   struct Actions {
@@ -121,19 +121,20 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     grpc::ByteBuffer* write = nullptr;
     bool finish = false;
     grpc::Status finish_status;
-    std::vector<Answer> dropped;  // Recorded as not delivered.
+    std::vector<Answer> dropped;  // Let go of: each records itself as not delivered.
     std::vector<Answer> unsent;   // Never dispatched; counted as not delivered.
     std::optional<Answer> next;   // The next request of an order, dispatched after Run.
     // Copied from the reactor under its lock: on a compute thread, once the lock is let go, the
     // reactor may be finished and deleted by gRPC's threads unless an action above holds it open,
     // so Run reads nothing of it for the recording.
-    RequestPipeline* pipeline = nullptr;
+    CallPath* pipeline = nullptr;
     const char* method = nullptr;
     SteadyClock::time_point deadline = SteadyClock::time_point::max();
   };
 
-  // Records the answers dropped and the requests never dispatched; reads nothing of a reactor.
-  static void RecordDropped(const Actions& a);
+  // Lets go of the answers dropped (recording them) and counts the requests never dispatched;
+  // reads nothing of a reactor.
+  static void RecordDropped(Actions* a);
   // Hands a request to the pipeline (or answers it with the codec's refusal).
   void Dispatch(Answer request);
   // A request's outcome (`request.status`): encodes and queues its answer.
@@ -148,7 +149,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   // Undelivered() for this stream's deadline.
   Status Undelivered() const;
 
-  RequestPipeline& pipeline_;
+  CallPath& pipeline_;
   CallCounter& calls_;
   StreamCodec& codec_;
   const CallContext call_;        // The stream's deadline and cancellation, shared by its requests.

@@ -5,7 +5,9 @@
 #include "inference/grpc_service.grpc.pb.h"
 #include "server/grpc/call_counter.h"
 #include "server/oip/oip_sequences.h"
-#include "server/pipeline/request_pipeline.h"
+#include "server/pipeline/calls.h"
+#include "server/pipeline/kept_kv.h"
+#include "server/pipeline/served_models.h"
 #include "server/shm/shared_memory.h"
 
 namespace attnserve {
@@ -33,11 +35,13 @@ using Base = S::WithRawCallbackMethod_ModelStreamInfer<S::WithRawCallbackMethod_
 
 class OipServiceImpl final : public oip_detail::Base {
  public:
-  /// Borrows the pipeline, the count of calls open and the shared-memory regions, which must
-  /// outlive the service. Triton's sequences are sessions: at most `max_sequences` at once,
-  /// forgotten after `sequence_idle` unused (the sessions' TTL).
-  OipServiceImpl(RequestPipeline& pipeline, CallCounter& calls, SharedMemoryRegistry& shm,
-                 size_t max_sequences, std::chrono::steady_clock::duration sequence_idle);
+  /// Borrows the pipeline (its requests, kept keys and values, and models), the count of calls
+  /// open and the shared-memory regions, which must outlive the service. Triton's sequences are
+  /// sessions: at most `max_sequences` at once, forgotten after `sequence_idle` unused (the
+  /// sessions' TTL).
+  OipServiceImpl(CallPath& path, KeptKv& kv, ServedModels& models, CallCounter& calls,
+                 SharedMemoryRegistry& shm, size_t max_sequences,
+                 std::chrono::steady_clock::duration sequence_idle);
   ~OipServiceImpl() override;
 
   grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* ctx,
@@ -98,7 +102,9 @@ class OipServiceImpl final : public oip_detail::Base {
   // The answer's outputs that go to regions written there; then its message.
   grpc::ByteBuffer EncodeAnswer(Exchange* x, Status* status) const;
 
-  RequestPipeline& pipeline_;
+  CallPath& path_;
+  KeptKv& kv_;
+  ServedModels& models_;
   CallCounter& calls_;
   SharedMemoryRegistry& shm_;
   OipSequences sequences_;

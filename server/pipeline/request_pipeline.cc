@@ -178,8 +178,10 @@ RequestPipeline::RequestPipeline(const ModelRepository& models, Batcher& batcher
       flow_(flow),
       kv_(kv) {}
 
-void RequestPipeline::Attend(const char* method, Exchange* x, CallContext call,
-                             std::function<void(const Status&)> done) {
+void RequestPipeline::Attend(const char* method, std::unique_ptr<Exchange> owned, CallContext call,
+                             std::function<void(Answered)> done) {
+  // Owned by the request's path from here until `finish` hands it to the front end's handle.
+  Exchange* x = owned.release();
   metrics_.AddInFlight(method, 1);
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -214,13 +216,13 @@ void RequestPipeline::Attend(const char* method, Exchange* x, CallContext call,
   // A session step counts once its answer is computed in time for the client; refused or failed at
   // any point, or computed too late, the session is as it was. It ends before the answer leaves,
   // so the client's next step finds it idle.
-  auto finish = [x, step = std::move(step), call = std::move(call),
+  auto finish = [this, method, x, step = std::move(step), call = std::move(call),
                  done = std::move(done)](const Status& result) mutable {
-    const Status seen = Deliverable(call, result, step != nullptr);
+    Status seen = Deliverable(call, result, step != nullptr);
     if (step) step->End(seen.ok());
     step.reset();  // Idle and not held: the client's next call may evict it.
     x->times.answered = SteadyClock::now();
-    done(seen);
+    done(Answered(this, method, std::unique_ptr<Exchange>(x), std::move(seen), call.deadline));
   };
   if (!st.ok()) {
     finish(st);
@@ -355,8 +357,6 @@ void RequestPipeline::Unreserve(int64_t bytes) {
 }
 
 void RequestPipeline::Record(const char* method, Exchange* x, const Status& seen) {
-  if (x->recorded) return;
-  x->recorded = true;
   if (seen.code() == StatusCode::kInternal) std::cerr << "attnserve: " << seen.ToString() << "\n";
   metrics_.RecordRequest(x->model, method, StatusCodeName(seen.code()), SecondsSince(x->received));
   metrics_.RecordTenantRequest(x->tenant_label, StatusCodeName(seen.code()));

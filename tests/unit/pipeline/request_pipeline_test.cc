@@ -10,6 +10,7 @@
 #include <cstring>
 #include <future>
 #include <random>
+#include <thread>
 
 #include "server/models/model_loader.h"
 #include "tests/lib/mha_reference.h"
@@ -50,13 +51,44 @@ class RequestPipelineTest : public ::testing::Test {
     return r;
   }
 
-  // Attend until `done` ran: the status the client is told. Recorded unless `record` is false.
-  Status Attend(Exchange* x, CallContext call = {}, bool record = true) {
-    std::promise<Status> told;
-    pipeline_->Attend("Attend", x, std::move(call), [&](const Status& st) { told.set_value(st); });
-    const Status st = told.get_future().get();
-    if (record) pipeline_->Record("Attend", x, st);
+  // A request's exchange, as a front end decodes it.
+  static std::unique_ptr<Exchange> Decoded(v1::AttendRequest r) {
+    auto x = std::make_unique<Exchange>();
+    x->request = std::move(r);
+    return x;
+  }
+
+  // Attend until `done` ran: the answered request, not yet delivered.
+  Answered Attend(std::unique_ptr<Exchange> x, CallContext call = {}) {
+    std::promise<Answered> told;
+    pipeline_->Attend("Attend", std::move(x), std::move(call),
+                      [&](Answered a) { told.set_value(std::move(a)); });
+    return told.get_future().get();
+  }
+
+  // Attend `r` and deliver what the pipeline says: the status the client is told.
+  Status Told(v1::AttendRequest r, CallContext call = {}) {
+    Answered a = Attend(Decoded(std::move(r)), std::move(call));
+    const Status st = a.status();
+    a.Deliver(st);
     return st;
+  }
+
+  // attnserve_requests_total for method Attend with this code.
+  double Requests(const std::string& code) {
+    double n = 0;
+    for (const auto& family : registry_.Collect()) {
+      if (family.name != "attnserve_requests_total") continue;
+      for (const auto& m : family.metric) {
+        bool attend = false, coded = false;
+        for (const auto& l : m.label) {
+          attend |= l.name == "method" && l.value == "Attend";
+          coded |= l.name == "code" && l.value == code;
+        }
+        if (attend && coded) n += m.counter.value;
+      }
+    }
+    return n;
   }
 
   bool Idle() { return pipeline_->WaitIdle(SteadyClock::now() + std::chrono::seconds(2), {}); }
@@ -72,12 +104,13 @@ class RequestPipelineTest : public ::testing::Test {
 
 TEST_F(RequestPipelineTest, AnswersLikeTheFloat64ReferenceWithTheRequestsFieldsInTheAnswer) {
   Vec query;
-  Exchange x;
-  x.request = Request(5, &query);
-  x.request.set_attn_weights(v1::ATTN_WEIGHTS_PER_HEAD);
+  v1::AttendRequest r = Request(5, &query);
+  r.set_attn_weights(v1::ATTN_WEIGHTS_PER_HEAD);
   CallContext call;
   call.previous_attempts = 2;
-  ASSERT_TRUE(Attend(&x, call).ok());
+  Answered answered = Attend(Decoded(std::move(r)), call);
+  ASSERT_TRUE(answered.status().ok()) << answered.status().ToString();
+  const Exchange& x = *answered.get();
 
   const v1::AttendResponse& meta = x.answer.meta;
   EXPECT_EQ(meta.request_id(), 1005u);
@@ -97,6 +130,8 @@ TEST_F(RequestPipelineTest, AnswersLikeTheFloat64ReferenceWithTheRequestsFieldsI
   EXPECT_LT(
       testing::RelativeError(*x.answer.weights, std::vector<float>(weights.begin(), weights.end())),
       1e-4);
+  answered.Deliver(Status::Ok());
+  EXPECT_EQ(answered.get(), nullptr);  // Delivered: the exchange is freed.
   EXPECT_TRUE(Idle());
 }
 
@@ -105,8 +140,8 @@ TEST_F(RequestPipelineTest, AnswersLikeTheFloat64ReferenceWithTheRequestsFieldsI
 TEST_F(RequestPipelineTest, StagedInputsAreReadFromTheStagingAndGivenBackOnceComputed) {
   HostStaging staging(int64_t{1} << 20, /*pinned=*/false);
   Vec query;
-  Exchange x;
-  x.request = Request(6, &query);
+  auto owned = Decoded(Request(6, &query));
+  Exchange& x = *owned;
   const std::string bytes = x.request.query().data();
   char* block = nullptr;
   std::shared_ptr<void> owner = staging.Allocate(bytes.size(), &block);
@@ -114,18 +149,18 @@ TEST_F(RequestPipelineTest, StagedInputsAreReadFromTheStagingAndGivenBackOnceCom
   std::memcpy(block, bytes.data(), bytes.size());
   x.staged.query = {std::move(owner), block, bytes.size()};
   x.request.mutable_query()->clear_data();  // As the staged decode leaves it.
-  std::promise<Status> told;
-  pipeline_->Attend("Attend", &x, {}, [&](const Status& st) { told.set_value(st); });
-  ASSERT_TRUE(told.get_future().get().ok());
+  Answered answered = Attend(std::move(owned));
+  ASSERT_TRUE(answered.status().ok());
   EXPECT_EQ(staging.held_bytes(), 0);  // Computed: the block went back.
-  EXPECT_GE(x.held_bytes, static_cast<int64_t>(2 * bytes.size()));  // Request and answer.
-  pipeline_->Record("Attend", &x, Status::Ok());
+  EXPECT_GE(answered->held_bytes, static_cast<int64_t>(2 * bytes.size()));  // Request and answer.
   Vec out;
   Vec weights;
   testing::Reference(DemoModelWeights(), 1, 6, 6, query, query, query, {}, &out, &weights);
-  ASSERT_NE(x.answer.output, nullptr);
-  EXPECT_LT(testing::RelativeError(*x.answer.output, std::vector<float>(out.begin(), out.end())),
-            1e-4);
+  ASSERT_NE(answered->answer.output, nullptr);
+  EXPECT_LT(
+      testing::RelativeError(*answered->answer.output, std::vector<float>(out.begin(), out.end())),
+      1e-4);
+  answered.Deliver(Status::Ok());
 }
 
 TEST_F(RequestPipelineTest, RefusesWhatItCannotResolveNamingTheFieldAndWhatIsThere) {
@@ -150,10 +185,9 @@ TEST_F(RequestPipelineTest, RefusesWhatItCannotResolveNamingTheFieldAndWhatIsThe
        StatusCode::kInvalidArgument, "query"},
   };
   for (const Case& c : cases) {
-    Exchange x;
-    x.request = Request(3);
-    c.change(&x.request);
-    const Status st = Attend(&x);
+    v1::AttendRequest r = Request(3);
+    c.change(&r);
+    const Status st = Told(std::move(r));
     EXPECT_EQ(st.code(), c.code) << st.ToString();
     EXPECT_THAT(st.message(), HasSubstr(c.says));
   }
@@ -164,17 +198,14 @@ TEST_F(RequestPipelineTest, RefusesBytesOverTheInFlightBudgetOnlyWhileOthersHold
   FlowLimits flow;
   flow.max_inflight_bytes = 20'000;  // A request of 4 tokens holds 2 x 8 KiB plus its fields.
   Build(flow);
-  Exchange first, second, third;
-  first.request = Request(4);
-  second.request = Request(4);
-  third.request = Request(4);
-  ASSERT_TRUE(Attend(&first, {}, /*record=*/false).ok());  // Held until recorded.
-  const Status refused = Attend(&second);
+  Answered first = Attend(Decoded(Request(4)));  // Held until delivered.
+  ASSERT_TRUE(first.status().ok());
+  const Status refused = Told(Request(4));
   EXPECT_EQ(refused.code(), StatusCode::kResourceExhausted);
   EXPECT_THAT(refused.message(), HasSubstr("--max-inflight-bytes"));
   EXPECT_FALSE(pipeline_->WaitIdle(SteadyClock::now() + std::chrono::milliseconds(50), {}));
-  pipeline_->Record("Attend", &first, Status::Ok());
-  EXPECT_TRUE(Attend(&third).ok());
+  first.Deliver(Status::Ok());
+  EXPECT_TRUE(Told(Request(4)).ok());
   EXPECT_TRUE(Idle());
 }
 
@@ -183,15 +214,17 @@ TEST_F(RequestPipelineTest, ASessionStepTheClientCannotReceiveIsNotApplied) {
   open.set_model("demo");
   open.set_batch(1);
   v1::KvHandle handle;
-  ASSERT_TRUE(pipeline_->OpenSession(open, &handle).ok());
+  ASSERT_TRUE(pipeline_->OpenSession(open, &handle, {}, nullptr).ok());
 
   const auto step = [&](CallContext call) {
-    Exchange x;
-    x.request = Request(2);
-    x.request.set_model("");
-    x.request.set_session(handle.handle());
-    const Status st = Attend(&x, std::move(call));
-    return std::make_pair(st, x.answer.meta.session_length());
+    v1::AttendRequest r = Request(2);
+    r.set_model("");
+    r.set_session(handle.handle());
+    Answered a = Attend(Decoded(std::move(r)), std::move(call));
+    const Status st = a.status();
+    const int64_t length = a->answer.meta.session_length();
+    a.Deliver(st);
+    return std::make_pair(st, length);
   };
   CallContext late;
   late.deadline = SteadyClock::now();  // Passed before compute, or during it: either way too late.
@@ -212,9 +245,10 @@ TEST_F(RequestPipelineTest, ASessionStepTheClientCannotReceiveIsNotApplied) {
   v1::ReleaseRequest close;
   close.set_handle(handle.handle());
   v1::ReleaseResponse freed;
-  EXPECT_TRUE(pipeline_->Release("CloseSession", KvKind::kSession, close, &freed).ok());
+  EXPECT_TRUE(
+      pipeline_->Release("CloseSession", KvKind::kSession, close, &freed, {}, nullptr).ok());
   EXPECT_GT(freed.bytes_freed(), 0);
-  EXPECT_EQ(pipeline_->Release("CloseSession", KvKind::kSession, close, &freed).code(),
+  EXPECT_EQ(pipeline_->Release("CloseSession", KvKind::kSession, close, &freed, {}, nullptr).code(),
             StatusCode::kNotFound);
   EXPECT_TRUE(Idle());
 }
@@ -250,14 +284,13 @@ TEST_F(RequestPipelineTest, AnAnsweredRequestNoLongerHoldsItsMemoryOrSession) {
     });
     return told.get_future().get();
   };
-  const auto attend = [&](Exchange* x) {
+  const auto attend = [&](v1::AttendRequest r) {
     std::promise<std::pair<Status, Status>> told;
-    pipeline_->Attend("Attend", x, {}, [&](const Status& st) {
-      told.set_value({st, evicts_the_rest()});
+    pipeline_->Attend("Attend", Decoded(std::move(r)), {}, [&](Answered a) {
+      a.Deliver(a.status());
+      told.set_value({a.status(), evicts_the_rest()});
     });
-    auto got = told.get_future().get();
-    pipeline_->Record("Attend", x, got.first);
-    return got;
+    return told.get_future().get();
   };
 
   v1::KvHandle memory;
@@ -266,11 +299,10 @@ TEST_F(RequestPipelineTest, AnAnsweredRequestNoLongerHoldsItsMemoryOrSession) {
   EXPECT_TRUE(probe1.ok()) << "told CreateMemory's answer: " << probe1.ToString();
 
   ASSERT_TRUE(create_memory(&memory, false).first.ok());  // The probe evicted the first.
-  Exchange read;
-  read.request = Request(3);
-  read.request.set_model("");
-  read.request.set_memory(memory.handle());
-  auto [answered, probe2] = attend(&read);
+  v1::AttendRequest read = Request(3);
+  read.set_model("");
+  read.set_memory(memory.handle());
+  auto [answered, probe2] = attend(std::move(read));
   ASSERT_TRUE(answered.ok()) << answered.ToString();
   EXPECT_TRUE(probe2.ok()) << "told an answer from a memory: " << probe2.ToString();
 
@@ -278,12 +310,11 @@ TEST_F(RequestPipelineTest, AnAnsweredRequestNoLongerHoldsItsMemoryOrSession) {
   open.set_model("demo");
   open.set_batch(1);
   v1::KvHandle session;
-  ASSERT_TRUE(pipeline_->OpenSession(open, &session).ok());
-  Exchange step;
-  step.request = Request(8);
-  step.request.set_model("");
-  step.request.set_session(session.handle());
-  auto [stepped, probe3] = attend(&step);
+  ASSERT_TRUE(pipeline_->OpenSession(open, &session, {}, nullptr).ok());
+  v1::AttendRequest step = Request(8);
+  step.set_model("");
+  step.set_session(session.handle());
+  auto [stepped, probe3] = attend(std::move(step));
   ASSERT_TRUE(stepped.ok()) << stepped.ToString();
   EXPECT_TRUE(probe3.ok()) << "told a session step's answer: " << probe3.ToString();
   EXPECT_TRUE(Idle());
@@ -310,9 +341,63 @@ TEST_F(RequestPipelineTest, DrainClosesOpenCallsAndWaitIdleWaitsForThem) {
   EXPECT_TRUE(call.finished);
   EXPECT_TRUE(Idle());
   // Single requests are still served while draining.
-  Exchange x;
-  x.request = Request(1);
-  EXPECT_TRUE(Attend(&x).ok());
+  EXPECT_TRUE(Told(Request(1)).ok());
+}
+
+// The handle a front end gets back records the request's ending once on every path: delivered
+// (twice: once), let go of undelivered (recorded as not delivered, by the call's deadline), moved
+// (the new owner records), or replaced by another (the replaced one recorded). After each, the
+// in-flight count is back to zero, so a stop does not wait out its grace period.
+TEST_F(RequestPipelineTest, EveryAnsweredRequestIsRecordedExactlyOnceOnEveryPath) {
+  {
+    Answered a = Attend(Decoded(Request(2)));
+    ASSERT_TRUE(a.status().ok());
+    a.Deliver(Status::Ok());
+    a.Deliver(Status(StatusCode::kInternal, "a second delivery"));  // Nothing more.
+  }
+  EXPECT_EQ(Requests("OK"), 1);
+  EXPECT_EQ(Requests("INTERNAL"), 0);
+  EXPECT_TRUE(Idle());
+  { Answered dropped = Attend(Decoded(Request(2))); }  // A front end that forgot to deliver.
+  EXPECT_EQ(Requests("CANCELLED"), 1);
+  EXPECT_TRUE(Idle());
+  {
+    CallContext call;
+    call.deadline = SteadyClock::now() + std::chrono::seconds(30);
+    Answered a = Attend(Decoded(Request(2)), call);
+    Answered moved = std::move(a);
+    EXPECT_EQ(a.get(), nullptr);
+    EXPECT_FALSE(pipeline_->WaitIdle(SteadyClock::now() + std::chrono::milliseconds(20), {}));
+    moved = Attend(Decoded(Request(3)));  // The one it held is let go of: CANCELLED.
+    EXPECT_EQ(Requests("CANCELLED"), 2);
+    moved.Deliver(Status::Ok());
+  }
+  EXPECT_EQ(Requests("OK"), 2);
+  EXPECT_TRUE(Idle());
+  {
+    // Let go of once the call's deadline passed: the client saw its deadline pass.
+    CallContext call;
+    call.deadline = SteadyClock::now() + std::chrono::milliseconds(500);
+    Answered a = Attend(Decoded(Request(2)), call);
+    ASSERT_TRUE(a.status().ok()) << a.status().ToString();
+    std::this_thread::sleep_until(call.deadline + std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(Requests("DEADLINE_EXCEEDED"), 1);
+  EXPECT_EQ(Requests("CANCELLED"), 2);
+  EXPECT_EQ(Requests("OK"), 2);
+  EXPECT_TRUE(Idle());
+}
+
+// What a request whose answer cannot be delivered is counted as: the client's deadline (which
+// reaches the server as a cancellation, possibly before the server's copy of it passes) or the
+// client's own cancellation.
+TEST(UndeliveredTest, TheDeadlineWhenItPassedOrIsDueElseTheClientsCancellation) {
+  using std::chrono::milliseconds;
+  const auto now = SteadyClock::now();
+  EXPECT_EQ(UndeliveredBy(now - milliseconds(1)).code(), StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(UndeliveredBy(now + milliseconds(50)).code(), StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(UndeliveredBy(now + std::chrono::seconds(10)).code(), StatusCode::kCancelled);
+  EXPECT_EQ(UndeliveredBy(SteadyClock::time_point::max()).code(), StatusCode::kCancelled);
 }
 
 }  // namespace

@@ -1,0 +1,53 @@
+#include "server/pipeline/calls.h"
+
+#include <utility>
+
+namespace attnserve {
+
+Status UndeliveredBy(SteadyClock::time_point deadline) {
+  // A client's deadline arrives as a cancellation, possibly before the server's copy passes.
+  if (CancelledByDeadline(deadline, SteadyClock::now())) {
+    return Status(StatusCode::kDeadlineExceeded,
+                  "the call's deadline passed before the answer was sent");
+  }
+  return Status(StatusCode::kCancelled, "the client cancelled or left before the answer was sent");
+}
+
+Answered::Answered(CallPath* path, const char* method, std::unique_ptr<Exchange> x, Status status,
+                   SteadyClock::time_point deadline)
+    : path_(path),
+      method_(method),
+      exchange_(std::move(x)),
+      status_(std::move(status)),
+      deadline_(deadline) {}
+
+Answered::Answered(Answered&& other) noexcept
+    : path_(other.path_),
+      method_(other.method_),
+      exchange_(std::move(other.exchange_)),
+      status_(std::move(other.status_)),
+      deadline_(other.deadline_) {}
+
+Answered& Answered::operator=(Answered&& other) noexcept {
+  if (this != &other) {
+    if (exchange_) Deliver(UndeliveredBy(deadline_));
+    path_ = other.path_;
+    method_ = other.method_;
+    exchange_ = std::move(other.exchange_);
+    status_ = std::move(other.status_);
+    deadline_ = other.deadline_;
+  }
+  return *this;
+}
+
+Answered::~Answered() {
+  if (exchange_) Deliver(UndeliveredBy(deadline_));
+}
+
+void Answered::Deliver(const Status& seen) {
+  if (!exchange_) return;
+  path_->Record(method_, exchange_.get(), seen);
+  exchange_.reset();
+}
+
+}  // namespace attnserve

@@ -1,0 +1,175 @@
+#pragma once
+// What a front end uses to run a request, and nothing else of the pipeline: the exchange it
+// decodes into, the call the request came on, the call path it hands the exchange to, and the
+// handle it gets back, which records the request's ending. The shared gRPC plumbing (server/grpc)
+// sees only this; the services see it, kept_kv.h and served_models.h (docs/layout.md).
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "attnserve/v1/attention.pb.h"
+#include "server/core/deadline.h"
+#include "server/core/status.h"
+#include "server/core/wire.h"
+#include "server/tenants/tenants.h"
+#include "server/trace/tracer.h"
+
+namespace attnserve {
+
+class HostStaging;
+
+/// Bounds on what requests in flight may hold (docs/shutdown.md "Limits").
+struct FlowLimits {
+  /// Request plus answer bytes of every request accepted and not yet answered, over all calls; a
+  /// request that would go past it gets RESOURCE_EXHAUSTED (server flag --max-inflight-bytes).
+  int64_t max_inflight_bytes = int64_t{1} << 30;
+  /// Requests one AttendStream may have accepted and not yet answered; at the limit the server
+  /// stops reading that stream until the client takes answers (--max-stream-inflight).
+  int max_stream_requests = 32;
+  /// The same bound in request plus answer bytes (--max-stream-inflight-bytes); one request over it
+  /// still runs, alone.
+  int64_t max_stream_bytes = int64_t{64} << 20;
+};
+
+/// What the pipeline needs to know of the call a request came on, in no front end's terms.
+struct CallContext {
+  /// When the client stops waiting (steady clock; max: never).
+  SteadyClock::time_point deadline = SteadyClock::time_point::max();
+  /// True once the client has cancelled; polled while the request waits and after compute. Empty:
+  /// never.
+  std::function<bool()> cancelled;
+  /// Earlier attempts of this call under the client's retry policy (reported in the answer).
+  uint32_t previous_attempts = 0;
+  /// The caller's W3C trace context (the call's `traceparent`/`tracestate` metadata).
+  IncomingTrace trace;
+  /// Who is calling (the front end's TenantOf: a verified certificate's name, a trusted header's
+  /// value, or "default").
+  std::string tenant = kDefaultTenant;
+
+  bool IsCancelled() const { return cancelled && cancelled(); }
+};
+
+/// Who calls one of the kept keys' and values' methods (kept_kv.h), and the trace the call joins.
+struct KvCaller {
+  IncomingTrace trace;
+  std::string tenant = kDefaultTenant;  ///< Only it may use what it made.
+};
+
+/// One AttendRequest on its way through the pipeline: the decoded request (the engine's views
+/// point into it) and, once the pipeline reported success, its answer.
+struct Exchange {
+  virtual ~Exchange() = default;  // Front ends extend it with what their answers carry.
+  v1::AttendRequest request;
+  /// The request's tensors decoded straight into pinned staging (CUDA; empty otherwise): the
+  /// engine reads them there; given back once the request is computed.
+  StagedInputs staged;
+  /// Where the answer must fit when the front end writes it to memory the caller gave (a
+  /// shared-memory region); checked once the request is validated, before compute.
+  OutputLimits output_limits;
+  AttendAnswer answer;
+  std::string model;  ///< Metrics label: the loaded model's name, or "" when none.
+  /// Who asked (CallContext::tenant), its metrics label, and the priority level it was queued at.
+  std::string tenant = kDefaultTenant, tenant_label = kDefaultTenant;
+  int64_t level = 0;
+  SteadyClock::time_point received = SteadyClock::now();
+  int64_t held_bytes = 0;  ///< Counted against FlowLimits::max_inflight_bytes until recorded.
+  /// Its trace (docs/tracing.md) and the times its spans take: decoded and admitted, computed (the
+  /// batch's host times), answered (the pipeline told the front end).
+  CallTrace trace;
+  struct Times {
+    SteadyClock::time_point admitted, started, finished, answered;
+    TraceId batch_trace{};
+    SpanId batch_span{};
+    int batch_size = 0;
+    int64_t tokens = 0;
+    uint32_t attempts = 0;
+  } times;
+};
+
+/// A call that stays open across requests (an AttendStream), which the drain must close.
+class OpenCall {
+ public:
+  virtual ~OpenCall() = default;
+  /// Runs under the pipeline's lock when the drain begins: take no more requests. True when that
+  /// leaves the call with nothing to do; the pipeline then calls FinishNow, after its lock.
+  virtual bool Drain() = 0;
+  /// Ends the call that Drain found finished.
+  virtual void FinishNow() = 0;
+};
+
+/// What a request whose answer its client can no longer receive is counted as, the call's
+/// deadline being `deadline`: DEADLINE_EXCEEDED once it passed or is due within kDeadlineSkew (a
+/// client's deadline reaches the server as a cancellation, possibly first), else CANCELLED.
+Status UndeliveredBy(SteadyClock::time_point deadline);
+
+class CallPath;
+
+/// A request the pipeline has answered, on its way to the client: it owns the exchange and
+/// records the request's ending exactly once (its count, latency, span and access-log line, and
+/// the in-flight count and bytes a stop waits for). The front end reads the answer, sends it, and
+/// calls Deliver with what the client was told; a handle let go of on any other path records the
+/// request as not delivered (UndeliveredBy the call's deadline). So no path can leave a request
+/// counted in flight. Move-only; one thread at a time.
+class Answered {
+ public:
+  Answered() = default;
+  Answered(Answered&& other) noexcept;
+  Answered& operator=(Answered&& other) noexcept;
+  Answered(const Answered&) = delete;
+  Answered& operator=(const Answered&) = delete;
+  ~Answered();
+
+  /// The exchange, with its answer filled when status() is OK; null once delivered (or empty).
+  Exchange* get() const { return exchange_.get(); }
+  Exchange* operator->() const { return exchange_.get(); }
+  /// What the pipeline tells the client: OK with the answer filled, or the failure (also
+  /// DEADLINE_EXCEEDED or CANCELLED when the answer came too late to be delivered).
+  const Status& status() const { return status_; }
+  /// Records the request's ending as the client saw it (`seen`: status(), or what went wrong
+  /// sending the answer) and frees the exchange. Later calls, and calls on an empty handle, do
+  /// nothing.
+  void Deliver(const Status& seen);
+
+ private:
+  friend class RequestPipeline;
+  Answered(CallPath* path, const char* method, std::unique_ptr<Exchange> x, Status status,
+           SteadyClock::time_point deadline);
+
+  CallPath* path_ = nullptr;
+  const char* method_ = nullptr;
+  std::unique_ptr<Exchange> exchange_;
+  Status status_;
+  SteadyClock::time_point deadline_ = SteadyClock::time_point::max();
+};
+
+/// The pipeline as a front end's request path sees it: Attend, the count of requests that never
+/// reached it, the open calls the drain closes, and what decoding needs to know.
+class CallPath {
+ public:
+  virtual ~CallPath() = default;
+  /// Runs `x->request` and counts it in flight. `done` runs exactly once, on any thread (possibly
+  /// before Attend returns), with the answered request; its handle records the ending.
+  virtual void Attend(const char* method, std::unique_ptr<Exchange> x, CallContext call,
+                      std::function<void(Answered)> done) = 0;
+  /// Counts a request that never reached Attend (it did not decode) as answered with `seen`.
+  virtual void RecordUndecoded(const char* method, const Status& seen) = 0;
+  /// Registers an open call for the drain (a stream, from its start until it is done). A call that
+  /// registers after the drain began is told by `draining()`.
+  virtual void AddCall(OpenCall* call) = 0;
+  virtual void RemoveCall(OpenCall* call) = 0;
+  virtual bool draining() const = 0;
+  virtual const FlowLimits& flow() const = 0;
+  /// The metadata key whose value names the tenant, trusted behind a gateway that sets it
+  /// (--tenant-header; "": none, only certificates name tenants).
+  virtual const std::string& tenant_header() const = 0;
+  /// The pinned staging requests' tensors may be decoded into (a CUDA server's; null: none).
+  virtual HostStaging* staging() const = 0;
+
+ private:
+  friend class Answered;
+  // Records an answered request's ending (Answered::Deliver and its destructor only).
+  virtual void Record(const char* method, Exchange* x, const Status& seen) = 0;
+};
+
+}  // namespace attnserve
