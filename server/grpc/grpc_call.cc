@@ -21,9 +21,9 @@ SteadyClock::time_point SteadyDeadlineOf(const grpc::CallbackServerContext* ctx)
 
 }  // namespace
 
-CallContext CallOf(grpc::CallbackServerContext* ctx, const CallPath& path) {
+CallContext CallOf(grpc::CallbackServerContext* ctx, const RequestPipeline& pipeline) {
   CallContext call;
-  call.tenant = TenantOf(ctx, path.tenant_header());
+  call.tenant = TenantOf(ctx, pipeline.tenant_header());
   call.deadline = SteadyDeadlineOf(ctx);
   call.cancelled = [ctx] { return ctx->IsCancelled(); };
   call.trace = TraceOf(ctx);
@@ -57,8 +57,8 @@ std::string TenantOf(const grpc::ServerContextBase* ctx, const std::string& tena
   return kDefaultTenant;
 }
 
-KvCaller KvCallerOf(const grpc::ServerContextBase* ctx, const CallPath& path) {
-  return KvCaller{TraceOf(ctx), TenantOf(ctx, path.tenant_header())};
+KvCaller KvCallerOf(const grpc::ServerContextBase* ctx, const RequestPipeline& pipeline) {
+  return KvCaller{TraceOf(ctx), TenantOf(ctx, pipeline.tenant_header())};
 }
 
 IncomingTrace TraceOf(const grpc::ServerContextBase* ctx) {
@@ -102,9 +102,9 @@ class UnaryReactor final : public grpc::ServerUnaryReactor {
 
 class NoMessageReactor final : public grpc::ServerUnaryReactor {
  public:
-  NoMessageReactor(CallPath& path, CallCounter& calls, grpc::CallbackServerContext* ctx,
+  NoMessageReactor(RequestPipeline& pipeline, CallCounter& calls, grpc::CallbackServerContext* ctx,
                    const char* method, const char* message)
-      : path_(path),
+      : pipeline_(pipeline),
         calls_(calls),
         ctx_(ctx),
         method_(method),
@@ -116,7 +116,7 @@ class NoMessageReactor final : public grpc::ServerUnaryReactor {
   }
   void OnDone() override {
     calls_.End(ctx_->IsCancelled());
-    path_.RecordUndecoded(method_, Outcome());
+    pipeline_.RecordUndecoded(method_, Outcome());
     delete this;
   }
 
@@ -131,7 +131,7 @@ class NoMessageReactor final : public grpc::ServerUnaryReactor {
     return Status(StatusCode::kCancelled, "cancelled before its request arrived");
   }
 
-  CallPath& path_;
+  RequestPipeline& pipeline_;
   CallCounter& calls_;
   grpc::CallbackServerContext* ctx_;
   const char* method_;
@@ -140,22 +140,22 @@ class NoMessageReactor final : public grpc::ServerUnaryReactor {
 
 }  // namespace
 
-grpc::ServerUnaryReactor* NoMessage(CallPath& path, CallCounter& calls,
+grpc::ServerUnaryReactor* NoMessage(RequestPipeline& pipeline, CallCounter& calls,
                                     grpc::CallbackServerContext* ctx, const char* method,
                                     const char* message) {
-  return new NoMessageReactor(path, calls, ctx, method, message);
+  return new NoMessageReactor(pipeline, calls, ctx, method, message);
 }
 
-void AttendUnary(CallPath& path, const char* method, grpc::CallbackServerContext* ctx,
+void AttendUnary(RequestPipeline& pipeline, const char* method, grpc::CallbackServerContext* ctx,
                  grpc::ServerUnaryReactor* reactor, std::unique_ptr<Exchange> x,
                  std::function<Status(Answered&)> answer) {
-  path.Attend(method, std::move(x), CallOf(ctx, path),
-              [ctx, reactor, answer = std::move(answer)](Answered answered) {
-                const Status seen = answer(answered);
-                TellTraceOfFailure(ctx, answered->trace, seen);
-                answered.Deliver(seen);
-                reactor->Finish(ToGrpcStatus(seen));
-              });
+  pipeline.Attend(method, std::move(x), CallOf(ctx, pipeline),
+                  [ctx, reactor, answer = std::move(answer)](Answered answered) {
+                    const Status seen = answer(answered);
+                    TellTraceOfFailure(ctx, answered->trace, seen);
+                    answered.Deliver(seen);
+                    reactor->Finish(ToGrpcStatus(seen));
+                  });
 }
 
 grpc::ServerUnaryReactor* NewUnaryReactor(CallCounter& calls, grpc::CallbackServerContext* ctx) {

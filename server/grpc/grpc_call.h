@@ -6,21 +6,21 @@
 #include <memory>
 
 #include "server/grpc/call_counter.h"
-#include "server/pipeline/calls.h"
+#include "server/pipeline/request_pipeline.h"
 
 namespace attnserve {
 
 /// What the request pipeline needs of a gRPC call: its deadline on the steady clock (max when the
 /// client set none), whether it is cancelled, and the attempt number that a client's retry policy
 /// sends (gRFC A6's grpc-previous-rpc-attempts).
-CallContext CallOf(grpc::CallbackServerContext* ctx, const CallPath& path);
+CallContext CallOf(grpc::CallbackServerContext* ctx, const RequestPipeline& pipeline);
 /// Who is calling (docs/tenants.md): the verified client certificate's name under mutual TLS (its
 /// common name, else its first subject alternative name); else, only when the server was told to
 /// trust one (`tenant_header`, --tenant-header), that metadata key's value; else "default". A
 /// header the server does not trust, or a value that cannot name a tenant, is ignored.
 std::string TenantOf(const grpc::ServerContextBase* ctx, const std::string& tenant_header);
 /// The trace and tenant of a call to one of the kept keys' and values' methods.
-KvCaller KvCallerOf(const grpc::ServerContextBase* ctx, const CallPath& path);
+KvCaller KvCallerOf(const grpc::ServerContextBase* ctx, const RequestPipeline& pipeline);
 /// The caller's W3C trace context: the call's `traceparent` and `tracestate` metadata (malformed:
 /// none; several `tracestate` values are one list, joined with commas).
 IncomingTrace TraceOf(const grpc::ServerContextBase* ctx);
@@ -38,14 +38,14 @@ grpc::ServerUnaryReactor* NewUnaryReactor(CallCounter& calls, grpc::CallbackServ
 /// cancelled before sending it (CANCELLED) or its deadline passed first (DEADLINE_EXCEEDED). None
 /// is a request for a model; which of these it was is only certain once the call is done, so the
 /// outcome is recorded (as `method`, model "") then.
-grpc::ServerUnaryReactor* NoMessage(CallPath& path, CallCounter& calls,
+grpc::ServerUnaryReactor* NoMessage(RequestPipeline& pipeline, CallCounter& calls,
                                     grpc::CallbackServerContext* ctx, const char* method,
                                     const char* message);
 
 /// A unary call's decoded request through the pipeline to the call's end: `answer` (once, on any
 /// thread) writes the response from the answered exchange and returns what the client is told;
 /// then a failure names its trace, the handle records the ending, and `reactor` finishes the call.
-void AttendUnary(CallPath& path, const char* method, grpc::CallbackServerContext* ctx,
+void AttendUnary(RequestPipeline& pipeline, const char* method, grpc::CallbackServerContext* ctx,
                  grpc::ServerUnaryReactor* reactor, std::unique_ptr<Exchange> x,
                  std::function<Status(Answered&)> answer);
 

@@ -7,7 +7,7 @@
 
 namespace attnserve {
 
-StreamReactor::StreamReactor(CallPath& pipeline, CallCounter& calls, StreamCodec& codec,
+StreamReactor::StreamReactor(RequestPipeline& pipeline, CallCounter& calls, StreamCodec& codec,
                              grpc::CallbackServerContext* ctx)
     : pipeline_(pipeline), calls_(calls), codec_(codec), call_(CallOf(ctx, pipeline_)) {
   calls_.Begin();

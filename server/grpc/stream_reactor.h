@@ -13,7 +13,7 @@
 
 #include "server/core/status.h"
 #include "server/grpc/call_counter.h"
-#include "server/pipeline/calls.h"
+#include "server/pipeline/request_pipeline.h"
 
 namespace attnserve {
 
@@ -83,7 +83,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
  public:
   /// Borrows the pipeline, the count of calls open and the codec, which must outlive the call; the
   /// call is counted open until OnDone.
-  StreamReactor(CallPath& pipeline, CallCounter& calls, StreamCodec& codec,
+  StreamReactor(RequestPipeline& pipeline, CallCounter& calls, StreamCodec& codec,
                 grpc::CallbackServerContext* ctx);
 
   void OnReadDone(bool ok) override;
@@ -127,7 +127,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     // Copied from the reactor under its lock: on a compute thread, once the lock is let go, the
     // reactor may be finished and deleted by gRPC's threads unless an action above holds it open,
     // so Run reads nothing of it for the recording.
-    CallPath* pipeline = nullptr;
+    RequestPipeline* pipeline = nullptr;
     const char* method = nullptr;
     SteadyClock::time_point deadline = SteadyClock::time_point::max();
   };
@@ -149,7 +149,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   // Undelivered() for this stream's deadline.
   Status Undelivered() const;
 
-  CallPath& pipeline_;
+  RequestPipeline& pipeline_;
   CallCounter& calls_;
   StreamCodec& codec_;
   const CallContext call_;        // The stream's deadline and cancellation, shared by its requests.

@@ -53,12 +53,10 @@ class OipServiceImpl::Stream final : public StreamCodec {
   OipServiceImpl& service_;
 };
 
-OipServiceImpl::OipServiceImpl(CallPath& path, KeptKv& kv, ServedModels& models, CallCounter& calls,
+OipServiceImpl::OipServiceImpl(RequestPipeline& pipeline, CallCounter& calls,
                                SharedMemoryRegistry& shm, size_t max_sequences,
                                std::chrono::steady_clock::duration sequence_idle)
-    : path_(path),
-      kv_(kv),
-      models_(models),
+    : pipeline_(pipeline),
       calls_(calls),
       shm_(shm),
       sequences_(max_sequences, sequence_idle),
@@ -76,7 +74,7 @@ void OipServiceImpl::CloseSession(const std::string& handle, const std::string& 
   v1::ReleaseRequest req;
   req.set_handle(handle);
   v1::ReleaseResponse resp;
-  kv_.Release("CloseSession", KvKind::kSession, req, &resp, KvCaller{{}, tenant}, nullptr);
+  pipeline_.Release("CloseSession", KvKind::kSession, req, &resp, KvCaller{{}, tenant}, nullptr);
 }
 
 Status OipServiceImpl::BeginSequence(Exchange* x) {
@@ -89,7 +87,7 @@ Status OipServiceImpl::BeginSequence(Exchange* x) {
     req.set_batch(OipBatchOf(r));
     v1::KvHandle handle;
     const KvCaller caller{{}, x->reply.sequence->tenant};
-    RETURN_IF_ERROR(kv_.OpenSession(req, &handle, caller, nullptr));
+    RETURN_IF_ERROR(pipeline_.OpenSession(req, &handle, caller, nullptr));
     return handle.handle();
   };
   ASSIGN_OR_RETURN(
@@ -117,7 +115,7 @@ grpc::ServerUnaryReactor* OipServiceImpl::ServerLive(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* OipServiceImpl::ServerReady(grpc::CallbackServerContext* ctx,
                                                       const inference::ServerReadyRequest*,
                                                       inference::ServerReadyResponse* resp) {
-  resp->set_ready(models_.Ready("", 0));
+  resp->set_ready(pipeline_.Ready("", 0));
   return Finished(calls_, ctx, Status::Ok());
 }
 
@@ -126,7 +124,7 @@ grpc::ServerUnaryReactor* OipServiceImpl::ModelReady(grpc::CallbackServerContext
                                                      inference::ModelReadyResponse* resp) {
   const StatusOr<int64_t> version = OipVersion(req->version());
   if (!version.ok()) return Finished(calls_, ctx, version.status());
-  resp->set_ready(models_.Ready(req->name(), *version));
+  resp->set_ready(pipeline_.Ready(req->name(), *version));
   return Finished(calls_, ctx, Status::Ok());
 }
 
@@ -146,7 +144,7 @@ grpc::ServerUnaryReactor* OipServiceImpl::ModelMetadata(grpc::CallbackServerCont
   const StatusOr<int64_t> version = OipVersion(req->version());
   if (!version.ok()) return Finished(calls_, ctx, version.status());
   std::vector<int64_t> versions;
-  const StatusOr<ModelSpec> spec = models_.Describe(req->name(), *version, &versions);
+  const StatusOr<ModelSpec> spec = pipeline_.Describe(req->name(), *version, &versions);
   if (spec.ok()) *resp = OipModelMetadata(*spec, versions);
   return Finished(calls_, ctx, spec.status());
 }
@@ -154,40 +152,41 @@ grpc::ServerUnaryReactor* OipServiceImpl::ModelMetadata(grpc::CallbackServerCont
 grpc::ServerUnaryReactor* OipServiceImpl::ModelInfer(grpc::CallbackServerContext* ctx,
                                                      const grpc::ByteBuffer* req,
                                                      grpc::ByteBuffer* resp) {
-  if (!req->Valid()) return NoMessage(path_, calls_, ctx, "ModelInfer", "ModelInferRequest");
+  if (!req->Valid()) return NoMessage(pipeline_, calls_, ctx, "ModelInfer", "ModelInferRequest");
   auto* reactor = NewUnaryReactor(calls_, ctx);  // Counted open from here, while it decodes too.
   inference::ModelInferRequest infer;
   auto x = std::make_unique<Exchange>();
   Status st = ParseMessage(*req, &infer);
   if (st.ok()) st = Decode(&infer, x.get());
   if (st.ok() && x->reply.sequence) {
-    x->reply.sequence->tenant = TenantOf(ctx, path_.tenant_header());
+    x->reply.sequence->tenant = TenantOf(ctx, pipeline_.tenant_header());
   }
   if (st.ok()) st = BeginSequence(x.get());
   if (!st.ok()) {
-    path_.RecordUndecoded("ModelInfer", st);
+    pipeline_.RecordUndecoded("ModelInfer", st);
     reactor->Finish(ToGrpcStatus(st));
     return reactor;
   }
-  AttendUnary(path_, "ModelInfer", ctx, reactor, std::move(x), [this, resp](Answered& answered) {
-    auto* x = static_cast<Exchange*>(answered.get());
-    const Status& computed = answered.status();
-    EndSequence(*x, computed);
-    // Outputs asked for in regions go there; a region cut short meanwhile fails the call.
-    const Status seen = computed.ok() ? OipWriteSharedOutputs(&x->answer, x->reply) : computed;
-    if (seen.ok()) {
-      *resp = EncodeWithRawBytes(OipResponseHead(x->answer, x->reply),
-                                 inference::ModelInferResponse::kRawOutputContentsFieldNumber,
-                                 OipRawOutputs(&x->answer, x->reply));
-    }
-    return seen;
-  });
+  AttendUnary(
+      pipeline_, "ModelInfer", ctx, reactor, std::move(x), [this, resp](Answered& answered) {
+        auto* x = static_cast<Exchange*>(answered.get());
+        const Status& computed = answered.status();
+        EndSequence(*x, computed);
+        // Outputs asked for in regions go there; a region cut short meanwhile fails the call.
+        const Status seen = computed.ok() ? OipWriteSharedOutputs(&x->answer, x->reply) : computed;
+        if (seen.ok()) {
+          *resp = EncodeWithRawBytes(OipResponseHead(x->answer, x->reply),
+                                     inference::ModelInferResponse::kRawOutputContentsFieldNumber,
+                                     OipRawOutputs(&x->answer, x->reply));
+        }
+        return seen;
+      });
   return reactor;
 }
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* OipServiceImpl::ModelStreamInfer(
     grpc::CallbackServerContext* ctx) {
-  return new StreamReactor(path_, calls_, *stream_, ctx);
+  return new StreamReactor(pipeline_, calls_, *stream_, ctx);
 }
 
 grpc::ServerUnaryReactor* OipServiceImpl::SystemSharedMemoryStatus(

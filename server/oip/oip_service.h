@@ -5,9 +5,7 @@
 #include "inference/grpc_service.grpc.pb.h"
 #include "server/grpc/call_counter.h"
 #include "server/oip/oip_sequences.h"
-#include "server/pipeline/calls.h"
-#include "server/pipeline/kept_kv.h"
-#include "server/pipeline/served_models.h"
+#include "server/pipeline/request_pipeline.h"
 #include "server/shm/shared_memory.h"
 
 namespace attnserve {
@@ -35,13 +33,12 @@ using Base = S::WithRawCallbackMethod_ModelStreamInfer<S::WithRawCallbackMethod_
 
 class OipServiceImpl final : public oip_detail::Base {
  public:
-  /// Borrows the pipeline (its requests, kept keys and values, and models), the count of calls
-  /// open and the shared-memory regions, which must outlive the service. Triton's sequences are
+  /// Borrows the pipeline, the count of calls open and the shared-memory regions, which must
+  /// outlive the service. Triton's sequences are
   /// sessions: at most `max_sequences` at once, forgotten after `sequence_idle` unused (the
   /// sessions' TTL).
-  OipServiceImpl(CallPath& path, KeptKv& kv, ServedModels& models, CallCounter& calls,
-                 SharedMemoryRegistry& shm, size_t max_sequences,
-                 std::chrono::steady_clock::duration sequence_idle);
+  OipServiceImpl(RequestPipeline& pipeline, CallCounter& calls, SharedMemoryRegistry& shm,
+                 size_t max_sequences, std::chrono::steady_clock::duration sequence_idle);
   ~OipServiceImpl() override;
 
   grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* ctx,
@@ -102,9 +99,7 @@ class OipServiceImpl final : public oip_detail::Base {
   // The answer's outputs that go to regions written there; then its message.
   grpc::ByteBuffer EncodeAnswer(Exchange* x, Status* status) const;
 
-  CallPath& path_;
-  KeptKv& kv_;
-  ServedModels& models_;
+  RequestPipeline& pipeline_;
   CallCounter& calls_;
   SharedMemoryRegistry& shm_;
   OipSequences sequences_;

@@ -2,6 +2,8 @@
 
 #include <utility>
 
+#include "server/pipeline/request_pipeline.h"
+
 namespace attnserve {
 
 Status UndeliveredBy(SteadyClock::time_point deadline) {
@@ -13,8 +15,8 @@ Status UndeliveredBy(SteadyClock::time_point deadline) {
   return Status(StatusCode::kCancelled, "the client cancelled or left before the answer was sent");
 }
 
-Answered::Answered(CallPath* path, const char* method, std::unique_ptr<Exchange> x, Status status,
-                   SteadyClock::time_point deadline)
+Answered::Answered(RequestPipeline* path, const char* method, std::unique_ptr<Exchange> x,
+                   Status status, SteadyClock::time_point deadline)
     : path_(path),
       method_(method),
       exchange_(std::move(x)),

@@ -1,8 +1,7 @@
 #pragma once
-// What a front end uses to run a request, and nothing else of the pipeline: the exchange it
-// decodes into, the call the request came on, the call path it hands the exchange to, and the
-// handle it gets back, which records the request's ending. The shared gRPC plumbing (server/grpc)
-// sees only this; the services see it, kept_kv.h and served_models.h (docs/layout.md).
+// What a front end hands the request pipeline and gets back: the exchange it decodes into, the
+// call the request came on, who calls the kept keys' and values' methods, and the handle that
+// records a request's ending (docs/layout.md).
 
 #include <functional>
 #include <memory>
@@ -50,7 +49,7 @@ struct CallContext {
   bool IsCancelled() const { return cancelled && cancelled(); }
 };
 
-/// Who calls one of the kept keys' and values' methods (kept_kv.h), and the trace the call joins.
+/// Who calls one of the kept keys' and values' methods, and the trace the call joins.
 struct KvCaller {
   IncomingTrace trace;
   std::string tenant = kDefaultTenant;  ///< Only it may use what it made.
@@ -103,7 +102,7 @@ class OpenCall {
 /// client's deadline reaches the server as a cancellation, possibly first), else CANCELLED.
 Status UndeliveredBy(SteadyClock::time_point deadline);
 
-class CallPath;
+class RequestPipeline;
 
 /// A request the pipeline has answered, on its way to the client: it owns the exchange and
 /// records the request's ending exactly once (its count, latency, span and access-log line, and
@@ -133,43 +132,14 @@ class Answered {
 
  private:
   friend class RequestPipeline;
-  Answered(CallPath* path, const char* method, std::unique_ptr<Exchange> x, Status status,
+  Answered(RequestPipeline* path, const char* method, std::unique_ptr<Exchange> x, Status status,
            SteadyClock::time_point deadline);
 
-  CallPath* path_ = nullptr;
+  RequestPipeline* path_ = nullptr;
   const char* method_ = nullptr;
   std::unique_ptr<Exchange> exchange_;
   Status status_;
   SteadyClock::time_point deadline_ = SteadyClock::time_point::max();
-};
-
-/// The pipeline as a front end's request path sees it: Attend, the count of requests that never
-/// reached it, the open calls the drain closes, and what decoding needs to know.
-class CallPath {
- public:
-  virtual ~CallPath() = default;
-  /// Runs `x->request` and counts it in flight. `done` runs exactly once, on any thread (possibly
-  /// before Attend returns), with the answered request; its handle records the ending.
-  virtual void Attend(const char* method, std::unique_ptr<Exchange> x, CallContext call,
-                      std::function<void(Answered)> done) = 0;
-  /// Counts a request that never reached Attend (it did not decode) as answered with `seen`.
-  virtual void RecordUndecoded(const char* method, const Status& seen) = 0;
-  /// Registers an open call for the drain (a stream, from its start until it is done). A call that
-  /// registers after the drain began is told by `draining()`.
-  virtual void AddCall(OpenCall* call) = 0;
-  virtual void RemoveCall(OpenCall* call) = 0;
-  virtual bool draining() const = 0;
-  virtual const FlowLimits& flow() const = 0;
-  /// The metadata key whose value names the tenant, trusted behind a gateway that sets it
-  /// (--tenant-header; "": none, only certificates name tenants).
-  virtual const std::string& tenant_header() const = 0;
-  /// The pinned staging requests' tensors may be decoded into (a CUDA server's; null: none).
-  virtual HostStaging* staging() const = 0;
-
- private:
-  friend class Answered;
-  // Records an answered request's ending (Answered::Deliver and its destructor only).
-  virtual void Record(const char* method, Exchange* x, const Status& seen) = 0;
 };
 
 }  // namespace attnserve

@@ -13,9 +13,7 @@
 #include "server/models/model_repository.h"
 #include "server/pipeline/batcher.h"
 #include "server/pipeline/calls.h"
-#include "server/pipeline/kept_kv.h"
 #include "server/pipeline/metrics.h"
-#include "server/pipeline/served_models.h"
 #include "server/tenants/tenants.h"
 #include "server/trace/access_log.h"
 #include "server/trace/tracer.h"
@@ -26,45 +24,67 @@ namespace attnserve {
 /// resolved, the request validated against the model and limits, its bytes admitted against the
 /// in-flight budget, submitted to the batcher, and completed with an answer or a status. Also the
 /// in-flight accounting (metrics, bytes held, the drain). Front ends decode, call in here, and
-/// encode what comes back. Each sees it through the concerns it uses: requests (CallPath, in
-/// calls.h), kept keys and values (KeptKv), the models served (ServedModels); the process sets it
-/// up and drains it through the rest. Thread-safe.
-class RequestPipeline final : public CallPath, public KeptKv, public ServedModels {
+/// encode what comes back. Its public methods come in groups by concern: requests (every front
+/// end), kept keys and values (the services that offer them), the models served (metadata and
+/// readiness), the drain and the set-up (the process). No method is virtual (docs/layout.md says
+/// why). Thread-safe.
+class RequestPipeline {
  public:
   /// Borrows everything; all must outlive the pipeline. Each request takes the repository's set of
   /// the moment it arrives, so a reload never changes a request already accepted.
   RequestPipeline(const ModelRepository& models, Batcher& batcher, ServerMetrics& metrics,
                   const AttendLimits& limits, const FlowLimits& flow, KvStore& kv);
 
-  // ---- CallPath: what every front end uses for a request (calls.h says what each does). ----
+  // ---- Requests: what every front end uses (Attend; RecordUndecoded for one that never
+  // decoded). ----
+  /// Runs `x->request` and counts it in flight. `done` runs exactly once, on any thread (possibly
+  /// before Attend returns), with the answered request; its handle records the ending.
   void Attend(const char* method, std::unique_ptr<Exchange> x, CallContext call,
-              std::function<void(Answered)> done) override;
-  void RecordUndecoded(const char* method, const Status& seen) override;
-  void AddCall(OpenCall* call) override;
-  void RemoveCall(OpenCall* call) override;
-  bool draining() const override { return draining_.load(); }
-  const FlowLimits& flow() const override { return flow_; }
-  const std::string& tenant_header() const override { return tenant_header_; }
-  HostStaging* staging() const override { return staging_; }
+              std::function<void(Answered)> done);
+  /// Counts a request that never reached Attend (it did not decode) as answered with `seen`.
+  void RecordUndecoded(const char* method, const Status& seen);
+  /// Registers an open call for the drain (a stream, from its start until it is done). A call that
+  /// registers after the drain began is told by `draining()`.
+  void AddCall(OpenCall* call);
+  void RemoveCall(OpenCall* call);
+  bool draining() const { return draining_.load(); }
+  const FlowLimits& flow() const { return flow_; }
+  /// The metadata key whose value names the tenant, trusted behind a gateway that sets it
+  /// (--tenant-header; "": none, only certificates name tenants).
+  const std::string& tenant_header() const { return tenant_header_; }
+  /// The pinned staging requests' tensors may be decoded into (a CUDA server's; null: none).
+  HostStaging* staging() const { return staging_; }
 
-  // ---- KeptKv: memories and sessions (kept_kv.h). ----
+  // ---- Kept keys and values: memories and sessions. `traced`, when not null, receives the
+  // call's trace (for a failure to name). ----
+  /// Projects and keeps a memory; `done` runs once, on any thread, with `resp` filled when OK and
+  /// the call's trace.
   void CreateMemory(const v1::CreateMemoryRequest& req, CallContext call, v1::KvHandle* resp,
-                    std::function<void(const Status&, const CallTrace&)> done) override;
+                    std::function<void(const Status&, const CallTrace&)> done);
+  /// Opens an empty decoding session.
   Status OpenSession(const v1::OpenSessionRequest& req, v1::KvHandle* resp, const KvCaller& caller,
-                     CallTrace* traced) override;
+                     CallTrace* traced);
+  /// ForkSession: the new session, or the store's refusal.
   Status ForkSession(const v1::ForkSessionRequest& req, v1::KvHandle* resp, const KvCaller& caller,
-                     CallTrace* traced) override;
+                     CallTrace* traced);
+  /// TruncateSession: the session after it, or the store's refusal.
   Status TruncateSession(const v1::TruncateSessionRequest& req, v1::KvHandle* resp,
-                         const KvCaller& caller, CallTrace* traced) override;
+                         const KvCaller& caller, CallTrace* traced);
+  /// Ends a memory or a session (`method` is the metrics label).
   Status Release(const char* method, KvKind kind, const v1::ReleaseRequest& req,
-                 v1::ReleaseResponse* resp, const KvCaller& caller, CallTrace* traced) override;
+                 v1::ReleaseResponse* resp, const KvCaller& caller, CallTrace* traced);
 
-  // ---- ServedModels: what is served (served_models.h). ----
-  void ListModels(v1::ListModelsResponse* resp) const override;
-  Status GetModel(const v1::GetModelRequest& req, v1::ModelInfo* resp) const override;
+  // ---- Models: what is served, for the front ends' metadata calls and health. ----
+  /// Every loaded version of every model.
+  void ListModels(v1::ListModelsResponse* resp) const;
+  /// One model version's description (version 0: the highest loaded).
+  Status GetModel(const v1::GetModelRequest& req, v1::ModelInfo* resp) const;
+  /// A loaded model version's spec and every loaded version of it (NOT_FOUND naming what is there).
   StatusOr<ModelSpec> Describe(const std::string& model, int64_t version,
-                               std::vector<int64_t>* versions) const override;
-  bool Ready(const std::string& model, int64_t version) const override;
+                               std::vector<int64_t>* versions) const;
+  /// Whether requests for `model` (version 0: the highest) would be served now: loaded, warm and
+  /// not draining. An empty `model`: whether the server takes requests at all.
+  bool Ready(const std::string& model, int64_t version) const;
 
   // ---- The drain: the process starts it at the stop and waits for the calls to end. ----
   /// Starts the shutdown drain: every open call takes no new requests and finishes once its
@@ -89,14 +109,15 @@ class RequestPipeline final : public CallPath, public KeptKv, public ServedModel
   /// it arrives. Default: every tenant gets default terms.
   void SetTenants(std::shared_ptr<const Tenants> tenants);
   std::shared_ptr<const Tenants> tenants() const;
-  /// The tenant header (CallPath::tenant_header). Set before serving.
+  /// The tenant header (tenant_header()). Set before serving.
   void SetTenantHeader(std::string key) { tenant_header_ = std::move(key); }
-  /// The pinned staging (CallPath::staging; null: none). Set before serving; borrowed.
+  /// The pinned staging (staging(); null: none). Set before serving; borrowed.
   void SetStaging(HostStaging* staging) { staging_ = staging; }
 
  private:
+  friend class Answered;
   // Answered's: records the ending (count, latency, in flight) and gives the bytes back.
-  void Record(const char* method, Exchange* x, const Status& seen) override;
+  void Record(const char* method, Exchange* x, const Status& seen);
   // The trace a call with this context joins (empty with tracing off).
   CallTrace BeginTrace(const IncomingTrace& in) const;
   // The steps of Attend; each returns the failure that ends the request there.

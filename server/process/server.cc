@@ -284,9 +284,9 @@ void Server::Impl::StartPipeline() {
   };
   metrics->SetSharedMemory(0, 0);
   shm = std::make_unique<SharedMemoryRegistry>(std::move(shared), CudaRegions(options.device));
-  service = std::make_unique<AttentionServiceImpl>(*pipeline, *pipeline, *pipeline, *calls, *shm);
+  service = std::make_unique<AttentionServiceImpl>(*pipeline, *calls, *shm);
   oip = std::make_unique<OipServiceImpl>(
-      *pipeline, *pipeline, *pipeline, *calls, *shm, static_cast<size_t>(options.kv.max_entries),
+      *pipeline, *calls, *shm, static_cast<size_t>(options.kv.max_entries),
       std::chrono::duration_cast<SteadyClock::duration>(
           std::chrono::duration<double>(options.kv.ttl_seconds)));
   admin = std::make_unique<AdminServiceImpl>(*models, *calls, options.admin,

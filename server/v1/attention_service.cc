@@ -16,7 +16,7 @@ struct V1Exchange : Exchange {
 
 /// Decodes an AttendRequest into `x`: its tensors straight into staging on a CUDA server, those in
 /// shared-memory regions read from them.
-Status DecodeAttend(const grpc::ByteBuffer& bytes, const CallPath& pipeline,
+Status DecodeAttend(const grpc::ByteBuffer& bytes, const RequestPipeline& pipeline,
                     const SharedMemoryRegistry& shm, V1Exchange* x) {
   RETURN_IF_ERROR(ParseRequest(bytes, &x->request, pipeline.staging(), &x->staged));
   if (!NamesSharedMemory(x->request)) return Status::Ok();
@@ -27,7 +27,7 @@ Status DecodeAttend(const grpc::ByteBuffer& bytes, const CallPath& pipeline,
 /// AttendStream's messages: AttendRequest in, AttendResponse out (an error travels in `error`).
 class AttendStreamCodec final : public StreamCodec {
  public:
-  AttendStreamCodec(const CallPath& pipeline, const SharedMemoryRegistry& shm)
+  AttendStreamCodec(const RequestPipeline& pipeline, const SharedMemoryRegistry& shm)
       : pipeline_(pipeline), shm_(shm) {}
   const char* method() const override { return "AttendStream"; }
   Status Decode(const grpc::ByteBuffer& bytes, std::unique_ptr<Exchange>* out, Status* refused,
@@ -56,36 +56,34 @@ class AttendStreamCodec final : public StreamCodec {
   }
 
  private:
-  const CallPath& pipeline_;
+  const RequestPipeline& pipeline_;
   const SharedMemoryRegistry& shm_;
 };
 
 }  // namespace
 
-AttentionServiceImpl::AttentionServiceImpl(CallPath& path, KeptKv& kv, ServedModels& models,
-                                           CallCounter& calls, SharedMemoryRegistry& shm)
-    : path_(path),
-      kv_(kv),
-      models_(models),
+AttentionServiceImpl::AttentionServiceImpl(RequestPipeline& pipeline, CallCounter& calls,
+                                           SharedMemoryRegistry& shm)
+    : pipeline_(pipeline),
       calls_(calls),
       shm_(shm),
-      stream_codec_(std::make_unique<AttendStreamCodec>(path, shm)) {}
+      stream_codec_(std::make_unique<AttendStreamCodec>(pipeline, shm)) {}
 
 AttentionServiceImpl::~AttentionServiceImpl() = default;
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerContext* ctx,
                                                        const grpc::ByteBuffer* req,
                                                        grpc::ByteBuffer* resp) {
-  if (!req->Valid()) return NoMessage(path_, calls_, ctx, "Attend", "AttendRequest");
+  if (!req->Valid()) return NoMessage(pipeline_, calls_, ctx, "Attend", "AttendRequest");
   auto* reactor = NewUnaryReactor(calls_, ctx);  // Counted open from here, while it decodes too.
   auto x = std::make_unique<V1Exchange>();
-  const Status parsed = DecodeAttend(*req, path_, shm_, x.get());
+  const Status parsed = DecodeAttend(*req, pipeline_, shm_, x.get());
   if (!parsed.ok()) {
-    path_.RecordUndecoded("Attend", parsed);
+    pipeline_.RecordUndecoded("Attend", parsed);
     reactor->Finish(ToGrpcStatus(parsed));
     return reactor;
   }
-  AttendUnary(path_, "Attend", ctx, reactor, std::move(x), [resp](Answered& answered) {
+  AttendUnary(pipeline_, "Attend", ctx, reactor, std::move(x), [resp](Answered& answered) {
     auto* x = static_cast<V1Exchange*>(answered.get());
     // An answer asked for in a region goes there; a region cut short meanwhile fails the call.
     const Status& computed = answered.status();
@@ -99,20 +97,20 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionServiceImpl::AttendStream(
     grpc::CallbackServerContext* ctx) {
-  return new StreamReactor(path_, calls_, *stream_codec_, ctx);
+  return new StreamReactor(pipeline_, calls_, *stream_codec_, ctx);
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(grpc::CallbackServerContext* ctx,
                                                            const v1::ListModelsRequest*,
                                                            v1::ListModelsResponse* resp) {
-  models_.ListModels(resp);
+  pipeline_.ListModels(resp);
   return Finished(calls_, ctx, Status::Ok());
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::GetModel(grpc::CallbackServerContext* ctx,
                                                          const v1::GetModelRequest* req,
                                                          v1::ModelInfo* resp) {
-  return Finished(calls_, ctx, models_.GetModel(*req, resp));
+  return Finished(calls_, ctx, pipeline_.GetModel(*req, resp));
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::CreateMemory(grpc::CallbackServerContext* ctx,
@@ -120,11 +118,11 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CreateMemory(grpc::CallbackServe
                                                              v1::KvHandle* resp) {
   auto* reactor = NewUnaryReactor(calls_, ctx);
   if (!NamesSharedMemory(*req)) {
-    kv_.CreateMemory(*req, CallOf(ctx, path_), resp,
-                     [ctx, reactor](const Status& st, const CallTrace& trace) {
-                       TellTraceOfFailure(ctx, trace, st);
-                       reactor->Finish(ToGrpcStatus(st));
-                     });
+    pipeline_.CreateMemory(*req, CallOf(ctx, pipeline_), resp,
+                           [ctx, reactor](const Status& st, const CallTrace& trace) {
+                             TellTraceOfFailure(ctx, trace, st);
+                             reactor->Finish(ToGrpcStatus(st));
+                           });
     return reactor;
   }
   // Keys and values in shared-memory regions: read into a copy of the request held until done.
@@ -135,11 +133,11 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CreateMemory(grpc::CallbackServe
     reactor->Finish(ToGrpcStatus(read));
     return reactor;
   }
-  kv_.CreateMemory(*copy, CallOf(ctx, path_), resp,
-                   [ctx, reactor, copy, shared](const Status& st, const CallTrace& trace) {
-                     TellTraceOfFailure(ctx, trace, st);
-                     reactor->Finish(ToGrpcStatus(st));
-                   });
+  pipeline_.CreateMemory(*copy, CallOf(ctx, pipeline_), resp,
+                         [ctx, reactor, copy, shared](const Status& st, const CallTrace& trace) {
+                           TellTraceOfFailure(ctx, trace, st);
+                           reactor->Finish(ToGrpcStatus(st));
+                         });
   return reactor;
 }
 
@@ -147,14 +145,14 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ForkSession(grpc::CallbackServer
                                                             const v1::ForkSessionRequest* req,
                                                             v1::KvHandle* resp) {
   CallTrace traced;
-  const Status st = kv_.ForkSession(*req, resp, KvCallerOf(ctx, path_), &traced);
+  const Status st = pipeline_.ForkSession(*req, resp, KvCallerOf(ctx, pipeline_), &traced);
   return Finished(calls_, ctx, st, traced);
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::TruncateSession(
     grpc::CallbackServerContext* ctx, const v1::TruncateSessionRequest* req, v1::KvHandle* resp) {
   CallTrace traced;
-  const Status st = kv_.TruncateSession(*req, resp, KvCallerOf(ctx, path_), &traced);
+  const Status st = pipeline_.TruncateSession(*req, resp, KvCallerOf(ctx, pipeline_), &traced);
   return Finished(calls_, ctx, st, traced);
 }
 
@@ -162,7 +160,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::OpenSession(grpc::CallbackServer
                                                             const v1::OpenSessionRequest* req,
                                                             v1::KvHandle* resp) {
   CallTrace traced;
-  const Status st = kv_.OpenSession(*req, resp, KvCallerOf(ctx, path_), &traced);
+  const Status st = pipeline_.OpenSession(*req, resp, KvCallerOf(ctx, pipeline_), &traced);
   return Finished(calls_, ctx, st, traced);
 }
 
@@ -170,8 +168,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::DeleteMemory(grpc::CallbackServe
                                                              const v1::ReleaseRequest* req,
                                                              v1::ReleaseResponse* resp) {
   CallTrace traced;
-  const Status st =
-      kv_.Release("DeleteMemory", KvKind::kMemory, *req, resp, KvCallerOf(ctx, path_), &traced);
+  const Status st = pipeline_.Release("DeleteMemory", KvKind::kMemory, *req, resp,
+                                      KvCallerOf(ctx, pipeline_), &traced);
   return Finished(calls_, ctx, st, traced);
 }
 
@@ -179,8 +177,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CloseSession(grpc::CallbackServe
                                                              const v1::ReleaseRequest* req,
                                                              v1::ReleaseResponse* resp) {
   CallTrace traced;
-  const Status st =
-      kv_.Release("CloseSession", KvKind::kSession, *req, resp, KvCallerOf(ctx, path_), &traced);
+  const Status st = pipeline_.Release("CloseSession", KvKind::kSession, *req, resp,
+                                      KvCallerOf(ctx, pipeline_), &traced);
   return Finished(calls_, ctx, st, traced);
 }
 

@@ -4,9 +4,7 @@
 
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "server/grpc/call_counter.h"
-#include "server/pipeline/calls.h"
-#include "server/pipeline/kept_kv.h"
-#include "server/pipeline/served_models.h"
+#include "server/pipeline/request_pipeline.h"
 #include "server/shm/shared_memory.h"
 
 namespace attnserve {
@@ -33,10 +31,9 @@ using Base = S::WithRawCallbackMethod_Attend<
 
 class AttentionServiceImpl final : public v1_detail::Base {
  public:
-  /// Borrows the pipeline (its requests, kept keys and values, and models), the count of calls
-  /// open and the shared-memory regions, which must outlive the service.
-  AttentionServiceImpl(CallPath& path, KeptKv& kv, ServedModels& models, CallCounter& calls,
-                       SharedMemoryRegistry& shm);
+  /// Borrows the pipeline, the count of calls open and the shared-memory regions, which must
+  /// outlive the service.
+  AttentionServiceImpl(RequestPipeline& pipeline, CallCounter& calls, SharedMemoryRegistry& shm);
   ~AttentionServiceImpl() override;
 
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
@@ -77,9 +74,7 @@ class AttentionServiceImpl final : public v1_detail::Base {
                                                v1::SharedMemoryStatusResponse* resp) override;
 
  private:
-  CallPath& path_;
-  KeptKv& kv_;
-  ServedModels& models_;
+  RequestPipeline& pipeline_;
   CallCounter& calls_;
   SharedMemoryRegistry& shm_;
   std::unique_ptr<StreamCodec> stream_codec_;  // AttendStream's messages.
