@@ -15,16 +15,16 @@ Status UndeliveredBy(SteadyClock::time_point deadline) {
   return Status(StatusCode::kCancelled, "the client cancelled or left before the answer was sent");
 }
 
-Answered::Answered(RequestPipeline* path, const char* method, std::unique_ptr<Exchange> x,
+Answered::Answered(RequestPipeline* pipeline, const char* method, std::unique_ptr<Exchange> x,
                    Status status, SteadyClock::time_point deadline)
-    : path_(path),
+    : pipeline_(pipeline),
       method_(method),
       exchange_(std::move(x)),
       status_(std::move(status)),
       deadline_(deadline) {}
 
 Answered::Answered(Answered&& other) noexcept
-    : path_(other.path_),
+    : pipeline_(other.pipeline_),
       method_(other.method_),
       exchange_(std::move(other.exchange_)),
       status_(std::move(other.status_)),
@@ -33,7 +33,7 @@ Answered::Answered(Answered&& other) noexcept
 Answered& Answered::operator=(Answered&& other) noexcept {
   if (this != &other) {
     if (exchange_) Deliver(UndeliveredBy(deadline_));
-    path_ = other.path_;
+    pipeline_ = other.pipeline_;
     method_ = other.method_;
     exchange_ = std::move(other.exchange_);
     status_ = std::move(other.status_);
@@ -48,7 +48,7 @@ Answered::~Answered() {
 
 void Answered::Deliver(const Status& seen) {
   if (!exchange_) return;
-  path_->Record(method_, exchange_.get(), seen);
+  pipeline_->Record(method_, exchange_.get(), seen);
   exchange_.reset();
 }
 

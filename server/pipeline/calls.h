@@ -16,8 +16,6 @@
 
 namespace attnserve {
 
-class HostStaging;
-
 /// Bounds on what requests in flight may hold (docs/shutdown.md "Limits").
 struct FlowLimits {
   /// Request plus answer bytes of every request accepted and not yet answered, over all calls; a
@@ -132,10 +130,10 @@ class Answered {
 
  private:
   friend class RequestPipeline;
-  Answered(RequestPipeline* path, const char* method, std::unique_ptr<Exchange> x, Status status,
-           SteadyClock::time_point deadline);
+  Answered(RequestPipeline* pipeline, const char* method, std::unique_ptr<Exchange> x,
+           Status status, SteadyClock::time_point deadline);
 
-  RequestPipeline* path_ = nullptr;
+  RequestPipeline* pipeline_ = nullptr;
   const char* method_ = nullptr;
   std::unique_ptr<Exchange> exchange_;
   Status status_;
