@@ -7,6 +7,10 @@
 #   python  bench/baselines/python_server.py (grpcio + nn.MultiheadAttention)
 #   ray     bench/baselines/ray_serve_peer.py: Ray Serve 2.60, @serve.batch, gRPC ingress, one
 #           replica per core (tools/peer-env.sh makes its venv)
+#   kserve  bench/baselines/kserve_peer.py: KServe 0.21's Python model server (kserve.Model), Open
+#           Inference Protocol over gRPC (tools/peer-env.sh kserve makes its venv)
+#   mlserver bench/baselines/mlserver_peer.py: Seldon MLServer 1.7.1 (mlserver.MLModel), one inference
+#           worker per core, Open Inference Protocol over gRPC (tools/peer-env.sh mlserver)
 # Workloads: W1 (32 callers, L 8-64), W2 (32 callers, L 16-512, half cross-attention), W3 (one
 # caller, L=128), L1024 (one caller, L=1024). Then attnserve alone on one core (taskset -c 0) against
 # all cores, with one caller (the same binary). Prints one table with ratios against floor, python
@@ -14,7 +18,9 @@
 # Clients: against the same `on` server, W1 and W3 also through Python clients (bench/python_clients.py,
 # one thread and one client per caller): "oip" = unmodified tritonclient 2.73 (ModelInfer), "pypkg" =
 # the attnserve package (client/python); their cost over the C++ client is printed as ratios.
-# Results: bench/out/results.jsonl. Takes ~17 minutes (Ray starts in ~30-90 s a round).
+# kserve and mlserver speak the Open Inference Protocol, not attnserve's .proto: they run W1 and W3 only,
+# driven by that same tritonclient load, and are printed against the `on` server's "oip" rows.
+# Results: bench/out/results.jsonl. Takes ~20 minutes (Ray starts in ~30-90 s a round, MLServer ~15 s).
 # BENCH_CLIENTS_ONLY=1: only the `on` server and the client rows (~2 minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,15 +33,20 @@ command -v gnuplot >/dev/null || { apt-get update -q >/dev/null && DEBIAN_FRONTE
 port=50071
 pid=
 clients_only=${BENCH_CLIENTS_ONLY:-0}
-peer_python=
-[ "$clients_only" = 1 ] || peer_python=$(tools/peer-env.sh)/bin/python
+peer_python= kserve_python= mlserver_python=
+if [ "$clients_only" != 1 ]; then
+  peer_python=$(tools/peer-env.sh)/bin/python
+  kserve_python=$(tools/peer-env.sh kserve)/bin/python
+  mlserver_python=$(tools/peer-env.sh mlserver)/bin/python
+fi
 oip_python=$(tools/oip-env.sh)/bin/python
 pkg_python=$(tools/python-env.sh newest)/bin/python
 
 current=
 stop() {
   if [ -n "$pid" ]; then kill -TERM "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; pid=; fi
-  # Ray's own processes (GCS, raylet, workers) outlive its driver.
+  # Ray's own processes (GCS, raylet, workers) outlive its driver. The kserve peer is one process;
+  # the mlserver peer ends MLServer and its inference workers before it exits.
   if [ "$current" = ray ]; then "$(dirname "$peer_python")/ray" stop --force >/dev/null 2>&1 || true; fi
   current=
 }
@@ -49,6 +60,8 @@ start() {  # system
     on) "$build/attnserve" --address 127.0.0.1:$port --metrics-address "" >"$out/server.log" 2>&1 & pid=$! ;;
     python) /usr/bin/python3 bench/baselines/python_server.py --port $port >"$out/server.log" 2>&1 & pid=$! ;;
     ray) "$peer_python" bench/baselines/ray_serve_peer.py --port $port >"$out/server.log" 2>&1 & pid=$! ;;
+    kserve) "$kserve_python" bench/baselines/kserve_peer.py --port $port >"$out/server.log" 2>&1 & pid=$! ;;
+    mlserver) "$mlserver_python" bench/baselines/mlserver_peer.py --port $port >"$out/server.log" 2>&1 & pid=$! ;;
     one-core) taskset -c 0 "$build/attnserve" --address 127.0.0.1:$port --metrics-address "" >"$out/server.log" 2>&1 & pid=$! ;;
   esac
   for _ in $(seq 900); do grep -qE "serving" "$out/server.log" 2>/dev/null && return; sleep 0.2; done
@@ -70,11 +83,11 @@ bench() {  # system workload args...
   exit 1
 }
 
-pybench() {  # client workload args...: Python clients against the running `on` server
-  local client=$1 workload=$2; shift 2
+pybench() {  # client label args...: Python clients against the running server (`on`, kserve, mlserver)
+  local client=$1 label=$2; shift 2
   local python=$pkg_python
   [ "$client" = oip ] && python=$oip_python
-  "$python" bench/python_clients.py --client "$client" --target 127.0.0.1:$port --label "$client/$workload" \
+  "$python" bench/python_clients.py --client "$client" --target 127.0.0.1:$port --label "$label" \
     --warmup 2 --json "$out/results.jsonl" "$@" >/dev/null
 }
 
@@ -82,15 +95,22 @@ pybench() {  # client workload args...: Python clients against the running `on` 
 # through the systems, and the table reports each figure's median over the rounds.
 rounds=${BENCH_ROUNDS:-3}
 systems="floor off on python ray"
-[ "$clients_only" = 1 ] && systems=on
+oip_peers="kserve mlserver"  # Open Inference Protocol only: W1 and W3 through tritonclient (pybench oip).
+[ "$clients_only" = 1 ] && systems=on oip_peers=
 for round in $(seq "$rounds"); do
-  for system in $systems; do
+  for system in $systems $oip_peers; do
     start $system
+    case $system in
+      kserve|mlserver)
+        pybench oip $system/W1/r$round --duration "$duration" --callers 32 --lengths uniform:8:64
+        pybench oip $system/W3/r$round --duration "$duration" --callers 1 --lengths fixed:128
+        continue ;;
+    esac
     bench $system W1/r$round --duration "$duration" --callers 32 --lengths uniform:8:64
     if [ "$system" = on ]; then
       for client in oip pypkg; do
-        pybench $client W1/r$round --duration "$duration" --callers 32 --lengths uniform:8:64
-        pybench $client W3/r$round --duration "$duration" --callers 1 --lengths fixed:128
+        pybench $client $client/W1/r$round --duration "$duration" --callers 32 --lengths uniform:8:64
+        pybench $client $client/W3/r$round --duration "$duration" --callers 1 --lengths fixed:128
       done
     fi
     [ "$clients_only" = 1 ] && { bench $system W3/r$round --duration "$duration" --callers 1 --lengths fixed:128; continue; }
@@ -137,6 +157,21 @@ for w in ["W1", "W3"]:
         t, p50, p99 = med(s, w, tok)[0], med(s, w, pct("p50"))[0], med(s, w, pct("p99"))[0]
         print(f"{w:8s} {name:26s} {med(s, w, rps)[0]:8.1f} {t:9.0f} {p50:8.2f} {p99:8.2f} {t/base[0]:13.2f} "
               f"{p50/base[1]:11.2f}")
+peers = [(s, name) for s, name in (("kserve", "KServe 0.21 (kserve.Model)"), ("mlserver", "MLServer 1.7.1 (MLModel)"))
+         if any(r["label"].startswith(s + "/") for r in rows)]
+if peers:
+    print()
+    print("the same tritonclient load (OIP ModelInfer) against attnserve and the Open Inference Protocol peers,")
+    print("each serving nn.MultiheadAttention (E=512, 8 heads, float32); ratios are attnserve / the peer")
+    print(f"{'workload':8s} {'server':26s} {'req/s':>8s} {'tok/s':>9s} {'p50 ms':>8s} {'p99 ms':>8s} "
+          f"{'tok/s on/peer':>14s} {'p50 on/peer':>12s}")
+    for w in ["W1", "W3"]:
+        on_tok, on_p50 = med("oip", w, tok)[0], med("oip", w, pct("p50"))[0]
+        for s, name in [("oip", "attnserve (on)")] + peers:
+            t, p50, p99 = med(s, w, tok)[0], med(s, w, pct("p50"))[0], med(s, w, pct("p99"))[0]
+            div = lambda a, b: a / b if b else float("inf")  # A peer that answered nothing: inf.
+            ratios = "" if s == "oip" else f"{div(on_tok, t):14.2f} {div(on_p50, p50):12.2f}"
+            print(f"{w:8s} {name:26s} {med(s, w, rps)[0]:8.1f} {t:9.0f} {p50:8.2f} {p99:8.2f} {ratios}".rstrip())
 if not any(r["label"].startswith("floor/") for r in rows):
     sys.exit(0)  # BENCH_CLIENTS_ONLY
 print()

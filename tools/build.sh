@@ -24,6 +24,25 @@ case "$verb" in
 esac
 
 bash tools/install-deps.sh
+# The compiler cache (cmake/AttnserveCcache.cmake) lives outside the clone, so a later clean clone on
+# this machine hits it; every build tree of every clone shares it. 20 GB holds the five trees' objects
+# (docs/testing.md, "The compiler cache").
+export ATTNSERVE_CCACHE_DIR=${ATTNSERVE_CCACHE_DIR:-$HOME/.cache/attnserve/ccache}
+mkdir -p "$ATTNSERVE_CCACHE_DIR"
+ccache_stats() { CCACHE_DIR=$ATTNSERVE_CCACHE_DIR ccache --print-stats 2>/dev/null | awk '
+  $1 ~ /^(direct_cache_hit|preprocessed_cache_hit)$/ {h += $2} $1 == "cache_miss" {m += $2}
+  END {print h + 0, m + 0}'; }
+if [ "$(CCACHE_DIR=$ATTNSERVE_CCACHE_DIR ccache --get-config max_size)" != 20.0G ]; then
+  CCACHE_DIR=$ATTNSERVE_CCACHE_DIR ccache --max-size 20G >/dev/null
+fi
+read -r ccache_hits0 ccache_misses0 < <(ccache_stats)
+ccache_report() {  # This command's compiles: hits, misses, the hit rate, the cache's size.
+  local h m
+  read -r h m < <(ccache_stats)
+  h=$((h - ccache_hits0)) m=$((m - ccache_misses0))
+  echo "ccache: $h hits, $m misses ($(( (h + m) > 0 ? 100 * h / (h + m) : 0 ))% hit rate) in $ATTNSERVE_CCACHE_DIR," \
+    "$(CCACHE_DIR=$ATTNSERVE_CCACHE_DIR ccache --print-stats | awk '$1 == "cache_size_kibibyte" {printf "%.1f GiB", $2 / 1048576}') of $(CCACHE_DIR=$ATTNSERVE_CCACHE_DIR ccache --get-config max_size)"
+}
 flavour=${ATTNSERVE_FLAVOUR:-debian}
 torch2_build=build-torch2/build
 configure() {  # flavour: makes sure of the flavour's environment, configures once (CMakePresets.json), builds
@@ -47,13 +66,21 @@ if [ "$verb" = run ]; then
   exec "$build/attnserve" "$@"
 fi
 # Every stage runs even when one fails; the last line sums them up.
+# Every process the stages start carries this marker in its environment: tools/leftover_processes.py
+# finds those still running at the end (a daemon a test left behind) and fails the run.
+export ATTNSERVE_TEST_RUN="$$-$(date +%s%N)"
+# JUnit reports of every stage, for the slowest tests at the end (tools/slowest_tests.py).
+export ATTNSERVE_TIMING_DIR; ATTNSERVE_TIMING_DIR=$(mktemp -d)
+trap 'rm -rf "$ATTNSERVE_TIMING_DIR"' EXIT
+touch "$ATTNSERVE_TIMING_DIR/.start"
+run_start=$(date +%s)
 passed=0 failed=0
-summary=()
+summary=() timings=()
 failures=""  # What failed, repeated just above the summary: CI keeps only the log's tail.
 stage() {  # name, command...: counts ctest's JUnit report, or the stage's own "N passed, N failed".
   local name=$1; shift
-  local log junit; log=$(mktemp) junit=$(mktemp --suffix=.xml)
-  local args=("$@")
+  local log junit; log=$(mktemp) junit=$ATTNSERVE_TIMING_DIR/$name.xml
+  local args=("$@") start; start=$(date +%s)
   [ "$1" = ctest ] && args+=(--output-junit "$junit")
   set +e
   "${args[@]}" 2>&1 | tee "$log"
@@ -73,11 +100,13 @@ print(t - f, f)' "$junit" || echo "0 1")
   [ "$rc" -eq 0 ] || [ "$f" -gt 0 ] || f=1
   passed=$((passed + p)) failed=$((failed + f))
   summary+=("$name $p/$((p + f))")
+  echo "stage $name: $(( $(date +%s) - start )) s"
+  timings+=("$name $(( $(date +%s) - start ))s")
   if [ "$f" -gt 0 ]; then
     failures+="--- $name: what failed"$'\n'
     failures+=$(grep -E 'FAILED|^FAIL |Failure$|Expected|Which is|Value of|ERROR: |WARNING: ThreadSanitizer|runtime error|Error|Timeout' "$log" | head -40 || true)$'\n'
   fi
-  rm -f "$log" "$junit"
+  rm -f "$log"
 }
 # Every tracked C++ file as .clang-format lays it out (clang-format 14, Debian's): one line per file
 # that differs, then "N passed, N failed" over the files.
@@ -92,10 +121,11 @@ format_check() {
   done < <(git ls-files '*.cc' '*.h')
   echo "format: $((all - bad)) passed, $bad failed"
 }
-# The Debian image's container test belongs to the default flavour.
-torch2_stage() { stage torch2 ctest --preset torch2 "$@"; }
+# The 2.x flavour runs the tests whose outcome depends on LibTorch (ctest label torch); run alone
+# (ATTNSERVE_FLAVOUR=torch2) it runs them all. docs/testing.md says which stage runs what.
+torch2_stage() { stage torch2 ctest --preset "$1" "${@:2}"; }
 if [ "$flavour" = torch2 ]; then
-  torch2_stage "$@"
+  torch2_stage torch2 "$@"
 else
   stage format format_check
   stage ctest ctest --test-dir build --output-on-failure -j2 "$@"
@@ -103,10 +133,18 @@ else
     stage sanitizers tools/sanitize.sh
     stage fuzz tools/fuzz.sh
     configure torch2
-    torch2_stage "$@"
+    torch2_stage torch2-torch "$@"
   fi
 fi
+stage processes /usr/bin/python3 tools/leftover_processes.py "$ATTNSERVE_TEST_RUN"
+# ctest's reports, the sanitizers' gtest reports, and the reports of the pytest files and gtest
+# binaries ctest ran whole (written this run).
+mapfile -t inner < <(find build/tests build-torch2/build/tests -maxdepth 1 \( -name 'pytest-*.xml' -o \
+  -name 'gtest-*.xml' \) -newer "$ATTNSERVE_TIMING_DIR/.start" 2>/dev/null)
+/usr/bin/python3 tools/slowest_tests.py -n 20 --over 30 "$ATTNSERVE_TIMING_DIR"/*.xml ${inner[@]+"${inner[@]}"} || true
+ccache_report
 [ -z "$failures" ] || printf '%s' "$failures"
 echo "stages: ${summary[*]}"
+echo "times: ${timings[*]}, total $(( $(date +%s) - run_start ))s"
 echo "attnserve: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]

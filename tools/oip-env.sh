@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The Open Inference Protocol's own clients, unmodified from PyPI, for the OIP tests, each in a
-# virtual environment under build-oip/ (ignored by git). Pinned; idempotent: a second call with the
-# same pins returns at once.
+# virtual environment linked from build-oip/ (ignored by git; made once per machine outside the clone,
+# tools/shared-venv.sh). Pinned; idempotent: a second call with the same pins returns at once.
 #   tools/oip-env.sh            # tritonclient[grpc] (gRPC) with ml_dtypes for BF16, on top of Debian's
 #                               # Python and its python3-torch (the reference nn.MultiheadAttention);
 #                               # tritonclient needs protobuf >= 6 and grpcio >= 1.81, newer than Debian's
@@ -19,13 +19,12 @@ case "${1:-triton}" in
     venv=build-oip/venv-kserve system= check='import kserve, grpc_tools, numpy, pytest' ;;
   *) echo "tools/oip-env.sh: triton or kserve, not '$1'" >&2; exit 2 ;;
 esac
-stamp="$venv/.pins"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "${pins[*]}" ]; then
-  echo "$PWD/$venv"
-  exit 0
+source tools/shared-venv.sh
+shared_venv "oip-${1:-triton}" $system "${pins[@]}"
+if [ "$venv_fresh" = 1 ]; then
+  /usr/bin/python3 -m venv $system "$venv_dir"
+  "$venv_dir/bin/pip" install -q "${pins[@]}" >&2
+  "$venv_dir/bin/python" -c "$check" >&2
 fi
-[ -x "$venv/bin/python" ] || /usr/bin/python3 -m venv $system "$venv"
-"$venv/bin/pip" install -q "${pins[@]}" >&2
-"$venv/bin/python" -c "$check" >&2
-echo "${pins[*]}" >"$stamp"
+shared_venv_done "$venv"
 echo "$PWD/$venv"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The attnserve Python package (client/python) installed into a virtual environment under build-py/
-# (ignored by git), for its tests and the benchmark. Pinned; idempotent: a second call with the same
-# pins and the same package sources returns at once.
+# The attnserve Python package (client/python) installed into a virtual environment linked from
+# build-py/ (ignored by git; made once per machine and package sources outside the clone,
+# tools/shared-venv.sh), for its tests and the benchmark. Pinned; idempotent: a second call with the
+# same pins and the same package sources returns at once.
 #   tools/python-env.sh debian   # on Debian's own grpcio 1.51, protobuf 4.21, numpy and torch 1.13
 #                                # (system site packages; the package's dependencies are all met there)
 #   tools/python-env.sh newest   # a clean environment with the newest grpcio and protobuf, numpy 2 and
@@ -29,15 +30,13 @@ case "${1:-debian}" in
     exit 0 ;;
   *) echo "tools/python-env.sh: debian, newest or wheel, not '$1'" >&2; exit 2 ;;
 esac
-stamp="$venv/.pins"
-want="${pins[*]:-} package=$sources"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
-  echo "$PWD/$venv"
-  exit 0
+source tools/shared-venv.sh
+shared_venv "py-${1:-debian}" $system ${pins[@]+"${pins[@]}"} "package=$sources"
+if [ "$venv_fresh" = 1 ]; then
+  /usr/bin/python3 -m venv $system "$venv_dir"
+  rm -rf client/python/build
+  "$venv_dir/bin/pip" install -q ${pins[@]+"${pins[@]}"} "./client/python${extra:-}" >&2
+  "$venv_dir/bin/python" -c "$check" >&2
 fi
-[ -x "$venv/bin/python" ] || /usr/bin/python3 -m venv $system "$venv"
-rm -rf client/python/build
-"$venv/bin/pip" install -q ${pins[@]+"${pins[@]}"} "./client/python${extra:-}" >&2
-"$venv/bin/python" -c "$check" >&2
-echo "$want" >"$stamp"
+shared_venv_done "$venv"
 echo "$PWD/$venv"

@@ -24,8 +24,12 @@ supp="$PWD/tests/sanitizers"
 passed=0 failed=0
 run() {  # name, command...
   local name=$1; shift
+  local start; start=$(date +%s)
+  # gtest's own report, for the run's slowest tests (tools/build.sh test).
+  [ -z "${ATTNSERVE_TIMING_DIR:-}" ] || set -- "$@" --gtest_output="xml:$ATTNSERVE_TIMING_DIR/$name.xml"
   if "$@" >"$log_dir/$name.log" 2>&1; then
-    passed=$((passed + 1)); echo "sanitizers: $name passed ($(grep -h -o '\[  PASSED  \] [0-9]* tests' "$log_dir/$name.log" | tail -1))"
+    passed=$((passed + 1))
+    echo "sanitizers: $name passed ($(grep -h -o '\[  PASSED  \] [0-9]* tests' "$log_dir/$name.log" | tail -1), $(( $(date +%s) - start )) s)"
   else
     failed=$((failed + 1)); echo "sanitizers: $name FAILED"; grep -h -B2 -A30 -m3 -E 'ERROR: |WARNING: ThreadSanitizer|runtime error|FAILED' "$log_dir/$name.log" | head -80
   fi
@@ -33,7 +37,7 @@ run() {  # name, command...
 # One unit-test binary per room (tests/CMakeLists.txt); ThreadSanitizer runs those whose rooms keep
 # threads or state shared between them.
 unit=(attnserve_core_tests attnserve_weights_tests attnserve_engine_tests attnserve_models_tests attnserve_trace_tests
-  attnserve_tenants_tests attnserve_v1_tests
+  attnserve_tenants_tests attnserve_v1_tests attnserve_shm_tests
   attnserve_kv_tests attnserve_pipeline_tests attnserve_grpc_tests attnserve_oip_tests attnserve_process_tests)
 threaded=(attnserve_models_tests attnserve_trace_tests attnserve_kv_tests attnserve_pipeline_tests attnserve_grpc_tests
   attnserve_oip_tests attnserve_process_tests)

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Builds docker/Dockerfile, runs the image, and asks it from the host with attnserve-cli:
 # health (SERVING), an attend request, a non-root user, the image's own HEALTHCHECK, and a
-# graceful stop (exit 0). Without a Docker engine it uses podman through ../shared/tools/container-env.sh.
+# graceful stop (exit 0). Without a Docker engine it uses podman itself (../shared/tools/container-env.sh),
+# never podman's Docker-compatible socket service, a daemon that would outlive the test. The image
+# build reads and fills the compiler cache the host's builds share (cmake/AttnserveCcache.cmake)
+# when the engine is podman (a build volume; docker build has none).
 # usage: container_test.sh PATH/TO/attnserve-cli   (run from the repository root)
 set -euo pipefail
 cli=$1
@@ -10,17 +13,22 @@ name=attnserve-test-$$
 port=$((20000 + $$ % 10000)); metrics=$((port + 1))
 
 engine=docker
+build_args=()
 if ! docker info >/dev/null 2>&1; then
-  eval "$(../shared/tools/container-env.sh --docker)"
-  engine=podman  # The docker CLI works through podman's socket, but its inspect omits healthchecks.
+  eval "$(../shared/tools/container-env.sh)"
+  engine=podman
+  ccache_dir=${ATTNSERVE_CCACHE_DIR:-$HOME/.cache/attnserve/ccache}
+  mkdir -p "$ccache_dir"
+  build_args=(--volume "$ccache_dir:/ccache")
 fi
+docker() { command "$engine" "$@"; }
 passed=0; failed=0
 check() { if eval "$2"; then echo "ok   $1"; passed=$((passed+1)); else echo "FAIL $1"; failed=$((failed+1)); fi; }
 cleanup() { docker rm -f "$name" >/dev/null 2>&1 || true; }
 trap cleanup EXIT
 
 start=$(date +%s)
-docker build -q -f docker/Dockerfile -t "$image" . >/dev/null
+docker build -q "${build_args[@]}" -f docker/Dockerfile -t "$image" . >/dev/null
 echo "container: image built in $(( $(date +%s) - start )) s ($(docker image inspect "$image" --format '{{.Size}}' | awk '{printf "%.0f MiB", $1/1048576}'))"
 
 # Host networking: this machine's container runtime has no port publishing to rely on.

@@ -31,6 +31,7 @@
 #include "server/grpc/grpc_status.h"
 #include "server/pipeline/batcher.h"
 #include "tests/integration/test_support.h"
+#include "tests/lib/test_paths.h"
 
 namespace attnserve {
 namespace {
@@ -523,7 +524,7 @@ TEST_F(ServerTest, MetricsMoveAfterRequests) {
 // The client's built-in service configs are the JSON files deploy/grpc/ ships for other clients.
 TEST(ServiceConfigTest, ConstantsAreTheDeployFiles) {
   const auto file = [](const char* name) {
-    std::ifstream in(std::string(ATTNSERVE_SOURCE_DIR) + "/deploy/grpc/" + name);
+    std::ifstream in(std::string(test_paths::kSourceDir) + "/deploy/grpc/" + name);
     EXPECT_TRUE(in.good()) << name;
     return nlohmann::json::parse(in);
   };
@@ -759,7 +760,7 @@ constexpr int kSlowdown = 1;
 class ChildServer {
  public:
   explicit ChildServer(std::vector<std::string> flags) {
-    std::vector<std::string> args = {ATTNSERVE_BINARY, "--address", "127.0.0.1:0",
+    std::vector<std::string> args = {test_paths::kServerBinary, "--address", "127.0.0.1:0",
                                      "--metrics-address", "127.0.0.1:0"};
     args.insert(args.end(), flags.begin(), flags.end());
     std::vector<char*> argv;

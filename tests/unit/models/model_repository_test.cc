@@ -13,6 +13,8 @@
 #include <future>
 #include <thread>
 
+#include "tests/lib/test_paths.h"
+
 namespace attnserve {
 namespace {
 
@@ -35,7 +37,7 @@ class ModelRepositoryTest : public ::testing::Test {
   // so each gives a different model from the same weights file).
   void PutVersion(const fs::path& dir, int heads) {
     fs::create_directories(dir);
-    fs::copy_file(fs::path(ATTNSERVE_TEST_DATA) / "mha_e8_h2.safetensors",
+    fs::copy_file(fs::path(test_paths::kTestDataDir) / "mha_e8_h2.safetensors",
                   dir / "model.safetensors", fs::copy_options::overwrite_existing);
     std::ofstream(dir / "config.json") << "{\"num_heads\": " << heads << "}";
   }

@@ -13,6 +13,7 @@
 #include "server/models/model_loader.h"
 #include "server/weights/safetensors.h"
 #include "server/weights/torch_archive.h"
+#include "tests/lib/test_paths.h"
 
 namespace attnserve {
 namespace {
@@ -21,7 +22,7 @@ namespace fs = std::filesystem;
 using ::testing::HasSubstr;
 
 std::string Fixture(const std::string& name) {
-  auto bytes = ReadFile(std::string(ATTNSERVE_TEST_DATA) + "/" + name);
+  auto bytes = ReadFile(std::string(test_paths::kTestDataDir) + "/" + name);
   EXPECT_TRUE(bytes.ok()) << bytes.status().message();
   return bytes.ok() ? bytes.value() : std::string();
 }
