@@ -14,7 +14,9 @@
 # may name the clone that filled the cache). Paths the tests need at run time are in one generated
 # file (tests/lib/test_paths.h), not in every test's compile flags. include_file_mtime/ctime: the
 # generated protobuf headers are written seconds before they are compiled; without the sloppiness
-# ccache refuses its direct mode for every file including one of them.
+# ccache refuses its direct mode for every file including one of them. The locale variables, which
+# ccache hashes (they change the compiler's messages), are unset: the image build has none, a shell
+# has LANG=C.UTF-8, and each would miss the other's objects.
 function(attnserve_use_ccache root)
   option(ATTNSERVE_CCACHE "Compile through ccache (cmake/AttnserveCcache.cmake)" ON)
   if(NOT ATTNSERVE_CCACHE OR CMAKE_CXX_COMPILER_LAUNCHER)
@@ -31,7 +33,8 @@ function(attnserve_use_ccache root)
     set(default_dir $ENV{HOME}/.cache/attnserve/ccache)
   endif()
   set(ATTNSERVE_CCACHE_DIR ${default_dir} CACHE PATH "ccache's folder, shared by every clone")
-  set(CMAKE_CXX_COMPILER_LAUNCHER ${CMAKE_COMMAND} -E env CCACHE_DIR=${ATTNSERVE_CCACHE_DIR}
+  set(CMAKE_CXX_COMPILER_LAUNCHER ${CMAKE_COMMAND} -E env --unset=LANG --unset=LC_ALL --unset=LC_CTYPE
+    --unset=LC_MESSAGES CCACHE_DIR=${ATTNSERVE_CCACHE_DIR}
     CCACHE_BASEDIR=${root} CCACHE_NOHASHDIR=true
     CCACHE_SLOPPINESS=include_file_mtime,include_file_ctime ${ATTNSERVE_CCACHE_PROGRAM} PARENT_SCOPE)
   message(STATUS "attnserve: compiling through ccache in ${ATTNSERVE_CCACHE_DIR}")

@@ -19,7 +19,8 @@ if ! docker info >/dev/null 2>&1; then
   engine=podman
   ccache_dir=${ATTNSERVE_CCACHE_DIR:-$HOME/.cache/attnserve/ccache}
   mkdir -p "$ccache_dir"
-  build_args=(--volume "$ccache_dir:/ccache")
+  # --format docker: an OCI image (podman's default) has no HEALTHCHECK.
+  build_args=(--format docker --volume "$ccache_dir:/ccache")
 fi
 docker() { command "$engine" "$@"; }
 passed=0; failed=0
