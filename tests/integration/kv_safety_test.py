@@ -19,7 +19,6 @@ usage: python3 -m pytest kv_safety_test.py --attnserve PATH/TO/attnserve [-k NAM
 """
 import os
 import sys
-import threading
 import time
 
 import grpc
@@ -144,48 +143,78 @@ def late_step(binary, pb, rpc, checks):
     server.stop()
 
 
-def long_queue(pb, stub, n):
-    """n self-attention calls of [1, 5000, 512] on the demo model, sent now; returns their threads."""
-    q = lib.to_wire(pb, np.random.default_rng(3).standard_normal((1, 5000, 512)).astype(np.float32))
-    threads = [threading.Thread(target=lambda: stub.Attend(pb.AttendRequest(model="demo", query=q), timeout=300))
-               for _ in range(n)]
-    for t in threads:
-        t.start()
+LONG_L = 5000  # A self-attention call of [1, LONG_L, 512] keeps one worker busy (~0.1-3 s).
+
+
+def long_call_seconds(pb, stub):
+    """How long one long call takes here, answered alone (the second of two: the first warms up)."""
+    q = lib.to_wire(pb, np.random.default_rng(3).standard_normal((1, LONG_L, 512)).astype(np.float32))
+    for _ in range(2):
+        start = time.monotonic()
+        stub.Attend(pb.AttendRequest(model="demo", query=q), timeout=300)
+    return time.monotonic() - start
+
+
+def long_queue(pb, stub, seconds, each):
+    """Long calls that keep one worker busy for at least `seconds` (each takes `each` s), sent now
+    on their own channel; returns their futures (cancel them to drop what is still queued). Sized
+    to this machine rather than a fixed count, so a fast one is not left with too short a queue nor
+    a slow one with minutes of work (48 calls of 10 MB took ~40 s here)."""
+    n = max(2, int(seconds / each) + 2)
+    q = lib.to_wire(pb, np.random.default_rng(3).standard_normal((1, LONG_L, 512)).astype(np.float32))
+    futures = [stub.Attend.future(pb.AttendRequest(model="demo", query=q), timeout=300) for _ in range(n)]
     time.sleep(0.5)  # They reach the queue before what follows.
-    return threads
+    return futures
+
+
+def filler_stub(rpc, server):
+    """A channel of its own: a call sent after the fillers must not wait behind their bytes."""
+    return rpc.AttentionServiceStub(grpc.insecure_channel(server.target, options=[
+        ("grpc.max_receive_message_length", 64 << 20), ("grpc.use_local_subchannel_pool", 1)]))
+
+
+def settle(futures):
+    """Cancels what is still queued and waits for the rest to end."""
+    for f in futures:
+        f.cancel()
+    for f in futures:
+        try:
+            f.result()
+        except (grpc.RpcError, grpc.FutureCancelledError):
+            pass
 
 
 def expiry_races(binary, pb, rpc, checks):
-    # A memory created behind a long queue, with a TTL shorter than its wait.
+    # A memory created behind a long queue, with a TTL shorter than its wait (1.5 s of work queued
+    # ahead of it against a TTL of 0.4 s; the check below says whether it did wait that long).
     server = lib.Server(binary, "--kv-ttl-seconds", "0.4", "--workers", "1")
     stub = rpc.AttentionServiceStub(channel(server))
-    threads = long_queue(pb, stub, 7)
+    fillers = filler_stub(rpc, server)
+    each = long_call_seconds(pb, fillers)
+    queued = long_queue(pb, fillers, 1.5, each)
     k = lib.to_wire(pb, np.random.default_rng(4).standard_normal((1, 8, 512)).astype(np.float32))
+    sent = time.monotonic()
     try:
         m = stub.CreateMemory(pb.CreateMemoryRequest(model="demo", key=k, value=k), timeout=300)
         outcome = f"OK {m.handle}"
     except grpc.RpcError as e:
         outcome = f"{e.code().name} {e.details()}"
-    for t in threads:
-        t.join()
+    waited = time.monotonic() - sent
+    settle(queued)
     alive = server.proc.poll() is None
     checks("a CreateMemory queued past the TTL is answered OK and the server lives", alive and
            outcome.startswith("OK"), f"{outcome}; server exit code {server.proc.poll()}")
+    checks(f"... it did wait past the TTL ({waited:.2f} s, a long call {each:.2f} s)", waited > 0.4)
     if alive:
         server.stop()
 
     # A busy session at the back of the LRU list does not hold up the expiry of the others.
     server = lib.Server(binary, "--kv-ttl-seconds", "1", "--workers", "1")
     stub = rpc.AttentionServiceStub(channel(server))
-    # A queue that outlasts the 2.9 s below however fast this machine computes one long call (from
-    # ~0.1 s with a fused kernel to ~0.7 s on a plain BLAS, and slower under load): 48 of them on a
-    # channel of their own (the step below must not wait behind their 480 MB on the wire), cancelled
-    # once the check is done (dropped from the queue, so the busy step then runs).
-    q = lib.to_wire(pb, np.random.default_rng(3).standard_normal((1, 5000, 512)).astype(np.float32))
-    filler = rpc.AttentionServiceStub(grpc.insecure_channel(server.target, options=[
-        ("grpc.max_receive_message_length", 64 << 20), ("grpc.use_local_subchannel_pool", 1)]))
-    queued = [filler.Attend.future(pb.AttendRequest(model="demo", query=q), timeout=300) for _ in range(48)]
-    time.sleep(0.5)  # Many reach the queue before what follows.
+    # A queue that outlasts the 2.9 s below (6 s of work), cancelled once the check is done (dropped
+    # from the queue, so the busy step then runs).
+    fillers = filler_stub(rpc, server)
+    queued = long_queue(pb, fillers, 6.0, long_call_seconds(pb, fillers))
     a = stub.OpenSession(pb.OpenSessionRequest(model="demo", batch=1), timeout=30).handle
     x = lib.to_wire(pb, np.random.default_rng(6).standard_normal((1, 1, 512)).astype(np.float32))
     step = stub.Attend.future(pb.AttendRequest(session=a, query=x), timeout=300)
@@ -201,8 +230,7 @@ def expiry_races(binary, pb, rpc, checks):
     checks("with another session's step busy, an idle session expires on time (NOT_FOUND: expired)",
            busy and outcome.startswith("NOT_FOUND") and "expired" in outcome,
            f"the busy step {'still queued' if busy else 'already done: the queue was too short'}; {outcome}")
-    for f in queued:
-        f.cancel()
+    settle(queued)
     checks("... and the busy step is applied", step.result().session_length == 1)
     server.stop()
 

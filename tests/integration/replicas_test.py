@@ -358,6 +358,9 @@ def check_sessions(checks, mode, records, replicas, signalled, tolerance):
 
 
 def test_three_replicas_behind_nginx_and_client_side_balancing(attnserve, bench, cli, checks, request):
+    """One flow, ~30 s on 2 cores, on purpose: three servers start and warm up once, and each step
+    (balancing, a restart, a kill, sessions routed through each mode, the scrape) depends on the state
+    the one before left; split into tests, every one would start the three replicas again."""
     args = types.SimpleNamespace(binary=attnserve, bench=bench, cli=cli,
                                  threads=request.config.getoption("--threads"))
     pb, rpc = lib.load_stubs()
