@@ -1,6 +1,6 @@
 # The compiler cache (Debian's ccache), shared by every build tree of every clone on the machine:
 # the Release tree, the sanitizer trees, the fuzz targets, the LibTorch 2.x flavour and the image
-# build (docker/Dockerfile, when given the cache). Included by the top CMakeLists.txt and by
+# build (docker/Dockerfile, when given the cache); and the linker (mold, at the end). Included by the top CMakeLists.txt and by
 # tests/fuzz/CMakeLists.txt with ROOT, the repository's root.
 #
 #   ATTNSERVE_CCACHE      ON (default when ccache is installed): compile through ccache
@@ -38,4 +38,21 @@ function(attnserve_use_ccache root)
     CCACHE_BASEDIR=${root} CCACHE_NOHASHDIR=true
     CCACHE_SLOPPINESS=include_file_mtime,include_file_ctime ${ATTNSERVE_CCACHE_PROGRAM} PARENT_SCOPE)
   message(STATUS "attnserve: compiling through ccache in ${ATTNSERVE_CCACHE_DIR}")
+endfunction()
+
+# The linker: mold (Debian's) when installed, ~10x faster than GNU ld on these binaries (a sanitizer
+# tree's test binary links in 0.2-0.3 s instead of 2.6 s; a build tree links ~30 executables, and a
+# one-line change relinks most of them). ATTNSERVE_LINKER: mold (default when found), or empty for the
+# compiler's default.
+function(attnserve_use_fast_linker)
+  find_program(ATTNSERVE_MOLD_PROGRAM mold)
+  set(default "")
+  if(ATTNSERVE_MOLD_PROGRAM)
+    set(default mold)
+  endif()
+  set(ATTNSERVE_LINKER "${default}" CACHE STRING "Linker for -fuse-ld= (mold by default when found)")
+  if(ATTNSERVE_LINKER)
+    add_link_options(-fuse-ld=${ATTNSERVE_LINKER})
+    message(STATUS "attnserve: linking with ${ATTNSERVE_LINKER}")
+  endif()
 endfunction()

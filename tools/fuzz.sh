@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets (tests/fuzz, clang) and runs each one, bounded (kv_store: the
 # key/value store and engine driven by operation sequences, tests/lib/kv_model_check.h):
-#   tools/fuzz.sh                 30 s per target (what `tools/build.sh test` runs)
+#   tools/fuzz.sh                 10 s per target (what `tools/build.sh test` runs)
 #   tools/fuzz.sh --seconds N     N s per target
 #   tools/fuzz.sh --runs N        N executions per target (the long run: --runs 10000000)
 #   tools/fuzz.sh ... TARGET...   only these targets (request safetensors config torch_archive kv_store scheduler)
-# New inputs go to build-fuzz/corpus-<target>, seeded from tests/fuzz/corpus/<target>. A crash
-# leaves its input as build-fuzz/crash-* and fails the run. Prints executions per target and ends
-# with "fuzz: N passed, N failed".
+# New inputs go to a corpus per target outside the clone, ~/.cache/attnserve/fuzz/corpus-<target>
+# (ATTNSERVE_FUZZ_HOME), seeded from tests/fuzz/corpus/<target>: every run on this machine, from any
+# clone, starts where the last one stopped, so the 10 s of each test command add up instead of
+# starting again from the seeds (a clean clone lost them when they lay in build-fuzz/). A crash
+# leaves its input as build-fuzz/crash-* and fails the run. Prints executions and the corpus's size per
+# target and ends with "fuzz: N passed, N failed".
 set -euo pipefail
 cd "$(dirname "$0")/.."
-limit=(-max_total_time=30)
+limit=(-max_total_time=10)
 case "${1:-}" in
   --seconds) limit=(-max_total_time="$2"); shift 2 ;;
   --runs) limit=(-runs="$2"); shift 2 ;;
@@ -28,11 +31,13 @@ if [ ! -f "$build/CMakeCache.txt" ]; then
   cmake -S tests/fuzz -B "$build" -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 fi
 cmake --build "$build" -j"$(nproc)" >/dev/null
+corpora=${ATTNSERVE_FUZZ_HOME:-$HOME/.cache/attnserve/fuzz}
 passed=0 failed=0
 for t in "${targets[@]}"; do
-  mkdir -p "$build/corpus-$t"
+  corpus=$corpora/corpus-$t
+  mkdir -p "$corpus"
   seeds=()
-  [ -d "tests/fuzz/corpus/$t" ] && seeds=("../tests/fuzz/corpus/$t")
+  [ -d "tests/fuzz/corpus/$t" ] && seeds=("$PWD/tests/fuzz/corpus/$t")
   log="$build/fuzz_$t.log"
   # rss_limit bounds memory per input; max_len 64 KiB keeps archives and requests realistic; the
   # store's inputs are operation sequences (a few bytes each, at most 256 operations).
@@ -40,9 +45,10 @@ for t in "${targets[@]}"; do
   [ "$t" = kv_store ] && max_len=1024
   [ "$t" = scheduler ] && max_len=4096
   if (cd "$build" && ./fuzz_"$t" "${limit[@]}" -rss_limit_mb=2048 -max_len=$max_len -print_final_stats=1 \
-        -artifact_prefix=./crash-"$t"- "corpus-$t" "${seeds[@]}") >"$log" 2>&1; then
+        -artifact_prefix=./crash-"$t"- "$corpus" "${seeds[@]}") >"$log" 2>&1; then
     passed=$((passed + 1))
-    echo "fuzz $t: $(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$') executions, no crash"
+    echo "fuzz $t: $(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$') executions, no crash" \
+      "(corpus: $(find "$corpus" -type f | wc -l) inputs in $corpus)"
   else
     failed=$((failed + 1))
     echo "fuzz $t: FAILED"; tail -40 "$log"

@@ -5,8 +5,9 @@ set -euo pipefail
 
 packages=(
   build-essential cmake pkg-config zlib1g-dev
-  # The compiler cache every build tree shares, across clones (cmake/AttnserveCcache.cmake).
-  ccache
+  # The compiler cache every build tree shares, across clones, and the fast linker
+  # (cmake/AttnserveCcache.cmake).
+  ccache mold
   # Fuzzing (tools/fuzz.sh): clang with libFuzzer and its sanitizer runtimes; clang-format for the
   # layout check (tools/build.sh test, stage format).
   clang libclang-rt-14-dev clang-format

@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """Processes a test run left behind: every process whose environment carries the run's marker
 (tools/build.sh test exports ATTNSERVE_TEST_RUN=<id> before its first stage, and every process it
-starts inherits it, daemons that detach from their parent included), other than this check and the
-processes it runs under. Each one found is named (pid, command line, parent), stopped (SIGTERM, then
-SIGKILL after 5 s) and counted as a failure.
+starts inherits it, daemons that detach from their parent included), other than this check, the
+processes it runs under and those still under ROOT (the test command itself: its pipes and the
+shells of this stage; a process a test left behind has lost its parent and hangs from init). Each
+one found is named (pid, command line, parent), stopped (SIGTERM, then SIGKILL after 5 s) and
+counted as a failure.
 
-  tools/leftover_processes.py MARKER
+  tools/leftover_processes.py MARKER [ROOT_PID]
 
 Ends with "processes: 1 passed, 0 failed" (nothing left) or "processes: 0 passed, 1 failed".
 """
@@ -15,17 +17,26 @@ import sys
 import time
 
 
+def parent(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def chain(pid):
+    """pid and every process above it."""
+    pids = []
+    while pid > 1 and pid not in pids:
+        pids.append(pid)
+        pid = parent(pid)
+    return pids
+
+
 def ancestors():
     """This process and every process above it."""
-    pids, pid = set(), os.getpid()
-    while pid > 1 and pid not in pids:
-        pids.add(pid)
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                pid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            break
-    return pids
+    return set(chain(os.getpid()))
 
 
 def read(pid, name):
@@ -36,12 +47,12 @@ def read(pid, name):
         return b""
 
 
-def marked(marker):
+def marked(marker, root=0):
     needle = b"ATTNSERVE_TEST_RUN=" + marker.encode()
     mine = ancestors()
     found = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) in mine:
+        if not entry.isdigit() or int(entry) in mine or (root and root in chain(int(entry))):
             continue
         if needle in read(entry, "environ").split(b"\0"):
             found.append(int(entry))
@@ -56,11 +67,12 @@ def describe(pid):
 
 
 def main():
-    if len(sys.argv) != 2 or not sys.argv[1]:
+    if len(sys.argv) not in (2, 3) or not sys.argv[1]:
         print(__doc__, file=sys.stderr)
         return 2
     marker = sys.argv[1]
-    left = marked(marker)
+    root = int(sys.argv[2]) if len(sys.argv) == 3 else 0
+    left = marked(marker, root)
     if not left:
         print("processes: nothing the tests started is still running")
         print("processes: 1 passed, 0 failed")
@@ -74,9 +86,9 @@ def main():
             except OSError:
                 pass
         deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and set(marked(marker)) & set(left):
+        while time.monotonic() < deadline and set(marked(marker, root)) & set(left):
             time.sleep(0.1)
-        left = [p for p in marked(marker) if p in left]
+        left = [p for p in marked(marker, root) if p in left]
         if not left:
             break
     print("processes: stopped them" + (f", but {left} would not stop" if left else ""))

@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
-# Runs the test binaries under sanitizers, each in its own build tree:
+# Runs the test binaries under sanitizers, each in its own build tree (-O1 -g1, CMakePresets.json):
 #   build-asan: AddressSanitizer + UndefinedBehaviorSanitizer (leaks too): every room's unit tests
 #               and the integration tests
-#   build-tsan: ThreadSanitizer: the unit tests of the rooms with threads or shared state (worker
-#               threads over a fake and the real engine, the store from several threads) and the
-#               integration tests (real server and clients). ignore_noninstrumented_modules=1: the
+#   build-tsan: ThreadSanitizer: the unit tests that run threads against each other (the list
+#               below) and the integration tests (real server and clients). ignore_noninstrumented_modules=1: the
 #               memcpy calls inside Debian's uninstrumented gRPC/protobuf/libstdc++ are not tracked,
 #               since TSan cannot see those libraries' synchronization anyway; without it every
 #               large message copy reported (then suppressed) a race per slice and the integration
@@ -22,25 +21,39 @@ kinds=("$@")
 [ ${#kinds[@]} -gt 0 ] || kinds=(asan tsan)
 supp="$PWD/tests/sanitizers"
 passed=0 failed=0
-run() {  # name, command...
+jobs=${ATTNSERVE_SANITIZE_JOBS:-2}  # Binaries run at once (most run on one thread at a time).
+run() {  # name, command...: in the background; its outcome is read by report
   local name=$1; shift
-  local start; start=$(date +%s)
   # gtest's own report, for the run's slowest tests (tools/build.sh test).
   [ -z "${ATTNSERVE_TIMING_DIR:-}" ] || set -- "$@" --gtest_output="xml:$ATTNSERVE_TIMING_DIR/$name.xml"
-  if "$@" >"$log_dir/$name.log" 2>&1; then
+  while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n || true; done
+  (
+    start=$(date +%s)
+    if "$@" >"$log_dir/$name.log" 2>&1; then echo "ok $(( $(date +%s) - start ))"; else echo "FAILED"; fi >"$log_dir/$name.result"
+  ) &
+}
+report() {  # name: once its run has ended
+  local name=$1 result
+  result=$(cat "$log_dir/$name.result" 2>/dev/null || echo FAILED)
+  if [ "${result%% *}" = ok ]; then
     passed=$((passed + 1))
-    echo "sanitizers: $name passed ($(grep -h -o '\[  PASSED  \] [0-9]* tests' "$log_dir/$name.log" | tail -1), $(( $(date +%s) - start )) s)"
+    echo "sanitizers: $name passed ($(grep -h -o '\[  PASSED  \] [0-9]* tests' "$log_dir/$name.log" | tail -1), ${result#ok } s)"
   else
-    failed=$((failed + 1)); echo "sanitizers: $name FAILED"; grep -h -B2 -A30 -m3 -E 'ERROR: |WARNING: ThreadSanitizer|runtime error|FAILED' "$log_dir/$name.log" | head -80
+    failed=$((failed + 1)); echo "sanitizers: $name FAILED"; grep -h -B2 -A30 -m3 -E 'ERROR: |WARNING: ThreadSanitizer|runtime error|FAILED' "$log_dir/$name.log" | head -80 || true
   fi
 }
-# One unit-test binary per room (tests/CMakeLists.txt); ThreadSanitizer runs those whose rooms keep
-# threads or state shared between them.
+# One unit-test binary per room (tests/CMakeLists.txt): AddressSanitizer runs them all.
+# ThreadSanitizer runs the tests that run threads against each other: the binaries of the rooms
+# whose tests do (models: reloads under readers; trace: the exporter's thread; kv: four threads and a
+# clock on one store; pipeline: the batcher's workers; grpc: the call counter; oip: the stream
+# reactors; process: the socket lingering), and of the engine's only its tests with threads
+# (BINARY:FILTER, gtest's filter): four threads on one model, helper threads, the host staging.
+# docs/tests.md, "Which stage runs what".
 unit=(attnserve_core_tests attnserve_weights_tests attnserve_engine_tests attnserve_models_tests attnserve_trace_tests
   attnserve_tenants_tests attnserve_v1_tests attnserve_shm_tests
   attnserve_kv_tests attnserve_pipeline_tests attnserve_grpc_tests attnserve_oip_tests attnserve_process_tests)
 threaded=(attnserve_models_tests attnserve_trace_tests attnserve_kv_tests attnserve_pipeline_tests attnserve_grpc_tests
-  attnserve_oip_tests attnserve_process_tests)
+  attnserve_oip_tests attnserve_process_tests "attnserve_engine_tests:EngineConcurrencyTest.*:HostStagingTest.*")
 for kind in "${kinds[@]}"; do
   case "$kind" in
     asan) targets=("${unit[@]}" attnserve_integration_tests) ;;
@@ -52,16 +65,25 @@ for kind in "${kinds[@]}"; do
   # configured (a second time costs seconds): building named targets in a tree configured before
   # they existed would stop at "No rule to make target".
   cmake --preset "$kind" >/dev/null
-  cmake --build --preset "$kind" -j"$(nproc)" --target "${targets[@]}" >/dev/null
+  cmake --build --preset "$kind" -j"$(nproc)" --target "${targets[@]%%:*}" >/dev/null
   log_dir=$build/logs
   mkdir -p "$log_dir"
   export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:detect_stack_use_after_return=0"
   export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0"
   export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:suppressions=$supp/ubsan.supp"
   export TSAN_OPTIONS="suppressions=$supp/tsan.supp:halt_on_error=1:second_deadlock_stack=1:history_size=7:ignore_noninstrumented_modules=1"
-  for t in "${targets[@]}"; do
-    run "$kind-${t#attnserve_}" "$build/tests/$t"
+  # The integration binary first: the longest, so the others fill the second slot beside it.
+  names=()
+  for t in attnserve_integration_tests "${targets[@]}"; do
+    bin=${t%%:*} filter=()
+    [ "$bin" = "$t" ] || filter=(--gtest_filter="${t#*:}")
+    [[ " ${names[*]} " == *" $kind-${bin#attnserve_} "* ]] && continue
+    rm -f "$log_dir/$kind-${bin#attnserve_}.result"
+    run "$kind-${bin#attnserve_}" "$build/tests/$bin" ${filter[@]+"${filter[@]}"}
+    names+=("$kind-${bin#attnserve_}")
   done
+  wait
+  for name in "${names[@]}"; do report "$name"; done
 done
 echo "sanitizers: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]
