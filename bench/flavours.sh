@@ -17,7 +17,7 @@ rounds=${BENCH_ROUNDS:-2}
 venv=$(tools/torch2-env.sh)
 rm -rf "$out" && mkdir -p "$out"
 cmake --build build -j"$(nproc)" --target attnserve attnserve_bench attnserve_engine_bench >/dev/null
-cmake --build build-torch2/build -j"$(nproc)" --target attnserve attnserve_bench >/dev/null
+cmake --build build-torch2 -j"$(nproc)" --target attnserve attnserve_bench >/dev/null
 port=50081
 pid=
 stop() { if [ -n "$pid" ]; then kill -TERM "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; pid=; fi; }
@@ -29,8 +29,8 @@ start() {  # system
   case $1 in
     attnserve-1.13-f32) cmd=(build/attnserve "${flags[@]}") ;;
     attnserve-1.13-bf16*) cmd=(build/attnserve "${flags[@]}" --dtype bfloat16) ;;
-    attnserve-2.11-f32) cmd=(build-torch2/build/attnserve "${flags[@]}") ;;
-    attnserve-2.11-bf16*) cmd=(build-torch2/build/attnserve "${flags[@]}" --dtype bfloat16) ;;
+    attnserve-2.11-f32) cmd=(build-torch2/attnserve "${flags[@]}") ;;
+    attnserve-2.11-bf16*) cmd=(build-torch2/attnserve "${flags[@]}" --dtype bfloat16) ;;
     python-1.13-f32) cmd=(/usr/bin/python3 bench/baselines/python_server.py --port $port) ;;
     python-1.13-bf16*) cmd=(/usr/bin/python3 bench/baselines/python_server.py --port $port --dtype bfloat16) ;;
     python-2.11-f32) cmd=("$venv/bin/python" bench/baselines/python_server.py --port $port) ;;
@@ -50,7 +50,7 @@ run() {  # system label-suffix bench-args...
   local wire=float32 bench=build/attnserve-bench target=(--target 127.0.0.1:$port)
   case $system in *-wire) wire=bfloat16 ;; esac
   case $system in
-    inproc-2.11-*) bench=build-torch2/build/attnserve-bench ;;
+    inproc-2.11-*) bench=build-torch2/attnserve-bench ;;
   esac
   case $system in
     inproc-*-f32) target=(--target inprocess) ;;

@@ -11,7 +11,7 @@
 # runs them in stages, and sums the stages up.
 # Flavours (ATTNSERVE_FLAVOUR): `debian` (default): Debian's LibTorch 1.13, CPU, in build/;
 # `torch2`: PyPI's torch 2.11 (LibTorch 2.x, CUDA-enabled, runs on the CPU here) from
-# tools/torch2-env.sh, in build-torch2/build, its tests' Python peers from that environment.
+# tools/torch2-env.sh, in build-torch2, its tests' Python peers from that environment.
 #   ATTNSERVE_FLAVOUR=torch2 tools/build.sh run|test    serve with, or test only, the 2.x flavour
 # Both are idempotent: a second call installs nothing and rebuilds only what changed.
 set -euo pipefail
@@ -44,7 +44,7 @@ ccache_report() {  # This command's compiles: hits, misses, the hit rate, the ca
     "$(CCACHE_DIR=$ATTNSERVE_CCACHE_DIR ccache --print-stats | awk '$1 == "cache_size_kibibyte" {printf "%.0f MiB", $2 / 1024}') of $(CCACHE_DIR=$ATTNSERVE_CCACHE_DIR ccache --get-config max_size)"
 }
 flavour=${ATTNSERVE_FLAVOUR:-debian}
-torch2_build=build-torch2/build
+torch2_build=build-torch2
 configure() {  # flavour: makes sure of the flavour's environment, configures once (CMakePresets.json), builds
   local f=$1
   case "$f" in
@@ -140,7 +140,7 @@ fi
 stage processes /usr/bin/python3 tools/leftover_processes.py "$ATTNSERVE_TEST_RUN" $$
 # ctest's reports, the sanitizers' gtest reports, and the reports of the pytest files and gtest
 # binaries ctest ran whole (written this run).
-mapfile -t inner < <(find build/tests build-torch2/build/tests -maxdepth 1 \( -name 'pytest-*.xml' -o \
+mapfile -t inner < <(find build/tests "$torch2_build/tests" -maxdepth 1 \( -name 'pytest-*.xml' -o \
   -name 'gtest-*.xml' \) -newer "$ATTNSERVE_TIMING_DIR/.start" 2>/dev/null)
 /usr/bin/python3 tools/slowest_tests.py -n 20 --over 30 "$ATTNSERVE_TIMING_DIR"/*.xml ${inner[@]+"${inner[@]}"} || true
 ccache_report
