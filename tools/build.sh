@@ -28,12 +28,13 @@ bash tools/install-deps.sh
 # this machine hits it; every build tree of every clone shares it. 5 GB holds many times the objects
 # of all the trees (docs/tests.md, "The compiler cache and the shared environments").
 export ATTNSERVE_CCACHE_DIR=${ATTNSERVE_CCACHE_DIR:-$HOME/.cache/attnserve/ccache}
+export CCACHE_DIR=$ATTNSERVE_CCACHE_DIR  # For the ccache calls below; the builds' launcher names it too.
 mkdir -p "$ATTNSERVE_CCACHE_DIR"
-ccache_stats() { CCACHE_DIR=$ATTNSERVE_CCACHE_DIR ccache --print-stats 2>/dev/null | awk '
+ccache_stats() { ccache --print-stats 2>/dev/null | awk '
   $1 ~ /^(direct_cache_hit|preprocessed_cache_hit)$/ {h += $2} $1 == "cache_miss" {m += $2}
   END {print h + 0, m + 0}'; }
-if [ "$(CCACHE_DIR=$ATTNSERVE_CCACHE_DIR ccache --get-config max_size)" != 5.0G ]; then
-  CCACHE_DIR=$ATTNSERVE_CCACHE_DIR ccache --max-size 5G >/dev/null
+if [ "$(ccache --get-config max_size)" != 5.0G ]; then
+  ccache --max-size 5G >/dev/null
 fi
 read -r ccache_hits0 ccache_misses0 < <(ccache_stats)
 ccache_report() {  # This command's compiles: hits, misses, the hit rate, the cache's size.
@@ -41,7 +42,7 @@ ccache_report() {  # This command's compiles: hits, misses, the hit rate, the ca
   read -r h m < <(ccache_stats)
   h=$((h - ccache_hits0)) m=$((m - ccache_misses0))
   echo "ccache: $h hits, $m misses ($(( (h + m) > 0 ? 100 * h / (h + m) : 0 ))% hit rate) in $ATTNSERVE_CCACHE_DIR," \
-    "$(CCACHE_DIR=$ATTNSERVE_CCACHE_DIR ccache --print-stats | awk '$1 == "cache_size_kibibyte" {printf "%.0f MiB", $2 / 1024}') of $(CCACHE_DIR=$ATTNSERVE_CCACHE_DIR ccache --get-config max_size)"
+    "$(ccache --print-stats | awk '$1 == "cache_size_kibibyte" {printf "%.0f MiB", $2 / 1024}') of $(ccache --get-config max_size)"
 }
 flavour=${ATTNSERVE_FLAVOUR:-debian}
 torch2_build=build-torch2
@@ -123,7 +124,7 @@ format_check() {
   echo "format: $((all - bad)) passed, $bad failed"
 }
 # The 2.x flavour runs the tests whose outcome depends on LibTorch (ctest label torch); run alone
-# (ATTNSERVE_FLAVOUR=torch2) it runs them all. docs/testing.md says which stage runs what.
+# (ATTNSERVE_FLAVOUR=torch2) it runs them all. docs/tests.md says which stage runs what.
 torch2_stage() { stage torch2 ctest --preset "$1" "${@:2}"; }
 if [ "$flavour" = torch2 ]; then
   torch2_stage torch2 "$@"

@@ -21,10 +21,5 @@ case "${1:-triton}" in
 esac
 source tools/shared-venv.sh
 shared_venv "oip-${1:-triton}" $system "${pins[@]}"
-if [ "$venv_fresh" = 1 ]; then
-  /usr/bin/python3 -m venv $system "$venv_dir"
-  "$venv_dir/bin/pip" install -q "${pins[@]}" >&2
-  "$venv_dir/bin/python" -c "$check" >&2
-fi
-shared_venv_done "$venv"
+shared_venv_install "$venv" "$system" "$check" "${pins[@]}"
 echo "$PWD/$venv"

@@ -32,11 +32,6 @@ case "${1:-debian}" in
 esac
 source tools/shared-venv.sh
 shared_venv "py-${1:-debian}" $system ${pins[@]+"${pins[@]}"} "package=$sources"
-if [ "$venv_fresh" = 1 ]; then
-  /usr/bin/python3 -m venv $system "$venv_dir"
-  rm -rf client/python/build
-  "$venv_dir/bin/pip" install -q ${pins[@]+"${pins[@]}"} "./client/python${extra:-}" >&2
-  "$venv_dir/bin/python" -c "$check" >&2
-fi
-shared_venv_done "$venv"
+[ "$venv_fresh" = 0 ] || rm -rf client/python/build  # setuptools builds in the tree: no stale modules.
+shared_venv_install "$venv" "$system" "$check" ${pins[@]+"${pins[@]}"} "./client/python${extra:-}"
 echo "$PWD/$venv"

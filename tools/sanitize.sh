@@ -56,8 +56,9 @@ threaded=(attnserve_models_tests attnserve_trace_tests attnserve_kv_tests attnse
   attnserve_oip_tests attnserve_process_tests "attnserve_engine_tests:EngineConcurrencyTest.*:HostStagingTest.*")
 for kind in "${kinds[@]}"; do
   case "$kind" in
-    asan) targets=("${unit[@]}" attnserve_integration_tests) ;;
-    tsan) targets=("${threaded[@]}" attnserve_integration_tests) ;;
+    # The integration binary first: the longest, so the others fill the second slot beside it.
+    asan) targets=(attnserve_integration_tests "${unit[@]}") ;;
+    tsan) targets=(attnserve_integration_tests "${threaded[@]}") ;;
     *) echo "usage: tools/sanitize.sh [asan|tsan]..." >&2; exit 2 ;;
   esac
   build=build-$kind
@@ -72,12 +73,10 @@ for kind in "${kinds[@]}"; do
   export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0"
   export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:suppressions=$supp/ubsan.supp"
   export TSAN_OPTIONS="suppressions=$supp/tsan.supp:halt_on_error=1:second_deadlock_stack=1:history_size=7:ignore_noninstrumented_modules=1"
-  # The integration binary first: the longest, so the others fill the second slot beside it.
   names=()
-  for t in attnserve_integration_tests "${targets[@]}"; do
+  for t in "${targets[@]}"; do
     bin=${t%%:*} filter=()
     [ "$bin" = "$t" ] || filter=(--gtest_filter="${t#*:}")
-    [[ " ${names[*]} " == *" $kind-${bin#attnserve_} "* ]] && continue
     rm -f "$log_dir/$kind-${bin#attnserve_}.result"
     run "$kind-${bin#attnserve_}" "$build/tests/$bin" ${filter[@]+"${filter[@]}"}
     names+=("$kind-${bin#attnserve_}")

@@ -5,6 +5,9 @@
 #                               folder holds no finished environment: the caller installs, then
 #                               calls shared_venv_done)
 #   shared_venv_done LINK    -> marks the environment finished, links LINK (in the clone) to it
+#   shared_venv_install LINK SYSTEM CHECK PIP_ARGS...
+#                            -> when fresh: makes it (SYSTEM: --system-site-packages or empty), pip
+#                               installs PIP_ARGS, runs the Python CHECK; then shared_venv_done LINK
 # ATTNSERVE_VENV_HOME: where they live (default ~/.cache/attnserve/venvs). An environment is never
 # changed once finished (other pins make another folder); folders of the same name unused for 14
 # days are removed when a new one is made.
@@ -30,4 +33,13 @@ shared_venv_done() {
     rm -rf "$link"
     ln -s "$venv_dir" "$link"
   fi
+}
+shared_venv_install() {
+  local link=$1 system=$2 check=$3; shift 3
+  if [ "$venv_fresh" = 1 ]; then
+    /usr/bin/python3 -m venv $system "$venv_dir"
+    "$venv_dir/bin/pip" install -q "$@" >&2
+    "$venv_dir/bin/python" -c "$check" >&2
+  fi
+  shared_venv_done "$link"
 }

@@ -15,10 +15,5 @@ pins=(torch==2.11.0 numpy==2.4.6 grpcio==1.85.1 grpcio-tools==1.85.1 protobuf==7
       pytest==7.2.1)        # The Python tests' runner, as Debian's python3-pytest.
 source tools/shared-venv.sh
 shared_venv torch2 "${pins[@]}"
-if [ "$venv_fresh" = 1 ]; then
-  /usr/bin/python3 -m venv "$venv_dir"
-  "$venv_dir/bin/pip" install -q "${pins[@]}" >&2
-  "$venv_dir/bin/python" -c 'import torch, grpc, numpy' >&2
-fi
-shared_venv_done build-torch2/venv
+shared_venv_install build-torch2/venv "" 'import torch, grpc, numpy' "${pins[@]}"
 echo "$PWD/build-torch2/venv"
