@@ -405,7 +405,7 @@ int main(int argc, char** argv) {
   CLI::App app{"attnserve-bench: load generator for attnserve", "attnserve-bench"};
   std::string target = "127.0.0.1:50051", lengths = "uniform:8:64", label = "run", json_path;
   std::string model_name = "demo", models_dir, device = "cpu", dtype = "float32",
-              wire_dtype = "model";
+              wire_dtype = "model", profile_path;
   int callers = 32, workers = 2, pool_size = 64, embed = 512;
   double rate = 0, duration = 10, warmup = 2, cross = 0;
   uint32_t seed = 1;
@@ -447,6 +447,9 @@ int main(int argc, char** argv) {
                "Closed loop against a server on this host (--allow-shared-memory): the requests' "
                "tensors in a registered shared-memory region, answers written into another");
   app.add_option("--label", label, "Name in the output")->capture_default_str();
+  app.add_option("--device-profile", profile_path,
+                 "inprocess on CUDA: LibTorch's profiler over half a second of the measured load "
+                 "(from 1 s into it), written here as a Chrome trace");
   app.add_option("--json", json_path, "Append the result as one JSON line to this file");
   app.add_option("--seed", seed, "Seed of lengths and data")->capture_default_str();
   std::string tenant, tenant_header = "attnserve-tenant", samples_path;
@@ -576,6 +579,21 @@ int main(int argc, char** argv) {
       }
     });
   }
+  // Evidence of where a steady batch's device time goes: half a second of kernels and copies.
+  std::thread profiler;
+  if (!profile_path.empty()) {
+    profiler = std::thread([&] {
+      std::this_thread::sleep_until(std::min(measure_from + std::chrono::seconds(1), end));
+      std::string error;
+      bool ok = attnserve::StartDeviceProfile(&error);
+      if (ok) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(500));
+        ok = attnserve::StopDeviceProfile(profile_path, &error);
+      }
+      std::fprintf(stderr, "attnserve-bench: device profile: %s\n",
+                   ok ? profile_path.c_str() : error.c_str());
+    });
+  }
   size_t last = 0;
   while (Clock::now() < end) {
     std::this_thread::sleep_for(std::chrono::seconds(1));
@@ -587,6 +605,7 @@ int main(int argc, char** argv) {
   }
   stop = true;
   if (pacer.joinable()) pacer.join();
+  if (profiler.joinable()) profiler.join();
   const auto drain_until = Clock::now() + std::chrono::seconds(60);
   while (outstanding > 0 && Clock::now() < drain_until)
     std::this_thread::sleep_for(std::chrono::milliseconds(5));

@@ -131,6 +131,8 @@ struct Options {
   int memory_length = 1024;
   int callers = 32;
   int prompt = 0;
+  int prompt_max = 0;  // concurrent: callers' prompts spread evenly over [prompt, prompt_max]
+  bool sessions_only = false;
   int memories = 64;
   int draft = 4;
   int beams = 4;
@@ -683,16 +685,29 @@ int Memory(const Options& o) {
 // ------------------------------------------------------------------------------------
 
 int Concurrent(const Options& o) {
-  nlohmann::json out = {
-      {"mode", "concurrent"}, {"callers", o.callers}, {"steps", o.steps}, {"prompt", o.prompt}};
+  // Caller c's prompt: o.prompt, or spread evenly up to o.prompt_max.
+  const auto prompt_of = [&](int c) {
+    if (o.prompt_max <= o.prompt || o.callers < 2) return o.prompt;
+    return o.prompt + static_cast<int>(static_cast<int64_t>(o.prompt_max - o.prompt) * c /
+                                       (o.callers - 1));
+  };
+  // The kept tokens a step attends over, on average over every step of every caller.
+  double kept = 0;
+  for (int c = 0; c < o.callers; ++c) kept += prompt_of(c) + (o.steps + 1) / 2.0;
+  kept /= std::max(o.callers, 1);
+  nlohmann::json out = {{"mode", "concurrent"}, {"callers", o.callers},
+                        {"steps", o.steps},     {"prompt", o.prompt},
+                        {"prompt_max", std::max(o.prompt, o.prompt_max)},
+                        {"kept_tokens_mean", kept}, {"embed", o.embed}};
   std::printf(
-      "concurrent: %d callers, each a sequence of %d prompt tokens then %d one-token steps "
-      "(E=%lld)\n",
-      o.callers, o.prompt, o.steps, static_cast<long long>(o.embed));
+      "concurrent: %d callers, each a sequence of %d..%d prompt tokens then %d one-token steps "
+      "(E=%lld; %.0f kept tokens a step on average)\n",
+      o.callers, o.prompt, std::max(o.prompt, o.prompt_max), o.steps,
+      static_cast<long long>(o.embed), kept);
   std::printf("%-8s %12s %10s %10s %10s %12s\n", "form", "tokens/s", "p50 ms", "p99 ms", "wall s",
               "mean batch");
   double rate[2] = {0, 0};
-  for (int form = 0; form < 2; ++form) {  // 0: sessions, 1: resend.
+  for (int form = 0; form < (o.sessions_only ? 1 : 2); ++form) {  // 0: sessions, 1: resend.
     const bool sessions = form == 0;
     std::vector<std::vector<double>> lat(static_cast<size_t>(o.callers));
     std::atomic<int64_t> batch_sum{0}, steps_done{0};
@@ -703,20 +718,21 @@ int Concurrent(const Options& o) {
     for (int c = 0; c < o.callers; ++c) {
       threads.emplace_back([&, c] {
         auto stub = pb::AttentionService::NewStub(Channel(o));
-        const auto tokens = Tokens(o.prompt + o.steps, o.embed, 100 + static_cast<uint32_t>(c));
+        const int prompt = prompt_of(c);
+        const auto tokens = Tokens(prompt + o.steps, o.embed, 100 + static_cast<uint32_t>(c));
         std::string session;
         if (sessions) {
           session = OpenSession(stub.get(), o);
-          if (o.prompt > 0) {
+          if (prompt > 0) {
             pb::AttendResponse r;
             const Call p = Timed(stub.get(), &Stub::Attend,
-                                 SessionStep(tokens, 0, o.prompt, o.embed, session), &r);
+                                 SessionStep(tokens, 0, prompt, o.embed, session), &r);
             if (!p.status.ok()) Fail("prompt", p.status);
           }
         }
         ++ready;
         while (!go) std::this_thread::yield();
-        for (int t = o.prompt; t < o.prompt + o.steps; ++t) {
+        for (int t = prompt; t < prompt + o.steps; ++t) {
           const pb::AttendRequest request = sessions ? SessionStep(tokens, t, 1, o.embed, session)
                                                      : ResendStep(tokens, t, o.embed, o.model);
           pb::AttendResponse r;
@@ -746,7 +762,7 @@ int Concurrent(const Options& o) {
                                             {"wall_s", wall},
                                             {"mean_batch", mean_batch}};
   }
-  std::printf("session / resend tokens/s: %.2f\n", rate[0] / rate[1]);
+  if (!o.sessions_only) std::printf("session / resend tokens/s: %.2f\n", rate[0] / rate[1]);
   WriteJson(o, out);
   return 0;
 }
@@ -848,6 +864,12 @@ int main(int argc, char** argv) {
   app.add_option("--prompt", o.prompt,
                  "concurrent: prompt tokens each sequence starts with; fork: the history (0: 2048)")
       ->capture_default_str();
+  app.add_option("--prompt-max", o.prompt_max,
+                 "concurrent: the callers' prompts spread evenly from --prompt up to this many "
+                 "tokens (0: all --prompt)")
+      ->capture_default_str();
+  app.add_flag("--sessions-only", o.sessions_only,
+               "concurrent: measure the sessions alone (resending long prefixes takes long)");
   app.add_option("--memories", o.memories, "eviction: memories created")->capture_default_str();
   app.add_option("--draft", o.draft, "speculative: draft tokens a round")->capture_default_str();
   app.add_option("--beams", o.beams, "beam: beams")->capture_default_str();

@@ -13,6 +13,15 @@
 
 namespace attnserve {
 
+/// Where a batch's time went on a GPU, in seconds (-1: not measured, as on the CPU): gathering the
+/// wire bytes into one pinned staging block on the host (0 when they already lay in pinned memory),
+/// the copy to the device, the compute (projections, attention, conversions), the copy of the
+/// answers back. The device stages are CUDA event intervals on the worker's stream, so a stage
+/// also holds the time the device waited for the host to queue its work.
+struct BatchStages {
+  double gather = -1, copy_in = -1, compute = -1, copy_out = -1;
+};
+
 /// Where the engine writes one request's results: buffers owned by the caller (the response
 /// message), resized and filled by Forward, so the result becomes response bytes in one copy. Their
 /// shapes are the validated call's (AttendCall::output_shape, weights_shape).
@@ -29,6 +38,8 @@ struct AttendOutputs {
   /// GPU time of the batch this call ran in, from CUDA events on the worker's stream; -1 when not
   /// measured (CPU). Set by ForwardBatch.
   double device_seconds = -1;
+  /// The stages of that batch's time (CUDA); set by ForwardBatch.
+  BatchStages stages;
 };
 
 /// Where kept keys and values that no one entry counts as its own count their bytes (the store's

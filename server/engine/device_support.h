@@ -38,6 +38,13 @@ struct CopyBandwidth {
 /// builds without CUDA. For benchmarks: it occupies the bus while it runs.
 bool MeasureCopyBandwidth(int index, int64_t bytes, CopyBandwidth* out);
 
+/// LibTorch's profiler (Kineto) for benchmarks' evidence: from StartDeviceProfile until
+/// StopDeviceProfile, the calling thread's operators and every CUDA kernel and copy (CUPTI), written
+/// by Stop as a Chrome trace (chrome://tracing, Perfetto) to `path`. False with `*error` saying why
+/// (a build without CUDA, a profiler already running, a file that cannot be written).
+bool StartDeviceProfile(std::string* error);
+bool StopDeviceProfile(const std::string& path, std::string* error);
+
 /// A CUDA allocation another process exported with cudaIpcGetMemHandle, opened in this one (the
 /// Open Inference Protocol's CUDA shared memory). Closed when destroyed. Thread-safe.
 class CudaIpcMemory {
@@ -68,6 +75,11 @@ class DeviceTimer {
   DeviceTimer(const DeviceTimer&) = delete;
   DeviceTimer& operator=(const DeviceTimer&) = delete;
   double Seconds();
+  /// Records point `mark` (0 .. kMarks - 1) of the work queued on the stream so far.
+  static constexpr int kMarks = 4;
+  void Mark(int mark);
+  /// After Seconds(): device time from point `from` to point `to`; -1 when either was not recorded.
+  double Between(int from, int to) const;
 
  private:
   struct Events;

@@ -10,6 +10,15 @@ bool ReadDeviceMemory(int, DeviceMemory*) { return false; }
 void ReleaseCachedDeviceMemory() {}
 bool MeasureCopyBandwidth(int, int64_t, CopyBandwidth*) { return false; }
 
+bool StartDeviceProfile(std::string* error) {
+  *error = "this build has no CUDA (the device profile is for GPU runs)";
+  return false;
+}
+bool StopDeviceProfile(const std::string&, std::string* error) {
+  *error = "no device profile is running";
+  return false;
+}
+
 std::shared_ptr<void> AllocatePinned(size_t, char** data) {
   *data = nullptr;
   return nullptr;
@@ -33,5 +42,7 @@ struct DeviceTimer::Events {};
 DeviceTimer::DeviceTimer(bool) {}
 DeviceTimer::~DeviceTimer() = default;
 double DeviceTimer::Seconds() { return -1; }
+void DeviceTimer::Mark(int) {}
+double DeviceTimer::Between(int, int) const { return -1; }
 
 }  // namespace attnserve

@@ -6,9 +6,15 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 
+#include <array>
 #include <chrono>
 #include <cstring>
+#include <exception>
+#include <mutex>
+#include <set>
+#include <memory>
 #include <string>
 
 #include "server/engine/device_support.h"
@@ -127,9 +133,53 @@ bool MeasureCopyBandwidth(int index, int64_t bytes, CopyBandwidth* out) {
   return true;
 }
 
+namespace {
+std::mutex profile_mu;
+bool profiling = false;  // Guarded by profile_mu: one profile at a time in a process.
+
+std::set<torch::profiler::impl::ActivityType> ProfiledActivities() {
+  return {torch::profiler::impl::ActivityType::CPU, torch::profiler::impl::ActivityType::CUDA};
+}
+}  // namespace
+
+bool StartDeviceProfile(std::string* error) {
+  std::lock_guard<std::mutex> lock(profile_mu);
+  if (profiling) {
+    *error = "a device profile is already running";
+    return false;
+  }
+  try {
+    const torch::profiler::impl::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO);
+    torch::autograd::profiler::prepareProfiler(config, ProfiledActivities());
+    torch::autograd::profiler::enableProfiler(config, ProfiledActivities());
+  } catch (const std::exception& e) {
+    *error = std::string("LibTorch's profiler: ") + e.what();
+    return false;
+  }
+  profiling = true;
+  return true;
+}
+
+bool StopDeviceProfile(const std::string& path, std::string* error) {
+  std::lock_guard<std::mutex> lock(profile_mu);
+  if (!profiling) {
+    *error = "no device profile is running";
+    return false;
+  }
+  profiling = false;
+  try {
+    torch::autograd::profiler::disableProfiler()->save(path);
+  } catch (const std::exception& e) {
+    *error = "writing the device profile to " + path + ": " + e.what();
+    return false;
+  }
+  return true;
+}
+
 struct DeviceTimer::Events {
   at::cuda::CUDAEvent start{cudaEventDefault};  // Timing events (the default flags disable timing).
   at::cuda::CUDAEvent stop{cudaEventDefault};
+  std::array<std::unique_ptr<at::cuda::CUDAEvent>, DeviceTimer::kMarks> marks;
 };
 
 DeviceTimer::DeviceTimer(bool cuda) {
@@ -145,6 +195,21 @@ double DeviceTimer::Seconds() {
   events_->stop.record(c10::cuda::getCurrentCUDAStream());
   events_->stop.synchronize();
   return events_->start.elapsed_time(events_->stop) / 1e3;  // elapsed_time is in milliseconds
+}
+
+void DeviceTimer::Mark(int mark) {
+  if (!events_ || mark < 0 || mark >= kMarks) return;
+  auto& event = events_->marks[static_cast<size_t>(mark)];
+  event = std::make_unique<at::cuda::CUDAEvent>(cudaEventDefault);
+  event->record(c10::cuda::getCurrentCUDAStream());
+}
+
+double DeviceTimer::Between(int from, int to) const {
+  if (!events_ || from < 0 || to < 0 || from >= kMarks || to >= kMarks) return -1;
+  const auto& a = events_->marks[static_cast<size_t>(from)];
+  const auto& b = events_->marks[static_cast<size_t>(to)];
+  if (!a || !b) return -1;
+  return a->elapsed_time(*b) / 1e3;
 }
 
 }  // namespace attnserve

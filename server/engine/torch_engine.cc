@@ -9,6 +9,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <exception>
@@ -217,6 +218,7 @@ class TorchModel final : public AttentionModel {
     // then GPU time, not the host's wait for it).
     std::optional<DeviceTimer> timer;
     const Status timing = Guarded([&] { timer.emplace(device_.is_cuda()); });
+    StageClock clock{timer ? &*timer : nullptr};
     std::vector<const AttendCall*> small_calls;
     std::vector<AttendOutputs*> small_outs;
     std::vector<size_t> small_index;
@@ -237,16 +239,40 @@ class TorchModel final : public AttentionModel {
     if (small_calls.size() == 1 && !device_.is_cuda()) {
       statuses[small_index[0]] = ForwardOne(*small_calls[0], small_outs[0], parallel);
     } else if (!small_calls.empty()) {
-      const Status st = Guarded([&] { ForwardPacked(small_calls, small_outs, parallel); });
+      const Status st =
+          Guarded([&] { ForwardPacked(small_calls, small_outs, parallel, &clock); });
       for (size_t i : small_index) statuses[i] = st;
     }
     double device_seconds = -1;
-    if (timing.ok() && timer) Guarded([&] { device_seconds = timer->Seconds(); });
-    for (AttendOutputs* out : outs) out->device_seconds = device_seconds;
+    BatchStages stages;
+    if (timing.ok() && timer) {
+      Guarded([&] {
+        device_seconds = timer->Seconds();
+        stages.copy_in = timer->Between(kGathered, kCopiedIn);
+        stages.compute = timer->Between(kCopiedIn, kComputed);
+        stages.copy_out = timer->Between(kComputed, kCopiedOut);
+      });
+    }
+    if (stages.copy_in >= 0) stages.gather = clock.gather;
+    for (AttendOutputs* out : outs) {
+      out->device_seconds = device_seconds;
+      out->stages = stages;
+    }
     return statuses;
   }
 
  private:
+  // Points of a batch's work on the device that DeviceTimer marks (BatchStages: the intervals).
+  enum Mark { kGathered = 0, kCopiedIn = 1, kComputed = 2, kCopiedOut = 3 };
+  // Where a packed batch's time goes: the device's marks, and the host's gather into staging.
+  struct StageClock {
+    DeviceTimer* device = nullptr;
+    double gather = -1;
+    void Mark(Mark m) const {
+      if (device) device->Mark(m);
+    }
+  };
+
   // One call, its pieces on `parallel`'s threads.
   Status ForwardOne(const AttendCall& call, AttendOutputs* out, const Parallel& parallel) const {
     return Guarded([&] {
@@ -311,14 +337,15 @@ class TorchModel final : public AttentionModel {
   // where), runs attention over views of them, projects all outputs in one GEMM and splits the rows
   // into responses. Each of the plan's varlen runs attends in one launch; the others per call.
   void ForwardPacked(const std::vector<const AttendCall*>& calls,
-                     const std::vector<AttendOutputs*>& outs, const Parallel& parallel) const {
+                     const std::vector<AttendOutputs*>& outs, const Parallel& parallel,
+                     StageClock* clock) const {
     const int64_t e = spec_.embed_dim;
     const auto opts = at::TensorOptions().device(device_).dtype(dtype_);
     const PackingPlan plan = PlanPacking(calls, varlen_ != Varlen::kOff, spec_.extra_keys());
     const std::vector<int64_t>& q_off = plan.q_offset;
     const std::vector<int64_t>& k_off = plan.k_offset;
     const int64_t q_rows = plan.q_rows, self_rows = plan.self_rows, k_rows = plan.k_rows;
-    const Packed in = Pack(calls, plan);
+    const Packed in = Pack(calls, plan, clock);
     const at::Tensor &x = in.x, &kx = in.kx, &vx = in.vx;
     std::vector<at::Tensor> qkv_self;
     if (self_rows)
@@ -374,7 +401,8 @@ class TorchModel final : public AttentionModel {
     });
     at::Tensor y = at::empty({q_rows, e}, opts);
     products_.GemmInto(y, merged, proj_out_, parallel);
-    if (device_.is_cuda() && AnswersToStaging(calls, attended, y, q_off, outs)) return;
+    clock->Mark(kComputed);
+    if (device_.is_cuda() && AnswersToStaging(calls, attended, y, q_off, outs, *clock)) return;
     for (size_t i = 0; i < calls.size(); ++i) {
       const AttendCall& c = *calls[i];
       WriteOutput(c, attended[i], y.narrow(0, q_off[i], c.batch * c.query_len), outs[i],
@@ -389,7 +417,8 @@ class TorchModel final : public AttentionModel {
     at::Tensor x, kx, vx;
     std::vector<std::shared_ptr<void>> held;
   };
-  Packed Pack(const std::vector<const AttendCall*>& calls, const PackingPlan& plan) const {
+  Packed Pack(const std::vector<const AttendCall*>& calls, const PackingPlan& plan,
+              StageClock* clock) const {
     const int64_t e = spec_.embed_dim;
     const auto opts = at::TensorOptions().device(device_).dtype(dtype_);
     Packed p;
@@ -398,7 +427,7 @@ class TorchModel final : public AttentionModel {
       p.kx = at::empty({plan.k_rows, spec_.kdim}, opts);
       p.vx = at::empty({plan.k_rows, spec_.vdim}, opts);
     }
-    const std::vector<at::Tensor> wire = WireTensors(calls, &p.held);
+    const std::vector<at::Tensor> wire = WireTensors(calls, &p.held, clock);
     for (size_t i = 0, t = 0; i < calls.size(); ++i) {
       const AttendCall& c = *calls[i];
       p.x.narrow(0, plan.q_offset[i], c.batch * c.query_len).copy_(wire[t++].view({-1, e}));
@@ -417,7 +446,8 @@ class TorchModel final : public AttentionModel {
   // block the bytes are gathered into (or, when every tensor already lies in pinned memory, one
   // asynchronous copy each, no gathering); without room in the staging, a plain copy each.
   std::vector<at::Tensor> WireTensors(const std::vector<const AttendCall*>& calls,
-                                      std::vector<std::shared_ptr<void>>* held) const {
+                                      std::vector<std::shared_ptr<void>>* held,
+                                      StageClock* clock) const {
     std::vector<const TensorView*> views;
     for (const AttendCall* c : calls) {
       views.push_back(&c->query);
@@ -448,16 +478,23 @@ class TorchModel final : public AttentionModel {
     std::shared_ptr<void> staged;
     if (!all_pinned) staged = staging_->Allocate(static_cast<size_t>(total), &block);
     if (staged) {
+      const auto gather_start = std::chrono::steady_clock::now();
       for (size_t i = 0; i < views.size(); ++i)
         std::memcpy(block + offset[i], views[i]->data, views[i]->nbytes);
+      clock->gather =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - gather_start).count();
+      clock->Mark(kGathered);
       device_bytes.copy_(host(block, total), /*non_blocking=*/true);
       held->push_back(std::move(staged));
     } else {
+      if (all_pinned) clock->gather = 0;
+      clock->Mark(kGathered);
       for (size_t i = 0; i < views.size(); ++i) {
         const int64_t n = static_cast<int64_t>(views[i]->nbytes);
         device_bytes.narrow(0, offset[i], n).copy_(host(views[i]->data, n), all_pinned);
       }
     }
+    clock->Mark(kCopiedIn);
     for (size_t i = 0; i < views.size(); ++i) {
       const int64_t n = static_cast<int64_t>(views[i]->nbytes);
       out.push_back(device_bytes.narrow(0, offset[i], n)
@@ -474,7 +511,7 @@ class TorchModel final : public AttentionModel {
   bool AnswersToStaging(const std::vector<const AttendCall*>& calls,
                         const std::vector<Attended>& attended, const at::Tensor& y,
                         const std::vector<int64_t>& q_off,
-                        const std::vector<AttendOutputs*>& outs) const {
+                        const std::vector<AttendOutputs*>& outs, const StageClock& clock) const {
     const DType wire = calls[0]->query.dtype;  // One wire dtype per batch (the batcher's rule).
     for (const AttendCall* c : calls) {
       if (c->query.dtype != wire || c->weights != WeightsMode::kNone) return false;
@@ -493,6 +530,7 @@ class TorchModel final : public AttentionModel {
     }
     at::from_blob(block, {rows, e}, at::TensorOptions().dtype(ToScalarType(wire)))
         .copy_(answers, /*non_blocking=*/true);
+    clock.Mark(kCopiedOut);
     // The copy is on this worker's stream: wait for it (and only it) before the answers go out.
     c10::impl::VirtualGuardImpl(device_.type()).getStream(device_).synchronize();
     std::shared_ptr<const void> owner = std::move(staged);

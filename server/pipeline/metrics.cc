@@ -13,6 +13,16 @@ const prometheus::Histogram::BucketBoundaries& LatencyBuckets() {
   return *kBuckets;
 }
 
+// 10 µs to ~10 s, factor 2: a stage of a batch or request (a small copy takes microseconds).
+const prometheus::Histogram::BucketBoundaries& StageBuckets() {
+  static const auto* kBuckets = [] {
+    auto* b = new prometheus::Histogram::BucketBoundaries;
+    for (double v = 1e-5; v < 12; v *= 2) b->push_back(v);
+    return b;
+  }();
+  return *kBuckets;
+}
+
 const prometheus::Histogram::BucketBoundaries& BatchBuckets() {
   static const auto* kBuckets =
       new prometheus::Histogram::BucketBoundaries{1, 2, 4, 8, 16, 32, 64, 128};
@@ -81,6 +91,11 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
                             "Requests computed together in one engine call.")),
       batch_tokens_(Histogram(registry, "attnserve_batch_size_tokens",
                               "Query plus key tokens computed together in one engine call.")),
+      stage_(Histogram(registry, "attnserve_stage_seconds",
+                       "Where the time goes, by stage: per request decode (off the wire, to "
+                       "admission) and encode (the answer onto the wire); per batch on a GPU "
+                       "gather (into pinned staging, host), copy_in, compute, copy_out (CUDA "
+                       "events).")),
       rejections_(Counter(registry, "attnserve_rejections_total",
                           "Requests refused or dropped before compute, by reason.")),
       backend_(Counter(registry, "attnserve_attention_backend_total",
@@ -174,6 +189,19 @@ void ServerMetrics::RecordBatch(const std::string& model, const std::vector<Work
   compute_.Add(labels, LatencyBuckets()).Observe(seconds);
   batch_size_.Add(labels, BatchBuckets()).Observe(static_cast<double>(batch.size()));
   batch_tokens_.Add(labels, TokenBuckets()).Observe(static_cast<double>(tokens));
+  if (batch.empty()) return;
+  const BatchStages& stages = batch.front()->outputs.stages;
+  for (const auto& [stage, value] : {std::pair{"gather", stages.gather},
+                                     {"copy_in", stages.copy_in},
+                                     {"compute", stages.compute},
+                                     {"copy_out", stages.copy_out}}) {
+    if (value >= 0) stage_.Add({{"stage", stage}}, StageBuckets()).Observe(value);
+  }
+}
+
+void ServerMetrics::RecordRequestStages(double decode, double encode) {
+  if (decode >= 0) stage_.Add({{"stage", "decode"}}, StageBuckets()).Observe(decode);
+  if (encode >= 0) stage_.Add({{"stage", "encode"}}, StageBuckets()).Observe(encode);
 }
 
 void ServerMetrics::SetDeviceMemory(const std::string& device, int64_t allocated,

@@ -31,6 +31,9 @@ class ServerMetrics {
   /// One computed batch: its size in requests and tokens, compute time and FLOPs, and each
   /// request's queue wait. (No padding metric: the engine packs rows and never pads.)
   void RecordBatch(const std::string& model, const std::vector<WorkItem*>& batch, double seconds);
+  /// One request's host stages: decoding it off the wire (received to admitted) and encoding its
+  /// answer (answered to recorded); a stage < 0 is not observed.
+  void RecordRequestStages(double decode, double encode);
   /// Allocated and reserved bytes of a CUDA device's caching allocator.
   void SetDeviceMemory(const std::string& device, int64_t allocated, int64_t reserved);
   /// The CPU device's memory: the process's resident set (device "cpu", kind "resident").
@@ -84,6 +87,7 @@ class ServerMetrics {
   prometheus::Family<prometheus::Histogram>& compute_;
   prometheus::Family<prometheus::Histogram>& batch_size_;
   prometheus::Family<prometheus::Histogram>& batch_tokens_;
+  prometheus::Family<prometheus::Histogram>& stage_;
   prometheus::Family<prometheus::Counter>& rejections_;
   prometheus::Family<prometheus::Counter>& backend_;
   prometheus::Family<prometheus::Counter>& flops_;

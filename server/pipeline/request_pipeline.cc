@@ -360,6 +360,11 @@ void RequestPipeline::Record(const char* method, Exchange* x, const Status& seen
   if (seen.code() == StatusCode::kInternal) std::cerr << "attnserve: " << seen.ToString() << "\n";
   metrics_.RecordRequest(x->model, method, StatusCodeName(seen.code()), SecondsSince(x->received));
   metrics_.RecordTenantRequest(x->tenant_label, StatusCodeName(seen.code()));
+  const SteadyClock::time_point none{};
+  const Exchange::Times& tm = x->times;
+  metrics_.RecordRequestStages(
+      tm.admitted == none ? -1 : std::chrono::duration<double>(tm.admitted - x->received).count(),
+      tm.answered == none ? -1 : SecondsSince(tm.answered));
   metrics_.AddInFlight(method, -1);
   Observed(method, *x, seen);
   std::lock_guard<std::mutex> lock(mu_);
