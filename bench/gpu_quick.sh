@@ -25,7 +25,7 @@
 #   no cuDNN attention (it compiles a kernel per shape); the first request after start within 2x the
 #   steady p50 of the same request (bench/first_request.sh); every row answered requests.
 # Evidence left under $OUT for the next fix: engine-profile.json (LibTorch's profiler, a Chrome trace
-# of half a second of the engine's steady batches) and its summary; dmon-LABEL.txt (nvidia-smi dmon:
+# of half a second of the engine's steady batches, gzipped) and its summary; dmon-LABEL.txt (nvidia-smi dmon:
 # SM use, PCIe rx/tx each second of each load) and its summary; metrics-LABEL-{before,after}.txt
 # around each server load, summarised as the mean time of each stage (attnserve_stage_seconds:
 # decode, gather, copy_in, compute, copy_out, encode) and the batch-size distribution.
@@ -151,7 +151,10 @@ bench=$build/attnserve-bench
 sampled engine timeout 40 $bench --target inprocess --batching --models $models --device $device \
   --dtype $dtype --wire-dtype $wire --label engine --device-profile "$out/engine-profile.json" \
   "${large[@]}" 2> >(grep '^attnserve-bench:' >&2) || failed=1
-[ -f "$out/engine-profile.json" ] && python3 bench/gpu_evidence.py profile "$out/engine-profile.json"
+if [ -f "$out/engine-profile.json" ]; then
+  python3 bench/gpu_evidence.py profile "$out/engine-profile.json"
+  gzip -f "$out/engine-profile.json"  # Perfetto and chrome://tracing read it gzipped (~10x smaller)
+fi
 port=50151
 # Starts a server (attnserve or the Python peer: the rest of the command line) on $port; waits for it.
 serve() {

@@ -688,17 +688,20 @@ int Concurrent(const Options& o) {
   // Caller c's prompt: o.prompt, or spread evenly up to o.prompt_max.
   const auto prompt_of = [&](int c) {
     if (o.prompt_max <= o.prompt || o.callers < 2) return o.prompt;
-    return o.prompt + static_cast<int>(static_cast<int64_t>(o.prompt_max - o.prompt) * c /
-                                       (o.callers - 1));
+    return o.prompt +
+           static_cast<int>(static_cast<int64_t>(o.prompt_max - o.prompt) * c / (o.callers - 1));
   };
   // The kept tokens a step attends over, on average over every step of every caller.
   double kept = 0;
   for (int c = 0; c < o.callers; ++c) kept += prompt_of(c) + (o.steps + 1) / 2.0;
   kept /= std::max(o.callers, 1);
-  nlohmann::json out = {{"mode", "concurrent"}, {"callers", o.callers},
-                        {"steps", o.steps},     {"prompt", o.prompt},
+  nlohmann::json out = {{"mode", "concurrent"},
+                        {"callers", o.callers},
+                        {"steps", o.steps},
+                        {"prompt", o.prompt},
                         {"prompt_max", std::max(o.prompt, o.prompt_max)},
-                        {"kept_tokens_mean", kept}, {"embed", o.embed}};
+                        {"kept_tokens_mean", kept},
+                        {"embed", o.embed}};
   std::printf(
       "concurrent: %d callers, each a sequence of %d..%d prompt tokens then %d one-token steps "
       "(E=%lld; %.0f kept tokens a step on average)\n",

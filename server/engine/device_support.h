@@ -39,9 +39,9 @@ struct CopyBandwidth {
 bool MeasureCopyBandwidth(int index, int64_t bytes, CopyBandwidth* out);
 
 /// LibTorch's profiler (Kineto) for benchmarks' evidence: from StartDeviceProfile until
-/// StopDeviceProfile, the calling thread's operators and every CUDA kernel and copy (CUPTI), written
-/// by Stop as a Chrome trace (chrome://tracing, Perfetto) to `path`. False with `*error` saying why
-/// (a build without CUDA, a profiler already running, a file that cannot be written).
+/// StopDeviceProfile, the calling thread's operators and every CUDA kernel and copy (CUPTI),
+/// written by Stop as a Chrome trace (chrome://tracing, Perfetto) to `path`. False with `*error`
+/// saying why (a build without CUDA, a profiler already running, a file that cannot be written).
 bool StartDeviceProfile(std::string* error);
 bool StopDeviceProfile(const std::string& path, std::string* error);
 

@@ -12,9 +12,9 @@
 #include <chrono>
 #include <cstring>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <set>
-#include <memory>
 #include <string>
 
 #include "server/engine/device_support.h"
@@ -149,7 +149,8 @@ bool StartDeviceProfile(std::string* error) {
     return false;
   }
   try {
-    const torch::profiler::impl::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO);
+    const torch::profiler::impl::ProfilerConfig config(
+        torch::profiler::impl::ProfilerState::KINETO);
     torch::autograd::profiler::prepareProfiler(config, ProfiledActivities());
     torch::autograd::profiler::enableProfiler(config, ProfiledActivities());
   } catch (const std::exception& e) {

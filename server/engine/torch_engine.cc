@@ -239,8 +239,7 @@ class TorchModel final : public AttentionModel {
     if (small_calls.size() == 1 && !device_.is_cuda()) {
       statuses[small_index[0]] = ForwardOne(*small_calls[0], small_outs[0], parallel);
     } else if (!small_calls.empty()) {
-      const Status st =
-          Guarded([&] { ForwardPacked(small_calls, small_outs, parallel, &clock); });
+      const Status st = Guarded([&] { ForwardPacked(small_calls, small_outs, parallel, &clock); });
       for (size_t i : small_index) statuses[i] = st;
     }
     double device_seconds = -1;
@@ -510,8 +509,8 @@ class TorchModel final : public AttentionModel {
   // room (the caller writes each answer into its response instead) or a call wants weights.
   bool AnswersToStaging(const std::vector<const AttendCall*>& calls,
                         const std::vector<Attended>& attended, const at::Tensor& y,
-                        const std::vector<int64_t>& q_off,
-                        const std::vector<AttendOutputs*>& outs, const StageClock& clock) const {
+                        const std::vector<int64_t>& q_off, const std::vector<AttendOutputs*>& outs,
+                        const StageClock& clock) const {
     const DType wire = calls[0]->query.dtype;  // One wire dtype per batch (the batcher's rule).
     for (const AttendCall* c : calls) {
       if (c->query.dtype != wire || c->weights != WeightsMode::kNone) return false;

@@ -1,6 +1,7 @@
 #include "server/models/warmup.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <random>
 #include <set>
@@ -81,7 +82,14 @@ Status MakeInputs(const ModelSpec& spec, const WarmupBatch& batch, const AttendL
 std::vector<WarmupBatch> PlanWarmup(const ModelSpec& spec, const WarmupShapes& shapes) {
   std::vector<WarmupBatch> plan;
   if (!shapes.enabled) return plan;
-  const int64_t cap = std::max<int64_t>(1, shapes.max_request_tokens);
+  // The longest self-attention request the limits allow: its rows, and its scores (heads x rows
+  // x rows) within the score limit.
+  const int64_t per_head = shapes.max_attention_scores / std::max<int64_t>(1, spec.num_heads);
+  auto score_rows =
+      static_cast<int64_t>(std::sqrt(static_cast<double>(std::max<int64_t>(per_head, 1))));
+  while (score_rows > 1 && score_rows > per_head / score_rows) --score_rows;
+  while (score_rows + 1 <= per_head / (score_rows + 1)) ++score_rows;
+  const int64_t cap = std::max<int64_t>(1, std::min(shapes.max_request_tokens, score_rows));
   const auto fit = [cap](int64_t rows) { return std::clamp<int64_t>(rows, 1, cap); };
   std::vector<DType> wires = {DType::kFloat32};
   if (spec.compute_dtype != DType::kFloat32) wires.push_back(spec.compute_dtype);
@@ -109,6 +117,7 @@ Status WarmModel(const std::shared_ptr<const AttentionModel>& model, const Warmu
   const ModelSpec& spec = model->spec();
   AttendLimits limits;
   limits.max_tokens = std::max<int64_t>(limits.max_tokens, shapes.max_request_tokens);
+  limits.max_attention_scores = shapes.max_attention_scores;
   for (const WarmupBatch& batch : PlanWarmup(spec, shapes)) {
     Inputs in;
     const Status made = MakeInputs(spec, batch, limits, &in);

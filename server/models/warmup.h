@@ -25,6 +25,9 @@ struct WarmupShapes {
   int64_t max_request_tokens = int64_t{1} << 16;
   /// Rows of the longest lone request warmed (kept short: the CPU pays for every row).
   int64_t lone_tokens = 512;
+  /// --max-attention-scores: no warm-up request has more (heads x rows x rows), so none is one the
+  /// server would refuse (a GPU's device-sized budgets ask for requests over it).
+  int64_t max_attention_scores = AttendLimits().max_attention_scores;
 
   /// No warm-up at all.
   static WarmupShapes Off() {

@@ -127,6 +127,7 @@ WarmupShapes WarmupOf(const ServerOptions& options) {
   w.batch_tokens = options.batcher.max_batch_tokens;
   w.shared_request_tokens = options.batcher.max_shared_request_tokens;
   w.max_request_tokens = options.limits.max_tokens;
+  w.max_attention_scores = options.limits.max_attention_scores;
   return w;
 }
 

@@ -114,6 +114,33 @@ TEST(WarmupTest, WarmModelComputesEveryPlannedBatchAsValidatedCalls) {
   }
 }
 
+// On a GPU the batcher's budgets are device-sized (16,384-token batches, requests that large
+// shared): a lone request of that many rows would be over --max-attention-scores, and the server
+// refused to start (found on an H200, 2026-11-28). The warm-up warms only what a client may send.
+TEST(WarmupTest, EveryWarmUpRequestPassesTheServersScoreLimit) {
+  ModelSpec spec = Spec(DType::kBFloat16);
+  spec.embed_dim = 1024;
+  spec.num_heads = 16;
+  spec.kdim = spec.vdim = 1024;
+  WarmupShapes gpu;
+  gpu.batch_tokens = 16384;
+  gpu.shared_request_tokens = 16384;
+  for (const int64_t limit : {int64_t{1} << 28, int64_t{1} << 20}) {
+    gpu.max_attention_scores = limit;
+    auto shared = std::make_shared<RecordingModel>(spec);
+    const Status st = WarmModel(shared, gpu);
+    ASSERT_TRUE(st.ok()) << "limit " << limit << ": " << st.ToString();
+    int64_t longest = 0;
+    for (const WarmupBatch& b : PlanWarmup(spec, gpu)) {
+      for (int64_t l : b.query_lens) {
+        EXPECT_LE(spec.num_heads * l * l, limit);
+        longest = std::max(longest, l);
+      }
+    }
+    EXPECT_EQ(longest, limit == int64_t{1} << 28 ? 4096 : 256);  // The longest that passes.
+  }
+}
+
 TEST(WarmupTest, AFailedWarmUpNamesTheModelAndStops) {
   auto shared = std::make_shared<RecordingModel>(Spec(DType::kFloat32), /*fail_at=*/2);
   RecordingModel& model = *shared;
