@@ -6,6 +6,8 @@
                                              stage (attnserve_stage_seconds), batches and their sizes
   gpu_evidence.py profile TRACE              a Kineto Chrome trace: device busy time by kind, the
                                              longest kernels
+  gpu_evidence.py cpu BEFORE AFTER LABEL     two snapshots (cpu_snapshot below) around a load: the
+                                             machine's busy cores and the server's busiest threads
   gpu_evidence.py rows JSONL LABEL...        fails unless every named row answered requests, no errors
 
 Standard library only: it runs on the GPU machine's python3 and on the CPU rehearsal alike.
@@ -119,6 +121,45 @@ def profile(path):
         print(f"  {t / 1e3:8.2f} ms {count[name]:6d}x  {name}")
 
 
+def cpu_snapshot(pid, path):
+    """The machine's /proc/stat cpu line and each of process `pid`'s threads' CPU ticks, as JSON."""
+    snap = {"stat": open("/proc/stat").readline().split()[1:], "threads": {}}
+    import os
+    task = f"/proc/{pid}/task"
+    for tid in os.listdir(task) if os.path.isdir(task) else []:
+        try:
+            raw = open(f"{task}/{tid}/stat").read()
+        except OSError:
+            continue
+        comm = raw[raw.index("(") + 1:raw.rindex(")")]
+        fields = raw[raw.rindex(")") + 2:].split()
+        snap["threads"][tid] = [comm, int(fields[11]) + int(fields[12])]  # utime + stime
+    with open(path, "w") as f:
+        json.dump(snap, f)
+
+
+def cpu(before_path, after_path, label):
+    a, b = json.load(open(before_path)), json.load(open(after_path))
+    ticks = [int(y) - int(x) for x, y in zip(a["stat"], b["stat"])]
+    total = sum(ticks[:8])
+    idle = ticks[3] + ticks[4]
+    import os
+    hz, cores = os.sysconf("SC_CLK_TCK"), os.cpu_count()
+    wall = total / hz / cores if total else 0.0
+    by_name = collections.Counter()
+    threads = collections.Counter()
+    for tid, (comm, t) in b["threads"].items():
+        used = t - a["threads"].get(tid, [comm, 0])[1]
+        by_name[comm] += used
+        threads[comm] += 1 if used > 0 else 0
+    busy = (total - idle) / hz / wall if wall else 0.0
+    server = sum(by_name.values()) / hz / wall if wall else 0.0
+    top = ", ".join(f"{name} x{threads[name]} {t / hz / wall:.2f}" for name, t in by_name.most_common(6)
+                    if wall)
+    print(f"cpu {label}: machine {busy:.1f} of {cores} cores busy; server {server:.2f} cores; "
+          f"its threads by name (cores): {top}")
+
+
 def rows(path, labels):
     seen = {}
     for line in open(path):
@@ -145,6 +186,10 @@ def main(argv):
         stages(argv[1], argv[2], argv[3])
     elif len(argv) >= 2 and argv[0] == "profile":
         profile(argv[1])
+    elif len(argv) >= 3 and argv[0] == "cpu_snapshot":
+        cpu_snapshot(argv[1], argv[2])
+    elif len(argv) >= 4 and argv[0] == "cpu":
+        cpu(argv[1], argv[2], argv[3])
     elif len(argv) >= 3 and argv[0] == "rows":
         return rows(argv[1], argv[2:])
     else:

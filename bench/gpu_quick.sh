@@ -90,7 +90,7 @@ goal() {
   shift
   log=$("$@" 2>&1)
   rc=$?
-  tail -2 <<<"$log"
+  grep -E "round|$line" <<<"$log" || tail -2 <<<"$log"
   if [ -z "$rehearsal" ]; then
     [ $rc = 0 ] || { echo "FAIL (exit $rc): $*"; failed=1; }
   elif ! grep -q "$line" <<<"$log"; then
@@ -123,10 +123,14 @@ served() {
   local label=$1
   shift
   scrape "$label-before"
+  python3 bench/gpu_evidence.py cpu_snapshot "$pid" "$out/cpu-$label-before.json"
   sampled "$label" "$@"
+  python3 bench/gpu_evidence.py cpu_snapshot "$pid" "$out/cpu-$label-after.json"
   scrape "$label-after"
   python3 bench/gpu_evidence.py stages "$out/metrics-$label-before.txt" \
     "$out/metrics-$label-after.txt" "$label"
+  python3 bench/gpu_evidence.py cpu "$out/cpu-$label-before.json" "$out/cpu-$label-after.json" \
+    "$label"
 }
 
 nvidia-smi -L 2>/dev/null
@@ -172,7 +176,9 @@ serve() {
 }
 stop() { kill -TERM "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; port=$((port + 1)); }
 if serve $build/attnserve --address 127.0.0.1:$port --metrics-address $metrics \
-     --models $models --device $device --dtype $dtype --allow-shared-memory; then
+     --models $models --device $device --dtype $dtype --allow-shared-memory \
+     --kv-budget-bytes $((8 << 30)); then
+  head -3 "$out/server-$port.log"
   served attnserve timeout 25 $bench --target 127.0.0.1:$port --wire-dtype $wire --label attnserve \
     "${large[@]}" 2>/dev/null
   served shm timeout 25 $bench --target 127.0.0.1:$port --wire-dtype $wire --shared-memory \
@@ -264,5 +270,8 @@ for name, value, goal in goals:
     print(f"{name:44s} {value:8.2f}  goal >= {goal:.2f}  {'ok' if ok else 'MISSED'}")
 sys.exit(1 if bad else 0)
 PY
+# Everything but the log and the rows in one archive (the device tool brings back a few files).
+tar -C "$out" -czf "$out/evidence.tar.gz" --exclude=evidence.tar.gz --exclude=quick.log \
+  --exclude=quick.jsonl --exclude=engine-profile.json.gz . 2>/dev/null
 echo "gpu_quick: $([ $failed = 0 ] && echo passed || echo FAILED)${rehearsal:+ (rehearsal: the GPU goals may miss)}"
 exit $failed

@@ -83,12 +83,13 @@ std::vector<WarmupBatch> PlanWarmup(const ModelSpec& spec, const WarmupShapes& s
   std::vector<WarmupBatch> plan;
   if (!shapes.enabled) return plan;
   // The longest self-attention request the limits allow: its rows, and its scores (heads x rows
-  // x rows) within the score limit.
+  // x (rows + the model's extra keys: bias_k, add_zero_attn)) within the score limit.
   const int64_t per_head = shapes.max_attention_scores / std::max<int64_t>(1, spec.num_heads);
   auto score_rows =
       static_cast<int64_t>(std::sqrt(static_cast<double>(std::max<int64_t>(per_head, 1))));
-  while (score_rows > 1 && score_rows > per_head / score_rows) --score_rows;
-  while (score_rows + 1 <= per_head / (score_rows + 1)) ++score_rows;
+  const int64_t extra = spec.extra_keys();
+  while (score_rows > 1 && score_rows > per_head / (score_rows + extra)) --score_rows;
+  while (score_rows + 1 <= per_head / (score_rows + 1 + extra)) ++score_rows;
   const int64_t cap = std::max<int64_t>(1, std::min(shapes.max_request_tokens, score_rows));
   const auto fit = [cap](int64_t rows) { return std::clamp<int64_t>(rows, 1, cap); };
   std::vector<DType> wires = {DType::kFloat32};

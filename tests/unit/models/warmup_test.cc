@@ -139,6 +139,11 @@ TEST(WarmupTest, EveryWarmUpRequestPassesTheServersScoreLimit) {
     }
     EXPECT_EQ(longest, limit == int64_t{1} << 28 ? 4096 : 256);  // The longest that passes.
   }
+  // A model with extra keys (bias_k and bias_v, add_zero_attn) attends over two more.
+  spec.add_bias_kv = spec.add_zero_attn = true;
+  gpu.max_attention_scores = int64_t{1} << 28;
+  const Status st = WarmModel(std::make_shared<RecordingModel>(spec), gpu);
+  EXPECT_TRUE(st.ok()) << st.ToString();
 }
 
 TEST(WarmupTest, AFailedWarmUpNamesTheModelAndStops) {
