@@ -59,7 +59,10 @@ class Backend {
 
 // Closed-loop requests whose tensors lie in shared memory on this host (--shared-memory): the
 // pool's queries, keys and values in one registered region, each caller's answer written by the
-// server into its own slot of another. What a client on the server's host sends instead of bytes.
+// server into a region of its own. What a client on the server's host sends instead of bytes. One
+// region per caller for the answers: the server writes a region through its file (pwrite), and the
+// kernel lets one write at a time into a file (its inode lock), so answers written into one shared
+// region queue behind each other (an H200 run, 2026-11-28: 1.9 ms a 2.3 MB answer, 0.17x the engine).
 class SharedPool {
  public:
   SharedPool(attnserve::Client& client, const std::vector<Prepared>& pool, int callers) {
@@ -71,14 +74,16 @@ class SharedPool {
     }
     const std::string tag = std::to_string(::getpid());
     inputs_ = attnserve::SharedMemoryRegion::Create("/attnserve-bench-in-" + tag, in);
-    outputs_ = attnserve::SharedMemoryRegion::Create("/attnserve-bench-out-" + tag,
-                                                     out * static_cast<size_t>(callers));
-    slot_ = out;
-    for (auto* r : {inputs_.get(), outputs_.get()}) {
-      const std::string name = r == inputs_.get() ? "bench-in" : "bench-out";
+    const auto enroll = [&](const std::string& name, const attnserve::SharedMemoryRegion& r) {
       client.UnregisterSharedMemory(name);
-      const attnserve::CallStatus s = client.RegisterSharedMemory(name, r->key(), 0, r->size());
+      const attnserve::CallStatus s = client.RegisterSharedMemory(name, r.key(), 0, r.size());
       if (!s.ok()) throw std::invalid_argument("--shared-memory: " + s.ToString());
+    };
+    enroll("bench-in", *inputs_);
+    for (int c = 0; c < callers; ++c) {
+      outputs_.push_back(attnserve::SharedMemoryRegion::Create(
+          "/attnserve-bench-out-" + tag + "-" + std::to_string(c), out));
+      enroll("bench-out-" + std::to_string(c), *outputs_.back());
     }
     size_t at = 0;
     for (const Prepared& p : pool) {
@@ -97,15 +102,14 @@ class SharedPool {
   // `p` with its tensors in the region and its answer into `caller`'s slot.
   attnserve::AttendRequest For(int caller, const Prepared& p) const {
     attnserve::AttendRequest r = requests_.at(&p);
-    r.output_shared_memory =
-        attnserve::SharedMemoryRef{"bench-out", static_cast<int64_t>(slot_) * caller,
-                                   static_cast<int64_t>(p.request.query.data.size())};
+    r.output_shared_memory = attnserve::SharedMemoryRef{
+        "bench-out-" + std::to_string(caller), 0, static_cast<int64_t>(p.request.query.data.size())};
     return r;
   }
 
  private:
-  std::unique_ptr<attnserve::SharedMemoryRegion> inputs_, outputs_;
-  size_t slot_ = 0;
+  std::unique_ptr<attnserve::SharedMemoryRegion> inputs_;
+  std::vector<std::unique_ptr<attnserve::SharedMemoryRegion>> outputs_;  // One per caller.
   std::map<const Prepared*, attnserve::AttendRequest> requests_;
 };
 

@@ -197,6 +197,10 @@ fi
 if serve $build/attnserve-echo --address 127.0.0.1:$port; then
   sampled echo timeout 25 $bench --target 127.0.0.1:$port --wire-dtype $wire --label echo \
     "${large[@]}" 2>/dev/null
+  # The transport's bound for the small ragged row too (same sizes, float32 wire).
+  sampled echo-small timeout 25 $bench --target 127.0.0.1:$port --model $model --embed-dim $embed \
+    --callers $callers --lengths $small --pool 64 --duration $duration --warmup $warmup \
+    --wire-dtype float32 --label echo-small --json "$jsonl" 2>/dev/null
   stop
 fi
 if serve "$py" bench/baselines/python_server.py --port $port --device $device --dtype $dtype \
@@ -227,7 +231,8 @@ PY
 echo "device memory: $(python3 -c "print(f'{$membw / 1e9:.0f}')") GB/s (a device-to-device copy, read plus write)"
 BUILD=$build MODEL=$model goal "first_request:" bench/first_request.sh $rounds -- --models $models \
   --device $device --dtype $dtype
-python3 bench/gpu_evidence.py rows "$jsonl" engine attnserve shm small echo python || failed=1
+python3 bench/gpu_evidence.py rows "$jsonl" engine attnserve shm small echo echo-small python ||
+  failed=1
 elem=$([ "$dtype" = float32 ] && echo 4 || echo 2)
 python3 - "$jsonl" "$out/decode.jsonl" "$membw" "$elem" <<'PY' || { [ -n "$rehearsal" ] || failed=1; }
 import json, os, sys
@@ -251,6 +256,8 @@ goals.append(("small ragged req/s / 2,997", rate("small") / 2997, 1.0))
 goals.append(("attnserve over shared memory / engine", rate("shm") / max(rate("engine"), 1e-9), 0.8))
 goals.append(("attnserve gRPC / echo bound", rate("attnserve") / max(rate("echo"), 1e-9), 0.8))
 goals.append(("attnserve gRPC / 593 req/s (2026-11-26)", rate("attnserve") / 593, 3.0))
+print(f"small ragged / attnserve-echo at the same sizes: {rate('small') / max(rate('echo-small'), 1e-9):.2f} "
+      f"(the transport's bound; not a goal)")
 membw, elem = float(sys.argv[3]), int(sys.argv[4])
 decode = json.loads(open(sys.argv[2]).read().splitlines()[-1]) if os.path.exists(sys.argv[2]) else {}
 if decode:
