@@ -62,7 +62,8 @@ class Backend {
 // server into a region of its own. What a client on the server's host sends instead of bytes. One
 // region per caller for the answers: the server writes a region through its file (pwrite), and the
 // kernel lets one write at a time into a file (its inode lock), so answers written into one shared
-// region queue behind each other (an H200 run, 2026-11-28: 1.9 ms a 2.3 MB answer, 0.17x the engine).
+// region queue behind each other (an H200 run, 2026-11-28: 1.9 ms a 2.3 MB answer, 0.17x the
+// engine).
 class SharedPool {
  public:
   SharedPool(attnserve::Client& client, const std::vector<Prepared>& pool, int callers) {
@@ -102,8 +103,9 @@ class SharedPool {
   // `p` with its tensors in the region and its answer into `caller`'s slot.
   attnserve::AttendRequest For(int caller, const Prepared& p) const {
     attnserve::AttendRequest r = requests_.at(&p);
-    r.output_shared_memory = attnserve::SharedMemoryRef{
-        "bench-out-" + std::to_string(caller), 0, static_cast<int64_t>(p.request.query.data.size())};
+    r.output_shared_memory =
+        attnserve::SharedMemoryRef{"bench-out-" + std::to_string(caller), 0,
+                                   static_cast<int64_t>(p.request.query.data.size())};
     return r;
   }
 

@@ -27,6 +27,9 @@ struct FlowLimits {
   /// The same bound in request plus answer bytes (--max-stream-inflight-bytes); one request over it
   /// still runs, alone.
   int64_t max_stream_bytes = int64_t{64} << 20;
+  /// Most bytes of one request's inputs read from shared-memory regions, checked before any is
+  /// read: as much as one message may carry (--max-message-bytes).
+  int64_t max_region_input_bytes = int64_t{64} << 20;
 };
 
 /// What the pipeline needs to know of the call a request came on, in no front end's terms.

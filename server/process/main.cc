@@ -256,6 +256,11 @@ bool ParseFlags(int argc, char** argv, attnserve::ServerOptions* options, int* e
                  "Most bytes of shared memory registered at once, over every region")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 50))
       ->capture_default_str();
+  app.add_option("--shared-memory-uids", o.shared_memory.allowed_uids,
+                 "Owners (uids, comma-separated) whose shared memory objects clients may register "
+                 "besides the server's own uid (default: none; an object of any other owner is "
+                 "refused with PERMISSION_DENIED)")
+      ->delimiter(',');
   app.add_option("--max-inflight-bytes", o.flow.max_inflight_bytes,
                  "Most request plus answer bytes (at the width they are computed in) held for all "
                  "requests in flight; beyond it new requests get RESOURCE_EXHAUSTED (unset: "

@@ -273,8 +273,9 @@ void Server::Impl::StartPipeline() {
   batcher = std::make_unique<Batcher>(std::move(batching));
   AttendLimits limits = options.limits;
   limits.max_answer_bytes = int64_t{options.max_message_bytes} - int64_t{kResponseOverheadBytes};
-  pipeline =
-      std::make_unique<RequestPipeline>(*models, *batcher, *metrics, limits, options.flow, *kv);
+  FlowLimits flow = options.flow;
+  flow.max_region_input_bytes = options.max_message_bytes;
+  pipeline = std::make_unique<RequestPipeline>(*models, *batcher, *metrics, limits, flow, *kv);
   pipeline->Observe(tracer.get(), access_log.get());
   pipeline->SetTenantHeader(options.tenant_header);
   pipeline->SetWarming(options.warmup);

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -68,6 +69,45 @@ class SystemRegion final : public SharedRegion {
   }
   const int fd_;
 };
+
+// Opens the POSIX shared memory object `key` (IsSharedMemoryKey) as shm_open would (its file
+// under /dev/shm), but without blocking (a FIFO's open would wait for a writer) and without
+// following a link; keeps it only when it is a regular object of the server's uid or of one of
+// `uids`. *fd and *st: the open descriptor and what fstat said of it.
+Status OpenObject(const std::string& key, const std::vector<uint32_t>& uids, int* fd,
+                  struct stat* st) {
+  const std::string file = "/dev/shm" + (key[0] == '/' ? key : "/" + key);
+  constexpr int kFlags = O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC;
+  *fd = ::open(file.c_str(), O_RDWR | kFlags);
+  if (*fd < 0 && errno == EACCES) *fd = ::open(file.c_str(), O_RDONLY | kFlags);
+  if (*fd < 0) {
+    const int err = errno;
+    return Status(
+        err == ENOENT ? StatusCode::kNotFound : StatusCode::kFailedPrecondition,
+        "key: shared memory object " + Quoted(key) + " cannot be opened: " + std::strerror(err));
+  }
+  Status refused;
+  if (::fstat(*fd, st) != 0) {
+    refused = Status(StatusCode::kFailedPrecondition,
+                     "key: shared memory object " + Quoted(key) + ": " + std::strerror(errno));
+  } else if (!S_ISREG(st->st_mode)) {
+    refused = Invalid("key: " + Quoted(key) +
+                      " is not a regular shared memory object (a FIFO, socket, device or "
+                      "directory); only objects made by shm_open are registered");
+  } else if (st->st_uid != ::geteuid() &&
+             std::find(uids.begin(), uids.end(), st->st_uid) == uids.end()) {
+    refused = Status(StatusCode::kPermissionDenied,
+                     "key: shared memory object " + Quoted(key) + " belongs to uid " +
+                         std::to_string(st->st_uid) + ", not to this server's (" +
+                         std::to_string(::geteuid()) +
+                         ") nor to a uid the server's flag --shared-memory-uids lists");
+  }
+  if (!refused.ok()) {
+    ::close(*fd);
+    *fd = -1;
+  }
+  return refused;
+}
 
 }  // namespace
 
@@ -166,17 +206,10 @@ Status SharedMemoryRegistry::RegisterSystem(const std::string& name, const std::
     return Invalid("offset: " + std::to_string(offset) + " plus byte_size " +
                    std::to_string(byte_size) + " overflows int64");
   }
-  const std::string path = key[0] == '/' ? key : "/" + key;
-  int fd = ::shm_open(path.c_str(), O_RDWR | O_CLOEXEC, 0);
-  if (fd < 0 && errno == EACCES) fd = ::shm_open(path.c_str(), O_RDONLY | O_CLOEXEC, 0);
-  if (fd < 0) {
-    const int err = errno;
-    return Status(
-        err == ENOENT ? StatusCode::kNotFound : StatusCode::kFailedPrecondition,
-        "key: shared memory object " + Quoted(key) + " cannot be opened: " + std::strerror(err));
-  }
+  int fd = -1;
   struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size < *end) {
+  RETURN_IF_ERROR(OpenObject(key, options_.allowed_uids, &fd, &st));
+  if (st.st_size < *end) {
     const int64_t size = static_cast<int64_t>(st.st_size);
     ::close(fd);
     return Invalid("byte_size: offset " + std::to_string(offset) + " plus byte_size " +

@@ -22,6 +22,10 @@ struct SharedMemoryOptions {
   int64_t max_bytes = int64_t{16} << 30;
   /// Most regions registered at once.
   size_t max_regions = 1024;
+  /// Owners, besides the server's own uid, whose objects may be registered (--shared-memory-uids).
+  /// An object of any other uid is refused: a caller names a key, and the server (root, say) must
+  /// not read or write an object its owner never offered.
+  std::vector<uint32_t> allowed_uids;
   /// Told the bytes and regions registered after every change (for metrics); may be empty.
   std::function<void(int64_t bytes, size_t regions)> on_change;
 };
@@ -82,7 +86,10 @@ class SharedMemoryRegistry {
   ~SharedMemoryRegistry();  ///< Closes every region not still held by a request.
 
   /// Registers [offset, offset + byte_size) of the POSIX shared memory object `key` ("/name": one
-  /// leading slash optional, then letters, digits, '.', '_' and '-'; never a path) as `name`.
+  /// leading slash optional, then letters, digits, '.', '_' and '-'; never a path) as `name`. The
+  /// object is opened without blocking and without following a link: anything but a regular object
+  /// (a FIFO, socket, device, directory) is INVALID_ARGUMENT at once, an object owned by another
+  /// uid than the server's or SharedMemoryOptions::allowed_uids' PERMISSION_DENIED.
   /// Refused: shared memory off (FAILED_PRECONDITION naming --allow-shared-memory), a bad name or
   /// key, a window past the object's end or overflowing int64 (INVALID_ARGUMENT), the name
   /// registered already (ALREADY_EXISTS), the object missing (NOT_FOUND), the budget or the region

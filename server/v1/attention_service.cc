@@ -21,7 +21,7 @@ Status DecodeAttend(const grpc::ByteBuffer& bytes, const RequestPipeline& pipeli
   RETURN_IF_ERROR(ParseRequest(bytes, &x->request, pipeline.staging(), &x->staged));
   if (!NamesSharedMemory(x->request)) return Status::Ok();
   return ReadSharedTensors(shm, pipeline.staging(), &x->request, &x->staged, &x->shared,
-                           &x->output_limits);
+                           &x->output_limits, pipeline.flow().max_region_input_bytes);
 }
 
 /// AttendStream's messages: AttendRequest in, AttendResponse out (an error travels in `error`).
@@ -37,7 +37,7 @@ class AttendStreamCodec final : public StreamCodec {
     if (parsed.ok() && NamesSharedMemory(x->request)) {
       // A region that cannot be read refuses this request; the stream goes on.
       *refused = ReadSharedTensors(shm_, pipeline_.staging(), &x->request, &x->staged, &x->shared,
-                                   &x->output_limits);
+                                   &x->output_limits, pipeline_.flow().max_region_input_bytes);
     }
     *out = std::move(x);
     return parsed;
@@ -128,7 +128,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CreateMemory(grpc::CallbackServe
   // Keys and values in shared-memory regions: read into a copy of the request held until done.
   auto copy = std::make_shared<v1::CreateMemoryRequest>(*req);
   auto shared = std::make_shared<SharedTensors>();
-  const Status read = ReadSharedTensors(shm_, copy.get(), shared.get());
+  const Status read =
+      ReadSharedTensors(shm_, copy.get(), shared.get(), pipeline_.flow().max_region_input_bytes);
   if (!read.ok()) {
     reactor->Finish(ToGrpcStatus(read));
     return reactor;

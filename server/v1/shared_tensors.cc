@@ -1,5 +1,11 @@
 #include "server/v1/shared_tensors.h"
 
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "server/core/checked_math.h"
+
 namespace attnserve {
 namespace {
 
@@ -16,15 +22,50 @@ StatusOr<RegionRef> Resolve(const SharedMemoryRegistry& shm, const pb::SharedMem
   return r;
 }
 
-// One tensor's bytes from its region: into `staged` when given (a pinned block), else its data.
-Status ReadTensor(const SharedMemoryRegistry& shm, HostStaging* staging, const char* field,
-                  pb::Tensor* t, BlockBytes* staged, SharedTensors* out) {
-  if (!t->has_shared_memory()) return Status::Ok();
-  if (!t->data().empty()) {
+// The bytes a tensor's dtype and shape take; nullopt when a dimension is negative or the product
+// overflows int64 (0 for an unspecified dtype).
+std::optional<int64_t> DeclaredBytes(const pb::Tensor& t) {
+  const int64_t element =
+      t.dtype() == pb::DATA_TYPE_FLOAT32                                          ? 4
+      : t.dtype() == pb::DATA_TYPE_FLOAT16 || t.dtype() == pb::DATA_TYPE_BFLOAT16 ? 2
+      : t.dtype() == pb::DATA_TYPE_BOOL                                           ? 1
+                                                                                  : 0;
+  std::optional<int64_t> bytes = element;
+  for (int64_t d : t.shape()) {
+    if (d < 0 || !bytes) return std::nullopt;
+    bytes = CheckedMul({*bytes, d});
+  }
+  return bytes;
+}
+
+// One input tensor's region, checked before any byte of it is read: the window fits its region
+// and holds exactly what the tensor's dtype and shape take. nullopt: the tensor names no region.
+StatusOr<std::optional<RegionRef>> Window(const SharedMemoryRegistry& shm, const char* field,
+                                          const pb::Tensor& t) {
+  if (!t.has_shared_memory()) return std::optional<RegionRef>();
+  if (!t.data().empty()) {
     return InvalidArgument(std::string(field) +
                            ": both data and shared_memory given; send one or the other");
   }
-  ASSIGN_OR_RETURN(RegionRef r, Resolve(shm, t->shared_memory(), field));
+  ASSIGN_OR_RETURN(RegionRef r, Resolve(shm, t.shared_memory(), field));
+  const std::optional<int64_t> declared = DeclaredBytes(t);
+  if (!declared || *declared != r.byte_size) {
+    std::string shape;
+    for (int64_t d : t.shape()) shape += (shape.empty() ? "" : ", ") + std::to_string(d);
+    return InvalidArgument(std::string(field) + ".shared_memory: byte_size " +
+                           std::to_string(r.byte_size) + ", but the tensor's dtype " +
+                           pb::DataType_Name(t.dtype()) + " and shape [" + shape + "] take " +
+                           (declared ? std::to_string(*declared) + " bytes"
+                                     : std::string("more bytes than int64 counts")) +
+                           "; the window must hold exactly the tensor");
+  }
+  return std::optional<RegionRef>(std::move(r));
+}
+
+// One tensor's bytes from its region (its window checked by Window): into `staged` when given (a
+// pinned block), else its data.
+Status ReadTensor(HostStaging* staging, const char* field, RegionRef r, pb::Tensor* t,
+                  BlockBytes* staged, SharedTensors* out) {
   char* block = nullptr;
   std::shared_ptr<void> owner;
   if (staging != nullptr && staged != nullptr && r.byte_size > 0)
@@ -55,20 +96,51 @@ bool NamesSharedMemory(const pb::CreateMemoryRequest& r) {
          r.key_padding_mask().has_shared_memory();
 }
 
+namespace {
+
+// A request's input tensors in regions: each window checked, and all of them together within
+// `max_bytes`, before any is read; then read, the query, key and value into `staged` when given.
+struct Input {
+  const char* field;
+  pb::Tensor* tensor;
+  BlockBytes* staged;  // Null: into the tensor's data.
+};
+Status ReadInputs(const SharedMemoryRegistry& shm, HostStaging* staging,
+                  const std::vector<Input>& inputs, int64_t max_bytes, SharedTensors* out) {
+  std::vector<std::optional<RegionRef>> windows;
+  int64_t total = 0;
+  for (const Input& in : inputs) {
+    ASSIGN_OR_RETURN(std::optional<RegionRef> w, Window(shm, in.field, *in.tensor));
+    if (w) total = CheckedAdd(total, w->byte_size).value_or(INT64_MAX);
+    windows.push_back(std::move(w));
+  }
+  if (total > max_bytes) {
+    return Status(StatusCode::kResourceExhausted,
+                  "shared memory: the request's tensors in regions take " + std::to_string(total) +
+                      " bytes in all; the server reads at most " + std::to_string(max_bytes) +
+                      " of one request's inputs from regions, as much as one message may carry "
+                      "(server flag --max-message-bytes)");
+  }
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (!windows[i]) continue;
+    RETURN_IF_ERROR(ReadTensor(inputs[i].staged ? staging : nullptr, inputs[i].field,
+                               std::move(*windows[i]), inputs[i].tensor, inputs[i].staged, out));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status ReadSharedTensors(const SharedMemoryRegistry& shm, HostStaging* staging,
                          pb::AttendRequest* r, StagedInputs* staged, SharedTensors* out,
-                         OutputLimits* limits) {
-  RETURN_IF_ERROR(ReadTensor(shm, staging, "query", r->mutable_query(), &staged->query, out));
-  if (r->has_key())
-    RETURN_IF_ERROR(ReadTensor(shm, staging, "key", r->mutable_key(), &staged->key, out));
-  if (r->has_value())
-    RETURN_IF_ERROR(ReadTensor(shm, staging, "value", r->mutable_value(), &staged->value, out));
-  if (r->has_key_padding_mask()) {
-    RETURN_IF_ERROR(
-        ReadTensor(shm, nullptr, "key_padding_mask", r->mutable_key_padding_mask(), nullptr, out));
-  }
-  if (r->has_attn_mask())
-    RETURN_IF_ERROR(ReadTensor(shm, nullptr, "attn_mask", r->mutable_attn_mask(), nullptr, out));
+                         OutputLimits* limits, int64_t max_input_bytes) {
+  std::vector<Input> inputs = {{"query", r->mutable_query(), &staged->query}};
+  if (r->has_key()) inputs.push_back({"key", r->mutable_key(), &staged->key});
+  if (r->has_value()) inputs.push_back({"value", r->mutable_value(), &staged->value});
+  if (r->has_key_padding_mask())
+    inputs.push_back({"key_padding_mask", r->mutable_key_padding_mask(), nullptr});
+  if (r->has_attn_mask()) inputs.push_back({"attn_mask", r->mutable_attn_mask(), nullptr});
+  RETURN_IF_ERROR(ReadInputs(shm, staging, inputs, max_input_bytes, out));
   if (r->has_output_shared_memory()) {
     ASSIGN_OR_RETURN(out->output, Resolve(shm, r->output_shared_memory(), "output_shared_memory"));
     limits->output = {out->output->byte_size,
@@ -84,14 +156,12 @@ Status ReadSharedTensors(const SharedMemoryRegistry& shm, HostStaging* staging,
 }
 
 Status ReadSharedTensors(const SharedMemoryRegistry& shm, pb::CreateMemoryRequest* r,
-                         SharedTensors* out) {
-  RETURN_IF_ERROR(ReadTensor(shm, nullptr, "key", r->mutable_key(), nullptr, out));
-  RETURN_IF_ERROR(ReadTensor(shm, nullptr, "value", r->mutable_value(), nullptr, out));
-  if (r->has_key_padding_mask()) {
-    RETURN_IF_ERROR(
-        ReadTensor(shm, nullptr, "key_padding_mask", r->mutable_key_padding_mask(), nullptr, out));
-  }
-  return Status::Ok();
+                         SharedTensors* out, int64_t max_input_bytes) {
+  std::vector<Input> inputs = {{"key", r->mutable_key(), nullptr},
+                               {"value", r->mutable_value(), nullptr}};
+  if (r->has_key_padding_mask())
+    inputs.push_back({"key_padding_mask", r->mutable_key_padding_mask(), nullptr});
+  return ReadInputs(shm, nullptr, inputs, max_input_bytes, out);
 }
 
 Status WriteSharedTensors(const SharedTensors& shared, AttendAnswer* answer) {

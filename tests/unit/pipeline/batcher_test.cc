@@ -541,8 +541,15 @@ TEST(BatcherTest, ALoneBatchKeepsItsWidthFromOneOperationToTheNext) {
   }
   std::lock_guard<std::mutex> lock(model.mu);
   ASSERT_EQ(model.widths.size(), 60u);
-  EXPECT_EQ(std::count(model.widths.begin(), model.widths.end(), 2), 60)
-      << "operations offered one core: " << std::count(model.widths.begin(), model.widths.end(), 1);
+  // Each batch's operations after its first (the first of a later batch may start while the
+  // worker that ran the one before is still handing out its answers, counted busy: a CI run under
+  // load saw one such of 60, 2026-11-28).
+  std::string narrow;
+  for (size_t i = 0; i < model.widths.size(); ++i) {
+    if (model.widths[i] != 2 && (i % 6 != 0 || i == 0))
+      narrow += " " + std::to_string(i) + ":" + std::to_string(model.widths[i]);
+  }
+  EXPECT_EQ(narrow, "") << "operations (index:width) offered other than both cores";
 }
 
 // PieceExchange: every piece runs exactly once, whether helpers come or not, with several owners

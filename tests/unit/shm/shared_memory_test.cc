@@ -8,10 +8,16 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <csignal>
+#include <functional>
 #include <map>
 #include <random>
+#include <thread>
 
 namespace attnserve {
 namespace {
@@ -84,6 +90,77 @@ TEST(SharedMemoryTest, OnlyPosixSharedMemoryKeysNeverAPath) {
   EXPECT_EQ(reg.RegisterSystem("r", "/attnserve-no-such-object", 0, 1).code(),
             StatusCode::kNotFound);
   EXPECT_EQ(reg.regions(), 0u);
+}
+
+// Runs `body` in a child process that is uid 65534 (nobody): its exit status, or -1 when it did
+// not end within `seconds` (killed). Only root can become another user.
+int AsNobody(const std::function<int()>& body, int seconds) {
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    if (::setgid(65534) != 0 || ::setuid(65534) != 0) ::_exit(99);
+    ::_exit(body());
+  }
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
+  int status = 0;
+  while (::waitpid(pid, &status, WNOHANG) == 0) {
+    if (std::chrono::steady_clock::now() > until) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      return -1;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -2;
+}
+
+// Issue 48: a FIFO another user made in /dev/shm, registered by a server running as an ordinary
+// user, blocked open() waiting for a writer (two such calls and the server stopped answering).
+// Anything but a regular object is refused, at once, without blocking.
+TEST(SharedMemoryTest, AFifoOrAnythingButARegularObjectIsRefusedAtOnce) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root: the FIFO's owner and the server differ";
+  const std::string key = "/attnserve-fifo-" + std::to_string(::getpid());
+  const std::string file = "/dev/shm" + key;
+  ASSERT_EQ(::mkfifo(file.c_str(), 0644), 0);  // root's; others may read it only
+  {
+    SharedMemoryRegistry reg(On());
+    const Status st = reg.RegisterSystem("r", key, 0, 1);  // root: the open itself succeeds
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+    EXPECT_THAT(st.message(), HasSubstr("not a regular"));
+  }
+  // nobody: O_RDWR is refused, and a read-only open of a FIFO waits for a writer unless it is
+  // non-blocking. 0: refused with the message; 1: registered; 2: another refusal.
+  const int outcome = AsNobody(
+      [&] {
+        SharedMemoryRegistry reg(On());
+        const Status st = reg.RegisterSystem("r", key, 0, 1);
+        if (st.ok()) return 1;
+        return st.message().find("not a regular") != std::string::npos ? 0 : 2;
+      },
+      5);
+  EXPECT_EQ(outcome, 0) << "-1: the registration blocked";
+  ::unlink(file.c_str());
+}
+
+// Issue 48: the server, running as root, wrote an answer into an object another user owned (mode
+// 0600) because a caller named it. Only objects of the server's own uid, or of uids the operator
+// lists (--shared-memory-uids), are registered.
+TEST(SharedMemoryTest, AnObjectOfAnotherUidIsRefusedUnlessListed) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root: to give the object to another uid";
+  Object obj(64);
+  const int fd = ::shm_open(obj.key().c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::fchown(fd, 65534, 65534), 0);
+  ::close(fd);
+  SharedMemoryRegistry reg(On());
+  const Status st = reg.RegisterSystem("r", obj.key(), 0, 64);
+  EXPECT_EQ(st.code(), StatusCode::kPermissionDenied);
+  EXPECT_THAT(st.message(), HasSubstr("uid 65534"));
+  EXPECT_THAT(st.message(), HasSubstr("--shared-memory-uids"));
+  EXPECT_EQ(reg.regions(), 0u);
+  SharedMemoryOptions listed = On();
+  listed.allowed_uids = {65534};
+  SharedMemoryRegistry trusting(listed);
+  EXPECT_TRUE(trusting.RegisterSystem("r", obj.key(), 0, 64).ok());
 }
 
 TEST(SharedMemoryTest, ARegistrationLargerThanItsObjectOrOverflowingIsRefused) {
