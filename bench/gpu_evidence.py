@@ -14,6 +14,7 @@ Standard library only: it runs on the GPU machine's python3 and on the CPU rehea
 """
 import collections
 import json
+import os
 import re
 import sys
 
@@ -77,7 +78,9 @@ def stages(before_path, after_path, label):
     if batches > 0:
         # The batch-size distribution from the cumulative buckets.
         buckets = []
-        for (n, ls), v in sorted(after.items(), key=lambda kv: float(dict(kv[0][1]).get("le", "inf").replace("+Inf", "inf"))):
+        def bound(item):
+            return float(dict(item[0][1]).get("le", "inf").replace("+Inf", "inf"))
+        for (n, ls), v in sorted(after.items(), key=bound):
             if n == "attnserve_batch_size_requests_bucket":
                 buckets.append((dict(ls)["le"], v - before.get((n, ls), 0.0)))
         dist, last = [], 0.0
@@ -123,8 +126,8 @@ def profile(path):
 
 def cpu_snapshot(pid, path):
     """The machine's /proc/stat cpu line and each of process `pid`'s threads' CPU ticks, as JSON."""
-    snap = {"stat": open("/proc/stat").readline().split()[1:], "threads": {}}
-    import os
+    snap = {"stat": open("/proc/stat").readline().split()[1:], "threads": {},
+            "cores": os.cpu_count(), "hz": os.sysconf("SC_CLK_TCK")}
     task = f"/proc/{pid}/task"
     for tid in os.listdir(task) if os.path.isdir(task) else []:
         try:
@@ -143,8 +146,7 @@ def cpu(before_path, after_path, label):
     ticks = [int(y) - int(x) for x, y in zip(a["stat"], b["stat"])]
     total = sum(ticks[:8])
     idle = ticks[3] + ticks[4]
-    import os
-    hz, cores = os.sysconf("SC_CLK_TCK"), os.cpu_count()
+    hz, cores = b.get("hz", os.sysconf("SC_CLK_TCK")), b.get("cores", os.cpu_count())
     wall = total / hz / cores if total else 0.0
     by_name = collections.Counter()
     threads = collections.Counter()

@@ -1,6 +1,10 @@
 #include "server/core/wire.h"
 
+#include <optional>
+#include <string>
 #include <tuple>
+
+#include "server/core/checked_math.h"
 
 namespace attnserve {
 namespace {
@@ -148,6 +152,39 @@ void ToWire(const ModelSpec& s, pb::ModelInfo* info) {
   info->set_weights_hash(s.weights_hash);
   info->set_source(s.source);
   info->set_version(s.version);
+}
+
+namespace {
+
+// The bytes a tensor's dtype and shape take; nullopt when a dimension is negative or the product
+// overflows int64 (0 for an unspecified dtype).
+std::optional<int64_t> DeclaredBytes(const pb::Tensor& t) {
+  const int64_t element =
+      t.dtype() == pb::DATA_TYPE_FLOAT32                                          ? 4
+      : t.dtype() == pb::DATA_TYPE_FLOAT16 || t.dtype() == pb::DATA_TYPE_BFLOAT16 ? 2
+      : t.dtype() == pb::DATA_TYPE_BOOL                                           ? 1
+                                                                                  : 0;
+  std::optional<int64_t> bytes = element;
+  for (int64_t d : t.shape()) {
+    if (d < 0 || !bytes) return std::nullopt;
+    bytes = CheckedMul({*bytes, d});
+  }
+  return bytes;
+}
+
+}  // namespace
+
+Status CheckTensorWindow(const pb::Tensor& tensor, int64_t window_bytes, const std::string& field) {
+  const std::optional<int64_t> declared = DeclaredBytes(tensor);
+  if (declared && *declared == window_bytes) return Status::Ok();
+  std::string shape;
+  for (int64_t d : tensor.shape()) shape += (shape.empty() ? "" : ", ") + std::to_string(d);
+  return InvalidArgument(field + ": byte_size " + std::to_string(window_bytes) +
+                         ", but the tensor's dtype " + pb::DataType_Name(tensor.dtype()) +
+                         " and shape [" + shape + "] take " +
+                         (declared ? std::to_string(*declared) + " bytes"
+                                   : std::string("more bytes than int64 counts")) +
+                         "; the window must hold exactly the tensor");
 }
 
 }  // namespace attnserve

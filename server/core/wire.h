@@ -62,6 +62,10 @@ Status FromWire(const pb::AttendRequest& request, AttendCall* call);
 /// The same for CreateMemory's key, value, key_padding_mask and layout (no query).
 Status FromWire(const pb::CreateMemoryRequest& request, AttendCall* call);
 
+/// INVALID_ARGUMENT naming `field` unless `window_bytes` (a shared-memory window) is exactly what
+/// `tensor`'s dtype and shape take; checked before a byte of the window is read.
+Status CheckTensorWindow(const pb::Tensor& tensor, int64_t window_bytes, const std::string& field);
+
 /// Wire dtype of a domain dtype.
 pb::DataType ToWire(DType dtype);
 

@@ -5,6 +5,8 @@
 #include <map>
 #include <set>
 
+#include "server/core/checked_math.h"
+
 namespace attnserve {
 namespace {
 
@@ -293,7 +295,16 @@ StatusOr<std::optional<OipRegion>> RegionOf(const std::string& field, const Para
 // The inputs into `out`'s tensors: raw contents (one per input not in shared memory, in order),
 // typed contents, or a region's bytes.
 Status TakeInputs(inference::ModelInferRequest* in, v1::AttendRequest* out, OipReply* reply,
-                  const SharedMemoryRegistry* shm) {
+                  const SharedMemoryRegistry* shm, int64_t max_region_bytes) {
+  // The inputs in regions, read once every window is checked against its tensor and all of them
+  // against the limit (nothing is read for a request that would be refused).
+  struct Pending {
+    std::string field;
+    v1::Tensor* target;
+    OipRegion region;
+  };
+  std::vector<Pending> pending;
+  int64_t region_bytes = 0;
   int shared = 0;
   for (const InputTensor& t : in->inputs()) shared += t.parameters().count("shared_memory_region");
   const int raw_wanted = in->inputs_size() - shared;
@@ -322,11 +333,10 @@ Status TakeInputs(inference::ModelInferRequest* in, v1::AttendRequest* out, OipR
     target->set_dtype(dtype);
     target->mutable_shape()->Swap(t->mutable_shape());
     if (region) {
-      // The region's bytes, read once into the request (a cut-short region: an error, not SIGBUS).
-      target->mutable_data()->resize(static_cast<size_t>(region->byte_size));
-      RETURN_IF_ERROR(region->region->Read(region->offset, region->byte_size,
-                                           target->mutable_data()->data(), field));
-      reply->regions.push_back(std::move(region->region));
+      RETURN_IF_ERROR(CheckTensorWindow(*target, region->byte_size,
+                                        field + ".parameters.shared_memory_byte_size"));
+      region_bytes = CheckedAdd(region_bytes, region->byte_size).value_or(INT64_MAX);
+      pending.push_back({field, target, std::move(*region)});
     } else if (raw) {
       if (t->has_contents()) {
         return InvalidArgument(field +
@@ -336,6 +346,14 @@ Status TakeInputs(inference::ModelInferRequest* in, v1::AttendRequest* out, OipR
     } else {
       RETURN_IF_ERROR(TypedBytes(field, dtype, t->contents(), target->mutable_data()));
     }
+  }
+  RETURN_IF_ERROR(CheckRegionInputBytes(region_bytes, max_region_bytes));
+  for (Pending& p : pending) {
+    // The region's bytes, read once into the request (a cut-short region: an error, not SIGBUS).
+    p.target->mutable_data()->resize(static_cast<size_t>(p.region.byte_size));
+    RETURN_IF_ERROR(p.region.region->Read(p.region.offset, p.region.byte_size,
+                                          p.target->mutable_data()->data(), p.field));
+    reply->regions.push_back(std::move(p.region.region));
   }
   return Status::Ok();
 }
@@ -376,12 +394,12 @@ Status TakeOutputs(const inference::ModelInferRequest& in, v1::AttendRequest* ou
 }  // namespace
 
 Status OipToAttend(inference::ModelInferRequest* in, v1::AttendRequest* out, OipReply* reply,
-                   const SharedMemoryRegistry* shm) {
+                   const SharedMemoryRegistry* shm, int64_t max_region_bytes) {
   out->set_model(in->model_name());
   reply->id = in->id();
   ASSIGN_OR_RETURN(const int64_t version, OipVersion(in->model_version()));
   out->set_model_version(version);
-  RETURN_IF_ERROR(TakeInputs(in, out, reply, shm));
+  RETURN_IF_ERROR(TakeInputs(in, out, reply, shm, max_region_bytes));
   for (const auto& [name, p] : in->parameters()) RETURN_IF_ERROR(ApplyParameter(name, p, out));
   ASSIGN_OR_RETURN(reply->sequence, SequenceOf(*in, *out));
   return TakeOutputs(*in, out, reply, shm);

@@ -1,5 +1,6 @@
 #pragma once
 
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -53,10 +54,14 @@ int64_t OipBatchOf(const v1::AttendRequest& request);
 /// INVALID_ARGUMENT naming the field, what arrived and what is allowed, for what attnserve does not
 /// take: unknown inputs, outputs or parameters, typed `contents` other than FP32 and BOOL, raw
 /// contents that do not match the inputs not in shared memory, a version that is not a number, a
-/// region window that does not fit its region; NOT_FOUND for a region not registered;
+/// region window that does not fit its region or does not hold exactly its tensor's datatype and
+/// shape; RESOURCE_EXHAUSTED when the inputs in regions take more than `max_region_bytes` in all
+/// (FlowLimits::max_region_input_bytes; all checked before a byte is read); NOT_FOUND for a region
+/// not registered;
 /// FAILED_PRECONDITION when shared memory is off (`shm` null or not allowed).
 Status OipToAttend(inference::ModelInferRequest* in, v1::AttendRequest* out, OipReply* reply,
-                   const SharedMemoryRegistry* shm = nullptr);
+                   const SharedMemoryRegistry* shm = nullptr,
+                   int64_t max_region_bytes = std::numeric_limits<int64_t>::max());
 
 /// Where the answer must fit: the byte sizes of the output regions asked for.
 OutputLimits OipOutputLimits(const OipReply& reply);

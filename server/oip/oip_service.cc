@@ -65,7 +65,8 @@ OipServiceImpl::OipServiceImpl(RequestPipeline& pipeline, CallCounter& calls,
 OipServiceImpl::~OipServiceImpl() = default;
 
 Status OipServiceImpl::Decode(inference::ModelInferRequest* infer, Exchange* x) const {
-  RETURN_IF_ERROR(OipToAttend(infer, &x->request, &x->reply, &shm_));
+  RETURN_IF_ERROR(
+      OipToAttend(infer, &x->request, &x->reply, &shm_, pipeline_.flow().max_region_input_bytes));
   x->output_limits = OipOutputLimits(x->reply);
   return Status::Ok();
 }

@@ -4,6 +4,7 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <prometheus/registry.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -118,6 +119,23 @@ Status CheckOptions(const ServerOptions& options) {
         "Install libopenblas0-pthread (docs/hardware.md \"BLAS\") or run with --workers 1");
   }
   return Status::Ok();
+}
+
+// Each registered region holds a descriptor: the soft limit on open files is raised to the hard
+// one, and regions are capped to leave 256 descriptors for connections, models and logs (a
+// hostile review, 2026-11-28: under systemd's 1,024, registrations took every descriptor, accept()
+// failed, and the listener never took a connection again).
+size_t RegionsTheDescriptorsAllow(size_t max_regions) {
+  struct rlimit files {};
+  if (::getrlimit(RLIMIT_NOFILE, &files) != 0) return max_regions;
+  if (files.rlim_cur < files.rlim_max) {
+    files.rlim_cur = files.rlim_max;
+    ::setrlimit(RLIMIT_NOFILE, &files);
+    ::getrlimit(RLIMIT_NOFILE, &files);
+  }
+  constexpr rlim_t kKept = 256;
+  const rlim_t room = files.rlim_cur > 2 * kKept ? files.rlim_cur - kKept : files.rlim_cur / 2;
+  return std::min<size_t>(max_regions, static_cast<size_t>(room));
 }
 
 // What the batcher will give each model: the shapes its warm-up runs.
@@ -281,6 +299,7 @@ void Server::Impl::StartPipeline() {
   pipeline->SetWarming(options.warmup);
   pipeline->SetStaging(staging.get());
   SharedMemoryOptions shared = options.shared_memory;
+  shared.max_regions = RegionsTheDescriptorsAllow(shared.max_regions);
   shared.on_change = [m = metrics.get()](int64_t bytes, size_t regions) {
     m->SetSharedMemory(bytes, static_cast<int64_t>(regions));
   };

@@ -71,28 +71,28 @@ class SystemRegion final : public SharedRegion {
 };
 
 // Opens the POSIX shared memory object `key` (IsSharedMemoryKey) as shm_open would (its file
-// under /dev/shm), but without blocking (a FIFO's open would wait for a writer) and without
-// following a link; keeps it only when it is a regular object of the server's uid or of one of
-// `uids`. *fd and *st: the open descriptor and what fstat said of it.
+// under /dev/shm), in two steps: first only a reference to the file itself (O_PATH, no link
+// followed: nothing is opened for reading or writing, so a FIFO or a device sees no open at all),
+// checked to be a regular object of the server's uid or of one of `uids`; then that same file,
+// through the reference, for reading and writing (read-only where its mode says so). *fd and
+// *st: the open descriptor and what fstat said of it.
 Status OpenObject(const std::string& key, const std::vector<uint32_t>& uids, int* fd,
                   struct stat* st) {
   const std::string file = "/dev/shm" + (key[0] == '/' ? key : "/" + key);
-  constexpr int kFlags = O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC;
-  *fd = ::open(file.c_str(), O_RDWR | kFlags);
-  if (*fd < 0 && errno == EACCES) *fd = ::open(file.c_str(), O_RDONLY | kFlags);
-  if (*fd < 0) {
+  const int path = ::open(file.c_str(), O_PATH | O_NOFOLLOW | O_CLOEXEC);
+  if (path < 0) {
     const int err = errno;
     return Status(
         err == ENOENT ? StatusCode::kNotFound : StatusCode::kFailedPrecondition,
         "key: shared memory object " + Quoted(key) + " cannot be opened: " + std::strerror(err));
   }
   Status refused;
-  if (::fstat(*fd, st) != 0) {
+  if (::fstat(path, st) != 0) {
     refused = Status(StatusCode::kFailedPrecondition,
                      "key: shared memory object " + Quoted(key) + ": " + std::strerror(errno));
   } else if (!S_ISREG(st->st_mode)) {
     refused = Invalid("key: " + Quoted(key) +
-                      " is not a regular shared memory object (a FIFO, socket, device or "
+                      " is not a regular shared memory object (a link, FIFO, socket, device or "
                       "directory); only objects made by shm_open are registered");
   } else if (st->st_uid != ::geteuid() &&
              std::find(uids.begin(), uids.end(), st->st_uid) == uids.end()) {
@@ -103,13 +103,34 @@ Status OpenObject(const std::string& key, const std::vector<uint32_t>& uids, int
                          ") nor to a uid the server's flag --shared-memory-uids lists");
   }
   if (!refused.ok()) {
-    ::close(*fd);
-    *fd = -1;
+    ::close(path);
+    return refused;
   }
-  return refused;
+  // The very file checked above (the reference pins it: a rename or a new object under the same
+  // key meanwhile changes nothing).
+  const std::string self = "/proc/self/fd/" + std::to_string(path);
+  constexpr int kFlags = O_NONBLOCK | O_NOCTTY | O_CLOEXEC;
+  *fd = ::open(self.c_str(), O_RDWR | kFlags);
+  if (*fd < 0 && errno == EACCES) *fd = ::open(self.c_str(), O_RDONLY | kFlags);
+  const int err = errno;
+  ::close(path);
+  if (*fd < 0) {
+    return Status(StatusCode::kFailedPrecondition, "key: shared memory object " + Quoted(key) +
+                                                       " cannot be opened: " + std::strerror(err));
+  }
+  return Status::Ok();
 }
 
 }  // namespace
+
+Status CheckRegionInputBytes(int64_t total, int64_t max_bytes) {
+  if (total <= max_bytes) return Status::Ok();
+  return Status(StatusCode::kResourceExhausted,
+                "shared memory: the request's tensors in regions take " + std::to_string(total) +
+                    " bytes in all; the server reads at most " + std::to_string(max_bytes) +
+                    " of one request's inputs from regions, as much as one message may carry "
+                    "(server flag --max-message-bytes)");
+}
 
 bool IsSharedMemoryKey(const std::string& key) {
   const std::string name = !key.empty() && key[0] == '/' ? key.substr(1) : key;

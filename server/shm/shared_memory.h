@@ -133,6 +133,11 @@ class SharedMemoryRegistry {
   std::atomic<int64_t> bytes_{0};
 };
 
+/// RESOURCE_EXHAUSTED unless `total` bytes of one request's inputs in regions are at most
+/// `max_bytes` (--max-message-bytes: region inputs count as a message's bytes); checked before any
+/// is read.
+Status CheckRegionInputBytes(int64_t total, int64_t max_bytes);
+
 /// Whether `key` is a POSIX shared memory key attnserve opens: "/name" or "name", the name 1 to 200
 /// letters, digits, '.', '_' or '-', not "." or "..". Anything else (a path, a second slash) is
 /// refused before any file is touched.

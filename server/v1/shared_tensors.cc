@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "server/core/checked_math.h"
+#include "server/core/wire.h"
 
 namespace attnserve {
 namespace {
@@ -22,22 +23,6 @@ StatusOr<RegionRef> Resolve(const SharedMemoryRegistry& shm, const pb::SharedMem
   return r;
 }
 
-// The bytes a tensor's dtype and shape take; nullopt when a dimension is negative or the product
-// overflows int64 (0 for an unspecified dtype).
-std::optional<int64_t> DeclaredBytes(const pb::Tensor& t) {
-  const int64_t element =
-      t.dtype() == pb::DATA_TYPE_FLOAT32                                          ? 4
-      : t.dtype() == pb::DATA_TYPE_FLOAT16 || t.dtype() == pb::DATA_TYPE_BFLOAT16 ? 2
-      : t.dtype() == pb::DATA_TYPE_BOOL                                           ? 1
-                                                                                  : 0;
-  std::optional<int64_t> bytes = element;
-  for (int64_t d : t.shape()) {
-    if (d < 0 || !bytes) return std::nullopt;
-    bytes = CheckedMul({*bytes, d});
-  }
-  return bytes;
-}
-
 // One input tensor's region, checked before any byte of it is read: the window fits its region
 // and holds exactly what the tensor's dtype and shape take. nullopt: the tensor names no region.
 StatusOr<std::optional<RegionRef>> Window(const SharedMemoryRegistry& shm, const char* field,
@@ -48,17 +33,7 @@ StatusOr<std::optional<RegionRef>> Window(const SharedMemoryRegistry& shm, const
                            ": both data and shared_memory given; send one or the other");
   }
   ASSIGN_OR_RETURN(RegionRef r, Resolve(shm, t.shared_memory(), field));
-  const std::optional<int64_t> declared = DeclaredBytes(t);
-  if (!declared || *declared != r.byte_size) {
-    std::string shape;
-    for (int64_t d : t.shape()) shape += (shape.empty() ? "" : ", ") + std::to_string(d);
-    return InvalidArgument(std::string(field) + ".shared_memory: byte_size " +
-                           std::to_string(r.byte_size) + ", but the tensor's dtype " +
-                           pb::DataType_Name(t.dtype()) + " and shape [" + shape + "] take " +
-                           (declared ? std::to_string(*declared) + " bytes"
-                                     : std::string("more bytes than int64 counts")) +
-                           "; the window must hold exactly the tensor");
-  }
+  RETURN_IF_ERROR(CheckTensorWindow(t, r.byte_size, std::string(field) + ".shared_memory"));
   return std::optional<RegionRef>(std::move(r));
 }
 
@@ -114,13 +89,7 @@ Status ReadInputs(const SharedMemoryRegistry& shm, HostStaging* staging,
     if (w) total = CheckedAdd(total, w->byte_size).value_or(INT64_MAX);
     windows.push_back(std::move(w));
   }
-  if (total > max_bytes) {
-    return Status(StatusCode::kResourceExhausted,
-                  "shared memory: the request's tensors in regions take " + std::to_string(total) +
-                      " bytes in all; the server reads at most " + std::to_string(max_bytes) +
-                      " of one request's inputs from regions, as much as one message may carry "
-                      "(server flag --max-message-bytes)");
-  }
+  RETURN_IF_ERROR(CheckRegionInputBytes(total, max_bytes));
   for (size_t i = 0; i < inputs.size(); ++i) {
     if (!windows[i]) continue;
     RETURN_IF_ERROR(ReadTensor(inputs[i].staged ? staging : nullptr, inputs[i].field,

@@ -409,5 +409,52 @@ TEST(OipCodecTest, InputsAndOutputsInSharedMemoryRegions) {
   EXPECT_THAT(st.message(), HasSubstr("--allow-shared-memory"));
 }
 
+// Issue 48, found by a hostile review (2026-11-28): one small ModelInfer naming a 512 MiB window
+// as its query made the server read all of it before the shape check refused the request (peak
+// memory 185 MB -> 707 MB). Every window is now checked against its tensor and all of them against
+// the request limit before a byte is read.
+TEST(OipCodecTest, RegionInputsAreBoundedBeforeAByteIsRead) {
+  const std::string key = "/attnserve-oip-sparse-" + std::to_string(::getpid());
+  const int fd = ::shm_open(key.c_str(), O_CREAT | O_RDWR, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::ftruncate(fd, int64_t{256} << 20), 0);  // Sparse: no page is touched.
+  ::close(fd);
+  SharedMemoryRegistry shm(Allowed());
+  ASSERT_TRUE(shm.RegisterSystem("big", key, 0, uint64_t{256} << 20).ok());
+  // A window larger than the tensor ([1, 2, 4] FP32: 32 bytes).
+  inference::ModelInferRequest wrong = Request();
+  wrong.clear_raw_input_contents();
+  InRegion(wrong.mutable_inputs(0)->mutable_parameters(), "big", int64_t{64} << 20);
+  v1::AttendRequest out;
+  OipReply reply;
+  Status st = OipToAttend(&wrong, &out, &reply, &shm, int64_t{64} << 20);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(st.message(), HasSubstr("inputs[0].parameters.shared_memory_byte_size"));
+  EXPECT_THAT(st.message(), HasSubstr("take 32 bytes"));
+  EXPECT_TRUE(out.query().data().empty()) << "bytes were read";
+  // Windows that match their tensors, more bytes in all than the limit.
+  inference::ModelInferRequest large = Request();
+  large.clear_raw_input_contents();
+  for (const char* name : {"key", "value"}) {
+    auto* t = large.add_inputs();
+    t->set_name(name);
+    t->set_datatype("FP32");
+  }
+  for (int i = 0; i < 3; ++i) {
+    auto* t = large.mutable_inputs(i);
+    t->clear_shape();
+    for (int64_t d : {1, 1024, 1024}) t->add_shape(d);
+    InRegion(t->mutable_parameters(), "big", int64_t{4} << 20);
+  }
+  v1::AttendRequest out2;
+  OipReply reply2;
+  st = OipToAttend(&large, &out2, &reply2, &shm, int64_t{8} << 20);
+  EXPECT_EQ(st.code(), StatusCode::kResourceExhausted);
+  EXPECT_THAT(st.message(), HasSubstr("12582912 bytes"));
+  EXPECT_THAT(st.message(), HasSubstr("--max-message-bytes"));
+  EXPECT_TRUE(out2.query().data().empty() && out2.key().data().empty()) << "bytes were read";
+  ::shm_unlink(key.c_str());
+}
+
 }  // namespace
 }  // namespace attnserve

@@ -12,6 +12,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <csignal>
 #include <functional>
@@ -138,7 +139,38 @@ TEST(SharedMemoryTest, AFifoOrAnythingButARegularObjectIsRefusedAtOnce) {
       },
       5);
   EXPECT_EQ(outcome, 0) << "-1: the registration blocked";
+  // The FIFO is never opened (a hostile review, 2026-11-28: a reader waiting on its own FIFO was
+  // released with EOF when a caller registered it): a reader waiting stays waiting.
+  std::atomic<bool> released{false};
+  std::thread reader([&] {
+    const int r = ::open(file.c_str(), O_RDONLY);  // Waits for a writer.
+    released = true;
+    if (r >= 0) ::close(r);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  {
+    SharedMemoryRegistry reg(On());
+    EXPECT_EQ(reg.RegisterSystem("r", key, 0, 1).code(), StatusCode::kInvalidArgument);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  EXPECT_FALSE(released.load()) << "the registration opened the FIFO";
+  const int writer = ::open(file.c_str(), O_WRONLY | O_NONBLOCK);  // Lets the reader go.
+  reader.join();
+  if (writer >= 0) ::close(writer);
   ::unlink(file.c_str());
+  // A link, a directory: the same refusal (not an error of opening them).
+  const std::string link = "/dev/shm" + key + "-link", dir = "/dev/shm" + key + "-dir";
+  Object target(8);
+  ASSERT_EQ(::symlink(("/dev/shm" + target.key()).c_str(), link.c_str()), 0);
+  ASSERT_EQ(::mkdir(dir.c_str(), 0700), 0);
+  SharedMemoryRegistry reg(On());
+  for (const std::string& k : {key + "-link", key + "-dir"}) {
+    const Status st = reg.RegisterSystem("r", k, 0, 1);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << k << ": " << st.message();
+    EXPECT_THAT(st.message(), HasSubstr("not a regular")) << k;
+  }
+  ::unlink(link.c_str());
+  ::rmdir(dir.c_str());
 }
 
 // Issue 48: the server, running as root, wrote an answer into an object another user owned (mode
