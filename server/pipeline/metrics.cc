@@ -3,23 +3,22 @@
 namespace attnserve {
 namespace {
 
-// 100 µs to ~26 s, factor 2: spans a tiny CPU forward up to a long queue wait.
+// Bounds from `first`, doubling while below `below`.
+const prometheus::Histogram::BucketBoundaries* Doubling(double first, double below) {
+  auto* b = new prometheus::Histogram::BucketBoundaries;
+  for (double v = first; v < below; v *= 2) b->push_back(v);
+  return b;
+}
+
+// 100 µs to ~26 s: spans a tiny CPU forward up to a long queue wait.
 const prometheus::Histogram::BucketBoundaries& LatencyBuckets() {
-  static const auto* kBuckets = [] {
-    auto* b = new prometheus::Histogram::BucketBoundaries;
-    for (double v = 1e-4; v < 30; v *= 2) b->push_back(v);
-    return b;
-  }();
+  static const auto* kBuckets = Doubling(1e-4, 30);
   return *kBuckets;
 }
 
-// 10 µs to ~10 s, factor 2: a stage of a batch or request (a small copy takes microseconds).
+// 10 µs to ~10 s: a stage of a batch or request (a small copy takes microseconds).
 const prometheus::Histogram::BucketBoundaries& StageBuckets() {
-  static const auto* kBuckets = [] {
-    auto* b = new prometheus::Histogram::BucketBoundaries;
-    for (double v = 1e-5; v < 12; v *= 2) b->push_back(v);
-    return b;
-  }();
+  static const auto* kBuckets = Doubling(1e-5, 12);
   return *kBuckets;
 }
 

@@ -485,6 +485,10 @@ TEST_F(ServerTest, MetricsMoveAfterRequests) {
   ASSERT_THAT(before, HasSubstr("200 OK"));
   const double ok0 = std::max(0.0, Sample(before, ok_count));
   const double bad0 = std::max(0.0, Sample(before, bad_total));
+  const std::string decoded = "attnserve_stage_seconds_count{stage=\"decode\"}",
+                    encoded = "attnserve_stage_seconds_count{stage=\"encode\"}";
+  const double decoded0 = std::max(0.0, Sample(before, decoded)),
+               encoded0 = std::max(0.0, Sample(before, encoded));
   AttendResult out;
   for (int i = 0; i < 3; ++i) ASSERT_TRUE(client_->Attend(Request(1, 8), &out).ok());
   AttendRequest bad = Request(1, 8);
@@ -492,6 +496,12 @@ TEST_F(ServerTest, MetricsMoveAfterRequests) {
   EXPECT_EQ(client_->Attend(bad, &out).code, 3);
   const std::string after = HttpGet(server_->metrics_port(), "/metrics");
   EXPECT_EQ(Sample(after, ok_count), ok0 + 3);
+  // Where the time goes: each answered request's decode and encode; a batch's device stages only
+  // on a GPU.
+  EXPECT_GE(Sample(after, decoded), decoded0 + 3);
+  EXPECT_GE(Sample(after, encoded), encoded0 + 3);
+  EXPECT_GT(Sample(after, "attnserve_stage_seconds_sum{stage=\"decode\"}"), 0);
+  EXPECT_EQ(after.find("stage=\"copy_in\""), std::string::npos);
   EXPECT_EQ(Sample(after, bad_total), bad0 + 1);
   EXPECT_GT(Sample(after, "attnserve_queue_wait_seconds_count{model=\"demo\"}"), 0);
   EXPECT_GT(Sample(after, "attnserve_compute_seconds_sum{model=\"demo\"}"), 0);
