@@ -1,5 +1,6 @@
 #include "server/core/scheduling.h"
 
+#include <algorithm>
 #include <limits>
 #include <sstream>
 
@@ -103,6 +104,13 @@ StatusOr<int64_t> PriorityOptions::LevelOf(uint64_t priority) const {
                            ") or 1 (first) to " + std::to_string(levels));
   }
   return static_cast<int64_t>(priority);
+}
+
+StatusOr<int64_t> PriorityOptions::LevelOf(uint64_t priority, int64_t best_level) const {
+  ASSIGN_OR_RETURN(const int64_t level, LevelOf(priority));
+  if (levels == 0 || best_level <= 0) return level;
+  // One file's cap serves models with any number of levels: past a model's last, its lowest.
+  return std::max(level, std::min(best_level, levels));
 }
 
 const QueuePolicy& PriorityOptions::PolicyOf(int64_t level) const {

@@ -43,6 +43,11 @@ struct PriorityOptions {
   /// The level a request's `priority` puts it in: 0 when there are no levels; priority 0 gives the
   /// default level; INVALID_ARGUMENT past the last level.
   StatusOr<int64_t> LevelOf(uint64_t priority) const;
+  /// LevelOf(priority), but never more urgent than `best_level` (a tenant's best_priority_level;
+  /// 0: no cap): a request asking for a more urgent level is queued at `best_level`, or at the
+  /// lowest level when `best_level` is past it. Clamped, not refused: a client's priority is a
+  /// hint, and clients that always send priority 1 must still be answered.
+  StatusOr<int64_t> LevelOf(uint64_t priority, int64_t best_level) const;
   const QueuePolicy& PolicyOf(int64_t level) const;
   /// The time a request of `level` may wait to start, in µs (0: no limit): the level's default,
   /// or the request's own `requested_us` when the policy allows it and it is shorter.

@@ -21,9 +21,10 @@ SteadyClock::time_point SteadyDeadlineOf(const grpc::CallbackServerContext* ctx)
 
 }  // namespace
 
-CallContext CallOf(grpc::CallbackServerContext* ctx, const RequestPipeline& pipeline) {
+StatusOr<CallContext> CallOf(grpc::CallbackServerContext* ctx, const RequestPipeline& pipeline) {
   CallContext call;
-  call.tenant = TenantOf(ctx, pipeline.tenant_header());
+  ASSIGN_OR_RETURN(call.tenant, TenantOf(ctx, pipeline.tenant_header()));
+  call.local_peer = IsLocalPeer(ctx);
   call.deadline = SteadyDeadlineOf(ctx);
   call.cancelled = [ctx] { return ctx->IsCancelled(); };
   call.trace = TraceOf(ctx);
@@ -35,7 +36,8 @@ CallContext CallOf(grpc::CallbackServerContext* ctx, const RequestPipeline& pipe
   return call;
 }
 
-std::string TenantOf(const grpc::ServerContextBase* ctx, const std::string& tenant_header) {
+StatusOr<std::string> TenantOf(const grpc::ServerContextBase* ctx,
+                               const std::string& tenant_header) {
   const std::shared_ptr<const grpc::AuthContext> peer = ctx->auth_context();
   if (peer && peer->IsPeerAuthenticated()) {
     for (const char* property : {"x509_common_name", "x509_subject_alternative_name"}) {
@@ -45,20 +47,41 @@ std::string TenantOf(const grpc::ServerContextBase* ctx, const std::string& tena
       }
     }
   }
-  if (!tenant_header.empty()) {
-    const auto& metadata = ctx->client_metadata();
-    const auto [first, end] = metadata.equal_range(tenant_header);
-    // Exactly one value: a request carrying two cannot say which is meant.
-    if (first != end && std::next(first) == end) {
-      std::string name(first->second.data(), first->second.size());
-      if (ValidTenantName(name)) return name;
-    }
+  if (tenant_header.empty()) return std::string(kDefaultTenant);
+  const auto& metadata = ctx->client_metadata();
+  const auto [first, end] = metadata.equal_range(tenant_header);
+  if (first == end) return std::string(kDefaultTenant);
+  // Exactly one valid value: a request carrying two cannot say which is meant, and one that names
+  // nobody must not become "default" (and reach default's sessions).
+  const std::string allowed =
+      "; allowed: exactly one value of 1 to 128 printable ASCII characters without spaces";
+  if (std::next(first) != end) {
+    return InvalidArgument("metadata '" + tenant_header +
+                           "': " + std::to_string(std::distance(first, end)) + " values" + allowed);
   }
-  return kDefaultTenant;
+  std::string name(first->second.data(), first->second.size());
+  if (!ValidTenantName(name)) {
+    return InvalidArgument("metadata '" + tenant_header + "': a value of " +
+                           std::to_string(name.size()) + " bytes that names no tenant" + allowed);
+  }
+  return name;
 }
 
-KvCaller KvCallerOf(const grpc::ServerContextBase* ctx, const RequestPipeline& pipeline) {
-  return KvCaller{TraceOf(ctx), TenantOf(ctx, pipeline.tenant_header())};
+bool IsLocalPeer(const grpc::ServerContextBase* ctx) {
+  const std::string peer = ctx->peer();
+  const auto starts = [&peer](const char* prefix) { return peer.rfind(prefix, 0) == 0; };
+  return starts("unix:") || starts("unix-abstract:") || starts("ipv4:127.") ||
+         starts("ipv6:[::1]:") || starts("ipv6:[::ffff:127.");
+}
+
+TenantRegions RegionsOf(SharedMemoryRegistry& shm, const CallContext& call,
+                        const RequestPipeline& pipeline) {
+  const std::shared_ptr<const Tenants> tenants = pipeline.tenants();
+  const TenantPolicy& policy = tenants->Of(call.tenant);
+  RegionTerms terms;
+  terms.max_bytes = policy.shared_memory_max_bytes;
+  terms.key_prefix = SharedMemoryKeyPrefix(policy, call.tenant);
+  return shm.For(RegionCaller{call.tenant, std::move(terms), call.local_peer});
 }
 
 IncomingTrace TraceOf(const grpc::ServerContextBase* ctx) {
@@ -147,9 +170,9 @@ grpc::ServerUnaryReactor* NoMessage(RequestPipeline& pipeline, CallCounter& call
 }
 
 void AttendUnary(RequestPipeline& pipeline, const char* method, grpc::CallbackServerContext* ctx,
-                 grpc::ServerUnaryReactor* reactor, std::unique_ptr<Exchange> x,
+                 CallContext call, grpc::ServerUnaryReactor* reactor, std::unique_ptr<Exchange> x,
                  std::function<Status(Answered&)> answer) {
-  pipeline.Attend(method, std::move(x), CallOf(ctx, pipeline),
+  pipeline.Attend(method, std::move(x), std::move(call),
                   [ctx, reactor, answer = std::move(answer)](Answered answered) {
                     const Status seen = answer(answered);
                     TellTraceOfFailure(ctx, answered->trace, seen);

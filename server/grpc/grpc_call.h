@@ -5,22 +5,36 @@
 #include <functional>
 #include <memory>
 
+#include "server/core/caught.h"
 #include "server/grpc/call_counter.h"
 #include "server/pipeline/request_pipeline.h"
+#include "server/shm/shared_memory.h"
 
 namespace attnserve {
 
-/// What the request pipeline needs of a gRPC call: its deadline on the steady clock (max when the
-/// client set none), whether it is cancelled, and the attempt number that a client's retry policy
-/// sends (gRFC A6's grpc-previous-rpc-attempts).
-CallContext CallOf(grpc::CallbackServerContext* ctx, const RequestPipeline& pipeline);
+/// What the request pipeline needs of a gRPC call: who calls (TenantOf), whether from this host,
+/// its deadline on the steady clock (max when the client set none), whether it is cancelled, and
+/// the attempt number that a client's retry policy sends (gRFC A6's grpc-previous-rpc-attempts).
+/// Every handler that acts for a tenant starts here: a call whose tenant header is invalid is
+/// refused before anything else (TenantOf's INVALID_ARGUMENT).
+StatusOr<CallContext> CallOf(grpc::CallbackServerContext* ctx, const RequestPipeline& pipeline);
 /// Who is calling (docs/tenants.md): the verified client certificate's name under mutual TLS (its
 /// common name, else its first subject alternative name); else, only when the server was told to
 /// trust one (`tenant_header`, --tenant-header), that metadata key's value; else "default". A
-/// header the server does not trust, or a value that cannot name a tenant, is ignored.
-std::string TenantOf(const grpc::ServerContextBase* ctx, const std::string& tenant_header);
+/// header the server does not trust is ignored; a trusted header that is present but does not name
+/// a tenant (two values, empty, over 128 characters, a space or a control character) is
+/// INVALID_ARGUMENT naming the key, never "default".
+StatusOr<std::string> TenantOf(const grpc::ServerContextBase* ctx,
+                               const std::string& tenant_header);
+/// Whether the call's peer is on this host: a unix socket, or loopback (127.0.0.0/8, ::1, or
+/// loopback mapped into IPv6).
+bool IsLocalPeer(const grpc::ServerContextBase* ctx);
 /// The trace and tenant of a call to one of the kept keys' and values' methods.
-KvCaller KvCallerOf(const grpc::ServerContextBase* ctx, const RequestPipeline& pipeline);
+inline KvCaller KvCallerOf(const CallContext& call) { return KvCaller{call.trace, call.tenant}; }
+/// The shared-memory regions `call`'s tenant may name, on its terms (the tenants file's
+/// shared_memory_max_bytes and shared_memory_key_prefix), from its host or not.
+TenantRegions RegionsOf(SharedMemoryRegistry& shm, const CallContext& call,
+                        const RequestPipeline& pipeline);
 /// The caller's W3C trace context: the call's `traceparent` and `tracestate` metadata (malformed:
 /// none; several `tracestate` values are one list, joined with commas).
 IncomingTrace TraceOf(const grpc::ServerContextBase* ctx);
@@ -46,12 +60,26 @@ grpc::ServerUnaryReactor* NoMessage(RequestPipeline& pipeline, CallCounter& call
 /// thread) writes the response from the answered exchange and returns what the client is told;
 /// then a failure names its trace, the handle records the ending, and `reactor` finishes the call.
 void AttendUnary(RequestPipeline& pipeline, const char* method, grpc::CallbackServerContext* ctx,
-                 grpc::ServerUnaryReactor* reactor, std::unique_ptr<Exchange> x,
+                 CallContext call, grpc::ServerUnaryReactor* reactor, std::unique_ptr<Exchange> x,
                  std::function<Status(Answered&)> answer);
 
 /// A unary call answered in place: its reactor, finished at once with `status` (a failure names
 /// `trace`, when the server traced the call).
 grpc::ServerUnaryReactor* Finished(CallCounter& calls, grpc::CallbackServerContext* ctx,
                                    const Status& status, const CallTrace& trace = {});
+
+/// A unary call for its caller answered in place: `fn(const CallContext&, CallTrace*)` returns
+/// what the client is told, a throw included (Caught, naming `method`); a caller that cannot be
+/// named (CallOf's refusal) is told that instead, and `fn` never runs.
+template <typename Fn>
+grpc::ServerUnaryReactor* AnsweredFor(RequestPipeline& pipeline, CallCounter& calls,
+                                      grpc::CallbackServerContext* ctx, const char* method,
+                                      Fn&& fn) {
+  const StatusOr<CallContext> call = CallOf(ctx, pipeline);
+  CallTrace traced;
+  const Status status =
+      call.ok() ? Caught(method, [&] { return fn(*call, &traced); }) : call.status();
+  return Finished(calls, ctx, status, traced);
+}
 
 }  // namespace attnserve

@@ -1,5 +1,6 @@
 #include "server/grpc/stream_reactor.h"
 
+#include "server/core/caught.h"
 #include "server/core/deadline.h"
 #include "server/grpc/grpc_call.h"
 #include "server/grpc/grpc_codec.h"
@@ -9,13 +10,18 @@ namespace attnserve {
 
 StreamReactor::StreamReactor(RequestPipeline& pipeline, CallCounter& calls, StreamCodec& codec,
                              grpc::CallbackServerContext* ctx)
-    : pipeline_(pipeline), calls_(calls), codec_(codec), call_(CallOf(ctx, pipeline_)) {
+    : pipeline_(pipeline), calls_(calls), codec_(codec) {
   calls_.Begin();
   pipeline_.AddCall(this);
+  StatusOr<CallContext> call = CallOf(ctx, pipeline_);
+  if (call.ok()) call_ = std::move(call).value();
   Actions a;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (pipeline_.draining()) {
+    if (!call.ok()) {  // Who is calling is not known: nothing of the stream is read.
+      reads_closed_ = true;
+      finish_status_ = call.status();
+    } else if (pipeline_.draining()) {
       reads_closed_ = true;
       finish_status_ =
           Status(StatusCode::kUnavailable, "server is shutting down; retry on another replica");
@@ -117,7 +123,9 @@ void StreamReactor::OnReadDone(bool ok) {
   Status parsed;
   if (ok) {  // read_buffer_ belongs to the read chain until the next StartRead.
     request.bytes = static_cast<int64_t>(read_buffer_.Length());
-    parsed = codec_.Decode(read_buffer_, &request.request, &request.status, &request.order);
+    parsed = Caught(codec_.method(), [&] {
+      return codec_.Decode(read_buffer_, call_, &request.request, &request.status, &request.order);
+    });
     read_buffer_.Clear();
   }
   Actions a;

@@ -25,13 +25,14 @@ class StreamCodec {
   virtual ~StreamCodec() = default;
   /// The method's name in metrics and messages.
   virtual const char* method() const = 0;
-  /// One message read off the stream. Non-OK: the bytes are not a message at all; the stream ends
-  /// with that status after answering the requests before it. Otherwise `*x` is the exchange and
-  /// `*refused` non-OK when the request is answered at once with that error (the stream goes on).
-  /// Requests with the same non-empty `*order` run one after another in the order they were read
-  /// (a sequence's steps); the others run at once.
-  virtual Status Decode(const grpc::ByteBuffer& bytes, std::unique_ptr<Exchange>* x,
-                        Status* refused, std::string* order) = 0;
+  /// One message read off the stream of `call` (its caller's tenant: whatever the message names,
+  /// regions and sequences, is that tenant's). Non-OK: the bytes are not a message at all (or
+  /// decoding threw); the stream ends with that status after answering the requests before it.
+  /// Otherwise `*x` is the exchange and `*refused` non-OK when the request is answered at once
+  /// with that error (the stream goes on). Requests with the same non-empty `*order` run one after
+  /// another in the order they were read (a sequence's steps); the others run at once.
+  virtual Status Decode(const grpc::ByteBuffer& bytes, const CallContext& call,
+                        std::unique_ptr<Exchange>* x, Status* refused, std::string* order) = 0;
   /// Right before the request goes to the pipeline (after every earlier one of its order came
   /// back). Non-OK: it is answered with that error instead.
   virtual Status Prepare(Exchange*) { return Status::Ok(); }
@@ -152,7 +153,8 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   RequestPipeline& pipeline_;
   CallCounter& calls_;
   StreamCodec& codec_;
-  const CallContext call_;        // The stream's deadline and cancellation, shared by its requests.
+  CallContext
+      call_;  // Who calls, the deadline and cancellation, shared by its requests (set once).
   grpc::ByteBuffer read_buffer_;  // Target of the one outstanding read.
 
   std::mutex mu_;

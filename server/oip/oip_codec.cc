@@ -254,7 +254,7 @@ using Parameters = google::protobuf::Map<std::string, inference::InferParameter>
 // A tensor's shared-memory parameters (Triton's): a region name and a byte size, both or neither,
 // and an optional offset. Nothing when the tensor names no region.
 StatusOr<std::optional<OipRegion>> RegionOf(const std::string& field, const Parameters& params,
-                                            const SharedMemoryRegistry* shm) {
+                                            const TenantRegions* shm) {
   const auto region = params.find("shared_memory_region");
   const auto size = params.find("shared_memory_byte_size");
   const auto offset = params.find("shared_memory_offset");
@@ -295,7 +295,7 @@ StatusOr<std::optional<OipRegion>> RegionOf(const std::string& field, const Para
 // The inputs into `out`'s tensors: raw contents (one per input not in shared memory, in order),
 // typed contents, or a region's bytes.
 Status TakeInputs(inference::ModelInferRequest* in, v1::AttendRequest* out, OipReply* reply,
-                  const SharedMemoryRegistry* shm, int64_t max_region_bytes) {
+                  const TenantRegions* shm, int64_t max_region_bytes) {
   // The inputs in regions, read once every window is checked against its tensor and all of them
   // against the limit (nothing is read for a request that would be refused).
   struct Pending {
@@ -362,7 +362,7 @@ Status TakeInputs(inference::ModelInferRequest* in, v1::AttendRequest* out, OipR
 // for attn_weights asks for the averaged weights unless the parameter says which. An output may go
 // to a shared-memory region.
 Status TakeOutputs(const inference::ModelInferRequest& in, v1::AttendRequest* out, OipReply* reply,
-                   const SharedMemoryRegistry* shm) {
+                   const TenantRegions* shm) {
   reply->outputs.clear();
   reply->output_regions.clear();
   for (int i = 0; i < in.outputs_size(); ++i) {
@@ -394,7 +394,7 @@ Status TakeOutputs(const inference::ModelInferRequest& in, v1::AttendRequest* ou
 }  // namespace
 
 Status OipToAttend(inference::ModelInferRequest* in, v1::AttendRequest* out, OipReply* reply,
-                   const SharedMemoryRegistry* shm, int64_t max_region_bytes) {
+                   const TenantRegions* shm, int64_t max_region_bytes) {
   out->set_model(in->model_name());
   reply->id = in->id();
   ASSIGN_OR_RETURN(const int64_t version, OipVersion(in->model_version()));

@@ -60,7 +60,7 @@ int64_t OipBatchOf(const v1::AttendRequest& request);
 /// not registered;
 /// FAILED_PRECONDITION when shared memory is off (`shm` null or not allowed).
 Status OipToAttend(inference::ModelInferRequest* in, v1::AttendRequest* out, OipReply* reply,
-                   const SharedMemoryRegistry* shm = nullptr,
+                   const TenantRegions* shm = nullptr,
                    int64_t max_region_bytes = std::numeric_limits<int64_t>::max());
 
 /// Where the answer must fit: the byte sizes of the output regions asked for.

@@ -18,12 +18,13 @@ class OipServiceImpl::Stream final : public StreamCodec {
   explicit Stream(OipServiceImpl& service) : service_(service) {}
   const char* method() const override { return "ModelStreamInfer"; }
 
-  Status Decode(const grpc::ByteBuffer& bytes, std::unique_ptr<attnserve::Exchange>* out,
-                Status* refused, std::string* order) override {
+  Status Decode(const grpc::ByteBuffer& bytes, const CallContext& call,
+                std::unique_ptr<attnserve::Exchange>* out, Status* refused,
+                std::string* order) override {
     inference::ModelInferRequest infer;
     RETURN_IF_ERROR(ParseMessage(bytes, &infer));
     auto x = std::make_unique<Exchange>();
-    *refused = service_.Decode(&infer, x.get());
+    *refused = service_.Decode(&infer, call, x.get());
     if (refused->ok() && x->reply.sequence)
       *order = infer.model_name() + '\n' + x->reply.sequence->id;
     *out = std::move(x);
@@ -64,11 +65,17 @@ OipServiceImpl::OipServiceImpl(RequestPipeline& pipeline, CallCounter& calls,
 
 OipServiceImpl::~OipServiceImpl() = default;
 
-Status OipServiceImpl::Decode(inference::ModelInferRequest* infer, Exchange* x) const {
-  RETURN_IF_ERROR(
-      OipToAttend(infer, &x->request, &x->reply, &shm_, pipeline_.flow().max_region_input_bytes));
-  x->output_limits = OipOutputLimits(x->reply);
-  return Status::Ok();
+Status OipServiceImpl::Decode(inference::ModelInferRequest* infer, const CallContext& call,
+                              Exchange* x) {
+  return Caught("ModelInfer", [&] {
+    const TenantRegions regions = RegionsOf(shm_, call, pipeline_);
+    RETURN_IF_ERROR(OipToAttend(infer, &x->request, &x->reply, &regions,
+                                pipeline_.flow().max_region_input_bytes));
+    x->output_limits = OipOutputLimits(x->reply);
+    // A sequence is its caller's: another tenant's sequence of the same id is another session.
+    if (x->reply.sequence) x->reply.sequence->tenant = call.tenant;
+    return Status::Ok();
+  });
 }
 
 void OipServiceImpl::CloseSession(const std::string& handle, const std::string& tenant) {
@@ -155,13 +162,12 @@ grpc::ServerUnaryReactor* OipServiceImpl::ModelInfer(grpc::CallbackServerContext
                                                      grpc::ByteBuffer* resp) {
   if (!req->Valid()) return NoMessage(pipeline_, calls_, ctx, "ModelInfer", "ModelInferRequest");
   auto* reactor = NewUnaryReactor(calls_, ctx);  // Counted open from here, while it decodes too.
+  StatusOr<CallContext> call = CallOf(ctx, pipeline_);
   inference::ModelInferRequest infer;
   auto x = std::make_unique<Exchange>();
-  Status st = ParseMessage(*req, &infer);
-  if (st.ok()) st = Decode(&infer, x.get());
-  if (st.ok() && x->reply.sequence) {
-    x->reply.sequence->tenant = TenantOf(ctx, pipeline_.tenant_header());
-  }
+  Status st = call.status();
+  if (st.ok()) st = ParseMessage(*req, &infer);
+  if (st.ok()) st = Decode(&infer, *call, x.get());
   if (st.ok()) st = BeginSequence(x.get());
   if (!st.ok()) {
     pipeline_.RecordUndecoded("ModelInfer", st);
@@ -169,7 +175,8 @@ grpc::ServerUnaryReactor* OipServiceImpl::ModelInfer(grpc::CallbackServerContext
     return reactor;
   }
   AttendUnary(
-      pipeline_, "ModelInfer", ctx, reactor, std::move(x), [this, resp](Answered& answered) {
+      pipeline_, "ModelInfer", ctx, std::move(call).value(), reactor, std::move(x),
+      [this, resp](Answered& answered) {
         auto* x = static_cast<Exchange*>(answered.get());
         const Status& computed = answered.status();
         EndSequence(*x, computed);
@@ -193,59 +200,78 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* OipServiceImpl::Mod
 grpc::ServerUnaryReactor* OipServiceImpl::SystemSharedMemoryStatus(
     grpc::CallbackServerContext* ctx, const inference::SystemSharedMemoryStatusRequest* req,
     inference::SystemSharedMemoryStatusResponse* resp) {
-  const StatusOr<std::vector<RegionInfo>> regions = shm_.List(req->name(), false);
-  if (regions.ok()) {
-    for (const RegionInfo& r : *regions) {
-      auto& status = (*resp->mutable_regions())[r.name];
-      status.set_name(r.name);
-      status.set_key(r.key);
-      status.set_offset(r.offset);
-      status.set_byte_size(r.byte_size);
-    }
-  }
-  return Finished(calls_, ctx, regions.status());
+  return AnsweredFor(pipeline_, calls_, ctx, "SystemSharedMemoryStatus",
+                     [&](const CallContext& call, auto*) {
+                       const StatusOr<std::vector<RegionInfo>> regions =
+                           RegionsOf(shm_, call, pipeline_).List(req->name(), false);
+                       if (regions.ok()) {
+                         for (const RegionInfo& r : *regions) {
+                           auto& status = (*resp->mutable_regions())[r.name];
+                           status.set_name(r.name);
+                           status.set_key(r.key);
+                           status.set_offset(r.offset);
+                           status.set_byte_size(r.byte_size);
+                         }
+                       }
+                       return regions.status();
+                     });
 }
 
 grpc::ServerUnaryReactor* OipServiceImpl::SystemSharedMemoryRegister(
     grpc::CallbackServerContext* ctx, const inference::SystemSharedMemoryRegisterRequest* req,
     inference::SystemSharedMemoryRegisterResponse*) {
-  return Finished(calls_, ctx,
-                  shm_.RegisterSystem(req->name(), req->key(), req->offset(), req->byte_size()));
+  return AnsweredFor(
+      pipeline_, calls_, ctx, "SystemSharedMemoryRegister", [&](const CallContext& call, auto*) {
+        return RegionsOf(shm_, call, pipeline_)
+            .RegisterSystem(req->name(), req->key(), req->offset(), req->byte_size());
+      });
 }
 
 grpc::ServerUnaryReactor* OipServiceImpl::SystemSharedMemoryUnregister(
     grpc::CallbackServerContext* ctx, const inference::SystemSharedMemoryUnregisterRequest* req,
     inference::SystemSharedMemoryUnregisterResponse*) {
-  return Finished(calls_, ctx, shm_.Unregister(req->name(), /*cuda=*/false));
+  return AnsweredFor(
+      pipeline_, calls_, ctx, "SystemSharedMemoryUnregister", [&](const CallContext& call, auto*) {
+        return RegionsOf(shm_, call, pipeline_).Unregister(req->name(), /*cuda=*/false);
+      });
 }
 
 grpc::ServerUnaryReactor* OipServiceImpl::CudaSharedMemoryStatus(
     grpc::CallbackServerContext* ctx, const inference::CudaSharedMemoryStatusRequest* req,
     inference::CudaSharedMemoryStatusResponse* resp) {
-  const StatusOr<std::vector<RegionInfo>> regions = shm_.List(req->name(), true);
-  if (regions.ok()) {
-    for (const RegionInfo& r : *regions) {
-      auto& status = (*resp->mutable_regions())[r.name];
-      status.set_name(r.name);
-      status.set_device_id(static_cast<uint64_t>(r.device));
-      status.set_byte_size(r.byte_size);
-    }
-  }
-  return Finished(calls_, ctx, regions.status());
+  return AnsweredFor(pipeline_, calls_, ctx, "CudaSharedMemoryStatus",
+                     [&](const CallContext& call, auto*) {
+                       const StatusOr<std::vector<RegionInfo>> regions =
+                           RegionsOf(shm_, call, pipeline_).List(req->name(), true);
+                       if (regions.ok()) {
+                         for (const RegionInfo& r : *regions) {
+                           auto& status = (*resp->mutable_regions())[r.name];
+                           status.set_name(r.name);
+                           status.set_device_id(static_cast<uint64_t>(r.device));
+                           status.set_byte_size(r.byte_size);
+                         }
+                       }
+                       return regions.status();
+                     });
 }
 
 grpc::ServerUnaryReactor* OipServiceImpl::CudaSharedMemoryRegister(
     grpc::CallbackServerContext* ctx, const inference::CudaSharedMemoryRegisterRequest* req,
     inference::CudaSharedMemoryRegisterResponse*) {
-  return Finished(
-      calls_, ctx,
-      shm_.RegisterCuda(req->name(), req->raw_handle(), req->device_id(), req->byte_size()));
+  return AnsweredFor(
+      pipeline_, calls_, ctx, "CudaSharedMemoryRegister", [&](const CallContext& call, auto*) {
+        return RegionsOf(shm_, call, pipeline_)
+            .RegisterCuda(req->name(), req->raw_handle(), req->device_id(), req->byte_size());
+      });
 }
 
 grpc::ServerUnaryReactor* OipServiceImpl::CudaSharedMemoryUnregister(
     grpc::CallbackServerContext* ctx, const inference::CudaSharedMemoryUnregisterRequest* req,
     inference::CudaSharedMemoryUnregisterResponse*) {
-  return Finished(calls_, ctx, shm_.Unregister(req->name(), /*cuda=*/true));
+  return AnsweredFor(
+      pipeline_, calls_, ctx, "CudaSharedMemoryUnregister", [&](const CallContext& call, auto*) {
+        return RegionsOf(shm_, call, pipeline_).Unregister(req->name(), /*cuda=*/true);
+      });
 }
 
 }  // namespace attnserve

@@ -95,7 +95,7 @@ class OipServiceImpl final : public oip_detail::Base {
   void CloseSession(const std::string& handle, const std::string& tenant);
 
   // A decoded request for the pipeline: its inputs read, its outputs' regions noted.
-  Status Decode(inference::ModelInferRequest* infer, Exchange* x) const;
+  Status Decode(inference::ModelInferRequest* infer, const CallContext& call, Exchange* x);
   // The answer's outputs that go to regions written there; then its message.
   grpc::ByteBuffer EncodeAnswer(Exchange* x, Status* status) const;
 

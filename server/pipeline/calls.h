@@ -46,6 +46,9 @@ struct CallContext {
   /// Who is calling (the front end's TenantOf: a verified certificate's name, a trusted header's
   /// value, or "default").
   std::string tenant = kDefaultTenant;
+  /// Whether the call came from this host (loopback or a unix socket): only such a caller names
+  /// shared-memory objects, which are on this host (docs/clients.md).
+  bool local_peer = true;
 
   bool IsCancelled() const { return cancelled && cancelled(); }
 };

@@ -283,7 +283,10 @@ Status RequestPipeline::Schedule(const Exchange& x, const TenantPolicy& terms,
   item->tenant_max_queued = terms.max_queued_requests;
   item->flops = ForwardFlops(item->model->spec(), item->call);
   const PriorityOptions& priorities = batcher_.PrioritiesOf(*item->model);
-  ASSIGN_OR_RETURN(item->level, priorities.LevelOf(x.request.priority()));
+  // The tenant's cap applies here, before the level's queue policy is read, so the queue, its
+  // timeout, the span and the access log all see the level the request is actually queued at.
+  ASSIGN_OR_RETURN(item->level,
+                   priorities.LevelOf(x.request.priority(), terms.best_priority_level));
   const int64_t timeout_us = priorities.TimeoutUs(item->level, x.request.queue_timeout_us());
   if (timeout_us > 0) {
     // Far timeouts (up to 2^63 µs) saturate at the end of time rather than wrap: compared in

@@ -261,6 +261,10 @@ bool ParseFlags(int argc, char** argv, attnserve::ServerOptions* options, int* e
                  "besides the server's own uid (default: none; an object of any other owner is "
                  "refused with PERMISSION_DENIED)")
       ->delimiter(',');
+  app.add_flag("--shared-memory-remote-peers", o.shared_memory.remote_peers,
+               "Let callers that are not on this host (neither loopback nor a unix socket) "
+               "register shared memory too, e.g. behind a proxy on the same host (default: off; "
+               "their registrations are refused with PERMISSION_DENIED)");
   app.add_option("--max-inflight-bytes", o.flow.max_inflight_bytes,
                  "Most request plus answer bytes (at the width they are computed in) held for all "
                  "requests in flight; beyond it new requests get RESOURCE_EXHAUSTED (unset: "

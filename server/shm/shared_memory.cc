@@ -158,11 +158,18 @@ SharedMemoryRegistry::SharedMemoryRegistry(SharedMemoryOptions options, CudaRegi
 
 SharedMemoryRegistry::~SharedMemoryRegistry() { Clear(); }
 
-Status SharedMemoryRegistry::Admit(const std::string& name, uint64_t byte_size) const {
+Status SharedMemoryRegistry::Admit(const RegionCaller& caller, const std::string& name,
+                                   uint64_t byte_size) const {
   if (!options_.allowed) {
     return Status(StatusCode::kFailedPrecondition,
                   "shared memory is off on this server (start it with --allow-shared-memory to "
                   "let clients on its host register regions)");
+  }
+  if (!caller.local && !options_.remote_peers) {
+    return Status(StatusCode::kPermissionDenied,
+                  "shared memory: this call did not come from the server's host (loopback or a "
+                  "unix socket), and a region names an object on the server's host; the server "
+                  "flag --shared-memory-remote-peers allows it");
   }
   if (name.empty() || name.size() > kMaxNameBytes) {
     return Invalid("name: " + std::to_string(name.size()) + " bytes; expected 1 to " +
@@ -171,34 +178,49 @@ Status SharedMemoryRegistry::Admit(const std::string& name, uint64_t byte_size) 
   for (unsigned char c : name) {
     if (c < 0x20 || c == 0x7f) return Invalid("name: has a control character; expected text");
   }
-  if (regions_.count(name)) {
+  if (regions_.count({caller.tenant, name})) {
     return Status(StatusCode::kAlreadyExists,
                   "name: shared memory region " + Quoted(name) +
                       " is registered already; unregister it first, or choose another name");
   }
   if (regions_.size() >= options_.max_regions) {
     return Status(StatusCode::kResourceExhausted,
-                  "shared memory: " + std::to_string(regions_.size()) +
-                      " regions are registered, the most this server holds; unregister some");
+                  "shared memory: the server holds its most regions (" +
+                      std::to_string(options_.max_regions) + ") now; unregister some");
   }
-  if (byte_size == 0 || byte_size > static_cast<uint64_t>(options_.max_bytes) ||
-      static_cast<int64_t>(byte_size) > options_.max_bytes - bytes_.load()) {
+  const auto held = tenant_bytes_.find(caller.tenant);
+  const int64_t mine = held == tenant_bytes_.end() ? 0 : held->second;
+  const int64_t cap = caller.terms.max_bytes;
+  if (byte_size == 0 || (cap > 0 && (byte_size > static_cast<uint64_t>(cap) ||
+                                     static_cast<int64_t>(byte_size) > cap - mine))) {
     return Status(StatusCode::kResourceExhausted,
-                  "byte_size: " + std::to_string(byte_size) + " bytes with " +
-                      std::to_string(bytes_.load()) + " registered would pass the server's " +
-                      std::to_string(options_.max_bytes) +
-                      " (flag --shared-memory-bytes); a region needs at least 1 byte");
+                  "byte_size: " + std::to_string(byte_size) + " bytes with the " +
+                      std::to_string(mine) + " this tenant has registered would pass its " +
+                      std::to_string(cap) +
+                      " (tenants file, shared_memory_max_bytes); a region needs at least 1 byte");
+  }
+  if (byte_size > static_cast<uint64_t>(options_.max_bytes) ||
+      static_cast<int64_t>(byte_size) > options_.max_bytes - bytes_.load()) {
+    // Nothing of what others hold: only the caller's own bytes and the server's flag.
+    return Status(StatusCode::kResourceExhausted,
+                  "byte_size: " + std::to_string(byte_size) +
+                      " bytes do not fit the server's shared memory budget now (flag "
+                      "--shared-memory-bytes, " +
+                      std::to_string(options_.max_bytes) + " over every tenant); this tenant has " +
+                      std::to_string(mine) + " registered");
   }
   return Status::Ok();
 }
 
-Status SharedMemoryRegistry::Add(std::unique_ptr<SharedRegion> region) {
+Status SharedMemoryRegistry::Add(const RegionCaller& caller, std::unique_ptr<SharedRegion> region) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     const RegionInfo& info = region->info();
-    RETURN_IF_ERROR(Admit(info.name, info.byte_size));  // Again: another call may have come first.
+    // Again: another call may have come first.
+    RETURN_IF_ERROR(Admit(caller, info.name, info.byte_size));
     bytes_ += static_cast<int64_t>(info.byte_size);
-    regions_.emplace(info.name, std::move(region));
+    tenant_bytes_[caller.tenant] += static_cast<int64_t>(info.byte_size);
+    regions_.emplace(Key{caller.tenant, info.name}, std::move(region));
   }
   Changed();
   return Status::Ok();
@@ -208,17 +230,31 @@ void SharedMemoryRegistry::Changed() const {
   if (options_.on_change) options_.on_change(bytes_.load(), regions());
 }
 
-Status SharedMemoryRegistry::RegisterSystem(const std::string& name, const std::string& key,
-                                            uint64_t offset, uint64_t byte_size) {
+namespace {
+
+// PERMISSION_DENIED unless `key` (its leading '/' aside) starts with `prefix`.
+Status CheckKeyPrefix(const std::string& key, const std::string& prefix) {
+  const std::string name = key[0] == '/' ? key.substr(1) : key;
+  if (name.compare(0, prefix.size(), prefix) == 0) return Status::Ok();
+  return Status(StatusCode::kPermissionDenied,
+                "key: " + Quoted(key) + " is not one of this tenant's: its keys start with " +
+                    Quoted(prefix) + " (tenants file, shared_memory_key_prefix)");
+}
+
+}  // namespace
+
+Status TenantRegions::RegisterSystem(const std::string& name, const std::string& key,
+                                     uint64_t offset, uint64_t byte_size) const {
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    RETURN_IF_ERROR(Admit(name, byte_size));
+    std::lock_guard<std::mutex> lock(registry_->mu_);
+    RETURN_IF_ERROR(registry_->Admit(caller_, name, byte_size));
   }
   if (!IsSharedMemoryKey(key)) {
     return Invalid("key: " + Quoted(key) +
                    " is not a POSIX shared memory key; expected \"/name\" with letters, digits, "
                    "'.', '_' or '-' (never a path)");
   }
+  RETURN_IF_ERROR(CheckKeyPrefix(key, caller_.terms.key_prefix));
   const std::optional<int64_t> end =
       offset > static_cast<uint64_t>(INT64_MAX) || byte_size > static_cast<uint64_t>(INT64_MAX)
           ? std::nullopt
@@ -229,7 +265,7 @@ Status SharedMemoryRegistry::RegisterSystem(const std::string& name, const std::
   }
   int fd = -1;
   struct stat st {};
-  RETURN_IF_ERROR(OpenObject(key, options_.allowed_uids, &fd, &st));
+  RETURN_IF_ERROR(OpenObject(key, registry_->options_.allowed_uids, &fd, &st));
   if (st.st_size < *end) {
     const int64_t size = static_cast<int64_t>(st.st_size);
     ::close(fd);
@@ -242,16 +278,16 @@ Status SharedMemoryRegistry::RegisterSystem(const std::string& name, const std::
   info.key = key;
   info.offset = offset;
   info.byte_size = byte_size;
-  return Add(std::make_unique<SystemRegion>(std::move(info), fd));
+  return registry_->Add(caller_, std::make_unique<SystemRegion>(std::move(info), fd));
 }
 
-Status SharedMemoryRegistry::RegisterCuda(const std::string& name, const std::string& raw_handle,
-                                          int64_t device, uint64_t byte_size) {
+Status TenantRegions::RegisterCuda(const std::string& name, const std::string& raw_handle,
+                                   int64_t device, uint64_t byte_size) const {
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    RETURN_IF_ERROR(Admit(name, byte_size));
+    std::lock_guard<std::mutex> lock(registry_->mu_);
+    RETURN_IF_ERROR(registry_->Admit(caller_, name, byte_size));
   }
-  if (!cuda_) {
+  if (!registry_->cuda_) {
     return Status(StatusCode::kFailedPrecondition,
                   "CUDA shared memory needs a server computing on a GPU (--device cuda)");
   }
@@ -260,34 +296,42 @@ Status SharedMemoryRegistry::RegisterCuda(const std::string& name, const std::st
   info.cuda = true;
   info.device = device;
   info.byte_size = byte_size;
-  ASSIGN_OR_RETURN(std::unique_ptr<SharedRegion> region, cuda_(info, raw_handle));
-  return Add(std::move(region));
+  ASSIGN_OR_RETURN(std::unique_ptr<SharedRegion> region, registry_->cuda_(info, raw_handle));
+  return registry_->Add(caller_, std::move(region));
 }
 
-Status SharedMemoryRegistry::Unregister(const std::string& name, bool cuda) {
+Status TenantRegions::Unregister(const std::string& name, bool cuda) const {
   std::vector<std::shared_ptr<const SharedRegion>> gone;  // Closed outside the lock.
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (auto it = regions_.begin(); it != regions_.end();) {
-      if ((name.empty() || it->first == name) && it->second->info().cuda == cuda) {
-        bytes_ -= static_cast<int64_t>(it->second->info().byte_size);
+    std::lock_guard<std::mutex> lock(registry_->mu_);
+    auto& regions = registry_->regions_;
+    for (auto it = regions.lower_bound({caller_.tenant, ""});
+         it != regions.end() && it->first.first == caller_.tenant;) {
+      if ((name.empty() || it->first.second == name) && it->second->info().cuda == cuda) {
+        const auto bytes = static_cast<int64_t>(it->second->info().byte_size);
+        registry_->bytes_ -= bytes;
+        if ((registry_->tenant_bytes_[caller_.tenant] -= bytes) == 0) {
+          registry_->tenant_bytes_.erase(caller_.tenant);
+        }
         gone.push_back(std::move(it->second));
-        it = regions_.erase(it);
+        it = regions.erase(it);
       } else {
         ++it;
       }
     }
   }
-  if (!gone.empty()) Changed();
+  if (!gone.empty()) registry_->Changed();
   return Status::Ok();
 }
 
-StatusOr<std::vector<RegionInfo>> SharedMemoryRegistry::List(const std::string& name,
-                                                             bool cuda) const {
-  std::lock_guard<std::mutex> lock(mu_);
+StatusOr<std::vector<RegionInfo>> TenantRegions::List(const std::string& name, bool cuda) const {
+  std::lock_guard<std::mutex> lock(registry_->mu_);
   std::vector<RegionInfo> out;
-  for (const auto& [n, region] : regions_) {
-    if ((name.empty() || n == name) && region->info().cuda == cuda) out.push_back(region->info());
+  const auto& regions = registry_->regions_;
+  for (auto it = regions.lower_bound({caller_.tenant, ""});
+       it != regions.end() && it->first.first == caller_.tenant; ++it) {
+    const RegionInfo& info = it->second->info();
+    if ((name.empty() || it->first.second == name) && info.cuda == cuda) out.push_back(info);
   }
   if (!name.empty() && out.empty()) {
     return NotFound("name: no " + std::string(cuda ? "CUDA" : "system") + " shared memory region " +
@@ -296,16 +340,15 @@ StatusOr<std::vector<RegionInfo>> SharedMemoryRegistry::List(const std::string& 
   return out;
 }
 
-StatusOr<std::shared_ptr<const SharedRegion>> SharedMemoryRegistry::Find(
-    const std::string& name) const {
-  if (!options_.allowed) {
+StatusOr<std::shared_ptr<const SharedRegion>> TenantRegions::Find(const std::string& name) const {
+  if (!registry_->options_.allowed) {
     return Status(StatusCode::kFailedPrecondition,
                   "shared memory is off on this server (--allow-shared-memory); send the "
                   "tensor's bytes in the message");
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = regions_.find(name);
-  if (it == regions_.end()) {
+  std::lock_guard<std::mutex> lock(registry_->mu_);
+  auto it = registry_->regions_.find({caller_.tenant, name});
+  if (it == registry_->regions_.end()) {
     return NotFound("shared memory region " + Quoted(name) + " is not registered");
   }
   return it->second;
@@ -317,10 +360,11 @@ size_t SharedMemoryRegistry::regions() const {
 }
 
 void SharedMemoryRegistry::Clear() {
-  std::map<std::string, std::shared_ptr<const SharedRegion>> gone;
+  std::map<Key, std::shared_ptr<const SharedRegion>> gone;
   {
     std::lock_guard<std::mutex> lock(mu_);
     gone.swap(regions_);
+    tenant_bytes_.clear();
     bytes_ = 0;
   }
   Changed();

@@ -7,6 +7,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "server/core/status.h"
@@ -26,8 +27,29 @@ struct SharedMemoryOptions {
   /// An object of any other uid is refused: a caller names a key, and the server (root, say) must
   /// not read or write an object its owner never offered.
   std::vector<uint32_t> allowed_uids;
+  /// Whether a caller that is not on this host (a peer off loopback and not on a unix socket) may
+  /// register (--shared-memory-remote-peers). Off: such a registration is PERMISSION_DENIED, since
+  /// the object it names is on the server's host, not on the caller's.
+  bool remote_peers = false;
   /// Told the bytes and regions registered after every change (for metrics); may be empty.
   std::function<void(int64_t bytes, size_t regions)> on_change;
+};
+
+/// What one tenant may register (the tenants file's shared_memory_max_bytes and
+/// shared_memory_key_prefix, docs/tenants.md).
+struct RegionTerms {
+  /// The most bytes its regions hold at once; 0: only the server's SharedMemoryOptions::max_bytes.
+  int64_t max_bytes = 0;
+  /// The keys it may name start with this (after the optional '/'); "": any key.
+  std::string key_prefix;
+};
+
+/// Who registers or names a region: the tenant (every name is that tenant's own), its terms, and
+/// whether its call came from this host.
+struct RegionCaller {
+  std::string tenant;
+  RegionTerms terms;
+  bool local = true;
 };
 
 /// What a region holds, for the Status calls and metrics.
@@ -78,37 +100,64 @@ struct RegionRef {
 using CudaRegionOpener = std::function<StatusOr<std::unique_ptr<SharedRegion>>(
     const RegionInfo& info, const std::string& raw_handle)>;
 
-/// The regions clients registered, by name: one namespace for system and CUDA regions, as the
-/// Open Inference Protocol's shared-memory extension has it. Thread-safe.
+class SharedMemoryRegistry;
+
+/// One caller's regions: the only way to a region's name. Made by SharedMemoryRegistry::For for
+/// the caller of one call (its tenant, its terms, whether it is on this host). Every name it takes
+/// and gives is that tenant's own: another tenant's regions are not there at all (NOT_FOUND exactly
+/// as a name never registered; never listed, never unregistered, "" unregisters only this
+/// tenant's), and two tenants may use the same name. So no handler can reach another tenant's
+/// region: it has no name for it. Cheap to make; valid while its registry is.
+class TenantRegions {
+ public:
+  /// Registers [offset, offset + byte_size) of the POSIX shared memory object `key` ("/name": one
+  /// leading slash optional, then letters, digits, '.', '_' and '-'; never a path) as `name`. The
+  /// object is opened without blocking and without following a link: anything but a regular object
+  /// (a FIFO, socket, device, directory) is INVALID_ARGUMENT at once, an object owned by another
+  /// uid than the server's or SharedMemoryOptions::allowed_uids' PERMISSION_DENIED, a key outside
+  /// the tenant's RegionTerms::key_prefix PERMISSION_DENIED, a caller not on this host
+  /// PERMISSION_DENIED (unless SharedMemoryOptions::remote_peers).
+  /// Refused: shared memory off (FAILED_PRECONDITION naming --allow-shared-memory), a bad name or
+  /// key, a window past the object's end or overflowing int64 (INVALID_ARGUMENT), the name
+  /// registered already by this tenant (ALREADY_EXISTS), the object missing (NOT_FOUND), the
+  /// tenant's cap, the server's budget or region count full (RESOURCE_EXHAUSTED: the tenant's own
+  /// bytes named, never another's). Messages name only what the caller gave.
+  Status RegisterSystem(const std::string& name, const std::string& key, uint64_t offset,
+                        uint64_t byte_size) const;
+  /// Registers a CUDA allocation exported by another process (cudaIpcGetMemHandle's bytes) on
+  /// `device`, `byte_size` long. FAILED_PRECONDITION where there is no CUDA.
+  Status RegisterCuda(const std::string& name, const std::string& raw_handle, int64_t device,
+                      uint64_t byte_size) const;
+  /// Unregisters this tenant's `name` ("" = every region of this tenant) of the kind given (system
+  /// or CUDA); a name of the other kind is left alone. Requests using it finish with it. NOT_FOUND
+  /// is never returned: unregistering what is not there succeeds, as Triton's does.
+  Status Unregister(const std::string& name, bool cuda) const;
+  /// This tenant's regions of one kind: all, or `name`'s (NOT_FOUND when it has none by that name
+  /// of that kind).
+  StatusOr<std::vector<RegionInfo>> List(const std::string& name, bool cuda) const;
+  /// This tenant's region a request names, held for as long as the request needs it. NOT_FOUND
+  /// naming it (and only it) when this tenant has none by that name; FAILED_PRECONDITION when
+  /// shared memory is off.
+  StatusOr<std::shared_ptr<const SharedRegion>> Find(const std::string& name) const;
+
+ private:
+  friend class SharedMemoryRegistry;
+  TenantRegions(SharedMemoryRegistry& registry, RegionCaller caller)
+      : registry_(&registry), caller_(std::move(caller)) {}
+  SharedMemoryRegistry* registry_;
+  RegionCaller caller_;
+};
+
+/// The regions clients registered: per tenant, by name (one namespace for system and CUDA regions
+/// within a tenant, as the Open Inference Protocol's shared-memory extension has it). Reached only
+/// through For(caller). Thread-safe.
 class SharedMemoryRegistry {
  public:
   explicit SharedMemoryRegistry(SharedMemoryOptions options, CudaRegionOpener cuda = nullptr);
   ~SharedMemoryRegistry();  ///< Closes every region not still held by a request.
 
-  /// Registers [offset, offset + byte_size) of the POSIX shared memory object `key` ("/name": one
-  /// leading slash optional, then letters, digits, '.', '_' and '-'; never a path) as `name`. The
-  /// object is opened without blocking and without following a link: anything but a regular object
-  /// (a FIFO, socket, device, directory) is INVALID_ARGUMENT at once, an object owned by another
-  /// uid than the server's or SharedMemoryOptions::allowed_uids' PERMISSION_DENIED.
-  /// Refused: shared memory off (FAILED_PRECONDITION naming --allow-shared-memory), a bad name or
-  /// key, a window past the object's end or overflowing int64 (INVALID_ARGUMENT), the name
-  /// registered already (ALREADY_EXISTS), the object missing (NOT_FOUND), the budget or the region
-  /// count full (RESOURCE_EXHAUSTED). Messages name only what the caller gave.
-  Status RegisterSystem(const std::string& name, const std::string& key, uint64_t offset,
-                        uint64_t byte_size);
-  /// Registers a CUDA allocation exported by another process (cudaIpcGetMemHandle's bytes) on
-  /// `device`, `byte_size` long. FAILED_PRECONDITION where there is no CUDA.
-  Status RegisterCuda(const std::string& name, const std::string& raw_handle, int64_t device,
-                      uint64_t byte_size);
-  /// Unregisters `name` ("" = every region) of the kind given (system or CUDA); a name of the
-  /// other kind is left alone. Requests using it finish with it. NOT_FOUND is never returned:
-  /// unregistering what is not there succeeds, as Triton's does.
-  Status Unregister(const std::string& name, bool cuda);
-  /// The regions of one kind: all, or `name`'s (NOT_FOUND when it is not registered as that kind).
-  StatusOr<std::vector<RegionInfo>> List(const std::string& name, bool cuda) const;
-  /// The region a request names, held for as long as the request needs it. NOT_FOUND naming it
-  /// (and only it) when it is not registered; FAILED_PRECONDITION when shared memory is off.
-  StatusOr<std::shared_ptr<const SharedRegion>> Find(const std::string& name) const;
+  /// `caller`'s view: its tenant's regions and nothing else.
+  TenantRegions For(RegionCaller caller) { return TenantRegions(*this, std::move(caller)); }
 
   /// Bytes and regions registered now.
   int64_t registered_bytes() const { return bytes_.load(); }
@@ -122,14 +171,18 @@ class SharedMemoryRegistry {
   void Clear();
 
  private:
-  Status Admit(const std::string& name, uint64_t byte_size) const;  // Under mu_.
-  void Changed() const;  // Tells options_.on_change (outside mu_).
-  Status Add(std::unique_ptr<SharedRegion> region);
+  friend class TenantRegions;
+  using Key = std::pair<std::string, std::string>;  // (tenant, name)
+  Status Admit(const RegionCaller& caller, const std::string& name,
+               uint64_t byte_size) const;  // Under mu_.
+  void Changed() const;                    // Tells options_.on_change (outside mu_).
+  Status Add(const RegionCaller& caller, std::unique_ptr<SharedRegion> region);
 
   const SharedMemoryOptions options_;
   const CudaRegionOpener cuda_;
   mutable std::mutex mu_;
-  std::map<std::string, std::shared_ptr<const SharedRegion>> regions_;
+  std::map<Key, std::shared_ptr<const SharedRegion>> regions_;
+  std::map<std::string, int64_t> tenant_bytes_;  // Tenants holding any.
   std::atomic<int64_t> bytes_{0};
 };
 

@@ -11,6 +11,43 @@ namespace {
 
 Status Fail(const std::string& m) { return {StatusCode::kFailedPrecondition, m}; }
 
+constexpr char kTenantPlaceholder[] = "{tenant}";
+constexpr size_t kMaxKeyPrefix = 200;
+
+// A value as a message shows it: a file may hold megabytes where a string or number belongs.
+std::string Shown(const nlohmann::json& v) {
+  const std::string text = v.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  return text.size() <= 64 ? text : text.substr(0, 64) + "...";
+}
+
+bool KeyPrefixChar(char c) {
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
+         c == '_' || c == '-';
+}
+
+// Only characters every POSIX shared-memory name may hold, so that no prefix carries a '/' (a
+// path inside the name space) or anything a key could not start with.
+StatusOr<std::string> ParseKeyPrefix(const nlohmann::json& v, const std::string& key) {
+  const std::string allowed = "; allowed: a string of at most " + std::to_string(kMaxKeyPrefix) +
+                              " characters: letters, digits, '.', '_', '-' and \"" +
+                              kTenantPlaceholder + "\"";
+  if (!v.is_string()) return Fail(key + " is " + Shown(v) + allowed);
+  const std::string& s = v.get_ref<const std::string&>();
+  if (s.size() > kMaxKeyPrefix) {
+    return Fail(key + " has " + std::to_string(s.size()) + " characters" + allowed);
+  }
+  const size_t placeholder = sizeof kTenantPlaceholder - 1;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s.compare(i, placeholder, kTenantPlaceholder) == 0) {
+      i += placeholder - 1;
+    } else if (!KeyPrefixChar(s[i])) {
+      return Fail(key + " is " + Shown(v) + ", with a character not allowed at offset " +
+                  std::to_string(i) + allowed);
+    }
+  }
+  return s;
+}
+
 StatusOr<TenantPolicy> ParsePolicy(const nlohmann::json& j, const std::string& field) {
   if (!j.is_object()) return Fail(field + ": expected an object, got " + j.dump());
   TenantPolicy p;
@@ -28,9 +65,21 @@ StatusOr<TenantPolicy> ParsePolicy(const nlohmann::json& j, const std::string& f
       ASSIGN_OR_RETURN(p.kv_guaranteed_bytes, NonNegativeJsonInt(*it, key));
     } else if (it.key() == "kv_max_bytes") {
       ASSIGN_OR_RETURN(p.kv_max_bytes, NonNegativeJsonInt(*it, key));
+    } else if (it.key() == "best_priority_level") {
+      StatusOr<int64_t> level = NonNegativeJsonInt(*it, key);
+      if (!level.ok()) {
+        return Fail(key + " is " + Shown(*it) +
+                    "; allowed: 0 (no cap) or a priority level from 1 (the most urgent)");
+      }
+      p.best_priority_level = *level;
+    } else if (it.key() == "shared_memory_max_bytes") {
+      ASSIGN_OR_RETURN(p.shared_memory_max_bytes, NonNegativeJsonInt(*it, key));
+    } else if (it.key() == "shared_memory_key_prefix") {
+      ASSIGN_OR_RETURN(p.shared_memory_key_prefix, ParseKeyPrefix(*it, key));
     } else {
-      return Fail(field + ": unknown key '" + it.key() +
-                  "'; allowed: weight, max_queued_requests, kv_guaranteed_bytes, kv_max_bytes");
+      return Fail(field + ": unknown key '" + it.key().substr(0, 128) +
+                  "'; allowed: weight, max_queued_requests, kv_guaranteed_bytes, kv_max_bytes, "
+                  "best_priority_level, shared_memory_max_bytes, shared_memory_key_prefix");
     }
   }
   if (p.kv_max_bytes > 0 && p.kv_guaranteed_bytes > p.kv_max_bytes) {
@@ -41,6 +90,18 @@ StatusOr<TenantPolicy> ParsePolicy(const nlohmann::json& j, const std::string& f
 }
 
 }  // namespace
+
+std::string SharedMemoryKeyPrefix(const TenantPolicy& terms, const std::string& tenant) {
+  const std::string& text = terms.shared_memory_key_prefix;
+  const size_t placeholder = sizeof kTenantPlaceholder - 1;
+  std::string out;
+  size_t from = 0;
+  for (size_t at; (at = text.find(kTenantPlaceholder, from)) != std::string::npos;
+       from = at + placeholder) {
+    out.append(text, from, at - from).append(tenant);
+  }
+  return out.append(text, from, std::string::npos);
+}
 
 bool ValidTenantName(const std::string& name) {
   if (name.empty() || name.size() > 128) return false;

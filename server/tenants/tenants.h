@@ -1,7 +1,7 @@
 #pragma once
 // Who shares the server and on what terms: the tenants file (--tenants). No gRPC, no LibTorch; the
-// front ends say who is calling, the batcher and the key/value store apply the terms
-// (docs/tenants.md).
+// front ends say who is calling, the batcher, the key/value store and the shared-memory regions
+// apply the terms (docs/tenants.md).
 
 #include <cstdint>
 #include <map>
@@ -27,11 +27,24 @@ struct TenantPolicy {
   int64_t kv_guaranteed_bytes = 0;
   /// The most it may hold; beyond: RESOURCE_EXHAUSTED naming it. 0: the store's budget.
   int64_t kv_max_bytes = 0;
+  /// The most urgent priority level its requests are queued at (1 is the most urgent); one that
+  /// asks for a more urgent level is queued at this one (PriorityOptions::LevelOf). 0: no cap.
+  int64_t best_priority_level = 0;
+  /// The most bytes of shared-memory regions it may have registered at once. 0: only the server's
+  /// --shared-memory-bytes applies.
+  int64_t shared_memory_max_bytes = 0;
+  /// What the POSIX shared-memory keys it registers must start with, after the optional leading
+  /// '/'; "{tenant}" stands for the caller's name (SharedMemoryKeyPrefix). "": any key.
+  std::string shared_memory_key_prefix;
 };
 
+/// `terms.shared_memory_key_prefix` with every "{tenant}" replaced by `tenant`: what the keys
+/// `tenant` registers must start with ("" for any key).
+std::string SharedMemoryKeyPrefix(const TenantPolicy& terms, const std::string& tenant);
+
 /// The tenants file: {"default": {...}, "tenants": {"NAME": {...}}}; every key optional, each
-/// entry's keys weight, max_queued_requests, kv_guaranteed_bytes, kv_max_bytes. Tenants it does
-/// not name get `default`'s terms, each on its own (its own share and its own K/V accounts).
+/// entry's keys those of TenantPolicy. Tenants it does not name get `default`'s terms, each on its
+/// own (its own share, its own K/V accounts, its own shared-memory key prefix).
 class Tenants {
  public:
   Tenants() = default;

@@ -16,28 +16,32 @@ struct V1Exchange : Exchange {
 
 /// Decodes an AttendRequest into `x`: its tensors straight into staging on a CUDA server, those in
 /// shared-memory regions read from them.
-Status DecodeAttend(const grpc::ByteBuffer& bytes, const RequestPipeline& pipeline,
-                    const SharedMemoryRegistry& shm, V1Exchange* x) {
-  RETURN_IF_ERROR(ParseRequest(bytes, &x->request, pipeline.staging(), &x->staged));
-  if (!NamesSharedMemory(x->request)) return Status::Ok();
-  return ReadSharedTensors(shm, pipeline.staging(), &x->request, &x->staged, &x->shared,
-                           &x->output_limits, pipeline.flow().max_region_input_bytes);
+Status DecodeAttend(const grpc::ByteBuffer& bytes, RequestPipeline& pipeline,
+                    SharedMemoryRegistry& shm, const CallContext& call, V1Exchange* x) {
+  return Caught("Attend", [&] {
+    RETURN_IF_ERROR(ParseRequest(bytes, &x->request, pipeline.staging(), &x->staged));
+    if (!NamesSharedMemory(x->request)) return Status::Ok();
+    return ReadSharedTensors(RegionsOf(shm, call, pipeline), pipeline.staging(), &x->request,
+                             &x->staged, &x->shared, &x->output_limits,
+                             pipeline.flow().max_region_input_bytes);
+  });
 }
 
 /// AttendStream's messages: AttendRequest in, AttendResponse out (an error travels in `error`).
 class AttendStreamCodec final : public StreamCodec {
  public:
-  AttendStreamCodec(const RequestPipeline& pipeline, const SharedMemoryRegistry& shm)
+  AttendStreamCodec(RequestPipeline& pipeline, SharedMemoryRegistry& shm)
       : pipeline_(pipeline), shm_(shm) {}
   const char* method() const override { return "AttendStream"; }
-  Status Decode(const grpc::ByteBuffer& bytes, std::unique_ptr<Exchange>* out, Status* refused,
-                std::string*) override {
+  Status Decode(const grpc::ByteBuffer& bytes, const CallContext& call,
+                std::unique_ptr<Exchange>* out, Status* refused, std::string*) override {
     auto x = std::make_unique<V1Exchange>();
     const Status parsed = ParseRequest(bytes, &x->request, pipeline_.staging(), &x->staged);
     if (parsed.ok() && NamesSharedMemory(x->request)) {
       // A region that cannot be read refuses this request; the stream goes on.
-      *refused = ReadSharedTensors(shm_, pipeline_.staging(), &x->request, &x->staged, &x->shared,
-                                   &x->output_limits, pipeline_.flow().max_region_input_bytes);
+      *refused = ReadSharedTensors(RegionsOf(shm_, call, pipeline_), pipeline_.staging(),
+                                   &x->request, &x->staged, &x->shared, &x->output_limits,
+                                   pipeline_.flow().max_region_input_bytes);
     }
     *out = std::move(x);
     return parsed;
@@ -56,8 +60,8 @@ class AttendStreamCodec final : public StreamCodec {
   }
 
  private:
-  const RequestPipeline& pipeline_;
-  const SharedMemoryRegistry& shm_;
+  RequestPipeline& pipeline_;
+  SharedMemoryRegistry& shm_;
 };
 
 }  // namespace
@@ -76,22 +80,27 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
                                                        grpc::ByteBuffer* resp) {
   if (!req->Valid()) return NoMessage(pipeline_, calls_, ctx, "Attend", "AttendRequest");
   auto* reactor = NewUnaryReactor(calls_, ctx);  // Counted open from here, while it decodes too.
+  StatusOr<CallContext> call = CallOf(ctx, pipeline_);
   auto x = std::make_unique<V1Exchange>();
-  const Status parsed = DecodeAttend(*req, pipeline_, shm_, x.get());
+  const Status parsed =
+      call.ok() ? DecodeAttend(*req, pipeline_, shm_, *call, x.get()) : call.status();
   if (!parsed.ok()) {
     pipeline_.RecordUndecoded("Attend", parsed);
     reactor->Finish(ToGrpcStatus(parsed));
     return reactor;
   }
-  AttendUnary(pipeline_, "Attend", ctx, reactor, std::move(x), [resp](Answered& answered) {
-    auto* x = static_cast<V1Exchange*>(answered.get());
-    // An answer asked for in a region goes there; a region cut short meanwhile fails the call.
-    const Status& computed = answered.status();
-    const Status seen =
-        computed.ok() && x->shared.any() ? WriteSharedTensors(x->shared, &x->answer) : computed;
-    if (seen.ok()) *resp = EncodeAnswer(&x->answer);
-    return seen;
-  });
+  AttendUnary(pipeline_, "Attend", ctx, std::move(call).value(), reactor, std::move(x),
+              [resp](Answered& answered) {
+                auto* x = static_cast<V1Exchange*>(answered.get());
+                // An answer asked for in a region goes there; a region cut short meanwhile fails
+                // the call.
+                const Status& computed = answered.status();
+                const Status seen = computed.ok() && x->shared.any()
+                                        ? WriteSharedTensors(x->shared, &x->answer)
+                                        : computed;
+                if (seen.ok()) *resp = EncodeAnswer(&x->answer);
+                return seen;
+              });
   return reactor;
 }
 
@@ -117,24 +126,23 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CreateMemory(grpc::CallbackServe
                                                              const v1::CreateMemoryRequest* req,
                                                              v1::KvHandle* resp) {
   auto* reactor = NewUnaryReactor(calls_, ctx);
-  if (!NamesSharedMemory(*req)) {
-    pipeline_.CreateMemory(*req, CallOf(ctx, pipeline_), resp,
-                           [ctx, reactor](const Status& st, const CallTrace& trace) {
-                             TellTraceOfFailure(ctx, trace, st);
-                             reactor->Finish(ToGrpcStatus(st));
-                           });
-    return reactor;
-  }
+  StatusOr<CallContext> call = CallOf(ctx, pipeline_);
   // Keys and values in shared-memory regions: read into a copy of the request held until done.
-  auto copy = std::make_shared<v1::CreateMemoryRequest>(*req);
+  std::shared_ptr<v1::CreateMemoryRequest> copy;
   auto shared = std::make_shared<SharedTensors>();
-  const Status read =
-      ReadSharedTensors(shm_, copy.get(), shared.get(), pipeline_.flow().max_region_input_bytes);
+  Status read = call.status();
+  if (call.ok() && NamesSharedMemory(*req)) {
+    read = Caught("CreateMemory", [&] {
+      copy = std::make_shared<v1::CreateMemoryRequest>(*req);
+      return ReadSharedTensors(RegionsOf(shm_, *call, pipeline_), copy.get(), shared.get(),
+                               pipeline_.flow().max_region_input_bytes);
+    });
+  }
   if (!read.ok()) {
     reactor->Finish(ToGrpcStatus(read));
     return reactor;
   }
-  pipeline_.CreateMemory(*copy, CallOf(ctx, pipeline_), resp,
+  pipeline_.CreateMemory(copy ? *copy : *req, std::move(call).value(), resp,
                          [ctx, reactor, copy, shared](const Status& st, const CallTrace& trace) {
                            TellTraceOfFailure(ctx, trace, st);
                            reactor->Finish(ToGrpcStatus(st));
@@ -145,71 +153,86 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CreateMemory(grpc::CallbackServe
 grpc::ServerUnaryReactor* AttentionServiceImpl::ForkSession(grpc::CallbackServerContext* ctx,
                                                             const v1::ForkSessionRequest* req,
                                                             v1::KvHandle* resp) {
-  CallTrace traced;
-  const Status st = pipeline_.ForkSession(*req, resp, KvCallerOf(ctx, pipeline_), &traced);
-  return Finished(calls_, ctx, st, traced);
+  return AnsweredFor(pipeline_, calls_, ctx, "ForkSession",
+                     [&](const CallContext& call, auto* traced) {
+                       return pipeline_.ForkSession(*req, resp, KvCallerOf(call), traced);
+                     });
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::TruncateSession(
     grpc::CallbackServerContext* ctx, const v1::TruncateSessionRequest* req, v1::KvHandle* resp) {
-  CallTrace traced;
-  const Status st = pipeline_.TruncateSession(*req, resp, KvCallerOf(ctx, pipeline_), &traced);
-  return Finished(calls_, ctx, st, traced);
+  return AnsweredFor(pipeline_, calls_, ctx, "TruncateSession",
+                     [&](const CallContext& call, auto* traced) {
+                       return pipeline_.TruncateSession(*req, resp, KvCallerOf(call), traced);
+                     });
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::OpenSession(grpc::CallbackServerContext* ctx,
                                                             const v1::OpenSessionRequest* req,
                                                             v1::KvHandle* resp) {
-  CallTrace traced;
-  const Status st = pipeline_.OpenSession(*req, resp, KvCallerOf(ctx, pipeline_), &traced);
-  return Finished(calls_, ctx, st, traced);
+  return AnsweredFor(pipeline_, calls_, ctx, "OpenSession",
+                     [&](const CallContext& call, auto* traced) {
+                       return pipeline_.OpenSession(*req, resp, KvCallerOf(call), traced);
+                     });
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::DeleteMemory(grpc::CallbackServerContext* ctx,
                                                              const v1::ReleaseRequest* req,
                                                              v1::ReleaseResponse* resp) {
-  CallTrace traced;
-  const Status st = pipeline_.Release("DeleteMemory", KvKind::kMemory, *req, resp,
-                                      KvCallerOf(ctx, pipeline_), &traced);
-  return Finished(calls_, ctx, st, traced);
+  return AnsweredFor(pipeline_, calls_, ctx, "DeleteMemory",
+                     [&](const CallContext& call, auto* traced) {
+                       return pipeline_.Release("DeleteMemory", KvKind::kMemory, *req, resp,
+                                                KvCallerOf(call), traced);
+                     });
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::CloseSession(grpc::CallbackServerContext* ctx,
                                                              const v1::ReleaseRequest* req,
                                                              v1::ReleaseResponse* resp) {
-  CallTrace traced;
-  const Status st = pipeline_.Release("CloseSession", KvKind::kSession, *req, resp,
-                                      KvCallerOf(ctx, pipeline_), &traced);
-  return Finished(calls_, ctx, st, traced);
+  return AnsweredFor(pipeline_, calls_, ctx, "CloseSession",
+                     [&](const CallContext& call, auto* traced) {
+                       return pipeline_.Release("CloseSession", KvKind::kSession, *req, resp,
+                                                KvCallerOf(call), traced);
+                     });
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::RegisterSharedMemory(
     grpc::CallbackServerContext* ctx, const v1::RegisterSharedMemoryRequest* req,
     v1::RegisterSharedMemoryResponse*) {
-  return Finished(calls_, ctx,
-                  shm_.RegisterSystem(req->name(), req->key(), req->offset(), req->byte_size()));
+  return AnsweredFor(
+      pipeline_, calls_, ctx, "RegisterSharedMemory", [&](const CallContext& call, auto*) {
+        return RegionsOf(shm_, call, pipeline_)
+            .RegisterSystem(req->name(), req->key(), req->offset(), req->byte_size());
+      });
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::UnregisterSharedMemory(
     grpc::CallbackServerContext* ctx, const v1::UnregisterSharedMemoryRequest* req,
     v1::UnregisterSharedMemoryResponse*) {
-  return Finished(calls_, ctx, shm_.Unregister(req->name(), /*cuda=*/false));
+  return AnsweredFor(
+      pipeline_, calls_, ctx, "UnregisterSharedMemory", [&](const CallContext& call, auto*) {
+        return RegionsOf(shm_, call, pipeline_).Unregister(req->name(), /*cuda=*/false);
+      });
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::SharedMemoryStatus(
     grpc::CallbackServerContext* ctx, const v1::SharedMemoryStatusRequest* req,
     v1::SharedMemoryStatusResponse* resp) {
-  const StatusOr<std::vector<RegionInfo>> regions = shm_.List(req->name(), false);
-  if (regions.ok()) {
-    for (const RegionInfo& r : *regions) {
-      v1::SharedMemoryRegion* out = resp->add_regions();
-      out->set_name(r.name);
-      out->set_key(r.key);
-      out->set_offset(r.offset);
-      out->set_byte_size(r.byte_size);
-    }
-  }
-  return Finished(calls_, ctx, regions.status());
+  return AnsweredFor(pipeline_, calls_, ctx, "SharedMemoryStatus",
+                     [&](const CallContext& call, auto*) {
+                       const StatusOr<std::vector<RegionInfo>> regions =
+                           RegionsOf(shm_, call, pipeline_).List(req->name(), false);
+                       if (regions.ok()) {
+                         for (const RegionInfo& r : *regions) {
+                           v1::SharedMemoryRegion* out = resp->add_regions();
+                           out->set_name(r.name);
+                           out->set_key(r.key);
+                           out->set_offset(r.offset);
+                           out->set_byte_size(r.byte_size);
+                         }
+                       }
+                       return regions.status();
+                     });
 }
 
 }  // namespace attnserve

@@ -13,7 +13,7 @@ namespace {
 namespace pb = ::attnserve::v1;
 
 // The region `ref` names, checked: the window fits, the region is registered.
-StatusOr<RegionRef> Resolve(const SharedMemoryRegistry& shm, const pb::SharedMemoryRef& ref,
+StatusOr<RegionRef> Resolve(const TenantRegions& shm, const pb::SharedMemoryRef& ref,
                             const std::string& field) {
   RegionRef r;
   ASSIGN_OR_RETURN(r.region, shm.Find(ref.region()));
@@ -25,7 +25,7 @@ StatusOr<RegionRef> Resolve(const SharedMemoryRegistry& shm, const pb::SharedMem
 
 // One input tensor's region, checked before any byte of it is read: the window fits its region
 // and holds exactly what the tensor's dtype and shape take. nullopt: the tensor names no region.
-StatusOr<std::optional<RegionRef>> Window(const SharedMemoryRegistry& shm, const char* field,
+StatusOr<std::optional<RegionRef>> Window(const TenantRegions& shm, const char* field,
                                           const pb::Tensor& t) {
   if (!t.has_shared_memory()) return std::optional<RegionRef>();
   if (!t.data().empty()) {
@@ -80,8 +80,8 @@ struct Input {
   pb::Tensor* tensor;
   BlockBytes* staged;  // Null: into the tensor's data.
 };
-Status ReadInputs(const SharedMemoryRegistry& shm, HostStaging* staging,
-                  const std::vector<Input>& inputs, int64_t max_bytes, SharedTensors* out) {
+Status ReadInputs(const TenantRegions& shm, HostStaging* staging, const std::vector<Input>& inputs,
+                  int64_t max_bytes, SharedTensors* out) {
   std::vector<std::optional<RegionRef>> windows;
   int64_t total = 0;
   for (const Input& in : inputs) {
@@ -100,9 +100,9 @@ Status ReadInputs(const SharedMemoryRegistry& shm, HostStaging* staging,
 
 }  // namespace
 
-Status ReadSharedTensors(const SharedMemoryRegistry& shm, HostStaging* staging,
-                         pb::AttendRequest* r, StagedInputs* staged, SharedTensors* out,
-                         OutputLimits* limits, int64_t max_input_bytes) {
+Status ReadSharedTensors(const TenantRegions& shm, HostStaging* staging, pb::AttendRequest* r,
+                         StagedInputs* staged, SharedTensors* out, OutputLimits* limits,
+                         int64_t max_input_bytes) {
   std::vector<Input> inputs = {{"query", r->mutable_query(), &staged->query}};
   if (r->has_key()) inputs.push_back({"key", r->mutable_key(), &staged->key});
   if (r->has_value()) inputs.push_back({"value", r->mutable_value(), &staged->value});
@@ -124,8 +124,8 @@ Status ReadSharedTensors(const SharedMemoryRegistry& shm, HostStaging* staging,
   return Status::Ok();
 }
 
-Status ReadSharedTensors(const SharedMemoryRegistry& shm, pb::CreateMemoryRequest* r,
-                         SharedTensors* out, int64_t max_input_bytes) {
+Status ReadSharedTensors(const TenantRegions& shm, pb::CreateMemoryRequest* r, SharedTensors* out,
+                         int64_t max_input_bytes) {
   std::vector<Input> inputs = {{"key", r->mutable_key(), nullptr},
                                {"value", r->mutable_value(), nullptr}};
   if (r->has_key_padding_mask())

@@ -37,12 +37,11 @@ bool NamesSharedMemory(const v1::CreateMemoryRequest& request);
 /// FlowLimits::max_region_input_bytes, --max-message-bytes). Also INVALID_ARGUMENT for a tensor
 /// with both `data` and a region; NOT_FOUND for a region not registered; FAILED_PRECONDITION when
 /// shared memory is off or a region was cut short.
-Status ReadSharedTensors(const SharedMemoryRegistry& shm, HostStaging* staging,
-                         v1::AttendRequest* request, StagedInputs* staged, SharedTensors* out,
-                         OutputLimits* limits,
+Status ReadSharedTensors(const TenantRegions& shm, HostStaging* staging, v1::AttendRequest* request,
+                         StagedInputs* staged, SharedTensors* out, OutputLimits* limits,
                          int64_t max_input_bytes = std::numeric_limits<int64_t>::max());
 /// The same for CreateMemory's key, value and key_padding_mask (into their `data`).
-Status ReadSharedTensors(const SharedMemoryRegistry& shm, v1::CreateMemoryRequest* request,
+Status ReadSharedTensors(const TenantRegions& shm, v1::CreateMemoryRequest* request,
                          SharedTensors* out,
                          int64_t max_input_bytes = std::numeric_limits<int64_t>::max());
 

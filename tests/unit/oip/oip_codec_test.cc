@@ -317,7 +317,8 @@ TEST(OipCodecTest, InputsAndOutputsInSharedMemoryRegions) {
   std::string bytes(64, '\0');
   for (int i = 0; i < 64; ++i) bytes[static_cast<size_t>(i)] = static_cast<char>(i);
   ShmObject obj(bytes);
-  SharedMemoryRegistry shm(Allowed());
+  SharedMemoryRegistry shm_all(Allowed());
+  const TenantRegions shm = shm_all.For({});
   ASSERT_TRUE(shm.RegisterSystem("in", obj.key(), 0, 64).ok());
   ASSERT_TRUE(shm.RegisterSystem("out", obj.key(), 16, 48).ok());
   inference::ModelInferRequest in = Request();
@@ -398,7 +399,8 @@ TEST(OipCodecTest, InputsAndOutputsInSharedMemoryRegions) {
     EXPECT_THAT(st.message(), ::testing::Not(HasSubstr(obj.key())));  // Never a key.
   }
   // Shared memory off: a request naming a region is refused saying how to turn it on.
-  SharedMemoryRegistry off{SharedMemoryOptions{}};
+  SharedMemoryRegistry off_all{SharedMemoryOptions{}};
+  const TenantRegions off = off_all.For({});
   inference::ModelInferRequest r = Request();
   r.clear_raw_input_contents();
   InRegion(r.mutable_inputs(0)->mutable_parameters(), "in", 32);
@@ -419,7 +421,8 @@ TEST(OipCodecTest, RegionInputsAreBoundedBeforeAByteIsRead) {
   ASSERT_GE(fd, 0);
   ASSERT_EQ(::ftruncate(fd, int64_t{256} << 20), 0);  // Sparse: no page is touched.
   ::close(fd);
-  SharedMemoryRegistry shm(Allowed());
+  SharedMemoryRegistry shm_all(Allowed());
+  const TenantRegions shm = shm_all.For({});
   ASSERT_TRUE(shm.RegisterSystem("big", key, 0, uint64_t{256} << 20).ok());
   // A window larger than the tensor ([1, 2, 4] FP32: 32 bytes).
   inference::ModelInferRequest wrong = Request();

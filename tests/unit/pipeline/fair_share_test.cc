@@ -286,5 +286,22 @@ TEST(PriorityOptionsTest, LevelsTimeoutsAndTheirChecks) {
   EXPECT_THAT(q.Validate("flags").message(), HasSubstr("default_priority_level is 5"));
 }
 
+TEST(PriorityOptionsTest, ATenantsCapClampsToItsBestLevelAndNeverRefuses) {
+  PriorityOptions p;
+  EXPECT_EQ(*p.LevelOf(1, 2), 0);  // No levels: nothing changes.
+  p.levels = 3;
+  p.default_level = 1;
+  EXPECT_EQ(*p.LevelOf(1, 0), 1);  // 0: no cap.
+  EXPECT_EQ(*p.LevelOf(1, 2), 2);  // More urgent than the cap: queued at the cap.
+  EXPECT_EQ(*p.LevelOf(0, 2), 2);  // So is the model's default level when it is above the cap.
+  EXPECT_EQ(*p.LevelOf(2, 2), 2);
+  EXPECT_EQ(*p.LevelOf(3, 2), 3);  // Less urgent than the cap: as asked.
+  EXPECT_EQ(*p.LevelOf(1, 1), 1);
+  EXPECT_EQ(*p.LevelOf(1, 7), 3);  // A cap past the last level: the lowest.
+  EXPECT_EQ(*p.LevelOf(2, INT64_MAX), 3);
+  // A priority past the last level is still the client's mistake, capped or not.
+  EXPECT_EQ(p.LevelOf(4, 2).status().code(), StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace attnserve

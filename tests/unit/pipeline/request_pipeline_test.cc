@@ -8,7 +8,9 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <functional>
 #include <future>
+#include <mutex>
 #include <random>
 #include <thread>
 
@@ -25,13 +27,16 @@ class RequestPipelineTest : public ::testing::Test {
  protected:
   void SetUp() override { Build(FlowLimits{}); }
 
-  void Build(const FlowLimits& flow, const KvOptions& kv = {}) {
+  // `tune`, when given, changes the batcher's options (one worker) before it starts.
+  void Build(const FlowLimits& flow, const KvOptions& kv = {},
+             const std::function<void(BatcherOptions*)>& tune = {}) {
     pipeline_.reset();
     auto opened = ModelRepository::Open("", EngineOptions());
     ASSERT_TRUE(opened.ok()) << opened.status().message();
     models_ = std::move(*opened);
     BatcherOptions options;
     options.workers = 1;
+    if (tune) tune(&options);
     batcher_ = std::make_unique<Batcher>(options);
     kv_ = std::make_unique<KvStore>(kv);
     pipeline_ = std::make_unique<RequestPipeline>(*models_, *batcher_, metrics_, AttendLimits{},
@@ -386,6 +391,75 @@ TEST_F(RequestPipelineTest, EveryAnsweredRequestIsRecordedExactlyOnceOnEveryPath
   EXPECT_EQ(Requests("CANCELLED"), 2);
   EXPECT_EQ(Requests("OK"), 2);
   EXPECT_TRUE(Idle());
+}
+
+// A tenant capped at best_priority_level 2 that asks for priority 1 is queued at level 2, behind
+// the level-2 request queued before it, and its answer records level 2; an uncapped tenant's
+// priority 1 still goes first. The one worker is held in the first batch while the others queue,
+// and each request is a batch of its own, so the order batches run in is the order the queue serves
+// them.
+TEST_F(RequestPipelineTest, ACappedTenantIsQueuedAtItsBestLevelNotAheadOfThatLevel) {
+  struct Served {
+    std::mutex mu;
+    std::vector<std::string> order;  // "tenant@level", batch by batch.
+    std::promise<void> computing, release;
+    std::shared_future<void> released = release.get_future().share();
+  };
+  auto served = std::make_shared<Served>();
+  Build(FlowLimits{}, {}, [served](BatcherOptions* o) {
+    o->enabled = false;
+    o->scheduling = BatcherOptions::Scheduling::kFcfs;
+    o->priorities.levels = 2;
+    o->on_batch = [served](const std::string&, const std::vector<WorkItem*>& batch, double) {
+      bool first = false;
+      {
+        std::lock_guard<std::mutex> lock(served->mu);
+        first = served->order.empty();
+        for (const WorkItem* w : batch)
+          served->order.push_back(w->tenant + "@" + std::to_string(w->level));
+      }
+      if (first) {
+        served->computing.set_value();
+        served->released.wait();
+      }
+    };
+  });
+  auto tenants =
+      Tenants::Parse(R"({"tenants": {"low": {"best_priority_level": 2}, "high": {}}})", "t.json");
+  ASSERT_TRUE(tenants.ok()) << tenants.status().message();
+  pipeline_->SetTenants(*tenants);
+  auto send = [this](const std::string& tenant, uint64_t priority) {
+    auto told = std::make_shared<std::promise<Answered>>();
+    std::future<Answered> answer = told->get_future();
+    v1::AttendRequest r = Request(4);
+    r.set_priority(priority);
+    CallContext call;
+    call.tenant = tenant;
+    pipeline_->Attend("Attend", Decoded(std::move(r)), std::move(call),
+                      [told](Answered a) { told->set_value(std::move(a)); });
+    return answer;
+  };
+  std::vector<std::future<Answered>> answers;
+  answers.push_back(send("first", 1));
+  const bool held = served->computing.get_future().wait_for(std::chrono::seconds(30)) ==
+                    std::future_status::ready;
+  if (held) {
+    answers.push_back(send("high", 2));
+    answers.push_back(send("low", 1));  // Asks for level 1; capped at 2.
+    answers.push_back(send("high", 1));
+  }
+  served->release.set_value();
+  ASSERT_TRUE(held) << "the first request never computed";
+  std::vector<int64_t> levels;
+  for (auto& f : answers) {
+    Answered a = f.get();
+    ASSERT_TRUE(a.status().ok()) << a.status().ToString();
+    levels.push_back(a.get()->level);  // What the span and the access log record.
+    a.Deliver(Status::Ok());
+  }
+  EXPECT_THAT(levels, ::testing::ElementsAre(1, 2, 2, 1));
+  std::lock_guard<std::mutex> lock(served->mu);
+  EXPECT_THAT(served->order, ::testing::ElementsAre("first@1", "high@1", "high@2", "low@2"));
 }
 
 // What a request whose answer cannot be delivered is counted as: the client's deadline (which

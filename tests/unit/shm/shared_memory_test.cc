@@ -70,16 +70,18 @@ SharedMemoryOptions On(int64_t max_bytes = int64_t{1} << 30, size_t max_regions 
 
 TEST(SharedMemoryTest, OffUnlessAllowed) {
   Object obj(64);
-  SharedMemoryRegistry off(SharedMemoryOptions{});
+  SharedMemoryRegistry off_all(SharedMemoryOptions{});
+  const TenantRegions off = off_all.For({});
   const Status st = off.RegisterSystem("r", obj.key(), 0, 64);
   EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition);
   EXPECT_THAT(st.message(), HasSubstr("--allow-shared-memory"));
   EXPECT_EQ(off.Find("r").status().code(), StatusCode::kFailedPrecondition);
-  EXPECT_EQ(off.regions(), 0u);
+  EXPECT_EQ(off_all.regions(), 0u);
 }
 
 TEST(SharedMemoryTest, OnlyPosixSharedMemoryKeysNeverAPath) {
-  SharedMemoryRegistry reg(On());
+  SharedMemoryRegistry reg_all(On());
+  const TenantRegions reg = reg_all.For({});
   for (const char* key : {"", "/", "/../../etc/passwd", "../etc/passwd", "/a/b", "/etc/passwd/",
                           ".", "/..", "/name with space", "/ctl\n"}) {
     const Status st = reg.RegisterSystem("r", key, 0, 1);
@@ -90,7 +92,7 @@ TEST(SharedMemoryTest, OnlyPosixSharedMemoryKeysNeverAPath) {
   EXPECT_TRUE(IsSharedMemoryKey("plain"));
   EXPECT_EQ(reg.RegisterSystem("r", "/attnserve-no-such-object", 0, 1).code(),
             StatusCode::kNotFound);
-  EXPECT_EQ(reg.regions(), 0u);
+  EXPECT_EQ(reg_all.regions(), 0u);
 }
 
 // Runs `body` in a child process that is uid 65534 (nobody): its exit status, or -1 when it did
@@ -123,7 +125,8 @@ TEST(SharedMemoryTest, AFifoOrAnythingButARegularObjectIsRefusedAtOnce) {
   const std::string file = "/dev/shm" + key;
   ASSERT_EQ(::mkfifo(file.c_str(), 0644), 0);  // root's; others may read it only
   {
-    SharedMemoryRegistry reg(On());
+    SharedMemoryRegistry reg_all(On());
+    const TenantRegions reg = reg_all.For({});
     const Status st = reg.RegisterSystem("r", key, 0, 1);  // root: the open itself succeeds
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
     EXPECT_THAT(st.message(), HasSubstr("not a regular"));
@@ -132,7 +135,8 @@ TEST(SharedMemoryTest, AFifoOrAnythingButARegularObjectIsRefusedAtOnce) {
   // non-blocking. 0: refused with the message; 1: registered; 2: another refusal.
   const int outcome = AsNobody(
       [&] {
-        SharedMemoryRegistry reg(On());
+        SharedMemoryRegistry reg_all(On());
+        const TenantRegions reg = reg_all.For({});
         const Status st = reg.RegisterSystem("r", key, 0, 1);
         if (st.ok()) return 1;
         return st.message().find("not a regular") != std::string::npos ? 0 : 2;
@@ -149,7 +153,8 @@ TEST(SharedMemoryTest, AFifoOrAnythingButARegularObjectIsRefusedAtOnce) {
   });
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   {
-    SharedMemoryRegistry reg(On());
+    SharedMemoryRegistry reg_all(On());
+    const TenantRegions reg = reg_all.For({});
     EXPECT_EQ(reg.RegisterSystem("r", key, 0, 1).code(), StatusCode::kInvalidArgument);
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
@@ -163,7 +168,8 @@ TEST(SharedMemoryTest, AFifoOrAnythingButARegularObjectIsRefusedAtOnce) {
   Object target(8);
   ASSERT_EQ(::symlink(("/dev/shm" + target.key()).c_str(), link.c_str()), 0);
   ASSERT_EQ(::mkdir(dir.c_str(), 0700), 0);
-  SharedMemoryRegistry reg(On());
+  SharedMemoryRegistry reg_all(On());
+  const TenantRegions reg = reg_all.For({});
   for (const std::string& k : {key + "-link", key + "-dir"}) {
     const Status st = reg.RegisterSystem("r", k, 0, 1);
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << k << ": " << st.message();
@@ -183,21 +189,24 @@ TEST(SharedMemoryTest, AnObjectOfAnotherUidIsRefusedUnlessListed) {
   ASSERT_GE(fd, 0);
   ASSERT_EQ(::fchown(fd, 65534, 65534), 0);
   ::close(fd);
-  SharedMemoryRegistry reg(On());
+  SharedMemoryRegistry reg_all(On());
+  const TenantRegions reg = reg_all.For({});
   const Status st = reg.RegisterSystem("r", obj.key(), 0, 64);
   EXPECT_EQ(st.code(), StatusCode::kPermissionDenied);
   EXPECT_THAT(st.message(), HasSubstr("uid 65534"));
   EXPECT_THAT(st.message(), HasSubstr("--shared-memory-uids"));
-  EXPECT_EQ(reg.regions(), 0u);
+  EXPECT_EQ(reg_all.regions(), 0u);
   SharedMemoryOptions listed = On();
   listed.allowed_uids = {65534};
-  SharedMemoryRegistry trusting(listed);
+  SharedMemoryRegistry trusting_all(listed);
+  const TenantRegions trusting = trusting_all.For({});
   EXPECT_TRUE(trusting.RegisterSystem("r", obj.key(), 0, 64).ok());
 }
 
 TEST(SharedMemoryTest, ARegistrationLargerThanItsObjectOrOverflowingIsRefused) {
   Object obj(100);
-  SharedMemoryRegistry reg(On(/*max_bytes=*/INT64_MAX));  // Only the object bounds the window.
+  SharedMemoryRegistry reg_all(On(/*max_bytes=*/INT64_MAX));
+  const TenantRegions reg = reg_all.For({});  // Only the object bounds the window.
   EXPECT_EQ(reg.RegisterSystem("r", obj.key(), 50, 60).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(reg.RegisterSystem("r", obj.key(), 0, 101).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(reg.RegisterSystem("r", obj.key(), UINT64_MAX, 1).code(), StatusCode::kInvalidArgument);
@@ -205,12 +214,13 @@ TEST(SharedMemoryTest, ARegistrationLargerThanItsObjectOrOverflowingIsRefused) {
             StatusCode::kInvalidArgument);
   EXPECT_EQ(reg.RegisterSystem("r", obj.key(), 1, 0).code(), StatusCode::kResourceExhausted);
   ASSERT_TRUE(reg.RegisterSystem("r", obj.key(), 40, 60).ok());
-  EXPECT_EQ(reg.registered_bytes(), 60);
+  EXPECT_EQ(reg_all.registered_bytes(), 60);
 }
 
 TEST(SharedMemoryTest, EveryOffsetAndSizeIsCheckedAgainstTheRegion) {
   Object obj(100);
-  SharedMemoryRegistry reg(On());
+  SharedMemoryRegistry reg_all(On());
+  const TenantRegions reg = reg_all.For({});
   ASSERT_TRUE(reg.RegisterSystem("r", obj.key(), 10, 80).ok());
   auto region = reg.Find("r");
   ASSERT_TRUE(region.ok());
@@ -233,34 +243,37 @@ TEST(SharedMemoryTest, EveryOffsetAndSizeIsCheckedAgainstTheRegion) {
 
 TEST(SharedMemoryTest, ANameRegisteredTwiceIsRefusedWithoutTheOtherKey) {
   Object a(64, "a"), b(64, "b");
-  SharedMemoryRegistry reg(On());
+  SharedMemoryRegistry reg_all(On());
+  const TenantRegions reg = reg_all.For({});
   ASSERT_TRUE(reg.RegisterSystem("r", a.key(), 0, 64).ok());
   const Status st = reg.RegisterSystem("r", b.key(), 0, 64);
   EXPECT_EQ(st.code(), StatusCode::kAlreadyExists);
   EXPECT_THAT(st.message(), Not(HasSubstr(a.key())));  // Never another caller's key.
   EXPECT_THAT(reg.Find("nope").status().message(), Not(HasSubstr(a.key())));
   EXPECT_THAT(reg.List("nope", false).status().message(), Not(HasSubstr(a.key())));
-  EXPECT_EQ(reg.registered_bytes(), 64);
+  EXPECT_EQ(reg_all.registered_bytes(), 64);
 }
 
 TEST(SharedMemoryTest, ARegionUnregisteredWhileARequestHoldsItStaysOpenUntilItIsDone) {
   Object obj(64);
-  SharedMemoryRegistry reg(On());
+  SharedMemoryRegistry reg_all(On());
+  const TenantRegions reg = reg_all.For({});
   ASSERT_TRUE(reg.RegisterSystem("r", obj.key(), 0, 64).ok());
   auto held = reg.Find("r");
   ASSERT_TRUE(held.ok());
   ASSERT_TRUE(reg.Unregister("r", false).ok());
   EXPECT_EQ(reg.Find("r").status().code(), StatusCode::kNotFound);
-  EXPECT_EQ(reg.registered_bytes(), 0);
+  EXPECT_EQ(reg_all.registered_bytes(), 0);
   char buf[8];
   EXPECT_TRUE((*held)->Read(0, 8, buf, "inputs[0]").ok());  // The request still reads it.
-  reg.Clear();                                              // A stop, meanwhile.
+  reg_all.Clear();                                          // A stop, meanwhile.
   EXPECT_TRUE((*held)->Write(0, buf, 8, "outputs[0]").ok());
 }
 
 TEST(SharedMemoryTest, AnObjectCutShortUnderneathGivesAnErrorNeverSigbus) {
   Object obj(1 << 16);
-  SharedMemoryRegistry reg(On());
+  SharedMemoryRegistry reg_all(On());
+  const TenantRegions reg = reg_all.For({});
   ASSERT_TRUE(reg.RegisterSystem("r", obj.key(), 0, 1 << 16).ok());
   auto region = reg.Find("r");
   ASSERT_TRUE(region.ok());
@@ -277,7 +290,8 @@ TEST(SharedMemoryTest, AnObjectCutShortUnderneathGivesAnErrorNeverSigbus) {
 
 TEST(SharedMemoryTest, TheBudgetAndTheRegionCountBound) {
   Object a(600, "a"), b(600, "b"), c(10, "c");
-  SharedMemoryRegistry reg(On(/*max_bytes=*/1000, /*max_regions=*/2));
+  SharedMemoryRegistry reg_all(On(/*max_bytes=*/1000, /*max_regions=*/2));
+  const TenantRegions reg = reg_all.For({});
   ASSERT_TRUE(reg.RegisterSystem("a", a.key(), 0, 600).ok());
   const Status full = reg.RegisterSystem("b", b.key(), 0, 600);
   EXPECT_EQ(full.code(), StatusCode::kResourceExhausted);
@@ -286,12 +300,13 @@ TEST(SharedMemoryTest, TheBudgetAndTheRegionCountBound) {
   EXPECT_EQ(reg.RegisterSystem("d", c.key(), 0, 1).code(), StatusCode::kResourceExhausted);
   ASSERT_TRUE(reg.Unregister("a", false).ok());
   EXPECT_TRUE(reg.RegisterSystem("b", b.key(), 0, 600).ok());
-  EXPECT_EQ(reg.registered_bytes(), 610);
+  EXPECT_EQ(reg_all.registered_bytes(), 610);
 }
 
 TEST(SharedMemoryTest, ListAndUnregisterKeepToTheirKind) {
   Object obj(64);
-  SharedMemoryRegistry reg(On());
+  SharedMemoryRegistry reg_all(On());
+  const TenantRegions reg = reg_all.For({});
   ASSERT_TRUE(reg.RegisterSystem("r", obj.key(), 0, 64).ok());
   ASSERT_TRUE(reg.RegisterSystem("s", obj.key(), 8, 8).ok());
   EXPECT_EQ(reg.RegisterCuda("c", "handle", 0, 64).code(), StatusCode::kFailedPrecondition);
@@ -303,7 +318,7 @@ TEST(SharedMemoryTest, ListAndUnregisterKeepToTheirKind) {
   EXPECT_EQ((*all)[1].key, obj.key());
   EXPECT_EQ((*all)[1].offset, 8u);
   ASSERT_TRUE(reg.Unregister("", false).ok());
-  EXPECT_EQ(reg.regions(), 0u);
+  EXPECT_EQ(reg_all.regions(), 0u);
   EXPECT_TRUE(reg.Unregister("never", false).ok());  // Idempotent, as Triton's.
 }
 
@@ -313,7 +328,8 @@ TEST(SharedMemoryTest, ListAndUnregisterKeepToTheirKind) {
 TEST(SharedMemoryTest, RandomOperationsKeepTheRegistryEqualToItsModel) {
   std::vector<std::unique_ptr<Object>> objects;
   for (int i = 0; i < 4; ++i) objects.push_back(std::make_unique<Object>(4096, "p"));
-  SharedMemoryRegistry reg(On(/*max_bytes=*/6000, /*max_regions=*/5));
+  SharedMemoryRegistry reg_all(On(/*max_bytes=*/6000, /*max_regions=*/5));
+  const TenantRegions reg = reg_all.For({});
   std::map<std::string, uint64_t> model;  // name -> byte_size
   std::vector<std::shared_ptr<const SharedRegion>> held;
   std::mt19937 rng(20261127);
@@ -357,9 +373,168 @@ TEST(SharedMemoryTest, RandomOperationsKeepTheRegistryEqualToItsModel) {
     }
     int64_t total = 0;
     for (const auto& [n, s] : model) total += static_cast<int64_t>(s);
-    ASSERT_EQ(reg.registered_bytes(), total) << step;
-    ASSERT_EQ(reg.regions(), model.size()) << step;
-    ASSERT_GE(reg.registered_bytes(), 0);
+    ASSERT_EQ(reg_all.registered_bytes(), total) << step;
+    ASSERT_EQ(reg_all.regions(), model.size()) << step;
+    ASSERT_GE(reg_all.registered_bytes(), 0);
+  }
+}
+
+}  // namespace
+}  // namespace attnserve
+
+namespace attnserve {
+namespace {
+
+RegionCaller Tenant(const std::string& name, int64_t max_bytes = 0, std::string prefix = "",
+                    bool local = true) {
+  return RegionCaller{name, RegionTerms{max_bytes, std::move(prefix)}, local};
+}
+
+// What a status says with the name it names swapped for "<>": another tenant's name must read
+// exactly as an unknown one.
+std::string Unnamed(const Status& st, const std::string& name) {
+  std::string m = st.message();
+  for (size_t at; (at = m.find("'" + name + "'")) != std::string::npos;)
+    m.replace(at, name.size() + 2, "<>");
+  return std::to_string(static_cast<int>(st.code())) + " " + m;
+}
+
+TEST(SharedMemoryTenantsTest, AnotherTenantsNameIsNotFoundExactlyAsAnUnknownOne) {
+  Object obj(4096), theirs(4096);
+  SharedMemoryRegistry registry(On());
+  const TenantRegions a = registry.For(Tenant("a")), b = registry.For(Tenant("b"));
+  ASSERT_TRUE(a.RegisterSystem("r", obj.key(), 0, 4096).ok());
+  EXPECT_TRUE(b.List("", false)->empty());
+  EXPECT_EQ(Unnamed(b.List("r", false).status(), "r"), Unnamed(b.List("q", false).status(), "q"));
+  EXPECT_EQ(b.List("r", false).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(Unnamed(b.Find("r").status(), "r"), Unnamed(b.Find("q").status(), "q"));
+  // b's "every region" and b's "r" are b's; a keeps its own; b may use the same name.
+  EXPECT_TRUE(b.Unregister("", false).ok());
+  EXPECT_TRUE(b.Unregister("r", false).ok());
+  ASSERT_TRUE(a.Find("r").ok());
+  ASSERT_TRUE(b.RegisterSystem("r", theirs.key(), 0, 4096).ok());
+  EXPECT_EQ(a.List("r", false)->at(0).key, obj.key());
+  EXPECT_EQ(b.List("r", false)->at(0).key, theirs.key());
+  EXPECT_EQ(registry.regions(), 2u);
+  EXPECT_EQ(registry.registered_bytes(), 8192);
+  EXPECT_EQ(a.RegisterSystem("r", obj.key(), 0, 16).code(), StatusCode::kAlreadyExists);
+}
+
+TEST(SharedMemoryTenantsTest, TheCapsNameOnlyTheCallersOwnBytes) {
+  Object obj(1 << 20);
+  SharedMemoryRegistry registry(On(/*max_bytes=*/600000));
+  const TenantRegions a = registry.For(Tenant("a", /*max_bytes=*/300000));
+  const TenantRegions b = registry.For(Tenant("b", /*max_bytes=*/400000));
+  ASSERT_TRUE(a.RegisterSystem("x", obj.key(), 0, 250000).ok());
+  // a's own cap: a's bytes named.
+  Status st = a.RegisterSystem("y", obj.key(), 0, 60000);
+  EXPECT_EQ(st.code(), StatusCode::kResourceExhausted);
+  EXPECT_THAT(st.message(), HasSubstr("shared_memory_max_bytes"));
+  EXPECT_THAT(st.message(), HasSubstr("250000 this tenant"));
+  // The server's budget, reached by a's bytes: b learns nothing of them.
+  ASSERT_TRUE(b.RegisterSystem("x", obj.key(), 0, 300000).ok());
+  st = b.RegisterSystem("y", obj.key(), 0, 90000);
+  EXPECT_EQ(st.code(), StatusCode::kResourceExhausted);
+  EXPECT_THAT(st.message(), HasSubstr("--shared-memory-bytes"));
+  EXPECT_THAT(st.message(), Not(HasSubstr("250000")));
+  EXPECT_THAT(st.message(), Not(HasSubstr("550000")));
+  // A 16 GiB sparse registration is refused by the tenant's cap, the others unaffected.
+  EXPECT_EQ(b.RegisterSystem("z", obj.key(), 0, uint64_t{16} << 30).code(),
+            StatusCode::kResourceExhausted);
+  EXPECT_TRUE(a.RegisterSystem("small", obj.key(), 0, 40000).ok());
+}
+
+TEST(SharedMemoryTenantsTest, AKeyOutsideTheTenantsPrefixIsRefused) {
+  Object obj(4096);  // Its key: "/attnserve-shm-test-PID-N".
+  SharedMemoryRegistry registry(On());
+  const std::string name = obj.key().substr(1);
+  const TenantRegions mine = registry.For(Tenant("a", 0, name.substr(0, 12)));
+  const TenantRegions other = registry.For(Tenant("b", 0, "b."));
+  EXPECT_TRUE(mine.RegisterSystem("r", obj.key(), 0, 4096).ok());
+  const Status st = other.RegisterSystem("r", obj.key(), 0, 4096);
+  EXPECT_EQ(st.code(), StatusCode::kPermissionDenied);
+  EXPECT_THAT(st.message(), HasSubstr("'b.'"));
+  EXPECT_THAT(st.message(), HasSubstr("shared_memory_key_prefix"));
+}
+
+TEST(SharedMemoryTenantsTest, ACallerOffThisHostRegistersOnlyWhenAllowed) {
+  Object obj(4096);
+  SharedMemoryRegistry closed(On());
+  const Status st =
+      closed.For(Tenant("a", 0, "", /*local=*/false)).RegisterSystem("r", obj.key(), 0, 4096);
+  EXPECT_EQ(st.code(), StatusCode::kPermissionDenied);
+  EXPECT_THAT(st.message(), HasSubstr("--shared-memory-remote-peers"));
+  EXPECT_EQ(closed.regions(), 0u);
+  SharedMemoryOptions o = On();
+  o.remote_peers = true;
+  SharedMemoryRegistry open(o);
+  EXPECT_TRUE(open.For(Tenant("a", 0, "", false)).RegisterSystem("r", obj.key(), 0, 4096).ok());
+}
+
+// Random registrations, unregistrations (one name or all), finds and reads from three tenants with
+// caps: after every step each tenant sees exactly its own model, never another's name, and the
+// registry's totals are the models' sums.
+TEST(SharedMemoryTenantsTest, RandomOperationsFromSeveralTenantsKeepEachItsOwn) {
+  std::vector<std::unique_ptr<Object>> objects;
+  for (int i = 0; i < 3; ++i) objects.push_back(std::make_unique<Object>(4096, "t"));
+  SharedMemoryRegistry registry(On(/*max_bytes=*/9000, /*max_regions=*/8));
+  const std::vector<std::string> names = {"a", "b", "c"};
+  const int64_t caps[] = {0, 5000, 3000};
+  std::vector<TenantRegions> views;
+  for (size_t t = 0; t < names.size(); ++t)
+    views.push_back(registry.For(Tenant(names[t], caps[t])));
+  std::vector<std::map<std::string, uint64_t>> model(names.size());
+  std::mt19937 rng(4801);
+  const auto sum = [](const std::map<std::string, uint64_t>& m) {
+    int64_t s = 0;
+    for (const auto& [n, b] : m) s += static_cast<int64_t>(b);
+    return s;
+  };
+  for (int step = 0; step < 3000; ++step) {
+    const size_t t = rng() % names.size();
+    const std::string name = "n" + std::to_string(rng() % 4);
+    const uint64_t sizes[] = {1, 100, 2000, 4096, 4097, UINT64_MAX, uint64_t{INT64_MAX}, 0};
+    const uint64_t size = sizes[rng() % 8];
+    int64_t total = 0, count = 0;
+    for (const auto& m : model) total += sum(m), count += static_cast<int64_t>(m.size());
+    switch (rng() % 4) {
+      case 0: {
+        const Status st = views[t].RegisterSystem(name, objects[rng() % 3]->key(), 0, size);
+        const bool want = size >= 1 && size <= 4096 && !model[t].count(name) && count < 8 &&
+                          total + static_cast<int64_t>(size) <= 9000 &&
+                          (caps[t] == 0 || sum(model[t]) + static_cast<int64_t>(size) <= caps[t]);
+        ASSERT_EQ(st.ok(), want) << step << " " << st.message();
+        if (st.ok()) model[t][name] = size;
+        break;
+      }
+      case 1: {
+        const bool all = rng() % 5 == 0;
+        ASSERT_TRUE(views[t].Unregister(all ? "" : name, false).ok());
+        if (all)
+          model[t].clear();
+        else
+          model[t].erase(name);
+        break;
+      }
+      default: {
+        const auto found = views[t].Find(name);
+        ASSERT_EQ(found.ok(), model[t].count(name) > 0) << step;
+        if (!found.ok())
+          ASSERT_EQ(Unnamed(found.status(), name), Unnamed(views[t].Find("zz").status(), "zz"));
+      }
+    }
+    total = count = 0;
+    for (size_t u = 0; u < names.size(); ++u) {
+      const auto listed = views[u].List("", false);
+      ASSERT_TRUE(listed.ok());
+      std::map<std::string, uint64_t> seen;
+      for (const RegionInfo& r : *listed) seen[r.name] = r.byte_size;
+      ASSERT_EQ(seen, model[u]) << step << " tenant " << names[u];
+      total += sum(model[u]);
+      count += static_cast<int64_t>(model[u].size());
+    }
+    ASSERT_EQ(registry.registered_bytes(), total) << step;
+    ASSERT_EQ(static_cast<int64_t>(registry.regions()), count) << step;
   }
 }
 

@@ -37,6 +37,48 @@ TEST(TenantsTest, ReadsEveryKeyAndGivesUnnamedTenantsTheDefault) {
   EXPECT_EQ(tenants.CheckAgainst(99).code(), StatusCode::kFailedPrecondition);
 }
 
+TEST(TenantsTest, ReadsThePriorityCapAndTheSharedMemoryTerms) {
+  auto t = Tenants::Parse(R"({"default": {"shared_memory_key_prefix": "{tenant}."},
+      "tenants": {"low": {"best_priority_level": 2, "shared_memory_max_bytes": 1048576,
+                          "shared_memory_key_prefix": "batch_jobs-v1."}}})",
+                          "t.json");
+  ASSERT_TRUE(t.ok()) << t.status().message();
+  const Tenants& tenants = **t;
+  EXPECT_EQ(tenants.Of("low").best_priority_level, 2);
+  EXPECT_EQ(tenants.Of("low").shared_memory_max_bytes, 1048576);
+  EXPECT_EQ(tenants.Of("low").shared_memory_key_prefix, "batch_jobs-v1.");
+  EXPECT_EQ(tenants.Of("stranger").best_priority_level, 0);  // Absent: no cap.
+  EXPECT_EQ(tenants.Of("stranger").shared_memory_max_bytes, 0);
+  // Each unnamed tenant gets a prefix of its own from the default's placeholder.
+  EXPECT_EQ(SharedMemoryKeyPrefix(tenants.Of("stranger"), "stranger"), "stranger.");
+  EXPECT_EQ(SharedMemoryKeyPrefix(tenants.Of("other-one"), "other-one"), "other-one.");
+  EXPECT_EQ(SharedMemoryKeyPrefix(tenants.Of("low"), "low"), "batch_jobs-v1.");
+}
+
+TEST(TenantsTest, TheKeyPrefixExpandsEveryPlaceholderAndNothingElse) {
+  TenantPolicy p;
+  EXPECT_EQ(SharedMemoryKeyPrefix(p, "a"), "");  // Any key.
+  p.shared_memory_key_prefix = "{tenant}";
+  EXPECT_EQ(SharedMemoryKeyPrefix(p, "team-a"), "team-a");
+  p.shared_memory_key_prefix = "x.{tenant}_{tenant}-y";
+  EXPECT_EQ(SharedMemoryKeyPrefix(p, "t"), "x.t_t-y");
+  // A name that itself holds the placeholder's text is not expanded again.
+  EXPECT_EQ(SharedMemoryKeyPrefix(p, "{tenant}"), "x.{tenant}_{tenant}-y");
+  p.shared_memory_key_prefix = "{tenant}{tenant}";
+  EXPECT_EQ(SharedMemoryKeyPrefix(p, ""), "");
+  auto most = Tenants::Parse(
+      "{\"default\": {\"shared_memory_key_prefix\": \"" + std::string(200, 'k') + "\"}}", "t.json");
+  ASSERT_TRUE(most.ok()) << most.status().message();
+  EXPECT_EQ(SharedMemoryKeyPrefix((*most)->Of("a"), "a"), std::string(200, 'k'));
+  auto over = Tenants::Parse(
+      "{\"tenants\": {\"a\": {\"shared_memory_key_prefix\": \"" + std::string(201, 'k') + "\"}}}",
+      "t.json");
+  ASSERT_FALSE(over.ok());
+  EXPECT_EQ(over.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_THAT(over.status().message(),
+              HasSubstr("t.json: tenants['a'].shared_memory_key_prefix has 201 characters"));
+}
+
 TEST(TenantsTest, EveryBadFileIsRefusedNamingTheField) {
   const std::pair<const char*, const char*> cases[] = {
       {"[]", "not a JSON object"},
@@ -57,6 +99,31 @@ TEST(TenantsTest, EveryBadFileIsRefusedNamingTheField) {
        "tenants['a'].kv_max_bytes is 9223372036854775808"},
       {R"({"tenants": {"a": {"kv_guaranteed_bytes": 10, "kv_max_bytes": 5}}})",
        "kv_guaranteed_bytes (10) is above its kv_max_bytes (5)"},
+      {R"({"tenants": {"a": {"best_priority_level": -1}}})",
+       "tenants['a'].best_priority_level is -1; allowed: 0 (no cap) or a priority level from 1"},
+      {R"({"tenants": {"a": {"best_priority_level": 1.5}}})",
+       "tenants['a'].best_priority_level is 1.5"},
+      {R"({"tenants": {"a": {"best_priority_level": "1"}}})",
+       "tenants['a'].best_priority_level is \"1\""},
+      {R"({"default": {"shared_memory_max_bytes": -5}})",
+       "default.shared_memory_max_bytes is -5; expected an integer from 0"},
+      {R"({"default": {"shared_memory_max_bytes": true}})",
+       "default.shared_memory_max_bytes is true"},
+      {R"({"default": {"shared_memory_key_prefix": 7}})",
+       "default.shared_memory_key_prefix is 7; allowed: a string of at most 200 characters"},
+      {R"({"default": {"shared_memory_key_prefix": "a/b"}})",
+       "default.shared_memory_key_prefix is \"a/b\", with a character not allowed at offset 1"},
+      {R"({"default": {"shared_memory_key_prefix": "/a"}})",
+       "not allowed at offset 0; allowed: a string of at most 200 characters: letters, digits, "
+       "'.', '_', '-' and \"{tenant}\""},
+      {R"({"default": {"shared_memory_key_prefix": "{tenant"}})", "not allowed at offset 0"},
+      {R"({"default": {"shared_memory_key_prefix": "{user}."}})", "not allowed at offset 0"},
+      {R"({"default": {"shared_memory_key_prefix": "a b"}})", "not allowed at offset 1"},
+      {R"({"default": {"shared_memory_key_prefix": "caf\u00e9"}})", "not allowed at offset 3"},
+      {R"({"tenants": {"a": {"shared_memory_prefix": "x"}}})",
+       "tenants['a']: unknown key 'shared_memory_prefix'; allowed: weight, max_queued_requests, "
+       "kv_guaranteed_bytes, kv_max_bytes, best_priority_level, shared_memory_max_bytes, "
+       "shared_memory_key_prefix"},
       {R"({"tenants": {"default": {}}})", "the name 'default' cannot name a tenant"},
       {R"({"tenants": {"other": {}}})", "the name 'other' cannot name a tenant"},
       {R"({"tenants": {"two words": {}}})", "the name 'two words' cannot name a tenant"},

@@ -55,7 +55,8 @@ TEST(SharedTensorsTest, ReadIntoTheMessageOrStagingNoteTheAnswerAndWriteItBack) 
   Object obj(4096);
   SharedMemoryOptions o;
   o.allowed = true;
-  SharedMemoryRegistry shm(o);
+  SharedMemoryRegistry shm_all(o);
+  const TenantRegions shm = shm_all.For({});
   ASSERT_TRUE(shm.RegisterSystem("r", obj.key(), 0, 4096).ok());
   v1::AttendRequest req;
   Declare(req.mutable_query(), v1::DATA_TYPE_FLOAT32, {1, 16}, Ref("r", 0, 64));
@@ -100,7 +101,8 @@ TEST(SharedTensorsTest, RefusalsNameTheField) {
   Object obj(256);
   SharedMemoryOptions o;
   o.allowed = true;
-  SharedMemoryRegistry shm(o);
+  SharedMemoryRegistry shm_all(o);
+  const TenantRegions shm = shm_all.For({});
   ASSERT_TRUE(shm.RegisterSystem("r", obj.key(), 0, 256).ok());
   struct Case {
     std::function<void(v1::AttendRequest*)> set;
@@ -147,7 +149,8 @@ TEST(SharedTensorsTest, EveryWindowIsBoundedBeforeAByteIsRead) {
   ::close(fd);
   SharedMemoryOptions o;
   o.allowed = true;
-  SharedMemoryRegistry shm(o);
+  SharedMemoryRegistry shm_all(o);
+  const TenantRegions shm = shm_all.For({});
   ASSERT_TRUE(shm.RegisterSystem("big", key, 0, static_cast<uint64_t>(big)).ok());
   const auto read = [&](v1::AttendRequest* req, int64_t max_bytes) {
     StagedInputs staged;
