@@ -4,7 +4,7 @@
 #   tools/fuzz.sh                 10 s per target (what `tools/build.sh test` runs)
 #   tools/fuzz.sh --seconds N     N s per target
 #   tools/fuzz.sh --runs N        N executions per target (the long run: --runs 10000000)
-#   tools/fuzz.sh ... TARGET...   only these targets (request safetensors config torch_archive kv_store scheduler)
+#   tools/fuzz.sh ... TARGET...   only these targets (request safetensors config torch_archive kv_store scheduler tenants)
 # New inputs go to a corpus per target outside the clone, ~/.cache/attnserve/fuzz/corpus-<target>
 # (ATTNSERVE_FUZZ_HOME), seeded from tests/fuzz/corpus/<target>: every run on this machine, from any
 # clone, starts where the last one stopped, so the 10 s of each test command add up instead of
@@ -19,10 +19,10 @@ case "${1:-}" in
   --runs) limit=(-runs="$2"); shift 2 ;;
 esac
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(request safetensors config torch_archive kv_store scheduler)
+[ ${#targets[@]} -gt 0 ] || targets=(request safetensors config torch_archive kv_store scheduler tenants)
 for t in "${targets[@]}"; do
   case "$t" in
-    request|safetensors|config|torch_archive|kv_store|scheduler) ;;
+    request|safetensors|config|torch_archive|kv_store|scheduler|tenants) ;;
     *) echo "usage: tools/fuzz.sh [--seconds N | --runs N] [TARGET...]" >&2; exit 2 ;;
   esac
 done
@@ -44,6 +44,7 @@ for t in "${targets[@]}"; do
   max_len=65536
   [ "$t" = kv_store ] && max_len=1024
   [ "$t" = scheduler ] && max_len=4096
+  [ "$t" = tenants ] && max_len=2048
   if (cd "$build" && ./fuzz_"$t" "${limit[@]}" -rss_limit_mb=2048 -max_len=$max_len -print_final_stats=1 \
         -artifact_prefix=./crash-"$t"- "$corpus" "${seeds[@]}") >"$log" 2>&1; then
     passed=$((passed + 1))

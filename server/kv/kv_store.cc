@@ -7,6 +7,8 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <unordered_set>
+#include <utility>
 
 #include "server/core/checked_math.h"
 
@@ -31,29 +33,92 @@ std::string RandomHex(size_t bytes) {
 
 }  // namespace
 
-/// Bytes counted against the budget, shared by the store and its entries: an entry that left the
-/// index gives its bytes back when its last holder lets go; a block of keys and values that forks
-/// still read after its session let go of it counts itself here (KvLedger) until freed.
-struct KvAccount final : public KvLedger {
+/// Bytes counted against the budget, in all and by tenant, shared by the store, its entries and
+/// their families: an entry that left the index gives its bytes back when its last holder lets go,
+/// a block a family keeps when its last reader does, on whatever thread that is; so it has a mutex
+/// of its own, never held while taking the store's.
+struct KvAccount {
   std::mutex mu;
   int64_t bytes = 0;
-  int64_t entries[2] = {0, 0};                             // In the index, by KvKind.
-  std::function<void(int64_t, int64_t, int64_t)> on_size;  // Set once, before any entry exists.
-  void Add(int64_t delta_bytes, KvKind kind = KvKind::kMemory, int64_t delta_entries = 0) {
-    std::lock_guard<std::mutex> lock(mu);  // Gauges set in the order the counts changed.
+  int64_t entries[2] = {0, 0};                       // In the index, by KvKind.
+  std::unordered_map<std::string, int64_t> tenants;  // Bytes by tenant (none: 0).
+  std::map<std::string, int64_t> labels;             // The same by metrics label.
+  // The tenants' terms, for their labels.
+  std::shared_ptr<const Tenants> terms = std::make_shared<Tenants>();
+  // Set once, before any entry exists.
+  std::function<void(int64_t, int64_t, int64_t)> on_size;
+  std::function<void(const std::string&, int64_t)> on_tenant_bytes;
+
+  void Add(const std::string& tenant, int64_t delta_bytes, KvKind kind = KvKind::kMemory,
+           int64_t delta_entries = 0) {
+    std::lock_guard<std::mutex> lock(mu);
+    AddLocked(tenant, delta_bytes, kind, delta_entries);
+  }
+  void AddLocked(const std::string& tenant, int64_t delta_bytes, KvKind kind = KvKind::kMemory,
+                 int64_t delta_entries = 0) {
+    // The total and the tenant's change together, and the gauges are set in the order the counts
+    // changed: the tenants' bytes add up to the store's whenever either is read.
     bytes += delta_bytes;
     entries[static_cast<int>(kind)] += delta_entries;
+    if (delta_bytes != 0) {
+      auto it = tenants.try_emplace(tenant, 0).first;
+      if ((it->second += delta_bytes) == 0) tenants.erase(it);
+      const std::string label = terms->Label(tenant);
+      const int64_t now = labels[label] += delta_bytes;
+      if (on_tenant_bytes) on_tenant_bytes(label, now);
+    }
     if (on_size) on_size(bytes, entries[0], entries[1]);
   }
   int64_t Get() {
     std::lock_guard<std::mutex> lock(mu);
     return bytes;
   }
-  void Charge(int64_t delta_bytes) override { Add(delta_bytes); }
+  int64_t Tenant(const std::string& tenant) {
+    std::lock_guard<std::mutex> lock(mu);
+    const auto it = tenants.find(tenant);
+    return it == tenants.end() ? 0 : it->second;
+  }
+  int64_t Kept(const KvFamily& family);
+  // New terms may label tenants differently: the labels recounted, those now unused set to 0.
+  void Relabel(std::shared_ptr<const Tenants> to) {
+    std::lock_guard<std::mutex> lock(mu);
+    terms = std::move(to);
+    std::map<std::string, int64_t> now;
+    for (const auto& [name, b] : tenants) now[terms->Label(name)] += b;
+    for (const auto& [label, b] : labels) now.try_emplace(label, 0);
+    labels = now;
+    if (on_tenant_bytes) {
+      for (const auto& [label, b] : labels) on_tenant_bytes(label, b);
+    }
+  }
 };
 
+/// A session, the forks made from it and theirs: the blocks of keys and values its members share
+/// (KvCache::ShareFrom) stay within it. A block a member let go of while others still read it
+/// counts here (KvLedger, from any thread) until its last reader goes, charged to the family's
+/// tenant, the one of all its members. Its counts are guarded by the account's mutex.
+struct KvFamily final : public KvLedger {
+  KvFamily(std::shared_ptr<KvAccount> a, std::string t)
+      : account(std::move(a)), tenant(std::move(t)) {}
+  void Charge(int64_t delta_bytes) override {
+    std::lock_guard<std::mutex> lock(account->mu);
+    kept += delta_bytes;
+    account->AddLocked(tenant, delta_bytes);
+  }
+  const std::shared_ptr<KvAccount> account;
+  const std::string tenant;
+  int64_t kept = 0;  // Bytes of blocks no member counts as its own.
+};
+
+int64_t KvAccount::Kept(const KvFamily& family) {
+  std::lock_guard<std::mutex> lock(mu);
+  return family.kept;
+}
+
 KvEntry::~KvEntry() {
-  if (account && bytes) account->Add(-bytes);
+  // Its own bytes go back now. Its cache, destroyed after this, leaves its block to the family
+  // while forks read it, and frees the family's blocks it was the last to read (KvFamily).
+  if (account && bytes) account->Add(tenant, -bytes);
 }
 
 const char* KvKindName(KvKind kind) { return kind == KvKind::kMemory ? "memory" : "session"; }
@@ -99,6 +164,7 @@ KvStore::KvStore(KvOptions options, KvMetricsHooks hooks,
       replica_id_(RandomHex(4)),
       account_(std::make_shared<KvAccount>()) {
   account_->on_size = hooks_.on_size;
+  account_->on_tenant_bytes = hooks_.on_tenant_bytes;
   if (!clock_) expiry_ = std::thread([this] { ExpiryLoop(); });
 }
 
@@ -141,49 +207,23 @@ void KvStore::Touch(KvEntry* e) {
 }
 
 void KvStore::Recount(KvEntry* e, int64_t capacity, int64_t bytes) {
-  account_->Add(bytes - e->bytes);
-  ChargeTenant(e, bytes - e->bytes);
+  account_->Add(e->tenant, bytes - e->bytes);
   e->bytes = bytes;
   e->capacity = capacity;
 }
 
-void KvStore::ChargeTenant(const KvEntry* e, int64_t delta) {
-  if (delta == 0 || !Indexed(e)) return;
-  auto it = tenant_bytes_.try_emplace(e->tenant, 0).first;
-  it->second += delta;
-  if (it->second == 0) tenant_bytes_.erase(it);
-  const std::string label = tenants_->Label(e->tenant);
-  const int64_t now = label_bytes_[label] += delta;
-  if (hooks_.on_tenant_bytes) hooks_.on_tenant_bytes(label, now);
-}
-
-int64_t KvStore::TenantBytesLocked(const std::string& tenant) const {
-  const auto it = tenant_bytes_.find(tenant);
-  return it == tenant_bytes_.end() ? 0 : it->second;
-}
-
-int64_t KvStore::TenantBytes(const std::string& tenant) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return TenantBytesLocked(tenant);
-}
+int64_t KvStore::TenantBytes(const std::string& tenant) const { return account_->Tenant(tenant); }
 
 void KvStore::SetTenants(std::shared_ptr<const Tenants> tenants) {
   std::lock_guard<std::mutex> lock(mu_);
-  tenants_ = std::move(tenants);
-  // The labels may have changed: recount them, and zero those that are gone.
-  std::map<std::string, int64_t> labels;
-  for (const auto& [name, bytes] : tenant_bytes_) labels[tenants_->Label(name)] += bytes;
-  for (const auto& [label, bytes] : label_bytes_) labels.try_emplace(label, 0);
-  label_bytes_ = labels;
-  if (hooks_.on_tenant_bytes) {
-    for (const auto& [label, bytes] : labels) hooks_.on_tenant_bytes(label, bytes);
-  }
+  tenants_ = tenants;
+  account_->Relabel(std::move(tenants));
 }
 
 Status KvStore::MakeRoom(int64_t need, const KvEntry* keep, const std::string& tenant) {
   // Under mu_. Entries in use are never evicted; nothing is evicted unless that makes room.
   const TenantPolicy& terms = tenants_->Of(tenant);
-  const int64_t mine = TenantBytesLocked(tenant);
+  const int64_t mine = account_->Tenant(tenant);
   // Every count here is at most the budget (2^50), `need` at most twice one entry: no overflow.
   if (terms.kv_max_bytes > 0 && mine + need > terms.kv_max_bytes) {
     return Status(StatusCode::kResourceExhausted,
@@ -194,20 +234,27 @@ Status KvStore::MakeRoom(int64_t need, const KvEntry* keep, const std::string& t
                       ", --tenants); close its sessions or delete its memories");
   }
   // The victims, least recently used first: the tenant's own entries, and another tenant's only
-  // while what that tenant keeps stays at or above its guarantee.
+  // while what that tenant keeps stays at or above its guarantee. Evicting an entry frees at most
+  // its own bytes and the blocks its family keeps (those it was the last to read; its own block
+  // goes to the family instead while forks read it): counted so, with the family's blocks at the
+  // first of its members taken, another tenant never goes below its guarantee.
   std::unordered_map<std::string, int64_t> kept;
+  std::unordered_set<const KvFamily*> families;
   std::vector<std::string> victims;
   int64_t held = account_->Get(), freeable = 0;
   for (auto it = lru_.rbegin(); it != lru_.rend(); ++it) {
     const KvEntry* e = *it;
     if (e == keep || InUse(e)) continue;
+    const bool first = !families.count(e->family.get());
+    const int64_t frees = e->bytes + (first ? account_->Kept(*e->family) : 0);
     if (e->tenant != tenant) {
-      int64_t& left = kept.try_emplace(e->tenant, TenantBytesLocked(e->tenant)).first->second;
-      if (left - e->bytes < tenants_->Of(e->tenant).kv_guaranteed_bytes) continue;
-      left -= e->bytes;
+      int64_t& left = kept.try_emplace(e->tenant, account_->Tenant(e->tenant)).first->second;
+      if (left - frees < tenants_->Of(e->tenant).kv_guaranteed_bytes) continue;
+      left -= frees;
     }
+    families.insert(e->family.get());
     victims.push_back(e->handle);
-    freeable += e->bytes;
+    freeable += frees;
   }
   if (held + need - freeable > options_.budget_bytes) {
     return Status(
@@ -241,6 +288,14 @@ StatusOr<std::shared_ptr<KvEntry>> KvStore::Create(KvKind kind,
                                                    std::shared_ptr<const AttentionModel> model,
                                                    std::shared_ptr<KvCache> cache, int64_t batch,
                                                    int64_t capacity, const std::string& tenant) {
+  return CreateIn(kind, std::move(model), std::move(cache), batch, capacity, tenant, nullptr);
+}
+
+StatusOr<std::shared_ptr<KvEntry>> KvStore::CreateIn(KvKind kind,
+                                                     std::shared_ptr<const AttentionModel> model,
+                                                     std::shared_ptr<KvCache> cache, int64_t batch,
+                                                     int64_t capacity, const std::string& tenant,
+                                                     std::shared_ptr<KvFamily> family) {
   if (batch < 1 || capacity < 0) {
     return InvalidArgument(std::string(KvKindName(kind)) + ": batch " + std::to_string(batch) +
                            " of " + std::to_string(capacity) +
@@ -274,14 +329,14 @@ StatusOr<std::shared_ptr<KvEntry>> KvStore::Create(KvKind kind,
     do e->handle = NewHandle();
     while (entries_.count(e->handle) || gone_.count(e->handle));
     e->account = account_;
-    e->cache->set_ledger(account_);
+    e->family = family ? std::move(family) : std::make_shared<KvFamily>(account_, tenant);
+    e->cache->set_ledger(e->family);
     e->bytes = *bytes;
     e->last_use = Now();
     lru_.push_front(e.get());
     e->lru = lru_.begin();
     entries_[e->handle] = e;
-    account_->Add(*bytes, kind, 1);
-    ChargeTenant(e.get(), *bytes);
+    account_->Add(tenant, *bytes, kind, 1);
     CountModel(e->model, 1);
   }
   return e;
@@ -291,11 +346,12 @@ Status KvStore::MarkReady(const std::shared_ptr<KvEntry>& entry, int64_t length)
   std::lock_guard<std::mutex> lock(mu_);
   if (!Indexed(entry.get())) {
     const auto g = gone_.find(entry->handle);
-    return Status(StatusCode::kAborted, "memory '" + entry->handle +
-                                            "' ended before its keys and values were in "
-                                            "place: " +
-                                            (g == gone_.end() ? std::string("gone") : g->second) +
-                                            "; create it again");
+    return Status(StatusCode::kAborted,
+                  "memory '" + entry->handle +
+                      "' ended before its keys and values were in "
+                      "place: " +
+                      (g == gone_.end() ? std::string("gone") : g->second.reason) +
+                      "; create it again");
   }
   entry->length = length;
   entry->ready = true;
@@ -312,15 +368,18 @@ StatusOr<std::shared_ptr<KvEntry>> KvStore::Lookup(const std::string& handle, Kv
                                                    const std::string& tenant) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = entries_.find(handle);
-  // Another tenant's entry is not there for this one: not found, as if never made.
+  // Another tenant's entry, there or gone, is not there for this one: not found, as if never made
+  // (the same code and message), so a tenant learns nothing of others' handles.
   if (it != entries_.end() && it->second->tenant != tenant) it = entries_.end();
+  auto g = gone_.find(handle);
+  if (g != gone_.end() && g->second.tenant != tenant) g = gone_.end();
   if (it == entries_.end() || !it->second->ready || it->second->kind != kind) {
     if (hooks_.on_lookup) hooks_.on_lookup(kind, false);
     std::string why;
     if (it != entries_.end() && it->second->kind != kind) {
       why = std::string("is a ") + KvKindName(it->second->kind) + ", not a " + KvKindName(kind);
-    } else if (const auto g = gone_.find(handle); g != gone_.end() && !entries_.count(handle)) {
-      why = g->second;
+    } else if (g != gone_.end() && !entries_.count(handle)) {
+      why = g->second.reason;
     } else if (handle.size() == 32 && handle.compare(0, replica_id_.size(), replica_id_) != 0) {
       why = "made by replica " + handle.substr(0, replica_id_.size()) +
             " (its handle's first 8 hex digits), but this is replica " + replica_id_ +
@@ -446,9 +505,10 @@ StatusOr<std::shared_ptr<KvEntry>> KvStore::Fork(const std::string& handle,
   ASSIGN_OR_RETURN(std::unique_ptr<KvStep> hold, BeginStep(handle, std::nullopt, tenant));
   const KvEntry& parent = *hold->entry();
   ASSIGN_OR_RETURN(std::shared_ptr<KvCache> cache, new_cache(*parent.model));
-  ASSIGN_OR_RETURN(
-      std::shared_ptr<KvEntry> child,
-      Create(KvKind::kSession, parent.model, std::move(cache), parent.batch, 0, tenant));
+  // The parent is this tenant's (BeginStep found it): the fork joins its family.
+  ASSIGN_OR_RETURN(std::shared_ptr<KvEntry> child,
+                   CreateIn(KvKind::kSession, parent.model, std::move(cache), parent.batch, 0,
+                            tenant, parent.family));
   const Status shared = child->cache->ShareFrom(*parent.cache, hold->length());
   if (!shared.ok()) {
     Discard(child);
@@ -459,7 +519,7 @@ StatusOr<std::shared_ptr<KvEntry>> KvStore::Fork(const std::string& handle,
     const auto gone = gone_.find(child->handle);
     return Status(StatusCode::kAborted,
                   "session '" + handle + "': its fork ended while being made: " +
-                      (gone == gone_.end() ? std::string("ended") : gone->second));
+                      (gone == gone_.end() ? std::string("ended") : gone->second.reason));
   }
   child->length = hold->length();
   // All of its tokens are the parent's, shared: none counted for it until it writes its own.
@@ -474,8 +534,8 @@ Status KvStore::Truncate(const std::string& handle, int64_t length, std::shared_
   std::lock_guard<std::mutex> lock(mu_);
   if (!Indexed(e.get())) {
     const auto gone = gone_.find(handle);
-    return Status(StatusCode::kNotFound,
-                  "session '" + handle + "': " + (gone == gone_.end() ? "ended" : gone->second));
+    return Status(StatusCode::kNotFound, "session '" + handle + "': " +
+                                             (gone == gone_.end() ? "ended" : gone->second.reason));
   }
   if (e->busy) {
     return Status(StatusCode::kAborted,
@@ -548,13 +608,14 @@ void KvStore::Remove(std::string handle, KvEndReason why, const std::string& rea
   // Under mu_. The entry's bytes go back to the budget when its last holder lets go.
   const auto it = entries_.find(handle);
   if (it == entries_.end()) return;
+  // Its bytes stay charged to its tenant until then (~KvEntry).
   const KvKind kind = it->second->kind;
-  ChargeTenant(it->second.get(), -it->second->bytes);
+  const std::string tenant = it->second->tenant;
   lru_.erase(it->second->lru);
   CountModel(it->second->model, -1);
   entries_.erase(it);
-  Tombstone(handle, reason);
-  account_->Add(0, kind, -1);
+  Tombstone(handle, tenant, reason);
+  account_->Add(tenant, 0, kind, -1);
   if (hooks_.on_end) hooks_.on_end(kind, why);
 }
 
@@ -568,13 +629,14 @@ void KvStore::CountModel(const std::shared_ptr<const AttentionModel>& model, int
   if (hooks_.on_model_entries) hooks_.on_model_entries(model->spec(), now);
 }
 
-void KvStore::Tombstone(const std::string& handle, const std::string& reason) {
+void KvStore::Tombstone(const std::string& handle, const std::string& tenant,
+                        const std::string& reason) {
   static constexpr size_t kRemembered = 16384;
   if (gone_order_.size() >= kRemembered) {
     gone_.erase(gone_order_.front());
     gone_order_.pop_front();
   }
-  gone_[handle] = reason;
+  gone_[handle] = Gone{tenant, reason};
   gone_order_.push_back(handle);
 }
 

@@ -2,6 +2,15 @@
 // Keys and values kept on the server between requests: the index of memories and decoding
 // sessions, their handles, byte budget, expiry and eviction. The tensors themselves are the
 // engine's (KvCache); this file knows only their sizes.
+//
+// Who pays: every byte counted against the budget is charged to exactly one tenant, so the
+// tenants' bytes add up to the store's at every moment and a tenant's kv_max_bytes bounds all it
+// keeps. An entry's bytes are its tenant's from Create until its last holder lets go (an entry
+// ended while a request uses it included). A session and the forks made from it (and theirs) are
+// one family, of one tenant (only the owner finds a session to fork it); a block a member let go
+// of while others still read it (a closed or evicted parent's, a truncated or outgrown tail's) is
+// the family's, charged to that tenant until its last reader goes. Eviction reclaims such blocks
+// with the last member of their family it takes.
 
 #include <chrono>
 #include <condition_variable>
@@ -66,6 +75,7 @@ struct KvMetricsHooks {
 };
 
 struct KvAccount;
+struct KvFamily;
 class KvStore;
 
 /// One memory or session. The store's index holds it, and so does every request using it (through
@@ -90,6 +100,9 @@ struct KvEntry {
   KvClock::time_point last_use;
   std::list<KvEntry*>::iterator lru;  ///< Position in the store's LRU list (front: most recent).
   std::shared_ptr<KvAccount> account;
+  /// Its session family (itself alone for a memory or a session never forked): what pays for the
+  /// blocks its members share once no member counts them as its own.
+  std::shared_ptr<KvFamily> family;
 };
 
 /// One entry as the index holds it (KvStore::Snapshot).
@@ -171,7 +184,8 @@ class KvStore {
 
   /// The entry named `handle`, renewing its expiry; NOT_FOUND saying why when there is none (or it
   /// is of the other kind).
-  /// Another tenant's entry is NOT_FOUND, as one never made.
+  /// Another tenant's entry, held or ended, is NOT_FOUND with the code and message a handle never
+  /// made gets: nothing tells a tenant that another's handle exists or existed.
   StatusOr<std::shared_ptr<KvEntry>> Lookup(const std::string& handle, KvKind kind,
                                             const std::string& tenant = kDefaultTenant);
 
@@ -186,7 +200,8 @@ class KvStore {
   /// model's weights) without copying them: `cache`, the new session's empty cache, shares the
   /// parent's (KvCache::ShareFrom) while the parent is held like a step (ABORTED while one is in
   /// flight). The shared tokens count once: the fork holds 0 bytes until its steps write tokens of
-  /// its own. Refusals as Create's (--kv-max-entries) and BeginStep's.
+  /// its own, and joins the parent's family (whose tenant pays for blocks its members share once
+  /// their session let go of them). Refusals as Create's (--kv-max-entries) and BeginStep's.
   StatusOr<std::shared_ptr<KvEntry>> Fork(const std::string& handle, std::shared_ptr<KvCache> cache,
                                           const std::string& tenant = kDefaultTenant);
   /// The same, the empty cache made by `new_cache` for the parent's model once it is held (the
@@ -202,6 +217,8 @@ class KvStore {
                   std::shared_ptr<KvEntry>* entry = nullptr,
                   const std::string& tenant = kDefaultTenant);
   /// Removes an entry at once (DeleteMemory, CloseSession): the bytes it frees, or NOT_FOUND.
+  /// Afterwards its maker is told why the handle is gone; any other tenant gets what a handle never
+  /// made gets (Lookup).
   StatusOr<int64_t> Release(const std::string& handle, KvKind kind,
                             const std::string& tenant = kDefaultTenant);
   /// Ends every entry whose model is `spec` (name, version and weights): a reload removed that
@@ -218,7 +235,8 @@ class KvStore {
   /// entry to another tenant's need for room (it keeps at least that much), and one at its
   /// kv_max_bytes is refused more. Default: no guarantees, no caps.
   void SetTenants(std::shared_ptr<const Tenants> tenants);
-  /// Bytes `tenant`'s entries in the index hold.
+  /// Bytes charged to `tenant` (see the top of this file: its entries, ended ones still in use
+  /// included, and the blocks its session families keep); over all tenants, bytes().
   int64_t TenantBytes(const std::string& tenant) const;
 
   /// Every entry in the index, copied under one lock; renews nothing (checks and diagnostics).
@@ -235,6 +253,12 @@ class KvStore {
 
  private:
   friend class KvStep;
+  // Create, the entry joining `family` (a fork: its parent's), or a family of its own when null.
+  StatusOr<std::shared_ptr<KvEntry>> CreateIn(KvKind kind,
+                                              std::shared_ptr<const AttentionModel> model,
+                                              std::shared_ptr<KvCache> cache, int64_t batch,
+                                              int64_t capacity, const std::string& tenant,
+                                              std::shared_ptr<KvFamily> family);
   Status Reserve(KvStep* step, int64_t tokens);
   void EndStep(KvStep* step, bool applied);
   std::string NewHandle();
@@ -247,14 +271,11 @@ class KvStore {
   // Under mu_: counts `bytes` for `capacity` tokens of `e` against the budget.
   void Recount(KvEntry* e, int64_t capacity, int64_t bytes);
   // Makes room for `need` more bytes of `tenant` by evicting entries not in use, least recently
-  // used first: its own, and others' only while their tenant keeps its guarantee. Refuses past the
-  // tenant's cap.
+  // used first: its own, and others' only while their tenant keeps its guarantee; the last of a
+  // family taken frees the blocks the family kept too. Refuses past the tenant's cap.
   Status MakeRoom(int64_t need, const KvEntry* keep, const std::string& tenant);
-  // Under mu_: an indexed entry's bytes change by `delta` for its tenant.
-  void ChargeTenant(const KvEntry* e, int64_t delta);
-  int64_t TenantBytesLocked(const std::string& tenant) const;
   void Remove(std::string handle, KvEndReason why, const std::string& reason);
-  void Tombstone(const std::string& handle, const std::string& reason);
+  void Tombstone(const std::string& handle, const std::string& tenant, const std::string& reason);
   // Counts an entry in or out of model_entries_ and reports the count.
   void CountModel(const std::shared_ptr<const AttentionModel>& model, int64_t delta);
   void ExpiryLoop();
@@ -269,10 +290,12 @@ class KvStore {
   std::list<KvEntry*> lru_;                                 // Front: most recently used.
   std::map<const AttentionModel*, int64_t> model_entries_;  // Entries in the index, by weights.
   std::shared_ptr<const Tenants> tenants_ = std::make_shared<Tenants>();
-  std::unordered_map<std::string, int64_t> tenant_bytes_;  // Indexed entries' bytes by tenant.
-  std::map<std::string, int64_t> label_bytes_;             // The same by metrics label.
-  // Why recent handles are gone, for NOT_FOUND messages: bounded, oldest dropped first.
-  std::unordered_map<std::string, std::string> gone_;
+  // Why recent handles are gone, for their maker's NOT_FOUND messages: bounded, oldest dropped
+  // first.
+  struct Gone {
+    std::string tenant, reason;
+  };
+  std::unordered_map<std::string, Gone> gone_;
   std::deque<std::string> gone_order_;
   bool stop_ = false;
   std::condition_variable stop_cv_;

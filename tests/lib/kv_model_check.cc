@@ -9,6 +9,7 @@
 #include <limits>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -158,6 +159,9 @@ struct Ref {
   int own = -1;
   int64_t own_rows = 0, base = 0, frozen = 0;
   bool destroyed = false;  // No one holds it any more: its cache is gone.
+  // Its session family (the store's KvFamily): that of the session it was forked from, else its
+  // own index.
+  size_t family = SIZE_MAX;
   bool in_use() const { return busy || !ready || holders > 0; }
   bool counted() const { return indexed || holders > 0; }
 };
@@ -169,6 +173,7 @@ struct Block {
   int64_t bytes = 0;
   int holders = 0;
   bool self = false;
+  size_t family = SIZE_MAX;  // The family of the session that allocated it.
 };
 
 // Past this many shared blocks a session's step copies its history into one block (TorchKv).
@@ -345,7 +350,7 @@ class ModelCheck {
     r.frozen = 0;
   }
   int NewBlock(const Ref& r, int64_t rows) {
-    blocks_.push_back(Block{BytesFor(r, rows).value_or(-1), 1, false});
+    blocks_.push_back(Block{BytesFor(r, rows).value_or(-1), 1, false, r.family});
     return static_cast<int>(blocks_.size() - 1);
   }
   // The shared blocks covering the first `tokens` tokens of `r` (those past it dropped, the last
@@ -475,9 +480,10 @@ class ModelCheck {
   }
 
   // The store's MakeRoom, plainly: can `need` more bytes fit once every entry not in use (but
-  // `keep`) is evicted? If so, evict least recently used first until they fit; evicting one whose
-  // block forks still read frees nothing (the block counts itself), so it may still not fit. Not
-  // `apply`: what would happen, the reference left as it was.
+  // `keep`) is evicted, counting each at most its own bytes and, once per family, the blocks its
+  // family keeps (those counting themselves)? If so, evict least recently used first until they
+  // fit; evicting one whose block forks still read frees nothing (the block counts itself), so it
+  // may still not fit. Not `apply`: what would happen, the reference left as it was.
   enum class Fit { kFits, kRefused, kEvictedThenRefused };
   Fit Room(int64_t need, const Ref* keep, bool apply) {
     if (!apply) {
@@ -488,13 +494,18 @@ class ModelCheck {
       return fit;
     }
     std::vector<size_t> candidates;
+    std::set<size_t> families;
     int64_t freeable = 0;
     for (size_t i = 0; i < refs_.size(); ++i) {
       Ref& r = refs_[i];
       if (r.indexed && !r.in_use() && &r != keep) {
         candidates.push_back(i);
+        families.insert(r.family);
         freeable += r.bytes;
       }
+    }
+    for (const Block& b : blocks_) {
+      if (b.self && b.holders > 0 && families.count(b.family)) freeable += b.bytes;
     }
     if (Account() + need - freeable > options_.budget_bytes) return Fit::kRefused;
     std::sort(candidates.begin(), candidates.end(),
@@ -582,6 +593,7 @@ class ModelCheck {
     r.capacity = capacity;
     r.bytes = bytes;
     Touch(r);
+    if (r.family == SIZE_MAX) r.family = refs_.size();
     refs_.push_back(std::move(r));
     return *std::move(got);
   }
@@ -1061,6 +1073,7 @@ class ModelCheck {
       r.real = p.real;
       r.tokens = p.tokens;
       r.length = p.length;
+      r.family = p.family;
     }
     int64_t bytes = 0;
     refs_[i].busy = true;  // As the store holds it while the fork is made.

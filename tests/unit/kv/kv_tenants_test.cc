@@ -101,6 +101,48 @@ TEST_F(KvTenantsTest, OnlyTheMakerFindsItsEntriesAndOthersSeeNothingThere) {
   EXPECT_TRUE(store_.Release(*mine, KvKind::kMemory, "a").ok());
 }
 
+// `message` with every `from` replaced by `to`: two answers compared as if about one handle.
+std::string Renamed(std::string message, const std::string& from, const std::string& to) {
+  for (size_t at = message.find(from); !from.empty() && at != std::string::npos;
+       at = message.find(from, at + to.size())) {
+    message.replace(at, from.size(), to);
+  }
+  return message;
+}
+
+// Another tenant's handle, open or ended, of either kind, answers every call exactly as a handle
+// never made (the handle it names aside): a tenant learns nothing of what others hold or held.
+TEST_F(KvTenantsTest, AnotherTenantsHandleOpenOrClosedAnswersAsOneNeverMade) {
+  auto session = store_.Create(KvKind::kSession, model_, std::make_shared<Cache>(), 1, 0, "b");
+  auto closed = store_.Create(KvKind::kSession, model_, std::make_shared<Cache>(), 1, 0, "b");
+  ASSERT_TRUE(session.ok() && closed.ok());
+  auto memory = Memory("b", 10), deleted = Memory("b", 10);
+  ASSERT_TRUE(memory.ok() && deleted.ok());
+  ASSERT_TRUE(store_.Release((*closed)->handle, KvKind::kSession, "b").ok());
+  ASSERT_TRUE(store_.Release(*deleted, KvKind::kMemory, "b").ok());
+  const std::string never = store_.replica_id() + std::string(24, '7');
+  const auto calls = [this](const std::string& h) {
+    return std::vector<Status>{store_.Lookup(h, KvKind::kMemory, "a").status(),
+                               store_.Lookup(h, KvKind::kSession, "a").status(),
+                               store_.BeginStep(h, std::nullopt, "a").status(),
+                               store_.Fork(h, std::make_shared<Cache>(), "a").status(),
+                               store_.Truncate(h, 0, nullptr, "a"),
+                               store_.Release(h, KvKind::kMemory, "a").status(),
+                               store_.Release(h, KvKind::kSession, "a").status()};
+  };
+  const std::vector<Status> want = calls(never);
+  for (const std::string& h : {(*session)->handle, (*closed)->handle, *memory, *deleted}) {
+    const std::vector<Status> got = calls(h);
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_EQ(got[i].code(), want[i].code()) << "call " << i << ": " << got[i].message();
+      EXPECT_EQ(Renamed(got[i].message(), h, never), want[i].message()) << "call " << i;
+    }
+  }
+  // Its maker still learns why it is gone.
+  EXPECT_THAT(store_.Lookup((*closed)->handle, KvKind::kSession, "b").status().message(),
+              HasSubstr("closed (CloseSession)"));
+}
+
 TEST_F(KvTenantsTest, ATenantAtItsCapIsRefusedByName) {
   store_.SetTenants(TenantsOf(R"({"tenants": {"b": {"kv_max_bytes": 3000}}})"));
   for (int i = 0; i < 3; ++i) ASSERT_TRUE(Memory("b", 10).ok());
