@@ -12,6 +12,20 @@
 
 namespace attnserve::testing {
 
+/// How many of a test's `n` repetitions to run: all of them in a plain build; under
+/// AddressSanitizer or ThreadSanitizer (tools/sanitize.sh), whose instrumentation makes each 5 to
+/// 20 times slower, `n / divisor` (at least 1). For tests whose length is their repetitions: the
+/// sanitizers look for races and bad accesses, which the first repetitions already drive through
+/// every path; the plain build (ctest) runs them all (docs/tests.md, "How long it takes").
+constexpr int Repetitions(int n, int divisor) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  return std::max(1, n / divisor);
+#else
+  (void)divisor;
+  return n;
+#endif
+}
+
 /// Owns bytes for TensorViews in tests.
 struct Buffer {
   DType dtype;

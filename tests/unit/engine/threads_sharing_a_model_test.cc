@@ -139,9 +139,10 @@ void CheckConcurrentAnswers(const EngineOptions& options, double tolerance, int 
 // 48 rounds (a multiple of 4: every thread sends a packed batch every fourth round): 1,152 answers.
 // The serial OpenBLAS gave a wrong product in 1.25% of calls from two threads (75 of 6,000), so it
 // would leave ~14 wrong here (none with chance e^-14); 100 rounds cost twice the time for nothing
-// more.
+// more. Under the sanitizers 16 rounds (they look for races, which every round drives; the
+// statistics above are the plain build's).
 TEST(EngineConcurrencyTest, ThreadsCallingOneModelEachGetTheirOwnAnswer) {
-  CheckConcurrentAnswers(EngineOptions{}, 1e-5, 48);
+  CheckConcurrentAnswers(EngineOptions{}, 1e-5, testing::Repetitions(48, 3));
 }
 
 // The same callers, each request split across two helper threads shared by all of them (so pieces
@@ -151,13 +152,13 @@ TEST(EngineConcurrencyTest, RequestsSplitAcrossHelperThreadsEachGetTheirOwnAnswe
   const HelperPool helpers(2);
   EngineOptions finest;
   finest.min_piece_flops = 0;  // Small requests are cut too.
-  CheckConcurrentAnswers(finest, 1e-5, 20, helpers);
+  CheckConcurrentAnswers(finest, 1e-5, testing::Repetitions(20, 5), helpers);  // 4 sanitized.
 }
 
 // CPU bfloat16 (oneDNN's kernels instead of the BLAS) under the same load, at its documented
 // tolerance (docs/hardware.md "CPU bfloat16").
 TEST(EngineConcurrencyTest, Bfloat16ThreadsEachGetTheirOwnAnswer) {
-  CheckConcurrentAnswers(EngineOptions{"cpu", DType::kBFloat16}, 2e-2, 20);
+  CheckConcurrentAnswers(EngineOptions{"cpu", DType::kBFloat16}, 2e-2, testing::Repetitions(20, 5));
 }
 
 }  // namespace
