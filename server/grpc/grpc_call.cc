@@ -68,7 +68,11 @@ StatusOr<std::string> TenantOf(const grpc::ServerContextBase* ctx,
 }
 
 bool IsLocalPeer(const grpc::ServerContextBase* ctx) {
-  const std::string peer = ctx->peer();
+  std::string peer = ctx->peer();
+  // gRPC writes an IPv6 peer as a URI: "ipv6:%5B::1%5D:port".
+  for (const auto& [escaped, bracket] : {std::pair{"%5B", "["}, std::pair{"%5D", "]"}}) {
+    for (size_t at; (at = peer.find(escaped)) != std::string::npos;) peer.replace(at, 3, bracket);
+  }
   const auto starts = [&peer](const char* prefix) { return peer.rfind(prefix, 0) == 0; };
   return starts("unix:") || starts("unix-abstract:") || starts("ipv4:127.") ||
          starts("ipv6:[::1]:") || starts("ipv6:[::ffff:127.");
@@ -80,7 +84,14 @@ TenantRegions RegionsOf(SharedMemoryRegistry& shm, const CallContext& call,
   const TenantPolicy& policy = tenants->Of(call.tenant);
   RegionTerms terms;
   terms.max_bytes = policy.shared_memory_max_bytes;
-  terms.key_prefix = SharedMemoryKeyPrefix(policy, call.tenant);
+  terms.max_regions = policy.shared_memory_max_regions;
+  StatusOr<std::string> prefix = SharedMemoryKeyPrefix(policy, call.tenant);
+  if (prefix.ok()) {
+    terms.key_prefix = std::move(prefix).value();
+    if (!terms.key_prefix.empty()) terms.others_prefixes = tenants->KeyPrefixesBeside(call.tenant);
+  } else {
+    terms.keys_refused = prefix.status();
+  }
   return shm.For(RegionCaller{call.tenant, std::move(terms), call.local_peer});
 }
 

@@ -158,8 +158,8 @@ SharedMemoryRegistry::SharedMemoryRegistry(SharedMemoryOptions options, CudaRegi
 
 SharedMemoryRegistry::~SharedMemoryRegistry() { Clear(); }
 
-Status SharedMemoryRegistry::Admit(const RegionCaller& caller, const std::string& name,
-                                   uint64_t byte_size) const {
+Status SharedMemoryRegistry::AdmitCaller(const RegionCaller& caller,
+                                         const std::string& name) const {
   if (!options_.allowed) {
     return Status(StatusCode::kFailedPrecondition,
                   "shared memory is off on this server (start it with --allow-shared-memory to "
@@ -178,19 +178,34 @@ Status SharedMemoryRegistry::Admit(const RegionCaller& caller, const std::string
   for (unsigned char c : name) {
     if (c < 0x20 || c == 0x7f) return Invalid("name: has a control character; expected text");
   }
+  return Status::Ok();
+}
+
+Status SharedMemoryRegistry::AdmitRoom(const RegionCaller& caller, const std::string& name,
+                                       uint64_t byte_size) const {
   if (regions_.count({caller.tenant, name})) {
     return Status(StatusCode::kAlreadyExists,
                   "name: shared memory region " + Quoted(name) +
                       " is registered already; unregister it first, or choose another name");
   }
+  const auto held = tenants_.find(caller.tenant);
+  const int64_t mine = held == tenants_.end() ? 0 : held->second.first;
+  const int64_t count = held == tenants_.end() ? 0 : held->second.second;
+  const RegionTerms& terms = caller.terms;
+  if (terms.max_regions > 0 && count >= terms.max_regions) {
+    return Status(StatusCode::kResourceExhausted,
+                  "shared memory: this tenant has " + std::to_string(count) +
+                      " regions registered, its most (tenants file, shared_memory_max_regions); "
+                      "unregister some");
+  }
   if (regions_.size() >= options_.max_regions) {
     return Status(StatusCode::kResourceExhausted,
-                  "shared memory: the server holds its most regions (" +
-                      std::to_string(options_.max_regions) + ") now; unregister some");
+                  "shared memory: this tenant has " + std::to_string(count) +
+                      " regions registered, and the server holds at most " +
+                      std::to_string(options_.max_regions) +
+                      " over every tenant; unregister some, or retry later");
   }
-  const auto held = tenant_bytes_.find(caller.tenant);
-  const int64_t mine = held == tenant_bytes_.end() ? 0 : held->second;
-  const int64_t cap = caller.terms.max_bytes;
+  const int64_t cap = terms.max_bytes;
   if (byte_size == 0 || (cap > 0 && (byte_size > static_cast<uint64_t>(cap) ||
                                      static_cast<int64_t>(byte_size) > cap - mine))) {
     return Status(StatusCode::kResourceExhausted,
@@ -216,10 +231,11 @@ Status SharedMemoryRegistry::Add(const RegionCaller& caller, std::unique_ptr<Sha
   {
     std::lock_guard<std::mutex> lock(mu_);
     const RegionInfo& info = region->info();
-    // Again: another call may have come first.
-    RETURN_IF_ERROR(Admit(caller, info.name, info.byte_size));
+    RETURN_IF_ERROR(AdmitRoom(caller, info.name, info.byte_size));
     bytes_ += static_cast<int64_t>(info.byte_size);
-    tenant_bytes_[caller.tenant] += static_cast<int64_t>(info.byte_size);
+    auto& [bytes, count] = tenants_[caller.tenant];
+    bytes += static_cast<int64_t>(info.byte_size);
+    ++count;
     regions_.emplace(Key{caller.tenant, info.name}, std::move(region));
   }
   Changed();
@@ -232,29 +248,34 @@ void SharedMemoryRegistry::Changed() const {
 
 namespace {
 
-// PERMISSION_DENIED unless `key` (its leading '/' aside) starts with `prefix`.
-Status CheckKeyPrefix(const std::string& key, const std::string& prefix) {
+// PERMISSION_DENIED unless `key` (its leading '/' aside) is the tenant's: it starts with the
+// tenant's prefix and with no other tenant's longer one (which would make it theirs). The same
+// message either way: a refusal does not tell which other prefixes there are.
+Status CheckKeyPrefix(const std::string& key, const RegionTerms& terms) {
+  RETURN_IF_ERROR(terms.keys_refused);
   const std::string name = key[0] == '/' ? key.substr(1) : key;
-  if (name.compare(0, prefix.size(), prefix) == 0) return Status::Ok();
+  const auto starts = [&name](const std::string& p) { return name.compare(0, p.size(), p) == 0; };
+  bool mine = starts(terms.key_prefix);
+  for (const std::string& other : terms.others_prefixes) {
+    if (other.size() > terms.key_prefix.size() && starts(other)) mine = false;
+  }
+  if (mine) return Status::Ok();
   return Status(StatusCode::kPermissionDenied,
                 "key: " + Quoted(key) + " is not one of this tenant's: its keys start with " +
-                    Quoted(prefix) + " (tenants file, shared_memory_key_prefix)");
+                    Quoted(terms.key_prefix) + " (tenants file, shared_memory_key_prefix)");
 }
 
 }  // namespace
 
 Status TenantRegions::RegisterSystem(const std::string& name, const std::string& key,
                                      uint64_t offset, uint64_t byte_size) const {
-  {
-    std::lock_guard<std::mutex> lock(registry_->mu_);
-    RETURN_IF_ERROR(registry_->Admit(caller_, name, byte_size));
-  }
+  RETURN_IF_ERROR(registry_->AdmitCaller(caller_, name));
   if (!IsSharedMemoryKey(key)) {
     return Invalid("key: " + Quoted(key) +
                    " is not a POSIX shared memory key; expected \"/name\" with letters, digits, "
                    "'.', '_' or '-' (never a path)");
   }
-  RETURN_IF_ERROR(CheckKeyPrefix(key, caller_.terms.key_prefix));
+  RETURN_IF_ERROR(CheckKeyPrefix(key, caller_.terms));
   const std::optional<int64_t> end =
       offset > static_cast<uint64_t>(INT64_MAX) || byte_size > static_cast<uint64_t>(INT64_MAX)
           ? std::nullopt
@@ -283,10 +304,7 @@ Status TenantRegions::RegisterSystem(const std::string& name, const std::string&
 
 Status TenantRegions::RegisterCuda(const std::string& name, const std::string& raw_handle,
                                    int64_t device, uint64_t byte_size) const {
-  {
-    std::lock_guard<std::mutex> lock(registry_->mu_);
-    RETURN_IF_ERROR(registry_->Admit(caller_, name, byte_size));
-  }
+  RETURN_IF_ERROR(registry_->AdmitCaller(caller_, name));
   if (!registry_->cuda_) {
     return Status(StatusCode::kFailedPrecondition,
                   "CUDA shared memory needs a server computing on a GPU (--device cuda)");
@@ -310,9 +328,9 @@ Status TenantRegions::Unregister(const std::string& name, bool cuda) const {
       if ((name.empty() || it->first.second == name) && it->second->info().cuda == cuda) {
         const auto bytes = static_cast<int64_t>(it->second->info().byte_size);
         registry_->bytes_ -= bytes;
-        if ((registry_->tenant_bytes_[caller_.tenant] -= bytes) == 0) {
-          registry_->tenant_bytes_.erase(caller_.tenant);
-        }
+        auto& [held, count] = registry_->tenants_[caller_.tenant];
+        held -= bytes;
+        if (--count == 0) registry_->tenants_.erase(caller_.tenant);
         gone.push_back(std::move(it->second));
         it = regions.erase(it);
       } else {
@@ -364,7 +382,7 @@ void SharedMemoryRegistry::Clear() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     gone.swap(regions_);
-    tenant_bytes_.clear();
+    tenants_.clear();
     bytes_ = 0;
   }
   Changed();

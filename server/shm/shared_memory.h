@@ -40,8 +40,15 @@ struct SharedMemoryOptions {
 struct RegionTerms {
   /// The most bytes its regions hold at once; 0: only the server's SharedMemoryOptions::max_bytes.
   int64_t max_bytes = 0;
+  /// The most regions it holds at once; 0: only the server's SharedMemoryOptions::max_regions.
+  int64_t max_regions = 0;
   /// The keys it may name start with this (after the optional '/'); "": any key.
   std::string key_prefix;
+  /// Other tenants' prefixes: a key that starts with one longer than `key_prefix` is theirs.
+  std::vector<std::string> others_prefixes;
+  /// Not OK: this tenant may name no key at all (its name cannot stand in its prefix), and says
+  /// why.
+  Status keys_refused;
 };
 
 /// Who registers or names a region: the tenant (every name is that tenant's own), its terms, and
@@ -173,16 +180,20 @@ class SharedMemoryRegistry {
  private:
   friend class TenantRegions;
   using Key = std::pair<std::string, std::string>;  // (tenant, name)
-  Status Admit(const RegionCaller& caller, const std::string& name,
-               uint64_t byte_size) const;  // Under mu_.
-  void Changed() const;                    // Tells options_.on_change (outside mu_).
+  // Who may register at all: shared memory on, the caller on this host, a good name.
+  Status AdmitCaller(const RegionCaller& caller, const std::string& name) const;
+  // Whether the region fits: the name free, the tenant's and the server's counts and bytes.
+  // Checked last (once the key, its prefix and the object are), so that a caller learns of the
+  // server's budget only with an object of its own in hand. Under mu_.
+  Status AdmitRoom(const RegionCaller& caller, const std::string& name, uint64_t byte_size) const;
+  void Changed() const;  // Tells options_.on_change (outside mu_).
   Status Add(const RegionCaller& caller, std::unique_ptr<SharedRegion> region);
 
   const SharedMemoryOptions options_;
   const CudaRegionOpener cuda_;
   mutable std::mutex mu_;
   std::map<Key, std::shared_ptr<const SharedRegion>> regions_;
-  std::map<std::string, int64_t> tenant_bytes_;  // Tenants holding any.
+  std::map<std::string, std::pair<int64_t, int64_t>> tenants_;  // Bytes, regions of those with any.
   std::atomic<int64_t> bytes_{0};
 };
 

@@ -39,6 +39,12 @@ StatusOr<std::string> ParseKeyPrefix(const nlohmann::json& v, const std::string&
   const size_t placeholder = sizeof kTenantPlaceholder - 1;
   for (size_t i = 0; i < s.size(); ++i) {
     if (s.compare(i, placeholder, kTenantPlaceholder) == 0) {
+      // Names under a placeholder hold no '.', so "a." never starts tenant "a.b"'s keys.
+      if (i + placeholder >= s.size() || s[i + placeholder] != '.') {
+        return Fail(
+            key + " is " + Shown(v) + ": \"" + kTenantPlaceholder +
+            "\" must be followed by '.' (a tenant's prefix must not be the start of another's)");
+      }
       i += placeholder - 1;
     } else if (!KeyPrefixChar(s[i])) {
       return Fail(key + " is " + Shown(v) + ", with a character not allowed at offset " +
@@ -74,12 +80,15 @@ StatusOr<TenantPolicy> ParsePolicy(const nlohmann::json& j, const std::string& f
       p.best_priority_level = *level;
     } else if (it.key() == "shared_memory_max_bytes") {
       ASSIGN_OR_RETURN(p.shared_memory_max_bytes, NonNegativeJsonInt(*it, key));
+    } else if (it.key() == "shared_memory_max_regions") {
+      ASSIGN_OR_RETURN(p.shared_memory_max_regions, NonNegativeJsonInt(*it, key));
     } else if (it.key() == "shared_memory_key_prefix") {
       ASSIGN_OR_RETURN(p.shared_memory_key_prefix, ParseKeyPrefix(*it, key));
     } else {
       return Fail(field + ": unknown key '" + it.key().substr(0, 128) +
                   "'; allowed: weight, max_queued_requests, kv_guaranteed_bytes, kv_max_bytes, "
-                  "best_priority_level, shared_memory_max_bytes, shared_memory_key_prefix");
+                  "best_priority_level, shared_memory_max_bytes, shared_memory_max_regions, "
+                  "shared_memory_key_prefix");
     }
   }
   if (p.kv_max_bytes > 0 && p.kv_guaranteed_bytes > p.kv_max_bytes) {
@@ -91,16 +100,35 @@ StatusOr<TenantPolicy> ParsePolicy(const nlohmann::json& j, const std::string& f
 
 }  // namespace
 
-std::string SharedMemoryKeyPrefix(const TenantPolicy& terms, const std::string& tenant) {
+StatusOr<std::string> SharedMemoryKeyPrefix(const TenantPolicy& terms, const std::string& tenant) {
   const std::string& text = terms.shared_memory_key_prefix;
   const size_t placeholder = sizeof kTenantPlaceholder - 1;
   std::string out;
   size_t from = 0;
   for (size_t at; (at = text.find(kTenantPlaceholder, from)) != std::string::npos;
        from = at + placeholder) {
+    for (char c : tenant) {
+      if (!KeyPrefixChar(c) || c == '.') {
+        return Status(StatusCode::kPermissionDenied,
+                      "shared memory: tenant '" + tenant.substr(0, 128) +
+                          "' cannot stand in its shared_memory_key_prefix '" + text +
+                          "' (tenants file): a name there holds only letters, digits, '_' and "
+                          "'-'; the operator gives such a tenant an entry of its own");
+      }
+    }
     out.append(text, from, at - from).append(tenant);
   }
   return out.append(text, from, std::string::npos);
+}
+
+std::vector<std::string> Tenants::KeyPrefixesBeside(const std::string& tenant) const {
+  std::vector<std::string> out;
+  for (const auto& [name, p] : named_) {
+    if (name == tenant) continue;
+    StatusOr<std::string> prefix = SharedMemoryKeyPrefix(p, name);
+    if (prefix.ok() && !prefix->empty()) out.push_back(std::move(prefix).value());
+  }
+  return out;
 }
 
 bool ValidTenantName(const std::string& name) {

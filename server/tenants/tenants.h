@@ -35,12 +35,17 @@ struct TenantPolicy {
   int64_t shared_memory_max_bytes = 0;
   /// What the POSIX shared-memory keys it registers must start with, after the optional leading
   /// '/'; "{tenant}" stands for the caller's name (SharedMemoryKeyPrefix). "": any key.
+  /// Every "{tenant}" in it is followed by '.'.
   std::string shared_memory_key_prefix;
+  /// The most shared-memory regions it may have registered at once. 0: only the server's count.
+  int64_t shared_memory_max_regions = 0;
 };
 
 /// `terms.shared_memory_key_prefix` with every "{tenant}" replaced by `tenant`: what the keys
-/// `tenant` registers must start with ("" for any key).
-std::string SharedMemoryKeyPrefix(const TenantPolicy& terms, const std::string& tenant);
+/// `tenant` registers must start with ("" for any key). PERMISSION_DENIED when the prefix names
+/// the tenant and the name holds anything but letters, digits, '_' and '-' (a '.' in it would make
+/// one tenant's prefix the start of another's: "a." of "a.b."'s keys).
+StatusOr<std::string> SharedMemoryKeyPrefix(const TenantPolicy& terms, const std::string& tenant);
 
 /// The tenants file: {"default": {...}, "tenants": {"NAME": {...}}}; every key optional, each
 /// entry's keys those of TenantPolicy. Tenants it does not name get `default`'s terms, each on its
@@ -57,6 +62,9 @@ class Tenants {
   Status CheckAgainst(int64_t kv_budget_bytes) const;
 
   const TenantPolicy& Of(const std::string& tenant) const;
+  /// The key prefixes of the named tenants other than `tenant` (expanded, non-empty): a key that
+  /// starts with one of them longer than `tenant`'s own is theirs, not `tenant`'s.
+  std::vector<std::string> KeyPrefixesBeside(const std::string& tenant) const;
   /// The metrics label of `tenant`: its name when the file names it or it is "default", else
   /// "other" (so the label set stays bounded).
   std::string Label(const std::string& tenant) const;

@@ -4,10 +4,13 @@ a real server on loopback, through both front ends (attnserve.v1 and the Open In
 
 1. regions belong to their tenant: another tenant (or a caller naming none) never lists, reads,
    writes or unregisters them; its name is NOT_FOUND exactly as an unknown one; two tenants use one
-   name; a tenant's shared_memory_max_bytes bounds it and the refusal tells nothing of others' bytes;
+   name; a tenant's shared_memory_max_bytes and shared_memory_max_regions bound it and the refusal
+   tells nothing of others' bytes;
 2. a caller names only what it could open: another uid's object is PERMISSION_DENIED, a key outside
-   the tenant's shared_memory_key_prefix too, and a registration from a peer that is not on this
-   host is PERMISSION_DENIED unless --shared-memory-remote-peers;
+   the tenant's shared_memory_key_prefix too, as is a key under its prefix that starts another
+   named tenant's longer prefix, and a tenant whose name holds a '.' under a "{tenant}." prefix; a
+   registration from a peer that is not on this host is PERMISSION_DENIED unless
+   --shared-memory-remote-peers (IPv6 loopback is this host);
 3. a FIFO of another user, registered with the server running as an ordinary user, is refused at
    once, and ServerLive and Attend still answer at once (root: the server runs as uid 65534);
 4. a 75-byte request naming a 256 MiB sparse region as query, key and value is refused before a byte
@@ -161,7 +164,7 @@ def tenants_file(tmp_path, terms):
 def test_regions_belong_to_their_tenant(attnserve, stubs, checks, tmp_path):
     """Item 1: another tenant, or a caller naming none, sees nothing of a's regions."""
     pb = stubs[0]
-    tenants = tenants_file(tmp_path, {"default": {"shared_memory_max_bytes": 4 * MIB}})
+    tenants = tenants_file(tmp_path, {"default": {"shared_memory_max_bytes": 4 * MIB, "shared_memory_max_regions": 3}})
     server = lib.Server(attnserve, "--allow-shared-memory", "--tenant-header", HEADER, "--tenants", tenants)
     a, b, nobody = (Front(server.target, stubs, t) for t in ("a", "b", None))
     mask = np.linspace(-3, 3, 16).astype(np.float32)  # a's secret: bytes b must never recover.
@@ -223,6 +226,13 @@ def test_regions_belong_to_their_tenant(attnserve, stubs, checks, tmp_path):
         checks("the refusal tells b nothing of a's bytes", "8192" not in message and "4096 registered" not in message,
                message)
         checks("a still registers within its own cap", a.register("r2", secret.key, 2048) == ("OK", ""))
+        # Regions by count: b's fourth is refused by its own shared_memory_max_regions, a unaffected.
+        checks("b registers up to 3 regions", b.register("r3", theirs.key, 1) == ("OK", "") and
+               b.register("r4", theirs.key, 1) == ("OK", ""))
+        code, message = b.register("r5", theirs.key, 1)
+        checks("b's fourth region is RESOURCE_EXHAUSTED naming shared_memory_max_regions",
+               code == "RESOURCE_EXHAUSTED" and "shared_memory_max_regions" in message, f"{code} {message}")
+        checks("a registers its third", a.register("r6", secret.key, 1) == ("OK", ""))
     finally:
         for o in (secret, theirs, sparse):
             o.close()
@@ -246,7 +256,7 @@ def start_on(attnserve, address, *args):
     proc = subprocess.Popen([attnserve, "--address", address, "--metrics-address", "", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     banner = proc.stdout.readline()
-    m = re.search(r" on [\d.]+:(\d+)", banner)
+    m = re.search(r" on (?:\[[^\]]*\]|[\d.]+):(\d+)", banner)
     if not m:
         proc.kill()
         raise RuntimeError("attnserve did not start: " + banner + proc.stdout.read())
@@ -256,9 +266,11 @@ def start_on(attnserve, address, *args):
 
 def test_a_caller_names_only_what_it_could_open(attnserve, stubs, checks, tmp_path):
     """Item 2: the owner, the tenant's key prefix, and the peer's host."""
-    tenants = tenants_file(tmp_path, {"default": {"shared_memory_key_prefix": "attnserve-iso-{tenant}."}})
+    tenants = tenants_file(tmp_path, {"default": {"shared_memory_key_prefix": "attnserve-iso-{tenant}."},
+                                      "tenants": {"a.b": {"shared_memory_key_prefix": "attnserve-iso-a.b."}}})
     server = lib.Server(attnserve, "--allow-shared-memory", "--tenant-header", HEADER, "--tenants", tenants)
     a, b = Front(server.target, stubs, "a"), Front(server.target, stubs, "b")
+    ab, xy = Front(server.target, stubs, "a.b"), Front(server.target, stubs, "x.y")
     pid = os.getpid()
     objects = []
 
@@ -273,6 +285,17 @@ def test_a_caller_names_only_what_it_could_open(attnserve, stubs, checks, tmp_pa
         checks("b: a's key (outside b's prefix) is PERMISSION_DENIED naming the prefix",
                code == "PERMISSION_DENIED" and "attnserve-iso-b." in message and "shared_memory_key_prefix" in message,
                f"{code} {message}")
+        # A prefix that starts another tenant's: a's "attnserve-iso-a." is the start of a.b's keys.
+        ab_obj = make(f"attnserve-iso-a.b.{pid}")
+        checks("a.b registers a key under its own prefix", ab.register("r", ab_obj.key, 4096) == ("OK", ""))
+        code, message = a.register("stolen", ab_obj.key, 4096)
+        checks("a: a.b's key (under a's prefix, but a.b's) is PERMISSION_DENIED",
+               code == "PERMISSION_DENIED" and "shared_memory_key_prefix" in message, f"{code} {message}")
+        # A name that cannot stand in a {tenant} prefix: x.y would start tenant x's keys.
+        xy_obj = make(f"attnserve-iso-x.y.{pid}")
+        code, message = xy.register("r", xy_obj.key, 4096)
+        checks("x.y (its name holds a '.') registers under no {tenant} prefix: PERMISSION_DENIED naming why",
+               code == "PERMISSION_DENIED" and "x.y" in message, f"{code} {message}")
         if os.geteuid() == 0:
             other = make(f"attnserve-iso-a.{pid}-nobody", uid=65534)
             code, message = a.register("n", other.key, 4096)
@@ -283,6 +306,21 @@ def test_a_caller_names_only_what_it_could_open(attnserve, stubs, checks, tmp_pa
             o.close()
         server.stop()
 
+    if socket.has_ipv6:
+        try:
+            proc, port = start_on(attnserve, "[::1]:0", "--allow-shared-memory")
+        except RuntimeError as e:
+            proc = None
+            checks("IPv6 loopback: no such address on this host (the check is skipped)", "::1" in str(e), str(e))
+        if proc is not None:
+            o = make(f"attnserve-iso-v6-{pid}")
+            try:
+                code, message = Front(f"[::1]:{port}", stubs, None).register("r", o.key, 4096)
+                checks("a caller on IPv6 loopback registers", code == "OK", f"{code} {message}")
+            finally:
+                o.close()
+                proc.terminate()
+                checks("the IPv6 server exits 0", proc.wait(timeout=30) == 0)
     address = host_address()
     checks("this host has an address that is not loopback (for the remote-peer check)", address is not None)
     if address is None:

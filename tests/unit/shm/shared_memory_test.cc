@@ -387,7 +387,10 @@ namespace {
 
 RegionCaller Tenant(const std::string& name, int64_t max_bytes = 0, std::string prefix = "",
                     bool local = true) {
-  return RegionCaller{name, RegionTerms{max_bytes, std::move(prefix)}, local};
+  RegionTerms terms;
+  terms.max_bytes = max_bytes;
+  terms.key_prefix = std::move(prefix);
+  return RegionCaller{name, std::move(terms), local};
 }
 
 // What a status says with the name it names swapped for "<>": another tenant's name must read
@@ -438,9 +441,10 @@ TEST(SharedMemoryTenantsTest, TheCapsNameOnlyTheCallersOwnBytes) {
   EXPECT_THAT(st.message(), HasSubstr("--shared-memory-bytes"));
   EXPECT_THAT(st.message(), Not(HasSubstr("250000")));
   EXPECT_THAT(st.message(), Not(HasSubstr("550000")));
-  // A 16 GiB sparse registration is refused by the tenant's cap, the others unaffected.
-  EXPECT_EQ(b.RegisterSystem("z", obj.key(), 0, uint64_t{16} << 30).code(),
-            StatusCode::kResourceExhausted);
+  // Past the tenant's own cap (300,000 held + 200,000 > 400,000): its cap, the others unaffected.
+  st = b.RegisterSystem("z", obj.key(), 0, 200000);
+  EXPECT_EQ(st.code(), StatusCode::kResourceExhausted);
+  EXPECT_THAT(st.message(), HasSubstr("shared_memory_max_bytes"));
   EXPECT_TRUE(a.RegisterSystem("small", obj.key(), 0, 40000).ok());
 }
 

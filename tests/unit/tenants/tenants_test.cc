@@ -50,26 +50,50 @@ TEST(TenantsTest, ReadsThePriorityCapAndTheSharedMemoryTerms) {
   EXPECT_EQ(tenants.Of("stranger").best_priority_level, 0);  // Absent: no cap.
   EXPECT_EQ(tenants.Of("stranger").shared_memory_max_bytes, 0);
   // Each unnamed tenant gets a prefix of its own from the default's placeholder.
-  EXPECT_EQ(SharedMemoryKeyPrefix(tenants.Of("stranger"), "stranger"), "stranger.");
-  EXPECT_EQ(SharedMemoryKeyPrefix(tenants.Of("other-one"), "other-one"), "other-one.");
-  EXPECT_EQ(SharedMemoryKeyPrefix(tenants.Of("low"), "low"), "batch_jobs-v1.");
+  EXPECT_EQ(SharedMemoryKeyPrefix(tenants.Of("stranger"), "stranger").value(), "stranger.");
+  EXPECT_EQ(SharedMemoryKeyPrefix(tenants.Of("other-one"), "other-one").value(), "other-one.");
+  EXPECT_EQ(SharedMemoryKeyPrefix(tenants.Of("low"), "low").value(), "batch_jobs-v1.");
 }
 
 TEST(TenantsTest, TheKeyPrefixExpandsEveryPlaceholderAndNothingElse) {
   TenantPolicy p;
-  EXPECT_EQ(SharedMemoryKeyPrefix(p, "a"), "");  // Any key.
-  p.shared_memory_key_prefix = "{tenant}";
-  EXPECT_EQ(SharedMemoryKeyPrefix(p, "team-a"), "team-a");
-  p.shared_memory_key_prefix = "x.{tenant}_{tenant}-y";
-  EXPECT_EQ(SharedMemoryKeyPrefix(p, "t"), "x.t_t-y");
-  // A name that itself holds the placeholder's text is not expanded again.
-  EXPECT_EQ(SharedMemoryKeyPrefix(p, "{tenant}"), "x.{tenant}_{tenant}-y");
-  p.shared_memory_key_prefix = "{tenant}{tenant}";
-  EXPECT_EQ(SharedMemoryKeyPrefix(p, ""), "");
+  EXPECT_EQ(SharedMemoryKeyPrefix(p, "a").value(), "");  // Any key.
+  p.shared_memory_key_prefix = "{tenant}.";
+  EXPECT_EQ(SharedMemoryKeyPrefix(p, "team-a").value(), "team-a.");
+  p.shared_memory_key_prefix = "x.{tenant}.t_{tenant}.y";
+  EXPECT_EQ(SharedMemoryKeyPrefix(p, "t").value(), "x.t.t_t.y");
+  // A name that holds a '.' (or anything a key cannot) stands in no prefix: "a." would start the
+  // keys of tenant "a.b"; nor is a name holding the placeholder's text expanded again.
+  for (const char* name : {"a.b", "{tenant}", "a/b", ""}) {
+    const StatusOr<std::string> refused = SharedMemoryKeyPrefix(p, name);
+    if (std::string(name).empty()) {
+      EXPECT_TRUE(refused.ok());
+      continue;
+    }
+    EXPECT_EQ(refused.status().code(), StatusCode::kPermissionDenied) << name;
+    EXPECT_THAT(refused.status().message(), HasSubstr("shared_memory_key_prefix")) << name;
+  }
+  // A placeholder not followed by '.' refuses the file.
+  for (const char* bad : {"{tenant}", "x{tenant}-", "{tenant}{tenant}."}) {
+    const auto parsed = Tenants::Parse(
+        std::string("{\"default\": {\"shared_memory_key_prefix\": \"") + bad + "\"}}", "t.json");
+    EXPECT_FALSE(parsed.ok()) << bad;
+    if (!parsed.ok()) EXPECT_THAT(parsed.status().message(), HasSubstr("followed by '.'")) << bad;
+  }
+  // The named tenants' prefixes beside one's own.
+  auto named = Tenants::Parse(
+      "{\"default\": {\"shared_memory_key_prefix\": \"{tenant}.\"}, \"tenants\": {\"a.b\": "
+      "{\"shared_memory_key_prefix\": \"a.b.\"}, \"c\": {}, \"d\": {\"shared_memory_max_regions\": "
+      "2}}}",
+      "t.json");
+  ASSERT_TRUE(named.ok()) << named.status().message();
+  EXPECT_EQ((*named)->KeyPrefixesBeside("a"), (std::vector<std::string>{"a.b."}));
+  EXPECT_EQ((*named)->KeyPrefixesBeside("a.b"), (std::vector<std::string>{}));
+  EXPECT_EQ((*named)->Of("d").shared_memory_max_regions, 2);
   auto most = Tenants::Parse(
       "{\"default\": {\"shared_memory_key_prefix\": \"" + std::string(200, 'k') + "\"}}", "t.json");
   ASSERT_TRUE(most.ok()) << most.status().message();
-  EXPECT_EQ(SharedMemoryKeyPrefix((*most)->Of("a"), "a"), std::string(200, 'k'));
+  EXPECT_EQ(SharedMemoryKeyPrefix((*most)->Of("a"), "a").value(), std::string(200, 'k'));
   auto over = Tenants::Parse(
       "{\"tenants\": {\"a\": {\"shared_memory_key_prefix\": \"" + std::string(201, 'k') + "\"}}}",
       "t.json");
@@ -123,7 +147,9 @@ TEST(TenantsTest, EveryBadFileIsRefusedNamingTheField) {
       {R"({"tenants": {"a": {"shared_memory_prefix": "x"}}})",
        "tenants['a']: unknown key 'shared_memory_prefix'; allowed: weight, max_queued_requests, "
        "kv_guaranteed_bytes, kv_max_bytes, best_priority_level, shared_memory_max_bytes, "
-       "shared_memory_key_prefix"},
+       "shared_memory_max_regions, shared_memory_key_prefix"},
+      {R"({"default": {"shared_memory_max_regions": -1}})",
+       "default.shared_memory_max_regions is -1; expected an integer from 0"},
       {R"({"tenants": {"default": {}}})", "the name 'default' cannot name a tenant"},
       {R"({"tenants": {"other": {}}})", "the name 'other' cannot name a tenant"},
       {R"({"tenants": {"two words": {}}})", "the name 'two words' cannot name a tenant"},
