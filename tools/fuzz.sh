@@ -44,7 +44,7 @@ for t in "${targets[@]}"; do
   max_len=65536
   [ "$t" = kv_store ] && max_len=1024
   [ "$t" = scheduler ] && max_len=4096
-  [ "$t" = tenants ] && max_len=384
+  [ "$t" = tenants ] && max_len=160
   if (cd "$build" && ./fuzz_"$t" "${limit[@]}" -rss_limit_mb=2048 -max_len=$max_len -print_final_stats=1 \
         -artifact_prefix=./crash-"$t"- "$corpus" "${seeds[@]}") >"$log" 2>&1; then
     passed=$((passed + 1))
