@@ -19,6 +19,7 @@
 #include "tests/lib/kv_model_check.h"
 #include "tests/lib/kv_tenant_check.h"
 #include "tests/lib/mha_reference.h"
+#include "tests/lib/test_util.h"
 
 namespace attnserve {
 namespace {
@@ -31,7 +32,9 @@ using testing::RunKvModelCheck;
 TEST(KvPropertyTest, RandomOperationSequencesKeepEveryInvariant) {
   KvCheckStats stats;
   const HelperPool helpers(2);
-  for (uint64_t seed = 1; seed <= 1000; ++seed) {
+  // 1,000 sequences; a quarter under the sanitizers (69 s under ThreadSanitizer with all).
+  const int seeds = testing::Repetitions(1000, 4);
+  for (uint64_t seed = 1; seed <= static_cast<uint64_t>(seeds); ++seed) {
     std::mt19937_64 rng(seed);
     Choices choices([&rng](uint8_t* b) {
       *b = static_cast<uint8_t>(rng());
@@ -55,12 +58,12 @@ TEST(KvPropertyTest, RandomOperationSequencesKeepEveryInvariant) {
     }
   }
   std::printf("kv property: %s\n", stats.ToString().c_str());
-  // Not vacuous: every kind of event happened, many times.
+  // Not vacuous: every kind of event happened, many times (100 in 1,000 sequences).
   for (int64_t n :
        {stats.step_answers_checked, stats.steps_not_applied, stats.memory_answers_checked,
         stats.evicted, stats.expired, stats.released, stats.unloaded, stats.invalid,
         stats.not_found, stats.exhausted, stats.aborted, stats.forks, stats.truncations}) {
-    EXPECT_GE(n, 100) << stats.ToString();
+    EXPECT_GE(n, seeds / 10) << stats.ToString();
   }
 }
 
