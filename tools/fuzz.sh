@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets (tests/fuzz, clang) and runs each one, bounded (kv_store: the
 # key/value store and engine driven by operation sequences, tests/lib/kv_model_check.h):
-#   tools/fuzz.sh                 10 s per target (what `tools/build.sh test` runs)
+#   tools/fuzz.sh                 8 s per target (what `tools/build.sh test` runs)
 #   tools/fuzz.sh --seconds N     N s per target
 #   tools/fuzz.sh --runs N        N executions per target (the long run: --runs 10000000)
 #   tools/fuzz.sh ... TARGET...   only these targets (request safetensors config torch_archive kv_store scheduler tenants)
@@ -13,7 +13,7 @@
 # target and ends with "fuzz: N passed, N failed".
 set -euo pipefail
 cd "$(dirname "$0")/.."
-limit=(-max_total_time=10)
+limit=(-max_total_time=8)
 case "${1:-}" in
   --seconds) limit=(-max_total_time="$2"); shift 2 ;;
   --runs) limit=(-runs="$2"); shift 2 ;;
