@@ -4,6 +4,7 @@
 #   tools/fuzz.sh                 8 s per target (what `tools/build.sh test` runs)
 #   tools/fuzz.sh --seconds N     N s per target
 #   tools/fuzz.sh --runs N        N executions per target (the long run: --runs 10000000)
+#   tools/fuzz.sh --build-only     builds the targets and stops
 #   tools/fuzz.sh ... TARGET...   only these targets (request safetensors config torch_archive kv_store scheduler tenants)
 # New inputs go to a corpus per target outside the clone, ~/.cache/attnserve/fuzz/corpus-<target>
 # (ATTNSERVE_FUZZ_HOME), seeded from tests/fuzz/corpus/<target>: every run on this machine, from any
@@ -14,7 +15,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 limit=(-max_total_time=8)
+build_only=
 case "${1:-}" in
+  --build-only) build_only=1; shift ;;
   --seconds) limit=(-max_total_time="$2"); shift 2 ;;
   --runs) limit=(-runs="$2"); shift 2 ;;
 esac
@@ -30,7 +33,8 @@ build=build-fuzz
 if [ ! -f "$build/CMakeCache.txt" ]; then
   cmake -S tests/fuzz -B "$build" -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 fi
-cmake --build "$build" -j"$(nproc)" >/dev/null
+cmake --build "$build" -j"${ATTNSERVE_BUILD_JOBS:-$(nproc)}" >/dev/null
+[ -z "$build_only" ] || exit 0
 corpora=${ATTNSERVE_FUZZ_HOME:-$HOME/.cache/attnserve/fuzz}
 # Targets run side by side, one per core (each libFuzzer process is one thread): on 2 cores the
 # seven targets' 8 s take ~32 s of wall time instead of ~60 s. ATTNSERVE_FUZZ_JOBS sets how many.

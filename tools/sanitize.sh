@@ -13,10 +13,14 @@
 #               gRPC callback thread and Run on another, escaped its suppression so in 2 of 20
 #               ServerConcurrencyTest runs beside two CPU hogs; at 7, 0 of 13 (bench/RESULTS.md).
 #   tools/sanitize.sh [asan|tsan]...     (default: both)
+#   tools/sanitize.sh --build-only KIND  builds the tree's test binaries and stops (tools/build.sh
+#                                        test builds every tree side by side before the stages)
 # Suppressions (tests/sanitizers/*.supp) cover third-party code only; each entry says why. Ends with
 # "sanitizers: N passed, N failed".
 set -euo pipefail
 cd "$(dirname "$0")/.."
+build_only=
+[ "${1:-}" = --build-only ] && { build_only=1; shift; }
 kinds=("$@")
 [ ${#kinds[@]} -gt 0 ] || kinds=(asan tsan)
 supp="$PWD/tests/sanitizers"
@@ -68,7 +72,8 @@ for kind in "${kinds[@]}"; do
   # configured (a second time costs seconds): building named targets in a tree configured before
   # they existed would stop at "No rule to make target".
   cmake --preset "$kind" >/dev/null
-  cmake --build --preset "$kind" -j"$(nproc)" --target "${targets[@]%%:*}" >/dev/null
+  cmake --build --preset "$kind" -j"${ATTNSERVE_BUILD_JOBS:-$(nproc)}" --target "${targets[@]%%:*}" >/dev/null
+  [ -z "$build_only" ] || continue
   log_dir=$build/logs
   mkdir -p "$log_dir"
   export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:detect_stack_use_after_return=0"
@@ -86,5 +91,6 @@ for kind in "${kinds[@]}"; do
   wait
   for name in "${names[@]}"; do report "$name"; done
 done
+[ -z "$build_only" ] || exit 0
 echo "sanitizers: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]
