@@ -81,6 +81,9 @@ void ToWire(const AttendRequest& r, pb::AttendRequest* out) {
   if (r.session_length) out->set_session_length(*r.session_length);
   out->set_priority(r.priority);
   out->set_queue_timeout_us(r.queue_timeout_us);
+  if (r.query_position) out->set_query_position(*r.query_position);
+  out->set_key_position(r.key_position);
+  for (int64_t p : r.positions) out->add_positions(p);
   if (r.output_shared_memory) ToWire(*r.output_shared_memory, out->mutable_output_shared_memory());
   if (r.attn_weights_shared_memory)
     ToWire(*r.attn_weights_shared_memory, out->mutable_attn_weights_shared_memory());
@@ -161,6 +164,16 @@ ModelInfo FromWire(const pb::ModelInfo& m) {
   out.weights_hash = m.weights_hash();
   out.source = m.source();
   out.version = m.version();
+  out.family = m.family();
+  out.layer = m.layer();
+  out.num_kv_heads = m.num_kv_heads();
+  out.head_dim = m.head_dim();
+  out.rotary_theta = m.rotary_theta();
+  out.rotary_dim = m.rotary_dim();
+  out.rope_type = m.rope_type();
+  out.sliding_window = m.sliding_window();
+  out.qk_norm = m.qk_norm();
+  out.scale = m.scale();
   return out;
 }
 
@@ -693,6 +706,7 @@ CallStatus Client::CreateMemory(const MemoryRequest& request, KvInfo* memory,
   ToWire(wire ? Narrowed(request.value, *wire) : request.value, req.mutable_value());
   if (request.key_padding_mask) ToWire(*request.key_padding_mask, req.mutable_key_padding_mask());
   req.set_layout(static_cast<pb::Layout>(request.layout));
+  req.set_key_position(request.key_position);
   pb::KvHandle resp;
   const grpc::Status s = impl_->stub->CreateMemory(&ctx, req, &resp);
   if (s.ok()) {

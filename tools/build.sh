@@ -67,18 +67,20 @@ if [ "$verb" = run ]; then
   exec "$build/attnserve" "$@"
 fi
 # The trees the later stages test (the sanitizers', the fuzz targets', the LibTorch 2.x flavour's
-# with its environment), built side by side, one compile each, before any test runs: a change in one
-# file recompiles it once per tree, and those single compiles, run one tree after another, left a
-# core idle (~1 min of a warm run); on a cold run the 2.x environment's download overlaps the
-# compiles. A failure here is only said: the stage that needs the tree builds it again and fails.
+# with its environment), built side by side before any test runs, each with -j$(nproc): a change in
+# one file recompiles it once per tree, and those single compiles, run one tree after another, left
+# a core idle (~1 min of a warm run); on a cold run the 2.x environment's download overlaps the
+# compiles, and no core waits for the largest tree (at -j1 each, AddressSanitizer's tree compiled
+# alone on one core for its last ~15 minutes: 1,602 s in all). A failure here is only said: the
+# stage that needs the tree builds it again and fails.
 prebuild() {
   local logs pids=() names=(asan tsan fuzz torch2) i
   logs=$(mktemp -d)
   local start; start=$(date +%s)
-  ATTNSERVE_BUILD_JOBS=1 tools/sanitize.sh --build-only asan >"$logs/asan" 2>&1 & pids+=($!)
-  ATTNSERVE_BUILD_JOBS=1 tools/sanitize.sh --build-only tsan >"$logs/tsan" 2>&1 & pids+=($!)
-  ATTNSERVE_BUILD_JOBS=1 tools/fuzz.sh --build-only >"$logs/fuzz" 2>&1 & pids+=($!)
-  (ATTNSERVE_BUILD_JOBS=1 configure torch2) >"$logs/torch2" 2>&1 & pids+=($!)
+  tools/sanitize.sh --build-only asan >"$logs/asan" 2>&1 & pids+=($!)
+  tools/sanitize.sh --build-only tsan >"$logs/tsan" 2>&1 & pids+=($!)
+  tools/fuzz.sh --build-only >"$logs/fuzz" 2>&1 & pids+=($!)
+  (configure torch2) >"$logs/torch2" 2>&1 & pids+=($!)
   for i in "${!pids[@]}"; do
     wait "${pids[$i]}" || { echo "build of ${names[$i]} failed (its stage builds it again):"; tail -20 "$logs/${names[$i]}"; }
   done

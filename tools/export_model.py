@@ -11,6 +11,14 @@ query.linear/key.linear/value.linear/output). num_heads cannot be read from a st
 
 The directory gets config.json and model.safetensors (default) or model.pt (torch.save of the
 state_dict, read by the server's LibTorch pickle loader). Uses Debian's python3-torch only.
+
+Decoder layers (docs/models.md "A layer of a decoder"): export_decoder(module, checkpoint_dir,
+model_dirs) writes a transformers module (an attention module such as LlamaAttention,
+MistralAttention, Qwen2Attention or Qwen3Attention, or a whole model) as a Hugging Face-style
+checkpoint (config.json as save_pretrained writes it, model.safetensors with
+model.layers.N.self_attn.* tensors), and for each {layer: model_dir} an attnserve model directory
+serving that layer ({"checkpoint": ..., "layer": N}). Needs `transformers` (the LibTorch 2.x
+environment has it: tools/torch2-env.sh).
 """
 import argparse
 import json
@@ -79,6 +87,41 @@ def export(source, out_dir, num_heads=None, add_zero_attn=None, fmt="safetensors
         json.dump(config, f, indent=2)
         f.write("\n")
     return config
+
+
+def _attention_layers(module):
+    """{layer index: attention module} of a transformers attention module or whole model."""
+    if hasattr(module, "q_proj") and hasattr(module, "layer_idx"):
+        return {int(module.layer_idx): module}
+    layers = None
+    for path in ("model.layers", "layers", "model.model.layers"):
+        obj = module
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+        if obj is not None:
+            layers = obj
+            break
+    if layers is None:
+        raise ValueError(f"{type(module).__name__}: neither an attention module nor a model with layers")
+    return {i: layer.self_attn for i, layer in enumerate(layers)}
+
+
+def export_decoder(module, checkpoint_dir, model_dirs=None):
+    """Writes `module`'s attention as a checkpoint directory, plus attnserve model directories."""
+    config = module.config
+    os.makedirs(checkpoint_dir, exist_ok=True)
+    tensors = {}
+    for i, attn in _attention_layers(module).items():
+        for name, t in attn.state_dict().items():
+            tensors[f"model.layers.{i}.self_attn.{name}"] = t
+    write_safetensors(os.path.join(checkpoint_dir, "model.safetensors"), tensors)
+    config.save_pretrained(checkpoint_dir)  # config.json as real checkpoints have it: defaults left out.
+    for layer, model_dir in (model_dirs or {}).items():
+        os.makedirs(model_dir, exist_ok=True)
+        with open(os.path.join(model_dir, "config.json"), "w") as f:
+            json.dump({"checkpoint": os.path.relpath(checkpoint_dir, model_dir), "layer": int(layer)}, f)
+            f.write("\n")
+    return sorted(tensors)
 
 
 def main(argv):

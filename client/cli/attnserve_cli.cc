@@ -220,6 +220,12 @@ class AttendCommand final : public Command {
                      "by a server started with that --tenant-header, behind a gateway)");
     sub_->add_option("--tenant-header", tenant_header_, "The metadata key --tenant goes in")
         ->capture_default_str();
+    query_position_flag_ = sub_->add_option(
+        "--query-position", query_position_,
+        "Models from a decoder checkpoint: the first query token's position (RoPE)");
+    sub_->add_option("--key-position", key_position_,
+                     "Models from a decoder checkpoint, with --key-len: the first key's position")
+        ->capture_default_str();
   }
   int Run(attnserve::Client& client) override {
     attnserve::ModelInfo m;
@@ -280,6 +286,8 @@ class AttendCommand final : public Command {
       req->value = RandomTensor(rng, {batch_, key_len_, m.vdim}, half);
     }
     req->is_causal = causal_;
+    if (query_position_flag_->count() > 0) req->query_position = query_position_;
+    req->key_position = key_position_;
     req->attn_weights = weights_ == "avg"    ? attnserve::AttnWeights::kAveraged
                         : weights_ == "head" ? attnserve::AttnWeights::kPerHead
                                              : attnserve::AttnWeights::kNone;
@@ -288,7 +296,9 @@ class AttendCommand final : public Command {
   std::string model_ = "demo", query_file_, weights_ = "none", dtype_ = "float32", traceparent_;
   std::string tenant_, tenant_header_ = "attnserve-tenant";
   uint64_t priority_ = 0;
-  int64_t batch_ = 1, query_len_ = 16, key_len_ = 0, model_version_ = 0;
+  int64_t batch_ = 1, query_len_ = 16, key_len_ = 0, model_version_ = 0, key_position_ = 0;
+  int64_t query_position_ = 0;
+  CLI::Option* query_position_flag_ = nullptr;
   bool causal_ = false, trace_ = false;
   uint64_t seed_ = 0;
 };

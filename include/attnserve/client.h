@@ -54,6 +54,13 @@ struct AttendRequest {
   /// Most microseconds the request may wait to start, where the level's policy lets a request
   /// shorten its timeout; 0: the level's own.
   uint64_t queue_timeout_us = 0;
+  /// Models from a decoder checkpoint (ModelInfo::rotary_theta > 0): the first query token's
+  /// position (token i at query_position + i); unset: 0, or in a session step its length.
+  std::optional<int64_t> query_position;
+  /// Cross-attention on such a model: the first key token's position.
+  int64_t key_position = 0;
+  /// Instead of query_position: every query token's own, batch * query_len values, batch-first.
+  std::vector<int64_t> positions;
 };
 
 /// A registered shared-memory region (Client::SharedMemoryStatus).
@@ -100,6 +107,7 @@ struct MemoryRequest {
   Tensor key, value;                       ///< [B, Lk, kdim], [B, Lk, vdim] (or unbatched)
   std::optional<Tensor> key_padding_mask;  ///< [B, Lk]
   Layout layout = Layout::kBatchFirst;
+  int64_t key_position = 0;  ///< Models from a decoder checkpoint: the first key's position.
 };
 
 /// What a loaded model is.
@@ -112,6 +120,13 @@ struct ModelInfo {
   std::string weights_hash;
   std::string source;
   int64_t version = 1;  ///< N for DIR/name/N/ on the server; 1 for an unversioned model.
+  /// A layer of a decoder checkpoint (docs/models.md): family ("" for nn.MultiheadAttention),
+  /// layer, key/value heads, head width, RoPE (theta 0: none), window (0: none), q/k norm, scale.
+  std::string family;
+  int64_t layer = 0, num_kv_heads = 0, head_dim = 0, rotary_dim = 0, sliding_window = 0;
+  double rotary_theta = 0, scale = 0;
+  std::string rope_type;
+  bool qk_norm = false;
 };
 
 /// What a reload did to one version of one model (AdminService.ReloadModels).

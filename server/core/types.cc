@@ -33,11 +33,14 @@ double ForwardFlops(const ModelSpec& m, const AttendCall& c) {
   const double rows_q = static_cast<double>(c.batch * c.query_len);
   const double rows_k = static_cast<double>(c.batch * c.key_len);
   const double e = static_cast<double>(m.embed_dim);
+  // Projected widths: embed_dim for nn.MultiheadAttention; heads x head_dim (queries) and
+  // key/value heads x head_dim (keys, values) for a decoder's layer.
+  const double wq = static_cast<double>(m.q_width()), wkv = static_cast<double>(m.kv_width());
   const double keys = static_cast<double>(c.key_len + m.extra_keys());
-  const double projections = 2 * rows_q * e * e                                       // q
-                             + 2 * rows_k * e * static_cast<double>(m.kdim + m.vdim)  // k, v
-                             + 2 * rows_q * e * e;                                    // output
-  const double attention = 4 * rows_q * keys * e;  // QK^T and PV over all heads
+  const double projections = 2 * rows_q * e * wq                                        // q
+                             + 2 * rows_k * wkv * static_cast<double>(m.kdim + m.vdim)  // k, v
+                             + 2 * rows_q * wq * e;                                     // output
+  const double attention = 4 * rows_q * keys * wq;  // QK^T and PV over all query heads
   return projections + attention;
 }
 

@@ -51,6 +51,34 @@ enum class WeightsMode { kNone, kAveraged, kPerHead };
 /// Memory layout of query, key, value and output.
 enum class TensorLayout { kBatchFirst, kSequenceFirst };
 
+/// Rotary position embeddings (RoPE) as Llama-family decoders apply them: dimension j of each
+/// head's first `rotary_dim` is paired with j + rotary_dim/2 (half-split, not interleaved) and
+/// turned by position · inv_freq[j], inv_freq[j] = theta^(-2j/rotary_dim), in float32.
+struct RotarySpec {
+  double theta = 10000.0;
+  int64_t rotary_dim = 0;  ///< Even, at most head_dim; the rest of each head is not rotated.
+  /// "default", or "llama3": Llama 3's frequency scaling (the four fields below).
+  std::string type = "default";
+  double factor = 1, low_freq_factor = 1, high_freq_factor = 4;
+  int64_t original_max_position = 8192;
+};
+
+/// The attention of a decoder layer (Llama, Mistral, Qwen2, Qwen3): grouped key/value heads,
+/// per-projection biases, RoPE, a sliding window, q/k RMSNorm, a softmax scale. Set on models
+/// loaded from a Hugging Face checkpoint ("checkpoint" in config.json); absent on
+/// nn.MultiheadAttention models, whose computation it never changes.
+struct DecoderSpec {
+  std::string family;  ///< The checkpoint's model_type: llama, mistral, qwen2, qwen3.
+  int64_t layer = 0;   ///< Which layer of the checkpoint.
+  int64_t num_kv_heads = 0;
+  bool q_bias = false, k_bias = false, v_bias = false, o_bias = false;
+  std::optional<RotarySpec> rotary;
+  int64_t sliding_window = 0;  ///< Keys a query sees, itself included (0: all).
+  bool qk_norm = false;        ///< RMSNorm over each head of q and k before RoPE (Qwen3).
+  double rms_norm_eps = 1e-6;
+  double scale = 0;  ///< Scores' scale (0: 1/sqrt(head_dim)).
+};
+
 /// What a model is: the nn.MultiheadAttention constructor arguments plus where and how it runs.
 struct ModelSpec {
   std::string name;
@@ -73,7 +101,21 @@ struct ModelSpec {
   /// server's (--priority-levels, --queue-policy).
   std::optional<PriorityOptions> priorities;
 
-  int64_t head_dim() const { return num_heads > 0 ? embed_dim / num_heads : 0; }
+  /// A decoder layer's attention (grouped heads, RoPE...): none for nn.MultiheadAttention.
+  std::optional<DecoderSpec> decoder;
+  /// Each head's width: embed_dim / num_heads, or a decoder's own (Qwen3: 128 whatever embed_dim).
+  int64_t head_size = 0;
+
+  int64_t head_dim() const {
+    return head_size > 0 ? head_size : num_heads > 0 ? embed_dim / num_heads : 0;
+  }
+  /// Key/value heads: num_heads, or fewer for grouped-query attention (1: multi-query).
+  int64_t kv_heads() const {
+    return decoder && decoder->num_kv_heads > 0 ? decoder->num_kv_heads : num_heads;
+  }
+  /// Widths of the projected queries (heads x head_dim) and of the projected keys and values.
+  int64_t q_width() const { return num_heads * head_dim(); }
+  int64_t kv_width() const { return kv_heads() * head_dim(); }
   /// Keys after bias_k and the zero key are appended.
   int64_t extra_keys() const { return (add_bias_kv ? 1 : 0) + (add_zero_attn ? 1 : 0); }
 };
@@ -102,6 +144,14 @@ struct AttendCall {
   int64_t kv_batch = 0;     ///< The memory's or session's batch.
   int64_t kv_length = 0;    ///< kMemory: its keys; kSession: tokens held before this step.
   int64_t kv_capacity = 0;  ///< kSession: tokens per sequence its cache holds after this step.
+
+  /// Rotary models (DecoderSpec::rotary): the position of the query's first token (token i is at
+  /// query_position + i; a session step's default is the session's length), and of the first key
+  /// token in cross-attention. `positions`, when not empty, gives every query token its own:
+  /// batch * query_len values, batch-first (self-attention's keys are its queries).
+  std::optional<int64_t> query_position;
+  int64_t key_position = 0;
+  std::vector<int64_t> positions;
 
   // Filled by Validate.
   bool batched = true;

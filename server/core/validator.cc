@@ -311,6 +311,63 @@ Status PlanAnswer(const ModelSpec& model, const AttendLimits& limits, AttendCall
                          "for fewer tokens or fewer attention weights per request");
 }
 
+// Positions (rotary models only) and what a decoder's attention does not take.
+Status CheckPositions(const ModelSpec& model, const AttendCall* call) {
+  const bool rotary = model.decoder && model.decoder->rotary;
+  const bool asked = call->query_position || call->key_position != 0 || !call->positions.empty();
+  if (asked && !rotary) {
+    return InvalidArgument("positions: model '" + model.name +
+                           "' has no rotary positions; query_position, key_position and positions "
+                           "are for models loaded from a decoder checkpoint");
+  }
+  if (model.decoder && model.decoder->sliding_window > 0 && !call->self_attention()) {
+    return InvalidArgument("key: model '" + model.name + "' attends over a sliding window of " +
+                           std::to_string(model.decoder->sliding_window) +
+                           " tokens, which is defined for self-attention and sessions only; "
+                           "cross-attention (key and value, or a memory) is refused");
+  }
+  if (!rotary) return Status::Ok();
+  // Positions up to 2^31: an angle's float32 position is exact to 2^24 and transformers' int64
+  // positions are never near this; the sums below cannot overflow.
+  constexpr int64_t kMaxPosition = (int64_t{1} << 31) - 1;
+  const auto in_range = [&](const char* field, int64_t first, int64_t len) -> Status {
+    if (first < 0 || first > kMaxPosition || len > kMaxPosition - first) {
+      return InvalidArgument(std::string(field) + " is " + std::to_string(first) + " with " +
+                             std::to_string(len) + " tokens; positions must lie in 0 to " +
+                             std::to_string(kMaxPosition));
+    }
+    return Status::Ok();
+  };
+  if (call->query_position)
+    RETURN_IF_ERROR(in_range("query_position", *call->query_position, call->query_len));
+  if (call->key_position != 0) {
+    if (call->self_attention()) {
+      return InvalidArgument(
+          "key_position: only for cross-attention (a key on the wire, or a "
+          "memory's); self-attention's keys are at the queries' positions");
+    }
+    RETURN_IF_ERROR(in_range("key_position", call->key_position, call->key_len));
+  }
+  if (!call->positions.empty()) {
+    const int64_t want = Count(CheckedMul({call->batch, call->query_len}));
+    if (call->query_position) {
+      return InvalidArgument("positions: give either query_position or positions, not both");
+    }
+    if (static_cast<int64_t>(call->positions.size()) != want) {
+      return InvalidArgument("positions: " + std::to_string(call->positions.size()) +
+                             " values; expected batch * query_len = " + CountText(want) +
+                             " (one per query token, batch-first)");
+    }
+    for (int64_t p : call->positions) {
+      if (p < 0 || p > kMaxPosition) {
+        return InvalidArgument("positions: holds " + std::to_string(p) +
+                               "; positions must lie in 0 to " + std::to_string(kMaxPosition));
+      }
+    }
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status Validate(const ModelSpec& model, const AttendLimits& limits, AttendCall* call) {
@@ -320,6 +377,7 @@ Status Validate(const ModelSpec& model, const AttendLimits& limits, AttendCall* 
   RETURN_IF_ERROR(CheckKeyPadding(call));
   RETURN_IF_ERROR(CheckAttnMask(model, call));
   RETURN_IF_ERROR(CheckSize(model, limits, call));
+  RETURN_IF_ERROR(CheckPositions(model, call));
   return PlanAnswer(model, limits, call);
 }
 
@@ -345,6 +403,7 @@ Status ValidateCreateMemory(const ModelSpec& model, const AttendLimits& limits, 
   call->query = k;  // The dtype requests are batched by; no query rows.
   call->query_len = 0;
   RETURN_IF_ERROR(CheckKeyPadding(call));
+  RETURN_IF_ERROR(CheckPositions(model, call));
   const int64_t tokens = Count(CheckedMul({call->batch, call->key_len}));
   call->tokens = tokens;
   call->attention_cost = 0;

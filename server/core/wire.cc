@@ -1,5 +1,7 @@
 #include "server/core/wire.h"
 
+#include <algorithm>
+#include <cmath>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -113,6 +115,9 @@ Status FromWire(const pb::AttendRequest& r, AttendCall* call) {
   }
   RETURN_IF_ERROR(LayoutFromWire(r.layout(), call));
   if (!r.session().empty()) call->is_causal = true;  // A session's steps are causal.
+  if (r.has_query_position()) call->query_position = r.query_position();
+  call->key_position = r.key_position();
+  call->positions.assign(r.positions().begin(), r.positions().end());
   return Status::Ok();
 }
 
@@ -121,6 +126,7 @@ Status FromWire(const pb::CreateMemoryRequest& r, AttendCall* call) {
   RETURN_IF_ERROR(OptionalView("value", r.has_value(), r.value(), &call->value));
   RETURN_IF_ERROR(OptionalView("key_padding_mask", r.has_key_padding_mask(), r.key_padding_mask(),
                                &call->key_padding_mask));
+  call->key_position = r.key_position();
   return LayoutFromWire(r.layout(), call);
 }
 
@@ -152,6 +158,22 @@ void ToWire(const ModelSpec& s, pb::ModelInfo* info) {
   info->set_weights_hash(s.weights_hash);
   info->set_source(s.source);
   info->set_version(s.version);
+  info->set_num_kv_heads(s.kv_heads());
+  info->set_head_dim(s.head_dim());
+  info->set_scale(s.decoder && s.decoder->scale > 0
+                      ? s.decoder->scale
+                      : 1.0 / std::sqrt(static_cast<double>(std::max<int64_t>(1, s.head_dim()))));
+  if (!s.decoder) return;
+  const DecoderSpec& d = *s.decoder;
+  info->set_family(d.family);
+  info->set_layer(d.layer);
+  info->set_sliding_window(d.sliding_window);
+  info->set_qk_norm(d.qk_norm);
+  if (d.rotary) {
+    info->set_rotary_theta(d.rotary->theta);
+    info->set_rotary_dim(d.rotary->rotary_dim);
+    info->set_rope_type(d.rotary->type);
+  }
 }
 
 namespace {

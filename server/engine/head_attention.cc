@@ -32,12 +32,12 @@ at::Tensor DeadRows(const std::vector<at::Tensor>& dead_blocks, int64_t rows, in
 // One call's attention, as its blocks of queries share it.
 struct HeadAttention::Job {
   const AttendCall& call;
-  at::Tensor q_all;  // [B, H, Lq, D], in float32 when widened
+  at::Tensor q_all;  // [B, H, Lq, D] ([B, KVH, Lq, G, D] when grouped), in float32 when widened
   std::vector<at::Tensor> ks, vs;
   at::Tensor attn_mask, kpm;
   at::TensorOptions like;  // the queries' options (the compute dtype)
   int64_t causal_offset = 0, extra = 0, rows = 1;
-  bool fused = false, fused_causal = false;
+  bool fused = false, fused_causal = false, grouped = false;
   at::Tensor merged_heads;  // [B, H, Lq, D] view of the merged rows
   at::Tensor weights_out;   // [B, H or 1, Lq, S] over the answer's bytes (undefined: none)
   mutable std::vector<const char*> backends;
@@ -60,8 +60,12 @@ Attended HeadAttention::Attend(const AttendCall& call, const at::Tensor& qh,
   job.causal_offset = causal_offset;
   job.extra = (o_.bias_k.defined() ? 1 : 0) + (o_.add_zero_attn ? 1 : 0);
   const int64_t sl = lk + job.extra;
+  job.grouped = group() > 1;
+  if (job.grouped) {  // [B, H, Lq, D] -> [B, KVH, Lq, G, D], contiguous: a group's rows together.
+    job.q_all = qh.unflatten(1, {kv_heads(), group()}).permute({0, 1, 3, 2, 4}).contiguous();
+  }
   if (o_.widen) {  // Widened bfloat16: attention in float32.
-    job.q_all = qh.to(at::kFloat);
+    job.q_all = job.q_all.to(at::kFloat);
     for (at::Tensor& k : job.ks) k = k.to(at::kFloat);
     for (at::Tensor& v : job.vs) v = v.to(at::kFloat);
   }
@@ -79,7 +83,7 @@ Attended HeadAttention::Attend(const AttendCall& call, const at::Tensor& qh,
       1, std::min({lq, kBlockScores / std::max<int64_t>(1, b * h * sl), (lq + width - 1) / width}));
   const int64_t blocks = (lq + job.rows - 1) / job.rows;
   // The fused kernel applies a plain causal mask by itself when the whole query is one block.
-  job.fused_causal = job.fused && call.is_causal && causal_offset == 0 &&
+  job.fused_causal = job.fused && call.is_causal && causal_offset == 0 && o_.window == 0 &&
                      !job.attn_mask.defined() && !kpm.defined() && job.extra == 0 && job.rows == lq;
   if (want_weights) {
     const int64_t heads = call.weights == WeightsMode::kPerHead ? h : 1;
@@ -126,8 +130,26 @@ void HeadAttention::RunBlock(const Job& job, int64_t block) const {
   const BlockMask m =
       MaskFor(job.attn_mask, job.kpm, call.is_causal && !job.fused_causal, job.causal_offset, q0, n,
               call.key_len, job.extra, call.batch, job.like);
-  const at::Tensor qc = job.q_all.narrow(2, q0, n);
   const at::Tensor heads = job.merged_heads.narrow(2, q0, n);
+  if (job.grouped) {
+    const int64_t b = call.batch, kvh = kv_heads(), g = group(), d = o_.head_dim;
+    const at::Tensor qc = job.q_all.narrow(2, q0, n).reshape({b, kvh, n * g, d});
+    const at::Tensor p = Probabilities(qc, job.ks, Grouped(m, b, n));
+    at::Tensor grouped =
+        at::empty({b, kvh, n * g, d}, heads.options().dtype(job.vs[0].scalar_type()));
+    TimesValues(p, job.vs, grouped);
+    // [B, KVH, n, G, D] -> the merged heads' [B, KVH, G, n, D].
+    heads.unflatten(1, {kvh, g}).copy_(grouped.view({b, kvh, n, g, d}).transpose(2, 3));
+    if (job.weights_out.defined()) {
+      const at::Tensor ph =
+          p.view({b, kvh, n, g, p.size(-1)}).transpose(2, 3).reshape({b, kvh * g, n, p.size(-1)});
+      job.weights_out.narrow(2, q0, n).copy_(
+          call.weights == WeightsMode::kAveraged ? ph.mean(1, true) : ph);
+    }
+    if (m.any_dead) job.dead_blocks[block] = m.dead.squeeze(-1).all(1);
+    return;
+  }
+  const at::Tensor qc = job.q_all.narrow(2, q0, n);
   if (job.fused) {
     heads.copy_(AttendFused(qc, job.ks[0], job.vs[0], m, job.fused_causal, &job.backends[block]));
   } else {
@@ -164,6 +186,13 @@ HeadAttention::BlockMask HeadAttention::MaskFor(const at::Tensor& attn_mask, con
             .triu(causal_offset + q0 + 1);
     add(at::zeros({1, 1, n, lk}, like).masked_fill_(upper.view({1, 1, n, lk}), kNegInf));
   }
+  // With a window, query q0 + i sees key j only when j > q0 + i + causal_offset - window.
+  if (o_.window > 0 && causal_offset + q0 + n - 1 - o_.window >= 0) {
+    const at::Tensor lower =
+        at::ones({n, lk}, at::TensorOptions().dtype(at::kBool).device(o_.device))
+            .tril(causal_offset + q0 - o_.window);
+    add(at::zeros({1, 1, n, lk}, like).masked_fill_(lower.view({1, 1, n, lk}), kNegInf));
+  }
   if (!r.mask.defined()) return r;
   if (extra > 0) r.mask = at::constant_pad_nd(r.mask, {0, extra}, 0);
   // (head, query) rows whose every key is masked: PyTorch's softmax gives NaN there; we give 0.
@@ -177,7 +206,7 @@ at::Tensor HeadAttention::Probabilities(const at::Tensor& qc, const std::vector<
   const int64_t b = qc.size(0), h = qc.size(1), n = qc.size(2);
   int64_t sl = 0;
   for (const at::Tensor& k : ks) sl += k.size(2);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(o_.head_dim));
+  const double scale = o_.scale > 0 ? o_.scale : 1.0 / std::sqrt(static_cast<double>(o_.head_dim));
   // Per batch element, scale·q·kᵀ plus the mask, then the softmax in place. The scores are in the
   // scores' dtype: float32 for CPU bfloat16, from the products' float32 accumulators, so that
   // neither the mask nor the softmax sees bfloat16 rounding (a score of 50 rounds by 0.25). Zeroed
@@ -266,6 +295,25 @@ void HeadAttention::ScoresInto(at::Tensor pp, const at::Tensor& q, const at::Ten
     pp.mul_(scale);
   }
   if (mask.defined()) pp.add_(mask);
+}
+
+HeadAttention::BlockMask HeadAttention::Grouped(const BlockMask& m, int64_t b, int64_t n) const {
+  if (!m.mask.defined()) return m;
+  const int64_t kvh = kv_heads(), g = group();
+  BlockMask r;
+  r.any_dead = m.any_dead;
+  const at::Tensor& mask = m.mask;  // [B' or 1, 1 or H, n or 1, S]
+  const int64_t bm = mask.size(0), s = mask.size(-1);
+  if (mask.size(1) == 1) {
+    r.mask = mask.unsqueeze(3).expand({bm, 1, n, g, s}).reshape({bm, 1, n * g, s});
+  } else {
+    r.mask = mask.unflatten(1, {kvh, g})
+                 .transpose(2, 3)
+                 .expand({bm, kvh, n, g, s})
+                 .reshape({bm, kvh, n * g, s});
+  }
+  r.dead = m.dead.unflatten(1, {kvh, g}).transpose(2, 3).reshape({b, kvh, n * g, 1});
+  return r;
 }
 
 bool HeadAttention::OnednnAttends(const at::Tensor& t) const {

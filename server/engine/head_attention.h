@@ -26,6 +26,11 @@ struct Attended {
 /// What attention needs of its model.
 struct HeadAttentionOptions {
   int64_t num_heads = 1, head_dim = 1;
+  /// Key/value heads (0: num_heads). Fewer: grouped-query attention, query head h reading
+  /// key/value head h / (num_heads / num_kv_heads).
+  int64_t num_kv_heads = 0;
+  double scale = 0;    ///< The scores' scale (0: 1/sqrt(head_dim)).
+  int64_t window = 0;  ///< Sliding window: a query sees the `window` keys up to its own (0: all).
   at::Tensor bias_k, bias_v;  ///< [E] in the compute dtype; undefined without add_bias_kv.
   bool add_zero_attn = false;
   at::Device device = at::kCPU;
@@ -38,7 +43,9 @@ struct HeadAttentionOptions {
   bool onednn_float32 = false;  ///< float32 products through oneDNN (its AVX-512 kernels run).
 };
 
-/// Attention over heads for one model. Thread-safe.
+/// Attention over heads for one model. Thread-safe. With grouped key/value heads the queries of
+/// one group are laid out as the rows of one matrix ([B, KVH, Lq*G, D], a copy of the queries),
+/// so each key/value head is read once for its G query heads, never copied G times.
 class HeadAttention {
  public:
   /// Most attention scores one block of queries may hold at once (B·H·rows·S): a long request
@@ -51,10 +58,11 @@ class HeadAttention {
   HeadAttention(HeadAttentionOptions options, const Products& products)
       : o_(std::move(options)), products_(products) {}
 
-  /// Attention of `call` over heads: qh [B, H, Lq, D]; keys and values [B, H, Lk, D] (Lk =
+  /// Attention of `call` over heads: qh [B, H, Lq, D]; keys and values [B, KVH, Lk, D] (Lk =
   /// call.key_len) as consecutive pieces along the sequence (a forked session's shared blocks,
   /// then its own; else one piece); kpm additive and broadcastable to [B, 1, 1, Lk] (or undefined).
-  /// A causal query i may attend key j when j <= i + causal_offset. The merged heads go to `dst`
+  /// A causal query i may attend key j when j <= i + causal_offset (and, with a window, only when
+  /// j > i + causal_offset - window, causal or not). The merged heads go to `dst`
   /// ([B*Lq, E] rows in the wire's order) when it is defined, else to Attended::merged; requested
   /// attention weights straight into `out`'s weights buffer, in the query's dtype.
   Attended Attend(const AttendCall& call, const at::Tensor& qh, std::vector<at::Tensor> ks,
@@ -97,6 +105,11 @@ class HeadAttention {
   void AppendExtraKeys(int64_t b, const at::TensorOptions& like, std::vector<at::Tensor>* ks,
                        std::vector<at::Tensor>* vs) const;
   void RunBlock(const Job& job, int64_t block) const;
+  // The grouped layout of a block's mask and dead rows: [B', H', n, S] -> [B', 1 or KVH, n*G, S]
+  // (the rows of query i are i*G ... i*G + G-1, one per head of the group).
+  BlockMask Grouped(const BlockMask& m, int64_t b, int64_t n) const;
+  int64_t kv_heads() const { return o_.num_kv_heads > 0 ? o_.num_kv_heads : o_.num_heads; }
+  int64_t group() const { return o_.num_heads / kv_heads(); }
   // pp [H, n, S'] = scale · q [H, n, D] · kt [H, D, S'] (+ mask, broadcastable to pp).
   void ScoresInto(at::Tensor pp, const at::Tensor& q, const at::Tensor& kt, const at::Tensor& mask,
                   double scale) const;

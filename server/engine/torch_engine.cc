@@ -26,6 +26,7 @@
 #include "server/engine/head_attention.h"
 #include "server/engine/onednn.h"
 #include "server/engine/products.h"
+#include "server/engine/rotary.h"
 #include "server/engine/torch_compat.h"
 #include "server/engine/torch_kv.h"
 #include "server/engine/torch_tensors.h"
@@ -89,7 +90,7 @@ class TorchModel final : public AttentionModel {
                     : Varlen::kOff) {
     spec_.device = device.str();
     spec_.compute_dtype = dtype;
-    const int64_t e = spec_.embed_dim;
+    const int64_t e = spec_.embed_dim, wq = spec_.q_width(), wkv = spec_.kv_width();
     // Projection weights in float32 when bfloat16 products are widened (no widening per call).
     const auto opts = at::TensorOptions().device(device).dtype(widen_ ? at::kFloat : dtype_);
     packed_ = spec_.kdim == e && spec_.vdim == e;
@@ -98,9 +99,9 @@ class TorchModel final : public AttentionModel {
       // are its row blocks.
       proj_in_.w =
           at::cat({FromHost(w.q_proj, opts), FromHost(w.k_proj, opts), FromHost(w.v_proj, opts)});
-      proj_q_.w = proj_in_.w.narrow(0, 0, e);
-      proj_k_.w = proj_in_.w.narrow(0, e, e);
-      proj_v_.w = proj_in_.w.narrow(0, 2 * e, e);
+      proj_q_.w = proj_in_.w.narrow(0, 0, wq);
+      proj_k_.w = proj_in_.w.narrow(0, wq, wkv);
+      proj_v_.w = proj_in_.w.narrow(0, wq + wkv, wkv);
     } else {
       proj_q_.w = FromHost(w.q_proj, opts);
       proj_k_.w = FromHost(w.k_proj, opts);
@@ -108,9 +109,9 @@ class TorchModel final : public AttentionModel {
     }
     if (w.in_proj_bias) {
       proj_in_.b = FromHost(*w.in_proj_bias, opts);
-      proj_q_.b = proj_in_.b.narrow(0, 0, e);
-      proj_k_.b = proj_in_.b.narrow(0, e, e);
-      proj_v_.b = proj_in_.b.narrow(0, 2 * e, e);
+      proj_q_.b = proj_in_.b.narrow(0, 0, wq);
+      proj_k_.b = proj_in_.b.narrow(0, wq, wkv);
+      proj_v_.b = proj_in_.b.narrow(0, wq + wkv, wkv);
     }
     // out_proj.weight transposed and contiguous ([in, out], what the BLAS reads), viewed as [out,
     // in].
@@ -123,7 +124,9 @@ class TorchModel final : public AttentionModel {
       PackWeights(w);
     HeadAttentionOptions heads;
     heads.num_heads = spec_.num_heads;
+    heads.num_kv_heads = spec_.kv_heads();
     heads.head_dim = spec_.head_dim();
+    if (spec_.decoder) SetUpDecoder(w, opts, &heads);
     if (w.bias_k) {
       heads.bias_k = FromHost(*w.bias_k, opts.dtype(dtype_));
       heads.bias_v = FromHost(*w.bias_v, opts.dtype(dtype_));
@@ -136,12 +139,28 @@ class TorchModel final : public AttentionModel {
     // was faster than 2.11's CPU flash kernel at every shape measured (in-process W1 302k against
     // 264k tokens/s, W2 347k against 206k, a lone [1, 1024, 512] request 8.4 against 16.9 ms;
     // bench/RESULTS.md), and as accurate.
-    heads.fused = compat::kHasFusedSdpa && !(device.is_cpu() && dtype_ == at::kBFloat16);
+    // Grouped heads attend on the math path, which reads each key/value head once for its group
+    // (the fused kernel of LibTorch 1.13-2.4 wants every query head's keys).
+    heads.fused = compat::kHasFusedSdpa && !(device.is_cpu() && dtype_ == at::kBFloat16) &&
+                  spec_.kv_heads() == spec_.num_heads && heads.scale == 0;
     // float32 products through oneDNN where its AVX-512 kernels run (LibTorch's float32 bmm calls
     // the BLAS, at half their speed on the AVX-512 EPYC measured).
     heads.onednn_float32 = onednn_float32_;
     heads_ = std::make_unique<HeadAttention>(std::move(heads), products_);
     spec_.kernels = Kernels();
+  }
+
+  // A decoder's attention: scale and window, its q/k RMSNorm weights in the compute dtype (the
+  // checkpoint's module multiplies in its dtype), RoPE's frequencies in float32, as transformers
+  // computes its angles.
+  void SetUpDecoder(const ModelWeights& w, const at::TensorOptions& opts,
+                    HeadAttentionOptions* heads) {
+    const DecoderSpec& dec = *spec_.decoder;
+    heads->scale = dec.scale;
+    heads->window = dec.sliding_window;
+    if (w.q_norm) q_norm_ = FromHost(*w.q_norm, opts.dtype(dtype_));
+    if (w.k_norm) k_norm_ = FromHost(*w.k_norm, opts.dtype(dtype_));
+    if (dec.rotary) inv_freq_ = RotaryInverseFrequencies(*dec.rotary).to(device_);
   }
 
   // Whether bfloat16 products are widened to float32: CPU bfloat16 where the CPU has no bfloat16
@@ -181,14 +200,14 @@ class TorchModel final : public AttentionModel {
                                         bias ? bias->values.data() + bias_offset : nullptr,
                                         weight.shape[0], weight.shape[1], type);
     };
-    const int64_t e = spec_.embed_dim;
+    const int64_t e = spec_.embed_dim, wq = spec_.q_width(), wkv = spec_.kv_width();
     proj_q_.packed = pack(w.q_proj, w.in_proj_bias, 0);
-    proj_k_.packed = pack(w.k_proj, w.in_proj_bias, e);
-    proj_v_.packed = pack(w.v_proj, w.in_proj_bias, 2 * e);
+    proj_k_.packed = pack(w.k_proj, w.in_proj_bias, wq);
+    proj_v_.packed = pack(w.v_proj, w.in_proj_bias, wq + wkv);
     proj_out_.packed = pack(w.out_proj, w.out_proj_bias, 0);
     if (packed_) {
       HostTensor in;
-      in.shape = {3 * e, e};
+      in.shape = {wq + 2 * wkv, e};
       for (const HostTensor* part : {&w.q_proj, &w.k_proj, &w.v_proj})
         in.values.insert(in.values.end(), part->values.begin(), part->values.end());
       proj_in_.packed = pack(in, w.in_proj_bias, 0);
@@ -200,7 +219,7 @@ class TorchModel final : public AttentionModel {
   }
 
   std::shared_ptr<KvCache> NewKvCache() const override {
-    return std::make_shared<TorchKv>(spec_.embed_dim,
+    return std::make_shared<TorchKv>(spec_.kv_width(),
                                      static_cast<int64_t>(c10::elementSize(dtype_)));
   }
 
@@ -226,7 +245,9 @@ class TorchModel final : public AttentionModel {
       const AttendCall& c = *calls[i];
       // Small calls share the projection GEMMs: query rows, plus the key rows a call carries (a
       // memory's or session's kept keys are projected already). A memory's creation runs alone.
-      if (c.kv_use != AttendCall::Kv::kCreateMemory &&
+      // A decoder's calls are computed one by one for now (their rotations and grouped heads
+      // are not in the packed path).
+      if (c.kv_use != AttendCall::Kv::kCreateMemory && !spec_.decoder &&
           c.batch * std::max(c.query_len, c.key ? c.key_len : 0) <= pack_rows_) {
         small_calls.push_back(&c);
         small_outs.push_back(outs[i]);
@@ -321,15 +342,58 @@ class TorchModel final : public AttentionModel {
   Rows Project(const AttendCall& call, const Parallel& parallel) const {
     const at::Tensor q_in = InputRows(call.query);
     if (call.kv_use == AttendCall::Kv::kMemory)
-      return {products_.Linear(q_in, proj_q_, parallel), at::Tensor(), at::Tensor()};
+      return Rotated(call, {products_.Linear(q_in, proj_q_, parallel), at::Tensor(), at::Tensor()});
     if (call.self_attention() && packed_) {
-      auto qkv = products_.Linear(q_in, proj_in_, parallel).chunk(3, -1);
-      return {qkv[0], qkv[1], qkv[2]};
+      auto qkv = products_.Linear(q_in, proj_in_, parallel)
+                     .split_with_sizes({spec_.q_width(), spec_.kv_width(), spec_.kv_width()}, -1);
+      return Rotated(call, {qkv[0], qkv[1], qkv[2]});
     }
     const at::Tensor k_in = call.self_attention() ? q_in : InputRows(*call.key);
     const at::Tensor v_in = call.self_attention() ? q_in : InputRows(*call.value);
-    return {products_.Linear(q_in, proj_q_, parallel), products_.Linear(k_in, proj_k_, parallel),
-            products_.Linear(v_in, proj_v_, parallel)};
+    return Rotated(
+        call, {products_.Linear(q_in, proj_q_, parallel), products_.Linear(k_in, proj_k_, parallel),
+               products_.Linear(v_in, proj_v_, parallel)});
+  }
+
+  // Each of `len` tokens' position in the wire's row order ([B*len] int64 on the device): the
+  // call's own positions when `own` and it has them, else start, start + 1, ... per sequence.
+  at::Tensor RowPositions(const AttendCall& call, int64_t len, int64_t start, bool own) const {
+    const int64_t b = call.batch;
+    at::Tensor pos;  // [B, len]
+    if (own && !call.positions.empty()) {
+      pos = at::tensor(c10::ArrayRef<int64_t>(call.positions), at::kLong).view({b, len});
+    } else {
+      pos = at::arange(start, start + len, at::kLong).expand({b, len});
+    }
+    if (!call.batch_first()) pos = pos.t();
+    return pos.reshape({-1}).to(device_);
+  }
+
+  // A decoder's projected queries and keys as its attention takes them: each head RMS-normed
+  // (q/k norm), then rotated by its token's position (RoPE). Keys of a session step and of
+  // self-attention are at their queries' positions; cross-attention's at key_position onwards.
+  Rows Rotated(const AttendCall& call, Rows r) const {
+    if (!spec_.decoder) return r;
+    const int64_t d = spec_.head_dim();
+    const double eps = spec_.decoder->rms_norm_eps;
+    const int64_t q_start =
+        call.query_position.value_or(call.kv_use == AttendCall::Kv::kSession ? call.kv_length : 0);
+    const bool self = call.self_attention();
+    at::Tensor q_pos;
+    if (inv_freq_.defined()) q_pos = RowPositions(call, call.query_len, q_start, true);
+    const auto transform = [&](at::Tensor& x, const at::Tensor& norm, const at::Tensor& pos) {
+      at::Tensor heads = x.view({x.size(0), -1, d});
+      if (norm.defined()) RmsNormHeadsInPlace(heads, norm, eps);
+      if (inv_freq_.defined()) RotateInPlace(heads, pos, inv_freq_);
+    };
+    transform(r.q, q_norm_, q_pos);
+    if (r.k.defined()) {
+      at::Tensor k_pos = q_pos;
+      if (inv_freq_.defined() && !self)
+        k_pos = RowPositions(call, call.key_len, call.key_position, false);
+      transform(r.k, k_norm_, k_pos);
+    }
+    return r;
   }
 
   // Packs every call's rows into one matrix per projection (no padding rows; PlanPacking says
@@ -614,9 +678,10 @@ class TorchModel final : public AttentionModel {
     }
   }
 
-  // [B*L, E] rows in the wire's order -> [B, H, L, D] (a view).
+  // [B*L, H*D] rows in the wire's order -> [B, H, L, D] (a view); H is the rows' heads (the
+  // key/value heads for keys and values).
   at::Tensor SplitHeads(const at::Tensor& x, bool batch_first, int64_t b, int64_t len) const {
-    const int64_t h = spec_.num_heads, d = spec_.head_dim();
+    const int64_t d = spec_.head_dim(), h = x.size(-1) / d;
     return batch_first ? x.view({b, len, h, d}).transpose(1, 2)
                        : x.view({len, b, h, d}).permute({1, 2, 0, 3});
   }
@@ -657,8 +722,15 @@ class TorchModel final : public AttentionModel {
     TorchKv& m = static_cast<TorchKv&>(*call.kv);
     const bool batch_first = call.batch_first();
     const int64_t b = call.batch, lk = call.key_len;
-    m.KeepKeys(
-        SplitHeads(products_.Linear(InputRows(*call.key), proj_k_, parallel), batch_first, b, lk));
+    at::Tensor keys = products_.Linear(InputRows(*call.key), proj_k_, parallel);
+    if (spec_.decoder) {  // Kept normed and rotated, at key_position onwards.
+      const int64_t d = spec_.head_dim();
+      at::Tensor heads = keys.view({keys.size(0), -1, d});
+      if (k_norm_.defined()) RmsNormHeadsInPlace(heads, k_norm_, spec_.decoder->rms_norm_eps);
+      if (inv_freq_.defined())
+        RotateInPlace(heads, RowPositions(call, lk, call.key_position, false), inv_freq_);
+    }
+    m.KeepKeys(SplitHeads(keys, batch_first, b, lk));
     m.KeepValues(SplitHeads(products_.Linear(InputRows(*call.value), proj_v_, parallel),
                             batch_first, b, lk));
     if (call.key_padding_mask)
@@ -733,6 +805,9 @@ class TorchModel final : public AttentionModel {
   enum class Varlen { kOff, kKernel, kEmulate };
   Varlen varlen_;
   std::unique_ptr<HeadAttention> heads_;
+  // A decoder's q/k RMSNorm weights ([D], compute dtype) and RoPE's inverse frequencies ([D'/2],
+  // float32); undefined when it has none.
+  at::Tensor q_norm_, k_norm_, inv_freq_;
 };
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "server/engine/attention_model.h"
+#include "server/weights/checkpoint.h"
 #include "server/weights/safetensors.h"
 #include "server/weights/torch_archive.h"
 
@@ -87,16 +88,40 @@ StatusOr<PriorityOptions> ParsePriorities(const nlohmann::json& j, const std::st
 StatusOr<ModelDirConfig> ParseModelConfig(const std::string& text, const std::string& config_path) {
   ASSIGN_OR_RETURN(nlohmann::json j, ParseStrictJson(text, config_path));
   if (!j.is_object()) return Fail(config_path + ": not a JSON object");
-  static const char* kKnown[] = {"num_heads", "weights", "add_zero_attn", "dynamic_batching"};
+  static const char* kKnown[] = {"num_heads",        "weights",    "add_zero_attn",
+                                 "dynamic_batching", "checkpoint", "layer"};
   for (auto it = j.begin(); it != j.end(); ++it) {
     if (std::find_if(std::begin(kKnown), std::end(kKnown),
                      [&](const char* k) { return it.key() == k; }) == std::end(kKnown)) {
       return Fail(config_path + ": unknown key '" + it.key() +
-                  "'; allowed: num_heads, weights, add_zero_attn, dynamic_batching");
+                  "'; allowed: num_heads, weights, add_zero_attn, dynamic_batching, checkpoint, "
+                  "layer");
     }
   }
   ModelDirConfig out;
   ModelConfig& config = out.config;
+  config.source = config_path;
+  if (j.contains("dynamic_batching")) {
+    ASSIGN_OR_RETURN(out.priorities, ParsePriorities(j["dynamic_batching"], config_path));
+  }
+  // A layer of a decoder checkpoint: its own config.json says the rest.
+  if (j.contains("checkpoint") || j.contains("layer")) {
+    for (const char* key : {"num_heads", "weights", "add_zero_attn"}) {
+      if (j.contains(key)) {
+        return Fail(config_path + ": " + key +
+                    " comes from the checkpoint's own config.json with \"checkpoint\"; remove it");
+      }
+    }
+    if (!j.contains("checkpoint") || !j["checkpoint"].is_string() ||
+        j["checkpoint"].get<std::string>().empty()) {
+      return Fail(config_path + ": checkpoint must name the checkpoint's directory");
+    }
+    if (!j.contains("layer"))
+      return Fail(config_path + ": layer (which of the checkpoint's layers) is required");
+    ASSIGN_OR_RETURN(out.layer, NonNegativeJsonInt(j["layer"], config_path + ": layer"));
+    out.checkpoint = j["checkpoint"].get<std::string>();
+    return out;
+  }
   if (!j.contains("num_heads") || !j["num_heads"].is_number_integer()) {
     return Fail(config_path + ": num_heads (an integer) is required");
   }
@@ -109,14 +134,10 @@ StatusOr<ModelDirConfig> ParseModelConfig(const std::string& text, const std::st
                 std::to_string(kMaxHeads));
   }
   config.num_heads = heads.get<int64_t>();
-  config.source = config_path;
   if (j.contains("add_zero_attn")) {
     if (!j["add_zero_attn"].is_boolean())
       return Fail(config_path + ": add_zero_attn must be true or false");
     config.add_zero_attn = j["add_zero_attn"].get<bool>();
-  }
-  if (j.contains("dynamic_batching")) {
-    ASSIGN_OR_RETURN(out.priorities, ParsePriorities(j["dynamic_batching"], config_path));
   }
   if (j.contains("weights")) {
     if (!j["weights"].is_string() || j["weights"].get<std::string>().empty()) {
@@ -133,6 +154,14 @@ StatusOr<ModelWeights> LoadModel(const std::string& model_dir, const std::string
   const std::string config_path = (dir / "config.json").string();
   ASSIGN_OR_RETURN(std::string config_text, ReadFile(config_path, 1 << 20));
   ASSIGN_OR_RETURN(ModelDirConfig parsed, ParseModelConfig(config_text, config_path));
+  if (!parsed.checkpoint.empty()) {
+    ASSIGN_OR_RETURN(ModelWeights w,
+                     LoadCheckpointLayer((dir / parsed.checkpoint).string(), parsed.layer));
+    w.spec.name = name;
+    w.spec.version = version;
+    w.spec.priorities = parsed.priorities;
+    return w;
+  }
   const ModelConfig& config = parsed.config;
   fs::path weights_path;
   if (!parsed.weights.empty()) {
@@ -190,6 +219,22 @@ std::string Fingerprint(const fs::path& dir) {
                       std::to_string(mtime));
   }
   if (ec) entries.push_back("cannot list: " + ec.message());
+  // A layer of a checkpoint: the checkpoint's files too (its weights may change in place).
+  if (config.ok()) {
+    StatusOr<ModelDirConfig> parsed = ParseModelConfig(*config, (dir / "config.json").string());
+    if (parsed.ok() && !parsed->checkpoint.empty()) {
+      const fs::path checkpoint = dir / parsed->checkpoint;
+      std::error_code cec;
+      for (auto it = fs::directory_iterator(checkpoint, cec);
+           !cec && it != fs::directory_iterator(); it.increment(cec)) {
+        std::error_code file_ec;
+        if (!it->is_regular_file(file_ec)) continue;
+        entries.push_back("checkpoint/" + it->path().filename().string() + "\n" +
+                          std::to_string(it->file_size(file_ec)) + "\n" +
+                          std::to_string(it->last_write_time(file_ec).time_since_epoch().count()));
+      }
+    }
+  }
   std::sort(entries.begin(), entries.end());
   for (const std::string& e : entries) fp += "\n" + e;
   return fp;

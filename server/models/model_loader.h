@@ -39,6 +39,9 @@ StatusOr<RepositoryScan> ScanModelRepository(const std::string& dir);
 ///                                       torch.save()'d state_dict: .pt/.pth); default: the only
 ///                                       such file
 ///    "add_zero_attn": false}            optional
+/// or, for the attention of one layer of a decoder checkpoint (Hugging Face's layout: its own
+/// config.json and safetensors; weights/checkpoint.h):
+///   {"checkpoint": "../llama", "layer": 3}
 /// Any bad model fails the whole load (FAILED_PRECONDITION naming the file): the server does not
 /// start half-broken. Each ModelWeights' spec carries its name and version.
 /// `scan`, when given, receives the scan the models came from (sources in the same order).
@@ -53,6 +56,10 @@ struct ModelDirConfig {
   /// (priority_levels, default_priority_level, default_queue_policy, priority_queue_policy); none:
   /// the server's flags.
   std::optional<PriorityOptions> priorities;
+  /// A layer of a decoder checkpoint (docs/models.md): its directory, relative to the model's
+  /// (or absolute), and which layer; then num_heads, weights and add_zero_attn are not allowed.
+  std::string checkpoint;
+  int64_t layer = 0;
 };
 
 /// Parses config.json text; FAILED_PRECONDITION naming `config_path` and the problem.

@@ -101,8 +101,10 @@ std::vector<WarmupBatch> PlanWarmup(const ModelSpec& spec, const WarmupShapes& s
     for (int64_t rows : lone) plan.push_back({wire, {rows}});
     plan.push_back({wire, {fit(64)}, 0, /*causal=*/true});
     plan.push_back({wire, {fit(16)}, 0, false, /*weights=*/true});
-    // Small requests packed together (self- and cross-attention, one causal run).
-    plan.push_back({wire, {fit(8), fit(16), fit(32), fit(64)}, fit(24)});
+    // Small requests packed together (self- and cross-attention, one causal run). A decoder with a
+    // sliding window takes no cross-attention (validator.cc).
+    const bool cross = !(spec.decoder && spec.decoder->sliding_window > 0);
+    plan.push_back({wire, {fit(8), fit(16), fit(32), fit(64)}, cross ? fit(24) : 0});
     plan.push_back({wire, {fit(8), fit(24)}, 0, /*causal=*/true});
     // A batch at the budget, of requests as large as share one.
     const int64_t per = fit(std::min(std::max<int64_t>(shapes.shared_request_tokens, 1),

@@ -3,6 +3,7 @@
 #include <openssl/evp.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <set>
 
@@ -263,6 +264,30 @@ std::string HashWeights(const ModelWeights& w) {
   add("bias_v", w.bias_v ? &*w.bias_v : nullptr);
   const int64_t flags[2] = {w.spec.num_heads, w.spec.add_zero_attn ? 1 : 0};
   EVP_DigestUpdate(ctx, flags, sizeof flags);
+  if (w.spec
+          .decoder) {  // What a decoder computes beyond its tensors (nothing added for MHA models).
+    add("q_norm", w.q_norm ? &*w.q_norm : nullptr);
+    add("k_norm", w.k_norm ? &*w.k_norm : nullptr);
+    const DecoderSpec& d = *w.spec.decoder;
+    const auto exact = [](double v) {  // Every bit of a double, unlike std::to_string's 6 decimals.
+      char buf[40];
+      std::snprintf(buf, sizeof buf, "%.17g", v);
+      return std::string(buf);
+    };
+    std::string text = "decoder:kv_heads=" + std::to_string(d.num_kv_heads) +
+                       ",head_dim=" + std::to_string(w.spec.head_dim()) +
+                       ",window=" + std::to_string(d.sliding_window) +
+                       ",qk_norm=" + std::to_string(d.qk_norm) + ",eps=" + exact(d.rms_norm_eps) +
+                       ",scale=" + exact(d.scale) + ",o_bias=" + std::to_string(d.o_bias);
+    if (d.rotary) {
+      const RotarySpec& r = *d.rotary;
+      text += ",rope=" + r.type + ",theta=" + exact(r.theta) +
+              ",dim=" + std::to_string(r.rotary_dim) + ",factor=" + exact(r.factor) +
+              ",low=" + exact(r.low_freq_factor) + ",high=" + exact(r.high_freq_factor) +
+              ",original=" + std::to_string(r.original_max_position);
+    }
+    EVP_DigestUpdate(ctx, text.data(), text.size());
+  }
   unsigned char digest[32];
   unsigned int len = 0;
   EVP_DigestFinal_ex(ctx, digest, &len);

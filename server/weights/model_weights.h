@@ -32,6 +32,11 @@ struct ModelWeights {
   std::optional<HostTensor> out_proj_bias;  ///< [E]
   std::optional<HostTensor> bias_k;         ///< [E]
   std::optional<HostTensor> bias_v;         ///< [E]
+  /// A decoder's (spec.decoder) q/k RMSNorm weights, [head_dim] each. Its projections are
+  /// q_proj [H*D, E], k_proj and v_proj [KVH*D, E], out_proj [E, H*D], in_proj_bias [H*D +
+  /// 2*KVH*D] (missing ones zero) when any of q, k, v has a bias.
+  std::optional<HostTensor> q_norm;
+  std::optional<HostTensor> k_norm;
 };
 
 /// What the weights cannot tell: read from a model directory's config.json.

@@ -102,12 +102,11 @@ StatusOr<EntryPlan> PlanEntry(const std::string& name, const nlohmann::json& e, 
   return p;
 }
 
-// The entry's elements as float32.
-HostTensor Read(const EntryPlan& p, const char* data) {
+// The entry's elements as float32, from its bytes at `src`.
+HostTensor Read(const EntryPlan& p, const char* src) {
   HostTensor t;
   t.shape = p.shape;
   t.values.resize(p.numel);
-  const char* src = data + p.begin;
   for (uint64_t i = 0; i < p.numel; ++i) {
     if (p.elem == 4) {
       std::memcpy(&t.values[i], src + 4 * i, 4);
@@ -175,10 +174,49 @@ StatusOr<NamedTensors> ParseSafetensors(const std::string& bytes, const std::str
     if (it.key() == "__metadata__") continue;
     ASSIGN_OR_RETURN(const EntryPlan p, PlanEntry(it.key(), it.value(), data_len, fail));
     ranges.emplace_back(p.begin, p.end, it.key());
-    out.emplace(it.key(), Read(p, data));
+    out.emplace(it.key(), Read(p, data + p.begin));
   }
   if (out.empty()) return fail("holds no tensors");
   RETURN_IF_ERROR(CheckTiling(std::move(ranges), data_len, fail));
+  return out;
+}
+
+StatusOr<NamedTensors> ReadSafetensorsTensors(
+    const std::string& path, const std::function<bool(const std::string&)>& select) {
+  const std::function<Status(const std::string&)> fail = [&](const std::string& what) {
+    return Status(StatusCode::kFailedPrecondition, path + ": " + what);
+  };
+  ASSIGN_OR_RETURN(FileRanges file, FileRanges::Open(path));
+  if (file.size() < 8)
+    return fail("truncated: " + std::to_string(file.size()) + " bytes, no header");
+  ASSIGN_OR_RETURN(const std::string len_bytes, file.Read(0, 8));
+  uint64_t header_len = 0;
+  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | static_cast<uint8_t>(len_bytes[i]);
+  if (header_len > file.size() - 8) {
+    return fail("header length " + std::to_string(header_len) + " runs past the end of the " +
+                std::to_string(file.size()) + "-byte file (truncated?)");
+  }
+  if (header_len > (uint64_t{100} << 20))
+    return fail("header of " + std::to_string(header_len) + " bytes is over the format's 100 MB");
+  ASSIGN_OR_RETURN(const std::string header_text, file.Read(8, header_len));
+  ASSIGN_OR_RETURN(nlohmann::json header, ParseStrictJson(header_text, path + ": header"));
+  if (!header.is_object()) return fail("header is not a JSON object");
+  const uint64_t data_start = 8 + header_len, data_len = file.size() - data_start;
+  std::vector<std::tuple<uint64_t, uint64_t, std::string>> ranges;
+  std::vector<std::pair<std::string, EntryPlan>> wanted;
+  for (auto it = header.begin(); it != header.end(); ++it) {
+    if (it.key() == "__metadata__") continue;
+    ASSIGN_OR_RETURN(EntryPlan p, PlanEntry(it.key(), it.value(), data_len, fail));
+    ranges.emplace_back(p.begin, p.end, it.key());
+    if (select(it.key())) wanted.emplace_back(it.key(), std::move(p));
+  }
+  if (ranges.empty()) return fail("holds no tensors");
+  RETURN_IF_ERROR(CheckTiling(std::move(ranges), data_len, fail));
+  NamedTensors out;
+  for (const auto& [name, p] : wanted) {
+    ASSIGN_OR_RETURN(const std::string bytes, file.Read(data_start + p.begin, p.end - p.begin));
+    out.emplace(name, Read(p, bytes.data()));
+  }
   return out;
 }
 

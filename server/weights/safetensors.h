@@ -1,6 +1,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -18,6 +19,12 @@ namespace attnserve {
 /// duplicate keys). Values come back as float32. Errors are FAILED_PRECONDITION naming `where` and
 /// the problem.
 StatusOr<NamedTensors> ParseSafetensors(const std::string& bytes, const std::string& where);
+
+/// The tensors of a safetensors file on disk that `select` accepts, reading only their bytes (a
+/// checkpoint's file holds a whole model; one layer's attention is a few of its tensors). The
+/// header is checked whole as ParseSafetensors checks it; FAILED_PRECONDITION naming the file.
+StatusOr<NamedTensors> ReadSafetensorsTensors(
+    const std::string& path, const std::function<bool(const std::string&)>& select);
 
 /// Parses `text` as one JSON value, refusing what nlohmann::json would let pass silently: duplicate
 /// object keys (it keeps the last) and nesting deeper than 64. Messages name `where`.

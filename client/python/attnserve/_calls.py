@@ -112,7 +112,7 @@ class Result:
 
 def attend_request(query, key, value, *, model, model_version, key_padding_mask, attn_mask, is_causal,
                    attn_weights, layout, memory, session, session_length, request_id, out=None, wire=None,
-                   priority=0, queue_timeout_us=0):
+                   priority=0, queue_timeout_us=0, query_position=None, key_position=0, positions=None):
     if attn_weights not in WEIGHTS:
         raise ValueError(f"attn_weights: '{attn_weights}'; allowed: {', '.join(WEIGHTS)}")
     if layout not in LAYOUTS:
@@ -129,6 +129,11 @@ def attend_request(query, key, value, *, model, model_version, key_padding_mask,
             _tensors.to_wire(t, name, getattr(req, name), wire if name in ("query", "key", "value") else None)
     if session_length is not None:
         req.session_length = session_length
+    if query_position is not None:
+        req.query_position = int(query_position)
+    req.key_position = int(key_position)
+    if positions is not None:
+        req.positions.extend(int(p) for p in _tensors.flat_ints(positions))
     if out is not None:
         ref = _shm.ref_of(out)
         if ref is None:
@@ -147,10 +152,11 @@ def result(resp, like_torch, out=None, widen=False):
                   request_id=resp.request_id)
 
 
-def memory_request(key, value, *, model, model_version, key_padding_mask, layout, wire=None):
+def memory_request(key, value, *, model, model_version, key_padding_mask, layout, wire=None, key_position=0):
     if layout not in LAYOUTS:
         raise ValueError(f"layout: '{layout}'; allowed: {', '.join(LAYOUTS)}")
-    req = pb.CreateMemoryRequest(model=model, model_version=model_version, layout=LAYOUTS[layout])
+    req = pb.CreateMemoryRequest(model=model, model_version=model_version, layout=LAYOUTS[layout],
+                                 key_position=int(key_position))
     for name, t in (("key", key), ("value", value), ("key_padding_mask", key_padding_mask)):
         if t is not None:
             _tensors.to_wire(t, name, getattr(req, name), wire if name != "key_padding_mask" else None)

@@ -97,14 +97,18 @@ class Client:
 
     def attend(self, query, key=None, value=None, *, model="demo", model_version=0, key_padding_mask=None,
                attn_mask=None, is_causal=False, attn_weights="none", layout="batch_first", memory=None,
-               session=None, session_length=None, out=None, priority=0, queue_timeout_us=0, deadline=DEFAULT):
+               session=None, session_length=None, out=None, priority=0, queue_timeout_us=0, query_position=None,
+               key_position=0, positions=None, deadline=DEFAULT):
         """nn.MultiheadAttention's forward on the server: self-attention without key and value, cross-attention
         with them. attn_weights: "none", "averaged" or "per_head"; layout: "batch_first" or "sequence_first".
         Bool masks: True = masked out. memory and session: a Memory or Session (routed to its replica) or a
         handle (sent through the target). Arrays of a SharedMemoryRegion (Client.shared_memory) travel as
         references; `out=`, such an array, receives the output (Result.output is then `out`). priority: the
         request's priority level where the model has levels (1 first, 0 the default); queue_timeout_us: its own
-        queue timeout where the level allows one (docs/tenants.md). Returns a Result; raises AttnserveError."""
+        queue timeout where the level allows one (docs/tenants.md). Models served from a decoder checkpoint
+        (docs/models.md): query_position, the first query token's position (RoPE; default 0, in a session step
+        its length), or positions, one per query token (batch-first); key_position, cross-attention's first key.
+        Returns a Result; raises AttnserveError."""
         route = None
         kept = memory if isinstance(memory, _calls.Kept) else session if isinstance(session, _calls.Kept) else None
         if isinstance(memory, _calls.Kept):
@@ -116,7 +120,9 @@ class Client:
                                     key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal,
                                     attn_weights=attn_weights, layout=layout, memory=memory, session=session,
                                     session_length=session_length, request_id=next(self._ids), out=out, wire=wire,
-                                    priority=priority, queue_timeout_us=queue_timeout_us)
+                                    priority=priority, queue_timeout_us=queue_timeout_us,
+                                    query_position=query_position, key_position=key_position,
+                                    positions=positions)
         return _calls.result(self._routed("Attend", req, deadline, route), _tensors.is_torch(query), out,
                              widen=wire is not None)
 
@@ -155,11 +161,11 @@ class Client:
         return self._make("OpenSession", req, deadline, Session)
 
     def memory(self, key, value, *, model="demo", model_version=0, key_padding_mask=None, layout="batch_first",
-               deadline=DEFAULT):
+               key_position=0, deadline=DEFAULT):
         """Projects `key` and `value` once and keeps them on the server for cross-attention. Use it with
         `with`, which deletes it."""
         req = _calls.memory_request(key, value, model=model, model_version=model_version,
-                                    key_padding_mask=key_padding_mask, layout=layout,
+                                    key_padding_mask=key_padding_mask, layout=layout, key_position=key_position,
                                     wire=self._wire(key, model, model_version))
         return self._make("CreateMemory", req, deadline, Memory)
 

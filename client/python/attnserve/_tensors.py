@@ -125,3 +125,13 @@ def from_wire(t, like_torch, out=None, widen=False):
     else:
         dt = np.dtype(name)
     return np.frombuffer(t.data, dtype=dt).reshape(shape)
+
+
+def flat_ints(x):
+    """Positions (a list, a numpy array or a torch tensor of any shape) as a flat list of ints, batch-first."""
+    if is_torch(x):
+        x = x.detach().cpu().numpy()
+    a = np.asarray(x)
+    if a.dtype.kind not in "iu":
+        raise ValueError(f"positions: dtype {a.dtype}; expected integers")
+    return a.reshape(-1).tolist()

@@ -83,7 +83,7 @@ class Client:
     async def attend(self, query, key=None, value=None, *, model="demo", model_version=0, key_padding_mask=None,
                      attn_mask=None, is_causal=False, attn_weights="none", layout="batch_first", memory=None,
                      session=None, session_length=None, out=None, priority=0, queue_timeout_us=0,
-                     deadline=DEFAULT):
+                     query_position=None, key_position=0, positions=None, deadline=DEFAULT):
         """See attnserve.Client.attend (arrays of a SharedMemoryRegion, made by a blocking Client of the same
         server, travel as references here too)."""
         route = None
@@ -98,7 +98,9 @@ class Client:
                                     key_padding_mask=key_padding_mask, attn_mask=attn_mask, is_causal=is_causal,
                                     attn_weights=attn_weights, layout=layout, memory=memory, session=session,
                                     session_length=session_length, request_id=next(self._ids), out=out, wire=wire,
-                                    priority=priority, queue_timeout_us=queue_timeout_us)
+                                    priority=priority, queue_timeout_us=queue_timeout_us,
+                                    query_position=query_position, key_position=key_position,
+                                    positions=positions)
         return _calls.result(await self._routed("Attend", req, deadline, route), _tensors.is_torch(query), out,
                              widen=wire is not None)
 
@@ -114,10 +116,10 @@ class Client:
         return await self._make("OpenSession", req, deadline, Session)
 
     async def memory(self, key, value, *, model="demo", model_version=0, key_padding_mask=None,
-                     layout="batch_first", deadline=DEFAULT):
+                     layout="batch_first", key_position=0, deadline=DEFAULT):
         """Keeps projected keys and values on the server (`async with await client.memory(k, v) as m`)."""
         req = _calls.memory_request(key, value, model=model, model_version=model_version,
-                                    key_padding_mask=key_padding_mask, layout=layout,
+                                    key_padding_mask=key_padding_mask, layout=layout, key_position=key_position,
                                     wire=await self._wire(key, model, model_version))
         return await self._make("CreateMemory", req, deadline, Memory)
 

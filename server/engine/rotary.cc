@@ -1,0 +1,50 @@
+#include "server/engine/rotary.h"
+
+#include <cmath>
+
+namespace attnserve {
+
+at::Tensor RotaryInverseFrequencies(const RotarySpec& r) {
+  // transformers: 1 / theta ** (arange(0, dim, 2) / dim), every step in float32.
+  const at::Tensor exponent =
+      at::arange(0, r.rotary_dim, 2, at::kLong).to(at::kFloat) / static_cast<double>(r.rotary_dim);
+  at::Tensor inv = at::reciprocal(at::pow(r.theta, exponent));
+  if (r.type != "llama3") return inv;
+  // Llama 3: wavelengths longer than the original context / low_freq_factor are stretched by
+  // `factor`, shorter than it / high_freq_factor kept, those between interpolated.
+  const double old_len = static_cast<double>(r.original_max_position);
+  const double low_wavelen = old_len / r.low_freq_factor,
+               high_wavelen = old_len / r.high_freq_factor;
+  const at::Tensor wavelen = (2 * M_PI) / inv;
+  at::Tensor scaled = at::where(wavelen > low_wavelen, inv / r.factor, inv);
+  const at::Tensor smooth =
+      (old_len / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor);
+  const at::Tensor smoothed = (1 - smooth) * scaled / r.factor + smooth * scaled;
+  const at::Tensor medium = (wavelen >= high_wavelen).logical_and(wavelen <= low_wavelen);
+  return at::where(medium, smoothed, scaled);
+}
+
+void RotateInPlace(const at::Tensor& heads, const at::Tensor& positions,
+                   const at::Tensor& inv_freq) {
+  const int64_t half = inv_freq.size(0), rows = heads.size(0);
+  // Angles [rows, half] = position · inv_freq in float32 (one rounding, as transformers' matmul of
+  // [half, 1] by [1, rows]); cos and sin in float32, then in the heads' dtype.
+  const at::Tensor angles =
+      positions.to(at::kFloat).view({rows, 1}) * inv_freq.to(positions.device()).view({1, half});
+  const at::Tensor cos = angles.cos().to(heads.scalar_type()).view({rows, 1, half});
+  const at::Tensor sin = angles.sin().to(heads.scalar_type()).view({rows, 1, half});
+  const at::Tensor x1 = heads.narrow(-1, 0, half), x2 = heads.narrow(-1, half, half);
+  // (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin): x * cos + rotate_half(x) * sin.
+  const at::Tensor r1 = x1 * cos - x2 * sin;
+  const at::Tensor r2 = x2 * cos + x1 * sin;
+  x1.copy_(r1);
+  x2.copy_(r2);
+}
+
+void RmsNormHeadsInPlace(const at::Tensor& heads, const at::Tensor& weight, double eps) {
+  const at::Tensor x = heads.to(at::kFloat);
+  const at::Tensor normed = x * at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  heads.copy_(weight.to(heads.scalar_type()) * normed.to(heads.scalar_type()));
+}
+
+}  // namespace attnserve

@@ -1,0 +1,26 @@
+#pragma once
+// A decoder's per-head transforms of its projected queries and keys: RoPE (rotary position
+// embeddings, half-split pairs) and q/k RMSNorm, computed as transformers' Llama, Mistral, Qwen2
+// and Qwen3 modules compute them (angles and norms in float32). Included only by the engine's
+// LibTorch translation units.
+
+#include <ATen/ATen.h>
+
+#include "server/core/types.h"
+
+namespace attnserve {
+
+/// RoPE's inverse frequencies [rotary_dim / 2], float32 on the CPU: theta^(-2j/rotary_dim), then
+/// Llama 3's scaling when `r.type` is "llama3".
+at::Tensor RotaryInverseFrequencies(const RotarySpec& r);
+
+/// Rotates `heads` ([rows, heads, D], any float dtype, may be a strided view) in place: row i by
+/// positions[i] (int64 [rows]), its first 2 * inv_freq.size(0) dimensions as half-split pairs.
+void RotateInPlace(const at::Tensor& heads, const at::Tensor& positions,
+                   const at::Tensor& inv_freq);
+
+/// RMSNorm over each head's D values of `heads` ([rows, heads, D]) in place: x / sqrt(mean(x²) +
+/// eps) in float32, rounded to the heads' dtype, times `weight` ([D]).
+void RmsNormHeadsInPlace(const at::Tensor& heads, const at::Tensor& weight, double eps);
+
+}  // namespace attnserve

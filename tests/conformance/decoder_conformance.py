@@ -1,0 +1,215 @@
+#!/usr/bin/env python3
+"""Decoder layers against transformers' own attention modules (LlamaAttention, MistralAttention,
+Qwen2Attention, Qwen3Attention; transformers pinned in tools/torch2-env.sh, random weights from a
+config, no download).
+
+For each configuration (seeded: grouped and multi-query heads, head_dim apart from hidden/heads,
+biases, Llama 3's RoPE scaling, partial rotary dims... what each family has): build the module,
+export it with tools/export_model.py's export_decoder (config.json as save_pretrained writes it,
+so each family's defaults are read back), serve every layer from one attnserve, then compare
+- prefill: Attend with is_causal over a whole sequence starting at query_position p0, against the
+  module with its causal (or sliding-window) mask from transformers.masking_utils;
+- decoding: OpenSession, a prompt, then one token a step, against the module decoding the same tokens
+  with a DynamicCache.
+Fresh fixed-seed inputs; tolerance max|out - ref| / max|ref| <= 1e-4 (float32: transformers
+computes the rotary angles in float32, ~7e-5 relative near position 4,000: ../shared/MODERN_ATTENTION.md).
+
+usage: decoder_conformance.py PATH/TO/attnserve [--server-args "--device cuda"] [--tolerance 1e-4]
+       [--random N --seed S]
+Needs `transformers` (tools/torch2-env.sh's environment; bench/gpu_quick.sh runs it on the GPU).
+"""
+import argparse
+import os
+import random
+import shlex
+import sys
+import tempfile
+
+import grpc
+import numpy as np
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "lib"))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "tools"))
+import attnserve_py as lib  # noqa: E402
+import export_model  # noqa: E402
+
+TOL = 1e-4
+
+# name: (family, config keys). Each family's defaults that bite are left out on purpose where the
+# configuration relies on them (Qwen3's head_dim 128, Mistral's 8 key/value heads).
+FIXED = {
+    "llama_gqa": ("llama", dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
+                                num_hidden_layers=2)),
+    "llama_mqa_bias": ("llama", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
+                                     attention_bias=True, num_hidden_layers=1)),
+    "llama3_rope": ("llama", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                  num_hidden_layers=1, max_position_embeddings=256,
+                                  rope_parameters=dict(rope_type="llama3", rope_theta=500000.0,
+                                                       factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                                       original_max_position_embeddings=64))),
+    "llama_head_dim": ("llama", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                     head_dim=24, num_hidden_layers=1)),
+    "mistral_window": ("mistral", dict(hidden_size=128, num_attention_heads=16, sliding_window=6,
+                                       num_hidden_layers=1)),
+    "qwen2_biases": ("qwen2", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                   num_hidden_layers=3, use_sliding_window=True, sliding_window=5,
+                                   max_window_layers=2)),
+    "qwen3_norms": ("qwen3", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                  num_hidden_layers=1)),
+}
+
+
+def family_classes(family):
+    import importlib
+    names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+    m = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    c = importlib.import_module(f"transformers.models.{family}.configuration_{family}")
+    n = names[family]
+    return getattr(c, n + "Config"), getattr(m, n + "Attention"), getattr(m, n + "RotaryEmbedding")
+
+
+def random_configs(n, seed):
+    rnd = random.Random(seed)
+    out = {}
+    for i in range(n):
+        family = rnd.choice(["llama", "mistral", "qwen2", "qwen3"])
+        kv = rnd.choice([1, 2, 4])
+        heads = kv * rnd.choice([1, 2, 4])
+        head_dim = rnd.choice([8, 16])
+        keys = dict(hidden_size=heads * head_dim * rnd.choice([1, 2]) // 2 * 2, num_attention_heads=heads,
+                    num_key_value_heads=kv, head_dim=head_dim, num_hidden_layers=2,
+                    rope_parameters=dict(rope_type="default", rope_theta=rnd.choice([10000.0, 1e6])))
+        if family in ("llama", "qwen3"):
+            keys["attention_bias"] = rnd.random() < 0.5
+        if family == "mistral":
+            keys["sliding_window"] = rnd.choice([None, 3, 8])
+        if family == "qwen2":
+            keys.pop("head_dim")
+            keys["hidden_size"] = heads * head_dim
+            keys["use_sliding_window"] = rnd.random() < 0.5
+            keys["sliding_window"] = rnd.choice([3, 8])
+            keys["max_window_layers"] = rnd.choice([0, 1])
+        out[f"random{i}_{family}"] = (family, keys)
+    return out
+
+
+def build(family, keys, seed):
+    Config, Attention, Rotary = family_classes(family)
+    config = Config(**keys)
+    config._attn_implementation = "eager"  # None would drop the causal mask (MODERN_ATTENTION.md).
+    torch.manual_seed(seed)
+    layers = {}
+    for i in range(config.num_hidden_layers):
+        attn = Attention(config, layer_idx=i).eval()
+        with torch.no_grad():  # Random weights everywhere, biases and norms included.
+            for p in attn.parameters():
+                p.normal_(0.0, 0.3 if p.dim() == 1 else 1.0 / np.sqrt(p.shape[-1]))
+            if hasattr(attn, "q_norm"):
+                attn.q_norm.weight.add_(1.0)
+                attn.k_norm.weight.add_(1.0)
+        layers[i] = attn
+
+    class Whole(torch.nn.Module):  # What export_decoder reads: .config and .layers[i].self_attn
+        pass
+
+    whole = Whole()
+    whole.config = config
+    whole.layers = torch.nn.ModuleList()
+    for i in range(config.num_hidden_layers):
+        holder = torch.nn.Module()
+        holder.self_attn = layers[i]
+        whole.layers.append(holder)
+    return config, layers, Rotary(config), whole
+
+
+def reference(config, attn, rotary, x, positions, cache=None):
+    """The module's forward over x [B, T, E] at positions [B, T] (appending to `cache`)."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+    layer = attn.layer_idx
+    sliding = getattr(attn, "sliding_window", None) or (
+        config.model_type == "mistral" and getattr(config, "sliding_window", None))
+    make = create_sliding_window_causal_mask if sliding else create_causal_mask
+    with torch.no_grad():
+        mask = make(config=config, inputs_embeds=x, attention_mask=None, past_key_values=cache,
+                    position_ids=positions, layer_idx=layer)
+        cos, sin = rotary(x, positions)
+        out, _ = attn(x, position_embeddings=(cos, sin), attention_mask=mask, past_key_values=cache)
+    return out.numpy().astype(np.float64)
+
+
+def rel_err(got, want):
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+def run(args, checks):
+    pb, pb_grpc = lib.load_stubs()
+    from transformers import DynamicCache
+    configs = dict(FIXED)
+    configs.update(random_configs(args.random, args.seed))
+    tmp = tempfile.mkdtemp(prefix="attnserve-decoders-")
+    models = os.path.join(tmp, "models")
+    built = {}
+    for n, (name, (family, keys)) in enumerate(configs.items()):
+        config, layers, rotary, whole = build(family, keys, 1000 + n)
+        ckpt = os.path.join(tmp, "checkpoints", name)
+        export_model.export_decoder(whole, ckpt, {i: os.path.join(models, f"{name}_l{i}") for i in layers})
+        built[name] = (config, layers, rotary)
+    server = lib.Server(args.binary, "--models", models, *shlex.split(args.server_args))
+    rng = np.random.default_rng(args.seed)
+    try:
+        with grpc.insecure_channel(server.target) as ch:
+            stub = pb_grpc.AttentionServiceStub(ch)
+            for name, (config, layers, rotary) in built.items():
+                for i, attn in layers.items():
+                    model = f"{name}_l{i}"
+                    info = stub.GetModel(pb.GetModelRequest(name=model))
+                    checks(f"{model}: GetModel says {info.num_kv_heads} key/value heads of {info.head_dim}, "
+                           f"{info.family} layer {info.layer}",
+                           info.num_kv_heads == config.num_key_value_heads and info.family == config.model_type
+                           and info.layer == i and info.head_dim == attn.head_dim)
+                    b, t, p0 = 2, int(rng.integers(5, 14)), int(rng.integers(0, 3000))
+                    x = rng.standard_normal((b, t, config.hidden_size)).astype(np.float32)
+                    pos = torch.arange(p0, p0 + t).expand(b, t)
+                    want = reference(config, attn, rotary, torch.from_numpy(x), pos)
+                    r = stub.Attend(pb.AttendRequest(model=model, query=lib.to_wire(pb, x), is_causal=True,
+                                                     query_position=p0))
+                    err = rel_err(lib.from_wire(pb, r.output), want)
+                    checks(f"{model}: prefill of {t} tokens from position {p0}: error {err:.1e} <= {args.tolerance}",
+                           err <= args.tolerance)
+                    # Decoding: a prompt, then one token a step, against the module with its cache.
+                    steps = int(rng.integers(3, 7))
+                    xs = rng.standard_normal((b, t + steps, config.hidden_size)).astype(np.float32)
+                    cache = DynamicCache(config=config)
+                    handle = stub.OpenSession(pb.OpenSessionRequest(model=model, batch=b)).handle
+                    worst, held = 0.0, 0
+                    for chunk in [t] + [1] * steps:
+                        xc = xs[:, held:held + chunk]
+                        posc = torch.arange(held, held + chunk).expand(b, chunk)
+                        want = reference(config, attn, rotary, torch.from_numpy(np.ascontiguousarray(xc)), posc, cache)
+                        r = stub.Attend(pb.AttendRequest(model=model, session=handle, query=lib.to_wire(pb, xc)))
+                        worst = max(worst, rel_err(lib.from_wire(pb, r.output), want))
+                        held += chunk
+                    stub.CloseSession(pb.ReleaseRequest(handle=handle))
+                    checks(f"{model}: a {t}-token prompt then {steps} steps of one token: error {worst:.1e}",
+                           worst <= args.tolerance)
+    finally:
+        server.stop()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("binary")
+    ap.add_argument("--server-args", default="")
+    ap.add_argument("--tolerance", type=float, default=TOL)
+    ap.add_argument("--random", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+    checks = lib.Checks()
+    run(args, checks)
+    return checks.summary("decoder_conformance")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,312 @@
+// A decoder layer's attention (grouped key/value heads, RoPE, sliding window, q/k RMSNorm,
+// per-projection biases) in the LibTorch engine against the float64 reference in plain loops
+// (tests/lib/decoder_reference.h), prefill and token by token through a session. Fresh weights and
+// inputs from a fixed seed per case. Tolerance: max |engine - reference| <= 1e-4 * max |reference|
+// (float32 compute; RoPE's angles are float32, as transformers computes them).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <random>
+
+#include "server/core/validator.h"
+#include "server/engine/attention_model.h"
+#include "tests/lib/decoder_reference.h"
+#include "tests/lib/mha_reference.h"
+#include "tests/lib/test_util.h"
+
+namespace attnserve {
+namespace {
+
+using testing::RandomHost;
+
+struct DecoderCase {
+  const char* name;
+  int64_t e = 32, h = 4, kvh = 4, d = 0;  // d 0: e / h
+  bool q_bias = false, k_bias = false, v_bias = false, o_bias = false;
+  bool rotary = true;
+  int64_t rotary_dim = 0;  // 0: d
+  std::string rope_type = "default";
+  double theta = 10000;
+  int64_t window = 0;
+  bool qk_norm = false;
+  int64_t b = 2, l = 7;
+  int64_t start = 0;       // query_position
+  bool per_token = false;  // positions per token instead
+  bool causal = true, seq_first = false, mask3d = false;
+};
+
+std::ostream& operator<<(std::ostream& os, const DecoderCase& c) { return os << c.name; }
+
+ModelWeights DecoderWeights(const DecoderCase& c, std::mt19937& rng) {
+  ModelWeights w;
+  ModelSpec& s = w.spec;
+  s.name = c.name;
+  s.embed_dim = s.kdim = s.vdim = c.e;
+  s.num_heads = c.h;
+  s.head_size = c.d > 0 ? c.d : c.e / c.h;
+  DecoderSpec dec;
+  dec.family = "llama";
+  dec.num_kv_heads = c.kvh;
+  dec.q_bias = c.q_bias, dec.k_bias = c.k_bias, dec.v_bias = c.v_bias, dec.o_bias = c.o_bias;
+  if (c.rotary) {
+    RotarySpec r;
+    r.theta = c.theta;
+    r.rotary_dim = c.rotary_dim > 0 ? c.rotary_dim : s.head_size;
+    r.type = c.rope_type;
+    if (c.rope_type == "llama3") {
+      r.factor = 8, r.low_freq_factor = 1, r.high_freq_factor = 4, r.original_max_position = 64;
+    }
+    dec.rotary = r;
+  }
+  dec.sliding_window = c.window;
+  dec.qk_norm = c.qk_norm;
+  s.decoder = dec;
+  s.bias = c.q_bias || c.k_bias || c.v_bias || c.o_bias;
+  const int64_t wq = s.q_width(), wkv = s.kv_width();
+  const float ws = 1.0f / std::sqrt(static_cast<float>(c.e));
+  w.q_proj = RandomHost(rng, {wq, c.e}, ws);
+  w.k_proj = RandomHost(rng, {wkv, c.e}, ws);
+  w.v_proj = RandomHost(rng, {wkv, c.e}, ws);
+  w.out_proj = RandomHost(rng, {c.e, wq}, 1.0f / std::sqrt(static_cast<float>(wq)));
+  if (c.q_bias || c.k_bias || c.v_bias) {
+    w.in_proj_bias = RandomHost(rng, {wq + 2 * wkv}, 0.5f);
+    float* bias = w.in_proj_bias->values.data();
+    if (!c.q_bias) std::fill(bias, bias + wq, 0.0f);
+    if (!c.k_bias) std::fill(bias + wq, bias + wq + wkv, 0.0f);
+    if (!c.v_bias) std::fill(bias + wq + wkv, bias + wq + 2 * wkv, 0.0f);
+  }
+  if (c.o_bias) w.out_proj_bias = RandomHost(rng, {c.e}, 0.5f);
+  if (c.qk_norm) {
+    w.q_norm = RandomHost(rng, {s.head_size}, 0.5f);
+    w.k_norm = RandomHost(rng, {s.head_size}, 0.5f);
+    for (float& x : w.q_norm->values) x += 1.0f;
+    for (float& x : w.k_norm->values) x += 1.0f;
+  }
+  return w;
+}
+
+// max |got - want| / max |want| over float32 answer bytes in batch-first order.
+double RelativeError(const std::string& got, const std::vector<double>& want) {
+  const float* g = reinterpret_cast<const float*>(got.data());
+  double err = 0, scale = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    err = std::max(err, std::fabs(g[i] - want[i]));
+    scale = std::max(scale, std::fabs(want[i]));
+  }
+  return got.size() == want.size() * 4 ? err / scale : INFINITY;
+}
+
+class DecoderEngineTest : public ::testing::TestWithParam<DecoderCase> {};
+
+TEST_P(DecoderEngineTest, PrefillMatchesFloat64Reference) {
+  const DecoderCase& c = GetParam();
+  std::mt19937 rng(static_cast<uint32_t>(std::hash<std::string>()(c.name)));
+  const ModelWeights w = DecoderWeights(c, rng);
+  auto model = CreateTorchModel(w, EngineOptions{});
+  ASSERT_TRUE(model.ok()) << model.status().message();
+  const int64_t b = c.b, l = c.l, e = c.e, h = c.h;
+  const std::vector<float> xf = testing::RandomFloats(rng, b * l * e);
+  const std::vector<double> x(xf.begin(), xf.end());
+  std::vector<int64_t> pos(b * l);
+  std::uniform_int_distribution<int64_t> jump(0, 50);
+  for (int64_t bb = 0; bb < b; ++bb) {
+    int64_t p = c.start + bb * 3;
+    for (int64_t i = 0; i < l; ++i) {
+      pos[bb * l + i] = c.per_token ? p : c.start + i;
+      p += 1 + jump(rng) % 3;
+    }
+  }
+  std::vector<double> mask;
+  testing::Buffer mask_buf;
+  if (c.mask3d) {  // A float mask per (batch, head): grouped heads see their own rows.
+    mask.assign(b * h * l * l, 0.0);
+    mask_buf = testing::Zeros({b * h, l, l});
+    std::uniform_real_distribution<float> u(-2, 2);
+    for (size_t i = 0; i < mask.size(); ++i) {
+      const float m = u(rng);
+      mask[i] = m;
+      std::memcpy(&mask_buf.bytes[i * 4], &m, 4);
+    }
+  }
+  const testing::Buffer query =
+      testing::Floats(c.seq_first ? std::vector<int64_t>{l, b, e} : std::vector<int64_t>{b, l, e},
+                      testing::ToLayout(x, b, l, e, c.seq_first));
+  AttendCall call;
+  call.query = query.view();
+  call.is_causal = c.causal;
+  call.layout = c.seq_first ? TensorLayout::kSequenceFirst : TensorLayout::kBatchFirst;
+  if (c.mask3d) call.attn_mask = mask_buf.view();
+  if (c.per_token) {
+    call.positions = pos;
+  } else if (c.start != 0) {
+    call.query_position = c.start;
+  }
+  const Status valid = Validate(w.spec, {}, &call);
+  ASSERT_TRUE(valid.ok()) << valid.message();
+  std::string out;
+  AttendOutputs o;
+  o.output = &out;
+  const Status st = (*model)->Forward(call, &o);
+  ASSERT_TRUE(st.ok()) << st.message();
+  std::vector<double> want = testing::DecoderReference(w, b, l, x, pos, c.causal, mask);
+  if (c.seq_first) {  // The answer is in the query's layout.
+    std::vector<float> laid = testing::ToLayout(want, b, l, e, true);
+    want.assign(laid.begin(), laid.end());
+  }
+  EXPECT_LE(RelativeError(out, want), 1e-4) << c.name;
+}
+
+// Token by token through a session (after a prefill of the first tokens) equals the prefill of
+// the whole sequence: each step's keys are kept rotated at their positions. The cases a session
+// step can be (causal, batch-first, no per-head mask, positions from the start).
+class DecoderSessionTest : public DecoderEngineTest {};
+
+TEST_P(DecoderSessionTest, SessionStepsEqualThePrefill) {
+  const DecoderCase& c = GetParam();
+  std::mt19937 rng(static_cast<uint32_t>(std::hash<std::string>()(c.name)) + 1);
+  const ModelWeights w = DecoderWeights(c, rng);
+  auto model = CreateTorchModel(w, EngineOptions{});
+  ASSERT_TRUE(model.ok()) << model.status().message();
+  const int64_t b = c.b, l = c.l, e = c.e;
+  const std::vector<float> xf = testing::RandomFloats(rng, b * l * e);
+  const std::vector<double> x(xf.begin(), xf.end());
+  std::vector<int64_t> pos(b * l);
+  for (int64_t i = 0; i < b * l; ++i) pos[i] = c.start + i % l;
+  const std::vector<double> want = testing::DecoderReference(w, b, l, x, pos, true);
+  std::shared_ptr<KvCache> cache = (*model)->NewKvCache();
+  ASSERT_NE(cache, nullptr);
+  int64_t held = 0, capacity = 0;
+  const int64_t prefill = l / 2;
+  std::vector<double> got(b * l * e);
+  while (held < l) {
+    const int64_t t = held == 0 ? prefill : 1;
+    std::vector<float> step(b * t * e);
+    for (int64_t bb = 0; bb < b; ++bb)
+      std::copy(xf.begin() + (bb * l + held) * e, xf.begin() + (bb * l + held + t) * e,
+                step.begin() + bb * t * e);
+    const testing::Buffer query = testing::Floats({b, t, e}, step);
+    AttendCall call;
+    call.query = query.view();
+    call.is_causal = true;
+    call.kv_use = AttendCall::Kv::kSession;
+    call.kv = cache;
+    call.kv_batch = b;
+    call.kv_length = held;
+    capacity = held + t <= capacity ? capacity : std::max<int64_t>({held + t, 2 * capacity, 16});
+    call.kv_capacity = capacity;
+    if (held == 0 && c.start != 0) call.query_position = c.start;
+    if (held > 0 && c.start != 0) call.query_position = c.start + held;
+    const Status valid = Validate(w.spec, {}, &call);
+    ASSERT_TRUE(valid.ok()) << valid.message();
+    std::string out;
+    AttendOutputs o;
+    o.output = &out;
+    const Status st = (*model)->Forward(call, &o);
+    ASSERT_TRUE(st.ok()) << st.message();
+    const float* f = reinterpret_cast<const float*>(out.data());
+    for (int64_t bb = 0; bb < b; ++bb)
+      for (int64_t i = 0; i < t * e; ++i) got[(bb * l + held) * e + i] = f[bb * t * e + i];
+    held += t;
+  }
+  double err = 0, scale = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    err = std::max(err, std::fabs(got[i] - want[i]));
+    scale = std::max(scale, std::fabs(want[i]));
+  }
+  EXPECT_LE(err / scale, 1e-4) << c.name;
+}
+
+DecoderCase Make(const char* name, std::function<void(DecoderCase&)> f) {
+  DecoderCase c;
+  c.name = name;
+  f(c);
+  return c;
+}
+
+std::vector<DecoderCase> Cases() {
+  return {
+      Make("rope_mha", [](DecoderCase&) {}),
+      Make("gqa_4_to_2", [](DecoderCase& c) { c.h = 4, c.kvh = 2; }),
+      Make("gqa_8_to_2_long", [](DecoderCase& c) { c.e = 64, c.h = 8, c.kvh = 2, c.l = 19; }),
+      Make("mqa", [](DecoderCase& c) { c.h = 8, c.kvh = 1; }),
+      Make("head_dim_not_e_over_h", [](DecoderCase& c) { c.h = 4, c.kvh = 2, c.d = 12; }),
+      Make("qkv_biases_no_o",
+           [](DecoderCase& c) { c.kvh = 2, c.q_bias = c.k_bias = c.v_bias = true; }),
+      Make("all_biases", [](DecoderCase& c) { c.q_bias = c.k_bias = c.v_bias = c.o_bias = true; }),
+      Make("partial_rotary", [](DecoderCase& c) { c.kvh = 2, c.rotary_dim = 4; }),
+      Make("llama3_scaling",
+           [](DecoderCase& c) {
+             c.kvh = 2, c.rope_type = "llama3", c.theta = 500000, c.start = 40;
+           }),
+      Make("sliding_window", [](DecoderCase& c) { c.kvh = 2, c.window = 3, c.l = 11; }),
+      Make("window_not_causal", [](DecoderCase& c) { c.window = 4, c.causal = false, c.l = 9; }),
+      Make("qk_norm", [](DecoderCase& c) { c.h = 4, c.kvh = 2, c.qk_norm = true; }),
+      Make("start_position", [](DecoderCase& c) { c.kvh = 2, c.start = 1000; }),
+      Make("per_token_positions", [](DecoderCase& c) { c.kvh = 2, c.per_token = true; }),
+      Make("sequence_first", [](DecoderCase& c) { c.kvh = 2, c.seq_first = true; }),
+      Make("mask_per_head_grouped", [](DecoderCase& c) { c.h = 4, c.kvh = 2, c.mask3d = true; }),
+      Make("no_rotary_not_causal",
+           [](DecoderCase& c) { c.kvh = 2, c.rotary = false, c.causal = false; })};
+}
+
+std::vector<DecoderCase> SessionCases() {
+  std::vector<DecoderCase> out;
+  for (const DecoderCase& c : Cases())
+    if (c.causal && !c.seq_first && !c.mask3d && !c.per_token) out.push_back(c);
+  return out;
+}
+
+std::string CaseName(const ::testing::TestParamInfo<DecoderCase>& info) { return info.param.name; }
+
+INSTANTIATE_TEST_SUITE_P(Decoders, DecoderEngineTest, ::testing::ValuesIn(Cases()), CaseName);
+INSTANTIATE_TEST_SUITE_P(Decoders, DecoderSessionTest, ::testing::ValuesIn(SessionCases()),
+                         CaseName);
+
+TEST(DecoderEngineTest, PositionsAreRefusedOnAnNnMultiheadAttentionModel) {
+  std::mt19937 rng(5);
+  ModelWeights w = testing::RandomWeights(rng, "mha", 16, 4);
+  const testing::Buffer q = testing::Zeros({1, 3, 16});
+  AttendCall call;
+  call.query = q.view();
+  call.query_position = 4;
+  const Status st = Validate(w.spec, {}, &call);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("has no rotary positions"), std::string::npos) << st.message();
+}
+
+TEST(DecoderEngineTest, AWindowedModelRefusesCrossAttentionAndOutOfRangePositions) {
+  DecoderCase c;
+  c.name = "windowed";
+  c.window = 4;
+  std::mt19937 rng(6);
+  const ModelWeights w = DecoderWeights(c, rng);
+  const testing::Buffer q = testing::Zeros({1, 3, 32}), k = testing::Zeros({1, 5, 32});
+  AttendCall cross;
+  cross.query = q.view();
+  cross.key = k.view();
+  cross.value = k.view();
+  Status st = Validate(w.spec, {}, &cross);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("sliding window"), std::string::npos) << st.message();
+  for (int64_t bad : {int64_t{-1}, int64_t{1} << 31, INT64_MAX, INT64_MIN}) {
+    AttendCall call;
+    call.query = q.view();
+    call.query_position = bad;
+    st = Validate(w.spec, {}, &call);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << bad;
+  }
+  AttendCall near_end;  // In range alone, but its last token would not be.
+  near_end.query = q.view();
+  near_end.query_position = (int64_t{1} << 31) - 2;
+  EXPECT_EQ(Validate(w.spec, {}, &near_end).code(), StatusCode::kInvalidArgument);
+  AttendCall wrong_count;
+  wrong_count.query = q.view();
+  wrong_count.positions = {0, 1};
+  st = Validate(w.spec, {}, &wrong_count);
+  EXPECT_NE(st.message().find("expected batch * query_len = 3"), std::string::npos) << st.message();
+}
+
+}  // namespace
+}  // namespace attnserve
