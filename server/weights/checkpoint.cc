@@ -310,10 +310,12 @@ StatusOr<NamedTensors> ReadTensors(const std::string& dir,
     by_file[it->second].insert(name);
   }
   NamedTensors tensors;
-  for (const auto& [file, wanted] : by_file) {
-    ASSIGN_OR_RETURN(NamedTensors got, ReadSafetensorsTensors(file, [&](const std::string& n) {
-                       return wanted.count(n) > 0;
-                     }));
+  for (const auto& entry :
+       by_file) {  // Not a structured binding: clang's C++17 lambdas cannot capture one.
+    const std::set<std::string>& wanted = entry.second;
+    ASSIGN_OR_RETURN(NamedTensors got,
+                     ReadSafetensorsTensors(
+                         entry.first, [&](const std::string& n) { return wanted.count(n) > 0; }));
     for (auto& [n, t] : got) tensors.emplace(n, std::move(t));
   }
   return tensors;

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Kept state pays (issue 49): decoding sessions of a grouped-query layer against the same layer with
+# a key/value head per query head, one run, side by side. Two Llama-style checkpoints made here with
+# transformers (random weights, no download; tools/torch2-env.sh's environment): hidden
+# DEC_EMBED (2048), 32 query heads, 4 or 32 key/value heads, one layer, served by one attnserve;
+# attnserve-kv-bench concurrent drives DEC_CALLERS (32) sessions, each a DEC_PROMPT-token (1024)
+# prompt then DEC_STEPS (32) one-token steps. Prints steps/s and the kept bytes (attnserve_kv_bytes)
+# of each, and their ratios. Writes bench/out-decoders/.
+#   bench/decoders.sh            (~3 minutes on 2 cores)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=${ATTNSERVE_BUILD_DIR:-build}
+out=bench/out-decoders
+embed=${DEC_EMBED:-2048} callers=${DEC_CALLERS:-32} prompt=${DEC_PROMPT:-1024} steps=${DEC_STEPS:-32}
+rm -rf "$out" && mkdir -p "$out"
+cmake --build "$build" -j"$(nproc)" --target attnserve attnserve_kv_bench >/dev/null
+venv=$(tools/torch2-env.sh)
+"$venv/bin/python" - "$out" "$embed" <<'PY'
+import os, sys
+sys.path.insert(0, "tools")
+import torch, export_model
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaAttention
+out, embed = sys.argv[1], int(sys.argv[2])
+for name, kv in (("gqa", 4), ("mha", 32)):
+    config = LlamaConfig(hidden_size=embed, num_attention_heads=32, num_key_value_heads=kv, num_hidden_layers=1)
+    torch.manual_seed(0)
+    export_model.export_decoder(LlamaAttention(config, layer_idx=0), f"{out}/checkpoints/{name}",
+                                {0: f"{out}/models/{name}"})
+PY
+port=50181 metrics=50182
+"$build/attnserve" --address 127.0.0.1:$port --metrics-address 127.0.0.1:$metrics --models "$out/models" \
+  --kv-budget-bytes $((8 << 30)) >"$out/server.log" 2>&1 &
+pid=$!
+trap 'kill -TERM $pid 2>/dev/null; wait $pid 2>/dev/null || true' EXIT
+for _ in $(seq 300); do grep -q serving "$out/server.log" && break; sleep 0.2; done
+kv_bytes() { curl -s "http://127.0.0.1:$metrics/metrics" | awk '/^attnserve_kv_bytes[ {]/ {s += $NF} END {print s + 0}'; }
+# The kept bytes: attnserve_kv_bytes sampled every 0.2 s while the sessions decode, the peak.
+for name in gqa mha; do
+  "$build/attnserve-kv-bench" concurrent --target 127.0.0.1:$port --model "$name" --embed "$embed" \
+    --sessions-only --callers "$callers" --prompt "$prompt" --steps "$steps" \
+    --json "$out/$name.jsonl" | tee "$out/$name.txt" &
+  bench=$!
+  while kill -0 $bench 2>/dev/null; do kv_bytes >>"$out/$name.kv"; sleep 0.2; done
+  wait $bench
+  echo "$name: peak kept bytes $(sort -n "$out/$name.kv" | tail -1)" | tee -a "$out/$name.txt"
+done
+python3 - "$out" <<'PY'
+import json, sys
+out = sys.argv[1]
+rate = {n: json.loads(open(f"{out}/{n}.jsonl").readline())["session"]["tokens_per_s"] for n in ("gqa", "mha")}
+peak = {n: max(float(x) for x in open(f"{out}/{n}.kv") if x.strip()) for n in ("gqa", "mha")}
+print(f"decoders: 32 query heads, 4 against 32 key/value heads: steps/s {rate['gqa']:.0f} against "
+      f"{rate['mha']:.0f} ({rate['gqa'] / rate['mha']:.2f}x; goal >= 3x), kept bytes {peak['gqa'] / 2**20:.0f} "
+      f"against {peak['mha'] / 2**20:.0f} MiB ({peak['mha'] / max(peak['gqa'], 1):.2f}x smaller; goal 8x)")
+PY
