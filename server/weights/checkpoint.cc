@@ -23,8 +23,7 @@ struct Family {
   int64_t hidden = 4096, heads = 32, layers = 32, max_positions = 2048;
   int64_t kv_heads = 0;  // 0: num_attention_heads
   int64_t head_dim = 0;  // 0: hidden / heads
-  bool head_dim_key = true, qkv_bias = false, bias_key = false, qk_norm = false,
-       qwen_window = false;
+  bool qkv_bias = false, bias_key = false, qk_norm = false, qwen_window = false;
 };
 
 const std::map<std::string, Family>& Families() {

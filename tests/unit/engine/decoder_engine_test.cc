@@ -87,15 +87,21 @@ ModelWeights DecoderWeights(const DecoderCase& c, std::mt19937& rng) {
   return w;
 }
 
-// max |got - want| / max |want| over float32 answer bytes in batch-first order.
-double RelativeError(const std::string& got, const std::vector<double>& want) {
-  const float* g = reinterpret_cast<const float*>(got.data());
+// max |got - want| / max |want|.
+double RelativeError(const std::vector<double>& got, const std::vector<double>& want) {
+  if (got.size() != want.size()) return INFINITY;
   double err = 0, scale = 0;
   for (size_t i = 0; i < want.size(); ++i) {
-    err = std::max(err, std::fabs(g[i] - want[i]));
+    err = std::max(err, std::fabs(got[i] - want[i]));
     scale = std::max(scale, std::fabs(want[i]));
   }
-  return got.size() == want.size() * 4 ? err / scale : INFINITY;
+  return err / scale;
+}
+
+// The same over float32 answer bytes in batch-first order.
+double RelativeError(const std::string& got, const std::vector<double>& want) {
+  const float* g = reinterpret_cast<const float*>(got.data());
+  return RelativeError(std::vector<double>(g, g + got.size() / 4), want);
 }
 
 class DecoderEngineTest : public ::testing::TestWithParam<DecoderCase> {};
@@ -210,12 +216,7 @@ TEST_P(DecoderSessionTest, SessionStepsEqualThePrefill) {
       for (int64_t i = 0; i < t * e; ++i) got[(bb * l + held) * e + i] = f[bb * t * e + i];
     held += t;
   }
-  double err = 0, scale = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    err = std::max(err, std::fabs(got[i] - want[i]));
-    scale = std::max(scale, std::fabs(want[i]));
-  }
-  EXPECT_LE(err / scale, 1e-4) << c.name;
+  EXPECT_LE(RelativeError(got, want), 1e-4) << c.name;
 }
 
 DecoderCase Make(const char* name, std::function<void(DecoderCase&)> f) {

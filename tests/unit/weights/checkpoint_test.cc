@@ -12,6 +12,7 @@
 #include <random>
 
 #include "server/models/model_loader.h"
+#include "tests/lib/safetensors_writer.h"
 #include "tests/lib/test_util.h"
 
 namespace attnserve {
@@ -170,25 +171,10 @@ TEST(CheckpointConfigTest, RefusalsNameTheKeyWhatArrivedAndWhatIsAllowed) {
   }
 }
 
-struct Entry {
-  std::string name;
-  std::vector<int64_t> shape;
-  std::vector<float> values;
-};
+using Entry = testing::TensorEntry;
 
 void WriteSafetensors(const fs::path& path, const std::vector<Entry>& entries) {
-  nlohmann::json header = nlohmann::json::object();
-  std::string data;
-  for (const auto& e : entries) {
-    header[e.name] = {{"dtype", "F32"},
-                      {"shape", e.shape},
-                      {"data_offsets", {data.size(), data.size() + e.values.size() * 4}}};
-    data.append(reinterpret_cast<const char*>(e.values.data()), e.values.size() * 4);
-  }
-  const std::string h = header.dump();
-  std::string out(8, '\0');
-  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((uint64_t{h.size()} >> (8 * i)) & 0xff);
-  std::ofstream(path, std::ios::binary) << out << h << data;
+  std::ofstream(path, std::ios::binary) << testing::SafetensorsBytes(entries);
 }
 
 class CheckpointTest : public ::testing::Test {

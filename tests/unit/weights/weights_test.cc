@@ -8,6 +8,7 @@
 
 #include "server/models/model_loader.h"
 #include "server/weights/safetensors.h"
+#include "tests/lib/safetensors_writer.h"
 #include "tests/lib/test_util.h"
 
 namespace attnserve {
@@ -16,27 +17,10 @@ namespace {
 namespace fs = std::filesystem;
 using ::testing::HasSubstr;
 
-struct Entry {
-  std::string name;
-  std::vector<int64_t> shape;
-  std::vector<float> values;
-};
+using Entry = testing::TensorEntry;
 
-// Writes a valid safetensors file (F32) and returns its bytes.
 std::string Safetensors(const std::vector<Entry>& entries) {
-  nlohmann::json header = nlohmann::json::object();
-  std::string data;
-  for (const auto& e : entries) {
-    header[e.name] = {{"dtype", "F32"},
-                      {"shape", e.shape},
-                      {"data_offsets", {data.size(), data.size() + e.values.size() * 4}}};
-    data.append(reinterpret_cast<const char*>(e.values.data()), e.values.size() * 4);
-  }
-  std::string h = header.dump();
-  std::string out(8, '\0');
-  uint64_t n = h.size();
-  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xff);
-  return out + h + data;
+  return testing::SafetensorsBytes(entries);
 }
 
 Entry Rand(std::mt19937& rng, std::string name, std::vector<int64_t> shape) {
