@@ -32,7 +32,7 @@
 #
 # Rehearsal on the CPU (CI runs it, tests/CMakeLists.txt gpu_quick_rehearsal): REHEARSAL=1
 # BUILD=build-torch2 TORCH_DIR=... bench/gpu_quick.sh runs every step at sizes a 2-core CPU answers
-# (E=256, 4 heads, 16-128 tokens, 8 callers, 2 s, float32) and fails when a step fails to run, a row
+# (E=256, 4 heads, 16-128 tokens, 8 callers, 1 s each, float32) and fails when a step fails to run, a row
 # answers no request or a binary is not in the carry list above; the goals that need a GPU (ratios,
 # the first request, flash_varlen) are printed and allowed to miss.
 set -uo pipefail
@@ -64,7 +64,7 @@ jsonl="$out/quick.jsonl"
 # Sizes: the GPU's workload, or the rehearsal's (every row must answer on 2 cores).
 if [ -n "$rehearsal" ]; then
   embed=256 heads=4 dtype=float32 wire=float32 callers=8 lengths=uniform:16:128 small=uniform:8:32
-  duration=2 warmup=1 dtypes=(float32) tolerance=1e-4 rounds=1
+  duration=1 warmup=0.5 dtypes=(float32) tolerance=1e-4 rounds=1
   decode=(--callers 4 --prompt 32 --prompt-max 128 --steps 4)
   varlen=(--server-args "--device cpu --dtype float32 --varlen-attention emulate" --callers 8
           --requests 200 --tolerance 1e-4)
