@@ -5,7 +5,8 @@
 # DEC_EMBED (2048), 32 query heads, 4 or 32 key/value heads, one layer, served by one attnserve;
 # attnserve-kv-bench concurrent drives DEC_CALLERS (32) sessions, each a DEC_PROMPT-token (1024)
 # prompt then DEC_STEPS (32) one-token steps. Prints steps/s and the kept bytes (attnserve_kv_bytes)
-# of each, and their ratios. Writes bench/out-decoders/.
+# of each, and their ratios; then prefill FLOP/s of the grouped layer against nn.MultiheadAttention
+# of the same width and heads (the generalisation must cost nothing). Writes bench/out-decoders/.
 #   bench/decoders.sh            (~3 minutes on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +28,8 @@ for name, kv in (("gqa", 4), ("mha", 32)):
     torch.manual_seed(0)
     export_model.export_decoder(LlamaAttention(config, layer_idx=0), f"{out}/checkpoints/{name}",
                                 {0: f"{out}/models/{name}"})
+torch.manual_seed(0)  # The prefill's yardstick: nn.MultiheadAttention of the same width and heads.
+export_model.export(torch.nn.MultiheadAttention(embed, 32, bias=False, batch_first=True), f"{out}/models/torch_mha")
 PY
 port=50181 metrics=50182
 "$build/attnserve" --address 127.0.0.1:$port --metrics-address 127.0.0.1:$metrics --models "$out/models" \
@@ -45,6 +48,25 @@ for name in gqa mha; do
   wait $bench
   echo "$name: peak kept bytes $(sort -n "$out/$name.kv" | tail -1)" | tee -a "$out/$name.txt"
 done
+# Prefill: DEC_PREFILL_CALLERS (2) callers of DEC_PREFILL (256)-token self-attention requests to the
+# grouped layer and to nn.MultiheadAttention, FLOP/s each (projections plus QK^T and PV per token).
+for name in gqa torch_mha; do
+  "$build/attnserve-bench" --target 127.0.0.1:$port --model "$name" --embed-dim "$embed" \
+    --callers "${DEC_PREFILL_CALLERS:-2}" --lengths "fixed:${DEC_PREFILL:-256}" --duration 5 --warmup 1 \
+    --label "prefill-$name" --json "$out/prefill.jsonl" | tee -a "$out/prefill.txt"
+done
+python3 - "$out" "$embed" "${DEC_PREFILL:-256}" <<'PY'
+import json, sys
+out, e, l = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+d = e // 32
+rows = {json.loads(x)["label"]: json.loads(x) for x in open(f"{out}/prefill.jsonl")}
+# FLOPs a token: the four projections (q and o of width E, k and v of width kv_heads * d), then
+# QK^T and PV over l keys for 32 heads of d.
+flops = {"gqa": 2 * e * (e + 2 * 4 * d + e) + 4 * l * 32 * d, "torch_mha": 2 * e * 4 * e + 4 * l * e}
+rate = {n: rows[f"prefill-{n}"]["tokens_per_s"] * flops[n] for n in flops}
+print(f"prefill: {l}-token requests, grouped layer {rate['gqa'] / 1e9:.1f} GFLOP/s against nn.MultiheadAttention "
+      f"{rate['torch_mha'] / 1e9:.1f} GFLOP/s ({rate['gqa'] / rate['torch_mha']:.2f}x; goal >= 0.9x)")
+PY
 python3 - "$out" <<'PY'
 import json, sys
 out = sys.argv[1]

@@ -73,6 +73,10 @@ fi
 # compiles, and no core waits for the largest tree (at -j1 each, AddressSanitizer's tree compiled
 # alone on one core for its last ~15 minutes: 1,602 s in all). A failure here is only said: the
 # stage that needs the tree builds it again and fails.
+# With the whole suite to run (no ctest arguments), the tests' Python environments and the
+# container image are made here too: their downloads (pip, Debian's mirror inside the image) wait
+# on the network while the compilers use the cores, instead of inside the tests (~2 minutes of a
+# cold run's ctest stage); the tests then find them made and every image layer cached.
 prebuild() {
   local logs pids=() names=(asan tsan fuzz torch2) i
   logs=$(mktemp -d)
@@ -81,13 +85,19 @@ prebuild() {
   tools/sanitize.sh --build-only tsan >"$logs/tsan" 2>&1 & pids+=($!)
   tools/fuzz.sh --build-only >"$logs/fuzz" 2>&1 & pids+=($!)
   (configure torch2) >"$logs/torch2" 2>&1 & pids+=($!)
+  if [ "$#" = 0 ]; then
+    names+=(python-envs image)
+    (for e in debian newest tracing; do tools/python-env.sh $e; done
+     for e in triton kserve; do tools/oip-env.sh $e; done) >"$logs/python-envs" 2>&1 & pids+=($!)
+    bash tests/container/container_test.sh --build-only >"$logs/image" 2>&1 & pids+=($!)
+  fi
   for i in "${!pids[@]}"; do
     wait "${pids[$i]}" || { echo "build of ${names[$i]} failed (its stage builds it again):"; tail -20 "$logs/${names[$i]}"; }
   done
   rm -rf "$logs"
-  echo "built the asan, tsan, fuzz and torch2 trees side by side in $(( $(date +%s) - start )) s"
+  echo "built the ${names[*]} side by side in $(( $(date +%s) - start )) s"
 }
-[ "$flavour" = torch2 ] || [ -n "${ATTNSERVE_QUICK:-}" ] || prebuild
+[ "$flavour" = torch2 ] || [ -n "${ATTNSERVE_QUICK:-}" ] || prebuild "$@"
 # Every stage runs even when one fails; the last line sums them up.
 # Every process the stages start carries this marker in its environment: tools/leftover_processes.py
 # finds those still running at the end (a daemon a test left behind) and fails the run.

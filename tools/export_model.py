@@ -108,14 +108,23 @@ def _attention_layers(module):
 
 def export_decoder(module, checkpoint_dir, model_dirs=None):
     """Writes `module`'s attention as a checkpoint directory, plus attnserve model directories."""
-    config = module.config
+    layers = {i: attn.state_dict() for i, attn in _attention_layers(module).items()}
+    # config.json as save_pretrained writes it for real checkpoints: the family's defaults left out.
+    return export_decoder_weights(module.config.save_pretrained, layers, checkpoint_dir, model_dirs)
+
+
+def export_decoder_weights(config, layers, checkpoint_dir, model_dirs=None):
+    """The same from plain data, without transformers: `config` a dict for config.json (or a function
+    writing it into a directory), `layers` {layer: {"q_proj.weight": tensor, ...}}."""
     os.makedirs(checkpoint_dir, exist_ok=True)
-    tensors = {}
-    for i, attn in _attention_layers(module).items():
-        for name, t in attn.state_dict().items():
-            tensors[f"model.layers.{i}.self_attn.{name}"] = t
+    tensors = {f"model.layers.{i}.self_attn.{name}": t for i, state in layers.items() for name, t in state.items()}
     write_safetensors(os.path.join(checkpoint_dir, "model.safetensors"), tensors)
-    config.save_pretrained(checkpoint_dir)  # config.json as real checkpoints have it: defaults left out.
+    if callable(config):
+        config(checkpoint_dir)
+    else:
+        with open(os.path.join(checkpoint_dir, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+            f.write("\n")
     for layer, model_dir in (model_dirs or {}).items():
         os.makedirs(model_dir, exist_ok=True)
         with open(os.path.join(model_dir, "config.json"), "w") as f:

@@ -10,18 +10,23 @@
 #                               installs PIP_ARGS, runs the Python CHECK; then shared_venv_done LINK
 # ATTNSERVE_VENV_HOME: where they live (default ~/.cache/attnserve/venvs). An environment is never
 # changed once finished (other pins make another folder); folders of the same name unused for 14
-# days are removed when a new one is made.
+# days are removed when a new one is made. Making one holds a lock (NAME-KEY.lock beside it): two
+# scripts asking for the same environment at once make it once.
 shared_venv() {
   local name=$1; shift
   local home=${ATTNSERVE_VENV_HOME:-$HOME/.cache/attnserve/venvs}
   local key; key=$(printf '%s\n' "$@" | sha256sum | cut -c1-12)
   venv_dir=$home/$name-$key venv_fresh=0 venv_pins="$*"
+  mkdir -p "$home"
+  # One maker at a time: tests started side by side may ask for the same environment, and a second
+  # maker would remove the first one's half-made folder. Held until the calling script exits.
+  exec 9>"$venv_dir.lock"
+  flock 9
   if [ -f "$venv_dir/.pins" ] && [ "$(cat "$venv_dir/.pins")" = "$venv_pins" ]; then
     touch "$venv_dir/.pins"
     return
   fi
   venv_fresh=1
-  mkdir -p "$home"
   find "$home" -maxdepth 1 -name "$name-*" ! -name "$name-$key" -mtime +14 -exec rm -rf {} + 2>/dev/null || true
   rm -rf "$venv_dir"  # An environment cut short (no .pins) is made again from nothing.
 }

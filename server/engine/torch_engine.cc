@@ -245,9 +245,8 @@ class TorchModel final : public AttentionModel {
       const AttendCall& c = *calls[i];
       // Small calls share the projection GEMMs: query rows, plus the key rows a call carries (a
       // memory's or session's kept keys are projected already). A memory's creation runs alone.
-      // A decoder's calls are computed one by one for now (their rotations and grouped heads
-      // are not in the packed path).
-      if (c.kv_use != AttendCall::Kv::kCreateMemory && !spec_.decoder &&
+      // A decoder's calls too (each rotated and normed on its own rows after the shared GEMMs).
+      if (c.kv_use != AttendCall::Kv::kCreateMemory &&
           c.batch * std::max(c.query_len, c.key ? c.key_len : 0) <= pack_rows_) {
         small_calls.push_back(&c);
         small_outs.push_back(outs[i]);
@@ -402,9 +401,12 @@ class TorchModel final : public AttentionModel {
   void ForwardPacked(const std::vector<const AttendCall*>& calls,
                      const std::vector<AttendOutputs*>& outs, const Parallel& parallel,
                      StageClock* clock) const {
-    const int64_t e = spec_.embed_dim;
+    const int64_t e = spec_.embed_dim, qw = spec_.q_width(), kvw = spec_.kv_width();
     const auto opts = at::TensorOptions().device(device_).dtype(dtype_);
-    const PackingPlan plan = PlanPacking(calls, varlen_ != Varlen::kOff, spec_.extra_keys());
+    // A decoder's grouped heads and rotations are not in the varlen kernels: its calls attend
+    // one by one after the shared projections.
+    const PackingPlan plan =
+        PlanPacking(calls, varlen_ != Varlen::kOff && !spec_.decoder, spec_.extra_keys());
     const std::vector<int64_t>& q_off = plan.q_offset;
     const std::vector<int64_t>& k_off = plan.k_offset;
     const int64_t q_rows = plan.q_rows, self_rows = plan.self_rows, k_rows = plan.k_rows;
@@ -412,7 +414,8 @@ class TorchModel final : public AttentionModel {
     const at::Tensor &x = in.x, &kx = in.kx, &vx = in.vx;
     std::vector<at::Tensor> qkv_self;
     if (self_rows)
-      qkv_self = products_.Linear(x.narrow(0, 0, self_rows), proj_in_, parallel).chunk(3, -1);
+      qkv_self = products_.Linear(x.narrow(0, 0, self_rows), proj_in_, parallel)
+                     .split_with_sizes({qw, kvw, kvw}, -1);
     at::Tensor q_cross, k_cross, v_cross;
     if (self_rows < q_rows) {
       q_cross = products_.Linear(x.narrow(0, self_rows, q_rows - self_rows), proj_q_, parallel);
@@ -421,7 +424,7 @@ class TorchModel final : public AttentionModel {
         v_cross = products_.Linear(vx, proj_v_, parallel);
       }
     }
-    // Projected rows from call i's on: rq query rows, rk key and value rows ([rows, E] each).
+    // Projected rows from call i's on: rq query rows, rk key and value rows ([rows, width] each).
     const auto rows_of = [&](size_t i, int64_t rq, int64_t rk) {
       if (calls[i]->self_attention()) {
         return Rows{qkv_self[0].narrow(0, q_off[i], rq), qkv_self[1].narrow(0, q_off[i], rq),
@@ -432,7 +435,7 @@ class TorchModel final : public AttentionModel {
       return Rows{q_cross.narrow(0, q_off[i] - self_rows, rq), k_cross.narrow(0, k_off[i], rk),
                   v_cross.narrow(0, k_off[i], rk)};
     };
-    at::Tensor merged = at::empty({q_rows, e}, opts);
+    at::Tensor merged = at::empty({q_rows, qw}, opts);
     std::vector<Attended> attended(calls.size());
     std::vector<bool> done(calls.size(), false);
     for (const std::vector<size_t>& run : plan.varlen_runs) {
@@ -457,7 +460,8 @@ class TorchModel final : public AttentionModel {
         const AttendCall& c = *calls[i];
         // A session step's rows: its new tokens' q, k and v (self-attention rows).
         const int64_t rk = c.kv_use == AttendCall::Kv::kSession ? c.query_len : c.key_len;
-        const Rows r = rows_of(i, c.batch * c.query_len, c.batch * rk);
+        // A decoder's rows are normed and rotated in place, each call's at its positions.
+        const Rows r = Rotated(c, rows_of(i, c.batch * c.query_len, c.batch * rk));
         attended[i] = AttendAny(c, r, merged.narrow(0, q_off[i], c.batch * c.query_len), outs[i],
                                 SerialParallel());
       }

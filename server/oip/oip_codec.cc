@@ -2,6 +2,7 @@
 
 #include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <set>
 
@@ -11,6 +12,8 @@ namespace attnserve {
 namespace {
 
 using inference::InferParameter;
+
+constexpr const char* kPositions = "positions";
 
 StatusOr<v1::DataType> DataTypeFromOip(const std::string& field, const std::string& name) {
   static const std::map<std::string, v1::DataType> kTypes = {{"FP32", v1::DATA_TYPE_FLOAT32},
@@ -90,6 +93,15 @@ Status ApplyParameter(const std::string& name, const InferParameter& p, v1::Atte
     if (p.parameter_choice_case() != InferParameter::kInt64Param)
       return WrongKind(name, p, "int64");
     out->set_session_length(p.int64_param());
+  } else if (name == "query_position" || name == "key_position") {
+    // Rotary models: the position of the first query (key) token; the validator bounds it.
+    if (p.parameter_choice_case() != InferParameter::kInt64Param)
+      return WrongKind(name, p, "int64");
+    if (name == "query_position") {
+      out->set_query_position(p.int64_param());
+    } else {
+      out->set_key_position(p.int64_param());
+    }
   } else if (name == "priority" || name == "timeout") {
     // tritonclient's priority= (uint64) and timeout= (int64, microseconds): either kind, >= 0.
     const auto kind = p.parameter_choice_case();
@@ -123,7 +135,8 @@ Status ApplyParameter(const std::string& name, const InferParameter& p, v1::Atte
     return InvalidArgument(
         "parameters['" + name +
         "']: not a parameter of attnserve; allowed: is_causal, attn_weights, layout, "
-        "memory, session, session_length, priority, timeout, traceparent, tracestate");
+        "memory, session, session_length, query_position, key_position, priority, timeout, "
+        "traceparent, tracestate");
   }
   return Status::Ok();
 }
@@ -160,6 +173,57 @@ Status TypedBytes(const std::string& field, v1::DataType dtype,
       field +
       ".contents: FP16 and BF16 have no typed contents in the protocol; send the "
       "bytes in raw_input_contents");
+}
+
+// The "positions" input (rotary models: one position per query token, [batch, query_len] or
+// [query_len]) as AttendRequest.positions: INT64, from raw bytes (little-endian) or int64_contents,
+// never from shared memory.
+Status TakePositions(const std::string& field,
+                     const inference::ModelInferRequest::InferInputTensor& t, std::string* raw,
+                     v1::AttendRequest* out) {
+  if (t.datatype() != "INT64") {
+    return InvalidArgument(field + ".datatype: '" + t.datatype() +
+                           "' is not allowed for positions; expected INT64");
+  }
+  if (t.parameters().count("shared_memory_region")) {
+    return InvalidArgument(field +
+                           ": positions come in the request (raw_input_contents or "
+                           "contents.int64_contents), not from shared memory");
+  }
+  if (t.shape_size() < 1 || t.shape_size() > 2) {
+    return InvalidArgument(field + ".shape: " + std::to_string(t.shape_size()) +
+                           " dims; positions are [batch, query_len] or [query_len]");
+  }
+  const std::vector<int64_t> shape(t.shape().begin(), t.shape().end());
+  const std::optional<int64_t> count =
+      CheckedMul({shape[0], shape.size() == 2 ? shape[1] : int64_t{1}});
+  if (shape[0] < 0 || shape.back() < 0 || !count) {
+    return InvalidArgument(field + ".shape: " + ShapeString(shape) +
+                           " is not a size; each dim is 0 or more, their product an int64");
+  }
+  auto* positions = out->mutable_positions();
+  if (raw != nullptr) {
+    if (t.has_contents()) {
+      return InvalidArgument(field +
+                             ".contents: given with raw_input_contents; send one or the other");
+    }
+    if (raw->size() % 8 != 0 ||
+        static_cast<uint64_t>(raw->size() / 8) != static_cast<uint64_t>(*count)) {
+      return InvalidArgument(field + ": " + std::to_string(raw->size()) + " bytes for shape " +
+                             ShapeString(shape) + "; expected " + std::to_string(*count) +
+                             " INT64 values, 8 bytes each");
+    }
+    positions->Resize(static_cast<int>(*count), 0);
+    if (*count > 0) std::memcpy(positions->mutable_data(), raw->data(), raw->size());
+    return Status::Ok();
+  }
+  if (t.contents().int64_contents_size() != *count) {
+    return InvalidArgument(
+        field + ".contents.int64_contents: " + std::to_string(t.contents().int64_contents_size()) +
+        " values for shape " + ShapeString(shape) + "; expected " + std::to_string(*count));
+  }
+  *positions = t.contents().int64_contents();
+  return Status::Ok();
 }
 
 // Triton's sequence parameters, when there are any.
@@ -319,15 +383,22 @@ Status TakeInputs(inference::ModelInferRequest* in, v1::AttendRequest* out, OipR
     InputTensor* t = in->mutable_inputs(i);
     const std::string field = "inputs[" + std::to_string(i) + "]";
     v1::Tensor* target = InputField(t->name(), out);
-    if (target == nullptr) {
+    if (target == nullptr && t->name() != kPositions) {
       return InvalidArgument(field + ".name: '" + t->name() +
                              "' is not an input; allowed: query, key, value, key_padding_mask, "
-                             "attn_mask");
+                             "attn_mask, positions");
     }
     if (!seen.insert(t->name()).second) {
       return InvalidArgument(field + ".name: '" + t->name() + "' given twice");
     }
     RETURN_IF_ERROR(CheckInputParameters(field, *t));
+    if (target == nullptr) {
+      std::string* bytes = raw && !t->parameters().count("shared_memory_region")
+                               ? in->mutable_raw_input_contents(next_raw++)
+                               : nullptr;
+      RETURN_IF_ERROR(TakePositions(field, *t, bytes, out));
+      continue;
+    }
     ASSIGN_OR_RETURN(const v1::DataType dtype, DataTypeFromOip(field + ".datatype", t->datatype()));
     ASSIGN_OR_RETURN(std::optional<OipRegion> region, RegionOf(field, t->parameters(), shm));
     target->set_dtype(dtype);
@@ -492,7 +563,9 @@ inference::ModelMetadataResponse OipModelMetadata(const ModelSpec& spec,
   inference::ModelMetadataResponse m;
   m.set_name(spec.name);
   for (int64_t v : versions) m.add_versions(std::to_string(v));
-  m.set_platform("attnserve_multihead_attention");
+  // What the model computes: nn.MultiheadAttention, or a decoder layer's attention (grouped
+  // heads, rotary positions; GetModel has its every field).
+  m.set_platform(spec.decoder ? "attnserve_decoder_attention" : "attnserve_multihead_attention");
   // The compute dtype: a bfloat16 model takes BF16 and answers in it (half the bytes of FP32, no
   // conversion); every model takes FP32, FP16 and BF16 alike.
   const char* dtype = OipDatatype(spec.compute_dtype);
@@ -505,8 +578,12 @@ inference::ModelMetadataResponse OipModelMetadata(const ModelSpec& spec,
   };
   // Batch-first shapes; sequence-first ([L, B, *]) and unbatched ([L, *]) are taken too.
   add(m.mutable_inputs(), "query", dtype, {-1, -1, spec.embed_dim});
-  add(m.mutable_inputs(), "key", dtype, {-1, -1, spec.kdim});
-  add(m.mutable_inputs(), "value", dtype, {-1, -1, spec.vdim});
+  // A sliding window attends over its own tokens only: no key and value of the caller's.
+  if (!spec.decoder || spec.decoder->sliding_window == 0) {
+    add(m.mutable_inputs(), "key", dtype, {-1, -1, spec.kdim});
+    add(m.mutable_inputs(), "value", dtype, {-1, -1, spec.vdim});
+  }
+  if (spec.decoder && spec.decoder->rotary) add(m.mutable_inputs(), kPositions, "INT64", {-1, -1});
   add(m.mutable_inputs(), "key_padding_mask", "BOOL", {-1, -1});
   add(m.mutable_inputs(), "attn_mask", "BOOL", {-1, -1});
   add(m.mutable_outputs(), oip::kOutput, dtype, {-1, -1, spec.embed_dim});

@@ -10,7 +10,8 @@ so each family's defaults are read back), serve every layer from one attnserve, 
 - prefill: Attend with is_causal over a whole sequence starting at query_position p0, against the
   module with its causal (or sliding-window) mask from transformers.masking_utils;
 - decoding: OpenSession, a prompt, then one token a step, against the module decoding the same tokens
-  with a DynamicCache.
+  with a DynamicCache; then TruncateSession to a shorter length, ForkSession there, and two steps on
+  each branch with tokens of its own, against the module fed the kept prefix.
 Fresh fixed-seed inputs; tolerance max|out - ref| / max|ref| <= 1e-4 (float32: transformers
 computes the rotary angles in float32, ~7e-5 relative near position 4,000: ../shared/MODERN_ATTENTION.md).
 
@@ -191,9 +192,29 @@ def run(args, checks):
                         r = stub.Attend(pb.AttendRequest(model=model, session=handle, query=lib.to_wire(pb, xc)))
                         worst = max(worst, rel_err(lib.from_wire(pb, r.output), want))
                         held += chunk
-                    stub.CloseSession(pb.ReleaseRequest(handle=handle))
                     checks(f"{model}: a {t}-token prompt then {steps} steps of one token: error {worst:.1e}",
                            worst <= args.tolerance)
+                    # Roll back to `keep` tokens, fork there, and step each branch with its own
+                    # tokens: both continue at position `keep`, against the module fed the prefix.
+                    keep = int(rng.integers(1, held))
+                    r = stub.TruncateSession(pb.TruncateSessionRequest(handle=handle, length=keep))
+                    fork = stub.ForkSession(pb.ForkSessionRequest(handle=handle)).handle
+                    worst = 0.0
+                    for branch in (handle, fork):
+                        cache = DynamicCache(config=config)
+                        prefix = np.ascontiguousarray(xs[:, :keep])
+                        reference(config, attn, rotary, torch.from_numpy(prefix),
+                                  torch.arange(0, keep).expand(b, keep), cache)
+                        for n in range(2):
+                            xc = rng.standard_normal((b, 1, config.hidden_size)).astype(np.float32)
+                            posc = torch.full((b, 1), keep + n)
+                            want = reference(config, attn, rotary, torch.from_numpy(xc), posc, cache)
+                            r = stub.Attend(pb.AttendRequest(model=model, session=branch, query=lib.to_wire(pb, xc)))
+                            worst = max(worst, rel_err(lib.from_wire(pb, r.output), want))
+                    for branch in (handle, fork):
+                        stub.CloseSession(pb.ReleaseRequest(handle=branch))
+                    checks(f"{model}: truncated to {keep} of {held} tokens, forked, two steps on each branch: "
+                           f"error {worst:.1e}", worst <= args.tolerance)
     finally:
         server.stop()
 

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # decoder_conformance_test.py under the LibTorch 2.x environment's Python (tools/torch2-env.sh:
 # transformers, pinned, with the torch it needs), against either flavour's attnserve.
-#   tests/conformance/decoder_conformance_test.sh ATTNSERVE JUNIT_DIR [pytest args]
+#   tests/conformance/decoder_conformance_test.sh ATTNSERVE JUNIT_DIR NAME [pytest args]
+# (the JUnit report: JUNIT_DIR/pytest-NAME.xml)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 venv=$("$here/../../tools/torch2-env.sh")
 exec "$venv/bin/python" -m pytest "$here/decoder_conformance_test.py" -q -p no:cacheprovider \
-  --attnserve "$1" --junitxml="$2/pytest-decoder_conformance.xml" "${@:3}"
+  --attnserve "$1" --junitxml="$2/pytest-$3.xml" "${@:4}"

@@ -6,6 +6,9 @@
 # build reads and fills the compiler cache the host's builds share (cmake/AttnserveCcache.cmake)
 # when the engine is podman (a build volume; docker build has none).
 # usage: container_test.sh PATH/TO/attnserve-cli   (run from the repository root)
+#        container_test.sh --build-only                the image alone (tools/build.sh builds it while
+#                                                      it compiles the other trees; the test's own build
+#                                                      then finds every layer cached)
 set -euo pipefail
 cli=$1
 image=localhost/attnserve:test
@@ -31,6 +34,7 @@ trap cleanup EXIT
 start=$(date +%s)
 docker build -q "${build_args[@]}" -f docker/Dockerfile -t "$image" . >/dev/null
 echo "container: image built in $(( $(date +%s) - start )) s ($(docker image inspect "$image" --format '{{.Size}}' | awk '{printf "%.0f MiB", $1/1048576}'))"
+[ "$cli" = --build-only ] && exit 0
 
 # Host networking: this machine's container runtime has no port publishing to rely on.
 docker run -d --name "$name" --network host -e "ATTNSERVE_TARGET=127.0.0.1:$port" "$image" \

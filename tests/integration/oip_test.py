@@ -567,3 +567,144 @@ def test_tritonclient_system_shared_memory(attnserve, checks):
            str(e))
     shm.destroy_shared_memory_region(h)
     plain.stop()
+
+
+def write_decoder(path, rng, hidden=32, heads=4, kv_heads=2, window=None):
+    """A one-layer Llama-style checkpoint (random weights, no transformers) and an attnserve model
+    directory serving its layer 0."""
+    d = hidden // heads
+    shapes = {"q_proj": (heads * d, hidden), "k_proj": (kv_heads * d, hidden), "v_proj": (kv_heads * d, hidden),
+              "o_proj": (hidden, heads * d)}
+    state = {f"{n}.weight": torch.from_numpy((rng.standard_normal(s) / np.sqrt(s[1])).astype(np.float32))
+             for n, s in shapes.items()}
+    config = {"model_type": "mistral" if window else "llama", "hidden_size": hidden, "num_attention_heads": heads,
+              "num_key_value_heads": kv_heads, "num_hidden_layers": 1, "rope_theta": 10000.0}
+    if window:
+        config["sliding_window"] = window
+    name = "dec_window" if window else "dec"
+    export_model.export_decoder_weights(config, {0: state}, os.path.join(path, "checkpoints", name),
+                                        {0: os.path.join(path, "models", name)})
+
+
+def test_tritonclient_decoder_layer_positions(attnserve, checks):
+    """A decoder layer (grouped heads, RoPE) over OIP: its metadata names the positions input;
+    parameters query_position / key_position and the INT64 positions input (raw from tritonclient,
+    typed int64_contents from the protocol's own stub) answer byte for byte what attnserve.v1 answers
+    with the same fields; wrong kinds and shapes are refused naming the field."""
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+    pb, rpc = lib.load_stubs()
+    rng = np.random.default_rng(49)
+    tmp = tempfile.mkdtemp(prefix="attnserve-oip-decoder-")
+    write_decoder(tmp, rng)
+    write_decoder(tmp, rng, window=4)
+    server = lib.Server(attnserve, "--models", os.path.join(tmp, "models"))
+    client = tc.InferenceServerClient(server.target)
+    channel = grpc.insecure_channel(server.target)
+    native = rpc.AttentionServiceStub(channel)
+    oip = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+    try:
+        mm = client.get_model_metadata("dec")
+        inputs = {t.name: (t.datatype, list(t.shape)) for t in mm.inputs}
+        checks("metadata: a decoder's platform and its INT64 positions input",
+               mm.platform == "attnserve_decoder_attention" and inputs.get("positions") == ("INT64", [-1, -1])
+               and "key" in inputs, str(mm))
+        mw = client.get_model_metadata("dec_window")
+        names = {t.name for t in mw.inputs}
+        checks("metadata: a windowed decoder takes no key or value", "key" not in names and "positions" in names,
+               str(names))
+
+        b, t, lk = 2, 5, 6
+        q = rng.standard_normal((b, t, 32)).astype(np.float32)
+        k = rng.standard_normal((b, lk, 32)).astype(np.float32)
+        pos = rng.integers(0, 5000, size=(b, t)).astype(np.int64)
+
+        def wire(a):
+            return pb.Tensor(dtype=pb.DATA_TYPE_FLOAT32, shape=a.shape, data=a.tobytes())
+
+        def infer(inputs, params):
+            tin = []
+            for name, a in inputs:
+                x = tc.InferInput(name, list(a.shape), "INT64" if a.dtype == np.int64 else "FP32")
+                x.set_data_from_numpy(a)
+                tin.append(x)
+            return client.infer("dec", tin, parameters=params).as_numpy("attn_output")
+
+        cases = [
+            ("query_position", [("query", q)], {"query_position": 1234, "is_causal": True},
+             pb.AttendRequest(model="dec", query=wire(q), query_position=1234, is_causal=True)),
+            ("positions input", [("query", q), ("positions", pos)], {},
+             pb.AttendRequest(model="dec", query=wire(q), positions=pos.reshape(-1).tolist())),
+            ("key_position", [("query", q), ("key", k), ("value", k)], {"query_position": 10, "key_position": 3},
+             pb.AttendRequest(model="dec", query=wire(q), key=wire(k), value=wire(k), query_position=10,
+                              key_position=3)),
+        ]
+        for name, tin, params, req in cases:
+            got = infer(tin, params)
+            want = native.Attend(req).output
+            checks(f"{name}: the OIP answer is attnserve.v1's, byte for byte",
+                   got.tobytes() == want.data and list(got.shape) == list(want.shape))
+        # Positions matter (RoPE sees their distances): spaced two apart, another answer.
+        spaced = infer([("query", q), ("positions", np.tile(np.arange(0, 2 * t, 2), (b, 1)))], {"is_causal": True})
+        plain = infer([("query", q)], {"is_causal": True})
+        moved = float(np.abs(spaced - plain).max() / np.abs(plain).max())
+        checks(f"positions two apart answer otherwise ({moved:.2e} of the scale)", moved > 1e-3)
+
+        # Typed contents: int64_contents for positions, fp32_contents for the query.
+        req = service_pb2.ModelInferRequest(model_name="dec")
+        tq = req.inputs.add(name="query", datatype="FP32", shape=[b, t, 32])
+        tq.contents.fp32_contents.extend(q.reshape(-1).tolist())
+        tp = req.inputs.add(name="positions", datatype="INT64", shape=[b, t])
+        tp.contents.int64_contents.extend(pos.reshape(-1).tolist())
+        r = oip.ModelInfer(req)
+        checks("positions as int64_contents: the same answer",
+               r.raw_output_contents[0] == native.Attend(cases[1][3]).output.data)
+
+        def refused(build, want_code, *words):
+            try:
+                oip.ModelInfer(build())
+                checks(f"refused: {words}", False, "answered")
+            except grpc.RpcError as e:
+                checks(f"refused {e.code().name}: {e.details()}",
+                       e.code() == want_code and all(w in e.details() for w in words))
+
+        def bad(dtype="INT64", shape=(b, t), values=None, model="dec", raw=None):
+            def build():
+                req = service_pb2.ModelInferRequest(model_name=model)
+                tq = req.inputs.add(name="query", datatype="FP32", shape=[b, t, 32])
+                tp = req.inputs.add(name="positions", datatype=dtype, shape=list(shape))
+                if raw is not None:
+                    req.raw_input_contents.extend([q.tobytes(), raw])
+                else:
+                    tq.contents.fp32_contents.extend(q.reshape(-1).tolist())
+                    tp.contents.int64_contents.extend(values if values is not None else pos.reshape(-1).tolist())
+                return req
+            return build
+
+        code = grpc.StatusCode.INVALID_ARGUMENT
+        refused(bad(dtype="FP32"), code, "inputs[1].datatype", "'FP32'", "INT64")
+        refused(bad(shape=(b, t, 1)), code, "inputs[1].shape", "3 dims")
+        refused(bad(shape=(-1, -t)), code, "inputs[1].shape", "0 or more")
+        refused(bad(shape=(1 << 40, 1 << 40)), code, "inputs[1].shape")
+        refused(bad(values=[1, 2, 3]), code, "int64_contents", "3 values", "expected 10")
+        refused(bad(raw=b"\x00" * 12), code, "inputs[1]", "12 bytes", "8 bytes each")
+        refused(bad(shape=(t,), values=pos[0].tolist()), code, "positions", "expected batch * query_len = 10")
+        refused(bad(values=[-1] * (b * t)), code, "positions", "-1", "0 to 2147483647")
+        # Parameters of the wrong kind, and positions on a model without them (native's message).
+        def with_params(params, model="dec"):
+            def build():
+                req = service_pb2.ModelInferRequest(model_name=model)
+                tq = req.inputs.add(name="query", datatype="FP32", shape=[b, t, 32])
+                tq.contents.fp32_contents.extend(q.reshape(-1).tolist())
+                for key, v in params.items():
+                    if isinstance(v, str):
+                        req.parameters[key].string_param = v
+                    else:
+                        req.parameters[key].int64_param = v
+                return req
+            return build
+        refused(with_params({"query_position": "7"}), code, "parameters['query_position']", "string", "int64")
+        refused(with_params({"query_position": 1 << 40}), code, "query_position", "0 to 2147483647")
+        refused(with_params({"key_position": 3}), code, "key_position", "only for cross-attention")
+    finally:
+        channel.close()
+        server.stop()

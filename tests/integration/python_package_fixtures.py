@@ -1,6 +1,7 @@
 """Fixtures for python_package_test.py, made with Debian's torch (the package's newest-grpcio environment
 has no torch): two models exported as a model repository, random inputs (fixed seeds) and their
-float64 nn.MultiheadAttention references, in DIR/cases.npz.
+float64 nn.MultiheadAttention references, in DIR/cases.npz; a decoder layer's checkpoint (random
+weights) served as model "dec".
 
 usage: python_package_fixtures.py DIR      (Debian's python3)
 """
@@ -66,6 +67,16 @@ def main(outdir):
         x = rng.standard_normal((2, 6, E)).astype(np.float32)
         causal = torch.ones(6, 6, dtype=torch.bool).triu(1)
         cases.update(session_x=x, session_out=mha(f64(x), f64(x), f64(x), attn_mask=causal)[0].numpy())
+    # A decoder layer (Llama-style: 4 query heads on 2 key/value heads, RoPE), random weights.
+    d = E // H
+    shapes = {"q_proj": (E, E), "k_proj": (2 * d, E), "v_proj": (2 * d, E), "o_proj": (E, E)}
+    state = {f"{n}.weight": torch.from_numpy((rng.standard_normal(s) / np.sqrt(E)).astype(np.float32))
+             for n, s in shapes.items()}
+    config = {"model_type": "llama", "hidden_size": E, "num_attention_heads": H, "num_key_value_heads": 2,
+              "num_hidden_layers": 1, "rope_theta": 10000.0}
+    export_model.export_decoder_weights(config, {0: state}, os.path.join(outdir, "checkpoints", "dec"),
+                                        {0: os.path.join(outdir, "models", "dec")})
+    cases.update(dec_x=rng.standard_normal((2, 6, E)).astype(np.float32))
     np.savez(os.path.join(outdir, "cases.npz"), **cases)
 
 

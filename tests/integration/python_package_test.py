@@ -8,7 +8,8 @@ per-head weights, causal, float16, bfloat16 (ml_dtypes where installed, torch wh
 cross-attention; torch tensors in, torch tensors out (where torch is installed); a session as a context
 manager (three steps equal causal attention over the whole sequence; truncate() then the same tokens
 again answer the same; a stale step is ABORTED; closed on exit), a memory likewise; errors as AttnserveError with the gRPC code and the server's message; a
-deadline; list_models/get_model; the asyncio twin; the service configs (a two-address target is
+deadline; list_models/get_model; a decoder layer's positions (query_position, positions, in calls and
+session steps); the asyncio twin; the service configs (a two-address target is
 balanced, a config that is not JSON refused); TLS with a CA and server name made here.
 
 usage: python3 -m pytest python_package_test.py --attnserve PATH/TO/attnserve --package-fixtures FIXTURES_DIR
@@ -108,6 +109,30 @@ def test_the_attnserve_package_against_nn_multiheadattention(request, checks):
            kept == 2 and retruncated == 6 and err(again, c["session_out"][:, 2:]) <= 1e-5)
     checks(f"[{env}] a replayed step (stale session_length) is ABORTED, not applied",
            replay is not None and replay.code == grpc.StatusCode.ABORTED, str(replay))
+
+    # A decoder layer's positions through the package (decoder_conformance checks the numbers against
+    # transformers): six tokens from position 3 in one causal call equal a session's steps told the
+    # same positions, by query_position and by positions; positions spaced otherwise move the answer
+    # (RoPE sees distances: the same spacing from another start answers the same); the MHA model
+    # refuses positions naming them.
+    xd = c["dec_x"]
+    whole = client.attend(xd, model="dec", is_causal=True, query_position=3).output
+    with client.session("dec", batch=2) as s:
+        first = s.step(xd[:, :2], query_position=3).output
+        rest = s.step(xd[:, 2:], positions=np.tile(np.arange(5, 9), (2, 1))).output
+    checks(f"[{env}] decoder: steps at positions 3.. equal one causal call from query_position 3",
+           err(np.concatenate([first, rest], axis=1), np.asarray(whole, dtype=np.float64)) <= 1e-5)
+    spaced = client.attend(xd, model="dec", is_causal=True, positions=np.tile(np.arange(3, 15, 2), (2, 1))).output
+    checks(f"[{env}] decoder: positions two apart answer otherwise",
+           err(spaced, np.asarray(whole, np.float64)) > 1e-3)
+    try:
+        client.attend(xd, model="mha", query_position=3)
+        refused = None
+    except attnserve.AttnserveError as e:
+        refused = e
+    checks(f"[{env}] positions on nn.MultiheadAttention: INVALID_ARGUMENT naming them",
+           refused is not None and refused.code == grpc.StatusCode.INVALID_ARGUMENT and
+           "no rotary positions" in refused.message, str(refused))
     try:
         client.attend(x[:, :1], session=handle)
         gone = None
@@ -159,7 +184,7 @@ def test_the_attnserve_package_against_nn_multiheadattention(request, checks):
            str(e))
     names = sorted((m.name, m.version) for m in client.list_models())
     info = client.get_model("xattn")
-    checks(f"[{env}] list_models and get_model", names == [("mha", 1), ("xattn", 1)] and info.kdim == 16 and
+    checks(f"[{env}] list_models and get_model", names == [("dec", 1), ("mha", 1), ("xattn", 1)] and info.kdim == 16 and
            info.vdim == 24, f"{names} {info}")
 
     # The asyncio twin.

@@ -17,6 +17,7 @@
 #include "server/core/validator.h"
 #include "server/engine/attention_model.h"
 #include "server/kv/kv_store.h"
+#include "tests/lib/decoder_reference.h"
 #include "tests/lib/mha_reference.h"
 
 namespace attnserve::testing {
@@ -76,27 +77,40 @@ std::string KvCheckStats::ToString() const {
          std::to_string(steps_not_applied) + " not; " + std::to_string(forks) + " forks, " +
          std::to_string(truncations) + " truncations; memories " +
          std::to_string(memories_computed) + " computed (" +
-         std::to_string(memory_answers_checked) +
-         " answers checked); ends: " + std::to_string(evicted) + " evicted, " +
-         std::to_string(expired) + " expired, " + std::to_string(released) + " released, " +
-         std::to_string(unloaded) + " unloaded; refusals: " + std::to_string(invalid) +
-         " INVALID_ARGUMENT, " + std::to_string(not_found) + " NOT_FOUND, " +
-         std::to_string(exhausted) + " RESOURCE_EXHAUSTED, " + std::to_string(aborted) + " ABORTED";
+         std::to_string(memory_answers_checked) + " answers checked); decoder answers checked " +
+         std::to_string(decoder_answers_checked) + "; ends: " + std::to_string(evicted) +
+         " evicted, " + std::to_string(expired) + " expired, " + std::to_string(released) +
+         " released, " + std::to_string(unloaded) +
+         " unloaded; refusals: " + std::to_string(invalid) + " INVALID_ARGUMENT, " +
+         std::to_string(not_found) + " NOT_FOUND, " + std::to_string(exhausted) +
+         " RESOURCE_EXHAUSTED, " + std::to_string(aborted) + " ABORTED";
 }
 
 namespace {
 
 constexpr int64_t kE = 8, kH = 2;
+constexpr int kModels = 3;
 constexpr int64_t kMaxRealTokens =
     48;  // Answers are checked while a session holds at most this many.
 
-// Two small models on the CPU, made once for the process.
+// Three small models on the CPU, made once for the process: two nn.MultiheadAttention ("a", "b")
+// and a decoder layer ("c": 2 query heads on 1 key/value head of 4, RoPE, q/k RMSNorm, q and k
+// biases), whose kept keys are rotated and half as wide.
 const std::shared_ptr<const AttentionModel>* Models() {
   static const std::vector<std::shared_ptr<const AttentionModel>> models = [] {
     std::vector<std::shared_ptr<const AttentionModel>> out;
     std::mt19937 rng(1717);
-    for (const char* name : {"a", "b"}) {
-      ModelWeights w = RandomWeights(rng, name, kE, kH);
+    for (const char* name : {"a", "b", "c"}) {
+      ModelWeights w;
+      if (name[0] == 'c') {
+        DecoderShape shape;
+        shape.name = name;
+        shape.e = kE, shape.h = kH, shape.kvh = 1;
+        shape.q_bias = shape.k_bias = shape.qk_norm = true;
+        w = RandomDecoderWeights(rng, shape);
+      } else {
+        w = RandomWeights(rng, name, kE, kH);
+      }
       w.spec.weights_hash = std::string("sha256:") + name;
       EngineOptions options;
       options.min_piece_flops =
@@ -237,6 +251,7 @@ class ModelCheck {
       s.step_answers_checked += stats_.step_answers_checked;
       s.memories_computed += stats_.memories_computed,
           s.memory_answers_checked += stats_.memory_answers_checked;
+      s.decoder_answers_checked += stats_.decoder_answers_checked;
       s.evicted += stats_.evicted, s.expired += stats_.expired, s.released += stats_.released;
       s.unloaded += stats_.unloaded, s.invalid += stats_.invalid, s.not_found += stats_.not_found;
       s.exhausted += stats_.exhausted, s.aborted += stats_.aborted;
@@ -601,7 +616,7 @@ class ModelCheck {
   void OpenSession() {
     Ref r;
     r.kind = KvKind::kSession;
-    r.model = static_cast<int>(c_.Below(2));
+    r.model = static_cast<int>(c_.Below(kModels));
     r.made = models_[r.model]->NewKvCache();
     r.batch = c_.Size(3);
     r.ready = true;
@@ -613,7 +628,7 @@ class ModelCheck {
   void CreateMemory(bool raw) {
     Ref r;
     r.kind = KvKind::kMemory;
-    r.model = static_cast<int>(c_.Below(2));
+    r.model = static_cast<int>(c_.Below(kModels));
     r.made = models_[r.model]->NewKvCache();
     auto m = std::make_unique<Creating>();
     int64_t length;
@@ -951,6 +966,7 @@ class ModelCheck {
     std::vector<float> want(w + (l - t) * b * kE, w + l * b * kE);  // Its last t rows, [t, b, E].
     if (!seq_first) want = BatchFirst(want, t, b);
     ++stats_.step_answers_checked;
+    if (spec.decoder) ++stats_.decoder_answers_checked;
     const double err = RelativeError(got, want);
     Expect(err <= 1e-5, [&] {
       return std::string(
@@ -1012,6 +1028,7 @@ class ModelCheck {
       return;
     const float* wb = reinterpret_cast<const float*>(b.data());
     ++stats_.memory_answers_checked;
+    if (spec.decoder) ++stats_.decoder_answers_checked;
     const double err = RelativeError(a, std::vector<float>(wb, wb + b.size() / sizeof(float)));
     Expect(err <= 1e-5, [&] {
       return std::string("a memory's answer differs from key and value on the wire by " +
@@ -1152,7 +1169,7 @@ class ModelCheck {
   }
 
   void Unload() {
-    const int model = static_cast<int>(c_.Below(2));
+    const int model = static_cast<int>(c_.Below(kModels));
     Note([&] { return std::string(std::string("Unload model ") + (model ? "b" : "a")); });
     store_->EndModel(models_[model]->spec());
     for (Ref& r : refs_) {

@@ -10,8 +10,8 @@
 // attnserve_kv_bytes gauge, never negative, never over the budget; what was evicted or expired and
 // why; a failed operation changes nothing; a removed entry answers NOT_FOUND with its reason; each
 // computed answer equals its one-call form (a session step: one causal self-attention over the
-// applied tokens). Used by the libFuzzer target tests/fuzz/fuzz_kv_store.cc and
-// tests/unit/kv/kv_property_test.cc.
+// applied tokens, at positions 0 onwards for the decoder layer among the models). Used by the
+// libFuzzer target tests/fuzz/fuzz_kv_store.cc and tests/unit/kv/kv_property_test.cc.
 
 #include <cstdint>
 #include <functional>
@@ -50,7 +50,8 @@ struct KvCheckStats {
   int64_t operations = 0;
   int64_t steps_applied = 0, steps_not_applied = 0, step_answers_checked = 0;
   int64_t memories_computed = 0, memory_answers_checked = 0;
-  int64_t forks = 0, truncations = 0;  // Made.
+  int64_t decoder_answers_checked = 0;  // Of those checked, the decoder layer's (model "c").
+  int64_t forks = 0, truncations = 0;   // Made.
   int64_t evicted = 0, expired = 0, released = 0, unloaded = 0;
   int64_t invalid = 0, not_found = 0, exhausted = 0, aborted = 0;  // Refusals seen.
   std::string ToString() const;

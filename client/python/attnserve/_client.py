@@ -184,10 +184,13 @@ class Session(_calls.Kept):
         self.length = info.length
 
     def step(self, query, *, key_padding_mask=None, attn_mask=None, attn_weights="none", layout="batch_first",
-             deadline=DEFAULT):
+             query_position=None, positions=None, deadline=DEFAULT):
+        """Appends the query's tokens and attends over all so far. A decoder layer's tokens are at the
+        session's length onwards unless query_position or positions (one per token) say otherwise."""
         r = self._client.attend(query, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
                                 attn_weights=attn_weights, layout=layout, session=self,
-                                session_length=self.length, deadline=deadline)
+                                session_length=self.length, query_position=query_position,
+                                positions=positions, deadline=deadline)
         self.length = r.session_length
         return r
 

@@ -135,10 +135,11 @@ class Session(_calls.Kept):
         self.length = info.length
 
     async def step(self, query, *, key_padding_mask=None, attn_mask=None, attn_weights="none",
-                   layout="batch_first", deadline=DEFAULT):
+                   layout="batch_first", query_position=None, positions=None, deadline=DEFAULT):
         r = await self._client.attend(query, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
                                       attn_weights=attn_weights, layout=layout, session=self,
-                                      session_length=self.length, deadline=deadline)
+                                      session_length=self.length, query_position=query_position,
+                                      positions=positions, deadline=deadline)
         self.length = r.session_length
         return r
 

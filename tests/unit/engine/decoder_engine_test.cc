@@ -5,9 +5,11 @@
 // (float32 compute; RoPE's angles are float32, as transformers computes them).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <random>
 
 #include "server/core/validator.h"
@@ -21,16 +23,7 @@ namespace {
 
 using testing::RandomHost;
 
-struct DecoderCase {
-  const char* name;
-  int64_t e = 32, h = 4, kvh = 4, d = 0;  // d 0: e / h
-  bool q_bias = false, k_bias = false, v_bias = false, o_bias = false;
-  bool rotary = true;
-  int64_t rotary_dim = 0;  // 0: d
-  std::string rope_type = "default";
-  double theta = 10000;
-  int64_t window = 0;
-  bool qk_norm = false;
+struct DecoderCase : testing::DecoderShape {
   int64_t b = 2, l = 7;
   int64_t start = 0;       // query_position
   bool per_token = false;  // positions per token instead
@@ -40,51 +33,7 @@ struct DecoderCase {
 std::ostream& operator<<(std::ostream& os, const DecoderCase& c) { return os << c.name; }
 
 ModelWeights DecoderWeights(const DecoderCase& c, std::mt19937& rng) {
-  ModelWeights w;
-  ModelSpec& s = w.spec;
-  s.name = c.name;
-  s.embed_dim = s.kdim = s.vdim = c.e;
-  s.num_heads = c.h;
-  s.head_size = c.d > 0 ? c.d : c.e / c.h;
-  DecoderSpec dec;
-  dec.family = "llama";
-  dec.num_kv_heads = c.kvh;
-  dec.q_bias = c.q_bias, dec.k_bias = c.k_bias, dec.v_bias = c.v_bias, dec.o_bias = c.o_bias;
-  if (c.rotary) {
-    RotarySpec r;
-    r.theta = c.theta;
-    r.rotary_dim = c.rotary_dim > 0 ? c.rotary_dim : s.head_size;
-    r.type = c.rope_type;
-    if (c.rope_type == "llama3") {
-      r.factor = 8, r.low_freq_factor = 1, r.high_freq_factor = 4, r.original_max_position = 64;
-    }
-    dec.rotary = r;
-  }
-  dec.sliding_window = c.window;
-  dec.qk_norm = c.qk_norm;
-  s.decoder = dec;
-  s.bias = c.q_bias || c.k_bias || c.v_bias || c.o_bias;
-  const int64_t wq = s.q_width(), wkv = s.kv_width();
-  const float ws = 1.0f / std::sqrt(static_cast<float>(c.e));
-  w.q_proj = RandomHost(rng, {wq, c.e}, ws);
-  w.k_proj = RandomHost(rng, {wkv, c.e}, ws);
-  w.v_proj = RandomHost(rng, {wkv, c.e}, ws);
-  w.out_proj = RandomHost(rng, {c.e, wq}, 1.0f / std::sqrt(static_cast<float>(wq)));
-  if (c.q_bias || c.k_bias || c.v_bias) {
-    w.in_proj_bias = RandomHost(rng, {wq + 2 * wkv}, 0.5f);
-    float* bias = w.in_proj_bias->values.data();
-    if (!c.q_bias) std::fill(bias, bias + wq, 0.0f);
-    if (!c.k_bias) std::fill(bias + wq, bias + wq + wkv, 0.0f);
-    if (!c.v_bias) std::fill(bias + wq + wkv, bias + wq + 2 * wkv, 0.0f);
-  }
-  if (c.o_bias) w.out_proj_bias = RandomHost(rng, {c.e}, 0.5f);
-  if (c.qk_norm) {
-    w.q_norm = RandomHost(rng, {s.head_size}, 0.5f);
-    w.k_norm = RandomHost(rng, {s.head_size}, 0.5f);
-    for (float& x : w.q_norm->values) x += 1.0f;
-    for (float& x : w.k_norm->values) x += 1.0f;
-  }
-  return w;
+  return testing::RandomDecoderWeights(rng, c);
 }
 
 // max |got - want| / max |want|.
@@ -168,6 +117,7 @@ TEST_P(DecoderEngineTest, PrefillMatchesFloat64Reference) {
 // the whole sequence: each step's keys are kept rotated at their positions. The cases a session
 // step can be (causal, batch-first, no per-head mask, positions from the start).
 class DecoderSessionTest : public DecoderEngineTest {};
+class DecoderBatchTest : public DecoderEngineTest {};
 
 TEST_P(DecoderSessionTest, SessionStepsEqualThePrefill) {
   const DecoderCase& c = GetParam();
@@ -264,6 +214,129 @@ std::string CaseName(const ::testing::TestParamInfo<DecoderCase>& info) { return
 INSTANTIATE_TEST_SUITE_P(Decoders, DecoderEngineTest, ::testing::ValuesIn(Cases()), CaseName);
 INSTANTIATE_TEST_SUITE_P(Decoders, DecoderSessionTest, ::testing::ValuesIn(SessionCases()),
                          CaseName);
+// The models of the session cases (the batch's own calls vary the layout and positions).
+INSTANTIATE_TEST_SUITE_P(Decoders, DecoderBatchTest, ::testing::ValuesIn(SessionCases()), CaseName);
+
+// Small calls of one decoder in one ForwardBatch share the projection GEMMs (packed rows), then
+// each is normed, rotated and attended on its own rows: every answer equals the float64 reference
+// of that call alone. Per model: prefills at different positions and lengths (per-token positions,
+// sequence-first where the case allows), cross-attention with key_position on unwindowed models,
+// and session steps of several sessions at once.
+TEST_P(DecoderBatchTest, SmallCallsPackedInOneBatchEachEqualTheReference) {
+  const DecoderCase& c = GetParam();
+  std::mt19937 rng(static_cast<uint32_t>(std::hash<std::string>()(c.name)) + 2);
+  const ModelWeights w = DecoderWeights(c, rng);
+  auto model = CreateTorchModel(w, EngineOptions{});
+  ASSERT_TRUE(model.ok()) << model.status().message();
+  const int64_t e = c.e, b = 2;
+  struct One {
+    int64_t l, start;
+    bool per_token, seq_first;
+    testing::Buffer query;
+    std::vector<int64_t> pos;
+    std::vector<double> want;
+    AttendCall call;
+    std::string out;
+    AttendOutputs o;
+  };
+  std::vector<std::unique_ptr<One>> ones;
+  for (int n = 0; n < 5; ++n) {
+    auto one = std::make_unique<One>();
+    One& x = *one;
+    x.l = 1 + n * 3, x.start = n * 37, x.per_token = c.rotary && n == 3, x.seq_first = n == 4;
+    const std::vector<float> xf = testing::RandomFloats(rng, b * x.l * e);
+    const std::vector<double> xd(xf.begin(), xf.end());
+    x.pos.resize(b * x.l);
+    for (int64_t i = 0; i < b * x.l; ++i)
+      x.pos[i] = x.per_token ? static_cast<int64_t>(rng() % 3000) : x.start + i % x.l;
+    if (!c.rotary) std::fill(x.pos.begin(), x.pos.end(), 0);
+    x.want = testing::DecoderReference(w, b, x.l, xd, x.pos, true);
+    if (x.seq_first) {
+      const std::vector<float> laid = testing::ToLayout(x.want, b, x.l, e, true);
+      x.want.assign(laid.begin(), laid.end());
+    }
+    x.query = testing::Floats(
+        x.seq_first ? std::vector<int64_t>{x.l, b, e} : std::vector<int64_t>{b, x.l, e},
+        testing::ToLayout(xd, b, x.l, e, x.seq_first));
+    x.call.query = x.query.view();
+    x.call.is_causal = true;
+    x.call.layout = x.seq_first ? TensorLayout::kSequenceFirst : TensorLayout::kBatchFirst;
+    if (x.per_token) {
+      x.call.positions = x.pos;
+    } else if (c.rotary && x.start != 0) {
+      x.call.query_position = x.start;
+    }
+    const Status valid = Validate(w.spec, {}, &x.call);
+    ASSERT_TRUE(valid.ok()) << valid.message();
+    x.o.output = &x.out;
+    ones.push_back(std::move(one));
+  }
+  std::vector<const AttendCall*> calls;
+  std::vector<AttendOutputs*> outs;
+  for (auto& x : ones) calls.push_back(&x->call), outs.push_back(&x->o);
+  const std::vector<Status> st = (*model)->ForwardBatch(calls, outs);
+  for (size_t i = 0; i < ones.size(); ++i) {
+    ASSERT_TRUE(st[i].ok()) << st[i].message();
+    EXPECT_LE(RelativeError(ones[i]->out, ones[i]->want), 1e-4) << c.name << " call " << i;
+  }
+
+  // Session steps of three sessions in one batch, each a prompt then single tokens: each step's
+  // answer equals the rows of the prefill of its whole sequence.
+  const int64_t l = 6, sessions = 3;
+  std::vector<std::vector<float>> seqs;
+  std::vector<std::vector<double>> wants;
+  std::vector<std::shared_ptr<KvCache>> caches;
+  for (int64_t s = 0; s < sessions; ++s) {
+    seqs.push_back(testing::RandomFloats(rng, b * l * e));
+    const std::vector<double> xd(seqs.back().begin(), seqs.back().end());
+    std::vector<int64_t> pos(b * l);
+    for (int64_t i = 0; i < b * l; ++i) pos[i] = c.rotary ? i % l : 0;
+    wants.push_back(testing::DecoderReference(w, b, l, xd, pos, true));
+    caches.push_back((*model)->NewKvCache());
+  }
+  int64_t held = 0;
+  double worst = 0;
+  while (held < l) {
+    const int64_t t = held == 0 ? 3 : 1;
+    std::vector<testing::Buffer> queries;
+    std::vector<AttendCall> step(sessions);
+    std::vector<std::string> got(sessions);
+    std::vector<AttendOutputs> o(sessions);
+    for (int64_t s = 0; s < sessions; ++s) {
+      std::vector<float> rows(b * t * e);
+      for (int64_t bb = 0; bb < b; ++bb)
+        std::copy(seqs[s].begin() + (bb * l + held) * e, seqs[s].begin() + (bb * l + held + t) * e,
+                  rows.begin() + bb * t * e);
+      queries.push_back(testing::Floats({b, t, e}, rows));
+    }
+    calls.clear(), outs.clear();
+    for (int64_t s = 0; s < sessions; ++s) {
+      AttendCall& call = step[s];
+      call.query = queries[s].view();
+      call.is_causal = true;
+      call.kv_use = AttendCall::Kv::kSession;
+      call.kv = caches[s];
+      call.kv_batch = b;
+      call.kv_length = held;
+      call.kv_capacity = 16;
+      const Status valid = Validate(w.spec, {}, &call);
+      ASSERT_TRUE(valid.ok()) << valid.message();
+      o[s].output = &got[s];
+      calls.push_back(&call), outs.push_back(&o[s]);
+    }
+    const std::vector<Status> steps = (*model)->ForwardBatch(calls, outs);
+    for (int64_t s = 0; s < sessions; ++s) {
+      ASSERT_TRUE(steps[s].ok()) << steps[s].message();
+      std::vector<double> want(b * t * e);
+      for (int64_t bb = 0; bb < b; ++bb)
+        for (int64_t i = 0; i < t * e; ++i)
+          want[bb * t * e + i] = wants[s][(bb * l + held) * e + i];
+      worst = std::max(worst, RelativeError(got[s], want));
+    }
+    held += t;
+  }
+  EXPECT_LE(worst, 1e-4) << c.name << ": session steps batched";
+}
 
 TEST(DecoderEngineTest, PositionsAreRefusedOnAnNnMultiheadAttentionModel) {
   std::mt19937 rng(5);

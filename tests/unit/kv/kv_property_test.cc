@@ -16,6 +16,7 @@
 #include "server/core/validator.h"
 #include "server/engine/attention_model.h"
 #include "server/kv/kv_store.h"
+#include "tests/lib/decoder_reference.h"
 #include "tests/lib/kv_model_check.h"
 #include "tests/lib/kv_tenant_check.h"
 #include "tests/lib/mha_reference.h"
@@ -59,10 +60,10 @@ TEST(KvPropertyTest, RandomOperationSequencesKeepEveryInvariant) {
   }
   std::printf("kv property: %s\n", stats.ToString().c_str());
   // Not vacuous: every kind of event happened, many times (100 in 1,000 sequences).
-  for (int64_t n :
-       {stats.step_answers_checked, stats.steps_not_applied, stats.memory_answers_checked,
-        stats.evicted, stats.expired, stats.released, stats.unloaded, stats.invalid,
-        stats.not_found, stats.exhausted, stats.aborted, stats.forks, stats.truncations}) {
+  for (int64_t n : {stats.step_answers_checked, stats.steps_not_applied,
+                    stats.memory_answers_checked, stats.evicted, stats.expired, stats.released,
+                    stats.unloaded, stats.invalid, stats.not_found, stats.exhausted, stats.aborted,
+                    stats.forks, stats.truncations, stats.decoder_answers_checked}) {
     EXPECT_GE(n, seeds / 10) << stats.ToString();
   }
 }
@@ -70,9 +71,15 @@ TEST(KvPropertyTest, RandomOperationSequencesKeepEveryInvariant) {
 // ---- several threads on one store ---------------------------------------------------------------
 constexpr int64_t kE = 8;
 
-std::unique_ptr<AttentionModel> SmallModel(const char* name, uint32_t seed) {
+// nn.MultiheadAttention, or a decoder layer (2 query heads on 1 key/value head, RoPE, q/k norms)
+// whose kept keys are rotated at their positions and half as wide.
+std::unique_ptr<AttentionModel> SmallModel(const char* name, uint32_t seed, bool decoder = false) {
   std::mt19937 rng(seed);
-  ModelWeights w = testing::RandomWeights(rng, name, kE, 2);
+  testing::DecoderShape shape;
+  shape.name = name;
+  shape.e = kE, shape.h = 2, shape.kvh = 1, shape.qk_norm = true;
+  ModelWeights w = decoder ? testing::RandomDecoderWeights(rng, shape)
+                           : testing::RandomWeights(rng, name, kE, 2);
   w.spec.weights_hash = std::string("sha256:") + name;
   auto m = CreateTorchModel(w, EngineOptions{});
   EXPECT_TRUE(m.ok()) << m.status().message();
@@ -148,12 +155,14 @@ StepResult Step(KvStore& store, const AttentionModel& model, const std::string& 
 
 // Four threads open, step (their own sessions, and one session all of them race on), create, query
 // and release memories on one store, while another ticks the store's clock (expiry), unloads a
-// model and reads snapshots. Each applied step's answer equals one causal call over its session's
-// applied tokens; the shared session's applied steps tile it without gaps or overlaps; no gauge is
-// ever negative or over the budget; every entry's bytes are its capacity's; at the end, bytes held
-// = the sum over the entries, and nothing once they are cleared.
+// model and reads snapshots; model "b" is a decoder layer (rotated keys, grouped heads). Each
+// applied step's answer equals one causal call over its session's applied tokens; the shared
+// session's applied steps tile it without gaps or overlaps; no gauge is ever negative or over the
+// budget; every entry's bytes are its capacity's; at the end, bytes held = the sum over the
+// entries, and nothing once they are cleared.
 TEST(KvPropertyTest, ThreadsSharingOneStoreKeepItsAccountsAndAnswers) {
-  const std::shared_ptr<AttentionModel> models[2] = {SmallModel("a", 11), SmallModel("b", 12)};
+  const std::shared_ptr<AttentionModel> models[2] = {SmallModel("a", 11),
+                                                     SmallModel("b", 12, true)};
   KvOptions o;
   o.budget_bytes = 160 << 10;
   o.max_entry_bytes = 64 << 10;

@@ -250,6 +250,145 @@ namespace {
 
 // A bfloat16 model says so in its metadata (it takes BF16 on the wire and answers in it, half the
 // bytes of FP32, no conversion pass); float32 stays FP32.
+// A rotary model's positions: parameters query_position and key_position, and the INT64
+// "positions" input from raw bytes or int64_contents, into AttendRequest's fields; a wrong kind,
+// datatype, shape or count names its field.
+TEST(OipCodecTest, PositionsFromParametersAndAnInt64Input) {
+  const std::vector<int64_t> pos = {7, 0, int64_t{1} << 40, -3};  // The validator bounds them.
+  for (const bool raw : {true, false}) {
+    inference::ModelInferRequest in = Request();
+    if (!raw) in.clear_raw_input_contents();
+    if (!raw) in.mutable_inputs(0)->mutable_contents()->mutable_fp32_contents()->Resize(8, 0.5f);
+    auto* p = in.add_inputs();
+    p->set_name("positions");
+    p->set_datatype("INT64");
+    p->add_shape(2);
+    p->add_shape(2);
+    if (raw) {
+      in.add_raw_input_contents(
+          std::string(reinterpret_cast<const char*>(pos.data()), pos.size() * 8));
+    } else {
+      for (int64_t v : pos) p->mutable_contents()->add_int64_contents(v);
+    }
+    (*in.mutable_parameters())["key_position"].set_int64_param(5);
+    v1::AttendRequest out;
+    OipReply reply;
+    const Status st = OipToAttend(&in, &out, &reply);
+    ASSERT_TRUE(st.ok()) << st.message();
+    EXPECT_THAT(out.positions(), ElementsAre(7, 0, int64_t{1} << 40, -3)) << raw;
+    EXPECT_EQ(out.key_position(), 5);
+    EXPECT_FALSE(out.has_query_position());
+  }
+  inference::ModelInferRequest in = Request();
+  (*in.mutable_parameters())["query_position"].set_int64_param(1000);
+  v1::AttendRequest out;
+  OipReply reply;
+  ASSERT_TRUE(OipToAttend(&in, &out, &reply).ok());
+  EXPECT_TRUE(out.has_query_position());
+  EXPECT_EQ(out.query_position(), 1000);
+
+  struct Case {
+    std::function<void(inference::ModelInferRequest*)> change;
+    const char* says;
+  };
+  const auto positions = [](inference::ModelInferRequest* r, const char* dtype,
+                            std::vector<int64_t> shape) {
+    auto* p = r->add_inputs();
+    p->set_name("positions");
+    p->set_datatype(dtype);
+    for (int64_t d : shape) p->add_shape(d);
+    return p;
+  };
+  const std::vector<Case> cases = {
+      {[&](auto* r) {
+         positions(r, "FP32", {1, 2});
+         r->add_raw_input_contents(std::string(16, '\0'));
+       },
+       "inputs[1].datatype: 'FP32' is not allowed for positions; expected INT64"},
+      {[&](auto* r) {
+         positions(r, "INT64", {1, 2, 1});
+         r->add_raw_input_contents(std::string(16, '\0'));
+       },
+       "inputs[1].shape: 3 dims; positions are [batch, query_len] or [query_len]"},
+      {[&](auto* r) {
+         positions(r, "INT64", {-2, -1});
+         r->add_raw_input_contents(std::string(16, '\0'));
+       },
+       "inputs[1].shape: [-2, -1] is not a size"},
+      {[&](auto* r) {
+         positions(r, "INT64", {int64_t{1} << 32, int64_t{1} << 32});
+         r->add_raw_input_contents(std::string(16, '\0'));
+       },
+       "is not a size; each dim is 0 or more, their product an int64"},
+      {[&](auto* r) {
+         positions(r, "INT64", {1, 2});
+         r->add_raw_input_contents(std::string(12, '\0'));
+       },
+       "inputs[1]: 12 bytes for shape [1, 2]; expected 2 INT64 values, 8 bytes each"},
+      {[&](auto* r) {
+         r->clear_raw_input_contents();
+         r->mutable_inputs(0)->mutable_contents()->mutable_fp32_contents()->Resize(8, 0.f);
+         positions(r, "INT64", {1, 2})->mutable_contents()->add_int64_contents(1);
+       },
+       "inputs[1].contents.int64_contents: 1 values for shape [1, 2]; expected 2"},
+      {[&](auto* r) {
+         positions(r, "INT64", {1, 2});
+         r->add_raw_input_contents(std::string(16, '\0'));
+         positions(r, "INT64", {1, 2});
+         r->add_raw_input_contents(std::string(16, '\0'));
+       },
+       "inputs[2].name: 'positions' given twice"},
+      {[&](auto* r) {
+         auto* p = positions(r, "INT64", {1, 2});
+         (*p->mutable_parameters())["shared_memory_region"].set_string_param("r");
+         (*p->mutable_parameters())["shared_memory_byte_size"].set_int64_param(16);
+       },
+       "inputs[1]: positions come in the request"},
+      {[](auto* r) { (*r->mutable_parameters())["query_position"].set_string_param("3"); },
+       "parameters['query_position']: a string parameter; expected int64"},
+      {[](auto* r) { (*r->mutable_parameters())["key_position"].set_double_param(3); },
+       "parameters['key_position']: a double parameter; expected int64"},
+  };
+  for (const Case& c : cases) {
+    inference::ModelInferRequest r = Request();
+    c.change(&r);
+    v1::AttendRequest o;
+    OipReply rep;
+    const Status st = OipToAttend(&r, &o, &rep);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << c.says;
+    EXPECT_THAT(st.message(), HasSubstr(c.says));
+  }
+}
+
+TEST(OipCodecTest, MetadataOfADecoderLayerNamesItsPositionsInput) {
+  ModelSpec spec;
+  spec.name = "layer";
+  spec.embed_dim = spec.kdim = spec.vdim = 8;
+  spec.num_heads = 2;
+  DecoderSpec dec;
+  dec.family = "llama";
+  dec.num_kv_heads = 1;
+  dec.rotary = RotarySpec{};
+  spec.decoder = dec;
+  const auto names = [](const inference::ModelMetadataResponse& m) {
+    std::set<std::string> out;
+    for (const auto& t : m.inputs()) out.insert(t.name() + ":" + t.datatype());
+    return out;
+  };
+  inference::ModelMetadataResponse m = OipModelMetadata(spec, {1});
+  EXPECT_EQ(m.platform(), "attnserve_decoder_attention");
+  EXPECT_TRUE(names(m).count("positions:INT64"));
+  EXPECT_TRUE(names(m).count("key:FP32"));
+  spec.decoder->sliding_window = 4;  // Self-attention only: no key or value input.
+  m = OipModelMetadata(spec, {1});
+  EXPECT_FALSE(names(m).count("key:FP32"));
+  EXPECT_FALSE(names(m).count("value:FP32"));
+  spec.decoder.reset();
+  m = OipModelMetadata(spec, {1});
+  EXPECT_EQ(m.platform(), "attnserve_multihead_attention");
+  EXPECT_FALSE(names(m).count("positions:INT64"));
+}
+
 TEST(OipCodecTest, MetadataNamesTheModelsComputeDtype) {
   ModelSpec spec;
   spec.name = "m";
