@@ -464,6 +464,33 @@ Status TakeOutputs(const inference::ModelInferRequest& in, v1::AttendRequest* ou
 
 }  // namespace
 
+namespace {
+
+// The positions input's shape against the query's: [batch, query_len] (batch-first whatever the
+// layout), or [query_len] for one sequence. Its count alone would let [6] stand for [2, 3].
+Status CheckPositionsShape(const inference::ModelInferRequest& in, const v1::AttendRequest& out) {
+  const auto& q = out.query().shape();
+  if (q.size() != 2 && q.size() != 3) return Status::Ok();  // The validator refuses the query.
+  const bool seq_first = out.layout() == v1::LAYOUT_SEQUENCE_FIRST;
+  const int64_t batch = q.size() == 2 ? 1 : q[seq_first ? 1 : 0];
+  const int64_t len = q.size() == 2 ? q[0] : q[seq_first ? 0 : 1];
+  for (int i = 0; i < in.inputs_size(); ++i) {
+    if (in.inputs(i).name() != kPositions) continue;
+    const std::vector<int64_t> shape(in.inputs(i).shape().begin(), in.inputs(i).shape().end());
+    if (shape == std::vector<int64_t>{batch, len} ||
+        (batch == 1 && shape == std::vector<int64_t>{len}))
+      return Status::Ok();
+    return InvalidArgument(
+        "inputs[" + std::to_string(i) + "].shape: " + ShapeString(shape) +
+        " for a query of batch " + std::to_string(batch) + " and " + std::to_string(len) +
+        " tokens; positions are [batch, query_len] = " + ShapeString({batch, len}) +
+        " (batch-first whatever the layout)" + (batch == 1 ? ", or [query_len]" : ""));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status OipToAttend(inference::ModelInferRequest* in, v1::AttendRequest* out, OipReply* reply,
                    const TenantRegions* shm, int64_t max_region_bytes) {
   out->set_model(in->model_name());
@@ -472,6 +499,7 @@ Status OipToAttend(inference::ModelInferRequest* in, v1::AttendRequest* out, Oip
   out->set_model_version(version);
   RETURN_IF_ERROR(TakeInputs(in, out, reply, shm, max_region_bytes));
   for (const auto& [name, p] : in->parameters()) RETURN_IF_ERROR(ApplyParameter(name, p, out));
+  RETURN_IF_ERROR(CheckPositionsShape(*in, *out));
   ASSIGN_OR_RETURN(reply->sequence, SequenceOf(*in, *out));
   return TakeOutputs(*in, out, reply, shm);
 }

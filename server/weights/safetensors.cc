@@ -20,6 +20,33 @@ StatusOr<int64_t> NonNegativeJsonInt(const nlohmann::json& v, const std::string&
       field + " is " + v.dump() + "; expected an integer from 0 to " + std::to_string(INT64_MAX));
 }
 
+namespace {
+
+// What nlohmann's parser says is wrong with a text (where, and what it expected), without building
+// anything: a SAX pass that keeps only the error.
+class JsonErrorOnly : public nlohmann::json_sax<nlohmann::json> {
+ public:
+  std::string error;
+  bool null() override { return true; }
+  bool boolean(bool) override { return true; }
+  bool number_integer(number_integer_t) override { return true; }
+  bool number_unsigned(number_unsigned_t) override { return true; }
+  bool number_float(number_float_t, const string_t&) override { return true; }
+  bool string(string_t&) override { return true; }
+  bool binary(binary_t&) override { return true; }
+  bool start_object(std::size_t) override { return true; }
+  bool key(string_t&) override { return true; }
+  bool end_object() override { return true; }
+  bool start_array(std::size_t) override { return true; }
+  bool end_array() override { return true; }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& e) override {
+    error = e.what();
+    return false;
+  }
+};
+
+}  // namespace
+
 StatusOr<nlohmann::json> ParseStrictJson(const std::string& text, const std::string& where) {
   std::vector<std::set<std::string>> keys;  // One set per open object.
   std::string problem;
@@ -39,7 +66,17 @@ StatusOr<nlohmann::json> ParseStrictJson(const std::string& text, const std::str
   };
   nlohmann::json j = nlohmann::json::parse(text, check, /*allow_exceptions=*/false);
   if (!problem.empty()) return Status(StatusCode::kFailedPrecondition, where + ": " + problem);
-  if (j.is_discarded()) return Status(StatusCode::kFailedPrecondition, where + ": not valid JSON");
+  if (j.is_discarded()) {
+    JsonErrorOnly
+        why;  // e.g. "parse error at line 3, column 17: ... invalid literal; last read: 'N'"
+    nlohmann::json::sax_parse(text, &why);
+    const size_t at = why.error.find("] ");
+    return Status(StatusCode::kFailedPrecondition,
+                  where + ": not valid JSON" +
+                      (why.error.empty()
+                           ? ""
+                           : " (" + why.error.substr(at == std::string::npos ? 0 : at + 2) + ")"));
+  }
   return j;
 }
 

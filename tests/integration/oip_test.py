@@ -687,7 +687,9 @@ def test_tritonclient_decoder_layer_positions(attnserve, checks):
         refused(bad(shape=(1 << 40, 1 << 40)), code, "inputs[1].shape")
         refused(bad(values=[1, 2, 3]), code, "int64_contents", "3 values", "expected 10")
         refused(bad(raw=b"\x00" * 12), code, "inputs[1]", "12 bytes", "8 bytes each")
-        refused(bad(shape=(t,), values=pos[0].tolist()), code, "positions", "expected batch * query_len = 10")
+        refused(bad(shape=(t,), values=pos[0].tolist()), code, "inputs[1].shape: [5]", "batch 2 and 5 tokens")
+        refused(bad(shape=(1, b * t)), code, "inputs[1].shape: [1, 10]", "[batch, query_len] = [2, 5]")
+        refused(bad(shape=(0,), values=[]), code, "inputs[1].shape: [0]")
         refused(bad(values=[-1] * (b * t)), code, "positions", "-1", "0 to 2147483647")
         # Parameters of the wrong kind, and positions on a model without them (native's message).
         def with_params(params, model="dec"):

@@ -254,15 +254,15 @@ namespace {
 // "positions" input from raw bytes or int64_contents, into AttendRequest's fields; a wrong kind,
 // datatype, shape or count names its field.
 TEST(OipCodecTest, PositionsFromParametersAndAnInt64Input) {
-  const std::vector<int64_t> pos = {7, 0, int64_t{1} << 40, -3};  // The validator bounds them.
+  const std::vector<int64_t> pos = {7, int64_t{1} << 40};  // The validator bounds them.
   for (const bool raw : {true, false}) {
-    inference::ModelInferRequest in = Request();
+    inference::ModelInferRequest in = Request();  // A query [1, 2, 4].
     if (!raw) in.clear_raw_input_contents();
     if (!raw) in.mutable_inputs(0)->mutable_contents()->mutable_fp32_contents()->Resize(8, 0.5f);
     auto* p = in.add_inputs();
     p->set_name("positions");
     p->set_datatype("INT64");
-    p->add_shape(2);
+    p->add_shape(1);
     p->add_shape(2);
     if (raw) {
       in.add_raw_input_contents(
@@ -275,7 +275,7 @@ TEST(OipCodecTest, PositionsFromParametersAndAnInt64Input) {
     OipReply reply;
     const Status st = OipToAttend(&in, &out, &reply);
     ASSERT_TRUE(st.ok()) << st.message();
-    EXPECT_THAT(out.positions(), ElementsAre(7, 0, int64_t{1} << 40, -3)) << raw;
+    EXPECT_THAT(out.positions(), ElementsAre(7, int64_t{1} << 40)) << raw;
     EXPECT_EQ(out.key_position(), 5);
     EXPECT_FALSE(out.has_query_position());
   }
@@ -344,6 +344,18 @@ TEST(OipCodecTest, PositionsFromParametersAndAnInt64Input) {
          (*p->mutable_parameters())["shared_memory_byte_size"].set_int64_param(16);
        },
        "inputs[1]: positions come in the request"},
+      {[&](auto* r) {
+         positions(r, "INT64", {2, 1});  // Two values, but the query is one sequence of two.
+         r->add_raw_input_contents(std::string(16, '\0'));
+       },
+       "inputs[1].shape: [2, 1] for a query of batch 1 and 2 tokens; positions are [batch, "
+       "query_len] = [1, 2] (batch-first whatever the layout), or [query_len]"},
+      {[&](auto* r) {
+         positions(r, "INT64", {0});  // No positions at all, for a query of two sequences.
+         r->add_raw_input_contents("");
+         (*r->mutable_parameters())["layout"].set_string_param("sequence_first");
+       },
+       "inputs[1].shape: [0] for a query of batch 2 and 1 tokens"},
       {[](auto* r) { (*r->mutable_parameters())["query_position"].set_string_param("3"); },
        "parameters['query_position']: a string parameter; expected int64"},
       {[](auto* r) { (*r->mutable_parameters())["key_position"].set_double_param(3); },

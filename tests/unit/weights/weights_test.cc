@@ -189,7 +189,11 @@ TEST_F(WeightsTest, RefusesGarbageHeader) {
   std::string bytes(8, '\0');
   bytes[0] = 5;
   bytes += "nope!";
-  EXPECT_THAT(LoadError(bytes).message(), HasSubstr("model.safetensors: header: not valid JSON"));
+  const std::string message = LoadError(bytes).message();
+  EXPECT_THAT(message, HasSubstr("model.safetensors: header: not valid JSON"));
+  // Where, and what the parser read (a NaN in a config.json fails the same way: not JSON).
+  EXPECT_THAT(message, HasSubstr("line 1, column 2"));
+  EXPECT_THAT(message, HasSubstr("last read: 'no'"));
 }
 
 TEST_F(WeightsTest, RefusesWrongShapes) {
