@@ -15,6 +15,7 @@ StreamReactor::StreamReactor(RequestPipeline& pipeline, CallCounter& calls, Stre
   pipeline_.AddCall(this);
   StatusOr<CallContext> call = CallOf(ctx, pipeline_);
   if (call.ok()) call_ = std::move(call).value();
+  call_published_.store(true, std::memory_order_release);
   Actions a;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -122,6 +123,7 @@ void StreamReactor::OnReadDone(bool ok) {
   Answer request;
   Status parsed;
   if (ok) {  // read_buffer_ belongs to the read chain until the next StartRead.
+    call_published_.load(std::memory_order_acquire);  // call_ as the constructor left it.
     request.bytes = static_cast<int64_t>(read_buffer_.Length());
     parsed = Caught(codec_.method(), [&] {
       return codec_.Decode(read_buffer_, call_, &request.request, &request.status, &request.order);

@@ -155,6 +155,10 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   StreamCodec& codec_;
   CallContext
       call_;  // Who calls, the deadline and cancellation, shared by its requests (set once).
+  // Publishes call_ to the read callbacks, which read it before taking mu_. gRPC's completion
+  // queue already orders the constructor before them, but ThreadSanitizer cannot see inside
+  // Debian's uninstrumented gRPC and reported the decode's read against the constructor's write.
+  std::atomic<bool> call_published_{false};
   grpc::ByteBuffer read_buffer_;  // Target of the one outstanding read.
 
   std::mutex mu_;

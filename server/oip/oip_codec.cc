@@ -58,6 +58,17 @@ Status WrongKind(const std::string& name, const InferParameter& p, const char* e
                          expected);
 }
 
+// Rotary models: the position of the first query (key) token; the validator bounds it.
+Status ApplyPosition(const std::string& name, const InferParameter& p, v1::AttendRequest* out) {
+  if (p.parameter_choice_case() != InferParameter::kInt64Param) return WrongKind(name, p, "int64");
+  if (name == "query_position") {
+    out->set_query_position(p.int64_param());
+  } else {
+    out->set_key_position(p.int64_param());
+  }
+  return Status::Ok();
+}
+
 // One request parameter into the AttendRequest.
 Status ApplyParameter(const std::string& name, const InferParameter& p, v1::AttendRequest* out) {
   const bool is_string = p.parameter_choice_case() == InferParameter::kStringParam;
@@ -94,14 +105,7 @@ Status ApplyParameter(const std::string& name, const InferParameter& p, v1::Atte
       return WrongKind(name, p, "int64");
     out->set_session_length(p.int64_param());
   } else if (name == "query_position" || name == "key_position") {
-    // Rotary models: the position of the first query (key) token; the validator bounds it.
-    if (p.parameter_choice_case() != InferParameter::kInt64Param)
-      return WrongKind(name, p, "int64");
-    if (name == "query_position") {
-      out->set_query_position(p.int64_param());
-    } else {
-      out->set_key_position(p.int64_param());
-    }
+    return ApplyPosition(name, p, out);
   } else if (name == "priority" || name == "timeout") {
     // tritonclient's priority= (uint64) and timeout= (int64, microseconds): either kind, >= 0.
     const auto kind = p.parameter_choice_case();
