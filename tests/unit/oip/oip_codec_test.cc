@@ -33,6 +33,23 @@ inference::ModelInferRequest Request() {
   return r;
 }
 
+// Request() changed by each case is refused INVALID_ARGUMENT with a message holding `says`.
+struct RefusalCase {
+  std::function<void(inference::ModelInferRequest*)> change;
+  const char* says;
+};
+void ExpectRefusals(const std::vector<RefusalCase>& cases) {
+  for (const RefusalCase& c : cases) {
+    inference::ModelInferRequest in = Request();
+    c.change(&in);
+    v1::AttendRequest out;
+    OipReply reply;
+    const Status st = OipToAttend(&in, &out, &reply);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << c.says;
+    EXPECT_THAT(st.message(), HasSubstr(c.says));
+  }
+}
+
 TEST(OipCodecTest, MapsInputsParametersAndVersionAndMovesTheBytes) {
   inference::ModelInferRequest in = Request();
   in.set_model_version("3");
@@ -65,11 +82,8 @@ TEST(OipCodecTest, MapsInputsParametersAndVersionAndMovesTheBytes) {
 }
 
 TEST(OipCodecTest, RefusesWhatItDoesNotTakeNamingTheField) {
-  struct Case {
-    std::function<void(inference::ModelInferRequest*)> change;
-    const char* says;
-  };
-  const Case cases[] = {
+  using Case = RefusalCase;
+  const std::vector<Case> cases = {
       {[](auto* r) { r->mutable_inputs(0)->set_name("q"); },
        "inputs[0].name: 'q' is not an input; allowed: query"},
       {[](auto* r) { r->mutable_inputs(0)->set_datatype("INT8"); },
@@ -136,15 +150,7 @@ TEST(OipCodecTest, RefusesWhatItDoesNotTakeNamingTheField) {
        },
        "'query' given twice"},
   };
-  for (const Case& c : cases) {
-    inference::ModelInferRequest in = Request();
-    c.change(&in);
-    v1::AttendRequest out;
-    OipReply reply;
-    const Status st = OipToAttend(&in, &out, &reply);
-    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << c.says;
-    EXPECT_THAT(st.message(), HasSubstr(c.says));
-  }
+  ExpectRefusals(cases);
 }
 
 TEST(OipCodecTest, TypedFp32AndBoolContentsBecomeTheSameBytes) {
@@ -287,10 +293,7 @@ TEST(OipCodecTest, PositionsFromParametersAndAnInt64Input) {
   EXPECT_TRUE(out.has_query_position());
   EXPECT_EQ(out.query_position(), 1000);
 
-  struct Case {
-    std::function<void(inference::ModelInferRequest*)> change;
-    const char* says;
-  };
+  using Case = RefusalCase;
   const auto positions = [](inference::ModelInferRequest* r, const char* dtype,
                             std::vector<int64_t> shape) {
     auto* p = r->add_inputs();
@@ -361,15 +364,7 @@ TEST(OipCodecTest, PositionsFromParametersAndAnInt64Input) {
       {[](auto* r) { (*r->mutable_parameters())["key_position"].set_double_param(3); },
        "parameters['key_position']: a double parameter; expected int64"},
   };
-  for (const Case& c : cases) {
-    inference::ModelInferRequest r = Request();
-    c.change(&r);
-    v1::AttendRequest o;
-    OipReply rep;
-    const Status st = OipToAttend(&r, &o, &rep);
-    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << c.says;
-    EXPECT_THAT(st.message(), HasSubstr(c.says));
-  }
+  ExpectRefusals(cases);
 }
 
 TEST(OipCodecTest, MetadataOfADecoderLayerNamesItsPositionsInput) {
