@@ -19,6 +19,24 @@ for p in transformers huggingface_hub safetensors regex yaml _yaml packaging tqd
   cp -a "$sp/$p"-*.dist-info "$dest/" 2>/dev/null || true
 done
 cp -a "$sp"/PyYAML-*.dist-info "$sp"/pyyaml-*.dist-info "$dest/" 2>/dev/null || true
+# regex's one compiled module is built for one Python (3.11 here); the device's python3 may be
+# another. Its wheels for the others (the same release, from PyPI) give their modules, which sit
+# side by side in regex/ (each Python loads the one named for its own ABI).
+regex=$(sed -n 's/^Version: //p' "$sp"/regex-*.dist-info/METADATA)
+for v in 3.10 3.12 3.13 3.14; do
+  "$venv/bin/pip" download -q --no-deps --only-binary=:all: --python-version "$v" \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
+    -d "$(dirname "$dest")/wheels" "regex==$regex" 2>/dev/null || echo "gpu_pydeps: no regex $regex wheel for Python $v"
+done
+"$venv/bin/python" - "$(dirname "$dest")/wheels" "$dest/regex" <<'PY'
+import glob, os, sys, zipfile
+for wheel in glob.glob(os.path.join(sys.argv[1], "regex-*.whl")):
+    with zipfile.ZipFile(wheel) as z:
+        for name in z.namelist():
+            if name.startswith("regex/_regex.") and name.endswith(".so"):
+                with open(os.path.join(sys.argv[2], os.path.basename(name)), "wb") as f:
+                    f.write(z.read(name))
+PY
 keep="llama mistral qwen2 qwen3 auto"
 for m in "$dest"/transformers/models/*/; do
   n=$(basename "$m")
