@@ -83,7 +83,9 @@ Attended HeadAttention::Attend(const AttendCall& call, const at::Tensor& qh,
       1, std::min({lq, kBlockScores / std::max<int64_t>(1, b * h * sl), (lq + width - 1) / width}));
   const int64_t blocks = (lq + job.rows - 1) / job.rows;
   // The fused kernel applies a plain causal mask by itself when the whole query is one block.
-  job.fused_causal = job.fused && call.is_causal && causal_offset == 0 && o_.window == 0 &&
+  // (Not for grouped heads: their rows are a query's group, n * G of them, the mask's own.)
+  job.fused_causal = job.fused && !job.grouped && call.is_causal && causal_offset == 0 &&
+                     o_.window == 0 &&
                      !job.attn_mask.defined() && !kpm.defined() && job.extra == 0 && job.rows == lq;
   if (want_weights) {
     const int64_t heads = call.weights == WeightsMode::kPerHead ? h : 1;
@@ -134,10 +136,14 @@ void HeadAttention::RunBlock(const Job& job, int64_t block) const {
   if (job.grouped) {
     const int64_t b = call.batch, kvh = kv_heads(), g = group(), d = o_.head_dim;
     const at::Tensor qc = job.q_all.narrow(2, q0, n).reshape({b, kvh, n * g, d});
-    const at::Tensor p = Probabilities(qc, job.ks, Grouped(m, b, n));
-    at::Tensor grouped =
-        at::empty({b, kvh, n * g, d}, heads.options().dtype(job.vs[0].scalar_type()));
-    TimesValues(p, job.vs, grouped);
+    at::Tensor grouped, p;
+    if (job.fused) {  // A group's n * G rows as one head's queries over its key/value head.
+      grouped = AttendFused(qc, job.ks[0], job.vs[0], Grouped(m, b, n), false, &job.backends[block]);
+    } else {
+      p = Probabilities(qc, job.ks, Grouped(m, b, n));
+      grouped = at::empty({b, kvh, n * g, d}, heads.options().dtype(job.vs[0].scalar_type()));
+      TimesValues(p, job.vs, grouped);
+    }
     // [B, KVH, n, G, D] -> the merged heads' [B, KVH, G, n, D].
     heads.unflatten(1, {kvh, g}).copy_(grouped.view({b, kvh, n, g, d}).transpose(2, 3));
     if (job.weights_out.defined()) {
