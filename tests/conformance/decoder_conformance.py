@@ -8,7 +8,8 @@ biases, Llama 3's RoPE scaling, partial rotary dims... what each family has): bu
 export it with tools/export_model.py's export_decoder (config.json as save_pretrained writes it,
 so each family's defaults are read back), serve every layer from one attnserve, then compare
 - prefill: Attend with is_causal over a whole sequence starting at query_position p0, against the
-  module with its causal (or sliding-window) mask from transformers.masking_utils;
+  module with its causal (or sliding-window) mask from transformers.masking_utils, and against
+  PyTorch's scaled_dot_product_attention(enable_gqa=True) over the module's rotated projections;
 - decoding: OpenSession, a prompt, then one token a step, against the module decoding the same tokens
   with a DynamicCache; then TruncateSession to a shorter length, ForkSession there, and two steps on
   each branch with tokens of its own, against the module fed the kept prefix.
@@ -140,6 +141,31 @@ def reference(config, attn, rotary, x, positions, cache=None):
     return out.numpy().astype(np.float64)
 
 
+def reference_sdpa(config, attn, rotary, x, positions):
+    """The same prefill (causal, the layer's window) from the module's projections, norms and
+    rotation, attended by PyTorch's scaled_dot_product_attention(enable_gqa=True): a second
+    reference, whose grouped heads are PyTorch's rather than transformers' repeat_kv."""
+    family = sys.modules[type(attn).__module__]
+    window = getattr(attn, "sliding_window", None) or (
+        config.model_type == "mistral" and getattr(config, "sliding_window", None))
+    b, t, _ = x.shape
+    with torch.no_grad():
+        q, k, v = (proj(x).view(b, t, -1, attn.head_dim) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))
+        cos, sin = rotary(x, positions)
+        q, k = family.apply_rotary_pos_emb(q, k, cos, sin)
+        i = torch.arange(t)
+        allowed = i[None, :] <= i[:, None]
+        if window:
+            allowed &= i[None, :] > i[:, None] - window
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed, scale=attn.scaling, enable_gqa=True)
+        out = attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+    return out.numpy().astype(np.float64)
+
+
 def rel_err(got, want):
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
@@ -176,9 +202,13 @@ def run(args, checks):
                     want = reference(config, attn, rotary, torch.from_numpy(x), pos)
                     r = stub.Attend(pb.AttendRequest(model=model, query=lib.to_wire(pb, x), is_causal=True,
                                                      query_position=p0))
-                    err = rel_err(lib.from_wire(pb, r.output), want)
+                    got = lib.from_wire(pb, r.output)
+                    err = rel_err(got, want)
                     checks(f"{model}: prefill of {t} tokens from position {p0}: error {err:.1e} <= {args.tolerance}",
                            err <= args.tolerance)
+                    err = rel_err(got, reference_sdpa(config, attn, rotary, torch.from_numpy(x), pos))
+                    checks(f"{model}: the same prefill against scaled_dot_product_attention(enable_gqa=True): "
+                           f"error {err:.1e}", err <= args.tolerance)
                     # Decoding: a prompt, then one token a step, against the module with its cache.
                     steps = int(rng.integers(3, 7))
                     xs = rng.standard_normal((b, t + steps, config.hidden_size)).astype(np.float32)
