@@ -85,8 +85,8 @@ Attended HeadAttention::Attend(const AttendCall& call, const at::Tensor& qh,
   // The fused kernel applies a plain causal mask by itself when the whole query is one block.
   // (Not for grouped heads: their rows are a query's group, n * G of them, the mask's own.)
   job.fused_causal = job.fused && !job.grouped && call.is_causal && causal_offset == 0 &&
-                     o_.window == 0 &&
-                     !job.attn_mask.defined() && !kpm.defined() && job.extra == 0 && job.rows == lq;
+                     o_.window == 0 && !job.attn_mask.defined() && !kpm.defined() &&
+                     job.extra == 0 && job.rows == lq;
   if (want_weights) {
     const int64_t heads = call.weights == WeightsMode::kPerHead ? h : 1;
     out->weights->resize(static_cast<size_t>(b * heads * lq * sl) * DTypeSize(call.query.dtype));
@@ -138,7 +138,8 @@ void HeadAttention::RunBlock(const Job& job, int64_t block) const {
     const at::Tensor qc = job.q_all.narrow(2, q0, n).reshape({b, kvh, n * g, d});
     at::Tensor grouped, p;
     if (job.fused) {  // A group's n * G rows as one head's queries over its key/value head.
-      grouped = AttendFused(qc, job.ks[0], job.vs[0], Grouped(m, b, n), false, &job.backends[block]);
+      grouped =
+          AttendFused(qc, job.ks[0], job.vs[0], Grouped(m, b, n), false, &job.backends[block]);
     } else {
       p = Probabilities(qc, job.ks, Grouped(m, b, n));
       grouped = at::empty({b, kvh, n * g, d}, heads.options().dtype(job.vs[0].scalar_type()));

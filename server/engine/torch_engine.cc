@@ -139,12 +139,10 @@ class TorchModel final : public AttentionModel {
     // was faster than 2.11's CPU flash kernel at every shape measured (in-process W1 302k against
     // 264k tokens/s, W2 347k against 206k, a lone [1, 1024, 512] request 8.4 against 16.9 ms;
     // bench/RESULTS.md), and as accurate.
-    // Grouped heads too: a group's query rows attend as one head's rows over their key/value
-    // head (HeadAttention::RunBlock), so the kernel reads each key/value head once (the H200's
-    // decoding steps of a grouped Llama layer ran on the math path at 0.90x the steps/s of the
-    // same layer with a key/value head per query head; bench/RESULTS.md).
-    heads.fused = compat::kHasFusedSdpa && !(device.is_cpu() && dtype_ == at::kBFloat16) &&
-                  heads.scale == 0;
+    // Grouped heads too, a group's query rows as one head's (HeadAttention::RunBlock): on the
+    // math path an H200 stepped a grouped layer 0.90x as fast as an ungrouped one (RESULTS.md).
+    heads.fused =
+        compat::kHasFusedSdpa && !(device.is_cpu() && dtype_ == at::kBFloat16) && heads.scale == 0;
     // float32 products through oneDNN where its AVX-512 kernels run (LibTorch's float32 bmm calls
     // the BLAS, at half their speed on the AVX-512 EPYC measured).
     heads.onednn_float32 = onednn_float32_;
