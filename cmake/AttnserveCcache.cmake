@@ -16,7 +16,8 @@
 # generated protobuf headers are written seconds before they are compiled; without the sloppiness
 # ccache refuses its direct mode for every file including one of them. The locale variables, which
 # ccache hashes (they change the compiler's messages), are unset: the image build has none, a shell
-# has LANG=C.UTF-8, and each would miss the other's objects.
+# has LANG=C.UTF-8, and each would miss the other's objects. Each compile goes through
+# compile-timer.sh (beside this file), which records its time when ATTNSERVE_COMPILE_TIMES is set.
 function(attnserve_use_ccache root)
   option(ATTNSERVE_CCACHE "Compile through ccache (cmake/AttnserveCcache.cmake)" ON)
   if(NOT ATTNSERVE_CCACHE OR CMAKE_CXX_COMPILER_LAUNCHER)
@@ -36,7 +37,8 @@ function(attnserve_use_ccache root)
   set(CMAKE_CXX_COMPILER_LAUNCHER ${CMAKE_COMMAND} -E env --unset=LANG --unset=LC_ALL --unset=LC_CTYPE
     --unset=LC_MESSAGES CCACHE_DIR=${ATTNSERVE_CCACHE_DIR}
     CCACHE_BASEDIR=${root} CCACHE_NOHASHDIR=true
-    CCACHE_SLOPPINESS=include_file_mtime,include_file_ctime ${ATTNSERVE_CCACHE_PROGRAM} PARENT_SCOPE)
+    CCACHE_SLOPPINESS=include_file_mtime,include_file_ctime ${CMAKE_CURRENT_FUNCTION_LIST_DIR}/compile-timer.sh
+    ${ATTNSERVE_CCACHE_PROGRAM} PARENT_SCOPE)
   message(STATUS "attnserve: compiling through ccache in ${ATTNSERVE_CCACHE_DIR}")
 endfunction()
 

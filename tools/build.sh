@@ -44,6 +44,26 @@ ccache_report() {  # This command's compiles: hits, misses, the hit rate, the ca
   echo "ccache: $h hits, $m misses ($(( (h + m) > 0 ? 100 * h / (h + m) : 0 ))% hit rate) in $ATTNSERVE_CCACHE_DIR," \
     "$(ccache --print-stats | awk '$1 == "cache_size_kibibyte" {printf "%.0f MiB", $2 / 1024}') of $(ccache --get-config max_size)"
 }
+# Every compile's time, every tree's (cmake/compile-timer.sh); compile_report sums them up: where a
+# cold run's compile time goes, for the next cut (docs/tests.md).
+export ATTNSERVE_COMPILE_TIMES=$PWD/build/compile-times.log
+mkdir -p build && : >"$ATTNSERVE_COMPILE_TIMES"
+compile_report() {
+  [ -s "$ATTNSERVE_COMPILE_TIMES" ] || return 0
+  /usr/bin/python3 - "$ATTNSERVE_COMPILE_TIMES" "$PWD" <<'PY'
+import collections, sys
+rows = [l.split(" ", 2) for l in open(sys.argv[1]) if l.count(" ") >= 2]
+rows = [(int(cpu) / 1000, int(wall) / 1000, path.strip().replace(sys.argv[2] + "/", ""))
+        for cpu, wall, path in rows]
+trees = collections.Counter()
+for cpu, _, path in rows:
+    trees[path.split("/", 1)[0]] += cpu
+print(f"compiles: {len(rows)}, {sum(r[0] for r in rows):.0f} s of compiler CPU time: " +
+      ", ".join(f"{t} {s:.0f} s" for t, s in trees.most_common()))
+for cpu, wall, path in sorted(rows, reverse=True)[:12]:
+    print(f"  {cpu:6.1f} s CPU ({wall:.1f} s wall)  {path}")
+PY
+}
 flavour=${ATTNSERVE_FLAVOUR:-debian}
 torch2_build=build-torch2
 configure() {  # flavour: makes sure of the flavour's environment, configures once (CMakePresets.json), builds
@@ -185,6 +205,7 @@ mapfile -t inner < <(find build/tests "$torch2_build/tests" -maxdepth 1 \( -name
   -name 'gtest-*.xml' \) -newer "$ATTNSERVE_TIMING_DIR/.start" 2>/dev/null)
 /usr/bin/python3 tools/slowest_tests.py -n 20 --over 30 "$ATTNSERVE_TIMING_DIR"/*.xml ${inner[@]+"${inner[@]}"} || true
 ccache_report
+compile_report
 [ -z "$failures" ] || printf '%s' "$failures"
 echo "stages: ${summary[*]}"
 echo "times: ${timings[*]}, total $(( $(date +%s) - run_start ))s"

@@ -17,7 +17,7 @@ Fresh fixed-seed inputs; tolerance max|out - ref| / max|ref| <= 1e-4 (float32: t
 computes the rotary angles in float32, ~7e-5 relative near position 4,000: ../shared/MODERN_ATTENTION.md).
 
 usage: decoder_conformance.py PATH/TO/attnserve [--server-args "--device cuda"] [--tolerance 1e-4]
-       [--random N --seed S]
+       [--random N --seed S] [--only NAME,...]
 Needs `transformers` (tools/torch2-env.sh's environment; bench/gpu_quick.sh runs it on the GPU).
 """
 import argparse
@@ -175,6 +175,11 @@ def run(args, checks):
     from transformers import DynamicCache
     configs = dict(FIXED)
     configs.update(random_configs(args.random, args.seed))
+    if getattr(args, "only", None):  # A quick run (bench/gpu_quick.sh's rehearsal): these only.
+        configs = {n: c for n, c in configs.items() if n in args.only.split(",")}
+        if not configs:
+            raise SystemExit(f"decoder_conformance: --only {args.only}: no such configuration; "
+                             f"the fixed ones: {', '.join(FIXED)}")
     tmp = tempfile.mkdtemp(prefix="attnserve-decoders-")
     models = os.path.join(tmp, "models")
     built = {}
@@ -256,6 +261,7 @@ def main():
     ap.add_argument("--tolerance", type=float, default=TOL)
     ap.add_argument("--random", type=int, default=0)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--only", default="", help="comma-separated configuration names (default: all)")
     args = ap.parse_args()
     checks = lib.Checks()
     run(args, checks)
