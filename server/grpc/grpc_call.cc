@@ -23,6 +23,7 @@ SteadyClock::time_point SteadyDeadlineOf(const grpc::CallbackServerContext* ctx)
 
 StatusOr<CallContext> CallOf(grpc::CallbackServerContext* ctx, const RequestPipeline& pipeline) {
   CallContext call;
+  if (!pipeline.Published()) return Status(StatusCode::kUnavailable, "the server is starting");
   ASSIGN_OR_RETURN(call.tenant, TenantOf(ctx, pipeline.tenant_header()));
   call.local_peer = IsLocalPeer(ctx);
   call.deadline = SteadyDeadlineOf(ctx);

@@ -113,6 +113,12 @@ class RequestPipeline {
   void SetTenantHeader(std::string key) { tenant_header_ = std::move(key); }
   /// The pinned staging (staging(); null: none). Set before serving; borrowed.
   void SetStaging(HostStaging* staging) { staging_ = staging; }
+  /// Once configured (the Set calls above), before the first call: every call's context (CallOf)
+  /// reads Published() first. gRPC orders the two, but inside its uninstrumented library, where
+  /// ThreadSanitizer cannot see it (a handler's read of the tenant header against Start's write,
+  /// on a gRPC thread an earlier server had started); this release and acquire show it.
+  void Publish() { published_.store(true, std::memory_order_release); }
+  bool Published() const { return published_.load(std::memory_order_acquire); }
 
  private:
   friend class Answered;
@@ -148,6 +154,7 @@ class RequestPipeline {
   KvStore& kv_;
   std::atomic<bool> draining_{false};
   std::atomic<bool> warming_{false};
+  std::atomic<bool> published_{false};
   HostStaging* staging_ = nullptr;
   std::string tenant_header_;
 

@@ -298,6 +298,7 @@ void Server::Impl::StartPipeline() {
   pipeline->SetTenantHeader(options.tenant_header);
   pipeline->SetWarming(options.warmup);
   pipeline->SetStaging(staging.get());
+  pipeline->Publish();
   SharedMemoryOptions shared = options.shared_memory;
   shared.max_regions = RegionsTheDescriptorsAllow(shared.max_regions);
   shared.on_change = [m = metrics.get()](int64_t bytes, size_t regions) {
