@@ -126,13 +126,17 @@ def build(family, keys, seed):
     return config, layers, Rotary(config), whole
 
 
+def window_of(config, attn):
+    """The layer's sliding window (a falsy value: none): Qwen2's per layer, Mistral's per model."""
+    return getattr(attn, "sliding_window", None) or (
+        config.model_type == "mistral" and getattr(config, "sliding_window", None))
+
+
 def reference(config, attn, rotary, x, positions, cache=None):
     """The module's forward over x [B, T, E] at positions [B, T] (appending to `cache`)."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
     layer = attn.layer_idx
-    sliding = getattr(attn, "sliding_window", None) or (
-        config.model_type == "mistral" and getattr(config, "sliding_window", None))
-    make = create_sliding_window_causal_mask if sliding else create_causal_mask
+    make = create_sliding_window_causal_mask if window_of(config, attn) else create_causal_mask
     with torch.no_grad():
         mask = make(config=config, inputs_embeds=x, attention_mask=None, past_key_values=cache,
                     position_ids=positions, layer_idx=layer)
@@ -146,8 +150,7 @@ def reference_sdpa(config, attn, rotary, x, positions):
     rotation, attended by PyTorch's scaled_dot_product_attention(enable_gqa=True): a second
     reference, whose grouped heads are PyTorch's rather than transformers' repeat_kv."""
     family = sys.modules[type(attn).__module__]
-    window = getattr(attn, "sliding_window", None) or (
-        config.model_type == "mistral" and getattr(config, "sliding_window", None))
+    window = window_of(config, attn)
     b, t, _ = x.shape
     with torch.no_grad():
         q, k, v = (proj(x).view(b, t, -1, attn.head_dim) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
