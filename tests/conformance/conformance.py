@@ -24,7 +24,6 @@ import shlex
 import math
 import os
 import sys
-import tempfile
 
 import grpc
 import numpy as np
@@ -283,7 +282,7 @@ class Served:
 
     def __init__(self, binary, configs, server_args=""):
         self.pb, rpc = lib.load_stubs()
-        tmp = tempfile.mkdtemp(prefix="attnserve-conformance-")
+        tmp = lib.temp_dir("attnserve-conformance-")
         self.modules = {}
         for i, c in enumerate(configs):
             m = build_module(c, seed=1000 + i)

@@ -25,7 +25,6 @@ import os
 import random
 import shlex
 import sys
-import tempfile
 
 import grpc
 import numpy as np
@@ -183,7 +182,7 @@ def run(args, checks):
         if not configs:
             raise SystemExit(f"decoder_conformance: --only {args.only}: no such configuration; "
                              f"the fixed ones: {', '.join(FIXED)}")
-    tmp = tempfile.mkdtemp(prefix="attnserve-decoders-")
+    tmp = lib.temp_dir("attnserve-decoders-")
     models = os.path.join(tmp, "models")
     built = {}
     for n, (name, (family, keys)) in enumerate(configs.items()):

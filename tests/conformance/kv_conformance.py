@@ -19,7 +19,6 @@ import argparse
 import os
 import shlex
 import sys
-import tempfile
 import threading
 
 import grpc
@@ -77,7 +76,7 @@ def run(args, checks):
     TOL = WTOL = args.tolerance
     attnserve = lib.load_package()
     Error = attnserve.AttnserveError
-    tmp = tempfile.mkdtemp(prefix="attnserve-kv-")
+    tmp = lib.temp_dir("attnserve-kv-")
     modules = {}
     for i, (name, kw) in enumerate(MODELS.items()):
         torch.manual_seed(300 + i)

@@ -17,7 +17,6 @@ import os
 import re
 import shlex
 import sys
-import tempfile
 import urllib.request
 
 import grpc
@@ -78,7 +77,7 @@ def run(args, checks):
     pb, rpc = lib.load_stubs()
     torch.manual_seed(77)
     module = torch.nn.MultiheadAttention(E, H, batch_first=True)
-    tmp = tempfile.mkdtemp(prefix="attnserve-varlen-")
+    tmp = lib.temp_dir("attnserve-varlen-")
     export_model.export(module, os.path.join(tmp, "ragged"))
     module = module.double().eval()
     server = lib.Server(args.binary, "--models", tmp, *shlex.split(args.server_args))

@@ -22,7 +22,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 
@@ -114,7 +113,7 @@ def structure(checks, attnserve_help):
 
 
 def run_pod(checks, dep, image, cli, engine):
-    tmp = tempfile.mkdtemp(prefix="attnserve-k8s-")
+    tmp = lib.temp_dir("attnserve-k8s-")
     os.chmod(tmp, 0o755)
     torch.manual_seed(11)
     export_model.export(torch.nn.MultiheadAttention(64, 4, batch_first=True), os.path.join(tmp, "models", "m64"))

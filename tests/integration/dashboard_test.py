@@ -16,7 +16,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.parse
 import urllib.request
@@ -42,7 +41,7 @@ def test_every_dashboard_panel_returns_data_from_a_real_prometheus(attnserve, ch
     binary = attnserve
     pb, rpc = lib.load_stubs()
     dashboard = json.load(open(os.path.join(ROOT, "deploy", "grafana", "attnserve-dashboard.json")))
-    tmp = tempfile.mkdtemp(prefix="attnserve-dashboard-")
+    tmp = lib.temp_dir("attnserve-dashboard-")
     # Tracing every call to a collector that is down (a port nobody listens on): the spans panel's
     # export_failed drops.
     dead_collector = free_port()

@@ -16,7 +16,6 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 
@@ -66,7 +65,7 @@ def err(got, ref):
 def test_memories_and_sessions_keep_their_weights_across_a_reload(attnserve, checks):
     binary = attnserve
     attnserve = lib.load_package()
-    tmp = tempfile.mkdtemp(prefix="attnserve-kv-reload-")
+    tmp = lib.temp_dir("attnserve-kv-reload-")
     path = os.path.join(tmp, "models", "m")
     os.makedirs(path)
     old, new = weights(1), weights(2)

@@ -15,7 +15,6 @@ usage: python3 -m pytest oip_test.py --attnserve PATH/TO/attnserve       (run wi
 """
 import os
 import sys
-import tempfile
 
 import grpc
 import ml_dtypes
@@ -161,7 +160,7 @@ def stream_checks(checks, server, client, native, pb, m64, rng):
 def test_tritonclient_over_the_open_inference_protocol(attnserve, checks):
     binary = attnserve
     pb, rpc = lib.load_stubs()
-    tmp = tempfile.mkdtemp(prefix="attnserve-oip-")
+    tmp = lib.temp_dir("attnserve-oip-")
     modules = {name: build(name, 2000 + i) for i, name in enumerate(MODELS)}
     for name, m in modules.items():
         export_model.export(m, os.path.join(tmp, name))
@@ -403,7 +402,7 @@ def test_tritonclient_priority_timeout_and_tenant_header(attnserve, checks):
     """tritonclient's priority= and timeout= arguments unmodified (docs/tenants.md): with 2 levels,
     priorities 0 to 2 answer exactly as priority 0 does and 3 is INVALID_ARGUMENT naming it; a
     timeout answers; with --tenant-header, tritonclient's headers= name the tenant in the metrics."""
-    tmp = tempfile.mkdtemp(prefix="attnserve-oip-priority-")
+    tmp = lib.temp_dir("attnserve-oip-priority-")
     export_model.export(build("mha", 9), os.path.join(tmp, "mha"))
     server = lib.Server(attnserve, "--models", tmp, "--priority-levels", "2", "--queue-policy",
                         "default:allow_timeout_override=true", "--tenant-header", "attnserve-tenant")
@@ -443,7 +442,7 @@ def test_tritonclient_system_shared_memory(attnserve, checks):
     --allow-shared-memory refusing registration and not listing the extension."""
     import tritonclient.utils.shared_memory as shm
 
-    tmp = tempfile.mkdtemp(prefix="attnserve-oip-shm-")
+    tmp = lib.temp_dir("attnserve-oip-shm-")
     export_model.export(build("mha", 7), os.path.join(tmp, "mha"))
     server = lib.Server(attnserve, "--models", tmp, "--allow-shared-memory")
     client = tc.InferenceServerClient(server.target)
@@ -594,7 +593,7 @@ def test_tritonclient_decoder_layer_positions(attnserve, checks):
     from tritonclient.grpc import service_pb2, service_pb2_grpc
     pb, rpc = lib.load_stubs()
     rng = np.random.default_rng(49)
-    tmp = tempfile.mkdtemp(prefix="attnserve-oip-decoder-")
+    tmp = lib.temp_dir("attnserve-oip-decoder-")
     write_decoder(tmp, rng)
     write_decoder(tmp, rng, window=4)
     server = lib.Server(attnserve, "--models", os.path.join(tmp, "models"))

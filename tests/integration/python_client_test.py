@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import urllib.parse
 import urllib.request
 
@@ -65,7 +64,7 @@ def test_python_client_reflection_and_metrics(attnserve):
     server = lib.Server(attnserve)
     channel = grpc.insecure_channel(server.target)
     stub = rpc.AttentionServiceStub(channel)
-    tmp = tempfile.mkdtemp(prefix="attnserve-pyclient-")
+    tmp = lib.temp_dir("attnserve-pyclient-")
     prom = None
     try:
         # The Python client path.

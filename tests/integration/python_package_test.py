@@ -20,7 +20,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 
 import grpc
 import numpy as np
@@ -226,7 +225,7 @@ def test_the_attnserve_package_against_nn_multiheadattention(request, checks):
     server.stop()
 
     # TLS: a server with a certificate from a CA made here (openssl, as tls_test.py does).
-    d = tempfile.mkdtemp(prefix="attnserve-pkg-tls-")
+    d = lib.temp_dir("attnserve-pkg-tls-")
     ssl = lambda *a: subprocess.run(["openssl", *a], check=True, capture_output=True)
     ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=attnserve test ca",
         "-keyout", f"{d}/ca.key", "-out", f"{d}/ca.pem")

@@ -25,7 +25,6 @@ import re
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -83,7 +82,7 @@ class Record:
 def test_versions_reloads_and_broken_models_under_load(attnserve, checks):
     binary = attnserve
     pb, rpc = lib.load_stubs()
-    root = tempfile.mkdtemp(prefix="attnserve-reload-")
+    root = lib.temp_dir("attnserve-reload-")
     repo = os.path.join(root, "models")
     w = {"m1": make_weights(1), "m2": make_weights(2), "m3": make_weights(3), "legacy": make_weights(4),
          "gone": make_weights(5)}

@@ -34,7 +34,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.parse
@@ -365,7 +364,7 @@ def test_three_replicas_behind_nginx_and_client_side_balancing(attnserve, bench,
                                  threads=request.config.getoption("--threads"))
     pb, rpc = lib.load_stubs()
     oip = lib.load_stubs("inference/grpc_service.proto")
-    tmp = tempfile.mkdtemp(prefix="attnserve-replicas-")
+    tmp = lib.temp_dir("attnserve-replicas-")
     configs = {name: open(os.path.join(ROOT, "deploy", "grpc", name)).read()
                for name in ("service-config.json", "service-config-proxy.json")}
     replicas = [Replica(args.binary, i, tmp) for i in range(3)]

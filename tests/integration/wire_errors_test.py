@@ -205,10 +205,9 @@ def test_undecodable_messages_and_a_stop_with_a_stream_open(attnserve):
     # Bad model files stop the start with exit code 2 and a message naming the file, never a hang
     # or a crash (a FIFO config.json used to hang, a symbolic-link loop to abort).
     import subprocess
-    import tempfile
     data = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data")
     for case in ("fifo", "symlink loop", "cut storage", "hostile pickle"):
-        root = tempfile.mkdtemp(prefix="attnserve-badmodels-")
+        root = lib.temp_dir("attnserve-badmodels-")
         model = os.path.join(root, "m")
         os.mkdir(model)
         blame = os.path.join(model, "model.pt")

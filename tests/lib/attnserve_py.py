@@ -1,6 +1,8 @@
 """Test helpers: Python stubs generated from the .proto at run time, and a real attnserve process."""
+import atexit
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -13,13 +15,21 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def temp_dir(prefix):
+    """A new private folder (tempfile.mkdtemp under $TMPDIR) removed with everything in it when this
+    process exits, passed or failed: the test command fails on whatever a test leaves in its
+    $TMPDIR (tools/build.sh, stage tempfiles)."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
 def _protoc(out, proto):
     args = ["-I" + os.path.join(ROOT, "proto"), "--python_out=" + out, "--grpc_python_out=" + out, proto]
     try:
         from grpc_tools import protoc
         rc = protoc.main(["protoc"] + args)
     except ImportError:  # No grpcio-tools (the GPU machine): protoc and grpc_python_plugin on PATH.
-        import shutil
         plugin = shutil.which("grpc_python_plugin")
         rc = subprocess.run(["protoc", f"--plugin=protoc-gen-grpc_python={plugin}"] + args).returncode
     if rc != 0:
@@ -31,8 +41,7 @@ def load_package():
     copied to a temp dir with stubs generated there by this interpreter's protoc (as its build does
     with a pinned one), and the service configs beside them. Not in one process with load_stubs(),
     whose generated `attnserve.v1` is another module of the same name."""
-    import shutil
-    out = tempfile.mkdtemp(prefix="attnserve-pkg-")
+    out = temp_dir("attnserve-pkg-")
     package = os.path.join(out, "attnserve")
     shutil.copytree(os.path.join(ROOT, "client", "python", "attnserve"), package)
     _protoc(out, "attnserve/v1/attention.proto")
@@ -47,7 +56,7 @@ def load_package():
 def load_stubs(proto="attnserve/v1/attention.proto"):
     """Generates the Python gRPC stubs of `proto` (under proto/) into a temp dir and imports them:
     attnserve.v1's by default, or "inference/grpc_service.proto" (the Open Inference Protocol)."""
-    out = tempfile.mkdtemp(prefix="attnserve-py-")
+    out = temp_dir("attnserve-py-")
     _protoc(out, proto)
     sys.path.insert(0, out)
     import importlib

@@ -9,7 +9,6 @@ import os
 import queue
 import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -31,7 +30,7 @@ def collector():
     python = os.environ.get("ATTNSERVE_TRACING_PYTHON")
     if not python:
         raise pytest.UsageError("ATTNSERVE_TRACING_PYTHON: the tracing environment's python is required")
-    tmp = tempfile.mkdtemp(prefix="attnserve-oip-trace-")
+    tmp = lib.temp_dir("attnserve-oip-trace-")
     port_file, out = os.path.join(tmp, "port"), os.path.join(tmp, "spans.jsonl")
     proc = subprocess.Popen([python, os.path.join(HERE, "otlp_receiver.py"), "--port-file", port_file,
                              "--out", out])
