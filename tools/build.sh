@@ -203,11 +203,13 @@ else
   fi
 fi
 stage processes /usr/bin/python3 tools/leftover_processes.py "$ATTNSERVE_TEST_RUN" $$
-# What the tests left in their TMPDIR, each named (its prefix names the test that made it); pytest's
-# own pytest-of-USER is not counted (pytest keeps its last three runs' folders by design).
+# What the tests left in their TMPDIR, each named (its prefix names the test that made it). Caches
+# kept there by design are not counted: pytest's pytest-of-USER (its last three runs' folders) and
+# PyTorch 2.x's torchinductor_USER.
 leftover_tempfiles() {
   local left=() f
-  mapfile -t left < <(find "$tests_tmp" -mindepth 1 -maxdepth 1 ! -name 'pytest-of-*' -printf '%f\n' | sort)
+  mapfile -t left < <(find "$tests_tmp" -mindepth 1 -maxdepth 1 ! -name 'pytest-of-*' ! -name 'torchinductor_*' \
+    -printf '%f\n' | sort)
   for f in "${left[@]}"; do
     echo "FAIL tempfiles: $f ($(du -sh "$tests_tmp/$f" | cut -f1)) left in the tests' TMPDIR"
   done

@@ -86,6 +86,14 @@ TEST(ServerConcurrencyTest, ConcurrentClientsEachGetTheirOwnAnswer) {
   std::mt19937 rng(77);
   const std::string dir = ::testing::TempDir() + "/attnserve_concurrency_models";
   std::filesystem::remove_all(dir);
+  // Removed when the test ends, passed or not (after the server below has stopped).
+  struct RemovedAtEnd {
+    std::string dir;
+    ~RemovedAtEnd() {
+      std::error_code ec;
+      std::filesystem::remove_all(dir, ec);
+    }
+  } removed_at_end{dir};
   std::vector<Sample> samples;
   ModelWeights demo = DemoModelWeights();
   demo.spec.name = "demo";

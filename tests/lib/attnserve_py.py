@@ -56,12 +56,17 @@ def load_package():
 def load_stubs(proto="attnserve/v1/attention.proto"):
     """Generates the Python gRPC stubs of `proto` (under proto/) into a temp dir and imports them:
     attnserve.v1's by default, or "inference/grpc_service.proto" (the Open Inference Protocol)."""
-    out = temp_dir("attnserve-py-")
-    _protoc(out, proto)
-    sys.path.insert(0, out)
     import importlib
     module = proto[:-len(".proto")].replace("/", ".")
-    return importlib.import_module(module + "_pb2"), importlib.import_module(module + "_pb2_grpc")
+    # Imported, the files are not read again: their folder goes at once, not at exit (a client
+    # process a test stops with a signal runs no exit handler).
+    with tempfile.TemporaryDirectory(prefix="attnserve-py-") as out:
+        _protoc(out, proto)
+        sys.path.insert(0, out)
+        try:
+            return importlib.import_module(module + "_pb2"), importlib.import_module(module + "_pb2_grpc")
+        finally:
+            sys.path.remove(out)
 
 
 class Server:
