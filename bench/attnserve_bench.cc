@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
@@ -657,6 +658,12 @@ int main(int argc, char** argv) {
   j["duration_s"] = duration;
   j["ok"] = lat.size();
   j["errors"] = errors;
+  // Open loop: requests due in the window but not answered in it (answered later, never, or not
+  // even sent: a generator that falls behind). Past a system's capacity nothing is answered in
+  // time, which would read as 0 req/s with no errors unless counted.
+  const int64_t unanswered =
+      rate > 0 ? std::llround(rate * duration) - static_cast<int64_t>(samples.size()) : 0;
+  j["unanswered"] = std::max<int64_t>(0, unanswered);
   j["requests_per_s"] = static_cast<double>(lat.size()) / duration;
   j["tokens_per_s"] = static_cast<double>(tokens) / duration;
   j["tflops"] = flops / duration / 1e12;
@@ -672,11 +679,13 @@ int main(int argc, char** argv) {
                      {"max", mx}};
   std::printf(
       "%-28s %9.1f req/s %10.0f tok/s %7.3f TFLOP/s  p50 %7.2f  p90 %7.2f  p99 %7.2f  max %7.2f ms "
-      " errors %s  [device %s; CPU class %s]\n",
+      " errors %s%s  [device %s; CPU class %s]\n",
       label.c_str(), j["requests_per_s"].get<double>(), j["tokens_per_s"].get<double>(),
       j["tflops"].get<double>(), j["latency_ms"]["p50"].get<double>(),
       j["latency_ms"]["p90"].get<double>(), j["latency_ms"]["p99"].get<double>(), mx,
-      j["errors"].dump().c_str(), computes_on.c_str(), j["cpu_class"].get<std::string>().c_str());
+      j["errors"].dump().c_str(),
+      unanswered > 0 ? ("  unanswered in time " + std::to_string(unanswered)).c_str() : "",
+      computes_on.c_str(), j["cpu_class"].get<std::string>().c_str());
   if (!copy.is_null()) {
     std::printf(
         "%-28s %9.1f req/s copy bound (pinned host<->device: %.1f GB/s in, %.1f out, %.1f "

@@ -195,6 +195,9 @@ for w in ["cores-W3", "cores-L1024"]:
         print(f"{w:11s} {s:8s} p50 {summary[(s, w)][1]:8.2f} ms  p99 {summary[(s, w)][2]:8.2f} ms")
 errors = [r["label"] + " " + json.dumps(r["errors"]) for r in rows if r["errors"]]
 print("errors:", errors or "none")
+# Open-loop rates past a system's capacity: requests due in the window and not answered in it.
+late = [f"{r['label']} {r['unanswered']}" for r in rows if r.get("unanswered", 0) > 0]
+print("unanswered in time (open loop):", late or "none")
 print()
 on = lambda w, i: summary[("on", w)][i]
 for w in ["W1", "W2"]:
@@ -212,7 +215,8 @@ with open(sys.argv[1].replace("results.jsonl", "open_loop.dat"), "w") as f:
     for s in ["floor", "off", "on", "python", "ray"]:
         f.write(f"# {s}\n")
         for r in rows:
-            # A rate at which nothing was answered in time has no latency to plot (its row says so).
+            # A rate at which nothing was answered in time has no latency to plot (its row says how many
+            # went unanswered).
             if r["label"].startswith(s + "/open@") and r["requests_per_s"] > 0:
                 f.write(f"{r['rate']} {r['requests_per_s']} {r['latency_ms']['p99']}\n")
         f.write("\n\n")
