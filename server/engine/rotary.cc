@@ -24,19 +24,22 @@ at::Tensor RotaryInverseFrequencies(const RotarySpec& r) {
   return at::where(medium, smoothed, scaled);
 }
 
-void RotateInPlace(const at::Tensor& heads, const at::Tensor& positions,
-                   const at::Tensor& inv_freq) {
-  const int64_t half = inv_freq.size(0), rows = heads.size(0);
+Rotation RotationAt(const at::Tensor& positions, const at::Tensor& inv_freq, at::ScalarType dtype) {
+  const int64_t half = inv_freq.size(0), rows = positions.size(0);
   // Angles [rows, half] = position · inv_freq in float32 (one rounding, as transformers' matmul of
   // [half, 1] by [1, rows]); cos and sin in float32, then in the heads' dtype.
   const at::Tensor angles =
       positions.to(at::kFloat).view({rows, 1}) * inv_freq.to(positions.device()).view({1, half});
-  const at::Tensor cos = angles.cos().to(heads.scalar_type()).view({rows, 1, half});
-  const at::Tensor sin = angles.sin().to(heads.scalar_type()).view({rows, 1, half});
+  return {angles.cos().to(dtype).view({rows, 1, half}),
+          angles.sin().to(dtype).view({rows, 1, half})};
+}
+
+void RotateInPlace(const at::Tensor& heads, const Rotation& rotation) {
+  const int64_t half = rotation.cos.size(-1);
   const at::Tensor x1 = heads.narrow(-1, 0, half), x2 = heads.narrow(-1, half, half);
   // (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin): x * cos + rotate_half(x) * sin.
-  const at::Tensor r1 = x1 * cos - x2 * sin;
-  const at::Tensor r2 = x2 * cos + x1 * sin;
+  const at::Tensor r1 = x1 * rotation.cos - x2 * rotation.sin;
+  const at::Tensor r2 = x2 * rotation.cos + x1 * rotation.sin;
   x1.copy_(r1);
   x2.copy_(r2);
 }

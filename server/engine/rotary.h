@@ -14,10 +14,17 @@ namespace attnserve {
 /// Llama 3's scaling when `r.type` is "llama3".
 at::Tensor RotaryInverseFrequencies(const RotarySpec& r);
 
-/// Rotates `heads` ([rows, heads, D], any float dtype, may be a strided view) in place: row i by
-/// positions[i] (int64 [rows]), its first 2 * inv_freq.size(0) dimensions as half-split pairs.
-void RotateInPlace(const at::Tensor& heads, const at::Tensor& positions,
-                   const at::Tensor& inv_freq);
+/// The rotation of `positions` (int64 [rows]): cos and sin of position · inv_freq (float32 angles),
+/// [rows, 1, half] each in `dtype`. One table serves every tensor rotated at those positions (a
+/// self-attention call's queries and keys).
+struct Rotation {
+  at::Tensor cos, sin;
+};
+Rotation RotationAt(const at::Tensor& positions, const at::Tensor& inv_freq, at::ScalarType dtype);
+
+/// Rotates `heads` ([rows, heads, D] in the rotation's dtype, may be a strided view) in place: row
+/// i by the rotation's row i, its first 2 * half dimensions as half-split pairs.
+void RotateInPlace(const at::Tensor& heads, const Rotation& rotation);
 
 /// RMSNorm over each head's D values of `heads` ([rows, heads, D]) in place: x / sqrt(mean(x²) +
 /// eps) in float32, rounded to the heads' dtype, times `weight` ([D]).

@@ -355,17 +355,27 @@ class TorchModel final : public AttentionModel {
   }
 
   // Each of `len` tokens' position in the wire's row order ([B*len] int64 on the device): the
-  // call's own positions when `own` and it has them, else start, start + 1, ... per sequence.
+  // call's own positions when `own` and it has them, else start, start + 1, ... per sequence, made
+  // on the device itself (a decoding step's positions cost no copy from the host).
   at::Tensor RowPositions(const AttendCall& call, int64_t len, int64_t start, bool own) const {
     const int64_t b = call.batch;
     at::Tensor pos;  // [B, len]
     if (own && !call.positions.empty()) {
-      pos = at::tensor(c10::ArrayRef<int64_t>(call.positions), at::kLong).view({b, len});
+      const at::Tensor host = at::tensor(c10::ArrayRef<int64_t>(call.positions), at::kLong);
+      if (device_.is_cuda()) {  // Through pinned memory, without waiting (as InputRows).
+        at::Tensor pinned = at::empty(host.sizes(), host.options().pinned_memory(true));
+        pinned.copy_(host);
+        pos = pinned.to(device_, at::kLong, /*non_blocking=*/true);
+      } else {
+        pos = host;
+      }
+      pos = pos.view({b, len});
     } else {
-      pos = at::arange(start, start + len, at::kLong).expand({b, len});
+      pos = at::arange(start, start + len, at::TensorOptions().dtype(at::kLong).device(device_))
+                .expand({b, len});
     }
     if (!call.batch_first()) pos = pos.t();
-    return pos.reshape({-1}).to(device_);
+    return pos.reshape({-1});
   }
 
   // A decoder's projected queries and keys as its attention takes them: each head RMS-normed
@@ -377,21 +387,28 @@ class TorchModel final : public AttentionModel {
     const double eps = spec_.decoder->rms_norm_eps;
     const int64_t q_start =
         call.query_position.value_or(call.kv_use == AttendCall::Kv::kSession ? call.kv_length : 0);
-    const bool self = call.self_attention();
-    at::Tensor q_pos;
-    if (inv_freq_.defined()) q_pos = RowPositions(call, call.query_len, q_start, true);
-    const auto transform = [&](at::Tensor& x, const at::Tensor& norm, const at::Tensor& pos) {
+    // One rotation table for the queries and, at the same positions (self-attention, a session's
+    // step), the keys.
+    Rotation q_rot, k_rot;
+    if (inv_freq_.defined()) {
+      const at::ScalarType dt = r.q.scalar_type();
+      q_rot = RotationAt(RowPositions(call, call.query_len, q_start, true), inv_freq_, dt);
+      if (r.k.defined()) {
+        k_rot = call.self_attention() && r.k.scalar_type() == dt
+                    ? q_rot
+                    : RotationAt(call.self_attention()
+                                     ? RowPositions(call, call.query_len, q_start, true)
+                                     : RowPositions(call, call.key_len, call.key_position, false),
+                                 inv_freq_, r.k.scalar_type());
+      }
+    }
+    const auto transform = [&](at::Tensor& x, const at::Tensor& norm, const Rotation& rot) {
       at::Tensor heads = x.view({x.size(0), -1, d});
       if (norm.defined()) RmsNormHeadsInPlace(heads, norm, eps);
-      if (inv_freq_.defined()) RotateInPlace(heads, pos, inv_freq_);
+      if (rot.cos.defined()) RotateInPlace(heads, rot);
     };
-    transform(r.q, q_norm_, q_pos);
-    if (r.k.defined()) {
-      at::Tensor k_pos = q_pos;
-      if (inv_freq_.defined() && !self)
-        k_pos = RowPositions(call, call.key_len, call.key_position, false);
-      transform(r.k, k_norm_, k_pos);
-    }
+    transform(r.q, q_norm_, q_rot);
+    if (r.k.defined()) transform(r.k, k_norm_, k_rot);
     return r;
   }
 
@@ -732,7 +749,8 @@ class TorchModel final : public AttentionModel {
       at::Tensor heads = keys.view({keys.size(0), -1, d});
       if (k_norm_.defined()) RmsNormHeadsInPlace(heads, k_norm_, spec_.decoder->rms_norm_eps);
       if (inv_freq_.defined())
-        RotateInPlace(heads, RowPositions(call, lk, call.key_position, false), inv_freq_);
+        RotateInPlace(heads, RotationAt(RowPositions(call, lk, call.key_position, false), inv_freq_,
+                                        heads.scalar_type()));
     }
     m.KeepKeys(SplitHeads(keys, batch_first, b, lk));
     m.KeepValues(SplitHeads(products_.Linear(InputRows(*call.value), proj_v_, parallel),
