@@ -1,5 +1,7 @@
 #include "server/engine/onednn.h"
 
+#include <dlfcn.h>
+
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -15,6 +17,19 @@ using dnnl::memory;
 dnnl::engine& Engine() {
   static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
   return engine;
+}
+
+// Parallelism is the server's (one worker per core, idle ones helping: parallel.h), so each
+// thread runs its products alone. oneDNN's OpenMP runtime gives a thread that never set its own
+// count a team of every core, and the engine's workers are such threads (at::set_num_threads(1)
+// sets only its caller's). Set before a primitive is made too: its kernels size their work for
+// the team of the thread that makes it. libgomp comes with libdnnl; looked up, so this file needs
+// no OpenMP flags.
+void OneThreadHere() {
+  using SetThreads = void (*)(int);
+  static const auto set = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "omp_set_num_threads"));
+  thread_local const bool done = (set != nullptr ? set(1) : void(), true);
+  (void)done;
 }
 
 // Streams are not thread-safe: one per thread.
@@ -158,6 +173,7 @@ std::string Describe() {
 }
 
 bool Matmul(const View& a, const View& b, const View& dst, float alpha) {
+  OneThreadHere();
   static Cache cache;
   std::string key;
   Append(&key, a);
@@ -211,6 +227,7 @@ std::string PackedLinear::Layout() const {
 
 std::unique_ptr<PackedLinear> PackedLinear::Make(const float* w, const float* bias, int64_t n,
                                                  int64_t k, Type type) {
+  OneThreadHere();
   try {
     auto impl = std::make_unique<Impl>();
     impl->n = n;
@@ -246,6 +263,7 @@ std::unique_ptr<PackedLinear> PackedLinear::Make(const float* w, const float* bi
 
 bool PackedLinear::Run(const void* x, int64_t m, int64_t ldx, void* y, Type y_type,
                        int64_t ldy) const {
+  OneThreadHere();
   const Impl& p = *impl_;
   const memory::desc src({m, p.k}, DataType(p.type), memory::dims{ldx, 1});
   const memory::desc dst({m, p.n}, DataType(y_type), memory::dims{ldy, 1});

@@ -4,10 +4,14 @@
 // scale; bfloat16 inputs multiplied in float32 and rounded once, 8e-3.
 #include "server/engine/products.h"
 
+#include <dirent.h>
 #include <gtest/gtest.h>
 
 #include <stdexcept>
+#include <thread>
+#include <vector>
 
+#include "server/engine/onednn.h"
 #include "tests/lib/torch_check.h"
 
 namespace attnserve {
@@ -51,6 +55,41 @@ TEST(ProductsTest, WidenedBfloat16MultipliesInFloat32AndRoundsOnce) {
   const at::Tensor got = widened.Matmul(a, b);
   EXPECT_EQ(got.scalar_type(), at::kBFloat16);
   EXPECT_LE(RelativeError(got, at::matmul(a.to(at::kDouble), b.to(at::kDouble))), 8e-3);
+}
+
+// The threads of this process now.
+int ThreadCount() {
+  int n = 0;
+  DIR* dir = opendir("/proc/self/task");
+  if (dir == nullptr) return -1;
+  while (const dirent* e = readdir(dir)) n += e->d_name[0] != '.';
+  closedir(dir);
+  return n;
+}
+
+// Parallelism is the server's (one worker per core, idle ones helping): a oneDNN product must run
+// on the thread that calls it. oneDNN's OpenMP runtime gives a thread that never set its own
+// thread count a team of every core, and the engine's workers are such threads: on a 16-core host
+// each bfloat16 product of 16 workers fanned out 16 ways. Fails only where there are 2 cores or
+// more (CI's machine has 2).
+TEST(ProductsTest, OnednnProductsRunOnTheCallingThreadAlone) {
+  if (std::thread::hardware_concurrency() < 2) GTEST_SKIP() << "one core: no team to form";
+  const int64_t m = 256, k = 512, n = 512;
+  std::vector<float> a(m * k, 0.5f), b(k * n, 0.25f), c(m * n, 0.0f);
+  const onednn::View va{a.data(), onednn::Type::kFloat32, {m, k}, {k, 1}};
+  const onednn::View vb{b.data(), onednn::Type::kFloat32, {k, n}, {n, 1}};
+  const onednn::View vc{c.data(), onednn::Type::kFloat32, {m, n}, {n, 1}};
+  int before = 0, after = 0;
+  bool ran = false;
+  std::thread worker([&] {  // As an engine worker: a thread of the process's own, not OpenMP's.
+    before = ThreadCount();
+    ran = onednn::Matmul(va, vb, vc, 1.0f);
+    after = ThreadCount();
+  });
+  worker.join();
+  ASSERT_TRUE(ran) << "oneDNN has no float32 matmul kernel here";
+  EXPECT_FLOAT_EQ(c[0], 0.5f * 0.25f * k);
+  EXPECT_EQ(after, before) << "a oneDNN product started " << after - before << " threads";
 }
 
 TEST(ProductsTest, PiecesRunEachOnceAndRethrowTheFirstException) {
