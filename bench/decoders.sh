@@ -13,7 +13,7 @@
 # DEC_ROUNDS (5; two identical servers differ by up to 13% here) rounds; the median round's ratios.
 # DEC_SERVER_ARGS: more attnserve flags (none).
 # Writes bench/out-decoders/.
-#   bench/decoders.sh            (~7 minutes on 2 cores)
+#   bench/decoders.sh            (~5 minutes on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${ATTNSERVE_BUILD_DIR:-build}

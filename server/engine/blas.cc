@@ -27,6 +27,7 @@ BlasInfo ConfigureBlas() {
                                    : mode == 1 ? " (pthread build, 1 thread per caller)"
                                                : " (OpenMP build, 1 thread per caller)");
       info.thread_safe = mode != 0;
+      info.openblas = true;
       return;
     }
     using Version = const char* (*)();

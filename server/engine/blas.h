@@ -10,6 +10,7 @@ struct BlasInfo {
   /// False for a build that corrupts results when several threads call it at once (OpenBLAS built
   /// without threading or locking: Debian's libopenblas0-serial).
   bool thread_safe = true;
+  bool openblas = false;  ///< OpenBLAS (Debian's LibTorch; PyPI's links MKL).
 };
 
 /// Describes the loaded BLAS and, for OpenBLAS, sets one BLAS thread per calling thread: the server

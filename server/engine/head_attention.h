@@ -40,7 +40,7 @@ struct HeadAttentionOptions {
   at::ScalarType score_dtype = at::kFloat;
   bool widen = false;           ///< Attention in float32 for bfloat16 inputs.
   bool fused = false;           ///< LibTorch's fused kernel, when no weights are asked for.
-  bool onednn_float32 = false;  ///< float32 products through oneDNN (its AVX-512 kernels run).
+  bool onednn_float32 = false;  ///< float32 products through oneDNN.
 };
 
 /// Attention over heads for one model. Thread-safe. With grouped key/value heads the queries of
@@ -114,7 +114,8 @@ class HeadAttention {
   void ScoresInto(at::Tensor pp, const at::Tensor& q, const at::Tensor& kt, const at::Tensor& mask,
                   double scale) const;
   // Whether products on `t`'s dtype go to oneDNN: on the CPU in bfloat16, and in float32 where
-  // oneDNN's AVX-512 kernels run; oneDNN takes the strided heads as they lie.
+  // the model asks for it (HeadAttentionOptions::onednn_float32); oneDNN takes the strided heads as
+  // they lie.
   bool OnednnAttends(const at::Tensor& t) const;
 
   const HeadAttentionOptions o_;

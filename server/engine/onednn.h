@@ -32,7 +32,8 @@ std::string CpuClass();
 /// Whether oneDNN multiplies bfloat16 natively here (AVX512-BF16 or AMX kernels).
 bool HasBfloat16Kernels();
 /// Whether oneDNN's kernels here are its AVX-512 ones (brgemm): float32 products on packed weights
-/// then beat the BLAS (bench/RESULTS.md); on AVX2-only CPUs float32 stays on the BLAS.
+/// then beat the BLAS (bench/RESULTS.md); on AVX2-only CPUs only small batches' float32
+/// projections (Products::kSmallPackedRows) and attention's products do.
 bool HasAvx512Kernels();
 /// oneDNN's version and the ISA its kernels use here, e.g. "oneDNN 2.6.3, avx512_core_bf16".
 std::string Describe();

@@ -64,7 +64,8 @@ void Products::GemmInto(const at::Tensor& y, const at::Tensor& x, const Proj& pr
 }
 
 bool Products::RunPacked(const Proj& proj, const at::Tensor& x, const at::Tensor& y) const {
-  if (!proj.packed || x.scalar_type() != dtype_ || x.stride(1) != 1 || y.stride(1) != 1 ||
+  if (!proj.packed || (packed_max_rows_ > 0 && x.size(0) > packed_max_rows_) ||
+      x.scalar_type() != dtype_ || x.stride(1) != 1 || y.stride(1) != 1 ||
       (y.scalar_type() != at::kBFloat16 && y.scalar_type() != at::kFloat))
     return false;
   return proj.packed->Run(

@@ -37,8 +37,22 @@ class Products {
   /// E=512 here a 1-row GEMM took 0.30 ms, 4 rows 0.25, 16 rows 0.46, a GEMV 0.05 ms a row.
   static constexpr int64_t kGemvRows = 4;
 
-  Products(at::Device device, at::ScalarType dtype, double min_piece_flops, bool widen)
-      : device_(device), dtype_(dtype), min_piece_flops_(min_piece_flops), widen_(widen) {}
+  /// Float32 products of up to this many rows run on oneDNN's packed weights where its kernels
+  /// are not AVX-512 (AVX2): a decoding batch's height. Measured here (2-core AVX2 EPYC, one
+  /// thread; bench/RESULTS.md) against OpenBLAS, which packs the whole weight matrix on every
+  /// call: [2560, 2048] at 10 rows 2.3 ms against 4.3, [6144, 2048] 7.8 against 12.0; at 16 rows
+  /// 1.04-1.26x, at 24 about even, past 32 the BLAS wins.
+  static constexpr int64_t kSmallPackedRows = 16;
+
+  /// `packed_max_rows`: the most rows a product runs on packed weights (0: any; a projection
+  /// without packed weights never does).
+  Products(at::Device device, at::ScalarType dtype, double min_piece_flops, bool widen,
+           int64_t packed_max_rows = 0)
+      : device_(device),
+        dtype_(dtype),
+        min_piece_flops_(min_piece_flops),
+        widen_(widen),
+        packed_max_rows_(packed_max_rows) {}
 
   /// Threads the work may be cut for: the idle cores on the CPU; one on a GPU (its kernels are
   /// parallel already, and one stream per worker keeps their order).
@@ -94,6 +108,7 @@ class Products {
   at::ScalarType dtype_;
   double min_piece_flops_;
   bool widen_;
+  int64_t packed_max_rows_;
 };
 
 }  // namespace attnserve

@@ -83,7 +83,8 @@ class TorchModel final : public AttentionModel {
         score_dtype_(device.is_cpu() ? at::kFloat : dtype_),
         min_piece_flops_(min_piece_flops),
         widen_(WidensBfloat16(dtype_, device, force_widen)),
-        products_(device, dtype_, min_piece_flops, widen_),
+        products_(device, dtype_, min_piece_flops, widen_,
+                  small_packed_ ? Products::kSmallPackedRows : 0),
         varlen_(varlen == EngineOptions::Varlen::kEmulate ? Varlen::kEmulate
                 : varlen == EngineOptions::Varlen::kAuto && device.is_cuda() && compat::kHasVarlen
                     ? Varlen::kKernel
@@ -117,11 +118,7 @@ class TorchModel final : public AttentionModel {
     // in].
     proj_out_.w = FromHost(w.out_proj, opts).t().contiguous().t();
     if (w.out_proj_bias) proj_out_.b = FromHost(*w.out_proj_bias, opts);
-    // Projection weights packed once for oneDNN: bfloat16 on every CPU that multiplies it (the
-    // products' own kernels), float32 where oneDNN's AVX-512 kernels beat the BLAS.
-    if (device.is_cpu() &&
-        ((dtype_ == at::kBFloat16 && !widen_) || (dtype_ == at::kFloat && onednn_float32_)))
-      PackWeights(w);
+    if (device.is_cpu()) PackWeights(w);
     HeadAttentionOptions heads;
     heads.num_heads = spec_.num_heads;
     heads.num_kv_heads = spec_.kv_heads();
@@ -143,9 +140,11 @@ class TorchModel final : public AttentionModel {
     // math path an H200 stepped a grouped layer 0.90x as fast as an ungrouped one (RESULTS.md).
     heads.fused =
         compat::kHasFusedSdpa && !(device.is_cpu() && dtype_ == at::kBFloat16) && heads.scale == 0;
-    // float32 products through oneDNN where its AVX-512 kernels run (LibTorch's float32 bmm calls
-    // the BLAS, at half their speed on the AVX-512 EPYC measured).
-    heads.onednn_float32 = onednn_float32_;
+    // float32 attention products through oneDNN on every CPU it has kernels for: LibTorch's float32
+    // bmm calls the BLAS, at half oneDNN's speed on the AVX-512 EPYC measured, and slower on the
+    // AVX2 EPYC too (1.1-1.3x on prefill shapes; a one-token step over 1,100 keys in 32 heads 1.9
+    // ms against 0.6).
+    heads.onednn_float32 = onednn_float32_ || small_packed_;
     heads_ = std::make_unique<HeadAttention>(std::move(heads), products_);
     spec_.kernels = Kernels();
   }
@@ -176,7 +175,10 @@ class TorchModel final : public AttentionModel {
   std::string Kernels() const {
     if (device_.is_cuda()) return "LibTorch CUDA";
     std::string s;
-    if (proj_out_.packed) {
+    if (proj_out_.packed && small_packed_) {
+      s = "LibTorch float32 products (BLAS); up to " + std::to_string(Products::kSmallPackedRows) +
+          " rows oneDNN float32 on packed weights (" + proj_out_.packed->Layout() + ")";
+    } else if (proj_out_.packed) {
       s = std::string("oneDNN ") + (dtype_ == at::kBFloat16 ? "bfloat16" : "float32") +
           " on packed weights (" + proj_out_.packed->Layout() + ")";
     } else if (widen_) {
@@ -189,9 +191,15 @@ class TorchModel final : public AttentionModel {
     return s;
   }
 
-  // The projections' weights packed once for oneDNN's bfloat16 kernels (onednn.h); a projection
-  // oneDNN does not pack here keeps LibTorch's products.
+  // The projections' weights packed once for oneDNN's kernels (onednn.h): bfloat16 on every CPU
+  // that multiplies it (the products' own kernels), float32 where oneDNN's AVX-512 kernels beat
+  // the BLAS, and elsewhere for small batches only (small_packed_: the input projection, or q, k
+  // and v when there is none, and the output projection, the ones a decoding step's batch runs).
+  // A projection oneDNN does not pack here keeps LibTorch's products.
   void PackWeights(const ModelWeights& w) {
+    const bool all =
+        (dtype_ == at::kBFloat16 && !widen_) || (dtype_ == at::kFloat && onednn_float32_);
+    if (!all && !small_packed_) return;
     const onednn::Type type =
         dtype_ == at::kBFloat16 ? onednn::Type::kBFloat16 : onednn::Type::kFloat32;
     const auto pack = [type](const HostTensor& weight, const std::optional<HostTensor>& bias,
@@ -201,9 +209,11 @@ class TorchModel final : public AttentionModel {
                                         weight.shape[0], weight.shape[1], type);
     };
     const int64_t e = spec_.embed_dim, wq = spec_.q_width(), wkv = spec_.kv_width();
-    proj_q_.packed = pack(w.q_proj, w.in_proj_bias, 0);
-    proj_k_.packed = pack(w.k_proj, w.in_proj_bias, wq);
-    proj_v_.packed = pack(w.v_proj, w.in_proj_bias, wq + wkv);
+    if (all || !packed_) {
+      proj_q_.packed = pack(w.q_proj, w.in_proj_bias, 0);
+      proj_k_.packed = pack(w.k_proj, w.in_proj_bias, wq);
+      proj_v_.packed = pack(w.v_proj, w.in_proj_bias, wq + wkv);
+    }
     proj_out_.packed = pack(w.out_proj, w.out_proj_bias, 0);
     if (packed_) {
       HostTensor in;
@@ -813,6 +823,12 @@ class TorchModel final : public AttentionModel {
   at::ScalarType score_dtype_;
   // oneDNN's AVX-512 kernels run here: float32 products go to them (onednn::HasAvx512Kernels).
   bool onednn_float32_ = onednn::HasAvx512Kernels();
+  // Float32 on a CPU whose oneDNN kernels are not AVX-512, under OpenBLAS (measured against it;
+  // MKL's small products were not): products of up to Products::kSmallPackedRows rows (a decoding
+  // batch) on packed weights, the BLAS for the rest; only the input and output projections are
+  // packed (a second copy of the weights). Attention's products go to oneDNN too.
+  bool small_packed_ =
+      device_.is_cpu() && dtype_ == at::kFloat && !onednn_float32_ && ConfigureBlas().openblas;
   double min_piece_flops_;
   // CPU bfloat16 where LibTorch's bfloat16 products accumulate in bfloat16: projection weights are
   // kept in float32 and every matrix product runs in float32, its result rounded to bfloat16.

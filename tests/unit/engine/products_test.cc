@@ -57,6 +57,32 @@ TEST(ProductsTest, WidenedBfloat16MultipliesInFloat32AndRoundsOnce) {
   EXPECT_LE(RelativeError(got, at::matmul(a.to(at::kDouble), b.to(at::kDouble))), 8e-3);
 }
 
+// Float32 with a packed-rows limit (CPUs without AVX-512): up to the limit the products run on the
+// packed weights, past it on the BLAS. The packed copy here holds other weights than w, so each
+// answer says which ran.
+TEST(ProductsTest, SmallFloat32BatchesRunOnPackedWeightsLargerOnTheBlas) {
+  const int64_t in = 48, out = 32;
+  const at::Tensor w = Random({out, in}, 7), other = Random({out, in}, 8), b = Random({out}, 9);
+  Proj proj{w, b,
+            std::shared_ptr<const onednn::PackedLinear>(onednn::PackedLinear::Make(
+                other.data_ptr<float>(), b.data_ptr<float>(), out, in, onednn::Type::kFloat32))};
+  if (!proj.packed) GTEST_SKIP() << "oneDNN packs no float32 kernel on this CPU";
+  const Products products(at::kCPU, at::kFloat, 0, false, Products::kSmallPackedRows);
+  const auto want = [&](const at::Tensor& x, const at::Tensor& weights) {
+    return at::addmm(b.to(at::kDouble), x.to(at::kDouble), weights.to(at::kDouble).t());
+  };
+  for (const int64_t rows : {Products::kGemvRows + 1, Products::kSmallPackedRows}) {
+    const at::Tensor x = Random({rows, in}, 10 + rows);
+    EXPECT_LE(RelativeError(products.Linear(x, proj, SerialParallel()), want(x, other)), 1e-5)
+        << rows << " rows did not run on the packed weights";
+  }
+  const at::Tensor x = Random({Products::kSmallPackedRows + 1, in}, 11);
+  EXPECT_LE(RelativeError(products.Linear(x, proj, SerialParallel()), want(x, w)), 1e-5)
+      << "rows past the limit did not run on the BLAS";
+  const Products any_rows(at::kCPU, at::kFloat, 0, false);  // No limit: packed whatever the rows.
+  EXPECT_LE(RelativeError(any_rows.Linear(x, proj, SerialParallel()), want(x, other)), 1e-5);
+}
+
 // The threads of this process now.
 int ThreadCount() {
   int n = 0;
