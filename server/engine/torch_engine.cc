@@ -403,13 +403,12 @@ class TorchModel final : public AttentionModel {
     if (inv_freq_.defined()) {
       const at::ScalarType dt = r.q.scalar_type();
       q_rot = RotationAt(RowPositions(call, call.query_len, q_start, true), inv_freq_, dt);
+      // (q, k and v come from the same products, in one dtype.)
       if (r.k.defined()) {
-        k_rot = call.self_attention() && r.k.scalar_type() == dt
+        k_rot = call.self_attention()
                     ? q_rot
-                    : RotationAt(call.self_attention()
-                                     ? RowPositions(call, call.query_len, q_start, true)
-                                     : RowPositions(call, call.key_len, call.key_position, false),
-                                 inv_freq_, r.k.scalar_type());
+                    : RotationAt(RowPositions(call, call.key_len, call.key_position, false),
+                                 inv_freq_, dt);
       }
     }
     const auto transform = [&](at::Tensor& x, const at::Tensor& norm, const Rotation& rot) {
