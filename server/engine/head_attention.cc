@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 
+#include "server/engine/small_attention.h"
 #include "server/engine/torch_compat.h"
 #include "server/engine/torch_tensors.h"
 
@@ -255,6 +256,17 @@ void HeadAttention::TimesValues(const at::Tensor& p, const std::vector<at::Tenso
     at::Tensor acc =
         out_b.scalar_type() == vt ? out_b : at::empty(out_b.sizes(), out_b.options().dtype(vt));
     const at::Tensor pb = pv.select(0, bi);
+    if (acc.is_same(out_b)) {  // A few rows a head: small_attention's kernels, piece by piece.
+      bool small = true;
+      int64_t off = 0;
+      for (size_t i = 0; small && i < vs.size(); ++i) {
+        const int64_t rows = vs[i].size(2);
+        small = SmallTimesValues(vs.size() == 1 ? pb : pb.narrow(-1, off, rows),
+                                 vs[i].select(0, bi), out_b, i > 0);
+        off += rows;
+      }
+      if (small) continue;  // (The first piece decides: the rest are shaped alike.)
+    }
     // One piece of values on the CPU: oneDNN writes the strided merged rows itself (LibTorch's bmm
     // multiplies into a contiguous temporary and reorders it there).
     if (vs.size() == 1 && acc.is_same(out_b) && OnednnAttends(pb) &&
@@ -285,6 +297,10 @@ at::Tensor HeadAttention::AttendFused(const at::Tensor& qc, const at::Tensor& k,
 
 void HeadAttention::ScoresInto(at::Tensor pp, const at::Tensor& q, const at::Tensor& kt,
                                const at::Tensor& mask, double scale) const {
+  if (SmallScores(pp, q, kt, scale)) {
+    if (mask.defined()) pp.add_(mask);
+    return;
+  }
   // Scores wider than the operands (float32 from bfloat16) come from oneDNN, which keeps its
   // float32 accumulators (LibTorch's products would round them to bfloat16); the mask is then
   // added in float32.
@@ -326,6 +342,44 @@ HeadAttention::BlockMask HeadAttention::Grouped(const BlockMask& m, int64_t b, i
 bool HeadAttention::OnednnAttends(const at::Tensor& t) const {
   return o_.device.is_cpu() &&
          (t.scalar_type() == at::kBFloat16 || (t.scalar_type() == at::kFloat && o_.onednn_float32));
+}
+
+bool HeadAttention::SmallScores(const at::Tensor& pp, const at::Tensor& q, const at::Tensor& kt,
+                                double scale) const {
+  if (!o_.small_products || q.scalar_type() != at::kFloat || kt.scalar_type() != at::kFloat ||
+      pp.scalar_type() != at::kFloat || q.stride(-1) != 1 || kt.stride(-2) != 1 ||
+      pp.stride(-1) != 1) {
+    return false;
+  }
+  const int64_t heads = q.size(0), m = q.size(1), d = q.size(2), n = kt.size(2);
+  for (int64_t h = 0; h < heads; ++h) {
+    if (!small_attention::Scores(q.data_ptr<float>() + h * q.stride(0), q.stride(1), m,
+                                 kt.data_ptr<float>() + h * kt.stride(0), kt.stride(2), n, d,
+                                 static_cast<float>(scale), pp.data_ptr<float>() + h * pp.stride(0),
+                                 pp.stride(1))) {
+      return false;  // (Only at h = 0: every head is shaped alike.)
+    }
+  }
+  return true;
+}
+
+bool HeadAttention::SmallTimesValues(const at::Tensor& p, const at::Tensor& v,
+                                     const at::Tensor& out, bool accumulate) const {
+  if (!o_.small_products || p.scalar_type() != at::kFloat || v.scalar_type() != at::kFloat ||
+      out.scalar_type() != at::kFloat || p.stride(-1) != 1 || v.stride(-1) != 1 ||
+      out.stride(-1) != 1) {
+    return false;
+  }
+  const int64_t heads = p.size(0), m = p.size(1), n = v.size(1), d = v.size(2);
+  for (int64_t h = 0; h < heads; ++h) {
+    if (!small_attention::TimesValues(p.data_ptr<float>() + h * p.stride(0), p.stride(1), m,
+                                      v.data_ptr<float>() + h * v.stride(0), v.stride(1), n, d,
+                                      out.data_ptr<float>() + h * out.stride(0), out.stride(1),
+                                      accumulate)) {
+      return false;  // (Only at h = 0: every head is shaped alike.)
+    }
+  }
+  return true;
 }
 
 }  // namespace attnserve

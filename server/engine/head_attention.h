@@ -41,6 +41,9 @@ struct HeadAttentionOptions {
   bool widen = false;           ///< Attention in float32 for bfloat16 inputs.
   bool fused = false;           ///< LibTorch's fused kernel, when no weights are asked for.
   bool onednn_float32 = false;  ///< float32 products through oneDNN.
+  /// Float32 products of a few query rows a head (a grouped head's decoding step) through
+  /// small_attention's kernels, which read the keys and values once from their rows.
+  bool small_products = false;
 };
 
 /// Attention over heads for one model. Thread-safe. With grouped key/value heads the queries of
@@ -117,6 +120,13 @@ class HeadAttention {
   // the model asks for it (HeadAttentionOptions::onednn_float32); oneDNN takes the strided heads as
   // they lie.
   bool OnednnAttends(const at::Tensor& t) const;
+  // small_attention's kernels for pp [H, n, S'] = scale · q [H, n, D] · kt [H, D, S'] and for
+  // out [H, n, D] (+)= p [H, n, S'] · v [H, S', D], where they take the operands (float32 rows
+  // laid out as they read them, HeadAttentionOptions::small_products); false: nothing done.
+  bool SmallScores(const at::Tensor& pp, const at::Tensor& q, const at::Tensor& kt,
+                   double scale) const;
+  bool SmallTimesValues(const at::Tensor& p, const at::Tensor& v, const at::Tensor& out,
+                        bool accumulate) const;
 
   const HeadAttentionOptions o_;
   const Products& products_;

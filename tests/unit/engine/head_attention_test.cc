@@ -199,5 +199,40 @@ TEST_F(HeadAttentionTest, FusedPathEqualsTheReference) {
   EXPECT_LE(RelativeError(got, Attention(q, k, v, kpm).out), 1e-5) << backend;
 }
 
+// A grouped layer's decoding steps on small_attention's kernels (where the CPU runs them): a few
+// query rows a head over keys in one or two pieces with a key padding mask, and the shapes they
+// leave to the general products (one row, more than kMaxRows), all equal to the reference.
+TEST_F(HeadAttentionTest, SmallProductsOfAFewRowsAHeadEqualTheReference) {
+  HeadAttentionOptions o;
+  o.num_heads = 2;
+  o.head_dim = 64;
+  o.small_products = true;
+  const HeadAttention heads(std::move(o), products_);
+  uint64_t seed = 40;
+  for (const int64_t rows : {1, 2, 8, 16, 17}) {
+    const int64_t lk = 45;
+    const at::Tensor q = Random({kB, 2, rows, 64}, seed++), k = Random({kB, 2, lk, 64}, seed++),
+                     v = Random({kB, 2, lk, 64}, seed++);
+    at::Tensor kpm = at::zeros({kB, 1, 1, lk});
+    kpm[1][0][0][3] = -kInf;
+    const auto m = heads.MaskFor({}, kpm, false, 0, 0, rows, lk, 0, kB, at::kFloat);
+    const Reference want = Attention(q, k, v, m.mask);
+    for (const int64_t split : {lk, int64_t{19}}) {
+      std::vector<at::Tensor> ks{k.narrow(2, 0, split)}, vs{v.narrow(2, 0, split)};
+      if (split < lk) {
+        ks.push_back(k.narrow(2, split, lk - split));
+        vs.push_back(v.narrow(2, split, lk - split));
+      }
+      const at::Tensor p = heads.Probabilities(q, ks, m);
+      EXPECT_LE(RelativeError(p, want.p), 1e-5) << rows << " rows, " << ks.size() << " piece(s)";
+      // Into strided rows, as the merged heads lie.
+      at::Tensor out = at::empty({kB, rows, 2, 64}).transpose(1, 2);
+      heads.TimesValues(p, vs, out);
+      EXPECT_LE(RelativeError(out, want.out), 1e-5)
+          << rows << " rows, " << ks.size() << " piece(s)";
+    }
+  }
+}
+
 }  // namespace
 }  // namespace attnserve

@@ -1,0 +1,34 @@
+#pragma once
+// The two products of a decoding step's attention on the CPU in float32, for a few query rows a
+// head (a one-token step: one row, or a grouped key/value head's G query heads): scores = scale ·
+// q · kᵀ and heads = p · v, each reading the kept keys or values once, straight from their rows.
+// oneDNN's and the BLAS's general kernels pack or stride over cold keys for such short products
+// (bench/RESULTS.md, "Decoder layers, fifth measure"). AVX2 with FMA only, detected at run time;
+// elsewhere (or for shapes it does not take) the functions return false and the caller multiplies
+// another way. No LibTorch here: plain pointers and strides in elements.
+
+#include <cstdint>
+
+namespace attnserve::small_attention {
+
+/// Query rows a head the kernels take: from kMinRows (one row, a plain head's decoding step,
+/// oneDNN's matrix-vector kernel reads as fast: [32, 1, 64] over 1,121 cold keys 0.67 ms against
+/// 0.81 here) to kMaxRows (more: the general products fill their tiles).
+constexpr int64_t kMinRows = 2, kMaxRows = 16;
+
+/// Whether this CPU runs the kernels (AVX2 and FMA).
+bool Available();
+
+/// s[i][j] = scale · Σ_c q[i][c] · k[j][c] for i < m, j < n, c < d: q rows at stride ldq, key rows
+/// at stride ldk, score rows at stride lds (each row's elements contiguous). False (nothing
+/// written) unless Available(), kMinRows <= m <= kMaxRows and d is a multiple of 8.
+bool Scores(const float* q, int64_t ldq, int64_t m, const float* k, int64_t ldk, int64_t n,
+            int64_t d, float scale, float* s, int64_t lds);
+
+/// o[i][c] (+)= Σ_j p[i][j] · v[j][c] for i < m, c < d, j < n: probability rows at stride ldp,
+/// value rows at stride ldv, output rows at stride ldo; `accumulate` adds to o instead of
+/// overwriting it. False (nothing written) under the same conditions as Scores.
+bool TimesValues(const float* p, int64_t ldp, int64_t m, const float* v, int64_t ldv, int64_t n,
+                 int64_t d, float* o, int64_t ldo, bool accumulate);
+
+}  // namespace attnserve::small_attention

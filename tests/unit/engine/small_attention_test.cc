@@ -1,0 +1,91 @@
+// small_attention's kernels on their own (server/engine/small_attention.h): scores and
+// probabilities times values for a few query rows a head, with strided rows, key counts that are
+// and are not multiples of 8, head dims of one to 17 vectors, and accumulation over pieces, against
+// float64 with fresh random inputs of fixed seeds (tolerance 1e-5 of the result's scale); and the
+// shapes they refuse, which they leave untouched.
+#include "server/engine/small_attention.h"
+
+#include <gtest/gtest.h>
+
+#include "tests/lib/torch_check.h"
+
+namespace attnserve {
+namespace {
+
+using testing::RelativeError;
+const auto Random = testing::RandomTensor;
+
+TEST(SmallAttentionTest, RunsWhereTheCpuHasAvx2AndFma) {
+  EXPECT_EQ(small_attention::Available(),
+            __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"));
+}
+
+TEST(SmallAttentionTest, ScoresAndValuesOfStridedRowsEqualFloat64) {
+  if (!small_attention::Available()) {
+    // Nothing to compare: the kernels must then refuse every shape, untouched.
+    at::Tensor s = at::zeros({2, 8});
+    const at::Tensor q = Random({2, 8}, 1), k = Random({8, 8}, 2);
+    EXPECT_FALSE(small_attention::Scores(q.data_ptr<float>(), 8, 2, k.data_ptr<float>(), 8, 8, 8,
+                                         1.0f, s.data_ptr<float>(), 8));
+    EXPECT_EQ(s.abs().max().item<float>(), 0.0f);
+    return;
+  }
+  uint64_t seed = 100;
+  for (const int64_t m : {2, 3, 8, 16}) {
+    for (const int64_t d : {8, 64, 72, 128, 136}) {
+      for (const int64_t n : {1, 7, 8, 9, 67, 1121}) {
+        // Rows wider than they are read (strides past d and n), as kept blocks and score rows lie.
+        const at::Tensor q = Random({m, d + 8}, seed++).narrow(1, 0, d);
+        const at::Tensor k = Random({n, d + 16}, seed++).narrow(1, 0, d);
+        const at::Tensor v = Random({n, d + 24}, seed++).narrow(1, 0, d);
+        const float scale = 0.125f;
+        at::Tensor s = at::full({m, n + 5}, 7.0f).narrow(1, 0, n);
+        ASSERT_TRUE(small_attention::Scores(q.data_ptr<float>(), q.stride(0), m,
+                                            k.data_ptr<float>(), k.stride(0), n, d, scale,
+                                            s.data_ptr<float>(), s.stride(0)));
+        const at::Tensor want_s = at::matmul(q.to(at::kDouble), k.to(at::kDouble).t()) * scale;
+        EXPECT_LE(RelativeError(s, want_s), 1e-5) << "scores m " << m << " d " << d << " n " << n;
+
+        const at::Tensor p = at::softmax(s, -1).contiguous();
+        at::Tensor o = at::full({m, d + 3}, 7.0f).narrow(1, 0, d);
+        ASSERT_TRUE(small_attention::TimesValues(p.data_ptr<float>(), p.stride(0), m,
+                                                 v.data_ptr<float>(), v.stride(0), n, d,
+                                                 o.data_ptr<float>(), o.stride(0), false));
+        const at::Tensor want_o = at::matmul(p.to(at::kDouble), v.to(at::kDouble));
+        EXPECT_LE(RelativeError(o, want_o), 1e-5) << "values m " << m << " d " << d << " n " << n;
+        // Accumulated: o + p · v, as a second piece of keys adds its share.
+        ASSERT_TRUE(small_attention::TimesValues(p.data_ptr<float>(), p.stride(0), m,
+                                                 v.data_ptr<float>(), v.stride(0), n, d,
+                                                 o.data_ptr<float>(), o.stride(0), true));
+        EXPECT_LE(RelativeError(o, want_o * 2), 1e-5) << "accumulated m " << m << " d " << d;
+      }
+    }
+  }
+}
+
+TEST(SmallAttentionTest, NoKeysGiveZeroValuesAndOtherShapesAreRefusedUntouched) {
+  at::Tensor o = at::full({2, 8}, 7.0f);
+  const at::Tensor p = at::empty({2, 1}), v = at::empty({1, 8});
+  // (Without AVX2 and FMA every shape is refused: o stays 7.)
+  EXPECT_EQ(small_attention::TimesValues(p.data_ptr<float>(), 1, 2, v.data_ptr<float>(), 8, 0, 8,
+                                         o.data_ptr<float>(), 8, false),
+            small_attention::Available());
+  EXPECT_EQ(o.abs().max().item<float>(), small_attention::Available() ? 0.0f : 7.0f);
+
+  const at::Tensor q = Random({17, 12}, 5), k = Random({9, 12}, 6);
+  at::Tensor s = at::full({17, 9}, 7.0f);
+  // One row (oneDNN's), more than kMaxRows, a head dim not a multiple of 8.
+  EXPECT_FALSE(small_attention::Scores(q.data_ptr<float>(), 12, 1, k.data_ptr<float>(), 12, 9, 8,
+                                       1.0f, s.data_ptr<float>(), 9));
+  EXPECT_FALSE(small_attention::Scores(q.data_ptr<float>(), 12, 17, k.data_ptr<float>(), 12, 9, 8,
+                                       1.0f, s.data_ptr<float>(), 9));
+  EXPECT_FALSE(small_attention::Scores(q.data_ptr<float>(), 12, 2, k.data_ptr<float>(), 12, 9, 12,
+                                       1.0f, s.data_ptr<float>(), 9));
+  EXPECT_FALSE(small_attention::TimesValues(s.data_ptr<float>(), 9, 17, k.data_ptr<float>(), 12, 9,
+                                            8, o.data_ptr<float>(), 8, false));
+  EXPECT_EQ(s.ne(7.0f).sum().item<int64_t>(), 0);
+  EXPECT_EQ(o.abs().max().item<float>(), small_attention::Available() ? 0.0f : 7.0f);
+}
+
+}  // namespace
+}  // namespace attnserve
