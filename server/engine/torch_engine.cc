@@ -153,8 +153,9 @@ class TorchModel final : public AttentionModel {
     // it was (its short prefills, the kernels' other shapes, measured even). Where oneDNN's
     // kernels are AVX2 (not measured against its AVX-512 ones); the fused kernel, where it runs,
     // is unchanged.
-    heads.small_products = device.is_cpu() && !onednn_float32_ &&
-                           spec_.kv_heads() < spec_.num_heads && small_attention::Available();
+    small_products_ = device.is_cpu() && !onednn_float32_ && spec_.kv_heads() < spec_.num_heads &&
+                      small_attention::Available();
+    heads.small_products = small_products_;
     heads_ = std::make_unique<HeadAttention>(std::move(heads), products_);
     spec_.kernels = Kernels();
   }
@@ -198,6 +199,7 @@ class TorchModel final : public AttentionModel {
     }
     s += heads_->Fused(false) ? ", fused attention" : ", attention";
     if (dtype_ != at::kFloat) s += " with float32 scores";
+    if (small_products_) s += " (grouped decoding steps on AVX2 kernels)";
     return s;
   }
 
@@ -838,6 +840,8 @@ class TorchModel final : public AttentionModel {
   // packed (a second copy of the weights). Attention's products go to oneDNN too.
   bool small_packed_ =
       device_.is_cpu() && dtype_ == at::kFloat && !onednn_float32_ && ConfigureBlas().openblas;
+  // A grouped layer's decoding steps attend on small_attention's kernels (HeadAttentionOptions).
+  bool small_products_ = false;
   double min_piece_flops_;
   // CPU bfloat16 where LibTorch's bfloat16 products accumulate in bfloat16: projection weights are
   // kept in float32 and every matrix product runs in float32, its result rounded to bfloat16.

@@ -14,6 +14,8 @@
 
 #include "server/core/validator.h"
 #include "server/engine/attention_model.h"
+#include "server/engine/onednn.h"
+#include "server/engine/small_attention.h"
 #include "tests/lib/decoder_reference.h"
 #include "tests/lib/mha_reference.h"
 #include "tests/lib/test_util.h"
@@ -336,6 +338,23 @@ TEST_P(DecoderBatchTest, SmallCallsPackedInOneBatchEachEqualTheReference) {
     held += t;
   }
   EXPECT_LE(worst, 1e-4) << c.name << ": session steps batched";
+}
+
+// The model's kernels label (GetModel, attnserve_model_info) names where a grouped layer's
+// decoding steps attend: small_attention's kernels where they run (float32 on AVX2 without
+// oneDNN's AVX-512 kernels); a layer with a key/value head per query head never says so.
+TEST(DecoderEngineTest, KernelsLabelSaysWhereAGroupedLayersStepsAttend) {
+  const bool runs = small_attention::Available() && !onednn::HasAvx512Kernels();
+  for (const int64_t kvh : {int64_t{1}, int64_t{2}, int64_t{4}}) {
+    DecoderCase c;
+    c.kvh = kvh;
+    std::mt19937 rng(7);
+    auto model = CreateTorchModel(DecoderWeights(c, rng), EngineOptions{});
+    ASSERT_TRUE(model.ok()) << model.status().message();
+    const std::string& kernels = (*model)->spec().kernels;
+    const bool says = kernels.find("grouped decoding steps on AVX2 kernels") != std::string::npos;
+    EXPECT_EQ(says, runs && kvh < c.h) << kvh << " key/value heads: " << kernels;
+  }
 }
 
 TEST(DecoderEngineTest, PositionsAreRefusedOnAnNnMultiheadAttentionModel) {
