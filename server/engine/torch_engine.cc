@@ -151,10 +151,10 @@ class TorchModel final : public AttentionModel {
     // [4, 8, 64] over 1,121 cold keys, scores 0.14 ms and values 0.15 against oneDNN's 0.24 and
     // 0.19 on the AVX2 EPYC. Grouped models only: a plain model's attention stays bit for bit what
     // it was (its short prefills, the kernels' other shapes, measured even). Where oneDNN's
-    // kernels are AVX2 (not measured against its AVX-512 ones); the fused kernel, where it runs,
-    // is unchanged.
-    small_products_ = device.is_cpu() && !onednn_float32_ && spec_.kv_heads() < spec_.num_heads &&
-                      small_attention::Available();
+    // kernels are AVX2 (not measured against its AVX-512 ones), and not where the fused kernel
+    // runs (LibTorch 2.x: unchanged, not measured against them).
+    small_products_ = device.is_cpu() && !onednn_float32_ && !heads.fused &&
+                      spec_.kv_heads() < spec_.num_heads && small_attention::Available();
     heads.small_products = small_products_;
     heads_ = std::make_unique<HeadAttention>(std::move(heads), products_);
     spec_.kernels = Kernels();
