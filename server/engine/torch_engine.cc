@@ -120,6 +120,13 @@ class TorchModel final : public AttentionModel {
     proj_out_.w = FromHost(w.out_proj, opts).t().contiguous().t();
     if (w.out_proj_bias) proj_out_.b = FromHost(*w.out_proj_bias, opts);
     if (device.is_cpu()) PackWeights(w);
+    heads_ = std::make_unique<HeadAttention>(HeadOptions(w, opts), products_);
+    spec_.kernels = Kernels();
+  }
+
+  // How its attention over heads computes (and, in small_products_, whether a grouped layer's
+  // decoding steps run on small_attention's kernels). `opts`: the projection weights' options.
+  HeadAttentionOptions HeadOptions(const ModelWeights& w, const at::TensorOptions& opts) {
     HeadAttentionOptions heads;
     heads.num_heads = spec_.num_heads;
     heads.num_kv_heads = spec_.kv_heads();
@@ -130,7 +137,7 @@ class TorchModel final : public AttentionModel {
       heads.bias_v = FromHost(*w.bias_v, opts.dtype(dtype_));
     }
     heads.add_zero_attn = spec_.add_zero_attn;
-    heads.device = device;
+    heads.device = device_;
     heads.score_dtype = score_dtype_;
     heads.widen = widen_;
     // LibTorch's fused kernel (2.x). Not for CPU bfloat16: the oneDNN math path (float32 scores)
@@ -140,7 +147,7 @@ class TorchModel final : public AttentionModel {
     // Grouped heads too, a group's query rows as one head's (HeadAttention::RunBlock): on the
     // math path an H200 stepped a grouped layer 0.90x as fast as an ungrouped one (RESULTS.md).
     heads.fused =
-        compat::kHasFusedSdpa && !(device.is_cpu() && dtype_ == at::kBFloat16) && heads.scale == 0;
+        compat::kHasFusedSdpa && !(device_.is_cpu() && dtype_ == at::kBFloat16) && heads.scale == 0;
     // float32 attention products through oneDNN on every CPU it has kernels for: LibTorch's float32
     // bmm calls the BLAS, at half oneDNN's speed on the AVX-512 EPYC measured, and slower on the
     // AVX2 EPYC too (1.1-1.3x on prefill shapes; a one-token step over 1,100 keys in 32 heads 1.9
@@ -153,11 +160,10 @@ class TorchModel final : public AttentionModel {
     // it was (its short prefills, the kernels' other shapes, measured even). Where oneDNN's
     // kernels are AVX2 (not measured against its AVX-512 ones), and not where the fused kernel
     // runs (LibTorch 2.x: unchanged, not measured against them).
-    small_products_ = device.is_cpu() && !onednn_float32_ && !heads.fused &&
+    small_products_ = device_.is_cpu() && !onednn_float32_ && !heads.fused &&
                       spec_.kv_heads() < spec_.num_heads && small_attention::Available();
     heads.small_products = small_products_;
-    heads_ = std::make_unique<HeadAttention>(std::move(heads), products_);
-    spec_.kernels = Kernels();
+    return heads;
   }
 
   // A decoder's attention: scale and window, its q/k RMSNorm weights in the compute dtype (the
