@@ -1,17 +1,20 @@
 // Several compute threads calling one model at once must each get their own, correct answer: this
 // is what the server's workers do all day. Every answer is checked against the float64 reference
-// (tests/lib/mha_reference.h). A BLAS that is not thread-safe fails here: Debian's
-// libopenblas0-serial 0.3.21 gave wrong products (some equal to another thread's) as soon as two
-// threads multiplied at once. Tolerance: max |engine - reference| <= 1e-5 * max |reference| in
-// float32, 2e-2 in CPU bfloat16.
+// (tests/lib/mha_reference.h; a grouped decoder's sessions, tests/lib/decoder_reference.h). A BLAS
+// that is not thread-safe fails here: Debian's libopenblas0-serial 0.3.21 gave wrong products (some
+// equal to another thread's) as soon as two threads multiplied at once. Tolerance: max |engine -
+// reference| <= 1e-5 * max |reference| in float32, 2e-2 in CPU bfloat16.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <random>
 #include <thread>
 
 #include "server/core/validator.h"
 #include "server/engine/attention_model.h"
+#include "tests/lib/decoder_reference.h"
 #include "tests/lib/mha_reference.h"
 
 namespace attnserve {
@@ -159,6 +162,79 @@ TEST(EngineConcurrencyTest, RequestsSplitAcrossHelperThreadsEachGetTheirOwnAnswe
 // tolerance (docs/hardware.md "CPU bfloat16").
 TEST(EngineConcurrencyTest, Bfloat16ThreadsEachGetTheirOwnAnswer) {
   CheckConcurrentAnswers(EngineOptions{"cpu", DType::kBFloat16}, 2e-2, testing::Repetitions(20, 5));
+}
+
+// Decoding sessions of a grouped layer (8 query heads over 2 key/value heads of 16, RoPE), one per
+// thread, four threads stepping at once: each prompt then one-token steps through its own kept keys
+// (a group's 4 query rows a head: small_attention's kernels where they run), every step's answer
+// equal to the float64 prefill of its own sequence (tests/lib/decoder_reference.h; 1e-4, RoPE's
+// angles in float32). Another session's answer, or keys appended to another session, is off by ~1.
+TEST(EngineConcurrencyTest, GroupedDecodingSessionsOfThreadsEachGetTheirOwnAnswer) {
+  testing::DecoderShape shape;
+  shape.e = 128, shape.h = 8, shape.kvh = 2;
+  std::mt19937 rng(49);
+  const ModelWeights w = testing::RandomDecoderWeights(rng, shape);
+  auto model = CreateTorchModel(w, EngineOptions{});
+  ASSERT_TRUE(model.ok()) << model.status().message();
+  constexpr int kThreads = 4;
+  const int64_t e = shape.e, l = 24, prompt = 8;
+  std::vector<std::vector<float>> seqs;
+  std::vector<std::vector<double>> wants;
+  for (int t = 0; t < kThreads; ++t) {
+    seqs.push_back(testing::RandomFloats(rng, l * e));
+    std::vector<int64_t> pos(l);
+    for (int64_t i = 0; i < l; ++i) pos[i] = 100 * t + i;  // Each session from its own start.
+    wants.push_back(testing::DecoderReference(
+        w, 1, l, std::vector<double>(seqs.back().begin(), seqs.back().end()), pos, true));
+  }
+  const int rounds = testing::Repetitions(12, 3);
+  std::atomic<int> wrong{0}, failed{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int round = 0; round < rounds; ++round) {
+        std::shared_ptr<KvCache> cache = (*model)->NewKvCache();
+        std::vector<double> got(l * e);
+        int64_t held = 0, capacity = 0;
+        while (held < l) {
+          const int64_t n = held == 0 ? prompt : 1;
+          const testing::Buffer query = testing::Floats(
+              {1, n, e},
+              std::vector<float>(seqs[t].begin() + held * e, seqs[t].begin() + (held + n) * e));
+          AttendCall call;
+          call.query = query.view();
+          call.is_causal = true;
+          call.kv_use = AttendCall::Kv::kSession;
+          call.kv = cache;
+          call.kv_batch = 1;
+          call.kv_length = held;
+          capacity =
+              held + n <= capacity ? capacity : std::max<int64_t>({held + n, 2 * capacity, 16});
+          call.kv_capacity = capacity;
+          call.query_position = 100 * t + held;
+          std::string out;
+          AttendOutputs o;
+          o.output = &out;
+          if (!Validate(w.spec, {}, &call).ok() || !(*model)->Forward(call, &o).ok()) {
+            ++failed;
+            return;
+          }
+          const float* f = reinterpret_cast<const float*>(out.data());
+          std::copy(f, f + n * e, got.begin() + held * e);
+          held += n;
+        }
+        double err = 0, scale = 0;
+        for (size_t i = 0; i < got.size(); ++i) {
+          err = std::max(err, std::fabs(got[i] - wants[t][i]));
+          scale = std::max(scale, std::fabs(wants[t][i]));
+        }
+        if (err > 1e-4 * scale) ++wrong;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failed.load(), 0);
+  EXPECT_EQ(wrong.load(), 0) << "of " << kThreads * rounds << " sessions";
 }
 
 }  // namespace
