@@ -9,11 +9,11 @@ namespace {
 
 #define ATTNSERVE_AVX2 __attribute__((target("avx2,fma")))
 
-// [Σ a[0], ..., Σ a[7]]: the lane sums of eight vectors as one.
-ATTNSERVE_AVX2 inline __m256 Sums8(const __m256* a) {
-  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
-  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+// [Σ a0, ..., Σ a7]: the lane sums of eight vectors as one.
+ATTNSERVE_AVX2 inline __m256 Sums8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
+                                   __m256 a6, __m256 a7) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
@@ -35,7 +35,7 @@ ATTNSERVE_AVX2 void ScoresAvx2(const float* q, int64_t ldq, int64_t m, const flo
     const float* kt = k + j0 * ldk;
     for (int64_t i = 0; i < m; ++i) {
       const float* qi = q + i * ldq;
-      __m256 acc[8];  // Named while summing (an array of them the compiler kept on the stack).
+      // Named accumulators (an array of them the compiler kept on the stack, stored every step).
       __m256 a0, a1, a2, a3, a4, a5, a6, a7;
       a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = _mm256_setzero_ps();
       for (int64_t c = 0; c < d; c += 8) {
@@ -50,9 +50,8 @@ ATTNSERVE_AVX2 void ScoresAvx2(const float* q, int64_t ldq, int64_t m, const flo
         a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kc + 6 * ldk), a6);
         a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kc + 7 * ldk), a7);
       }
-      acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3, acc[4] = a4, acc[5] = a5, acc[6] = a6;
-      acc[7] = a7;
-      _mm256_storeu_ps(s + i * lds + j0, _mm256_mul_ps(Sums8(acc), vscale));
+      _mm256_storeu_ps(s + i * lds + j0,
+                       _mm256_mul_ps(Sums8(a0, a1, a2, a3, a4, a5, a6, a7), vscale));
     }
   }
   for (; j0 < n; ++j0) {
