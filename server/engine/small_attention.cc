@@ -3,11 +3,13 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstring>
 
 namespace attnserve::small_attention {
 namespace {
 
 #define ATTNSERVE_AVX2 __attribute__((target("avx2,fma")))
+#define ATTNSERVE_AVX512 __attribute__((target("avx512f,avx2,fma")))
 
 // [Σ a0, ..., Σ a7]: the lane sums of eight vectors as one.
 ATTNSERVE_AVX2 inline __m256 Sums8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
@@ -62,6 +64,112 @@ ATTNSERVE_AVX2 void ScoresAvx2(const float* q, int64_t ldq, int64_t m, const flo
       for (int64_t c = 0; c < d; c += 8)
         acc = _mm256_fmadd_ps(_mm256_loadu_ps(qi + c), _mm256_loadu_ps(kj + c), acc);
       s[i * lds + j0] = Sum(acc) * scale;
+    }
+  }
+}
+
+// AVX-512 scores, as a small GEMM: for 16 keys at a time, Sᵀ = K · Qᵀ with Q's rows as lanes, so
+// that no dot product is summed across a vector's lanes (ScoresAvx2's reduction, its cost at
+// d = 64). Eight query rows a pass, each lane pair (2r, 2r + 1) one row's even and odd dims: a
+// key's dims 2c and 2c + 1 broadcast as one 64-bit pair against qt2[c] (rows' dims 2c, 2c + 1). At
+// the end of a block the pairs are summed and the 16 keys x 8 rows transposed in registers.
+constexpr int kPassRows = 8, kBlockKeys = 16, kMaxPairs = 128;  // d <= 2 * kMaxPairs.
+
+// The permutations' lane indices (a second operand's lanes from 16): the pair sums' even and odd
+// halves (row r's key 2u + h at lane 2r + h of vector u), then for b = 0, 1, 2 the swap of vector
+// index bit b with lane bit b + 1 (after which vector r's lane t holds row r's key t).
+struct Permutations {
+  alignas(64) int32_t even[16], odd[16], low[3][16], high[3][16];
+  constexpr Permutations() : even(), odd(), low(), high() {
+    for (int lane = 0; lane < 16; ++lane) {
+      const int r = lane >> 1, h = (lane & 1) * 16;
+      even[lane] = h + 2 * r;
+      odd[lane] = h + 2 * r + 1;
+      for (int b = 0; b < 3; ++b) {
+        const int l = 2 << b;
+        low[b][lane] = (lane & l) == 0 ? lane : 16 + (lane & ~l);
+        high[b][lane] = (lane & l) == 0 ? (lane | l) : 16 + lane;
+      }
+    }
+  }
+};
+constexpr Permutations kPermutations;
+
+// A key's dims c and c + 1 as a vector of eight copies of the pair.
+ATTNSERVE_AVX512 inline __m512 PairOf(const float* kc) {
+  double pair;
+  std::memcpy(&pair, kc, sizeof pair);
+  return _mm512_castpd_ps(_mm512_set1_pd(pair));
+}
+
+// The 16 keys from k: acc[t] lane 2r + p = Σ over dims c ≡ p (mod 2) of q[r][c] · k[t][c].
+ATTNSERVE_AVX512 inline void KeyBlock(const float* qt2, const float* k, int64_t ldk, int64_t d,
+                                      __m512 acc[kBlockKeys]) {
+#pragma GCC unroll 16
+  for (int t = 0; t < kBlockKeys; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < d; c += 8) {
+    const float* qc = qt2 + c * 8;  // (c / 2) pairs of 16 floats
+    const __m512 q0 = _mm512_load_ps(qc), q1 = _mm512_load_ps(qc + 16);
+    const __m512 q2 = _mm512_load_ps(qc + 32), q3 = _mm512_load_ps(qc + 48);
+#pragma GCC unroll 16
+    for (int t = 0; t < kBlockKeys; ++t) {
+      const float* kc = k + t * ldk + c;
+      acc[t] = _mm512_fmadd_ps(PairOf(kc), q0, acc[t]);
+      acc[t] = _mm512_fmadd_ps(PairOf(kc + 2), q1, acc[t]);
+      acc[t] = _mm512_fmadd_ps(PairOf(kc + 4), q2, acc[t]);
+      acc[t] = _mm512_fmadd_ps(PairOf(kc + 6), q3, acc[t]);
+    }
+  }
+}
+
+// A block's pair sums, transposed: rows[r] lane t = row r's score of key t (unscaled).
+ATTNSERVE_AVX512 inline void Transposed(const __m512 acc[kBlockKeys], __m512 rows[kPassRows]) {
+  const Permutations& p = kPermutations;
+  const __m512i even = _mm512_load_si512(p.even), odd = _mm512_load_si512(p.odd);
+#pragma GCC unroll 8
+  for (int u = 0; u < 8; ++u) {
+    rows[u] = _mm512_add_ps(_mm512_permutex2var_ps(acc[2 * u], even, acc[2 * u + 1]),
+                            _mm512_permutex2var_ps(acc[2 * u], odd, acc[2 * u + 1]));
+  }
+#pragma GCC unroll 3
+  for (int b = 0; b < 3; ++b) {
+    const __m512i low = _mm512_load_si512(p.low[b]), high = _mm512_load_si512(p.high[b]);
+#pragma GCC unroll 8
+    for (int a = 0; a < 8; ++a) {
+      if ((a >> b) & 1) continue;
+      const __m512 x = rows[a], y = rows[a | (1 << b)];
+      rows[a] = _mm512_permutex2var_ps(x, low, y);
+      rows[a | (1 << b)] = _mm512_permutex2var_ps(x, high, y);
+    }
+  }
+}
+
+// Up to eight rows at a time; the keys past the last whole block through ScoresAvx2.
+ATTNSERVE_AVX512 void ScoresAvx512(const float* q, int64_t ldq, int64_t m, const float* k,
+                                   int64_t ldk, int64_t n, int64_t d, float scale, float* s,
+                                   int64_t lds) {
+  alignas(64) float qt2[kMaxPairs * 16];
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const int64_t whole = n / kBlockKeys * kBlockKeys;
+  for (int64_t r0 = 0; r0 < m; r0 += kPassRows) {
+    const int64_t rows = std::min<int64_t>(kPassRows, m - r0);
+    for (int64_t c = 0; c < d; c += 2) {  // Rows past m: zeros.
+      for (int64_t r = 0; r < kPassRows; ++r) {
+        qt2[c * 8 + 2 * r] = r < rows ? q[(r0 + r) * ldq + c] : 0.0f;
+        qt2[c * 8 + 2 * r + 1] = r < rows ? q[(r0 + r) * ldq + c + 1] : 0.0f;
+      }
+    }
+    float* sr = s + r0 * lds;
+    for (int64_t j0 = 0; j0 < whole; j0 += kBlockKeys) {
+      __m512 acc[kBlockKeys], out[kPassRows];
+      KeyBlock(qt2, k + j0 * ldk, ldk, d, acc);
+      Transposed(acc, out);
+      for (int64_t r = 0; r < rows; ++r)
+        _mm512_storeu_ps(sr + r * lds + j0, _mm512_mul_ps(out[r], vscale));
+    }
+    if (whole < n) {
+      ScoresAvx2(q + r0 * ldq, ldq, rows, k + whole * ldk, ldk, n - whole, d, scale, sr + whole,
+                 lds);
     }
   }
 }
@@ -125,28 +233,110 @@ ATTNSERVE_AVX2 void TimesValuesAvx2(const float* p, int64_t ldp, int64_t m, cons
   } while (j0 < n);
 }
 
-bool Takes(int64_t m, int64_t d) {
-  return Available() && m >= kMinRows && m <= kMaxRows && d >= 8 && d % 8 == 0;
+// AVX-512: rows two at a time, each value row's vectors loaded once for both (an AVX2 pair would
+// need sixteen accumulators, every ymm register); W vectors of 16 outputs a row from o0/o1, the
+// last one masked to `last` (an 8-output tail), over keys [j0, j1).
+template <int W, bool kTwo>
+ATTNSERVE_AVX512 inline void RowsTimesValues512(const float* p0, const float* p1, const float* v,
+                                                int64_t ldv, int64_t j0, int64_t j1, float* o0,
+                                                float* o1, bool first, __mmask16 last) {
+  __m512 a[W], b[W];
+#pragma GCC unroll 4
+  for (int w = 0; w < W; ++w) {
+    const __mmask16 k = w == W - 1 ? last : 0xFFFF;
+    a[w] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(k, o0 + 16 * w);
+    b[w] = first || !kTwo ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(k, o1 + 16 * w);
+  }
+  for (int64_t j = j0; j < j1; ++j) {
+    const float* vj = v + j * ldv;
+    const __m512 x = _mm512_set1_ps(p0[j]);
+    const __m512 y = kTwo ? _mm512_set1_ps(p1[j]) : x;
+#pragma GCC unroll 4
+    for (int w = 0; w < W; ++w) {
+      const __m512 vw = _mm512_maskz_loadu_ps(w == W - 1 ? last : 0xFFFF, vj + 16 * w);
+      a[w] = _mm512_fmadd_ps(x, vw, a[w]);
+      if (kTwo) b[w] = _mm512_fmadd_ps(y, vw, b[w]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int w = 0; w < W; ++w) {
+    const __mmask16 k = w == W - 1 ? last : 0xFFFF;
+    _mm512_mask_storeu_ps(o0 + 16 * w, k, a[w]);
+    if (kTwo) _mm512_mask_storeu_ps(o1 + 16 * w, k, b[w]);
+  }
+}
+
+// One row or a pair's outputs, in chunks of 64, then 16, then the 8-output tail.
+template <bool kTwo>
+ATTNSERVE_AVX512 inline void RowsTimesValues512(const float* p0, const float* p1, const float* v,
+                                                int64_t ldv, int64_t j0, int64_t j1, int64_t d,
+                                                float* o0, float* o1, bool first) {
+  int64_t c = 0;
+  for (; c + 64 <= d; c += 64)
+    RowsTimesValues512<4, kTwo>(p0, p1, v + c, ldv, j0, j1, o0 + c, o1 + c, first, 0xFFFF);
+  for (; c + 16 <= d; c += 16)
+    RowsTimesValues512<1, kTwo>(p0, p1, v + c, ldv, j0, j1, o0 + c, o1 + c, first, 0xFFFF);
+  if (c < d) RowsTimesValues512<1, kTwo>(p0, p1, v + c, ldv, j0, j1, o0 + c, o1 + c, first, 0xFF);
+}
+
+// As TimesValuesAvx2, the rows in pairs (an odd last row alone).
+ATTNSERVE_AVX512 void TimesValuesAvx512(const float* p, int64_t ldp, int64_t m, const float* v,
+                                        int64_t ldv, int64_t n, int64_t d, float* o, int64_t ldo,
+                                        bool accumulate) {
+  const int64_t tile = std::max<int64_t>(8, 4096 / d);
+  int64_t j0 = 0;
+  do {
+    const int64_t j1 = std::min(n, j0 + tile);
+    const bool first = j0 == 0 && !accumulate;
+    int64_t i = 0;
+    for (; i + 2 <= m; i += 2) {
+      RowsTimesValues512<true>(p + i * ldp, p + (i + 1) * ldp, v, ldv, j0, j1, d, o + i * ldo,
+                               o + (i + 1) * ldo, first);
+    }
+    if (i < m)
+      RowsTimesValues512<false>(p + i * ldp, nullptr, v, ldv, j0, j1, d, o + i * ldo, nullptr,
+                                first);
+    j0 = j1;
+  } while (j0 < n);
+}
+
+bool Takes(int64_t m, int64_t d, Isa isa) {
+  return isa != Isa::kNone && static_cast<int>(isa) <= static_cast<int>(Best()) && m >= kMinRows &&
+         m <= kMaxRows && d >= 8 && d % 8 == 0;
 }
 
 }  // namespace
 
-bool Available() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
+Isa Best() {
+  static const Isa best = __builtin_cpu_supports("avx512f") ? Isa::kAvx512
+                          : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
+                              ? Isa::kAvx2
+                              : Isa::kNone;
+  return best;
 }
 
+bool Available() { return Best() != Isa::kNone; }
+
 bool Scores(const float* q, int64_t ldq, int64_t m, const float* k, int64_t ldk, int64_t n,
-            int64_t d, float scale, float* s, int64_t lds) {
-  if (!Takes(m, d)) return false;
-  ScoresAvx2(q, ldq, m, k, ldk, n, d, scale, s, lds);
+            int64_t d, float scale, float* s, int64_t lds, Isa isa) {
+  if (!Takes(m, d, isa)) return false;
+  // (Up to four rows the AVX-512 kernel leaves half its lanes empty: even with ScoresAvx2.)
+  if (isa == Isa::kAvx512 && m > 4 && d <= 2 * kMaxPairs) {
+    ScoresAvx512(q, ldq, m, k, ldk, n, d, scale, s, lds);
+  } else {
+    ScoresAvx2(q, ldq, m, k, ldk, n, d, scale, s, lds);
+  }
   return true;
 }
 
 bool TimesValues(const float* p, int64_t ldp, int64_t m, const float* v, int64_t ldv, int64_t n,
-                 int64_t d, float* o, int64_t ldo, bool accumulate) {
-  if (!Takes(m, d)) return false;
-  TimesValuesAvx2(p, ldp, m, v, ldv, n, d, o, ldo, accumulate);
+                 int64_t d, float* o, int64_t ldo, bool accumulate, Isa isa) {
+  if (!Takes(m, d, isa)) return false;
+  if (isa == Isa::kAvx512) {
+    TimesValuesAvx512(p, ldp, m, v, ldv, n, d, o, ldo, accumulate);
+  } else {
+    TimesValuesAvx2(p, ldp, m, v, ldv, n, d, o, ldo, accumulate);
+  }
   return true;
 }
 

@@ -3,9 +3,10 @@
 // head (a one-token step: one row, or a grouped key/value head's G query heads): scores = scale ·
 // q · kᵀ and heads = p · v, each reading the kept keys or values once, straight from their rows.
 // oneDNN's and the BLAS's general kernels pack or stride over cold keys for such short products
-// (bench/RESULTS.md, "Decoder layers, fifth measure"). AVX2 with FMA only, detected at run time;
-// elsewhere (or for shapes it does not take) the functions return false and the caller multiplies
-// another way. No LibTorch here: plain pointers and strides in elements.
+// (bench/RESULTS.md, "Decoder layers, fifth and sixth measures"). AVX2 with FMA, and AVX-512 for
+// the values' product (rows in pairs), detected at run time; elsewhere (or for shapes it does not
+// take) the functions return false and the caller multiplies another way. No LibTorch here: plain
+// pointers and strides in elements.
 
 #include <cstdint>
 
@@ -16,19 +17,25 @@ namespace attnserve::small_attention {
 /// 0.81 here) to kMaxRows (more: the general products fill their tiles).
 constexpr int64_t kMinRows = 2, kMaxRows = 16;
 
-/// Whether this CPU runs the kernels (AVX2 and FMA).
+/// The kernels' instruction sets, each CPU running those up to its best.
+enum class Isa { kNone, kAvx2, kAvx512 };
+/// This CPU's best: kAvx512 with AVX-512F, kAvx2 with AVX2 and FMA, else kNone.
+Isa Best();
+/// Whether this CPU runs the kernels (AVX2 and FMA at least).
 bool Available();
 
 /// s[i][j] = scale · Σ_c q[i][c] · k[j][c] for i < m, j < n, c < d: q rows at stride ldq, key rows
 /// at stride ldk, score rows at stride lds (each row's elements contiguous). False (nothing
-/// written) unless Available(), kMinRows <= m <= kMaxRows and d is a multiple of 8.
+/// written) unless kMinRows <= m <= kMaxRows, d is a multiple of 8 and this CPU runs `isa` (not
+/// kNone; the AVX2 kernel either way: its AVX-512 form was no faster, bench/RESULTS.md).
 bool Scores(const float* q, int64_t ldq, int64_t m, const float* k, int64_t ldk, int64_t n,
-            int64_t d, float scale, float* s, int64_t lds);
+            int64_t d, float scale, float* s, int64_t lds, Isa isa = Best());
 
 /// o[i][c] (+)= Σ_j p[i][j] · v[j][c] for i < m, c < d, j < n: probability rows at stride ldp,
 /// value rows at stride ldv, output rows at stride ldo; `accumulate` adds to o instead of
-/// overwriting it. False (nothing written) under the same conditions as Scores.
+/// overwriting it. False (nothing written) under the same conditions as Scores; `isa` picks the
+/// kernel (tests run each the CPU has).
 bool TimesValues(const float* p, int64_t ldp, int64_t m, const float* v, int64_t ldv, int64_t n,
-                 int64_t d, float* o, int64_t ldo, bool accumulate);
+                 int64_t d, float* o, int64_t ldo, bool accumulate, Isa isa = Best());
 
 }  // namespace attnserve::small_attention

@@ -1,11 +1,15 @@
 // small_attention's kernels on their own (server/engine/small_attention.h): scores and
 // probabilities times values for a few query rows a head, with strided rows, key counts that are
-// and are not multiples of 8, head dims of one to 17 vectors, and accumulation over pieces, against
-// float64 with fresh random inputs of fixed seeds (tolerance 1e-5 of the result's scale); and the
-// shapes they refuse, which they leave untouched.
+// and are not multiples of 8, head dims of one to 33 vectors, and accumulation over pieces, against
+// float64 with fresh random inputs of fixed seeds (tolerance 1e-5 of the result's scale), through
+// each instruction set the CPU has (AVX2; AVX-512 too where it has that); and the shapes they
+// refuse, which they leave untouched.
 #include "server/engine/small_attention.h"
 
 #include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
 
 #include "tests/lib/torch_check.h"
 
@@ -18,6 +22,65 @@ const auto Random = testing::RandomTensor;
 TEST(SmallAttentionTest, RunsWhereTheCpuHasAvx2AndFma) {
   EXPECT_EQ(small_attention::Available(),
             __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"));
+  EXPECT_EQ(small_attention::Best() == small_attention::Isa::kAvx512,
+            static_cast<bool>(__builtin_cpu_supports("avx512f")));
+}
+
+// The instruction sets this CPU runs, best last.
+std::vector<small_attention::Isa> IsasHere() {
+  std::vector<small_attention::Isa> isas;
+  for (const auto isa : {small_attention::Isa::kAvx2, small_attention::Isa::kAvx512}) {
+    if (static_cast<int>(isa) <= static_cast<int>(small_attention::Best())) isas.push_back(isa);
+  }
+  return isas;
+}
+
+TEST(SmallAttentionTest, AnInstructionSetTheCpuLacksIsRefusedUntouched) {
+  std::vector<small_attention::Isa> lacking = {small_attention::Isa::kNone};
+  if (small_attention::Best() != small_attention::Isa::kAvx512) {
+    lacking.push_back(small_attention::Isa::kAvx512);
+  }
+  at::Tensor o = at::full({2, 8}, 7.0f), s = at::full({2, 3}, 7.0f);
+  const at::Tensor p = Random({2, 3}, 3), v = Random({3, 8}, 4), q = Random({2, 8}, 5);
+  for (const small_attention::Isa isa : lacking) {
+    EXPECT_FALSE(small_attention::TimesValues(p.data_ptr<float>(), 3, 2, v.data_ptr<float>(), 8, 3,
+                                              8, o.data_ptr<float>(), 8, false, isa));
+    EXPECT_FALSE(small_attention::Scores(q.data_ptr<float>(), 8, 2, v.data_ptr<float>(), 8, 3, 8,
+                                         1.0f, s.data_ptr<float>(), 3, isa));
+  }
+  EXPECT_EQ(o.ne(7.0f).sum().item<int64_t>(), 0);
+  EXPECT_EQ(s.ne(7.0f).sum().item<int64_t>(), 0);
+}
+
+// Scores and values of [m, d] query rows over n keys through `isa`, against float64.
+void CheckProducts(int64_t m, int64_t d, int64_t n, small_attention::Isa isa, uint64_t seed) {
+  // Rows wider than they are read (strides past d and n), as kept blocks and score rows lie.
+  const at::Tensor q = Random({m, d + 8}, seed * 3).narrow(1, 0, d);
+  const at::Tensor k = Random({n, d + 16}, seed * 3 + 1).narrow(1, 0, d);
+  const at::Tensor v = Random({n, d + 24}, seed * 3 + 2).narrow(1, 0, d);
+  const float scale = 0.125f;
+  at::Tensor s = at::full({m, n + 5}, 7.0f).narrow(1, 0, n);
+  ASSERT_TRUE(small_attention::Scores(q.data_ptr<float>(), q.stride(0), m, k.data_ptr<float>(),
+                                      k.stride(0), n, d, scale, s.data_ptr<float>(), s.stride(0),
+                                      isa));
+  const at::Tensor want_s = at::matmul(q.to(at::kDouble), k.to(at::kDouble).t()) * scale;
+  EXPECT_LE(RelativeError(s, want_s), 1e-5) << "scores m " << m << " d " << d << " n " << n;
+
+  const at::Tensor p = at::softmax(s, -1).contiguous();
+  // Outputs past d must stay 7: the tails are masked.
+  at::Tensor wide = at::full({m, d + 3}, 7.0f);
+  at::Tensor o = wide.narrow(1, 0, d);
+  ASSERT_TRUE(small_attention::TimesValues(p.data_ptr<float>(), p.stride(0), m, v.data_ptr<float>(),
+                                           v.stride(0), n, d, o.data_ptr<float>(), wide.stride(0),
+                                           false, isa));
+  const at::Tensor want_o = at::matmul(p.to(at::kDouble), v.to(at::kDouble));
+  EXPECT_LE(RelativeError(o, want_o), 1e-5) << "values m " << m << " d " << d << " n " << n;
+  // Accumulated: o + p · v, as a second piece of keys adds its share.
+  ASSERT_TRUE(small_attention::TimesValues(p.data_ptr<float>(), p.stride(0), m, v.data_ptr<float>(),
+                                           v.stride(0), n, d, o.data_ptr<float>(), wide.stride(0),
+                                           true, isa));
+  EXPECT_LE(RelativeError(o, want_o * 2), 1e-5) << "accumulated m " << m << " d " << d;
+  EXPECT_EQ(wide.narrow(1, d, 3).ne(7.0f).sum().item<int64_t>(), 0) << "m " << m << " d " << d;
 }
 
 TEST(SmallAttentionTest, ScoresAndValuesOfStridedRowsEqualFloat64) {
@@ -30,34 +93,12 @@ TEST(SmallAttentionTest, ScoresAndValuesOfStridedRowsEqualFloat64) {
     EXPECT_EQ(s.abs().max().item<float>(), 0.0f);
     return;
   }
-  uint64_t seed = 100;
-  for (const int64_t m : {2, 3, 8, 16}) {
-    for (const int64_t d : {8, 64, 72, 128, 136}) {
-      for (const int64_t n : {1, 7, 8, 9, 67, 1121}) {
-        // Rows wider than they are read (strides past d and n), as kept blocks and score rows lie.
-        const at::Tensor q = Random({m, d + 8}, seed++).narrow(1, 0, d);
-        const at::Tensor k = Random({n, d + 16}, seed++).narrow(1, 0, d);
-        const at::Tensor v = Random({n, d + 24}, seed++).narrow(1, 0, d);
-        const float scale = 0.125f;
-        at::Tensor s = at::full({m, n + 5}, 7.0f).narrow(1, 0, n);
-        ASSERT_TRUE(small_attention::Scores(q.data_ptr<float>(), q.stride(0), m,
-                                            k.data_ptr<float>(), k.stride(0), n, d, scale,
-                                            s.data_ptr<float>(), s.stride(0)));
-        const at::Tensor want_s = at::matmul(q.to(at::kDouble), k.to(at::kDouble).t()) * scale;
-        EXPECT_LE(RelativeError(s, want_s), 1e-5) << "scores m " << m << " d " << d << " n " << n;
-
-        const at::Tensor p = at::softmax(s, -1).contiguous();
-        at::Tensor o = at::full({m, d + 3}, 7.0f).narrow(1, 0, d);
-        ASSERT_TRUE(small_attention::TimesValues(p.data_ptr<float>(), p.stride(0), m,
-                                                 v.data_ptr<float>(), v.stride(0), n, d,
-                                                 o.data_ptr<float>(), o.stride(0), false));
-        const at::Tensor want_o = at::matmul(p.to(at::kDouble), v.to(at::kDouble));
-        EXPECT_LE(RelativeError(o, want_o), 1e-5) << "values m " << m << " d " << d << " n " << n;
-        // Accumulated: o + p · v, as a second piece of keys adds its share.
-        ASSERT_TRUE(small_attention::TimesValues(p.data_ptr<float>(), p.stride(0), m,
-                                                 v.data_ptr<float>(), v.stride(0), n, d,
-                                                 o.data_ptr<float>(), o.stride(0), true));
-        EXPECT_LE(RelativeError(o, want_o * 2), 1e-5) << "accumulated m " << m << " d " << d;
+  for (const small_attention::Isa isa : IsasHere()) {
+    SCOPED_TRACE("isa " + std::to_string(static_cast<int>(isa)));
+    uint64_t seed = 100;
+    for (const int64_t m : {2, 3, 5, 8, 15, 16}) {
+      for (const int64_t d : {8, 16, 24, 64, 72, 80, 128, 136, 264}) {
+        for (const int64_t n : {1, 7, 8, 9, 67, 1121}) CheckProducts(m, d, n, isa, seed++);
       }
     }
   }
@@ -71,6 +112,12 @@ TEST(SmallAttentionTest, NoKeysGiveZeroValuesAndOtherShapesAreRefusedUntouched) 
                                          o.data_ptr<float>(), 8, false),
             small_attention::Available());
   EXPECT_EQ(o.abs().max().item<float>(), small_attention::Available() ? 0.0f : 7.0f);
+  for (const small_attention::Isa isa : IsasHere()) {  // Each kernel's zeros.
+    o.fill_(7.0f);
+    EXPECT_TRUE(small_attention::TimesValues(p.data_ptr<float>(), 1, 2, v.data_ptr<float>(), 8, 0,
+                                             8, o.data_ptr<float>(), 8, false, isa));
+    EXPECT_EQ(o.abs().max().item<float>(), 0.0f) << static_cast<int>(isa);
+  }
 
   const at::Tensor q = Random({17, 12}, 5), k = Random({9, 12}, 6);
   at::Tensor s = at::full({17, 9}, 7.0f);
