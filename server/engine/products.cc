@@ -19,9 +19,13 @@ std::pair<int64_t, int64_t> Products::Block(int64_t total, int64_t blocks, int64
   return {i * base + std::min(i, extra), base + (i < extra ? 1 : 0)};
 }
 
-bool Products::UseGemv(const at::Tensor& x, const at::Tensor& w) const {
+bool Products::UseGemv(const at::Tensor& x, const Proj& proj) const {
+  // Packed weights, read once for every row, take a few rows too (products_test.cc's figures):
+  // any number where they are not limited (AVX-512), from 2 rows under a limit (AVX2).
+  const bool packed = proj.packed && (packed_max_rows_ == 0 || x.size(0) > 1) &&
+                      x.scalar_type() == dtype_ && x.stride(1) == 1;
   return device_.is_cpu() && x.size(0) <= kGemvRows && x.scalar_type() == at::kFloat &&
-         w.scalar_type() == at::kFloat;
+         proj.w.scalar_type() == at::kFloat && !packed;
 }
 
 void Products::GemvInto(const at::Tensor& y, const at::Tensor& x, const at::Tensor& wt,
@@ -41,7 +45,7 @@ void Products::GemmInto(const at::Tensor& y, const at::Tensor& x, const Proj& pr
                         const Parallel& parallel) const {
   const at::Tensor wt = proj.w.t();
   const at::Tensor& b = proj.b;
-  if (UseGemv(x, wt) && y.scalar_type() == at::kFloat) {
+  if (UseGemv(x, proj) && y.scalar_type() == at::kFloat) {
     GemvInto(y, x, wt, b);
     return;
   }
@@ -77,7 +81,7 @@ bool Products::RunPacked(const Proj& proj, const at::Tensor& x, const at::Tensor
 at::Tensor Products::Linear(const at::Tensor& x, const Proj& proj, const Parallel& parallel) const {
   const at::Tensor& w = proj.w;
   const at::Tensor& b = proj.b;
-  if (UseGemv(x, w)) {
+  if (UseGemv(x, proj)) {
     at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
     GemvInto(y, x, w.t(), b);
     return y;

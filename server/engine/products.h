@@ -34,7 +34,8 @@ class Products {
   /// Up to this many rows, a float32 product on the CPU runs as one matrix-vector product per row:
   /// an OpenBLAS GEMM call has a fixed cost (it packs the whole weight matrix and computes whole
   /// micro-tiles), which a one-token decoding step would pay per projection: against [3E, E] at
-  /// E=512 here a 1-row GEMM took 0.30 ms, 4 rows 0.25, 16 rows 0.46, a GEMV 0.05 ms a row.
+  /// E=512 here a 1-row GEMM took 0.30 ms, 4 rows 0.25, 16 rows 0.46, a GEMV 0.05 ms a row. Not
+  /// on packed weights, which read the weights once for all the rows (UseGemv).
   static constexpr int64_t kGemvRows = 4;
 
   /// Float32 products of up to this many rows run on oneDNN's packed weights where its kernels
@@ -96,7 +97,9 @@ class Products {
   at::Tensor Matmul(const at::Tensor& a, const at::Tensor& b) const;
 
  private:
-  bool UseGemv(const at::Tensor& x, const at::Tensor& w) const;
+  // Whether x's rows times proj run as one GEMV a row: float32 on the CPU, up to kGemvRows rows,
+  // unless proj's packed weights take them.
+  bool UseGemv(const at::Tensor& x, const Proj& proj) const;
   // y = x · wt (+ b) row by row as matrix-vector products (for UseGemv).
   static void GemvInto(const at::Tensor& y, const at::Tensor& x, const at::Tensor& wt,
                        const at::Tensor& b);
