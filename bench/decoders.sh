@@ -11,7 +11,8 @@
 # the same head_dim, whose four projections cost what the grouped layer's do; the generalisation
 # must cost nothing).
 # DEC_ROUNDS (5; two identical servers differ by up to 13% here) rounds; the median round's ratios.
-# DEC_SERVER_ARGS: more attnserve flags (none).
+# DEC_SERVER_ARGS: more attnserve flags (none); DEC_CLIENT_ARGS: more attnserve-kv-bench flags (none;
+# --stream: each session's steps over one AttendStream instead of unary calls).
 # Writes bench/out-decoders/.
 #   bench/decoders.sh            (~5 minutes on 2 cores)
 set -euo pipefail
@@ -53,7 +54,7 @@ for round in $(seq "$rounds"); do
   for name in gqa mha; do
     "$build/attnserve-kv-bench" concurrent --target 127.0.0.1:$port --model "$name" --embed "$embed" \
       --sessions-only --callers "$callers" --prompt "$prompt" --steps "$steps" \
-      --json "$out/$name.jsonl" | tee -a "$out/$name.txt" &
+      --json "$out/$name.jsonl" ${DEC_CLIENT_ARGS:-} | tee -a "$out/$name.txt" &
     bench=$!
     while kill -0 $bench 2>/dev/null; do kv_bytes >>"$out/$name.kv"; sleep 0.2; done
     wait $bench

@@ -133,6 +133,7 @@ struct Options {
   int prompt = 0;
   int prompt_max = 0;  // concurrent: callers' prompts spread evenly over [prompt, prompt_max]
   bool sessions_only = false;
+  bool stream = false;  // concurrent: each caller's steps over one AttendStream
   int memories = 64;
   int draft = 4;
   int beams = 4;
@@ -733,17 +734,37 @@ int Concurrent(const Options& o) {
             if (!p.status.ok()) Fail("prompt", p.status);
           }
         }
+        // --stream: the steps as messages of one AttendStream, each read before the next is sent.
+        grpc::ClientContext stream_context;
+        std::unique_ptr<grpc::ClientReaderWriter<pb::AttendRequest, pb::AttendResponse>> stream;
+        if (o.stream) stream = stub->AttendStream(&stream_context);
         ++ready;
         while (!go) std::this_thread::yield();
         for (int t = prompt; t < prompt + o.steps; ++t) {
           const pb::AttendRequest request = sessions ? SessionStep(tokens, t, 1, o.embed, session)
                                                      : ResendStep(tokens, t, o.embed, o.model);
           pb::AttendResponse r;
-          const Call call = Timed(stub.get(), &Stub::Attend, request, &r);
+          Call call;
+          if (stream) {
+            const auto sent = Clock::now();
+            if (!stream->Write(request) || !stream->Read(&r)) Fail("stream step", stream->Finish());
+            call.ms = Ms(Clock::now() - sent);
+            if (r.has_error()) {
+              call.status = grpc::Status(static_cast<grpc::StatusCode>(r.error().code()),
+                                         r.error().message());
+            }
+          } else {
+            call = Timed(stub.get(), &Stub::Attend, request, &r);
+          }
           if (!call.status.ok()) Fail(sessions ? "session step" : "resend step", call.status);
           lat[static_cast<size_t>(c)].push_back(call.ms);
           batch_sum += r.timing().batch_size();
           ++steps_done;
+        }
+        if (stream) {
+          stream->WritesDone();
+          const grpc::Status st = stream->Finish();
+          if (!st.ok()) Fail("stream", st);
         }
         if (sessions) Release(stub.get(), session, true);
       });
@@ -873,6 +894,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--sessions-only", o.sessions_only,
                "concurrent: measure the sessions alone (resending long prefixes takes long)");
+  app.add_flag("--stream", o.stream,
+               "concurrent: each caller's steps as messages of one AttendStream (default: unary "
+               "Attend calls)");
   app.add_option("--memories", o.memories, "eviction: memories created")->capture_default_str();
   app.add_option("--draft", o.draft, "speculative: draft tokens a round")->capture_default_str();
   app.add_option("--beams", o.beams, "beam: beams")->capture_default_str();
