@@ -240,7 +240,7 @@ at::Tensor HeadAttention::Probabilities(const at::Tensor& qc, const std::vector<
       off += rows;
     }
   }
-  at::_softmax_out(p, p, -1, /*half_to_float=*/false);
+  if (!SmallSoftmax(p)) at::_softmax_out(p, p, -1, /*half_to_float=*/false);
   if (m.any_dead) p.masked_fill_(m.dead, 0);
   return p;
 }
@@ -361,6 +361,13 @@ bool HeadAttention::SmallScores(const at::Tensor& pp, const at::Tensor& q, const
     }
   }
   return true;
+}
+
+bool HeadAttention::SmallSoftmax(const at::Tensor& p) const {
+  if (!o_.small_products || p.scalar_type() != at::kFloat || !p.is_contiguous() || p.numel() == 0)
+    return false;
+  const int64_t n = p.size(-1);
+  return small_attention::Softmax(p.data_ptr<float>(), n, p.numel() / n, n);
 }
 
 bool HeadAttention::SmallTimesValues(const at::Tensor& p, const at::Tensor& v,

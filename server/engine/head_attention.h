@@ -127,6 +127,8 @@ class HeadAttention {
                    double scale) const;
   bool SmallTimesValues(const at::Tensor& p, const at::Tensor& v, const at::Tensor& out,
                         bool accumulate) const;
+  // And its softmax over p's last dim in place (float32, rows contiguous).
+  bool SmallSoftmax(const at::Tensor& p) const;
 
   const HeadAttentionOptions o_;
   const Products& products_;

@@ -3,7 +3,9 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
 
 namespace attnserve::small_attention {
 namespace {
@@ -300,6 +302,56 @@ ATTNSERVE_AVX512 void TimesValuesAvx512(const float* p, int64_t ldp, int64_t m, 
   } while (j0 < n);
 }
 
+// exp(x) for x <= 0 (a score less its row's largest): k = round(x / ln 2), r = x - k ln 2 (ln 2 in
+// two parts, Cephes' split: k · 0.693359375 is exact), a degree-7 Taylor polynomial of e^r for
+// |r| <= ln 2 / 2 (truncation under 6e-9, relative), times 2^k. Below -87.3 (where e^x is
+// subnormal) exactly 0, as e^-inf is: a masked key weighs nothing.
+ATTNSERVE_AVX512 inline __m512 ExpOfNonPositive(__m512 x) {
+  const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 e = _mm512_set1_ps(1.0f / 5040);
+  for (const float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(c));
+  return _mm512_maskz_mov_ps(normal, _mm512_scalef_ps(e, k));
+}
+
+// One row of n in place. As LibTorch's: a row with a NaN, or whose largest score is ±inf, all NaN.
+ATTNSERVE_AVX512 void SoftmaxRowAvx512(float* s, int64_t n) {
+  const int64_t whole = n / 16 * 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n - whole)) - 1);
+  __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __mmask16 nan = 0;
+  for (int64_t j = 0; j <= whole; j += 16) {
+    const __mmask16 k = j < whole ? 0xFFFF : tail;
+    const __m512 x = _mm512_mask_loadu_ps(top, k, s + j);
+    nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    top = _mm512_max_ps(top, x);
+  }
+  const float largest = _mm512_reduce_max_ps(top);
+  if (nan != 0 || !std::isfinite(largest)) {
+    std::fill(s, s + n, std::numeric_limits<float>::quiet_NaN());
+    return;
+  }
+  const __m512 vmax = _mm512_set1_ps(largest);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j <= whole; j += 16) {
+    const __mmask16 k = j < whole ? 0xFFFF : tail;
+    const __m512 e = _mm512_maskz_mov_ps(
+        k, ExpOfNonPositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), vmax)));
+    _mm512_mask_storeu_ps(s + j, k, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  const __m512 scale = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+  for (int64_t j = 0; j <= whole; j += 16) {
+    const __mmask16 k = j < whole ? 0xFFFF : tail;
+    _mm512_mask_storeu_ps(s + j, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + j), scale));
+  }
+}
+
 bool Takes(int64_t m, int64_t d, Isa isa) {
   return isa != Isa::kNone && static_cast<int>(isa) <= static_cast<int>(Best()) && m >= kMinRows &&
          m <= kMaxRows && d >= 8 && d % 8 == 0;
@@ -326,6 +378,12 @@ bool Scores(const float* q, int64_t ldq, int64_t m, const float* k, int64_t ldk,
   } else {
     ScoresAvx2(q, ldq, m, k, ldk, n, d, scale, s, lds);
   }
+  return true;
+}
+
+bool Softmax(float* s, int64_t lds, int64_t m, int64_t n, Isa isa) {
+  if (isa != Isa::kAvx512 || Best() != Isa::kAvx512 || n < 1) return false;
+  for (int64_t i = 0; i < m; ++i) SoftmaxRowAvx512(s + i * lds, n);
   return true;
 }
 

@@ -38,4 +38,10 @@ bool Scores(const float* q, int64_t ldq, int64_t m, const float* k, int64_t ldk,
 bool TimesValues(const float* p, int64_t ldp, int64_t m, const float* v, int64_t ldv, int64_t n,
                  int64_t d, float* o, int64_t ldo, bool accumulate, Isa isa = Best());
 
+/// Rows i < m of s (n scores each, rows at stride lds) replaced by their softmax, as LibTorch's
+/// (a row with a NaN, or whose largest score is ±inf, all NaN; a score of -inf weighs exactly 0):
+/// exp to within 2 ulp of float32's, the sum in float32. AVX-512 only; false (nothing done)
+/// elsewhere, for kAvx2, or when n is 0.
+bool Softmax(float* s, int64_t lds, int64_t m, int64_t n, Isa isa = Best());
+
 }  // namespace attnserve::small_attention
