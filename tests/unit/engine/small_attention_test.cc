@@ -138,8 +138,8 @@ TEST(SmallAttentionTest, NoKeysGiveZeroValuesAndOtherShapesAreRefusedUntouched) 
 // The softmax against LibTorch's in float64: rows at a stride, lengths around the 16-lane vector,
 // scores spread over ±30 (exps down to e^-60), a few keys masked with -inf (exactly 0), and the
 // rows LibTorch makes NaN (a NaN score, a largest score of +inf, every score -inf). Tolerance
-// 5e-7 of the row's largest probability (float32's exp and sum; 1.6e-7 measured). Elsewhere than AVX-512: refused,
-// untouched.
+// 5e-7 of the row's largest probability (float32's exp and sum; 1.6e-7 measured). Elsewhere than
+// AVX-512: refused, untouched.
 TEST(SmallAttentionTest, SoftmaxEqualsLibTorchsNaNRowsAndMaskedKeysIncluded) {
   const float inf = std::numeric_limits<float>::infinity();
   for (const int64_t n : {1, 2, 15, 16, 17, 33, 1121}) {
