@@ -157,7 +157,7 @@ class TorchModel final : public AttentionModel {
     // through small_attention's kernels, which read each kept key and value once from its row:
     // [4, 8, 64] over 1,121 cold keys, scores 0.14 ms and values 0.15 against oneDNN's 0.24 and
     // 0.19 on the AVX2 EPYC; [4, 8, 64] over 1,100 cold keys on the AVX-512 EPYC (Zen 5), scores
-    // 0.038 ms and values 0.037 (the AVX-512 kernels) against oneDNN's AVX-512 0.077-0.089 and
+    // 0.024 ms and values 0.037 (the AVX-512 kernels) against oneDNN's AVX-512 0.077-0.092 and
     // 0.060-0.066 (the grouped layer's decoding steps +10%). Grouped models only: a plain model's
     // attention stays bit for bit what it was (its short prefills, the kernels' other shapes,
     // measured even). Not where the fused kernel runs (LibTorch 2.x: unchanged, not measured
