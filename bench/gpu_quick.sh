@@ -52,7 +52,11 @@ for b in attnserve attnserve-bench attnserve-cli attnserve-echo attnserve-kv-ben
   [ -x "$build/$b" ] || { echo "FAIL: $build/$b is missing (build it, carry it)"; exit 1; }
 done
 grep -q '"build-cuda/pydeps.tar.gz"' "$0" || { echo "FAIL: build-cuda/pydeps.tar.gz is not in the carry list"; failed=1; }
-prefix=/tmp/attnserve-deps
+# Scratch of this run's own (the .debs' files, the exported models) under TMPDIR, gone when it ends:
+# fixed /tmp paths outlived every CI rehearsal, outside the tests' TMPDIR, and two runs shared them.
+scratch=$(mktemp -d "${TMPDIR:-/tmp}/gpu-quick.XXXXXX") || exit 1
+trap 'rm -rf "$scratch"' EXIT
+prefix=$scratch/deps
 mkdir -p "$prefix"
 for f in .debs/*.deb; do [ -f "$f" ] && dpkg -x "$f" "$prefix"; done
 device=${DEVICE:-cuda}
@@ -167,7 +171,7 @@ if [ -n "$rehearsal" ]; then
 else
   goal "" timeout 60 "$py" tests/conformance/varlen_load.py "$build/attnserve" "${varlen[@]}"
 fi
-models=/tmp/quick-models
+models=$scratch/quick-models
 mkdir -p $models
 "$py" -c "import sys, torch; sys.path.insert(0, 'tools'); import export_model; torch.manual_seed(0); \
 export_model.export(torch.nn.MultiheadAttention($embed, $heads, batch_first=True), '$models/$model')" ||
