@@ -116,8 +116,10 @@ int64_t KvAccount::Kept(const KvFamily& family) {
 }
 
 KvEntry::~KvEntry() {
-  // Its own bytes go back now. Its cache, destroyed after this, leaves its block to the family
-  // while forks read it, and frees the family's blocks it was the last to read (KvFamily).
+  // Its cache first: it leaves its block to the family while forks read it (charged there) and
+  // frees the family's blocks it was the last to read (KvFamily). Then its own bytes go back, so
+  // that no count shows a block forks still read as free (the other order did, in between).
+  cache.reset();
   if (account && bytes) account->Add(tenant, -bytes);
 }
 

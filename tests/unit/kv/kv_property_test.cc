@@ -532,6 +532,44 @@ TEST(KvTenantPropertyTest, ForksOfClosedSessionsStayChargedToTheirTenant) {
   EXPECT_EQ(store.bytes(), 0);
 }
 
+// Closing a session whose fork still reads its block hands the block's bytes to the family before
+// the session's own go back: every value the gauges report on the way stays at or above what is
+// held after (the block's memory is never free). Before, the session's bytes went first and the
+// tenant's gauge (and the store's) read 0 until its cache handed the block over: a scrape in
+// between saw bytes held that no count held (isolation_test.py failed so under CI's load), and a
+// caller's allocation then could pass the budget.
+TEST(KvTenantPropertyTest, ClosingAForkedSessionNeverReportsItsSharedBlockAsFree) {
+  const std::shared_ptr<AttentionModel> model = SmallModel("t", 22);
+  std::vector<int64_t> tenant_reports, size_reports;
+  KvMetricsHooks hooks;
+  hooks.on_size = [&](int64_t bytes, int64_t, int64_t) { size_reports.push_back(bytes); };
+  hooks.on_tenant_bytes = [&](const std::string& label, int64_t bytes) {
+    if (label == "a") tenant_reports.push_back(bytes);
+  };
+  KvStore store(KvOptions{}, hooks);
+  store.SetTenants(TenantTerms(R"({"tenants": {"a": {}}})"));
+  std::mt19937 rng(6);
+  auto parent = store.Create(KvKind::kSession, model, model->NewKvCache(), 2, 0, "a");
+  ASSERT_TRUE(parent.ok()) << parent.status().message();
+  const std::string p = (*parent)->handle;
+  parent->reset();
+  ASSERT_EQ(Step(store, *model, p, 0, 2, testing::RandomFloats(rng, 2 * 50 * kE), true, "a").code,
+            StatusCode::kOk);
+  auto fork = store.Fork(p, model->NewKvCache(), "a");
+  ASSERT_TRUE(fork.ok()) << fork.status().message();
+  fork->reset();
+  tenant_reports.clear();
+  size_reports.clear();
+  ASSERT_TRUE(store.Release(p, KvKind::kSession, "a").ok());
+  const int64_t held = store.TenantBytes("a");
+  ASSERT_GT(held, 0) << "the fork reads the closed session's block: it stays charged";
+  EXPECT_EQ(store.bytes(), held);
+  ASSERT_FALSE(tenant_reports.empty());
+  EXPECT_EQ(tenant_reports.back(), held);
+  for (const int64_t r : tenant_reports) EXPECT_GE(r, held) << "tenant a's gauge dipped";
+  for (const int64_t r : size_reports) EXPECT_GE(r, held) << "the store's gauge dipped";
+}
+
 // Random calls by four tenants on one store over the LibTorch engine (two capped, three with
 // guarantees, one the tenants file does not name), every invariant checked after every call
 // (tests/lib/kv_tenant_check.h): eight seeds of 1,500 calls.
