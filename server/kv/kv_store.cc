@@ -7,6 +7,8 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <mutex>
+#include <set>
 #include <unordered_set>
 #include <utility>
 
@@ -38,7 +40,8 @@ std::string RandomHex(size_t bytes) {
 /// a block a family keeps when its last reader does, on whatever thread that is; so it has a mutex
 /// of its own, never held while taking the store's.
 struct KvAccount {
-  std::mutex mu;
+  // Recursive: a Transfer's function adds on the thread that holds it.
+  std::recursive_mutex mu;
   int64_t bytes = 0;
   int64_t entries[2] = {0, 0};                       // In the index, by KvKind.
   std::unordered_map<std::string, int64_t> tenants;  // Bytes by tenant (none: 0).
@@ -48,11 +51,28 @@ struct KvAccount {
   // Set once, before any entry exists.
   std::function<void(int64_t, int64_t, int64_t)> on_size;
   std::function<void(const std::string&, int64_t)> on_tenant_bytes;
+  // While a Transfer runs: the labels it changed, whose gauges are set once it ends.
+  int quiet = 0;
+  std::set<std::string> touched;
 
   void Add(const std::string& tenant, int64_t delta_bytes, KvKind kind = KvKind::kMemory,
            int64_t delta_entries = 0) {
-    std::lock_guard<std::mutex> lock(mu);
+    std::lock_guard<std::recursive_mutex> lock(mu);
     AddLocked(tenant, delta_bytes, kind, delta_entries);
+  }
+  // Runs `fn`, whose adds (on this thread) are one change: other readers of the counts wait for
+  // it, and the gauges are set to its net result, not to the steps between.
+  template <typename F>
+  void Transfer(F&& fn) {
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    ++quiet;
+    fn();
+    if (--quiet > 0) return;
+    if (on_tenant_bytes) {
+      for (const std::string& label : touched) on_tenant_bytes(label, labels[label]);
+    }
+    touched.clear();
+    if (on_size) on_size(bytes, entries[0], entries[1]);
   }
   void AddLocked(const std::string& tenant, int64_t delta_bytes, KvKind kind = KvKind::kMemory,
                  int64_t delta_entries = 0) {
@@ -65,23 +85,27 @@ struct KvAccount {
       if ((it->second += delta_bytes) == 0) tenants.erase(it);
       const std::string label = terms->Label(tenant);
       const int64_t now = labels[label] += delta_bytes;
-      if (on_tenant_bytes) on_tenant_bytes(label, now);
+      if (quiet > 0) {
+        touched.insert(label);
+      } else if (on_tenant_bytes) {
+        on_tenant_bytes(label, now);
+      }
     }
-    if (on_size) on_size(bytes, entries[0], entries[1]);
+    if (quiet == 0 && on_size) on_size(bytes, entries[0], entries[1]);
   }
   int64_t Get() {
-    std::lock_guard<std::mutex> lock(mu);
+    std::lock_guard<std::recursive_mutex> lock(mu);
     return bytes;
   }
   int64_t Tenant(const std::string& tenant) {
-    std::lock_guard<std::mutex> lock(mu);
+    std::lock_guard<std::recursive_mutex> lock(mu);
     const auto it = tenants.find(tenant);
     return it == tenants.end() ? 0 : it->second;
   }
   int64_t Kept(const KvFamily& family);
   // New terms may label tenants differently: the labels recounted, those now unused set to 0.
   void Relabel(std::shared_ptr<const Tenants> to) {
-    std::lock_guard<std::mutex> lock(mu);
+    std::lock_guard<std::recursive_mutex> lock(mu);
     terms = std::move(to);
     std::map<std::string, int64_t> now;
     for (const auto& [name, b] : tenants) now[terms->Label(name)] += b;
@@ -101,7 +125,7 @@ struct KvFamily final : public KvLedger {
   KvFamily(std::shared_ptr<KvAccount> a, std::string t)
       : account(std::move(a)), tenant(std::move(t)) {}
   void Charge(int64_t delta_bytes) override {
-    std::lock_guard<std::mutex> lock(account->mu);
+    std::lock_guard<std::recursive_mutex> lock(account->mu);
     kept += delta_bytes;
     account->AddLocked(tenant, delta_bytes);
   }
@@ -111,16 +135,20 @@ struct KvFamily final : public KvLedger {
 };
 
 int64_t KvAccount::Kept(const KvFamily& family) {
-  std::lock_guard<std::mutex> lock(mu);
+  std::lock_guard<std::recursive_mutex> lock(mu);
   return family.kept;
 }
 
 KvEntry::~KvEntry() {
-  // Its cache first: it leaves its block to the family while forks read it (charged there) and
-  // frees the family's blocks it was the last to read (KvFamily). Then its own bytes go back, so
-  // that no count shows a block forks still read as free (the other order did, in between).
-  cache.reset();
-  if (account && bytes) account->Add(tenant, -bytes);
+  // One change of the counts: its cache leaves its block to the family while forks read it
+  // (charged there) and frees the family's blocks it was the last to read (KvFamily), and its own
+  // bytes go back. In two, a reader between them saw a block forks still read as free (its own
+  // bytes gone first) or counted twice (the family's charge first).
+  if (!account) return;
+  account->Transfer([this] {
+    cache.reset();
+    if (bytes) account->AddLocked(tenant, -bytes);
+  });
 }
 
 const char* KvKindName(KvKind kind) { return kind == KvKind::kMemory ? "memory" : "session"; }

@@ -532,12 +532,12 @@ TEST(KvTenantPropertyTest, ForksOfClosedSessionsStayChargedToTheirTenant) {
   EXPECT_EQ(store.bytes(), 0);
 }
 
-// Closing a session whose fork still reads its block hands the block's bytes to the family before
-// the session's own go back: every value the gauges report on the way stays at or above what is
-// held after (the block's memory is never free). Before, the session's bytes went first and the
-// tenant's gauge (and the store's) read 0 until its cache handed the block over: a scrape in
-// between saw bytes held that no count held (isolation_test.py failed so under CI's load), and a
-// caller's allocation then could pass the budget.
+// Closing a session whose fork still reads its block moves the block's bytes from the session to
+// the family in one change: every value the gauges report on the way lies between what was held
+// before and what is held after. Before, the session's bytes went first and the tenant's gauge (and
+// the store's) read 0 until its cache handed the block over: a scrape in between saw memory held
+// that no count held (isolation_test.py failed so under CI's load), and an allocation then could
+// pass the budget; the family's charge first would count the block twice, over a cap.
 TEST(KvTenantPropertyTest, ClosingAForkedSessionNeverReportsItsSharedBlockAsFree) {
   const std::shared_ptr<AttentionModel> model = SmallModel("t", 22);
   std::vector<int64_t> tenant_reports, size_reports;
@@ -560,14 +560,21 @@ TEST(KvTenantPropertyTest, ClosingAForkedSessionNeverReportsItsSharedBlockAsFree
   fork->reset();
   tenant_reports.clear();
   size_reports.clear();
+  const int64_t before = store.TenantBytes("a");
   ASSERT_TRUE(store.Release(p, KvKind::kSession, "a").ok());
   const int64_t held = store.TenantBytes("a");
   ASSERT_GT(held, 0) << "the fork reads the closed session's block: it stays charged";
   EXPECT_EQ(store.bytes(), held);
   ASSERT_FALSE(tenant_reports.empty());
   EXPECT_EQ(tenant_reports.back(), held);
-  for (const int64_t r : tenant_reports) EXPECT_GE(r, held) << "tenant a's gauge dipped";
-  for (const int64_t r : size_reports) EXPECT_GE(r, held) << "the store's gauge dipped";
+  for (const int64_t r : tenant_reports) {
+    EXPECT_GE(r, held) << "tenant a's gauge dipped";
+    EXPECT_LE(r, before) << "tenant a's gauge counted the block twice";
+  }
+  for (const int64_t r : size_reports) {
+    EXPECT_GE(r, held) << "the store's gauge dipped";
+    EXPECT_LE(r, before) << "the store's gauge counted the block twice";
+  }
 }
 
 // Random calls by four tenants on one store over the LibTorch engine (two capped, three with
