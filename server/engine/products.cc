@@ -19,11 +19,15 @@ std::pair<int64_t, int64_t> Products::Block(int64_t total, int64_t blocks, int64
   return {i * base + std::min(i, extra), base + (i < extra ? 1 : 0)};
 }
 
+bool Products::PackedTakes(const at::Tensor& x, const Proj& proj) const {
+  return proj.packed && (packed_max_rows_ == 0 || x.size(0) <= packed_max_rows_) &&
+         x.scalar_type() == dtype_ && x.stride(1) == 1;
+}
+
 bool Products::UseGemv(const at::Tensor& x, const Proj& proj) const {
   // Packed weights, read once for every row, take a few rows too (products_test.cc's figures):
   // any number where they are not limited (AVX-512), from 2 rows under a limit (AVX2).
-  const bool packed = proj.packed && (packed_max_rows_ == 0 || x.size(0) > 1) &&
-                      x.scalar_type() == dtype_ && x.stride(1) == 1;
+  const bool packed = PackedTakes(x, proj) && (packed_max_rows_ == 0 || x.size(0) > 1);
   return device_.is_cpu() && x.size(0) <= kGemvRows && x.scalar_type() == at::kFloat &&
          proj.w.scalar_type() == at::kFloat && !packed;
 }
@@ -68,8 +72,7 @@ void Products::GemmInto(const at::Tensor& y, const at::Tensor& x, const Proj& pr
 }
 
 bool Products::RunPacked(const Proj& proj, const at::Tensor& x, const at::Tensor& y) const {
-  if (!proj.packed || (packed_max_rows_ > 0 && x.size(0) > packed_max_rows_) ||
-      x.scalar_type() != dtype_ || x.stride(1) != 1 || y.stride(1) != 1 ||
+  if (!PackedTakes(x, proj) || y.stride(1) != 1 ||
       (y.scalar_type() != at::kBFloat16 && y.scalar_type() != at::kFloat))
     return false;
   return proj.packed->Run(

@@ -97,6 +97,9 @@ class Products {
   at::Tensor Matmul(const at::Tensor& a, const at::Tensor& b) const;
 
  private:
+  // Whether proj's packed weights take x's rows: it has them, the rows are within the limit, in
+  // the packed type, with unit column stride.
+  bool PackedTakes(const at::Tensor& x, const Proj& proj) const;
   // Whether x's rows times proj run as one GEMV a row: float32 on the CPU, up to kGemvRows rows,
   // unless proj's packed weights take them.
   bool UseGemv(const at::Tensor& x, const Proj& proj) const;
