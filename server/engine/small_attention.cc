@@ -31,8 +31,9 @@ ATTNSERVE_AVX2 inline float Sum(__m256 a) {
 // Kept keys and values lie in memory, not in any cache (a step reads each session's once): the
 // kernels ask for the rows a few kilobytes ahead of the ones they multiply, which the hardware's
 // own prefetchers do not (a block of 16 keys at d = 64 is one 4 KiB page, where they stop). On the
-// Zen 5 EPYC of 2026-12-01 (22 GB/s a thread), [4, 8, 64] over 1,100 cold keys: scores 45-52 µs
-// against 66-70, values 70-78 against 79-84 (bench/RESULTS.md, seventh measure).
+// Zen 5 EPYC of 2026-12-01 (22 GB/s a thread), [4, 8, 64] over 1,100 cold keys, with and without,
+// interleaved in one process: AVX-512 scores 38-41 µs against 56-61, values 64-66 against 76-79;
+// AVX2 scores 81 against 137, values 87 against 99 (bench/RESULTS.md, seventh measure).
 constexpr int64_t kAheadBytes = 4096;
 
 // Rows [from, to) of x (rows at stride ld, d floats each) asked into the caches, clipped to n.
