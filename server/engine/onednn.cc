@@ -59,6 +59,8 @@ memory::data_type DataType(Type t) {
   return t == Type::kBFloat16 ? memory::data_type::bf16 : memory::data_type::f32;
 }
 
+size_t TypeSize(Type t) { return t == Type::kBFloat16 ? 2 : 4; }
+
 memory::desc Desc(const View& v) {
   return memory::desc(memory::dims(v.dims.begin(), v.dims.end()), DataType(v.type),
                       memory::dims(v.strides.begin(), v.strides.end()));
@@ -261,28 +263,74 @@ std::unique_ptr<PackedLinear> PackedLinear::Make(const float* w, const float* bi
   }
 }
 
+int64_t PackedLinear::ColumnBlock() const {
+  const dnnl_memory_desc_t& d = impl_->packed_desc.data;
+  if (d.format_kind != dnnl_blocked) return impl_->n;
+  int64_t block = 1;
+  for (int j = 0; j < d.format_desc.blocking.inner_nblks; ++j)
+    if (d.format_desc.blocking.inner_idxs[j] == 1) block *= d.format_desc.blocking.inner_blks[j];
+  return block;
+}
+
 bool PackedLinear::Run(const void* x, int64_t m, int64_t ldx, void* y, Type y_type,
                        int64_t ldy) const {
+  return RunColumns(x, m, ldx, y, y_type, ldy, 0, impl_->n);
+}
+
+bool PackedLinear::RunColumns(const void* x, int64_t m, int64_t ldx, void* y, Type y_type,
+                              int64_t ldy, int64_t n0, int64_t nn) const {
   OneThreadHere();
   const Impl& p = *impl_;
+  const int64_t cb = ColumnBlock();
+  const bool whole = n0 == 0 && nn == p.n;
+  if (n0 < 0 || nn <= 0 || n0 + nn > p.n ||
+      (!whole && (n0 % cb != 0 || (n0 + nn != p.n && nn % cb != 0))))
+    return false;
+  // Columns [n0, n0 + nn) of a layout whose column blocks are outermost lie in one piece of the
+  // packed weights: the same blocking over nn columns, from that piece's start.
+  memory::desc wei = p.packed_desc;
+  size_t wei_offset = 0;
+  if (!whole) {
+    dnnl_memory_desc_t d = p.packed_desc.data;
+    const auto& blk = d.format_desc.blocking;
+    if (d.format_kind != dnnl_blocked || d.offset0 != 0 || blk.strides[1] < blk.strides[0])
+      return false;
+    d.dims[1] = nn;
+    d.padded_dims[1] = (nn + cb - 1) / cb * cb;
+    wei = memory::desc(d);
+    wei_offset = static_cast<size_t>(n0 / cb * blk.strides[1]) * TypeSize(p.type);
+  }
+  // oneDNN's kernels write dense rows only: a piece of wider rows goes through a buffer.
+  const bool dense = ldy == nn;
   const memory::desc src({m, p.k}, DataType(p.type), memory::dims{ldx, 1});
-  const memory::desc dst({m, p.n}, DataType(y_type), memory::dims{ldy, 1});
+  const memory::desc dst({m, nn}, DataType(y_type), memory::dims{nn, 1});
+  const memory::desc bias({1, nn}, memory::data_type::f32, memory::dims{nn, 1});
   const std::string key = std::to_string(m) + "," + std::to_string(ldx) + "," +
-                          std::to_string(ldy) + (y_type == Type::kBFloat16 ? "h" : "f");
+                          (y_type == Type::kBFloat16 ? "h" : "f") + std::to_string(n0) + "," +
+                          std::to_string(nn);
   const std::shared_ptr<const Entry> e = p.cache.Get(key, [&] {
-    return p.has_bias ? dnnl::matmul::primitive_desc(
-                            dnnl::matmul::desc(src, p.packed_desc, p.bias.get_desc(), dst),
-                            Attr(1.0f), Engine())
-                      : dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, p.packed_desc, dst),
-                                                     Attr(1.0f), Engine());
+    return p.has_bias ? dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, wei, bias, dst),
+                                                     Attr(1.0f), Engine())
+                      : dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, wei, dst), Attr(1.0f),
+                                                     Engine());
   });
   if (!e->ok) return false;
+  const size_t y_elem = TypeSize(y_type), row_bytes = static_cast<size_t>(nn) * y_elem;
+  char* out = static_cast<char*>(y) + n0 * y_elem;
+  thread_local std::vector<char> buffer;
+  if (!dense) buffer.resize(static_cast<size_t>(m) * row_bytes);
   std::unordered_map<int, memory> args = {
       {DNNL_ARG_SRC, memory(src, Engine(), const_cast<void*>(x))},
-      {DNNL_ARG_WEIGHTS, p.weights},
-      {DNNL_ARG_DST, memory(dst, Engine(), y)}};
-  if (p.has_bias) args.emplace(DNNL_ARG_BIAS, p.bias);
+      {DNNL_ARG_WEIGHTS,
+       memory(wei, Engine(), static_cast<char*>(p.weights.get_data_handle()) + wei_offset)},
+      {DNNL_ARG_DST, memory(dst, Engine(), dense ? out : buffer.data())}};
+  if (p.has_bias) {
+    args.emplace(DNNL_ARG_BIAS,
+                 memory(bias, Engine(), static_cast<float*>(p.bias.get_data_handle()) + n0));
+  }
   Execute(*e, std::move(args));
+  for (int64_t i = 0; !dense && i < m; ++i)
+    std::memcpy(out + i * ldy * y_elem, buffer.data() + i * row_bytes, row_bytes);
   return true;
 }
 

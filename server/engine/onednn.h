@@ -56,6 +56,12 @@ class PackedLinear {
   /// x: [m, k] with row stride ldx, type as made; y: [m, n] with row stride ldy, in that type or
   /// float32. Returns false when no kernel took these operands (nothing written).
   bool Run(const void* x, int64_t m, int64_t ldx, void* y, Type y_type, int64_t ldy) const;
+  /// The same for output columns [n0, n0 + nn) only (y points at column 0): n0 and nn multiples
+  /// of ColumnBlock() (nn may end at n). False when they are not, or no kernel took them.
+  bool RunColumns(const void* x, int64_t m, int64_t ldx, void* y, Type y_type, int64_t ldy,
+                  int64_t n0, int64_t nn) const;
+  /// The packed layout's block of output columns (64 for "BA16a64b"; n when not blocked).
+  int64_t ColumnBlock() const;
   int64_t out_features() const;
   int64_t in_features() const;
   /// The packed layout, as oneDNN's verbose lines print it (e.g. "BA16a64b2a").

@@ -1,6 +1,7 @@
 #include "server/engine/products.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 
 namespace attnserve {
@@ -54,6 +55,9 @@ void Products::GemmInto(const at::Tensor& y, const at::Tensor& x, const Proj& pr
     return;
   }
   const int64_t blocks = Blocks(parallel, x.size(0), 2.0 * wt.size(0) * wt.size(1), kMinGemmRows);
+  // Too few rows to cut, with cores idle: the output columns cut instead, so that each core reads
+  // its part of the weights (a decoding batch's product reads little else).
+  if (blocks == 1 && ColumnsInto(y, x, proj, parallel)) return;
   Pieces(parallel, blocks, [&](int64_t i) {
     const auto [r0, n] =
         blocks > 1 ? Block(x.size(0), blocks, i) : std::make_pair(int64_t{0}, x.size(0));
@@ -69,6 +73,30 @@ void Products::GemmInto(const at::Tensor& y, const at::Tensor& x, const Proj& pr
       at::mm_out(yi, x.narrow(0, r0, n), wt);
     }
   });
+}
+
+bool Products::ColumnsInto(const at::Tensor& y, const at::Tensor& x, const Proj& proj,
+                           const Parallel& parallel) const {
+  if (Width(parallel) <= 1 || !PackedTakes(x, proj) || y.stride(1) != 1 ||
+      (y.scalar_type() != at::kBFloat16 && y.scalar_type() != at::kFloat))
+    return false;
+  const onednn::PackedLinear& w = *proj.packed;
+  const int64_t n = w.out_features(), block = w.ColumnBlock();
+  const double flops = 2.0 * static_cast<double>(x.size(0) * n * w.in_features());
+  const int64_t pieces = std::min({static_cast<int64_t>(Width(parallel)), n / block,
+                                   static_cast<int64_t>(flops / std::max(min_piece_flops_, 1.0))});
+  if (pieces <= 1) return false;
+  const onednn::Type y_type =
+      y.scalar_type() == at::kFloat ? onednn::Type::kFloat32 : onednn::Type::kBFloat16;
+  std::atomic<bool> refused{false};
+  Pieces(parallel, pieces, [&](int64_t i) {
+    const auto [b0, blocks] = Block(n / block, pieces, i);
+    const int64_t n0 = b0 * block, nn = i == pieces - 1 ? n - n0 : blocks * block;
+    if (!w.RunColumns(x.data_ptr(), x.size(0), x.stride(0), y.data_ptr(), y_type, y.stride(0), n0,
+                      nn))
+      refused = true;
+  });
+  return !refused;  // (Refused: the caller computes every column again its own way.)
 }
 
 bool Products::RunPacked(const Proj& proj, const at::Tensor& x, const at::Tensor& y) const {

@@ -88,7 +88,9 @@ class Products {
   }
 
   /// x [rows, in] · projᵀ (+ b) into y [rows, out], the rows cut into blocks, one GEMM each, when
-  /// cores are idle: every output row is computed as the single GEMM would.
+  /// cores are idle: every output row is computed as the single GEMM would. Too few rows for two
+  /// blocks (a decoding batch) on packed weights: the output columns cut instead, each core reading
+  /// its columns' weights alone, every output bit for bit the whole product's.
   void GemmInto(const at::Tensor& y, const at::Tensor& x, const Proj& proj,
                 const Parallel& parallel) const;
   /// nn.functional.linear(x, w, b), split as GemmInto.
@@ -109,6 +111,11 @@ class Products {
   // The product on the packed weights when oneDNN runs it: x [rows, in] and y [rows, out] with
   // unit column strides, x in the packed type, y in it or float32.
   bool RunPacked(const Proj& proj, const at::Tensor& x, const at::Tensor& y) const;
+  // x · projᵀ (+ b) into y with the output columns cut into blocks for `parallel`'s idle threads,
+  // on proj's packed weights (each piece reads its columns' weights alone; every output as the
+  // whole product computes it). False when that does not run here (nothing or only part written).
+  bool ColumnsInto(const at::Tensor& y, const at::Tensor& x, const Proj& proj,
+                   const Parallel& parallel) const;
 
   at::Device device_;
   at::ScalarType dtype_;

@@ -7,6 +7,7 @@
 #include <dirent.h>
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <stdexcept>
 #include <thread>
 #include <vector>
@@ -111,6 +112,96 @@ TEST(ProductsTest, AFewRowsRunOnPackedWeightsWhereThereAreAndOneRowOnAGemvUnderA
         RelativeError(limited.Linear(x, proj, SerialParallel()), want(x, rows == 1 ? w : other)),
         1e-5)
         << rows << " rows under the limit: " << (rows == 1 ? "not a GEMV" : "not packed");
+  }
+}
+
+// Output columns [n0, n0 + nn) of packed weights (PackedLinear::RunColumns), the pieces a few rows'
+// product is cut into for idle cores: each equal, bit for bit, to those columns of the whole
+// product, with and without bias, into dense and wider rows (a buffer in between), the last piece
+// ending at n off the column block; misaligned pieces refused, nothing written.
+TEST(ProductsTest, PackedColumnPiecesEqualTheWholeProductBitForBit) {
+  const int64_t in = 96,
+                out = 200;  // 200 columns: blocks of 64 (or whatever the layout's) + a tail
+  const at::Tensor w = Random({out, in}, 40), b = Random({out}, 41);
+  for (const onednn::Type type : {onednn::Type::kFloat32, onednn::Type::kBFloat16}) {
+    if (type == onednn::Type::kBFloat16 && !onednn::HasBfloat16Kernels()) continue;
+    const at::ScalarType st = type == onednn::Type::kFloat32 ? at::kFloat : at::kBFloat16;
+    for (const bool bias : {true, false}) {
+      const auto packed = onednn::PackedLinear::Make(
+          w.data_ptr<float>(), bias ? b.data_ptr<float>() : nullptr, out, in, type);
+      if (!packed) continue;
+      const int64_t block = packed->ColumnBlock();
+      ASSERT_GT(block, 0);
+      ASSERT_LT(block, out) << "the layout's column block holds every column: nothing to cut";
+      for (const int64_t rows : {int64_t{1}, int64_t{3}, int64_t{10}}) {
+        const at::Tensor x = Random({rows, in}, 50 + rows).to(st);
+        at::Tensor whole = at::empty({rows, out});
+        ASSERT_TRUE(
+            packed->Run(x.data_ptr(), rows, in, whole.data_ptr(), onednn::Type::kFloat32, out));
+        for (const int64_t ld : {out, out + 13}) {  // Dense rows, and rows of a wider matrix.
+          at::Tensor pieces = at::full({rows, ld}, -7.0f);
+          for (int64_t n0 = 0; n0 < out; n0 += block) {
+            const int64_t nn = std::min(block, out - n0);
+            ASSERT_TRUE(packed->RunColumns(x.data_ptr(), rows, in, pieces.data_ptr(),
+                                           onednn::Type::kFloat32, ld, n0, nn))
+                << n0 << "+" << nn;
+          }
+          EXPECT_TRUE(at::equal(pieces.narrow(1, 0, out), whole))
+              << "type " << static_cast<int>(type) << " bias " << bias << " rows " << rows << " ld "
+              << ld << ": max diff "
+              << (pieces.narrow(1, 0, out) - whole).abs().max().item<float>();
+          if (ld > out)
+            EXPECT_TRUE(
+                at::equal(pieces.narrow(1, out, ld - out), at::full({rows, ld - out}, -7.0f)));
+        }
+        at::Tensor untouched = at::full({rows, out}, -7.0f);
+        EXPECT_FALSE(packed->RunColumns(x.data_ptr(), rows, in, untouched.data_ptr(),
+                                        onednn::Type::kFloat32, out, 1, block));
+        EXPECT_FALSE(packed->RunColumns(x.data_ptr(), rows, in, untouched.data_ptr(),
+                                        onednn::Type::kFloat32, out, 0, out + 1));
+        EXPECT_TRUE(at::equal(untouched, at::full({rows, out}, -7.0f)));
+      }
+    }
+  }
+}
+
+// Two threads' width, the pieces run in turn on the caller; it counts the pieces it was given.
+class CountingParallel final : public Parallel {
+ public:
+  int Width() const override { return 2; }
+  void For(int64_t n, const std::function<void(int64_t)>& fn) const override {
+    pieces += n;
+    for (int64_t i = 0; i < n; ++i) fn(i);
+  }
+  mutable int64_t pieces = 0;
+};
+
+// A few rows with a core idle: GemmInto cuts the output columns (row blocks need kMinGemmRows
+// rows each), on helper threads too, and the answer is the serial product's, bit for bit.
+TEST(ProductsTest, AFewRowsOnIdleCoresSplitTheColumnsAndEqualTheSerialProduct) {
+  const int64_t in = 256, out = 512;
+  const at::Tensor w = Random({out, in}, 60), b = Random({out}, 61);
+  Proj proj{w, b,
+            std::shared_ptr<const onednn::PackedLinear>(onednn::PackedLinear::Make(
+                w.data_ptr<float>(), b.data_ptr<float>(), out, in, onednn::Type::kFloat32))};
+  if (!proj.packed) GTEST_SKIP() << "oneDNN packs no float32 kernel on this CPU";
+  const Products products(at::kCPU, at::kFloat, /*min_piece_flops=*/0, false);
+  const HelperPool pool(2);
+  for (const int64_t rows : {int64_t{1}, int64_t{5}, Products::kMinGemmRows + 1}) {
+    const at::Tensor x = Random({rows, in}, 70 + rows);
+    at::Tensor serial = at::empty({rows, out}), split = at::empty({rows, out}),
+               counted = at::empty({rows, out});
+    products.GemmInto(serial, x, proj, SerialParallel());
+    products.GemmInto(split, x, proj, pool);
+    const CountingParallel two;
+    products.GemmInto(counted, x, proj, two);
+    EXPECT_EQ(two.pieces, 2) << rows << " rows were not cut in two";
+    EXPECT_TRUE(at::equal(split, serial))
+        << rows << " rows: max diff " << (split - serial).abs().max().item<float>();
+    EXPECT_TRUE(at::equal(counted, serial)) << rows << " rows";
+    EXPECT_LE(RelativeError(split,
+                            at::addmm(b.to(at::kDouble), x.to(at::kDouble), w.to(at::kDouble).t())),
+              1e-5);
   }
 }
 
