@@ -708,12 +708,14 @@ int Concurrent(const Options& o) {
       "(E=%lld; %.0f kept tokens a step on average)\n",
       o.callers, o.prompt, std::max(o.prompt, o.prompt_max), o.steps,
       static_cast<long long>(o.embed), kept);
-  std::printf("%-8s %12s %10s %10s %10s %12s\n", "form", "tokens/s", "p50 ms", "p99 ms", "wall s",
-              "mean batch");
+  std::printf("%-8s %12s %10s %10s %10s %12s %12s %8s\n", "form", "tokens/s", "p50 ms", "p99 ms", "wall s",
+              "mean batch", "all-in t/s", "all-in s");
   double rate[2] = {0, 0};
   for (int form = 0; form < (o.sessions_only ? 1 : 2); ++form) {  // 0: sessions, 1: resend.
     const bool sessions = form == 0;
     std::vector<std::vector<double>> lat(static_cast<size_t>(o.callers));
+    // When each caller's steps were answered: the window in which every caller was stepping.
+    std::vector<std::vector<Clock::time_point>> answered(static_cast<size_t>(o.callers));
     std::atomic<int64_t> batch_sum{0}, steps_done{0};
     std::atomic<int> ready{0};
     std::atomic<bool> go{false};
@@ -758,6 +760,7 @@ int Concurrent(const Options& o) {
           }
           if (!call.status.ok()) Fail(sessions ? "session step" : "resend step", call.status);
           lat[static_cast<size_t>(c)].push_back(call.ms);
+          answered[static_cast<size_t>(c)].push_back(Clock::now());
           batch_sum += r.timing().batch_size();
           ++steps_done;
         }
@@ -778,13 +781,26 @@ int Concurrent(const Options& o) {
     for (auto& l : lat) all.insert(all.end(), l.begin(), l.end());
     rate[form] = static_cast<double>(steps_done) / wall;
     const double mean_batch = static_cast<double>(batch_sum) / static_cast<double>(steps_done);
-    std::printf("%-8s %12.0f %10.2f %10.2f %10.2f %12.1f\n", sessions ? "session" : "resend",
-                rate[form], Percentile(all, 0.5), Percentile(all, 0.99), wall, mean_batch);
+    // Until the first caller's last answer every caller was stepping: the rate of that window
+    // (the wall's rate also counts the tail, where fewer callers are left).
+    Clock::time_point first_done = Clock::time_point::max();
+    for (const auto& a : answered) {
+      if (!a.empty()) first_done = std::min(first_done, a.back());
+    }
+    int64_t in_window = 0;
+    for (const auto& a : answered)
+      in_window += std::upper_bound(a.begin(), a.end(), first_done) - a.begin();
+    const double window = first_done == Clock::time_point::max() ? 0 : Ms(first_done - start) / 1000;
+    const double all_rate = window > 0 ? static_cast<double>(in_window) / window : 0;
+    std::printf("%-8s %12.0f %10.2f %10.2f %10.2f %12.1f %12.0f %8.2f\n", sessions ? "session" : "resend",
+                rate[form], Percentile(all, 0.5), Percentile(all, 0.99), wall, mean_batch, all_rate, window);
     out[sessions ? "session" : "resend"] = {{"tokens_per_s", rate[form]},
                                             {"p50_ms", Percentile(all, 0.5)},
                                             {"p99_ms", Percentile(all, 0.99)},
                                             {"wall_s", wall},
-                                            {"mean_batch", mean_batch}};
+                                            {"mean_batch", mean_batch},
+                                            {"all_in_tokens_per_s", all_rate},
+                                            {"all_in_s", window}};
   }
   if (!o.sessions_only) std::printf("session / resend tokens/s: %.2f\n", rate[0] / rate[1]);
   WriteJson(o, out);
