@@ -134,6 +134,7 @@ struct Options {
   int prompt_max = 0;  // concurrent: callers' prompts spread evenly over [prompt, prompt_max]
   bool sessions_only = false;
   bool stream = false;  // concurrent: each caller's steps over one AttendStream
+  bool async = false;   // concurrent: every caller's steps from one thread, asynchronous calls
   int memories = 64;
   int draft = 4;
   int beams = 4;
@@ -685,6 +686,80 @@ int Memory(const Options& o) {
 // ---- concurrent
 // ------------------------------------------------------------------------------------
 
+// A caller of `concurrent --async`: its connection, session (empty: resending) and sequence.
+struct AsyncCaller {
+  std::unique_ptr<Stub> stub;
+  std::string session;
+  std::vector<float> tokens;
+  int prompt = 0;
+};
+
+// Every caller's steps from this thread: one asynchronous Attend in flight per caller on one
+// completion queue, the next sent when its answer arrives; latencies, answer times and batch
+// sizes as the threaded form records them. Sessions are closed at the end.
+void DriveAsync(const Options& o, bool sessions, std::vector<AsyncCaller>* callers,
+                std::vector<std::vector<double>>* lat,
+                std::vector<std::vector<Clock::time_point>>* answered,
+                std::atomic<int64_t>* batch_sum, std::atomic<int64_t>* steps_done) {
+  struct InFlight {
+    std::unique_ptr<grpc::ClientContext> context;
+    std::unique_ptr<grpc::ClientAsyncResponseReader<pb::AttendResponse>> call;
+    pb::AttendResponse response;
+    grpc::Status status;
+    Clock::time_point sent;
+    int t = 0;
+  };
+  grpc::CompletionQueue cq;
+  std::vector<InFlight> flights(callers->size());
+  const auto send = [&](size_t c) {
+    AsyncCaller& caller = (*callers)[c];
+    InFlight& f = flights[c];
+    f.context = std::make_unique<grpc::ClientContext>();
+    f.context->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+    f.response.Clear();
+    const pb::AttendRequest request =
+        sessions ? SessionStep(caller.tokens, f.t, 1, o.embed, caller.session)
+                 : ResendStep(caller.tokens, f.t, o.embed, o.model);
+    f.sent = Clock::now();
+    f.call = caller.stub->AsyncAttend(f.context.get(), request, &cq);
+    f.call->Finish(&f.response, &f.status, reinterpret_cast<void*>(c));
+  };
+  size_t active = 0;
+  for (size_t c = 0; c < callers->size(); ++c) {
+    flights[c].t = (*callers)[c].prompt;
+    if (o.steps > 0) {
+      send(c);
+      ++active;
+    }
+  }
+  while (active > 0) {
+    void* tag = nullptr;
+    bool ok = false;
+    if (!cq.Next(&tag, &ok)) break;
+    const size_t c = reinterpret_cast<size_t>(tag);
+    InFlight& f = flights[c];
+    if (!ok || !f.status.ok()) Fail(sessions ? "session step" : "resend step", f.status);
+    const Clock::time_point now = Clock::now();
+    (*lat)[c].push_back(Ms(now - f.sent));
+    (*answered)[c].push_back(now);
+    *batch_sum += f.response.timing().batch_size();
+    ++*steps_done;
+    if (++f.t < (*callers)[c].prompt + o.steps) {
+      send(c);
+    } else {
+      --active;
+    }
+  }
+  cq.Shutdown();
+  void* tag = nullptr;
+  bool ok = false;
+  while (cq.Next(&tag, &ok)) {
+  }
+  for (AsyncCaller& caller : *callers) {
+    if (sessions) Release(caller.stub.get(), caller.session, true);
+  }
+}
+
 int Concurrent(const Options& o) {
   // Caller c's prompt: o.prompt, or spread evenly up to o.prompt_max.
   const auto prompt_of = [&](int c) {
@@ -708,8 +783,8 @@ int Concurrent(const Options& o) {
       "(E=%lld; %.0f kept tokens a step on average)\n",
       o.callers, o.prompt, std::max(o.prompt, o.prompt_max), o.steps,
       static_cast<long long>(o.embed), kept);
-  std::printf("%-8s %12s %10s %10s %10s %12s %12s %8s\n", "form", "tokens/s", "p50 ms", "p99 ms", "wall s",
-              "mean batch", "all-in t/s", "all-in s");
+  std::printf("%-8s %12s %10s %10s %10s %12s %12s %8s\n", "form", "tokens/s", "p50 ms", "p99 ms",
+              "wall s", "mean batch", "all-in t/s", "all-in s");
   double rate[2] = {0, 0};
   for (int form = 0; form < (o.sessions_only ? 1 : 2); ++form) {  // 0: sessions, 1: resend.
     const bool sessions = form == 0;
@@ -720,6 +795,7 @@ int Concurrent(const Options& o) {
     std::atomic<int> ready{0};
     std::atomic<bool> go{false};
     std::vector<std::thread> threads;
+    std::vector<AsyncCaller> async_callers(static_cast<size_t>(o.callers));
     Clock::time_point start;
     for (int c = 0; c < o.callers; ++c) {
       threads.emplace_back([&, c] {
@@ -740,6 +816,11 @@ int Concurrent(const Options& o) {
         grpc::ClientContext stream_context;
         std::unique_ptr<grpc::ClientReaderWriter<pb::AttendRequest, pb::AttendResponse>> stream;
         if (o.stream) stream = stub->AttendStream(&stream_context);
+        if (o.async) {  // The steps go from the driver below; the session is closed there.
+          async_callers[static_cast<size_t>(c)] = {std::move(stub), session, tokens, prompt};
+          ++ready;
+          return;
+        }
         ++ready;
         while (!go) std::this_thread::yield();
         for (int t = prompt; t < prompt + o.steps; ++t) {
@@ -773,9 +854,15 @@ int Concurrent(const Options& o) {
       });
     }
     while (ready < o.callers) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    start = Clock::now();
-    go = true;
-    for (auto& t : threads) t.join();
+    if (o.async) {
+      for (auto& t : threads) t.join();
+      start = Clock::now();
+      DriveAsync(o, sessions, &async_callers, &lat, &answered, &batch_sum, &steps_done);
+    } else {
+      start = Clock::now();
+      go = true;
+      for (auto& t : threads) t.join();
+    }
     const double wall = Ms(Clock::now() - start) / 1000;
     std::vector<double> all;
     for (auto& l : lat) all.insert(all.end(), l.begin(), l.end());
@@ -790,10 +877,12 @@ int Concurrent(const Options& o) {
     int64_t in_window = 0;
     for (const auto& a : answered)
       in_window += std::upper_bound(a.begin(), a.end(), first_done) - a.begin();
-    const double window = first_done == Clock::time_point::max() ? 0 : Ms(first_done - start) / 1000;
+    const double window =
+        first_done == Clock::time_point::max() ? 0 : Ms(first_done - start) / 1000;
     const double all_rate = window > 0 ? static_cast<double>(in_window) / window : 0;
-    std::printf("%-8s %12.0f %10.2f %10.2f %10.2f %12.1f %12.0f %8.2f\n", sessions ? "session" : "resend",
-                rate[form], Percentile(all, 0.5), Percentile(all, 0.99), wall, mean_batch, all_rate, window);
+    std::printf("%-8s %12.0f %10.2f %10.2f %10.2f %12.1f %12.0f %8.2f\n",
+                sessions ? "session" : "resend", rate[form], Percentile(all, 0.5),
+                Percentile(all, 0.99), wall, mean_batch, all_rate, window);
     out[sessions ? "session" : "resend"] = {{"tokens_per_s", rate[form]},
                                             {"p50_ms", Percentile(all, 0.5)},
                                             {"p99_ms", Percentile(all, 0.99)},
@@ -913,6 +1002,12 @@ int main(int argc, char** argv) {
   app.add_flag("--stream", o.stream,
                "concurrent: each caller's steps as messages of one AttendStream (default: unary "
                "Attend calls)");
+  app.add_flag("--async", o.async,
+               "concurrent: every caller's unary steps driven from one thread through gRPC's "
+               "asynchronous API (one completion queue), so that the load generator takes little "
+               "of the cores it shares with the server (default: a thread per caller, blocking "
+               "calls); not with --stream")
+      ->excludes("--stream");
   app.add_option("--memories", o.memories, "eviction: memories created")->capture_default_str();
   app.add_option("--draft", o.draft, "speculative: draft tokens a round")->capture_default_str();
   app.add_option("--beams", o.beams, "beam: beams")->capture_default_str();
