@@ -75,19 +75,26 @@ void Products::GemmInto(const at::Tensor& y, const at::Tensor& x, const Proj& pr
   });
 }
 
-bool Products::ColumnsInto(const at::Tensor& y, const at::Tensor& x, const Proj& proj,
-                           const Parallel& parallel) const {
-  if (Width(parallel) <= 1 || !PackedTakes(x, proj) || y.stride(1) != 1 ||
+bool Products::PackedWrites(const Proj& proj, const at::Tensor& x, const at::Tensor& y,
+                            onednn::Type* y_type) const {
+  if (!PackedTakes(x, proj) || y.stride(1) != 1 ||
       (y.scalar_type() != at::kBFloat16 && y.scalar_type() != at::kFloat))
     return false;
+  *y_type = y.scalar_type() == at::kFloat ? onednn::Type::kFloat32 : onednn::Type::kBFloat16;
+  return true;
+}
+
+bool Products::ColumnsInto(const at::Tensor& y, const at::Tensor& x, const Proj& proj,
+                           const Parallel& parallel) const {
+  const int64_t width = Width(parallel);
+  onednn::Type y_type;
+  if (width <= 1 || !PackedWrites(proj, x, y, &y_type)) return false;
   const onednn::PackedLinear& w = *proj.packed;
   const int64_t n = w.out_features(), block = w.ColumnBlock();
   const double flops = 2.0 * static_cast<double>(x.size(0) * n * w.in_features());
-  const int64_t pieces = std::min({static_cast<int64_t>(Width(parallel)), n / block,
-                                   static_cast<int64_t>(flops / std::max(min_piece_flops_, 1.0))});
+  const int64_t pieces =
+      std::min({width, n / block, static_cast<int64_t>(flops / std::max(min_piece_flops_, 1.0))});
   if (pieces <= 1) return false;
-  const onednn::Type y_type =
-      y.scalar_type() == at::kFloat ? onednn::Type::kFloat32 : onednn::Type::kBFloat16;
   std::atomic<bool> refused{false};
   Pieces(parallel, pieces, [&](int64_t i) {
     const auto [b0, blocks] = Block(n / block, pieces, i);
@@ -100,13 +107,9 @@ bool Products::ColumnsInto(const at::Tensor& y, const at::Tensor& x, const Proj&
 }
 
 bool Products::RunPacked(const Proj& proj, const at::Tensor& x, const at::Tensor& y) const {
-  if (!PackedTakes(x, proj) || y.stride(1) != 1 ||
-      (y.scalar_type() != at::kBFloat16 && y.scalar_type() != at::kFloat))
-    return false;
-  return proj.packed->Run(
-      x.data_ptr(), x.size(0), x.stride(0), y.data_ptr(),
-      y.scalar_type() == at::kFloat ? onednn::Type::kFloat32 : onednn::Type::kBFloat16,
-      y.stride(0));
+  onednn::Type y_type;
+  return PackedWrites(proj, x, y, &y_type) &&
+         proj.packed->Run(x.data_ptr(), x.size(0), x.stride(0), y.data_ptr(), y_type, y.stride(0));
 }
 
 at::Tensor Products::Linear(const at::Tensor& x, const Proj& proj, const Parallel& parallel) const {

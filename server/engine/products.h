@@ -111,6 +111,10 @@ class Products {
   // The product on the packed weights when oneDNN runs it: x [rows, in] and y [rows, out] with
   // unit column strides, x in the packed type, y in it or float32.
   bool RunPacked(const Proj& proj, const at::Tensor& x, const at::Tensor& y) const;
+  // Whether proj's packed weights take x's rows and write y's (unit column stride, in the packed
+  // type or float32), and in which type y is written.
+  bool PackedWrites(const Proj& proj, const at::Tensor& x, const at::Tensor& y,
+                    onednn::Type* y_type) const;
   // x · projᵀ (+ b) into y with the output columns cut into blocks for `parallel`'s idle threads,
   // on proj's packed weights (each piece reads its columns' weights alone; every output as the
   // whole product computes it). False when that does not run here (nothing or only part written).

@@ -46,11 +46,14 @@ constexpr int64_t kAheadBytes = 4096;
   }
 }
 
+// Rows of d floats kAheadBytes make, at least `least`.
+inline int64_t RowsAhead(int64_t d, int64_t least) {
+  return std::max<int64_t>(least, kAheadBytes / (d * 4));
+}
+
 // How many value rows ahead a tile's first pass asks for, the tile ending at j1 of n: never past
 // row n - 1 (0: none left).
-inline int64_t Ahead(int64_t j1, int64_t n, int64_t d) {
-  return std::min(std::max<int64_t>(8, kAheadBytes / (d * 4)), n - j1);
-}
+inline int64_t Ahead(int64_t j1, int64_t n, int64_t d) { return std::min(RowsAhead(d, 8), n - j1); }
 
 // Eight keys at a time: each query row against the eight key rows (eight independent sums over
 // d, reduced into one vector of eight scores), the keys' 8 rows staying in L1 across the query
@@ -58,7 +61,7 @@ inline int64_t Ahead(int64_t j1, int64_t n, int64_t d) {
 ATTNSERVE_AVX2 void ScoresAvx2(const float* q, int64_t ldq, int64_t m, const float* k, int64_t ldk,
                                int64_t n, int64_t d, float scale, float* s, int64_t lds) {
   const __m256 vscale = _mm256_set1_ps(scale);
-  const int64_t ahead = std::max<int64_t>(8, kAheadBytes / (d * 4));
+  const int64_t ahead = RowsAhead(d, 8);
   int64_t j0 = 0;
   for (; j0 + 8 <= n; j0 += 8) {
     Prefetch(k, ldk, d, j0 + ahead, j0 + ahead + 8, n);
@@ -188,7 +191,7 @@ ATTNSERVE_AVX512 void ScoresAvx512(const float* q, int64_t ldq, int64_t m, const
       }
     }
     float* sr = s + r0 * lds;
-    const int64_t ahead = std::max<int64_t>(kBlockKeys, kAheadBytes / (d * 4));
+    const int64_t ahead = RowsAhead(d, kBlockKeys);
     for (int64_t j0 = 0; j0 < whole; j0 += kBlockKeys) {
       // (A second pass of rows, m > 8, finds the head's keys in L2.)
       if (r0 == 0) Prefetch(k, ldk, d, j0 + ahead, j0 + ahead + kBlockKeys, n);
