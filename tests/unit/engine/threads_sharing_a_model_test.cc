@@ -149,8 +149,9 @@ TEST(EngineConcurrencyTest, ThreadsCallingOneModelEachGetTheirOwnAnswer) {
 }
 
 // The same callers, each request split across two helper threads shared by all of them (so pieces
-// of different requests run side by side, and requests long enough are cut into row blocks and
-// query blocks): still every answer its own.
+// of different requests run side by side, requests long enough are cut into row blocks and
+// query blocks, and few-row products on packed weights into column blocks, each helper writing
+// through its own buffer): still every answer its own.
 TEST(EngineConcurrencyTest, RequestsSplitAcrossHelperThreadsEachGetTheirOwnAnswer) {
   const HelperPool helpers(2);
   EngineOptions finest;
