@@ -70,6 +70,7 @@ memory::desc Desc(const View& v) {
 // (or none) for these operands, so the caller multiplies another way.
 struct Entry {
   bool ok = false;
+  std::string kernel;  // oneDNN's implementation, as its verbose lines name it.
   dnnl::matmul prim;
   memory::desc scratchpad;
 };
@@ -89,6 +90,7 @@ class Cache {
     try {
       dnnl::matmul::primitive_desc pd = make();
       const std::string impl = pd.impl_info_str();
+      entry->kernel = impl;
       entry->ok = impl.rfind("ref", 0) != 0 && impl.find(":ref") == std::string::npos;
       if (entry->ok) {
         entry->scratchpad = pd.scratchpad_desc();
@@ -193,13 +195,30 @@ bool Matmul(const View& a, const View& b, const View& dst, float alpha) {
   return true;
 }
 
+// A packed layout's block of output columns (dim 1 of Wᵀ): the fewest columns that lie in one
+// piece of it. n when its column blocks are not outermost (oneDNN's plain "ab" for AVX2's
+// gemm:jit, say), or it is not blocked: such weights are not cut.
+int64_t ColumnBlockOf(const memory::desc& packed, int64_t n) {
+  const dnnl_memory_desc_t& d = packed.data;
+  if (d.format_kind != dnnl_blocked || d.offset0 != 0 ||
+      d.format_desc.blocking.strides[1] < d.format_desc.blocking.strides[0])
+    return n;
+  int64_t block = 1;
+  for (int j = 0; j < d.format_desc.blocking.inner_nblks; ++j)
+    if (d.format_desc.blocking.inner_idxs[j] == 1) block *= d.format_desc.blocking.inner_blks[j];
+  return block;
+}
+
 struct PackedLinear::Impl {
   int64_t n = 0, k = 0;
   Type type = Type::kFloat32;
   memory::desc packed_desc;
   memory weights, bias;
   bool has_bias = false;
+  int64_t column_block = 0;  // ColumnBlock(), once.
   mutable Cache cache;
+  std::shared_ptr<const Entry> Columns(int64_t m, int64_t ldx, Type y_type, int64_t n0, int64_t nn,
+                                       memory::desc* wei, size_t* wei_offset) const;
 };
 
 PackedLinear::PackedLinear(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -245,6 +264,7 @@ std::unique_ptr<PackedLinear> PackedLinear::Make(const float* w, const float* bi
     const std::string impl_name = pd.impl_info_str();
     if (impl_name.rfind("ref", 0) == 0) return nullptr;
     impl->packed_desc = pd.weights_desc();
+    impl->column_block = ColumnBlockOf(impl->packed_desc, n);
     impl->weights = memory(impl->packed_desc, Engine());
     // W [n, k] row-major is Wᵀ [k, n] with strides (1, k): reordered (and converted) once.
     memory plain(memory::desc({k, n}, memory::data_type::f32, memory::dims{1, k}), Engine(),
@@ -263,58 +283,75 @@ std::unique_ptr<PackedLinear> PackedLinear::Make(const float* w, const float* bi
   }
 }
 
-int64_t PackedLinear::ColumnBlock() const {
-  const dnnl_memory_desc_t& d = impl_->packed_desc.data;
-  if (d.format_kind != dnnl_blocked) return impl_->n;
-  int64_t block = 1;
-  for (int j = 0; j < d.format_desc.blocking.inner_nblks; ++j)
-    if (d.format_desc.blocking.inner_idxs[j] == 1) block *= d.format_desc.blocking.inner_blks[j];
-  return block;
-}
+int64_t PackedLinear::ColumnBlock() const { return impl_->column_block; }
 
 bool PackedLinear::Run(const void* x, int64_t m, int64_t ldx, void* y, Type y_type,
                        int64_t ldy) const {
   return RunColumns(x, m, ldx, y, y_type, ldy, 0, impl_->n);
 }
 
+// The primitive for output columns [n0, n0 + nn) of m rows (null when they do not lie in one
+// piece of the packed weights). Columns of a layout whose column blocks are outermost lie in one
+// piece: the same blocking over nn columns, from that piece's start (*wei_offset bytes in).
+std::shared_ptr<const Entry> PackedLinear::Impl::Columns(int64_t m, int64_t ldx, Type y_type,
+                                                         int64_t n0, int64_t nn, memory::desc* wei,
+                                                         size_t* wei_offset) const {
+  const int64_t cb = column_block;
+  const bool whole = n0 == 0 && nn == n;
+  if (n0 < 0 || nn <= 0 || n0 + nn > n ||
+      (!whole && (n0 % cb != 0 || (n0 + nn != n && nn % cb != 0))))
+    return nullptr;
+  *wei = packed_desc;
+  *wei_offset = 0;
+  if (!whole) {
+    dnnl_memory_desc_t d = packed_desc.data;
+    const auto& blk = d.format_desc.blocking;
+    if (d.format_kind != dnnl_blocked || d.offset0 != 0 || blk.strides[1] < blk.strides[0])
+      return nullptr;
+    d.dims[1] = nn;
+    d.padded_dims[1] = (nn + cb - 1) / cb * cb;
+    *wei = memory::desc(d);
+    *wei_offset = static_cast<size_t>(n0 / cb * blk.strides[1]) * TypeSize(type);
+  }
+  const memory::desc src({m, k}, DataType(type), memory::dims{ldx, 1});
+  const memory::desc dst({m, nn}, DataType(y_type), memory::dims{nn, 1});
+  const memory::desc bias_desc({1, nn}, memory::data_type::f32, memory::dims{nn, 1});
+  const std::string key = std::to_string(m) + "," + std::to_string(ldx) + "," +
+                          (y_type == Type::kBFloat16 ? "h" : "f") + std::to_string(n0) + "," +
+                          std::to_string(nn);
+  return cache.Get(key, [&] {
+    return has_bias ? dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, *wei, bias_desc, dst),
+                                                   Attr(1.0f), Engine())
+                    : dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, *wei, dst), Attr(1.0f),
+                                                   Engine());
+  });
+}
+
+std::string PackedLinear::Kernel(int64_t m, int64_t ldx, Type y_type, int64_t n0,
+                                 int64_t nn) const {
+  memory::desc wei;
+  size_t offset = 0;
+  const std::shared_ptr<const Entry> e = impl_->Columns(m, ldx, y_type, n0, nn, &wei, &offset);
+  return e && e->ok ? e->kernel : std::string();
+}
+
 bool PackedLinear::RunColumns(const void* x, int64_t m, int64_t ldx, void* y, Type y_type,
                               int64_t ldy, int64_t n0, int64_t nn) const {
   OneThreadHere();
   const Impl& p = *impl_;
-  const int64_t cb = ColumnBlock();
-  const bool whole = n0 == 0 && nn == p.n;
-  if (n0 < 0 || nn <= 0 || n0 + nn > p.n ||
-      (!whole && (n0 % cb != 0 || (n0 + nn != p.n && nn % cb != 0))))
-    return false;
-  // Columns [n0, n0 + nn) of a layout whose column blocks are outermost lie in one piece of the
-  // packed weights: the same blocking over nn columns, from that piece's start.
-  memory::desc wei = p.packed_desc;
+  memory::desc wei;
   size_t wei_offset = 0;
-  if (!whole) {
-    dnnl_memory_desc_t d = p.packed_desc.data;
-    const auto& blk = d.format_desc.blocking;
-    if (d.format_kind != dnnl_blocked || d.offset0 != 0 || blk.strides[1] < blk.strides[0])
-      return false;
-    d.dims[1] = nn;
-    d.padded_dims[1] = (nn + cb - 1) / cb * cb;
-    wei = memory::desc(d);
-    wei_offset = static_cast<size_t>(n0 / cb * blk.strides[1]) * TypeSize(p.type);
-  }
+  const std::shared_ptr<const Entry> e = p.Columns(m, ldx, y_type, n0, nn, &wei, &wei_offset);
+  if (!e || !e->ok) return false;
+  // A piece must round as the whole product does: oneDNN picks its kernel by shape (on AMX,
+  // a few rows' bfloat16 product of every column on the tiles, of 64 on AVX512-BF16), and
+  // another kernel sums in another order. Such a piece is refused.
+  if (!(n0 == 0 && nn == p.n) && Kernel(m, ldx, y_type, 0, p.n) != e->kernel) return false;
   // oneDNN's kernels write dense rows only: a piece of wider rows goes through a buffer.
   const bool dense = ldy == nn;
   const memory::desc src({m, p.k}, DataType(p.type), memory::dims{ldx, 1});
   const memory::desc dst({m, nn}, DataType(y_type), memory::dims{nn, 1});
   const memory::desc bias({1, nn}, memory::data_type::f32, memory::dims{nn, 1});
-  const std::string key = std::to_string(m) + "," + std::to_string(ldx) + "," +
-                          (y_type == Type::kBFloat16 ? "h" : "f") + std::to_string(n0) + "," +
-                          std::to_string(nn);
-  const std::shared_ptr<const Entry> e = p.cache.Get(key, [&] {
-    return p.has_bias ? dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, wei, bias, dst),
-                                                     Attr(1.0f), Engine())
-                      : dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, wei, dst), Attr(1.0f),
-                                                     Engine());
-  });
-  if (!e->ok) return false;
   const size_t y_elem = TypeSize(y_type), row_bytes = static_cast<size_t>(nn) * y_elem;
   char* out = static_cast<char*>(y) + n0 * y_elem;
   thread_local std::vector<char> buffer;

@@ -57,10 +57,16 @@ class PackedLinear {
   /// float32. Returns false when no kernel took these operands (nothing written).
   bool Run(const void* x, int64_t m, int64_t ldx, void* y, Type y_type, int64_t ldy) const;
   /// The same for output columns [n0, n0 + nn) only (y points at column 0): n0 and nn multiples
-  /// of ColumnBlock() (nn may end at n). False when they are not, or no kernel took them.
+  /// of ColumnBlock() (nn may end at n). False (nothing written) when they are not, when no
+  /// kernel took them, or when oneDNN's kernel for them is not the whole product's (Kernel): the
+  /// columns written are the whole product's, bit for bit.
   bool RunColumns(const void* x, int64_t m, int64_t ldx, void* y, Type y_type, int64_t ldy,
                   int64_t n0, int64_t nn) const;
-  /// The packed layout's block of output columns (64 for "BA16a64b"; n when not blocked).
+  /// oneDNN's kernel for those operands, as its verbose lines name it (e.g.
+  /// "brg:avx512_core_amx_bf16"); empty when none but its reference one takes them.
+  std::string Kernel(int64_t m, int64_t ldx, Type y_type, int64_t n0, int64_t nn) const;
+  /// The packed layout's block of output columns (64 for "BA16a64b"; n where the layout cannot
+  /// be cut by columns: not blocked, or its column blocks not outermost, e.g. "ab" on AVX2).
   int64_t ColumnBlock() const;
   int64_t out_features() const;
   int64_t in_features() const;

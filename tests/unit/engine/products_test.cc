@@ -118,7 +118,8 @@ TEST(ProductsTest, AFewRowsRunOnPackedWeightsWhereThereAreAndOneRowOnAGemvUnderA
 // Output columns [n0, n0 + nn) of packed weights (PackedLinear::RunColumns), the pieces a few rows'
 // product is cut into for idle cores: each equal, bit for bit, to those columns of the whole
 // product, with and without bias, into dense and wider rows (a buffer in between), the last piece
-// ending at n off the column block; misaligned pieces refused, nothing written.
+// ending at n off the column block; misaligned pieces refused, nothing written; and pieces whose
+// kernel is not the whole product's (bfloat16 on AMX) refused, nothing written.
 TEST(ProductsTest, PackedColumnPiecesEqualTheWholeProductBitForBit) {
   const int64_t in = 96,
                 out = 200;  // 200 columns: blocks of 64 (or whatever the layout's) + a tail
@@ -132,7 +133,15 @@ TEST(ProductsTest, PackedColumnPiecesEqualTheWholeProductBitForBit) {
       if (!packed) continue;
       const int64_t block = packed->ColumnBlock();
       ASSERT_GT(block, 0);
-      ASSERT_LT(block, out) << "the layout's column block holds every column: nothing to cut";
+      if (block == out) {  // A layout not cut by columns (AVX2's "ab"): every part refused.
+        ASSERT_FALSE(onednn::HasAvx512Kernels()) << packed->Layout() << " is not cut by columns";
+        const at::Tensor x = Random({3, in}, 53).to(st);
+        at::Tensor untouched = at::full({3, out}, -7.0f);
+        EXPECT_FALSE(packed->RunColumns(x.data_ptr(), 3, in, untouched.data_ptr(),
+                                        onednn::Type::kFloat32, out, 0, out / 2));
+        EXPECT_TRUE(at::equal(untouched, at::full({3, out}, -7.0f)));
+        continue;
+      }
       for (const int64_t rows : {int64_t{1}, int64_t{3}, int64_t{10}}) {
         const at::Tensor x = Random({rows, in}, 50 + rows).to(st);
         at::Tensor whole = at::empty({rows, out});
@@ -140,11 +149,23 @@ TEST(ProductsTest, PackedColumnPiecesEqualTheWholeProductBitForBit) {
             packed->Run(x.data_ptr(), rows, in, whole.data_ptr(), onednn::Type::kFloat32, out));
         for (const int64_t ld : {out, out + 13}) {  // Dense rows, and rows of a wider matrix.
           at::Tensor pieces = at::full({rows, ld}, -7.0f);
+          const std::string whole_kernel = packed->Kernel(rows, in, onednn::Type::kFloat32, 0, out);
+          ASSERT_FALSE(whole_kernel.empty());
           for (int64_t n0 = 0; n0 < out; n0 += block) {
             const int64_t nn = std::min(block, out - n0);
-            ASSERT_TRUE(packed->RunColumns(x.data_ptr(), rows, in, pieces.data_ptr(),
-                                           onednn::Type::kFloat32, ld, n0, nn))
-                << n0 << "+" << nn;
+            const bool alike =
+                packed->Kernel(rows, in, onednn::Type::kFloat32, n0, nn) == whole_kernel;
+            // The decoding batches' float32 products are cut everywhere; bfloat16 ones where
+            // oneDNN's kernel for a piece is the whole's (on AMX, not for a few rows).
+            if (type == onednn::Type::kFloat32) ASSERT_TRUE(alike) << n0 << "+" << nn;
+            EXPECT_EQ(packed->RunColumns(x.data_ptr(), rows, in, pieces.data_ptr(),
+                                         onednn::Type::kFloat32, ld, n0, nn),
+                      alike)
+                << n0 << "+" << nn << ": refused only where the kernels differ";
+            if (alike) continue;
+            EXPECT_TRUE(at::equal(pieces.narrow(1, n0, nn), at::full({rows, nn}, -7.0f)))
+                << "a refused piece wrote";
+            pieces.narrow(1, n0, nn).copy_(whole.narrow(1, n0, nn));
           }
           EXPECT_TRUE(at::equal(pieces.narrow(1, 0, out), whole))
               << "type " << static_cast<int>(type) << " bias " << bias << " rows " << rows << " ld "
@@ -177,7 +198,8 @@ class CountingParallel final : public Parallel {
 };
 
 // A few rows with a core idle: GemmInto cuts the output columns (row blocks need kMinGemmRows
-// rows each), on helper threads too, and the answer is the serial product's, bit for bit.
+// rows each), on helper threads too, and the answer is the serial product's, bit for bit. Not on
+// AVX2, whose oneDNN layout ("ab", gemm:jit) is not cut by columns.
 TEST(ProductsTest, AFewRowsOnIdleCoresSplitTheColumnsAndEqualTheSerialProduct) {
   const int64_t in = 256, out = 512;
   const at::Tensor w = Random({out, in}, 60), b = Random({out}, 61);
@@ -185,6 +207,8 @@ TEST(ProductsTest, AFewRowsOnIdleCoresSplitTheColumnsAndEqualTheSerialProduct) {
             std::shared_ptr<const onednn::PackedLinear>(onednn::PackedLinear::Make(
                 w.data_ptr<float>(), b.data_ptr<float>(), out, in, onednn::Type::kFloat32))};
   if (!proj.packed) GTEST_SKIP() << "oneDNN packs no float32 kernel on this CPU";
+  const bool cut = proj.packed->ColumnBlock() < out;
+  ASSERT_TRUE(cut || !onednn::HasAvx512Kernels()) << proj.packed->Layout() << " is not cut";
   const Products products(at::kCPU, at::kFloat, /*min_piece_flops=*/0, false);
   const HelperPool pool(2);
   for (const int64_t rows : {int64_t{1}, int64_t{5}, Products::kMinGemmRows + 1}) {
@@ -195,13 +219,40 @@ TEST(ProductsTest, AFewRowsOnIdleCoresSplitTheColumnsAndEqualTheSerialProduct) {
     products.GemmInto(split, x, proj, pool);
     const CountingParallel two;
     products.GemmInto(counted, x, proj, two);
-    EXPECT_EQ(two.pieces, 2) << rows << " rows were not cut in two";
+    EXPECT_EQ(two.pieces, cut ? 2 : 0) << rows << " rows, layout " << proj.packed->Layout();
     EXPECT_TRUE(at::equal(split, serial))
         << rows << " rows: max diff " << (split - serial).abs().max().item<float>();
     EXPECT_TRUE(at::equal(counted, serial)) << rows << " rows";
     EXPECT_LE(RelativeError(split,
                             at::addmm(b.to(at::kDouble), x.to(at::kDouble), w.to(at::kDouble).t())),
               1e-5);
+  }
+}
+
+// The same in bfloat16, 1 to kMinGemmRows rows: the pieces' kernels may not be the whole
+// product's (on AMX oneDNN multiplies a few rows of every column on the tiles and 64 columns with
+// AVX512-BF16 instructions, which sum in another order), and then the product is not cut: an
+// answer never depends on whether a core was idle.
+TEST(ProductsTest, ABfloat16FewRowsProductOnIdleCoresIsTheSerialOneBitForBit) {
+  if (!onednn::HasBfloat16Kernels()) GTEST_SKIP() << "no bfloat16 kernels on this CPU";
+  const int64_t in = 256, out = 512;
+  const at::Tensor w = Random({out, in}, 62), b = Random({out}, 63);
+  Proj proj{w.to(at::kBFloat16), b.to(at::kBFloat16),
+            std::shared_ptr<const onednn::PackedLinear>(onednn::PackedLinear::Make(
+                w.data_ptr<float>(), b.data_ptr<float>(), out, in, onednn::Type::kBFloat16))};
+  ASSERT_TRUE(proj.packed);
+  const Products products(at::kCPU, at::kBFloat16, /*min_piece_flops=*/0, false);
+  const HelperPool pool(2);
+  for (int64_t rows = 1; rows <= Products::kMinGemmRows; ++rows) {
+    const at::Tensor x = Random({rows, in}, 80 + rows).to(at::kBFloat16);
+    for (const at::ScalarType yt : {at::kFloat, at::kBFloat16}) {
+      at::Tensor serial = at::empty({rows, out}, yt), split = at::empty({rows, out}, yt);
+      products.GemmInto(serial, x, proj, SerialParallel());
+      products.GemmInto(split, x, proj, pool);
+      EXPECT_TRUE(at::equal(split, serial))
+          << rows << " rows into " << yt << ": max diff "
+          << (split.to(at::kFloat) - serial.to(at::kFloat)).abs().max().item<float>();
+    }
   }
 }
 
