@@ -217,8 +217,14 @@ struct PackedLinear::Impl {
   bool has_bias = false;
   int64_t column_block = 0;  // ColumnBlock(), once.
   mutable Cache cache;
-  std::shared_ptr<const Entry> Columns(int64_t m, int64_t ldx, Type y_type, int64_t n0, int64_t nn,
-                                       memory::desc* wei, size_t* wei_offset) const;
+  // Output columns [n0, n0 + nn) of m rows: their primitive (null when the columns do not lie in
+  // one piece of the packed weights) and its operands' descriptors.
+  struct Piece {
+    std::shared_ptr<const Entry> entry;
+    memory::desc wei, src, dst, bias;
+    size_t wei_offset = 0;  // Bytes into the packed weights.
+  };
+  Piece Columns(int64_t m, int64_t ldx, Type y_type, int64_t n0, int64_t nn) const;
 };
 
 PackedLinear::PackedLinear(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -290,82 +296,76 @@ bool PackedLinear::Run(const void* x, int64_t m, int64_t ldx, void* y, Type y_ty
   return RunColumns(x, m, ldx, y, y_type, ldy, 0, impl_->n);
 }
 
-// The primitive for output columns [n0, n0 + nn) of m rows (null when they do not lie in one
-// piece of the packed weights). Columns of a layout whose column blocks are outermost lie in one
-// piece: the same blocking over nn columns, from that piece's start (*wei_offset bytes in).
-std::shared_ptr<const Entry> PackedLinear::Impl::Columns(int64_t m, int64_t ldx, Type y_type,
-                                                         int64_t n0, int64_t nn, memory::desc* wei,
-                                                         size_t* wei_offset) const {
+// Columns of a layout whose column blocks are outermost (ColumnBlock() < n) lie in one piece: the
+// same blocking over nn columns, from that piece's start.
+PackedLinear::Impl::Piece PackedLinear::Impl::Columns(int64_t m, int64_t ldx, Type y_type,
+                                                      int64_t n0, int64_t nn) const {
   const int64_t cb = column_block;
   const bool whole = n0 == 0 && nn == n;
+  Piece piece;
   if (n0 < 0 || nn <= 0 || n0 + nn > n ||
       (!whole && (n0 % cb != 0 || (n0 + nn != n && nn % cb != 0))))
-    return nullptr;
-  *wei = packed_desc;
-  *wei_offset = 0;
-  if (!whole) {
+    return piece;
+  piece.wei = packed_desc;
+  if (!whole) {  // (Only where cb < n: ColumnBlockOf checked the layout.)
     dnnl_memory_desc_t d = packed_desc.data;
-    const auto& blk = d.format_desc.blocking;
-    if (d.format_kind != dnnl_blocked || d.offset0 != 0 || blk.strides[1] < blk.strides[0])
-      return nullptr;
     d.dims[1] = nn;
     d.padded_dims[1] = (nn + cb - 1) / cb * cb;
-    *wei = memory::desc(d);
-    *wei_offset = static_cast<size_t>(n0 / cb * blk.strides[1]) * TypeSize(type);
+    piece.wei = memory::desc(d);
+    piece.wei_offset =
+        static_cast<size_t>(n0 / cb * d.format_desc.blocking.strides[1]) * TypeSize(type);
   }
-  const memory::desc src({m, k}, DataType(type), memory::dims{ldx, 1});
-  const memory::desc dst({m, nn}, DataType(y_type), memory::dims{nn, 1});
-  const memory::desc bias_desc({1, nn}, memory::data_type::f32, memory::dims{nn, 1});
+  piece.src = memory::desc({m, k}, DataType(type), memory::dims{ldx, 1});
+  piece.dst = memory::desc({m, nn}, DataType(y_type), memory::dims{nn, 1});
+  piece.bias = memory::desc({1, nn}, memory::data_type::f32, memory::dims{nn, 1});
   const std::string key = std::to_string(m) + "," + std::to_string(ldx) + "," +
                           (y_type == Type::kBFloat16 ? "h" : "f") + std::to_string(n0) + "," +
                           std::to_string(nn);
-  return cache.Get(key, [&] {
-    return has_bias ? dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, *wei, bias_desc, dst),
-                                                   Attr(1.0f), Engine())
-                    : dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, *wei, dst), Attr(1.0f),
-                                                   Engine());
+  piece.entry = cache.Get(key, [&] {
+    return has_bias
+               ? dnnl::matmul::primitive_desc(
+                     dnnl::matmul::desc(piece.src, piece.wei, piece.bias, piece.dst), Attr(1.0f),
+                     Engine())
+               : dnnl::matmul::primitive_desc(dnnl::matmul::desc(piece.src, piece.wei, piece.dst),
+                                              Attr(1.0f), Engine());
   });
+  return piece;
 }
 
 std::string PackedLinear::Kernel(int64_t m, int64_t ldx, Type y_type, int64_t n0,
                                  int64_t nn) const {
-  memory::desc wei;
-  size_t offset = 0;
-  const std::shared_ptr<const Entry> e = impl_->Columns(m, ldx, y_type, n0, nn, &wei, &offset);
-  return e && e->ok ? e->kernel : std::string();
+  const Impl::Piece piece = impl_->Columns(m, ldx, y_type, n0, nn);
+  return piece.entry && piece.entry->ok ? piece.entry->kernel : std::string();
 }
 
 bool PackedLinear::RunColumns(const void* x, int64_t m, int64_t ldx, void* y, Type y_type,
                               int64_t ldy, int64_t n0, int64_t nn) const {
   OneThreadHere();
   const Impl& p = *impl_;
-  memory::desc wei;
-  size_t wei_offset = 0;
-  const std::shared_ptr<const Entry> e = p.Columns(m, ldx, y_type, n0, nn, &wei, &wei_offset);
-  if (!e || !e->ok) return false;
+  const Impl::Piece piece = p.Columns(m, ldx, y_type, n0, nn);
+  if (!piece.entry || !piece.entry->ok) return false;
   // A piece must round as the whole product does: oneDNN picks its kernel by shape (on AMX,
   // a few rows' bfloat16 product of every column on the tiles, of 64 on AVX512-BF16), and
   // another kernel sums in another order. Such a piece is refused.
-  if (!(n0 == 0 && nn == p.n) && Kernel(m, ldx, y_type, 0, p.n) != e->kernel) return false;
+  if (!(n0 == 0 && nn == p.n) && Kernel(m, ldx, y_type, 0, p.n) != piece.entry->kernel)
+    return false;
   // oneDNN's kernels write dense rows only: a piece of wider rows goes through a buffer.
   const bool dense = ldy == nn;
-  const memory::desc src({m, p.k}, DataType(p.type), memory::dims{ldx, 1});
-  const memory::desc dst({m, nn}, DataType(y_type), memory::dims{nn, 1});
-  const memory::desc bias({1, nn}, memory::data_type::f32, memory::dims{nn, 1});
   const size_t y_elem = TypeSize(y_type), row_bytes = static_cast<size_t>(nn) * y_elem;
   char* out = static_cast<char*>(y) + n0 * y_elem;
   thread_local std::vector<char> buffer;
   if (!dense) buffer.resize(static_cast<size_t>(m) * row_bytes);
   std::unordered_map<int, memory> args = {
-      {DNNL_ARG_SRC, memory(src, Engine(), const_cast<void*>(x))},
+      {DNNL_ARG_SRC, memory(piece.src, Engine(), const_cast<void*>(x))},
       {DNNL_ARG_WEIGHTS,
-       memory(wei, Engine(), static_cast<char*>(p.weights.get_data_handle()) + wei_offset)},
-      {DNNL_ARG_DST, memory(dst, Engine(), dense ? out : buffer.data())}};
+       memory(piece.wei, Engine(),
+              static_cast<char*>(p.weights.get_data_handle()) + piece.wei_offset)},
+      {DNNL_ARG_DST, memory(piece.dst, Engine(), dense ? out : buffer.data())}};
   if (p.has_bias) {
     args.emplace(DNNL_ARG_BIAS,
-                 memory(bias, Engine(), static_cast<float*>(p.bias.get_data_handle()) + n0));
+                 memory(piece.bias, Engine(), static_cast<float*>(p.bias.get_data_handle()) + n0));
   }
-  Execute(*e, std::move(args));
+  Execute(*piece.entry, std::move(args));
   for (int64_t i = 0; !dense && i < m; ++i)
     std::memcpy(out + i * ldy * y_elem, buffer.data() + i * row_bytes, row_bytes);
   return true;
