@@ -39,6 +39,7 @@ struct HeadAttention::Job {
   at::TensorOptions like;  // the queries' options (the compute dtype)
   int64_t causal_offset = 0, extra = 0, rows = 1;
   bool fused = false, fused_causal = false, grouped = false;
+  bool dense = false;  // products on dense copies (HeadAttentionOptions::dense_products)
   at::Tensor merged_heads;  // [B, H, Lq, D] view of the merged rows
   at::Tensor weights_out;   // [B, H or 1, Lq, S] over the answer's bytes (undefined: none)
   mutable std::vector<const char*> backends;
@@ -77,6 +78,12 @@ Attended HeadAttention::Attend(const AttendCall& call, const at::Tensor& qh,
     if (job.attn_mask.dim() == 3) job.attn_mask = job.attn_mask.view({b, h, lq, lk});
   }
   job.fused = Fused(want_weights) && job.ks.size() == 1;
+  // Decided for the call, not its blocks: an answer is the same whichever cores help.
+  job.dense = o_.dense_products && !job.fused && lq * group() > 1;
+  if (job.dense) {  // Keys and values dense, in one piece (a forked session's history joined).
+    job.ks = {job.ks.size() == 1 ? job.ks[0].contiguous() : at::cat(job.ks, 2)};
+    job.vs = {job.vs.size() == 1 ? job.vs[0].contiguous() : at::cat(job.vs, 2)};
+  }
   // Query blocks: bounded by kBlockScores, and with idle cores one per core (4 * B*H*S*D flops a
   // query row: QK^T and PV).
   const int64_t width = products_.Blocks(parallel, lq, 4.0 * b * h * sl * d, 1);
@@ -127,6 +134,12 @@ void HeadAttention::AppendExtraKeys(int64_t b, const at::TensorOptions& like,
   if (o_.add_zero_attn) append(at::zeros({b, h, 1, d}, like), at::zeros({b, h, 1, d}, like));
 }
 
+// The dense path's probabilities come from the softmax in the values' dtype (bfloat16); the other
+// paths' in the scores' (TimesValues rounds them).
+at::ScalarType HeadAttention::ValuesDtype(const Job& job) const {
+  return job.dense ? job.vs[0].scalar_type() : at::ScalarType::Undefined;
+}
+
 void HeadAttention::RunBlock(const Job& job, int64_t block) const {
   const AttendCall& call = job.call;
   const int64_t q0 = block * job.rows, n = std::min(job.rows, call.query_len - q0);
@@ -136,13 +149,14 @@ void HeadAttention::RunBlock(const Job& job, int64_t block) const {
   const at::Tensor heads = job.merged_heads.narrow(2, q0, n);
   if (job.grouped) {
     const int64_t b = call.batch, kvh = kv_heads(), g = group(), d = o_.head_dim;
-    const at::Tensor qc = job.q_all.narrow(2, q0, n).reshape({b, kvh, n * g, d});
+    at::Tensor qc = job.q_all.narrow(2, q0, n).reshape({b, kvh, n * g, d});
+    if (job.dense) qc = qc.contiguous();
     at::Tensor grouped, p;
     if (job.fused) {  // A group's n * G rows as one head's queries over its key/value head.
       grouped =
           AttendFused(qc, job.ks[0], job.vs[0], Grouped(m, b, n), false, &job.backends[block]);
     } else {
-      p = Probabilities(qc, job.ks, Grouped(m, b, n));
+      p = Probabilities(qc, job.ks, Grouped(m, b, n), ValuesDtype(job));
       grouped = at::empty({b, kvh, n * g, d}, heads.options().dtype(job.vs[0].scalar_type()));
       TimesValues(p, job.vs, grouped);
     }
@@ -161,8 +175,15 @@ void HeadAttention::RunBlock(const Job& job, int64_t block) const {
   if (job.fused) {
     heads.copy_(AttendFused(qc, job.ks[0], job.vs[0], m, job.fused_causal, &job.backends[block]));
   } else {
-    const at::Tensor p = Probabilities(qc, job.ks, m);
-    TimesValues(p, job.vs, heads);
+    const at::Tensor p =
+        Probabilities(job.dense ? qc.contiguous() : qc, job.ks, m, ValuesDtype(job));
+    if (job.dense) {  // Into dense rows of its own, then the merged rows.
+      const at::Tensor own = at::empty(heads.sizes(), heads.options());
+      TimesValues(p, job.vs, own);
+      heads.copy_(own);
+    } else {
+      TimesValues(p, job.vs, heads);
+    }
     if (job.weights_out.defined()) {
       job.weights_out.narrow(2, q0, n).copy_(
           call.weights == WeightsMode::kAveraged ? p.mean(1, true) : p);
@@ -210,7 +231,7 @@ HeadAttention::BlockMask HeadAttention::MaskFor(const at::Tensor& attn_mask, con
 }
 
 at::Tensor HeadAttention::Probabilities(const at::Tensor& qc, const std::vector<at::Tensor>& ks,
-                                        const BlockMask& m) const {
+                                        const BlockMask& m, at::ScalarType dtype) const {
   const int64_t b = qc.size(0), h = qc.size(1), n = qc.size(2);
   int64_t sl = 0;
   for (const at::Tensor& k : ks) sl += k.size(2);
@@ -240,9 +261,13 @@ at::Tensor HeadAttention::Probabilities(const at::Tensor& qc, const std::vector<
       off += rows;
     }
   }
-  if (!SmallSoftmax(p)) at::_softmax_out(p, p, -1, /*half_to_float=*/false);
-  if (m.any_dead) p.masked_fill_(m.dead, 0);
-  return p;
+  at::Tensor probs = SmallSoftmax(p, dtype);
+  if (!probs.defined()) {
+    at::_softmax_out(p, p, -1, /*half_to_float=*/false);
+    probs = dtype == at::ScalarType::Undefined || dtype == p.scalar_type() ? p : p.to(dtype);
+  }
+  if (m.any_dead) probs.masked_fill_(m.dead, 0);
+  return probs;
 }
 
 void HeadAttention::TimesValues(const at::Tensor& p, const std::vector<at::Tensor>& vs,
@@ -363,11 +388,20 @@ bool HeadAttention::SmallScores(const at::Tensor& pp, const at::Tensor& q, const
   return true;
 }
 
-bool HeadAttention::SmallSoftmax(const at::Tensor& p) const {
-  if (!o_.small_products || p.scalar_type() != at::kFloat || !p.is_contiguous() || p.numel() == 0)
-    return false;
+at::Tensor HeadAttention::SmallSoftmax(const at::Tensor& p, at::ScalarType dtype) const {
+  if (!(o_.small_products || o_.dense_products) || p.scalar_type() != at::kFloat ||
+      !p.is_contiguous() || p.numel() == 0)
+    return at::Tensor();
   const int64_t n = p.size(-1);
-  return small_attention::Softmax(p.data_ptr<float>(), n, p.numel() / n, n);
+  if (dtype == at::kBFloat16) {
+    at::Tensor out = at::empty(p.sizes(), p.options().dtype(at::kBFloat16));
+    return small_attention::SoftmaxToBfloat16(p.data_ptr<float>(), n, p.numel() / n, n,
+                                              reinterpret_cast<uint16_t*>(out.data_ptr()), n)
+               ? out
+               : at::Tensor();
+  }
+  if (dtype != at::ScalarType::Undefined && dtype != at::kFloat) return at::Tensor();
+  return small_attention::Softmax(p.data_ptr<float>(), n, p.numel() / n, n) ? p : at::Tensor();
 }
 
 bool HeadAttention::SmallTimesValues(const at::Tensor& p, const at::Tensor& v,

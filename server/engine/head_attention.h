@@ -44,6 +44,11 @@ struct HeadAttentionOptions {
   /// Float32 products of a few query rows a head (a grouped head's decoding step) through
   /// small_attention's kernels, which read the keys and values once from their rows.
   bool small_products = false;
+  /// Bfloat16 products on operands copied dense, head after head (onednn::WantsDenseOperands):
+  /// the queries of each block, the keys and values once a call (in one piece), the values'
+  /// product into rows of its own. Not for one query row a head (a decoding step of an
+  /// ungrouped model: those products read every kept key once, and a copy would read them twice).
+  bool dense_products = false;
 };
 
 /// Attention over heads for one model. Thread-safe. With grouped key/value heads the queries of
@@ -91,9 +96,11 @@ class HeadAttention {
                     int64_t causal_offset, int64_t q0, int64_t n, int64_t lk, int64_t extra,
                     int64_t b, const at::TensorOptions& like) const;
   /// The math path's probabilities [B, H, n, S] for queries qc [B, H, n, D] over keys in pieces:
-  /// scale·q·kᵀ plus the mask, softmax, rows masked for every key zero.
+  /// scale·q·kᵀ plus the mask, softmax, rows masked for every key zero. In the scores' dtype, or
+  /// rounded to `dtype` (bfloat16 for the values' product) when given.
   at::Tensor Probabilities(const at::Tensor& qc, const std::vector<at::Tensor>& ks,
-                           const BlockMask& m) const;
+                           const BlockMask& m,
+                           at::ScalarType dtype = at::ScalarType::Undefined) const;
   /// heads [B, H, n, D] = p · values (in pieces along the keys), in the values' dtype.
   void TimesValues(const at::Tensor& p, const std::vector<at::Tensor>& vs,
                    const at::Tensor& heads) const;
@@ -108,6 +115,7 @@ class HeadAttention {
   void AppendExtraKeys(int64_t b, const at::TensorOptions& like, std::vector<at::Tensor>* ks,
                        std::vector<at::Tensor>* vs) const;
   void RunBlock(const Job& job, int64_t block) const;
+  at::ScalarType ValuesDtype(const Job& job) const;
   // The grouped layout of a block's mask and dead rows: [B', H', n, S] -> [B', 1 or KVH, n*G, S]
   // (the rows of query i are i*G ... i*G + G-1, one per head of the group).
   BlockMask Grouped(const BlockMask& m, int64_t b, int64_t n) const;
@@ -127,8 +135,9 @@ class HeadAttention {
                    double scale) const;
   bool SmallTimesValues(const at::Tensor& p, const at::Tensor& v, const at::Tensor& out,
                         bool accumulate) const;
-  // And its softmax over p's last dim in place (float32, rows contiguous).
-  bool SmallSoftmax(const at::Tensor& p) const;
+  // And its softmax over p's last dim (float32, rows contiguous): in place, or rounded to
+  // bfloat16 into a tensor of its own when `dtype` is that. Undefined: not done.
+  at::Tensor SmallSoftmax(const at::Tensor& p, at::ScalarType dtype) const;
 
   const HeadAttentionOptions o_;
   const Products& products_;

@@ -170,6 +170,10 @@ bool HasBfloat16Kernels() { return EffectiveIsa().bf16; }
 
 bool HasAvx512Kernels() { return EffectiveIsa().avx512; }
 
+bool WantsDenseOperands() {
+  return dnnl::get_effective_cpu_isa() == dnnl::cpu_isa::avx512_core_amx;
+}
+
 std::string Describe() {
   const dnnl_version_t* v = dnnl::version();
   return "oneDNN " + std::to_string(v->major) + "." + std::to_string(v->minor) + "." +

@@ -11,7 +11,7 @@ namespace attnserve::small_attention {
 namespace {
 
 #define ATTNSERVE_AVX2 __attribute__((target("avx2,fma")))
-#define ATTNSERVE_AVX512 __attribute__((target("avx512f,avx2,fma")))
+#define ATTNSERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
 
 // [Σ a0, ..., Σ a7]: the lane sums of eight vectors as one.
 ATTNSERVE_AVX2 inline __m256 Sums8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
@@ -364,8 +364,21 @@ ATTNSERVE_AVX512 inline __m512 ExpOfNonPositive(__m512 x) {
   return _mm512_maskz_mov_ps(normal, _mm512_scalef_ps(e, k));
 }
 
+// x's lanes rounded to bfloat16 as LibTorch rounds one (c10::round_to_nearest_even: to nearest,
+// ties to even; a NaN to 0x7fc0), as 16 bits each.
+ATTNSERVE_AVX512 inline __m256i RoundToBfloat16(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)),
+                                        _mm512_set1_epi32(0x7fff));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0)));
+}
+
 // One row of n in place. As LibTorch's: a row with a NaN, or whose largest score is ±inf, all NaN.
-ATTNSERVE_AVX512 void SoftmaxRowAvx512(float* s, int64_t n) {
+// With `out`, the row's probabilities rounded to bfloat16 there instead (s then holds the
+// exponentials).
+ATTNSERVE_AVX512 void SoftmaxRowAvx512(float* s, int64_t n, uint16_t* out = nullptr) {
   const int64_t whole = n / 16 * 16;
   const __mmask16 tail = static_cast<__mmask16>((1u << (n - whole)) - 1);
   __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -378,7 +391,11 @@ ATTNSERVE_AVX512 void SoftmaxRowAvx512(float* s, int64_t n) {
   }
   const float largest = _mm512_reduce_max_ps(top);
   if (nan != 0 || !std::isfinite(largest)) {
-    std::fill(s, s + n, std::numeric_limits<float>::quiet_NaN());
+    if (out != nullptr) {
+      std::fill(out, out + n, uint16_t{0x7fc0});
+    } else {
+      std::fill(s, s + n, std::numeric_limits<float>::quiet_NaN());
+    }
     return;
   }
   const __m512 vmax = _mm512_set1_ps(largest);
@@ -393,7 +410,23 @@ ATTNSERVE_AVX512 void SoftmaxRowAvx512(float* s, int64_t n) {
   const __m512 scale = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
   for (int64_t j = 0; j <= whole; j += 16) {
     const __mmask16 k = j < whole ? 0xFFFF : tail;
-    _mm512_mask_storeu_ps(s + j, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + j), scale));
+    const __m512 p = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + j), scale);
+    if (out != nullptr) {
+      _mm256_mask_storeu_epi16(out + j, k, RoundToBfloat16(p));
+    } else {
+      _mm512_mask_storeu_ps(s + j, k, p);
+    }
+  }
+}
+
+ATTNSERVE_AVX512 void ToBfloat16Avx512(const float* x, int64_t n, uint16_t* y) {
+  const int64_t whole = n / 16 * 16;
+  for (int64_t j = 0; j < whole; j += 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + j), RoundToBfloat16(_mm512_loadu_ps(x + j)));
+  }
+  if (whole < n) {
+    const __mmask16 k = static_cast<__mmask16>((1u << (n - whole)) - 1);
+    _mm256_mask_storeu_epi16(y + whole, k, RoundToBfloat16(_mm512_maskz_loadu_ps(k, x + whole)));
   }
 }
 
@@ -405,7 +438,9 @@ bool Takes(int64_t m, int64_t d, Isa isa) {
 }  // namespace
 
 Isa Best() {
-  static const Isa best = __builtin_cpu_supports("avx512f") ? Isa::kAvx512
+  static const Isa best = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                                  __builtin_cpu_supports("avx512vl")
+                              ? Isa::kAvx512
                           : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
                               ? Isa::kAvx2
                               : Isa::kNone;
@@ -429,6 +464,19 @@ bool Scores(const float* q, int64_t ldq, int64_t m, const float* k, int64_t ldk,
 bool Softmax(float* s, int64_t lds, int64_t m, int64_t n, Isa isa) {
   if (isa != Isa::kAvx512 || Best() != Isa::kAvx512 || n < 1) return false;
   for (int64_t i = 0; i < m; ++i) SoftmaxRowAvx512(s + i * lds, n);
+  return true;
+}
+
+bool SoftmaxToBfloat16(float* s, int64_t lds, int64_t m, int64_t n, uint16_t* out, int64_t ldo,
+                       Isa isa) {
+  if (isa != Isa::kAvx512 || Best() != Isa::kAvx512 || n < 1) return false;
+  for (int64_t i = 0; i < m; ++i) SoftmaxRowAvx512(s + i * lds, n, out + i * ldo);
+  return true;
+}
+
+bool ToBfloat16(const float* x, int64_t n, uint16_t* y, Isa isa) {
+  if (isa != Isa::kAvx512 || Best() != Isa::kAvx512) return false;
+  ToBfloat16Avx512(x, n, y);
   return true;
 }
 

@@ -3,7 +3,8 @@
 // head (a one-token step: one row, or a grouped key/value head's G query heads): scores = scale ·
 // q · kᵀ and heads = p · v, each reading the kept keys or values once, straight from their rows.
 // oneDNN's and the BLAS's general kernels pack or stride over cold keys for such short products
-// (bench/RESULTS.md, "Decoder layers, fifth and sixth measures"). AVX2 with FMA, and AVX-512 for
+// (bench/RESULTS.md, "Decoder layers, fifth and sixth measures"); the softmax, and float32's
+// rounding to bfloat16 (with it or alone) for the bfloat16 path. AVX2 with FMA, and AVX-512 for
 // the values' product (rows in pairs), detected at run time; elsewhere (or for shapes it does not
 // take) the functions return false and the caller multiplies another way. No LibTorch here: plain
 // pointers and strides in elements.
@@ -19,7 +20,7 @@ constexpr int64_t kMinRows = 2, kMaxRows = 16;
 
 /// The kernels' instruction sets, each CPU running those up to its best.
 enum class Isa { kNone, kAvx2, kAvx512 };
-/// This CPU's best: kAvx512 with AVX-512F, kAvx2 with AVX2 and FMA, else kNone.
+/// This CPU's best: kAvx512 with AVX-512F, BW and VL, kAvx2 with AVX2 and FMA, else kNone.
 Isa Best();
 /// Whether this CPU runs the kernels (AVX2 and FMA at least).
 bool Available();
@@ -43,5 +44,16 @@ bool TimesValues(const float* p, int64_t ldp, int64_t m, const float* v, int64_t
 /// exp to within 2 ulp of float32's, the sum in float32. AVX-512 only; false (nothing done)
 /// elsewhere, for kAvx2, or when n is 0.
 bool Softmax(float* s, int64_t lds, int64_t m, int64_t n, Isa isa = Best());
+
+/// The same softmax, each row's probabilities rounded to bfloat16 as LibTorch rounds a float32
+/// (to nearest, ties to even; a NaN to 0x7fc0) into `out` (rows at stride ldo) in one pass: what
+/// Softmax then a conversion gives, bit for bit. s is left holding the exponentials. AVX-512 only,
+/// as Softmax.
+bool SoftmaxToBfloat16(float* s, int64_t lds, int64_t m, int64_t n, uint16_t* out, int64_t ldo,
+                       Isa isa = Best());
+
+/// y[i] = x[i] rounded to bfloat16 as above, for i < n (a float32 request's rows for a bfloat16
+/// model: LibTorch 1.13 converts ~5x slower, element by element). AVX-512 only; false elsewhere.
+bool ToBfloat16(const float* x, int64_t n, uint16_t* y, Isa isa = Best());
 
 }  // namespace attnserve::small_attention

@@ -165,6 +165,10 @@ class TorchModel final : public AttentionModel {
     small_products_ = device_.is_cpu() && !heads.fused && spec_.kv_heads() < spec_.num_heads &&
                       (dtype_ == at::kFloat || widen_) && small_attention::Available();
     heads.small_products = small_products_;
+    // CPU bfloat16 attention on dense copies of its operands where oneDNN's kernels take no other
+    // (AMX; onednn::WantsDenseOperands).
+    heads.dense_products = device_.is_cpu() && dtype_ == at::kBFloat16 && !widen_ &&
+                           onednn::WantsDenseOperands();
     return heads;
   }
 
@@ -366,7 +370,17 @@ class TorchModel final : public AttentionModel {
   // the worker's stream.
   at::Tensor InputRows(const TensorView& v) const {
     const at::Tensor host = Wrap(v).view({-1, v.shape.back()});
-    if (!device_.is_cuda()) return host.to(dtype_);
+    if (!device_.is_cuda()) {
+      // Float32 rows for a bfloat16 model rounded by the AVX-512 kernel where there is one (as
+      // LibTorch rounds them, several times faster).
+      if (dtype_ == at::kBFloat16 && host.scalar_type() == at::kFloat && host.is_contiguous()) {
+        at::Tensor rows = at::empty(host.sizes(), host.options().dtype(at::kBFloat16));
+        if (small_attention::ToBfloat16(host.data_ptr<float>(), host.numel(),
+                                        reinterpret_cast<uint16_t*>(rows.data_ptr())))
+          return rows;
+      }
+      return host.to(dtype_);
+    }
     at::Tensor pinned = at::empty(host.sizes(), host.options().pinned_memory(true));
     pinned.copy_(host);
     return pinned.to(device_, dtype_, /*non_blocking=*/true);

@@ -8,6 +8,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -24,7 +25,8 @@ TEST(SmallAttentionTest, RunsWhereTheCpuHasAvx2AndFma) {
   EXPECT_EQ(small_attention::Available(),
             __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"));
   EXPECT_EQ(small_attention::Best() == small_attention::Isa::kAvx512,
-            static_cast<bool>(__builtin_cpu_supports("avx512f")));
+            static_cast<bool>(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                              __builtin_cpu_supports("avx512vl")));
 }
 
 // The instruction sets this CPU runs, best last.
@@ -176,6 +178,73 @@ TEST(SmallAttentionTest, SoftmaxEqualsLibTorchsNaNRowsAndMaskedKeysIncluded) {
   EXPECT_FALSE(small_attention::Softmax(s.data_ptr<float>(), 4, 2, 4, small_attention::Isa::kAvx2));
   EXPECT_FALSE(small_attention::Softmax(s.data_ptr<float>(), 4, 2, 0));
   EXPECT_EQ(s.ne(7.0f).sum().item<int64_t>(), 0);
+}
+
+// Rounding to bfloat16 is LibTorch's, bit for bit: random values of every magnitude, the ties
+// either way, ±0, ±inf, subnormals, the largest floats (which round to inf) and NaN (0x7fc0, as
+// LibTorch's own rounding of one value), at lengths with and without a tail of 16. The softmax
+// written in bfloat16 is the float32 softmax then LibTorch's conversion, bit for bit, its NaN rows
+// included. Elsewhere than AVX-512: refused, nothing written.
+float FloatOfBits(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+TEST(SmallAttentionTest, RoundingToBfloat16IsLibTorchsBitForBit) {
+  const bool avx512 = small_attention::Best() == small_attention::Isa::kAvx512;
+  const float inf = std::numeric_limits<float>::infinity();
+  for (const int64_t n : {1, 15, 16, 17, 1000}) {
+    at::Tensor x = Random({n}, 300 + n) * at::pow(2.0, Random({n}, 400 + n) * 40).to(at::kFloat);
+    const std::vector<float> special{0.0f, -0.0f, inf, -inf, 1e-40f, -3e-39f,
+                                     std::numeric_limits<float>::max(),
+                                     FloatOfBits(0x3f808000u),  // a tie: to even, down
+                                     FloatOfBits(0x3f818000u),  // a tie: to even, up
+                                     std::numeric_limits<float>::quiet_NaN()};
+    for (int64_t i = 0; i < n && i < static_cast<int64_t>(special.size()); ++i)
+      x[i] = special[static_cast<size_t>(i)];
+    std::vector<uint16_t> got(static_cast<size_t>(n) + 1, 0xabcd);
+    ASSERT_EQ(small_attention::ToBfloat16(x.data_ptr<float>(), n, got.data()), avx512);
+    EXPECT_EQ(got[static_cast<size_t>(n)], 0xabcd) << "n " << n << ": wrote past the end";
+    if (!avx512) continue;
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = x[i].item<float>();
+      EXPECT_EQ(got[static_cast<size_t>(i)], c10::BFloat16(v).x) << "n " << n << " x " << v;
+    }
+    // LibTorch's vectorised rounding of the whole tensor too (its NaN is another pattern).
+    const at::Tensor want = x.to(at::kBFloat16), nan = want.isnan();
+    const at::Tensor mine = at::from_blob(got.data(), {n}, at::kBFloat16);
+    EXPECT_TRUE(at::equal(mine.isnan(), nan)) << "n " << n;
+    EXPECT_TRUE(at::equal(mine.view(at::kShort).masked_select(~nan),
+                          want.view(at::kShort).masked_select(~nan)))
+        << "n " << n;
+  }
+  for (const int64_t n : {1, 17, 1121}) {
+    const int64_t m = 5, lds = n + 3, ldo = n + 2;
+    at::Tensor s = Random({m, lds}, 500 + n) * 10.0;
+    if (n > 2) s[1][0] = -inf;
+    s[3][n - 1] = std::numeric_limits<float>::quiet_NaN();
+    s[4].fill_(-inf);
+    at::Tensor want = s.clone();
+    const bool plain = small_attention::Softmax(want.data_ptr<float>(), lds, m, n);
+    at::Tensor out = at::full({m, ldo}, 1.5).to(at::kBFloat16);
+    ASSERT_EQ(small_attention::SoftmaxToBfloat16(s.data_ptr<float>(), lds, m, n,
+                                                 reinterpret_cast<uint16_t*>(out.data_ptr()), ldo),
+              avx512);
+    ASSERT_EQ(plain, avx512);
+    EXPECT_EQ(out.narrow(1, n, ldo - n).ne(1.5).sum().item<int64_t>(), 0) << "wrote past a row";
+    if (!avx512) continue;
+    const at::Tensor rounded = want.narrow(1, 0, n).to(at::kBFloat16), got = out.narrow(1, 0, n);
+    for (int64_t i = 0; i < 3; ++i) EXPECT_TRUE(at::equal(got[i], rounded[i])) << "n " << n << " row " << i;
+    for (int64_t i = 3; i < m; ++i) {
+      EXPECT_EQ(got[i].isnan().sum().item<int64_t>(), n) << "n " << n << " row " << i;
+    }
+  }
+  float x = 1.0f;
+  uint16_t y = 7;
+  EXPECT_FALSE(small_attention::ToBfloat16(&x, 1, &y, small_attention::Isa::kAvx2));
+  EXPECT_FALSE(small_attention::SoftmaxToBfloat16(&x, 1, 1, 1, &y, 1, small_attention::Isa::kAvx2));
+  EXPECT_EQ(y, 7);
 }
 
 }  // namespace
