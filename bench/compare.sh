@@ -5,7 +5,8 @@
 #   bench/compare.sh OLD_ATTNSERVE NEW_ATTNSERVE [ROUNDS (3)]
 # For a change that should not move speed (a refactor): ratios within the rounds' own spread.
 # SERVER_ARGS: more flags for both servers (e.g. "--dtype bfloat16"); BENCH_ARGS: more for the
-# load (e.g. "--wire-dtype bfloat16").
+# load (e.g. "--wire-dtype bfloat16"). WITH_W2=1 adds W2 (32 callers, L 16-512, half
+# cross-attention), the workload where attention's own products outweigh the projections.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 old=$1 new=$2 rounds=${3:-3}
@@ -28,6 +29,11 @@ for round in $(seq "$rounds"); do
       --json "$out/results.jsonl" --duration "$duration" --callers 32 --lengths uniform:8:64 ${BENCH_ARGS:-} >/dev/null
     "$build/attnserve-bench" --target 127.0.0.1:$port --label "$which/W3/r$round" --warmup 2 \
       --json "$out/results.jsonl" --duration "$duration" --callers 1 --lengths fixed:128 ${BENCH_ARGS:-} >/dev/null
+    if [ -n "${WITH_W2:-}" ]; then
+      "$build/attnserve-bench" --target 127.0.0.1:$port --label "$which/W2/r$round" --warmup 2 \
+        --json "$out/results.jsonl" --duration "$duration" --callers 32 --lengths uniform:16:512 \
+        --cross 0.5 --pool 48 ${BENCH_ARGS:-} >/dev/null
+    fi
     stop
   done
 done
