@@ -39,7 +39,7 @@ struct HeadAttention::Job {
   at::TensorOptions like;  // the queries' options (the compute dtype)
   int64_t causal_offset = 0, extra = 0, rows = 1;
   bool fused = false, fused_causal = false, grouped = false;
-  bool dense = false;  // products on dense copies (HeadAttentionOptions::dense_products)
+  bool dense = false;       // products on dense copies (HeadAttentionOptions::dense_products)
   at::Tensor merged_heads;  // [B, H, Lq, D] view of the merged rows
   at::Tensor weights_out;   // [B, H or 1, Lq, S] over the answer's bytes (undefined: none)
   mutable std::vector<const char*> backends;

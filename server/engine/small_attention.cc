@@ -368,8 +368,9 @@ ATTNSERVE_AVX512 inline __m512 ExpOfNonPositive(__m512 x) {
 // ties to even; a NaN to 0x7fc0), as 16 bits each.
 ATTNSERVE_AVX512 inline __m256i RoundToBfloat16(__m512 x) {
   const __m512i bits = _mm512_castps_si512(x);
-  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)),
-                                        _mm512_set1_epi32(0x7fff));
+  const __m512i bias =
+      _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)),
+                       _mm512_set1_epi32(0x7fff));
   const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
   const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
   return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0)));

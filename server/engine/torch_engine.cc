@@ -167,8 +167,8 @@ class TorchModel final : public AttentionModel {
     heads.small_products = small_products_;
     // CPU bfloat16 attention on dense copies of its operands where oneDNN's kernels take no other
     // (AMX; onednn::WantsDenseOperands).
-    heads.dense_products = device_.is_cpu() && dtype_ == at::kBFloat16 && !widen_ &&
-                           onednn::WantsDenseOperands();
+    heads.dense_products =
+        device_.is_cpu() && dtype_ == at::kBFloat16 && !widen_ && onednn::WantsDenseOperands();
     return heads;
   }
 

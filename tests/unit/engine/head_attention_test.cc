@@ -1,8 +1,8 @@
 // Attention over heads on its own (server/engine/head_attention.h): the mask builder, the math path
 // (keys in one piece or several), the whole call with appended keys, attention weights and rows
-// masked for every key, the widened bfloat16 path, bfloat16 on dense operands and the fused path, each against
-// softmax(q·kᵀ/√d + mask)·v in float64 with fresh random inputs of fixed seeds. Tolerances: float32
-// 1e-5 of the result's scale, bfloat16 inputs 8e-3.
+// masked for every key, the widened bfloat16 path, bfloat16 on dense operands and the fused path,
+// each against softmax(q·kᵀ/√d + mask)·v in float64 with fresh random inputs of fixed seeds.
+// Tolerances: float32 1e-5 of the result's scale, bfloat16 inputs 8e-3.
 #include "server/engine/head_attention.h"
 
 #include <gtest/gtest.h>
@@ -229,8 +229,10 @@ TEST_F(HeadAttentionTest, Bfloat16OnDenseOperandsEqualsTheReferenceAndTheSerialA
       // Keys and values: the kept block's first `held` rows of `cap`, then the call's own rows.
       const at::Tensor kept_k = bf(Random({kB, kvh, cap, d}, seed++)),
                        kept_v = bf(Random({kB, kvh, cap, d}, seed++));
-      const at::Tensor own_k = bf(Random({kB, lq, kve}, seed++)).view({kB, lq, kvh, d}).transpose(1, 2),
-                       own_v = bf(Random({kB, lq, kve}, seed++)).view({kB, lq, kvh, d}).transpose(1, 2);
+      const at::Tensor own_k =
+                           bf(Random({kB, lq, kve}, seed++)).view({kB, lq, kvh, d}).transpose(1, 2),
+                       own_v =
+                           bf(Random({kB, lq, kve}, seed++)).view({kB, lq, kvh, d}).transpose(1, 2);
       const std::vector<at::Tensor> ks{kept_k.narrow(2, 0, held), own_k},
           vs{kept_v.narrow(2, 0, held), own_v};
       at::Tensor kpm = at::zeros({kB, 1, 1, lk});

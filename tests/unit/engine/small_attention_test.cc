@@ -24,9 +24,10 @@ const auto Random = testing::RandomTensor;
 TEST(SmallAttentionTest, RunsWhereTheCpuHasAvx2AndFma) {
   EXPECT_EQ(small_attention::Available(),
             __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"));
-  EXPECT_EQ(small_attention::Best() == small_attention::Isa::kAvx512,
-            static_cast<bool>(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                              __builtin_cpu_supports("avx512vl")));
+  EXPECT_EQ(
+      small_attention::Best() == small_attention::Isa::kAvx512,
+      static_cast<bool>(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                        __builtin_cpu_supports("avx512vl")));
 }
 
 // The instruction sets this CPU runs, best last.
@@ -196,7 +197,12 @@ TEST(SmallAttentionTest, RoundingToBfloat16IsLibTorchsBitForBit) {
   const float inf = std::numeric_limits<float>::infinity();
   for (const int64_t n : {1, 15, 16, 17, 1000}) {
     at::Tensor x = Random({n}, 300 + n) * at::pow(2.0, Random({n}, 400 + n) * 40).to(at::kFloat);
-    const std::vector<float> special{0.0f, -0.0f, inf, -inf, 1e-40f, -3e-39f,
+    const std::vector<float> special{0.0f,
+                                     -0.0f,
+                                     inf,
+                                     -inf,
+                                     1e-40f,
+                                     -3e-39f,
                                      std::numeric_limits<float>::max(),
                                      FloatOfBits(0x3f808000u),  // a tie: to even, down
                                      FloatOfBits(0x3f818000u),  // a tie: to even, up
@@ -235,7 +241,8 @@ TEST(SmallAttentionTest, RoundingToBfloat16IsLibTorchsBitForBit) {
     EXPECT_EQ(out.narrow(1, n, ldo - n).ne(1.5).sum().item<int64_t>(), 0) << "wrote past a row";
     if (!avx512) continue;
     const at::Tensor rounded = want.narrow(1, 0, n).to(at::kBFloat16), got = out.narrow(1, 0, n);
-    for (int64_t i = 0; i < 3; ++i) EXPECT_TRUE(at::equal(got[i], rounded[i])) << "n " << n << " row " << i;
+    for (int64_t i = 0; i < 3; ++i)
+      EXPECT_TRUE(at::equal(got[i], rounded[i])) << "n " << n << " row " << i;
     for (int64_t i = 3; i < m; ++i) {
       EXPECT_EQ(got[i].isnan().sum().item<int64_t>(), n) << "n " << n << " row " << i;
     }
