@@ -134,10 +134,11 @@ void HeadAttention::AppendExtraKeys(int64_t b, const at::TensorOptions& like,
   if (o_.add_zero_attn) append(at::zeros({b, h, 1, d}, like), at::zeros({b, h, 1, d}, like));
 }
 
-// The dense path's probabilities come from the softmax in the values' dtype (bfloat16); the other
-// paths' in the scores' (TimesValues rounds them).
+// Bfloat16 values' probabilities come from the softmax in bfloat16 where it writes them so (the
+// own softmax); else in the scores' dtype (TimesValues rounds them).
 at::ScalarType HeadAttention::ValuesDtype(const Job& job) const {
-  return job.dense ? job.vs[0].scalar_type() : at::ScalarType::Undefined;
+  return o_.own_softmax && job.vs[0].scalar_type() == at::kBFloat16 ? at::kBFloat16
+                                                                    : at::ScalarType::Undefined;
 }
 
 void HeadAttention::RunBlock(const Job& job, int64_t block) const {
@@ -389,8 +390,7 @@ bool HeadAttention::SmallScores(const at::Tensor& pp, const at::Tensor& q, const
 }
 
 at::Tensor HeadAttention::SmallSoftmax(const at::Tensor& p, at::ScalarType dtype) const {
-  if (!(o_.small_products || o_.dense_products) || p.scalar_type() != at::kFloat ||
-      !p.is_contiguous() || p.numel() == 0)
+  if (!o_.own_softmax || p.scalar_type() != at::kFloat || !p.is_contiguous() || p.numel() == 0)
     return at::Tensor();
   const int64_t n = p.size(-1);
   if (dtype == at::kBFloat16) {

@@ -49,6 +49,10 @@ struct HeadAttentionOptions {
   /// product into rows of its own. Not for one query row a head (a decoding step of an
   /// ungrouped model: those products read every kept key once, and a copy would read them twice).
   bool dense_products = false;
+  /// The softmax of float32 scores on small_attention's AVX-512 kernel where the CPU has it
+  /// (LibTorch 1.13's exp is its AVX2 one), bfloat16 probabilities written by it straight for
+  /// bfloat16 values.
+  bool own_softmax = false;
 };
 
 /// Attention over heads for one model. Thread-safe. With grouped key/value heads the queries of

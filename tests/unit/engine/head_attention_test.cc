@@ -201,73 +201,75 @@ TEST_F(HeadAttentionTest, FusedPathEqualsTheReference) {
   EXPECT_LE(RelativeError(got, Attention(q, k, v, kpm).out), 1e-5) << backend;
 }
 
-// CPU bfloat16 on dense copies of the operands (HeadAttentionOptions::dense_products), as the
-// engine hands them over: the queries' heads strided in projected rows, keys and values in two
-// pieces (a kept block short of its capacity, then strided rows), a key padding mask, causal,
-// per-head weights; plain and grouped heads (4 query heads over 4 or 2 key/value heads), one to 33
-// query rows. Equal to the reference within 8e-3 (bfloat16 inputs), and on idle cores (query
-// blocks of other sizes) to the serial answer bit for bit: the dense copies are decided for the
-// call, not its blocks.
+// CPU bfloat16 on dense copies of the operands (HeadAttentionOptions::dense_products) and as they
+// lie, the softmax writing bfloat16 probabilities (own_softmax), as the engine hands them over: the
+// queries' heads strided in projected rows, keys and values in two pieces (a kept block short of
+// its capacity, then strided rows), a key padding mask, causal, per-head weights; plain and grouped
+// heads (4 query heads over 4 or 2 key/value heads), one to 33 query rows. Equal to the reference
+// within 8e-3 (bfloat16 inputs), and on idle cores (query blocks of other sizes) to the serial
+// answer bit for bit: the dense copies are decided for the call, not its blocks.
 TEST_F(HeadAttentionTest, Bfloat16OnDenseOperandsEqualsTheReferenceAndTheSerialAnswerBitForBit) {
   if (!onednn::HasBfloat16Kernels()) GTEST_SKIP() << "no bfloat16 products on this CPU";
   const int64_t h = 4, d = 64, e = h * d, held = 21, cap = 40;
   const HelperPool pool(2);
   uint64_t seed = 90;
-  for (const int64_t kvh : {int64_t{4}, int64_t{2}}) {
-    HeadAttentionOptions o;
-    o.num_heads = h;
-    o.num_kv_heads = kvh;
-    o.head_dim = d;
-    o.dense_products = true;
-    const Products bf16(at::kCPU, at::kBFloat16, 0, false);
-    const HeadAttention heads(o, bf16);
-    for (const int64_t lq : {int64_t{1}, int64_t{3}, int64_t{33}}) {
-      const int64_t lk = held + lq, kve = kvh * d;
-      const auto bf = [](const at::Tensor& t) { return t.to(at::kBFloat16); };
-      // Queries: [B, Lq, E] rows, heads split as views.
-      const at::Tensor q = bf(Random({kB, lq, e}, seed++)).view({kB, lq, h, d}).transpose(1, 2);
-      // Keys and values: the kept block's first `held` rows of `cap`, then the call's own rows.
-      const at::Tensor kept_k = bf(Random({kB, kvh, cap, d}, seed++)),
-                       kept_v = bf(Random({kB, kvh, cap, d}, seed++));
-      const at::Tensor own_k =
-                           bf(Random({kB, lq, kve}, seed++)).view({kB, lq, kvh, d}).transpose(1, 2),
-                       own_v =
-                           bf(Random({kB, lq, kve}, seed++)).view({kB, lq, kvh, d}).transpose(1, 2);
-      const std::vector<at::Tensor> ks{kept_k.narrow(2, 0, held), own_k},
-          vs{kept_v.narrow(2, 0, held), own_v};
-      at::Tensor kpm = at::zeros({kB, 1, 1, lk});
-      kpm[1][0][0][4] = -kInf;
-      AttendCall call;
-      call.query.dtype = DType::kBFloat16;
-      call.query.shape = {kB, lq, e};
-      call.batch = kB;
-      call.query_len = lq;
-      call.key_len = lk;
-      call.is_causal = true;
-      call.weights = WeightsMode::kPerHead;
-      const auto run = [&](const Parallel& parallel, std::string* weights) {
-        AttendOutputs out;
-        out.weights = weights;
-        return heads.Attend(call, q, ks, vs, kpm, held, at::Tensor(), &out, parallel).merged;
-      };
-      std::string serial_w, pool_w;
-      const at::Tensor serial = run(SerialParallel(), &serial_w), split = run(pool, &pool_w);
-      const std::string what = std::to_string(kvh) + " kv heads, " + std::to_string(lq) + " rows";
-      EXPECT_TRUE(at::equal(split, serial)) << what;
-      EXPECT_EQ(pool_w, serial_w) << what;
-      // The reference: every query head over its group's key/value head.
-      const at::Tensor k_all = at::cat({ks[0], ks[1]}, 2).repeat_interleave(h / kvh, 1),
-                       v_all = at::cat({vs[0], vs[1]}, 2).repeat_interleave(h / kvh, 1);
-      const at::Tensor causal =
-          at::zeros({lq, lk}).masked_fill(at::ones({lq, lk}, at::kBool).triu(held + 1), -kInf);
-      const Reference want = Attention(q, k_all, v_all, kpm + causal.view({1, 1, lq, lk}));
-      EXPECT_LE(RelativeError(serial, want.out.transpose(1, 2).reshape({kB * lq, e})), 8e-3)
-          << what;
-      ASSERT_EQ(serial_w.size(), static_cast<size_t>(kB * h * lq * lk) * 2) << what;
-      at::Tensor w = at::from_blob(serial_w.data(), {kB, h, lq, lk}, at::kBFloat16);
-      EXPECT_LE(RelativeError(w, want.p), 8e-3) << what;
+  for (const bool dense : {true, false})
+    for (const int64_t kvh : {int64_t{4}, int64_t{2}}) {
+      HeadAttentionOptions o;
+      o.num_heads = h;
+      o.num_kv_heads = kvh;
+      o.head_dim = d;
+      o.dense_products = dense;
+      o.own_softmax = true;
+      const Products bf16(at::kCPU, at::kBFloat16, 0, false);
+      const HeadAttention heads(o, bf16);
+      for (const int64_t lq : {int64_t{1}, int64_t{3}, int64_t{33}}) {
+        const int64_t lk = held + lq, kve = kvh * d;
+        const auto bf = [](const at::Tensor& t) { return t.to(at::kBFloat16); };
+        // Queries: [B, Lq, E] rows, heads split as views.
+        const at::Tensor q = bf(Random({kB, lq, e}, seed++)).view({kB, lq, h, d}).transpose(1, 2);
+        // Keys and values: the kept block's first `held` rows of `cap`, then the call's own rows.
+        const at::Tensor kept_k = bf(Random({kB, kvh, cap, d}, seed++)),
+                         kept_v = bf(Random({kB, kvh, cap, d}, seed++));
+        const at::Tensor
+            own_k = bf(Random({kB, lq, kve}, seed++)).view({kB, lq, kvh, d}).transpose(1, 2),
+            own_v = bf(Random({kB, lq, kve}, seed++)).view({kB, lq, kvh, d}).transpose(1, 2);
+        const std::vector<at::Tensor> ks{kept_k.narrow(2, 0, held), own_k},
+            vs{kept_v.narrow(2, 0, held), own_v};
+        at::Tensor kpm = at::zeros({kB, 1, 1, lk});
+        kpm[1][0][0][4] = -kInf;
+        AttendCall call;
+        call.query.dtype = DType::kBFloat16;
+        call.query.shape = {kB, lq, e};
+        call.batch = kB;
+        call.query_len = lq;
+        call.key_len = lk;
+        call.is_causal = true;
+        call.weights = WeightsMode::kPerHead;
+        const auto run = [&](const Parallel& parallel, std::string* weights) {
+          AttendOutputs out;
+          out.weights = weights;
+          return heads.Attend(call, q, ks, vs, kpm, held, at::Tensor(), &out, parallel).merged;
+        };
+        std::string serial_w, pool_w;
+        const at::Tensor serial = run(SerialParallel(), &serial_w), split = run(pool, &pool_w);
+        const std::string what = std::string(dense ? "dense, " : "strided, ") +
+                                 std::to_string(kvh) + " kv heads, " + std::to_string(lq) + " rows";
+        EXPECT_TRUE(at::equal(split, serial)) << what;
+        EXPECT_EQ(pool_w, serial_w) << what;
+        // The reference: every query head over its group's key/value head.
+        const at::Tensor k_all = at::cat({ks[0], ks[1]}, 2).repeat_interleave(h / kvh, 1),
+                         v_all = at::cat({vs[0], vs[1]}, 2).repeat_interleave(h / kvh, 1);
+        const at::Tensor causal =
+            at::zeros({lq, lk}).masked_fill(at::ones({lq, lk}, at::kBool).triu(held + 1), -kInf);
+        const Reference want = Attention(q, k_all, v_all, kpm + causal.view({1, 1, lq, lk}));
+        EXPECT_LE(RelativeError(serial, want.out.transpose(1, 2).reshape({kB * lq, e})), 8e-3)
+            << what;
+        ASSERT_EQ(serial_w.size(), static_cast<size_t>(kB * h * lq * lk) * 2) << what;
+        at::Tensor w = at::from_blob(serial_w.data(), {kB, h, lq, lk}, at::kBFloat16);
+        EXPECT_LE(RelativeError(w, want.p), 8e-3) << what;
+      }
     }
-  }
 }
 
 // A grouped layer's decoding steps on small_attention's kernels (where the CPU runs them): a few
@@ -278,6 +280,7 @@ TEST_F(HeadAttentionTest, SmallProductsOfAFewRowsAHeadEqualTheReference) {
   o.num_heads = 2;
   o.head_dim = 64;
   o.small_products = true;
+  o.own_softmax = true;
   const HeadAttention heads(std::move(o), products_);
   uint64_t seed = 40;
   for (const int64_t rows : {1, 2, 8, 16, 17}) {
