@@ -382,15 +382,30 @@ ATTNSERVE_AVX512 inline __m256i RoundToBfloat16(__m512 x) {
 ATTNSERVE_AVX512 void SoftmaxRowAvx512(float* s, int64_t n, uint16_t* out = nullptr) {
   const int64_t whole = n / 16 * 16;
   const __mmask16 tail = static_cast<__mmask16>((1u << (n - whole)) - 1);
-  __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  // Four running maxima and two running sums: one chain of vmaxps (or vaddps) a vector waits on
+  // its latency (4 cycles), which bound the row before.
+  const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 top = lowest, top1 = lowest, top2 = lowest, top3 = lowest;
   __mmask16 nan = 0;
-  for (int64_t j = 0; j <= whole; j += 16) {
+  int64_t j = 0;
+  for (; j + 64 <= whole; j += 64) {
+    const __m512 x0 = _mm512_loadu_ps(s + j), x1 = _mm512_loadu_ps(s + j + 16),
+                 x2 = _mm512_loadu_ps(s + j + 32), x3 = _mm512_loadu_ps(s + j + 48);
+    nan |= _mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q) |
+           _mm512_cmp_ps_mask(x2, x2, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(x3, x3, _CMP_UNORD_Q);
+    top = _mm512_max_ps(top, x0);
+    top1 = _mm512_max_ps(top1, x1);
+    top2 = _mm512_max_ps(top2, x2);
+    top3 = _mm512_max_ps(top3, x3);
+  }
+  for (; j <= whole; j += 16) {
     const __mmask16 k = j < whole ? 0xFFFF : tail;
     const __m512 x = _mm512_mask_loadu_ps(top, k, s + j);
     nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     top = _mm512_max_ps(top, x);
   }
-  const float largest = _mm512_reduce_max_ps(top);
+  const float largest =
+      _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(top, top1), _mm512_max_ps(top2, top3)));
   if (nan != 0 || !std::isfinite(largest)) {
     if (out != nullptr) {
       std::fill(out, out + n, uint16_t{0x7fc0});
@@ -400,16 +415,24 @@ ATTNSERVE_AVX512 void SoftmaxRowAvx512(float* s, int64_t n, uint16_t* out = null
     return;
   }
   const __m512 vmax = _mm512_set1_ps(largest);
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t j = 0; j <= whole; j += 16) {
+  __m512 sum = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+  for (j = 0; j + 32 <= whole; j += 32) {
+    const __m512 e0 = ExpOfNonPositive(_mm512_sub_ps(_mm512_loadu_ps(s + j), vmax));
+    const __m512 e1 = ExpOfNonPositive(_mm512_sub_ps(_mm512_loadu_ps(s + j + 16), vmax));
+    _mm512_storeu_ps(s + j, e0);
+    _mm512_storeu_ps(s + j + 16, e1);
+    sum = _mm512_add_ps(sum, e0);
+    sum1 = _mm512_add_ps(sum1, e1);
+  }
+  for (; j <= whole; j += 16) {
     const __mmask16 k = j < whole ? 0xFFFF : tail;
     const __m512 e = _mm512_maskz_mov_ps(
         k, ExpOfNonPositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), vmax)));
     _mm512_mask_storeu_ps(s + j, k, e);
     sum = _mm512_add_ps(sum, e);
   }
-  const __m512 scale = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
-  for (int64_t j = 0; j <= whole; j += 16) {
+  const __m512 scale = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_add_ps(sum, sum1)));
+  for (j = 0; j <= whole; j += 16) {
     const __mmask16 k = j < whole ? 0xFFFF : tail;
     const __m512 p = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + j), scale);
     if (out != nullptr) {
