@@ -79,7 +79,11 @@ Attended HeadAttention::Attend(const AttendCall& call, const at::Tensor& qh,
   }
   job.fused = Fused(want_weights) && job.ks.size() == 1;
   // Decided for the call, not its blocks: an answer is the same whichever cores help.
-  job.dense = o_.dense_products && !job.fused && lq * group() > 1;
+  int64_t kv_bytes = 0;
+  for (size_t i = 0; i < job.ks.size(); ++i)
+    kv_bytes +=
+        job.ks[i].numel() * job.ks[i].element_size() + job.vs[i].numel() * job.vs[i].element_size();
+  job.dense = o_.dense_products && !job.fused && lq * group() > 1 && kv_bytes <= o_.dense_max_bytes;
   if (job.dense) {  // Keys and values dense, in one piece (a forked session's history joined).
     job.ks = {job.ks.size() == 1 ? job.ks[0].contiguous() : at::cat(job.ks, 2)};
     job.vs = {job.vs.size() == 1 ? job.vs[0].contiguous() : at::cat(job.vs, 2)};

@@ -49,6 +49,11 @@ struct HeadAttentionOptions {
   /// product into rows of its own. Not for one query row a head (a decoding step of an
   /// ungrouped model: those products read every kept key once, and a copy would read them twice).
   bool dense_products = false;
+  /// The most bytes of keys and values one call copies dense (a session's whole history at every
+  /// step): past it the products take them as they lie, so that in-flight steps of long sessions
+  /// never hold a second copy of what a budget counts (64 MiB: 16k tokens of 8 bfloat16 key/value
+  /// heads of 128).
+  int64_t dense_max_bytes = int64_t{64} << 20;
   /// The softmax of float32 scores on small_attention's AVX-512 kernel where the CPU has it
   /// (LibTorch 1.13's exp is its AVX2 one), bfloat16 probabilities written by it straight for
   /// bfloat16 values.

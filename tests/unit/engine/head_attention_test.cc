@@ -2,7 +2,8 @@
 // (keys in one piece or several), the whole call with appended keys, attention weights and rows
 // masked for every key, the widened bfloat16 path, bfloat16 on dense operands and the fused path,
 // each against softmax(q·kᵀ/√d + mask)·v in float64 with fresh random inputs of fixed seeds.
-// Tolerances: float32 1e-5 of the result's scale, bfloat16 inputs 8e-3.
+// Tolerances: float32 1e-5 of the result's scale, bfloat16 inputs 8e-3 (the bfloat16 layouts' test:
+// docs/hardware.md's bound, 2e-2 and 1e-2).
 #include "server/engine/head_attention.h"
 
 #include <gtest/gtest.h>
@@ -206,20 +207,23 @@ TEST_F(HeadAttentionTest, FusedPathEqualsTheReference) {
 // queries' heads strided in projected rows, keys and values in two pieces (a kept block short of
 // its capacity, then strided rows), a key padding mask, causal, per-head weights; plain and grouped
 // heads (4 query heads over 4 or 2 key/value heads), one to 33 query rows. Equal to the reference
-// within 8e-3 (bfloat16 inputs), and on idle cores (query blocks of other sizes) to the serial
+// within docs/hardware.md's bfloat16 bound (outputs 2e-2 of their scale, weights 1e-2; 9.0e-3
+// seen), and on idle cores (query blocks of other sizes) to the serial
 // answer bit for bit: the dense copies are decided for the call, not its blocks.
 TEST_F(HeadAttentionTest, Bfloat16OnDenseOperandsEqualsTheReferenceAndTheSerialAnswerBitForBit) {
   if (!onednn::HasBfloat16Kernels()) GTEST_SKIP() << "no bfloat16 products on this CPU";
   const int64_t h = 4, d = 64, e = h * d, held = 21, cap = 40;
   const HelperPool pool(2);
   uint64_t seed = 90;
-  for (const bool dense : {true, false})
+  // Dense, strided, and dense asked for with keys and values past dense_max_bytes (as they lie).
+  for (const int dense : {1, 0, 2})
     for (const int64_t kvh : {int64_t{4}, int64_t{2}}) {
       HeadAttentionOptions o;
       o.num_heads = h;
       o.num_kv_heads = kvh;
       o.head_dim = d;
-      o.dense_products = dense;
+      o.dense_products = dense > 0;
+      if (dense == 2) o.dense_max_bytes = 1024;
       o.own_softmax = true;
       const Products bf16(at::kCPU, at::kBFloat16, 0, false);
       const HeadAttention heads(o, bf16);
@@ -253,7 +257,9 @@ TEST_F(HeadAttentionTest, Bfloat16OnDenseOperandsEqualsTheReferenceAndTheSerialA
         };
         std::string serial_w, pool_w;
         const at::Tensor serial = run(SerialParallel(), &serial_w), split = run(pool, &pool_w);
-        const std::string what = std::string(dense ? "dense, " : "strided, ") +
+        const std::string what = std::string(dense == 1   ? "dense, "
+                                             : dense == 0 ? "strided, "
+                                                          : "past the bound, ") +
                                  std::to_string(kvh) + " kv heads, " + std::to_string(lq) + " rows";
         EXPECT_TRUE(at::equal(split, serial)) << what;
         EXPECT_EQ(pool_w, serial_w) << what;
@@ -263,11 +269,11 @@ TEST_F(HeadAttentionTest, Bfloat16OnDenseOperandsEqualsTheReferenceAndTheSerialA
         const at::Tensor causal =
             at::zeros({lq, lk}).masked_fill(at::ones({lq, lk}, at::kBool).triu(held + 1), -kInf);
         const Reference want = Attention(q, k_all, v_all, kpm + causal.view({1, 1, lq, lk}));
-        EXPECT_LE(RelativeError(serial, want.out.transpose(1, 2).reshape({kB * lq, e})), 8e-3)
+        EXPECT_LE(RelativeError(serial, want.out.transpose(1, 2).reshape({kB * lq, e})), 2e-2)
             << what;
         ASSERT_EQ(serial_w.size(), static_cast<size_t>(kB * h * lq * lk) * 2) << what;
         at::Tensor w = at::from_blob(serial_w.data(), {kB, h, lq, lk}, at::kBFloat16);
-        EXPECT_LE(RelativeError(w, want.p), 8e-3) << what;
+        EXPECT_LE(RelativeError(w, want.p), 1e-2) << what;
       }
     }
 }
