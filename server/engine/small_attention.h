@@ -53,7 +53,8 @@ bool SoftmaxToBfloat16(float* s, int64_t lds, int64_t m, int64_t n, uint16_t* ou
                        Isa isa = Best());
 
 /// y[i] = x[i] rounded to bfloat16 as above, for i < n (a float32 request's rows for a bfloat16
-/// model: LibTorch 1.13 converts ~5x slower, element by element). AVX-512 only; false elsewhere.
+/// model: 0.15-0.22 ns an element on the AMX Xeon's core, LibTorch 1.13's conversion 0.28-0.79).
+/// AVX-512 only; false elsewhere.
 bool ToBfloat16(const float* x, int64_t n, uint16_t* y, Isa isa = Best());
 
 }  // namespace attnserve::small_attention

@@ -165,15 +165,15 @@ class TorchModel final : public AttentionModel {
     small_products_ = device_.is_cpu() && !heads.fused && spec_.kv_heads() < spec_.num_heads &&
                       (dtype_ == at::kFloat || widen_) && small_attention::Available();
     heads.small_products = small_products_;
-    // CPU bfloat16 attention on dense copies of its operands where oneDNN's kernels take no other
-    // (AMX; onednn::WantsDenseOperands).
+    const bool cpu_bfloat16 = device_.is_cpu() && dtype_ == at::kBFloat16 && !widen_;
     // The softmax on the AVX-512 kernel for a grouped layer's float32 decoding steps (small
     // products) and CPU bfloat16 (its float32 scores, bfloat16 probabilities): W2 bfloat16 on the
     // AMX Xeon's engine bench 13.9 -> 10.8 ms a batch. Plain float32 models keep LibTorch's softmax
     // (their answers bit for bit what they were).
-    heads.own_softmax = small_products_ || (device_.is_cpu() && dtype_ == at::kBFloat16 && !widen_);
-    heads.dense_products =
-        device_.is_cpu() && dtype_ == at::kBFloat16 && !widen_ && onednn::WantsDenseOperands();
+    heads.own_softmax = small_products_ || cpu_bfloat16;
+    // CPU bfloat16 attention on dense copies of its operands where oneDNN's kernels take no other
+    // (AMX; onednn::WantsDenseOperands).
+    heads.dense_products = cpu_bfloat16 && onednn::WantsDenseOperands();
     return heads;
   }
 
@@ -376,8 +376,8 @@ class TorchModel final : public AttentionModel {
   at::Tensor InputRows(const TensorView& v) const {
     const at::Tensor host = Wrap(v).view({-1, v.shape.back()});
     if (!device_.is_cuda()) {
-      // Float32 rows for a bfloat16 model rounded by the AVX-512 kernel where there is one (as
-      // LibTorch rounds them, several times faster).
+      // Float32 rows for a bfloat16 model rounded by the AVX-512 kernel where there is one, as
+      // LibTorch rounds them, in one pass from the wire's bytes.
       if (dtype_ == at::kBFloat16 && host.scalar_type() == at::kFloat && host.is_contiguous()) {
         at::Tensor rows = at::empty(host.sizes(), host.options().dtype(at::kBFloat16));
         if (small_attention::ToBfloat16(host.data_ptr<float>(), host.numel(),
