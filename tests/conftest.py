@@ -31,6 +31,8 @@ def pytest_addoption(parser):
     parser.addoption("--seed", type=int, default=1, help="conformance: their seed")
     parser.addoption("--requests", type=int, default=1200, help="varlen_load: requests")
     parser.addoption("--callers", type=int, default=16, help="varlen_load: concurrent callers")
+    parser.addoption("--banner-excludes", default="",
+                     help="decoder_conformance: text the server's start-up line must not hold")
     parser.addoption("--expect-backend", default="varlen_emulated",
                      help="varlen_load: a backend /metrics must count at least once (regex)")
     parser.addoption("--package-fixtures", help="python_package_test: the directory python_package_fixtures.py wrote")

@@ -386,7 +386,7 @@ bool HeadAttention::SmallScores(const at::Tensor& pp, const at::Tensor& q, const
     if (!small_attention::Scores(q.data_ptr<float>() + h * q.stride(0), q.stride(1), m,
                                  kt.data_ptr<float>() + h * kt.stride(0), kt.stride(2), n, d,
                                  static_cast<float>(scale), pp.data_ptr<float>() + h * pp.stride(0),
-                                 pp.stride(1))) {
+                                 pp.stride(1), o_.kernels)) {
       return false;  // (Only at h = 0: every head is shaped alike.)
     }
   }
@@ -400,12 +400,15 @@ at::Tensor HeadAttention::SmallSoftmax(const at::Tensor& p, at::ScalarType dtype
   if (dtype == at::kBFloat16) {
     at::Tensor out = at::empty(p.sizes(), p.options().dtype(at::kBFloat16));
     return small_attention::SoftmaxToBfloat16(p.data_ptr<float>(), n, p.numel() / n, n,
-                                              reinterpret_cast<uint16_t*>(out.data_ptr()), n)
+                                              reinterpret_cast<uint16_t*>(out.data_ptr()), n,
+                                              o_.kernels)
                ? out
                : at::Tensor();
   }
   if (dtype != at::ScalarType::Undefined && dtype != at::kFloat) return at::Tensor();
-  return small_attention::Softmax(p.data_ptr<float>(), n, p.numel() / n, n) ? p : at::Tensor();
+  return small_attention::Softmax(p.data_ptr<float>(), n, p.numel() / n, n, o_.kernels)
+             ? p
+             : at::Tensor();
 }
 
 bool HeadAttention::SmallTimesValues(const at::Tensor& p, const at::Tensor& v,
@@ -420,7 +423,7 @@ bool HeadAttention::SmallTimesValues(const at::Tensor& p, const at::Tensor& v,
     if (!small_attention::TimesValues(p.data_ptr<float>() + h * p.stride(0), p.stride(1), m,
                                       v.data_ptr<float>() + h * v.stride(0), v.stride(1), n, d,
                                       out.data_ptr<float>() + h * out.stride(0), out.stride(1),
-                                      accumulate)) {
+                                      accumulate, o_.kernels)) {
       return false;  // (Only at h = 0: every head is shaped alike.)
     }
   }

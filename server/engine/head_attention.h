@@ -13,6 +13,7 @@
 #include "server/core/types.h"
 #include "server/engine/attention_model.h"
 #include "server/engine/products.h"
+#include "server/engine/small_attention.h"
 
 namespace attnserve {
 
@@ -58,6 +59,9 @@ struct HeadAttentionOptions {
   /// (LibTorch 1.13's exp is its AVX2 one), bfloat16 probabilities written by it straight for
   /// bfloat16 values.
   bool own_softmax = false;
+  /// The instruction set small_attention's kernels run at (small products and the own softmax;
+  /// this CPU's best). The engine passes oneDNN's (ONEDNN_MAX_CPU_ISA caps both alike).
+  small_attention::Isa kernels = small_attention::Best();
 };
 
 /// Attention over heads for one model. Thread-safe. With grouped key/value heads the queries of

@@ -163,7 +163,7 @@ class TorchModel final : public AttentionModel {
     // measured even). Not where the fused kernel runs (LibTorch 2.x: unchanged, not measured
     // against them), and in float32 only (widened bfloat16 too).
     small_products_ = device_.is_cpu() && !heads.fused && spec_.kv_heads() < spec_.num_heads &&
-                      (dtype_ == at::kFloat || widen_) && small_attention::Available();
+                      (dtype_ == at::kFloat || widen_) && kernels_ != small_attention::Isa::kNone;
     heads.small_products = small_products_;
     const bool cpu_bfloat16 = device_.is_cpu() && dtype_ == at::kBFloat16 && !widen_;
     // The softmax on the AVX-512 kernel for a grouped layer's float32 decoding steps (small
@@ -174,6 +174,7 @@ class TorchModel final : public AttentionModel {
     // CPU bfloat16 attention on dense copies of its operands where oneDNN's kernels take no other
     // (AMX; onednn::WantsDenseOperands).
     heads.dense_products = cpu_bfloat16 && onednn::WantsDenseOperands();
+    heads.kernels = kernels_;
     return heads;
   }
 
@@ -217,7 +218,7 @@ class TorchModel final : public AttentionModel {
     s += heads_->Fused(false) ? ", fused attention" : ", attention";
     if (dtype_ != at::kFloat) s += " with float32 scores";
     if (small_products_) {
-      s += small_attention::Best() == small_attention::Isa::kAvx512
+      s += kernels_ == small_attention::Isa::kAvx512
                ? " (grouped decoding steps on AVX2 and AVX-512 kernels)"
                : " (grouped decoding steps on AVX2 kernels)";
     }
@@ -381,7 +382,7 @@ class TorchModel final : public AttentionModel {
       if (dtype_ == at::kBFloat16 && host.scalar_type() == at::kFloat && host.is_contiguous()) {
         at::Tensor rows = at::empty(host.sizes(), host.options().dtype(at::kBFloat16));
         if (small_attention::ToBfloat16(host.data_ptr<float>(), host.numel(),
-                                        reinterpret_cast<uint16_t*>(rows.data_ptr())))
+                                        reinterpret_cast<uint16_t*>(rows.data_ptr()), kernels_))
           return rows;
       }
       return host.to(dtype_);
@@ -865,6 +866,11 @@ class TorchModel final : public AttentionModel {
   at::ScalarType score_dtype_;
   // oneDNN's AVX-512 kernels run here: float32 products go to them (onednn::HasAvx512Kernels).
   bool onednn_float32_ = onednn::HasAvx512Kernels();
+  // small_attention's kernels at oneDNN's instruction set, never above this CPU's best: one
+  // ONEDNN_MAX_CPU_ISA caps both, so a CPU runs the engine as one of a lower class would.
+  small_attention::Isa kernels_ =
+      std::min(small_attention::Best(), onednn::HasAvx512Kernels() ? small_attention::Isa::kAvx512
+                                                                   : small_attention::Isa::kAvx2);
   // Float32 on a CPU whose oneDNN kernels are not AVX-512, under OpenBLAS (measured against it;
   // MKL's small products were not): products of up to Products::kSmallPackedRows rows (a decoding
   // batch) on packed weights, the BLAS for the rest; only the input and output projections are

@@ -191,6 +191,10 @@ def run(args, checks):
         export_model.export_decoder(whole, ckpt, {i: os.path.join(models, f"{name}_l{i}") for i in layers})
         built[name] = (config, layers, rotary)
     server = lib.Server(args.binary, "--models", models, *shlex.split(args.server_args))
+    if getattr(args, "banner_excludes", ""):  # E.g. an instruction set the engine was capped below.
+        at = server.banner.find(args.banner_excludes)
+        checks(f"the server's start-up line names no {args.banner_excludes!r}"
+               + (f" (it says ...{server.banner[max(at - 60, 0):at + 40]}...)" if at >= 0 else ""), at < 0)
     rng = np.random.default_rng(args.seed)
     try:
         with grpc.insecure_channel(server.target) as ch:
@@ -263,6 +267,7 @@ def main():
     ap.add_argument("--tolerance", type=float, default=TOL)
     ap.add_argument("--random", type=int, default=0)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--banner-excludes", default="", help="text the server's start-up line must not hold")
     ap.add_argument("--only", default="", help="comma-separated configuration names (default: all)")
     args = ap.parse_args()
     checks = lib.Checks()

@@ -16,4 +16,4 @@ def test_decoder_layers_match_transformers(attnserve, request, checks):
     opt = request.config.getoption
     decoder_conformance.run(types.SimpleNamespace(
         binary=attnserve, server_args=opt("--server-args"), tolerance=opt("--tolerance") or decoder_conformance.TOL,
-        random=opt("--random"), seed=opt("--seed")), checks)
+        random=opt("--random"), seed=opt("--seed"), banner_excludes=opt("--banner-excludes")), checks)
