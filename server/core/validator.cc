@@ -327,11 +327,12 @@ Status CheckPositions(const ModelSpec& model, const AttendCall* call) {
                            "cross-attention (key and value, or a memory) is refused");
   }
   if (!rotary) return Status::Ok();
-  // Positions up to 2^31: an angle's float32 position is exact to 2^24 and transformers' int64
-  // positions are never near this; the sums below cannot overflow.
+  // Positions up to 2^31 - 1: an angle's float32 position is exact to 2^24 and transformers'
+  // int64 positions are never near this; the sums below cannot overflow. The last of `len`
+  // tokens from `first` is first + len - 1.
   constexpr int64_t kMaxPosition = (int64_t{1} << 31) - 1;
   const auto in_range = [&](const char* field, int64_t first, int64_t len) -> Status {
-    if (first < 0 || first > kMaxPosition || len > kMaxPosition - first) {
+    if (first < 0 || first > kMaxPosition || len - 1 > kMaxPosition - first) {
       return InvalidArgument(std::string(field) + " is " + std::to_string(first) + " with " +
                              std::to_string(len) + " tokens; positions must lie in 0 to " +
                              std::to_string(kMaxPosition));

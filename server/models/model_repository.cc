@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <iostream>
+#include <new>
 #include <set>
 
 #include "server/models/model_loader.h"
@@ -19,18 +20,32 @@ bool SameModel(const ModelSpec& a, const ModelSpec& b) {
          a.add_zero_attn == b.add_zero_attn && a.source == b.source;
 }
 
+// A load that ran out of memory (a model's files claiming more than the process can hold, a
+// sparse 16 GiB file among them): RESOURCE_EXHAUSTED naming `what`, instead of a throw that ends
+// the process (reloads run beside the versions serving).
+Status OutOfMemoryLoading(const std::string& what) {
+  return Status(StatusCode::kResourceExhausted,
+                what +
+                    ": out of memory loading its weights (a load holds up to ~4.5x their bytes "
+                    "at once); not served");
+}
+
 // A version loaded and warmed: it serves fast from its first request.
 StatusOr<std::shared_ptr<const AttentionModel>> Build(const ModelSource& source,
                                                       const EngineOptions& engine,
                                                       const WarmupShapes& warmup,
                                                       const WarmRunner& run) {
-  ASSIGN_OR_RETURN(ModelWeights w, LoadModel(source.dir, source.name, source.version));
-  ASSIGN_OR_RETURN(std::unique_ptr<AttentionModel> made, CreateTorchModel(w, engine));
-  std::shared_ptr<const AttentionModel> model = std::move(made);
-  const Status warm = WarmModel(model, warmup, run);
-  if (!warm.ok())
-    return Status(StatusCode::kFailedPrecondition, source.dir + ": " + warm.message());
-  return model;
+  try {
+    ASSIGN_OR_RETURN(ModelWeights w, LoadModel(source.dir, source.name, source.version));
+    ASSIGN_OR_RETURN(std::unique_ptr<AttentionModel> made, CreateTorchModel(w, engine));
+    std::shared_ptr<const AttentionModel> model = std::move(made);
+    const Status warm = WarmModel(model, warmup, run);
+    if (!warm.ok())
+      return Status(StatusCode::kFailedPrecondition, source.dir + ": " + warm.message());
+    return model;
+  } catch (const std::bad_alloc&) {
+    return OutOfMemoryLoading(source.dir);
+  }
 }
 
 }  // namespace
@@ -100,13 +115,17 @@ StatusOr<std::unique_ptr<ModelRepository>> ModelRepository::Open(const std::stri
     set->models["demo"][1] = std::move(model);
   } else {
     // Start-up is all or nothing: a server that starts serves every model it was given.
-    RepositoryScan scan;
-    ASSIGN_OR_RETURN(std::vector<ModelWeights> weights, LoadModelDirectory(dir, &scan));
-    for (size_t i = 0; i < weights.size(); ++i) {
-      const ModelSource& source = scan.sources[i];
-      ASSIGN_OR_RETURN(auto model, CreateTorchModel(weights[i], engine));
-      set->models[source.name][source.version] = std::move(model);
-      repo->fingerprints_[{source.name, source.version}] = source.fingerprint;
+    try {
+      RepositoryScan scan;
+      ASSIGN_OR_RETURN(std::vector<ModelWeights> weights, LoadModelDirectory(dir, &scan));
+      for (size_t i = 0; i < weights.size(); ++i) {
+        const ModelSource& source = scan.sources[i];
+        ASSIGN_OR_RETURN(auto model, CreateTorchModel(weights[i], engine));
+        set->models[source.name][source.version] = std::move(model);
+        repo->fingerprints_[{source.name, source.version}] = source.fingerprint;
+      }
+    } catch (const std::bad_alloc&) {
+      return OutOfMemoryLoading("--models " + dir);
     }
     repo->thread_ = std::thread([r = repo.get()] { r->Loop(); });
   }

@@ -90,6 +90,38 @@ StatusOr<double> Number(const nlohmann::json& obj, const std::string& key, doubl
   return v.get<double>();
 }
 
+// RoPE's inverse frequencies are computed in float32 (by transformers, and as it does by
+// rotary.cc): a rope_theta or llama3 factor positive as a double may be 0 there, or make a
+// frequency overflow (1e-300), and every answer would be NaN. The same float32 steps here, each
+// result required finite.
+Status CheckFrequencies(const RotarySpec& r, const std::string& field) {
+  const float theta = static_cast<float>(r.theta), factor = static_cast<float>(r.factor);
+  const float low = static_cast<float>(r.low_freq_factor),
+              high = static_cast<float>(r.high_freq_factor);
+  const float old_len = static_cast<float>(r.original_max_position);
+  for (int64_t i = 0; i < r.rotary_dim; i += 2) {
+    const float inv =
+        1.0f / std::pow(theta, static_cast<float>(i) / static_cast<float>(r.rotary_dim));
+    if (!std::isfinite(inv)) {
+      return Fail(field + ": rope_theta " + nlohmann::json(r.theta).dump() +
+                  " gives inverse frequencies that are not finite in float32 (where they are "
+                  "computed); expected a rope_theta float32 holds, such as 10000");
+    }
+    if (r.type != "llama3") continue;
+    const float wavelen = static_cast<float>(2 * M_PI) / inv;
+    const float scaled = wavelen > old_len / low ? inv / factor : inv;
+    const float smooth = (old_len / wavelen - low) / (high - low);
+    const float smoothed = (1 - smooth) * scaled / factor + smooth * scaled;
+    const bool medium = wavelen >= old_len / high && wavelen <= old_len / low;
+    if (!std::isfinite(medium ? smoothed : scaled)) {
+      return Fail(field + ": factor " + nlohmann::json(r.factor).dump() +
+                  " gives inverse frequencies that are not finite in float32 (where they are "
+                  "computed); expected a factor float32 holds, such as 8");
+    }
+  }
+  return Status::Ok();
+}
+
 // RoPE from rope_parameters (transformers 5) or rope_theta / rope_scaling (older checkpoints).
 StatusOr<RotarySpec> ParseRotary(const nlohmann::json& j, int64_t head_dim, int64_t max_positions,
                                  const std::string& where) {
@@ -153,6 +185,7 @@ StatusOr<RotarySpec> ParseRotary(const nlohmann::json& j, int64_t head_dim, int6
     ASSIGN_OR_RETURN(r.original_max_position,
                      in.Int("original_max_position_embeddings", original_top, 1, INT64_MAX));
   }
+  RETURN_IF_ERROR(CheckFrequencies(r, field));
   return r;
 }
 
@@ -229,6 +262,11 @@ StatusOr<ModelSpec> ParseCheckpointConfig(const std::string& text, int64_t layer
   }
   d.layer = layer;
   ASSIGN_OR_RETURN(d.rms_norm_eps, Number(j, "rms_norm_eps", 1e-6, where));
+  if (static_cast<float>(d.rms_norm_eps) == 0) {  // The norms add it in float32: 0 / 0 there.
+    return Fail(where + ": rms_norm_eps is " + nlohmann::json(d.rms_norm_eps).dump() +
+                ", which is 0 in float32 (where the norms add it); expected a positive number "
+                "float32 holds (from 1.4e-45), such as 1e-6");
+  }
   ASSIGN_OR_RETURN(const int64_t max_positions,
                    k.Int("max_position_embeddings", f.max_positions, 1, INT64_MAX));
   ASSIGN_OR_RETURN(RotarySpec rotary, ParseRotary(j, spec.head_size, max_positions, where));

@@ -18,12 +18,16 @@ weights_hash names (tolerance: atol 2e-5 + rtol 1e-4; the server computes in flo
 callers never see older weights after newer ones; ListModels, GetModel, health and the
 attnserve_model_info series agree after each step. Prints the figures; ends "N passed, N failed".
 """
+import json
 import os
 import queue
 import random
 import re
+import resource
 import shutil
 import signal
+import struct
+import subprocess
 import sys
 import threading
 import time
@@ -382,3 +386,76 @@ def test_versions_reloads_and_broken_models_under_load(attnserve, checks):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))
+
+
+def write_sparse_safetensors(path, e):
+    """A model directory whose model.safetensors claims four [e, e] float32 projections (16 e^2
+    bytes: 16 GiB at e = 32768) in a sparse file of a few KiB on disk."""
+    os.makedirs(path)
+    header, offset = {}, 0
+    for name in ("in_proj_weight", "out_proj.weight"):
+        rows = 3 * e if name == "in_proj_weight" else e
+        header[name] = {"dtype": "F32", "shape": [rows, e], "data_offsets": [offset, offset + 4 * rows * e]}
+        offset += 4 * rows * e
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(os.path.join(path, "model.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        f.truncate(8 + len(text) + offset)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        f.write('{"num_heads": 256}')
+
+
+def test_a_version_too_big_for_memory_fails_and_the_others_serve(attnserve, checks):
+    """A hostile review's finding (2026-12-02): a reload of a model whose weights the process cannot
+    allocate (a sparse 16 GiB file, the server under an 8 GiB address-space limit) threw
+    std::bad_alloc out of the reloading thread and ended the server, the models it served with it;
+    at start-up the process aborted instead of exiting 2 with a message."""
+    pb, rpc = lib.load_stubs()
+    root = lib.temp_dir("attnserve-reload-oom-")
+    repo = os.path.join(root, "models")
+    w = make_weights(11)
+    write_version(os.path.join(repo, "good"), w)
+    token_file = os.path.join(root, "token")
+    with open(token_file, "w") as f:
+        f.write(TOKEN + "\n")
+    limit = 8 << 30
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    server = lib.Server(attnserve, "--models", repo, "--admin-token-file", token_file, "--workers", "1",
+                        preexec_fn=limited)
+    try:
+        channel = grpc.insecure_channel(server.target)
+        stub, admin = rpc.AttentionServiceStub(channel), rpc.AdminServiceStub(channel)
+        q = np.random.default_rng(11).standard_normal((1, 5, E)).astype(np.float32)
+        write_sparse_safetensors(os.path.join(repo, "big"), 32768)
+        try:
+            resp = admin.ReloadModels(pb.ReloadModelsRequest(), metadata=(("authorization", "Bearer " + TOKEN),),
+                                      timeout=120)
+            changes = {c.name: c for c in resp.changes}
+            big = changes.get("big")
+            checks(f"the reload reports big FAILED, out of memory: {big and big.message}",
+                   big is not None and big.action == pb.ModelChange.ACTION_FAILED
+                   and "out of memory loading its weights" in big.message and "big" in big.message)
+        except grpc.RpcError as e:
+            checks(f"ReloadModels answered: {e.code()} {e.details()}", False)
+        try:
+            got = lib.from_wire(pb, stub.Attend(pb.AttendRequest(model="good", query=lib.to_wire(pb, q)),
+                                                timeout=30).output)
+            checks("the model beside it still answers right",
+                   np.allclose(got, reference(w, q), atol=ATOL, rtol=RTOL))
+            names = [m.name for m in stub.ListModels(pb.ListModelsRequest(), timeout=10).models]
+            checks(f"big is not served: {names}", "big" not in names and "good" in names)
+        except grpc.RpcError as e:
+            checks(f"the model beside it answers: {e.code()} {e.details()}", False)
+        checks(f"the server still runs (exit code {server.proc.poll()})", server.proc.poll() is None)
+    finally:
+        if server.proc.poll() is None:
+            server.stop()
+    # At start-up: exit 2 with the message, not an abort.
+    proc = subprocess.run([attnserve, "--address", "127.0.0.1:0", "--metrics-address", "", "--models", repo],
+                          capture_output=True, text=True, timeout=120, preexec_fn=limited)
+    checks(f"a start-up with it exits 2 naming it: {proc.returncode} {proc.stderr.strip()[-300:]}",
+           proc.returncode == 2 and "out of memory loading its weights" in proc.stderr)

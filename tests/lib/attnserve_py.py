@@ -72,11 +72,11 @@ def load_stubs(proto="attnserve/v1/attention.proto"):
 class Server:
     """Starts `attnserve` on free ports and stops it with SIGTERM, checking the exit code."""
 
-    def __init__(self, binary, *args):
+    def __init__(self, binary, *args, preexec_fn=None):
         if "--metrics-address" not in args:
             args = ("--metrics-address", "127.0.0.1:0") + tuple(args)
         self.proc = subprocess.Popen([binary, "--address", "127.0.0.1:0", *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
+                                     stderr=subprocess.STDOUT, text=True, preexec_fn=preexec_fn)
         self.banner = self.proc.stdout.readline()
         m = re.search(r" on [\d.]+:(\d+), (?:metrics on http://[\d.]+:(\d+)/metrics|metrics off)",
                       self.banner)

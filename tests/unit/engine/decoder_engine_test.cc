@@ -400,6 +400,24 @@ TEST(DecoderEngineTest, AWindowedModelRefusesCrossAttentionAndOutOfRangePosition
   near_end.query = q.view();
   near_end.query_position = (int64_t{1} << 31) - 2;
   EXPECT_EQ(Validate(w.spec, {}, &near_end).code(), StatusCode::kInvalidArgument);
+  AttendCall at_end;  // Its last token at 2^31 - 1, the last position allowed.
+  at_end.query = q.view();
+  at_end.query_position = (int64_t{1} << 31) - 3;
+  st = Validate(w.spec, {}, &at_end);
+  EXPECT_TRUE(st.ok()) << st.message();
+  {
+    DecoderCase plain;  // Cross-attention's keys (no window): 5 keys, the last at 2^31 - 1.
+    const ModelWeights pw = DecoderWeights(plain, rng);
+    for (const int64_t first : {(int64_t{1} << 31) - 5, (int64_t{1} << 31) - 4}) {
+      AttendCall keys_at_end;
+      keys_at_end.query = q.view();
+      keys_at_end.key = k.view();
+      keys_at_end.value = k.view();
+      keys_at_end.key_position = first;
+      st = Validate(pw.spec, {}, &keys_at_end);
+      EXPECT_EQ(st.ok(), first == (int64_t{1} << 31) - 5) << first << ": " << st.message();
+    }
+  }
   AttendCall wrong_count;
   wrong_count.query = q.view();
   wrong_count.positions = {0, 1};

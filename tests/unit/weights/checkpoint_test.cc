@@ -154,6 +154,18 @@ TEST(CheckpointConfigTest, RefusalsNameTheKeyWhatArrivedAndWhatIsAllowed) {
        },
        0, "llama3 needs factor"},
       {[](nlohmann::json& j) { j["rope_theta"] = -1; }, 0, "rope_theta is -1"},
+      // Positive, but 0 in float32, where the inverse frequencies are computed: every answer NaN.
+      {[](nlohmann::json& j) { j["rope_theta"] = 1e-300; }, 0,
+       "rope_theta 1e-300 gives inverse frequencies that are not finite in float32"},
+      {[](nlohmann::json& j) {
+         j["rope_parameters"] = {
+             {"rope_type", "llama3"}, {"rope_theta", 5e5},
+             {"factor", 1e-300},      {"low_freq_factor", 1},
+             {"high_freq_factor", 4}, {"original_max_position_embeddings", 8192}};
+       },
+       0, "factor 1e-300 gives inverse frequencies that are not finite in float32"},
+      {[](nlohmann::json& j) { j["rms_norm_eps"] = 1e-320; }, 0,
+       "rms_norm_eps is 1e-320, which is 0 in float32"},
       {[](nlohmann::json& j) { j["partial_rotary_factor"] = 0.2; }, 0, "expected an even number"},
       {[](nlohmann::json& j) {
          j["rope_parameters"] = {{"full_attention", {{"rope_theta", 1e4}}}};
