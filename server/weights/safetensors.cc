@@ -70,6 +70,19 @@ StatusOr<nlohmann::json> ParseStrictJson(const std::string& text, const std::str
     JsonErrorOnly
         why;  // e.g. "parse error at line 3, column 17: ... invalid literal; last read: 'N'"
     nlohmann::json::sax_parse(text, &why);
+    // The parser quotes what it read: bytes that are not printable ASCII as \xNN, so that the
+    // message (and the log) stays text whatever the file holds.
+    std::string quoted;
+    for (const char c : why.error) {
+      const auto u = static_cast<unsigned char>(c);
+      if (u >= 0x20 && u < 0x7f) {
+        quoted += c;
+      } else {
+        static const char kHex[] = "0123456789abcdef";
+        quoted += {'\\', 'x', kHex[u >> 4], kHex[u & 15]};
+      }
+    }
+    why.error = quoted;
     const size_t at = why.error.find("] ");
     return Status(StatusCode::kFailedPrecondition,
                   where + ": not valid JSON" +

@@ -196,6 +196,19 @@ TEST_F(WeightsTest, RefusesGarbageHeader) {
   EXPECT_THAT(message, HasSubstr("last read: 'no'"));
 }
 
+// A byte that is not printable ASCII reaches the message (and the log) escaped: the log stays
+// valid UTF-8 whatever a file holds (a hostile review's config.json of 0xFF 0xFE).
+TEST_F(WeightsTest, WhatTheParserReadIsQuotedAsPrintableAscii) {
+  const std::string message =
+      ParseStrictJson("{\"a\": \"\xff\xfe\x01\"}", "x/config.json").status().message();
+  EXPECT_THAT(message, HasSubstr("x/config.json: not valid JSON"));
+  EXPECT_THAT(message, HasSubstr("\\xff"));
+  for (const char c : message) {
+    const auto u = static_cast<unsigned char>(c);
+    EXPECT_TRUE(u >= 0x20 && u < 0x7f) << "byte " << int(u) << " in: " << message;
+  }
+}
+
 TEST_F(WeightsTest, RefusesWrongShapes) {
   std::mt19937 rng(1);
   EXPECT_THAT(LoadError(Safetensors({Rand(rng, "in_proj_weight", {40, 16}),
