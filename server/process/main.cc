@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -22,6 +23,10 @@ namespace {
 // kill the process mid-drain. The handler only writes the signal number to a pipe that main() reads
 // (async-signal-safe).
 int g_signal_pipe[2] = {-1, -1};
+// Until start-up's models are loaded nothing listens and nothing is in flight: SIGINT/SIGTERM end
+// the process there and then (exit 0), where a long load ran to its end first (a hostile review:
+// still loading 48 s after a SIGTERM). Lock-free, so the handler may read it.
+std::atomic<bool> g_loading{true};
 
 // OpenTelemetry's environment variables, where the flags were not given.
 const char* Env(const char* name) {
@@ -72,6 +77,11 @@ void ApplyTracingEnvironment(const CLI::App& app, attnserve::TracingOptions& t) 
 }
 
 void OnSignal(int sig) {
+  if ((sig == SIGINT || sig == SIGTERM) && g_loading.load()) {
+    static const char kLine[] = "attnserve: stopped while loading models (nothing served yet)\n";
+    (void)!write(STDOUT_FILENO, kLine, sizeof kLine - 1);
+    _exit(0);
+  }
   const int saved = errno;
   const unsigned char b = static_cast<unsigned char>(sig);
   (void)!write(g_signal_pipe[1], &b, 1);
@@ -342,8 +352,9 @@ bool ParseFlags(int argc, char** argv, attnserve::ServerOptions* options, int* e
 }
 
 // Starts the server and serves until SIGINT/SIGTERM (SIGHUP: a reload), then stops.
-int Serve(const attnserve::ServerOptions& o) {
+int Serve(attnserve::ServerOptions o) {
   InstallSignals();
+  o.models_loaded = [] { g_loading = false; };
   auto server = attnserve::Server::Start(o);
   if (!server.ok()) {
     std::cerr << "attnserve: error: " << server.status().message() << "\n";

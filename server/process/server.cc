@@ -411,6 +411,7 @@ StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   ASSIGN_OR_RETURN(impl->models, ModelRepository::Open(options.models_dir,
                                                        EngineOptionsOf(options, impl->staging),
                                                        WarmupOf(options)));
+  if (options.models_loaded) options.models_loaded();
   RETURN_IF_ERROR(impl->PlanMemory());
   RETURN_IF_ERROR(impl->StartMetrics());
   impl->StartKv();

@@ -42,6 +42,10 @@ struct ServerOptions {
   std::string address = "127.0.0.1:50051";         ///< gRPC listen address; port 0 picks one.
   std::string metrics_address = "127.0.0.1:9464";  ///< /metrics listen address; "" disables.
   std::string models_dir;                          ///< "" serves the built-in demo model.
+  /// Called once start-up's models are loaded, before anything listens (none: nothing called).
+  /// main's signal handler ends the process at once until then: a stop during a long load has
+  /// nothing in flight to drain.
+  std::function<void()> models_loaded;
   std::string device = "cpu";
   DType compute_dtype = DType::kFloat32;  ///< Weights and compute (CUDA: any float).
   bool allow_tf32 = false;                ///< CUDA float32 matmuls on TF32 tensor cores.

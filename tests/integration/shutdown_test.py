@@ -22,6 +22,7 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -102,6 +103,46 @@ def idle_stop(binary, name, connect, grace="2"):
     check(f"{name}, grace {grace}: stops in under {IDLE_LIMIT_S} s", took < IDLE_LIMIT_S, f"{took:.2f} s")
     check(f"{name}, grace {grace}: says it stopped", "attnserve: stopped" in out, out[-600:])
     return took
+
+
+def test_sigterm_while_the_models_load(attnserve, checks):
+    """A hostile review's finding (2026-12-02): a SIGTERM during start-up's model load waited for the
+    whole load (48 s for a large model), then drained. Nothing listens while the models load, so the
+    process ends there and then: exit 0, a line saying so, no banner. Here a model of 400 MiB of
+    zeros (a sparse file: E=5120, about 4.5 s to load and hash here) and the SIGTERM 1 s in."""
+    import json
+    import struct
+    root = lib.temp_dir("attnserve-slow-load-")
+    model = os.path.join(root, "models", "big")
+    os.makedirs(model)
+    e, header, offset = 5120, {}, 0
+    for name, rows in (("in_proj_weight", 3 * e), ("out_proj.weight", e)):
+        header[name] = {"dtype": "F32", "shape": [rows, e], "data_offsets": [offset, offset + 4 * rows * e]}
+        offset += 4 * rows * e
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(os.path.join(model, "model.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        f.truncate(8 + len(text) + offset)
+    with open(os.path.join(model, "config.json"), "w") as f:
+        f.write('{"num_heads": 40}')
+    proc = subprocess.Popen([attnserve, "--address", "127.0.0.1:0", "--metrics-address", "", "--no-warmup",
+                             "--models", os.path.join(root, "models")], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    time.sleep(1.0)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out = proc.communicate(timeout=60)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out = proc.communicate()[0]
+    took = time.monotonic() - sent
+    print(f"  SIGTERM 1 s into the load: gone in {took:.3f} s, exit {proc.returncode}")
+    checks("SIGTERM while loading: exit 0", proc.returncode == 0, f"exit {proc.returncode}: {out[-600:]}")
+    checks("SIGTERM while loading: gone in under 1 s", took < 1.0, f"{took:.2f} s")
+    checks("SIGTERM while loading: says so, and never served",
+          "stopped while loading models" in out and "serving" not in out, out[-600:])
 
 
 def test_sigterm_with_clients_connected(attnserve, request):
