@@ -18,7 +18,6 @@ weights_hash names (tolerance: atol 2e-5 + rtol 1e-4; the server computes in flo
 callers never see older weights after newer ones; ListModels, GetModel, health and the
 attnserve_model_info series agree after each step. Prints the figures; ends "N passed, N failed".
 """
-import json
 import os
 import queue
 import random
@@ -26,7 +25,6 @@ import re
 import resource
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 import threading
@@ -388,24 +386,6 @@ if __name__ == "__main__":
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))
 
 
-def write_sparse_safetensors(path, e):
-    """A model directory whose model.safetensors claims four [e, e] float32 projections (16 e^2
-    bytes: 16 GiB at e = 32768) in a sparse file of a few KiB on disk."""
-    os.makedirs(path)
-    header, offset = {}, 0
-    for name in ("in_proj_weight", "out_proj.weight"):
-        rows = 3 * e if name == "in_proj_weight" else e
-        header[name] = {"dtype": "F32", "shape": [rows, e], "data_offsets": [offset, offset + 4 * rows * e]}
-        offset += 4 * rows * e
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    with open(os.path.join(path, "model.safetensors"), "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text)
-        f.truncate(8 + len(text) + offset)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        f.write('{"num_heads": 256}')
-
-
 def test_a_version_too_big_for_memory_fails_and_the_others_serve(attnserve, checks):
     """A hostile review's finding (2026-12-02): a reload of a model whose weights the process cannot
     allocate (a sparse 16 GiB file, the server under an 8 GiB address-space limit) threw
@@ -430,7 +410,7 @@ def test_a_version_too_big_for_memory_fails_and_the_others_serve(attnserve, chec
         channel = grpc.insecure_channel(server.target)
         stub, admin = rpc.AttentionServiceStub(channel), rpc.AdminServiceStub(channel)
         q = np.random.default_rng(11).standard_normal((1, 5, E)).astype(np.float32)
-        write_sparse_safetensors(os.path.join(repo, "big"), 32768)
+        lib.write_sparse_model(os.path.join(repo, "big"), 32768, 256)
         try:
             resp = admin.ReloadModels(pb.ReloadModelsRequest(), metadata=(("authorization", "Bearer " + TOKEN),),
                                       timeout=120)

@@ -110,22 +110,8 @@ def test_sigterm_while_the_models_load(attnserve, checks):
     whole load (48 s for a large model), then drained. Nothing listens while the models load, so the
     process ends there and then: exit 0, a line saying so, no banner. Here a model of 400 MiB of
     zeros (a sparse file: E=5120, about 4.5 s to load and hash here) and the SIGTERM 1 s in."""
-    import json
-    import struct
     root = lib.temp_dir("attnserve-slow-load-")
-    model = os.path.join(root, "models", "big")
-    os.makedirs(model)
-    e, header, offset = 5120, {}, 0
-    for name, rows in (("in_proj_weight", 3 * e), ("out_proj.weight", e)):
-        header[name] = {"dtype": "F32", "shape": [rows, e], "data_offsets": [offset, offset + 4 * rows * e]}
-        offset += 4 * rows * e
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    with open(os.path.join(model, "model.safetensors"), "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text)
-        f.truncate(8 + len(text) + offset)
-    with open(os.path.join(model, "config.json"), "w") as f:
-        f.write('{"num_heads": 40}')
+    lib.write_sparse_model(os.path.join(root, "models", "big"), 5120, 40)
     proc = subprocess.Popen([attnserve, "--address", "127.0.0.1:0", "--metrics-address", "", "--no-warmup",
                              "--models", os.path.join(root, "models")], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

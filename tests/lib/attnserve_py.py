@@ -1,8 +1,10 @@
 """Test helpers: Python stubs generated from the .proto at run time, and a real attnserve process."""
 import atexit
+import json
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -129,6 +131,24 @@ class Checks:
     def summary(self, prefix):
         print(f"{prefix}: {self.passed} passed, {self.failed} failed")
         return 1 if self.failed else 0
+
+
+def write_sparse_model(path, e, num_heads):
+    """A model directory (nn.MultiheadAttention, bias=False) whose model.safetensors claims [3e, e]
+    and [e, e] float32 projections (16 e^2 bytes: 16 GiB at e = 32768) as zeros in a sparse file of
+    a few KiB on disk: for loads too large to allocate, or long to read and hash."""
+    os.makedirs(path)
+    header, offset = {}, 0
+    for name, rows in (("in_proj_weight", 3 * e), ("out_proj.weight", e)):
+        header[name] = {"dtype": "F32", "shape": [rows, e], "data_offsets": [offset, offset + 4 * rows * e]}
+        offset += 4 * rows * e
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(os.path.join(path, "model.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        f.truncate(8 + len(text) + offset)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        f.write(json.dumps({"num_heads": num_heads}))
 
 
 def status_kb(pid, field):
