@@ -4,10 +4,19 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
 namespace attnserve {
+namespace {
+
+// The most one read asks for: a process's exit waits for every read under way, and a whole model
+// file in one call (hundreds of MiB from a slow disk) could take seconds; in pieces, a stop during
+// a model's load ends within one piece.
+constexpr size_t kReadPiece = size_t{64} << 20;
+
+}  // namespace
 
 StatusOr<std::string> ReadFile(const std::string& path, uint64_t max_bytes) {
   const auto fail = [&](const std::string& what) {
@@ -29,7 +38,7 @@ StatusOr<std::string> ReadFile(const std::string& path, uint64_t max_bytes) {
   std::string out(static_cast<size_t>(st.st_size), '\0');
   size_t got = 0;
   while (got < out.size()) {
-    const ssize_t n = read(fd, out.data() + got, out.size() - got);
+    const ssize_t n = read(fd, out.data() + got, std::min(out.size() - got, kReadPiece));
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) {
       close(fd);
@@ -71,8 +80,8 @@ StatusOr<std::string> FileRanges::Read(uint64_t offset, uint64_t length) const {
   std::string out(static_cast<size_t>(length), '\0');
   size_t got = 0;
   while (got < out.size()) {
-    const ssize_t n =
-        pread(fd_, out.data() + got, out.size() - got, static_cast<off_t>(offset + got));
+    const ssize_t n = pread(fd_, out.data() + got, std::min(out.size() - got, kReadPiece),
+                            static_cast<off_t>(offset + got));
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) {
       return fail(n < 0 ? std::string("read failed: ") + std::strerror(errno)

@@ -126,7 +126,9 @@ def test_sigterm_while_the_models_load(attnserve, checks):
     took = time.monotonic() - sent
     print(f"  SIGTERM 1 s into the load: gone in {took:.3f} s, exit {proc.returncode}")
     checks("SIGTERM while loading: exit 0", proc.returncode == 0, f"exit {proc.returncode}: {out[-600:]}")
-    checks("SIGTERM while loading: gone in under 1 s", took < 1.0, f"{took:.2f} s")
+    # (0.01-0.08 s alone here; 1.3-2.8 s in 3 of ~30 runs on a busy host: the loose bound is for
+    # a hang; that it never served is what shows the load was not finished first.)
+    checks("SIGTERM while loading: gone in under 5 s", took < 5.0, f"{took:.2f} s")
     checks("SIGTERM while loading: says so, and never served",
           "stopped while loading models" in out and "serving" not in out, out[-600:])
 
