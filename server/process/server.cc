@@ -121,13 +121,18 @@ Status CheckOptions(const ServerOptions& options) {
   return Status::Ok();
 }
 
-// Each registered region holds a descriptor: the soft limit on open files is raised to the hard
-// one, and regions are capped to leave 256 descriptors for connections, models and logs (a
-// hostile review, 2026-11-28: under systemd's 1,024, registrations took every descriptor, accept()
-// failed, and the listener never took a connection again).
-size_t RegionsTheDescriptorsAllow(size_t max_regions) {
+// Each registered region and each connection holds a descriptor: the soft limit on open files is
+// raised to the hard one, 256 descriptors are kept for models, logs and the rest, and regions and
+// connections get at most half of what is left each (a hostile review, 2026-11-28: under
+// systemd's 1,024, registrations took every descriptor, accept() failed, and gRPC 1.51's listener
+// never took a connection again; 2026-12-05: 20,100 idle connections did the same).
+struct DescriptorShares {
+  size_t regions;
+  int64_t connections;
+};
+DescriptorShares ShareDescriptors(size_t max_regions, int64_t max_connections) {
   struct rlimit files {};
-  if (::getrlimit(RLIMIT_NOFILE, &files) != 0) return max_regions;
+  if (::getrlimit(RLIMIT_NOFILE, &files) != 0) return {max_regions, max_connections};
   if (files.rlim_cur < files.rlim_max) {
     files.rlim_cur = files.rlim_max;
     ::setrlimit(RLIMIT_NOFILE, &files);
@@ -135,7 +140,8 @@ size_t RegionsTheDescriptorsAllow(size_t max_regions) {
   }
   constexpr rlim_t kKept = 256;
   const rlim_t room = files.rlim_cur > 2 * kKept ? files.rlim_cur - kKept : files.rlim_cur / 2;
-  return std::min<size_t>(max_regions, static_cast<size_t>(room));
+  return {std::min<size_t>(max_regions, static_cast<size_t>(room / 2)),
+          std::min<int64_t>(max_connections, static_cast<int64_t>(std::max<rlim_t>(room / 2, 1)))};
 }
 
 // What the batcher will give each model: the shapes its warm-up runs.
@@ -159,10 +165,29 @@ EngineOptions EngineOptionsOf(const ServerOptions& options, std::shared_ptr<Host
   return engine;
 }
 
-// A gRPC listener that refuses to share its port: gRPC sets SO_REUSEPORT by default, so a second
-// attnserve on a port in use would start and take some of the first one's connections.
-grpc::ServerBuilder& Builder(grpc::ServerBuilder& builder) {
+// A gRPC listener with the transport's bounds (TransportOptions) that refuses to share its port:
+// gRPC sets SO_REUSEPORT by default, so a second attnserve on a port in use would start and take
+// some of the first one's connections. Compressed requests are refused (UNIMPLEMENTED naming the
+// algorithm): gRPC 1.51 inflates a message whole before it checks its size, so a few MB of gzip
+// became gigabytes. Streams per connection, the handshake, idle connections and metadata are
+// bounded, and every connection's buffers count against one resource quota.
+grpc::ServerBuilder& Builder(grpc::ServerBuilder& builder, const TransportOptions& t,
+                             grpc::ResourceQuota& quota) {
+  const auto ms = [](double seconds) {
+    return static_cast<int>(std::min(seconds * 1e3, static_cast<double>(INT32_MAX)));
+  };
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  builder.SetCompressionAlgorithmSupportStatus(GRPC_COMPRESS_DEFLATE, false);
+  builder.SetCompressionAlgorithmSupportStatus(GRPC_COMPRESS_GZIP, false);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS,
+                             static_cast<int>(t.limits.h2.max_concurrent_streams));
+  builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
+                             ms(t.handshake_timeout_seconds));
+  if (t.max_connection_idle_seconds > 0) {
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, ms(t.max_connection_idle_seconds));
+  }
+  builder.AddChannelArgument(GRPC_ARG_MAX_METADATA_SIZE, static_cast<int>(t.max_metadata_bytes));
+  builder.SetResourceQuota(quota);
   return builder;
 }
 
@@ -185,6 +210,13 @@ Status Server::Impl::PlanMemory() {
   options.kv.max_entry_bytes = memory_plan.budgets.kv_max_entry_bytes;
   options.flow.max_inflight_bytes = memory_plan.budgets.max_inflight_bytes;
   options.max_message_bytes = static_cast<int>(memory_plan.budgets.max_message_bytes);
+  // The transport's share: the messages arriving at once that the plan counts, of the size it set.
+  TransportOptions& t = options.transport;
+  t.limits.h2.max_message_bytes = options.max_message_bytes;
+  if (t.memory_bytes <= 0) t.memory_bytes = kArrivingMessages * int64_t{options.max_message_bytes};
+  if (t.limits.max_partial_bytes_per_peer <= 0) t.limits.max_partial_bytes_per_peer = t.memory_bytes / 2;
+  quota = std::make_unique<grpc::ResourceQuota>("attnserve");
+  quota->Resize(static_cast<size_t>(t.memory_bytes));
   return options.kv.Validate();
 }
 
@@ -300,7 +332,10 @@ void Server::Impl::StartPipeline() {
   pipeline->SetStaging(staging.get());
   pipeline->Publish();
   SharedMemoryOptions shared = options.shared_memory;
-  shared.max_regions = RegionsTheDescriptorsAllow(shared.max_regions);
+  const DescriptorShares shares =
+      ShareDescriptors(shared.max_regions, options.transport.limits.max_connections);
+  shared.max_regions = shares.regions;
+  options.transport.limits.max_connections = shares.connections;
   shared.on_change = [m = metrics.get()](int64_t bytes, size_t regions) {
     m->SetSharedMemory(bytes, static_cast<int64_t>(regions));
   };
@@ -333,7 +368,7 @@ Status Server::Impl::StartGrpc() {
   grpc::ServerBuilder builder;
   ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
                    ServerCredentials(options));
-  Builder(builder).AddListeningPort(options.address, credentials, &port);
+  Builder(builder, options.transport, *quota).AddListeningPort(options.address, credentials, &port);
   builder.RegisterService(service.get());
   builder.RegisterService(oip.get());
   builder.RegisterService(admin.get());
@@ -349,7 +384,11 @@ Status Server::Impl::StartGrpc() {
   grpc_server = builder.BuildAndStart();
   if (grpc_server && port_text == "0")
     pipeline->SetAdvertisedAddress(AdvertisedAddress(options, port));
-  if (grpc_server && port != 0) return Status::Ok();
+  if (grpc_server && port != 0) {
+    ConnectionGuard::Get().Guard(port, "gRPC", options.transport.limits,
+                                 options.tls_cert_file.empty());
+    return Status::Ok();
+  }
   return Refuse(
       "--address " + options.address + ": cannot listen (in use, or not an address" +
       (options.tls_cert_file.empty() ? ")" : "; or --tls-cert and --tls-key do not match)"));
@@ -358,14 +397,15 @@ Status Server::Impl::StartGrpc() {
 Status Server::Impl::StartHealth() {
   if (!options.health_address.empty()) {
     grpc::ServerBuilder builder;  // No services of its own: only the default health service.
-    Builder(builder).AddListeningPort(options.health_address, grpc::InsecureServerCredentials(),
-                                      &health_port);
+    Builder(builder, options.transport, *quota)
+        .AddListeningPort(options.health_address, grpc::InsecureServerCredentials(), &health_port);
     health_server = builder.BuildAndStart();
     if (!health_server || health_port == 0) {
       grpc_server->Shutdown();
       return Refuse("--health-address " + options.health_address +
                     ": cannot listen (in use, or not an address)");
     }
+    ConnectionGuard::Get().Guard(health_port, "health", options.transport.limits, true);
   }
   std::vector<grpc::HealthCheckServiceInterface*> services;
   for (grpc::Server* s : {grpc_server.get(), health_server.get()}) {

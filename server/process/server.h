@@ -11,6 +11,7 @@
 #include "server/kv/kv_store.h"
 #include "server/pipeline/batcher.h"
 #include "server/pipeline/request_pipeline.h"
+#include "server/process/connection_guard.h"
 #include "server/process/memory_plan.h"
 #include "server/shm/shared_memory.h"
 #include "server/v1/admin_service.h"
@@ -38,6 +39,28 @@ struct TracingOptions {
   size_t access_log_max_lines = 10000;
 };
 
+/// What the gRPC listeners let their connections hold, and for how long (docs/flags.md "Transport";
+/// server flags --max-connections ...). gRPC 1.51 keeps none of these by default.
+struct TransportOptions {
+  /// Connections, streams, header blocks, uploads and resets (the connection guard's bounds; its
+  /// h2.max_message_bytes follows --max-message-bytes).
+  ConnectionLimits limits;
+  /// gRPC's resource quota: the bytes its transport may hold for the listeners' connections
+  /// (messages arriving, read buffers); past it gRPC cancels streams to free memory (--transport-
+  /// memory-bytes; 0: kArrivingMessages messages of --max-message-bytes, from the memory plan).
+  int64_t memory_bytes = 0;
+  /// A connection must finish its TLS handshake and send HTTP/2's settings within this long.
+  double handshake_timeout_seconds = 10;
+  /// A connection with no call open this long is sent GOAWAY and closed (0: never).
+  double max_connection_idle_seconds = 300;
+  /// A call's metadata (headers), decoded, at most this many bytes (gRPC's max_metadata_size).
+  int64_t max_metadata_bytes = 16 << 10;
+  /// An answer (or a stream's message) its caller has not taken this long after it was handed to
+  /// gRPC is cancelled: a caller that never reads holds no memory for longer (0: never). During a
+  /// stop, at most 40% of --shutdown-grace.
+  double send_timeout_seconds = 30;
+};
+
 struct ServerOptions {
   std::string address = "127.0.0.1:50051";         ///< gRPC listen address; port 0 picks one.
   std::string metrics_address = "127.0.0.1:9464";  ///< /metrics listen address; "" disables.
@@ -63,6 +86,7 @@ struct ServerOptions {
   SharedMemoryOptions shared_memory;
   MemoryFlagsGiven memory_given;       ///< The rest follow the container's memory limit.
   double shutdown_grace_seconds = 30;  ///< In-flight requests get this long to finish.
+  TransportOptions transport;          ///< What connections may hold.
   /// On stop, client connections are held until their clients have read everything (SocketLinger;
   /// needs process/interposers.cc in the executable). Off: they close as gRPC closes them, for a
   /// deployment behind a proxy that buffers whole answers anyway.

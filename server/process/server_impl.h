@@ -55,6 +55,8 @@ struct Server::Impl {
   // Shared with the shutdown outcome; declared before the servers, so it outlives their calls.
   std::shared_ptr<CallCounter> calls = std::make_shared<CallCounter>();
   std::shared_ptr<ShutdownOutcome> outcome = MakeOutcome(calls);
+  // gRPC's resource quota for every listener's connections (TransportOptions::memory_bytes).
+  std::unique_ptr<grpc::ResourceQuota> quota;
   std::unique_ptr<grpc::Server> grpc_server;
   std::unique_ptr<grpc::Server> health_server;  // --health-address: grpc.health.v1 only, plaintext
   std::unique_ptr<HealthReporter> health;

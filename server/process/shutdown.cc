@@ -84,11 +84,13 @@ void Server::Shutdown() {
     impl_->StopGrpc(start + grace * 9 / 10, start + grace * 19 / 20);
     impl_->batcher->Drain();
     impl_->grpc_server->Wait();
+    ConnectionGuard::Get().Unguard(impl_->port);
     impl_->shm->Clear();  // Every region closed (one a late request still holds, once it is done).
     if (impl_->health_server) {
       // Health only: its checks are answered at once, its watches are cut.
       impl_->health_server->Shutdown(std::chrono::system_clock::now());
       impl_->health_server->Wait();
+      ConnectionGuard::Get().Unguard(impl_->health_port);
     }
     // 3. gRPC has closed its connections; ours close once their clients have everything.
     impl_->outcome->connections_unread = impl_->linger.CloseWhenRead(start + grace * 19 / 20);

@@ -1,0 +1,354 @@
+#include "server/process/connection_guard.h"
+
+#include <arpa/inet.h>
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <iostream>
+
+namespace attnserve {
+
+struct ConnectionGuard::Listener {
+  int port = 0;
+  std::string name;
+  ConnectionLimits limits;
+  bool plaintext = false;
+  std::atomic<int64_t> accepted{0};
+
+  struct Peer {
+    int64_t connections = 0, streams = 0, partial = 0;
+  };
+  std::mutex mu;  // Everything below.
+  int64_t connections = 0, streams = 0, partial = 0;
+  std::unordered_map<std::string, Peer> peers;
+  std::map<std::string, int64_t> refused, closed;
+  std::map<std::string, std::chrono::steady_clock::time_point> logged;  // by reason
+
+  // Under mu: says the first time in 10 s that `reason` cut a peer off (the rest are counted).
+  void Log(const std::string& reason, const std::string& peer, const std::string& detail) {
+    const auto now = std::chrono::steady_clock::now();
+    auto [it, first] = logged.emplace(reason, now);
+    if (!first && now - it->second < std::chrono::seconds(10)) return;
+    it->second = now;
+    std::cerr << "attnserve: " << name << " connection from " << peer << " closed: " << detail
+              << " (further ones are counted in attnserve_connections_closed_total)" << std::endl;
+  }
+  void Forget(const std::string& peer) {  // Under mu: a peer with nothing open is not kept.
+    const auto it = peers.find(peer);
+    if (it != peers.end() && it->second.connections == 0 && it->second.streams == 0 &&
+        it->second.partial == 0) {
+      peers.erase(it);
+    }
+  }
+};
+
+/// One guarded connection: its peer's accounts, and on plaintext its inspector.
+struct ConnectionGuard::Connection final : StreamAccount {
+  std::shared_ptr<Listener> listener;
+  std::string peer;
+  std::mutex mu;  // The inspector: a connection's reads and writes run on different threads.
+  std::unique_ptr<H2Inspector> h2;
+  bool broken = false;
+
+  ~Connection() override {
+    h2.reset();  // Gives its streams and incomplete messages back first.
+    std::lock_guard<std::mutex> lock(listener->mu);
+    --listener->connections;
+    --listener->peers[peer].connections;
+    listener->Forget(peer);
+  }
+  H2Breach OpenStream() override {
+    Listener& l = *listener;
+    std::lock_guard<std::mutex> lock(l.mu);
+    Listener::Peer& p = l.peers[peer];
+    if (p.streams >= l.limits.max_streams_per_peer) {
+      return {"peer_streams", "its peer has " + std::to_string(p.streams) +
+                                  " streams open, the most one peer address may "
+                                  "(--max-streams-per-peer)"};
+    }
+    if (l.streams >= l.limits.max_streams) {
+      return {"listener_streams", "the listener has " + std::to_string(l.streams) +
+                                      " streams open, its --max-streams"};
+    }
+    ++p.streams;
+    ++l.streams;
+    return {};
+  }
+  void CloseStream() override {
+    std::lock_guard<std::mutex> lock(listener->mu);
+    --listener->peers[peer].streams;
+    --listener->streams;
+  }
+  H2Breach AddPartial(int64_t bytes) override {
+    Listener& l = *listener;
+    std::lock_guard<std::mutex> lock(l.mu);
+    Listener::Peer& p = l.peers[peer];
+    const int64_t cap = l.limits.max_partial_bytes_per_peer;
+    if (cap > 0 && p.partial + bytes > cap) {
+      return {"peer_uploads", "its peer's messages not yet whole would hold over " +
+                                  std::to_string(cap) + " bytes (--max-upload-bytes-per-peer)"};
+    }
+    p.partial += bytes;
+    l.partial += bytes;
+    return {};
+  }
+  void RemovePartial(int64_t bytes) override {
+    if (bytes == 0) return;
+    std::lock_guard<std::mutex> lock(listener->mu);
+    listener->peers[peer].partial -= bytes;
+    listener->partial -= bytes;
+  }
+};
+
+namespace {
+
+int OpenSpare() { return open("/dev/null", O_RDONLY | O_CLOEXEC); }
+
+int LocalPort(int fd) {
+  sockaddr_storage local{};
+  socklen_t len = sizeof(local);
+  if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) != 0) return 0;
+  if (local.ss_family == AF_INET) return ntohs(reinterpret_cast<sockaddr_in*>(&local)->sin_port);
+  if (local.ss_family == AF_INET6) return ntohs(reinterpret_cast<sockaddr_in6*>(&local)->sin6_port);
+  return 0;
+}
+
+// The peer's address without its port (IPv4 mapped into IPv6 written as IPv4).
+std::string PeerOf(int fd, const sockaddr* addr, socklen_t len) {
+  sockaddr_storage peer{};
+  if (addr == nullptr || len == 0) {
+    socklen_t n = sizeof(peer);
+    if (getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &n) != 0) return "unknown";
+    addr = reinterpret_cast<const sockaddr*>(&peer);
+  }
+  char text[INET6_ADDRSTRLEN] = {};
+  if (addr->sa_family == AF_INET) {
+    inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(addr)->sin_addr, text, sizeof text);
+  } else if (addr->sa_family == AF_INET6) {
+    const in6_addr& a = reinterpret_cast<const sockaddr_in6*>(addr)->sin6_addr;
+    if (IN6_IS_ADDR_V4MAPPED(&a)) {
+      inet_ntop(AF_INET, a.s6_addr + 12, text, sizeof text);
+    } else {
+      inet_ntop(AF_INET6, &a, text, sizeof text);
+    }
+  } else {
+    return "unix";
+  }
+  return text;
+}
+
+// Closes an accepted connection at once with a reset, so its client learns now, not at a timeout.
+void Refuse(int fd) {
+  const linger reset{1, 0};
+  setsockopt(fd, SOL_SOCKET, SO_LINGER, &reset, sizeof reset);
+  close(fd);
+}
+
+// The system's accept4, through a sanitizer runtime's interceptor when there is one (the process's
+// own accept4 is the guard's).
+int SystemAccept(int listener, sockaddr* addr, socklen_t* len, int flags) {
+  using Fn = int (*)(int, sockaddr*, socklen_t*, int);
+  static const Fn sanitizer = reinterpret_cast<Fn>(dlsym(RTLD_DEFAULT, "__interceptor_accept4"));
+  return sanitizer != nullptr ? sanitizer(listener, addr, len, flags)
+                              : static_cast<int>(syscall(SYS_accept4, listener, addr, len, flags));
+}
+
+}  // namespace
+
+ConnectionGuard& ConnectionGuard::Get() {
+  // Never destroyed: gRPC's threads close descriptors until the process is gone.
+  static ConnectionGuard* guard = new ConnectionGuard();
+  return *guard;
+}
+
+ConnectionGuard::ConnectionGuard() : spare_fd_(OpenSpare()) {}
+
+bool ConnectionGuard::Installed() {
+  return dlsym(RTLD_DEFAULT, "accept4") != dlsym(RTLD_NEXT, "accept4");
+}
+
+void ConnectionGuard::Guard(int port, const std::string& name, const ConnectionLimits& limits,
+                            bool plaintext) {
+  auto l = std::make_shared<Listener>();
+  l->port = port;
+  l->name = name;
+  l->limits = limits;
+  l->plaintext = plaintext;
+  std::lock_guard<std::mutex> lock(listeners_mu_);
+  listeners_[port] = std::move(l);
+}
+
+void ConnectionGuard::Unguard(int port) {
+  std::lock_guard<std::mutex> lock(listeners_mu_);
+  listeners_.erase(port);
+}
+
+int64_t ConnectionGuard::accepted(int port) const {
+  std::lock_guard<std::mutex> lock(listeners_mu_);
+  const auto it = listeners_.find(port);
+  return it == listeners_.end() ? 0 : it->second->accepted.load();
+}
+
+GuardCounts ConnectionGuard::counts() const {
+  GuardCounts c;
+  c.refused["fd_limit"] = fd_limit_refused_.load();
+  std::lock_guard<std::mutex> lock(listeners_mu_);
+  for (const auto& [port, l] : listeners_) {
+    std::lock_guard<std::mutex> inner(l->mu);
+    c.connections += l->connections;
+    c.streams += l->streams;
+    c.partial_bytes += l->partial;
+    for (const auto& [reason, n] : l->refused) c.refused[reason] += n;
+    for (const auto& [reason, n] : l->closed) c.closed[reason] += n;
+  }
+  return c;
+}
+
+std::shared_ptr<ConnectionGuard::Listener> ConnectionGuard::ListenerOf(int listener_fd) const {
+  std::lock_guard<std::mutex> lock(listeners_mu_);
+  if (listeners_.empty()) return nullptr;
+  const auto it = listeners_.find(LocalPort(listener_fd));
+  return it == listeners_.end() ? nullptr : it->second;
+}
+
+std::shared_ptr<ConnectionGuard::Connection> ConnectionGuard::Find(int fd) const {
+  std::shared_lock<std::shared_mutex> lock(conns_mu_);
+  const auto it = conns_.find(fd);
+  return it == conns_.end() ? nullptr : it->second;
+}
+
+bool ConnectionGuard::ShedOne(int listener, int flags) {
+  std::lock_guard<std::mutex> lock(spare_mu_);
+  if (spare_fd_ < 0) {
+    spare_fd_ = OpenSpare();
+    return false;
+  }
+  close(spare_fd_);
+  const int fd = SystemAccept(listener, nullptr, nullptr, flags);
+  if (fd >= 0) Refuse(fd);
+  spare_fd_ = OpenSpare();
+  if (fd < 0) return false;
+  if (fd_limit_refused_.fetch_add(1) % 1000 == 0) {
+    std::cerr << "attnserve: out of file descriptors (see ulimit -n): connections are closed as "
+                 "they arrive (counted in attnserve_connections_refused_total{reason=\"fd_limit\"})"
+              << std::endl;
+  }
+  return true;
+}
+
+int ConnectionGuard::Accept(int listener, sockaddr* addr, socklen_t* len, int flags) {
+  const socklen_t capacity = len != nullptr ? *len : 0;
+  for (;;) {
+    if (len != nullptr) *len = capacity;
+    const int fd = SystemAccept(listener, addr, len, flags);
+    if (fd < 0) {
+      const int error = errno;
+      if (error == EMFILE || error == ENFILE) {
+        if (ShedOne(listener, flags)) continue;
+      }
+      // gRPC 1.51 stops accepting for good on any error but these (CVE-2023-4785): a full descriptor
+      // table or a kernel short of memory is a moment, not the end of the listener.
+      errno = (error == EMFILE || error == ENFILE || error == ENOBUFS || error == ENOMEM) ? EAGAIN
+                                                                                          : error;
+      return -1;
+    }
+    const std::shared_ptr<Listener> l = ListenerOf(listener);
+    if (!l) return fd;
+    l->accepted.fetch_add(1);
+    const std::string peer = PeerOf(fd, addr, len != nullptr ? *len : 0);
+    {
+      std::lock_guard<std::mutex> lock(l->mu);
+      Listener::Peer& p = l->peers[peer];
+      const char* over = l->connections >= l->limits.max_connections ? "max_connections"
+                         : p.connections >= l->limits.max_connections_per_peer ? "peer_connections"
+                                                                                 : nullptr;
+      if (over != nullptr) {
+        ++l->refused[over];
+        l->Log(over, peer,
+               std::string(over == std::string("max_connections")
+                               ? "the listener has --max-connections open"
+                               : "its peer address has --max-connections-per-peer open") +
+                   " (refused as accepted)");
+        l->Forget(peer);
+        Refuse(fd);
+        continue;
+      }
+      ++p.connections;
+      ++l->connections;
+    }
+    auto c = std::make_shared<Connection>();
+    c->listener = l;
+    c->peer = peer;
+    if (l->plaintext) c->h2 = std::make_unique<H2Inspector>(l->limits.h2, c.get());
+    std::unique_lock<std::shared_mutex> lock(conns_mu_);
+    if (conns_.insert_or_assign(fd, std::move(c)).second) tracked_.fetch_add(1);
+    return fd;
+  }
+}
+
+void ConnectionGuard::Break(int fd, Connection& c, const H2Breach& breach) {
+  c.broken = true;
+  syscall(SYS_shutdown, fd, SHUT_RDWR);
+  Listener& l = *c.listener;
+  std::lock_guard<std::mutex> lock(l.mu);
+  ++l.closed[breach.reason];
+  l.Log(breach.reason, c.peer, breach.detail);
+}
+
+ssize_t ConnectionGuard::Received(int fd, const msghdr* msg, ssize_t n) {
+  if (n <= 0 || tracked_.load(std::memory_order_relaxed) == 0) return n;
+  const std::shared_ptr<Connection> c = Find(fd);
+  if (!c || !c->h2) return n;
+  std::lock_guard<std::mutex> lock(c->mu);
+  if (!c->broken) {
+    const auto now = std::chrono::steady_clock::now();
+    size_t left = static_cast<size_t>(n);
+    for (size_t i = 0; i < msg->msg_iovlen && left > 0; ++i) {
+      const size_t take = std::min(left, msg->msg_iov[i].iov_len);
+      const H2Breach breach =
+          c->h2->OnReceived(static_cast<const uint8_t*>(msg->msg_iov[i].iov_base), take, now);
+      if (breach) {
+        Break(fd, *c, breach);
+        break;
+      }
+      left -= take;
+    }
+  }
+  if (!c->broken) return n;
+  errno = ECONNRESET;
+  return -1;
+}
+
+void ConnectionGuard::Sent(int fd, const msghdr* msg, ssize_t n) {
+  if (n <= 0 || tracked_.load(std::memory_order_relaxed) == 0) return;
+  const std::shared_ptr<Connection> c = Find(fd);
+  if (!c || !c->h2) return;
+  std::lock_guard<std::mutex> lock(c->mu);
+  size_t left = static_cast<size_t>(n);
+  for (size_t i = 0; i < msg->msg_iovlen && left > 0; ++i) {
+    const size_t take = std::min(left, msg->msg_iov[i].iov_len);
+    c->h2->OnSent(static_cast<const uint8_t*>(msg->msg_iov[i].iov_base), take);
+    left -= take;
+  }
+}
+
+void ConnectionGuard::Closing(int fd) {
+  if (tracked_.load(std::memory_order_relaxed) == 0) return;
+  std::shared_ptr<Connection> gone;
+  {
+    std::unique_lock<std::shared_mutex> lock(conns_mu_);
+    const auto it = conns_.find(fd);
+    if (it == conns_.end()) return;
+    gone = std::move(it->second);
+    conns_.erase(it);
+    tracked_.fetch_sub(1);
+  }
+  // Its accounts go back here, outside the table's lock (or later, when a read in progress ends).
+}
+
+}  // namespace attnserve
