@@ -8,6 +8,8 @@
 #include <memory>
 #include <mutex>
 
+#include "server/grpc/send_watch.h"
+
 namespace attnserve {
 
 /// Counts the calls attnserve has taken and not yet finished: from the moment one of its handlers
@@ -47,6 +49,9 @@ class CallCounter {
   /// no other call runs interceptor hooks. Borrows this counter, which must outlive the server.
   std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> HealthChecks();
 
+  /// The calls whose answers wait for their callers (the send timeout).
+  SendWatch& sends() { return sends_; }
+
  private:
   class Marker;
   class Factory;
@@ -57,6 +62,7 @@ class CallCounter {
   std::chrono::steady_clock::time_point last_begin_;
   bool cutting_ = false;
   int64_t cut_ended_ = 0;  // Ended cancelled since BeginCut.
+  SendWatch sends_;
 };
 
 }  // namespace attnserve

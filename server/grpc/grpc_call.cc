@@ -26,6 +26,7 @@ StatusOr<CallContext> CallOf(grpc::CallbackServerContext* ctx, const RequestPipe
   if (!pipeline.Published()) return Status(StatusCode::kUnavailable, "the server is starting");
   ASSIGN_OR_RETURN(call.tenant, TenantOf(ctx, pipeline.tenant_header()));
   call.local_peer = IsLocalPeer(ctx);
+  call.peer = PeerAddressOf(ctx);
   call.deadline = SteadyDeadlineOf(ctx);
   call.cancelled = [ctx] { return ctx->IsCancelled(); };
   call.trace = TraceOf(ctx);
@@ -66,6 +67,25 @@ StatusOr<std::string> TenantOf(const grpc::ServerContextBase* ctx,
                            std::to_string(name.size()) + " bytes that names no tenant" + allowed);
   }
   return name;
+}
+
+std::string PeerAddressOf(const grpc::ServerContextBase* ctx) {
+  std::string peer = ctx->peer();
+  for (const auto& [escaped, bracket] : {std::pair{"%5B", "["}, std::pair{"%5D", "]"}}) {
+    for (size_t at; (at = peer.find(escaped)) != std::string::npos;) peer.replace(at, 3, bracket);
+  }
+  if (peer.rfind("unix", 0) == 0) return "unix";
+  for (const char* scheme : {"ipv4:", "ipv6:"}) {
+    if (peer.rfind(scheme, 0) == 0) peer = peer.substr(5);
+  }
+  if (!peer.empty() && peer.front() == '[') {  // [address]:port
+    const size_t close = peer.find(']');
+    peer = close == std::string::npos ? peer.substr(1) : peer.substr(1, close - 1);
+    if (peer.rfind("::ffff:", 0) == 0 && peer.find('.') != std::string::npos) peer = peer.substr(7);
+    return peer;
+  }
+  const size_t colon = peer.rfind(':');
+  return colon == std::string::npos ? peer : peer.substr(0, colon);
 }
 
 bool IsLocalPeer(const grpc::ServerContextBase* ctx) {
@@ -115,26 +135,6 @@ void TellTraceOfFailure(grpc::ServerContextBase* ctx, const CallTrace& trace, co
 
 namespace {
 
-class UnaryReactor final : public grpc::ServerUnaryReactor {
- public:
-  UnaryReactor(CallCounter& calls, grpc::CallbackServerContext* ctx) : calls_(calls), ctx_(ctx) {
-    calls_.Begin();
-  }
-  void OnDone() override {
-    calls_.End(ctx_->IsCancelled());
-    delete this;
-  }
-  // Its reactions are trivial (a count, a delete), so gRPC may run OnDone on the thread that ends
-  // the call, as it does for the context's default reactor; otherwise each call's end would hop to
-  // gRPC's executor (a thread switch per call, which ThreadSanitizer, not seeing into Debian's
-  // gRPC, reported as a race on the answer's buffer).
-  bool InternalInlineable() override { return true; }
-
- private:
-  CallCounter& calls_;
-  grpc::CallbackServerContext* ctx_;
-};
-
 class NoMessageReactor final : public grpc::ServerUnaryReactor {
  public:
   NoMessageReactor(RequestPipeline& pipeline, CallCounter& calls, grpc::CallbackServerContext* ctx,
@@ -147,9 +147,11 @@ class NoMessageReactor final : public grpc::ServerUnaryReactor {
                                              "half-closed without one); ") +
                                  method + " takes exactly one " + message)) {
     calls_.Begin();
+    calls_.sends().Handed(ctx_);
     Finish(ToGrpcStatus(refusal_));
   }
   void OnDone() override {
+    calls_.sends().Taken(ctx_);
     calls_.End(ctx_->IsCancelled());
     pipeline_.RecordUndecoded(method_, Outcome());
     delete this;
@@ -175,6 +177,23 @@ class NoMessageReactor final : public grpc::ServerUnaryReactor {
 
 }  // namespace
 
+CountedUnaryReactor::CountedUnaryReactor(CallCounter& calls, grpc::CallbackServerContext* ctx)
+    : calls_(calls), ctx_(ctx) {
+  calls_.Begin();
+}
+
+void CountedUnaryReactor::Answer(const grpc::Status& status, HeldBytes held) {
+  held_ = std::move(held);
+  calls_.sends().Handed(ctx_);
+  Finish(status);
+}
+
+void CountedUnaryReactor::OnDone() {
+  calls_.sends().Taken(ctx_);
+  calls_.End(ctx_->IsCancelled());
+  delete this;  // Its held bytes go back with it.
+}
+
 grpc::ServerUnaryReactor* NoMessage(RequestPipeline& pipeline, CallCounter& calls,
                                     grpc::CallbackServerContext* ctx, const char* method,
                                     const char* message) {
@@ -182,26 +201,27 @@ grpc::ServerUnaryReactor* NoMessage(RequestPipeline& pipeline, CallCounter& call
 }
 
 void AttendUnary(RequestPipeline& pipeline, const char* method, grpc::CallbackServerContext* ctx,
-                 CallContext call, grpc::ServerUnaryReactor* reactor, std::unique_ptr<Exchange> x,
+                 CallContext call, CountedUnaryReactor* reactor, std::unique_ptr<Exchange> x,
                  std::function<Status(Answered&)> answer) {
   pipeline.Attend(method, std::move(x), std::move(call),
                   [ctx, reactor, answer = std::move(answer)](Answered answered) {
                     const Status seen = answer(answered);
                     TellTraceOfFailure(ctx, answered->trace, seen);
-                    answered.Deliver(seen);
-                    reactor->Finish(ToGrpcStatus(seen));
+                    // Its bytes stay in the in-flight budget until the caller has the answer.
+                    HeldBytes held = answered.Hand(seen);
+                    reactor->Answer(ToGrpcStatus(seen), std::move(held));
                   });
 }
 
-grpc::ServerUnaryReactor* NewUnaryReactor(CallCounter& calls, grpc::CallbackServerContext* ctx) {
-  return new UnaryReactor(calls, ctx);
+CountedUnaryReactor* NewUnaryReactor(CallCounter& calls, grpc::CallbackServerContext* ctx) {
+  return new CountedUnaryReactor(calls, ctx);
 }
 
 grpc::ServerUnaryReactor* Finished(CallCounter& calls, grpc::CallbackServerContext* ctx,
                                    const Status& status, const CallTrace& trace) {
-  grpc::ServerUnaryReactor* reactor = NewUnaryReactor(calls, ctx);
+  CountedUnaryReactor* reactor = NewUnaryReactor(calls, ctx);
   TellTraceOfFailure(ctx, trace, status);
-  reactor->Finish(ToGrpcStatus(status));
+  reactor->Answer(ToGrpcStatus(status));
   return reactor;
 }
 

@@ -26,6 +26,9 @@ StatusOr<CallContext> CallOf(grpc::CallbackServerContext* ctx, const RequestPipe
 /// INVALID_ARGUMENT naming the key, never "default".
 StatusOr<std::string> TenantOf(const grpc::ServerContextBase* ctx,
                                const std::string& tenant_header);
+/// The call's peer address without its port: "127.0.0.1", "::1" (IPv4 mapped into IPv6 written as
+/// IPv4), "unix" for a unix socket.
+std::string PeerAddressOf(const grpc::ServerContextBase* ctx);
 /// Whether the call's peer is on this host: a unix socket, or loopback (127.0.0.0/8, ::1, or
 /// loopback mapped into IPv6).
 bool IsLocalPeer(const grpc::ServerContextBase* ctx);
@@ -43,9 +46,27 @@ IncomingTrace TraceOf(const grpc::ServerContextBase* ctx);
 void TellTraceOfFailure(grpc::ServerContextBase* ctx, const CallTrace& trace, const Status& seen);
 
 /// A unary call's reactor, counted in `calls` from its making until gRPC is done with the call (so
-/// a stop waits for its answer to go out). Deletes itself then. Every unary handler answers
-/// through one.
-grpc::ServerUnaryReactor* NewUnaryReactor(CallCounter& calls, grpc::CallbackServerContext* ctx);
+/// a stop waits for its answer to go out), its answer watched by the send timeout (calls.sends())
+/// from Answer until then. Deletes itself then. Every unary handler answers through one.
+class CountedUnaryReactor final : public grpc::ServerUnaryReactor {
+ public:
+  CountedUnaryReactor(CallCounter& calls, grpc::CallbackServerContext* ctx);
+  /// Finishes the call with `status` (the response written before): `held`, the request's bytes,
+  /// stay counted in flight until gRPC is done with the call (the caller has the answer).
+  void Answer(const grpc::Status& status, HeldBytes held = {});
+  void OnDone() override;
+  // Its reactions are trivial (a count, a delete), so gRPC may run OnDone on the thread that ends
+  // the call, as it does for the context's default reactor; otherwise each call's end would hop to
+  // gRPC's executor (a thread switch per call, which ThreadSanitizer, not seeing into Debian's
+  // gRPC, reported as a race on the answer's buffer).
+  bool InternalInlineable() override { return true; }
+
+ private:
+  CallCounter& calls_;
+  grpc::CallbackServerContext* ctx_;
+  HeldBytes held_;
+};
+CountedUnaryReactor* NewUnaryReactor(CallCounter& calls, grpc::CallbackServerContext* ctx);
 
 /// A unary call whose request message never arrived (the handler's ByteBuffer is not valid): the
 /// client half-closed without one (INVALID_ARGUMENT saying `method` takes exactly one `message`),
@@ -60,7 +81,7 @@ grpc::ServerUnaryReactor* NoMessage(RequestPipeline& pipeline, CallCounter& call
 /// thread) writes the response from the answered exchange and returns what the client is told;
 /// then a failure names its trace, the handle records the ending, and `reactor` finishes the call.
 void AttendUnary(RequestPipeline& pipeline, const char* method, grpc::CallbackServerContext* ctx,
-                 CallContext call, grpc::ServerUnaryReactor* reactor, std::unique_ptr<Exchange> x,
+                 CallContext call, CountedUnaryReactor* reactor, std::unique_ptr<Exchange> x,
                  std::function<Status(Answered&)> answer);
 
 /// A unary call answered in place: its reactor, finished at once with `status` (a failure names

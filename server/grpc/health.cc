@@ -27,19 +27,24 @@ void HealthReporter::Ready() {
   std::lock_guard<std::mutex> lock(mu_);
   if (shut_) return;
   ready_ = true;
-  for (auto* health : services_) {
-    health->SetServingStatus(true);
-    health->SetServingStatus(kServiceName, true);
-  }
   Apply();
 }
 
 void HealthReporter::Apply() {
   for (auto* health : services_) {
-    health->SetServingStatus(kRepositoryName, repository_ok_);
+    health->SetServingStatus(accepting_);
+    health->SetServingStatus(kServiceName, accepting_);
+    health->SetServingStatus(kRepositoryName, accepting_ && repository_ok_);
     for (const std::string& name : known_)
-      health->SetServingStatus(ModelName(name), served_.count(name) > 0);
+      health->SetServingStatus(ModelName(name), accepting_ && served_.count(name) > 0);
   }
+}
+
+void HealthReporter::SetAccepting(bool accepting) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (accepting_ == accepting) return;
+  accepting_ = accepting;
+  if (ready_ && !shut_) Apply();
 }
 
 void HealthReporter::OnReloaded(const ReloadReport& report, const ModelSet& set,

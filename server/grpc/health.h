@@ -19,8 +19,9 @@ namespace attnserve {
 ///   failed
 ///                                             (what served before still serves);
 ///   "attnserve.v1.AttentionService/<model>"   SERVING while the model is loaded, NOT_SERVING once
-///   a
-///                                             reload removed it (or its first load failed).
+///                                             a reload removed it (or its first load failed);
+///   every name                                NOT_SERVING while the gRPC listener accepts no
+///                                             connection (SetAccepting).
 /// Thread-safe.
 class HealthReporter {
  public:
@@ -36,6 +37,9 @@ class HealthReporter {
                   const std::map<std::string, std::string>& failing);
   /// NOT_SERVING for everything, from now on (the drain began).
   void Shutdown();
+  /// Whether the gRPC listener takes connections: while it does not, every name is NOT_SERVING
+  /// (what a --health-address listener, which still answers, then says).
+  void SetAccepting(bool accepting);
 
  private:
   std::mutex mu_;
@@ -45,6 +49,7 @@ class HealthReporter {
   bool repository_ok_ = true;     // The latest reload failed nowhere.
   bool ready_ = false;            // Warm: what health says follows the models.
   bool shut_ = false;             // The drain began: NOT_SERVING for good.
+  bool accepting_ = true;         // The gRPC listener takes connections.
   void Apply();                   // Under mu_, once ready: the statuses above.
 };
 

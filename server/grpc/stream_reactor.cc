@@ -10,7 +10,7 @@ namespace attnserve {
 
 StreamReactor::StreamReactor(RequestPipeline& pipeline, CallCounter& calls, StreamCodec& codec,
                              grpc::CallbackServerContext* ctx)
-    : pipeline_(pipeline), calls_(calls), codec_(codec) {
+    : pipeline_(pipeline), calls_(calls), codec_(codec), ctx_(ctx) {
   calls_.Begin();
   pipeline_.AddCall(this);
   StatusOr<CallContext> call = CallOf(ctx, pipeline_);
@@ -82,6 +82,7 @@ void StreamReactor::Run(Actions a) {
   // dispatched: dispatching it last keeps every step above safe.
   RecordDropped(&a);
   if (a.read) StartRead(&read_buffer_);
+  if (a.write || a.finish) calls_.sends().Handed(ctx_);  // Before: then the call may be gone.
   if (a.write) StartWrite(a.write);
   if (a.finish) Finish(a.finish_status);
   if (a.next) Dispatch(std::move(*a.next));
@@ -225,6 +226,7 @@ void StreamReactor::OnComputed(Answer request) {
 }
 
 void StreamReactor::OnWriteDone(bool ok) {
+  calls_.sends().Taken(ctx_);
   Actions a;
   Answer written;
   {
@@ -272,9 +274,13 @@ bool StreamReactor::Drain() {
   return a.finish;
 }
 
-void StreamReactor::FinishNow() { Finish(drain_finish_); }
+void StreamReactor::FinishNow() {
+  calls_.sends().Handed(ctx_);
+  Finish(drain_finish_);
+}
 
 void StreamReactor::OnDone() {
+  calls_.sends().Taken(ctx_);
   pipeline_.RemoveCall(this);
   calls_.End(call_.IsCancelled());
   delete this;

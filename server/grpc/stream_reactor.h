@@ -153,6 +153,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   RequestPipeline& pipeline_;
   CallCounter& calls_;
   StreamCodec& codec_;
+  grpc::CallbackServerContext* const ctx_;  // Valid until OnDone: its writes' send timeout.
   CallContext
       call_;  // Who calls, the deadline and cancellation, shared by its requests (set once).
   // Publishes call_ to the read callbacks, which read it before taking mu_. gRPC's completion

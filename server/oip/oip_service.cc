@@ -171,7 +171,7 @@ grpc::ServerUnaryReactor* OipServiceImpl::ModelInfer(grpc::CallbackServerContext
   if (st.ok()) st = BeginSequence(x.get());
   if (!st.ok()) {
     pipeline_.RecordUndecoded("ModelInfer", st);
-    reactor->Finish(ToGrpcStatus(st));
+    reactor->Answer(ToGrpcStatus(st));
     return reactor;
   }
   AttendUnary(

@@ -118,12 +118,15 @@ std::unique_ptr<WorkItem> BatchQueue::Add(std::unique_ptr<WorkItem> item,
                               " requests waiting (its queue policy's max_queue_size); retry later");
       } else if (item->tenant_max_queued > 0 &&
                  share_->Queued(item->tenant) >= item->tenant_max_queued) {
-        *reason = "tenant_queue_full";
-        *refused = Status(StatusCode::kResourceExhausted,
-                          "tenant '" + item->tenant + "' has " +
-                              std::to_string(share_->Queued(item->tenant)) +
-                              " requests waiting, its max_queued_requests (--tenants); retry "
-                              "later");
+        *reason = item->tenant_queue_cap ? "tenant_queue_full" : "caller_queue_full";
+        *refused = Status(
+            StatusCode::kResourceExhausted,
+            (item->tenant_queue_cap ? "tenant '" : "caller '") + item->tenant + "' has " +
+                std::to_string(share_->Queued(item->tenant)) + " requests waiting, " +
+                (item->tenant_queue_cap ? "its max_queued_requests (--tenants)"
+                                        : "the most one caller may (--max-queued-per-caller " +
+                                              std::to_string(item->tenant_max_queued) + ")") +
+                "; retry later");
       } else {
         *refused = Status();  // A place a dead request freed: accepted after all.
         return false;

@@ -50,11 +50,15 @@ struct WorkItem {
   bool warmup = false;
 
   // Who asks and how urgently (docs/tenants.md), set by the pipeline.
-  std::string tenant = "default";        ///< Whose fair share it draws on.
+  /// Whose fair share it draws on: its caller (RequestPipeline's CallerOf: the tenant, or a
+  /// caller that names none told apart by its peer address).
+  std::string tenant = "default";
   std::string tenant_label = "default";  ///< Its metrics label (Tenants::Label).
   double weight = 1;                     ///< The tenant's weight (> 0).
-  /// The tenant's most requests queued at once (its `max_queued_requests`); 0: no bound.
+  /// Its caller's most requests queued at once: the tenant's `max_queued_requests` (when
+  /// `tenant_queue_cap`), else --max-queued-per-caller; 0: no bound.
   int64_t tenant_max_queued = 0;
+  bool tenant_queue_cap = false;
   int64_t level = 0;  ///< Priority level: 1 first; 0 when the model has no levels.
   double flops = 0;   ///< What computing it costs (ForwardFlops): the fair share's unit.
   /// When its level's queue timeout ends its wait (max: none), and what that does.
@@ -95,6 +99,14 @@ struct BatcherOptions {
   std::chrono::microseconds max_queue_delay{500};
   /// Accepted, not yet started requests per model; beyond: RESOURCE_EXHAUSTED.
   size_t max_queue_size = 1024;
+  /// The most of them one caller (a tenant, or a peer address: WorkItem::tenant) may have waiting,
+  /// unless its tenant has a max_queued_requests of its own; beyond: RESOURCE_EXHAUSTED. 0: half
+  /// of max_queue_size (server flag --max-queued-per-caller).
+  size_t max_queued_per_caller = 0;
+  /// max_queued_per_caller as it applies.
+  size_t QueuedPerCaller() const {
+    return max_queued_per_caller > 0 ? max_queued_per_caller : std::max<size_t>(1, max_queue_size / 2);
+  }
   /// false: every request is its own batch and none waits for company.
   bool enabled = true;
   /// Compute threads, shared by all models: one per usable core (host_cpus.h's UsableCpus: CPU
@@ -108,8 +120,8 @@ struct BatcherOptions {
   /// request's span); null: none. Borrowed.
   const Tracer* tracer = nullptr;
   /// Called for each request refused or dropped before compute: reason is "queue_full",
-  /// "priority_queue_full", "tenant_queue_full", "queue_timeout", "draining", "deadline" or
-  /// "cancelled".
+  /// "priority_queue_full", "tenant_queue_full", "caller_queue_full", "queue_timeout",
+  /// "draining", "deadline" or "cancelled".
   std::function<void(const WorkItem& item, const char* reason)> on_reject;
   /// Whose request leads the next batch: kFair, the backlogged tenant with the least weighted
   /// work served (FairShare), its batch filled in the same order; kFcfs, the oldest request
@@ -240,6 +252,7 @@ class Batcher {
 
   /// The priority levels `model`'s requests are queued by: its config.json's, else the server's.
   const PriorityOptions& PrioritiesOf(const AttentionModel& model) const;
+  const BatcherOptions& options() const { return options_; }
 
  private:
   void WorkerLoop();

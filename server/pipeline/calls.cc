@@ -52,4 +52,33 @@ void Answered::Deliver(const Status& seen) {
   exchange_.reset();
 }
 
+HeldBytes Answered::Hand(const Status& seen) {
+  if (!exchange_) return {};
+  HeldBytes held(pipeline_, exchange_->held_bytes, exchange_->caller);
+  exchange_->held_bytes = 0;  // Recorded without them: the token gives them back.
+  pipeline_->Record(method_, exchange_.get(), seen);
+  exchange_.reset();
+  return held;
+}
+
+HeldBytes::HeldBytes(HeldBytes&& other) noexcept
+    : pipeline_(other.pipeline_), bytes_(other.bytes_), caller_(std::move(other.caller_)) {
+  other.bytes_ = 0;
+}
+
+HeldBytes& HeldBytes::operator=(HeldBytes&& other) noexcept {
+  if (this != &other) {
+    if (bytes_ > 0) pipeline_->Unreserve(bytes_, caller_);
+    pipeline_ = other.pipeline_;
+    bytes_ = other.bytes_;
+    caller_ = std::move(other.caller_);
+    other.bytes_ = 0;
+  }
+  return *this;
+}
+
+HeldBytes::~HeldBytes() {
+  if (bytes_ > 0) pipeline_->Unreserve(bytes_, caller_);
+}
+
 }  // namespace attnserve

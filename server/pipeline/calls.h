@@ -18,9 +18,17 @@ namespace attnserve {
 
 /// Bounds on what requests in flight may hold (docs/shutdown.md "Limits").
 struct FlowLimits {
-  /// Request plus answer bytes of every request accepted and not yet answered, over all calls; a
-  /// request that would go past it gets RESOURCE_EXHAUSTED (server flag --max-inflight-bytes).
+  /// Request plus answer bytes of every request accepted whose answer its caller has not yet taken
+  /// (a unary answer counts until gRPC is done with its call), over all calls; a request that would
+  /// go past it gets RESOURCE_EXHAUSTED (server flag --max-inflight-bytes).
   int64_t max_inflight_bytes = int64_t{1} << 30;
+  /// The same bound for one caller (Exchange::caller); 0: half of max_inflight_bytes (server flag
+  /// --max-inflight-bytes-per-caller).
+  int64_t max_inflight_bytes_per_caller = 0;
+  int64_t InflightPerCaller() const {
+    return max_inflight_bytes_per_caller > 0 ? max_inflight_bytes_per_caller
+                                             : std::max<int64_t>(1, max_inflight_bytes / 2);
+  }
   /// Requests one AttendStream may have accepted and not yet answered; at the limit the server
   /// stops reading that stream until the client takes answers (--max-stream-inflight).
   int max_stream_requests = 32;
@@ -49,6 +57,9 @@ struct CallContext {
   /// Whether the call came from this host (loopback or a unix socket): only such a caller names
   /// shared-memory objects, which are on this host (docs/clients.md).
   bool local_peer = true;
+  /// The peer's address without its port ("" when not known): what tells apart callers that name
+  /// no tenant, for fair shares and per-caller bounds.
+  std::string peer;
 
   bool IsCancelled() const { return cancelled && cancelled(); }
 };
@@ -74,6 +85,8 @@ struct Exchange {
   std::string model;  ///< Metrics label: the loaded model's name, or "" when none.
   /// Who asked (CallContext::tenant), its metrics label, and the priority level it was queued at.
   std::string tenant = kDefaultTenant, tenant_label = kDefaultTenant;
+  /// Whose fair share and per-caller bounds it counts against (RequestPipeline::CallerOf).
+  std::string caller = kDefaultTenant;
   int64_t level = 0;
   SteadyClock::time_point received = SteadyClock::now();
   int64_t held_bytes = 0;  ///< Counted against FlowLimits::max_inflight_bytes until recorded.
@@ -108,6 +121,27 @@ Status UndeliveredBy(SteadyClock::time_point deadline);
 
 class RequestPipeline;
 
+/// A request's bytes still counted against FlowLimits::max_inflight_bytes after its ending was
+/// recorded: its answer is on its way to a caller that has not taken it yet. Given back when the
+/// token goes. Move-only.
+class HeldBytes {
+ public:
+  HeldBytes() = default;
+  HeldBytes(HeldBytes&& other) noexcept;
+  HeldBytes& operator=(HeldBytes&& other) noexcept;
+  HeldBytes(const HeldBytes&) = delete;
+  HeldBytes& operator=(const HeldBytes&) = delete;
+  ~HeldBytes();
+
+ private:
+  friend class Answered;
+  HeldBytes(RequestPipeline* pipeline, int64_t bytes, std::string caller)
+      : pipeline_(pipeline), bytes_(bytes), caller_(std::move(caller)) {}
+  RequestPipeline* pipeline_ = nullptr;
+  int64_t bytes_ = 0;
+  std::string caller_;
+};
+
 /// A request the pipeline has answered, on its way to the client: it owns the exchange and
 /// records the request's ending exactly once (its count, latency, span and access-log line, and
 /// the in-flight count and bytes a stop waits for). The front end reads the answer, sends it, and
@@ -133,6 +167,9 @@ class Answered {
   /// sending the answer) and frees the exchange. Later calls, and calls on an empty handle, do
   /// nothing.
   void Deliver(const Status& seen);
+  /// As Deliver, but the request's bytes stay counted in flight until the returned token goes:
+  /// what a front end does once it handed the answer to the transport, until the caller has it.
+  HeldBytes Hand(const Status& seen);
 
  private:
   friend class RequestPipeline;

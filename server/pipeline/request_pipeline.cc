@@ -192,6 +192,7 @@ void RequestPipeline::Attend(const char* method, std::unique_ptr<Exchange> owned
   const std::shared_ptr<const Tenants> tenants = this->tenants();
   x->tenant = call.tenant;
   x->tenant_label = tenants->Label(call.tenant);
+  x->caller = CallerOf(call);
   auto item = std::make_unique<WorkItem>();
   item->accepted = x->received;
   item->deadline = call.deadline;
@@ -277,10 +278,13 @@ Status RequestPipeline::Resolve(Exchange* x, WorkItem* item, std::shared_ptr<KvS
 
 Status RequestPipeline::Schedule(const Exchange& x, const TenantPolicy& terms,
                                  WorkItem* item) const {
-  item->tenant = x.tenant;
+  item->tenant = x.caller;
   item->tenant_label = x.tenant_label;
   item->weight = terms.weight;
-  item->tenant_max_queued = terms.max_queued_requests;
+  item->tenant_queue_cap = terms.max_queued_requests > 0;
+  item->tenant_max_queued = item->tenant_queue_cap
+                                ? terms.max_queued_requests
+                                : static_cast<int64_t>(batcher_.options().QueuedPerCaller());
   item->flops = ForwardFlops(item->model->spec(), item->call);
   const PriorityOptions& priorities = batcher_.PrioritiesOf(*item->model);
   // The tenant's cap applies here, before the level's queue policy is read, so the queue, its
@@ -316,10 +320,10 @@ std::shared_ptr<const Tenants> RequestPipeline::tenants() const {
 Status RequestPipeline::Admit(Exchange* x, const WorkItem& item) {
   // Request and answer bytes count against the in-flight budget until the outcome is recorded.
   const int64_t bytes =
-      HeldBytes(static_cast<int64_t>(x->request.ByteSizeLong()) + x->staged.bytes() +
-                    item.call.output_bytes + item.call.weights_bytes,
-                item.call.query.dtype, item.model->spec().compute_dtype);
-  Status reserved = Reserve(x->model, bytes);
+      WidenedBytes(static_cast<int64_t>(x->request.ByteSizeLong()) + x->staged.bytes() +
+                       item.call.output_bytes + item.call.weights_bytes,
+                   item.call.query.dtype, item.model->spec().compute_dtype);
+  Status reserved = Reserve(x->model, bytes, x->caller);
   if (!reserved.ok()) {
     metrics_.RecordTenantRejection(x->tenant_label, "memory");
     return reserved;
@@ -328,35 +332,54 @@ Status RequestPipeline::Admit(Exchange* x, const WorkItem& item) {
   return Status::Ok();
 }
 
-int64_t RequestPipeline::HeldBytes(int64_t wire_bytes, DType wire, DType compute) {
+int64_t RequestPipeline::WidenedBytes(int64_t wire_bytes, DType wire, DType compute) {
   // A request on a narrower wire than its model computes in is held widened (a float16 request
   // to a float32 model: its decoded copy, projections and answer are float32).
   const size_t w = DTypeSize(wire), c = DTypeSize(compute);
   return w > 0 && c > w ? wire_bytes * static_cast<int64_t>(c / w) : wire_bytes;
 }
 
-Status RequestPipeline::Reserve(const std::string& model, int64_t bytes) {
-  std::string held;
+Status RequestPipeline::Reserve(const std::string& model, int64_t bytes,
+                                const std::string& caller) {
+  std::string refusal;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    int64_t& mine = held_by_caller_[caller];
+    const int64_t per_caller = flow_.InflightPerCaller();
     // One request runs alone whatever its size: the per-request limits bound it.
-    if (held_bytes_ == 0 || held_bytes_ + bytes <= flow_.max_inflight_bytes) {
+    const bool whole_fits = held_bytes_ == 0 || held_bytes_ + bytes <= flow_.max_inflight_bytes;
+    const bool mine_fits = mine == 0 || mine + bytes <= per_caller;
+    if (whole_fits && mine_fits) {
       held_bytes_ += bytes;
+      mine += bytes;
       return Status::Ok();
     }
-    held = std::to_string(held_bytes_);
+    refusal = whole_fits ? "caller '" + caller + "' holds " + std::to_string(mine) +
+                               " bytes of requests in flight, this request needs " +
+                               std::to_string(bytes) + " of at most " +
+                               std::to_string(per_caller) +
+                               " (server flag --max-inflight-bytes-per-caller); retry later"
+                         : "server memory for requests in flight is full: " +
+                               std::to_string(held_bytes_) + " bytes held, this request needs " +
+                               std::to_string(bytes) + " of at most " +
+                               std::to_string(flow_.max_inflight_bytes) +
+                               " (server flag --max-inflight-bytes); retry later";
+    if (mine == 0) held_by_caller_.erase(caller);
   }
   metrics_.RecordRejection(model, "memory");
-  return Status(StatusCode::kResourceExhausted,
-                "server memory for requests in flight is full: " + held +
-                    " bytes held, this request needs " + std::to_string(bytes) + " of at most " +
-                    std::to_string(flow_.max_inflight_bytes) +
-                    " (server flag --max-inflight-bytes); retry later");
+  return Status(StatusCode::kResourceExhausted, refusal);
 }
 
-void RequestPipeline::Unreserve(int64_t bytes) {
+void RequestPipeline::Unreserve(int64_t bytes, const std::string& caller) {
   std::lock_guard<std::mutex> lock(mu_);
   held_bytes_ -= bytes;
+  const auto it = held_by_caller_.find(caller);
+  if (it != held_by_caller_.end() && (it->second -= bytes) <= 0) held_by_caller_.erase(it);
+}
+
+std::string RequestPipeline::CallerOf(const CallContext& call) const {
+  if (call.tenant != kDefaultTenant || !caller_by_peer_ || call.peer.empty()) return call.tenant;
+  return std::string(kDefaultTenant) + "@" + call.peer;
 }
 
 void RequestPipeline::Record(const char* method, Exchange* x, const Status& seen) {
@@ -372,6 +395,10 @@ void RequestPipeline::Record(const char* method, Exchange* x, const Status& seen
   Observed(method, *x, seen);
   std::lock_guard<std::mutex> lock(mu_);
   held_bytes_ -= x->held_bytes;
+  if (x->held_bytes > 0) {
+    const auto it = held_by_caller_.find(x->caller);
+    if (it != held_by_caller_.end() && (it->second -= x->held_bytes) <= 0) held_by_caller_.erase(it);
+  }
   x->held_bytes = 0;
   --in_flight_;
   if (in_flight_ == 0) idle_cv_.notify_all();
@@ -534,6 +561,7 @@ void RequestPipeline::CreateMemory(const v1::CreateMemoryRequest& req, CallConte
   item->deadline = call.deadline;
   item->cancelled = std::move(call.cancelled);
   const IncomingTrace trace = call.trace;
+  const std::string caller = CallerOf(call);
   std::shared_ptr<KvEntry> entry;
   int64_t held = 0;  // The request's bytes, in the in-flight budget until it is done.
   const Status st = [&]() -> Status {
@@ -541,9 +569,9 @@ void RequestPipeline::CreateMemory(const v1::CreateMemoryRequest& req, CallConte
     RETURN_IF_ERROR(FromWire(req, &item->call));
     RETURN_IF_ERROR(ValidateCreateMemory(item->model->spec(), limits_, &item->call));
     ASSIGN_OR_RETURN(item->call.kv, NewKvCacheOf(*item->model));
-    const int64_t bytes = HeldBytes(static_cast<int64_t>(req.ByteSizeLong()), item->call.key->dtype,
-                                    item->model->spec().compute_dtype);
-    RETURN_IF_ERROR(Reserve(item->model->spec().name, bytes));
+    const int64_t bytes = WidenedBytes(static_cast<int64_t>(req.ByteSizeLong()),
+                                       item->call.key->dtype, item->model->spec().compute_dtype);
+    RETURN_IF_ERROR(Reserve(item->model->spec().name, bytes, caller));
     held = bytes;
     ASSIGN_OR_RETURN(entry, kv_.Create(KvKind::kMemory, item->model, item->call.kv,
                                        item->call.batch, item->call.key_len, call.tenant));
@@ -551,7 +579,7 @@ void RequestPipeline::CreateMemory(const v1::CreateMemoryRequest& req, CallConte
   }();
   const std::string name = item->model ? item->model->spec().name : "";
   if (!st.ok()) {
-    Unreserve(held);
+    Unreserve(held, caller);
     CallTrace traced;
     RecordCall(name, "CreateMemory", st, received, trace, "", &traced);
     done(st, traced);
@@ -559,9 +587,9 @@ void RequestPipeline::CreateMemory(const v1::CreateMemoryRequest& req, CallConte
   }
   item->kv_entry = entry;
   const int64_t length = item->call.key_len;
-  item->done = [this, name, received, trace, entry = std::move(entry), length, held, resp,
+  item->done = [this, name, received, trace, entry = std::move(entry), length, held, caller, resp,
                 done = std::move(done)](Status st, const WorkItem&) mutable {
-    Unreserve(held);
+    Unreserve(held, caller);
     if (st.ok()) st = kv_.MarkReady(entry, length);
     if (st.ok()) {
       FillHandle(*entry, length, kv_, advertised_address(), resp);

@@ -6,6 +6,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <unordered_map>
 
 #include "attnserve/v1/attention.pb.h"
 #include "server/core/wire.h"
@@ -109,6 +110,12 @@ class RequestPipeline {
   /// it arrives. Default: every tenant gets default terms.
   void SetTenants(std::shared_ptr<const Tenants> tenants);
   std::shared_ptr<const Tenants> tenants() const;
+  /// Whose fair share a request draws on and whose per-caller bounds it counts against: its tenant
+  /// when it names one, else (`by_peer`, the default) "default@" and its peer's address, so that
+  /// one address cannot fill the queue or the in-flight budget for all; else "default". Set
+  /// before serving (--fair-by-peer).
+  void SetCallerByPeer(bool by_peer) { caller_by_peer_ = by_peer; }
+  std::string CallerOf(const CallContext& call) const;
   /// The tenant header (tenant_header()). Set before serving.
   void SetTenantHeader(std::string key) { tenant_header_ = std::move(key); }
   /// The pinned staging (staging(); null: none). Set before serving; borrowed.
@@ -122,6 +129,7 @@ class RequestPipeline {
 
  private:
   friend class Answered;
+  friend class HeldBytes;
   // Answered's: records the ending (count, latency, in flight) and gives the bytes back.
   void Record(const char* method, Exchange* x, const Status& seen);
   // The trace a call with this context joins (empty with tracing off).
@@ -131,11 +139,11 @@ class RequestPipeline {
   // Who asks and how urgently: the tenant's terms, the priority level and its queue timeout.
   Status Schedule(const Exchange& x, const TenantPolicy& terms, WorkItem* item) const;
   Status Admit(Exchange* x, const WorkItem& item);
-  // The in-flight budget: Reserve takes `bytes` or refuses (RESOURCE_EXHAUSTED naming the flag);
-  // Unreserve gives them back.
-  Status Reserve(const std::string& model, int64_t bytes);
-  void Unreserve(int64_t bytes);
-  static int64_t HeldBytes(int64_t wire_bytes, DType wire, DType compute);
+  // The in-flight budget, the whole and each caller's: Reserve takes `bytes` for `caller` or
+  // refuses (RESOURCE_EXHAUSTED naming the flag); Unreserve gives them back.
+  Status Reserve(const std::string& model, int64_t bytes, const std::string& caller);
+  void Unreserve(int64_t bytes, const std::string& caller);
+  static int64_t WidenedBytes(int64_t wire_bytes, DType wire, DType compute);
   // Metrics, span and access-log line for a call that is not an Attend; `handle`: the memory or
   // session it made or used; `traced`, when given, receives the call's trace.
   void RecordCall(const std::string& model, const char* method, const Status& st,
@@ -160,7 +168,9 @@ class RequestPipeline {
 
   mutable std::mutex mu_;
   std::condition_variable idle_cv_;
-  int64_t held_bytes_ = 0;                // Σ Exchange::held_bytes of requests not yet recorded.
+  int64_t held_bytes_ = 0;  // Σ Exchange::held_bytes of requests not yet recorded, and HeldBytes.
+  std::unordered_map<std::string, int64_t> held_by_caller_;  // The same by Exchange::caller.
+  bool caller_by_peer_ = true;
   int64_t in_flight_ = 0;                 // Accepted by Attend and not yet recorded.
   SteadyClock::time_point last_arrival_;  // Latest request or open call received.
   std::set<OpenCall*> calls_;

@@ -29,14 +29,17 @@ struct ConnectionGuard::Listener {
   std::map<std::string, int64_t> refused, closed;
   std::map<std::string, std::chrono::steady_clock::time_point> logged;  // by reason
 
-  // Under mu: says the first time in 10 s that `reason` cut a peer off (the rest are counted).
-  void Log(const std::string& reason, const std::string& peer, const std::string& detail) {
+  // Under mu: says the first time in 10 s that `reason` cut a peer off (the rest are counted in
+  // `series`).
+  void Log(const std::string& reason, const std::string& peer, const std::string& detail,
+           const char* series) {
     const auto now = std::chrono::steady_clock::now();
     auto [it, first] = logged.emplace(reason, now);
     if (!first && now - it->second < std::chrono::seconds(10)) return;
     it->second = now;
     std::cerr << "attnserve: " << name << " connection from " << peer << " closed: " << detail
-              << " (further ones are counted in attnserve_connections_closed_total)" << std::endl;
+              << " (in 10 s, further ones only count in " << series << "{reason=\"" << reason
+              << "\"})" << std::endl;
   }
   void Forget(const std::string& peer) {  // Under mu: a peer with nothing open is not kept.
     const auto it = peers.find(peer);
@@ -273,7 +276,8 @@ int ConnectionGuard::Accept(int listener, sockaddr* addr, socklen_t* len, int fl
                std::string(over == std::string("max_connections")
                                ? "the listener has --max-connections open"
                                : "its peer address has --max-connections-per-peer open") +
-                   " (refused as accepted)");
+                   " (refused as accepted)",
+               "attnserve_connections_refused_total");
         l->Forget(peer);
         Refuse(fd);
         continue;
@@ -297,7 +301,7 @@ void ConnectionGuard::Break(int fd, Connection& c, const H2Breach& breach) {
   Listener& l = *c.listener;
   std::lock_guard<std::mutex> lock(l.mu);
   ++l.closed[breach.reason];
-  l.Log(breach.reason, c.peer, breach.detail);
+  l.Log(breach.reason, c.peer, breach.detail, "attnserve_connections_closed_total");
 }
 
 ssize_t ConnectionGuard::Received(int fd, const msghdr* msg, ssize_t n) {

@@ -31,7 +31,7 @@ struct ConnectionLimits {
   int64_t max_connections_per_peer = 256;
   /// Streams open at once from one peer address, over its connections (--max-streams-per-peer):
   /// a stream gRPC holds costs ~12 KB before its request arrives.
-  int64_t max_streams_per_peer = 1024;
+  int64_t max_streams_per_peer = 4096;
   /// Streams open at once on the listener, over all its connections (--max-streams).
   int64_t max_streams = 16384;
   /// Bytes of messages not yet whole from one peer address (--max-upload-bytes-per-peer; 0: no

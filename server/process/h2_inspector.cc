@@ -84,9 +84,10 @@ H2Breach H2Inspector::OnFrameHeader(std::chrono::steady_clock::time_point now) {
   if (in_.type == kHeaders) {
     const uint32_t id = in_.stream;
     if (id % 2 == 1 && id > last_opened_) {
-      if (open_streams() >= limits_.max_concurrent_streams) {
-        return {"streams", "more than " + std::to_string(limits_.max_concurrent_streams) +
-                               " streams open at once on one connection (--max-concurrent-streams)"};
+      if (open_streams() >= 2 * limits_.max_concurrent_streams) {
+        return {"streams", "more than twice --max-concurrent-streams (" +
+                               std::to_string(limits_.max_concurrent_streams) +
+                               ") streams open at once on one connection"};
       }
       if (H2Breach refused = account_->OpenStream()) return refused;
       streams_.emplace(id, Stream{});

@@ -13,8 +13,10 @@ namespace attnserve {
 
 /// One connection's bounds (flags in docs/flags.md "Transport").
 struct H2Limits {
-  /// Streams open at once on the connection, whether or not its client has acknowledged the
-  /// server's SETTINGS (gRPC 1.51 counts against acknowledged settings only).
+  /// Streams open at once on the connection (the server's SETTINGS_MAX_CONCURRENT_STREAMS). gRPC
+  /// 1.51 keeps it only once the client has acknowledged it; the inspector closes a connection past
+  /// twice it, acknowledged or not (a stream's end is seen when its last frame is written, a
+  /// moment after the client may see it: the slack keeps a client that waits for answers clear).
   int64_t max_concurrent_streams = 128;
   /// Bytes of one header block (HEADERS and its CONTINUATION frames, as sent: HPACK-coded).
   int64_t max_header_block_bytes = int64_t{64} << 10;

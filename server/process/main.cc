@@ -63,6 +63,63 @@ void AddTracingFlags(CLI::App& app, attnserve::TracingOptions& t) {
       ->capture_default_str();
 }
 
+// What the gRPC listeners' connections may hold, and for how long (docs/flags.md "Transport").
+void AddTransportFlags(CLI::App& app, attnserve::TransportOptions& t) {
+  attnserve::ConnectionLimits& c = t.limits;
+  const auto count = [&app](const char* flag, int64_t& value, const char* what, int64_t most) {
+    app.add_option(flag, value, what)->check(CLI::Range(int64_t{1}, most))->capture_default_str();
+  };
+  const auto seconds = [&app](const char* flag, double& value, const char* what) {
+    app.add_option(flag, value, what)->check(CLI::Range(0.0, 1e6))->capture_default_str();
+  };
+  count("--max-connections", c.max_connections,
+        "Client connections open at once on the gRPC listener (lowered to half the descriptors "
+        "the process may open); beyond, a new one is closed as it is accepted",
+        int64_t{1} << 24);
+  count("--max-connections-per-peer", c.max_connections_per_peer,
+        "The same from one peer address (behind a proxy: every client is the proxy's address)",
+        int64_t{1} << 24);
+  count("--max-concurrent-streams", c.h2.max_concurrent_streams,
+        "Calls (HTTP/2 streams) open at once on one connection; a client that opens more, even "
+        "before it acknowledged this setting, has its connection closed",
+        int64_t{1} << 20);
+  count("--max-streams-per-peer", c.max_streams_per_peer,
+        "Calls open at once from one peer address over its connections (plaintext listeners)",
+        int64_t{1} << 30);
+  count("--max-streams", c.max_streams,
+        "Calls open at once on the listener over all connections (plaintext listeners)",
+        int64_t{1} << 30);
+  app.add_option("--max-upload-bytes-per-peer", c.max_partial_bytes_per_peer,
+                 "Bytes of request messages not yet whole from one peer address (plaintext "
+                 "listeners; 0 = half of --transport-memory-bytes)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 50))
+      ->capture_default_str();
+  app.add_option("--transport-memory-bytes", t.memory_bytes,
+                 "Memory gRPC's transport may hold for all connections (messages arriving, read "
+                 "buffers); past it gRPC cancels streams (0 = 8 x --max-message-bytes)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 50))
+      ->capture_default_str();
+  count("--max-header-bytes", c.h2.max_header_block_bytes,
+        "Bytes of one call's header block as sent (HPACK-coded; plaintext listeners)",
+        int64_t{1} << 24);
+  seconds("--header-timeout-seconds", t.header_timeout_seconds,
+          "Longest one header block may take to arrive whole (plaintext listeners)");
+  count("--max-metadata-bytes", t.max_metadata_bytes,
+        "Bytes of one call's metadata, decoded (gRPC's max_metadata_size)", int64_t{1} << 24);
+  app.add_option("--max-resets-per-second", c.h2.resets_per_second,
+                 "Calls one connection's client may cancel (RST_STREAM) a second, on average "
+                 "over 5 s; beyond, its connection is closed (plaintext listeners)")
+      ->check(CLI::Range(1.0, 1e9))
+      ->capture_default_str();
+  seconds("--handshake-timeout-seconds", t.handshake_timeout_seconds,
+          "Longest a new connection may take to finish TLS and send HTTP/2's settings");
+  seconds("--max-connection-idle-seconds", t.max_connection_idle_seconds,
+          "A connection with no call open this long is closed (GOAWAY); 0 = never");
+  seconds("--send-timeout-seconds", t.send_timeout_seconds,
+          "An answer its caller has not taken this long after it was sent is cancelled "
+          "(during a stop, at most 40% of --shutdown-grace); 0 = never");
+}
+
 // Where the tracing flags were not given: OpenTelemetry's standard environment variables.
 void ApplyTracingEnvironment(const CLI::App& app, attnserve::TracingOptions& t) {
   if (app.count("--trace-endpoint") == 0) {
@@ -210,6 +267,17 @@ bool ParseFlags(int argc, char** argv, attnserve::ServerOptions* options, int* e
                  "Requests that may wait for compute; beyond it new ones get RESOURCE_EXHAUSTED")
       ->check(CLI::Range(1, 1 << 20))
       ->capture_default_str();
+  app.add_option("--max-queued-per-caller", o.batcher.max_queued_per_caller,
+                 "Requests one caller (a tenant without its own max_queued_requests, or with "
+                 "--fair-by-peer a peer address) may have waiting at once (0 = half of "
+                 "--max-queue-size)")
+      ->check(CLI::Range(size_t{0}, size_t{1} << 24))
+      ->capture_default_str();
+  app.add_option("--fair-by-peer", o.fair_by_peer,
+                 "Tell calls that name no tenant apart by their peer address for fair shares and "
+                 "the per-caller bounds (false: all are the tenant default, e.g. behind a proxy "
+                 "without --tenant-header)")
+      ->capture_default_str();
   bool no_warmup = false;
   app.add_flag("--no-warmup", no_warmup,
                "Serve at once, cold: the first requests make the kernels (default: every model is "
@@ -281,6 +349,11 @@ bool ParseFlags(int argc, char** argv, attnserve::ServerOptions* options, int* e
                  "lowered to fit a container's memory limit)")
       ->check(CLI::Range(int64_t{1} << 20, int64_t{1} << 40))
       ->capture_default_str();
+  app.add_option("--max-inflight-bytes-per-caller", o.flow.max_inflight_bytes_per_caller,
+                 "The same bound for one caller: a tenant, or with --fair-by-peer a peer address "
+                 "(0 = half of --max-inflight-bytes)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 40))
+      ->capture_default_str();
   app.add_option("--max-stream-inflight", o.flow.max_stream_requests,
                  "Unanswered requests one AttendStream may have; at the limit the server stops "
                  "reading it until the client takes answers")
@@ -322,6 +395,7 @@ bool ParseFlags(int argc, char** argv, attnserve::ServerOptions* options, int* e
                  "(false: close as gRPC does, e.g. behind a proxy that buffers whole answers)")
       ->capture_default_str();
   AddTracingFlags(app, o.tracing);
+  AddTransportFlags(app, o.transport);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

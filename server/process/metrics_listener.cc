@@ -1,52 +1,28 @@
 #include "server/process/metrics_listener.h"
 
-#include <netdb.h>
 #include <prometheus/exposer.h>
 #include <prometheus/registry.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
+#include <string>
 #include <thread>
+#include <vector>
+
+#include "server/process/listener_watch.h"
 
 namespace attnserve {
-namespace {
-
-// The host part of host:port, brackets dropped; a wildcard becomes the loopback of its family.
-std::string LocalHostOf(const std::string& address) {
-  std::string host = address.substr(0, address.rfind(':'));
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']')
-    host = host.substr(1, host.size() - 2);
-  if (host.empty() || host == "0.0.0.0" || host == "*") return "127.0.0.1";
-  if (host == "::") return "::1";
-  return host;
-}
-
-// Opens and closes one TCP connection to host:port; failures do not matter.
-void Knock(const std::string& host, int port) {
-  addrinfo hints{};
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_NUMERICSERV;
-  addrinfo* found = nullptr;
-  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0) return;
-  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
-    const int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
-    if (fd < 0) continue;
-    const bool reached = connect(fd, a->ai_addr, a->ai_addrlen) == 0;
-    close(fd);
-    if (reached) break;
-  }
-  freeaddrinfo(found);
-}
-
-}  // namespace
 
 StatusOr<std::unique_ptr<MetricsListener>> MetricsListener::Start(
     const std::string& address, std::shared_ptr<prometheus::Registry> registry) {
   std::unique_ptr<MetricsListener> listener(new MetricsListener());
   try {
-    listener->exposer_ = std::make_unique<prometheus::Exposer>(address);
+    // civetweb serves each connection on a thread of its own until the request is read: with its
+    // defaults (2 threads, a request may take 30 s to arrive) two clients trickling their
+    // requests left /metrics blind for 30 s (a hostile review, 2026-12-05).
+    listener->exposer_ = std::make_unique<prometheus::Exposer>(std::vector<std::string>{
+        "listening_ports", address, "num_threads", std::to_string(kThreads),
+        "request_timeout_ms", std::to_string(kRequestTimeout.count())});
   } catch (const std::exception& e) {
     return Status(StatusCode::kFailedPrecondition,
                   "--metrics-address " + address + ": cannot listen: " + e.what());
@@ -56,6 +32,11 @@ StatusOr<std::unique_ptr<MetricsListener>> MetricsListener::Start(
   listener->port_ = ports.empty() ? 0 : ports.front();
   listener->host_ = LocalHostOf(address);
   return listener;
+}
+
+void MetricsListener::Register(std::shared_ptr<prometheus::Collectable> collectable) {
+  exposer_->RegisterCollectable(collectable);  // Held weakly there.
+  collectables_.push_back(std::move(collectable));
 }
 
 MetricsListener::~MetricsListener() {

@@ -22,12 +22,14 @@
 #include "server/pipeline/request_pipeline.h"
 #include "server/process/cuda_regions.h"
 #include "server/process/host_memory.h"
+#include "server/process/listener_watch.h"
 #include "server/process/memory_plan.h"
 #include "server/process/memory_sampler.h"
 #include "server/process/metrics_listener.h"
 #include "server/process/reload_hooks.h"
 #include "server/process/server_impl.h"
 #include "server/process/thread_stacks.h"
+#include "server/process/transport_metrics.h"
 #include "server/v1/attention_service.h"
 
 namespace attnserve {
@@ -76,6 +78,10 @@ StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(const Serve
 namespace {
 
 bool IsCuda(const std::string& device) { return device.rfind("cuda", 0) == 0; }
+
+SteadyClock::duration Seconds(double seconds) {
+  return std::chrono::duration_cast<SteadyClock::duration>(std::chrono::duration<double>(seconds));
+}
 
 Status Refuse(const std::string& message) {
   return Status(StatusCode::kFailedPrecondition, message);
@@ -213,6 +219,8 @@ Status Server::Impl::PlanMemory() {
   // The transport's share: the messages arriving at once that the plan counts, of the size it set.
   TransportOptions& t = options.transport;
   t.limits.h2.max_message_bytes = options.max_message_bytes;
+  t.limits.h2.header_timeout = Seconds(t.header_timeout_seconds);
+  t.limits.h2.reset_burst = 5 * t.limits.h2.resets_per_second;
   if (t.memory_bytes <= 0) t.memory_bytes = kArrivingMessages * int64_t{options.max_message_bytes};
   if (t.limits.max_partial_bytes_per_peer <= 0) t.limits.max_partial_bytes_per_peer = t.memory_bytes / 2;
   quota = std::make_unique<grpc::ResourceQuota>("attnserve");
@@ -234,6 +242,7 @@ Status Server::Impl::StartMetrics() {
         "(server/process/thread_stacks.cc); link it through attnserve::server");
   }
   ASSIGN_OR_RETURN(exposer, MetricsListener::Start(options.metrics_address, registry));
+  exposer->Register(std::make_shared<TransportMetrics>(&calls->sends()));
   metrics_port = exposer->port();
   return Status::Ok();
 }
@@ -328,6 +337,7 @@ void Server::Impl::StartPipeline() {
   pipeline = std::make_unique<RequestPipeline>(*models, *batcher, *metrics, limits, flow, *kv);
   pipeline->Observe(tracer.get(), access_log.get());
   pipeline->SetTenantHeader(options.tenant_header);
+  pipeline->SetCallerByPeer(options.fair_by_peer);
   pipeline->SetWarming(options.warmup);
   pipeline->SetStaging(staging.get());
   pipeline->Publish();
@@ -363,6 +373,7 @@ std::string AdvertisedAddress(const ServerOptions& options, int port) {
 }  // namespace
 
 Status Server::Impl::StartGrpc() {
+  calls->sends().SetTimeout(Seconds(options.transport.send_timeout_seconds));
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -415,6 +426,15 @@ Status Server::Impl::StartHealth() {
   // Reloads tell metrics, health and the store what changed (on the reloading thread, which
   // Shutdown stops before the servers go).
   models->SetHooks(ReloadHooks(*metrics, *kv, *health));
+  // Health says NOT_SERVING while the gRPC listener takes no connection.
+  watch = std::make_unique<ListenerWatch>(
+      options.address, port, [h = health.get(), address = options.address](bool accepting) {
+        std::cerr << "attnserve: the gRPC listener on " << address
+                  << (accepting ? " accepts connections again: health SERVING"
+                                : " accepts no connection: health NOT_SERVING")
+                  << std::endl;
+        h->SetAccepting(accepting);
+      });
   return Status::Ok();
 }
 

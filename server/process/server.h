@@ -49,6 +49,8 @@ struct TransportOptions {
   /// (messages arriving, read buffers); past it gRPC cancels streams to free memory (--transport-
   /// memory-bytes; 0: kArrivingMessages messages of --max-message-bytes, from the memory plan).
   int64_t memory_bytes = 0;
+  /// Longest one header block may take to arrive whole (the inspector's header_timeout).
+  double header_timeout_seconds = 10;
   /// A connection must finish its TLS handshake and send HTTP/2's settings within this long.
   double handshake_timeout_seconds = 10;
   /// A connection with no call open this long is sent GOAWAY and closed (0: never).
@@ -114,6 +116,11 @@ struct ServerOptions {
   /// every tenant on default terms), reread with the models; and the metadata key whose value
   /// names the tenant behind a gateway that authenticates (--tenant-header; "": none).
   std::string tenants_file, tenant_header;
+  /// Calls that name no tenant are told apart by their peer address for fair shares and the
+  /// per-caller bounds (--max-queued-per-caller, --max-inflight-bytes-per-caller): one address
+  /// cannot take the queue or the in-flight budget from the others (--fair-by-peer). Off: they are
+  /// all `default`, as behind a proxy that names no tenant they are anyway.
+  bool fair_by_peer = true;
   TracingOptions tracing;
 };
 

