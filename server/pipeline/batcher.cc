@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <optional>
+#include <string>
+#include <unordered_map>
 
 namespace attnserve {
 namespace {
@@ -92,6 +94,30 @@ void BatchQueue::DropDead(SteadyClock::time_point now, Dropped* dropped) {
   items_.swap(alive);
 }
 
+bool BatchQueue::PushOut(const WorkItem& newcomer, Dropped* dropped) {
+  std::unordered_map<std::string, int64_t> held;
+  for (const auto& item : items_) ++held[item->tenant];
+  const auto most = std::max_element(held.begin(), held.end(),
+                                     [](const auto& a, const auto& b) { return a.second < b.second; });
+  if (most == held.end() || most->second <= held[newcomer.tenant] + 1) return false;
+  const std::string hog = most->first;
+  for (auto it = items_.rbegin(); it != items_.rend(); ++it) {
+    if ((*it)->tenant != hog || (*it)->warmup) continue;
+    std::unique_ptr<WorkItem> newest = std::move(*it);
+    items_.erase(std::next(it).base());
+    share_->Leave(hog);
+    dropped->emplace_back(
+        std::move(newest),
+        Status(StatusCode::kResourceExhausted,
+               "queue full (server flag --max-queue-size " + std::to_string(options_->max_queue_size) +
+                   "): caller '" + hog + "' held " + std::to_string(held[hog]) +
+                   " of its places, the most, and its newest request made room for another "
+                   "caller's; retry later"));
+    return true;
+  }
+  return false;
+}
+
 int64_t BatchQueue::QueuedAt(int64_t level) const {
   int64_t n = 0;
   for (const auto& item : items_) n += item->level == level ? 1 : 0;
@@ -135,7 +161,10 @@ std::unique_ptr<WorkItem> BatchQueue::Add(std::unique_ptr<WorkItem> item,
     };
     if (full()) {
       DropDead(now, dropped);  // Frees their places.
-      if (full()) return item;
+      // The whole queue full: the caller that holds the most of it makes room.
+      if (full() && !(std::string(*reason) == "queue_full" && PushOut(*item, dropped) && !full())) {
+        return item;
+      }
     }
   }
   share_->Arrive(item->tenant);
@@ -303,9 +332,10 @@ void Batcher::Finish(Dropped* dropped) {
   for (auto& [item, status] : *dropped) {
     if (options_.on_reject && !item->warmup) {
       const StatusCode code = status.code();
-      options_.on_reject(*item, code == StatusCode::kDeadlineExceeded ? "deadline"
-                                : code == StatusCode::kUnavailable    ? "queue_timeout"
-                                                                      : "cancelled");
+      options_.on_reject(*item, code == StatusCode::kDeadlineExceeded    ? "deadline"
+                                : code == StatusCode::kUnavailable       ? "queue_timeout"
+                                : code == StatusCode::kResourceExhausted ? "pushed_out"
+                                                                         : "cancelled");
     }
     item->queue_seconds = Seconds(SteadyClock::now() - item->accepted);
     Complete(*item, status);

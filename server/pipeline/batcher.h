@@ -100,13 +100,12 @@ struct BatcherOptions {
   /// Accepted, not yet started requests per model; beyond: RESOURCE_EXHAUSTED.
   size_t max_queue_size = 1024;
   /// The most of them one caller (a tenant, or a peer address: WorkItem::tenant) may have waiting,
-  /// unless its tenant has a max_queued_requests of its own; beyond: RESOURCE_EXHAUSTED. 0: half
-  /// of max_queue_size (server flag --max-queued-per-caller).
+  /// unless its tenant has a max_queued_requests of its own; beyond: RESOURCE_EXHAUSTED. 0: no
+  /// bound of its own (server flag --max-queued-per-caller). Whatever it is, when the queue is full
+  /// a caller's request makes room by refusing the newest request of the caller that holds the
+  /// most of the queue (more than its own caller would): one caller may fill an idle queue, and
+  /// none can keep another out.
   size_t max_queued_per_caller = 0;
-  /// max_queued_per_caller as it applies.
-  size_t QueuedPerCaller() const {
-    return max_queued_per_caller > 0 ? max_queued_per_caller : std::max<size_t>(1, max_queue_size / 2);
-  }
   /// false: every request is its own batch and none waits for company.
   bool enabled = true;
   /// Compute threads, shared by all models: one per usable core (host_cpus.h's UsableCpus: CPU
@@ -120,8 +119,8 @@ struct BatcherOptions {
   /// request's span); null: none. Borrowed.
   const Tracer* tracer = nullptr;
   /// Called for each request refused or dropped before compute: reason is "queue_full",
-  /// "priority_queue_full", "tenant_queue_full", "caller_queue_full", "queue_timeout",
-  /// "draining", "deadline" or "cancelled".
+  /// "priority_queue_full", "tenant_queue_full", "caller_queue_full", "pushed_out" (refused to
+  /// make room for another caller's), "queue_timeout", "draining", "deadline" or "cancelled".
   std::function<void(const WorkItem& item, const char* reason)> on_reject;
   /// Whose request leads the next batch: kFair, the backlogged tenant with the least weighted
   /// work served (FairShare), its batch filled in the same order; kFcfs, the oldest request
@@ -210,6 +209,10 @@ class BatchQueue {
 
  private:
   void DropDead(SteadyClock::time_point now, Dropped* dropped);
+  // The queue is full and `newcomer` arrives: the caller holding the most of it (more than the
+  // newcomer's caller's after it joins) gives up its newest request, refused into `dropped`. False
+  // when no caller holds more.
+  bool PushOut(const WorkItem& newcomer, Dropped* dropped);
   bool BudgetFull() const;
   bool Shares(const WorkItem& item) const;
   size_t Leader() const;  // Index of the item that leads the next batch (queue not empty).

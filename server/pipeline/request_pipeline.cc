@@ -284,7 +284,7 @@ Status RequestPipeline::Schedule(const Exchange& x, const TenantPolicy& terms,
   item->tenant_queue_cap = terms.max_queued_requests > 0;
   item->tenant_max_queued = item->tenant_queue_cap
                                 ? terms.max_queued_requests
-                                : static_cast<int64_t>(batcher_.options().QueuedPerCaller());
+                                : static_cast<int64_t>(batcher_.options().max_queued_per_caller);
   item->flops = ForwardFlops(item->model->spec(), item->call);
   const PriorityOptions& priorities = batcher_.PrioritiesOf(*item->model);
   // The tenant's cap applies here, before the level's queue policy is read, so the queue, its
@@ -562,6 +562,7 @@ void RequestPipeline::CreateMemory(const v1::CreateMemoryRequest& req, CallConte
   item->cancelled = std::move(call.cancelled);
   const IncomingTrace trace = call.trace;
   const std::string caller = CallerOf(call);
+  item->tenant = caller;  // Its place in the fair shares: its caller's, as its Attend calls'.
   std::shared_ptr<KvEntry> entry;
   int64_t held = 0;  // The request's bytes, in the in-flight budget until it is done.
   const Status st = [&]() -> Status {

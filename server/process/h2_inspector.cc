@@ -140,10 +140,14 @@ H2Breach H2Inspector::OnData(const uint8_t* data, size_t n) {
 
 H2Breach H2Inspector::Message(Stream& s, const uint8_t* data, size_t n) {
   while (n > 0) {
-    size_t take;
+    const bool prefix = s.message_left == 0;  // The 5-byte prefix: compressed flag, length.
+    const size_t take = prefix ? std::min<size_t>(5 - s.prefix_have, n)
+                               : static_cast<size_t>(std::min<int64_t>(s.message_left, n));
+    if (H2Breach refused = account_->AddPartial(static_cast<int64_t>(take))) return refused;
+    s.partial += static_cast<int64_t>(take);
+    partial_ += static_cast<int64_t>(take);
     bool complete = false;
-    if (s.message_left == 0) {  // The 5-byte prefix: compressed flag, length.
-      take = std::min<size_t>(5 - s.prefix_have, n);
+    if (prefix) {
       std::memcpy(s.prefix + s.prefix_have, data, take);
       s.prefix_have += static_cast<int>(take);
       if (s.prefix_have == 5) {
@@ -159,13 +163,9 @@ H2Breach H2Inspector::Message(Stream& s, const uint8_t* data, size_t n) {
         complete = announced == 0;
       }
     } else {
-      take = static_cast<size_t>(std::min<int64_t>(s.message_left, static_cast<int64_t>(n)));
       s.message_left -= static_cast<int64_t>(take);
       complete = s.message_left == 0;
     }
-    if (H2Breach refused = account_->AddPartial(static_cast<int64_t>(take))) return refused;
-    s.partial += static_cast<int64_t>(take);
-    partial_ += static_cast<int64_t>(take);
     if (complete) {  // gRPC hands a whole message on: counted by the request's budget from here.
       account_->RemovePartial(s.partial);
       partial_ -= s.partial;

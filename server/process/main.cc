@@ -269,8 +269,9 @@ bool ParseFlags(int argc, char** argv, attnserve::ServerOptions* options, int* e
       ->capture_default_str();
   app.add_option("--max-queued-per-caller", o.batcher.max_queued_per_caller,
                  "Requests one caller (a tenant without its own max_queued_requests, or with "
-                 "--fair-by-peer a peer address) may have waiting at once (0 = half of "
-                 "--max-queue-size)")
+                 "--fair-by-peer a peer address) may have waiting at once (0 = no bound of its "
+                 "own; in a full queue the caller holding the most gives up its newest request "
+                 "to another caller's either way)")
       ->check(CLI::Range(size_t{0}, size_t{1} << 24))
       ->capture_default_str();
   app.add_option("--fair-by-peer", o.fair_by_peer,

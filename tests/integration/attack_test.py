@@ -426,3 +426,69 @@ def test_metrics_answer_under_trickling_clients(attnserve, checks):
     checks(f"/metrics under 4 trickling clients: every scrape within 2x the unloaded worst ({unloaded * 1e3:.1f} ms;"
            " at least 100 ms)", worst < max(2 * unloaded, 0.1), f"worst {worst * 1e3:.0f} ms")
     stop_within(server, 30, checks, "metrics trickle")
+
+
+def test_behind_nginx_with_tls_the_header_attack_is_cut(attnserve, checks):
+    """On a TLS listener the guard sees only encrypted bytes: an exposed TLS server goes behind deploy/nginx
+    (TLS at nginx, plaintext to attnserve), whose limits this sends the header attack through. nginx closes
+    the attacker's connection at its header bound; callers through nginx are answered throughout."""
+    import grpc
+    import pki
+    tmp = lib.temp_dir("attnserve-nginx-attack-")
+    pki.make_pki(tmp)
+    server = start(attnserve)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nginx = lib.start_nginx(os.path.join(tmp, "nginx"), [server.port], port,
+                            tls=(os.path.join(tmp, "server.pem"), os.path.join(tmp, "server.key")))
+    try:
+        def listening():
+            try:
+                socket.create_connection(("127.0.0.1", port), 1).close()
+                return True
+            except OSError:
+                return nginx.poll() is not None
+        assert lib.wait_until(listening, 10) and nginx.poll() is None, "nginx did not start"
+        ca = os.path.join(tmp, "ca.pem")
+        creds = grpc.ssl_channel_credentials(open(ca, "rb").read())
+        channel = grpc.secure_channel(f"127.0.0.1:{port}", creds)
+        call = channel.unary_unary(h2.ATTEND)
+        request = attend_bytes(4)
+        call(request, timeout=10)
+        latencies, errors, stop = [], [], threading.Event()
+
+        def well_behaved():
+            while not stop.is_set():
+                t0 = time.monotonic()
+                try:
+                    call(request, timeout=10)
+                    latencies.append(time.monotonic() - t0)
+                except grpc.RpcError as e:
+                    errors.append(e.code().name)
+                stop.wait(0.02)
+        caller = threading.Thread(target=well_behaved, daemon=True)
+        caller.start()
+        c = h2.Conn(port, tls_ca=ca)
+        c.settled.wait(5)
+        c.send(h2.frame(h2.HEADERS, 0, 1, h2.request_headers() + b"\x00" + h2.hpack_int(9, 7) + b"x-padding" +
+                        h2.hpack_int(2 << 30, 7)))
+        t0 = time.monotonic()
+        while not c.closed.is_set() and time.monotonic() - t0 < 5:
+            if not c.send(h2.frame(h2.CONTINUATION, 0, 1, b"a" * 16384)):
+                break
+        closed = c.wait_closed(5)
+        took = time.monotonic() - t0
+        time.sleep(1.0)
+        stop.set()
+        caller.join(timeout=20)
+        channel.close()
+        checks("through nginx (TLS): a 2 GiB header value, the connection closed within 1 s",
+               closed and took < 1, f"{took:.2f} s")
+        ordered = sorted(latencies) or [float("inf")]
+        checks("callers through nginx answered throughout, p99 under 1 s", not errors and ordered[-1] < 1,
+               f"{len(latencies)} answered, failed {errors[:3]}, max {ordered[-1] * 1e3:.0f} ms")
+    finally:
+        nginx.terminate()
+        nginx.wait(timeout=10)
+    stop_within(server, 30, checks, "behind nginx")

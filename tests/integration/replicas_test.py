@@ -158,25 +158,6 @@ def port_open(port):
         return False
 
 
-def start_nginx(prefix, upstream_ports, listen_port):
-    """nginx from deploy/nginx/nginx.conf with these upstreams and this port; its log in prefix/."""
-    conf = open(os.path.join(ROOT, "deploy", "nginx", "nginx.conf")).read()
-    # Its replicas' section, rewritten for these: the pool, an upstream each, the map between.
-    begin, end = conf.index("  upstream attnserve {"), conf.index("  # --- end of the replicas")
-    pool = "".join(f"    server 127.0.0.1:{p} max_fails=1 fail_timeout=2s;\n" for p in upstream_ports)
-    own = "".join(f"  upstream attnserve_{p} {{ server 127.0.0.1:{p}; keepalive 8; }}\n" for p in upstream_ports)
-    entries = "".join(f"    127.0.0.1:{p} attnserve_{p};\n" for p in upstream_ports)
-    conf = (conf[:begin] + "  upstream attnserve {\n" + pool + "    keepalive 32;\n    keepalive_timeout 60s;\n  }\n"
-            + own + "  map $http_attnserve_replica $attnserve_upstream {\n    default attnserve;\n" + entries
-            + "  }\n" + conf[end:])
-    conf = conf.replace("listen 127.0.0.1:8080", f"listen 127.0.0.1:{listen_port}")
-    os.makedirs(os.path.join(prefix, "tmp"), exist_ok=True)
-    with open(os.path.join(prefix, "nginx.conf"), "w") as f:
-        f.write(conf)
-    return subprocess.Popen(["nginx", "-p", prefix, "-c", "nginx.conf", "-g", "daemon off;"],
-                            stdout=subprocess.DEVNULL, stderr=open(os.path.join(prefix, "error.log"), "w"))
-
-
 class DyingReplica:
     """A TCP listener that takes each connection, reads what nginx sends (preface, headers, request)
     and resets it before answering: to nginx, a replica killed while a call is on it. Counts the
@@ -222,7 +203,7 @@ def check_replica_lost_mid_call(checks, pb, rpc, service_config, tmp, callers=8,
     SIGKILLed under load cost calls that the retry policy should have saved."""
     dying = DyingReplica()
     port = free_port()
-    nginx = start_nginx(os.path.join(tmp, "nginx-dying"), [dying.port], port)
+    nginx = lib.start_nginx(os.path.join(tmp, "nginx-dying"), [dying.port], port)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.service_config", service_config)])
     try:
         checks("nginx in front of a replica that resets every call is up",
@@ -377,7 +358,7 @@ def test_three_replicas_behind_nginx_and_client_side_balancing(attnserve, bench,
         check_replica_lost_mid_call(checks, pb, rpc, configs["service-config-proxy.json"], tmp)
 
         proxy_port = free_port()
-        nginx = start_nginx(os.path.join(tmp, "nginx"), [r.port for r in replicas], proxy_port)
+        nginx = lib.start_nginx(os.path.join(tmp, "nginx"), [r.port for r in replicas], proxy_port)
         checks("nginx proxies grpc.health.v1 to the replicas",
                lib.wait_until(lambda: lib.health_serving(f"127.0.0.1:{proxy_port}"), timeout=30, step=0.2))
         check_nginx_body_limit(checks, pb, proxy_port)

@@ -235,3 +235,27 @@ def wait_until(predicate, timeout=20.0, step=0.1):
             return True
         time.sleep(step)
     return False
+
+
+def start_nginx(prefix, upstream_ports, listen_port, tls=None):
+    """nginx from deploy/nginx/nginx.conf with these upstreams and this port; its log in prefix/. With
+    `tls` (certificate, key): TLS at nginx (`listen ... ssl http2`)."""
+    conf = open(os.path.join(ROOT, "deploy", "nginx", "nginx.conf")).read()
+    # Its replicas' section, rewritten for these: the pool, an upstream each, the map between.
+    begin, end = conf.index("  upstream attnserve {"), conf.index("  # --- end of the replicas")
+    pool = "".join(f"    server 127.0.0.1:{p} max_fails=1 fail_timeout=2s;\n" for p in upstream_ports)
+    own = "".join(f"  upstream attnserve_{p} {{ server 127.0.0.1:{p}; keepalive 8; }}\n" for p in upstream_ports)
+    entries = "".join(f"    127.0.0.1:{p} attnserve_{p};\n" for p in upstream_ports)
+    conf = (conf[:begin] + "  upstream attnserve {\n" + pool + "    keepalive 32;\n    keepalive_timeout 60s;\n  }\n"
+            + own + "  map $http_attnserve_replica $attnserve_upstream {\n    default attnserve;\n" + entries
+            + "  }\n" + conf[end:])
+    conf = conf.replace("listen 127.0.0.1:8080", f"listen 127.0.0.1:{listen_port}")
+    if tls:
+        conf = conf.replace(f"listen 127.0.0.1:{listen_port} http2;",
+                            f"listen 127.0.0.1:{listen_port} ssl http2;\n    ssl_certificate {tls[0]};\n"
+                            f"    ssl_certificate_key {tls[1]};")
+    os.makedirs(os.path.join(prefix, "tmp"), exist_ok=True)
+    with open(os.path.join(prefix, "nginx.conf"), "w") as f:
+        f.write(conf)
+    return subprocess.Popen(["nginx", "-p", prefix, "-c", "nginx.conf", "-g", "daemon off;"],
+                            stdout=subprocess.DEVNULL, stderr=open(os.path.join(prefix, "error.log"), "w"))

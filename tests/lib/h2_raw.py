@@ -1,4 +1,4 @@
-"""A hostile HTTP/2 peer, frame by frame, for the attack suite (tests/integration/attack_test.py and
+"""A hostile HTTP/2 peer (plaintext, or TLS with ALPN h2), frame by frame, for the attack suite (tests/integration/attack_test.py and
 bench/attack.py): what grpcio and the C++ client never send (header blocks trickled as CONTINUATION
 frames, streams opened and never sent on, a receive window held at zero, uploads left short,
 streams reset as soon as opened, gzip-compressed messages), over plain sockets. And the
@@ -72,7 +72,7 @@ class Conn:
     reader), what the server sends is acknowledged with WINDOW_UPDATE frames as a client that reads does."""
 
     def __init__(self, port, host="127.0.0.1", source=None, settings=None, ack=True, read=True, rcvbuf=None,
-                 timeout=10, grant=True):
+                 timeout=10, grant=True, tls_ca=None):
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         if rcvbuf:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
@@ -81,6 +81,11 @@ class Conn:
         self.sock.settimeout(timeout)
         self.sock.connect((host, port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if tls_ca:  # TLS with ALPN h2, the server's certificate checked against `tls_ca`.
+            import ssl
+            context = ssl.create_default_context(cafile=tls_ca)
+            context.set_alpn_protocols(["h2"])
+            self.sock = context.wrap_socket(self.sock, server_hostname=host)
         self.ack, self.grant = ack, grant
         self.next_id = 1
         self.closed = threading.Event()  # The server closed the connection (or reset it).
@@ -325,14 +330,23 @@ def rapid_reset(port, request, seconds, source=None, burst=100):
 
 
 if __name__ == "__main__":
-    # An attacker in a process of its own (its threads then take no time from the caller it is measured
-    # against): h2_raw.py greedy|rapid-reset PORT SECONDS REQUEST_FILE [SOURCE_ADDRESS]
+    # An attacker, or the well-behaved caller, in a process of its own (its threads then take no time from
+    # the other side's): h2_raw.py greedy|rapid-reset|well-behaved PORT SECONDS REQUEST_FILE [SOURCE_ADDRESS]
+    # (well-behaved: one JSON line: answered, failed, codes, p50_ms, p99_ms, max_ms).
+    import json
     import sys
     kind, port, seconds, path = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
     source = sys.argv[5] if len(sys.argv) > 5 else None
     with open(path, "rb") as f:
         body = f.read()
-    if kind == "greedy":
+    if kind == "well-behaved":
+        with WellBehaved(f"127.0.0.1:{port}", body) as w:
+            time.sleep(seconds)
+        ordered = sorted(w.latencies) or [float("nan")]
+        print(json.dumps({"answered": len(w.latencies), "failed": len(w.errors), "codes": sorted(set(w.errors)),
+                          "p50_ms": ordered[len(ordered) // 2] * 1e3, "p99_ms": w.percentile(99) * 1e3,
+                          "max_ms": ordered[-1] * 1e3}), flush=True)
+    elif kind == "greedy":
         print(f"greedy: {greedy(port, body, seconds, source)} calls sent", flush=True)
     else:
         n, was_closed = rapid_reset(port, body, seconds, source)

@@ -217,14 +217,27 @@ TEST_F(FairQueueTest, BoundsRefuseNamingWhatIsFull) {
   ASSERT_TRUE(Add(q, Item("a", 4, 10, 1, 2)).ok());  // Level 2 has no bound of its own.
   auto capped = Item("b", 5, 10, 1, 2);
   capped->tenant_max_queued = 1;
+  capped->tenant_queue_cap = true;
   ASSERT_TRUE(Add(q, std::move(capped)).ok());
   capped = Item("b", 6, 10, 1, 2);
   capped->tenant_max_queued = 1;
+  capped->tenant_queue_cap = true;
   st = Add(q, std::move(capped), &reason);
   EXPECT_EQ(st.code(), StatusCode::kResourceExhausted);
   EXPECT_THAT(st.message(), HasSubstr("tenant 'b' has 1 requests waiting"));
   EXPECT_STREQ(reason, "tenant_queue_full");
   EXPECT_EQ(share_.Queued("b"), 1);  // A refusal is not counted as waiting.
+  // A caller's bound that is not its tenant's (--max-queued-per-caller) names that flag.
+  auto peer = Item("default@10.0.0.1", 7, 10, 1, 2);
+  peer->tenant_max_queued = 1;
+  ASSERT_TRUE(Add(q, std::move(peer)).ok());
+  peer = Item("default@10.0.0.1", 8, 10, 1, 2);
+  peer->tenant_max_queued = 1;
+  st = Add(q, std::move(peer), &reason);
+  EXPECT_EQ(st.code(), StatusCode::kResourceExhausted);
+  EXPECT_THAT(st.message(), HasSubstr("caller 'default@10.0.0.1' has 1 requests waiting"));
+  EXPECT_THAT(st.message(), HasSubstr("--max-queued-per-caller 1"));
+  EXPECT_STREQ(reason, "caller_queue_full");
 }
 
 TEST_F(FairQueueTest, TimedOutRequestsAreRefusedOrDelayedAsTheirPolicySays) {

@@ -214,6 +214,45 @@ TEST_F(RequestPipelineTest, RefusesBytesOverTheInFlightBudgetOnlyWhileOthersHold
   EXPECT_TRUE(Idle());
 }
 
+TEST_F(RequestPipelineTest, EachCallerHoldsAtMostItsShareAndAHandedAnswerStaysCountedUntilTaken) {
+  FlowLimits flow;
+  flow.max_inflight_bytes = 100'000;
+  flow.max_inflight_bytes_per_caller = 20'000;  // One request of 4 tokens (~17 KB) a caller.
+  Build(flow);
+  CallContext a, b;
+  a.peer = "10.0.0.1";
+  b.peer = "10.0.0.2";
+  Answered first = Attend(Decoded(Request(4)), a);
+  ASSERT_TRUE(first.status().ok());
+  Answered again = Attend(Decoded(Request(4)), a);
+  EXPECT_EQ(again.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_THAT(again.status().message(), HasSubstr("caller 'default@10.0.0.1'"));
+  EXPECT_THAT(again.status().message(), HasSubstr("--max-inflight-bytes-per-caller"));
+  again.Deliver(again.status());
+  Answered other = Attend(Decoded(Request(4)), b);  // Another address has a share of its own.
+  EXPECT_TRUE(other.status().ok()) << other.status().ToString();
+  other.Deliver(other.status());
+  // Handed to the transport: recorded, but its bytes are the caller's until the token goes.
+  HeldBytes held = first.Hand(Status::Ok());
+  EXPECT_EQ(Attend(Decoded(Request(4)), a).status().code(), StatusCode::kResourceExhausted);
+  held = HeldBytes();
+  Answered after = Attend(Decoded(Request(4)), a);
+  EXPECT_TRUE(after.status().ok()) << after.status().ToString();
+  after.Deliver(after.status());
+  EXPECT_TRUE(Idle());
+}
+
+TEST_F(RequestPipelineTest, CallersAreTheirTenantOrTheirPeerAddress) {
+  CallContext call;
+  call.peer = "10.0.0.1";
+  EXPECT_EQ(pipeline_->CallerOf(call), "default@10.0.0.1");
+  call.tenant = "acme";
+  EXPECT_EQ(pipeline_->CallerOf(call), "acme");  // A named tenant is one caller wherever it calls from.
+  call.tenant = kDefaultTenant;
+  pipeline_->SetCallerByPeer(false);
+  EXPECT_EQ(pipeline_->CallerOf(call), "default");
+}
+
 TEST_F(RequestPipelineTest, ASessionStepTheClientCannotReceiveIsNotApplied) {
   v1::OpenSessionRequest open;
   open.set_model("demo");
