@@ -35,7 +35,8 @@ struct ConnectionLimits {
   /// Streams open at once on the listener, over all its connections (--max-streams).
   int64_t max_streams = 16384;
   /// Bytes of messages not yet whole from one peer address (--max-upload-bytes-per-peer; 0: no
-  /// bound of its own). The server sets it to half of the transport's memory budget.
+  /// bound of its own). The server sets it to the memory plan's messages arriving at once
+  /// (kArrivingMessages of --max-message-bytes).
   int64_t max_partial_bytes_per_peer = 0;
   /// The HTTP/2 bounds of each plaintext connection.
   H2Limits h2;

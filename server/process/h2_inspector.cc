@@ -156,7 +156,7 @@ H2Breach H2Inspector::Message(Stream& s, const uint8_t* data, size_t n) {
           return {"message_bytes", "a message of " + std::to_string(announced) +
                                        " bytes announced, over " +
                                        std::to_string(limits_.max_message_bytes) +
-                                       " (--max-message-bytes)"};
+                                       " (--max-upload-bytes-per-peer)"};
         }
         s.prefix_have = 0;
         s.message_left = announced;

@@ -25,8 +25,9 @@ struct H2Limits {
   int64_t max_header_block_frames = 16;
   /// How long one header block may take to arrive whole.
   std::chrono::steady_clock::duration header_timeout = std::chrono::seconds(10);
-  /// The largest gRPC message a stream may announce (its 5-byte prefix); bigger is refused before its
-  /// bytes arrive (gRPC 1.51 reads a message whole before it checks its size).
+  /// The largest gRPC message a stream may announce (its 5-byte prefix); bigger closes the connection
+  /// before its bytes arrive (gRPC 1.51 reads a message whole before it checks its size). The server
+  /// sets it to the peer's upload bound, which such a message could never pass whole.
   int64_t max_message_bytes = int64_t{64} << 20;
   /// Streams the client may reset (RST_STREAM) per second, on average, and at once (the bucket):
   /// beyond, a rapid-reset flood (CVE-2023-44487).

@@ -91,12 +91,13 @@ void AddTransportFlags(CLI::App& app, attnserve::TransportOptions& t) {
         int64_t{1} << 30);
   app.add_option("--max-upload-bytes-per-peer", c.max_partial_bytes_per_peer,
                  "Bytes of request messages not yet whole from one peer address (plaintext "
-                 "listeners; 0 = half of --transport-memory-bytes)")
+                 "listeners; 0 = 8 x --max-message-bytes)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 50))
       ->capture_default_str();
   app.add_option("--transport-memory-bytes", t.memory_bytes,
-                 "Memory gRPC's transport may hold for all connections (messages arriving, read "
-                 "buffers); past it gRPC cancels streams (0 = 8 x --max-message-bytes)")
+                 "Memory gRPC's transport may hold for all connections (messages arriving or in "
+                 "flight, read buffers); past it gRPC cancels streams (0 = --max-inflight-bytes + "
+                 "8 x --max-message-bytes)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 50))
       ->capture_default_str();
   count("--max-header-bytes", c.h2.max_header_block_bytes,

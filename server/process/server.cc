@@ -216,13 +216,19 @@ Status Server::Impl::PlanMemory() {
   options.kv.max_entry_bytes = memory_plan.budgets.kv_max_entry_bytes;
   options.flow.max_inflight_bytes = memory_plan.budgets.max_inflight_bytes;
   options.max_message_bytes = static_cast<int>(memory_plan.budgets.max_message_bytes);
-  // The transport's share: the messages arriving at once that the plan counts, of the size it set.
+  // The transport's share: the messages arriving at once that the plan counts, of the size it set,
+  // and the requests in flight, whose wire bytes gRPC holds until the handler is done with them.
   TransportOptions& t = options.transport;
-  t.limits.h2.max_message_bytes = options.max_message_bytes;
   t.limits.h2.header_timeout = Seconds(t.header_timeout_seconds);
   t.limits.h2.reset_burst = 5 * t.limits.h2.resets_per_second;
-  if (t.memory_bytes <= 0) t.memory_bytes = kArrivingMessages * int64_t{options.max_message_bytes};
-  if (t.limits.max_partial_bytes_per_peer <= 0) t.limits.max_partial_bytes_per_peer = t.memory_bytes / 2;
+  const int64_t arriving = kArrivingMessages * int64_t{options.max_message_bytes};
+  if (t.memory_bytes <= 0) t.memory_bytes = options.flow.max_inflight_bytes + arriving;
+  if (t.limits.max_partial_bytes_per_peer <= 0) t.limits.max_partial_bytes_per_peer = arriving;
+  // A message over --max-message-bytes is read and refused by gRPC (RESOURCE_EXHAUSTED, a status
+  // its caller can act on), within the peer's upload bound; one announced past that bound could
+  // never arrive whole, and closes its connection at its prefix.
+  t.limits.h2.max_message_bytes =
+      std::max<int64_t>(options.max_message_bytes, t.limits.max_partial_bytes_per_peer);
   quota = std::make_unique<grpc::ResourceQuota>("attnserve");
   quota->Resize(static_cast<size_t>(t.memory_bytes));
   return options.kv.Validate();

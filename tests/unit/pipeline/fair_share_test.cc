@@ -240,6 +240,29 @@ TEST_F(FairQueueTest, BoundsRefuseNamingWhatIsFull) {
   EXPECT_STREQ(reason, "caller_queue_full");
 }
 
+TEST_F(FairQueueTest, AFullQueueMakesRoomByRefusingTheNewestOfTheCallerHoldingTheMost) {
+  options_.max_queue_size = 3;
+  BatchQueue q(options_, PriorityOptions{}, &share_);
+  for (int64_t id = 1; id <= 3; ++id) ASSERT_TRUE(Add(q, Item("greedy", id, 10, 1, 0)).ok());
+  const char* reason = "";
+  ASSERT_TRUE(Add(q, Item("other", 4, 10, 1, 0), &reason).ok());  // Takes greedy's newest place.
+  ASSERT_EQ(dropped_.size(), 1u);
+  EXPECT_EQ(dropped_[0].first->call.query_len, 3);
+  EXPECT_EQ(dropped_[0].second.code(), StatusCode::kResourceExhausted);
+  EXPECT_THAT(dropped_[0].second.message(), HasSubstr("caller 'greedy' held 3"));
+  EXPECT_THAT(dropped_[0].second.message(), HasSubstr("made room for another caller's"));
+  EXPECT_EQ(share_.Queued("greedy"), 2);
+  // 2 against 1: another of other's would leave them even, so it is refused itself.
+  const Status st = Add(q, Item("other", 5, 10, 1, 0), &reason);
+  EXPECT_EQ(st.code(), StatusCode::kResourceExhausted);
+  EXPECT_STREQ(reason, "queue_full");
+  EXPECT_EQ(dropped_.size(), 1u);
+  // A lone caller fills an idle queue whole: nobody to make room for.
+  BatchQueue alone(options_, PriorityOptions{}, &share_);
+  for (int64_t id = 10; id < 13; ++id) ASSERT_TRUE(Add(alone, Item("solo", id, 10, 1, 0)).ok());
+  EXPECT_EQ(Add(alone, Item("solo", 13, 10, 1, 0)).code(), StatusCode::kResourceExhausted);
+}
+
 TEST_F(FairQueueTest, TimedOutRequestsAreRefusedOrDelayedAsTheirPolicySays) {
   PriorityOptions p;
   p.levels = 1;
