@@ -433,8 +433,10 @@ Status Server::Impl::StartHealth() {
   // Shutdown stops before the servers go).
   models->SetHooks(ReloadHooks(*metrics, *kv, *health));
   // Health says NOT_SERVING while the gRPC listener takes no connection.
+  const std::string where = options.address.substr(0, options.address.rfind(':') + 1) +
+                            std::to_string(port);
   watch = std::make_unique<ListenerWatch>(
-      options.address, port, [h = health.get(), address = options.address](bool accepting) {
+      options.address, port, [h = health.get(), address = where](bool accepting) {
         std::cerr << "attnserve: the gRPC listener on " << address
                   << (accepting ? " accepts connections again: health SERVING"
                                 : " accepts no connection: health NOT_SERVING")
