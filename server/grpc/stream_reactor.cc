@@ -178,10 +178,23 @@ void StreamReactor::OnReadDone(bool ok) {
 void StreamReactor::OnComputed(Answer request) {
   request.encoded = codec_.Encode(request.exchange(), request.status);
   const int64_t answer_bytes = static_cast<int64_t>(request.encoded.Length());
+  // A refusal's answer is a few bytes: the request it refused is let go of now and recorded as
+  // answered. Kept until its answer is written, it would hold its bytes outside every budget for
+  // as long as the client does not read (a hostile review, 2026-12-05: AttendStreams whose
+  // refusals a receive window of zero kept unwritten held +8.3 GiB).
+  const bool refused = !request.status.ok();
+  if (refused) {
+    request.answered.Deliver(request.status);
+    request.request.reset();
+  }
   Actions a;
   {
     std::lock_guard<std::mutex> lock(mu_);
     --computing_;
+    if (refused) {
+      bytes_ -= request.bytes;  // Its request's bytes are gone; its answer's are counted below.
+      request.bytes = 0;
+    }
     if (!request.order.empty()) {
       auto it = ordered_.find(request.order);
       if (it != ordered_.end()) {

@@ -76,7 +76,8 @@ class StreamCodec {
 ///
 /// Every request read is recorded exactly once: one the pipeline answered by its handle
 /// (Answered), when its answer has been written, or when it is dropped because the client is gone
-/// (CANCELLED, or DEADLINE_EXCEEDED once the stream's deadline passed or is due: UndeliveredBy).
+/// (CANCELLED, or DEADLINE_EXCEEDED once the stream's deadline passed or is due: UndeliveredBy);
+/// one the pipeline refused, when its (small) error answer is encoded, its request let go of then.
 /// One refused before the pipeline (codec) is recorded when refused; one that waited for its order
 /// when the client left is never dispatched and recorded then.
 class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>,

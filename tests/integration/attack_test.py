@@ -300,6 +300,32 @@ def test_answers_a_caller_never_reads_stay_in_the_budget_until_taken(attnserve, 
     stop_within(server, 10, checks, "a caller that never reads")
 
 
+def test_streams_whose_answers_are_never_read_hold_only_the_budget(attnserve, checks):
+    """A hostile review of the fixes (2026-12-05): AttendStreams whose client keeps its receive window at zero,
+    each sending requests past the in-flight budget. A refused request waited with its decoded bytes for its
+    error answer to be written, outside every budget: 8 addresses x 16 streams held +8.3 GiB. Now a refusal
+    keeps only its few bytes of answer; what a stream's accepted requests hold is in --max-inflight-bytes."""
+    server = start(attnserve, "--max-inflight-bytes", str(32 << 20))
+    rss = Rss(server.proc.pid)
+    pb_ = pb()
+    rng = np.random.default_rng(5)
+    with h2.WellBehaved(server.target, attend_bytes(4)) as w:
+        c = h2.Conn(server.port, source=ATTACKER, settings={h2.SETTINGS_INITIAL_WINDOW_SIZE: 0})
+        for _ in range(8):
+            sid = c.open_stream(h2.ATTEND_STREAM)
+            for i in range(16):
+                r = pb_.AttendRequest(model="demo", request_id=i + 1,
+                                      query=lib.to_wire(pb_, rng.standard_normal((1, 1024, 512))))
+                c.send_data(sid, h2.grpc_message(r.SerializeToString()), timeout=2)
+        time.sleep(2)
+    peak = rss.stop()
+    checks("8 streams x 16 requests of 2 MiB, answers never read: the server grew by under 128 MiB "
+           "(the budget is 32 MiB)", peak < 128, f"+{peak:.0f} MiB")
+    well_behaved_holds(w, checks, "streams never read")
+    c.close()
+    stop_within(server, 30, checks, "streams never read")
+
+
 def test_uploads_left_short_are_bounded(attnserve, checks):
     """Row 6: messages announced and left one byte short: gRPC 1.51 reads a message whole before it checks its
     size, so 120 x 60 MB on one connection held 7.4 GB. Now one peer address holds at most
