@@ -147,7 +147,7 @@ class NoMessageReactor final : public grpc::ServerUnaryReactor {
                                              "half-closed without one); ") +
                                  method + " takes exactly one " + message)) {
     calls_.Begin();
-    calls_.sends().Handed(ctx_);
+    calls_.sends().Handed(ctx_, 0);
     Finish(ToGrpcStatus(refusal_));
   }
   void OnDone() override {
@@ -183,8 +183,8 @@ CountedUnaryReactor::CountedUnaryReactor(CallCounter& calls, grpc::CallbackServe
 }
 
 void CountedUnaryReactor::Answer(const grpc::Status& status, HeldBytes held) {
+  calls_.sends().Handed(ctx_, held.bytes());
   held_ = std::move(held);
-  calls_.sends().Handed(ctx_);
   Finish(status);
 }
 

@@ -33,10 +33,33 @@ std::chrono::steady_clock::duration SendWatch::timeout() const {
   return timeout_;
 }
 
-void SendWatch::Handed(grpc::ServerContextBase* ctx) {
+void SendWatch::SetCap(std::chrono::steady_clock::duration cap) {
+  std::lock_guard<std::mutex> lock(mu_);
+  cap_ = cap;
+  if (cap_ > std::chrono::steady_clock::duration::zero() && !thread_.joinable()) {
+    thread_ = std::thread([this] { Run(); });
+  }
+  wake_.notify_all();
+}
+
+void SendWatch::Handed(grpc::ServerContextBase* ctx, int64_t bytes) {
   const auto now = std::chrono::steady_clock::now();
   std::lock_guard<std::mutex> lock(mu_);
-  if (timeout_ > std::chrono::steady_clock::duration::zero()) handed_[ctx] = now;
+  if (timeout_ > std::chrono::steady_clock::duration::zero() ||
+      cap_ > std::chrono::steady_clock::duration::zero()) {
+    handed_[ctx] = Handover{now, bytes};
+  }
+}
+
+std::chrono::steady_clock::time_point SendWatch::Due(const Handover& h) const {
+  using Duration = std::chrono::steady_clock::duration;
+  Duration allowed = Duration::max();
+  if (timeout_ > Duration::zero()) {
+    allowed = timeout_ + std::chrono::duration_cast<Duration>(std::chrono::duration<double>(
+                             static_cast<double>(h.bytes) / kSlowestRate));
+  }
+  if (cap_ > Duration::zero()) allowed = std::min(allowed, cap_);
+  return allowed == Duration::max() ? std::chrono::steady_clock::time_point::max() : h.at + allowed;
 }
 
 void SendWatch::Taken(grpc::ServerContextBase* ctx) {
@@ -49,11 +72,11 @@ void SendWatch::Run() {
   std::unique_lock<std::mutex> lock(mu_);
   while (!stop_) {
     wake_.wait_for(lock, kLookEvery);
-    if (stop_ || timeout_ <= std::chrono::steady_clock::duration::zero()) continue;
-    const auto due = std::chrono::steady_clock::now() - timeout_;
+    if (stop_) continue;
+    const auto now = std::chrono::steady_clock::now();
     std::vector<grpc::ServerContextBase*> late;
     for (const auto& [ctx, handed] : handed_) {
-      if (handed <= due) late.push_back(ctx);
+      if (Due(handed) <= now) late.push_back(ctx);
     }
     if (late.empty()) continue;
     lock.unlock();
@@ -65,7 +88,7 @@ void SendWatch::Run() {
         {
           std::lock_guard<std::mutex> relock(mu_);
           const auto it = handed_.find(ctx);
-          if (it == handed_.end() || it->second > due) continue;
+          if (it == handed_.end() || Due(it->second) > now) continue;
           handed_.erase(it);
         }
         cancelled_.fetch_add(1);

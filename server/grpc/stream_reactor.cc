@@ -82,7 +82,8 @@ void StreamReactor::Run(Actions a) {
   // dispatched: dispatching it last keeps every step above safe.
   RecordDropped(&a);
   if (a.read) StartRead(&read_buffer_);
-  if (a.write || a.finish) calls_.sends().Handed(ctx_);  // Before: then the call may be gone.
+  // Before the write or the finish: then the call may be gone.
+  if (a.write || a.finish) calls_.sends().Handed(ctx_, a.write ? static_cast<int64_t>(a.write->Length()) : 0);
   if (a.write) StartWrite(a.write);
   if (a.finish) Finish(a.finish_status);
   if (a.next) Dispatch(std::move(*a.next));
@@ -186,6 +187,8 @@ void StreamReactor::OnComputed(Answer request) {
   if (refused) {
     request.answered.Deliver(request.status);
     request.request.reset();
+  } else if (Exchange* x = request.exchange()) {
+    x->ReleaseInputs();  // Its answer, encoded, is all it holds while it waits to be written.
   }
   Actions a;
   {
@@ -288,7 +291,7 @@ bool StreamReactor::Drain() {
 }
 
 void StreamReactor::FinishNow() {
-  calls_.sends().Handed(ctx_);
+  calls_.sends().Handed(ctx_, 0);
   Finish(drain_finish_);
 }
 

@@ -6,6 +6,13 @@
 
 namespace attnserve {
 
+void Exchange::ReleaseInputs() {
+  for (v1::Tensor* t : {request.mutable_query(), request.mutable_key(), request.mutable_value(),
+                        request.mutable_key_padding_mask(), request.mutable_attn_mask()}) {
+    std::string().swap(*t->mutable_data());
+  }
+}
+
 Status UndeliveredBy(SteadyClock::time_point deadline) {
   // A client's deadline arrives as a cancellation, possibly before the server's copy passes.
   if (CancelledByDeadline(deadline, SteadyClock::now())) {

@@ -90,6 +90,9 @@ struct Exchange {
   int64_t level = 0;
   SteadyClock::time_point received = SteadyClock::now();
   int64_t held_bytes = 0;  ///< Counted against FlowLimits::max_inflight_bytes until recorded.
+  /// Lets go of the request's tensor bytes once its answer is encoded (what its ending records, the
+  /// ids, names and shapes, stays): an answer waiting for its caller holds only itself.
+  void ReleaseInputs();
   /// Its trace (docs/tracing.md) and the times its spans take: decoded and admitted, computed (the
   /// batch's host times), answered (the pipeline told the front end).
   CallTrace trace;
@@ -132,6 +135,7 @@ class HeldBytes {
   HeldBytes(const HeldBytes&) = delete;
   HeldBytes& operator=(const HeldBytes&) = delete;
   ~HeldBytes();
+  int64_t bytes() const { return bytes_; }
 
  private:
   friend class Answered;

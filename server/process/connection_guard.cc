@@ -9,7 +9,11 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstring>
 #include <iostream>
+#include <set>
+#include <thread>
+#include <vector>
 
 namespace attnserve {
 
@@ -22,9 +26,11 @@ struct ConnectionGuard::Listener {
 
   struct Peer {
     int64_t connections = 0, streams = 0, partial = 0;
+    std::set<Connection*> open;  // Its connections whose descriptors are not closed yet.
   };
   std::mutex mu;  // Everything below.
   int64_t connections = 0, streams = 0, partial = 0;
+  int64_t evicting = 0;  // Connections shut to make room whose descriptors are not closed yet.
   std::unordered_map<std::string, Peer> peers;
   std::map<std::string, int64_t> refused, closed;
   std::map<std::string, std::chrono::steady_clock::time_point> logged;  // by reason
@@ -44,25 +50,49 @@ struct ConnectionGuard::Listener {
   void Forget(const std::string& peer) {  // Under mu: a peer with nothing open is not kept.
     const auto it = peers.find(peer);
     if (it != peers.end() && it->second.connections == 0 && it->second.streams == 0 &&
-        it->second.partial == 0) {
+        it->second.partial == 0 && it->second.open.empty()) {
       peers.erase(it);
     }
   }
+  // Under mu: the peer holding the most of `what` (connections, streams or partial), when it holds
+  // more than `than` + 1; null otherwise.
+  const std::string* Hog(int64_t Peer::*what, int64_t than) const {
+    const std::string* hog = nullptr;
+    int64_t most = than + 1;
+    for (const auto& [address, p] : peers) {
+      if (p.*what > most) {
+        most = p.*what;
+        hog = &address;
+      }
+    }
+    return hog;
+  }
+  // Under mu: shuts one of `peer`'s connections (the one holding the most of `what`) to make room
+  // for another peer's, counted as `reason`. False when none is left to shut.
+  bool Evict(const std::string& peer, int64_t Connection::*what, const char* reason);
 };
 
 /// One guarded connection: its peer's accounts, and on plaintext its inspector.
 struct ConnectionGuard::Connection final : StreamAccount {
   std::shared_ptr<Listener> listener;
   std::string peer;
+  int fd = -1;
   std::mutex mu;  // The inspector: a connection's reads and writes run on different threads.
   std::unique_ptr<H2Inspector> h2;
   bool broken = false;
+  // Under listener->mu: its streams and bytes of messages not yet whole, and whether it was shut
+  // to make room (its descriptor open until gRPC closes it: Closing takes it out of its peer's
+  // `open` first, under the same lock).
+  int64_t streams = 0, partial = 0;
+  bool evicted = false;
 
   ~Connection() override {
     h2.reset();  // Gives its streams and incomplete messages back first.
     std::lock_guard<std::mutex> lock(listener->mu);
     --listener->connections;
-    --listener->peers[peer].connections;
+    Listener::Peer& p = listener->peers[peer];
+    --p.connections;
+    if (p.open.erase(this) > 0 && evicted) --listener->evicting;
     listener->Forget(peer);
   }
   H2Breach OpenStream() override {
@@ -75,17 +105,26 @@ struct ConnectionGuard::Connection final : StreamAccount {
                                   "(--max-streams-per-peer)"};
     }
     if (l.streams >= l.limits.max_streams) {
-      return {"listener_streams", "the listener has " + std::to_string(l.streams) +
-                                      " streams open, its --max-streams"};
+      // The listener is full: the peer holding the most streams makes room, if it holds more than
+      // this one's would; else this connection is over the bound itself.
+      // (A peer whose connections are all shut already gives its streams back in a moment.)
+      const std::string* hog = l.Hog(&Listener::Peer::streams, p.streams + 1);
+      if (hog == nullptr || *hog == peer) {
+        return {"listener_streams", "the listener has " + std::to_string(l.streams) +
+                                        " streams open, its --max-streams"};
+      }
+      l.Evict(*hog, &Connection::streams, "listener_streams");
     }
     ++p.streams;
     ++l.streams;
+    ++streams;
     return {};
   }
   void CloseStream() override {
     std::lock_guard<std::mutex> lock(listener->mu);
     --listener->peers[peer].streams;
     --listener->streams;
+    --streams;
   }
   H2Breach AddPartial(int64_t bytes) override {
     Listener& l = *listener;
@@ -96,8 +135,20 @@ struct ConnectionGuard::Connection final : StreamAccount {
       return {"peer_uploads", "its peer's messages not yet whole would hold over " +
                                   std::to_string(cap) + " bytes (--max-upload-bytes-per-peer)"};
     }
+    const int64_t all = l.limits.max_partial_bytes;
+    if (all > 0 && l.partial + bytes > all) {
+      // The listener's uploads are full: the peer holding the most makes room, if it holds more
+      // than this one would (gRPC's own reclaimer would cancel a stream at random instead).
+      const std::string* hog = l.Hog(&Listener::Peer::partial, p.partial + bytes);
+      if (hog == nullptr || *hog == peer) {
+        return {"uploads", "the listener's messages not yet whole would hold over " +
+                               std::to_string(all) + " bytes (--max-upload-bytes)"};
+      }
+      l.Evict(*hog, &Connection::partial, "uploads");
+    }
     p.partial += bytes;
     l.partial += bytes;
+    partial += bytes;
     return {};
   }
   void RemovePartial(int64_t bytes) override {
@@ -105,8 +156,32 @@ struct ConnectionGuard::Connection final : StreamAccount {
     std::lock_guard<std::mutex> lock(listener->mu);
     listener->peers[peer].partial -= bytes;
     listener->partial -= bytes;
+    partial -= bytes;
   }
 };
+
+bool ConnectionGuard::Listener::Evict(const std::string& from, int64_t Connection::*what,
+                                      const char* reason) {
+  Peer& p = peers[from];
+  Connection* victim = nullptr;
+  for (Connection* c : p.open) {
+    if (!c->evicted && (victim == nullptr || c->*what > victim->*what)) victim = c;
+  }
+  if (victim == nullptr) return false;
+  // Its descriptor is open: Closing takes it out of `open` under this lock before gRPC closes it.
+  victim->evicted = true;
+  ++evicting;
+  syscall(SYS_shutdown, victim->fd, SHUT_RDWR);
+  ++closed[std::string(reason) + "_pushed_out"];
+  Log(std::string(reason) + "_pushed_out", from,
+      std::string("its peer held the most of the listener's ") +
+          (what == &Connection::streams ? "streams" : what == &Connection::partial
+                                                          ? "incomplete uploads"
+                                                          : "connections") +
+          ", which were full: one of its connections made room for another peer's",
+      "attnserve_connections_closed_total");
+  return true;
+}
 
 namespace {
 
@@ -121,7 +196,7 @@ int LocalPort(int fd) {
   return 0;
 }
 
-// The peer's address without its port (IPv4 mapped into IPv6 written as IPv4).
+// The peer's address without its port (IPv4 mapped into IPv6 written as IPv4; IPv6 as its /64).
 std::string PeerOf(int fd, const sockaddr* addr, socklen_t len) {
   sockaddr_storage peer{};
   if (addr == nullptr || len == 0) {
@@ -137,7 +212,11 @@ std::string PeerOf(int fd, const sockaddr* addr, socklen_t len) {
     if (IN6_IS_ADDR_V4MAPPED(&a)) {
       inet_ntop(AF_INET, a.s6_addr + 12, text, sizeof text);
     } else {
-      inet_ntop(AF_INET6, &a, text, sizeof text);
+      // One host is commonly given a whole /64: its addresses are one peer.
+      in6_addr prefix = a;
+      std::memset(prefix.s6_addr + 8, 0, 8);
+      inet_ntop(AF_INET6, &prefix, text, sizeof text);
+      return std::string(text) + "/64";
     }
   } else {
     return "unix";
@@ -182,8 +261,43 @@ void ConnectionGuard::Guard(int port, const std::string& name, const ConnectionL
   l->name = name;
   l->limits = limits;
   l->plaintext = plaintext;
-  std::lock_guard<std::mutex> lock(listeners_mu_);
-  listeners_[port] = std::move(l);
+  {
+    std::lock_guard<std::mutex> lock(listeners_mu_);
+    listeners_[port] = std::move(l);
+  }
+  std::call_once(sweeper_, [this] {
+    std::thread([this] {
+      for (;;) {
+        std::this_thread::sleep_for(std::chrono::seconds(1));
+        Sweep();
+      }
+    }).detach();  // The guard is never destroyed.
+  });
+}
+
+void ConnectionGuard::Sweep() {
+  if (tracked_.load(std::memory_order_relaxed) == 0) return;
+  std::vector<std::pair<int, std::shared_ptr<Connection>>> all;
+  {
+    std::shared_lock<std::shared_mutex> lock(conns_mu_);
+    all.assign(conns_.begin(), conns_.end());
+  }
+  const auto now = std::chrono::steady_clock::now();
+  for (auto& [fd, c] : all) {
+    if (!c->h2) continue;
+    std::lock_guard<std::mutex> lock(c->mu);
+    const H2Breach late = c->h2->Overdue(now);
+    if (!late || c->broken) continue;
+    Listener& l = *c->listener;
+    std::lock_guard<std::mutex> inner(l.mu);
+    // Its descriptor is still gRPC's connection: Closing takes it out of `open` first.
+    const auto peer = l.peers.find(c->peer);
+    if (peer == l.peers.end() || peer->second.open.count(c.get()) == 0) continue;
+    c->broken = true;
+    syscall(SYS_shutdown, fd, SHUT_RDWR);
+    ++l.closed[late.reason];
+    l.Log(late.reason, c->peer, late.detail, "attnserve_connections_closed_total");
+  }
 }
 
 void ConnectionGuard::Unguard(int port) {
@@ -264,18 +378,27 @@ int ConnectionGuard::Accept(int listener, sockaddr* addr, socklen_t* len, int fl
     if (!l) return fd;
     l->accepted.fetch_add(1);
     const std::string peer = PeerOf(fd, addr, len != nullptr ? *len : 0);
+    std::shared_ptr<Connection> c;
     {
       std::lock_guard<std::mutex> lock(l->mu);
       Listener::Peer& p = l->peers[peer];
-      const char* over = l->connections >= l->limits.max_connections ? "max_connections"
-                         : p.connections >= l->limits.max_connections_per_peer ? "peer_connections"
-                                                                                 : nullptr;
+      const bool peer_full = p.connections >= l->limits.max_connections_per_peer;
+      const bool full = l->connections - l->evicting >= l->limits.max_connections;
+      const char* over = peer_full ? "peer_connections" : full ? "max_connections" : nullptr;
+      // The listener full, its connections are another peer's more than this one's: that peer
+      // makes room.
+      if (!peer_full && full) {
+        const std::string* hog = l->Hog(&Listener::Peer::connections, p.connections + 1);
+        if (hog != nullptr && *hog != peer &&
+            l->Evict(*hog, &Connection::streams, "max_connections")) {
+          over = nullptr;
+        }
+      }
       if (over != nullptr) {
         ++l->refused[over];
         l->Log(over, peer,
-               std::string(over == std::string("max_connections")
-                               ? "the listener has --max-connections open"
-                               : "its peer address has --max-connections-per-peer open") +
+               std::string(peer_full ? "its peer address has --max-connections-per-peer open"
+                                     : "the listener has --max-connections open") +
                    " (refused as accepted)",
                "attnserve_connections_refused_total");
         l->Forget(peer);
@@ -284,10 +407,12 @@ int ConnectionGuard::Accept(int listener, sockaddr* addr, socklen_t* len, int fl
       }
       ++p.connections;
       ++l->connections;
+      c = std::make_shared<Connection>();
+      c->listener = l;
+      c->peer = peer;
+      c->fd = fd;
+      p.open.insert(c.get());
     }
-    auto c = std::make_shared<Connection>();
-    c->listener = l;
-    c->peer = peer;
     if (l->plaintext) c->h2 = std::make_unique<H2Inspector>(l->limits.h2, c.get());
     std::unique_lock<std::shared_mutex> lock(conns_mu_);
     if (conns_.insert_or_assign(fd, std::move(c)).second) tracked_.fetch_add(1);
@@ -351,6 +476,12 @@ void ConnectionGuard::Closing(int fd) {
     gone = std::move(it->second);
     conns_.erase(it);
     tracked_.fetch_sub(1);
+  }
+  {
+    // Before the descriptor closes: no eviction may shut it from now on.
+    Listener& l = *gone->listener;
+    std::lock_guard<std::mutex> lock(l.mu);
+    if (l.peers[gone->peer].open.erase(gone.get()) > 0 && gone->evicted) --l.evicting;
   }
   // Its accounts go back here, outside the table's lock (or later, when a read in progress ends).
 }

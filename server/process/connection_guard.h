@@ -25,15 +25,24 @@ namespace attnserve {
 /// One listener's bounds; a flag each (docs/flags.md "Transport").
 struct ConnectionLimits {
   /// Connections open at once (--max-connections); the server lowers it to what its descriptors
-  /// allow. Beyond: the connection is closed as soon as it is accepted.
+  /// allow. Beyond, a new connection is closed as soon as it is accepted, unless another peer holds
+  /// more of them than its peer would: that peer's connection holding the most streams is shut to
+  /// make room. A peer is an IPv4 address or an IPv6 /64.
   int64_t max_connections = 4096;
   /// Connections open at once from one peer address (--max-connections-per-peer).
   int64_t max_connections_per_peer = 256;
   /// Streams open at once from one peer address, over its connections (--max-streams-per-peer):
   /// a stream gRPC holds costs ~12 KB before its request arrives.
   int64_t max_streams_per_peer = 4096;
-  /// Streams open at once on the listener, over all its connections (--max-streams).
+  /// Streams open at once on the listener, over all its connections (--max-streams). When it is
+  /// full, the peer holding the most streams gives up a connection to another peer's new stream
+  /// (when it holds more than that peer would).
   int64_t max_streams = 16384;
+  /// Bytes of messages not yet whole on the listener (--max-upload-bytes; 0: no bound of its own).
+  /// When full, the peer holding the most gives up a connection to another's (gRPC's resource quota
+  /// would cancel a stream at random). The server sets it to what the quota leaves after the
+  /// requests in flight.
+  int64_t max_partial_bytes = 0;
   /// Bytes of messages not yet whole from one peer address (--max-upload-bytes-per-peer; 0: no
   /// bound of its own). The server sets it to the memory plan's messages arriving at once
   /// (kArrivingMessages of --max-message-bytes).
@@ -50,7 +59,8 @@ struct GuardCounts {
   /// Connections closed as accepted, by reason: max_connections, peer_connections, fd_limit.
   std::map<std::string, int64_t> refused;
   /// Connections closed for what their client sent, by reason: streams, peer_streams,
-  /// listener_streams, peer_uploads, header_bytes, header_frames, header_timeout, message_bytes, resets.
+  /// listener_streams, peer_uploads, uploads, settings, the *_pushed_out ones (shut to make room for
+  /// another peer's: max_connections_pushed_out, listener_streams_pushed_out, uploads_pushed_out), header_bytes, header_frames, header_timeout, message_bytes, resets.
   std::map<std::string, int64_t> closed;
 };
 
@@ -94,6 +104,9 @@ class ConnectionGuard {
   std::shared_ptr<Connection> Find(int fd) const;
   bool ShedOne(int listener, int flags);
   void Break(int fd, Connection& c, const H2Breach& breach);
+  // Every second, while a listener is guarded: connections whose header block's time ran out
+  // while their client sent nothing more are shut.
+  void Sweep();
 
   mutable std::mutex listeners_mu_;
   std::map<int, std::shared_ptr<Listener>> listeners_;  // by port
@@ -103,6 +116,7 @@ class ConnectionGuard {
   std::mutex spare_mu_;
   int spare_fd_ = -1;  // Closed to accept (and close) one connection when descriptors run out.
   std::atomic<int64_t> fd_limit_refused_{0};
+  std::once_flag sweeper_;
 };
 
 }  // namespace attnserve

@@ -8,8 +8,8 @@ namespace {
 
 constexpr char kPreface[] = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 constexpr size_t kPrefaceBytes = sizeof(kPreface) - 1;
-constexpr uint8_t kData = 0, kHeaders = 1, kRstStream = 3, kContinuation = 9;
-constexpr uint8_t kEndStream = 0x1, kEndHeaders = 0x4, kPadded = 0x8;
+constexpr uint8_t kData = 0, kHeaders = 1, kRstStream = 3, kSettings = 4, kContinuation = 9;
+constexpr uint8_t kEndStream = 0x1, kAck = 0x1, kEndHeaders = 0x4, kPadded = 0x8;
 
 uint32_t Be32(const uint8_t* p) {
   return (uint32_t{p[0]} << 24) | (uint32_t{p[1]} << 16) | (uint32_t{p[2]} << 8) | p[3];
@@ -27,7 +27,7 @@ bool ReadHeader(const uint8_t* data, size_t n, size_t& i, int& have, uint8_t* he
 }  // namespace
 
 H2Inspector::H2Inspector(const H2Limits& limits, StreamAccount* account)
-    : limits_(limits), account_(account), reset_tokens_(limits.reset_burst) {}
+    : limits_(limits), account_(account), settings_tokens_(limits.settings_burst) {}
 
 H2Inspector::~H2Inspector() {
   for (const auto& [id, s] : streams_) {
@@ -46,13 +46,7 @@ H2Breach H2Inspector::OnReceived(const uint8_t* data, size_t n,
       return {};
     }
   }
-  if (in_block_ && now - block_started_ > limits_.header_timeout) {
-    return {"header_timeout",
-            "a header block still incomplete after " +
-                std::to_string(
-                    std::chrono::duration_cast<std::chrono::seconds>(now - block_started_).count()) +
-                " s (--header-timeout-seconds)"};
-  }
+  if (H2Breach late = Overdue(now); late) return late;
   while (i < n) {
     if (in_.header_have < 9 || in_.payload_left == 0) {
       if (in_.header_have == 9) in_.header_have = 0;  // The last frame had no payload left.
@@ -69,6 +63,15 @@ H2Breach H2Inspector::OnReceived(const uint8_t* data, size_t n,
     i += take;
   }
   return {};
+}
+
+H2Breach H2Inspector::Overdue(std::chrono::steady_clock::time_point now) const {
+  if (!in_block_ || now - block_started_ <= limits_.header_timeout) return {};
+  return {"header_timeout",
+          "a header block still incomplete after " +
+              std::to_string(
+                  std::chrono::duration_cast<std::chrono::seconds>(now - block_started_).count()) +
+              " s (--header-timeout-seconds)"};
 }
 
 H2Breach H2Inspector::OnFrameHeader(std::chrono::steady_clock::time_point now) {
@@ -92,6 +95,7 @@ H2Breach H2Inspector::OnFrameHeader(std::chrono::steady_clock::time_point now) {
       if (H2Breach refused = account_->OpenStream()) return refused;
       streams_.emplace(id, Stream{});
       last_opened_ = id;
+      if (H2Breach broken = Window(now, false); broken) return broken;
     }
     in_block_ = !(in_.flags & kEndHeaders);
     block_bytes_ = length;
@@ -102,8 +106,10 @@ H2Breach H2Inspector::OnFrameHeader(std::chrono::steady_clock::time_point now) {
     ++block_frames_;
     in_block_ = !(in_.flags & kEndHeaders);
   } else if (in_.type == kRstStream) {
-    if (H2Breach broken = Reset(now); broken) return broken;
+    if (H2Breach broken = Window(now, true); broken) return broken;
     Close(in_.stream);
+  } else if (in_.type == kSettings && !(in_.flags & kAck)) {
+    if (H2Breach broken = Settings(now); broken) return broken;
   }
   if (in_.type == kHeaders || in_.type == kContinuation) {
     if (block_bytes_ > limits_.max_header_block_bytes) {
@@ -177,16 +183,43 @@ H2Breach H2Inspector::Message(Stream& s, const uint8_t* data, size_t n) {
   return {};
 }
 
-H2Breach H2Inspector::Reset(std::chrono::steady_clock::time_point now) {
-  const double seconds = std::chrono::duration<double>(now - reset_refilled_).count();
-  reset_tokens_ = std::min(limits_.reset_burst, reset_tokens_ + seconds * limits_.resets_per_second);
-  reset_refilled_ = now;
-  if (reset_tokens_ < 1) {
-    return {"resets", "streams reset faster than " +
-                          std::to_string(static_cast<int64_t>(limits_.resets_per_second)) +
-                          " a second (rapid reset; --max-resets-per-second)"};
+// Counts by the second: a second in which the client reset more than resets_per_second streams,
+// more than half of those it opened, breaks the bound when it ends (at the next stream opened or
+// reset), or at once past ten times the rate.
+H2Breach H2Inspector::Window(std::chrono::steady_clock::time_point now, bool reset) {
+  const auto rapid = [this](double rate) {
+    return window_resets_ > rate && 2 * window_resets_ > window_opened_;
+  };
+  if (now - window_ >= std::chrono::seconds(1)) {
+    const bool was_rapid = rapid(limits_.resets_per_second);
+    window_ = now;
+    window_opened_ = window_resets_ = 0;
+    if (was_rapid) {
+      return {"resets", "more than " +
+                            std::to_string(static_cast<int64_t>(limits_.resets_per_second)) +
+                            " streams reset in a second, most of those it opened (rapid reset; "
+                            "--max-resets-per-second)"};
+    }
   }
-  reset_tokens_ -= 1;
+  ++(reset ? window_resets_ : window_opened_);
+  if (rapid(10 * limits_.resets_per_second)) {
+    return {"resets", "more than ten times --max-resets-per-second streams reset in a second, "
+                      "most of those it opened (rapid reset)"};
+  }
+  return {};
+}
+
+H2Breach H2Inspector::Settings(std::chrono::steady_clock::time_point now) {
+  const double seconds = std::chrono::duration<double>(now - settings_refilled_).count();
+  settings_tokens_ =
+      std::min(limits_.settings_burst, settings_tokens_ + seconds * limits_.settings_per_second);
+  settings_refilled_ = now;
+  if (settings_tokens_ < 1) {
+    return {"settings", "SETTINGS frames faster than " +
+                            std::to_string(static_cast<int64_t>(limits_.settings_per_second)) +
+                            " a second (each one's acknowledgement waits in gRPC's queue)"};
+  }
+  settings_tokens_ -= 1;
   return {};
 }
 

@@ -29,10 +29,15 @@ struct H2Limits {
   /// before its bytes arrive (gRPC 1.51 reads a message whole before it checks its size). The server
   /// sets it to the peer's upload bound, which such a message could never pass whole.
   int64_t max_message_bytes = int64_t{64} << 20;
-  /// Streams the client may reset (RST_STREAM) per second, on average, and at once (the bucket):
-  /// beyond, a rapid-reset flood (CVE-2023-44487).
+  /// Streams the client may reset (RST_STREAM) in one second while it resets more than half of the
+  /// streams it opens in that second (judged when the second ends; at once past ten times it):
+  /// beyond, a rapid-reset flood (CVE-2023-44487). A client whose calls time out resets a share of
+  /// them, not most.
   double resets_per_second = 200;
-  double reset_burst = 1000;
+  /// SETTINGS frames (each answered with an acknowledgement gRPC queues) the client may send per
+  /// second, on average, and at once.
+  double settings_per_second = 10;
+  double settings_burst = 100;
 };
 
 /// What a client broke: `reason` (a metrics label) and a sentence for the log; empty when nothing.
@@ -66,6 +71,9 @@ class H2Inspector {
 
   H2Breach OnReceived(const uint8_t* data, size_t n, std::chrono::steady_clock::time_point now);
   void OnSent(const uint8_t* data, size_t n);
+  /// What a client that went silent in the middle of a header block broke once its time is out
+  /// (the guard looks every second; OnReceived looks as bytes arrive).
+  H2Breach Overdue(std::chrono::steady_clock::time_point now) const;
 
   int64_t open_streams() const { return static_cast<int64_t>(streams_.size()); }
   int64_t partial_bytes() const { return partial_; }
@@ -90,7 +98,8 @@ class H2Inspector {
   H2Breach OnFrameHeader(std::chrono::steady_clock::time_point now);
   H2Breach OnData(const uint8_t* data, size_t n);
   H2Breach Message(Stream& s, const uint8_t* data, size_t n);
-  H2Breach Reset(std::chrono::steady_clock::time_point now);
+  H2Breach Window(std::chrono::steady_clock::time_point now, bool reset);
+  H2Breach Settings(std::chrono::steady_clock::time_point now);
   void Close(uint32_t id);
 
   const H2Limits limits_;
@@ -104,8 +113,10 @@ class H2Inspector {
   bool in_block_ = false;
   int64_t block_bytes_ = 0, block_frames_ = 0;
   std::chrono::steady_clock::time_point block_started_{};
-  double reset_tokens_;
-  std::chrono::steady_clock::time_point reset_refilled_{};
+  std::chrono::steady_clock::time_point window_{};  // The second streams and resets count in.
+  int64_t window_opened_ = 0, window_resets_ = 0;
+  double settings_tokens_;
+  std::chrono::steady_clock::time_point settings_refilled_{};
 };
 
 }  // namespace attnserve

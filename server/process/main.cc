@@ -94,6 +94,12 @@ void AddTransportFlags(CLI::App& app, attnserve::TransportOptions& t) {
                  "listeners; 0 = 8 x --max-message-bytes)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 50))
       ->capture_default_str();
+  app.add_option("--max-upload-bytes", c.max_partial_bytes,
+                 "Bytes of request messages not yet whole on the listener (plaintext listeners); "
+                 "when full, the peer holding the most gives up a connection to another's (0 = 8 "
+                 "x --max-message-bytes)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 50))
+      ->capture_default_str();
   app.add_option("--transport-memory-bytes", t.memory_bytes,
                  "Memory gRPC's transport may hold for all connections (messages arriving or in "
                  "flight, read buffers); past it gRPC cancels streams (0 = --max-inflight-bytes + "
@@ -108,8 +114,9 @@ void AddTransportFlags(CLI::App& app, attnserve::TransportOptions& t) {
   count("--max-metadata-bytes", t.max_metadata_bytes,
         "Bytes of one call's metadata, decoded (gRPC's max_metadata_size)", int64_t{1} << 24);
   app.add_option("--max-resets-per-second", c.h2.resets_per_second,
-                 "Calls one connection's client may cancel (RST_STREAM) a second, on average "
-                 "over 5 s; beyond, its connection is closed (plaintext listeners)")
+                 "Calls one connection's client may cancel (RST_STREAM) in a second while it "
+                 "cancels most of those it opens; beyond, its connection is closed (plaintext "
+                 "listeners)")
       ->check(CLI::Range(1.0, 1e9))
       ->capture_default_str();
   seconds("--handshake-timeout-seconds", t.handshake_timeout_seconds,

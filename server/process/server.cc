@@ -220,9 +220,9 @@ Status Server::Impl::PlanMemory() {
   // and the requests in flight, whose wire bytes gRPC holds until the handler is done with them.
   TransportOptions& t = options.transport;
   t.limits.h2.header_timeout = Seconds(t.header_timeout_seconds);
-  t.limits.h2.reset_burst = 5 * t.limits.h2.resets_per_second;
   const int64_t arriving = kArrivingMessages * int64_t{options.max_message_bytes};
   if (t.memory_bytes <= 0) t.memory_bytes = options.flow.max_inflight_bytes + arriving;
+  if (t.limits.max_partial_bytes <= 0) t.limits.max_partial_bytes = arriving;
   if (t.limits.max_partial_bytes_per_peer <= 0) t.limits.max_partial_bytes_per_peer = arriving;
   // A message over --max-message-bytes is read and refused by gRPC (RESOURCE_EXHAUSTED, a status
   // its caller can act on), within the peer's upload bound; one announced past that bound could

@@ -77,10 +77,7 @@ void Server::Shutdown() {
     impl_->watch.reset();      // The listener closes on purpose now.
     // Answers their callers do not take are cancelled within 40% of the grace period, so that a
     // caller that never reads cannot hold the stop to its end.
-    SendWatch& sends = impl_->calls->sends();
-    const auto most = grace * 4 / 10;
-    const auto timeout = sends.timeout();
-    if (timeout == SteadyClock::duration::zero() || timeout > most) sends.SetTimeout(most);
+    impl_->calls->sends().SetCap(grace * 4 / 10);
     impl_->health->Shutdown();
     impl_->pipeline->BeginDrain();
     impl_->models->Stop();  // Reloads waiting are answered UNAVAILABLE; none starts.

@@ -56,8 +56,10 @@ std::vector<prometheus::MetricFamily> TransportMetrics::Collect() const {
                {"max_connections", "peer_connections", "fd_limit"}, c.refused),
       ByReason("attnserve_connections_closed_total",
                "Connections closed for what their client sent, by the bound it broke",
-               {"streams", "peer_streams", "listener_streams", "peer_uploads", "header_bytes",
-                "header_frames", "header_timeout", "message_bytes", "resets"},
+               {"streams", "peer_streams", "listener_streams", "peer_uploads", "uploads",
+                "header_bytes", "header_frames", "header_timeout", "message_bytes", "resets",
+                "settings", "max_connections_pushed_out", "listener_streams_pushed_out",
+                "uploads_pushed_out"},
                c.closed),
       Counter("attnserve_send_timeouts_total",
               "Calls cancelled because their caller did not take the answer within "

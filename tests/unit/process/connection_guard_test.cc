@@ -97,6 +97,94 @@ TEST(ConnectionGuardTest, ConnectionsPastTheBoundsAreClosedAsAcceptedAndTheRestC
   for (int fd : again) close(fd);
 }
 
+int64_t Closed(const char* reason) {
+  const GuardCounts c = ConnectionGuard::Get().counts();
+  const auto it = c.closed.find(reason);
+  return it == c.closed.end() ? 0 : it->second;
+}
+
+// Whether the server shut `client`'s connection (it reads the end, or a reset).
+bool Shut(int client) {
+  char b[256];
+  timeval wait{2, 0};
+  setsockopt(client, SOL_SOCKET, SO_RCVTIMEO, &wait, sizeof wait);
+  for (;;) {
+    const ssize_t n = read(client, b, sizeof b);
+    if (n == 0 || (n < 0 && errno == ECONNRESET)) return true;
+    if (n < 0) return false;
+  }
+}
+
+// Reads what `fd`'s client sent through this process's recvmsg (the guard's inspector sees it).
+ssize_t Receive(int fd) {
+  char buffer[4096];
+  iovec iov{buffer, sizeof buffer};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  return recvmsg(fd, &msg, 0);
+}
+
+std::string Headers(uint32_t first, int n) {
+  std::string bytes;
+  for (int i = 0; i < n; ++i) {
+    bytes += std::string("\0\0\0\x01\x04\0\0\0", 8) + static_cast<char>(first + 2 * i);
+  }
+  return bytes;
+}
+
+TEST(ConnectionGuardTest, AFullListenerMakesRoomByShuttingTheBiggestPeersConnection) {
+  Listening l;
+  ConnectionLimits limits;
+  limits.max_connections = 4;
+  ConnectionGuard::Get().Guard(l.port, "test", limits, true);
+  const int64_t before = Closed("max_connections_pushed_out");
+  std::vector<int> greedy;
+  for (int i = 0; i < 4; ++i) greedy.push_back(Connect(l.port));
+  usleep(50000);
+  std::vector<int> accepted = AcceptAll(l.fd);
+  ASSERT_EQ(accepted.size(), 4u);
+  const int other = Connect(l.port, "127.0.0.2");
+  usleep(50000);
+  std::vector<int> more = AcceptAll(l.fd);
+  EXPECT_EQ(more.size(), 1u) << "another peer's connection is taken: the biggest peer makes room";
+  EXPECT_EQ(Closed("max_connections_pushed_out") - before, 1);
+  int shut = 0;
+  for (int fd : greedy) shut += Shut(fd);
+  EXPECT_EQ(shut, 1);
+  for (int fd : accepted) close(fd);  // gRPC closes the one shut: its place is free again.
+  for (int fd : more) close(fd);
+  for (int fd : greedy) close(fd);
+  close(other);
+}
+
+TEST(ConnectionGuardTest, AFullListenerOfStreamsMakesRoomFromThePeerHoldingTheMost) {
+  Listening l;
+  ConnectionLimits limits;
+  limits.max_streams = 4;
+  ConnectionGuard::Get().Guard(l.port, "test", limits, true);
+  const int64_t before = Closed("listener_streams_pushed_out");
+  const int greedy = Connect(l.port), other = Connect(l.port, "127.0.0.2");
+  usleep(50000);
+  std::vector<int> accepted = AcceptAll(l.fd);
+  ASSERT_EQ(accepted.size(), 2u);
+  const std::string preface = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+  const std::string four = preface + Headers(1, 4);
+  ASSERT_EQ(write(greedy, four.data(), four.size()), static_cast<ssize_t>(four.size()));
+  const std::string one = preface + Headers(1, 1);
+  ASSERT_EQ(write(other, one.data(), one.size()), static_cast<ssize_t>(one.size()));
+  usleep(50000);
+  // Which accepted descriptor is whose: the first has the greedy client's bytes (it connected first).
+  EXPECT_GT(Receive(accepted[0]), 0);
+  EXPECT_EQ(ConnectionGuard::Get().counts().streams, 4);
+  EXPECT_GT(Receive(accepted[1]), 0) << "the other peer's stream is taken";
+  EXPECT_EQ(Closed("listener_streams_pushed_out") - before, 1);
+  EXPECT_TRUE(Shut(greedy));
+  for (int fd : accepted) close(fd);
+  close(greedy);
+  close(other);
+}
+
 TEST(ConnectionGuardTest, AFullDescriptorTableShedsConnectionsAndTheLoopGoesOn) {
   Listening l;  // Not guarded: the descriptor table's bound holds for every listener of the process.
   std::vector<int> clients = {Connect(l.port), Connect(l.port), Connect(l.port)};
@@ -131,20 +219,12 @@ TEST(ConnectionGuardTest, AClientThatBreaksABoundHasItsReadFailAndItsConnectionS
   usleep(50000);
   std::vector<int> accepted = AcceptAll(l.fd);
   ASSERT_EQ(accepted.size(), 1u);
-  std::string bytes = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
-  for (uint32_t id = 1; id <= 11; id += 2) {  // Six HEADERS-only streams: past twice 2.
-    bytes += std::string("\0\0\0\x01\x04\0\0\0", 8) + static_cast<char>(id);
-  }
+  const std::string bytes = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + Headers(1, 6);  // Past twice 2.
   ASSERT_EQ(write(client, bytes.data(), bytes.size()), static_cast<ssize_t>(bytes.size()));
   usleep(50000);
-  char buffer[4096];
-  iovec iov{buffer, sizeof buffer};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  EXPECT_EQ(recvmsg(accepted[0], &msg, 0), -1);
+  EXPECT_EQ(Receive(accepted[0]), -1);
   EXPECT_EQ(errno, ECONNRESET);
-  EXPECT_EQ(read(client, buffer, sizeof buffer), 0) << "the connection is shut";
+  EXPECT_TRUE(Shut(client)) << "the connection is shut";
   EXPECT_GE(ConnectionGuard::Get().counts().closed.at("streams"), 1);
   close(accepted[0]);
   close(client);

@@ -197,29 +197,69 @@ TEST(H2InspectorTest, ThePeersAccountCanRefuseUploadBytes) {
   EXPECT_STREQ(b.reason, "peer_uploads");
 }
 
-TEST(H2InspectorTest, ResetsPastTheRateBreakAndSpacedOnesDoNot) {
+TEST(H2InspectorTest, ResetsPastTheRateOfMostStreamsOpenedBreakAndTimeoutsDoNot) {
   H2Limits limits;
   limits.resets_per_second = 10;
-  limits.reset_burst = 20;
+  auto t = Clock::now();
+  {
+    // A client whose calls time out: 100 calls a second, 15 of them reset, for 5 s.
+    Account account;
+    H2Inspector h2(limits, &account);
+    ASSERT_FALSE(Feed(h2, Preface(), 0, 1, t));
+    uint32_t id = 1;
+    for (int i = 0; i < 500; ++i, id += 2, t += std::chrono::milliseconds(10)) {
+      Bytes in = Frame(kHeaders, kEndHeaders, id, {});
+      if (i % 100 < 15) in = Cat({in, Frame(kRst, 0, id, {0, 0, 0, 8})});
+      ASSERT_FALSE(Feed(h2, in, 0, 1, t)) << i;
+      const Bytes answered = Frame(kHeaders, kEndHeaders | kEndStream, id, {});  // The rest answered.
+      h2.OnSent(answered.data(), answered.size());
+    }
+  }
+  {
+    // Rapid reset: each stream reset as it is opened. 11 in a second break when the second ends;
+    // at once, the 101st.
+    Account account;
+    H2Inspector h2(limits, &account);
+    ASSERT_FALSE(Feed(h2, Preface(), 0, 1, t));
+    uint32_t id = 1;
+    const auto rapid = [&](auto when) {
+      const H2Breach b = Feed(h2, Cat({Frame(kHeaders, kEndHeaders, id, {}), Frame(kRst, 0, id, {0, 0, 0, 8})}),
+                              0, 1, when);
+      id += 2;
+      return b;
+    };
+    for (int i = 0; i < 11; ++i) ASSERT_FALSE(rapid(t)) << i;
+    EXPECT_STREQ(rapid(t + std::chrono::milliseconds(1001)).reason, "resets");
+    Account other;
+    H2Inspector burst(limits, &other);
+    ASSERT_FALSE(Feed(burst, Preface(), 0, 1, t));
+    H2Breach b;
+    int n = 0;
+    for (id = 1; n < 200 && !b; ++n, id += 2) {
+      b = Feed(burst, Cat({Frame(kHeaders, kEndHeaders, id, {}), Frame(kRst, 0, id, {0, 0, 0, 8})}), 0, 1, t);
+    }
+    EXPECT_STREQ(b.reason, "resets");
+    EXPECT_EQ(n, 101);
+  }
+}
+
+TEST(H2InspectorTest, SettingsFramesPastTheirRateBreak) {
+  H2Limits limits;
+  limits.settings_per_second = 5;
+  limits.settings_burst = 20;
+  auto t = Clock::now();
   Account account;
   H2Inspector h2(limits, &account);
-  auto t = Clock::now();
-  ASSERT_FALSE(Feed(h2, Preface(), 0, 1, t));
-  uint32_t id = 1;
-  // 10 a second for 5 s: within the rate.
-  for (int i = 0; i < 50; ++i, id += 2, t += std::chrono::milliseconds(100)) {
-    ASSERT_FALSE(Feed(h2, Cat({Frame(kHeaders, kEndHeaders, id, {}), Frame(kRst, 0, id, {0, 0, 0, 8})}), 0, 1, t))
-        << i;
+  ASSERT_FALSE(Feed(h2, Preface(), 0, 1, t));  // Its SETTINGS: the first of the bucket.
+  for (int i = 0; i < 100; ++i, t += std::chrono::milliseconds(250)) {
+    ASSERT_FALSE(Feed(h2, Frame(kSettings, 0, 0, {}), 0, 1, t)) << i;  // 4 a second.
+    ASSERT_FALSE(Feed(h2, Frame(kSettings, 1, 0, {}), 0, 1, t)) << i;  // Acknowledgements: free.
   }
-  // Then all at once: the bucket (20) empties.
   H2Breach b;
   int n = 0;
-  for (; n < 40 && !b; ++n, id += 2) {
-    b = Feed(h2, Cat({Frame(kHeaders, kEndHeaders, id, {}), Frame(kRst, 0, id, {0, 0, 0, 8})}), 0, 1, t);
-  }
-  EXPECT_STREQ(b.reason, "resets");
-  EXPECT_GE(n, 20);
-  EXPECT_LE(n, 22);
+  for (; n < 40 && !b; ++n) b = Feed(h2, Frame(kSettings, 0, 0, {}), 0, 1, t);
+  EXPECT_STREQ(b.reason, "settings");
+  EXPECT_LE(n, 21);
 }
 
 TEST(H2InspectorTest, NotHttp2IsLeftToGrpc) {
