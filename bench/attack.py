@@ -93,16 +93,21 @@ def metric(server, name, **labels):
 
 
 def row1(binary, small, big):
-    """20,100 idle TCP connections (two processes of 10,050), held 10 s, then closed."""
+    """20,100 idle TCP connections (two processes of 10,050, each from 40 addresses 127.0.N.x), held 10 s,
+    then closed."""
     r = Row(binary, small, 16)
-    flood = subprocess.Popen([sys.executable, "-c", f"""
-import resource, socket, sys, time
-resource.setrlimit(resource.RLIMIT_NOFILE, (10100, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-s = []
-for _ in range(10050):
-    c = socket.socket(); c.setblocking(False); c.connect_ex(("127.0.0.1", {r.server.port})); s.append(c)
-time.sleep(10)
-"""]) for _ in range(2)]
+    flood = []
+    for n in range(2):
+        script = (f"import resource, socket, time\n"
+                  f"resource.setrlimit(resource.RLIMIT_NOFILE, (10100, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
+                  f"s = []\n"
+                  f"for i in range(10050):\n"
+                  f"    c = socket.socket(); c.setblocking(False); c.bind(('127.0.{10 + n}.' + str(1 + i % 40), 0))\n"
+                  f"    c.connect_ex(('127.0.0.1', {r.server.port})); s.append(c)\n"
+                  f"time.sleep(10)\n")
+        flood.append(subprocess.Popen([sys.executable, "-c", script]))
+    time.sleep(5)
+    held = metric(r.server, "attnserve_connections")
     for f in flood:
         f.wait()
     ended = time.monotonic()
@@ -115,8 +120,9 @@ time.sleep(10)
                 took = time.monotonic() - ended
             except grpc.RpcError:
                 pass
-    refused = metric(r.server, "attnserve_connections_refused_total", reason="max_connections")
-    return r.finish(new_connection_answered_s=took, refused=refused)
+    refused = {k: metric(r.server, "attnserve_connections_refused_total", reason=k)
+               for k in ("max_connections", "peer_connections", "fd_limit")}
+    return r.finish(connections_held=held, new_connection_answered_s=took, refused=refused)
 
 
 def row2(binary, small, big):
@@ -237,8 +243,8 @@ def row8(binary, small, big):
     r = Row(binary, small, 12)
     out = subprocess.run([sys.executable, H2_RAW, "greedy", str(r.server.port), "11", small, ATTACKER],
                          capture_output=True, text=True).stdout.strip()
-    return r.finish(attacker=out, refused_caller_queue_full=metric(r.server, "attnserve_rejections_total",
-                                                                   model="demo", reason="caller_queue_full"))
+    return r.finish(attacker=out, refused={k: metric(r.server, "attnserve_rejections_total", model="demo", reason=k)
+                                           for k in ("queue_full", "pushed_out")})
 
 
 def row9(binary, small, big):
