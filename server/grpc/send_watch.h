@@ -15,9 +15,9 @@ namespace attnserve {
 /// The calls whose answer (a unary call's response and status, or a stream's next message) has been
 /// handed to gRPC and not yet taken by the caller. One still not taken a while after it was handed
 /// over is cancelled: a caller that never reads (a receive window left at zero) then holds neither
-/// the answer's memory nor a stopping server for longer (docs/shutdown.md "The transport's bounds").
-/// The while: the timeout, plus the answer's bytes at kSlowestRate (a slow link's caller that reads
-/// steadily gets its answer whole), at most the cap a stop sets. Thread-safe.
+/// the answer's memory nor a stopping server for longer (docs/shutdown.md "The transport's
+/// bounds"). The while: the timeout, plus the answer's bytes at kSlowestRate (a slow link's caller
+/// that reads steadily gets its answer whole), at most the cap a stop sets. Thread-safe.
 class SendWatch {
  public:
   SendWatch() = default;

@@ -83,7 +83,8 @@ void StreamReactor::Run(Actions a) {
   RecordDropped(&a);
   if (a.read) StartRead(&read_buffer_);
   // Before the write or the finish: then the call may be gone.
-  if (a.write || a.finish) calls_.sends().Handed(ctx_, a.write ? static_cast<int64_t>(a.write->Length()) : 0);
+  if (a.write || a.finish)
+    calls_.sends().Handed(ctx_, a.write ? static_cast<int64_t>(a.write->Length()) : 0);
   if (a.write) StartWrite(a.write);
   if (a.finish) Finish(a.finish_status);
   if (a.next) Dispatch(std::move(*a.next));

@@ -97,8 +97,8 @@ void BatchQueue::DropDead(SteadyClock::time_point now, Dropped* dropped) {
 bool BatchQueue::PushOut(const WorkItem& newcomer, Dropped* dropped) {
   std::unordered_map<std::string, int64_t> held;
   for (const auto& item : items_) ++held[item->tenant];
-  const auto most = std::max_element(held.begin(), held.end(),
-                                     [](const auto& a, const auto& b) { return a.second < b.second; });
+  const auto most = std::max_element(
+      held.begin(), held.end(), [](const auto& a, const auto& b) { return a.second < b.second; });
   if (most == held.end() || most->second <= held[newcomer.tenant] + 1) return false;
   const std::string hog = most->first;
   for (auto it = items_.rbegin(); it != items_.rend(); ++it) {
@@ -109,8 +109,9 @@ bool BatchQueue::PushOut(const WorkItem& newcomer, Dropped* dropped) {
     dropped->emplace_back(
         std::move(newest),
         Status(StatusCode::kResourceExhausted,
-               "queue full (server flag --max-queue-size " + std::to_string(options_->max_queue_size) +
-                   "): caller '" + hog + "' held " + std::to_string(held[hog]) +
+               "queue full (server flag --max-queue-size " +
+                   std::to_string(options_->max_queue_size) + "): caller '" + hog + "' held " +
+                   std::to_string(held[hog]) +
                    " of its places, the most, and its newest request made room for another "
                    "caller's; retry later"));
     return true;

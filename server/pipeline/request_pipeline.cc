@@ -354,16 +354,15 @@ Status RequestPipeline::Reserve(const std::string& model, int64_t bytes,
       mine += bytes;
       return Status::Ok();
     }
-    refusal = whole_fits ? "caller '" + caller + "' holds " + std::to_string(mine) +
-                               " bytes of requests in flight, this request needs " +
-                               std::to_string(bytes) + " of at most " +
-                               std::to_string(per_caller) +
-                               " (server flag --max-inflight-bytes-per-caller); retry later"
-                         : "server memory for requests in flight is full: " +
-                               std::to_string(held_bytes_) + " bytes held, this request needs " +
-                               std::to_string(bytes) + " of at most " +
-                               std::to_string(flow_.max_inflight_bytes) +
-                               " (server flag --max-inflight-bytes); retry later";
+    refusal = whole_fits
+                  ? "caller '" + caller + "' holds " + std::to_string(mine) +
+                        " bytes of requests in flight, this request needs " +
+                        std::to_string(bytes) + " of at most " + std::to_string(per_caller) +
+                        " (server flag --max-inflight-bytes-per-caller); retry later"
+                  : "server memory for requests in flight is full: " + std::to_string(held_bytes_) +
+                        " bytes held, this request needs " + std::to_string(bytes) +
+                        " of at most " + std::to_string(flow_.max_inflight_bytes) +
+                        " (server flag --max-inflight-bytes); retry later";
     if (mine == 0) held_by_caller_.erase(caller);
   }
   metrics_.RecordRejection(model, "memory");
@@ -397,7 +396,8 @@ void RequestPipeline::Record(const char* method, Exchange* x, const Status& seen
   held_bytes_ -= x->held_bytes;
   if (x->held_bytes > 0) {
     const auto it = held_by_caller_.find(x->caller);
-    if (it != held_by_caller_.end() && (it->second -= x->held_bytes) <= 0) held_by_caller_.erase(it);
+    if (it != held_by_caller_.end() && (it->second -= x->held_bytes) <= 0)
+      held_by_caller_.erase(it);
   }
   x->held_bytes = 0;
   --in_flight_;

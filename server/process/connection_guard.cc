@@ -175,9 +175,9 @@ bool ConnectionGuard::Listener::Evict(const std::string& from, int64_t Connectio
   ++closed[std::string(reason) + "_pushed_out"];
   Log(std::string(reason) + "_pushed_out", from,
       std::string("its peer held the most of the listener's ") +
-          (what == &Connection::streams ? "streams" : what == &Connection::partial
-                                                          ? "incomplete uploads"
-                                                          : "connections") +
+          (what == &Connection::streams   ? "streams"
+           : what == &Connection::partial ? "incomplete uploads"
+                                          : "connections") +
           ", which were full: one of its connections made room for another peer's",
       "attnserve_connections_closed_total");
   return true;
@@ -368,8 +368,8 @@ int ConnectionGuard::Accept(int listener, sockaddr* addr, socklen_t* len, int fl
       if (error == EMFILE || error == ENFILE) {
         if (ShedOne(listener, flags)) continue;
       }
-      // gRPC 1.51 stops accepting for good on any error but these (CVE-2023-4785): a full descriptor
-      // table or a kernel short of memory is a moment, not the end of the listener.
+      // gRPC 1.51 stops accepting for good on any error but these (CVE-2023-4785): a full
+      // descriptor table or a kernel short of memory is a moment, not the end of the listener.
       errno = (error == EMFILE || error == ENFILE || error == ENOBUFS || error == ENOMEM) ? EAGAIN
                                                                                           : error;
       return -1;

@@ -59,8 +59,9 @@ struct GuardCounts {
   /// Connections closed as accepted, by reason: max_connections, peer_connections, fd_limit.
   std::map<std::string, int64_t> refused;
   /// Connections closed for what their client sent, by reason: streams, peer_streams,
-  /// listener_streams, peer_uploads, uploads, settings, the *_pushed_out ones (shut to make room for
-  /// another peer's: max_connections_pushed_out, listener_streams_pushed_out, uploads_pushed_out), header_bytes, header_frames, header_timeout, message_bytes, resets.
+  /// listener_streams, peer_uploads, uploads, settings, the *_pushed_out ones (shut to make room
+  /// for another peer's: max_connections_pushed_out, listener_streams_pushed_out,
+  /// uploads_pushed_out), header_bytes, header_frames, header_timeout, message_bytes, resets.
   std::map<std::string, int64_t> closed;
 };
 

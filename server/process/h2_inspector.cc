@@ -37,7 +37,7 @@ H2Inspector::~H2Inspector() {
 }
 
 H2Breach H2Inspector::OnReceived(const uint8_t* data, size_t n,
-                                    std::chrono::steady_clock::time_point now) {
+                                 std::chrono::steady_clock::time_point now) {
   if (off_) return {};
   size_t i = 0;
   for (; preface_have_ < kPrefaceBytes && i < n; ++preface_have_, ++i) {
@@ -159,10 +159,9 @@ H2Breach H2Inspector::Message(Stream& s, const uint8_t* data, size_t n) {
       if (s.prefix_have == 5) {
         const int64_t announced = Be32(s.prefix + 1);
         if (announced > limits_.max_message_bytes) {
-          return {"message_bytes", "a message of " + std::to_string(announced) +
-                                       " bytes announced, over " +
-                                       std::to_string(limits_.max_message_bytes) +
-                                       " (--max-upload-bytes-per-peer)"};
+          return {"message_bytes",
+                  "a message of " + std::to_string(announced) + " bytes announced, over " +
+                      std::to_string(limits_.max_message_bytes) + " (--max-upload-bytes-per-peer)"};
         }
         s.prefix_have = 0;
         s.message_left = announced;
@@ -203,8 +202,9 @@ H2Breach H2Inspector::Window(std::chrono::steady_clock::time_point now, bool res
   }
   ++(reset ? window_resets_ : window_opened_);
   if (rapid(10 * limits_.resets_per_second)) {
-    return {"resets", "more than ten times --max-resets-per-second streams reset in a second, "
-                      "most of those it opened (rapid reset)"};
+    return {"resets",
+            "more than ten times --max-resets-per-second streams reset in a second, "
+            "most of those it opened (rapid reset)"};
   }
   return {};
 }

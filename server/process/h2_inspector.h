@@ -25,9 +25,10 @@ struct H2Limits {
   int64_t max_header_block_frames = 16;
   /// How long one header block may take to arrive whole.
   std::chrono::steady_clock::duration header_timeout = std::chrono::seconds(10);
-  /// The largest gRPC message a stream may announce (its 5-byte prefix); bigger closes the connection
-  /// before its bytes arrive (gRPC 1.51 reads a message whole before it checks its size). The server
-  /// sets it to the peer's upload bound, which such a message could never pass whole.
+  /// The largest gRPC message a stream may announce (its 5-byte prefix); bigger closes the
+  /// connection before its bytes arrive (gRPC 1.51 reads a message whole before it checks its
+  /// size). The server sets it to the peer's upload bound, which such a message could never pass
+  /// whole.
   int64_t max_message_bytes = int64_t{64} << 20;
   /// Streams the client may reset (RST_STREAM) in one second while it resets more than half of the
   /// streams it opens in that second (judged when the second ends; at once past ten times it):
@@ -58,10 +59,10 @@ class StreamAccount {
   virtual void RemovePartial(int64_t bytes) = 0;
 };
 
-/// One plaintext HTTP/2 server connection, both directions. OnReceived returns what the client broke
-/// (empty when nothing): the connection is then to be closed, and the inspector is not fed again.
-/// Not thread-safe (the guard serializes a connection's reads and writes); on destruction every
-/// stream still open is given back to the account.
+/// One plaintext HTTP/2 server connection, both directions. OnReceived returns what the client
+/// broke (empty when nothing): the connection is then to be closed, and the inspector is not fed
+/// again. Not thread-safe (the guard serializes a connection's reads and writes); on destruction
+/// every stream still open is given back to the account.
 class H2Inspector {
  public:
   H2Inspector(const H2Limits& limits, StreamAccount* account);

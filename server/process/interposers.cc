@@ -49,8 +49,9 @@ extern "C" int accept4(int fd, sockaddr* addr, socklen_t* len, int flags) {
 extern "C" ssize_t recvmsg(int fd, msghdr* msg, int flags) {
   using Fn = ssize_t (*)(int, msghdr*, int);
   static const Fn sanitizer = Intercepted<Fn>("__interceptor_recvmsg");
-  const ssize_t n = sanitizer != nullptr ? sanitizer(fd, msg, flags)
-                                         : static_cast<ssize_t>(syscall(SYS_recvmsg, fd, msg, flags));
+  const ssize_t n = sanitizer != nullptr
+                        ? sanitizer(fd, msg, flags)
+                        : static_cast<ssize_t>(syscall(SYS_recvmsg, fd, msg, flags));
   if (flags & (MSG_PEEK | MSG_ERRQUEUE)) return n;
   return attnserve::ConnectionGuard::Get().Received(fd, msg, n);
 }
@@ -58,8 +59,9 @@ extern "C" ssize_t recvmsg(int fd, msghdr* msg, int flags) {
 extern "C" ssize_t sendmsg(int fd, const msghdr* msg, int flags) {
   using Fn = ssize_t (*)(int, const msghdr*, int);
   static const Fn sanitizer = Intercepted<Fn>("__interceptor_sendmsg");
-  const ssize_t n = sanitizer != nullptr ? sanitizer(fd, msg, flags)
-                                         : static_cast<ssize_t>(syscall(SYS_sendmsg, fd, msg, flags));
+  const ssize_t n = sanitizer != nullptr
+                        ? sanitizer(fd, msg, flags)
+                        : static_cast<ssize_t>(syscall(SYS_sendmsg, fd, msg, flags));
   attnserve::ConnectionGuard::Get().Sent(fd, msg, n);
   return n;
 }

@@ -36,8 +36,7 @@ bool Knock(const std::string& host, int port) {
 
 ListenerWatch::ListenerWatch(const std::string& address, int port,
                              std::function<void(bool)> on_change,
-                             std::chrono::milliseconds interval,
-                             std::chrono::milliseconds patience)
+                             std::chrono::milliseconds interval, std::chrono::milliseconds patience)
     : host_(LocalHostOf(address)),
       port_(port),
       on_change_(std::move(on_change)),

@@ -21,8 +21,8 @@ StatusOr<std::unique_ptr<MetricsListener>> MetricsListener::Start(
     // defaults (2 threads, a request may take 30 s to arrive) two clients trickling their
     // requests left /metrics blind for 30 s (a hostile review, 2026-12-05).
     listener->exposer_ = std::make_unique<prometheus::Exposer>(std::vector<std::string>{
-        "listening_ports", address, "num_threads", std::to_string(kThreads),
-        "request_timeout_ms", std::to_string(kRequestTimeout.count())});
+        "listening_ports", address, "num_threads", std::to_string(kThreads), "request_timeout_ms",
+        std::to_string(kRequestTimeout.count())});
   } catch (const std::exception& e) {
     return Status(StatusCode::kFailedPrecondition,
                   "--metrics-address " + address + ": cannot listen: " + e.what());

@@ -187,8 +187,7 @@ grpc::ServerBuilder& Builder(grpc::ServerBuilder& builder, const TransportOption
   builder.SetCompressionAlgorithmSupportStatus(GRPC_COMPRESS_GZIP, false);
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS,
                              static_cast<int>(t.limits.h2.max_concurrent_streams));
-  builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
-                             ms(t.handshake_timeout_seconds));
+  builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, ms(t.handshake_timeout_seconds));
   if (t.max_connection_idle_seconds > 0) {
     builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, ms(t.max_connection_idle_seconds));
   }
@@ -433,8 +432,8 @@ Status Server::Impl::StartHealth() {
   // Shutdown stops before the servers go).
   models->SetHooks(ReloadHooks(*metrics, *kv, *health));
   // Health says NOT_SERVING while the gRPC listener takes no connection.
-  const std::string where = options.address.substr(0, options.address.rfind(':') + 1) +
-                            std::to_string(port);
+  const std::string where =
+      options.address.substr(0, options.address.rfind(':') + 1) + std::to_string(port);
   watch = std::make_unique<ListenerWatch>(
       options.address, port, [h = health.get(), address = where](bool accepting) {
         std::cerr << "attnserve: the gRPC listener on " << address

@@ -46,9 +46,9 @@ struct TransportOptions {
   /// h2.max_message_bytes follows --max-message-bytes).
   ConnectionLimits limits;
   /// gRPC's resource quota: the bytes its transport may hold for the listeners' connections
-  /// (messages arriving and those handed to handlers, read buffers); past it gRPC cancels streams to
-  /// free memory (--transport-memory-bytes; 0: --max-inflight-bytes plus kArrivingMessages messages
-  /// of --max-message-bytes, the memory plan's terms).
+  /// (messages arriving and those handed to handlers, read buffers); past it gRPC cancels streams
+  /// to free memory (--transport-memory-bytes; 0: --max-inflight-bytes plus kArrivingMessages
+  /// messages of --max-message-bytes, the memory plan's terms).
   int64_t memory_bytes = 0;
   /// Longest one header block may take to arrive whole (the inspector's header_timeout).
   double header_timeout_seconds = 10;

@@ -62,7 +62,7 @@ struct Server::Impl {
   std::unique_ptr<grpc::Server> health_server;  // --health-address: grpc.health.v1 only, plaintext
   std::unique_ptr<HealthReporter> health;
   std::unique_ptr<ListenerWatch> watch;  // Health's view of whether the gRPC listener accepts.
-  SocketLinger linger;  // The client connections, held while the server stops.
+  SocketLinger linger;                   // The client connections, held while the server stops.
   int port = 0;
   int health_port = 0;
   int metrics_port = 0;

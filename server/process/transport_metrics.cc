@@ -8,18 +8,12 @@
 namespace attnserve {
 namespace {
 
-prometheus::MetricFamily Gauge(const char* name, const char* help, double value) {
-  prometheus::MetricFamily f{name, help, prometheus::MetricType::Gauge, {}};
+// A series of one value, unlabelled.
+prometheus::MetricFamily One(prometheus::MetricType type, const char* name, const char* help,
+                             double value) {
+  prometheus::MetricFamily f{name, help, type, {}};
   prometheus::ClientMetric m;
-  m.gauge.value = value;
-  f.metric.push_back(m);
-  return f;
-}
-
-prometheus::MetricFamily Counter(const char* name, const char* help, double value) {
-  prometheus::MetricFamily f{name, help, prometheus::MetricType::Counter, {}};
-  prometheus::ClientMetric m;
-  m.counter.value = value;
+  (type == prometheus::MetricType::Gauge ? m.gauge.value : m.counter.value) = value;
   f.metric.push_back(m);
   return f;
 }
@@ -44,27 +38,27 @@ prometheus::MetricFamily ByReason(const char* name, const char* help,
 std::vector<prometheus::MetricFamily> TransportMetrics::Collect() const {
   const GuardCounts c = ConnectionGuard::Get().counts();
   return {
-      Gauge("attnserve_connections", "Client connections open on the gRPC listeners",
-            static_cast<double>(c.connections)),
-      Gauge("attnserve_transport_streams", "HTTP/2 streams open on plaintext connections",
-            static_cast<double>(c.streams)),
-      Gauge("attnserve_transport_upload_bytes",
-            "Bytes of request messages not yet whole on plaintext connections",
-            static_cast<double>(c.partial_bytes)),
+      One(prometheus::MetricType::Gauge, "attnserve_connections",
+          "Client connections open on the gRPC listeners", static_cast<double>(c.connections)),
+      One(prometheus::MetricType::Gauge, "attnserve_transport_streams",
+          "HTTP/2 streams open on plaintext connections", static_cast<double>(c.streams)),
+      One(prometheus::MetricType::Gauge, "attnserve_transport_upload_bytes",
+          "Bytes of request messages not yet whole on plaintext connections",
+          static_cast<double>(c.partial_bytes)),
       ByReason("attnserve_connections_refused_total",
                "Connections closed as they were accepted, by the bound they met",
                {"max_connections", "peer_connections", "fd_limit"}, c.refused),
-      ByReason("attnserve_connections_closed_total",
-               "Connections closed for what their client sent, by the bound it broke",
-               {"streams", "peer_streams", "listener_streams", "peer_uploads", "uploads",
-                "header_bytes", "header_frames", "header_timeout", "message_bytes", "resets",
-                "settings", "max_connections_pushed_out", "listener_streams_pushed_out",
-                "uploads_pushed_out"},
-               c.closed),
-      Counter("attnserve_send_timeouts_total",
-              "Calls cancelled because their caller did not take the answer within "
-              "--send-timeout-seconds",
-              static_cast<double>(sends_->cancelled())),
+      ByReason(
+          "attnserve_connections_closed_total",
+          "Connections closed for what their client sent, by the bound it broke",
+          {"streams", "peer_streams", "listener_streams", "peer_uploads", "uploads", "header_bytes",
+           "header_frames", "header_timeout", "message_bytes", "resets", "settings",
+           "max_connections_pushed_out", "listener_streams_pushed_out", "uploads_pushed_out"},
+          c.closed),
+      One(prometheus::MetricType::Counter, "attnserve_send_timeouts_total",
+          "Calls cancelled because their caller did not take the answer within "
+          "--send-timeout-seconds",
+          static_cast<double>(sends_->cancelled())),
   };
 }
 

@@ -1,10 +1,10 @@
 // The HTTP/2 inspector (server/process/h2_inspector.h) under any bytes a client may send and any
 // frames a server may write, as a state machine: the input's first byte picks the limits, then each
-// step (its first byte) either feeds the client's next bytes, in pieces of a size the step picks, or
-// writes a server frame ending one of the streams seen. Two inspectors read the same client bytes,
-// one whole step at a time, one in the step's pieces; after every step: both give the same verdict
-// and the same counts, their accounts equal their own counts, nothing is negative; at the end each
-// gives back to its account exactly what it took.
+// step (its first byte) either feeds the client's next bytes, in pieces of a size the step picks,
+// or writes a server frame ending one of the streams seen. Two inspectors read the same client
+// bytes, one whole step at a time, one in the step's pieces; after every step: both give the same
+// verdict and the same counts, their accounts equal their own counts, nothing is negative; at the
+// end each gives back to its account exactly what it took.
 #include <chrono>
 #include <cstdint>
 #include <cstdio>

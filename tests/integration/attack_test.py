@@ -277,11 +277,7 @@ def test_answers_a_caller_never_reads_stay_in_the_budget_until_taken(attnserve, 
     rss = Rss(server.proc.pid)
     with h2.WellBehaved(server.target, attend_bytes(4)) as w:
         c = h2.Conn(server.port, source=ATTACKER, settings={h2.SETTINGS_INITIAL_WINDOW_SIZE: 0})
-        sids = []
-        for _ in range(24):
-            sid = c.open_stream()
-            sids.append(sid)
-            c.send_data(sid, h2.grpc_message(big), end=True)
+        sids = [c.call(big) for _ in range(24)]
         time.sleep(1.5)
         refused = [s for s in sids if s in c.ended]
         # Held: the answers sent nothing (a window of zero); refused: a trailers-only answer.
@@ -294,11 +290,8 @@ def test_answers_a_caller_never_reads_stay_in_the_budget_until_taken(attnserve, 
         checks("answers not taken within --send-timeout-seconds 1 (and 4 s a MiB): their calls cancelled",
                cancelled, f"{sum(s in c.resets for s in sids)} reset")
         # Again, and the stop comes while they are held.
-        more = []
         for _ in range(4):
-            sid = c.open_stream()
-            more.append(sid)
-            c.send_data(sid, h2.grpc_message(big), end=True)
+            c.call(big)
         time.sleep(0.5)
     well_behaved_holds(w, checks, "a caller that never reads")
     rss.stop()

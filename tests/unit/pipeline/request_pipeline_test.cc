@@ -247,7 +247,8 @@ TEST_F(RequestPipelineTest, CallersAreTheirTenantOrTheirPeerAddress) {
   call.peer = "10.0.0.1";
   EXPECT_EQ(pipeline_->CallerOf(call), "default@10.0.0.1");
   call.tenant = "acme";
-  EXPECT_EQ(pipeline_->CallerOf(call), "acme");  // A named tenant is one caller wherever it calls from.
+  EXPECT_EQ(pipeline_->CallerOf(call),
+            "acme");  // A named tenant is one caller wherever it calls from.
   call.tenant = kDefaultTenant;
   pipeline_->SetCallerByPeer(false);
   EXPECT_EQ(pipeline_->CallerOf(call), "default");

@@ -54,7 +54,8 @@ std::vector<int> AcceptAll(int listener) {
   for (;;) {
     sockaddr_storage peer{};
     socklen_t len = sizeof peer;
-    const int fd = accept4(listener, reinterpret_cast<sockaddr*>(&peer), &len, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    const int fd =
+        accept4(listener, reinterpret_cast<sockaddr*>(&peer), &len, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
       EXPECT_EQ(errno, EAGAIN) << "gRPC 1.51's loop stops for good on any other error";
       return fds;
@@ -77,8 +78,8 @@ TEST(ConnectionGuardTest, ConnectionsPastTheBoundsAreClosedAsAcceptedAndTheRestC
   limits.max_connections_per_peer = 2;
   ConnectionGuard::Get().Guard(l.port, "test", limits, true);
   const int64_t peer_before = Refused("peer_connections"), all_before = Refused("max_connections");
-  std::vector<int> clients = {Connect(l.port), Connect(l.port), Connect(l.port), Connect(l.port, "127.0.0.2"),
-                              Connect(l.port, "127.0.0.2")};
+  std::vector<int> clients = {Connect(l.port), Connect(l.port), Connect(l.port),
+                              Connect(l.port, "127.0.0.2"), Connect(l.port, "127.0.0.2")};
   usleep(50000);
   std::vector<int> accepted = AcceptAll(l.fd);
   EXPECT_EQ(accepted.size(), 3u);  // Two from 127.0.0.1, one from 127.0.0.2: three in all.
@@ -174,7 +175,8 @@ TEST(ConnectionGuardTest, AFullListenerOfStreamsMakesRoomFromThePeerHoldingTheMo
   const std::string one = preface + Headers(1, 1);
   ASSERT_EQ(write(other, one.data(), one.size()), static_cast<ssize_t>(one.size()));
   usleep(50000);
-  // Which accepted descriptor is whose: the first has the greedy client's bytes (it connected first).
+  // Which accepted descriptor is whose: the first has the greedy client's bytes (it connected
+  // first).
   EXPECT_GT(Receive(accepted[0]), 0);
   EXPECT_EQ(ConnectionGuard::Get().counts().streams, 4);
   EXPECT_GT(Receive(accepted[1]), 0) << "the other peer's stream is taken";
@@ -186,7 +188,8 @@ TEST(ConnectionGuardTest, AFullListenerOfStreamsMakesRoomFromThePeerHoldingTheMo
 }
 
 TEST(ConnectionGuardTest, AFullDescriptorTableShedsConnectionsAndTheLoopGoesOn) {
-  Listening l;  // Not guarded: the descriptor table's bound holds for every listener of the process.
+  Listening
+      l;  // Not guarded: the descriptor table's bound holds for every listener of the process.
   std::vector<int> clients = {Connect(l.port), Connect(l.port), Connect(l.port)};
   usleep(50000);
   rlimit before{};

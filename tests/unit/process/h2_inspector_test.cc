@@ -17,8 +17,9 @@ constexpr uint8_t kEndStream = 1, kEndHeaders = 4, kPadded = 8;
 
 Bytes Frame(uint8_t type, uint8_t flags, uint32_t stream, const Bytes& payload) {
   const size_t n = payload.size();
-  Bytes f = {uint8_t(n >> 16), uint8_t(n >> 8), uint8_t(n), type, flags, uint8_t(stream >> 24),
-             uint8_t(stream >> 16), uint8_t(stream >> 8), uint8_t(stream)};
+  Bytes f = {
+      uint8_t(n >> 16),      uint8_t(n >> 8),       uint8_t(n),           type,           flags,
+      uint8_t(stream >> 24), uint8_t(stream >> 16), uint8_t(stream >> 8), uint8_t(stream)};
   f.insert(f.end(), payload.begin(), payload.end());
   return f;
 }
@@ -114,8 +115,9 @@ TEST(H2InspectorTest, ThePeersAccountCanRefuseAStream) {
   Account account;
   account.max_streams = 2;
   H2Inspector h2(H2Limits{}, &account);
-  const H2Breach b = Feed(h2, Cat({Preface(), Frame(kHeaders, kEndHeaders, 1, {}),
-                                   Frame(kHeaders, kEndHeaders, 3, {}), Frame(kHeaders, kEndHeaders, 5, {})}));
+  const H2Breach b =
+      Feed(h2, Cat({Preface(), Frame(kHeaders, kEndHeaders, 1, {}),
+                    Frame(kHeaders, kEndHeaders, 3, {}), Frame(kHeaders, kEndHeaders, 5, {})}));
   EXPECT_STREQ(b.reason, "peer_streams");
 }
 
@@ -128,7 +130,8 @@ TEST(H2InspectorTest, AHeaderBlockIsBoundedInBytesFramesAndTime) {
     Account account;
     H2Inspector h2(limits, &account);
     // 600 + 600 bytes: refused at the second frame's header, before its payload.
-    const Bytes in = Cat({Preface(), Frame(kHeaders, 0, 1, Bytes(600, 0)), Frame(kContinuation, 0, 1, Bytes(600, 0))});
+    const Bytes in = Cat({Preface(), Frame(kHeaders, 0, 1, Bytes(600, 0)),
+                          Frame(kContinuation, 0, 1, Bytes(600, 0))});
     const H2Breach b = Feed(h2, Bytes(in.begin(), in.end() - 600));
     EXPECT_STREQ(b.reason, "header_bytes");
   }
@@ -145,17 +148,20 @@ TEST(H2InspectorTest, AHeaderBlockIsBoundedInBytesFramesAndTime) {
     H2Inspector h2(limits, &account);
     const auto t0 = Clock::now();
     EXPECT_FALSE(Feed(h2, Cat({Preface(), Frame(kHeaders, 0, 1, Bytes(10, 0))}), 0, 1, t0));
-    EXPECT_FALSE(Feed(h2, Frame(kContinuation, 0, 1, Bytes(1, 0)), 0, 1, t0 + std::chrono::seconds(1)));
-    const H2Breach late =
-        Feed(h2, Frame(kContinuation, kEndHeaders, 1, Bytes(1, 0)), 0, 1, t0 + std::chrono::seconds(3));
+    EXPECT_FALSE(
+        Feed(h2, Frame(kContinuation, 0, 1, Bytes(1, 0)), 0, 1, t0 + std::chrono::seconds(1)));
+    const H2Breach late = Feed(h2, Frame(kContinuation, kEndHeaders, 1, Bytes(1, 0)), 0, 1,
+                               t0 + std::chrono::seconds(3));
     EXPECT_STREQ(late.reason, "header_timeout");
   }
   {
     Account account;  // A whole block ends the clock: a later block starts its own.
     H2Inspector h2(limits, &account);
     const auto t0 = Clock::now();
-    EXPECT_FALSE(Feed(h2, Cat({Preface(), Frame(kHeaders, kEndHeaders, 1, Bytes(10, 0))}), 0, 1, t0));
-    EXPECT_FALSE(Feed(h2, Frame(kHeaders, kEndHeaders, 3, Bytes(10, 0)), 0, 1, t0 + std::chrono::seconds(30)));
+    EXPECT_FALSE(
+        Feed(h2, Cat({Preface(), Frame(kHeaders, kEndHeaders, 1, Bytes(10, 0))}), 0, 1, t0));
+    EXPECT_FALSE(Feed(h2, Frame(kHeaders, kEndHeaders, 3, Bytes(10, 0)), 0, 1,
+                      t0 + std::chrono::seconds(30)));
   }
 }
 
@@ -169,12 +175,14 @@ TEST(H2InspectorTest, IncompleteMessagesAreCountedUntilWholeAndTooBigOnesBreakAt
   Bytes padded = {9};
   padded.insert(padded.end(), message.begin(), message.begin() + 1000);
   padded.resize(padded.size() + 9, 0);
-  ASSERT_FALSE(Feed(h2, Cat({Preface(), Frame(kHeaders, kEndHeaders, 1, {}), Frame(kHeaders, kEndHeaders, 3, {}),
-                             Frame(kData, kPadded, 1, padded),
-                             Frame(kData, 0, 1, Bytes(message.begin() + 1000, message.begin() + 50000))})));
+  ASSERT_FALSE(
+      Feed(h2, Cat({Preface(), Frame(kHeaders, kEndHeaders, 1, {}),
+                    Frame(kHeaders, kEndHeaders, 3, {}), Frame(kData, kPadded, 1, padded),
+                    Frame(kData, 0, 1, Bytes(message.begin() + 1000, message.begin() + 50000))})));
   EXPECT_EQ(h2.partial_bytes(), 50000);
   EXPECT_EQ(account.partial, 50000);
-  ASSERT_FALSE(Feed(h2, Frame(kData, kEndStream, 1, Bytes(message.begin() + 50000, message.end()))));
+  ASSERT_FALSE(
+      Feed(h2, Frame(kData, kEndStream, 1, Bytes(message.begin() + 50000, message.end()))));
   EXPECT_EQ(h2.partial_bytes(), 0);  // Whole: the request's budget counts it from here.
   ASSERT_FALSE(Feed(h2, Frame(kData, 0, 3, Bytes(message.begin(), message.begin() + 777))));
   EXPECT_EQ(account.partial, 777);
@@ -192,8 +200,9 @@ TEST(H2InspectorTest, ThePeersAccountCanRefuseUploadBytes) {
   account.max_partial = 5000;
   H2Inspector h2(H2Limits{}, &account);
   const Bytes message = Message(100000);
-  const H2Breach b = Feed(h2, Cat({Preface(), Frame(kHeaders, kEndHeaders, 1, {}),
-                                   Frame(kData, 0, 1, Bytes(message.begin(), message.begin() + 8000))}));
+  const H2Breach b =
+      Feed(h2, Cat({Preface(), Frame(kHeaders, kEndHeaders, 1, {}),
+                    Frame(kData, 0, 1, Bytes(message.begin(), message.begin() + 8000))}));
   EXPECT_STREQ(b.reason, "peer_uploads");
 }
 
@@ -211,7 +220,8 @@ TEST(H2InspectorTest, ResetsPastTheRateOfMostStreamsOpenedBreakAndTimeoutsDoNot)
       Bytes in = Frame(kHeaders, kEndHeaders, id, {});
       if (i % 100 < 15) in = Cat({in, Frame(kRst, 0, id, {0, 0, 0, 8})});
       ASSERT_FALSE(Feed(h2, in, 0, 1, t)) << i;
-      const Bytes answered = Frame(kHeaders, kEndHeaders | kEndStream, id, {});  // The rest answered.
+      const Bytes answered =
+          Frame(kHeaders, kEndHeaders | kEndStream, id, {});  // The rest answered.
       h2.OnSent(answered.data(), answered.size());
     }
   }
@@ -223,8 +233,9 @@ TEST(H2InspectorTest, ResetsPastTheRateOfMostStreamsOpenedBreakAndTimeoutsDoNot)
     ASSERT_FALSE(Feed(h2, Preface(), 0, 1, t));
     uint32_t id = 1;
     const auto rapid = [&](auto when) {
-      const H2Breach b = Feed(h2, Cat({Frame(kHeaders, kEndHeaders, id, {}), Frame(kRst, 0, id, {0, 0, 0, 8})}),
-                              0, 1, when);
+      const H2Breach b =
+          Feed(h2, Cat({Frame(kHeaders, kEndHeaders, id, {}), Frame(kRst, 0, id, {0, 0, 0, 8})}), 0,
+               1, when);
       id += 2;
       return b;
     };
@@ -236,7 +247,8 @@ TEST(H2InspectorTest, ResetsPastTheRateOfMostStreamsOpenedBreakAndTimeoutsDoNot)
     H2Breach b;
     int n = 0;
     for (id = 1; n < 200 && !b; ++n, id += 2) {
-      b = Feed(burst, Cat({Frame(kHeaders, kEndHeaders, id, {}), Frame(kRst, 0, id, {0, 0, 0, 8})}), 0, 1, t);
+      b = Feed(burst, Cat({Frame(kHeaders, kEndHeaders, id, {}), Frame(kRst, 0, id, {0, 0, 0, 8})}),
+               0, 1, t);
     }
     EXPECT_STREQ(b.reason, "resets");
     EXPECT_EQ(n, 101);
@@ -266,13 +278,14 @@ TEST(H2InspectorTest, NotHttp2IsLeftToGrpc) {
   Account account;
   H2Inspector h2(H2Limits{}, &account);
   const std::string http1 = "GET / HTTP/1.1\r\nHost: x\r\n\r\n";
-  EXPECT_FALSE(h2.OnReceived(reinterpret_cast<const uint8_t*>(http1.data()), http1.size(), Clock::now()));
+  EXPECT_FALSE(
+      h2.OnReceived(reinterpret_cast<const uint8_t*>(http1.data()), http1.size(), Clock::now()));
   EXPECT_FALSE(Feed(h2, Frame(kHeaders, kEndHeaders, 1, {})));
   EXPECT_EQ(account.streams, 0);
 }
 
-// The same bytes in any pieces: the same counts and the same verdict (fresh random streams of frames,
-// fixed seeds).
+// The same bytes in any pieces: the same counts and the same verdict (fresh random streams of
+// frames, fixed seeds).
 TEST(H2InspectorTest, PiecesDoNotChangeWhatIsCounted) {
   for (uint32_t seed = 1; seed <= 200; ++seed) {
     std::mt19937 rng(seed);
@@ -295,10 +308,13 @@ TEST(H2InspectorTest, PiecesDoNotChangeWhatIsCounted) {
           }
           break;
         case 2:
-          if (!opened.empty()) out = Cat({out, Frame(kHeaders, kEndStream | kEndHeaders, opened[rng() % opened.size()], {})});
+          if (!opened.empty())
+            out = Cat({out, Frame(kHeaders, kEndStream | kEndHeaders, opened[rng() % opened.size()],
+                                  {})});
           break;
         case 3:
-          if (!opened.empty()) in = Cat({in, Frame(kRst, 0, opened[rng() % opened.size()], {0, 0, 0, 8})});
+          if (!opened.empty())
+            in = Cat({in, Frame(kRst, 0, opened[rng() % opened.size()], {0, 0, 0, 8})});
           break;
         default:
           in = Cat({in, Frame(kSettings, 1, 0, {})});
@@ -309,7 +325,8 @@ TEST(H2InspectorTest, PiecesDoNotChangeWhatIsCounted) {
     const H2Breach a = Feed(whole, in, in.size());
     const H2Breach b = Feed(pieces, in, 0, seed);
     whole.OnSent(out.data(), out.size());
-    for (size_t at = 0; at < out.size(); at += 7) pieces.OnSent(out.data() + at, std::min<size_t>(7, out.size() - at));
+    for (size_t at = 0; at < out.size(); at += 7)
+      pieces.OnSent(out.data() + at, std::min<size_t>(7, out.size() - at));
     ASSERT_EQ(bool(a), bool(b)) << seed;
     EXPECT_EQ(whole.open_streams(), pieces.open_streams()) << seed;
     EXPECT_EQ(whole.partial_bytes(), pieces.partial_bytes()) << seed;
