@@ -183,8 +183,12 @@ CountedUnaryReactor::CountedUnaryReactor(CallCounter& calls, grpc::CallbackServe
 }
 
 void CountedUnaryReactor::Answer(const grpc::Status& status, HeldBytes held) {
-  calls_.sends().Handed(ctx_, held.bytes());
+  const int64_t bytes = held.bytes();
   held_ = std::move(held);
+  // After held_ is set: the watch's lock, taken again by OnDone's Taken, orders the write before
+  // OnDone's read where ThreadSanitizer can see it (gRPC orders Finish and OnDone itself, inside its
+  // uninstrumented library).
+  calls_.sends().Handed(ctx_, bytes);
   Finish(status);
 }
 
