@@ -1,6 +1,9 @@
 #include "server/grpc/grpc_call.h"
 
+#include <arpa/inet.h>
+
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "server/core/deadline.h"
@@ -81,8 +84,15 @@ std::string PeerAddressOf(const grpc::ServerContextBase* ctx) {
   if (!peer.empty() && peer.front() == '[') {  // [address]:port
     const size_t close = peer.find(']');
     peer = close == std::string::npos ? peer.substr(1) : peer.substr(1, close - 1);
-    if (peer.rfind("::ffff:", 0) == 0 && peer.find('.') != std::string::npos) peer = peer.substr(7);
-    return peer;
+    if (peer.rfind("::ffff:", 0) == 0 && peer.find('.') != std::string::npos) return peer.substr(7);
+    // One host is commonly given a whole /64: its addresses are one caller (as the connection
+    // guard's peers are).
+    in6_addr a{};
+    if (inet_pton(AF_INET6, peer.c_str(), &a) != 1) return peer;
+    std::memset(a.s6_addr + 8, 0, 8);
+    char text[INET6_ADDRSTRLEN] = {};
+    inet_ntop(AF_INET6, &a, text, sizeof text);
+    return std::string(text) + "/64";
   }
   const size_t colon = peer.rfind(':');
   return colon == std::string::npos ? peer : peer.substr(0, colon);
@@ -186,8 +196,8 @@ void CountedUnaryReactor::Answer(const grpc::Status& status, HeldBytes held) {
   const int64_t bytes = held.bytes();
   held_ = std::move(held);
   // After held_ is set: the watch's lock, taken again by OnDone's Taken, orders the write before
-  // OnDone's read where ThreadSanitizer can see it (gRPC orders Finish and OnDone itself, inside its
-  // uninstrumented library).
+  // OnDone's read where ThreadSanitizer can see it (gRPC orders Finish and OnDone itself, inside
+  // its uninstrumented library).
   calls_.sends().Handed(ctx_, bytes);
   Finish(status);
 }

@@ -6,6 +6,7 @@
 #include <google/protobuf/wire_format_lite.h>
 #include <grpcpp/support/proto_buffer_reader.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -95,7 +96,97 @@ grpc::Slice AnswerSlice(AnswerBytes bytes) {
 
 }  // namespace
 
+namespace {
+
+using gp::internal::WireFormatLite;
+
+// What parsing a message costs in memory beyond its wire bytes, estimated from the wire format and
+// the message's descriptor before it is parsed: each message object kMessageCost, each scalar
+// element 8 bytes, each string its bytes and kStringCost. Parsed, an empty repeated message entry
+// (2 bytes on the wire) or a one-byte varint of a packed int64 takes 32-100x its wire size, and no
+// budget sees a request before it is parsed (a hostile review, 2026-12-05: 16 MiB of empty OIP
+// `inputs` held 1.8 GiB).
+constexpr int64_t kMessageCost = 96, kStringCost = 32, kScalarCost = 8;
+constexpr int kMaxDepth = 32;
+
+// Walks the fields of the message `in` is limited to, adding to `*cost`; false once it passes
+// `limit`. Anything malformed ends the walk quietly: the parse judges it.
+bool WithinCost(gp::io::CodedInputStream* in, const gp::Descriptor* d, int depth, int64_t* cost,
+                int64_t limit) {
+  for (uint32_t tag; (tag = in->ReadTag()) != 0;) {
+    const gp::FieldDescriptor* f =
+        d != nullptr ? d->FindFieldByNumber(WireFormatLite::GetTagFieldNumber(tag)) : nullptr;
+    uint64_t skip = 0;
+    int length = 0;
+    switch (WireFormatLite::GetTagWireType(tag)) {
+      case WireFormatLite::WIRETYPE_VARINT:
+        if (!in->ReadVarint64(&skip)) return true;
+        *cost += kScalarCost;
+        break;
+      case WireFormatLite::WIRETYPE_FIXED64:
+      case WireFormatLite::WIRETYPE_FIXED32:
+        if (!in->Skip(WireFormatLite::GetTagWireType(tag) == WireFormatLite::WIRETYPE_FIXED64 ? 8
+                                                                                              : 4))
+          return true;
+        *cost += kScalarCost;
+        break;
+      case WireFormatLite::WIRETYPE_LENGTH_DELIMITED: {
+        if (!in->ReadVarintSizeAsInt(&length) || length > in->BytesUntilLimit()) return true;
+        const auto limit_at = in->PushLimit(length);
+        if (f != nullptr && f->type() == gp::FieldDescriptor::TYPE_MESSAGE && depth < kMaxDepth) {
+          *cost += kMessageCost;
+          if (!WithinCost(in, f->message_type(), depth + 1, cost, limit)) return false;
+        } else if (f != nullptr && f->is_packable()) {  // Packed scalars: one element a varint.
+          const auto t = f->type();
+          const int fixed =
+              t == gp::FieldDescriptor::TYPE_FLOAT || t == gp::FieldDescriptor::TYPE_FIXED32 ||
+                      t == gp::FieldDescriptor::TYPE_SFIXED32
+                  ? 4
+              : t == gp::FieldDescriptor::TYPE_DOUBLE || t == gp::FieldDescriptor::TYPE_FIXED64 ||
+                      t == gp::FieldDescriptor::TYPE_SFIXED64
+                  ? 8
+                  : 0;
+          if (fixed > 0) {
+            *cost += length / fixed * kScalarCost;
+          } else {
+            while (in->BytesUntilLimit() > 0 && in->ReadVarint64(&skip)) *cost += kScalarCost;
+          }
+        } else {
+          *cost += length + kStringCost;
+        }
+        in->Skip(in->BytesUntilLimit());
+        in->PopLimit(limit_at);
+        break;
+      }
+      default:
+        return true;  // Groups, or malformed.
+    }
+    if (*cost > limit) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+Status WithinDecodedSize(const grpc::ByteBuffer& bytes, const gp::Descriptor& descriptor) {
+  const int64_t wire = static_cast<int64_t>(bytes.Length());
+  const int64_t limit = std::max(kDecodedGrowth * wire, kDecodedFloor);
+  grpc::ByteBuffer copy(bytes);
+  grpc::ProtoBufferReader reader(&copy);
+  gp::io::CodedInputStream in(&reader);
+  in.SetTotalBytesLimit(std::numeric_limits<int>::max());
+  in.PushLimit(static_cast<int>(std::min<int64_t>(wire, std::numeric_limits<int>::max())));
+  int64_t cost = 0;
+  if (WithinCost(&in, &descriptor, 0, &cost, limit)) return Status::Ok();
+  return InvalidArgument("request: " + std::to_string(wire) + " bytes of " + descriptor.name() +
+                         " would hold over " + std::to_string(limit) +
+                         " bytes once parsed (fields too many and too small: empty entries, "
+                         "one-byte numbers); at most " +
+                         std::to_string(kDecodedGrowth) + " times the message's size, or 1 MiB");
+}
+
 Status ParseMessage(const grpc::ByteBuffer& bytes, gp::Message* message) {
+  RETURN_IF_ERROR(WithinDecodedSize(bytes, *message->GetDescriptor()));
   grpc::ByteBuffer copy(bytes);  // Shares the slices; the reader needs a mutable buffer.
   grpc::ProtoBufferReader reader(&copy);
   std::string why;
@@ -115,8 +206,6 @@ Status ParseMessage(const grpc::ByteBuffer& bytes, gp::Message* message) {
 }
 
 namespace {
-
-using gp::internal::WireFormatLite;
 
 // Reads the way protobuf's own parser does where CodedInputStream is more lenient: a tag or a
 // length takes at most 5 bytes (CodedInputStream keeps the low 32 bits of a longer one, which the
@@ -259,6 +348,7 @@ bool ParseStaged(const grpc::ByteBuffer& bytes, pb::AttendRequest* request, Host
 Status ParseRequest(const grpc::ByteBuffer& bytes, pb::AttendRequest* request, HostStaging* staging,
                     StagedInputs* staged) {
   if (staging != nullptr && staged != nullptr) {
+    RETURN_IF_ERROR(WithinDecodedSize(bytes, *request->GetDescriptor()));
     if (ParseStaged(bytes, request, *staging, staged)) return Status::Ok();
     *staged = StagedInputs();
     request->Clear();

@@ -16,6 +16,13 @@ namespace attnserve {
 
 /// Decodes one message of `message`'s type. INVALID_ARGUMENT saying why when the bytes are not one.
 Status ParseMessage(const grpc::ByteBuffer& bytes, google::protobuf::Message* message);
+/// What a message parsed as `descriptor`'s type may hold in memory, estimated from its wire format
+/// before it is parsed: INVALID_ARGUMENT past kDecodedGrowth times its size (or kDecodedFloor),
+/// where many tiny fields would multiply it (ParseMessage and ParseRequest check it first).
+inline constexpr int64_t kDecodedGrowth = 4;
+inline constexpr int64_t kDecodedFloor = int64_t{1} << 20;
+Status WithinDecodedSize(const grpc::ByteBuffer& bytes,
+                         const google::protobuf::Descriptor& descriptor);
 
 /// Encodes `head` followed by each of `raw` as one more occurrence of the repeated bytes field
 /// `field` (top level), each buffer handed to gRPC as a slice of its own without a copy. With an

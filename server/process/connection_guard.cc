@@ -30,7 +30,9 @@ struct ConnectionGuard::Listener {
   };
   std::mutex mu;  // Everything below.
   int64_t connections = 0, streams = 0, partial = 0;
-  int64_t evicting = 0;  // Connections shut to make room whose descriptors are not closed yet.
+  // Shut to make room and not closed yet: their connections, and the streams and bytes they held
+  // then, which the bounds no longer count against others.
+  int64_t evicting = 0, evicting_streams = 0, evicting_partial = 0;
   std::unordered_map<std::string, Peer> peers;
   std::map<std::string, int64_t> refused, closed;
   std::map<std::string, std::chrono::steady_clock::time_point> logged;  // by reason
@@ -54,22 +56,13 @@ struct ConnectionGuard::Listener {
       peers.erase(it);
     }
   }
-  // Under mu: the peer holding the most of `what` (connections, streams or partial), when it holds
-  // more than `than` + 1; null otherwise.
-  const std::string* Hog(int64_t Peer::*what, int64_t than) const {
-    const std::string* hog = nullptr;
-    int64_t most = than + 1;
-    for (const auto& [address, p] : peers) {
-      if (p.*what > most) {
-        most = p.*what;
-        hog = &address;
-      }
-    }
-    return hog;
-  }
-  // Under mu: shuts one of `peer`'s connections (the one holding the most of `what`) to make room
-  // for another peer's, counted as `reason`. False when none is left to shut.
-  bool Evict(const std::string& peer, int64_t Connection::*what, const char* reason);
+  // Under mu: shuts the connection, other than `keep`, that received a call or a message's bytes
+  // least recently among those holding any of `what` (streams, partial; null: connections), to
+  // make room for another's, counted as `reason`. Idle holders go first: an attacker's streams
+  // and uploads left open are the oldest, a client sending calls is fresh. False when none is left.
+  bool Evict(const Connection* keep, int64_t Connection::*what, const char* reason);
+  // Under mu: a connection shut by Evict is closing; what it held stops being discounted.
+  void Evicted(Connection& c);
 };
 
 /// One guarded connection: its peer's accounts, and on plaintext its inspector.
@@ -81,10 +74,23 @@ struct ConnectionGuard::Connection final : StreamAccount {
   std::unique_ptr<H2Inspector> h2;
   bool broken = false;
   // Under listener->mu: its streams and bytes of messages not yet whole, and whether it was shut
-  // to make room (its descriptor open until gRPC closes it: Closing takes it out of its peer's
-  // `open` first, under the same lock).
+  // to make room, with what it held then (its descriptor open until gRPC closes it: Closing takes
+  // it out of its peer's `open` first, under the same lock).
   int64_t streams = 0, partial = 0;
   bool evicted = false;
+  int64_t evicted_streams = 0, evicted_partial = 0;
+  // When it last received a call or a message's bytes (steady clock, ns): Evict's order. Until its
+  // first call, its acceptance less kNeverActive: a connection that sent nothing yet is shut before
+  // any that did (a flood's new connections are not fresher than a client at work), the oldest
+  // first.
+  static constexpr int64_t kNeverActive = int64_t{1} << 50;
+  std::atomic<int64_t> active{std::chrono::steady_clock::now().time_since_epoch().count() -
+                              kNeverActive};
+
+  void Active() override {
+    active.store(std::chrono::steady_clock::now().time_since_epoch().count(),
+                 std::memory_order_relaxed);
+  }
 
   ~Connection() override {
     h2.reset();  // Gives its streams and incomplete messages back first.
@@ -92,7 +98,7 @@ struct ConnectionGuard::Connection final : StreamAccount {
     --listener->connections;
     Listener::Peer& p = listener->peers[peer];
     --p.connections;
-    if (p.open.erase(this) > 0 && evicted) --listener->evicting;
+    if (p.open.erase(this) > 0) listener->Evicted(*this);
     listener->Forget(peer);
   }
   H2Breach OpenStream() override {
@@ -104,16 +110,11 @@ struct ConnectionGuard::Connection final : StreamAccount {
                                   " streams open, the most one peer address may "
                                   "(--max-streams-per-peer)"};
     }
-    if (l.streams >= l.limits.max_streams) {
-      // The listener is full: the peer holding the most streams makes room, if it holds more than
-      // this one's would; else this connection is over the bound itself.
-      // (A peer whose connections are all shut already gives its streams back in a moment.)
-      const std::string* hog = l.Hog(&Listener::Peer::streams, p.streams + 1);
-      if (hog == nullptr || *hog == peer) {
-        return {"listener_streams", "the listener has " + std::to_string(l.streams) +
-                                        " streams open, its --max-streams"};
-      }
-      l.Evict(*hog, &Connection::streams, "listener_streams");
+    if (l.streams - l.evicting_streams >= l.limits.max_streams &&
+        !l.Evict(this, &Connection::streams, "listener_streams")) {
+      // The listener is full and no other connection holds a stream to make room with.
+      return {"listener_streams",
+              "the listener has " + std::to_string(l.streams) + " streams open, its --max-streams"};
     }
     ++p.streams;
     ++l.streams;
@@ -136,15 +137,12 @@ struct ConnectionGuard::Connection final : StreamAccount {
                                   std::to_string(cap) + " bytes (--max-upload-bytes-per-peer)"};
     }
     const int64_t all = l.limits.max_partial_bytes;
-    if (all > 0 && l.partial + bytes > all) {
-      // The listener's uploads are full: the peer holding the most makes room, if it holds more
-      // than this one would (gRPC's own reclaimer would cancel a stream at random instead).
-      const std::string* hog = l.Hog(&Listener::Peer::partial, p.partial + bytes);
-      if (hog == nullptr || *hog == peer) {
-        return {"uploads", "the listener's messages not yet whole would hold over " +
-                               std::to_string(all) + " bytes (--max-upload-bytes)"};
-      }
-      l.Evict(*hog, &Connection::partial, "uploads");
+    // The listener's uploads full: the idlest uploader makes room (gRPC's own reclaimer would
+    // cancel a stream at random instead).
+    if (all > 0 && l.partial - l.evicting_partial + bytes > all &&
+        !l.Evict(this, &Connection::partial, "uploads")) {
+      return {"uploads", "the listener's messages not yet whole would hold over " +
+                             std::to_string(all) + " bytes (--max-upload-bytes)"};
     }
     p.partial += bytes;
     l.partial += bytes;
@@ -160,27 +158,48 @@ struct ConnectionGuard::Connection final : StreamAccount {
   }
 };
 
-bool ConnectionGuard::Listener::Evict(const std::string& from, int64_t Connection::*what,
+bool ConnectionGuard::Listener::Evict(const Connection* keep, int64_t Connection::*what,
                                       const char* reason) {
-  Peer& p = peers[from];
+  // Shut connections hold their descriptors until gRPC closes them: at most an eighth of the
+  // listener's are on their way out at once, whatever the rate of arrivals.
+  if (evicting >= std::max<int64_t>(1, limits.max_connections / 8)) return false;
   Connection* victim = nullptr;
-  for (Connection* c : p.open) {
-    if (!c->evicted && (victim == nullptr || c->*what > victim->*what)) victim = c;
+  for (auto& [address, p] : peers) {
+    for (Connection* c : p.open) {
+      if (c == keep || c->evicted || (what != nullptr && c->*what <= 0)) continue;
+      if (victim == nullptr || c->active.load(std::memory_order_relaxed) <
+                                   victim->active.load(std::memory_order_relaxed)) {
+        victim = c;
+      }
+    }
   }
   if (victim == nullptr) return false;
   // Its descriptor is open: Closing takes it out of `open` under this lock before gRPC closes it.
   victim->evicted = true;
+  victim->evicted_streams = victim->streams;
+  victim->evicted_partial = victim->partial;
   ++evicting;
+  evicting_streams += victim->evicted_streams;
+  evicting_partial += victim->evicted_partial;
   syscall(SYS_shutdown, victim->fd, SHUT_RDWR);
-  ++closed[std::string(reason) + "_pushed_out"];
-  Log(std::string(reason) + "_pushed_out", from,
-      std::string("its peer held the most of the listener's ") +
+  const std::string why = std::string(reason) + "_pushed_out";
+  ++closed[why];
+  Log(why, victim->peer,
+      std::string("the listener's ") +
           (what == &Connection::streams   ? "streams"
            : what == &Connection::partial ? "incomplete uploads"
                                           : "connections") +
-          ", which were full: one of its connections made room for another peer's",
+          " were full: its least recently active connection made room for another's",
       "attnserve_connections_closed_total");
   return true;
+}
+
+void ConnectionGuard::Listener::Evicted(Connection& c) {
+  if (!c.evicted) return;
+  c.evicted = false;
+  --evicting;
+  evicting_streams -= c.evicted_streams;
+  evicting_partial -= c.evicted_partial;
 }
 
 namespace {
@@ -385,15 +404,8 @@ int ConnectionGuard::Accept(int listener, sockaddr* addr, socklen_t* len, int fl
       const bool peer_full = p.connections >= l->limits.max_connections_per_peer;
       const bool full = l->connections - l->evicting >= l->limits.max_connections;
       const char* over = peer_full ? "peer_connections" : full ? "max_connections" : nullptr;
-      // The listener full, its connections are another peer's more than this one's: that peer
-      // makes room.
-      if (!peer_full && full) {
-        const std::string* hog = l->Hog(&Listener::Peer::connections, p.connections + 1);
-        if (hog != nullptr && *hog != peer &&
-            l->Evict(*hog, &Connection::streams, "max_connections")) {
-          over = nullptr;
-        }
-      }
+      // The listener full: its least recently active connection makes room.
+      if (!peer_full && full && l->Evict(nullptr, nullptr, "max_connections")) over = nullptr;
       if (over != nullptr) {
         ++l->refused[over];
         l->Log(over, peer,
@@ -432,7 +444,11 @@ void ConnectionGuard::Break(int fd, Connection& c, const H2Breach& breach) {
 ssize_t ConnectionGuard::Received(int fd, const msghdr* msg, ssize_t n) {
   if (n <= 0 || tracked_.load(std::memory_order_relaxed) == 0) return n;
   const std::shared_ptr<Connection> c = Find(fd);
-  if (!c || !c->h2) return n;
+  if (!c) return n;
+  if (!c->h2) {  // TLS: any bytes are the client at work.
+    c->Active();
+    return n;
+  }
   std::lock_guard<std::mutex> lock(c->mu);
   if (!c->broken) {
     const auto now = std::chrono::steady_clock::now();
@@ -481,7 +497,7 @@ void ConnectionGuard::Closing(int fd) {
     // Before the descriptor closes: no eviction may shut it from now on.
     Listener& l = *gone->listener;
     std::lock_guard<std::mutex> lock(l.mu);
-    if (l.peers[gone->peer].open.erase(gone.get()) > 0 && gone->evicted) --l.evicting;
+    if (l.peers[gone->peer].open.erase(gone.get()) > 0) l.Evicted(*gone);
   }
   // Its accounts go back here, outside the table's lock (or later, when a read in progress ends).
 }

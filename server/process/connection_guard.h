@@ -25,9 +25,10 @@ namespace attnserve {
 /// One listener's bounds; a flag each (docs/flags.md "Transport").
 struct ConnectionLimits {
   /// Connections open at once (--max-connections); the server lowers it to what its descriptors
-  /// allow. Beyond, a new connection is closed as soon as it is accepted, unless another peer holds
-  /// more of them than its peer would: that peer's connection holding the most streams is shut to
-  /// make room. A peer is an IPv4 address or an IPv6 /64.
+  /// allow. When full, a new connection is taken by shutting the least recently active one (the
+  /// one that sent no call nor message bytes for longest), unless an eighth are on their way out
+  /// already: then it is closed as soon as it is accepted. A peer is an IPv4 address or an IPv6
+  /// /64.
   int64_t max_connections = 4096;
   /// Connections open at once from one peer address (--max-connections-per-peer).
   int64_t max_connections_per_peer = 256;
@@ -35,11 +36,10 @@ struct ConnectionLimits {
   /// a stream gRPC holds costs ~12 KB before its request arrives.
   int64_t max_streams_per_peer = 4096;
   /// Streams open at once on the listener, over all its connections (--max-streams). When it is
-  /// full, the peer holding the most streams gives up a connection to another peer's new stream
-  /// (when it holds more than that peer would).
+  /// full, the least recently active connection holding a stream is shut for a new one.
   int64_t max_streams = 16384;
   /// Bytes of messages not yet whole on the listener (--max-upload-bytes; 0: no bound of its own).
-  /// When full, the peer holding the most gives up a connection to another's (gRPC's resource quota
+  /// When full, the least recently active connection holding some is shut (gRPC's resource quota
   /// would cancel a stream at random). The server sets it to what the quota leaves after the
   /// requests in flight.
   int64_t max_partial_bytes = 0;

@@ -84,6 +84,7 @@ H2Breach H2Inspector::OnFrameHeader(std::chrono::steady_clock::time_point now) {
   in_.pad = in_.type == kData && (in_.flags & kPadded) ? -1 : 0;
   if (in_block_ && in_.type != kContinuation) in_block_ = false;  // gRPC's protocol error.
   const int64_t length = in_.payload_left;
+  if (in_.type == kHeaders || (in_.type == kData && length > 0)) account_->Active();
   if (in_.type == kHeaders) {
     const uint32_t id = in_.stream;
     if (id % 2 == 1 && id > last_opened_) {

@@ -19,7 +19,7 @@ struct H2Limits {
   /// moment after the client may see it: the slack keeps a client that waits for answers clear).
   int64_t max_concurrent_streams = 128;
   /// Bytes of one header block (HEADERS and its CONTINUATION frames, as sent: HPACK-coded).
-  int64_t max_header_block_bytes = int64_t{64} << 10;
+  int64_t max_header_block_bytes = int64_t{32} << 10;
   /// Frames of one header block: a block cut into tiny CONTINUATION frames costs gRPC 1.51's parser
   /// a copy of the whole block per frame (CVE-2023-33953).
   int64_t max_header_block_frames = 16;
@@ -57,6 +57,8 @@ class StreamAccount {
   virtual void CloseStream() = 0;
   virtual H2Breach AddPartial(int64_t bytes) = 0;
   virtual void RemovePartial(int64_t bytes) = 0;
+  /// The client sent a call (HEADERS) or a message's bytes (DATA): it is at work.
+  virtual void Active() {}
 };
 
 /// One plaintext HTTP/2 server connection, both directions. OnReceived returns what the client

@@ -96,7 +96,7 @@ void AddTransportFlags(CLI::App& app, attnserve::TransportOptions& t) {
       ->capture_default_str();
   app.add_option("--max-upload-bytes", c.max_partial_bytes,
                  "Bytes of request messages not yet whole on the listener (plaintext listeners); "
-                 "when full, the peer holding the most gives up a connection to another's (0 = 8 "
+                 "when full, its least recently active uploader's connection is shut (0 = 8 "
                  "x --max-message-bytes)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 50))
       ->capture_default_str();

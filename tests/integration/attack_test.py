@@ -234,6 +234,36 @@ def test_compressed_requests_are_refused_before_they_inflate(attnserve, checks):
     stop_within(server, 30, checks, "gzip bombs")
 
 
+def test_requests_that_grow_when_parsed_are_refused_before(attnserve, checks):
+    """A hostile review of the fixes (2026-12-05): a request of millions of empty repeated entries (2 bytes each
+    on the wire, a heap object each once parsed) grew ~110x before any budget saw it: 16 MiB of empty OIP `inputs`
+    held 1.8 GiB. Now a message that would hold over 4x its size (or 1 MiB) once parsed is refused before it is
+    parsed, on both protocols."""
+    server = start(attnserve)
+    rss = Rss(server.proc.pid)
+    model = b"\x0a\x04demo"  # ModelInferRequest.model_name / AttendRequest.model: "demo"
+    for path, empty in (("/inference.GRPCInferenceService/ModelInfer", b"\x2a\x00"),   # inputs {}
+                        (h2.ATTEND, b"\x1a\x00")):                                   # key {}, again
+        c = h2.Conn(server.port, source=ATTACKER)
+        sid = c.call(model + empty * (8 << 20), path=path)
+        ended = lib.wait_until(lambda: sid in c.ended or sid in c.resets or c.closed.is_set(), 20, 0.02)
+        checks(f"16 MiB of empty fields to {path.rsplit('/', 1)[1]}: answered", ended)
+        c.close()
+    peak = rss.stop()
+    checks("... refused before parsing: the server grew by under 96 MiB", peak < 96, f"+{peak:.0f} MiB")
+    import grpc
+    with grpc.insecure_channel(server.target) as channel:
+        try:
+            channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")(model + b"\x2a\x00" * (8 << 20),
+                                                                              timeout=20)
+            checks("... with INVALID_ARGUMENT naming the growth", False, "answered OK")
+        except grpc.RpcError as e:
+            checks("... with INVALID_ARGUMENT naming the growth",
+                   e.code() == grpc.StatusCode.INVALID_ARGUMENT and "once parsed" in (e.details() or ""),
+                   f"{e.code()}: {e.details()}")
+    stop_within(server, 30, checks, "requests that grow when parsed")
+
+
 def test_streams_left_open_are_bounded(attnserve, checks):
     """Row 4: streams opened (HEADERS only) and never sent on, ~12 KB each inside gRPC: 500,000 held 6.1 GB
     and a stop took 31 s. gRPC 1.51 counts --max-concurrent-streams only once the client acknowledged it; now a

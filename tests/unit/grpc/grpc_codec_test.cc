@@ -191,3 +191,48 @@ TEST(GrpcCodecTest, StagedDecodeLeavesTheUnusualToThePlainParse) {
 
 }  // namespace
 }  // namespace attnserve
+
+namespace attnserve {
+namespace {
+
+grpc::ByteBuffer BufferOf(const std::string& bytes) {
+  grpc::Slice slice(bytes);
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+// A hostile review (2026-12-05): 16 MiB of empty repeated entries parsed into 1.8 GiB before any
+// budget saw the request. The estimate refuses such a message before it is parsed, and passes real
+// requests, whose size is their tensors' bytes.
+TEST(GrpcCodecTest, AMessageThatWouldGrowPastItsBoundIsRefusedBeforeItIsParsed) {
+  std::string empties;
+  for (int i = 0; i < (1 << 20); ++i) empties += std::string("\x22\x00", 2);  // value, empty.
+  v1::AttendRequest request;
+  const Status refused = ParseMessage(BufferOf(std::string("\x12\x00", 2) + empties), &request);
+  EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument) << refused.ToString();
+  // A packed shape of a million one-byte dimensions: 8 MiB once parsed from 1 MiB.
+  v1::Tensor shape;
+  std::string dims(1 << 20, '\x01');
+  std::string packed = std::string("\x12", 1);  // Tensor.shape, packed.
+  for (uint32_t n = static_cast<uint32_t>(dims.size());; n >>= 7) {
+    packed += static_cast<char>(n >= 0x80 ? (n & 0x7f) | 0x80 : n);
+    if (n < 0x80) break;
+  }
+  EXPECT_EQ(ParseMessage(BufferOf(packed + dims), &shape).code(), StatusCode::kInvalidArgument);
+  // A real request of 4 MiB of tensor bytes passes.
+  std::mt19937 rng(1);
+  v1::AttendRequest real;
+  real.set_model("demo");
+  v1::Tensor* q = real.mutable_query();
+  q->set_dtype(v1::DATA_TYPE_FLOAT32);
+  for (int64_t d : {1, 2048, 512}) q->add_shape(d);
+  q->mutable_data()->resize(4 << 20, static_cast<char>(rng()));
+  v1::AttendRequest parsed;
+  EXPECT_TRUE(ParseMessage(BufferOf(real.SerializeAsString()), &parsed).ok());
+  EXPECT_EQ(parsed.query().data().size(), size_t{4} << 20);
+  // Small messages pass whatever their fields (the 1 MiB floor).
+  EXPECT_TRUE(
+      ParseMessage(BufferOf(std::string("\x12\x00", 2) + empties.substr(0, 2000)), &request).ok());
+}
+
+}  // namespace
+}  // namespace attnserve
