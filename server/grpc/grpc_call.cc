@@ -1,12 +1,10 @@
 #include "server/grpc/grpc_call.h"
 
-#include <arpa/inet.h>
-
 #include <cstdlib>
-#include <cstring>
 #include <string>
 
 #include "server/core/deadline.h"
+#include "server/core/peer.h"
 #include "server/grpc/grpc_status.h"
 
 namespace attnserve {
@@ -72,31 +70,7 @@ StatusOr<std::string> TenantOf(const grpc::ServerContextBase* ctx,
   return name;
 }
 
-std::string PeerAddressOf(const grpc::ServerContextBase* ctx) {
-  std::string peer = ctx->peer();
-  for (const auto& [escaped, bracket] : {std::pair{"%5B", "["}, std::pair{"%5D", "]"}}) {
-    for (size_t at; (at = peer.find(escaped)) != std::string::npos;) peer.replace(at, 3, bracket);
-  }
-  if (peer.rfind("unix", 0) == 0) return "unix";
-  for (const char* scheme : {"ipv4:", "ipv6:"}) {
-    if (peer.rfind(scheme, 0) == 0) peer = peer.substr(5);
-  }
-  if (!peer.empty() && peer.front() == '[') {  // [address]:port
-    const size_t close = peer.find(']');
-    peer = close == std::string::npos ? peer.substr(1) : peer.substr(1, close - 1);
-    if (peer.rfind("::ffff:", 0) == 0 && peer.find('.') != std::string::npos) return peer.substr(7);
-    // One host is commonly given a whole /64: its addresses are one caller (as the connection
-    // guard's peers are).
-    in6_addr a{};
-    if (inet_pton(AF_INET6, peer.c_str(), &a) != 1) return peer;
-    std::memset(a.s6_addr + 8, 0, 8);
-    char text[INET6_ADDRSTRLEN] = {};
-    inet_ntop(AF_INET6, &a, text, sizeof text);
-    return std::string(text) + "/64";
-  }
-  const size_t colon = peer.rfind(':');
-  return colon == std::string::npos ? peer : peer.substr(0, colon);
-}
+std::string PeerAddressOf(const grpc::ServerContextBase* ctx) { return PeerOfUri(ctx->peer()); }
 
 bool IsLocalPeer(const grpc::ServerContextBase* ctx) {
   std::string peer = ctx->peer();

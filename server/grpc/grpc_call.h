@@ -26,8 +26,8 @@ StatusOr<CallContext> CallOf(grpc::CallbackServerContext* ctx, const RequestPipe
 /// INVALID_ARGUMENT naming the key, never "default".
 StatusOr<std::string> TenantOf(const grpc::ServerContextBase* ctx,
                                const std::string& tenant_header);
-/// The call's peer address without its port: "127.0.0.1" (IPv4 mapped into IPv6 written as IPv4),
-/// an IPv6 address's /64 ("2001:db8::/64"), "unix" for a unix socket.
+/// The call's peer as the connection guard names it (core/peer.h's PeerOf): "127.0.0.1", an IPv6
+/// address's /64 ("2001:db8::/64"), "unix".
 std::string PeerAddressOf(const grpc::ServerContextBase* ctx);
 /// Whether the call's peer is on this host: a unix socket, or loopback (127.0.0.0/8, ::1, or
 /// loopback mapped into IPv6).

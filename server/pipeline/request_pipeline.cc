@@ -371,6 +371,11 @@ Status RequestPipeline::Reserve(const std::string& model, int64_t bytes,
 
 void RequestPipeline::Unreserve(int64_t bytes, const std::string& caller) {
   std::lock_guard<std::mutex> lock(mu_);
+  UnreserveLocked(bytes, caller);
+}
+
+void RequestPipeline::UnreserveLocked(int64_t bytes, const std::string& caller) {
+  if (bytes == 0) return;
   held_bytes_ -= bytes;
   const auto it = held_by_caller_.find(caller);
   if (it != held_by_caller_.end() && (it->second -= bytes) <= 0) held_by_caller_.erase(it);
@@ -393,12 +398,7 @@ void RequestPipeline::Record(const char* method, Exchange* x, const Status& seen
   metrics_.AddInFlight(method, -1);
   Observed(method, *x, seen);
   std::lock_guard<std::mutex> lock(mu_);
-  held_bytes_ -= x->held_bytes;
-  if (x->held_bytes > 0) {
-    const auto it = held_by_caller_.find(x->caller);
-    if (it != held_by_caller_.end() && (it->second -= x->held_bytes) <= 0)
-      held_by_caller_.erase(it);
-  }
+  UnreserveLocked(x->held_bytes, x->caller);
   x->held_bytes = 0;
   --in_flight_;
   if (in_flight_ == 0) idle_cv_.notify_all();

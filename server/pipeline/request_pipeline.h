@@ -143,6 +143,7 @@ class RequestPipeline {
   // refuses (RESOURCE_EXHAUSTED naming the flag); Unreserve gives them back.
   Status Reserve(const std::string& model, int64_t bytes, const std::string& caller);
   void Unreserve(int64_t bytes, const std::string& caller);
+  void UnreserveLocked(int64_t bytes, const std::string& caller);  // Under mu_.
   static int64_t WidenedBytes(int64_t wire_bytes, DType wire, DType compute);
   // Metrics, span and access-log line for a call that is not an Attend; `handle`: the memory or
   // session it made or used; `traced`, when given, receives the call's trace.

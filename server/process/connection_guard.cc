@@ -9,7 +9,6 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <cstring>
 #include <iostream>
 #include <set>
 #include <thread>
@@ -215,7 +214,7 @@ int LocalPort(int fd) {
   return 0;
 }
 
-// The peer's address without its port (IPv4 mapped into IPv6 written as IPv4; IPv6 as its /64).
+// The peer of an accepted connection (core/peer.h), from accept4's address or the socket's own.
 std::string PeerOf(int fd, const sockaddr* addr, socklen_t len) {
   sockaddr_storage peer{};
   if (addr == nullptr || len == 0) {
@@ -223,24 +222,7 @@ std::string PeerOf(int fd, const sockaddr* addr, socklen_t len) {
     if (getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &n) != 0) return "unknown";
     addr = reinterpret_cast<const sockaddr*>(&peer);
   }
-  char text[INET6_ADDRSTRLEN] = {};
-  if (addr->sa_family == AF_INET) {
-    inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(addr)->sin_addr, text, sizeof text);
-  } else if (addr->sa_family == AF_INET6) {
-    const in6_addr& a = reinterpret_cast<const sockaddr_in6*>(addr)->sin6_addr;
-    if (IN6_IS_ADDR_V4MAPPED(&a)) {
-      inet_ntop(AF_INET, a.s6_addr + 12, text, sizeof text);
-    } else {
-      // One host is commonly given a whole /64: its addresses are one peer.
-      in6_addr prefix = a;
-      std::memset(prefix.s6_addr + 8, 0, 8);
-      inet_ntop(AF_INET6, &prefix, text, sizeof text);
-      return std::string(text) + "/64";
-    }
-  } else {
-    return "unix";
-  }
-  return text;
+  return attnserve::PeerOf(addr);
 }
 
 // Closes an accepted connection at once with a reset, so its client learns now, not at a timeout.

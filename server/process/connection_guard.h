@@ -18,6 +18,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "server/core/peer.h"
 #include "server/process/h2_inspector.h"
 
 namespace attnserve {

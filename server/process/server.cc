@@ -228,8 +228,6 @@ Status Server::Impl::PlanMemory() {
   // never arrive whole, and closes its connection at its prefix.
   t.limits.h2.max_message_bytes =
       std::max<int64_t>(options.max_message_bytes, t.limits.max_partial_bytes_per_peer);
-  quota = std::make_unique<grpc::ResourceQuota>("attnserve");
-  quota->Resize(static_cast<size_t>(t.memory_bytes));
   return options.kv.Validate();
 }
 
@@ -379,6 +377,8 @@ std::string AdvertisedAddress(const ServerOptions& options, int port) {
 
 Status Server::Impl::StartGrpc() {
   calls->sends().SetTimeout(Seconds(options.transport.send_timeout_seconds));
+  quota = std::make_unique<grpc::ResourceQuota>("attnserve");  // Both listeners' connections.
+  quota->Resize(static_cast<size_t>(options.transport.memory_bytes));
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
