@@ -191,6 +191,8 @@ struct AttendLimits {
   /// Most bytes of tensor data one answer may carry (output plus attention weights): the message
   /// size limit (server flag --max-message-bytes) less room for the answer's other fields.
   int64_t max_answer_bytes = (int64_t{64} << 20) - 1024;
+  /// Most entries in one batched step (AttendRequest.steps; server flag --max-steps-per-call).
+  int64_t max_steps = 1024;
 };
 
 }  // namespace attnserve

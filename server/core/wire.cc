@@ -5,6 +5,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "server/core/checked_math.h"
 
@@ -118,6 +119,63 @@ Status FromWire(const pb::AttendRequest& r, AttendCall* call) {
   if (r.has_query_position()) call->query_position = r.query_position();
   call->key_position = r.key_position();
   call->positions.assign(r.positions().begin(), r.positions().end());
+  return Status::Ok();
+}
+
+Status CheckBatchedStep(const pb::AttendRequest& r) {
+  std::vector<std::string> set;
+  const auto no = [&](bool present, const char* field) {
+    if (present) set.push_back(field);
+  };
+  no(r.has_query(), "query");
+  no(r.has_key(), "key");
+  no(r.has_value(), "value");
+  no(r.has_key_padding_mask(), "key_padding_mask");
+  no(r.has_attn_mask(), "attn_mask");
+  no(r.is_causal(), "is_causal");
+  no(r.attn_weights() != pb::ATTN_WEIGHTS_NONE, "attn_weights");
+  no(r.layout() == pb::LAYOUT_SEQUENCE_FIRST, "layout");
+  no(!r.memory().empty(), "memory");
+  no(!r.session().empty(), "session");
+  no(r.has_session_length(), "session_length");
+  no(r.has_output_shared_memory(), "output_shared_memory");
+  no(r.has_attn_weights_shared_memory(), "attn_weights_shared_memory");
+  no(r.has_query_position(), "query_position");
+  no(r.key_position() != 0, "key_position");
+  no(r.positions_size() > 0, "positions");
+  if (set.empty()) return Status::Ok();
+  std::string fields;
+  for (const std::string& f : set) fields += (fields.empty() ? "" : ", ") + f;
+  return InvalidArgument(fields + ": set on a batched step (steps: " +
+                         std::to_string(r.steps_size()) +
+                         " entries); each entry carries its own query, handle and positions, and "
+                         "the request none (docs/api.md \"Many sessions in one call\")");
+}
+
+Status FromWire(const pb::Step& s, const std::string& field, AttendCall* call) {
+  if (s.session().empty() == s.memory().empty()) {
+    return InvalidArgument(field + ": names " +
+                           (s.session().empty() ? std::string("neither a session nor a memory")
+                                                : std::string("both a session and a memory")) +
+                           "; expected exactly one of session, memory");
+  }
+  if (!s.has_query()) return InvalidArgument(field + ".query: missing; expected a tensor");
+  const std::string query = field + ".query";
+  if (s.query().has_shared_memory()) {
+    return InvalidArgument(query +
+                           ".shared_memory: set; a batched step's queries travel in the message");
+  }
+  RETURN_IF_ERROR(ViewOf(query.c_str(), s.query(), &call->query));
+  const std::string kpm = field + ".key_padding_mask";
+  RETURN_IF_ERROR(OptionalView(kpm.c_str(), s.has_key_padding_mask(), s.key_padding_mask(),
+                               &call->key_padding_mask));
+  if (call->key_padding_mask && !s.memory().empty()) {
+    return InvalidArgument(kpm + ": set on a memory's entry; a memory keeps its own padding");
+  }
+  call->layout = TensorLayout::kBatchFirst;
+  call->is_causal = !s.session().empty();  // A session's steps are causal.
+  if (s.has_query_position()) call->query_position = s.query_position();
+  call->positions.assign(s.positions().begin(), s.positions().end());
   return Status::Ok();
 }
 

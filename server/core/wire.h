@@ -2,6 +2,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "attnserve/v1/attention.pb.h"
 #include "server/core/status.h"
@@ -10,6 +11,13 @@
 namespace attnserve {
 
 namespace pb = ::attnserve::v1;
+
+/// One answer tensor's bytes on their way out: a string of its own, or a staging block's bytes.
+struct AnswerBytes {
+  std::unique_ptr<std::string> own;
+  BlockBytes block;
+  size_t size() const { return block ? block.size : own ? own->size() : 0; }
+};
 
 /// An answer in parts: the response's fields with the tensors' dtype and shape but no data, and the
 /// tensors' bytes, which the engine wrote in place. Each front end encodes it its own way
@@ -21,13 +29,11 @@ struct AttendAnswer {
   /// `output` is then empty.
   BlockBytes output_block;
   std::unique_ptr<std::string> weights;  ///< Null when no attention weights were asked for.
-};
-
-/// One answer tensor's bytes on their way out: a string of its own, or a staging block's bytes.
-struct AnswerBytes {
-  std::unique_ptr<std::string> own;
-  BlockBytes block;
-  size_t size() const { return block ? block.size : own ? own->size() : 0; }
+  /// A batched step's answers, one per entry in the request's order (meta.steps has their fields
+  /// but no data and no error): each entry's status (a refused or failed one carries no output)
+  /// and output bytes.
+  std::vector<Status> step_status;
+  std::vector<AnswerBytes> step_output;
 };
 
 /// An AttendRequest's query, key and value bytes that the front end decoded straight into pinned
@@ -59,6 +65,13 @@ void UseStaged(const StagedInputs& staged, AttendCall* call);
 /// Builds the engine's view of `request` without copying tensor bytes: the views point into
 /// `request`, which must outlive `call`. Rejects unknown enum values (INVALID_ARGUMENT).
 Status FromWire(const pb::AttendRequest& request, AttendCall* call);
+/// A batched step (AttendRequest.steps not empty): INVALID_ARGUMENT naming every field of the
+/// request's own that only a single request carries (query, masks, session, positions...).
+Status CheckBatchedStep(const pb::AttendRequest& request);
+/// One entry of a batched step as the engine's call (a session step or a memory's query, layout
+/// batch-first), its views into `step`; `field` ("steps[3]") begins its messages. The handle is
+/// resolved elsewhere.
+Status FromWire(const pb::Step& step, const std::string& field, AttendCall* call);
 /// The same for CreateMemory's key, value, key_padding_mask and layout (no query).
 Status FromWire(const pb::CreateMemoryRequest& request, AttendCall* call);
 

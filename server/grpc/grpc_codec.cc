@@ -1,5 +1,7 @@
 #include "server/grpc/grpc_codec.h"
 
+#include "server/grpc/grpc_status.h"
+
 #include <google/protobuf/io/coded_stream.h>
 #include <google/protobuf/io/zero_copy_stream_impl_lite.h>
 #include <google/protobuf/stubs/logging.h>
@@ -393,6 +395,48 @@ grpc::ByteBuffer EncodeResponse(const pb::AttendResponse& meta, AnswerBytes outp
     slices.push_back(OwningSlice(std::move(weights)));
   }
   return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+grpc::ByteBuffer EncodeSteps(AttendAnswer* answer) {
+  pb::AttendResponse& meta = answer->meta;
+  google::protobuf::RepeatedPtrField<pb::StepResult> results;
+  results.Swap(meta.mutable_steps());
+  // Each entry: the steps field's tag and length, its fields but the output's data, then the data
+  // as one more occurrence of its output (protobuf merges it into the first), its own slice.
+  std::string head = meta.SerializeAsString();
+  std::vector<grpc::Slice> slices;
+  for (int i = 0; i < results.size(); ++i) {
+    pb::StepResult& r = *results.Mutable(i);
+    const size_t at = static_cast<size_t>(i);
+    const Status& st = at < answer->step_status.size() ? answer->step_status[at] : Status::Ok();
+    AnswerBytes bytes;
+    if (!st.ok()) {
+      r.clear_output();
+      r.mutable_error()->set_code(static_cast<int>(ToGrpcCode(st.code())));
+      r.mutable_error()->set_message(st.message());
+    } else if (at < answer->step_output.size()) {
+      bytes = std::move(answer->step_output[at]);
+    }
+    std::string body = r.SerializeAsString();
+    const bool data = r.has_output() && (bytes.own || bytes.block);
+    if (data) body += TensorDataPrefix(pb::StepResult::kOutputFieldNumber, bytes.size());
+    head += LengthPrefix(pb::AttendResponse::kStepsFieldNumber,
+                         body.size() + (data ? bytes.size() : 0));
+    head += body;
+    if (data) {
+      slices.emplace_back(head);
+      head.clear();
+      slices.push_back(AnswerSlice(std::move(bytes)));
+    }
+  }
+  if (!head.empty() || slices.empty()) slices.emplace_back(head);
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+grpc::ByteBuffer EncodeAnswer(AttendAnswer* answer) {
+  if (answer->meta.steps_size() > 0) return EncodeSteps(answer);
+  return EncodeResponse(answer->meta, {std::move(answer->output), std::move(answer->output_block)},
+                        std::move(answer->weights));
 }
 
 }  // namespace attnserve

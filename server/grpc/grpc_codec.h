@@ -53,10 +53,11 @@ grpc::ByteBuffer EncodeResponse(const v1::AttendResponse& meta, AnswerBytes outp
 /// Fixed bytes an encoded response adds to its tensor data (ids, names, hash, shapes, timing).
 inline constexpr size_t kResponseOverheadBytes = 1024;
 
-/// EncodeResponse of an answer's parts (its buffers are handed over).
-inline grpc::ByteBuffer EncodeAnswer(AttendAnswer* answer) {
-  return EncodeResponse(answer->meta, {std::move(answer->output), std::move(answer->output_block)},
-                        std::move(answer->weights));
-}
+/// EncodeResponse of an answer's parts (its buffers are handed over); a batched step's answer
+/// (meta.steps) as EncodeSteps.
+grpc::ByteBuffer EncodeAnswer(AttendAnswer* answer);
+/// A batched step's answer: `meta` with one StepResult per entry, each entry's output bytes a
+/// slice of their own (no copy), a failed entry's status as its Error (the one status mapping).
+grpc::ByteBuffer EncodeSteps(AttendAnswer* answer);
 
 }  // namespace attnserve

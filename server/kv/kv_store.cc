@@ -397,6 +397,11 @@ void KvStore::Discard(const std::shared_ptr<KvEntry>& entry) {
 StatusOr<std::shared_ptr<KvEntry>> KvStore::Lookup(const std::string& handle, KvKind kind,
                                                    const std::string& tenant) {
   std::lock_guard<std::mutex> lock(mu_);
+  return LookupLocked(handle, kind, tenant);
+}
+
+StatusOr<std::shared_ptr<KvEntry>> KvStore::LookupLocked(const std::string& handle, KvKind kind,
+                                                         const std::string& tenant) {
   auto it = entries_.find(handle);
   // Another tenant's entry, there or gone, is not there for this one: not found, as if never made
   // (the same code and message), so a tenant learns nothing of others' handles.
@@ -432,13 +437,28 @@ StatusOr<std::shared_ptr<KvEntry>> KvStore::Lookup(const std::string& handle, Kv
 StatusOr<std::unique_ptr<KvStep>> KvStore::BeginStep(const std::string& handle,
                                                      std::optional<int64_t> expected_length,
                                                      const std::string& tenant) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return BeginStepLocked(handle, expected_length, tenant);
+}
+
+std::vector<StatusOr<std::unique_ptr<KvStep>>> KvStore::BeginSteps(
+    const std::vector<StepBegin>& steps, const std::string& tenant) {
+  std::vector<StatusOr<std::unique_ptr<KvStep>>> out;
+  out.reserve(steps.size());
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const StepBegin& s : steps) out.push_back(BeginStepLocked(s.handle, s.expected_length, tenant));
+  return out;
+}
+
+StatusOr<std::unique_ptr<KvStep>> KvStore::BeginStepLocked(const std::string& handle,
+                                                           std::optional<int64_t> expected_length,
+                                                           const std::string& tenant) {
   if (expected_length && *expected_length < 0) {
     return InvalidArgument(
         "session_length: " + std::to_string(*expected_length) +
         "; allowed: >= 0, the tokens the session holds before this step (or unset)");
   }
-  ASSIGN_OR_RETURN(std::shared_ptr<KvEntry> e, Lookup(handle, KvKind::kSession, tenant));
-  std::lock_guard<std::mutex> lock(mu_);
+  ASSIGN_OR_RETURN(std::shared_ptr<KvEntry> e, LookupLocked(handle, KvKind::kSession, tenant));
   if (e->busy) {
     return Status(StatusCode::kAborted,
                   "session '" + handle +

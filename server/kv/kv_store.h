@@ -196,6 +196,18 @@ class KvStore {
                                               std::optional<int64_t> expected_length,
                                               const std::string& tenant = kDefaultTenant);
 
+  /// A batched step's sessions (AttendRequest.steps), each admitted as BeginStep admits one, all
+  /// under one lock: every session admitted is busy before any reserves room, so reserving for one
+  /// never evicts another of the same call. One result per entry, in order; a refused entry leaves
+  /// its session as it was (a handle named twice: the second is ABORTED, a step in flight). The
+  /// tenant has no default: a caller names whose sessions they are.
+  struct StepBegin {
+    std::string handle;
+    std::optional<int64_t> expected_length;
+  };
+  std::vector<StatusOr<std::unique_ptr<KvStep>>> BeginSteps(const std::vector<StepBegin>& steps,
+                                                            const std::string& tenant);
+
   /// ForkSession: a new session holding the tokens of the session `handle` as it is (and its
   /// model's weights) without copying them: `cache`, the new session's empty cache, shares the
   /// parent's (KvCache::ShareFrom) while the parent is held like a step (ABORTED while one is in
@@ -260,6 +272,12 @@ class KvStore {
                                               int64_t capacity, const std::string& tenant,
                                               std::shared_ptr<KvFamily> family);
   Status Reserve(KvStep* step, int64_t tokens);
+  // Lookup and BeginStep under mu_.
+  StatusOr<std::shared_ptr<KvEntry>> LookupLocked(const std::string& handle, KvKind kind,
+                                                  const std::string& tenant);
+  StatusOr<std::unique_ptr<KvStep>> BeginStepLocked(const std::string& handle,
+                                                    std::optional<int64_t> expected_length,
+                                                    const std::string& tenant);
   void EndStep(KvStep* step, bool applied);
   std::string NewHandle();
   KvClock::time_point Now() const { return clock_ ? clock_() : KvClock::now(); }

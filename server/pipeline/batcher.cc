@@ -518,11 +518,27 @@ void Batcher::Run(std::vector<std::unique_ptr<WorkItem>> batch) {
   for (auto& item : batch) {
     item->queue_seconds = Seconds(start - item->accepted);
     item->batch_size = static_cast<int>(batch.size());
-    calls.push_back(&item->call);
-    outs.push_back(&item->outputs);
+    if (item->entries.empty()) {
+      calls.push_back(&item->call);
+      outs.push_back(&item->outputs);
+    }
+    for (WorkItem::Entry& entry : item->entries) {  // A batched step: every entry a call.
+      calls.push_back(&entry.call);
+      outs.push_back(&entry.outputs);
+    }
   }
   const AttentionModel* model = batch[0]->model.get();
-  const std::vector<Status> statuses = model->ForwardBatch(calls, outs, pieces_);
+  const std::vector<Status> computed =
+      calls.empty() ? std::vector<Status>() : model->ForwardBatch(calls, outs, pieces_);
+  std::vector<Status> statuses;  // One per item: a batched step's entries keep their own.
+  for (size_t i = 0, c = 0; i < batch.size(); ++i) {
+    if (batch[i]->entries.empty()) {
+      statuses.push_back(computed[c++]);
+      continue;
+    }
+    for (WorkItem::Entry& entry : batch[i]->entries) entry.status = computed[c++];
+    statuses.push_back(Status::Ok());
+  }
   // On a GPU the engine times the batch with CUDA events: kernel time, not the host's wait.
   const double device = outs.empty() ? -1 : outs[0]->device_seconds;
   const double compute = device >= 0 ? device : Seconds(SteadyClock::now() - start);

@@ -35,6 +35,16 @@ struct WorkItem {
   std::shared_ptr<const void> kv_entry;
   AttendCall call;
   AttendOutputs outputs;
+  /// A batched step's entries (AttendRequest.steps), each its own call and outputs: computed in
+  /// the batch this item joins, never split from each other, one status each (the item's own
+  /// status then says whether the batch ran at all). `call` then carries only what the queue
+  /// reads: the entries' query dtype, no weights, their tokens and attention cost summed.
+  struct Entry {
+    AttendCall call;
+    AttendOutputs outputs;
+    Status status;
+  };
+  std::vector<Entry> entries;
   SteadyClock::time_point accepted;
   SteadyClock::time_point deadline = SteadyClock::time_point::max();
   /// Polled while queued; true drops the item with CANCELLED.

@@ -11,6 +11,10 @@ void Exchange::ReleaseInputs() {
                         request.mutable_key_padding_mask(), request.mutable_attn_mask()}) {
     std::string().swap(*t->mutable_data());
   }
+  for (v1::Step& step : *request.mutable_steps()) {
+    for (v1::Tensor* t : {step.mutable_query(), step.mutable_key_padding_mask()})
+      std::string().swap(*t->mutable_data());
+  }
 }
 
 Status UndeliveredBy(SteadyClock::time_point deadline) {

@@ -206,27 +206,37 @@ void RequestPipeline::Attend(const char* method, std::unique_ptr<Exchange> owned
     item->trace = &x->trace;
   }
   std::shared_ptr<KvStep> step;
+  // A batched step (AttendRequest.steps): its entries' sessions and memories.
+  std::shared_ptr<StepsHeld> steps =
+      x->request.steps_size() > 0 ? std::make_shared<StepsHeld>() : nullptr;
   const uint32_t attempts = call.previous_attempts;
   x->times.attempts = attempts;
-  Status st = Resolve(x, item.get(), &step);
-  if (st.ok()) st = Schedule(*x, tenants->Of(call.tenant), item.get());
+  Status st = steps ? ResolveSteps(x, item.get(), steps.get()) : Resolve(x, item.get(), &step);
+  // A batched step none of whose entries passed is answered at once: there is nothing to compute.
+  const bool compute = !steps || !item->entries.empty();
+  if (st.ok() && compute) st = Schedule(*x, tenants->Of(call.tenant), item.get());
   x->level = item->level;
-  if (st.ok()) st = Admit(x, *item);
+  if (st.ok() && compute) st = Admit(x, *item);
   x->times.admitted = SteadyClock::now();
   x->times.tokens = item->tokens();
   // A session step counts once its answer is computed in time for the client; refused or failed at
   // any point, or computed too late, the session is as it was. It ends before the answer leaves,
   // so the client's next step finds it idle.
-  auto finish = [this, method, x, step = std::move(step), call = std::move(call),
+  auto finish = [this, method, x, step = std::move(step), steps, call = std::move(call),
                  done = std::move(done)](const Status& result) mutable {
-    Status seen = Deliverable(call, result, step != nullptr);
+    Status seen = Deliverable(call, result, step != nullptr || steps != nullptr);
     if (step) step->End(seen.ok());
     step.reset();  // Idle and not held: the client's next call may evict it.
+    if (steps) steps->End(seen.ok(), x->answer.step_status);
     x->times.answered = SteadyClock::now();
     done(Answered(this, method, std::unique_ptr<Exchange>(x), std::move(seen), call.deadline));
   };
   if (!st.ok()) {
     finish(st);
+    return;
+  }
+  if (steps) {
+    SubmitSteps(x, std::move(item), std::move(steps), attempts, std::move(finish));
     return;
   }
   // The engine writes straight into these; the front end encodes them without a copy.
@@ -240,15 +250,19 @@ void RequestPipeline::Attend(const char* method, std::unique_ptr<Exchange> owned
                                                          const WorkItem& w) mutable {
     if (st.ok()) x->answer.meta = AnswerMeta(x->request, w, attempts);
     x->answer.output_block = w.outputs.output_block;
-    x->staged = StagedInputs();  // Computed: the staged inputs go back to the staging's budget.
-    x->times.started = w.started;
-    x->times.finished = w.finished;
-    x->times.batch_trace = w.batch_trace;
-    x->times.batch_span = w.batch_span;
-    x->times.batch_size = w.batch_size;
+    Computed(x, w);
     finish(st);
   };
   batcher_.Submit(std::move(item));
+}
+
+void RequestPipeline::Computed(Exchange* x, const WorkItem& w) {
+  x->staged = StagedInputs();  // Computed: the staged inputs go back to the staging's budget.
+  x->times.started = w.started;
+  x->times.finished = w.finished;
+  x->times.batch_trace = w.batch_trace;
+  x->times.batch_span = w.batch_span;
+  x->times.batch_size = w.batch_size;
 }
 
 Status RequestPipeline::Resolve(Exchange* x, WorkItem* item, std::shared_ptr<KvStep>* step) {
@@ -286,6 +300,10 @@ Status RequestPipeline::Schedule(const Exchange& x, const TenantPolicy& terms,
                                 ? terms.max_queued_requests
                                 : static_cast<int64_t>(batcher_.options().max_queued_per_caller);
   item->flops = ForwardFlops(item->model->spec(), item->call);
+  if (!item->entries.empty()) {  // A batched step: its entries' work.
+    item->flops = 0;
+    for (const WorkItem::Entry& e : item->entries) item->flops += ForwardFlops(item->model->spec(), e.call);
+  }
   const PriorityOptions& priorities = batcher_.PrioritiesOf(*item->model);
   // The tenant's cap applies here, before the level's queue policy is read, so the queue, its
   // timeout, the span and the access log all see the level the request is actually queued at.

@@ -134,8 +134,32 @@ class RequestPipeline {
   void Record(const char* method, Exchange* x, const Status& seen);
   // The trace a call with this context joins (empty with tracing off).
   CallTrace BeginTrace(const IncomingTrace& in) const;
+  // A batched step's sessions and memories while it is in flight (request_steps.cc): one of each
+  // per entry of AttendRequest.steps, in order.
+  struct StepsHeld {
+    std::vector<std::unique_ptr<KvStep>> kv;  // Its session's step; null: a memory, or refused.
+    std::vector<int> computed;                // Its index in WorkItem::entries; -1: refused.
+    std::vector<Status> refused;              // Why it was refused before compute.
+    // The entries' outcome: each step is applied when the call was delivered and its entry
+    // computed (`outcome`, per entry); every session is let go of.
+    void End(bool delivered, const std::vector<Status>& outcome);
+  };
   // The steps of Attend; each returns the failure that ends the request there.
   Status Resolve(Exchange* x, WorkItem* item, std::shared_ptr<KvStep>* step);
+  // Resolve for a batched step: the entries' handles begun or looked up, validated and reserved,
+  // those that pass in `item->entries`; a refused entry's status in `held`. The call fails only
+  // for what is the call's (its own fields, --max-steps-per-call, --max-request-tokens in all).
+  Status ResolveSteps(Exchange* x, WorkItem* item, StepsHeld* held);
+  // A batched step's answer: the meta of every entry, its status and output bytes (`w`: the
+  // computed item; null when no entry reached compute).
+  // Sends a resolved batched step to the batcher (or answers it at once when no entry passed);
+  // `finish` runs once with the call's outcome.
+  void SubmitSteps(Exchange* x, std::unique_ptr<WorkItem> item, std::shared_ptr<StepsHeld> held,
+                   uint32_t previous_attempts, std::function<void(const Status&)> finish);
+  // What a computed item tells its exchange: its batch's times, and the staging given back.
+  static void Computed(Exchange* x, const WorkItem& w);
+  static void AnswerSteps(Exchange* x, const StepsHeld& held, const WorkItem* w,
+                          uint32_t previous_attempts);
   // Who asks and how urgently: the tenant's terms, the priority level and its queue timeout.
   Status Schedule(const Exchange& x, const TenantPolicy& terms, WorkItem* item) const;
   Status Admit(Exchange* x, const WorkItem& item);
