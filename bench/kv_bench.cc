@@ -25,6 +25,14 @@
 //   fork        the cost of ForkSession on a session holding H tokens (--prompt): its latency, the
 //               server memory the fork holds (KvHandle.bytes), and its first step's latency beside
 //               the parent's next step; the two answers compared with the parent's (same token).
+//   batched     S sessions (--callers) of prompts spread over --prompt..--prompt-max, prefilled
+//               in batched calls of chunks (16 MiB a call), then stepped one token each: all S in one
+//               batched call (AttendRequest.steps) a round, against the same sessions stepping in
+//               separate unary calls from S threads, and (--in-process DIR) the engine's own
+//               batched step of the same shapes in this process; beside the memory bound of the
+//               same run: the bytes a step reads (the weights once per call, shared by its
+//               steps, plus the keys and values it attends) over this machine's read bandwidth
+//               measured here (a STREAM-like sum over 512 MiB on --threads threads).
 //
 // Every mode writes one JSON line per result (--json) and prints a table; decode also writes its
 // per-step figures as CSV (--csv) for bench/kv.sh to plot.
@@ -46,6 +54,7 @@
 #include <vector>
 
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "bench/kv_in_process.h"
 
 namespace {
 
@@ -136,6 +145,8 @@ struct Options {
   bool stream = false;  // concurrent: each caller's steps over one AttendStream
   bool async = false;   // concurrent: every caller's steps from one thread, asynchronous calls
   int memories = 64;
+  int threads = 0;          // batched: threads of the bandwidth read and the in-process engine
+  std::string in_process;   // batched: the model directory the in-process engine loads
   int draft = 4;
   int beams = 4;
   std::string json, csv;
@@ -896,6 +907,232 @@ int Concurrent(const Options& o) {
   return 0;
 }
 
+// ---- batched
+// ---------------------------------------------------------------------------------------
+
+// Read bandwidth in GB/s: `threads` threads each summing its part of a 512 MiB buffer (far past
+// the caches), the best of 5 passes; what a decoding step's bytes are read at, at best.
+__attribute__((optimize("O3", "tree-vectorize"))) uint64_t SumWords(const uint64_t* p, size_t n) {
+  uint64_t a = 0, b = 0, c = 0, d = 0;
+  for (size_t i = 0; i + 4 <= n; i += 4) {
+    a += p[i];
+    b += p[i + 1];
+    c += p[i + 2];
+    d += p[i + 3];
+  }
+  return a + b + c + d;
+}
+
+double ReadBandwidthGBs(int threads) {
+  const size_t words = (size_t{512} << 20) / sizeof(uint64_t);
+  std::vector<uint64_t> buf(words, 1);
+  double best = 0;
+  std::atomic<uint64_t> sink{0};
+  for (int pass = 0; pass < 5; ++pass) {
+    std::vector<std::thread> ts;
+    const auto start = Clock::now();
+    for (int t = 0; t < threads; ++t) {
+      ts.emplace_back([&, t] {
+        const size_t from = words * static_cast<size_t>(t) / static_cast<size_t>(threads);
+        const size_t to = words * static_cast<size_t>(t + 1) / static_cast<size_t>(threads);
+        sink += SumWords(buf.data() + from, to - from);
+      });
+    }
+    for (auto& t : ts) t.join();
+    const double s = std::chrono::duration<double>(Clock::now() - start).count();
+    best = std::max(best, static_cast<double>(words * sizeof(uint64_t)) / s / 1e9);
+  }
+  if (sink == 0) std::printf(" ");  // Keeps the sums.
+  return best;
+}
+
+// The model's shape from GetModel: the bytes its weights take, and a token's kept bytes.
+struct LayerBytes {
+  double weights = 0, kv_per_token = 0;
+  std::string dtype;
+};
+LayerBytes LayerOf(Stub* stub, const Options& o) {
+  pb::GetModelRequest request;
+  request.set_name(o.model);
+  pb::ModelInfo info;
+  const Call c = Timed(stub, &Stub::GetModel, request, &info);
+  if (!c.status.ok()) Fail("GetModel", c.status);
+  const double elem = info.compute_dtype() == pb::DATA_TYPE_FLOAT32 ? 4 : 2;
+  const double d = static_cast<double>(info.head_dim() > 0 ? info.head_dim()
+                                                            : info.embed_dim() / info.num_heads());
+  const double qw = static_cast<double>(info.num_heads()) * d;
+  const double kvw =
+      static_cast<double>(info.num_kv_heads() > 0 ? info.num_kv_heads() : info.num_heads()) * d;
+  const double e = static_cast<double>(info.embed_dim());
+  LayerBytes b;
+  b.weights = elem * e * (2 * qw + 2 * kvw);  // q, k, v and out projections
+  b.kv_per_token = elem * 2 * kvw;
+  b.dtype = pb::DataType_Name(info.compute_dtype());
+  return b;
+}
+
+int Batched(const Options& o) {
+  const int s_count = o.callers;
+  const int threads = o.threads > 0 ? o.threads
+                                    : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  std::vector<int> prompts;
+  for (int c = 0; c < s_count; ++c) {
+    prompts.push_back(o.prompt_max <= o.prompt || s_count < 2
+                          ? o.prompt
+                          : o.prompt + static_cast<int>(static_cast<int64_t>(o.prompt_max - o.prompt) *
+                                                        c / (s_count - 1)));
+  }
+  auto stub = pb::AttentionService::NewStub(Channel(o));
+  const LayerBytes layer = LayerOf(stub.get(), o);
+  const double bandwidth = ReadBandwidthGBs(threads);
+  std::vector<std::string> sessions;
+  std::vector<std::vector<float>> tokens;
+  const int rounds = o.steps;
+  for (int c = 0; c < s_count; ++c) {
+    sessions.push_back(OpenSession(stub.get(), o));
+    // Every form's steps of this session, after its prompt: 2 forms x repeats x rounds.
+    tokens.push_back(Tokens(prompts[c] + 2 * o.repeats * rounds + 1, o.embed,
+                            300 + static_cast<uint32_t>(c)));
+  }
+  std::vector<int64_t> length(static_cast<size_t>(s_count), 0);
+  // One batched call of up to `rows` tokens for every session with tokens of `upto` left.
+  const auto batched_step = [&](const std::vector<int64_t>& upto, int64_t rows,
+                                pb::AttendResponse* r) {
+    pb::AttendRequest request;
+    std::vector<int> in;
+    for (int c = 0; c < s_count; ++c) {
+      const int64_t n = std::min<int64_t>(rows, upto[c] - length[c]);
+      if (n <= 0) continue;
+      pb::Step* step = request.add_steps();
+      step->set_session(sessions[c]);
+      step->set_session_length(length[c]);
+      SetTensor(tokens[c], length[c], n, o.embed, step->mutable_query());
+      in.push_back(c);
+    }
+    if (in.empty()) return Call{};
+    const Call call = Timed(stub.get(), &Stub::Attend, request, r);
+    if (!call.status.ok()) Fail("batched step", call.status);
+    for (size_t i = 0; i < in.size(); ++i) {
+      const pb::StepResult& res = r->steps(static_cast<int>(i));
+      if (res.has_error()) {
+        Fail("batched step entry " + std::to_string(i),
+             grpc::Status(static_cast<grpc::StatusCode>(res.error().code()), res.error().message()));
+      }
+      length[in[i]] = res.session_length();
+    }
+    return call;
+  };
+  // Prefill: every session's prompt in chunks, all sessions in each call, each call's query
+  // within 16 MiB (the server's messages are 64 MiB at most).
+  const int64_t chunk = std::clamp<int64_t>((int64_t{16} << 20) / (s_count * o.embed * 4), 1, 256);
+  const auto prefill_start = Clock::now();
+  for (;;) {
+    pb::AttendResponse r;
+    std::vector<int64_t> upto(prompts.begin(), prompts.end());
+    const Call c = batched_step(upto, chunk, &r);
+    if (c.ms == 0) break;
+  }
+  const double prefill_s = Ms(Clock::now() - prefill_start) / 1000;
+  double kept = 0;  // Kept tokens a step attends over, on average.
+  for (int p : prompts) kept += p + o.repeats * rounds;
+  kept /= std::max(s_count, 1);
+  const double kv_step = layer.kv_per_token * kept;
+  // The memory bound: a batched call reads the weights once for its S steps.
+  const double bytes_batched = layer.weights / s_count + kv_step;
+  const double bound = bandwidth * 1e9 / bytes_batched;
+  std::printf(
+      "batched: %d sessions, prompts %d..%d (%.0f kept tokens a step on average), E=%lld, %s; "
+      "prefill %.1f s\n"
+      "  a step reads %.2f MB of keys and values, the weights %.1f MB a call (%.2f MB a step "
+      "shared by %d); read bandwidth %.1f GB/s on %d threads: memory bound %.0f steps/s\n",
+      s_count, o.prompt, std::max(o.prompt, o.prompt_max), kept, static_cast<long long>(o.embed),
+      layer.dtype.c_str(), prefill_s, kv_step / 1e6, layer.weights / 1e6,
+      layer.weights / s_count / 1e6, s_count, bandwidth, threads, bound);
+  std::vector<double> batched_rate, separate_rate, batched_ms, separate_ms;
+  double batch_sum = 0, batch_n = 0;
+  for (int rep = 0; rep < o.repeats; ++rep) {
+    // All S sessions in one call, `rounds` times.
+    auto start = Clock::now();
+    for (int round = 0; round < rounds; ++round) {
+      pb::AttendResponse r;
+      std::vector<int64_t> upto(length.begin(), length.end());
+      for (int64_t& u : upto) ++u;
+      batched_ms.push_back(batched_step(upto, 1, &r).ms);
+    }
+    batched_rate.push_back(rounds * s_count / (Ms(Clock::now() - start) / 1000));
+    // The same sessions, each stepped by a thread of its own in separate unary calls.
+    std::vector<std::thread> ts;
+    std::vector<std::vector<double>> lat(static_cast<size_t>(s_count));
+    std::atomic<int> ready{0};
+    std::atomic<bool> go{false};
+    std::mutex mu;
+    for (int c = 0; c < s_count; ++c) {
+      ts.emplace_back([&, c] {
+        auto own = pb::AttentionService::NewStub(Channel(o));
+        ++ready;
+        while (!go) std::this_thread::yield();
+        for (int round = 0; round < rounds; ++round) {
+          pb::AttendResponse r;
+          const Call call = Timed(own.get(), &Stub::Attend,
+                                  SessionStep(tokens[c], length[c], 1, o.embed, sessions[c]), &r);
+          if (!call.status.ok()) Fail("separate step", call.status);
+          ++length[c];
+          lat[static_cast<size_t>(c)].push_back(call.ms);
+          std::lock_guard<std::mutex> lock(mu);
+          batch_sum += r.timing().batch_size();
+          ++batch_n;
+        }
+      });
+    }
+    while (ready < s_count) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    start = Clock::now();
+    go = true;
+    for (auto& t : ts) t.join();
+    separate_rate.push_back(rounds * s_count / (Ms(Clock::now() - start) / 1000));
+    for (auto& l : lat) separate_ms.insert(separate_ms.end(), l.begin(), l.end());
+  }
+  for (const std::string& h : sessions) Release(stub.get(), h, true);
+  const double batched = Percentile(batched_rate, 0.5), separate = Percentile(separate_rate, 0.5);
+  std::printf("%-34s %12s %10s %10s\n", "form", "steps/s", "p50 ms", "/ bound");
+  std::printf("%-34s %12.0f %10.2f %10.2f\n", "batched call (all sessions)", batched,
+              Percentile(batched_ms, 0.5), batched / bound);
+  std::printf("%-34s %12.0f %10.2f %10.2f   mean batch %.1f\n", "separate unary calls", separate,
+              Percentile(separate_ms, 0.5), separate / bound, batch_sum / std::max(batch_n, 1.0));
+  nlohmann::json out = {{"mode", "batched"},
+                        {"sessions", s_count},
+                        {"prompt", o.prompt},
+                        {"prompt_max", std::max(o.prompt, o.prompt_max)},
+                        {"kept_tokens_mean", kept},
+                        {"embed", o.embed},
+                        {"dtype", layer.dtype},
+                        {"read_gb_s", bandwidth},
+                        {"threads", threads},
+                        {"bytes_per_step", bytes_batched},
+                        {"bound_steps_per_s", bound},
+                        {"batched", {{"steps_per_s", batched}, {"p50_ms", Percentile(batched_ms, 0.5)}}},
+                        {"separate",
+                         {{"steps_per_s", separate},
+                          {"p50_ms", Percentile(separate_ms, 0.5)},
+                          {"mean_batch", batch_sum / std::max(batch_n, 1.0)}}}};
+  if (!o.in_process.empty()) {
+    const attnserve_bench::InProcessResult e =
+        attnserve_bench::InProcessSteps(o.in_process, prompts, rounds * o.repeats, threads);
+    if (!e.error.empty()) {
+      std::fprintf(stderr, "attnserve-kv-bench: in-process: %s\n", e.error.c_str());
+      return 1;
+    }
+    std::printf("%-34s %12.0f %10.2f %10.2f\n", "in-process engine (batched)", e.steps_per_s,
+                e.call_p50_ms, e.steps_per_s / bound);
+    out["in_process"] = {{"steps_per_s", e.steps_per_s}, {"p50_ms", e.call_p50_ms},
+                         {"kernels", e.kernels}};
+    std::printf("server batched / in-process: %.2f\n", batched / e.steps_per_s);
+  }
+  std::printf("batched / separate: %.2f   batched / memory bound: %.2f\n", batched / separate,
+              batched / bound);
+  WriteJson(o, out);
+  return 0;
+}
+
 // ---- eviction
 // --------------------------------------------------------------------------------------
 
@@ -972,10 +1209,10 @@ int main(int argc, char** argv) {
   Options o;
   std::string mode;
   app.add_option("mode", mode,
-                 "decode | memory | concurrent | eviction | speculative | beam | fork")
+                 "decode | memory | concurrent | eviction | speculative | beam | fork | batched")
       ->required()
-      ->check(CLI::IsMember(
-          {"decode", "memory", "concurrent", "eviction", "speculative", "beam", "fork"}));
+      ->check(CLI::IsMember({"decode", "memory", "concurrent", "eviction", "speculative", "beam",
+                             "fork", "batched"}));
   app.add_option("--target", o.target, "attnserve address")->capture_default_str();
   app.add_option("--model", o.model, "Model (its embed_dim must be --embed)")
       ->capture_default_str();
@@ -989,7 +1226,15 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--memory-length", o.memory_length, "memory, eviction: encoder tokens")
       ->capture_default_str();
-  app.add_option("--callers", o.callers, "concurrent: callers")->capture_default_str();
+  app.add_option("--callers", o.callers, "concurrent: callers; batched: sessions")
+      ->capture_default_str();
+  app.add_option("--threads", o.threads,
+                 "batched: threads of the read-bandwidth measurement and of the in-process engine "
+                 "(0: every core)")
+      ->capture_default_str();
+  app.add_option("--in-process", o.in_process,
+                 "batched: also step the same shapes in this process on this model directory "
+                 "(the model the server serves as --model)");
   app.add_option("--prompt", o.prompt,
                  "concurrent: prompt tokens each sequence starts with; fork: the history (0: 2048)")
       ->capture_default_str();
@@ -1020,5 +1265,6 @@ int main(int argc, char** argv) {
   if (mode == "speculative") return Speculative(o);
   if (mode == "beam") return Beam(o);
   if (mode == "fork") return Fork(o);
+  if (mode == "batched") return Batched(o);
   return Eviction(o);
 }
