@@ -542,3 +542,68 @@ TEST(KvStoreTest, UnusedEntriesExpireAndReloadEndsItsModelsEntries) {
 
 }  // namespace
 }  // namespace attnserve
+
+namespace attnserve {
+namespace {
+
+// A batched step's sessions are begun together: every one named is busy before any reserves, so
+// reserving room for one evicts none of the same call (a step on each session in turn, BeginStep
+// then Reserve, evicted the call's own next session here: it was idle and least recently used);
+// a handle named twice, unknown or another tenant's is refused alone.
+TEST(KvStoreTest, BeginStepsMarksEverySessionOfACallBusyBeforeAnyReserves) {
+  Counts counts;
+  KvOptions o;
+  o.budget_bytes = 4000;
+  KvStore store(o, HooksInto(&counts));
+  auto model = std::make_shared<FakeModel>();
+  std::vector<std::string> h;
+  for (int i = 0; i < 3; ++i) {
+    auto s = store.Create(KvKind::kSession, model, std::make_shared<FakeCache>(), 1, 0, "t");
+    ASSERT_TRUE(s.ok());
+    h.push_back((*s)->handle);
+  }
+  // Each session holds 16 tokens (1,600 bytes): 4,800 would not fit, so fill two and leave the
+  // third empty; the two full ones are now the least recently used.
+  for (int i = 0; i < 2; ++i) {
+    auto step = store.BeginStep(h[i], 0, "t");
+    ASSERT_TRUE(step.ok());
+    ASSERT_TRUE((*step)->Reserve(16).ok());
+    Compute(**step);
+    (*step)->End(true);
+  }
+  EXPECT_EQ(store.bytes(), 3200);
+  auto other = store.Create(KvKind::kSession, model, std::make_shared<FakeCache>(), 1, 0, "u");
+  ASSERT_TRUE(other.ok());
+  auto begun = store.BeginSteps({{h[2], 0},
+                                 {h[0], 16},
+                                 {h[1], std::nullopt},
+                                 {h[0], 16},
+                                 {"0123456789abcdef0123456789abcdef", std::nullopt},
+                                 {(*other)->handle, std::nullopt},
+                                 {h[1], 3}},
+                                "t");
+  ASSERT_EQ(begun.size(), 7u);
+  for (int i : {0, 1, 2}) ASSERT_TRUE(begun[i].ok()) << begun[i].status().message();
+  EXPECT_EQ(begun[3].status().code(), StatusCode::kAborted);  // h[0] again: in flight
+  EXPECT_EQ(begun[4].status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(begun[5].status().code(), StatusCode::kNotFound);  // u's, for t: never made
+  EXPECT_EQ(begun[6].status().code(), StatusCode::kAborted);   // h[1] again
+  // h[2]'s 16 tokens need 1,600 more than the 800 free: the others of the call are busy, so the
+  // store refuses rather than evict them.
+  const Status room = (*begun[0])->Reserve(16);
+  EXPECT_EQ(room.code(), StatusCode::kResourceExhausted) << room.message();
+  EXPECT_EQ(counts.ended("session evicted"), 0);
+  for (int i : {1, 2}) {
+    ASSERT_TRUE((*begun[i])->Reserve(1).ok());
+    Compute(**begun[i]);
+    (*begun[i])->End(true);
+  }
+  (*begun[0])->End(false);
+  EXPECT_EQ(store.Info(*(*begun[1])->entry()).length, 17);
+  EXPECT_EQ(store.Info(*(*begun[2])->entry()).length, 17);
+  EXPECT_EQ(store.Info(*(*begun[0])->entry()).length, 0);
+  EXPECT_EQ(store.Info(*(*begun[0])->entry()).busy, false);
+}
+
+}  // namespace
+}  // namespace attnserve
