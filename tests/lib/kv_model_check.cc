@@ -279,8 +279,10 @@ class ModelCheck {
         CreateMemory(true);
       else if (op < 8)
         CompleteMemory();
-      else if (op < 13)
+      else if (op < 11)
         BeginStep();
+      else if (op < 13)
+        BeginSteps();
       else if (op < 18)
         PrepareStep();
       else if (op < 22)
@@ -712,49 +714,89 @@ class ModelCheck {
     Unhold(m->ref);
   }
 
-  void BeginStep() {
-    std::string handle;
-    const size_t i = PickRef(KvKind::kSession, &handle);
-    std::optional<int64_t> expected;
+  // A handle to step and the session_length to expect (often its own, sometimes not).
+  std::optional<int64_t> ExpectedFor(size_t i) {
     const int64_t known = i == SIZE_MAX ? 0 : refs_[i].length;
     switch (c_.Below(8)) {
       case 4:
-        expected = known;
-        break;
+        return known;
       case 5:
-        expected = known + 1;
-        break;
+        return known + 1;
       case 6:
-        expected = c_.Size(8);
-        break;
+        return c_.Size(8);
       case 7:
-        expected = -1 - c_.Size(8) / 2;
-        break;
+        return -1 - c_.Size(8) / 2;
       default:
-        break;
+        return std::nullopt;
     }
+  }
+
+  void BeginStep() {
+    std::string handle;
+    const size_t i = PickRef(KvKind::kSession, &handle);
+    const std::optional<int64_t> expected = ExpectedFor(i);
     Note([&] {
       return std::string("BeginStep " + Short(handle) + " expecting " +
                          (expected ? std::to_string(*expected) : "-"));
     });
-    auto got = store_->BeginStep(handle, expected);
+    Begun(i, expected, store_->BeginStep(handle, expected, kDefaultTenant), "BeginStep");
+  }
+
+  // A batched step's sessions begun together (KvStore::BeginSteps): 1 to 6 handles, sometimes the
+  // same one twice; each result as BeginStep's would be, one after the other under one lock.
+  void BeginSteps() {
+    const size_t n = 1 + c_.Below(6);
+    std::vector<size_t> picked;
+    std::vector<std::string> strangers;  // The handle nobody made each entry names (Lookup's).
+    std::vector<KvStore::StepBegin> begins;
+    for (size_t j = 0; j < n; ++j) {
+      std::string handle;
+      size_t i = PickRef(KvKind::kSession, &handle);
+      if (j > 0 && c_.OneIn(6)) {  // A handle the call names already.
+        const size_t again = c_.Below(j);
+        i = picked[again];
+        handle = begins[again].handle;
+        stranger_ = strangers[again];
+      }
+      picked.push_back(i);
+      strangers.push_back(stranger_);
+      begins.push_back({handle, ExpectedFor(i)});
+    }
+    Note([&] { return std::string("BeginSteps of " + std::to_string(n)); });
+    auto got = store_->BeginSteps(begins, kDefaultTenant);
+    Expect(got.size() == n, [&] { return std::string("BeginSteps: results != entries"); });
+    for (size_t j = 0; j < n && j < got.size() && failure_.empty(); ++j) {
+      Note([&] {
+        return std::string("  entry " + Short(begins[j].handle) + " expecting " +
+                           (begins[j].expected_length ? std::to_string(*begins[j].expected_length)
+                                                      : "-"));
+      });
+      stranger_ = strangers[j];
+      Begun(picked[j], begins[j].expected_length, std::move(got[j]), "BeginSteps");
+    }
+  }
+
+  // What BeginStep (or an entry of BeginSteps) on ref `i` gave, against the reference; a step
+  // begun joins the flights.
+  void Begun(size_t i, std::optional<int64_t> expected, StatusOr<std::unique_ptr<KvStep>> got,
+             const char* op) {
     if (expected && *expected < 0)
-      return ExpectCode(got.status(), StatusCode::kInvalidArgument, "BeginStep");
+      return ExpectCode(got.status(), StatusCode::kInvalidArgument, op);
     const std::string missing = Lookup(i, KvKind::kSession);
-    if (!missing.empty()) return ExpectNotFound(got.status(), missing, "BeginStep");
+    if (!missing.empty()) return ExpectNotFound(got.status(), missing, op);
     Ref& r = refs_[i];
     if (r.busy) {
-      ExpectCode(got.status(), StatusCode::kAborted, "BeginStep on a busy session");
+      ExpectCode(got.status(), StatusCode::kAborted, "a step on a busy session");
       return;
     }
     if (expected && *expected != r.length) {
-      ExpectCode(got.status(), StatusCode::kAborted, "BeginStep at the wrong length");
+      ExpectCode(got.status(), StatusCode::kAborted, "a step at the wrong length");
       return;
     }
-    ExpectCode(got.status(), StatusCode::kOk, "BeginStep");
+    ExpectCode(got.status(), StatusCode::kOk, op);
     if (!got.ok()) return;
     Expect((*got)->length() == r.length, [&] {
-      return std::string("BeginStep: length " + std::to_string((*got)->length()) +
+      return std::string(std::string(op) + ": length " + std::to_string((*got)->length()) +
                          ", the reference holds " + std::to_string(r.length));
     });
     r.busy = true;
