@@ -87,6 +87,22 @@ void ToWire(const AttendRequest& r, pb::AttendRequest* out) {
   if (r.output_shared_memory) ToWire(*r.output_shared_memory, out->mutable_output_shared_memory());
   if (r.attn_weights_shared_memory)
     ToWire(*r.attn_weights_shared_memory, out->mutable_attn_weights_shared_memory());
+  if (r.steps.empty()) return;
+  // A batched step: the entries carry the queries, handles and positions; the request none.
+  out->clear_model();
+  out->clear_query();
+  out->clear_is_causal();
+  out->clear_layout();
+  for (const Step& s : r.steps) {
+    pb::Step* step = out->add_steps();
+    step->set_session(s.session);
+    step->set_memory(s.memory);
+    ToWire(s.query, step->mutable_query());
+    if (s.session_length) step->set_session_length(*s.session_length);
+    if (s.query_position) step->set_query_position(*s.query_position);
+    for (int64_t p : s.positions) step->add_positions(p);
+    if (s.key_padding_mask) ToWire(*s.key_padding_mask, step->mutable_key_padding_mask());
+  }
 }
 
 // float32 values in `to` (bfloat16 or float16), rounded to nearest even.
@@ -115,6 +131,7 @@ void Widen(Tensor* t) {
 void Widen(AttendResult* r) {
   Widen(&r->output);
   if (r->attn_weights) Widen(&*r->attn_weights);
+  for (StepResult& s : r->steps) Widen(&s.output);
 }
 
 bool Narrowable(const Tensor& t) { return t.dtype == DataType::kFloat32 && !t.shared_memory; }
@@ -125,7 +142,17 @@ AttendRequest NarrowRequest(const AttendRequest& request, DataType to) {
   r.query = Narrowed(request.query, to);
   if (r.key) r.key = Narrowed(*request.key, to);
   if (r.value) r.value = Narrowed(*request.value, to);
+  for (Step& s : r.steps) s.query = Narrowed(s.query, to);
   return r;
+}
+
+// The memory or session a request is routed by: its own, or a batched step's first entry's.
+const std::string& HandleOf(const AttendRequest& r) {
+  if (!r.steps.empty()) {
+    const Step& first = r.steps.front();
+    return first.session.empty() ? first.memory : first.session;
+  }
+  return r.session.empty() ? r.memory : r.session;
 }
 
 KvInfo FromWire(const pb::KvHandle& h) {
@@ -146,6 +173,14 @@ AttendResult FromWire(pb::AttendResponse* r) {
   out.batch_size = r->timing().batch_size();
   out.previous_attempts = r->timing().previous_attempts();
   out.session_length = r->session_length();
+  for (pb::StepResult& s : *r->mutable_steps()) {
+    StepResult step;
+    step.status.code = s.error().code();
+    step.status.message = s.error().message();
+    if (s.has_output()) step.output = FromWire(s.mutable_output());
+    step.session_length = s.session_length();
+    out.steps.push_back(std::move(step));
+  }
   return out;
 }
 
@@ -267,13 +302,16 @@ struct Client::Impl {
   // The 16-bit dtype `request`'s float32 query, key and value travel in, when its model computes
   // in one (the model's, or the one of the memory or session it names, when this client made it).
   std::optional<DataType> WireOf(const AttendRequest& request) {
-    if (options.wire_dtype != ClientOptions::WireDtype::kModel || !Narrowable(request.query) ||
-        (request.key && !Narrowable(*request.key)) ||
-        (request.value && !Narrowable(*request.value)))
+    if (options.wire_dtype != ClientOptions::WireDtype::kModel) return std::nullopt;
+    if (request.steps.empty() ? !Narrowable(request.query) ||
+                                    (request.key && !Narrowable(*request.key)) ||
+                                    (request.value && !Narrowable(*request.value))
+                              : !std::all_of(request.steps.begin(), request.steps.end(),
+                                             [](const Step& s) { return Narrowable(s.query); }))
       return std::nullopt;
     std::string model = request.model;
     int64_t version = request.model_version;
-    const std::string& handle = request.session.empty() ? request.memory : request.session;
+    const std::string& handle = HandleOf(request);
     if (!handle.empty()) {
       const KvRoute route = routes.Find(handle);
       if (route.model.empty()) return std::nullopt;
@@ -523,8 +561,7 @@ void Client::AttendAsync(const AttendRequest& request,
     std::lock_guard<std::mutex> lock(impl_->mu);
     ++impl_->in_flight;
   }
-  pb::AttentionService::Stub* stub = impl_->Routed(
-      request.session.empty() ? request.memory : request.session, &rpc->ctx, &rpc->replica);
+  pb::AttentionService::Stub* stub = impl_->Routed(HandleOf(request), &rpc->ctx, &rpc->replica);
   rpc->reader = stub->PrepareAsyncAttend(&rpc->ctx, rpc->request, &impl_->cq);
   rpc->reader->StartCall();
   auto* reader = rpc->reader.get();

@@ -13,11 +13,46 @@
 
 namespace attnserve {
 
+/// A call's outcome: `code` is a gRPC status code (0 = OK), `message` says what was wrong.
+struct CallStatus {
+  int code = 0;
+  std::string message;
+  /// A failed call's trace id when the server traces (its `attnserve-trace-id` trailing metadata;
+  /// an AttendStream request's Error.trace_id); "" otherwise.
+  std::string trace_id;
+  bool ok() const { return code == 0; }
+  /// "INVALID_ARGUMENT: key: shape [2, 7] has 2 dims, ..." or "OK".
+  std::string ToString() const;
+};
+
+/// gRPC status code names, e.g. 3 -> "INVALID_ARGUMENT".
+const char* StatusCodeName(int code);
+
 /// Which attention weights to return.
 enum class AttnWeights { kNone = 0, kAveraged = 1, kPerHead = 2 };
 
 /// Layout of query, key, value and output.
 enum class Layout { kBatchFirst = 1, kSequenceFirst = 2 };
+
+/// One entry of a batched step (AttendRequest::steps): a session's step or a memory's query.
+struct Step {
+  std::string session;  ///< A session's handle, or
+  std::string memory;   ///< a memory's.
+  Tensor query;         ///< [B, T, E] batch-first (or [T, E]); one token or more.
+  /// With `session`: the tokens it should hold before this step (else this entry is ABORTED).
+  std::optional<int64_t> session_length;
+  /// Rotary models: the first token's position (unset: the session's length), or every token's own.
+  std::optional<int64_t> query_position;
+  std::vector<int64_t> positions;
+  std::optional<Tensor> key_padding_mask;  ///< [B, T], for a session's new tokens.
+};
+
+/// One entry's answer in a batched step (AttendResult::steps), in the request's order.
+struct StepResult {
+  CallStatus status;           ///< This entry's own outcome; a failed entry changed nothing.
+  Tensor output;               ///< [B, T, E]; empty when it failed.
+  int64_t session_length = 0;  ///< A session's tokens after this step.
+};
 
 /// The arguments of nn.MultiheadAttention.forward (see proto/attnserve/v1/attention.proto for every
 /// shape). Bool masks: true = masked out.
@@ -61,6 +96,12 @@ struct AttendRequest {
   int64_t key_position = 0;
   /// Instead of query_position: every query token's own, batch * query_len values, batch-first.
   std::vector<int64_t> positions;
+  /// A batched step (docs/api.md "Many sessions in one call"): one step for each of many sessions
+  /// (or one query for each of many memories) of one model version, computed together and
+  /// answered in AttendResult::steps in order; the request then carries no query, handle, masks
+  /// or positions of its own (its `model` is not sent). An entry that fails answers its own
+  /// status; the others go on. The call goes to the replica of the first entry's handle.
+  std::vector<Step> steps;
 };
 
 /// A registered shared-memory region (Client::SharedMemoryStatus).
@@ -82,6 +123,8 @@ struct AttendResult {
   uint32_t batch_size = 0;         ///< Requests computed together with this one.
   uint32_t previous_attempts = 0;  ///< Failed attempts the retry policy made before this answer.
   int64_t session_length = 0;      ///< With a session: the tokens it holds after this step.
+  /// A batched step's answers, one per entry of AttendRequest::steps, in order.
+  std::vector<StepResult> steps;
 };
 
 /// A memory or session kept on the server (KvHandle).
@@ -144,21 +187,6 @@ struct ReloadResult {
   int models_served = 0;
   bool any_failed() const;
 };
-
-/// A call's outcome: `code` is a gRPC status code (0 = OK), `message` says what was wrong.
-struct CallStatus {
-  int code = 0;
-  std::string message;
-  /// A failed call's trace id when the server traces (its `attnserve-trace-id` trailing metadata;
-  /// an AttendStream request's Error.trace_id); "" otherwise.
-  std::string trace_id;
-  bool ok() const { return code == 0; }
-  /// "INVALID_ARGUMENT: key: shape [2, 7] has 2 dims, ..." or "OK".
-  std::string ToString() const;
-};
-
-/// gRPC status code names, e.g. 3 -> "INVALID_ARGUMENT".
-const char* StatusCodeName(int code);
 
 /// The gRPC service config a Client uses unless told otherwise: round_robin over every address the
 /// target resolves to, skipping replicas whose grpc.health.v1 status for the service is not SERVING

@@ -179,6 +179,90 @@ TEST_F(ServerTest, ClientMemoriesAndSessionsEqualTheirOneCallForms) {
   EXPECT_EQ(client_->CloseSession(session.handle).code, 5);
 }
 
+// The C++ client's batched step: sessions stepped together in one call (unary and on a stream)
+// answer, entry by entry, the rows of one causal self-attention over each session's tokens (float32,
+// 1e-5 of the output's scale); an entry naming a closed session answers NOT_FOUND alone.
+TEST_F(ServerTest, ClientBatchedStepsEqualEachSessionsOwnCausalCall) {
+  const auto close = [](const Tensor& got, const std::vector<float>& want) {
+    const std::vector<float> g = got.ToFloats();
+    double err = 0, scale = 0;
+    for (size_t i = 0; i < want.size(); ++i) {
+      err = std::max(err, std::fabs(static_cast<double>(g[i]) - want[i]));
+      scale = std::max(scale, std::fabs(static_cast<double>(want[i])));
+    }
+    return g.size() == want.size() && scale > 0.1 && err <= 1e-5 * scale;
+  };
+  constexpr int kSessions = 3;
+  std::vector<std::vector<float>> x, y;  // Each session's 6 tokens, and their causal answer.
+  std::vector<KvInfo> sessions(kSessions);
+  for (int i = 0; i < kSessions; ++i) {
+    AttendRequest whole = Request(1, 6, 0, 20 + i);
+    whole.is_causal = true;
+    AttendResult all;
+    ASSERT_TRUE(client_->Attend(whole, &all).ok());
+    x.push_back(whole.query.ToFloats());
+    y.push_back(all.output.ToFloats());
+    ASSERT_TRUE(client_->OpenSession("demo", 1, &sessions[i]).ok());
+  }
+  KvInfo closed;
+  ASSERT_TRUE(client_->OpenSession("demo", 1, &closed).ok());
+  ASSERT_TRUE(client_->CloseSession(closed.handle).ok());
+  const auto rows = [](const std::vector<float>& v, int64_t from, int64_t n) {
+    return std::vector<float>(v.begin() + from * 512, v.begin() + (from + n) * 512);
+  };
+  // Round 1 (unary): 3, 1 and 2 tokens, and the closed session. Round 2 (on a stream): the rest.
+  const std::vector<int64_t> first = {3, 1, 2};
+  AttendRequest call;
+  for (int i = 0; i < kSessions; ++i) {
+    Step step;
+    step.session = sessions[i].handle;
+    step.session_length = 0;
+    step.query = Tensor::Float32({1, first[i], 512}, rows(x[i], 0, first[i]));
+    call.steps.push_back(step);
+  }
+  Step gone;
+  gone.session = closed.handle;
+  gone.query = Tensor::Float32({1, 1, 512}, rows(x[0], 0, 1));
+  call.steps.push_back(gone);
+  AttendResult r;
+  const CallStatus st = client_->Attend(call, &r);
+  ASSERT_TRUE(st.ok()) << st.ToString();
+  ASSERT_EQ(r.steps.size(), 4u);
+  for (int i = 0; i < kSessions; ++i) {
+    ASSERT_TRUE(r.steps[i].status.ok()) << r.steps[i].status.message;
+    EXPECT_EQ(r.steps[i].session_length, first[i]);
+    EXPECT_TRUE(close(r.steps[i].output, rows(y[i], 0, first[i]))) << "entry " << i;
+  }
+  EXPECT_EQ(r.steps[3].status.code, 5);
+  EXPECT_THAT(r.steps[3].status.message, HasSubstr("closed"));
+  EXPECT_TRUE(r.steps[3].output.data.empty());
+
+  std::promise<AttendResult> answered;
+  auto stream = client_->OpenStream([&](CallStatus s, AttendResult a) {
+    EXPECT_TRUE(s.ok()) << s.ToString();
+    answered.set_value(std::move(a));
+  });
+  AttendRequest rest;
+  rest.request_id = 77;
+  for (int i = 0; i < kSessions; ++i) {
+    Step step;
+    step.session = sessions[i].handle;
+    step.session_length = first[i];
+    step.query = Tensor::Float32({1, 6 - first[i], 512}, rows(x[i], first[i], 6 - first[i]));
+    rest.steps.push_back(step);
+  }
+  ASSERT_TRUE(stream->Send(rest));
+  const AttendResult a = answered.get_future().get();
+  EXPECT_TRUE(stream->Finish().ok());
+  EXPECT_EQ(a.request_id, 77u);
+  ASSERT_EQ(a.steps.size(), 3u);
+  for (int i = 0; i < kSessions; ++i) {
+    EXPECT_EQ(a.steps[i].session_length, 6);
+    EXPECT_TRUE(close(a.steps[i].output, rows(y[i], first[i], 6 - first[i]))) << "entry " << i;
+    ASSERT_TRUE(client_->CloseSession(sessions[i].handle).ok());
+  }
+}
+
 // Eight callers race steps onto one session. Each step is either applied whole or refused with
 // ABORTED (a step in flight); the applied ones, ordered by the length they report, tile the session
 // without gaps or overlap, and each answers the rows of one causal self-attention over the applied
