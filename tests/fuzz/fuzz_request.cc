@@ -77,5 +77,25 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       (void)attnserve::Validate(spec, limits, &call);
     }
   }
+  // A batched step's entries, as the pipeline reads each: a session's step or a memory's query,
+  // validated against each model as a session of batch 1 holding a few tokens.
+  if (native_status.ok() && native.steps_size() > 0) {
+    (void)attnserve::CheckBatchedStep(native);
+    for (int i = 0; i < native.steps_size() && i < 64; ++i) {
+      for (const auto& spec : specs) {
+        attnserve::AttendCall call;
+        if (!attnserve::FromWire(native.steps(i), "steps[" + std::to_string(i) + "]", &call).ok())
+          break;
+        call.kv_use = native.steps(i).session().empty() ? attnserve::AttendCall::Kv::kMemory
+                                                        : attnserve::AttendCall::Kv::kSession;
+        call.kv_batch = 1;
+        call.kv_length = 3;
+        attnserve::AttendLimits limits;
+        limits.max_tokens = 4096;
+        limits.max_attention_scores = 1 << 20;
+        (void)attnserve::Validate(spec, limits, &call);
+      }
+    }
+  }
   return 0;
 }

@@ -7,7 +7,8 @@ across self-attention with bool masks and averaged weights, sequence-first with 
 per-head weights, causal, float16, bfloat16 (ml_dtypes where installed, torch where installed),
 cross-attention; torch tensors in, torch tensors out (where torch is installed); a session as a context
 manager (three steps equal causal attention over the whole sequence; truncate() then the same tokens
-again answer the same; a stale step is ABORTED; closed on exit), a memory likewise; errors as AttnserveError with the gRPC code and the server's message; a
+again answer the same; a stale step is ABORTED; closed on exit), step_many (two sessions' steps in
+each call equal causal attention over each one's tokens; a stale entry fails alone), a memory likewise; errors as AttnserveError with the gRPC code and the server's message; a
 deadline; list_models/get_model; a decoder layer's positions (query_position, positions, in calls and
 session steps); the asyncio twin; the service configs (a two-address target is
 balanced, a config that is not JSON refused); TLS with a CA and server name made here.
@@ -109,6 +110,27 @@ def test_the_attnserve_package_against_nn_multiheadattention(request, checks):
     checks(f"[{env}] a replayed step (stale session_length) is ABORTED, not applied",
            replay is not None and replay.code == grpc.StatusCode.ABORTED, str(replay))
 
+    # Batched steps: two sessions stepped together in each call (2, 3 and 1 tokens one, 1 at a time the
+    # other) equal causal attention over the six; a stale entry fails alone and changes nothing.
+    with client.session("mha", batch=2) as s, client.session("mha", batch=2) as t:
+        cuts = ((0, 2), (2, 5), (5, 6))
+        souts, touts = [], []
+        for i, (a, b) in enumerate(cuts):
+            steps = [attnserve.Step(s, x[:, a:b]), attnserve.Step(t, x[:, i:i + 1])]
+            if i == 1:
+                steps.append(attnserve.Step(s.handle, x[:, :1], session_length=0))  # s holds 2: stale
+            res = client.step_many(steps)
+            souts.append(res[0].output)
+            touts.append(res[1].output)
+            if i == 1:
+                stale = res[2].error
+        lengths = (s.length, t.length)
+    checks(f"[{env}] step_many: each session's entries equal causal attention over its own tokens",
+           err(np.concatenate(souts, axis=1), c["session_out"]) <= 1e-5 and
+           err(np.concatenate(touts, axis=1), c["session_out"][:, :3]) <= 1e-5 and lengths == (6, 3), str(lengths))
+    checks(f"[{env}] step_many: a stale entry answers its own ABORTED",
+           stale is not None and stale.code == grpc.StatusCode.ABORTED and "steps[2]" in stale.message, str(stale))
+
     # A decoder layer's positions through the package (decoder_conformance checks the numbers against
     # transformers): six tokens from position 3 in one causal call equal a session's steps told the
     # same positions, by query_position and by positions; positions spaced otherwise move the answer
@@ -194,13 +216,18 @@ def test_the_attnserve_package_against_nn_multiheadattention(request, checks):
                 outs = [(await s.step(x[:, a:b])).output for a, b in ((0, 2), (2, 5), (5, 6))]
                 await s.truncate(5)
                 outs[-1] = (await s.step(x[:, 5:6])).output
+            async with await ac.session("mha", batch=2) as s, await ac.session("mha", batch=2) as t:
+                both = [await ac.step_many([attnserve.Step(s, x[:, a:b]), attnserve.Step(t, x[:, a:b])])
+                        for a, b in ((0, 2), (2, 5), (5, 6))]
             try:
                 await ac.attend(c["self_q"], model="nope")
                 e = None
             except attnserve.AttnserveError as ex:
                 e = ex
-            return results, outs, e
-    results, outs, e = asyncio.run(run_aio())
+            return results, outs, e, both
+    results, outs, e, both = asyncio.run(run_aio())
+    checks(f"[{env}] aio: step_many of two sessions equals causal attention for each",
+           all(err(np.concatenate([r[k].output for r in both], axis=1), c["session_out"]) <= 1e-5 for k in (0, 1)))
     checks(f"[{env}] aio: eight concurrent calls, a session (with a truncation), an error",
            all(err(r.output, c["causal_out"]) <= 1e-5 for r in results) and
            err(np.concatenate(outs, axis=1), c["session_out"]) <= 1e-5 and e is not None and

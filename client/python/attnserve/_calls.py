@@ -152,6 +152,70 @@ def result(resp, like_torch, out=None, widen=False):
                   request_id=resp.request_id)
 
 
+@dataclasses.dataclass
+class Step:
+    """One entry of a batched step (Client.step_many): a Session's new tokens, or a query for a Memory.
+    `kept` is the Session or Memory (or a bare handle, then `kind` says which); `session_length`, unset,
+    is the Session's own length (a bare handle's is not checked); query_position or positions (one per
+    token, batch-first) place a decoder layer's tokens; key_padding_mask [B, T] covers a session's new
+    tokens."""
+    kept: Any
+    query: Any
+    key_padding_mask: Any = None
+    query_position: Optional[int] = None
+    positions: Any = None
+    session_length: Optional[int] = None
+    kind: str = "session"
+
+
+@dataclasses.dataclass
+class StepResult:
+    """One entry's answer (Client.step_many), in the order given: its output (numpy, or torch when its
+    query was) and the session's length after it; or `error`, an AttnserveError, when this entry failed
+    (it changed nothing; the others went on)."""
+    output: Any
+    session_length: int
+    error: Optional[Exception] = None
+
+
+def steps_request(steps, *, request_id, wire=None, priority=0, queue_timeout_us=0):
+    """The AttendRequest of a batched step."""
+    if not steps:
+        raise ValueError("steps: empty; give at least one Step")
+    req = pb.AttendRequest(request_id=request_id, priority=priority, queue_timeout_us=queue_timeout_us)
+    for i, s in enumerate(steps):
+        if not isinstance(s, Step):
+            raise TypeError(f"steps[{i}]: {type(s).__name__}; expected attnserve.Step")
+        handle = s.kept.handle if isinstance(s.kept, Kept) else str(s.kept)
+        is_memory = (s.kept.kind if isinstance(s.kept, Kept) else s.kind) == "memory"
+        entry = req.steps.add(**({"memory": handle} if is_memory else {"session": handle}))
+        _tensors.to_wire(s.query, f"steps[{i}].query", entry.query, wire)
+        if s.key_padding_mask is not None:
+            _tensors.to_wire(s.key_padding_mask, f"steps[{i}].key_padding_mask", entry.key_padding_mask)
+        length = s.session_length if s.session_length is not None else getattr(s.kept, "length", None)
+        if length is not None and not is_memory:
+            entry.session_length = int(length)
+        if s.query_position is not None:
+            entry.query_position = int(s.query_position)
+        if s.positions is not None:
+            entry.positions.extend(int(p) for p in _tensors.flat_ints(s.positions))
+    return req
+
+
+def step_results(resp, steps, widen=False):
+    """A batched step's answers; each Session stepped takes its new length."""
+    out = []
+    for s, r in zip(steps, resp.steps):
+        if r.HasField("error") and r.error.code != 0:
+            out.append(StepResult(None, 0, AttnserveError.from_stream_error(r.error)))
+            continue
+        out.append(StepResult(_tensors.from_wire(r.output, _tensors.is_torch(s.query), None, widen),
+                              r.session_length))
+        if isinstance(s.kept, Kept) and s.kept.kind == "session":
+            s.kept.length = r.session_length
+    return out
+
+
 def memory_request(key, value, *, model, model_version, key_padding_mask, layout, wire=None, key_position=0):
     if layout not in LAYOUTS:
         raise ValueError(f"layout: '{layout}'; allowed: {', '.join(LAYOUTS)}")
@@ -241,6 +305,8 @@ def error(e, replica):
 class Kept:
     """What a memory and a session share, blocking or asyncio: the client that made it, its KvHandle
     (`info`: handle, model, batch, length, bytes, ttl_seconds, replica) and its Route."""
+
+    kind = ""  # "session" or "memory" (the subclasses')
 
     def __init__(self, client, info, route):
         self._client, self.info, self.route = client, info, route

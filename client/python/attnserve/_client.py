@@ -126,6 +126,23 @@ class Client:
         return _calls.result(self._routed("Attend", req, deadline, route), _tensors.is_torch(query), out,
                              widen=wire is not None)
 
+    def step_many(self, steps, *, priority=0, queue_timeout_us=0, deadline=DEFAULT):
+        """A batched step (docs/api.md "Many sessions in one call"): one step for each of many sessions, or a
+        query for each of many memories, of one model version, in one call: `steps` is a list of
+        attnserve.Step. Returns one StepResult per step, in order; a step that failed carries its
+        AttnserveError in `error` and changed nothing, the others went on. Each Session stepped takes its new
+        length. The call goes to the first step's replica. Raises AttnserveError when the call itself is
+        refused (then no step was applied)."""
+        first = steps[0].kept if steps else None
+        kept = first if isinstance(first, _calls.Kept) else None
+        wire = self._wire(steps[0].query, None, 0, kept) if kept else None
+        if wire is not None and not all(_calls.is_float32(s.query) for s in steps):
+            wire = None
+        req = _calls.steps_request(steps, request_id=next(self._ids), wire=wire, priority=priority,
+                                   queue_timeout_us=queue_timeout_us)
+        resp = self._routed("Attend", req, deadline, kept.route if kept else None)
+        return _calls.step_results(resp, steps, widen=wire is not None)
+
     def shared_memory(self, name, byte_size):
         """A POSIX shared memory region of `byte_size` bytes made on this host and registered with the server
         (which runs with --allow-shared-memory) as `name`: its arrays (region.array(shape, dtype, offset))
@@ -178,6 +195,7 @@ class Session(_calls.Kept):
     far. `length` is the tokens held; every step says how many it expects, so a step the server already
     applied (an answer lost, the call retried) is refused with ABORTED instead of applied twice.
     `info` is the server's KvHandle."""
+    kind = "session"
 
     def __init__(self, client, info, route):
         super().__init__(client, info, route)
@@ -222,6 +240,7 @@ class Session(_calls.Kept):
 
 class Memory(_calls.Kept):
     """Keys and values kept on the server for cross-attention (Client.memory). `info` is its KvHandle."""
+    kind = "memory"
 
     def attend(self, query, *, attn_mask=None, is_causal=False, attn_weights="none", layout="batch_first",
                deadline=DEFAULT):

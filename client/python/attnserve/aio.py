@@ -104,6 +104,18 @@ class Client:
         return _calls.result(await self._routed("Attend", req, deadline, route), _tensors.is_torch(query), out,
                              widen=wire is not None)
 
+    async def step_many(self, steps, *, priority=0, queue_timeout_us=0, deadline=DEFAULT):
+        """See attnserve.Client.step_many."""
+        first = steps[0].kept if steps else None
+        kept = first if isinstance(first, _calls.Kept) else None
+        wire = await self._wire(steps[0].query, None, 0, kept) if kept else None
+        if wire is not None and not all(_calls.is_float32(s.query) for s in steps):
+            wire = None
+        req = _calls.steps_request(steps, request_id=next(self._ids), wire=wire, priority=priority,
+                                   queue_timeout_us=queue_timeout_us)
+        resp = await self._routed("Attend", req, deadline, kept.route if kept else None)
+        return _calls.step_results(resp, steps, widen=wire is not None)
+
     async def list_models(self, *, deadline=DEFAULT):
         return list((await self._call(self._stub.ListModels, pb.ListModelsRequest(), deadline)).models)
 
@@ -129,6 +141,7 @@ class Client:
 
 class Session(_calls.Kept):
     """See attnserve.Session."""
+    kind = "session"
 
     def __init__(self, client, info, route):
         super().__init__(client, info, route)
@@ -170,6 +183,7 @@ class Session(_calls.Kept):
 
 class Memory(_calls.Kept):
     """See attnserve.Memory."""
+    kind = "memory"
 
     async def attend(self, query, *, attn_mask=None, is_causal=False, attn_weights="none", layout="batch_first",
                      deadline=DEFAULT):
