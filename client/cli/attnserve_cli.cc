@@ -323,6 +323,11 @@ class DecodeCommand final : public Command {
                      "sampling) and step each fork once")
         ->check(CLI::NonNegativeNumber)
         ->capture_default_str();
+    sub_->add_option("--sessions", sessions_,
+                     "Sessions decoded together: with more than one, every step of all of them "
+                     "goes in one batched call (AttendRequest.steps)")
+        ->check(CLI::PositiveNumber)
+        ->capture_default_str();
     sub_->add_option("--truncate", truncate_,
                      "Then take back this many tokens (TruncateSession: a rejected draft) and "
                      "step once more")
@@ -332,6 +337,7 @@ class DecodeCommand final : public Command {
   int Run(attnserve::Client& client) override {
     auto s = client.GetModel(model_, &model_info_);
     if (!s.ok()) return Fail(s);
+    if (sessions_ > 1) return Together(client);
     attnserve::KvInfo session;
     s = client.OpenSession(model_, batch_, &session);
     if (!s.ok()) return Fail(s);
@@ -370,6 +376,48 @@ class DecodeCommand final : public Command {
                   static_cast<long long>(*held), Shape(res.output.shape).c_str(), MsSince(t0));
     }
     return {};
+  }
+  // --sessions N: N sessions, each step of all of them in one batched call.
+  int Together(attnserve::Client& client) {
+    std::vector<attnserve::KvInfo> sessions(static_cast<size_t>(sessions_));
+    attnserve::CallStatus s;
+    for (auto& session : sessions) {
+      if (s.ok()) s = client.OpenSession(model_, batch_, &session);
+    }
+    std::vector<int64_t> held(sessions.size(), 0);
+    for (int64_t step = 0; s.ok() && step <= steps_; ++step) {
+      const int64_t tokens = step == 0 ? prompt_len_ : 1;
+      attnserve::AttendRequest req;
+      for (size_t i = 0; i < sessions.size(); ++i) {
+        attnserve::Step entry;
+        entry.session = sessions[i].handle;
+        entry.session_length = held[i];
+        entry.query = Tokens(tokens);
+        req.steps.push_back(std::move(entry));
+      }
+      attnserve::AttendResult res;
+      const auto t0 = std::chrono::steady_clock::now();
+      s = client.Attend(req, &res);
+      if (!s.ok()) break;
+      for (size_t i = 0; i < res.steps.size(); ++i) {
+        if (!res.steps[i].status.ok()) {
+          s.code = res.steps[i].status.code;
+          s.message = res.steps[i].status.message;
+          break;
+        }
+        held[i] = res.steps[i].session_length;
+      }
+      if (!s.ok()) break;
+      std::printf("step %lld: %lld sessions, %lld new token(s) each, in one call: %.2f ms (server: "
+                  "queue %.3f ms, compute %.3f ms)\n",
+                  static_cast<long long>(step), static_cast<long long>(sessions_),
+                  static_cast<long long>(tokens), MsSince(t0), res.queue_seconds * 1e3,
+                  res.compute_seconds * 1e3);
+    }
+    for (const auto& session : sessions) {
+      if (!session.handle.empty()) client.CloseSession(session.handle);
+    }
+    return s.ok() ? 0 : Fail(s);
   }
   // Branches: each fork holds the session's tokens and takes its own next token.
   attnserve::CallStatus Forks(attnserve::Client& client, const std::string& handle) {
@@ -417,7 +465,7 @@ class DecodeCommand final : public Command {
     return s;
   }
   std::string model_ = "demo";
-  int64_t batch_ = 1, prompt_len_ = 16, steps_ = 8, forks_ = 0, truncate_ = 0;
+  int64_t batch_ = 1, prompt_len_ = 16, steps_ = 8, forks_ = 0, truncate_ = 0, sessions_ = 1;
   attnserve::ModelInfo model_info_;
   std::mt19937 rng_{7};
 };

@@ -305,3 +305,14 @@ def test_several_batched_steps_in_flight_on_one_stream(server, stubs, checks):
         for i in range(3):
             ok, detail = same(a.steps[i].output.data, refs[(a.request_id, i)].output.data)
             checks(f"stream request {a.request_id} entry {i} equals its own call", ok, detail)
+
+
+def test_the_cli_decodes_sessions_together(server, cli, checks):
+    """attnserve-cli decode --sessions N: every step of N sessions in one batched call."""
+    import subprocess
+    p = subprocess.run([cli, "--target", server.target, "decode", "--model", "mha", "--sessions", "3",
+                        "--prompt-len", "4", "--steps", "2"], capture_output=True, text=True, timeout=60)
+    lines = [line for line in p.stdout.splitlines() if line.startswith("step ")]
+    checks("attnserve-cli decode --sessions 3: a prompt and two steps, each one call for the three",
+           p.returncode == 0 and len(lines) == 3 and all("3 sessions" in line and "in one call" in line
+                                                         for line in lines), p.stdout + p.stderr)
