@@ -14,7 +14,8 @@
 # DEC_SERVER_ARGS: more attnserve flags (none); DEC_CLIENT_ARGS: more attnserve-kv-bench flags (none;
 # --stream: each session's steps over one AttendStream instead of unary calls).
 # Writes bench/out-decoders/.
-#   bench/decoders.sh            (~5 minutes on 2 cores)
+# Then batched steps (AttendRequest.steps) of the grouped layer: see below.
+#   bench/decoders.sh            (~6 minutes on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${ATTNSERVE_BUILD_DIR:-build}
@@ -69,6 +70,15 @@ for round in $(seq "$rounds"); do
       --label "prefill-$name" --json "$out/prefill.jsonl" | tee -a "$out/prefill.txt"
   done
 done
+# Batched steps (issue 65): DEC_CALLERS sessions of the grouped layer over DEC_BATCH_PROMPT..
+# DEC_BATCH_PROMPT_MAX kept tokens (1024..4096), every session's step in one call a round, against
+# the same sessions in separate unary calls and the engine's own batched step in this process, beside
+# the memory bound of the same run (attnserve-kv-bench batched: the bytes a step reads over a
+# STREAM-like read of this machine).
+"$build/attnserve-kv-bench" batched --target 127.0.0.1:$port --model gqa --embed "$embed" \
+  --callers "$callers" --prompt "${DEC_BATCH_PROMPT:-1024}" --prompt-max "${DEC_BATCH_PROMPT_MAX:-4096}" \
+  --steps "${DEC_BATCH_ROUNDS:-40}" --repeats 3 --in-process "$out/models/gqa" --json "$out/batched.jsonl" |
+  tee "$out/batched.txt"
 for name in gqa mha; do echo "$name: peak kept bytes $(sort -n "$out/$name.kv" | tail -1)"; done
 python3 - "$out" "$embed" "${DEC_PREFILL:-256}" <<'PY'
 import json, sys
@@ -100,4 +110,12 @@ print(f"decoders: rounds' ratios {', '.join(f'{a / b:.2f}' for a, b in rounds)};
       f"4 against 32 key/value heads: steps/s {rate['gqa']:.0f} against "
       f"{rate['mha']:.0f} ({rate['gqa'] / rate['mha']:.2f}x; goal >= 3x), kept bytes {peak['gqa'] / 2**20:.0f} "
       f"against {peak['mha'] / 2**20:.0f} MiB ({peak['mha'] / max(peak['gqa'], 1):.2f}x smaller; goal 8x)")
+b = json.loads(open(f"{out}/batched.jsonl").read().splitlines()[-1])
+batched, separate = b["batched"]["steps_per_s"], b["separate"]["steps_per_s"]
+engine = b.get("in_process", {}).get("steps_per_s", 0.0)
+print(f"batched steps: {b['sessions']} sessions over {b['kept_tokens_mean']:.0f} kept tokens on average, "
+      f"{b['bytes_per_step'] / 1e6:.2f} MB read a step, read bandwidth {b['read_gb_s']:.1f} GB/s: "
+      f"{batched:.0f} steps/s in batched calls = {batched / b['bound_steps_per_s']:.2f} of the memory bound "
+      f"(goal >= 0.5), {batched / separate:.2f}x the same sessions in separate calls ({separate:.0f}; goal >= "
+      f"1.5x), {batched / max(engine, 1e-9):.2f}x the engine's own batched step ({engine:.0f}; goal >= 0.8x)")
 PY

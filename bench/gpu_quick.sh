@@ -26,6 +26,10 @@
 #   decoding on the device: 64 sessions stepping one token at a time over 1,024-4,096 kept tokens,
 #     steps/s >= 0.3x the device-memory bound (a device-to-device copy's bytes/s, read plus write,
 #     measured in the same run, over the K/V bytes a step reads);
+#   batched steps (AttendRequest.steps) of a Llama-3-8B-shaped layer (E=4096, 32 query heads, 8
+#     key/value heads), 64 and 256 sessions over 1,024-4,096 kept tokens: >= 0.5x the device-memory
+#     bound over the bytes a step reads (weights once a call, plus its keys and values), the
+#     engine's own batched step >= 0.7x; a layer's round trip for 128 sessions <= 1 ms at the median;
 #   no cuDNN attention (it compiles a kernel per shape); the first request after start within 2x the
 #   steady p50 of the same request (bench/first_request.sh); every row answered requests.
 # Evidence left under $OUT for the next fix: engine-profile.json (LibTorch's profiler, a Chrome trace
@@ -70,17 +74,26 @@ export PATH="$prefix/usr/bin:$PATH" PYTHONUNBUFFERED=1
 exec > >(tee "$out/quick.log") 2>&1
 jsonl="$out/quick.jsonl"
 : >"$jsonl"
+rm -f "$out/batched.jsonl"  # attnserve-kv-bench appends: this run's rows only
 # Sizes: the GPU's workload, or the rehearsal's (every row must answer on 2 cores).
 if [ -n "$rehearsal" ]; then
   embed=256 heads=4 dtype=float32 wire=float32 callers=8 lengths=uniform:16:128 small=uniform:8:32
   duration=1 warmup=0.5 dtypes=(float32) tolerance=1e-4 rounds=1
   decode=(--callers 4 --prompt 32 --prompt-max 128 --steps 4)
+  # Batched steps of a Llama-3-8B-shaped layer (here scaled down): 64 and 256 sessions, and 128 for
+  # the layer's round trip.
+  l8=(256 4 1) batched=(--callers 8 --prompt 32 --prompt-max 128 --steps 4 --repeats 1)
+  batched_wide=(--callers 16 --prompt 32 --prompt-max 128 --steps 4 --repeats 1)
+  batched_rt=(--callers 8 --prompt 32 --prompt-max 128 --steps 8 --repeats 1)
   varlen=(--server-args "--device cpu --dtype float32 --varlen-attention emulate" --callers 8
           --requests 200 --tolerance 1e-4)
 else
   embed=1024 heads=16 dtype=bfloat16 wire=bfloat16 callers=64 lengths=uniform:64:2048
   small=uniform:8:128 duration=6 warmup=2 dtypes=(bfloat16 float16 float32) tolerance=1e-2 rounds=2
   decode=(--callers 64 --prompt 1024 --prompt-max 4096 --steps 64)
+  l8=(4096 32 8) batched=(--callers 64 --prompt 1024 --prompt-max 4096 --steps 32 --repeats 2)
+  batched_wide=(--callers 256 --prompt 1024 --prompt-max 4096 --steps 16 --repeats 2)
+  batched_rt=(--callers 128 --prompt 1024 --prompt-max 4096 --steps 64 --repeats 1)
   varlen=(--server-args "--device $device --dtype bfloat16" --callers 64 --tolerance 1e-2
           --expect-backend flash_varlen)
 fi
@@ -178,15 +191,19 @@ export_model.export(torch.nn.MultiheadAttention($embed, $heads, batch_first=True
   { echo "FAIL: exporting $model"; failed=1; }
 # Two Llama decoder layers of the same width for decoding's kept state (issue 49): grouped-query
 # (heads / 8 key/value heads) and one key/value head per query head.
-"${decoder_py[@]}" - "$models" "$embed" "$heads" <<'PY' || { echo "FAIL: exporting the decoder layers"; failed=1; }
+# And a Llama-3-8B-shaped layer for batched steps (issue 65): E=4096, 32 query heads, 8 key/value
+# heads, head_dim 128 (the rehearsal's: ${l8[*]}).
+"${decoder_py[@]}" - "$models" "$embed" "$heads" "${l8[@]}" <<'PY' || { echo "FAIL: exporting the decoder layers"; failed=1; }
 import sys, torch
 sys.path.insert(0, "tools")
 import export_model
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention
 models, embed, heads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-for name, kv in (("gqa", max(1, heads // 8)), ("mhad", heads)):
-    config = LlamaConfig(hidden_size=embed, num_attention_heads=heads, num_key_value_heads=kv,
+l8_embed, l8_heads, l8_kv = (int(x) for x in sys.argv[4:7])
+for name, e, h, kv in (("gqa", embed, heads, max(1, heads // 8)), ("mhad", embed, heads, heads),
+                       ("l8b", l8_embed, l8_heads, l8_kv)):
+    config = LlamaConfig(hidden_size=e, num_attention_heads=h, num_key_value_heads=kv,
                          num_hidden_layers=1)
     torch.manual_seed(0)
     export_model.export_decoder(LlamaAttention(config, layer_idx=0), f"{models}-ckpt/{name}",
@@ -237,6 +254,18 @@ if serve $build/attnserve --address 127.0.0.1:$port --metrics-address $metrics \
       --model $name --embed $embed --sessions-only "${decode[@]}" --json "$out/decode-$name.jsonl" ||
       { echo "FAIL: decoding sessions ($name)"; failed=1; }
   done
+  # Batched steps: every session's step in one call (AttendRequest.steps), against the same sessions
+  # in separate calls and the engine's own batched step in process (--in-process), the bytes a step
+  # reads in batched.jsonl for the device-memory bound below.
+  for rows in batched batched_wide batched_rt; do
+    declare -n flags=$rows
+    in_process=(--in-process "$models/l8b" --device "$device" --dtype "$dtype")
+    [ $rows = batched_rt ] && in_process=()
+    served $rows timeout 240 $build/attnserve-kv-bench batched --target 127.0.0.1:$port --model l8b \
+      --embed "${l8[0]}" "${flags[@]}" "${in_process[@]}" --json "$out/batched.jsonl" ||
+      { echo "FAIL: batched steps ($rows)"; failed=1; }
+    unset -n flags
+  done
   backends=$(LD_LIBRARY_PATH='' curl -s http://$metrics/metrics | grep -E '^attnserve_(attention_backend_total|staging)')
   echo "$backends"
   if grep -q cudnn <<<"$backends"; then echo "FAIL: cuDNN's attention is in use"; failed=1; fi
@@ -244,7 +273,7 @@ if serve $build/attnserve --address 127.0.0.1:$port --metrics-address $metrics \
 fi
 # The decoder layers' rows are done: the servers started after this one load $model alone (each
 # loaded model is warmed up at every start).
-mv "$models/gqa" "$models/mhad" "$models-ckpt/" 2>/dev/null
+mv "$models/gqa" "$models/mhad" "$models/l8b" "$models-ckpt/" 2>/dev/null
 if serve $build/attnserve-echo --address 127.0.0.1:$port; then
   sampled echo timeout 25 $bench --target 127.0.0.1:$port --wire-dtype $wire --label echo \
     "${large[@]}" 2>/dev/null
@@ -332,6 +361,27 @@ for name in ("gqa", "mhad"):
 if len(dec) == 2:
     print(f"decoder layers: grouped-query / a key/value head per query head: "
           f"{dec['gqa']['tokens_per_s'] / max(dec['mhad']['tokens_per_s'], 1e-9):.2f}x steps/s")
+# Batched steps (issue 65): steps/s over the device-memory bound of the bytes a step reads (the
+# weights once per call, shared by its steps, plus the keys and values attended); the engine's own;
+# a layer's round trip for 128 sessions (the median batched call).
+batched = [json.loads(x) for x in open(os.path.join(os.path.dirname(sys.argv[2]), "batched.jsonl"))] \
+    if os.path.exists(os.path.join(os.path.dirname(sys.argv[2]), "batched.jsonl")) else []
+for b in batched:
+    bound = membw / b["bytes_per_step"]
+    line = (f"batched steps: {b['sessions']} sessions over {b['kept_tokens_mean']:.0f} kept tokens, "
+            f"{b['bytes_per_step'] / 1e6:.2f} MB a step: {b['batched']['steps_per_s']:.0f} steps/s in batched "
+            f"calls (p50 {b['batched']['p50_ms']:.2f} ms a call), {b['separate']['steps_per_s']:.0f} in separate "
+            f"calls; device-memory bound {bound:.0f} steps/s")
+    if "in_process" in b:
+        line += f"; the engine's own {b['in_process']['steps_per_s']:.0f}"
+    print(line)
+    if "in_process" in b:
+        goals.append((f"batched steps ({b['sessions']}) / device-memory bound", b["batched"]["steps_per_s"] / bound, 0.5))
+        goals.append((f"engine's batched steps ({b['sessions']}) / bound", b["in_process"]["steps_per_s"] / bound, 0.7))
+    else:
+        goals.append((f"1 ms / a layer's round trip ({b['sessions']} sessions)", 1.0 / max(b["batched"]["p50_ms"], 1e-9), 1.0))
+if not batched:
+    goals.append(("batched steps / device-memory bound", 0.0, 0.5))
 bad = 0
 for name, value, goal in goals:
     ok = value >= goal

@@ -147,6 +147,7 @@ struct Options {
   int memories = 64;
   int threads = 0;          // batched: threads of the bandwidth read and the in-process engine
   std::string in_process;   // batched: the model directory the in-process engine loads
+  std::string device = "cpu", dtype = "float32";  // batched: the in-process engine's
   int draft = 4;
   int beams = 4;
   std::string json, csv;
@@ -1116,7 +1117,8 @@ int Batched(const Options& o) {
                           {"mean_batch", batch_sum / std::max(batch_n, 1.0)}}}};
   if (!o.in_process.empty()) {
     const attnserve_bench::InProcessResult e =
-        attnserve_bench::InProcessSteps(o.in_process, prompts, rounds * o.repeats, threads);
+        attnserve_bench::InProcessSteps(o.in_process, prompts, rounds * o.repeats, threads, o.device,
+                                        o.dtype);
     if (!e.error.empty()) {
       std::fprintf(stderr, "attnserve-kv-bench: in-process: %s\n", e.error.c_str());
       return 1;
@@ -1235,6 +1237,11 @@ int main(int argc, char** argv) {
   app.add_option("--in-process", o.in_process,
                  "batched: also step the same shapes in this process on this model directory "
                  "(the model the server serves as --model)");
+  app.add_option("--device", o.device, "batched --in-process: the engine's device (as --device)")
+      ->capture_default_str();
+  app.add_option("--dtype", o.dtype, "batched --in-process: the engine's dtype (as --dtype)")
+      ->check(CLI::IsMember({"float32", "bfloat16", "float16"}))
+      ->capture_default_str();
   app.add_option("--prompt", o.prompt,
                  "concurrent: prompt tokens each sequence starts with; fork: the history (0: 2048)")
       ->capture_default_str();

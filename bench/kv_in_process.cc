@@ -78,11 +78,17 @@ bool Step(const AttentionModel& model, const std::vector<Session*>& on, int64_t 
 }  // namespace
 
 InProcessResult InProcessSteps(const std::string& model_dir, const std::vector<int>& prompts,
-                               int rounds, int threads) {
+                               int rounds, int threads, const std::string& device,
+                               const std::string& dtype) {
   InProcessResult result;
   StatusOr<ModelWeights> weights = LoadModel(model_dir, "in_process");
   if (!weights.ok()) return {weights.status().ToString()};
-  StatusOr<std::unique_ptr<AttentionModel>> made = CreateTorchModel(*weights, EngineOptions());
+  EngineOptions options;
+  options.device = device;
+  options.compute_dtype = dtype == "bfloat16"  ? DType::kBFloat16
+                          : dtype == "float16" ? DType::kFloat16
+                                               : DType::kFloat32;
+  StatusOr<std::unique_ptr<AttentionModel>> made = CreateTorchModel(*weights, options);
   if (!made.ok()) return {made.status().ToString()};
   const AttentionModel& model = **made;
   result.kernels = model.spec().kernels;

@@ -19,7 +19,10 @@ struct InProcessResult {
 /// Loads `model_dir` (one model directory, as the server's --models holds it), keeps a session of
 /// one sequence per prompt length in `prompts` (the prompt's tokens random, from a fixed seed),
 /// then times `rounds` batched steps of one token for every session.
+/// `device` ("cpu", "cuda") and `dtype` ("float32", "bfloat16", "float16") as the server's --device
+/// and --dtype.
 InProcessResult InProcessSteps(const std::string& model_dir, const std::vector<int>& prompts,
-                               int rounds, int threads);
+                               int rounds, int threads, const std::string& device = "cpu",
+                               const std::string& dtype = "float32");
 
 }  // namespace attnserve_bench

@@ -55,9 +55,10 @@ void Products::GemmInto(const at::Tensor& y, const at::Tensor& x, const Proj& pr
     return;
   }
   const int64_t blocks = Blocks(parallel, x.size(0), 2.0 * wt.size(0) * wt.size(1), kMinGemmRows);
-  // Too few rows to cut, with cores idle: the output columns cut instead, so that each core reads
-  // its part of the weights (a decoding batch's product reads little else).
-  if (blocks == 1 && ColumnsInto(y, x, proj, parallel)) return;
+  // Too few rows to cut, or few enough that the weights are most of what the product reads, with
+  // cores idle: the output columns cut instead, so that each core reads its part of the weights (a
+  // decoding batch's product reads little else).
+  if ((blocks == 1 || x.size(0) <= kColumnRows) && ColumnsInto(y, x, proj, parallel)) return;
   Pieces(parallel, blocks, [&](int64_t i) {
     const auto [r0, n] =
         blocks > 1 ? Block(x.size(0), blocks, i) : std::make_pair(int64_t{0}, x.size(0));

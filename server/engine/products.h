@@ -31,6 +31,11 @@ class Products {
  public:
   /// A GEMM piece has at least this many rows (the BLAS kernels' height).
   static constexpr int64_t kMinGemmRows = 16;
+  /// Up to this many rows, a product on packed weights is cut across the idle cores by its output
+  /// columns, not its rows: each core then reads its part of the weights, which is most of what a
+  /// decoding batch's product reads (cut by rows, every core read all of them). A batched step of
+  /// 32 sessions of a [2560, 2048] projection (Zen 5, 2 cores): 1.15 ms cut by rows.
+  static constexpr int64_t kColumnRows = 64;
   /// Up to this many rows, a float32 product on the CPU runs as one matrix-vector product per row:
   /// an OpenBLAS GEMM call has a fixed cost (it packs the whole weight matrix and computes whole
   /// micro-tiles), which a one-token decoding step would pay per projection: against [3E, E] at

@@ -2,6 +2,7 @@
 // one query for each of many memories). Its entries are resolved together, computed as one item
 // of the batch (WorkItem::entries) and answered one by one; an entry refused or failed changes
 // nothing and the others go on (docs/api.md "Many sessions in one call").
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -63,16 +64,16 @@ Status RequestPipeline::ResolveSteps(Exchange* x, WorkItem* item, StepsHeld* hel
     field[i] = "steps[" + std::to_string(i) + "]";
     held->refused[i] = FromWire(s, field[i], &calls[i]);
     if (!held->refused[i].ok()) continue;
-    const std::string& handle = s.session().empty() ? s.memory() : s.session();
+    if (s.session().empty()) continue;  // A memory: read, never stepped; named as often as wanted.
+    const std::string& handle = s.session();
     const auto [at, fresh] = first.emplace(handle, i);
-    if (!fresh && !s.session().empty()) {
+    if (!fresh) {
       held->refused[i] = Status(StatusCode::kAborted,
                                 field[i] + ": session '" + handle + "' is stepped by steps[" +
                                     std::to_string(at->second) +
                                     "] of this call already; one step per session in a call");
       continue;
     }
-    if (s.session().empty()) continue;
     begins.push_back({s.session(), s.has_session_length()
                                        ? std::optional<int64_t>(s.session_length())
                                        : std::nullopt});
@@ -142,20 +143,34 @@ Status RequestPipeline::ResolveSteps(Exchange* x, WorkItem* item, StepsHeld* hel
       dtype = c.query.dtype;
     }
   }
-  int64_t tokens = 0, attention = 0, answer = 0;
+  // The call is one request for the per-request limits: its entries' tokens and attention scores
+  // together.
+  int64_t tokens = 0, scores = 0, answer = 0;
   for (int i = 0; i < n; ++i) {
     if (!held->refused[i].ok()) continue;
-    tokens += calls[i].tokens;  // Each bounded by --max-request-tokens: no overflow at 1,024.
-    attention = std::min(attention + calls[i].attention_cost, int64_t{1} << 62);
-    answer += calls[i].output_bytes;
+    const ModelSpec& spec = entries[i]->model->spec();
+    const int64_t entry_scores = calls[i].batch * spec.num_heads * calls[i].query_len *
+                                 (calls[i].key_len + spec.extra_keys());
+    for (auto [sum, add] : {std::pair<int64_t*, int64_t>{&tokens, calls[i].tokens},
+                            {&scores, entry_scores},
+                            {&answer, calls[i].output_bytes}}) {
+      if (__builtin_add_overflow(*sum, add, sum)) *sum = INT64_MAX;  // Saturates: refused below.
+    }
   }
   if (tokens > limits_.max_tokens) {
     return InvalidArgument("steps: " + std::to_string(tokens) +
                            " tokens in all; allowed: at most " + std::to_string(limits_.max_tokens) +
                            " in one call (server flag --max-request-tokens)");
   }
+  if (scores > limits_.max_attention_scores) {
+    return InvalidArgument("steps: " + std::to_string(scores) +
+                           " attention scores in all (batch * num_heads * query_len * key_len of "
+                           "each entry); allowed: at most " +
+                           std::to_string(limits_.max_attention_scores) +
+                           " in one call (server flag --max-attention-scores)");
+  }
   // Room for every entry's fields and an error message of the longest kind, whatever happens.
-  answer += int64_t{n} * kStepAnswerOverhead;
+  if (__builtin_add_overflow(answer, int64_t{n} * kStepAnswerOverhead, &answer)) answer = INT64_MAX;
   if (answer > limits_.max_answer_bytes) {
     return InvalidArgument("steps: the answers take " + std::to_string(answer) +
                            " bytes; allowed: at most " + std::to_string(limits_.max_answer_bytes) +
@@ -174,12 +189,12 @@ Status RequestPipeline::ResolveSteps(Exchange* x, WorkItem* item, StepsHeld* hel
   }
   auto kept = std::make_shared<std::vector<std::shared_ptr<KvEntry>>>();
   tokens = 0;
-  attention = 0;
+  int64_t attention = 0;  // Within --max-attention-scores (checked above), so no overflow.
   for (int i = 0; i < n; ++i) {
     if (!held->refused[i].ok()) continue;
     held->computed[i] = static_cast<int>(item->entries.size());
     tokens += calls[i].tokens;
-    attention = std::min(attention + calls[i].attention_cost, int64_t{1} << 62);
+    attention += calls[i].attention_cost;
     item->call.output_bytes += calls[i].output_bytes;
     item->entries.push_back({std::move(calls[i]), AttendOutputs(), Status::Ok()});
     kept->push_back(std::move(entries[i]));

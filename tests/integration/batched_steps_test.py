@@ -11,7 +11,8 @@ server and wire.
   handle, another tenant's, a handle named twice, a wrong session_length, a batch or dtype that does
   not match, another model's session, a budget that cannot hold a chunk.
 - What is the call's refuses the call and applies nothing: fields of a single request beside steps,
-  more entries than --max-steps-per-call, more tokens than --max-request-tokens in all; a deadline
+  more entries than --max-steps-per-call, more tokens than --max-request-tokens or attention scores than
+  --max-attention-scores in all; an entry whose error message is cut at the cap stays valid UTF-8; a deadline
   that passes during compute applies no entry.
 - AttendStream: several batched steps in flight on one stream, each answered with its request_id.
 
@@ -58,7 +59,7 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(attnserve, models):
     s = lib.Server(attnserve, "--models", models, "--tenant-header", HEADER, "--max-steps-per-call", "16",
-                   "--max-request-tokens", "256", "--kv-budget-bytes", str(4 << 20), "--kv-max-entry-bytes", str(32 << 10))
+                   "--max-request-tokens", "256", "--max-attention-scores", "20000", "--kv-budget-bytes", str(4 << 20), "--kv-max-entry-bytes", str(32 << 10))
     yield s
     s.stop()
 
@@ -245,13 +246,44 @@ def test_what_is_the_calls_refuses_the_call(server, stubs, checks):
     checks("17 entries over --max-steps-per-call 16: refused naming the flag", outcome.startswith("INVALID_ARGUMENT"),
            outcome)
     req = pb.AttendRequest()
-    for h in sessions[:3]:
-        req.steps.add(session=h, query=x(t=100))
+    for h in sessions[:5]:
+        req.steps.add(session=h, query=x(t=60))
     outcome = refused(req, "--max-request-tokens")
     checks("300 tokens in all over --max-request-tokens 256: refused naming the flag",
            outcome.startswith("INVALID_ARGUMENT"), outcome)
+    # Each entry within --max-attention-scores (4 heads x 60 x 60 = 14,400 of 20,000), the three
+    # together over it: one call is one request (a review had 128 entries at the limit compute 128x it).
+    req = pb.AttendRequest()
+    for h in sessions[:3]:
+        req.steps.add(session=h, query=x(t=60))
+    outcome = refused(req, "--max-attention-scores")
+    checks("43,200 attention scores in all over --max-attention-scores 20,000: refused naming the flag",
+           outcome.startswith("INVALID_ARGUMENT"), outcome)
     lengths = [length_of(stub, pb, h) for h in sessions]
     checks("every refused call applied nothing", lengths == [0] * len(sessions), str(lengths))
+
+
+def test_a_long_error_message_is_cut_between_characters(server, stubs, checks):
+    """An entry whose error message passes the 1 KiB cap (a handle of 400 three-byte characters) is cut
+    between characters: the answer decodes, the other entry's output arrives (a review found the cut
+    mid-character made protobuf refuse the whole answer, after the other step was applied)."""
+    pb, pb_grpc = stubs
+    stub = pb_grpc.AttentionServiceStub(grpc.insecure_channel(server.target))
+    e = width(stub, pb, "mha")
+    good = open_sessions(stub, pb, "mha", 1)[0]
+    q = lib.to_wire(pb, np.ones((1, 1, e), np.float32))
+    outcomes = []
+    for pad in range(3):
+        req = pb.AttendRequest()
+        req.steps.add(session=good, query=q)
+        req.steps.add(session="x" * pad + "\u20ac" * 400, query=q)
+        try:
+            r = stub.Attend(req, metadata=tenant("a"), timeout=30)
+            outcomes.append((r.steps[0].session_length, grpc.StatusCode.NOT_FOUND.value[0] == r.steps[1].error.code))
+        except grpc.RpcError as err:
+            outcomes.append(f"{err.code().name}: {err.details()}")
+    checks("every answer decodes: the good entry applied once each, the long one NOT_FOUND",
+           outcomes == [(1, True), (2, True), (3, True)], str(outcomes))
 
 
 def test_a_call_answered_too_late_applies_no_entry(attnserve, stubs, checks):
