@@ -337,10 +337,12 @@ std::shared_ptr<const Tenants> RequestPipeline::tenants() const {
 
 Status RequestPipeline::Admit(Exchange* x, const WorkItem& item) {
   // Request and answer bytes count against the in-flight budget until the outcome is recorded.
+  // A batched step's entries each hold their call, statuses and answer fields on the server too.
   const int64_t bytes =
       WidenedBytes(static_cast<int64_t>(x->request.ByteSizeLong()) + x->staged.bytes() +
                        item.call.output_bytes + item.call.weights_bytes,
-                   item.call.query.dtype, item.model->spec().compute_dtype);
+                   item.call.query.dtype, item.model->spec().compute_dtype) +
+      int64_t{x->request.steps_size()} * kStepBookkeepingBytes;
   Status reserved = Reserve(x->model, bytes, x->caller);
   if (!reserved.ok()) {
     metrics_.RecordTenantRejection(x->tenant_label, "memory");

@@ -169,6 +169,9 @@ class RequestPipeline {
   void Unreserve(int64_t bytes, const std::string& caller);
   void UnreserveLocked(int64_t bytes, const std::string& caller);  // Under mu_.
   static int64_t WidenedBytes(int64_t wire_bytes, DType wire, DType compute);
+  // What one entry of a batched step holds while in flight beyond its tensors (its call, status,
+  // answer fields; measured ~1.8 KiB), counted in the in-flight bytes.
+  static constexpr int64_t kStepBookkeepingBytes = 2048;
   // Metrics, span and access-log line for a call that is not an Attend; `handle`: the memory or
   // session it made or used; `traced`, when given, receives the call's trace.
   void RecordCall(const std::string& model, const char* method, const Status& st,

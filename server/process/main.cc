@@ -327,7 +327,7 @@ bool ParseFlags(int argc, char** argv, attnserve::ServerOptions* options, int* e
   app.add_option("--max-steps-per-call", o.limits.max_steps,
                  "Most entries in one batched step (AttendRequest.steps): sessions or memories "
                  "stepped in one call")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+      ->check(CLI::Range(int64_t{1}, int64_t{65536}))
       ->capture_default_str();
   app.add_option("--max-attention-scores", o.limits.max_attention_scores,
                  "Most attention scores in one request: batch * heads * query_len * key_len")
