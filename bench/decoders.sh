@@ -41,9 +41,12 @@ torch.manual_seed(0)  # The prefill's yardstick: nn.MultiheadAttention of the sa
 export_model.export(torch.nn.MultiheadAttention(embed * 3 // 4, 24, bias=False, batch_first=True),
                     f"{out}/models/torch_mha")
 PY
+# Every caller is this host (one peer address): the per-caller in-flight bound is the whole's, so
+# that 32 callers' 1,024-token prompts (16 MiB each) are not refused as one caller's.
 port=50181 metrics=50182
 "$build/attnserve" --address 127.0.0.1:$port --metrics-address 127.0.0.1:$metrics --models "$out/models" \
-  --kv-budget-bytes $((8 << 30)) ${DEC_SERVER_ARGS:-} >"$out/server.log" 2>&1 &
+  --kv-budget-bytes $((8 << 30)) --max-inflight-bytes $((2 << 30)) \
+  --max-inflight-bytes-per-caller $((2 << 30)) ${DEC_SERVER_ARGS:-} >"$out/server.log" 2>&1 &
 pid=$!
 trap 'kill -TERM $pid 2>/dev/null; wait $pid 2>/dev/null || true' EXIT
 for _ in $(seq 300); do grep -q serving "$out/server.log" && break; sleep 0.2; done

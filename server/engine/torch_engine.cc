@@ -521,6 +521,12 @@ class TorchModel final : public AttentionModel {
     for (size_t i = 0; i < calls.size(); ++i) {
       if (!done[i]) pending.push_back(i);
     }
+    // The longest first (pieces are taken in order): the cores then finish together, not with a
+    // long session's attention alone on one core at the end (a batched step's sessions over
+    // 1,024..4,096 keys, in the order a runner sends them).
+    std::stable_sort(pending.begin(), pending.end(), [&](size_t a, size_t b) {
+      return calls[a]->attention_cost > calls[b]->attention_cost;
+    });
     const size_t pieces = products_.Width(parallel) > 1 ? pending.size() : 1;
     products_.Pieces(parallel, static_cast<int64_t>(pieces), [&](int64_t piece) {
       const size_t from = pieces > 1 ? static_cast<size_t>(piece) : 0,
