@@ -30,6 +30,7 @@
 #     key/value heads), 64 and 256 sessions over 1,024-4,096 kept tokens: >= 0.5x the device-memory
 #     bound over the bytes a step reads (weights once a call, plus its keys and values), the
 #     engine's own batched step >= 0.7x; a layer's round trip for 128 sessions <= 1 ms at the median;
+#   attnserve-echo over 1, 4 and 16 connections (printed: what bounds the gRPC rows);
 #   no cuDNN attention (it compiles a kernel per shape); the first request after start within 2x the
 #   steady p50 of the same request (bench/first_request.sh); every row answered requests.
 # Evidence left under $OUT for the next fix: engine-profile.json (LibTorch's profiler, a Chrome trace
@@ -277,6 +278,11 @@ mv "$models/gqa" "$models/mhad" "$models/l8b" "$models-ckpt/" 2>/dev/null
 if serve $build/attnserve-echo --address 127.0.0.1:$port; then
   sampled echo timeout 25 $bench --target 127.0.0.1:$port --wire-dtype $wire --label echo \
     "${large[@]}" 2>/dev/null
+  # What bounds the gRPC rows (issue 65): the same load over 1 and 16 connections (4 above).
+  for c in 1 16; do
+    sampled echo-c$c timeout 25 $bench --target 127.0.0.1:$port --wire-dtype $wire --label echo-c$c \
+      --connections $c "${large[@]}" 2>/dev/null
+  done
   # The transport's bound for the small ragged row too (same sizes, float32 wire).
   sampled echo-small timeout 25 $bench --target 127.0.0.1:$port --model $model --embed-dim $embed \
     --callers $callers --lengths $small --pool 64 --duration $duration --warmup $warmup \
@@ -311,7 +317,7 @@ PY
 echo "device memory: $(python3 -c "print(f'{$membw / 1e9:.0f}')") GB/s (a device-to-device copy, read plus write)"
 BUILD=$build MODEL=$model goal "first_request:" bench/first_request.sh $rounds -- --models $models \
   --device $device --dtype $dtype
-python3 bench/gpu_evidence.py rows "$jsonl" engine attnserve shm small echo echo-small python ||
+python3 bench/gpu_evidence.py rows "$jsonl" engine attnserve shm small echo echo-c1 echo-c16 echo-small python ||
   failed=1
 elem=$([ "$dtype" = float32 ] && echo 4 || echo 2)
 python3 - "$jsonl" "$out/decode.jsonl" "$membw" "$elem" <<'PY' || { [ -n "$rehearsal" ] || failed=1; }
@@ -338,6 +344,8 @@ goals.append(("attnserve gRPC / echo bound", rate("attnserve") / max(rate("echo"
 goals.append(("attnserve gRPC / 593 req/s (2026-11-26)", rate("attnserve") / 593, 3.0))
 print(f"small ragged / attnserve-echo at the same sizes: {rate('small') / max(rate('echo-small'), 1e-9):.2f} "
       f"(the transport's bound; not a goal)")
+print(f"attnserve-echo over 1, 4 and 16 connections: {rate('echo-c1'):.0f}, {rate('echo'):.0f}, "
+      f"{rate('echo-c16'):.0f} req/s (what bounds the gRPC rows; not a goal)")
 membw, elem = float(sys.argv[3]), int(sys.argv[4])
 decode = json.loads(open(sys.argv[2]).read().splitlines()[-1]) if os.path.exists(sys.argv[2]) else {}
 if decode:

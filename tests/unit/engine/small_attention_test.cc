@@ -256,3 +256,44 @@ TEST(SmallAttentionTest, RoundingToBfloat16IsLibTorchsBitForBit) {
 
 }  // namespace
 }  // namespace attnserve
+
+namespace attnserve {
+namespace {
+
+// The AVX-512 values kernel takes rows four, then two, then one at a time: whatever the grouping,
+// every output row is the one it gets in a pair of rows (each output summed over the keys in one
+// order), so a session's answer does not depend on how many query rows share its call.
+TEST(SmallAttentionTest, ValuesOfManyRowsEqualThemInPairsToTheBit) {
+  if (!small_attention::Available()) GTEST_SKIP() << "no AVX2 kernels on this CPU";
+  for (const small_attention::Isa isa : IsasHere()) {
+    uint64_t seed = 900;
+    for (const int64_t m : {2, 3, 4, 5, 7, 8, 9, 12, 13, 16}) {
+      for (const int64_t d : {8, 64, 72, 128}) {
+        for (const int64_t n : {5, 67, 300}) {
+          const at::Tensor p = at::softmax(Random({m, n}, seed++), -1).contiguous();
+          const at::Tensor v = Random({n, d}, seed++);
+          for (const bool accumulate : {false, true}) {
+            const at::Tensor start = Random({m, d}, seed++);
+            at::Tensor all = start.clone();
+            ASSERT_TRUE(small_attention::TimesValues(p.data_ptr<float>(), n, m, v.data_ptr<float>(),
+                                                     d, n, d, all.data_ptr<float>(), d, accumulate,
+                                                     isa));
+            for (int64_t i = 0; i < m; ++i) {
+              const int64_t first = i + 1 < m ? i : i - 1;  // The pair holding row i.
+              at::Tensor pair = start.narrow(0, first, 2).clone();
+              ASSERT_TRUE(small_attention::TimesValues(p[first].data_ptr<float>(), n, 2,
+                                                       v.data_ptr<float>(), d, n, d,
+                                                       pair.data_ptr<float>(), d, accumulate, isa));
+              EXPECT_TRUE(at::equal(all[i], pair[i - first]))
+                  << "isa " << static_cast<int>(isa) << " m " << m << " row " << i << " d " << d
+                  << " n " << n;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace attnserve
