@@ -517,16 +517,7 @@ class TorchModel final : public AttentionModel {
       }
     }
     // Each call attends on one thread; the calls spread over the idle cores.
-    std::vector<size_t> pending;
-    for (size_t i = 0; i < calls.size(); ++i) {
-      if (!done[i]) pending.push_back(i);
-    }
-    // The longest first (pieces are taken in order): the cores then finish together, not with a
-    // long session's attention alone on one core at the end (a batched step's sessions over
-    // 1,024..4,096 keys, in the order a runner sends them).
-    std::stable_sort(pending.begin(), pending.end(), [&](size_t a, size_t b) {
-      return calls[a]->attention_cost > calls[b]->attention_cost;
-    });
+    const std::vector<size_t> pending = LongestFirst(calls, done);
     const size_t pieces = products_.Width(parallel) > 1 ? pending.size() : 1;
     products_.Pieces(parallel, static_cast<int64_t>(pieces), [&](int64_t piece) {
       const size_t from = pieces > 1 ? static_cast<size_t>(piece) : 0,
@@ -551,6 +542,21 @@ class TorchModel final : public AttentionModel {
       WriteOutput(c, attended[i], y.narrow(0, q_off[i], c.batch * c.query_len), outs[i],
                   SerialParallel());
     }
+  }
+
+  // The calls not `done`, the longest attention first (pieces are taken in order): the cores then
+  // finish together, not with a long session's attention alone on one core at the end (a batched
+  // step's sessions over 1,024..4,096 keys, in the order a runner sends them).
+  static std::vector<size_t> LongestFirst(const std::vector<const AttendCall*>& calls,
+                                          const std::vector<bool>& done) {
+    std::vector<size_t> pending;
+    for (size_t i = 0; i < calls.size(); ++i) {
+      if (!done[i]) pending.push_back(i);
+    }
+    std::stable_sort(pending.begin(), pending.end(), [&](size_t a, size_t b) {
+      return calls[a]->attention_cost > calls[b]->attention_cost;
+    });
+    return pending;
   }
 
   // A batch's wire rows in the compute dtype, packed as its plan says: every query row in x, the

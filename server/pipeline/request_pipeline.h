@@ -21,6 +21,17 @@
 
 namespace attnserve {
 
+/// A batched step's sessions and memories while it is in flight (request_steps.cc): one of each
+/// per entry of AttendRequest.steps, in order.
+struct StepsHeld {
+  std::vector<std::unique_ptr<KvStep>> kv;  ///< Its session's step; null: a memory, or refused.
+  std::vector<int> computed;                ///< Its index in WorkItem::entries; -1: refused.
+  std::vector<Status> refused;              ///< Why it was refused before compute.
+  /// The entries' outcome: each step is applied when the call was delivered and its entry computed
+  /// (`outcome`, per entry); every session is let go of.
+  void End(bool delivered, const std::vector<Status>& outcome);
+};
+
 /// The request path of every front end, with no transport in it: model or kept keys and values
 /// resolved, the request validated against the model and limits, its bytes admitted against the
 /// in-flight budget, submitted to the batcher, and completed with an answer or a status. Also the
@@ -134,16 +145,6 @@ class RequestPipeline {
   void Record(const char* method, Exchange* x, const Status& seen);
   // The trace a call with this context joins (empty with tracing off).
   CallTrace BeginTrace(const IncomingTrace& in) const;
-  // A batched step's sessions and memories while it is in flight (request_steps.cc): one of each
-  // per entry of AttendRequest.steps, in order.
-  struct StepsHeld {
-    std::vector<std::unique_ptr<KvStep>> kv;  // Its session's step; null: a memory, or refused.
-    std::vector<int> computed;                // Its index in WorkItem::entries; -1: refused.
-    std::vector<Status> refused;              // Why it was refused before compute.
-    // The entries' outcome: each step is applied when the call was delivered and its entry
-    // computed (`outcome`, per entry); every session is let go of.
-    void End(bool delivered, const std::vector<Status>& outcome);
-  };
   // The steps of Attend; each returns the failure that ends the request there.
   Status Resolve(Exchange* x, WorkItem* item, std::shared_ptr<KvStep>* step);
   // Resolve for a batched step: the entries' handles begun or looked up, validated and reserved,

@@ -30,12 +30,203 @@ std::string ModelName(const ModelSpec& spec) {
 
 }  // namespace
 
-void RequestPipeline::StepsHeld::End(bool delivered, const std::vector<Status>& outcome) {
+void StepsHeld::End(bool delivered, const std::vector<Status>& outcome) {
   for (size_t i = 0; i < kv.size(); ++i) {
     if (kv[i]) kv[i]->End(delivered && i < outcome.size() && outcome[i].ok());
   }
   kv.clear();  // Idle and not held: the client's next call may evict them.
 }
+
+namespace {
+
+// A batched step's entries while they are resolved: each one's call, field name ("steps[3]") and
+// memory or session, and what is held (the steps begun, the refusals).
+struct Resolving {
+  const v1::AttendRequest& r;
+  StepsHeld* held;
+  std::vector<AttendCall> calls;
+  std::vector<std::string> field;
+  std::vector<std::shared_ptr<KvEntry>> entries;
+  bool ok(int i) const { return held->refused[i].ok(); }
+  void Refuse(int i, const Status& st) { held->refused[i] = Named(field[i], st); }
+};
+
+// The entries decoded, a session named twice refused after its first, and the sessions to begin.
+void DecodeEntries(Resolving& e, std::vector<KvStore::StepBegin>* begins,
+                   std::vector<int>* begun_entry) {
+  std::unordered_map<std::string, int> first;  // Each session's first entry.
+  for (int i = 0; i < e.r.steps_size(); ++i) {
+    const v1::Step& s = e.r.steps(i);
+    e.field[i] = "steps[" + std::to_string(i) + "]";
+    e.held->refused[i] = FromWire(s, e.field[i], &e.calls[i]);
+    if (!e.ok(i) || s.session().empty()) continue;  // A memory: read, never stepped.
+    const auto [at, fresh] = first.emplace(s.session(), i);
+    if (!fresh) {
+      e.Refuse(i, Status(StatusCode::kAborted, "session '" + s.session() + "' is stepped by steps[" +
+                                                   std::to_string(at->second) +
+                                                   "] of this call already; one step per session "
+                                                   "in a call"));
+      continue;
+    }
+    begins->push_back({s.session(), s.has_session_length()
+                                         ? std::optional<int64_t>(s.session_length())
+                                         : std::nullopt});
+    begun_entry->push_back(i);
+  }
+}
+
+// Every session marked busy under one lock before any reserves room (KvStore::BeginSteps), then
+// the memories looked up.
+void BeginEntries(Resolving& e, KvStore& kv, const std::string& tenant) {
+  std::vector<KvStore::StepBegin> begins;
+  std::vector<int> begun_entry;
+  DecodeEntries(e, &begins, &begun_entry);
+  std::vector<StatusOr<std::unique_ptr<KvStep>>> begun = kv.BeginSteps(begins, tenant);
+  for (size_t j = 0; j < begun.size(); ++j) {
+    const int i = begun_entry[j];
+    if (!begun[j].ok()) {
+      e.Refuse(i, begun[j].status());
+      continue;
+    }
+    e.held->kv[i] = std::move(begun[j]).value();
+    e.entries[i] = e.held->kv[i]->entry();
+    e.calls[i].kv_use = AttendCall::Kv::kSession;
+    e.calls[i].kv_length = e.held->kv[i]->length();
+  }
+  for (int i = 0; i < e.r.steps_size(); ++i) {
+    if (!e.ok(i) || e.r.steps(i).memory().empty()) continue;
+    StatusOr<std::shared_ptr<KvEntry>> memory =
+        kv.Lookup(e.r.steps(i).memory(), KvKind::kMemory, tenant);
+    if (!memory.ok()) {
+      e.Refuse(i, memory.status());
+      continue;
+    }
+    e.entries[i] = std::move(memory).value();
+    e.calls[i].kv_use = AttendCall::Kv::kMemory;
+    e.calls[i].kv_length = e.entries[i]->length;
+  }
+}
+
+// Why entry i's model is not the call's (the request's when it names one, else the first entry's
+// `model`); OK when it is.
+Status SameModel(const Resolving& e, int i, const AttentionModel* model) {
+  const KvEntry& entry = *e.entries[i];
+  const ModelSpec& spec = entry.model->spec();
+  const std::string what = std::string(entry.kind == KvKind::kSession ? "session" : "memory") +
+                           " '" + entry.handle + "' belongs to " + ModelName(spec);
+  if ((!e.r.model().empty() && e.r.model() != spec.name) ||
+      (e.r.model_version() != 0 && e.r.model_version() != spec.version)) {
+    return InvalidArgument(what + ", but the call names model '" + e.r.model() + "' version " +
+                           std::to_string(e.r.model_version()) +
+                           " (leave model empty and model_version 0 to use the entries')");
+  }
+  if (model && entry.model.get() != model) {
+    return InvalidArgument(what + " (weights " + spec.weights_hash + "), but the call's first " +
+                           "entry to " + ModelName(model->spec()) + " (weights " +
+                           model->spec().weights_hash +
+                           "); one call steps the sessions of one model version");
+  }
+  return Status::Ok();
+}
+
+// Each entry against the call's model and dtype, then validated as a single request of its own;
+// the call's model (null when no entry got that far).
+std::shared_ptr<const AttentionModel> CheckEntries(Resolving& e, const AttendLimits& limits,
+                                                   std::optional<DType>* dtype) {
+  std::shared_ptr<const AttentionModel> model;
+  for (int i = 0; i < e.r.steps_size(); ++i) {
+    if (!e.ok(i)) continue;
+    Status st = SameModel(e, i, model.get());
+    if (st.ok()) {
+      if (!model) model = e.entries[i]->model;
+      AttendCall& c = e.calls[i];
+      c.kv = e.entries[i]->cache;
+      c.kv_batch = e.entries[i]->batch;
+      st = Validate(model->spec(), limits, &c);
+      if (st.ok() && *dtype && c.query.dtype != **dtype) {
+        st = InvalidArgument(std::string("query: dtype ") + DTypeName(c.query.dtype) +
+                             ", but the call's first entry's is " + DTypeName(**dtype) +
+                             "; one call's entries share a dtype");
+      }
+      if (st.ok()) *dtype = c.query.dtype;
+    }
+    if (!st.ok()) e.Refuse(i, st);
+  }
+  return model;
+}
+
+// The call is one request for the per-request limits: its entries' tokens, attention scores and
+// answers together.
+Status CheckCallLimits(const Resolving& e, const AttendLimits& limits) {
+  int64_t tokens = 0, scores = 0, answer = 0;
+  for (int i = 0; i < e.r.steps_size(); ++i) {
+    if (!e.ok(i)) continue;
+    const ModelSpec& spec = e.entries[i]->model->spec();
+    const AttendCall& c = e.calls[i];
+    const int64_t entry_scores = c.batch * spec.num_heads * c.query_len * (c.key_len + spec.extra_keys());
+    for (auto [sum, add] : {std::pair<int64_t*, int64_t>{&tokens, c.tokens},
+                            {&scores, entry_scores},
+                            {&answer, c.output_bytes}}) {
+      if (__builtin_add_overflow(*sum, add, sum)) *sum = INT64_MAX;  // Saturates: refused below.
+    }
+  }
+  if (tokens > limits.max_tokens) {
+    return InvalidArgument("steps: " + std::to_string(tokens) + " tokens in all; allowed: at most " +
+                           std::to_string(limits.max_tokens) +
+                           " in one call (server flag --max-request-tokens)");
+  }
+  if (scores > limits.max_attention_scores) {
+    return InvalidArgument("steps: " + std::to_string(scores) +
+                           " attention scores in all (batch * num_heads * query_len * key_len of "
+                           "each entry); allowed: at most " +
+                           std::to_string(limits.max_attention_scores) +
+                           " in one call (server flag --max-attention-scores)");
+  }
+  // Room for every entry's fields and an error message of the longest kind, whatever happens.
+  const int64_t overhead = int64_t{e.r.steps_size()} * kStepAnswerOverhead;
+  if (__builtin_add_overflow(answer, overhead, &answer)) answer = INT64_MAX;
+  if (answer > limits.max_answer_bytes) {
+    return InvalidArgument("steps: the answers take " + std::to_string(answer) +
+                           " bytes; allowed: at most " + std::to_string(limits.max_answer_bytes) +
+                           " in one message (server flag --max-message-bytes)");
+  }
+  return Status::Ok();
+}
+
+// Room for each session's new tokens, every session of the call busy already (not evictable).
+void ReserveEntries(Resolving& e) {
+  for (int i = 0; i < e.r.steps_size(); ++i) {
+    if (!e.ok(i) || !e.held->kv[i]) continue;
+    const Status reserved = e.held->kv[i]->Reserve(e.calls[i].query_len);
+    if (!reserved.ok()) {
+      e.Refuse(i, reserved);
+      e.held->kv[i].reset();  // Ended, not applied: the session is as it was.
+      continue;
+    }
+    e.calls[i].kv_capacity = e.held->kv[i]->capacity();
+  }
+}
+
+// The entries that passed as one item of the batch; what the queue reads of it summed.
+void FillItem(Resolving& e, std::shared_ptr<const AttentionModel> model, DType dtype,
+              WorkItem* item) {
+  auto kept = std::make_shared<std::vector<std::shared_ptr<KvEntry>>>();
+  for (int i = 0; i < e.r.steps_size(); ++i) {
+    if (!e.ok(i)) continue;
+    e.held->computed[i] = static_cast<int>(item->entries.size());
+    item->call.tokens += e.calls[i].tokens;  // Within the limits checked: no overflow.
+    item->call.attention_cost += e.calls[i].attention_cost;
+    item->call.output_bytes += e.calls[i].output_bytes;
+    item->entries.push_back({std::move(e.calls[i]), AttendOutputs(), Status::Ok()});
+    kept->push_back(std::move(e.entries[i]));
+  }
+  item->model = std::move(model);
+  item->kv_entry = std::move(kept);
+  item->call.query.dtype = dtype;
+  item->call.weights = WeightsMode::kNone;
+}
+
+}  // namespace
 
 Status RequestPipeline::ResolveSteps(Exchange* x, WorkItem* item, StepsHeld* held) {
   const v1::AttendRequest& r = x->request;
@@ -50,162 +241,18 @@ Status RequestPipeline::ResolveSteps(Exchange* x, WorkItem* item, StepsHeld* hel
                            std::to_string(limits_.max_steps) +
                            " (server flag --max-steps-per-call)");
   }
-  std::vector<AttendCall> calls(static_cast<size_t>(n));
-  std::vector<std::string> field(static_cast<size_t>(n));
   held->refused.assign(n, Status::Ok());
   held->kv.resize(n);
   held->computed.assign(n, -1);
-  // Every session is marked busy under one lock before any reserves room (KvStore::BeginSteps).
-  std::vector<KvStore::StepBegin> begins;
-  std::vector<int> begun_entry;
-  std::unordered_map<std::string, int> first;  // Each handle's first entry.
-  for (int i = 0; i < n; ++i) {
-    const v1::Step& s = r.steps(i);
-    field[i] = "steps[" + std::to_string(i) + "]";
-    held->refused[i] = FromWire(s, field[i], &calls[i]);
-    if (!held->refused[i].ok()) continue;
-    if (s.session().empty()) continue;  // A memory: read, never stepped; named as often as wanted.
-    const std::string& handle = s.session();
-    const auto [at, fresh] = first.emplace(handle, i);
-    if (!fresh) {
-      held->refused[i] = Status(StatusCode::kAborted,
-                                field[i] + ": session '" + handle + "' is stepped by steps[" +
-                                    std::to_string(at->second) +
-                                    "] of this call already; one step per session in a call");
-      continue;
-    }
-    begins.push_back({s.session(), s.has_session_length()
-                                       ? std::optional<int64_t>(s.session_length())
-                                       : std::nullopt});
-    begun_entry.push_back(i);
-  }
-  std::vector<StatusOr<std::unique_ptr<KvStep>>> begun = kv_.BeginSteps(begins, x->tenant);
-  std::vector<std::shared_ptr<KvEntry>> entries(static_cast<size_t>(n));
-  for (size_t j = 0; j < begun.size(); ++j) {
-    const int i = begun_entry[j];
-    if (!begun[j].ok()) {
-      held->refused[i] = Named(field[i], begun[j].status());
-      continue;
-    }
-    held->kv[i] = std::move(begun[j]).value();
-    entries[i] = held->kv[i]->entry();
-    calls[i].kv_use = AttendCall::Kv::kSession;
-    calls[i].kv_length = held->kv[i]->length();
-  }
-  for (int i = 0; i < n; ++i) {
-    if (!held->refused[i].ok() || r.steps(i).memory().empty()) continue;
-    StatusOr<std::shared_ptr<KvEntry>> memory =
-        kv_.Lookup(r.steps(i).memory(), KvKind::kMemory, x->tenant);
-    if (!memory.ok()) {
-      held->refused[i] = Named(field[i], memory.status());
-      continue;
-    }
-    entries[i] = std::move(memory).value();
-    calls[i].kv_use = AttendCall::Kv::kMemory;
-    calls[i].kv_length = entries[i]->length;
-  }
-  // One model version and one query dtype for the whole call: the request's model when it names
-  // one, else the first entry's.
-  std::shared_ptr<const AttentionModel> model;
+  Resolving e{r, held, std::vector<AttendCall>(n), std::vector<std::string>(n),
+              std::vector<std::shared_ptr<KvEntry>>(n)};
+  BeginEntries(e, kv_, x->tenant);
   std::optional<DType> dtype;
-  for (int i = 0; i < n; ++i) {
-    Status& st = held->refused[i];
-    if (!st.ok()) continue;
-    const std::shared_ptr<const AttentionModel>& m = entries[i]->model;
-    const ModelSpec& spec = m->spec();
-    const char* kind = entries[i]->kind == KvKind::kSession ? "session" : "memory";
-    if ((!r.model().empty() && r.model() != spec.name) ||
-        (r.model_version() != 0 && r.model_version() != spec.version)) {
-      st = InvalidArgument(field[i] + ": " + kind + " '" + entries[i]->handle + "' belongs to " +
-                           ModelName(spec) + ", but the call names model '" + r.model() +
-                           "' version " + std::to_string(r.model_version()) +
-                           " (leave model empty and model_version 0 to use the entries')");
-    } else if (model && m != model) {
-      st = InvalidArgument(field[i] + ": " + kind + " '" + entries[i]->handle + "' belongs to " +
-                           ModelName(spec) + " (weights " + spec.weights_hash +
-                           "), but the call's first entry to " + ModelName(model->spec()) +
-                           " (weights " + model->spec().weights_hash +
-                           "); one call steps the sessions of one model version");
-    }
-    if (!st.ok()) continue;
-    if (!model) model = m;
-    AttendCall& c = calls[i];
-    c.kv = entries[i]->cache;
-    c.kv_batch = entries[i]->batch;
-    st = Validate(spec, limits_, &c);
-    if (!st.ok()) {
-      st = Named(field[i], st);
-    } else if (dtype && c.query.dtype != *dtype) {
-      st = InvalidArgument(field[i] + ".query: dtype " + DTypeName(c.query.dtype) +
-                           ", but the call's first entry's is " + DTypeName(*dtype) +
-                           "; one call's entries share a dtype");
-    } else {
-      dtype = c.query.dtype;
-    }
-  }
-  // The call is one request for the per-request limits: its entries' tokens and attention scores
-  // together.
-  int64_t tokens = 0, scores = 0, answer = 0;
-  for (int i = 0; i < n; ++i) {
-    if (!held->refused[i].ok()) continue;
-    const ModelSpec& spec = entries[i]->model->spec();
-    const int64_t entry_scores = calls[i].batch * spec.num_heads * calls[i].query_len *
-                                 (calls[i].key_len + spec.extra_keys());
-    for (auto [sum, add] : {std::pair<int64_t*, int64_t>{&tokens, calls[i].tokens},
-                            {&scores, entry_scores},
-                            {&answer, calls[i].output_bytes}}) {
-      if (__builtin_add_overflow(*sum, add, sum)) *sum = INT64_MAX;  // Saturates: refused below.
-    }
-  }
-  if (tokens > limits_.max_tokens) {
-    return InvalidArgument("steps: " + std::to_string(tokens) +
-                           " tokens in all; allowed: at most " + std::to_string(limits_.max_tokens) +
-                           " in one call (server flag --max-request-tokens)");
-  }
-  if (scores > limits_.max_attention_scores) {
-    return InvalidArgument("steps: " + std::to_string(scores) +
-                           " attention scores in all (batch * num_heads * query_len * key_len of "
-                           "each entry); allowed: at most " +
-                           std::to_string(limits_.max_attention_scores) +
-                           " in one call (server flag --max-attention-scores)");
-  }
-  // Room for every entry's fields and an error message of the longest kind, whatever happens.
-  if (__builtin_add_overflow(answer, int64_t{n} * kStepAnswerOverhead, &answer)) answer = INT64_MAX;
-  if (answer > limits_.max_answer_bytes) {
-    return InvalidArgument("steps: the answers take " + std::to_string(answer) +
-                           " bytes; allowed: at most " + std::to_string(limits_.max_answer_bytes) +
-                           " in one message (server flag --max-message-bytes)");
-  }
-  // Room for each session's new tokens, every session of the call already busy (not evictable).
-  for (int i = 0; i < n; ++i) {
-    if (!held->refused[i].ok() || !held->kv[i]) continue;
-    const Status reserved = held->kv[i]->Reserve(calls[i].query_len);
-    if (!reserved.ok()) {
-      held->refused[i] = Named(field[i], reserved);
-      held->kv[i].reset();  // Ended, not applied: the session is as it was.
-      continue;
-    }
-    calls[i].kv_capacity = held->kv[i]->capacity();
-  }
-  auto kept = std::make_shared<std::vector<std::shared_ptr<KvEntry>>>();
-  tokens = 0;
-  int64_t attention = 0;  // Within --max-attention-scores (checked above), so no overflow.
-  for (int i = 0; i < n; ++i) {
-    if (!held->refused[i].ok()) continue;
-    held->computed[i] = static_cast<int>(item->entries.size());
-    tokens += calls[i].tokens;
-    attention += calls[i].attention_cost;
-    item->call.output_bytes += calls[i].output_bytes;
-    item->entries.push_back({std::move(calls[i]), AttendOutputs(), Status::Ok()});
-    kept->push_back(std::move(entries[i]));
-  }
-  item->model = model;
-  item->kv_entry = std::move(kept);
-  item->call.query.dtype = dtype.value_or(DType::kFloat32);
-  item->call.weights = WeightsMode::kNone;
-  item->call.tokens = tokens;
-  item->call.attention_cost = attention;
+  std::shared_ptr<const AttentionModel> model = CheckEntries(e, limits_, &dtype);
+  RETURN_IF_ERROR(CheckCallLimits(e, limits_));
+  ReserveEntries(e);
   x->model = model ? model->spec().name : "";
+  FillItem(e, std::move(model), dtype.value_or(DType::kFloat32), item);
   return Status::Ok();
 }
 

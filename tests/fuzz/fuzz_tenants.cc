@@ -147,8 +147,10 @@ RegionTerms Terms(int64_t max_bytes, int64_t max_regions, const std::string& key
 
 std::string Unnamed(const Status& st, const std::string& name) {
   std::string m = st.message();
-  for (size_t at; (at = m.find("'" + name + "'")) != std::string::npos;) {
-    m.replace(at, name.size() + 2, "<>");
+  // The name as a message carries it: bytes that are not UTF-8 read '?' (Status).
+  const std::string carried = Status(StatusCode::kInternal, name).message();
+  for (size_t at; (at = m.find("'" + carried + "'")) != std::string::npos;) {
+    m.replace(at, carried.size() + 2, "<>");
   }
   return std::to_string(static_cast<int>(st.code())) + " " + m;
 }
