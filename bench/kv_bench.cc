@@ -26,9 +26,9 @@
 //               server memory the fork holds (KvHandle.bytes), and its first step's latency beside
 //               the parent's next step; the two answers compared with the parent's (same token).
 //   batched     S sessions (--callers) of prompts spread over --prompt..--prompt-max, prefilled
-//               in batched calls of chunks (16 MiB a call), then stepped one token each: all S in one
-//               batched call (AttendRequest.steps) a round, against the same sessions stepping in
-//               separate unary calls from S threads, and (--in-process DIR) the engine's own
+//               in batched calls of chunks (16 MiB a call), then stepped one token each: all S in
+//               one batched call (AttendRequest.steps) a round, against the same sessions stepping
+//               in separate unary calls from S threads, and (--in-process DIR) the engine's own
 //               batched step of the same shapes in this process; beside the memory bound of the
 //               same run: the bytes a step reads (the weights once per call, shared by its
 //               steps, plus the keys and values it attends) over this machine's read bandwidth
@@ -145,8 +145,8 @@ struct Options {
   bool stream = false;  // concurrent: each caller's steps over one AttendStream
   bool async = false;   // concurrent: every caller's steps from one thread, asynchronous calls
   int memories = 64;
-  int threads = 0;          // batched: threads of the bandwidth read and the in-process engine
-  std::string in_process;   // batched: the model directory the in-process engine loads
+  int threads = 0;         // batched: threads of the bandwidth read and the in-process engine
+  std::string in_process;  // batched: the model directory the in-process engine loads
   std::string device = "cpu", dtype = "float32";  // batched: the in-process engine's
   int draft = 4;
   int beams = 4;
@@ -960,7 +960,7 @@ LayerBytes LayerOf(Stub* stub, const Options& o) {
   if (!c.status.ok()) Fail("GetModel", c.status);
   const double elem = info.compute_dtype() == pb::DATA_TYPE_FLOAT32 ? 4 : 2;
   const double d = static_cast<double>(info.head_dim() > 0 ? info.head_dim()
-                                                            : info.embed_dim() / info.num_heads());
+                                                           : info.embed_dim() / info.num_heads());
   const double qw = static_cast<double>(info.num_heads()) * d;
   const double kvw =
       static_cast<double>(info.num_kv_heads() > 0 ? info.num_kv_heads() : info.num_heads()) * d;
@@ -974,14 +974,16 @@ LayerBytes LayerOf(Stub* stub, const Options& o) {
 
 int Batched(const Options& o) {
   const int s_count = o.callers;
-  const int threads = o.threads > 0 ? o.threads
-                                    : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int threads = o.threads > 0
+                          ? o.threads
+                          : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   std::vector<int> prompts;
   for (int c = 0; c < s_count; ++c) {
     prompts.push_back(o.prompt_max <= o.prompt || s_count < 2
                           ? o.prompt
-                          : o.prompt + static_cast<int>(static_cast<int64_t>(o.prompt_max - o.prompt) *
-                                                        c / (s_count - 1)));
+                          : o.prompt +
+                                static_cast<int>(static_cast<int64_t>(o.prompt_max - o.prompt) * c /
+                                                 (s_count - 1)));
   }
   auto stub = pb::AttentionService::NewStub(Channel(o));
   const LayerBytes layer = LayerOf(stub.get(), o);
@@ -992,8 +994,8 @@ int Batched(const Options& o) {
   for (int c = 0; c < s_count; ++c) {
     sessions.push_back(OpenSession(stub.get(), o));
     // Every form's steps of this session, after its prompt: 2 forms x repeats x rounds.
-    tokens.push_back(Tokens(prompts[c] + 2 * o.repeats * rounds + 1, o.embed,
-                            300 + static_cast<uint32_t>(c)));
+    tokens.push_back(
+        Tokens(prompts[c] + 2 * o.repeats * rounds + 1, o.embed, 300 + static_cast<uint32_t>(c)));
   }
   std::vector<int64_t> length(static_cast<size_t>(s_count), 0);
   // One batched call of up to `rows` tokens for every session with tokens of `upto` left.
@@ -1016,8 +1018,9 @@ int Batched(const Options& o) {
     for (size_t i = 0; i < in.size(); ++i) {
       const pb::StepResult& res = r->steps(static_cast<int>(i));
       if (res.has_error()) {
-        Fail("batched step entry " + std::to_string(i),
-             grpc::Status(static_cast<grpc::StatusCode>(res.error().code()), res.error().message()));
+        Fail(
+            "batched step entry " + std::to_string(i),
+            grpc::Status(static_cast<grpc::StatusCode>(res.error().code()), res.error().message()));
       }
       length[in[i]] = res.session_length();
     }
@@ -1124,17 +1127,16 @@ int Batched(const Options& o) {
                           {"p50_ms", Percentile(separate_ms, 0.5)},
                           {"mean_batch", batch_sum / std::max(batch_n, 1.0)}}}};
   if (!o.in_process.empty()) {
-    const attnserve_bench::InProcessResult e =
-        attnserve_bench::InProcessSteps(o.in_process, prompts, rounds * o.repeats, threads, o.device,
-                                        o.dtype);
+    const attnserve_bench::InProcessResult e = attnserve_bench::InProcessSteps(
+        o.in_process, prompts, rounds * o.repeats, threads, o.device, o.dtype);
     if (!e.error.empty()) {
       std::fprintf(stderr, "attnserve-kv-bench: in-process: %s\n", e.error.c_str());
       return 1;
     }
     std::printf("%-34s %12.0f %10.2f %10.2f\n", "in-process engine (batched)", e.steps_per_s,
                 e.call_p50_ms, e.steps_per_s / bound);
-    out["in_process"] = {{"steps_per_s", e.steps_per_s}, {"p50_ms", e.call_p50_ms},
-                         {"kernels", e.kernels}};
+    out["in_process"] = {
+        {"steps_per_s", e.steps_per_s}, {"p50_ms", e.call_p50_ms}, {"kernels", e.kernels}};
     std::printf("server batched / in-process: %.2f\n", batched / e.steps_per_s);
   }
   std::printf("batched / separate: %.2f   batched / memory bound: %.2f\n", batched / separate,

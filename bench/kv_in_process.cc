@@ -58,7 +58,8 @@ bool Step(const AttentionModel& model, const std::vector<Session*>& on, int64_t 
       return false;
     }
     // The capacity the store would reserve: doubling, as KvStore::GrowCapacity.
-    if (s.length + rows > s.capacity) s.capacity = KvStore::GrowCapacity(s.capacity, s.length + rows);
+    if (s.length + rows > s.capacity)
+      s.capacity = KvStore::GrowCapacity(s.capacity, s.length + rows);
     c.kv_capacity = s.capacity;
     outs[i].output = &s.output;
     call_ptrs.push_back(&c);

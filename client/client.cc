@@ -303,11 +303,11 @@ struct Client::Impl {
   // in one (the model's, or the one of the memory or session it names, when this client made it).
   std::optional<DataType> WireOf(const AttendRequest& request) {
     if (options.wire_dtype != ClientOptions::WireDtype::kModel) return std::nullopt;
-    if (request.steps.empty() ? !Narrowable(request.query) ||
-                                    (request.key && !Narrowable(*request.key)) ||
-                                    (request.value && !Narrowable(*request.value))
-                              : !std::all_of(request.steps.begin(), request.steps.end(),
-                                             [](const Step& s) { return Narrowable(s.query); }))
+    if (request.steps.empty()
+            ? !Narrowable(request.query) || (request.key && !Narrowable(*request.key)) ||
+                  (request.value && !Narrowable(*request.value))
+            : !std::all_of(request.steps.begin(), request.steps.end(),
+                           [](const Step& s) { return Narrowable(s.query); }))
       return std::nullopt;
     std::string model = request.model;
     int64_t version = request.model_version;

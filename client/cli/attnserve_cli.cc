@@ -408,11 +408,12 @@ class DecodeCommand final : public Command {
         held[i] = res.steps[i].session_length;
       }
       if (!s.ok()) break;
-      std::printf("step %lld: %lld sessions, %lld new token(s) each, in one call: %.2f ms (server: "
-                  "queue %.3f ms, compute %.3f ms)\n",
-                  static_cast<long long>(step), static_cast<long long>(sessions_),
-                  static_cast<long long>(tokens), MsSince(t0), res.queue_seconds * 1e3,
-                  res.compute_seconds * 1e3);
+      std::printf(
+          "step %lld: %lld sessions, %lld new token(s) each, in one call: %.2f ms (server: "
+          "queue %.3f ms, compute %.3f ms)\n",
+          static_cast<long long>(step), static_cast<long long>(sessions_),
+          static_cast<long long>(tokens), MsSince(t0), res.queue_seconds * 1e3,
+          res.compute_seconds * 1e3);
     }
     for (const auto& session : sessions) {
       if (!session.handle.empty()) client.CloseSession(session.handle);

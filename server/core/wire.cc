@@ -146,8 +146,8 @@ Status CheckBatchedStep(const pb::AttendRequest& r) {
   if (set.empty()) return Status::Ok();
   std::string fields;
   for (const std::string& f : set) fields += (fields.empty() ? "" : ", ") + f;
-  return InvalidArgument(fields + ": set on a batched step (steps: " +
-                         std::to_string(r.steps_size()) +
+  return InvalidArgument(fields +
+                         ": set on a batched step (steps: " + std::to_string(r.steps_size()) +
                          " entries); each entry carries its own query, handle and positions, and "
                          "the request none (docs/api.md \"Many sessions in one call\")");
 }

@@ -357,9 +357,8 @@ ATTNSERVE_AVX512 inline void FourRowsTimesValues512(const float* const* p, const
 
 // Four rows' outputs, in chunks of 64, then 16, then the 8-output tail.
 ATTNSERVE_AVX512 inline void FourRowsTimesValues512(const float* const* p, const float* v,
-                                                    int64_t ldv, int64_t j0, int64_t j1,
-                                                    int64_t d, float* const* o, bool first,
-                                                    int64_t ahead) {
+                                                    int64_t ldv, int64_t j0, int64_t j1, int64_t d,
+                                                    float* const* o, bool first, int64_t ahead) {
   int64_t c = 0;
   const auto at = [&](float* const* rows, int64_t off, float** out) {
     for (int r = 0; r < 4; ++r) out[r] = rows[r] + off;

@@ -1,7 +1,5 @@
 #include "server/grpc/grpc_codec.h"
 
-#include "server/grpc/grpc_status.h"
-
 #include <google/protobuf/io/coded_stream.h>
 #include <google/protobuf/io/zero_copy_stream_impl_lite.h>
 #include <google/protobuf/stubs/logging.h>
@@ -13,6 +11,8 @@
 #include <chrono>
 #include <cstdio>
 #include <limits>
+
+#include "server/grpc/grpc_status.h"
 
 namespace attnserve {
 namespace {

@@ -446,7 +446,8 @@ std::vector<StatusOr<std::unique_ptr<KvStep>>> KvStore::BeginSteps(
   std::vector<StatusOr<std::unique_ptr<KvStep>>> out;
   out.reserve(steps.size());
   std::lock_guard<std::mutex> lock(mu_);
-  for (const StepBegin& s : steps) out.push_back(BeginStepLocked(s.handle, s.expected_length, tenant));
+  for (const StepBegin& s : steps)
+    out.push_back(BeginStepLocked(s.handle, s.expected_length, tenant));
   return out;
 }
 

@@ -302,7 +302,8 @@ Status RequestPipeline::Schedule(const Exchange& x, const TenantPolicy& terms,
   item->flops = ForwardFlops(item->model->spec(), item->call);
   if (!item->entries.empty()) {  // A batched step: its entries' work.
     item->flops = 0;
-    for (const WorkItem::Entry& e : item->entries) item->flops += ForwardFlops(item->model->spec(), e.call);
+    for (const WorkItem::Entry& e : item->entries)
+      item->flops += ForwardFlops(item->model->spec(), e.call);
   }
   const PriorityOptions& priorities = batcher_.PrioritiesOf(*item->model);
   // The tenant's cap applies here, before the level's queue policy is read, so the queue, its

@@ -62,15 +62,16 @@ void DecodeEntries(Resolving& e, std::vector<KvStore::StepBegin>* begins,
     if (!e.ok(i) || s.session().empty()) continue;  // A memory: read, never stepped.
     const auto [at, fresh] = first.emplace(s.session(), i);
     if (!fresh) {
-      e.Refuse(i, Status(StatusCode::kAborted, "session '" + s.session() + "' is stepped by steps[" +
-                                                   std::to_string(at->second) +
-                                                   "] of this call already; one step per session "
-                                                   "in a call"));
+      e.Refuse(i,
+               Status(StatusCode::kAborted, "session '" + s.session() + "' is stepped by steps[" +
+                                                std::to_string(at->second) +
+                                                "] of this call already; one step per session "
+                                                "in a call"));
       continue;
     }
     begins->push_back({s.session(), s.has_session_length()
-                                         ? std::optional<int64_t>(s.session_length())
-                                         : std::nullopt});
+                                        ? std::optional<int64_t>(s.session_length())
+                                        : std::nullopt});
     begun_entry->push_back(i);
   }
 }
@@ -163,7 +164,8 @@ Status CheckCallLimits(const Resolving& e, const AttendLimits& limits) {
     if (!e.ok(i)) continue;
     const ModelSpec& spec = e.entries[i]->model->spec();
     const AttendCall& c = e.calls[i];
-    const int64_t entry_scores = c.batch * spec.num_heads * c.query_len * (c.key_len + spec.extra_keys());
+    const int64_t entry_scores =
+        c.batch * spec.num_heads * c.query_len * (c.key_len + spec.extra_keys());
     for (auto [sum, add] : {std::pair<int64_t*, int64_t>{&tokens, c.tokens},
                             {&scores, entry_scores},
                             {&answer, c.output_bytes}}) {
@@ -171,8 +173,8 @@ Status CheckCallLimits(const Resolving& e, const AttendLimits& limits) {
     }
   }
   if (tokens > limits.max_tokens) {
-    return InvalidArgument("steps: " + std::to_string(tokens) + " tokens in all; allowed: at most " +
-                           std::to_string(limits.max_tokens) +
+    return InvalidArgument("steps: " + std::to_string(tokens) +
+                           " tokens in all; allowed: at most " + std::to_string(limits.max_tokens) +
                            " in one call (server flag --max-request-tokens)");
   }
   if (scores > limits.max_attention_scores) {
@@ -284,8 +286,8 @@ void RequestPipeline::AnswerSteps(Exchange* x, const StepsHeld& held, const Work
     }
     const WorkItem::Entry& e = w->entries[static_cast<size_t>(k)];
     if (!e.status.ok()) {
-      a.step_status[i] = Status(e.status.code(), "steps[" + std::to_string(i) + "]: " +
-                                                     e.status.message());
+      a.step_status[i] =
+          Status(e.status.code(), "steps[" + std::to_string(i) + "]: " + e.status.message());
       continue;
     }
     v1::Tensor* out = result->mutable_output();
@@ -313,8 +315,8 @@ void RequestPipeline::SubmitSteps(Exchange* x, std::unique_ptr<WorkItem> item,
     item->entries[static_cast<size_t>(held->computed[i])].outputs.output =
         x->answer.step_output[i].own.get();
   }
-  item->done = [x, held, previous_attempts, finish = std::move(finish)](
-                   const Status& st, const WorkItem& w) mutable {
+  item->done = [x, held, previous_attempts, finish = std::move(finish)](const Status& st,
+                                                                        const WorkItem& w) mutable {
     if (st.ok()) AnswerSteps(x, *held, &w, previous_attempts);
     Computed(x, w);
     finish(st);

@@ -180,8 +180,8 @@ TEST_F(ServerTest, ClientMemoriesAndSessionsEqualTheirOneCallForms) {
 }
 
 // The C++ client's batched step: sessions stepped together in one call (unary and on a stream)
-// answer, entry by entry, the rows of one causal self-attention over each session's tokens (float32,
-// 1e-5 of the output's scale); an entry naming a closed session answers NOT_FOUND alone.
+// answer, entry by entry, the rows of one causal self-attention over each session's tokens
+// (float32, 1e-5 of the output's scale); an entry naming a closed session answers NOT_FOUND alone.
 TEST_F(ServerTest, ClientBatchedStepsEqualEachSessionsOwnCausalCall) {
   const auto close = [](const Tensor& got, const std::vector<float>& want) {
     const std::vector<float> g = got.ToFloats();

@@ -767,9 +767,9 @@ class ModelCheck {
     Expect(got.size() == n, [&] { return std::string("BeginSteps: results != entries"); });
     for (size_t j = 0; j < n && j < got.size() && failure_.empty(); ++j) {
       Note([&] {
-        return std::string("  entry " + Short(begins[j].handle) + " expecting " +
-                           (begins[j].expected_length ? std::to_string(*begins[j].expected_length)
-                                                      : "-"));
+        return std::string(
+            "  entry " + Short(begins[j].handle) + " expecting " +
+            (begins[j].expected_length ? std::to_string(*begins[j].expected_length) : "-"));
       });
       stranger_ = strangers[j];
       Begun(picked[j], begins[j].expected_length, std::move(got[j]), "BeginSteps");

@@ -1,6 +1,7 @@
-// Status: messages are capped, and whatever is cut or carried stays valid UTF-8, since every message
-// ends up in a proto3 string (Error.message of a stream's or a batched step's answer), which a
-// receiver refuses whole when it is not: one entry's long message took down every entry's answer.
+// Status: messages are capped, and whatever is cut or carried stays valid UTF-8, since every
+// message ends up in a proto3 string (Error.message of a stream's or a batched step's answer),
+// which a receiver refuses whole when it is not: one entry's long message took down every entry's
+// answer.
 #include "server/core/status.h"
 
 #include <gtest/gtest.h>
@@ -41,9 +42,10 @@ TEST(StatusTest, ACappedMessageIsCutBetweenCharacters) {
 }
 
 TEST(StatusTest, BytesThatAreNotUtf8AreReplaced) {
-  const Status st(StatusCode::kInvalidArgument,
-                  std::string("file '/m/\xFF\xFE.pt': \xC0\xAF overlong, \xED\xA0\x80 surrogate, ") +
-                      "\xE2\x82 cut, ok \xE2\x82\xAC");
+  const Status st(
+      StatusCode::kInvalidArgument,
+      std::string("file '/m/\xFF\xFE.pt': \xC0\xAF overlong, \xED\xA0\x80 surrogate, ") +
+          "\xE2\x82 cut, ok \xE2\x82\xAC");
   EXPECT_TRUE(ValidUtf8(st.message())) << st.message();
   EXPECT_NE(st.message().find("ok \xE2\x82\xAC"), std::string::npos) << st.message();
   EXPECT_NE(st.message().find("file '/m/"), std::string::npos);
