@@ -44,15 +44,7 @@ def models(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("batched"))
     torch.manual_seed(5)
     export_model.export(torch.nn.MultiheadAttention(E, H, batch_first=True), os.path.join(out, "models", "mha"))
-    rng = np.random.default_rng(5)
-    d = E // H
-    shapes = {"q_proj": (E, E), "k_proj": (2 * d, E), "v_proj": (2 * d, E), "o_proj": (E, E)}
-    state = {f"{n}.weight": torch.from_numpy((rng.standard_normal(s) / np.sqrt(E)).astype(np.float32))
-             for n, s in shapes.items()}
-    config = {"model_type": "llama", "hidden_size": E, "num_attention_heads": H, "num_key_value_heads": 2,
-              "num_hidden_layers": 1, "rope_theta": 10000.0}
-    export_model.export_decoder_weights(config, {0: state}, os.path.join(out, "checkpoints", "dec"),
-                                        {0: os.path.join(out, "models", "dec")})
+    lib.export_random_decoder(out, E, H, 2, np.random.default_rng(5))
     return os.path.join(out, "models")
 
 

@@ -13,6 +13,8 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "tools"))
+sys.path.insert(0, os.path.join(HERE, "..", "lib"))
+import attnserve_py as lib  # noqa: E402
 import export_model  # noqa: E402
 
 E, H = 32, 4
@@ -68,14 +70,7 @@ def main(outdir):
         causal = torch.ones(6, 6, dtype=torch.bool).triu(1)
         cases.update(session_x=x, session_out=mha(f64(x), f64(x), f64(x), attn_mask=causal)[0].numpy())
     # A decoder layer (Llama-style: 4 query heads on 2 key/value heads, RoPE), random weights.
-    d = E // H
-    shapes = {"q_proj": (E, E), "k_proj": (2 * d, E), "v_proj": (2 * d, E), "o_proj": (E, E)}
-    state = {f"{n}.weight": torch.from_numpy((rng.standard_normal(s) / np.sqrt(E)).astype(np.float32))
-             for n, s in shapes.items()}
-    config = {"model_type": "llama", "hidden_size": E, "num_attention_heads": H, "num_key_value_heads": 2,
-              "num_hidden_layers": 1, "rope_theta": 10000.0}
-    export_model.export_decoder_weights(config, {0: state}, os.path.join(outdir, "checkpoints", "dec"),
-                                        {0: os.path.join(outdir, "models", "dec")})
+    lib.export_random_decoder(outdir, E, H, 2, rng)
     cases.update(dec_x=rng.standard_normal((2, 6, E)).astype(np.float32))
     np.savez(os.path.join(outdir, "cases.npz"), **cases)
 

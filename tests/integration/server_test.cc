@@ -117,19 +117,21 @@ TEST_F(ServerTest, AttendsSelfAndCrossDeterministically) {
   for (float x : c.output.ToFloats()) ASSERT_TRUE(std::isfinite(x));
 }
 
+// `got` holds `want`'s values to float32 rounding: within 1e-5 of their scale.
+bool CloseTo(const Tensor& got, const std::vector<float>& want) {
+  const std::vector<float> g = got.ToFloats();
+  double err = 0, scale = 0;
+  for (size_t i = 0; i < want.size() && i < g.size(); ++i) {
+    err = std::max(err, std::fabs(static_cast<double>(g[i]) - want[i]));
+    scale = std::max(scale, std::fabs(static_cast<double>(want[i])));
+  }
+  return g.size() == want.size() && scale > 0.1 && err <= 1e-5 * scale;
+}
+
 // The C++ client's memories and sessions: a memory answers what key and value on the wire answer;
 // session steps answer the rows of one causal self-attention over their concatenation (same server,
 // same model; float32, 1e-5 of the output's scale).
 TEST_F(ServerTest, ClientMemoriesAndSessionsEqualTheirOneCallForms) {
-  const auto close = [](const Tensor& got, const std::vector<float>& want) {
-    const std::vector<float> g = got.ToFloats();
-    double err = 0, scale = 0;
-    for (size_t i = 0; i < want.size(); ++i) {
-      err = std::max(err, std::fabs(static_cast<double>(g[i]) - want[i]));
-      scale = std::max(scale, std::fabs(static_cast<double>(want[i])));
-    }
-    return g.size() == want.size() && scale > 0.1 && err <= 1e-5 * scale;
-  };
   const AttendRequest cross = Request(2, 5, 12, 9);
   MemoryRequest m;
   m.key = *cross.key;
@@ -145,7 +147,7 @@ TEST_F(ServerTest, ClientMemoriesAndSessionsEqualTheirOneCallForms) {
   with_memory.query = cross.query;
   with_memory.memory = memory.handle;
   ASSERT_TRUE(client_->Attend(with_memory, &kept).ok());
-  EXPECT_TRUE(close(kept.output, wire.output.ToFloats()));
+  EXPECT_TRUE(CloseTo(kept.output, wire.output.ToFloats()));
   ASSERT_TRUE(client_->DeleteMemory(memory.handle).ok());
   CallStatus gone = client_->Attend(with_memory, &kept);
   EXPECT_EQ(gone.code, 5);
@@ -171,7 +173,7 @@ TEST_F(ServerTest, ClientMemoriesAndSessionsEqualTheirOneCallForms) {
     ASSERT_TRUE(s.ok()) << s.ToString();
     EXPECT_EQ(r.session_length, t0 + t);
     EXPECT_TRUE(
-        close(r.output, std::vector<float>(y.begin() + t0 * 512, y.begin() + (t0 + t) * 512)))
+        CloseTo(r.output, std::vector<float>(y.begin() + t0 * 512, y.begin() + (t0 + t) * 512)))
         << "step at " << t0;
     t0 += t;
   }
@@ -183,15 +185,6 @@ TEST_F(ServerTest, ClientMemoriesAndSessionsEqualTheirOneCallForms) {
 // answer, entry by entry, the rows of one causal self-attention over each session's tokens
 // (float32, 1e-5 of the output's scale); an entry naming a closed session answers NOT_FOUND alone.
 TEST_F(ServerTest, ClientBatchedStepsEqualEachSessionsOwnCausalCall) {
-  const auto close = [](const Tensor& got, const std::vector<float>& want) {
-    const std::vector<float> g = got.ToFloats();
-    double err = 0, scale = 0;
-    for (size_t i = 0; i < want.size(); ++i) {
-      err = std::max(err, std::fabs(static_cast<double>(g[i]) - want[i]));
-      scale = std::max(scale, std::fabs(static_cast<double>(want[i])));
-    }
-    return g.size() == want.size() && scale > 0.1 && err <= 1e-5 * scale;
-  };
   constexpr int kSessions = 3;
   std::vector<std::vector<float>> x, y;  // Each session's 6 tokens, and their causal answer.
   std::vector<KvInfo> sessions(kSessions);
@@ -231,7 +224,7 @@ TEST_F(ServerTest, ClientBatchedStepsEqualEachSessionsOwnCausalCall) {
   for (int i = 0; i < kSessions; ++i) {
     ASSERT_TRUE(r.steps[i].status.ok()) << r.steps[i].status.message;
     EXPECT_EQ(r.steps[i].session_length, first[i]);
-    EXPECT_TRUE(close(r.steps[i].output, rows(y[i], 0, first[i]))) << "entry " << i;
+    EXPECT_TRUE(CloseTo(r.steps[i].output, rows(y[i], 0, first[i]))) << "entry " << i;
   }
   EXPECT_EQ(r.steps[3].status.code, 5);
   EXPECT_THAT(r.steps[3].status.message, HasSubstr("closed"));
@@ -258,7 +251,7 @@ TEST_F(ServerTest, ClientBatchedStepsEqualEachSessionsOwnCausalCall) {
   ASSERT_EQ(a.steps.size(), 3u);
   for (int i = 0; i < kSessions; ++i) {
     EXPECT_EQ(a.steps[i].session_length, 6);
-    EXPECT_TRUE(close(a.steps[i].output, rows(y[i], first[i], 6 - first[i]))) << "entry " << i;
+    EXPECT_TRUE(CloseTo(a.steps[i].output, rows(y[i], first[i], 6 - first[i]))) << "entry " << i;
     ASSERT_TRUE(client_->CloseSession(sessions[i].handle).ok());
   }
 }

@@ -133,6 +133,23 @@ class Checks:
         return 1 if self.failed else 0
 
 
+def export_random_decoder(out, e, heads, kv_heads, rng, name="dec"):
+    """A Llama-style decoder layer (`heads` query heads on `kv_heads` key/value heads, RoPE) with
+    random weights from `rng` (numpy), exported as OUT/checkpoints/NAME and served as OUT/models/NAME
+    (tools/export_model.py; needs torch)."""
+    import torch
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import export_model
+    d = e // heads
+    shapes = {"q_proj": (e, e), "k_proj": (kv_heads * d, e), "v_proj": (kv_heads * d, e), "o_proj": (e, e)}
+    state = {f"{n}.weight": torch.from_numpy((rng.standard_normal(s) / np.sqrt(e)).astype(np.float32))
+             for n, s in shapes.items()}
+    config = {"model_type": "llama", "hidden_size": e, "num_attention_heads": heads,
+              "num_key_value_heads": kv_heads, "num_hidden_layers": 1, "rope_theta": 10000.0}
+    export_model.export_decoder_weights(config, {0: state}, os.path.join(out, "checkpoints", name),
+                                        {0: os.path.join(out, "models", name)})
+
+
 def write_sparse_model(path, e, num_heads):
     """A model directory (nn.MultiheadAttention, bias=False) whose model.safetensors claims [3e, e]
     and [e, e] float32 projections (16 e^2 bytes: 16 GiB at e = 32768) as zeros in a sparse file of
