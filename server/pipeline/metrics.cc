@@ -97,6 +97,12 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
                        "events).")),
       rejections_(Counter(registry, "attnserve_rejections_total",
                           "Requests refused or dropped before compute, by reason.")),
+      step_entries_(Histogram(registry, "attnserve_step_entries",
+                              "Entries (sessions or memories) of each batched step answered "
+                              "(AttendRequest.steps).")),
+      step_outcomes_(Counter(registry, "attnserve_step_entries_total",
+                             "Entries of batched steps answered, by each entry's own gRPC status "
+                             "code (a refused entry changed nothing).")),
       backend_(Counter(registry, "attnserve_attention_backend_total",
                        "Computed requests by the attention kernel that ran (math, flash, "
                        "efficient, cudnn).")),
@@ -227,6 +233,14 @@ void ServerMetrics::SetStaging(int64_t held, int64_t budget, int64_t refused) {
 
 void ServerMetrics::RecordRejection(const std::string& model, const char* reason) {
   rejections_.Add({{"model", model}, {"reason", reason}}).Increment();
+}
+
+void ServerMetrics::RecordSteps(const std::string& model, const std::vector<Status>& entries) {
+  static const auto* kBuckets =
+      new prometheus::Histogram::BucketBoundaries{1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024};
+  step_entries_.Add({{"model", model}}, *kBuckets).Observe(static_cast<double>(entries.size()));
+  for (const Status& st : entries)
+    step_outcomes_.Add({{"model", model}, {"code", StatusCodeName(st.code())}}).Increment();
 }
 
 void ServerMetrics::RecordTenantRequest(const std::string& tenant, const std::string& code) {

@@ -10,7 +10,9 @@
 #include <mutex>
 #include <string>
 #include <utility>
+#include <vector>
 
+#include "server/core/status.h"
 #include "server/core/types.h"
 #include "server/pipeline/batcher.h"
 
@@ -45,6 +47,9 @@ class ServerMetrics {
   /// A request refused or dropped before compute; reason: queue_full, draining, deadline,
   /// cancelled.
   void RecordRejection(const std::string& model, const char* reason);
+  /// A batched step answered OK: its entries, one status each (attnserve_step_entries and
+  /// attnserve_step_entries_total by code).
+  void RecordSteps(const std::string& model, const std::vector<Status>& entries);
   /// Per tenant (its Tenants::Label): attnserve_tenant_requests_total{tenant, code}.
   void RecordTenantRequest(const std::string& tenant, const std::string& code);
   /// attnserve_tenant_rejections_total{tenant, reason}.
@@ -89,6 +94,8 @@ class ServerMetrics {
   prometheus::Family<prometheus::Histogram>& batch_tokens_;
   prometheus::Family<prometheus::Histogram>& stage_;
   prometheus::Family<prometheus::Counter>& rejections_;
+  prometheus::Family<prometheus::Histogram>& step_entries_;
+  prometheus::Family<prometheus::Counter>& step_outcomes_;
   prometheus::Family<prometheus::Counter>& backend_;
   prometheus::Family<prometheus::Counter>& flops_;
   prometheus::Family<prometheus::Gauge>& flops_rate_;

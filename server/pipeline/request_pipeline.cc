@@ -227,7 +227,10 @@ void RequestPipeline::Attend(const char* method, std::unique_ptr<Exchange> owned
     Status seen = Deliverable(call, result, step != nullptr || steps != nullptr);
     if (step) step->End(seen.ok());
     step.reset();  // Idle and not held: the client's next call may evict it.
-    if (steps) steps->End(seen.ok(), x->answer.step_status);
+    if (steps) {
+      steps->End(seen.ok(), x->answer.step_status);
+      if (seen.ok()) metrics_.RecordSteps(x->model, x->answer.step_status);
+    }
     x->times.answered = SteadyClock::now();
     done(Answered(this, method, std::unique_ptr<Exchange>(x), std::move(seen), call.deadline));
   };

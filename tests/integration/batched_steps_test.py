@@ -9,7 +9,8 @@ server and wire.
   Float32, fresh fixed-seed inputs; tolerance 1e-5 of the output's scale (tests/lib same_answer).
 - An entry that fails answers its own error and changes nothing; the others are applied: an unknown
   handle, another tenant's, a handle named twice, a wrong session_length, a batch or dtype that does
-  not match, another model's session, a budget that cannot hold a chunk.
+  not match, another model's session, a budget that cannot hold a chunk; /metrics counts each entry
+  by its own code (attnserve_step_entries_total).
 - What is the call's refuses the call and applies nothing: fields of a single request beside steps,
   more entries than --max-steps-per-call, more tokens than --max-request-tokens or attention scores than
   --max-attention-scores in all; an entry whose error message is cut at the cap stays valid UTF-8; a deadline
@@ -203,6 +204,12 @@ def test_an_entry_that_fails_changes_nothing(server, stubs, checks):
         else:
             checks(f"{name}: refused on its own", err.code != 0, f"{name_of}: {err.message}")
         checks(f"{name}: no output", not got.steps[j].HasField("output"), "")
+    # /metrics counts the call's entries, each by its own code.
+    entries = {line.split('code="')[1].split('"')[0]: float(line.split()[-1])
+               for line in lib.metrics_lines(server, "attnserve_step_entries_total") if 'model="mha"' in line}
+    checks("attnserve_step_entries_total counts entries by their own code",
+           entries.get("OK", 0) >= 2 and entries.get("NOT_FOUND", 0) >= 2 and entries.get("ABORTED", 0) >= 2 and
+           entries.get("INVALID_ARGUMENT", 0) >= 4, str(entries))
     checks("the good entries are applied", got.steps[0].session_length == 1 and
            got.steps[len(bad) + 1].session_length == 2,
            f"{got.steps[0].session_length}, {got.steps[len(bad) + 1].session_length}")
