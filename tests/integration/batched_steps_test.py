@@ -65,6 +65,13 @@ def width(stub, pb, model):
     return stub.GetModel(pb.GetModelRequest(name=model), timeout=30).embed_dim
 
 
+def connect(server, stubs, model="mha"):
+    """The messages, a stub on the server, and `model`'s width."""
+    pb, pb_grpc = stubs
+    stub = pb_grpc.AttentionServiceStub(grpc.insecure_channel(server.target))
+    return pb, stub, width(stub, pb, model)
+
+
 def open_sessions(stub, pb, model, n, batch=1, who="a"):
     return [stub.OpenSession(pb.OpenSessionRequest(model=model, batch=batch), metadata=tenant(who),
                              timeout=30).handle for _ in range(n)]
@@ -90,9 +97,7 @@ def same(got, want):
 
 @pytest.mark.parametrize("model", ["mha", "dec"])
 def test_batched_steps_equal_one_call_each(server, stubs, model, checks):
-    pb, pb_grpc = stubs
-    stub = pb_grpc.AttentionServiceStub(grpc.insecure_channel(server.target))
-    e = width(stub, pb, model)
+    pb, stub, e = connect(server, stubs, model)
     n = 6
     single, batched = open_sessions(stub, pb, model, n), open_sessions(stub, pb, model, n)
     rng = np.random.default_rng(11)
@@ -134,9 +139,7 @@ def test_batched_steps_equal_one_call_each(server, stubs, model, checks):
 
 
 def test_memories_batch_the_same(server, stubs, checks):
-    pb, pb_grpc = stubs
-    stub = pb_grpc.AttentionServiceStub(grpc.insecure_channel(server.target))
-    e = width(stub, pb, "mha")
+    pb, stub, e = connect(server, stubs)
     rng = np.random.default_rng(12)
     memories = []
     for length in (3, 9, 5):
@@ -163,9 +166,7 @@ def test_memories_batch_the_same(server, stubs, checks):
 
 
 def test_an_entry_that_fails_changes_nothing(server, stubs, checks):
-    pb, pb_grpc = stubs
-    stub = pb_grpc.AttentionServiceStub(grpc.insecure_channel(server.target))
-    e = width(stub, pb, "mha")
+    pb, stub, e = connect(server, stubs)
     rng = np.random.default_rng(13)
     good = open_sessions(stub, pb, "mha", 2)
     mine = open_sessions(stub, pb, "mha", 5)
@@ -219,9 +220,7 @@ def test_an_entry_that_fails_changes_nothing(server, stubs, checks):
 
 
 def test_what_is_the_calls_refuses_the_call(server, stubs, checks):
-    pb, pb_grpc = stubs
-    stub = pb_grpc.AttentionServiceStub(grpc.insecure_channel(server.target))
-    e = width(stub, pb, "mha")
+    pb, stub, e = connect(server, stubs)
     rng = np.random.default_rng(14)
     sessions = open_sessions(stub, pb, "mha", 17)
     x = lambda t=1: lib.to_wire(pb, rng.standard_normal((1, t, e)).astype(np.float32))  # noqa: E731
@@ -266,9 +265,7 @@ def test_a_long_error_message_is_cut_between_characters(server, stubs, checks):
     """An entry whose error message passes the 1 KiB cap (a handle of 400 three-byte characters) is cut
     between characters: the answer decodes, the other entry's output arrives (a review found the cut
     mid-character made protobuf refuse the whole answer, after the other step was applied)."""
-    pb, pb_grpc = stubs
-    stub = pb_grpc.AttentionServiceStub(grpc.insecure_channel(server.target))
-    e = width(stub, pb, "mha")
+    pb, stub, e = connect(server, stubs)
     good = open_sessions(stub, pb, "mha", 1)[0]
     q = lib.to_wire(pb, np.ones((1, 1, e), np.float32))
     outcomes = []
@@ -314,9 +311,7 @@ def test_a_call_answered_too_late_applies_no_entry(attnserve, stubs, checks):
 
 
 def test_several_batched_steps_in_flight_on_one_stream(server, stubs, checks):
-    pb, pb_grpc = stubs
-    stub = pb_grpc.AttentionServiceStub(grpc.insecure_channel(server.target))
-    e = width(stub, pb, "mha")
+    pb, stub, e = connect(server, stubs)
     rng = np.random.default_rng(15)
     groups = [open_sessions(stub, pb, "mha", 3) for _ in range(4)]
     twins = [open_sessions(stub, pb, "mha", 3) for _ in range(4)]
