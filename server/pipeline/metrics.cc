@@ -76,6 +76,15 @@ ServerMetrics::TenantFamilies ServerMetrics::MakeTenantFamilies(prometheus::Regi
                 "Bytes of memories and sessions a tenant holds (counted against its K/V share).")};
 }
 
+ServerMetrics::StepFamilies ServerMetrics::MakeStepFamilies(prometheus::Registry& registry) {
+  return {Histogram(registry, "attnserve_step_entries",
+                    "Entries (sessions or memories) of each batched step answered "
+                    "(AttendRequest.steps)."),
+          Counter(registry, "attnserve_step_entries_total",
+                  "Entries of batched steps answered, by each entry's own gRPC status code (a "
+                  "refused entry changed nothing).")};
+}
+
 ServerMetrics::ServerMetrics(prometheus::Registry& registry)
     : latency_(Histogram(registry, "attnserve_request_duration_seconds",
                          "Time from receiving a request to its answer, at the RPC boundary.")),
@@ -97,12 +106,7 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
                        "events).")),
       rejections_(Counter(registry, "attnserve_rejections_total",
                           "Requests refused or dropped before compute, by reason.")),
-      step_entries_(Histogram(registry, "attnserve_step_entries",
-                              "Entries (sessions or memories) of each batched step answered "
-                              "(AttendRequest.steps).")),
-      step_outcomes_(Counter(registry, "attnserve_step_entries_total",
-                             "Entries of batched steps answered, by each entry's own gRPC status "
-                             "code (a refused entry changed nothing).")),
+
       backend_(Counter(registry, "attnserve_attention_backend_total",
                        "Computed requests by the attention kernel that ran (math, flash, "
                        "efficient, cudnn).")),
@@ -116,6 +120,7 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
                 "bytes; on the CPU the process's resident set (kind resident).")),
       transfer_(MakeHostTransfer(registry)),
       tenant_(MakeTenantFamilies(registry)),
+      steps_(MakeStepFamilies(registry)),
       model_info_(Gauge(registry, "attnserve_model_info",
                         "A loaded model version (value 1), described by its labels.")),
       cpu_info_(
@@ -155,6 +160,10 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
       access_log_dropped_(Counter(registry, "attnserve_access_log_dropped_total",
                                   "Access-log lines dropped because the log's queue was full.")
                               .Add({})) {
+  SeriesFromTheStart();
+}
+
+void ServerMetrics::SeriesFromTheStart() {
   for (const char* reason : {"queue_full", "export_failed", "rejected"}) {
     spans_dropped_.Add({{"reason", reason}});
   }
@@ -238,9 +247,9 @@ void ServerMetrics::RecordRejection(const std::string& model, const char* reason
 void ServerMetrics::RecordSteps(const std::string& model, const std::vector<Status>& entries) {
   static const auto* kBuckets =
       new prometheus::Histogram::BucketBoundaries{1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024};
-  step_entries_.Add({{"model", model}}, *kBuckets).Observe(static_cast<double>(entries.size()));
+  steps_.entries.Add({{"model", model}}, *kBuckets).Observe(static_cast<double>(entries.size()));
   for (const Status& st : entries)
-    step_outcomes_.Add({{"model", model}, {"code", StatusCodeName(st.code())}}).Increment();
+    steps_.outcomes.Add({{"model", model}, {"code", StatusCodeName(st.code())}}).Increment();
 }
 
 void ServerMetrics::RecordTenantRequest(const std::string& tenant, const std::string& code) {

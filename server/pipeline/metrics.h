@@ -94,8 +94,6 @@ class ServerMetrics {
   prometheus::Family<prometheus::Histogram>& batch_tokens_;
   prometheus::Family<prometheus::Histogram>& stage_;
   prometheus::Family<prometheus::Counter>& rejections_;
-  prometheus::Family<prometheus::Histogram>& step_entries_;
-  prometheus::Family<prometheus::Counter>& step_outcomes_;
   prometheus::Family<prometheus::Counter>& backend_;
   prometheus::Family<prometheus::Counter>& flops_;
   prometheus::Family<prometheus::Gauge>& flops_rate_;
@@ -118,6 +116,15 @@ class ServerMetrics {
   };
   static TenantFamilies MakeTenantFamilies(prometheus::Registry& registry);
   TenantFamilies tenant_;
+  // Batched steps: entries per call, and entries by their own code.
+  struct StepFamilies {
+    prometheus::Family<prometheus::Histogram>& entries;
+    prometheus::Family<prometheus::Counter>& outcomes;
+  };
+  static StepFamilies MakeStepFamilies(prometheus::Registry& registry);
+  // Series made at start with no events yet, so rate() and increase() see their first.
+  void SeriesFromTheStart();
+  StepFamilies steps_;
   prometheus::Family<prometheus::Gauge>& model_info_;
   prometheus::Family<prometheus::Gauge>& cpu_info_;
   prometheus::Family<prometheus::Counter>& reloads_;
