@@ -16,6 +16,8 @@ server and wire.
   --max-attention-scores in all; an entry whose error message is cut at the cap stays valid UTF-8; a deadline
   that passes during compute applies no entry.
 - AttendStream: several batched steps in flight on one stream, each answered with its request_id.
+- Under load: four callers' batched calls beside their twins' single calls and a plain caller, every
+  entry equal to its twin's answer whatever shares its batch.
 
 usage: python3 -m pytest batched_steps_test.py --attnserve PATH/TO/attnserve
 """
@@ -342,3 +344,45 @@ def test_the_cli_decodes_sessions_together(server, cli, checks):
     checks("attnserve-cli decode --sessions 3: a prompt and two steps, each one call for the three",
            p.returncode == 0 and len(lines) == 3 and all("3 sessions" in line and "in one call" in line
                                                          for line in lines), p.stdout + p.stderr)
+
+
+def test_batched_answers_hold_under_concurrent_load(server, stubs, checks):
+    """Four callers each step sessions of their own in batched calls while their twin sessions take
+    the same tokens one call each and a fifth caller sends plain requests: every batched entry
+    equals its twin's answer (float32 rounding) whatever else shares its batch, and no caller ever
+    gets another's rows."""
+    import threading
+    pb, stub, e = connect(server, stubs)
+    failures, done, shared = [], [], []
+
+    def caller(c):
+        rng = np.random.default_rng(100 + c)
+        mine, twins = open_sessions(stub, pb, "mha", 3), open_sessions(stub, pb, "mha", 3)
+        for r in range(6):
+            req, refs = pb.AttendRequest(request_id=c * 100 + r), []
+            for i in range(3):
+                q = lib.to_wire(pb, rng.standard_normal((1, 1 + (i + r) % 3, e)))
+                req.steps.add(session=mine[i], query=q)
+                refs.append(stub.Attend(pb.AttendRequest(session=twins[i], query=q), metadata=tenant("a"),
+                                        timeout=30))
+            got = stub.Attend(req, metadata=tenant("a"), timeout=30)
+            shared.append(got.timing.batch_size)
+            for i in range(3):
+                ok, detail = same(got.steps[i].output.data, refs[i].output.data)
+                if not ok or got.request_id != c * 100 + r:
+                    failures.append(f"caller {c} round {r} entry {i}: {detail}")
+        done.append(c)
+
+    def plain():
+        rng = np.random.default_rng(7)
+        while len(done) < 4:
+            stub.Attend(pb.AttendRequest(model="mha", query=lib.to_wire(pb, rng.standard_normal((2, 5, e)))),
+                        metadata=tenant("a"), timeout=30)
+
+    threads = [threading.Thread(target=caller, args=(c,)) for c in range(4)] + [threading.Thread(target=plain)]
+    [t.start() for t in threads]
+    [t.join(timeout=120) for t in threads]
+    checks("4 callers x 6 batched calls under load: every entry equals its twin's one call",
+           not failures and len(done) == 4,
+           f"{failures[:3]} done {done}; batch sizes seen {sorted(set(shared))}")
+    print(f"batched calls' batch sizes: {sorted(set(shared))} (more than 1: it shared its batch)")
