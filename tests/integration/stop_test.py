@@ -315,6 +315,16 @@ class Traffic:
         handle = pb.KvHandle.FromString(opened).handle
         step = pb.AttendRequest(session=handle, query=lib.to_wire(pb, RNG.standard_normal((1, 3, 512))))
         codes.append(rpc_code(lambda: self.unary()(step.SerializeToString(), timeout=10)))
+        # Batched steps: one answered, one past its deadline in compute (a 4,000-token chunk rides).
+        others = [pb.KvHandle.FromString(self.channel.unary_unary("/attnserve.v1.AttentionService/OpenSession")(
+            pb.OpenSessionRequest(model="demo", batch=1).SerializeToString(), timeout=10)).handle for _ in range(2)]
+        batched, late = pb.AttendRequest(), pb.AttendRequest()
+        for h in [handle] + others:
+            batched.steps.add(session=h, query=lib.to_wire(pb, RNG.standard_normal((1, 1, 512))))
+        late.steps.add(session=others[0], query=lib.to_wire(pb, RNG.standard_normal((1, 4000, 512))))
+        late.steps.add(session=others[1], query=lib.to_wire(pb, RNG.standard_normal((1, 1, 512))))
+        codes.append(rpc_code(lambda: self.unary()(batched.SerializeToString(), timeout=10)))
+        codes.append(rpc_code(lambda: self.unary()(late.SerializeToString(), timeout=0.05)))
         return codes
 
     # --- gRPC's own services
@@ -367,7 +377,8 @@ ENDINGS = [
      ("--max-queue-size", "1", "--workers", "1", "--no-batching")),
     ("OIP ModelInfer and ModelStreamInfer", "oip_endings", ()),
     ("AttendStream endings", "stream_endings", ()),
-    ("kept keys and values", "kv_endings", ()),
+    ("kept keys and values (a memory past its deadline, a step, batched steps answered and late)",
+     "kv_endings", ()),
     ("health and reflection", "health_and_reflection", ()),
 ]
 
