@@ -8,7 +8,8 @@ At each limit: the start-up line names the limit and the budgets sized to it; th
   budget: each is kept (older ones evicted) or refused, the kept bytes stay within the budget;
 - in-flight flood: 8 clients at once sending the largest requests allowed (float32 and float16, which
   the server holds at float32 width), 3 rounds: each answered or refused with RESOURCE_EXHAUSTED
-  naming --max-inflight-bytes;
+  naming --max-inflight-bytes (or, rarely, by gRPC's resource quota first: RST_STREAM
+  ENHANCE_YOUR_CALM, --transport-memory-bytes), the budget refusing some;
 - the largest allowed requests: a message just over the limit is refused with RESOURCE_EXHAUSTED;
   cross-attention with the longest key the message allows is answered;
 throughout: no OOM kill (the cgroup's own counter), the process alive, its anonymous resident peak
@@ -187,8 +188,13 @@ def run_at(binary, limit_mib, check):
             for _ in range(3):
                 code, details = code_of(lambda: ch.unary_unary("/attnserve.v1.AttentionService/Attend")(
                     largest[dtype], timeout=120))
+                # Refused by the in-flight budget, or (rarely: 1 call in ~100 floods) by gRPC's
+                # resource quota first, which cancels the stream (RST_STREAM ENHANCE_YOUR_CALM: 11)
+                # when the messages on the move and those held pass --transport-memory-bytes
+                # (docs/shutdown.md "The transport's bounds"): both are the refusal this test wants.
                 key = code if code != "RESOURCE_EXHAUSTED" else (
                     "RESOURCE_EXHAUSTED --max-inflight-bytes" if "--max-inflight-bytes" in details else
+                    "RESOURCE_EXHAUSTED transport quota" if "RST_STREAM with error code 11" in details else
                     f"RESOURCE_EXHAUSTED {details[:80]}")
                 with lock:
                     seen[key] = seen.get(key, 0) + 1
@@ -201,8 +207,9 @@ def run_at(binary, limit_mib, check):
             t.join(300)
         print(f"  {name}: in-flight flood (8 clients x 3, {len(largest['float32']) / MIB:.1f} MiB requests): {seen}; "
               f"anonymous resident peak so far {anon.peak // MIB} MiB")
-        check(f"{name}: flood: each answered or refused naming --max-inflight-bytes",
-              set(seen) <= {"OK", "RESOURCE_EXHAUSTED --max-inflight-bytes"} and seen.get("OK", 0) > 0, str(seen))
+        check(f"{name}: flood: each answered or refused (the budget naming --max-inflight-bytes, or gRPC's quota)",
+              set(seen) <= {"OK", "RESOURCE_EXHAUSTED --max-inflight-bytes", "RESOURCE_EXHAUSTED transport quota"}
+              and seen.get("OK", 0) > 0, str(seen))
         check(f"{name}: flood: the budget refused some", seen.get("RESOURCE_EXHAUSTED --max-inflight-bytes", 0) > 0,
               str(seen))
 
