@@ -1053,12 +1053,12 @@ int Batched(const Options& o) {
   const double bound = bandwidth * 1e9 / bytes_batched;
   std::printf(
       "batched: %d sessions, prompts %d..%d (%.0f kept tokens a step on average), E=%lld, %s; "
-      "prefill %.1f s\n"
+      "prefill %.1f s; CPU class %s\n"
       "  a step reads %.2f MB of keys and values, the weights %.1f MB a call (%.2f MB a step "
       "shared by %d); read bandwidth %.1f GB/s on %d threads: memory bound %.0f steps/s\n",
       s_count, o.prompt, std::max(o.prompt, o.prompt_max), kept, static_cast<long long>(o.embed),
-      layer.dtype.c_str(), prefill_s, kv_step / 1e6, layer.weights / 1e6,
-      layer.weights / s_count / 1e6, s_count, bandwidth, threads, bound);
+      layer.dtype.c_str(), prefill_s, attnserve_bench::CpuClass().c_str(), kv_step / 1e6,
+      layer.weights / 1e6, layer.weights / s_count / 1e6, s_count, bandwidth, threads, bound);
   std::vector<double> batched_rate, separate_rate, batched_ms, separate_ms;
   std::vector<double> server_queue_ms, server_compute_ms;  // The batched calls' own timing.
   double batch_sum = 0, batch_n = 0;
@@ -1120,6 +1120,7 @@ int Batched(const Options& o) {
                         {"kept_tokens_mean", kept},
                         {"embed", o.embed},
                         {"dtype", layer.dtype},
+                        {"cpu_class", attnserve_bench::CpuClass()},
                         {"read_gb_s", bandwidth},
                         {"threads", threads},
                         {"bytes_per_step", bytes_batched},

@@ -78,6 +78,8 @@ bool Step(const AttentionModel& model, const std::vector<Session*>& on, int64_t 
 
 }  // namespace
 
+std::string CpuClass() { return EngineCpuClass(); }
+
 InProcessResult InProcessSteps(const std::string& model_dir, const std::vector<int>& prompts,
                                int rounds, int threads, const std::string& device,
                                const std::string& dtype) {

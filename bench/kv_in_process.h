@@ -16,6 +16,10 @@ struct InProcessResult {
   std::string kernels;     ///< ModelSpec::kernels.
 };
 
+/// This CPU's class for the engine's products ("AMX", "AVX512-BF16", "AVX-512 without BF16", "AVX2
+/// only"): what the figures are for.
+std::string CpuClass();
+
 /// Loads `model_dir` (one model directory, as the server's --models holds it), keeps a session of
 /// one sequence per prompt length in `prompts` (the prompt's tokens random, from a fixed seed),
 /// then times `rounds` batched steps of one token for every session.
