@@ -159,6 +159,12 @@ struct EngineOptions {
   /// Shared by every model of the server; null: the model makes one of kDefaultStagingBytes.
   std::shared_ptr<HostStaging> staging;
   static constexpr int64_t kDefaultStagingBytes = int64_t{1} << 30;
+  /// Where varlen kernels attend over sessions' kept keys and values in place (CUDA with LibTorch
+  /// >= 2.11, and every device under Varlen::kEmulate), those are kept in pools of chunks, a new
+  /// chunk this many bytes (or one session's block, when larger). 0: the device's default (CUDA
+  /// 1 GiB, CPU 16 MiB). A step of many sessions attends in one launch per chunk its sessions lie
+  /// in (docs/kv.md).
+  int64_t kv_pool_chunk_bytes = 0;
 };
 
 /// Builds a LibTorch model from host weights. FAILED_PRECONDITION when the device is unusable

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <torch/version.h>
 
+#include <optional>
 #include <string>
 
 namespace attnserve::compat {
@@ -100,8 +101,48 @@ inline VarlenOutput VarlenAttention(const at::Tensor& q, const at::Tensor& k, co
                                             /*compute_log_sumexp=*/false, scale);
   return {std::get<0>(r).squeeze(0), "efficient_varlen"};
 }
+/// Steps of many kept sessions in one launch (the same LibTorch versions): q [n, H, D] their new
+/// tokens' queries, sequence after sequence (cu_q int32 [S + 1]); k and v [rows, KVH, D] a
+/// KvPool chunk's rows, sequence s's keys `used[s]` rows from row `start[s]` (int32, [S + 1] and
+/// [S] on the GPU; start's last entry is not read). Causal from the bottom right (a step's tokens
+/// are its keys' last), a sliding window of `window` keys (0: none). Flash attention's varlen
+/// kernel reads grouped key/value heads in place (float16/bfloat16, head_dim a multiple of 8 and
+/// <= 256, sm80+); otherwise the memory-efficient kernel for ungrouped heads without a window.
+/// Throws c10::Error where neither takes the inputs.
+inline VarlenOutput KeptVarlenAttention(const at::Tensor& q, const at::Tensor& k,
+                                        const at::Tensor& v, const at::Tensor& cu_q,
+                                        const at::Tensor& start, const at::Tensor& used,
+                                        int64_t max_q, int64_t max_k, double scale,
+                                        int64_t window) {
+  const int64_t d = q.size(-1);
+  const bool half = q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16;
+  if (half && d % 8 == 0 && d <= 256) {
+    try {
+      std::optional<int64_t> left, right;
+      if (window > 0) left = window - 1, right = 0;
+      auto r = at::_flash_attention_forward(q, k, v, cu_q, start, max_q, max_k, /*dropout_p=*/0.0,
+                                            /*is_causal=*/true, /*return_debug_mask=*/false, scale,
+                                            left, right, used);
+      return {std::get<0>(r), "flash_kept"};
+    } catch (const c10::Error& e) {
+      if (IsOutOfMemory(e)) throw;
+    }
+  }
+  TORCH_CHECK(q.size(1) == k.size(1) && window == 0,
+              "kept varlen attention: grouped heads or a window need flash attention");
+  auto r = at::_efficient_attention_forward(
+      q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), /*bias=*/c10::nullopt, cu_q, start, max_q,
+      max_k, /*dropout_p=*/0.0, /*custom_mask_type=*/2 /* causal from the bottom right */,
+      /*compute_log_sumexp=*/false, scale, used);
+  return {std::get<0>(r).squeeze(0), "efficient_kept"};
+}
 #else
 inline constexpr bool kHasVarlen = false;
+inline VarlenOutput KeptVarlenAttention(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                        const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                        int64_t, int64_t, double, int64_t) {
+  TORCH_CHECK(false, "kept varlen attention needs LibTorch >= 2.11");
+}
 inline VarlenOutput VarlenAttention(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                     const at::Tensor&, const at::Tensor&, int64_t, int64_t, bool,
                                     bool, double) {

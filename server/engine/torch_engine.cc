@@ -14,6 +14,7 @@
 #include <cstring>
 #include <exception>
 #include <limits>
+#include <map>
 #include <optional>
 #include <string>
 #include <utility>
@@ -24,6 +25,7 @@
 #include "server/engine/blas.h"
 #include "server/engine/device_support.h"
 #include "server/engine/head_attention.h"
+#include "server/engine/kept_attention.h"
 #include "server/engine/onednn.h"
 #include "server/engine/products.h"
 #include "server/engine/rotary.h"
@@ -73,7 +75,7 @@ class TorchModel final : public AttentionModel {
  public:
   TorchModel(const ModelWeights& w, at::Device device, DType dtype, EngineOptions::Varlen varlen,
              double min_piece_flops, bool force_widen, int64_t pack_rows,
-             std::shared_ptr<HostStaging> staging)
+             std::shared_ptr<HostStaging> staging, int64_t kv_pool_chunk_bytes)
       : spec_(w.spec),
         staging_(std::move(staging)),
         pack_rows_(pack_rows > 0      ? pack_rows
@@ -120,9 +122,33 @@ class TorchModel final : public AttentionModel {
     proj_out_.w = FromHost(w.out_proj, opts).t().contiguous().t();
     if (w.out_proj_bias) proj_out_.b = FromHost(*w.out_proj_bias, opts);
     if (device.is_cpu()) PackWeights(w);
-    heads_ = std::make_unique<HeadAttention>(HeadOptions(w, opts), products_);
+    const HeadAttentionOptions heads = HeadOptions(w, opts);
+    heads_ = std::make_unique<HeadAttention>(heads, products_);
     spec_.kernels = Kernels();
+    SetUpKeptRuns(heads, kv_pool_chunk_bytes);
   }
+
+  // Sessions' kept keys and values in a KvPool, and their steps attending in kept runs
+  // (AttendKeptRuns), where a kernel takes this model's attention: flash attention's (half
+  // precision, head_dim a multiple of 8 up to 256) or the memory-efficient kernel's (ungrouped,
+  // no window); every model under kEmulate. Not with bias_k/bias_v or add_zero_attn (keys of
+  // their own beside the kept ones).
+  void SetUpKeptRuns(const HeadAttentionOptions& heads, int64_t chunk_bytes) {
+    const int64_t kvh = spec_.kv_heads(), d = spec_.head_dim();
+    kept_scale_ = heads.scale > 0 ? heads.scale : 1.0 / std::sqrt(static_cast<double>(d));
+    kept_window_ = heads.window;
+    const bool half = dtype_ == at::kHalf || dtype_ == at::kBFloat16;
+    const bool kernel = varlen_ == Varlen::kKernel && ((half && d % 8 == 0 && d <= 256) ||
+                                                       (kvh == spec_.num_heads && !heads.window));
+    if (spec_.extra_keys() > 0 || !(kernel || varlen_ == Varlen::kEmulate)) return;
+    if (chunk_bytes <= 0)
+      chunk_bytes = device_.is_cuda() ? kCudaPoolChunkBytes : kCpuPoolChunkBytes;
+    const int64_t row = 2 * kvh * d * static_cast<int64_t>(c10::elementSize(dtype_));
+    kv_pool_ = std::make_shared<KvPool>(kvh, d, at::TensorOptions().device(device_).dtype(dtype_),
+                                        std::max<int64_t>(1, chunk_bytes / row));
+  }
+  static constexpr int64_t kCudaPoolChunkBytes = int64_t{1} << 30;
+  static constexpr int64_t kCpuPoolChunkBytes = int64_t{16} << 20;
 
   // How its attention over heads computes (and, in small_products_, whether a grouped layer's
   // decoding steps run on small_attention's kernels). `opts`: the projection weights' options.
@@ -264,7 +290,7 @@ class TorchModel final : public AttentionModel {
 
   std::shared_ptr<KvCache> NewKvCache() const override {
     return std::make_shared<TorchKv>(spec_.kv_width(),
-                                     static_cast<int64_t>(c10::elementSize(dtype_)));
+                                     static_cast<int64_t>(c10::elementSize(dtype_)), kv_pool_);
   }
 
   // On the CPU, requests of up to this many query (and key) rows share packed projection GEMMs.
@@ -516,6 +542,7 @@ class TorchModel final : public AttentionModel {
         }
       }
     }
+    if (kv_pool_ && self_rows) AttendKeptRuns(calls, qkv_self, merged, q_off, &attended, &done);
     // Each call attends on one thread; the calls spread over the idle cores.
     const std::vector<size_t> pending = LongestFirst(calls, done);
     const size_t pieces = products_.Width(parallel) > 1 ? pending.size() : 1;
@@ -542,6 +569,114 @@ class TorchModel final : public AttentionModel {
       WriteOutput(c, attended[i], y.narrow(0, q_off[i], c.batch * c.query_len), outs[i],
                   SerialParallel());
     }
+  }
+
+  // Whether a call's step can attend in a kept run: a session step asking for no weights, with no
+  // mask of its own (its session never had key padding: TorchKv::Placed), each sequence's tokens
+  // consecutive in its rows.
+  static bool KeptRunTakes(const AttendCall& c) {
+    return c.kv_use == AttendCall::Kv::kSession && c.is_causal && !c.key_padding_mask &&
+           !c.attn_mask && c.weights == WeightsMode::kNone &&
+           (c.batch_first() || c.batch == 1 || c.query_len == 1);
+  }
+
+  // The session steps whose kept rows lie in one pool slot, grouped by chunk: each group's new keys
+  // and values are written where they go, and its queries attend in one launch (AttendKept). The
+  // others (forks reading shared blocks, key padding, masks, weights) attend per call after.
+  void AttendKeptRuns(const std::vector<const AttendCall*>& calls,
+                      const std::vector<at::Tensor>& qkv, const at::Tensor& merged,
+                      const std::vector<int64_t>& q_off, std::vector<Attended>* attended,
+                      std::vector<bool>* done) const {
+    std::map<const KvPool::Chunk*, KeptRun> runs;
+    for (size_t i = 0; i < calls.size(); ++i) {
+      const AttendCall& c = *calls[i];
+      if ((*done)[i] || !KeptRunTakes(c)) continue;
+      auto& kv = static_cast<TorchKv&>(*c.kv);
+      kv.Prepare(c.kv_length, c.kv_capacity, c.batch, spec_.kv_heads(), c.query_len,
+                 spec_.head_dim(), /*padded_step=*/false, qkv[1].options());
+      if (std::optional<TorchKv::Placement> at = kv.Placed()) {
+        KeptRun& run = runs[at->chunk.get()];
+        run.chunk = at->chunk;
+        run.steps.emplace_back(i, *at);
+      }
+    }
+    for (const auto& [chunk, run] : runs) {
+      if (const char* backend = AttendKeptRun(calls, run, qkv, merged, q_off)) {
+        for (const auto& [i, at] : run.steps) {
+          (*attended)[i].backend = backend;
+          (*done)[i] = true;
+        }
+      }
+    }
+  }
+
+  // One chunk's steps: calls[i] with its placement.
+  struct KeptRun {
+    std::shared_ptr<KvPool::Chunk> chunk;
+    std::vector<std::pair<size_t, TorchKv::Placement>> steps;
+  };
+
+  // A kept run: its rows gathered from the batch's projections (q, k, v: [self rows, width]),
+  // normed and rotated at once, the new keys and values written to their rows of the chunk, the
+  // attention merged back into the batch's rows. Null (nothing written to `merged`; the calls
+  // then attend one by one, their rows rewritten in place) when no kernel takes it.
+  const char* AttendKeptRun(const std::vector<const AttendCall*>& calls, const KeptRun& run,
+                            const std::vector<at::Tensor>& qkv, const at::Tensor& merged,
+                            const std::vector<int64_t>& q_off) const {
+    const int64_t h = spec_.num_heads, kvh = spec_.kv_heads(), d = spec_.head_dim();
+    KeptSequences seqs;
+    std::vector<int64_t> rows, to, pos;  // Per new token: its batch row, its chunk row, position.
+    for (const auto& [i, at] : run.steps) {
+      const AttendCall& c = *calls[i];
+      const int64_t t = c.query_len, held = c.kv_length, first = c.query_position.value_or(held);
+      for (int64_t b = 0; b < c.batch; ++b) {
+        seqs.Add(t, at.start + b * at.stride, held + t);
+        for (int64_t j = 0; j < t; ++j) {
+          rows.push_back(q_off[i] + b * t + j);
+          to.push_back(at.start + b * at.stride + held + j);
+          pos.push_back(c.positions.empty() ? first + j : c.positions[b * t + j]);
+        }
+      }
+    }
+    const int64_t n = static_cast<int64_t>(rows.size());
+    rows.insert(rows.end(), to.begin(), to.end());
+    rows.insert(rows.end(), pos.begin(), pos.end());
+    const at::Tensor index = LongsOnDevice(rows);
+    const at::Tensor in = index.narrow(0, 0, n);
+    at::Tensor q = qkv[0].index_select(0, in).view({n, h, d});
+    const at::Tensor k = qkv[1].index_select(0, in).view({n, kvh, d});
+    const at::Tensor v = qkv[2].index_select(0, in).view({n, kvh, d});
+    if (spec_.decoder) {
+      const double eps = spec_.decoder->rms_norm_eps;
+      if (q_norm_.defined()) RmsNormHeadsInPlace(q, q_norm_, eps);
+      if (k_norm_.defined()) RmsNormHeadsInPlace(k, k_norm_, eps);
+      if (inv_freq_.defined()) {
+        const Rotation rot = RotationAt(index.narrow(0, 2 * n, n), inv_freq_, q.scalar_type());
+        RotateInPlace(q, rot);
+        RotateInPlace(k, rot);
+      }
+    }
+    run.chunk->k.index_copy_(0, index.narrow(0, n, n), k);
+    run.chunk->v.index_copy_(0, index.narrow(0, n, n), v);
+    try {
+      const KeptAttended a =
+          AttendKept(q, *run.chunk, seqs, kept_scale_, kept_window_, varlen_ == Varlen::kEmulate);
+      merged.index_copy_(0, in, a.out.reshape({n, h * d}).to(merged.scalar_type()));
+      return a.backend;
+    } catch (const c10::Error& e) {
+      if (compat::IsOutOfMemory(e)) throw;
+      return nullptr;
+    }
+  }
+
+  // Host int64s on the model's device (CUDA: through pinned memory, without waiting).
+  at::Tensor LongsOnDevice(const std::vector<int64_t>& values) const {
+    const at::Tensor host = at::from_blob(const_cast<int64_t*>(values.data()),
+                                          {static_cast<int64_t>(values.size())}, at::kLong);
+    if (!device_.is_cuda()) return host.clone();
+    at::Tensor pinned = at::empty(host.sizes(), host.options().pinned_memory(true));
+    pinned.copy_(host);
+    return pinned.to(device_, at::kLong, /*non_blocking=*/true);
   }
 
   // The calls not `done`, the longest attention first (pieces are taken in order): the cores then
@@ -905,6 +1040,10 @@ class TorchModel final : public AttentionModel {
   enum class Varlen { kOff, kKernel, kEmulate };
   Varlen varlen_;
   std::unique_ptr<HeadAttention> heads_;
+  // Sessions' blocks (null: each its own; SetUpKeptRuns), and their kept runs' scale and window.
+  std::shared_ptr<KvPool> kv_pool_;
+  double kept_scale_ = 0;
+  int64_t kept_window_ = 0;
   // A decoder's q/k RMSNorm weights ([D], compute dtype) and RoPE's inverse frequencies ([D'/2],
   // float32); undefined when it has none.
   at::Tensor q_norm_, k_norm_, inv_freq_;
@@ -956,7 +1095,8 @@ StatusOr<std::unique_ptr<AttentionModel>> CreateTorchModel(const ModelWeights& w
     c10::InferenceMode guard;
     auto model = std::make_unique<TorchModel>(
         weights, device, options.compute_dtype, options.varlen, options.min_piece_flops,
-        options.force_float32_bfloat16_products, options.pack_rows, std::move(staging));
+        options.force_float32_bfloat16_products, options.pack_rows, std::move(staging),
+        options.kv_pool_chunk_bytes);
     return std::unique_ptr<AttentionModel>(std::move(model));
   } catch (const c10::Error& e) {
     return fail("--device " + options.device + ": " + e.what_without_backtrace());

@@ -3,7 +3,9 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <limits>
 #include <stdexcept>
+#include <string>
 #include <utility>
 
 #include "server/core/checked_math.h"
@@ -21,6 +23,74 @@ at::Tensor KeptEmpty(at::IntArrayRef sizes, const at::TensorOptions& opts) {
   if (p == MAP_FAILED) return at::empty(sizes, opts);  // Let the heap try (and fail as it does).
   return at::from_blob(
       p, sizes, [bytes](void* q) { munmap(q, bytes); }, opts);
+}
+
+KvPool::KvPool(int64_t heads, int64_t head_dim, const at::TensorOptions& opts, int64_t chunk_rows)
+    : heads_(heads),
+      head_dim_(head_dim),
+      chunk_rows_(std::max<int64_t>(1, chunk_rows)),
+      opts_(opts) {}
+
+std::unique_ptr<KvPool::Slot> KvPool::Allocate(int64_t rows) {
+  if (rows <= 0 || rows > std::numeric_limits<int32_t>::max())
+    throw std::length_error("kept keys and values: a pool slot of " + std::to_string(rows) +
+                            " rows (at most 2^31 - 1)");
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const std::shared_ptr<Chunk>& c : chunks_) {
+    for (auto it = c->free.begin(); it != c->free.end(); ++it) {
+      if (it->second < rows) continue;
+      const int64_t start = it->first, left = it->second - rows;
+      c->free.erase(it);
+      if (left > 0) c->free.emplace(start + rows, left);
+      c->used += rows;
+      return std::make_unique<Slot>(shared_from_this(), c, start, rows);
+    }
+  }
+  auto c = std::make_shared<Chunk>();
+  c->rows = std::min<int64_t>(std::max(rows, chunk_rows_), std::numeric_limits<int32_t>::max());
+  c->k = at::empty({c->rows, heads_, head_dim_}, opts_);  // May throw: nothing changed yet.
+  c->v = at::empty({c->rows, heads_, head_dim_}, opts_);
+  if (c->rows > rows) c->free.emplace(rows, c->rows - rows);
+  c->used = rows;
+  chunks_.push_back(c);
+  return std::make_unique<Slot>(shared_from_this(), c, 0, rows);
+}
+
+void KvPool::Release(Chunk& chunk, int64_t start, int64_t rows) {
+  std::lock_guard<std::mutex> lock(mu_);
+  chunk.used -= rows;
+  if (chunk.used == 0) {  // Given back whole (the slots' own references go with them).
+    chunks_.erase(
+        std::remove_if(chunks_.begin(), chunks_.end(),
+                       [&](const std::shared_ptr<Chunk>& c) { return c.get() == &chunk; }),
+        chunks_.end());
+    chunk.free.clear();
+    return;
+  }
+  auto next = chunk.free.lower_bound(start);
+  if (next != chunk.free.end() && next->first == start + rows) {  // Joins the run after it.
+    rows += next->second;
+    next = chunk.free.erase(next);
+  }
+  if (next != chunk.free.begin()) {
+    auto prev = std::prev(next);
+    if (prev->first + prev->second == start) {  // And the one before.
+      prev->second += rows;
+      return;
+    }
+  }
+  chunk.free.emplace(start, rows);
+}
+
+KvPool::Usage KvPool::usage() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  Usage u;
+  for (const std::shared_ptr<Chunk>& c : chunks_) {
+    ++u.chunks;
+    u.rows += c->rows;
+    u.used += c->used;
+  }
+  return u;
 }
 
 KvBlock::~KvBlock() {
@@ -65,8 +135,20 @@ void TorchKv::ReleaseOwn() {
 std::shared_ptr<KvBlock> TorchKv::NewBlock(int64_t b, int64_t h, int64_t rows, int64_t d,
                                            const at::TensorOptions& opts, bool padding) const {
   auto block = std::make_shared<KvBlock>();
-  block->k = KeptEmpty({b, h, rows, d}, opts);
-  block->v = KeptEmpty({b, h, rows, d}, opts);
+  if (pool_ && pool_->heads() == h && pool_->head_dim() == d && b * rows > 0 &&
+      pool_->options().dtype() == opts.dtype() && pool_->options().device() == opts.device()) {
+    block->slot = pool_->Allocate(b * rows);
+    const auto view = [&](const at::Tensor& all) {
+      return all.narrow(0, block->slot->start(), b * rows)
+          .view({b, rows, h, d})
+          .permute({0, 2, 1, 3});
+    };
+    block->k = view(block->slot->chunk()->k);
+    block->v = view(block->slot->chunk()->v);
+  } else {
+    block->k = KeptEmpty({b, h, rows, d}, opts);
+    block->v = KeptEmpty({b, h, rows, d}, opts);
+  }
   if (padding) block->kpm = KeptEmpty({b, rows}, opts).zero_();
   block->bytes = BytesFor(b, rows).value_or(0);
   return block;
@@ -120,12 +202,54 @@ TorchKv::Window TorchKv::Memory() const {
   return {{mk_}, {mv_}, mkpm_.defined() ? mkpm_.view({b, 1, 1, lk}) : at::Tensor()};
 }
 
+std::optional<TorchKv::Placement> TorchKv::Placed() const {
+  if (!own_ || !own_->slot || !shared_.empty() || base_ != 0 || own_->kpm.defined())
+    return std::nullopt;
+  return Placement{own_->slot->chunk(), own_->slot->start(), OwnRows()};
+}
+
 TorchKv::Window TorchKv::Append(int64_t held, int64_t capacity, const at::Tensor& kh,
                                 const at::Tensor& vh, const at::Tensor& kpm) {
   const int64_t b = kh.size(0), h = kh.size(1), t = kh.size(2), d = kh.size(3);
   const auto opts = kh.options();
+  Prepare(held, capacity, b, h, t, d, kpm.defined(), opts);
+  bool padded = own_->kpm.defined() || kpm.defined();
+  for (const Shared& s : shared_) padded = padded || s.block->kpm.defined();
+  const int64_t off = held - base_;
+  own_->k.narrow(2, off, t).copy_(kh);
+  own_->v.narrow(2, off, t).copy_(vh);
+  if (kpm.defined() && !own_->kpm.defined()) own_->kpm = KeptEmpty({b, OwnRows()}, opts).zero_();
+  if (own_->kpm.defined()) {
+    if (kpm.defined()) {
+      own_->kpm.narrow(1, off, t).copy_(kpm);
+    } else {
+      own_->kpm.narrow(1, off, t).zero_();
+    }
+  }
+
+  Window w;
+  const int64_t lk = held + t;
+  std::vector<at::Tensor> paddings;
+  const auto add = [&](const KvBlock& block, int64_t rows) {
+    w.k.push_back(block.k.narrow(2, 0, rows));
+    w.v.push_back(block.v.narrow(2, 0, rows));
+    if (padded) {
+      paddings.push_back(block.kpm.defined() ? block.kpm.narrow(1, 0, rows)
+                                             : at::zeros({b, rows}, opts));
+    }
+  };
+  for (const Shared& s : shared_) add(*s.block, s.rows);
+  add(*own_, off + t);
+  if (padded) {
+    w.kpm = (paddings.size() == 1 ? paddings[0] : at::cat(paddings, 1)).view({b, 1, 1, lk});
+  }
+  return w;
+}
+
+void TorchKv::Prepare(int64_t held, int64_t capacity, int64_t b, int64_t h, int64_t t, int64_t d,
+                      bool padded_step, const at::TensorOptions& opts) {
   const Plan plan = PlanAppend(held);
-  bool padded = kpm.defined() || (own_ && own_->kpm.defined());
+  bool padded = padded_step || (own_ && own_->kpm.defined());
   for (const Shared& s : shared_) padded = padded || s.block->kpm.defined();
 
   // Every allocation first, then swapped in: a failed one leaves the session as it was.
@@ -170,35 +294,6 @@ TorchKv::Window TorchKv::Append(int64_t held, int64_t capacity, const at::Tensor
     }
     own_ = std::move(block);
   }
-  const int64_t off = held - base_;
-  own_->k.narrow(2, off, t).copy_(kh);
-  own_->v.narrow(2, off, t).copy_(vh);
-  if (kpm.defined() && !own_->kpm.defined()) own_->kpm = KeptEmpty({b, OwnRows()}, opts).zero_();
-  if (own_->kpm.defined()) {
-    if (kpm.defined()) {
-      own_->kpm.narrow(1, off, t).copy_(kpm);
-    } else {
-      own_->kpm.narrow(1, off, t).zero_();
-    }
-  }
-
-  Window w;
-  const int64_t lk = held + t;
-  std::vector<at::Tensor> paddings;
-  const auto add = [&](const KvBlock& block, int64_t rows) {
-    w.k.push_back(block.k.narrow(2, 0, rows));
-    w.v.push_back(block.v.narrow(2, 0, rows));
-    if (padded) {
-      paddings.push_back(block.kpm.defined() ? block.kpm.narrow(1, 0, rows)
-                                             : at::zeros({b, rows}, opts));
-    }
-  };
-  for (const Shared& s : shared_) add(*s.block, s.rows);
-  add(*own_, off + t);
-  if (padded) {
-    w.kpm = (paddings.size() == 1 ? paddings[0] : at::cat(paddings, 1)).view({b, 1, 1, lk});
-  }
-  return w;
 }
 
 }  // namespace attnserve

@@ -5,7 +5,9 @@
 
 #include <ATen/ATen.h>
 
+#include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <vector>
 
@@ -20,12 +22,68 @@ namespace attnserve {
 /// kv_memory_peak).
 at::Tensor KeptEmpty(at::IntArrayRef sizes, const at::TensorOptions& opts);
 
+/// Kept keys and values of many sessions in few allocations, as varlen attention kernels read them
+/// in place (LibTorch's flash attention with `cum_seq_k` as each sequence's first row and
+/// `seqused_k` as its length): chunks of token-major rows, keys and values [rows, H, D] each,
+/// handed out as slots of consecutive rows (a session's block: B sequences of `capacity` rows).
+/// A step of many sessions then attends over all of them in one launch per chunk. A new chunk
+/// holds max(`chunk_rows`, the slot) rows; a chunk is given back the moment its last slot is.
+/// Thread-safe. The CUDA engine's (LibTorch >= 2.11), and the CPU's under EngineOptions::Varlen::
+/// kEmulate, where the tests check it.
+class KvPool : public std::enable_shared_from_this<KvPool> {
+ public:
+  struct Chunk {
+    at::Tensor k, v;  // [rows, H, D]
+    int64_t rows = 0, used = 0;
+    std::map<int64_t, int64_t> free;  // first row -> rows, coalesced
+  };
+  /// Rows [start, start + rows) of a chunk, given back when destroyed.
+  class Slot {
+   public:
+    Slot(std::shared_ptr<KvPool> pool, std::shared_ptr<Chunk> chunk, int64_t start, int64_t rows)
+        : pool_(std::move(pool)), chunk_(std::move(chunk)), start_(start), rows_(rows) {}
+    ~Slot() { pool_->Release(*chunk_, start_, rows_); }
+    Slot(const Slot&) = delete;
+    Slot& operator=(const Slot&) = delete;
+    const std::shared_ptr<Chunk>& chunk() const { return chunk_; }
+    int64_t start() const { return start_; }
+    int64_t rows() const { return rows_; }
+
+   private:
+    std::shared_ptr<KvPool> pool_;
+    std::shared_ptr<Chunk> chunk_;
+    int64_t start_, rows_;
+  };
+  /// `heads` key/value heads of `head_dim`, in `opts`' dtype and device.
+  KvPool(int64_t heads, int64_t head_dim, const at::TensorOptions& opts, int64_t chunk_rows);
+  /// The first free run of `rows` in a chunk, or a new chunk. Throws as at::empty does when the
+  /// device has no room; std::length_error past int32 rows (the kernels' row offsets).
+  std::unique_ptr<Slot> Allocate(int64_t rows);
+  int64_t heads() const { return heads_; }
+  int64_t head_dim() const { return head_dim_; }
+  const at::TensorOptions& options() const { return opts_; }
+  /// Invariants' view (tests): chunks held, their rows in all and the rows of live slots.
+  struct Usage {
+    int64_t chunks = 0, rows = 0, used = 0;
+  };
+  Usage usage() const;
+
+ private:
+  void Release(Chunk& chunk, int64_t start, int64_t rows);
+  const int64_t heads_, head_dim_, chunk_rows_;
+  const at::TensorOptions opts_;
+  mutable std::mutex mu_;
+  std::vector<std::shared_ptr<Chunk>> chunks_;
+};
+
 /// One allocation of a session's keys and values: [B, H, rows, D] each, and the additive key
 /// padding [B, rows] once some step sent one. Held by the session that writes it and by the forks
-/// that read its first rows; freed with the last.
+/// that read its first rows; freed with the last. From a KvPool, k and v are views of its slot's
+/// token-major rows (sequence b's row r at slot row b * rows + r).
 struct KvBlock {
   ~KvBlock();
   at::Tensor k, v, kpm;
+  std::unique_ptr<KvPool::Slot> slot;  ///< Where k and v lie in a pool (null: their own).
   int64_t bytes = 0;  ///< TorchKv::BytesFor(B, rows): what it counts against the budget.
   /// Set once no session counts the block as its own while others still read it: it counts
   /// itself there until freed.
@@ -43,7 +101,9 @@ struct KvBlock {
 class TorchKv final : public KvCache {
  public:
   static constexpr size_t kMaxShared = 8;
-  TorchKv(int64_t embed_dim, int64_t elem) : embed_dim_(embed_dim), elem_(elem) {}
+  /// `pool`: where a session's blocks are allocated (null: each its own [B, H, rows, D] tensors).
+  TorchKv(int64_t embed_dim, int64_t elem, std::shared_ptr<KvPool> pool = nullptr)
+      : embed_dim_(embed_dim), elem_(elem), pool_(std::move(pool)) {}
   ~TorchKv() override;
   std::optional<int64_t> BytesFor(int64_t batch, int64_t capacity) const override;
   int64_t AllocatedTokens() const override;
@@ -74,6 +134,21 @@ class TorchKv final : public KvCache {
   Window Append(int64_t held, int64_t capacity, const at::Tensor& kh, const at::Tensor& vh,
                 const at::Tensor& kpm);
 
+  /// Append's first half: makes room for `t` tokens of `b` sequences of `h` heads of `d` after
+  /// `held` (the same allocations, copies and swaps), writing nothing. Append after it changes no
+  /// allocation. `padded_step`: a step that sends key padding.
+  void Prepare(int64_t held, int64_t capacity, int64_t b, int64_t h, int64_t t, int64_t d,
+               bool padded_step, const at::TensorOptions& opts);
+  /// Where a prepared session's tokens lie when all of them are in one pool slot and it never had
+  /// key padding (what one varlen launch over many sessions reads): sequence b's token j at row
+  /// `start + b * stride + j` of `chunk`. Nullopt otherwise (forks' shared blocks, key padding, no
+  /// pool): the step then attends on its own.
+  struct Placement {
+    std::shared_ptr<KvPool::Chunk> chunk;
+    int64_t start = 0, stride = 0;
+  };
+  std::optional<Placement> Placed() const;
+
   /// A memory's keys and values, and its key padding as [B, 1, 1, Lk] (undefined: none).
   Window Memory() const;
 
@@ -92,6 +167,7 @@ class TorchKv final : public KvCache {
                                     const at::TensorOptions& opts, bool padding) const;
 
   const int64_t embed_dim_, elem_;
+  const std::shared_ptr<KvPool> pool_;
   at::Tensor mk_, mv_, mkpm_;  // A memory's.
   // A session's: its first base_ tokens in shared_, the rest in own_, whose first frozen_ rows
   // forks read.

@@ -195,8 +195,15 @@ void ServerMetrics::RecordBatch(const std::string& model, const std::vector<Work
     tenant_.queue.Add(tenant, LatencyBuckets()).Observe(item->queue_seconds);
     tenant_.flops.Add(tenant).Increment(item->flops);
     tokens += item->tokens();
-    flops += ForwardFlops(item->model->spec(), item->call);
-    backend_.Add({{"model", model}, {"backend", item->outputs.attention_backend}}).Increment();
+    // A batched step's entries, each counted as its own call would be.
+    if (item->entries.empty()) {
+      flops += ForwardFlops(item->model->spec(), item->call);
+      backend_.Add({{"model", model}, {"backend", item->outputs.attention_backend}}).Increment();
+    }
+    for (const WorkItem::Entry& entry : item->entries) {
+      flops += ForwardFlops(item->model->spec(), entry.call);
+      backend_.Add({{"model", model}, {"backend", entry.outputs.attention_backend}}).Increment();
+    }
   }
   flops_.Add(labels).Increment(flops);
   if (seconds > 0) flops_rate_.Add(labels).Set(flops / seconds);

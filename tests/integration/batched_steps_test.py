@@ -18,6 +18,9 @@ server and wire.
 - AttendStream: several batched steps in flight on one stream, each answered with its request_id.
 - Under load: four callers' batched calls beside their twins' single calls and a plain caller, every
   entry equal to its twin's answer whatever shares its batch.
+- Both again on a server with --varlen-attention emulate (kept runs: sessions in the CUDA engine's
+  pool, a batch's steps attending together over it; per sequence on the CPU), which /metrics shows
+  ran.
 
 usage: python3 -m pytest batched_steps_test.py --attnserve PATH/TO/attnserve
 """
@@ -59,6 +62,17 @@ def server(attnserve, models):
     s.stop()
 
 
+@pytest.fixture(scope="module")
+def kept_server(attnserve, models):
+    """The same server with --varlen-attention emulate: sessions' keys and values in the CUDA engine's
+    pool, and batched steps attending in its kept runs (one launch per chunk there), per sequence on
+    the CPU."""
+    s = lib.Server(attnserve, "--models", models, "--tenant-header", HEADER, "--varlen-attention", "emulate",
+                   "--kv-budget-bytes", str(4 << 20), "--kv-max-entry-bytes", str(32 << 10))
+    yield s
+    s.stop()
+
+
 def tenant(name):
     return ((HEADER, name),)
 
@@ -92,24 +106,33 @@ def length_of(stub, pb, handle, who="a"):
     return None
 
 
+def counter(server, name, model):
+    """A counter's sum over every series of `model`."""
+    return sum(float(line.split()[-1]) for line in lib.metrics_lines(server, name) if f'model="{model}"' in line)
+
+
 def same(got, want):
     ok, detail = lib.same_answer(got, want)
     return ok, detail
 
 
+@pytest.mark.parametrize("which", ["server", "kept_server"])
 @pytest.mark.parametrize("model", ["mha", "dec"])
-def test_batched_steps_equal_one_call_each(server, stubs, model, checks):
+def test_batched_steps_equal_one_call_each(request, which, stubs, model, checks):
+    server = request.getfixturevalue(which)
     pb, stub, e = connect(server, stubs, model)
     n = 6
     single, batched = open_sessions(stub, pb, model, n), open_sessions(stub, pb, model, n)
     rng = np.random.default_rng(11)
     held = [0] * n
+    padded, never_padded = set(), 0  # Sessions that had key padding; entries of those that never did.
     # Rounds: prompts of different lengths, then one token each with a chunk or a draft riding along,
     # own positions (rotary) and key padding on some entries.
     rounds = [[5, 1, 7, 2, 3, 4]] + [[1, 1, 3, 1, 2, 1] for _ in range(4)]
     for r, lengths in enumerate(rounds):
         req = pb.AttendRequest(request_id=100 + r)
         refs = []
+        ref_flops = -counter(server, "attnserve_flops_total", model)
         for i, t in enumerate(lengths):
             q = rng.standard_normal((1, t, e)).astype(np.float32)
             kpm = rng.random((1, t)) < 0.3 if (i + r) % 3 == 0 else None
@@ -120,12 +143,24 @@ def test_batched_steps_equal_one_call_each(server, stubs, model, checks):
             if kpm is not None:
                 one.key_padding_mask.CopyFrom(lib.to_wire(pb, kpm))
                 step.key_padding_mask.CopyFrom(lib.to_wire(pb, kpm))
+                padded.add(i)
+            never_padded += i not in padded
             if model == "dec" and i == 2:  # own positions: a gap, as a runner with padding sends
                 pos = [held[i] + 3 + j for j in range(t)]
                 one.positions.extend(pos)
                 step.positions.extend(pos)
             refs.append(stub.Attend(one, metadata=tenant("a"), timeout=30))
+        ref_flops += counter(server, "attnserve_flops_total", model)
+        flops_before = counter(server, "attnserve_flops_total", model)
+        backends_before = counter(server, "attnserve_attention_backend_total", model)
         got = stub.Attend(req, metadata=tenant("a"), timeout=30)
+        # /metrics counts a batched call's entries as the same calls one by one would be counted.
+        flops = counter(server, "attnserve_flops_total", model) - flops_before
+        backends = counter(server, "attnserve_attention_backend_total", model) - backends_before
+        checks(f"{model} round {r}: attnserve_flops_total counts every entry's work", flops == pytest.approx(ref_flops),
+               f"{flops} for the batched call, {ref_flops} for the same calls one by one")
+        checks(f"{model} round {r}: attnserve_attention_backend_total counts every entry", backends == n,
+               f"{backends} for {n} entries")
         checks(f"{model} round {r}: one answer per entry, in order, the call's request_id",
                len(got.steps) == n and got.request_id == 100 + r, f"{len(got.steps)} answers, id {got.request_id}")
         for i, t in enumerate(lengths):
@@ -138,6 +173,11 @@ def test_batched_steps_equal_one_call_each(server, stubs, model, checks):
                    and list(s.output.shape) == list(refs[i].output.shape),
                    f"{s.session_length} vs {refs[i].session_length}, shape {list(s.output.shape)}")
             held[i] += t
+    if which == "kept_server":
+        kept = sum(float(line.split()[-1]) for line in lib.metrics_lines(server, "attnserve_attention_backend_total")
+                   if f'model="{model}"' in line and 'backend="kept_emulated"' in line)
+        checks(f"{model}: every batched entry of a session that never had key padding attended in a kept run",
+               kept == never_padded, f"{kept} counted, {never_padded} such entries")
 
 
 def test_memories_batch_the_same(server, stubs, checks):
@@ -346,12 +386,14 @@ def test_the_cli_decodes_sessions_together(server, cli, checks):
                                                          for line in lines), p.stdout + p.stderr)
 
 
-def test_batched_answers_hold_under_concurrent_load(server, stubs, checks):
+@pytest.mark.parametrize("which", ["server", "kept_server"])
+def test_batched_answers_hold_under_concurrent_load(request, which, stubs, checks):
     """Four callers each step sessions of their own in batched calls while their twin sessions take
     the same tokens one call each and a fifth caller sends plain requests: every batched entry
     equals its twin's answer (float32 rounding) whatever else shares its batch, and no caller ever
     gets another's rows."""
     import threading
+    server = request.getfixturevalue(which)
     pb, stub, e = connect(server, stubs)
     failures, done, shared = [], [], []
 
