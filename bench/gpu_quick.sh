@@ -270,6 +270,11 @@ if serve $build/attnserve --address 127.0.0.1:$port --metrics-address $metrics \
   backends=$(LD_LIBRARY_PATH='' curl -s http://$metrics/metrics | grep -E '^attnserve_(attention_backend_total|staging)')
   echo "$backends"
   if grep -q cudnn <<<"$backends"; then echo "FAIL: cuDNN's attention is in use"; failed=1; fi
+  # On the GPU the batched steps attend in kept runs: one flash launch per pool chunk (docs/kv.md).
+  if [ "$device" != cpu ] && ! grep -q 'backend="flash_kept",model="l8b"' <<<"$backends"; then
+    echo "FAIL: l8b's batched steps did not attend in kept runs (no flash_kept backend)"
+    failed=1
+  fi
   stop
 fi
 # The decoder layers' rows are done: the servers started after this one load $model alone (each
