@@ -135,8 +135,11 @@ void TorchKv::ReleaseOwn() {
 std::shared_ptr<KvBlock> TorchKv::NewBlock(int64_t b, int64_t h, int64_t rows, int64_t d,
                                            const at::TensorOptions& opts, bool padding) const {
   auto block = std::make_shared<KvBlock>();
+  // In the pool where its rows fit the kernels' int32 row offsets (an allocation past them, of a
+  // model with few, narrow heads under a budget of tens of GiB, stays out: its steps attend alone).
   if (pool_ && pool_->heads() == h && pool_->head_dim() == d && b * rows > 0 &&
-      pool_->options().dtype() == opts.dtype() && pool_->options().device() == opts.device()) {
+      b * rows <= std::numeric_limits<int32_t>::max() && pool_->options().dtype() == opts.dtype() &&
+      pool_->options().device() == opts.device()) {
     block->slot = pool_->Allocate(b * rows);
     const auto view = [&](const at::Tensor& all) {
       return all.narrow(0, block->slot->start(), b * rows)
