@@ -78,7 +78,8 @@ std::string KvCheckStats::ToString() const {
          std::to_string(truncations) + " truncations; memories " +
          std::to_string(memories_computed) + " computed (" +
          std::to_string(memory_answers_checked) + " answers checked); decoder answers checked " +
-         std::to_string(decoder_answers_checked) + "; ends: " + std::to_string(evicted) +
+         std::to_string(decoder_answers_checked) + ", in kept runs " +
+         std::to_string(kept_answers_checked) + "; ends: " + std::to_string(evicted) +
          " evicted, " + std::to_string(expired) + " expired, " + std::to_string(released) +
          " released, " + std::to_string(unloaded) +
          " unloaded; refusals: " + std::to_string(invalid) + " INVALID_ARGUMENT, " +
@@ -95,36 +96,45 @@ constexpr int64_t kMaxRealTokens =
 
 // Three small models on the CPU, made once for the process: two nn.MultiheadAttention ("a", "b")
 // and a decoder layer ("c": 2 query heads on 1 key/value head of 4, RoPE, q/k RMSNorm, q and k
-// biases), whose kept keys are rotated and half as wide.
-const std::shared_ptr<const AttentionModel>* Models() {
-  static const std::vector<std::shared_ptr<const AttentionModel>> models = [] {
-    std::vector<std::shared_ptr<const AttentionModel>> out;
-    std::mt19937 rng(1717);
-    for (const char* name : {"a", "b", "c"}) {
-      ModelWeights w;
-      if (name[0] == 'c') {
-        DecoderShape shape;
-        shape.name = name;
-        shape.e = kE, shape.h = kH, shape.kvh = 1;
-        shape.q_bias = shape.k_bias = shape.qk_norm = true;
-        w = RandomDecoderWeights(rng, shape);
-      } else {
-        w = RandomWeights(rng, name, kE, kH);
-      }
-      w.spec.weights_hash = std::string("sha256:") + name;
-      EngineOptions options;
-      options.min_piece_flops =
-          0;  // Split as finely as a Parallel allows (KvCheckOptions::parallel).
-      auto m = CreateTorchModel(w, options);
-      if (!m.ok()) {
-        std::fprintf(stderr, "kv model check: %s\n", m.status().message().c_str());
-        std::abort();
-      }
-      out.push_back(std::move(m).value());
+// biases), whose kept keys are rotated and half as wide. `kept`: the same under
+// EngineOptions::Varlen::kEmulate, sessions in a pool of 2 KiB chunks and batched steps in kept
+// runs (the CUDA engine's layout).
+std::vector<std::shared_ptr<const AttentionModel>> MakeModels(bool kept) {
+  std::vector<std::shared_ptr<const AttentionModel>> out;
+  std::mt19937 rng(1717);
+  for (const char* name : {"a", "b", "c"}) {
+    ModelWeights w;
+    if (name[0] == 'c') {
+      DecoderShape shape;
+      shape.name = name;
+      shape.e = kE, shape.h = kH, shape.kvh = 1;
+      shape.q_bias = shape.k_bias = shape.qk_norm = true;
+      w = RandomDecoderWeights(rng, shape);
+    } else {
+      w = RandomWeights(rng, name, kE, kH);
     }
-    return out;
-  }();
-  return models.data();
+    w.spec.weights_hash = std::string("sha256:") + name;
+    EngineOptions options;
+    options.min_piece_flops =
+        0;  // Split as finely as a Parallel allows (KvCheckOptions::parallel).
+    if (kept) {
+      options.varlen = EngineOptions::Varlen::kEmulate;
+      options.kv_pool_chunk_bytes = 2 << 10;
+    }
+    auto m = CreateTorchModel(w, options);
+    if (!m.ok()) {
+      std::fprintf(stderr, "kv model check: %s\n", m.status().message().c_str());
+      std::abort();
+    }
+    out.push_back(std::move(m).value());
+  }
+  return out;
+}
+
+const std::shared_ptr<const AttentionModel>* Models(bool kept) {
+  static const std::vector<std::shared_ptr<const AttentionModel>> plain = MakeModels(false);
+  static const std::vector<std::shared_ptr<const AttentionModel>> pooled = MakeModels(true);
+  return kept ? pooled.data() : plain.data();
 }
 
 // Deterministic, varied token values in [-1, 1).
@@ -223,7 +233,7 @@ struct Hold {  // A request holding a memory.
 
 class ModelCheck {
  public:
-  ModelCheck(Choices& c, const KvCheckOptions& o) : c_(c), o_(o), models_(Models()) {
+  ModelCheck(Choices& c, const KvCheckOptions& o) : c_(c), o_(o), models_(Models(o.kept_runs)) {
     options_.budget_bytes = int64_t{1} << (10 + c_.Below(8));
     options_.max_entry_bytes = std::max<int64_t>(1, options_.budget_bytes >> c_.Below(3));
     options_.max_entries = 1 + static_cast<int64_t>(c_.Below(12));
@@ -977,7 +987,11 @@ class ModelCheck {
       const bool seq_first = f->seq_first;
       const int64_t t = f->tokens, b = r.batch;
       EndFlight(k, applied, applied ? "computed" : "computed, then failed");
-      if (applied && o_.check_outputs) CheckStepAnswer(r, out_bytes[i], t, b, seq_first);
+      if (applied && o_.check_outputs) {
+        if (o_.stats && std::string(outs[i].attention_backend) == "kept_emulated")
+          ++o_.stats->kept_answers_checked;
+        CheckStepAnswer(r, out_bytes[i], t, b, seq_first);
+      }
     }
   }
 

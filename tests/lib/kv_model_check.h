@@ -51,6 +51,7 @@ struct KvCheckStats {
   int64_t steps_applied = 0, steps_not_applied = 0, step_answers_checked = 0;
   int64_t memories_computed = 0, memory_answers_checked = 0;
   int64_t decoder_answers_checked = 0;  // Of those checked, the decoder layer's (model "c").
+  int64_t kept_answers_checked = 0;     // Of those checked, computed in kept runs.
   int64_t forks = 0, truncations = 0;   // Made.
   int64_t evicted = 0, expired = 0, released = 0, unloaded = 0;
   int64_t invalid = 0, not_found = 0, exhausted = 0, aborted = 0;  // Refusals seen.
@@ -64,6 +65,9 @@ struct KvCheckOptions {
   KvCheckStats* stats = nullptr;  ///< When set, counts what the run covered.
   /// When set, steps and memories compute split across its threads (as a lone request's do).
   const Parallel* parallel = nullptr;
+  /// Models whose sessions keep their keys and values in a pool and whose batched steps attend in
+  /// kept runs (EngineOptions::Varlen::kEmulate).
+  bool kept_runs = false;
 };
 
 /// Runs operations until the choices run out or max_ops: "" when every check held, else what broke

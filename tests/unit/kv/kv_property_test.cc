@@ -45,6 +45,7 @@ TEST(KvPropertyTest, RandomOperationSequencesKeepEveryInvariant) {
     options.max_ops = 400;
     options.stats = &stats;
     if (seed % 2 == 0) options.parallel = &helpers;  // Half the runs compute split across threads.
+    options.kept_runs = seed % 3 == 0;               // A third on pooled sessions and kept runs.
     const std::string failure = RunKvModelCheck(choices, options);
     if (!failure.empty()) {  // The same sequence again, with the operations that led there.
       std::string log;
@@ -60,10 +61,11 @@ TEST(KvPropertyTest, RandomOperationSequencesKeepEveryInvariant) {
   }
   std::printf("kv property: %s\n", stats.ToString().c_str());
   // Not vacuous: every kind of event happened, many times (100 in 1,000 sequences).
-  for (int64_t n : {stats.step_answers_checked, stats.steps_not_applied,
-                    stats.memory_answers_checked, stats.evicted, stats.expired, stats.released,
-                    stats.unloaded, stats.invalid, stats.not_found, stats.exhausted, stats.aborted,
-                    stats.forks, stats.truncations, stats.decoder_answers_checked}) {
+  for (int64_t n :
+       {stats.step_answers_checked, stats.steps_not_applied, stats.memory_answers_checked,
+        stats.evicted, stats.expired, stats.released, stats.unloaded, stats.invalid,
+        stats.not_found, stats.exhausted, stats.aborted, stats.forks, stats.truncations,
+        stats.decoder_answers_checked, stats.kept_answers_checked}) {
     EXPECT_GE(n, seeds / 10) << stats.ToString();
   }
 }
