@@ -933,7 +933,7 @@ __attribute__((optimize("O3", "tree-vectorize"))) uint64_t SumWords(const uint64
 
 double ReadBandwidthGBs(int threads) {
   const size_t words = (size_t{512} << 20) / sizeof(uint64_t);
-  std::vector<uint64_t> buf(words, 1);
+  static std::vector<uint64_t> buf(words, 1);  // Made once: every measurement reads it again.
   double best = 0;
   std::atomic<uint64_t> sink{0};
   for (int pass = 0; pass < 5; ++pass) {
@@ -994,7 +994,6 @@ int Batched(const Options& o) {
   }
   auto stub = pb::AttentionService::NewStub(Channel(o));
   const LayerBytes layer = LayerOf(stub.get(), o);
-  const double bandwidth = ReadBandwidthGBs(threads);
   std::vector<std::string> sessions;
   std::vector<std::vector<float>> tokens;
   const int rounds = o.steps;
@@ -1050,19 +1049,32 @@ int Batched(const Options& o) {
   const double kv_step = layer.kv_per_token * kept;
   // The memory bound: a batched call reads the weights once for its S steps.
   const double bytes_batched = layer.weights / s_count + kv_step;
-  const double bound = bandwidth * 1e9 / bytes_batched;
   std::printf(
       "batched: %d sessions, prompts %d..%d (%.0f kept tokens a step on average), E=%lld, %s; "
       "prefill %.1f s; CPU class %s\n"
       "  a step reads %.2f MB of keys and values, the weights %.1f MB a call (%.2f MB a step "
-      "shared by %d); read bandwidth %.1f GB/s on %d threads: memory bound %.0f steps/s\n",
+      "shared by %d)\n",
       s_count, o.prompt, std::max(o.prompt, o.prompt_max), kept, static_cast<long long>(o.embed),
       layer.dtype.c_str(), prefill_s, attnserve_bench::CpuClass().c_str(), kv_step / 1e6,
-      layer.weights / 1e6, layer.weights / s_count / 1e6, s_count, bandwidth, threads, bound);
-  std::vector<double> batched_rate, separate_rate, batched_ms, separate_ms;
+      layer.weights / 1e6, layer.weights / s_count / 1e6, s_count);
+  // The engine's own batched step in this process, its sessions prefilled now: its rounds then
+  // alternate with the server's, so that each repeat's ratios are of neighbours in time.
+  std::unique_ptr<attnserve_bench::InProcessStepper> engine;
+  if (!o.in_process.empty()) {
+    engine = std::make_unique<attnserve_bench::InProcessStepper>(
+        o.in_process, prompts, rounds * o.repeats, threads, o.device, o.dtype);
+    if (!engine->error().empty()) {
+      std::fprintf(stderr, "attnserve-kv-bench: in-process: %s\n", engine->error().c_str());
+      return 1;
+    }
+  }
+  std::vector<double> batched_rate, separate_rate, engine_rate, batched_ms, separate_ms, engine_ms;
   std::vector<double> server_queue_ms, server_compute_ms;  // The batched calls' own timing.
+  std::vector<double> to_separate, to_engine;              // Each repeat's ratios.
   double batch_sum = 0, batch_n = 0;
+  std::vector<double> read_gbs, to_bound;  // Each repeat's read bandwidth, and its batched ratio.
   for (int rep = 0; rep < o.repeats; ++rep) {
+    read_gbs.push_back(ReadBandwidthGBs(threads));  // This repeat's, right before its rounds.
     // All S sessions in one call, `rounds` times.
     auto start = Clock::now();
     for (int round = 0; round < rounds; ++round) {
@@ -1074,6 +1086,15 @@ int Batched(const Options& o) {
       server_compute_ms.push_back(r.timing().compute_seconds() * 1e3);
     }
     batched_rate.push_back(rounds * s_count / (Ms(Clock::now() - start) / 1000));
+    to_bound.push_back(batched_rate.back() / (read_gbs.back() * 1e9 / bytes_batched));
+    if (engine) {  // The engine's own, right after.
+      engine_rate.push_back(engine->Rounds(rounds, &engine_ms));
+      if (!engine->error().empty()) {
+        std::fprintf(stderr, "attnserve-kv-bench: in-process: %s\n", engine->error().c_str());
+        return 1;
+      }
+      to_engine.push_back(batched_rate.back() / engine_rate.back());
+    }
     // The same sessions, each stepped by a thread of its own in separate unary calls.
     std::vector<std::thread> ts;
     std::vector<std::vector<double>> lat(static_cast<size_t>(s_count));
@@ -1104,9 +1125,19 @@ int Batched(const Options& o) {
     for (auto& t : ts) t.join();
     separate_rate.push_back(rounds * s_count / (Ms(Clock::now() - start) / 1000));
     for (auto& l : lat) separate_ms.insert(separate_ms.end(), l.begin(), l.end());
+    to_separate.push_back(batched_rate.back() / separate_rate.back());
   }
   for (const std::string& h : sessions) Release(stub.get(), h, true);
   const double batched = Percentile(batched_rate, 0.5), separate = Percentile(separate_rate, 0.5);
+  // The memory bound: each repeat's read bandwidth (a STREAM-like read right before its rounds;
+  // on a shared host it drifts from minute to minute), the median for the table.
+  const double bandwidth = Percentile(read_gbs, 0.5);
+  const double bound = bandwidth * 1e9 / bytes_batched;
+  std::printf(
+      "  read bandwidth %.1f GB/s on %d threads (the repeats' median; %.1f..%.1f): memory "
+      "bound %.0f steps/s\n",
+      bandwidth, threads, *std::min_element(read_gbs.begin(), read_gbs.end()),
+      *std::max_element(read_gbs.begin(), read_gbs.end()), bound);
   std::printf("%-34s %12s %10s %10s\n", "form", "steps/s", "p50 ms", "/ bound");
   std::printf("%-34s %12.0f %10.2f %10.2f   server: queue %.2f, compute %.2f ms (p50)\n",
               "batched call (all sessions)", batched, Percentile(batched_ms, 0.5), batched / bound,
@@ -1134,21 +1165,24 @@ int Batched(const Options& o) {
                          {{"steps_per_s", separate},
                           {"p50_ms", Percentile(separate_ms, 0.5)},
                           {"mean_batch", batch_sum / std::max(batch_n, 1.0)}}}};
-  if (!o.in_process.empty()) {
-    const attnserve_bench::InProcessResult e = attnserve_bench::InProcessSteps(
-        o.in_process, prompts, rounds * o.repeats, threads, o.device, o.dtype);
-    if (!e.error.empty()) {
-      std::fprintf(stderr, "attnserve-kv-bench: in-process: %s\n", e.error.c_str());
-      return 1;
-    }
-    std::printf("%-34s %12.0f %10.2f %10.2f\n", "in-process engine (batched)", e.steps_per_s,
-                e.call_p50_ms, e.steps_per_s / bound);
-    out["in_process"] = {
-        {"steps_per_s", e.steps_per_s}, {"p50_ms", e.call_p50_ms}, {"kernels", e.kernels}};
-    std::printf("server batched / in-process: %.2f\n", batched / e.steps_per_s);
+  if (engine) {
+    const double rate = Percentile(engine_rate, 0.5);
+    std::printf("%-34s %12.0f %10.2f %10.2f\n", "in-process engine (batched)", rate,
+                Percentile(engine_ms, 0.5), rate / bound);
+    out["in_process"] = {{"steps_per_s", rate},
+                         {"p50_ms", Percentile(engine_ms, 0.5)},
+                         {"kernels", engine->kernels()},
+                         {"server_batched_ratio", Percentile(to_engine, 0.5)}};
+    std::printf(
+        "server batched / in-process: %.2f (the median repeat's; each repeat's rounds "
+        "alternate)\n",
+        Percentile(to_engine, 0.5));
   }
-  std::printf("batched / separate: %.2f   batched / memory bound: %.2f\n", batched / separate,
-              batched / bound);
+  out["separate"]["batched_ratio"] = Percentile(to_separate, 0.5);
+  out["batched"]["bound_ratio"] = Percentile(to_bound, 0.5);
+  std::printf(
+      "batched / separate: %.2f   batched / memory bound: %.2f (each the median repeat's)\n",
+      Percentile(to_separate, 0.5), Percentile(to_bound, 0.5));
   WriteJson(o, out);
   return 0;
 }

@@ -80,57 +80,84 @@ bool Step(const AttentionModel& model, const std::vector<Session*>& on, int64_t 
 
 std::string CpuClass() { return EngineCpuClass(); }
 
-InProcessResult InProcessSteps(const std::string& model_dir, const std::vector<int>& prompts,
-                               int rounds, int threads, const std::string& device,
-                               const std::string& dtype) {
-  InProcessResult result;
+struct InProcessStepper::State {
+  std::string error, kernels;
+  std::unique_ptr<AttentionModel> model;
+  std::unique_ptr<HelperPool> pool;
+  std::vector<Session> sessions;
+  std::vector<Session*> all;
+  std::vector<std::vector<std::string>> queries;  // Every round's, made before any clock starts.
+  size_t next = 0;                                // The next round's.
+};
+
+InProcessStepper::InProcessStepper(const std::string& model_dir, const std::vector<int>& prompts,
+                                   int rounds, int threads, const std::string& device,
+                                   const std::string& dtype)
+    : state_(new State) {
+  State& st = *state_;
   StatusOr<ModelWeights> weights = LoadModel(model_dir, "in_process");
-  if (!weights.ok()) return {weights.status().ToString()};
+  if (!weights.ok()) {
+    st.error = weights.status().ToString();
+    return;
+  }
   EngineOptions options;
   options.device = device;
   options.compute_dtype = dtype == "bfloat16"  ? DType::kBFloat16
                           : dtype == "float16" ? DType::kFloat16
                                                : DType::kFloat32;
   StatusOr<std::unique_ptr<AttentionModel>> made = CreateTorchModel(*weights, options);
-  if (!made.ok()) return {made.status().ToString()};
-  const AttentionModel& model = **made;
-  result.kernels = model.spec().kernels;
-  HelperPool pool(std::max(0, threads - 1));
-  std::vector<Session> sessions(prompts.size());
-  for (Session& s : sessions) s.cache = model.NewKvCache();
+  if (!made.ok()) {
+    st.error = made.status().ToString();
+    return;
+  }
+  st.model = std::move(made).value();
+  const AttentionModel& model = *st.model;
+  st.kernels = model.spec().kernels;
+  st.pool = std::make_unique<HelperPool>(std::max(0, threads - 1));
+  st.sessions.resize(prompts.size());
+  for (Session& s : st.sessions) s.cache = model.NewKvCache();
   // Each prompt in chunks of 256 tokens (a 4,096-token prompt at once would pass
   // --max-attention-scores' default in the server).
   constexpr int64_t kChunk = 256;
-  for (size_t i = 0; i < sessions.size(); ++i) {
+  for (size_t i = 0; i < st.sessions.size(); ++i) {
     for (int64_t done = 0; done < prompts[i]; done += kChunk) {
       const int64_t rows = std::min<int64_t>(kChunk, prompts[i] - done);
       const std::vector<std::string> query = {
           Rows(rows, model.spec().embed_dim, 1000 + static_cast<uint32_t>(i * 64 + done))};
-      if (!Step(model, {&sessions[i]}, rows, query, pool, &result.error)) return result;
+      if (!Step(model, {&st.sessions[i]}, rows, query, *st.pool, &st.error)) return;
     }
   }
-  std::vector<Session*> all;
-  for (Session& s : sessions) all.push_back(&s);
-  // Every round's queries made before the clock starts.
-  std::vector<std::vector<std::string>> queries(static_cast<size_t>(rounds));
+  for (Session& s : st.sessions) st.all.push_back(&s);
+  st.queries.resize(static_cast<size_t>(rounds));
   for (int r = 0; r < rounds; ++r) {
-    for (size_t i = 0; i < all.size(); ++i) {
-      queries[r].push_back(
+    for (size_t i = 0; i < st.all.size(); ++i) {
+      st.queries[r].push_back(
           Rows(1, model.spec().embed_dim, 5000 + static_cast<uint32_t>(r * 4096 + i)));
     }
   }
-  std::vector<double> ms;
+}
+
+InProcessStepper::~InProcessStepper() { delete state_; }
+
+const std::string& InProcessStepper::error() const { return state_->error; }
+
+const std::string& InProcessStepper::kernels() const { return state_->kernels; }
+
+double InProcessStepper::Rounds(int n, std::vector<double>* ms) {
+  State& st = *state_;
+  if (!st.error.empty()) return 0;
+  if (st.next + static_cast<size_t>(n) > st.queries.size()) {
+    st.error = "more rounds than the queries made";
+    return 0;
+  }
   const auto start = Clock::now();
-  for (int r = 0; r < rounds; ++r) {
+  for (int r = 0; r < n; ++r) {
     const auto t0 = Clock::now();
-    if (!Step(model, all, 1, queries[r], pool, &result.error)) return result;
-    ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+    if (!Step(*st.model, st.all, 1, st.queries[st.next++], *st.pool, &st.error)) return 0;
+    ms->push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
   }
   const double wall = std::chrono::duration<double>(Clock::now() - start).count();
-  result.steps_per_s = static_cast<double>(rounds) * static_cast<double>(all.size()) / wall;
-  std::sort(ms.begin(), ms.end());
-  result.call_p50_ms = ms.empty() ? 0 : ms[ms.size() / 2];
-  return result;
+  return static_cast<double>(n) * static_cast<double>(st.all.size()) / wall;
 }
 
 }  // namespace attnserve_bench

@@ -9,24 +9,34 @@
 
 namespace attnserve_bench {
 
-struct InProcessResult {
-  std::string error;  ///< Empty when it ran.
-  double steps_per_s = 0;
-  double call_p50_ms = 0;  ///< One batched step of every session.
-  std::string kernels;     ///< ModelSpec::kernels.
-};
-
 /// This CPU's class for the engine's products ("AMX", "AVX512-BF16", "AVX-512 without BF16", "AVX2
 /// only"): what the figures are for.
 std::string CpuClass();
 
-/// Loads `model_dir` (one model directory, as the server's --models holds it), keeps a session of
-/// one sequence per prompt length in `prompts` (the prompt's tokens random, from a fixed seed),
-/// then times `rounds` batched steps of one token for every session.
-/// `device` ("cpu", "cuda") and `dtype` ("float32", "bfloat16", "float16") as the server's --device
-/// and --dtype.
-InProcessResult InProcessSteps(const std::string& model_dir, const std::vector<int>& prompts,
-                               int rounds, int threads, const std::string& device = "cpu",
-                               const std::string& dtype = "float32");
+/// The engine's own batched step, kept between calls so that its rounds can alternate with the
+/// server's (each ratio of neighbours in time, on a host whose speed drifts).
+class InProcessStepper {
+ public:
+  /// Loads `model_dir` (one model directory, as the server's --models holds it), keeps a session
+  /// of one sequence per prompt length in `prompts` (the prompt's tokens random, from a fixed
+  /// seed), and makes the queries of `rounds` steps. `device` ("cpu", "cuda") and `dtype`
+  /// ("float32", "bfloat16", "float16") as the server's --device and --dtype. error() says why
+  /// when it could not.
+  InProcessStepper(const std::string& model_dir, const std::vector<int>& prompts, int rounds,
+                   int threads, const std::string& device = "cpu",
+                   const std::string& dtype = "float32");
+  ~InProcessStepper();
+  InProcessStepper(const InProcessStepper&) = delete;
+  InProcessStepper& operator=(const InProcessStepper&) = delete;
+  const std::string& error() const;
+  const std::string& kernels() const;  ///< ModelSpec::kernels.
+  /// The next `n` rounds, each one batched step of one token for every session: steps a second
+  /// over them (0 on an error), each round's milliseconds appended to `ms`.
+  double Rounds(int n, std::vector<double>* ms);
+
+ private:
+  struct State;
+  State* state_;
+};
 
 }  // namespace attnserve_bench
