@@ -165,6 +165,11 @@ struct EngineOptions {
   /// 1 GiB, CPU 16 MiB). A step of many sessions attends in one launch per chunk its sessions lie
   /// in (docs/kv.md).
   int64_t kv_pool_chunk_bytes = 0;
+  /// The most bytes a model's pool holds in chunks (0: no bound): past it sessions' blocks are
+  /// allocated on their own, so that however slots come and go (fragmentation) the pool never
+  /// holds more than this beside what the kept keys and values' budget counts. The server sets
+  /// it, and the chunk size at most, to --kv-budget-bytes.
+  int64_t kv_pool_max_bytes = 0;
 };
 
 /// Builds a LibTorch model from host weights. FAILED_PRECONDITION when the device is unusable

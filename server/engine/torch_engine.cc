@@ -75,7 +75,8 @@ class TorchModel final : public AttentionModel {
  public:
   TorchModel(const ModelWeights& w, at::Device device, DType dtype, EngineOptions::Varlen varlen,
              double min_piece_flops, bool force_widen, int64_t pack_rows,
-             std::shared_ptr<HostStaging> staging, int64_t kv_pool_chunk_bytes)
+             std::shared_ptr<HostStaging> staging, int64_t kv_pool_chunk_bytes,
+             int64_t kv_pool_max_bytes)
       : spec_(w.spec),
         staging_(std::move(staging)),
         pack_rows_(pack_rows > 0      ? pack_rows
@@ -125,7 +126,7 @@ class TorchModel final : public AttentionModel {
     const HeadAttentionOptions heads = HeadOptions(w, opts);
     heads_ = std::make_unique<HeadAttention>(heads, products_);
     spec_.kernels = Kernels();
-    SetUpKeptRuns(heads, kv_pool_chunk_bytes);
+    SetUpKeptRuns(heads, kv_pool_chunk_bytes, kv_pool_max_bytes);
   }
 
   // Sessions' kept keys and values in a KvPool, and their steps attending in kept runs
@@ -133,7 +134,7 @@ class TorchModel final : public AttentionModel {
   // precision, head_dim a multiple of 8 up to 256) or the memory-efficient kernel's (ungrouped,
   // no window); every model under kEmulate. Not with bias_k/bias_v or add_zero_attn (keys of
   // their own beside the kept ones).
-  void SetUpKeptRuns(const HeadAttentionOptions& heads, int64_t chunk_bytes) {
+  void SetUpKeptRuns(const HeadAttentionOptions& heads, int64_t chunk_bytes, int64_t max_bytes) {
     const int64_t kvh = spec_.kv_heads(), d = spec_.head_dim();
     kept_scale_ = heads.scale > 0 ? heads.scale : 1.0 / std::sqrt(static_cast<double>(d));
     kept_window_ = heads.window;
@@ -145,7 +146,8 @@ class TorchModel final : public AttentionModel {
       chunk_bytes = device_.is_cuda() ? kCudaPoolChunkBytes : kCpuPoolChunkBytes;
     const int64_t row = 2 * kvh * d * static_cast<int64_t>(c10::elementSize(dtype_));
     kv_pool_ = std::make_shared<KvPool>(kvh, d, at::TensorOptions().device(device_).dtype(dtype_),
-                                        std::max<int64_t>(1, chunk_bytes / row));
+                                        std::max<int64_t>(1, chunk_bytes / row),
+                                        max_bytes > 0 ? std::max<int64_t>(1, max_bytes / row) : 0);
   }
   static constexpr int64_t kCudaPoolChunkBytes = int64_t{1} << 30;
   static constexpr int64_t kCpuPoolChunkBytes = int64_t{16} << 20;
@@ -1096,7 +1098,7 @@ StatusOr<std::unique_ptr<AttentionModel>> CreateTorchModel(const ModelWeights& w
     auto model = std::make_unique<TorchModel>(
         weights, device, options.compute_dtype, options.varlen, options.min_piece_flops,
         options.force_float32_bfloat16_products, options.pack_rows, std::move(staging),
-        options.kv_pool_chunk_bytes);
+        options.kv_pool_chunk_bytes, options.kv_pool_max_bytes);
     return std::unique_ptr<AttentionModel>(std::move(model));
   } catch (const c10::Error& e) {
     return fail("--device " + options.device + ": " + e.what_without_backtrace());

@@ -25,10 +25,12 @@ at::Tensor KeptEmpty(at::IntArrayRef sizes, const at::TensorOptions& opts) {
       p, sizes, [bytes](void* q) { munmap(q, bytes); }, opts);
 }
 
-KvPool::KvPool(int64_t heads, int64_t head_dim, const at::TensorOptions& opts, int64_t chunk_rows)
+KvPool::KvPool(int64_t heads, int64_t head_dim, const at::TensorOptions& opts, int64_t chunk_rows,
+               int64_t max_rows)
     : heads_(heads),
       head_dim_(head_dim),
       chunk_rows_(std::max<int64_t>(1, chunk_rows)),
+      max_rows_(std::max<int64_t>(0, max_rows)),
       opts_(opts) {}
 
 std::unique_ptr<KvPool::Slot> KvPool::Allocate(int64_t rows) {
@@ -46,8 +48,16 @@ std::unique_ptr<KvPool::Slot> KvPool::Allocate(int64_t rows) {
       return std::make_unique<Slot>(shared_from_this(), c, start, rows);
     }
   }
+  int64_t held = 0;
+  for (const std::shared_ptr<Chunk>& c : chunks_) held += c->rows;
+  int64_t want =
+      std::min<int64_t>(std::max(rows, chunk_rows_), std::numeric_limits<int32_t>::max());
+  if (max_rows_ > 0) {  // A smaller chunk where a default one would pass the bound; none past it.
+    want = std::min(want, max_rows_ - held);
+    if (want < rows) return nullptr;
+  }
   auto c = std::make_shared<Chunk>();
-  c->rows = std::min<int64_t>(std::max(rows, chunk_rows_), std::numeric_limits<int32_t>::max());
+  c->rows = want;
   c->k = at::empty({c->rows, heads_, head_dim_}, opts_);  // May throw: nothing changed yet.
   c->v = at::empty({c->rows, heads_, head_dim_}, opts_);
   if (c->rows > rows) c->free.emplace(rows, c->rows - rows);
@@ -136,11 +146,14 @@ std::shared_ptr<KvBlock> TorchKv::NewBlock(int64_t b, int64_t h, int64_t rows, i
                                            const at::TensorOptions& opts, bool padding) const {
   auto block = std::make_shared<KvBlock>();
   // In the pool where its rows fit the kernels' int32 row offsets (an allocation past them, of a
-  // model with few, narrow heads under a budget of tens of GiB, stays out: its steps attend alone).
+  // model with few, narrow heads under a budget of tens of GiB, stays out) and the pool's bound:
+  // otherwise on its own, its steps attending alone.
   if (pool_ && pool_->heads() == h && pool_->head_dim() == d && b * rows > 0 &&
       b * rows <= std::numeric_limits<int32_t>::max() && pool_->options().dtype() == opts.dtype() &&
       pool_->options().device() == opts.device()) {
     block->slot = pool_->Allocate(b * rows);
+  }
+  if (block->slot) {
     const auto view = [&](const at::Tensor& all) {
       return all.narrow(0, block->slot->start(), b * rows)
           .view({b, rows, h, d})

@@ -27,7 +27,10 @@ at::Tensor KeptEmpty(at::IntArrayRef sizes, const at::TensorOptions& opts);
 /// `seqused_k` as its length): chunks of token-major rows, keys and values [rows, H, D] each,
 /// handed out as slots of consecutive rows (a session's block: B sequences of `capacity` rows).
 /// A step of many sessions then attends over all of them in one launch per chunk. A new chunk
-/// holds max(`chunk_rows`, the slot) rows; a chunk is given back the moment its last slot is.
+/// holds max(`chunk_rows`, the slot) rows; a chunk is given back the moment its last slot is. Its
+/// chunks hold at most `max_rows` rows in all (0: no bound): past it a block is allocated on its
+/// own (its steps then attend alone), so that fragmentation, however the slots come and go, never
+/// holds more than that beside what the budget counts.
 /// Thread-safe. The CUDA engine's (LibTorch >= 2.11), and the CPU's under EngineOptions::Varlen::
 /// kEmulate, where the tests check it.
 class KvPool : public std::enable_shared_from_this<KvPool> {
@@ -55,9 +58,11 @@ class KvPool : public std::enable_shared_from_this<KvPool> {
     int64_t start_, rows_;
   };
   /// `heads` key/value heads of `head_dim`, in `opts`' dtype and device.
-  KvPool(int64_t heads, int64_t head_dim, const at::TensorOptions& opts, int64_t chunk_rows);
-  /// The first free run of `rows` in a chunk, or a new chunk. Throws as at::empty does when the
-  /// device has no room; std::length_error past int32 rows (the kernels' row offsets).
+  KvPool(int64_t heads, int64_t head_dim, const at::TensorOptions& opts, int64_t chunk_rows,
+         int64_t max_rows = 0);
+  /// The first free run of `rows` in a chunk, or a new chunk; null when a new chunk would pass
+  /// max_rows. Throws as at::empty does when the device has no room; std::length_error past int32
+  /// rows (the kernels' row offsets).
   std::unique_ptr<Slot> Allocate(int64_t rows);
   int64_t heads() const { return heads_; }
   int64_t head_dim() const { return head_dim_; }
@@ -70,7 +75,7 @@ class KvPool : public std::enable_shared_from_this<KvPool> {
 
  private:
   void Release(Chunk& chunk, int64_t start, int64_t rows);
-  const int64_t heads_, head_dim_, chunk_rows_;
+  const int64_t heads_, head_dim_, chunk_rows_, max_rows_;
   const at::TensorOptions opts_;
   mutable std::mutex mu_;
   std::vector<std::shared_ptr<Chunk>> chunks_;

@@ -168,9 +168,11 @@ EngineOptions EngineOptionsOf(const ServerOptions& options, std::shared_ptr<Host
   engine.compute_dtype = options.compute_dtype;
   engine.allow_tf32 = options.allow_tf32;
   engine.varlen = options.varlen;
-  // A pool's chunk (kept runs) no larger than the budget its rows count against.
-  if (options.kv.budget_bytes > 0)
+  // A pool (kept runs) holds at most the budget its rows count against, in chunks no larger.
+  if (options.kv.budget_bytes > 0) {
     engine.kv_pool_chunk_bytes = std::min(options.kv.budget_bytes, int64_t{1} << 30);
+    engine.kv_pool_max_bytes = options.kv.budget_bytes;
+  }
   return engine;
 }
 

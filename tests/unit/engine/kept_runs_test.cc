@@ -72,6 +72,93 @@ TEST(KvPoolTest, SlotsNeverOverlapAndEmptyChunksAreGivenBack) {
   EXPECT_EQ(pool->usage().chunks, 0);
 }
 
+// A bounded pool's chunks never hold more rows than its bound, however slots come and go: a new
+// chunk is cut to what is left, and an allocation that fits no free run and no room is refused
+// (null: the session's block then lies on its own).
+TEST(KvPoolTest, ChunksNeverPassTheBound) {
+  constexpr int64_t kMax = 300;
+  auto pool = std::make_shared<KvPool>(1, 2, at::TensorOptions().dtype(at::kFloat), 64, kMax);
+  std::mt19937 rng(12);
+  std::vector<std::unique_ptr<KvPool::Slot>> live;
+  int refused = 0;
+  for (int op = 0; op < 4000; ++op) {
+    if (live.empty() || rng() % 3 != 0) {
+      const int64_t rows = 1 + static_cast<int64_t>(rng() % 70);
+      std::unique_ptr<KvPool::Slot> slot = pool->Allocate(rows);
+      if (!slot) {
+        ++refused;
+        // Refused only when no chunk has a free run that long and a new chunk has no room.
+        ASSERT_LT(kMax - pool->usage().rows, rows) << "op " << op;
+        for (const auto& s : live) {
+          for (const auto& [start, run] : s->chunk()->free) ASSERT_LT(run, rows) << "op " << op;
+        }
+        continue;
+      }
+      live.push_back(std::move(slot));
+    } else {
+      live.erase(live.begin() + static_cast<int64_t>(rng() % live.size()));
+    }
+    ASSERT_LE(pool->usage().rows, kMax) << "op " << op;
+  }
+  EXPECT_GT(refused, 10);
+  live.clear();
+  EXPECT_EQ(pool->usage().rows, 0);
+}
+
+// With a pool too small for any session, every block lies on its own and every step attends alone,
+// with the same answers.
+TEST(KeptRunsBoundTest, SessionsPastThePoolsBoundAttendAlone) {
+  std::mt19937 rng(707);
+  const ModelWeights w = testing::RandomWeights(rng, "bound", 32, 4);
+  EngineOptions small;
+  small.varlen = EngineOptions::Varlen::kEmulate;
+  small.kv_pool_max_bytes = 1;  // One row of keys and values.
+  auto pooled = CreateTorchModel(w, small);
+  auto plain = CreateTorchModel(w, EngineOptions{});
+  ASSERT_TRUE(pooled.ok() && plain.ok());
+  std::vector<std::shared_ptr<KvCache>> a, p;
+  for (int s = 0; s < 3; ++s) {
+    a.push_back((*plain)->NewKvCache());
+    p.push_back((*pooled)->NewKvCache());
+  }
+  for (int64_t step = 0; step < 4; ++step) {
+    const int64_t t = step == 0 ? 5 : 1, held = step == 0 ? 0 : 4 + step;
+    std::vector<Buffer> bufs;
+    bufs.reserve(3);
+    std::vector<AttendCall> calls(3);
+    std::vector<std::string> want(3), got(3);
+    std::vector<AttendOutputs> wo(3), go(3);
+    std::vector<const AttendCall*> together;
+    std::vector<AttendOutputs*> outs;
+    std::vector<AttendCall> pooled_calls(3);
+    for (int s = 0; s < 3; ++s) {
+      bufs.push_back(testing::Floats({1, t, 32}, testing::RandomFloats(rng, t * 32)));
+      AttendCall& c = calls[s];
+      c.query = bufs.back().view();
+      c.is_causal = true;
+      c.kv_use = AttendCall::Kv::kSession;
+      c.kv_batch = 1;
+      c.kv_length = held;
+      c.kv_capacity = 16;
+      ASSERT_TRUE(Validate((*plain)->spec(), {}, &c).ok());
+      pooled_calls[s] = c;
+      c.kv = a[s];
+      pooled_calls[s].kv = p[s];
+      wo[s].output = &want[s];
+      ASSERT_TRUE((*plain)->Forward(c, &wo[s]).ok());
+      go[s].output = &got[s];
+      together.push_back(&pooled_calls[s]);
+      outs.push_back(&go[s]);
+    }
+    const std::vector<Status> st = (*pooled)->ForwardBatch(together, outs);
+    for (int s = 0; s < 3; ++s) {
+      ASSERT_TRUE(st[s].ok()) << st[s].message();
+      EXPECT_LE(testing::MaxAbsDiff(got[s], want[s]), 1e-5 * testing::MaxAbs(want[s]));
+      EXPECT_STRNE(go[s].attention_backend, "kept_emulated") << "step " << step;
+    }
+  }
+}
+
 struct KeptCase {
   const char* name;
   bool decoder = false;
