@@ -7,7 +7,10 @@
 
 #include <CLI/CLI.hpp>
 #include <csignal>
+#include <cstdlib>
 #include <iostream>
+#include <string>
+#include <vector>
 
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "server/grpc/grpc_codec.h"
@@ -44,10 +47,20 @@ int main(int argc, char** argv) {
   CLI::App app{"attnserve-echo: Attend answered with the query's bytes (the transport's bound)"};
   std::string address = "127.0.0.1:50199";
   int max_message = 1 << 30;
+  std::vector<std::string> grpc_args;
   app.add_option("--address", address, "Listen address")->capture_default_str();
+  app.add_option("--grpc-arg", grpc_args, "A gRPC channel argument NAME=INTEGER (repeatable)");
   CLI11_PARSE(app, argc, argv);
   Echo service;
   grpc::ServerBuilder builder;
+  for (const std::string& a : grpc_args) {
+    const size_t eq = a.find('=');
+    if (eq == std::string::npos) {
+      std::cerr << "attnserve-echo: --grpc-arg " << a << ": expected NAME=INTEGER\n";
+      return 2;
+    }
+    builder.AddChannelArgument(a.substr(0, eq), std::atoi(a.c_str() + eq + 1));
+  }
   int port = 0;
   builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &port);
   builder.SetMaxReceiveMessageSize(max_message);

@@ -37,6 +37,10 @@ namespace attnserve {
 namespace pb = ::attnserve::v1;
 namespace {
 
+// The bytes a channel first reads at once (GRPC_ARG_TCP_READ_CHUNK_SIZE), as the server's
+// --transport-read-chunk-bytes.
+constexpr int kReadChunkBytes = 2 << 20;
+
 void ToWire(const SharedMemoryRef& r, pb::SharedMemoryRef* out) {
   out->set_region(r.region);
   out->set_offset(r.offset);
@@ -493,6 +497,9 @@ Client::Client(const ClientOptions& options) : impl_(std::make_shared<Impl>()) {
     args.SetMaxSendMessageSize(options.max_message_bytes);
     // A call can only be retried while its request is still buffered: keep whole requests.
     args.SetInt("grpc.per_rpc_retry_buffer_size", options.max_message_bytes);
+    // A megabyte answer arrives in a few reads instead of hundreds of 8 KiB (gRPC adapts the size
+    // from there): attnserve-echo's 2 MB round trip 1.8 -> ~1.5 ms with the server's alike.
+    args.SetInt(GRPC_ARG_TCP_READ_CHUNK_SIZE, kReadChunkBytes);
     if (!service_config.empty()) args.SetServiceConfigJSON(service_config);
     if (!options.tls.server_name.empty()) args.SetSslTargetNameOverride(options.tls.server_name);
     for (const auto& [name, value] : options.channel_args) args.SetInt(name, value);

@@ -4,7 +4,9 @@
 
 #include <CLI/CLI.hpp>
 #include <cstdlib>
+#include <exception>
 #include <string>
+#include <vector>
 
 #include "attnserve/client.h"
 
@@ -47,6 +49,25 @@ inline void AddClientFlags(CLI::App& app, ClientOptions* options, const char* ta
                  "Connections the client spreads its calls over")
       ->check(CLI::Range(1, 256))
       ->capture_default_str();
+  app.add_option_function<std::vector<std::string>>(
+      "--grpc-arg",
+      [options](const std::vector<std::string>& args) {
+        for (const std::string& a : args) {
+          const size_t eq = a.find('=');
+          size_t used = 0;
+          int value = 0;
+          try {
+            if (eq != std::string::npos && eq > 0) value = std::stoi(a.substr(eq + 1), &used);
+          } catch (const std::exception&) {
+            used = 0;
+          }
+          if (used == 0 || eq + 1 + used != a.size())
+            throw CLI::ValidationError("--grpc-arg", a + ": expected NAME=INTEGER (an int)");
+          options->channel_args[a.substr(0, eq)] = value;
+        }
+      },
+      "A gRPC channel argument, NAME=INTEGER (repeatable), over the client's own: e.g. "
+      "grpc.http2.lookahead_bytes=4194304");
 }
 
 /// After parsing: any --tls-* flag turns TLS on.

@@ -6,10 +6,15 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <sys/syscall.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstddef>
+#include <cstring>
+#include <functional>
 #include <iostream>
+#include <limits>
 #include <set>
 #include <thread>
 #include <vector>
@@ -205,12 +210,20 @@ namespace {
 
 int OpenSpare() { return open("/dev/null", O_RDONLY | O_CLOEXEC); }
 
-int LocalPort(int fd) {
+// The key a listener is guarded under: its port, or a Unix socket's ConnectionGuard::UnixKey.
+int ListenerKey(int fd) {
   sockaddr_storage local{};
   socklen_t len = sizeof(local);
   if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) != 0) return 0;
   if (local.ss_family == AF_INET) return ntohs(reinterpret_cast<sockaddr_in*>(&local)->sin_port);
   if (local.ss_family == AF_INET6) return ntohs(reinterpret_cast<sockaddr_in6*>(&local)->sin6_port);
+  if (local.ss_family == AF_UNIX) {
+    const auto* un = reinterpret_cast<const sockaddr_un*>(&local);
+    const size_t n =
+        strnlen(un->sun_path,
+                len > offsetof(sockaddr_un, sun_path) ? len - offsetof(sockaddr_un, sun_path) : 0);
+    return ConnectionGuard::UnixKey(std::string(un->sun_path, n));
+  }
   return 0;
 }
 
@@ -242,6 +255,11 @@ int SystemAccept(int listener, sockaddr* addr, socklen_t* len, int flags) {
 }
 
 }  // namespace
+
+int ConnectionGuard::UnixKey(const std::string& path) {
+  return -1 -
+         static_cast<int>(std::hash<std::string>()(path) % (std::numeric_limits<int>::max() - 1));
+}
 
 ConnectionGuard& ConnectionGuard::Get() {
   // Never destroyed: gRPC's threads close descriptors until the process is gone.
@@ -330,7 +348,7 @@ GuardCounts ConnectionGuard::counts() const {
 std::shared_ptr<ConnectionGuard::Listener> ConnectionGuard::ListenerOf(int listener_fd) const {
   std::lock_guard<std::mutex> lock(listeners_mu_);
   if (listeners_.empty()) return nullptr;
-  const auto it = listeners_.find(LocalPort(listener_fd));
+  const auto it = listeners_.find(ListenerKey(listener_fd));
   return it == listeners_.end() ? nullptr : it->second;
 }
 

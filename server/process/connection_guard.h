@@ -71,8 +71,11 @@ class ConnectionGuard {
  public:
   static ConnectionGuard& Get();
 
-  /// Guards the gRPC listener bound to `port` from now on; `plaintext` connections are also read
-  /// by the HTTP/2 inspector. `name` labels its log lines. Replaces an earlier guard of the port.
+  /// The key a Unix domain socket listener at `path` is guarded under (negative: no port's).
+  static int UnixKey(const std::string& path);
+  /// Guards the gRPC listener bound to `port` (or UnixKey) from now on; `plaintext` connections are
+  /// also read by the HTTP/2 inspector. `name` labels its log lines. Replaces an earlier guard of
+  /// the port.
   void Guard(int port, const std::string& name, const ConnectionLimits& limits, bool plaintext);
   /// Stops counting new connections on `port` (those open keep their accounts until closed).
   void Unguard(int port);

@@ -1,5 +1,6 @@
 #include "server/process/host_memory.h"
 
+#include <malloc.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -87,6 +88,11 @@ int64_t ResidentBytes() {
       return std::strtoll(line.c_str() + 6, nullptr, 10) * 1024;
   }
   return 0;
+}
+
+void KeepMessageBuffers() {
+  mallopt(M_MMAP_THRESHOLD, static_cast<int>(kKeptBufferBytes));
+  mallopt(M_TRIM_THRESHOLD, static_cast<int>(kTrimBytes));
 }
 
 }  // namespace attnserve

@@ -22,4 +22,14 @@ MemoryLimit ContainerMemoryLimit(const std::string& root = "/sys/fs/cgroup",
 /// This process's resident memory (VmRSS), in bytes; 0 when unknown.
 int64_t ResidentBytes();
 
+/// glibc's malloc keeps buffers of up to kKeptBufferBytes in its heap between calls, instead of
+/// mapping fresh pages for each (its default for blocks past 128 KiB, adjusted up only after the
+/// first is freed) and unmapping them when freed: a 2 MB request and answer each way then cost no
+/// page faults (an attnserve-echo round trip of 2 MB 1.8 -> 1.3-1.6 ms, 256 KB 0.37 -> 0.31,
+/// bench/RESULTS.md "The wire's floor"). The free memory the heap keeps is given back when the
+/// batcher goes idle (malloc_trim), and past kTrimBytes at its top at any time.
+void KeepMessageBuffers();
+inline constexpr int64_t kKeptBufferBytes = int64_t{8} << 20;
+inline constexpr int64_t kTrimBytes = int64_t{32} << 20;
+
 }  // namespace attnserve

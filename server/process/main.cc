@@ -12,6 +12,7 @@
 #include <string>
 
 #include "server/pipeline/host_cpus.h"
+#include "server/process/host_memory.h"
 #include "server/process/server.h"
 #include "server/process/shutdown.h"
 
@@ -123,6 +124,11 @@ void AddTransportFlags(CLI::App& app, attnserve::TransportOptions& t) {
           "Longest a new connection may take to finish TLS and send HTTP/2's settings");
   seconds("--max-connection-idle-seconds", t.max_connection_idle_seconds,
           "A connection with no call open this long is closed (GOAWAY); 0 = never");
+  app.add_option("--transport-read-chunk-bytes", t.read_chunk_bytes,
+                 "Bytes gRPC first reads from a connection at once (it adapts from there, and "
+                 "shrinks under the transport's memory pressure)")
+      ->check(CLI::Range(int64_t{256}, int64_t{64} << 20))
+      ->capture_default_str();
   seconds("--send-timeout-seconds", t.send_timeout_seconds,
           "An answer its caller has not taken this long after it was sent is cancelled "
           "(during a stop, at most 40% of --shutdown-grace); 0 = never");
@@ -184,8 +190,32 @@ bool ParseFlags(int argc, char** argv, attnserve::ServerOptions* options, int* e
       "nn.MultiheadAttention. With no --models it serves the built-in `demo` model\n"
       "(embed_dim 512, 8 heads). Stops gracefully on SIGINT/SIGTERM; reloads --models on SIGHUP.",
       "attnserve"};
-  app.add_option("--address", o.address, "gRPC listen address (host:port; port 0 picks one)")
-      ->capture_default_str();
+  app.add_option_function<std::vector<std::string>>(
+         "--address",
+         [&o](const std::vector<std::string>& addresses) {
+           bool tcp = false;
+           for (const std::string& a : addresses) {
+             const bool unix_socket = a.rfind("unix:", 0) == 0;
+             if ((unix_socket ? !o.unix_address.empty() : tcp) || (unix_socket && a.size() == 5)) {
+               throw CLI::ValidationError("--address", a + ": expected at most one host:port and "
+                                                           "one unix:PATH");
+             }
+             if (unix_socket) {
+               o.unix_address = a.substr(5);
+             } else {
+               o.address = a;
+               tcp = true;
+             }
+           }
+         },
+         "gRPC listen address: host:port (port 0 picks one; default 127.0.0.1:50051), and/or "
+         "unix:PATH for a Unix domain socket beside it (repeat the flag for both)")
+      ->expected(1, 2);
+  app.add_option("--unix-socket-mode", o.unix_socket_mode,
+                 "The Unix domain socket's permissions, octal (who on this host may connect)")
+      ->transform([](std::string v) { return std::to_string(std::stoi(v, nullptr, 8)); })
+      ->check(CLI::Range(0, 0777))
+      ->default_str("0660");
   app.add_option("--metrics-address", o.metrics_address,
                  "Prometheus /metrics listen address; empty to disable")
       ->capture_default_str();
@@ -442,6 +472,7 @@ bool ParseFlags(int argc, char** argv, attnserve::ServerOptions* options, int* e
 // Starts the server and serves until SIGINT/SIGTERM (SIGHUP: a reload), then stops.
 int Serve(attnserve::ServerOptions o) {
   InstallSignals();
+  attnserve::KeepMessageBuffers();
   o.models_loaded = [] { g_loading = false; };
   auto server = attnserve::Server::Start(o);
   if (!server.ok()) {

@@ -5,9 +5,15 @@
 #include <grpcpp/grpcpp.h>
 #include <prometheus/registry.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <iostream>
 #include <mutex>
 #include <sstream>
@@ -197,6 +203,7 @@ grpc::ServerBuilder& Builder(grpc::ServerBuilder& builder, const TransportOption
     builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, ms(t.max_connection_idle_seconds));
   }
   builder.AddChannelArgument(GRPC_ARG_MAX_METADATA_SIZE, static_cast<int>(t.max_metadata_bytes));
+  builder.AddChannelArgument(GRPC_ARG_TCP_READ_CHUNK_SIZE, static_cast<int>(t.read_chunk_bytes));
   builder.SetResourceQuota(quota);
   return builder;
 }
@@ -380,6 +387,39 @@ std::string AdvertisedAddress(const ServerOptions& options, int port) {
 
 }  // namespace
 
+namespace {
+
+// A Unix socket's path where gRPC may bind: nothing there, or a socket no one listens on (gRPC
+// replaces it). Anything else is refused naming it: a file, a directory or a FIFO (gRPC would fail
+// to bind with a message that does not say why), and a socket another process serves on (gRPC
+// would unlink it and take its callers).
+Status UnixSocketPathFree(const std::string& path) {
+  struct stat st {};
+  if (path.size() >= sizeof(sockaddr_un::sun_path)) {
+    return Status(StatusCode::kInvalidArgument,
+                  "--address unix:" + path + ": a path of " + std::to_string(path.size()) +
+                      " bytes; at most " + std::to_string(sizeof(sockaddr_un::sun_path) - 1));
+  }
+  if (lstat(path.c_str(), &st) != 0) return Status::Ok();
+  if (!S_ISSOCK(st.st_mode)) {
+    return Status(StatusCode::kInvalidArgument,
+                  "--address unix:" + path + ": something other than a socket is there");
+  }
+  sockaddr_un un{};
+  un.sun_family = AF_UNIX;
+  std::memcpy(un.sun_path, path.data(), path.size());
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  const bool live = fd >= 0 && connect(fd, reinterpret_cast<sockaddr*>(&un), sizeof(un)) == 0;
+  if (fd >= 0) close(fd);
+  if (live) {
+    return Status(StatusCode::kFailedPrecondition,
+                  "--address unix:" + path + ": another process listens on that socket");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status Server::Impl::StartGrpc() {
   calls->sends().SetTimeout(Seconds(options.transport.send_timeout_seconds));
   quota = std::make_unique<grpc::ResourceQuota>("attnserve");  // Both listeners' connections.
@@ -390,6 +430,10 @@ Status Server::Impl::StartGrpc() {
   ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
                    ServerCredentials(options));
   Builder(builder, options.transport, *quota).AddListeningPort(options.address, credentials, &port);
+  if (!options.unix_address.empty()) {
+    RETURN_IF_ERROR(UnixSocketPathFree(options.unix_address));
+    builder.AddListeningPort("unix:" + options.unix_address, credentials);
+  }
   builder.RegisterService(service.get());
   builder.RegisterService(oip.get());
   builder.RegisterService(admin.get());
@@ -408,6 +452,15 @@ Status Server::Impl::StartGrpc() {
   if (grpc_server && port != 0) {
     ConnectionGuard::Get().Guard(port, "gRPC", options.transport.limits,
                                  options.tls_cert_file.empty());
+    if (!options.unix_address.empty()) {
+      ConnectionGuard::Get().Guard(ConnectionGuard::UnixKey(options.unix_address), "gRPC unix",
+                                   options.transport.limits, options.tls_cert_file.empty());
+      if (chmod(options.unix_address.c_str(), static_cast<mode_t>(options.unix_socket_mode)) != 0) {
+        grpc_server->Shutdown();
+        return Refuse("--address unix:" + options.unix_address + ": cannot set its mode (" +
+                      std::strerror(errno) + ")");
+      }
+    }
     return Status::Ok();
   }
   return Refuse(
@@ -518,6 +571,7 @@ std::string Server::Describe() const {
                                 0, impl_->options.metrics_address.rfind(':')) +
                             ":" + std::to_string(impl_->metrics_port) + "/metrics"
                       : ", metrics off";
+  if (!impl_->options.unix_address.empty()) s += ", unix socket " + impl_->options.unix_address;
   if (!impl_->options.tls_cert_file.empty()) {
     s += impl_->options.tls_client_ca_file.empty() ? ", TLS"
                                                    : ", mutual TLS (client certificates required)";

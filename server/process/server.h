@@ -62,10 +62,19 @@ struct TransportOptions {
   /// gRPC is cancelled: a caller that never reads holds no memory for longer (0: never). During a
   /// stop, at most 40% of --shutdown-grace.
   double send_timeout_seconds = 30;
+  /// The bytes gRPC first reads from a connection at once (GRPC_ARG_TCP_READ_CHUNK_SIZE; its own
+  /// default 8 KiB): a 2 MB message arrives in a few reads instead of hundreds. It adapts to what
+  /// arrives from then on, and under the resource quota's pressure shrinks to a few hundred bytes.
+  int64_t read_chunk_bytes = 2 << 20;
 };
 
 struct ServerOptions {
-  std::string address = "127.0.0.1:50051";         ///< gRPC listen address; port 0 picks one.
+  std::string address = "127.0.0.1:50051";  ///< gRPC listen address; port 0 picks one.
+  /// A Unix domain socket the same services listen on besides `address` ("": none), for callers
+  /// on this host (docs/api.md "Unix domain socket"): created (an old socket there replaced) with
+  /// `unix_socket_mode`; its connections are guarded as one peer ("unix").
+  std::string unix_address;
+  int unix_socket_mode = 0660;
   std::string metrics_address = "127.0.0.1:9464";  ///< /metrics listen address; "" disables.
   std::string models_dir;                          ///< "" serves the built-in demo model.
   /// Called once start-up's models are loaded, before anything listens (none: nothing called).

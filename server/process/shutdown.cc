@@ -6,6 +6,7 @@
 #include "server/process/shutdown.h"
 
 #include <grpc/grpc.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <future>
@@ -89,6 +90,10 @@ void Server::Shutdown() {
     impl_->batcher->Drain();
     impl_->grpc_server->Wait();
     ConnectionGuard::Get().Unguard(impl_->port);
+    if (!impl_->options.unix_address.empty()) {
+      ConnectionGuard::Get().Unguard(ConnectionGuard::UnixKey(impl_->options.unix_address));
+      unlink(impl_->options.unix_address.c_str());  // gRPC leaves its socket file behind.
+    }
     impl_->shm->Clear();  // Every region closed (one a late request still holds, once it is done).
     if (impl_->health_server) {
       // Health only: its checks are answered at once, its watches are cut.

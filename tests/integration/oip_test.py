@@ -709,3 +709,31 @@ def test_tritonclient_decoder_layer_positions(attnserve, checks):
     finally:
         channel.close()
         server.stop()
+
+
+def test_tritonclient_over_a_unix_socket(attnserve, checks):
+    """tritonclient.grpc, unmodified, reaches a server's Unix domain socket (--address unix:PATH)
+    by the URL `unix:PATH`: health and metadata, and an inference answered with the bytes the same
+    call over TCP gets."""
+    tmp = lib.temp_dir("attnserve-oip-unix-")
+    export_model.export(build("mha", 2100), os.path.join(tmp, "models", "mha"))
+    path = os.path.join(tmp, "attnserve.sock")
+    server = lib.Server(attnserve, "--models", os.path.join(tmp, "models"), "--address", f"unix:{path}")
+    rng = np.random.default_rng(67)
+    q = rng.standard_normal((2, 7, E)).astype(np.float32)
+
+    def infer(url):
+        client = tc.InferenceServerClient(url)
+        x = tc.InferInput("query", list(q.shape), "FP32")
+        x.set_data_from_numpy(q)
+        out = client.infer("mha", [x]).as_numpy("attn_output")
+        live = client.is_server_live() and client.is_model_ready("mha")
+        client.close()
+        return live, out
+
+    live, over_unix = infer(f"unix:{path}")
+    _, over_tcp = infer(server.target)
+    checks("tritonclient over the socket: live and the model ready", live)
+    checks("tritonclient over the socket: the bytes TCP answers",
+           over_unix is not None and np.array_equal(over_unix, over_tcp), str(getattr(over_unix, "shape", None)))
+    server.stop()

@@ -400,6 +400,30 @@ def test_the_models_wire_and_the_connection_pool(request, checks):
     server.stop()
 
 
+def test_the_package_over_a_unix_socket(request, checks):
+    """A server listening on a Unix domain socket beside TCP (--address unix:PATH): the sync client,
+    its connection pool and the asyncio client reach it by `unix:PATH`, and answer what they answer
+    over TCP, to the bit."""
+    binary, fixtures = request.config.getoption("--attnserve"), request.config.getoption("--package-fixtures")
+    c = dict(np.load(os.path.join(fixtures, "cases.npz")))
+    path = os.path.join(lib.temp_dir("attnserve-unix-"), "attnserve.sock")
+    server = lib.Server(binary, "--models", os.path.join(fixtures, "models"), "--address", f"unix:{path}")
+    env = f"grpcio {grpc.__version__}"
+    over_tcp = attnserve.Client(server.target).attend(c["causal_q"], model="mha", is_causal=True).output
+    for connections in (1, 4):
+        client = attnserve.Client(f"unix:{path}", connections=connections)
+        got = client.attend(c["causal_q"], model="mha", is_causal=True).output
+        checks(f"[{env}] over the socket ({connections} connections): the bytes TCP answers",
+               np.array_equal(got, over_tcp))
+        client.close()
+
+    async def run():
+        async with attnserve.aio.Client(f"unix:{path}") as client:
+            return (await client.attend(c["causal_q"], model="mha", is_causal=True)).output
+    checks(f"[{env}] asyncio over the socket: the bytes TCP answers", np.array_equal(asyncio.run(run()), over_tcp))
+    server.stop()
+
+
 def test_the_package_names_its_tenant_and_priority(request, checks):
     """metadata= on the Client names the tenant behind a server that trusts the header (a session one
     tenant opens is NOT_FOUND for another, the same call through the maker answers), and attend's
