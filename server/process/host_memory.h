@@ -22,14 +22,16 @@ MemoryLimit ContainerMemoryLimit(const std::string& root = "/sys/fs/cgroup",
 /// This process's resident memory (VmRSS), in bytes; 0 when unknown.
 int64_t ResidentBytes();
 
-/// glibc's malloc keeps buffers of up to kKeptBufferBytes in its heap between calls, instead of
-/// mapping fresh pages for each (its default for blocks past 128 KiB, adjusted up only after the
-/// first is freed) and unmapping them when freed: a 2 MB request and answer each way then cost no
-/// page faults (an attnserve-echo round trip of 2 MB 1.8 -> 1.3-1.6 ms, 256 KB 0.37 -> 0.31,
-/// bench/RESULTS.md "The wire's floor"). The free memory the heap keeps is given back when the
-/// batcher goes idle (malloc_trim), and past kTrimBytes at its top at any time.
+/// glibc's malloc keeps blocks of up to kKeptBufferBytes (its largest: 32 MiB) in its heap between
+/// calls instead of mapping fresh pages for each and unmapping them when freed (its default past
+/// 128 KiB, raised only as blocks are freed), and keeps up to kTrimBytes free at a heap's top. A
+/// request's buffers and the engine's temporaries (a lone [1, 1024, 512] request's attention
+/// scores: 32 MB) then cost no page faults: the kernel took 30% of the server's CPU on that
+/// request, which computed in 17-21 ms against the same engine's 11 ms in process; now 13 ms. A 2
+/// MB echo round trip 1.8 -> 1.4 ms (bench/RESULTS.md "The wire's floor"). The free memory kept is
+/// given back when the batcher goes idle (malloc_trim).
 void KeepMessageBuffers();
-inline constexpr int64_t kKeptBufferBytes = int64_t{8} << 20;
-inline constexpr int64_t kTrimBytes = int64_t{32} << 20;
+inline constexpr int64_t kKeptBufferBytes = int64_t{32} << 20;  // mallopt's most
+inline constexpr int64_t kTrimBytes = int64_t{256} << 20;
 
 }  // namespace attnserve
