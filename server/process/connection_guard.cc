@@ -227,15 +227,24 @@ int ListenerKey(int fd) {
   return 0;
 }
 
-// The peer of an accepted connection (core/peer.h), from accept4's address or the socket's own.
+// The peer of an accepted connection (core/peer.h), from accept4's address or the socket's own; on
+// a Unix socket, the connecting process's user ("unix uid=1000"): one local user cannot take
+// another's share of the bounds.
 std::string PeerOf(int fd, const sockaddr* addr, socklen_t len) {
   sockaddr_storage peer{};
   if (addr == nullptr || len == 0) {
     socklen_t n = sizeof(peer);
-    if (getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &n) != 0) return "unknown";
-    addr = reinterpret_cast<const sockaddr*>(&peer);
+    addr = getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &n) == 0
+               ? reinterpret_cast<const sockaddr*>(&peer)
+               : nullptr;
   }
-  return attnserve::PeerOf(addr);
+  if (addr != nullptr && addr->sa_family == AF_UNIX) {
+    ucred cred{};
+    socklen_t n = sizeof(cred);
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &n) == 0)
+      return "unix uid=" + std::to_string(cred.uid);
+  }
+  return addr == nullptr ? "unknown" : attnserve::PeerOf(addr);
 }
 
 // Closes an accepted connection at once with a reset, so its client learns now, not at a timeout.

@@ -15,6 +15,7 @@
 #include "server/process/host_memory.h"
 #include "server/process/server.h"
 #include "server/process/shutdown.h"
+#include "server/process/unix_listener.h"
 
 namespace {
 
@@ -196,7 +197,15 @@ bool ParseFlags(int argc, char** argv, attnserve::ServerOptions* options, int* e
            bool tcp = false;
            for (const std::string& a : addresses) {
              const bool unix_socket = a.rfind("unix:", 0) == 0;
-             if ((unix_socket ? !o.unix_address.empty() : tcp) || (unix_socket && a.size() == 5)) {
+             if (unix_socket && a.size() == 5)
+               throw CLI::ValidationError("--address", "unix: needs a path (unix:PATH)");
+             // gRPC's other schemes (unix-abstract:, vsock:, dns:, ...) are not guarded listeners.
+             if (!unix_socket && (a.find("://") != std::string::npos || a.rfind("unix", 0) == 0 ||
+                                  a.rfind("vsock:", 0) == 0 || a.rfind("dns:", 0) == 0 ||
+                                  a.rfind("ipv4:", 0) == 0 || a.rfind("ipv6:", 0) == 0)) {
+               throw CLI::ValidationError("--address", a + ": expected host:port or unix:PATH");
+             }
+             if (unix_socket ? !o.unix_address.empty() : tcp) {
                throw CLI::ValidationError("--address", a + ": expected at most one host:port and "
                                                            "one unix:PATH");
              }
@@ -211,10 +220,17 @@ bool ParseFlags(int argc, char** argv, attnserve::ServerOptions* options, int* e
          "gRPC listen address: host:port (port 0 picks one; default 127.0.0.1:50051), and/or "
          "unix:PATH for a Unix domain socket beside it (repeat the flag for both)")
       ->expected(1, 2);
-  app.add_option("--unix-socket-mode", o.unix_socket_mode,
-                 "The Unix domain socket's permissions, octal (who on this host may connect)")
-      ->transform([](std::string v) { return std::to_string(std::stoi(v, nullptr, 8)); })
-      ->check(CLI::Range(0, 0777))
+  app.add_option_function<std::string>(
+         "--unix-socket-mode",
+         [&o](const std::string& v) {
+           const std::optional<int> mode = attnserve::ParseSocketMode(v);
+           if (!mode) {
+             throw CLI::ValidationError("--unix-socket-mode",
+                                        v + ": expected octal permissions, 0 to 0777 (e.g. 0660)");
+           }
+           o.unix_socket_mode = *mode;
+         },
+         "The Unix domain socket's permissions, octal (who on this host may connect)")
       ->default_str("0660");
   app.add_option("--metrics-address", o.metrics_address,
                  "Prometheus /metrics listen address; empty to disable")

@@ -36,6 +36,7 @@
 #include "server/process/server_impl.h"
 #include "server/process/thread_stacks.h"
 #include "server/process/transport_metrics.h"
+#include "server/process/unix_listener.h"
 #include "server/v1/attention_service.h"
 
 namespace attnserve {
@@ -387,39 +388,6 @@ std::string AdvertisedAddress(const ServerOptions& options, int port) {
 
 }  // namespace
 
-namespace {
-
-// A Unix socket's path where gRPC may bind: nothing there, or a socket no one listens on (gRPC
-// replaces it). Anything else is refused naming it: a file, a directory or a FIFO (gRPC would fail
-// to bind with a message that does not say why), and a socket another process serves on (gRPC
-// would unlink it and take its callers).
-Status UnixSocketPathFree(const std::string& path) {
-  struct stat st {};
-  if (path.size() >= sizeof(sockaddr_un::sun_path)) {
-    return Status(StatusCode::kInvalidArgument,
-                  "--address unix:" + path + ": a path of " + std::to_string(path.size()) +
-                      " bytes; at most " + std::to_string(sizeof(sockaddr_un::sun_path) - 1));
-  }
-  if (lstat(path.c_str(), &st) != 0) return Status::Ok();
-  if (!S_ISSOCK(st.st_mode)) {
-    return Status(StatusCode::kInvalidArgument,
-                  "--address unix:" + path + ": something other than a socket is there");
-  }
-  sockaddr_un un{};
-  un.sun_family = AF_UNIX;
-  std::memcpy(un.sun_path, path.data(), path.size());
-  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  const bool live = fd >= 0 && connect(fd, reinterpret_cast<sockaddr*>(&un), sizeof(un)) == 0;
-  if (fd >= 0) close(fd);
-  if (live) {
-    return Status(StatusCode::kFailedPrecondition,
-                  "--address unix:" + path + ": another process listens on that socket");
-  }
-  return Status::Ok();
-}
-
-}  // namespace
-
 Status Server::Impl::StartGrpc() {
   calls->sends().SetTimeout(Seconds(options.transport.send_timeout_seconds));
   quota = std::make_unique<grpc::ResourceQuota>("attnserve");  // Both listeners' connections.
@@ -431,8 +399,9 @@ Status Server::Impl::StartGrpc() {
                    ServerCredentials(options));
   Builder(builder, options.transport, *quota).AddListeningPort(options.address, credentials, &port);
   if (!options.unix_address.empty()) {
-    RETURN_IF_ERROR(UnixSocketPathFree(options.unix_address));
-    builder.AddListeningPort("unix:" + options.unix_address, credentials);
+    ASSIGN_OR_RETURN(unix_listener,
+                     UnixListener::Prepare(options.unix_address, options.unix_socket_mode));
+    builder.AddListeningPort(unix_listener->BindAddress(), credentials);
   }
   builder.RegisterService(service.get());
   builder.RegisterService(oip.get());
@@ -450,21 +419,25 @@ Status Server::Impl::StartGrpc() {
   if (grpc_server && port_text == "0")
     pipeline->SetAdvertisedAddress(AdvertisedAddress(options, port));
   if (grpc_server && port != 0) {
-    ConnectionGuard::Get().Guard(port, "gRPC", options.transport.limits,
-                                 options.tls_cert_file.empty());
-    if (!options.unix_address.empty()) {
-      ConnectionGuard::Get().Guard(ConnectionGuard::UnixKey(options.unix_address), "gRPC unix",
-                                   options.transport.limits, options.tls_cert_file.empty());
-      if (chmod(options.unix_address.c_str(), static_cast<mode_t>(options.unix_socket_mode)) != 0) {
-        grpc_server->Shutdown();
-        return Refuse("--address unix:" + options.unix_address + ": cannot set its mode (" +
-                      std::strerror(errno) + ")");
-      }
+    // The Unix socket takes a quarter of --max-connections, TCP the rest: one bound for both.
+    ConnectionLimits tcp = options.transport.limits, local = tcp;
+    if (unix_listener) {
+      local.max_connections = std::max<int64_t>(1, tcp.max_connections / 4);
+      tcp.max_connections = std::max<int64_t>(1, tcp.max_connections - local.max_connections);
     }
-    return Status::Ok();
+    ConnectionGuard::Get().Guard(port, "gRPC", tcp, options.tls_cert_file.empty());
+    if (!unix_listener) return Status::Ok();
+    ConnectionGuard::Get().Guard(unix_listener->GuardKey(), "gRPC unix", local,
+                                 options.tls_cert_file.empty());
+    const Status published = unix_listener->Publish();
+    if (published.ok()) return Status::Ok();
+    grpc_server->Shutdown();
+    return published;
   }
   return Refuse(
-      "--address " + options.address + ": cannot listen (in use, or not an address" +
+      "--address " + options.address +
+      (unix_listener ? " (or unix:" + options.unix_address + ")" : std::string()) +
+      ": cannot listen (in use, or not an address" +
       (options.tls_cert_file.empty() ? ")" : "; or --tls-cert and --tls-key do not match)"));
 }
 

@@ -19,6 +19,7 @@
 #include "server/process/metrics_listener.h"
 #include "server/process/server.h"
 #include "server/process/socket_linger.h"
+#include "server/process/unix_listener.h"
 #include "server/trace/access_log.h"
 #include "server/trace/otlp_exporter.h"
 #include "server/trace/tracer.h"
@@ -64,6 +65,7 @@ struct Server::Impl {
   std::unique_ptr<ListenerWatch> watch;  // Health's view of whether the gRPC listener accepts.
   SocketLinger linger;                   // The client connections, held while the server stops.
   int port = 0;
+  std::unique_ptr<UnixListener> unix_listener;  // --address unix:PATH (null: none).
   int health_port = 0;
   int metrics_port = 0;
   std::once_flag shutdown_once;

@@ -90,9 +90,9 @@ void Server::Shutdown() {
     impl_->batcher->Drain();
     impl_->grpc_server->Wait();
     ConnectionGuard::Get().Unguard(impl_->port);
-    if (!impl_->options.unix_address.empty()) {
-      ConnectionGuard::Get().Unguard(ConnectionGuard::UnixKey(impl_->options.unix_address));
-      unlink(impl_->options.unix_address.c_str());  // gRPC leaves its socket file behind.
+    if (impl_->unix_listener) {
+      ConnectionGuard::Get().Unguard(impl_->unix_listener->GuardKey());
+      impl_->unix_listener->Remove();  // PATH, while it is still this server's socket.
     }
     impl_->shm->Clear();  // Every region closed (one a late request still holds, once it is done).
     if (impl_->health_server) {

@@ -9,15 +9,25 @@ socket") through the real server.
 - Guarded like TCP: its connections count in attnserve_connections, and --max-connections-per-peer
   holds for them (every local caller is one peer, "unix").
 - Paths it must not take, each refused at start naming the path and why: a regular file, a FIFO, a
-  directory, a socket another server listens on (never taken over), a path longer than a socket
-  address holds, and `--address unix:` with no path.
+  directory, a symlink, a socket another server listens on (never taken over, also spelled with
+  %XX, which gRPC would decode), a socket whose listener never accepts (refused at once, no hang),
+  a path longer than a socket address holds, `--address unix:` with no path, other gRPC schemes
+  (unix-abstract:), and a path whose lock another server holds though its socket was removed.
+- A hostile review's findings (2026-12-05), each a check here: the socket reaches PATH with its
+  mode already set (never with the umask's); a stop removes PATH only while it is this server's
+  socket (not a successor's); --unix-socket-mode takes only octal 0-0777 and refuses the rest
+  naming it (8, 999, 7a, 0x1ff, empty) instead of crashing or misreading; each local user is a peer
+  of its own (one user's connections cannot lock another out); the Unix socket's share of
+  --max-connections is a quarter, TCP's the rest.
 
 usage: python3 -m pytest unix_socket_test.py --attnserve build/attnserve --cli build/attnserve-cli
 """
 import os
+import pwd
 import socket
 import stat
 import subprocess
+import time
 
 import grpc
 import numpy as np
@@ -107,10 +117,10 @@ def test_paths_the_socket_must_not_take(attnserve, checks):
     open(regular, "w").write("keep me")
     fifo = os.path.join(tmp, "fifo")
     os.mkfifo(fifo)
-    for name, path, says in [("a regular file", regular, "something other than a socket"),
-                             ("a FIFO", fifo, "something other than a socket"),
-                             ("a directory", tmp, "something other than a socket"),
-                             ("a path too long", os.path.join(tmp, "x" * 120), "at most 107")]:
+    for name, path, says in [("a regular file", regular, "a file is there, not a socket"),
+                             ("a FIFO", fifo, "a FIFO is there, not a socket"),
+                             ("a directory", tmp, "a directory is there, not a socket"),
+                             ("a path too long", os.path.join(tmp, "x" * 120), "a socket address holds 107")]:
         code, out = refusal(attnserve, "--address", f"unix:{path}")
         checks(f"{name}: refused at start, naming it", code != 0 and path in out and says in out, out[-300:])
     checks("the regular file is untouched", open(regular).read() == "keep me")
@@ -121,10 +131,130 @@ def test_paths_the_socket_must_not_take(attnserve, checks):
     path = os.path.join(tmp, "live.sock")
     first = lib.Server(attnserve, "--address", f"unix:{path}")
     code, out = refusal(attnserve, "--address", f"unix:{path}")
-    checks("another server's live socket is never taken over", code != 0 and "another process listens" in out,
-           out[-300:])
+    checks("another attnserve's socket is never taken over (its lock)", code != 0 and "holds" in out, out[-300:])
+    other = os.path.join(tmp, "other.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(other)
+    listener.listen(4)
+    code, out = refusal(attnserve, "--address", f"unix:{other}")
+    checks("another program's live socket is never taken over", code != 0 and "another process listens" in out
+           and os.path.exists(other), out[-300:])
+    listener.close()
     pb, rpc = lib.load_stubs()
     with grpc.insecure_channel(f"unix:{path}") as channel:
         ok = rpc.AttentionServiceStub(channel).ListModels(pb.ListModelsRequest(), timeout=30)
     checks("the first server still answers on its socket", any(m.name == "demo" for m in ok.models))
     first.stop()
+
+
+def test_what_a_hostile_review_found(attnserve, checks):
+    tmp = lib.temp_dir("attnserve-unix-")
+    path = os.path.join(tmp, "a.sock")
+
+    # The socket reaches PATH with its mode already set: watched from before the start, every
+    # moment it exists it has --unix-socket-mode, even under a umask of 000.
+    seen, observed = set(), 0
+    proc = subprocess.Popen([attnserve, "--address", "127.0.0.1:0", "--address", f"unix:{path}",
+                             "--metrics-address", "", "--unix-socket-mode", "0600"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: os.umask(0))
+    end = time.time() + 60
+    while time.time() < end and observed < 50:  # Until it has been seen there 50 times.
+        try:
+            seen.add(stat.S_IMODE(os.lstat(path).st_mode))
+            observed += 1
+        except FileNotFoundError:
+            pass
+    banner = proc.stdout.readline()
+    checks("under umask 000 the socket never had another mode than 0600", seen == {0o600},
+           f"{sorted(oct(m) for m in seen)}; {banner[:120]}")
+    # A successor at PATH (this one's socket removed by someone) keeps its socket when this one stops.
+    os.unlink(path)
+    lock_held, out = refusal(attnserve, "--address", f"unix:{path}")
+    checks("its lock keeps another server off PATH while it runs", lock_held != 0 and "holds" in out, out[-300:])
+    successor = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    successor.bind(path)
+    successor.listen(4)
+    proc.terminate()
+    proc.wait(timeout=60)
+    checks("a stop leaves a socket at PATH that is not its own", os.path.exists(path))
+    successor.close()
+    os.unlink(path)
+
+    # A live socket spelled with %XX (gRPC decodes it) is not taken over.
+    victim_path = os.path.join(tmp, "v.sock")
+    victim = lib.Server(attnserve, "--address", f"unix:{victim_path}")
+    literal = os.path.join(tmp, "v%2esock")
+    spelled = lib.Server(attnserve, "--address", f"unix:{literal}")
+    pb, rpc = lib.load_stubs()
+    with grpc.insecure_channel(f"unix:{victim_path}") as channel:
+        alive = rpc.AttentionServiceStub(channel).ListModels(pb.ListModelsRequest(), timeout=30)
+    checks("a %XX spelling of another server's socket is a path of its own, the other untouched",
+           os.path.exists(victim_path) and any(m.name == "demo" for m in alive.models) and
+           stat.S_ISSOCK(os.lstat(literal).st_mode))
+    spelled.stop()
+    victim.stop()
+
+    # A socket whose listener never accepts (its backlog full): refused at once, no hang.
+    stuck = os.path.join(tmp, "stuck.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(stuck)
+    listener.listen(0)
+    queued = []
+    for _ in range(8):
+        c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        c.setblocking(False)
+        try:
+            c.connect(stuck)
+        except BlockingIOError:
+            pass
+        queued.append(c)
+    start = time.time()
+    code, out = refusal(attnserve, "--address", f"unix:{stuck}")
+    checks("a listener that never accepts: refused within seconds", code != 0 and time.time() - start < 30
+           and "another process listens" in out, f"{time.time() - start:.1f} s: {out[-200:]}")
+    for c in queued:
+        c.close()
+    listener.close()
+
+    link = os.path.join(tmp, "link.sock")
+    os.symlink(victim_path, link)
+    code, out = refusal(attnserve, "--address", f"unix:{link}")
+    checks("a symlink at PATH: refused, left as it is", code != 0 and "symlink" in out and os.path.islink(link),
+           out[-200:])
+    for mode in ["8", "999", "7a", "0x1ff", "", "1777", "0o600"]:
+        code, out = refusal(attnserve, "--address", f"unix:{path}", "--unix-socket-mode", mode)
+        checks(f"--unix-socket-mode {mode!r}: refused naming it (a flag's error, no crash)",
+               0 < code < 128 and "--unix-socket-mode" in out and "octal" in out, f"exit {code}: {out[-200:]}")
+    for address in ["unix-abstract:attnserve", "vsock:1:2", "dns:///localhost:1"]:
+        code, out = refusal(attnserve, "--address", address)
+        checks(f"--address {address}: refused", 0 < code < 128 and "expected host:port or unix:PATH" in out,
+               out[-200:])
+
+    # Each local user is a peer of its own: one user's connections up to the bound lock no other
+    # user out. (Root runs the server; `nobody` floods.)
+    os.chmod(tmp, 0o755)
+    shared = lib.Server(attnserve, "--address", f"unix:{path}", "--unix-socket-mode", "0666",
+                        "--max-connections-per-peer", "3")
+    nobody = pwd.getpwnam("nobody").pw_uid
+    flood = subprocess.Popen(["/usr/bin/python3", "-c", f"""
+import os, socket, time
+os.setuid({nobody})
+held = []
+for _ in range(6):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); s.connect({path!r}); held.append(s)
+print("held", flush=True)
+time.sleep(60)
+"""], stdout=subprocess.PIPE, text=True)
+    flood.stdout.readline()
+    lib.wait_until(lambda: metric(shared, "attnserve_connections_refused_total", 'reason="peer_connections"') >= 3)
+    with grpc.insecure_channel(f"unix:{path}") as channel:
+        try:
+            mine = rpc.AttentionServiceStub(channel).ListModels(pb.ListModelsRequest(), timeout=10)
+            ok = any(m.name == "demo" for m in mine.models)
+        except grpc.RpcError as e:
+            ok = False
+            print(e)
+    checks("another user's flood up to its bound leaves this user's calls answered", ok)
+    flood.kill()
+    shared.stop()
