@@ -6,7 +6,7 @@
 #   tools/gpu_pydeps.sh                                            # build-cuda/pydeps.tar.gz: transformers
 # There (the device tool's `run`, carry [".debs", "build-cuda/attnserve", "build-cuda/attnserve-bench",
 # "build-cuda/attnserve-cli", "build-cuda/attnserve-echo", "build-cuda/attnserve-kv-bench",
-# "build-cuda/pydeps.tar.gz"]):
+# "build-cuda/attnserve-wire-floor", "build-cuda/pydeps.tar.gz"]):
 #   bench/gpu_quick.sh                                             # writes $OUT/quick.log, quick.jsonl
 # build-cuda links LibTorch 2.11+cu130 from build-torch2/venv; the device's python3 holds the same
 # torch, whose lib directory (and the CUDA wheels' beside it) this script puts on the library path.
@@ -30,7 +30,9 @@
 #     key/value heads), 64 and 256 sessions over 1,024-4,096 kept tokens: >= 0.5x the device-memory
 #     bound over the bytes a step reads (weights once a call, plus its keys and values), the
 #     engine's own batched step >= 0.7x; a layer's round trip for 128 sessions <= 1 ms at the median;
-#   attnserve-echo over 1, 4 and 16 connections (printed: what bounds the gRPC rows);
+#   attnserve-echo over 1, 4 and 16 connections (printed: what bounds the gRPC rows); the wire's
+#     floor on this host (issue 66): 256 KB and 2 MB each way over a plain loopback TCP socket
+#     (attnserve-wire-floor) beside attnserve-echo's lone round trip of the same bytes (printed);
 #   no cuDNN attention (it compiles a kernel per shape); the first request after start within 2x the
 #   steady p50 of the same request (bench/first_request.sh); every row answered requests.
 # Evidence left under $OUT for the next fix: engine-profile.json (LibTorch's profiler, a Chrome trace
@@ -288,6 +290,23 @@ if serve $build/attnserve-echo --address 127.0.0.1:$port; then
     sampled echo-c$c timeout 25 $bench --target 127.0.0.1:$port --wire-dtype $wire --label echo-c$c \
       --connections $c "${large[@]}" 2>/dev/null
   done
+  # The wire's floor (issue 66): one caller's round trip of 256 KB and 2 MB each way, gRPC's echo
+  # against a plain socket's.
+  for len in 128 1024; do
+    sampled echo-lone-$len timeout 25 $bench --target 127.0.0.1:$port --callers 1 --lengths fixed:$len \
+      --embed-dim 512 --pool 8 --wire-dtype float32 --duration 5 --warmup 1 --label echo-lone-$len \
+      --json "$jsonl" 2>/dev/null
+  done
+  if [ -x $build/attnserve-wire-floor ]; then
+    $build/attnserve-wire-floor serve --address tcp:127.0.0.1:$((port + 100)) >"$out/floor.log" 2>&1 &
+    floor=$!
+    sleep 0.5
+    for bytes in 262144 2097152; do
+      $build/attnserve-wire-floor ping --address tcp:127.0.0.1:$((port + 100)) --bytes $bytes \
+        --rounds 300 --label "floor-$bytes" --json "$out/floor.jsonl"
+    done
+    kill $floor 2>/dev/null
+  fi
   # The transport's bound for the small ragged row too (same sizes, float32 wire).
   sampled echo-small timeout 25 $bench --target 127.0.0.1:$port --model $model --embed-dim $embed \
     --callers $callers --lengths $small --pool 64 --duration $duration --warmup $warmup \

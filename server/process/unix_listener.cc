@@ -47,6 +47,21 @@ Status SocketIsDead(const std::string& path) {
                      std::strerror(err) + ")");
 }
 
+// Nothing at `path`, or a socket no one listens on: what the server may replace.
+Status Replaceable(const std::string& path) {
+  struct stat st {};
+  if (lstat(path.c_str(), &st) == 0) {
+    if (!S_ISSOCK(st.st_mode)) {
+      return Refused(path, What(st.st_mode) + " is there, not a socket: it is left as it is");
+    }
+    return SocketIsDead(path);
+  }
+  if (errno != ENOENT) {
+    return Refused(path, std::string("cannot look at it (") + std::strerror(errno) + ")");
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 std::optional<int> ParseSocketMode(const std::string& text) {
@@ -78,6 +93,10 @@ StatusOr<std::unique_ptr<UnixListener>> UnixListener::Prepare(const std::string&
                       ", and the server binds it first in a directory beside it (the directory " +
                       "at most " + std::to_string(kMaxPath - (bound_size - dir.size())) + ")");
   }
+  // What is there, before a lock file is made beside it (a directory given as the path is left
+  // with nothing new next to it); again under the lock, which a server starting beside this one
+  // may have had first.
+  RETURN_IF_ERROR(Replaceable(path));
   std::unique_ptr<UnixListener> l(new UnixListener(path, mode));
   const std::string lock = path + ".lock";
   l->lock_fd_ = open(lock.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
@@ -87,15 +106,7 @@ StatusOr<std::unique_ptr<UnixListener>> UnixListener::Prepare(const std::string&
   if (flock(l->lock_fd_, LOCK_EX | LOCK_NB) != 0) {
     return Refused(path, "another attnserve serves on it (it holds " + lock + ")");
   }
-  struct stat st {};
-  if (lstat(path.c_str(), &st) == 0) {
-    if (!S_ISSOCK(st.st_mode)) {
-      return Refused(path, What(st.st_mode) + " is there, not a socket: it is left as it is");
-    }
-    RETURN_IF_ERROR(SocketIsDead(path));
-  } else if (errno != ENOENT) {
-    return Refused(path, std::string("cannot look at it (") + std::strerror(errno) + ")");
-  }
+  RETURN_IF_ERROR(Replaceable(path));
   std::string made = dir + "/.attnserve-XXXXXX";
   if (mkdtemp(made.data()) == nullptr) {
     return Refused(path, "cannot make a private directory beside it in " + dir + " (" +

@@ -124,6 +124,8 @@ def test_paths_the_socket_must_not_take(attnserve, checks):
         code, out = refusal(attnserve, "--address", f"unix:{path}")
         checks(f"{name}: refused at start, naming it", code != 0 and path in out and says in out, out[-300:])
     checks("the regular file is untouched", open(regular).read() == "keep me")
+    checks("nothing made beside a path refused for what is there (no lock file)",
+           not any(os.path.exists(p + ".lock") for p in (regular, fifo, tmp)))
     checks("the FIFO is untouched", stat.S_ISFIFO(os.stat(fifo).st_mode))
     code, out = refusal(attnserve, "--address", "unix:")
     checks("unix: with no path refused", code != 0 and "unix:" in out, out[-300:])
