@@ -219,11 +219,21 @@ def run_at(binary, limit_mib, check):
         code, details = code_of(lambda: attend(over.SerializeToString(), timeout=60))
         check(f"{name}: a message over --max-message-bytes: RESOURCE_EXHAUSTED", code == "RESOURCE_EXHAUSTED",
               f"{code} {details!r}")
+        # Each of these needs the whole in-flight budget: wait until the calls before it are done
+        # with theirs (a call's bytes are let go of once its answer has gone out, which a client
+        # may see a moment before the server does).
+        def settle():
+            return lib.wait_until(lambda: sum(float(l.split()[-1]) for l in
+                                              lib.metrics_lines(server, "attnserve_requests_in_flight")) == 0,
+                                  timeout=30)
+
+        settle()
         keys = (message - 16384) // (2 * E * 4)
         kvq = lib.to_wire(pb, np.random.default_rng(2).standard_normal((1, keys, E)))
         cross = pb.AttendRequest(model="demo", query=lib.to_wire(pb, np.ones((1, 4, E))), key=kvq, value=kvq)
         code, details = code_of(lambda: attend(cross.SerializeToString(), timeout=120))
         check(f"{name}: cross-attention over the longest key allowed is answered", code == "OK", f"{code} {details!r}")
+        settle()
         code, details = code_of(lambda: attend(largest["float16"], timeout=120))
         check(f"{name}: the largest request alone is answered", code == "OK", f"{code} {details!r}")
 
