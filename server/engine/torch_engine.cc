@@ -443,15 +443,7 @@ class TorchModel final : public AttentionModel {
     const int64_t b = call.batch;
     at::Tensor pos;  // [B, len]
     if (own && !call.positions.empty()) {
-      const at::Tensor host = at::tensor(c10::ArrayRef<int64_t>(call.positions), at::kLong);
-      if (device_.is_cuda()) {  // Through pinned memory, without waiting (as InputRows).
-        at::Tensor pinned = at::empty(host.sizes(), host.options().pinned_memory(true));
-        pinned.copy_(host);
-        pos = pinned.to(device_, at::kLong, /*non_blocking=*/true);
-      } else {
-        pos = host;
-      }
-      pos = pos.view({b, len});
+      pos = LongsOnDevice(call.positions).view({b, len});
     } else {
       pos = at::arange(start, start + len, at::TensorOptions().dtype(at::kLong).device(device_))
                 .expand({b, len});
