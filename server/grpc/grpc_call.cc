@@ -6,6 +6,7 @@
 #include "server/core/deadline.h"
 #include "server/core/peer.h"
 #include "server/grpc/grpc_status.h"
+#include "server/protocol/caller.h"
 
 namespace attnserve {
 
@@ -41,33 +42,20 @@ StatusOr<CallContext> CallOf(grpc::CallbackServerContext* ctx, const RequestPipe
 
 StatusOr<std::string> TenantOf(const grpc::ServerContextBase* ctx,
                                const std::string& tenant_header) {
+  std::vector<std::string> certificate_names;
   const std::shared_ptr<const grpc::AuthContext> peer = ctx->auth_context();
   if (peer && peer->IsPeerAuthenticated()) {
     for (const char* property : {"x509_common_name", "x509_subject_alternative_name"}) {
-      for (const grpc::string_ref& value : peer->FindPropertyValues(property)) {
-        std::string name(value.begin(), value.end());
-        if (ValidTenantName(name)) return name;
-      }
+      for (const grpc::string_ref& value : peer->FindPropertyValues(property))
+        certificate_names.emplace_back(value.begin(), value.end());
     }
   }
-  if (tenant_header.empty()) return std::string(kDefaultTenant);
-  const auto& metadata = ctx->client_metadata();
-  const auto [first, end] = metadata.equal_range(tenant_header);
-  if (first == end) return std::string(kDefaultTenant);
-  // Exactly one valid value: a request carrying two cannot say which is meant, and one that names
-  // nobody must not become "default" (and reach default's sessions).
-  const std::string allowed =
-      "; allowed: exactly one value of 1 to 128 printable ASCII characters without spaces";
-  if (std::next(first) != end) {
-    return InvalidArgument("metadata '" + tenant_header +
-                           "': " + std::to_string(std::distance(first, end)) + " values" + allowed);
+  std::vector<std::string> values;
+  if (!tenant_header.empty()) {
+    for (auto [it, end] = ctx->client_metadata().equal_range(tenant_header); it != end; ++it)
+      values.emplace_back(it->second.begin(), it->second.end());
   }
-  std::string name(first->second.data(), first->second.size());
-  if (!ValidTenantName(name)) {
-    return InvalidArgument("metadata '" + tenant_header + "': a value of " +
-                           std::to_string(name.size()) + " bytes that names no tenant" + allowed);
-  }
-  return name;
+  return TenantOfCall(certificate_names, tenant_header, values, "metadata '" + tenant_header + "'");
 }
 
 std::string PeerAddressOf(const grpc::ServerContextBase* ctx) { return PeerOfUri(ctx->peer()); }
@@ -81,23 +69,6 @@ bool IsLocalPeer(const grpc::ServerContextBase* ctx) {
   const auto starts = [&peer](const char* prefix) { return peer.rfind(prefix, 0) == 0; };
   return starts("unix:") || starts("unix-abstract:") || starts("ipv4:127.") ||
          starts("ipv6:[::1]:") || starts("ipv6:[::ffff:127.");
-}
-
-TenantRegions RegionsOf(SharedMemoryRegistry& shm, const CallContext& call,
-                        const RequestPipeline& pipeline) {
-  const std::shared_ptr<const Tenants> tenants = pipeline.tenants();
-  const TenantPolicy& policy = tenants->Of(call.tenant);
-  RegionTerms terms;
-  terms.max_bytes = policy.shared_memory_max_bytes;
-  terms.max_regions = policy.shared_memory_max_regions;
-  StatusOr<std::string> prefix = SharedMemoryKeyPrefix(policy, call.tenant);
-  if (prefix.ok()) {
-    terms.key_prefix = std::move(prefix).value();
-    if (!terms.key_prefix.empty()) terms.others_prefixes = tenants->KeyPrefixesBeside(call.tenant);
-  } else {
-    terms.keys_refused = prefix.status();
-  }
-  return shm.For(RegionCaller{call.tenant, std::move(terms), call.local_peer});
 }
 
 IncomingTrace TraceOf(const grpc::ServerContextBase* ctx) {

@@ -8,6 +8,7 @@
 #include "server/core/caught.h"
 #include "server/grpc/call_counter.h"
 #include "server/pipeline/request_pipeline.h"
+#include "server/protocol/caller.h"
 #include "server/shm/shared_memory.h"
 
 namespace attnserve {
@@ -34,10 +35,6 @@ std::string PeerAddressOf(const grpc::ServerContextBase* ctx);
 bool IsLocalPeer(const grpc::ServerContextBase* ctx);
 /// The trace and tenant of a call to one of the kept keys' and values' methods.
 inline KvCaller KvCallerOf(const CallContext& call) { return KvCaller{call.trace, call.tenant}; }
-/// The shared-memory regions `call`'s tenant may name, on its terms (the tenants file's
-/// shared_memory_max_bytes and shared_memory_key_prefix), from its host or not.
-TenantRegions RegionsOf(SharedMemoryRegistry& shm, const CallContext& call,
-                        const RequestPipeline& pipeline);
 /// The caller's W3C trace context: the call's `traceparent` and `tracestate` metadata (malformed:
 /// none; several `tracestate` values are one list, joined with commas).
 IncomingTrace TraceOf(const grpc::ServerContextBase* ctx);

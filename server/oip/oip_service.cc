@@ -4,13 +4,9 @@
 #include "server/grpc/grpc_codec.h"
 #include "server/grpc/grpc_status.h"
 #include "server/grpc/stream_reactor.h"
-#include "server/oip/oip_codec.h"
+#include "server/protocol/oip_codec.h"
 
 namespace attnserve {
-// An OIP exchange: the pipeline's, plus what only the OIP answer carries.
-struct OipServiceImpl::Exchange : attnserve::Exchange {
-  OipReply reply;
-};
 
 // ModelStreamInfer: ModelInferRequest in, ModelStreamInferResponse out.
 class OipServiceImpl::Stream final : public StreamCodec {
@@ -23,21 +19,21 @@ class OipServiceImpl::Stream final : public StreamCodec {
                 std::string* order) override {
     inference::ModelInferRequest infer;
     RETURN_IF_ERROR(ParseMessage(bytes, &infer));
-    auto x = std::make_unique<Exchange>();
-    *refused = service_.Decode(&infer, call, x.get());
+    auto x = std::make_unique<OipExchange>();
+    *refused = service_.oip_.Decode("ModelStreamInfer", &infer, call, x.get());
     if (refused->ok() && x->reply.sequence)
       *order = infer.model_name() + '\n' + x->reply.sequence->id;
     *out = std::move(x);
     return Status::Ok();
   }
   Status Prepare(attnserve::Exchange* x) override {
-    return service_.BeginSequence(static_cast<Exchange*>(x));
+    return service_.oip_.BeginSequence(static_cast<OipExchange*>(x));
   }
   void Computed(attnserve::Exchange* x, const Status& seen) override {
-    service_.EndSequence(*static_cast<Exchange*>(x), seen);
+    service_.oip_.EndSequence(*static_cast<OipExchange*>(x), seen);
   }
   grpc::ByteBuffer Encode(attnserve::Exchange* base, const Status& status) override {
-    auto* x = static_cast<Exchange*>(base);
+    auto* x = static_cast<OipExchange*>(base);
     Status written = status.ok() ? OipWriteSharedOutputs(&x->answer, x->reply) : status;
     if (written.ok()) {
       return EncodeWithRawBytes(OipResponseHead(x->answer, x->reply),
@@ -54,64 +50,14 @@ class OipServiceImpl::Stream final : public StreamCodec {
   OipServiceImpl& service_;
 };
 
-OipServiceImpl::OipServiceImpl(RequestPipeline& pipeline, CallCounter& calls,
-                               SharedMemoryRegistry& shm, size_t max_sequences,
-                               std::chrono::steady_clock::duration sequence_idle)
-    : pipeline_(pipeline),
+OipServiceImpl::OipServiceImpl(OipProtocol& oip, CallCounter& calls)
+    : oip_(oip),
+      pipeline_(oip.pipeline()),
       calls_(calls),
-      shm_(shm),
-      sequences_(max_sequences, sequence_idle),
+      shm_(oip.shm()),
       stream_(std::make_unique<Stream>(*this)) {}
 
 OipServiceImpl::~OipServiceImpl() = default;
-
-Status OipServiceImpl::Decode(inference::ModelInferRequest* infer, const CallContext& call,
-                              Exchange* x) {
-  return Caught("ModelInfer", [&] {
-    const TenantRegions regions = RegionsOf(shm_, call, pipeline_);
-    RETURN_IF_ERROR(OipToAttend(infer, &x->request, &x->reply, &regions,
-                                pipeline_.flow().max_region_input_bytes));
-    x->output_limits = OipOutputLimits(x->reply);
-    // A sequence is its caller's: another tenant's sequence of the same id is another session.
-    if (x->reply.sequence) x->reply.sequence->tenant = call.tenant;
-    return Status::Ok();
-  });
-}
-
-void OipServiceImpl::CloseSession(const std::string& handle, const std::string& tenant) {
-  v1::ReleaseRequest req;
-  req.set_handle(handle);
-  v1::ReleaseResponse resp;
-  pipeline_.Release("CloseSession", KvKind::kSession, req, &resp, KvCaller{{}, tenant}, nullptr);
-}
-
-Status OipServiceImpl::BeginSequence(Exchange* x) {
-  if (!x->reply.sequence) return Status::Ok();
-  v1::AttendRequest& r = x->request;
-  const auto open = [&]() -> StatusOr<std::string> {
-    v1::OpenSessionRequest req;
-    req.set_model(r.model());
-    req.set_model_version(r.model_version());
-    req.set_batch(OipBatchOf(r));
-    v1::KvHandle handle;
-    const KvCaller caller{{}, x->reply.sequence->tenant};
-    RETURN_IF_ERROR(pipeline_.OpenSession(req, &handle, caller, nullptr));
-    return handle.handle();
-  };
-  ASSIGN_OR_RETURN(
-      *r.mutable_session(),
-      sequences_.Begin(r.model(), *x->reply.sequence, open, [this, &x](const std::string& h) {
-        CloseSession(h, x->reply.sequence->tenant);
-      }));
-  return Status::Ok();
-}
-
-void OipServiceImpl::EndSequence(const Exchange& x, const Status& seen) {
-  if (!x.reply.sequence) return;
-  sequences_.Finish(
-      x.request.model(), *x.reply.sequence, x.request.session(), seen,
-      [this, &x](const std::string& h) { CloseSession(h, x.reply.sequence->tenant); });
-}
 
 grpc::ServerUnaryReactor* OipServiceImpl::ServerLive(grpc::CallbackServerContext* ctx,
                                                      const inference::ServerLiveRequest*,
@@ -130,10 +76,9 @@ grpc::ServerUnaryReactor* OipServiceImpl::ServerReady(grpc::CallbackServerContex
 grpc::ServerUnaryReactor* OipServiceImpl::ModelReady(grpc::CallbackServerContext* ctx,
                                                      const inference::ModelReadyRequest* req,
                                                      inference::ModelReadyResponse* resp) {
-  const StatusOr<int64_t> version = OipVersion(req->version());
-  if (!version.ok()) return Finished(calls_, ctx, version.status());
-  resp->set_ready(pipeline_.Ready(req->name(), *version));
-  return Finished(calls_, ctx, Status::Ok());
+  const StatusOr<bool> ready = oip_.ModelReady(req->name(), req->version());
+  if (ready.ok()) resp->set_ready(*ready);
+  return Finished(calls_, ctx, ready.status());
 }
 
 grpc::ServerUnaryReactor* OipServiceImpl::ServerMetadata(grpc::CallbackServerContext* ctx,
@@ -141,20 +86,16 @@ grpc::ServerUnaryReactor* OipServiceImpl::ServerMetadata(grpc::CallbackServerCon
                                                          inference::ServerMetadataResponse* resp) {
   resp->set_name("attnserve");
   resp->set_version(ATTNSERVE_VERSION);
-  if (shm_.allowed()) resp->add_extensions("system_shared_memory");
-  if (shm_.allowed() && shm_.cuda()) resp->add_extensions("cuda_shared_memory");
+  for (const std::string& e : oip_.Extensions()) resp->add_extensions(e);
   return Finished(calls_, ctx, Status::Ok());
 }
 
 grpc::ServerUnaryReactor* OipServiceImpl::ModelMetadata(grpc::CallbackServerContext* ctx,
                                                         const inference::ModelMetadataRequest* req,
                                                         inference::ModelMetadataResponse* resp) {
-  const StatusOr<int64_t> version = OipVersion(req->version());
-  if (!version.ok()) return Finished(calls_, ctx, version.status());
-  std::vector<int64_t> versions;
-  const StatusOr<ModelSpec> spec = pipeline_.Describe(req->name(), *version, &versions);
-  if (spec.ok()) *resp = OipModelMetadata(*spec, versions);
-  return Finished(calls_, ctx, spec.status());
+  StatusOr<inference::ModelMetadataResponse> m = oip_.ModelMetadata(req->name(), req->version());
+  if (m.ok()) *resp = std::move(m).value();
+  return Finished(calls_, ctx, m.status());
 }
 
 grpc::ServerUnaryReactor* OipServiceImpl::ModelInfer(grpc::CallbackServerContext* ctx,
@@ -164,11 +105,11 @@ grpc::ServerUnaryReactor* OipServiceImpl::ModelInfer(grpc::CallbackServerContext
   auto* reactor = NewUnaryReactor(calls_, ctx);  // Counted open from here, while it decodes too.
   StatusOr<CallContext> call = CallOf(ctx, pipeline_);
   inference::ModelInferRequest infer;
-  auto x = std::make_unique<Exchange>();
+  auto x = std::make_unique<OipExchange>();
   Status st = call.status();
   if (st.ok()) st = ParseMessage(*req, &infer);
-  if (st.ok()) st = Decode(&infer, *call, x.get());
-  if (st.ok()) st = BeginSequence(x.get());
+  if (st.ok()) st = oip_.Decode("ModelInfer", &infer, *call, x.get());
+  if (st.ok()) st = oip_.BeginSequence(x.get());
   if (!st.ok()) {
     pipeline_.RecordUndecoded("ModelInfer", st);
     reactor->Answer(ToGrpcStatus(st));
@@ -177,9 +118,9 @@ grpc::ServerUnaryReactor* OipServiceImpl::ModelInfer(grpc::CallbackServerContext
   AttendUnary(
       pipeline_, "ModelInfer", ctx, std::move(call).value(), reactor, std::move(x),
       [this, resp](Answered& answered) {
-        auto* x = static_cast<Exchange*>(answered.get());
+        auto* x = static_cast<OipExchange*>(answered.get());
         const Status& computed = answered.status();
-        EndSequence(*x, computed);
+        oip_.EndSequence(*x, computed);
         // Outputs asked for in regions go there; a region cut short meanwhile fails the call.
         const Status seen = computed.ok() ? OipWriteSharedOutputs(&x->answer, x->reply) : computed;
         if (seen.ok()) {

@@ -4,8 +4,8 @@
 
 #include "inference/grpc_service.grpc.pb.h"
 #include "server/grpc/call_counter.h"
-#include "server/oip/oip_sequences.h"
 #include "server/pipeline/request_pipeline.h"
+#include "server/protocol/oip_protocol.h"
 #include "server/shm/shared_memory.h"
 
 namespace attnserve {
@@ -33,12 +33,9 @@ using Base = S::WithRawCallbackMethod_ModelStreamInfer<S::WithRawCallbackMethod_
 
 class OipServiceImpl final : public oip_detail::Base {
  public:
-  /// Borrows the pipeline, the count of calls open and the shared-memory regions, which must
-  /// outlive the service. Triton's sequences are
-  /// sessions: at most `max_sequences` at once, forgotten after `sequence_idle` unused (the
-  /// sessions' TTL).
-  OipServiceImpl(RequestPipeline& pipeline, CallCounter& calls, SharedMemoryRegistry& shm,
-                 size_t max_sequences, std::chrono::steady_clock::duration sequence_idle);
+  /// Borrows the protocol's shared operations (with its pipeline, sequences and shared-memory
+  /// regions) and the count of calls open, which must outlive the service.
+  OipServiceImpl(OipProtocol& oip, CallCounter& calls);
   ~OipServiceImpl() override;
 
   grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* ctx,
@@ -86,23 +83,12 @@ class OipServiceImpl final : public oip_detail::Base {
       inference::CudaSharedMemoryUnregisterResponse* resp) override;
 
  private:
-  struct Exchange;
   class Stream;  // ModelStreamInfer's StreamCodec.
-  // A sequence's session for the request (opened at its start), named in its `session`.
-  Status BeginSequence(Exchange* x);
-  // After the step: the sequence's end closes its session.
-  void EndSequence(const Exchange& x, const Status& seen);
-  void CloseSession(const std::string& handle, const std::string& tenant);
 
-  // A decoded request for the pipeline: its inputs read, its outputs' regions noted.
-  Status Decode(inference::ModelInferRequest* infer, const CallContext& call, Exchange* x);
-  // The answer's outputs that go to regions written there; then its message.
-  grpc::ByteBuffer EncodeAnswer(Exchange* x, Status* status) const;
-
+  OipProtocol& oip_;
   RequestPipeline& pipeline_;
   CallCounter& calls_;
   SharedMemoryRegistry& shm_;
-  OipSequences sequences_;
   std::unique_ptr<Stream> stream_;
 };
 

@@ -368,10 +368,11 @@ void Server::Impl::StartPipeline() {
   metrics->SetSharedMemory(0, 0);
   shm = std::make_unique<SharedMemoryRegistry>(std::move(shared), CudaRegions(options.device));
   service = std::make_unique<AttentionServiceImpl>(*pipeline, *calls, *shm);
-  oip = std::make_unique<OipServiceImpl>(
-      *pipeline, *calls, *shm, static_cast<size_t>(options.kv.max_entries),
-      std::chrono::duration_cast<SteadyClock::duration>(
-          std::chrono::duration<double>(options.kv.ttl_seconds)));
+  oip_protocol =
+      std::make_unique<OipProtocol>(*pipeline, *shm, static_cast<size_t>(options.kv.max_entries),
+                                    std::chrono::duration_cast<SteadyClock::duration>(
+                                        std::chrono::duration<double>(options.kv.ttl_seconds)));
+  oip = std::make_unique<OipServiceImpl>(*oip_protocol, *calls);
   admin = std::make_unique<AdminServiceImpl>(*models, *calls, options.admin,
                                              [this] { return ReloadTenants(); });
 }

@@ -53,6 +53,8 @@ struct Server::Impl {
   std::unique_ptr<SharedMemoryRegistry> shm;
   std::unique_ptr<RequestPipeline> pipeline;
   std::unique_ptr<AttentionServiceImpl> service;
+  // The Open Inference Protocol's shared operations (sequences), and its gRPC front end.
+  std::unique_ptr<OipProtocol> oip_protocol;
   std::unique_ptr<OipServiceImpl> oip;
   // Shared with the shutdown outcome; declared before the servers, so it outlives their calls.
   std::shared_ptr<CallCounter> calls = std::make_shared<CallCounter>();

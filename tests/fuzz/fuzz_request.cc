@@ -12,7 +12,7 @@
 #include "server/core/validator.h"
 #include "server/core/wire.h"
 #include "server/grpc/grpc_codec.h"
-#include "server/oip/oip_codec.h"
+#include "server/protocol/oip_codec.h"
 
 namespace {
 

@@ -3,7 +3,7 @@
 // progress steps the session its start opened; every opened session is closed exactly once (at the
 // end, a new start, or a failed start) unless the store lost it; the table never holds more than
 // its bound, and forgets what sat idle past the sessions' TTL.
-#include "server/oip/oip_sequences.h"
+#include "server/protocol/oip_sequences.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

@@ -11,7 +11,7 @@
 #include "server/core/status.h"
 #include "server/core/types.h"
 #include "server/core/wire.h"
-#include "server/oip/oip_sequences.h"
+#include "server/protocol/oip_sequences.h"
 #include "server/shm/shared_memory.h"
 
 namespace attnserve {

@@ -1,6 +1,6 @@
 // The Open Inference Protocol's mapping onto attnserve.v1 without a server: what each field
 // becomes, that the inputs' bytes move (no copy), and every refusal naming its field.
-#include "server/oip/oip_codec.h"
+#include "server/protocol/oip_codec.h"
 
 #include <fcntl.h>
 #include <gmock/gmock.h>

@@ -1,4 +1,4 @@
-#include "server/oip/oip_codec.h"
+#include "server/protocol/oip_codec.h"
 
 #include <cerrno>
 #include <cstdlib>

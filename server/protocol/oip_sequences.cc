@@ -1,4 +1,4 @@
-#include "server/oip/oip_sequences.h"
+#include "server/protocol/oip_sequences.h"
 
 #include <utility>
 
