@@ -44,7 +44,7 @@ PY
 # Every caller is this host (one peer address): the per-caller in-flight bound is the whole's, so
 # that 32 callers' 1,024-token prompts (16 MiB each) are not refused as one caller's.
 port=50181 metrics=50182
-"$build/attnserve" --address 127.0.0.1:$port --metrics-address 127.0.0.1:$metrics --models "$out/models" \
+"$build/attnserve" --address 127.0.0.1:$port --metrics-address 127.0.0.1:$metrics --http-address "" --models "$out/models" \
   --kv-budget-bytes $((8 << 30)) --max-inflight-bytes $((2 << 30)) \
   --max-inflight-bytes-per-caller $((2 << 30)) ${DEC_SERVER_ARGS:-} >"$out/server.log" 2>&1 &
 pid=$!

@@ -42,7 +42,7 @@ class Server:
         self.access = os.path.join(OUT, f"access-{name}.log")
         if os.path.exists(self.access):
             os.remove(self.access)
-        self.proc = subprocess.Popen([f"{build}/attnserve", "--address", "127.0.0.1:0", "--metrics-address", "",
+        self.proc = subprocess.Popen([f"{build}/attnserve", "--address", "127.0.0.1:0", "--metrics-address", "", "--http-address", "",
                                       "--tenant-header", "attnserve-tenant", "--access-log", self.access,
                                       "--access-log-max-lines", "1000000", *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

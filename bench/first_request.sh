@@ -25,7 +25,7 @@ EOF
 # One round: prints "first_ms first_compute_ms p50_ms p50_compute_ms".
 round() {
   local log=/tmp/first_request.$$.log
-  "$build/attnserve" --address 127.0.0.1:$port --metrics-address "" "$@" >"$log" 2>&1 &
+  "$build/attnserve" --address 127.0.0.1:$port --metrics-address "" --http-address "" "$@" >"$log" 2>&1 &
   local pid=$!
   for _ in $(seq 600); do grep -q "serving" "$log" && break; sleep 0.05; done
   local lines=()

@@ -25,7 +25,7 @@ trap stop EXIT
 # system -> how it runs: "inprocess BENCH DTYPE" or "server CMD..."; its wire dtype from the name.
 start() {  # system
   stop
-  local flags=(--address 127.0.0.1:$port --metrics-address "") cmd
+  local flags=(--address 127.0.0.1:$port --metrics-address "" --http-address "") cmd
   case $1 in
     attnserve-1.13-f32) cmd=(build/attnserve "${flags[@]}") ;;
     attnserve-1.13-bf16*) cmd=(build/attnserve "${flags[@]}" --dtype bfloat16) ;;

@@ -116,7 +116,7 @@ bench_args=(--model mha1024 --embed-dim 1024 --callers 64 --lengths uniform:64:2
 for dtype in bfloat16 float16; do
   "$build/attnserve-bench" --target inprocess --models "$models" --device cuda --dtype $dtype --workers 4 \
     --label "inprocess-$dtype" --json "$out/gpu_bench.jsonl" "${bench_args[@]}" 2>/dev/null | tee -a "$out/summary.txt"
-  "$build/attnserve" --address 127.0.0.1:50151 --metrics-address 127.0.0.1:9551 --models "$models" \
+  "$build/attnserve" --address 127.0.0.1:50151 --metrics-address 127.0.0.1:9551 --http-address "" --models "$models" \
     --device cuda --dtype $dtype --workers 4 >"$out/server_$dtype.log" 2>&1 &
   pid=$!
   for _ in $(seq 150); do grep -q serving "$out/server_$dtype.log" && break; sleep 0.2; done
@@ -134,7 +134,7 @@ done
 # Varlen vs per-request attention on small ragged requests (8-128 tokens, packed 1024 tokens a
 # batch): the same server flags but --varlen-attention.
 for varlen in auto off; do
-  "$build/attnserve" --address 127.0.0.1:50151 --metrics-address 127.0.0.1:9551 --models "$models" \
+  "$build/attnserve" --address 127.0.0.1:50151 --metrics-address 127.0.0.1:9551 --http-address "" --models "$models" \
     --device cuda --dtype bfloat16 --workers 4 --varlen-attention $varlen >"$out/server_varlen_$varlen.log" 2>&1 &
   pid=$!
   for _ in $(seq 150); do grep -q serving "$out/server_varlen_$varlen.log" && break; sleep 0.2; done
@@ -145,7 +145,7 @@ for varlen in auto off; do
   kill -TERM $pid; wait $pid || true
 done
 # Sessions and memories vs resending (demo model, E=512, H=8) on the GPU, as bench/kv.sh on the CPU.
-"$build/attnserve" --address 127.0.0.1:50151 --metrics-address "" --device cuda >"$out/server_kv.log" 2>&1 &
+"$build/attnserve" --address 127.0.0.1:50151 --metrics-address "" --http-address "" --device cuda >"$out/server_kv.log" 2>&1 &
 pid=$!
 for _ in $(seq 150); do grep -q serving "$out/server_kv.log" && break; sleep 0.2; done
 kv=("$build/attnserve-kv-bench" --target 127.0.0.1:50151 --json "$out/kv_bench.jsonl")

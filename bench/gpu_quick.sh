@@ -238,7 +238,7 @@ serve() {
   return 1
 }
 stop() { kill -TERM "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; port=$((port + 1)); }
-if serve $build/attnserve --address 127.0.0.1:$port --metrics-address $metrics \
+if serve $build/attnserve --address 127.0.0.1:$port --metrics-address $metrics --http-address "" \
      --models $models --device $device --dtype $dtype --allow-shared-memory \
      --kv-budget-bytes $((8 << 30)); then
   head -3 "$out/server-$port.log"

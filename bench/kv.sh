@@ -24,7 +24,7 @@ stop() { if [ -n "$pid" ]; then kill -TERM "$pid" 2>/dev/null || true; wait "$pi
 trap stop EXIT
 start() {  # extra server flags...
   stop
-  "$build/attnserve" --address 127.0.0.1:$port --metrics-address 127.0.0.1:$metrics "$@" >"$out/server.log" 2>&1 &
+  "$build/attnserve" --address 127.0.0.1:$port --metrics-address 127.0.0.1:$metrics --http-address "" "$@" >"$out/server.log" 2>&1 &
   pid=$!
   for _ in $(seq 100); do grep -q "serving" "$out/server.log" 2>/dev/null && return; sleep 0.2; done
   echo "kv.sh: attnserve did not start" >&2; cat "$out/server.log" >&2; exit 1

@@ -58,7 +58,7 @@ pid=
 stop() { if [ -n "$pid" ]; then kill -TERM "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; pid=; fi; }
 trap stop EXIT
 serve() {  # extra env...
-  env "$@" build/attnserve --address 127.0.0.1:$port --metrics-address "" --dtype "$dtype" >"$out/server.log" 2>&1 &
+  env "$@" build/attnserve --address 127.0.0.1:$port --metrics-address "" --http-address "" --dtype "$dtype" >"$out/server.log" 2>&1 &
   pid=$!
   for _ in $(seq 100); do grep -q serving "$out/server.log" 2>/dev/null && return; sleep 0.1; done
   echo "profile: the server did not start" >&2; cat "$out/server.log" >&2; exit 1

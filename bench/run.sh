@@ -56,13 +56,13 @@ start() {  # system
   current=$1
   case $1 in
     floor) return ;;
-    off) "$build/attnserve" --address 127.0.0.1:$port --metrics-address "" --no-batching >"$out/server.log" 2>&1 & pid=$! ;;
-    on) "$build/attnserve" --address 127.0.0.1:$port --metrics-address "" >"$out/server.log" 2>&1 & pid=$! ;;
+    off) "$build/attnserve" --address 127.0.0.1:$port --metrics-address "" --http-address "" --no-batching >"$out/server.log" 2>&1 & pid=$! ;;
+    on) "$build/attnserve" --address 127.0.0.1:$port --metrics-address "" --http-address "" >"$out/server.log" 2>&1 & pid=$! ;;
     python) /usr/bin/python3 bench/baselines/python_server.py --port $port >"$out/server.log" 2>&1 & pid=$! ;;
     ray) "$peer_python" bench/baselines/ray_serve_peer.py --port $port >"$out/server.log" 2>&1 & pid=$! ;;
     kserve) "$kserve_python" bench/baselines/kserve_peer.py --port $port >"$out/server.log" 2>&1 & pid=$! ;;
     mlserver) "$mlserver_python" bench/baselines/mlserver_peer.py --port $port >"$out/server.log" 2>&1 & pid=$! ;;
-    one-core) taskset -c 0 "$build/attnserve" --address 127.0.0.1:$port --metrics-address "" >"$out/server.log" 2>&1 & pid=$! ;;
+    one-core) taskset -c 0 "$build/attnserve" --address 127.0.0.1:$port --metrics-address "" --http-address "" >"$out/server.log" 2>&1 & pid=$! ;;
   esac
   for _ in $(seq 900); do grep -qE "serving" "$out/server.log" 2>/dev/null && return; sleep 0.2; done
   echo "bench: $1 did not start" >&2; cat "$out/server.log" >&2; exit 1

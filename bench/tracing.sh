@@ -30,7 +30,7 @@ for round in $(seq "$rounds"); do
     flags=()
     [ "$which" = rate0 ] && flags=(--trace-endpoint "$endpoint" --trace-rate 0)
     [ "$which" = rate1 ] && flags=(--trace-endpoint "$endpoint" --trace-rate 1)
-    "$build/attnserve" --address 127.0.0.1:$port --metrics-address 127.0.0.1:9474 ${flags[@]+"${flags[@]}"} \
+    "$build/attnserve" --address 127.0.0.1:$port --metrics-address 127.0.0.1:9474 --http-address "" ${flags[@]+"${flags[@]}"} \
       >"$out/server.log" 2>&1 & pid=$!
     for _ in $(seq 300); do grep -q serving "$out/server.log" 2>/dev/null && break; sleep 0.2; done
     "$build/attnserve-bench" --target 127.0.0.1:$port --label "$which/W1/r$round" --warmup 2 \

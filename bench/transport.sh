@@ -27,7 +27,7 @@ stop() { for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; wait "$p
 sock=$(mktemp -d)  # The Unix sockets' directory (0700), gone at the end.
 trap 'stop; rm -rf "$sock"' EXIT
 "$build/attnserve" --address 127.0.0.1:50181 --address "unix:$sock/attnserve.sock" \
-  --metrics-address 127.0.0.1:50185 --allow-shared-memory ${SERVER_ARGS:-} >"$out/server.log" 2>&1 &
+  --metrics-address 127.0.0.1:50185 --http-address "" --allow-shared-memory ${SERVER_ARGS:-} >"$out/server.log" 2>&1 &
 pids+=($!)
 "$build/attnserve-echo" --address 127.0.0.1:50182 >"$out/echo.log" 2>&1 &
 pids+=($!)

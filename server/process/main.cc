@@ -235,6 +235,27 @@ bool ParseFlags(int argc, char** argv, attnserve::ServerOptions* options, int* e
   app.add_option("--metrics-address", o.metrics_address,
                  "Prometheus /metrics listen address; empty to disable")
       ->capture_default_str();
+  app.add_option("--http-address", o.http.address,
+                 "The Open Inference Protocol over HTTP/REST (docs/api.md \"HTTP\"): host:port; "
+                 "empty to disable")
+      ->capture_default_str();
+  app.add_option("--http-max-connections", o.http.max_connections,
+                 "HTTP connections open at once; more are closed at once")
+      ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
+  app.add_option("--http-max-connections-per-peer", o.http.max_connections_per_peer,
+                 "HTTP connections from one peer address at once")
+      ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
+  app.add_option("--http-idle-timeout", o.http.idle_timeout_seconds,
+                 "An HTTP connection that sends nothing this long (seconds) is closed")
+      ->check(CLI::Range(1.0, 86400.0))
+      ->capture_default_str();
+  app.add_option("--http-body-timeout", o.http.body_timeout_seconds,
+                 "An HTTP request body not whole this long (seconds) after its headers is refused "
+                 "and its connection closed")
+      ->check(CLI::Range(1.0, 86400.0))
+      ->capture_default_str();
   app.add_option("--models", o.models_dir,
                  "Directory of models: one subdirectory per model with config.json and weights "
                  "(docs/models.md \"Models\"); default: the built-in demo model");

@@ -518,6 +518,7 @@ StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   impl->StartPipeline();
   RETURN_IF_ERROR(impl->ReloadTenants());
   RETURN_IF_ERROR(impl->StartGrpc());
+  RETURN_IF_ERROR(impl->StartHttp());
   RETURN_IF_ERROR(impl->StartHealth());
   RETURN_IF_ERROR(impl->WarmUp());
   return std::unique_ptr<Server>(new Server(std::move(impl)));
@@ -526,6 +527,19 @@ StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
 int Server::port() const { return impl_->port; }
 int Server::metrics_port() const { return impl_->metrics_port; }
 int Server::health_port() const { return impl_->health_port; }
+int Server::http_port() const { return impl_->http_port; }
+
+Status Server::Impl::StartHttp() {
+  if (options.http.address.empty()) return Status::Ok();
+  oip_http = std::make_unique<OipHttp>(*oip_protocol, ATTNSERVE_VERSION);
+  HttpOptions http_options = options.http;
+  http_options.max_body_bytes = options.max_message_bytes;
+  ASSIGN_OR_RETURN(http, HttpServer::Start(http_options, [this](HttpRequest&& r, HttpReply reply) {
+                     oip_http->Handle(std::move(r), std::move(reply));
+                   }));
+  http_port = http->port();
+  return Status::Ok();
+}
 
 std::string Server::Describe() const {
   std::string s = "attnserve: serving";
@@ -546,6 +560,10 @@ std::string Server::Describe() const {
                             ":" + std::to_string(impl_->metrics_port) + "/metrics"
                       : ", metrics off";
   if (!impl_->options.unix_address.empty()) s += ", unix socket " + impl_->options.unix_address;
+  if (impl_->http) {
+    const std::string& h = impl_->options.http.address;
+    s += ", HTTP on " + h.substr(0, h.rfind(':')) + ":" + std::to_string(impl_->http_port);
+  }
   if (!impl_->options.tls_cert_file.empty()) {
     s += impl_->options.tls_client_ca_file.empty() ? ", TLS"
                                                    : ", mutual TLS (client certificates required)";

@@ -8,6 +8,7 @@
 #include "server/core/status.h"
 #include "server/core/types.h"
 #include "server/grpc/call_counter.h"
+#include "server/http/http_server.h"
 #include "server/kv/kv_store.h"
 #include "server/pipeline/batcher.h"
 #include "server/pipeline/request_pipeline.h"
@@ -76,7 +77,10 @@ struct ServerOptions {
   std::string unix_address;
   int unix_socket_mode = 0660;
   std::string metrics_address = "127.0.0.1:9464";  ///< /metrics listen address; "" disables.
-  std::string models_dir;                          ///< "" serves the built-in demo model.
+  /// The Open Inference Protocol over HTTP/REST (docs/api.md "HTTP"): its address ("" off) and
+  /// bounds; its bodies are bounded by max_message_bytes.
+  HttpOptions http;
+  std::string models_dir;  ///< "" serves the built-in demo model.
   /// Called once start-up's models are loaded, before anything listens (none: nothing called).
   /// main's signal handler ends the process at once until then: a stop during a long load has
   /// nothing in flight to drain.
@@ -164,6 +168,8 @@ class Server {
   int health_port() const;
   /// The bound metrics port, or 0 when metrics are disabled.
   int metrics_port() const;
+  /// The bound --http-address port, or 0 when HTTP is off.
+  int http_port() const;
   /// The start-up log line: models, addresses, device, LibTorch version, the memory limit and the
   /// budgets sized to it.
   std::string Describe() const;

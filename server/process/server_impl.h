@@ -10,6 +10,8 @@
 
 #include "server/grpc/call_counter.h"
 #include "server/grpc/health.h"
+#include "server/http/http_server.h"
+#include "server/http/oip_http.h"
 #include "server/oip/oip_service.h"
 #include "server/pipeline/metrics.h"
 #include "server/pipeline/request_pipeline.h"
@@ -56,6 +58,10 @@ struct Server::Impl {
   // The Open Inference Protocol's shared operations (sequences), and its gRPC front end.
   std::unique_ptr<OipProtocol> oip_protocol;
   std::unique_ptr<OipServiceImpl> oip;
+  // The protocol over HTTP: its routes and its listener (stopped before gRPC at the stop).
+  std::unique_ptr<OipHttp> oip_http;
+  std::unique_ptr<HttpServer> http;
+  int http_port = 0;
   // Shared with the shutdown outcome; declared before the servers, so it outlives their calls.
   std::shared_ptr<CallCounter> calls = std::make_shared<CallCounter>();
   std::shared_ptr<ShutdownOutcome> outcome = MakeOutcome(calls);
@@ -82,6 +88,7 @@ struct Server::Impl {
   // Reads --tenants again and gives it to the pipeline; its failure changes nothing.
   Status ReloadTenants();
   Status StartGrpc();
+  Status StartHttp();
   Status StartHealth();
   // Warms the models while health says NOT_SERVING, then says SERVING.
   Status WarmUp();

@@ -84,6 +84,9 @@ void Server::Shutdown() {
     impl_->models->Stop();  // Reloads waiting are answered UNAVAILABLE; none starts.
     impl_->pipeline->WaitIdle(
         start + std::min<SteadyClock::duration>(kDrainHandOff, grace * 8 / 10), kDrainQuietPeriod);
+    // HTTP takes no new connection; its requests accepted are answered and sent (until 90% of
+    // the grace period), then its connections close.
+    if (impl_->http) impl_->http->Stop(start + grace * 9 / 10);
     // 2. Stop gRPC: listener closed, GOAWAY; calls accepted finish; whatever is still open at 90%
     //    of the grace period is cancelled. Then the queue drains (work still computing finishes).
     impl_->StopGrpc(start + grace * 9 / 10, start + grace * 19 / 20);

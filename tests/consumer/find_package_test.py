@@ -26,7 +26,7 @@ def test_a_consumer_project_finds_builds_and_calls_the_client(attnserve, tmp_pat
     run("cmake", "-S", os.path.dirname(os.path.abspath(__file__)), "-B", consumer_build,
         f"-DCMAKE_PREFIX_PATH={prefix}", "-DCMAKE_BUILD_TYPE=Release")
     run("cmake", "--build", consumer_build, "-j2")
-    server = lib.Server(attnserve, "--metrics-address", "")
+    server = lib.Server(attnserve, "--metrics-address", "", "--http-address", "")
     try:
         rc = subprocess.run([os.path.join(consumer_build, "consumer"), server.target]).returncode
     finally:

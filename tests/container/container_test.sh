@@ -38,7 +38,7 @@ echo "container: image built in $(( $(date +%s) - start )) s ($(docker image ins
 
 # Host networking: this machine's container runtime has no port publishing to rely on.
 docker run -d --name "$name" --network host -e "ATTNSERVE_TARGET=127.0.0.1:$port" "$image" \
-  attnserve --address "127.0.0.1:$port" --metrics-address "127.0.0.1:$metrics" >/dev/null
+  attnserve --address "127.0.0.1:$port" --metrics-address "127.0.0.1:$metrics" --http-address "" >/dev/null
 for _ in $(seq 120); do
   "$cli" --target "127.0.0.1:$port" --deadline-ms 1000 health >/dev/null 2>&1 && break
   sleep 0.5

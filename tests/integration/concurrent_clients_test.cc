@@ -122,7 +122,8 @@ TEST(ServerConcurrencyTest, ConcurrentClientsEachGetTheirOwnAnswer) {
   auto pick_index = [&](std::mt19937& pick) {
     return pick() % 3 == 0 ? n_small + pick() % (samples.size() - n_small) : pick() % n_small;
   };
-  ServerOptions o;  // Default flags but for the ports and the models.
+  ServerOptions o;      // Default flags but for the ports and the models.
+  o.http.address = "";  // Each test server on its own ports: no HTTP unless a test asks.
   o.address = "127.0.0.1:0";
   o.metrics_address = "127.0.0.1:0";
   o.models_dir = dir;

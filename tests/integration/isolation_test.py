@@ -253,7 +253,7 @@ def host_address():
 
 
 def start_on(attnserve, address, *args):
-    proc = subprocess.Popen([attnserve, "--address", address, "--metrics-address", "", *args],
+    proc = subprocess.Popen([attnserve, "--address", address, "--metrics-address", "", "--http-address", "", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     banner = proc.stdout.readline()
     m = re.search(r" on (?:\[[^\]]*\]|[\d.]+):(\d+)", banner)
@@ -359,7 +359,7 @@ def test_a_fifo_never_stalls_the_server(attnserve, stubs, checks):
         os.setgroups([])
         os.setgid(65534)
         os.setuid(65534)
-    proc = subprocess.Popen([os.path.abspath(attnserve), "--address", "127.0.0.1:0", "--metrics-address", "",
+    proc = subprocess.Popen([os.path.abspath(attnserve), "--address", "127.0.0.1:0", "--metrics-address", "", "--http-address", "",
                              "--allow-shared-memory"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             preexec_fn=as_nobody, cwd="/")
     try:

@@ -135,7 +135,7 @@ def code_of(fn):
 def run_at(binary, limit_mib, check):
     limit = limit_mib * MIB
     cgroup = MemoryCgroup(limit)
-    proc = subprocess.Popen(cgroup.wrap([binary, "--address", "127.0.0.1:0", "--metrics-address", "127.0.0.1:0"]),
+    proc = subprocess.Popen(cgroup.wrap([binary, "--address", "127.0.0.1:0", "--metrics-address", "127.0.0.1:0", "--http-address", ""]),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     banner = proc.stdout.readline()
     output = []

@@ -435,7 +435,7 @@ def test_a_version_too_big_for_memory_fails_and_the_others_serve(attnserve, chec
         if server.proc.poll() is None:
             server.stop()
     # At start-up: exit 2 with the message, not an abort.
-    proc = subprocess.run([attnserve, "--address", "127.0.0.1:0", "--metrics-address", "", "--models", repo],
+    proc = subprocess.run([attnserve, "--address", "127.0.0.1:0", "--metrics-address", "", "--http-address", "", "--models", repo],
                           capture_output=True, text=True, timeout=120, preexec_fn=limited)
     checks(f"a start-up with it exits 2 naming it: {proc.returncode} {proc.stderr.strip()[-300:]}",
            proc.returncode == 2 and "out of memory loading its weights" in proc.stderr)

@@ -72,7 +72,7 @@ class Replica:
     def start(self):
         self.proc = subprocess.Popen(
             [self.binary, "--address", f"127.0.0.1:{self.port}", "--metrics-address",
-             f"127.0.0.1:{self.metrics_port}", "--workers", "1", "--shutdown-grace", "30"],
+             f"127.0.0.1:{self.metrics_port}", "--http-address", "", "--workers", "1", "--shutdown-grace", "30"],
             stdout=self.log, stderr=subprocess.STDOUT)
         if not lib.wait_until(lambda: lib.health_serving(f"127.0.0.1:{self.port}"), timeout=60, step=0.1):
             raise RuntimeError(f"replica {self.index} did not become SERVING")

@@ -25,6 +25,7 @@ using testing::RandomTensor;
 
 std::unique_ptr<Server> StartServer(const std::function<void(ServerOptions&)>& tweak = {}) {
   ServerOptions o;
+  o.http.address = "";  // Each test server on its own ports: no HTTP unless a test asks.
   o.address = "127.0.0.1:0";
   o.metrics_address = "127.0.0.1:0";
   if (tweak) tweak(o);

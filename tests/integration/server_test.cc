@@ -48,6 +48,7 @@ class ServerTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     ServerOptions o;
+    o.http.address = "127.0.0.1:0";  // The shared server serves HTTP too (stopped with it).
     o.address = "127.0.0.1:0";
     o.metrics_address = "127.0.0.1:0";
     o.batcher.workers = 2;
@@ -517,6 +518,7 @@ TEST_F(ServerTest, HealthReportsServerServiceAndModels) {
 // NOT_SERVING server: gRPC's defaults here.)
 TEST(ServerWarmupTest, HealthSaysNotServingUntilTheModelsAreWarm) {
   ServerOptions o;
+  o.http.address = "";  // Each test server on its own ports: no HTTP unless a test asks.
   o.address = "127.0.0.1:0";
   o.metrics_address = "";
   o.batcher.workers = 2;
@@ -576,6 +578,7 @@ int ListeningSocketOn(int port) {
 // few seconds every name says NOT_SERVING, on the --health-address listener, which still answers.
 TEST(ServerListenerTest, HealthSaysNotServingOnceTheListenerAcceptsNothing) {
   ServerOptions o;
+  o.http.address = "";  // Each test server on its own ports: no HTTP unless a test asks.
   o.address = "127.0.0.1:0";
   o.metrics_address = "";
   o.health_address = "127.0.0.1:0";
@@ -701,6 +704,7 @@ TEST(ReplicaRoutingTest, SessionsFollowTheirReplicaThroughARoundRobinTarget) {
   std::vector<std::unique_ptr<Server>> replicas;
   for (int i = 0; i < 2; ++i) {
     ServerOptions o;
+    o.http.address = "";  // Each test server on its own ports: no HTTP unless a test asks.
     o.address = "127.0.0.1:0";
     o.metrics_address = "";
     o.batcher.workers = 1;
@@ -772,6 +776,7 @@ TEST(ReplicaRoutingTest, SessionsFollowTheirReplicaThroughARoundRobinTarget) {
 
 TEST(ServerLoadTest, OverloadIsRefusedQuicklyAndExpiredRequestsAreDropped) {
   ServerOptions o;
+  o.http.address = "";  // Each test server on its own ports: no HTTP unless a test asks.
   o.address = "127.0.0.1:0";
   o.metrics_address = "127.0.0.1:0";
   o.batcher.workers = 1;
@@ -856,6 +861,7 @@ TEST(ServerLoadTest, OverloadIsRefusedQuicklyAndExpiredRequestsAreDropped) {
 
 TEST(ServerShutdownTest, InFlightRequestsFinishOnShutdown) {
   ServerOptions o;
+  o.http.address = "";  // Each test server on its own ports: no HTTP unless a test asks.
   o.address = "127.0.0.1:0";
   o.metrics_address = "127.0.0.1:0";
   o.batcher.workers = 1;
@@ -908,8 +914,9 @@ constexpr int kSlowdown = 1;
 class ChildServer {
  public:
   explicit ChildServer(std::vector<std::string> flags) {
-    std::vector<std::string> args = {test_paths::kServerBinary, "--address", "127.0.0.1:0",
-                                     "--metrics-address", "127.0.0.1:0"};
+    std::vector<std::string> args = {
+        test_paths::kServerBinary, "--address",  "127.0.0.1:0", "--metrics-address", "127.0.0.1:0",
+        "--http-address",          "127.0.0.1:0"};
     args.insert(args.end(), flags.begin(), flags.end());
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());

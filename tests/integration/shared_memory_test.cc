@@ -28,6 +28,7 @@ std::string Key(const std::string& tag) {
 
 std::unique_ptr<Server> Start(bool allowed) {
   ServerOptions o;
+  o.http.address = "";  // Each test server on its own ports: no HTTP unless a test asks.
   o.address = "127.0.0.1:0";
   o.metrics_address = "";
   o.batcher.workers = 2;

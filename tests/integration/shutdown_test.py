@@ -123,7 +123,7 @@ def test_sigterm_while_the_models_load(attnserve, checks):
     process catches it."""
     root = lib.temp_dir("attnserve-slow-load-")
     lib.write_sparse_model(os.path.join(root, "models", "big"), 5120, 40)
-    proc = subprocess.Popen([attnserve, "--address", "127.0.0.1:0", "--metrics-address", "", "--no-warmup",
+    proc = subprocess.Popen([attnserve, "--address", "127.0.0.1:0", "--metrics-address", "", "--http-address", "", "--no-warmup",
                              "--models", os.path.join(root, "models")], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     # The SIGTERM goes once the process catches it (/proc's SigCgt): one sent at a fixed time could

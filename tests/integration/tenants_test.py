@@ -175,7 +175,7 @@ def test_priorities_as_levels(attnserve, stubs, models, checks, tmp_path):
 
 
 def refused(binary, *args):
-    p = subprocess.run([binary, "--address", "127.0.0.1:0", "--metrics-address", "", *args],
+    p = subprocess.run([binary, "--address", "127.0.0.1:0", "--metrics-address", "", "--http-address", "", *args],
                        capture_output=True, text=True, timeout=60)
     return p.returncode, p.stdout + p.stderr
 

@@ -172,7 +172,7 @@ def test_bad_tls_flags_stop_the_server_at_start_naming_flag_and_file(attnserve, 
                         (["--admin-token-file", f"{d}/missing"], f"--admin-token-file {d}/missing: cannot open"),
                         (["--admin-token-file", f"{d}/fifo"], f"--admin-token-file {d}/fifo: not a regular file"),
                         (["--tls-cert", f"{d}/client.pem", "--tls-key", f"{d}/server.key"], "do not match")):
-        r = subprocess.run([binary, "--address", "127.0.0.1:0", "--metrics-address", "", *flags],
+        r = subprocess.run([binary, "--address", "127.0.0.1:0", "--metrics-address", "", "--http-address", "", *flags],
                            capture_output=True, text=True, timeout=60)
         checks(f"refused at start: {want}", r.returncode == 2 and want in r.stderr, r.stderr.strip()[:300])
 

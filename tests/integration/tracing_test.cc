@@ -84,6 +84,8 @@ TEST(TracingTest, ConcurrentCallsAndStreamRequestsEachJoinTheirCallersTrace) {
   ASSERT_GT(collector_port, 0);
 
   ServerOptions o;
+
+  o.http.address = "";  // Each test server on its own ports: no HTTP unless a test asks.
   o.address = "127.0.0.1:0";
   o.metrics_address = "";
   o.tracing.endpoint = "127.0.0.1:" + std::to_string(collector_port);

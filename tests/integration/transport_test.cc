@@ -22,6 +22,7 @@ using testing::TargetOf;
 
 std::unique_ptr<Server> Start(DType dtype) {
   ServerOptions o;
+  o.http.address = "";  // Each test server on its own ports: no HTTP unless a test asks.
   o.address = "127.0.0.1:0";
   o.metrics_address = "";
   o.batcher.workers = 2;

@@ -106,7 +106,7 @@ def metric(server, name, label=""):
 
 
 def refusal(attnserve, *args):
-    p = subprocess.run([attnserve, "--address", "127.0.0.1:0", "--metrics-address", "", *args],
+    p = subprocess.run([attnserve, "--address", "127.0.0.1:0", "--metrics-address", "", "--http-address", "", *args],
                        capture_output=True, text=True, timeout=60)
     return p.returncode, p.stdout + p.stderr
 
@@ -158,7 +158,7 @@ def test_what_a_hostile_review_found(attnserve, checks):
     # moment it exists it has --unix-socket-mode, even under a umask of 000.
     seen, observed = set(), 0
     proc = subprocess.Popen([attnserve, "--address", "127.0.0.1:0", "--address", f"unix:{path}",
-                             "--metrics-address", "", "--unix-socket-mode", "0600"],
+                             "--metrics-address", "", "--http-address", "", "--unix-socket-mode", "0600"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             preexec_fn=lambda: os.umask(0))
     end = time.time() + 60

@@ -52,7 +52,7 @@ def test_undecodable_messages_and_a_stop_with_a_stream_open(attnserve):
     # A second server on a port already in use must refuse to start (gRPC's default SO_REUSEPORT let
     # it start and silently share the port with the first, each getting some of the connections).
     import subprocess
-    second = subprocess.Popen([attnserve, "--address", server.target, "--metrics-address", ""],
+    second = subprocess.Popen([attnserve, "--address", server.target, "--metrics-address", "", "--http-address", ""],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         second_out, _ = second.communicate(timeout=30)
@@ -225,7 +225,7 @@ def test_undecodable_messages_and_a_stop_with_a_stream_open(attnserve):
             blame = root + "/"  # either link of the loop, whichever the scan meets first
         try:
             r = subprocess.run([attnserve, "--models", root, "--address", "127.0.0.1:0",
-                                "--metrics-address", ""], capture_output=True, text=True, timeout=20)
+                                "--metrics-address", "", "--http-address", ""], capture_output=True, text=True, timeout=20)
             check(f"bad model ({case}): exit 2 naming {os.path.basename(blame)}",
                   r.returncode == 2 and blame in r.stderr, f"exit {r.returncode}: {r.stderr[-500:]}")
         except subprocess.TimeoutExpired:

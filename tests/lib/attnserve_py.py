@@ -77,6 +77,8 @@ class Server:
     def __init__(self, binary, *args, preexec_fn=None):
         if "--metrics-address" not in args:
             args = ("--metrics-address", "127.0.0.1:0") + tuple(args)
+        if "--http-address" not in args:
+            args = ("--http-address", "127.0.0.1:0") + tuple(args)
         self.proc = subprocess.Popen([binary, "--address", "127.0.0.1:0", *args], stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, preexec_fn=preexec_fn)
         self.banner = self.proc.stdout.readline()
@@ -88,6 +90,9 @@ class Server:
         self.port = int(m.group(1))
         self.metrics_port = int(m.group(2)) if m.group(2) else None
         self.target = f"127.0.0.1:{self.port}"
+        h = re.search(r", HTTP on [\d.]+:(\d+)", self.banner)
+        self.http_port = int(h.group(1)) if h else None  # The Open Inference Protocol over HTTP.
+        self.http_url = f"http://127.0.0.1:{self.http_port}" if h else None
         # Drain the server's output as it comes: a full pipe would block the server's writes.
         self._output = []
         self._drain = threading.Thread(target=lambda: self._output.extend(self.proc.stdout), daemon=True)

@@ -1,0 +1,338 @@
+#include "server/http/http_server.h"
+
+#include <arpa/inet.h>
+#include <microhttpd.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstring>
+#include <optional>
+
+#include "server/core/peer.h"
+
+namespace attnserve {
+
+const std::string* HttpRequest::Header(const std::string& name) const {
+  for (const auto& [k, v] : headers)
+    if (k == name) return &v;
+  return nullptr;
+}
+
+std::vector<std::string> HttpRequest::Values(const std::string& name) const {
+  std::vector<std::string> out;
+  for (const auto& [k, v] : headers)
+    if (k == name) out.push_back(v);
+  return out;
+}
+
+// One request from its headers to its answer's last byte.
+struct HttpServer::Pending {
+  HttpServer* server = nullptr;
+  MHD_Connection* connection = nullptr;
+  HttpRequest request;
+  SteadyClock::time_point headers_at = SteadyClock::now();
+  bool refused = false;     // Answered before its body was read (413, 415, 503).
+  bool dispatched = false;  // Handed to the handler: counted in flight until completed.
+  std::mutex mu;
+  bool suspended = false;
+  std::optional<HttpResponse> response;
+};
+
+// libmicrohttpd's callbacks, with the server's private parts.
+struct HttpServerAccess {
+  using Pending = HttpServer::Pending;
+
+  static std::string Lower(std::string s) {
+    std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
+    return s;
+  }
+
+  static MHD_Result AddHeader(void* cls, MHD_ValueKind, const char* key, size_t key_size,
+                              const char* value, size_t value_size) {
+    auto* request = static_cast<HttpRequest*>(cls);
+    request->headers.emplace_back(Lower(std::string(key, key_size)),
+                                  std::string(value ? value : "", value ? value_size : 0));
+    return MHD_YES;
+  }
+
+  static MHD_Result Queue(MHD_Connection* c, HttpResponse r) {
+    // The head and the tail's buffers as they are; the holder frees them once sent.
+    auto* held = new HttpResponse(std::move(r));
+    std::vector<MHD_IoVec> iov;
+    iov.push_back({held->head.data(), held->head.size()});
+    for (const AnswerBytes& b : held->tail) {
+      const char* data = b.block ? b.block.data : b.own ? b.own->data() : nullptr;
+      if (b.size() > 0) iov.push_back({data, b.size()});
+    }
+    MHD_Response* response = MHD_create_response_from_iovec(
+        iov.data(), static_cast<unsigned>(iov.size()),
+        [](void* p) { delete static_cast<HttpResponse*>(p); }, held);
+    if (response == nullptr) {
+      delete held;
+      return MHD_NO;
+    }
+    MHD_add_response_header(response, MHD_HTTP_HEADER_CONTENT_TYPE, held->content_type.c_str());
+    for (const auto& [k, v] : held->headers)
+      MHD_add_response_header(response, k.c_str(), v.c_str());
+    const MHD_Result queued = MHD_queue_response(c, static_cast<unsigned>(held->code), response);
+    MHD_destroy_response(response);
+    return queued;
+  }
+
+  static HttpResponse Plain(int code, const std::string& message) {
+    HttpResponse r;
+    r.code = code;
+    r.head = "{\"error\":\"" + message + "\"}";  // Messages here carry no quote or backslash.
+    return r;
+  }
+
+  // The headers are in: a body too large, or one encoded, is refused before a byte is read.
+  static std::optional<HttpResponse> Refusal(const HttpServer& server, const HttpRequest& r) {
+    if (const std::string* length = r.Header("content-length")) {
+      char* end = nullptr;
+      errno = 0;
+      const unsigned long long n = std::strtoull(length->c_str(), &end, 10);
+      if (errno != 0 || end == length->c_str() || *end != '\0' ||
+          n > static_cast<unsigned long long>(server.options_.max_body_bytes)) {
+        return Plain(413, "Content-Length: " + std::string(length->substr(0, 24)) +
+                              " bytes; allowed: at most " +
+                              std::to_string(server.options_.max_body_bytes) +
+                              " (--max-message-bytes)");
+      }
+    }
+    if (const std::string* encoding = r.Header("content-encoding")) {
+      if (Lower(*encoding) != "identity") {
+        return Plain(415,
+                     "Content-Encoding: not taken; allowed: identity (send the body as it is)");
+      }
+    }
+    return std::nullopt;
+  }
+
+  static Pending* Begin(HttpServer* server, MHD_Connection* c, const char* url,
+                        const char* method) {
+    auto* p = new Pending;
+    p->server = server;
+    p->connection = c;
+    p->request.method = method;
+    const std::string target = url;
+    const size_t q = target.find('?');
+    p->request.path = target.substr(0, q);
+    if (q != std::string::npos) p->request.query = target.substr(q + 1);
+    MHD_get_connection_values_n(c, MHD_HEADER_KIND, &AddHeader, &p->request);
+    if (const MHD_ConnectionInfo* info =
+            MHD_get_connection_info(c, MHD_CONNECTION_INFO_CLIENT_ADDRESS)) {
+      p->request.peer = PeerOf(info->client_addr);
+      const sockaddr* a = info->client_addr;
+      p->request.local_peer =
+          (a->sa_family == AF_INET &&
+           (ntohl(reinterpret_cast<const sockaddr_in*>(a)->sin_addr.s_addr) >> 24) == 127) ||
+          (a->sa_family == AF_INET6 &&
+           IN6_IS_ADDR_LOOPBACK(&reinterpret_cast<const sockaddr_in6*>(a)->sin6_addr));
+    }
+    if (const std::string* length = p->request.Header("content-length")) {
+      const unsigned long long n = std::strtoull(length->c_str(), nullptr, 10);
+      if (n <= static_cast<unsigned long long>(server->options_.max_body_bytes))
+        p->request.body.reserve(static_cast<size_t>(n) + kBodyPadding);
+    }
+    return p;
+  }
+
+  // Room past the body's end that readers may touch (the JSON parser reads ahead in blocks).
+  static constexpr size_t kBodyPadding = 64;
+
+  static MHD_Result Access(void* cls, MHD_Connection* c, const char* url, const char* method,
+                           const char*, const char* upload, size_t* upload_size, void** state) {
+    auto* server = static_cast<HttpServer*>(cls);
+    if (*state == nullptr) {
+      Pending* p = Begin(server, c, url, method);
+      *state = p;
+      std::optional<HttpResponse> refusal = Refusal(*server, p->request);
+      if (refusal) {
+        p->refused = true;
+        return Queue(c, std::move(*refusal));
+      }
+      return MHD_YES;
+    }
+    auto* p = static_cast<Pending*>(*state);
+    if (p->refused) {
+      *upload_size = 0;  // Its answer is queued: the rest of the body is not kept.
+      return MHD_YES;
+    }
+    if (*upload_size > 0) return Upload(server, p, c, upload, upload_size);
+    return Complete(server, p, c);
+  }
+
+  static MHD_Result Upload(HttpServer* server, Pending* p, MHD_Connection* c, const char* upload,
+                           size_t* upload_size) {
+    const size_t n = *upload_size;
+    *upload_size = 0;
+    const auto timeout = std::chrono::duration_cast<SteadyClock::duration>(
+        std::chrono::duration<double>(server->options_.body_timeout_seconds));
+    if (SteadyClock::now() - p->headers_at > timeout)
+      return MHD_NO;  // A body that trickles: the connection closes.
+    if (p->request.body.size() + n > static_cast<size_t>(server->options_.max_body_bytes)) {
+      p->refused = true;
+      p->request.body = std::string();
+      return Queue(c,
+                   Plain(413, "the body passed " + std::to_string(server->options_.max_body_bytes) +
+                                  " bytes; allowed: at most that (--max-message-bytes)"));
+    }
+    if (p->request.body.capacity() < p->request.body.size() + n + kBodyPadding)
+      p->request.body.reserve(
+          std::max(p->request.body.capacity() * 2, p->request.body.size() + n + kBodyPadding));
+    p->request.body.append(upload, n);
+    return MHD_YES;
+  }
+
+  static MHD_Result Complete(HttpServer* server, Pending* p, MHD_Connection* c) {
+    std::unique_lock<std::mutex> lock(p->mu);
+    if (!p->dispatched) {
+      p->dispatched = true;
+      {
+        std::lock_guard<std::mutex> count(server->mu_);
+        ++server->in_flight_;
+        ++server->unanswered_;
+      }
+      lock.unlock();
+      HttpReply reply = [p, server](HttpResponse r) {
+        {
+          std::lock_guard<std::mutex> count(server->mu_);
+          if (--server->unanswered_ == 0) server->idle_.notify_all();
+        }
+        std::lock_guard<std::mutex> l(p->mu);
+        p->response = std::move(r);
+        if (p->suspended) {
+          p->suspended = false;
+          MHD_resume_connection(p->connection);
+        }
+      };
+      server->handler_(std::move(p->request), std::move(reply));
+      lock.lock();
+    }
+    if (p->response) {
+      HttpResponse r = std::move(*p->response);
+      p->response.reset();
+      lock.unlock();
+      return Queue(c, std::move(r));
+    }
+    p->suspended = true;
+    MHD_suspend_connection(c);
+    return MHD_YES;
+  }
+
+  static void Completed(void* cls, MHD_Connection*, void** state, MHD_RequestTerminationCode) {
+    auto* server = static_cast<HttpServer*>(cls);
+    auto* p = static_cast<Pending*>(*state);
+    if (p == nullptr) return;
+    if (p->dispatched) {
+      std::lock_guard<std::mutex> count(server->mu_);
+      if (--server->in_flight_ == 0) server->idle_.notify_all();
+    }
+    delete p;
+    *state = nullptr;
+  }
+};
+
+namespace {
+
+// A listening socket on "host:port" (IPv6 hosts in brackets); the port it got.
+StatusOr<int> Listen(const std::string& address, int* port) {
+  const auto refuse = [&](const std::string& why) {
+    return Status(StatusCode::kFailedPrecondition, "--http-address '" + address + "': " + why);
+  };
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos) return refuse("expected host:port");
+  std::string host = address.substr(0, colon);
+  const std::string service = address.substr(colon + 1);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']')
+    host = host.substr(1, host.size() - 2);
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(host.empty() || host == "*" ? nullptr : host.c_str(), service.c_str(), &hints,
+                  &found) != 0 ||
+      found == nullptr)
+    return refuse("not an address this host has");
+  const int fd = socket(found->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  const bool bound =
+      fd >= 0 && bind(fd, found->ai_addr, found->ai_addrlen) == 0 && listen(fd, 1024) == 0;
+  const int error = errno;
+  freeaddrinfo(found);
+  if (!bound) {
+    if (fd >= 0) close(fd);
+    return refuse(std::strerror(error));
+  }
+  sockaddr_storage ss{};
+  socklen_t len = sizeof(ss);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len);
+  *port = ntohs(ss.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port
+                                         : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+  return fd;
+}
+
+}  // namespace
+
+StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const HttpOptions& options,
+                                                        HttpHandler handler) {
+  std::unique_ptr<HttpServer> server(new HttpServer());
+  server->options_ = options;
+  server->handler_ = std::move(handler);
+  ASSIGN_OR_RETURN(server->listen_fd_, Listen(options.address, &server->port_));
+  const auto idle = static_cast<unsigned>(std::max(1.0, options.idle_timeout_seconds));
+  server->daemon_ = MHD_start_daemon(
+      MHD_USE_EPOLL_INTERNAL_THREAD | MHD_ALLOW_SUSPEND_RESUME, 0, nullptr, nullptr,
+      &HttpServerAccess::Access, server.get(), MHD_OPTION_LISTEN_SOCKET, server->listen_fd_,
+      MHD_OPTION_THREAD_POOL_SIZE, static_cast<unsigned>(std::max(1, options.threads)),
+      MHD_OPTION_CONNECTION_LIMIT, static_cast<unsigned>(std::max(1, options.max_connections)),
+      MHD_OPTION_PER_IP_CONNECTION_LIMIT,
+      static_cast<unsigned>(std::max(1, options.max_connections_per_peer)),
+      MHD_OPTION_CONNECTION_TIMEOUT, idle, MHD_OPTION_CONNECTION_MEMORY_LIMIT,
+      options.connection_memory_bytes, MHD_OPTION_NOTIFY_COMPLETED, &HttpServerAccess::Completed,
+      server.get(), MHD_OPTION_END);
+  if (server->daemon_ == nullptr) {
+    close(server->listen_fd_);
+    return Status(StatusCode::kFailedPrecondition,
+                  "--http-address '" + options.address + "': the HTTP server did not start");
+  }
+  return server;
+}
+
+int64_t HttpServer::in_flight() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return in_flight_;
+}
+
+void HttpServer::Stop(SteadyClock::time_point deadline) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopped_) return;
+    stopped_ = true;
+  }
+  // No new connection from here; the requests handed over are answered and sent first (until
+  // `deadline`). One whose answer has not come yet holds its connection suspended, which
+  // libmicrohttpd cannot close: the wait for those has no deadline (the pipeline answers every
+  // request it took, and the stop drains it first).
+  const MHD_socket listener = MHD_quiesce_daemon(daemon_);
+  if (listener != MHD_INVALID_SOCKET) close(listener);
+  std::unique_lock<std::mutex> lock(mu_);
+  idle_.wait_until(lock, deadline, [this] { return in_flight_ == 0; });
+  idle_.wait(lock, [this] { return unanswered_ == 0; });
+  lock.unlock();
+  MHD_stop_daemon(daemon_);
+  daemon_ = nullptr;
+}
+
+HttpServer::~HttpServer() {
+  if (daemon_ != nullptr) Stop(SteadyClock::now());
+}
+
+}  // namespace attnserve

@@ -1,0 +1,111 @@
+#pragma once
+// An HTTP/1.1 listener (libmicrohttpd underneath: event-driven, so an idle or slow connection holds
+// no thread) that hands each whole request to a handler and sends what it answers, from any thread,
+// without copying the answer's tensors. Bounded before anything is read: the body by its
+// Content-Length (or, chunked, as it arrives), connections in all and per peer address, headers by
+// the connection's memory, idle connections and slow bodies by time. Knows nothing of what it
+// serves.
+
+#include <atomic>
+#include <condition_variable>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "server/core/deadline.h"
+#include "server/core/status.h"
+#include "server/core/wire.h"
+
+struct MHD_Daemon;
+
+namespace attnserve {
+
+/// The HTTP port's bounds (docs/flags.md "HTTP").
+struct HttpOptions {
+  /// host:port to listen on (port 0 picks one); "" serves no HTTP (--http-address).
+  std::string address = "127.0.0.1:8000";
+  /// Connections open at once; one more is accepted and closed at once (--http-max-connections).
+  int max_connections = 256;
+  /// Connections from one peer address at once (--http-max-connections-per-peer).
+  int max_connections_per_peer = 64;
+  /// A connection that sends nothing this long is closed (--http-idle-timeout, seconds).
+  double idle_timeout_seconds = 30;
+  /// A request body not whole this long after its headers is refused and its connection closed,
+  /// however steadily it trickles in (--http-body-timeout, seconds).
+  double body_timeout_seconds = 60;
+  /// Most bytes of a request's body: a larger Content-Length is refused before a byte of the body
+  /// is read (413), a chunked body when it passes it (the server's --max-message-bytes).
+  int64_t max_body_bytes = int64_t{64} << 20;
+  /// A connection's buffer for a request's line and headers (and its answer's headers): larger
+  /// headers are refused (431). libmicrohttpd's default is 32 KiB.
+  size_t connection_memory_bytes = 64 << 10;
+  /// Threads that serve the connections (each an epoll loop).
+  int threads = 2;
+};
+
+/// A whole request: header names in lower case, in the order they came.
+struct HttpRequest {
+  std::string method, path, query;
+  std::vector<std::pair<std::string, std::string>> headers;
+  std::string body;
+  std::string peer;         ///< The peer's address without its port (PeerOf's form).
+  bool local_peer = false;  ///< Loopback.
+  SteadyClock::time_point received = SteadyClock::now();
+  /// The first value of header `name` (lower case), or null.
+  const std::string* Header(const std::string& name) const;
+  /// Every value of header `name` (lower case), in order.
+  std::vector<std::string> Values(const std::string& name) const;
+};
+
+/// An answer: `head` first, then each of `tail`'s buffers (sent as they are, not copied). `keep`
+/// lives until the answer's last byte is sent (or its connection ends).
+struct HttpResponse {
+  int code = 200;
+  std::string content_type = "application/json";
+  std::vector<std::pair<std::string, std::string>> headers;
+  std::string head;
+  std::vector<AnswerBytes> tail;
+  std::shared_ptr<void> keep;
+};
+
+/// Sends the answer to its request; call exactly once, from any thread.
+using HttpReply = std::function<void(HttpResponse)>;
+/// Decides the answer to a whole request: calls `reply` once, now or later, on any thread.
+using HttpHandler = std::function<void(HttpRequest&&, HttpReply)>;
+
+class HttpServer {
+ public:
+  /// Listens on `options.address` and serves `handler`. FAILED_PRECONDITION naming
+  /// --http-address when it cannot listen.
+  static StatusOr<std::unique_ptr<HttpServer>> Start(const HttpOptions& options,
+                                                     HttpHandler handler);
+  /// Stop(now) unless stopped.
+  ~HttpServer();
+  int port() const { return port_; }
+  /// Stops accepting connections, waits until every request already handed to the handler is
+  /// answered and sent (or `deadline`), then closes every connection. Idempotent.
+  void Stop(SteadyClock::time_point deadline);
+  /// Requests handed to the handler and not yet sent.
+  int64_t in_flight() const;
+
+  struct Pending;  // One request on its way: libmicrohttpd's per-request state.
+
+ private:
+  HttpServer() = default;
+  friend struct HttpServerAccess;
+  HttpOptions options_;
+  HttpHandler handler_;
+  MHD_Daemon* daemon_ = nullptr;
+  int listen_fd_ = -1;
+  int port_ = 0;
+  mutable std::mutex mu_;
+  std::condition_variable idle_;
+  int64_t in_flight_ = 0;   // Handed to the handler, not yet sent.
+  int64_t unanswered_ = 0;  // Handed to the handler, not yet answered.
+  bool stopped_ = false;
+};
+
+}  // namespace attnserve

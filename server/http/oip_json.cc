@@ -1,0 +1,529 @@
+#include "server/http/oip_json.h"
+
+#include <simdjson.h>
+
+#include <charconv>
+#include <cmath>
+#include <cstring>
+#include <nlohmann/json.hpp>
+
+#include "attnserve/half.h"
+#include "server/core/checked_math.h"
+
+namespace attnserve {
+namespace {
+
+namespace dom = simdjson::dom;
+using inference::InferParameter;
+using inference::ModelInferRequest;
+
+std::string Str(std::string_view s) { return std::string(s); }
+
+const char* KindOf(dom::element_type t) {
+  switch (t) {
+    case dom::element_type::ARRAY:
+      return "an array";
+    case dom::element_type::OBJECT:
+      return "an object";
+    case dom::element_type::INT64:
+    case dom::element_type::UINT64:
+      return "an integer";
+    case dom::element_type::DOUBLE:
+      return "a number";
+    case dom::element_type::STRING:
+      return "a string";
+    case dom::element_type::BOOL:
+      return "a boolean";
+    case dom::element_type::NULL_VALUE:
+      return "null";
+  }
+  return "a value";
+}
+
+Status Wrong(const std::string& field, dom::element e, const std::string& expected) {
+  return InvalidArgument(field + ": " + KindOf(e.type()) + "; expected " + expected);
+}
+
+StatusOr<std::string_view> StringOf(const std::string& field, dom::element e) {
+  std::string_view s;
+  if (e.get_string().get(s) != simdjson::SUCCESS) return Wrong(field, e, "a string");
+  return s;
+}
+
+// A JSON parameter as the protocol's InferParameter of the same kind.
+Status ParameterOf(const std::string& field, dom::element e, InferParameter* p) {
+  switch (e.type()) {
+    case dom::element_type::BOOL:
+      p->set_bool_param(bool(e));
+      return Status::Ok();
+    case dom::element_type::INT64:
+      p->set_int64_param(int64_t(e));
+      return Status::Ok();
+    case dom::element_type::UINT64:
+      p->set_uint64_param(uint64_t(e));
+      return Status::Ok();
+    case dom::element_type::DOUBLE:
+      p->set_double_param(double(e));
+      return Status::Ok();
+    case dom::element_type::STRING:
+      p->set_string_param(Str(std::string_view(e)));
+      return Status::Ok();
+    default:
+      return Wrong(field, e, "a boolean, a number or a string");
+  }
+}
+
+// `parameters`: an object of parameters into `out`, except the names in `http_only`, whose values
+// go to `taken` (the binary extension's, which the protocol's message does not carry).
+Status ParametersOf(const std::string& field, dom::element e,
+                    google::protobuf::Map<std::string, InferParameter>* out,
+                    const std::vector<std::string>& http_only,
+                    std::map<std::string, dom::element>* taken) {
+  dom::object o;
+  if (e.get_object().get(o) != simdjson::SUCCESS) return Wrong(field, e, "an object");
+  for (dom::key_value_pair kv : o) {
+    const std::string name = Str(kv.key);
+    const std::string at = field + "['" + name + "']";
+    if (std::find(http_only.begin(), http_only.end(), name) != http_only.end()) {
+      (*taken)[name] = kv.value;
+      continue;
+    }
+    if (out->count(name)) return InvalidArgument(at + ": given twice");
+    RETURN_IF_ERROR(ParameterOf(at, kv.value, &(*out)[name]));
+  }
+  return Status::Ok();
+}
+
+StatusOr<std::vector<int64_t>> ShapeOf(const std::string& field, dom::element e) {
+  dom::array a;
+  if (e.get_array().get(a) != simdjson::SUCCESS) return Wrong(field, e, "an array of integers");
+  std::vector<int64_t> shape;
+  size_t i = 0;
+  for (dom::element d : a) {
+    int64_t v = 0;
+    if (d.get_int64().get(v) != simdjson::SUCCESS || v < 0) {
+      return InvalidArgument(field + "[" + std::to_string(i) + "]: " +
+                             (d.is_int64() ? std::to_string(int64_t(d)) : KindOf(d.type())) +
+                             "; expected an integer, 0 or more");
+    }
+    shape.push_back(v);
+    ++i;
+  }
+  return shape;
+}
+
+// The leaves of a nested data array, in row-major order (arrays within arrays, any nesting the
+// parser's depth bound allows).
+void Leaves(dom::element e, std::vector<dom::element>* out) {
+  if (e.is_array()) {
+    for (dom::element c : dom::array(e)) Leaves(c, out);
+  } else {
+    out->push_back(e);
+  }
+}
+
+// One JSON data leaf as `datatype`'s bytes at `at`.
+Status PutLeaf(const std::string& field, size_t k, const std::string& datatype, dom::element e,
+               char* at) {
+  const auto wrong = [&](const char* expected) {
+    return InvalidArgument(field + "[" + std::to_string(k) + "]: " + KindOf(e.type()) +
+                           "; expected " + expected + " for " + datatype);
+  };
+  if (datatype == "BOOL") {
+    bool b = false;
+    if (e.get_bool().get(b) != simdjson::SUCCESS) return wrong("true or false");
+    *at = b ? 1 : 0;
+    return Status::Ok();
+  }
+  if (datatype == "INT64") {
+    int64_t v = 0;
+    if (e.get_int64().get(v) != simdjson::SUCCESS) return wrong("an integer");
+    std::memcpy(at, &v, 8);
+    return Status::Ok();
+  }
+  double d = 0;
+  if (e.is_int64()) {
+    d = static_cast<double>(int64_t(e));
+  } else if (e.is_uint64()) {
+    d = static_cast<double>(uint64_t(e));
+  } else if (e.get_double().get(d) != simdjson::SUCCESS) {
+    return wrong("a number");
+  }
+  const float f = static_cast<float>(d);
+  if (datatype == "FP32") {
+    std::memcpy(at, &f, 4);
+  } else {
+    const uint16_t h = datatype == "FP16" ? FloatToHalf(f) : FloatToBFloat16(f);
+    std::memcpy(at, &h, 2);
+  }
+  return Status::Ok();
+}
+
+size_t ElementBytes(const std::string& datatype) {
+  if (datatype == "FP32") return 4;
+  if (datatype == "FP16" || datatype == "BF16") return 2;
+  if (datatype == "BOOL") return 1;
+  if (datatype == "INT64") return 8;
+  return 0;
+}
+
+// `data` as the raw bytes of a tensor of `datatype` and `shape`.
+Status DataBytes(const std::string& field, dom::element data, const std::string& datatype,
+                 const std::vector<int64_t>& shape, std::string* bytes) {
+  const size_t size = ElementBytes(datatype);
+  if (size == 0) {
+    return InvalidArgument(field + ": datatype '" + datatype +
+                           "' has no JSON form here; allowed: FP32, FP16, BF16, BOOL, INT64");
+  }
+  std::vector<dom::element> leaves;
+  Leaves(data, &leaves);
+  std::optional<int64_t> count = int64_t{1};
+  for (int64_t d : shape) count = count ? CheckedMul({*count, d}) : std::nullopt;
+  if (!count || static_cast<uint64_t>(*count) != leaves.size()) {
+    return InvalidArgument(field + ": " + std::to_string(leaves.size()) + " values for shape " +
+                           ShapeString(shape) + "; expected " +
+                           (count ? std::to_string(*count) : std::string("their product")));
+  }
+  bytes->resize(leaves.size() * size);
+  for (size_t k = 0; k < leaves.size(); ++k)
+    RETURN_IF_ERROR(PutLeaf(field, k, datatype, leaves[k], bytes->data() + k * size));
+  return Status::Ok();
+}
+
+// The binary section's next `size` bytes for input `field`.
+Status TakeBinary(const std::string& field, const std::string& body, size_t* next,
+                  dom::element size_value, std::string* out) {
+  uint64_t size = 0;
+  if (size_value.get_uint64().get(size) != simdjson::SUCCESS)
+    return Wrong(field + ".parameters['binary_data_size']", size_value, "an integer, 0 or more");
+  if (size > body.size() - *next) {
+    return InvalidArgument(field + ".parameters['binary_data_size']: " + std::to_string(size) +
+                           " bytes, but only " + std::to_string(body.size() - *next) +
+                           " remain after the JSON and the inputs before it");
+  }
+  out->assign(body.data() + *next, size);
+  *next += size;
+  return Status::Ok();
+}
+
+// One input object into `out`: its fields, and its bytes (JSON data, the binary section, or none
+// when in a shared-memory region).
+Status InputOf(const std::string& field, dom::element e, const std::string& body,
+               std::optional<size_t> header_length, size_t* next_binary, ModelInferRequest* out) {
+  dom::object o;
+  if (e.get_object().get(o) != simdjson::SUCCESS) return Wrong(field, e, "an object");
+  auto* t = out->add_inputs();
+  std::optional<dom::element> data;
+  std::map<std::string, dom::element> http;
+  for (dom::key_value_pair kv : o) {
+    const std::string key = Str(kv.key), at = field + "." + key;
+    if (key == "name") {
+      ASSIGN_OR_RETURN(std::string_view s, StringOf(at, kv.value));
+      t->set_name(Str(s));
+    } else if (key == "datatype") {
+      ASSIGN_OR_RETURN(std::string_view s, StringOf(at, kv.value));
+      t->set_datatype(Str(s));
+    } else if (key == "shape") {
+      ASSIGN_OR_RETURN(std::vector<int64_t> shape, ShapeOf(at, kv.value));
+      for (int64_t d : shape) t->add_shape(d);
+    } else if (key == "parameters") {
+      RETURN_IF_ERROR(
+          ParametersOf(at, kv.value, t->mutable_parameters(), {"binary_data_size"}, &http));
+    } else if (key == "data") {
+      data = kv.value;
+    } else {
+      return InvalidArgument(field + ": '" + key +
+                             "' is not a field of an input; allowed: name, datatype, shape, "
+                             "parameters, data");
+    }
+  }
+  const bool shared = t->parameters().count("shared_memory_region") > 0;
+  auto binary = http.find("binary_data_size");
+  if (binary != http.end()) {
+    // The codec takes binary_data_size as the protocol's clients send it; keep it as an int64.
+    (*t->mutable_parameters())["binary_data_size"].set_int64_param(
+        binary->second.is_int64() ? int64_t(binary->second) : -1);
+  }
+  if (shared) {
+    if (data || binary != http.end()) {
+      return InvalidArgument(field +
+                             ": in a shared-memory region, so no data and no "
+                             "binary_data_size; send one or the other");
+    }
+    return Status::Ok();
+  }
+  std::string* bytes = out->add_raw_input_contents();
+  if (binary != http.end()) {
+    if (data) return InvalidArgument(field + ": data and binary_data_size; send one or the other");
+    if (!header_length) {
+      return InvalidArgument(field +
+                             ".parameters['binary_data_size']: the request has no "
+                             "Inference-Header-Content-Length header, so no binary data");
+    }
+    return TakeBinary(field, body, next_binary, binary->second, bytes);
+  }
+  if (!data) {
+    return InvalidArgument(field +
+                           ": no data; send data, parameters.binary_data_size or a "
+                           "shared-memory region");
+  }
+  const std::vector<int64_t> shape(t->shape().begin(), t->shape().end());
+  return DataBytes(field + ".data", *data, t->datatype(), shape, bytes);
+}
+
+Status OutputsOf(dom::element e, ModelInferRequest* out, HttpAnswerForm* form) {
+  dom::array a;
+  if (e.get_array().get(a) != simdjson::SUCCESS) return Wrong("outputs", e, "an array");
+  size_t i = 0;
+  for (dom::element item : a) {
+    const std::string field = "outputs[" + std::to_string(i++) + "]";
+    dom::object o;
+    if (item.get_object().get(o) != simdjson::SUCCESS) return Wrong(field, item, "an object");
+    auto* t = out->add_outputs();
+    std::map<std::string, dom::element> http;
+    for (dom::key_value_pair kv : o) {
+      const std::string key = Str(kv.key);
+      if (key == "name") {
+        ASSIGN_OR_RETURN(std::string_view s, StringOf(field + ".name", kv.value));
+        t->set_name(Str(s));
+      } else if (key == "parameters") {
+        RETURN_IF_ERROR(ParametersOf(field + ".parameters", kv.value, t->mutable_parameters(),
+                                     {"binary_data", "classification"}, &http));
+      } else {
+        return InvalidArgument(field + ": '" + key +
+                               "' is not a field of an output; allowed: name, parameters");
+      }
+    }
+    if (http.count("classification")) {
+      return InvalidArgument(field +
+                             ".parameters['classification']: attnserve's outputs are not "
+                             "classes; send none");
+    }
+    if (auto b = http.find("binary_data"); b != http.end()) {
+      bool v = false;
+      if (b->second.get_bool().get(v) != simdjson::SUCCESS)
+        return Wrong(field + ".parameters['binary_data']", b->second, "true or false");
+      form->binary[t->name()] = v;
+    }
+  }
+  return Status::Ok();
+}
+
+Status RequestOf(dom::element root, const std::string& body, std::optional<size_t> header_length,
+                 ModelInferRequest* out, HttpAnswerForm* form) {
+  dom::object o;
+  if (root.get_object().get(o) != simdjson::SUCCESS) return Wrong("the body", root, "an object");
+  size_t next_binary = header_length.value_or(body.size());
+  std::optional<dom::element> inputs;
+  for (dom::key_value_pair kv : o) {
+    const std::string key = Str(kv.key);
+    if (key == "id") {
+      ASSIGN_OR_RETURN(std::string_view s, StringOf("id", kv.value));
+      out->set_id(Str(s));
+    } else if (key == "parameters") {
+      std::map<std::string, dom::element> http;
+      RETURN_IF_ERROR(ParametersOf("parameters", kv.value, out->mutable_parameters(),
+                                   {"binary_data_output"}, &http));
+      if (auto b = http.find("binary_data_output"); b != http.end()) {
+        if (b->second.get_bool().get(form->binary_default) != simdjson::SUCCESS)
+          return Wrong("parameters['binary_data_output']", b->second, "true or false");
+      }
+    } else if (key == "inputs") {
+      inputs = kv.value;
+    } else if (key == "outputs") {
+      RETURN_IF_ERROR(OutputsOf(kv.value, out, form));
+    } else {
+      return InvalidArgument("'" + key +
+                             "' is not a field of an infer request; allowed: id, parameters, "
+                             "inputs, outputs");
+    }
+  }
+  if (!inputs) return InvalidArgument("inputs: missing; an infer request names its inputs");
+  dom::array a;
+  if (inputs->get_array().get(a) != simdjson::SUCCESS) return Wrong("inputs", *inputs, "an array");
+  size_t i = 0;
+  for (dom::element input : a) {
+    RETURN_IF_ERROR(InputOf("inputs[" + std::to_string(i++) + "]", input, body, header_length,
+                            &next_binary, out));
+  }
+  if (header_length && next_binary != body.size()) {
+    return InvalidArgument("the body: " + std::to_string(body.size() - next_binary) +
+                           " bytes after the inputs' binary data; expected none (the inputs' "
+                           "binary_data_size add up to " +
+                           std::to_string(next_binary - *header_length) + ")");
+  }
+  return Status::Ok();
+}
+
+// `json` (the first `size` bytes of `body`) parsed within `limits` into `root`.
+Status ParseJson(dom::parser* parser, const std::string& body, size_t size,
+                 const JsonLimits& limits, dom::element* root) {
+  if (parser->allocate(std::max<size_t>(size, 1), limits.max_depth) != simdjson::SUCCESS)
+    return Status(StatusCode::kResourceExhausted, "the body: no memory to parse its JSON");
+  const bool padded = body.capacity() >= size + simdjson::SIMDJSON_PADDING;
+  const simdjson::error_code error =
+      parser->parse(reinterpret_cast<const uint8_t*>(body.data()), size, !padded).get(*root);
+  if (error == simdjson::DEPTH_ERROR) {
+    return InvalidArgument("the body: JSON nested deeper than " + std::to_string(limits.max_depth) +
+                           " arrays and objects");
+  }
+  if (error != simdjson::SUCCESS) {
+    return InvalidArgument(std::string("the body: not JSON (") + simdjson::error_message(error) +
+                           ")");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+StatusOr<RegionRegistration> HttpRegistrationOf(std::string* body, const JsonLimits& limits) {
+  dom::parser parser;
+  dom::element root;
+  RETURN_IF_ERROR(ParseJson(&parser, *body, body->size(), limits, &root));
+  dom::object o;
+  if (root.get_object().get(o) != simdjson::SUCCESS) return Wrong("the body", root, "an object");
+  RegionRegistration r;
+  bool has_key = false, has_size = false;
+  for (dom::key_value_pair kv : o) {
+    const std::string key = Str(kv.key);
+    if (key == "key") {
+      ASSIGN_OR_RETURN(std::string_view s, StringOf("key", kv.value));
+      r.key = Str(s);
+      has_key = true;
+    } else if (key == "offset" || key == "byte_size") {
+      uint64_t v = 0;
+      if (kv.value.get_uint64().get(v) != simdjson::SUCCESS)
+        return Wrong(key, kv.value, "an integer, 0 or more");
+      (key == "offset" ? r.offset : r.byte_size) = v;
+      has_size = has_size || key == "byte_size";
+    } else {
+      return InvalidArgument("'" + key +
+                             "' is not a field of a registration; allowed: key, offset, "
+                             "byte_size");
+    }
+  }
+  if (!has_key || !has_size)
+    return InvalidArgument(std::string(has_key ? "byte_size" : "key") + ": missing");
+  return r;
+}
+
+Status HttpInferToOip(std::string* body, std::optional<size_t> header_length,
+                      const std::string& model, const std::string& version,
+                      const JsonLimits& limits, ModelInferRequest* out, HttpAnswerForm* form) {
+  if (header_length && *header_length > body->size()) {
+    return InvalidArgument("Inference-Header-Content-Length: " + std::to_string(*header_length) +
+                           " bytes of JSON in a body of " + std::to_string(body->size()));
+  }
+  dom::parser parser;
+  dom::element root;
+  RETURN_IF_ERROR(ParseJson(&parser, *body, header_length.value_or(body->size()), limits, &root));
+  out->set_model_name(model);
+  out->set_model_version(version);
+  return RequestOf(root, *body, header_length, out, form);
+}
+
+namespace {
+
+void AppendNumber(std::string* s, float f) {
+  if (std::isnan(f)) {
+    s->append("NaN");
+  } else if (std::isinf(f)) {
+    s->append(f > 0 ? "Infinity" : "-Infinity");
+  } else {
+    char buf[32];
+    const auto r = std::to_chars(buf, buf + sizeof(buf), f);
+    s->append(buf, r.ptr);
+  }
+}
+
+// A tensor's bytes as a flat JSON array of its datatype's numbers.
+void AppendData(std::string* s, const std::string& datatype, const char* p, size_t n) {
+  s->push_back('[');
+  const size_t size = datatype == "FP32" ? 4 : 2;
+  for (size_t k = 0; k + size <= n; k += size) {
+    if (k > 0) s->push_back(',');
+    float f = 0;
+    if (size == 4) {
+      std::memcpy(&f, p + k, 4);
+    } else {
+      uint16_t h = 0;
+      std::memcpy(&h, p + k, 2);
+      f = datatype == "FP16" ? HalfToFloat(h) : BFloat16ToFloat(h);
+    }
+    AppendNumber(s, f);
+  }
+  s->push_back(']');
+}
+
+}  // namespace
+
+std::string JsonString(const std::string& s) {
+  return nlohmann::json(s).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+std::string JsonError(const std::string& message) {
+  return "{\"error\":" + JsonString(message) + "}";
+}
+
+void OipAnswerToHttp(const inference::ModelInferResponse& head, std::vector<AnswerBytes> raw,
+                     const HttpAnswerForm& form, std::string* json, std::vector<AnswerBytes>* tail,
+                     std::optional<size_t>* header_length) {
+  std::string& s = *json;
+  s = "{\"model_name\":" + JsonString(head.model_name()) +
+      ",\"model_version\":" + JsonString(head.model_version());
+  if (!head.id().empty()) s += ",\"id\":" + JsonString(head.id());
+  s += ",\"outputs\":[";
+  for (int i = 0; i < head.outputs_size(); ++i) {
+    const auto& o = head.outputs(i);
+    if (i > 0) s += ',';
+    s += "{\"name\":" + JsonString(o.name()) + ",\"datatype\":" + JsonString(o.datatype()) +
+         ",\"shape\":[";
+    for (int d = 0; d < o.shape_size(); ++d) s += (d ? "," : "") + std::to_string(o.shape(d));
+    s += ']';
+    AnswerBytes bytes = i < static_cast<int>(raw.size()) ? std::move(raw[i]) : AnswerBytes{};
+    const size_t n = bytes.size();
+    if (n == 0) {
+      // In a shared-memory region (or empty): no data here.
+    } else if (form.Binary(o.name())) {
+      s += ",\"parameters\":{\"binary_data_size\":" + std::to_string(n) + "}";
+      tail->push_back(std::move(bytes));
+    } else {
+      s += ",\"data\":";
+      AppendData(&s, o.datatype(), bytes.block ? bytes.block.data : bytes.own->data(), n);
+    }
+    s += '}';
+  }
+  s += "]}";
+  if (tail->empty()) {
+    header_length->reset();
+  } else {
+    *header_length = s.size();
+  }
+}
+
+std::string JsonOfServerMetadata(const std::string& name, const std::string& version,
+                                 const std::vector<std::string>& extensions) {
+  nlohmann::json j = {{"name", name}, {"version", version}, {"extensions", extensions}};
+  return j.dump();
+}
+
+std::string JsonOfModelMetadata(const inference::ModelMetadataResponse& m) {
+  const auto tensors = [](const auto& list) {
+    nlohmann::json out = nlohmann::json::array();
+    for (const auto& t : list) {
+      out.push_back({{"name", t.name()},
+                     {"datatype", t.datatype()},
+                     {"shape", std::vector<int64_t>(t.shape().begin(), t.shape().end())}});
+    }
+    return out;
+  };
+  nlohmann::json j = {
+      {"name", m.name()},
+      {"versions", std::vector<std::string>(m.versions().begin(), m.versions().end())},
+      {"platform", m.platform()},
+      {"inputs", tensors(m.inputs())},
+      {"outputs", tensors(m.outputs())}};
+  return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+}  // namespace attnserve
