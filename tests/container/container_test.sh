@@ -55,7 +55,7 @@ if ! grep -q "attnserve_requests_total{code=\"OK\"" <<<"$metrics_text"; then  # 
 fi
 check "runs as non-root" '[ "$(docker exec "$name" id -u)" != 0 ]'
 check "default command serves the demo on 0.0.0.0" \
-  '[ "$(docker image inspect "$image" --format "{{json .Config.Cmd}}")" = "[\"attnserve\",\"--address\",\"0.0.0.0:50051\",\"--metrics-address\",\"0.0.0.0:9464\"]" ]'
+  '[ "$(docker image inspect "$image" --format "{{json .Config.Cmd}}")" = "[\"attnserve\",\"--address\",\"0.0.0.0:50051\",\"--http-address\",\"0.0.0.0:8000\",\"--metrics-address\",\"0.0.0.0:9464\"]" ]'
 check "image HEALTHCHECK uses attnserve-cli" \
   '$engine image inspect "$image" --format "{{json .Config.Healthcheck}}" | grep -q attnserve-cli'
 if [ $engine = podman ]; then

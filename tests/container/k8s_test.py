@@ -120,7 +120,7 @@ def run_pod(checks, dep, image, cli, engine):
     for dirpath, dirnames, filenames in os.walk(tmp):
         for n in dirnames + filenames:
             os.chmod(os.path.join(dirpath, n), 0o755 if n in dirnames else 0o644)
-    port, metrics = free_port(), free_port()
+    port, metrics, http = free_port(), free_port(), free_port()
     d = copy.deepcopy(dep)
     d["spec"]["replicas"] = 1
     pod = d["spec"]["template"]["spec"]
@@ -131,6 +131,7 @@ def run_pod(checks, dep, image, cli, engine):
     args = c["args"]
     args[args.index("--address") + 1] = f"127.0.0.1:{port}"
     args[args.index("--metrics-address") + 1] = f"127.0.0.1:{metrics}"
+    args[args.index("--http-address") + 1] = f"127.0.0.1:{http}"
     # Host networking: the pod's IP is this machine's loopback (podman has no status.podIP to give).
     args[args.index("--advertise-address") + 1] = f"127.0.0.1:{port}"
     c["env"] = [e for e in c["env"] if e["name"] != "POD_IP"]
