@@ -35,7 +35,8 @@ struct HttpServer::Pending {
   MHD_Connection* connection = nullptr;
   HttpRequest request;
   SteadyClock::time_point headers_at = SteadyClock::now();
-  bool refused = false;     // Answered before its body was read (413, 415, 503).
+  bool refused = false;     // Answered before its body was read (413, 415).
+  bool too_large = false;   // A chunked body that passed the bound: 413 once it ends.
   bool dispatched = false;  // Handed to the handler: counted in flight until completed.
   std::mutex mu;
   bool suspended = false;
@@ -176,12 +177,12 @@ struct HttpServerAccess {
     if (SteadyClock::now() - p->headers_at > timeout)
       return MHD_NO;  // A body that trickles: the connection closes.
     if (p->request.body.size() + n > static_cast<size_t>(server->options_.max_body_bytes)) {
-      p->refused = true;
+      // A chunked body past the bound: nothing more is kept, the rest is read and dropped (within
+      // the body timeout), and the answer is 413 once it ends (libmicrohttpd answers only then).
+      p->too_large = true;
       p->request.body = std::string();
-      return Queue(c,
-                   Plain(413, "the body passed " + std::to_string(server->options_.max_body_bytes) +
-                                  " bytes; allowed: at most that (--max-message-bytes)"));
     }
+    if (p->too_large) return MHD_YES;
     if (p->request.body.capacity() < p->request.body.size() + n + kBodyPadding)
       p->request.body.reserve(
           std::max(p->request.body.capacity() * 2, p->request.body.size() + n + kBodyPadding));
@@ -190,6 +191,11 @@ struct HttpServerAccess {
   }
 
   static MHD_Result Complete(HttpServer* server, Pending* p, MHD_Connection* c) {
+    if (p->too_large) {
+      return Queue(c,
+                   Plain(413, "the body passed " + std::to_string(server->options_.max_body_bytes) +
+                                  " bytes; allowed: at most that (--max-message-bytes)"));
+    }
     std::unique_lock<std::mutex> lock(p->mu);
     if (!p->dispatched) {
       p->dispatched = true;

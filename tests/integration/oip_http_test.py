@@ -1,0 +1,431 @@
+"""The Open Inference Protocol over HTTP/REST with the clients people already have: unmodified
+tritonclient[http] 2.73 from PyPI (tools/oip-env.sh), plain http.client and curl, against a real
+attnserve's --http-address.
+
+Checks: health, metadata and the repository index; infer() across a matrix (FP32, FP16, BF16;
+masks; weights; both layouts; cross-attention), tensors as JSON and as binary data, against
+torch.nn.MultiheadAttention (fixed seeds; max|out-ref|/max|ref| <= 1e-5 in FP32, 2e-3 FP16, 2e-2
+BF16 against float64) and byte for byte equal to tritonclient.grpc's answer to the same request
+(JSON numbers round-trip float32 exactly); errors as {"error": ...} with the status mapping's HTTP
+codes; the bounds (a Content-Length past --max-message-bytes refused before the body is sent, a
+chunked body when it passes it, a JSON nesting bomb, an encoded body, connections per peer, idle
+connections, a body that trickles); shared memory and sequences; the calls counted in /metrics under
+method="http/ModelInfer"; every curl command of docs/api.md "HTTP"; a request in flight at SIGTERM
+answered.
+
+usage: python3 -m pytest oip_http_test.py --attnserve PATH/TO/attnserve   (tools/oip-env.sh's python)
+"""
+import http.client
+import json
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import ml_dtypes
+import numpy as np
+import torch
+import tritonclient.grpc as tg
+import tritonclient.http as th
+from tritonclient.utils import InferenceServerException
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "lib"))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "tools"))
+import attnserve_py as lib  # noqa: E402
+import export_model  # noqa: E402
+
+E, H = 64, 4
+NP = {"FP32": np.float32, "FP16": np.float16, "BF16": ml_dtypes.bfloat16}
+TOL = {"FP32": 1e-5, "FP16": 2e-3, "BF16": 2e-2}
+
+
+def build(seed, kdim=None, vdim=None):
+    torch.manual_seed(seed)
+    m = torch.nn.MultiheadAttention(E, H, kdim=kdim, vdim=vdim, batch_first=True)
+    with torch.no_grad():
+        for pname, p in m.named_parameters():
+            if "bias" in pname:
+                p.uniform_(-0.5, 0.5)
+    return m.train()
+
+
+def serve(attnserve, *args, models=None):
+    tmp = lib.temp_dir("attnserve-http-")
+    models = models or {"mha": build(3001), "xattn": build(3002, kdim=32, vdim=48)}
+    for name, m in models.items():
+        export_model.export(m, os.path.join(tmp, name))
+    return lib.Server(attnserve, "--models", tmp, *args), models
+
+
+def request(server, method, path, body=None, headers=None):
+    c = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=30)
+    c.request(method, path, body=body, headers=headers or {})
+    r = c.getresponse()
+    data = r.read()
+    c.close()
+    return r.status, data, r
+
+
+def reference(m, q, k, v, kpm, mask, weights, sf):
+    f64 = lambda a: None if a is None else torch.from_numpy(np.asarray(a, dtype=np.float64))
+    bf = lambda a: None if a is None else (a.transpose(1, 0, 2) if sf else a)
+    with torch.no_grad():
+        out, w = m.double()(f64(bf(q)), f64(bf(k)), f64(bf(v)),
+                            key_padding_mask=None if kpm is None else torch.from_numpy(kpm),
+                            attn_mask=None if mask is None else torch.from_numpy(mask),
+                            need_weights=weights != "none", average_attn_weights=weights == "averaged")
+    out = out.numpy()
+    return (out.transpose(1, 0, 2) if sf else out), (None if w is None else w.numpy())
+
+
+# name, model, batch, Lq, Lk (None: self), dtype, layout, weights, kpm, bool mask
+CASES = [
+    ("fp32 self", "mha", 2, 7, None, "FP32", "batch_first", "none", False, False),
+    ("fp32 kpm + bool mask, averaged", "mha", 2, 5, None, "FP32", "batch_first", "averaged", True, True),
+    ("fp32 per head, sequence-first", "mha", 3, 4, None, "FP32", "sequence_first", "per_head", False, False),
+    ("fp16 self", "mha", 2, 6, None, "FP16", "batch_first", "none", False, False),
+    ("bf16 self", "mha", 1, 6, None, "BF16", "batch_first", "none", False, False),
+    ("fp32 cross kdim/vdim, kpm", "xattn", 2, 3, 8, "FP32", "batch_first", "averaged", True, False),
+]
+
+
+def test_tritonclient_http_matches_torch_and_grpc(attnserve, checks):
+    server, models = serve(attnserve)
+    client = th.InferenceServerClient(f"127.0.0.1:{server.http_port}")
+    grpc_client = tg.InferenceServerClient(server.target)
+    rng = np.random.default_rng(20261205)
+    checks("server live and ready", client.is_server_live() and client.is_server_ready())
+    checks("model ready; an absent one not", client.is_model_ready("mha") and client.is_model_ready("xattn", "1")
+           and not client.is_model_ready("nope"))
+    meta = client.get_server_metadata()
+    checks("server metadata names attnserve", meta["name"] == "attnserve" and meta["version"], str(meta))
+    mm = client.get_model_metadata("xattn")
+    inputs = {t["name"]: (t["datatype"], t["shape"]) for t in mm["inputs"]}
+    checks("model metadata: inputs with integer shapes", inputs.get("key") == ("FP32", [-1, -1, 32])
+           and mm["versions"] == ["1"], str(mm))
+    index = client.get_model_repository_index()
+    checks("repository index lists both models ready",
+           sorted((m["name"], m["state"]) for m in index) == [("mha", "READY"), ("xattn", "READY")], str(index))
+
+    for (name, model, b, lq, lk, dtype, layout, weights, kpm, mask) in CASES:
+        sf = layout == "sequence_first"
+        shape = lambda length, dim: (length, b, dim) if sf else (b, length, dim)
+        cross = lk is not None
+        lk = lk or lq
+        q = rng.standard_normal(shape(lq, E)).astype(NP[dtype])
+        k = rng.standard_normal(shape(lk, 32)).astype(NP[dtype]) if cross else None
+        v = rng.standard_normal(shape(lk, 48)).astype(NP[dtype]) if cross else None
+        kpm_a = (np.arange(lk)[None, :] >= rng.integers(1, lk + 1, size=b)[:, None]) if kpm else None
+        mask_a = None
+        if mask:
+            mask_a = rng.random((lq, lk)) < 0.4
+            mask_a[:, 0] = False
+        tensors = [(n, a) for n, a in [("query", q), ("key", k), ("value", v), ("key_padding_mask", kpm_a),
+                                       ("attn_mask", mask_a)] if a is not None]
+        params = {"layout": layout, "attn_weights": weights}
+        outs = ["attn_output"] + (["attn_weights"] if weights != "none" else [])
+        answers = {}
+        for form in ["binary", "json"] if dtype != "BF16" else ["binary"]:
+            ins = []
+            for tname, a in tensors:
+                t = th.InferInput(tname, list(a.shape), "BOOL" if a.dtype == np.bool_ else dtype)
+                t.set_data_from_numpy(a, binary_data=form == "binary")
+                ins.append(t)
+            requested = [th.InferRequestedOutput(o, binary_data=form == "binary") for o in outs]
+            try:
+                answers[form] = client.infer(model, ins, outputs=requested, parameters=params, request_id=name)
+            except InferenceServerException as e:
+                checks(f"http infer {name} ({form})", False, str(e))
+        gins = []
+        for tname, a in tensors:
+            t = tg.InferInput(tname, list(a.shape), "BOOL" if a.dtype == np.bool_ else dtype)
+            t.set_data_from_numpy(a)
+            gins.append(t)
+        g = grpc_client.infer(model, gins, outputs=[tg.InferRequestedOutput(o) for o in outs], parameters=params)
+        ref, ref_w = reference(models[model], q, k if cross else q, v if cross else q, kpm_a, mask_a, weights, sf)
+        for form, r in answers.items():
+            out = r.as_numpy("attn_output")
+            checks(f"http infer {name} ({form}): id, datatype", r.get_response()["id"] == name and
+                   r.get_output("attn_output")["datatype"] == dtype, str(r.get_response()["outputs"]))
+            err = np.abs(np.asarray(out, dtype=np.float64) - ref).max() / np.abs(ref).max()
+            checks(f"http infer {name} ({form}): matches nn.MultiheadAttention", err <= TOL[dtype], f"{err:.2e}")
+            same = all(np.array_equal(r.as_numpy(o).astype(NP[dtype]).view(np.uint8),
+                                      g.as_numpy(o).view(np.uint8)) for o in outs)
+            checks(f"http infer {name} ({form}): the same bytes as over gRPC", same)
+            if ref_w is not None:
+                werr = np.abs(np.asarray(r.as_numpy("attn_weights"), dtype=np.float64) - ref_w).max()
+                checks(f"http infer {name} ({form}): weights match", werr <= 10 * TOL[dtype], f"{werr:.2e}")
+
+    # A sequence (Triton's sequence_id) over HTTP steps a session, as over gRPC.
+    steps = [rng.standard_normal((1, 1 + s, E)).astype(np.float32) for s in range(3)]
+    got = []
+    for s, x in enumerate(steps):
+        t = th.InferInput("query", list(x.shape), "FP32")
+        t.set_data_from_numpy(x)
+        got.append(client.infer("mha", [t], sequence_id=77, sequence_start=s == 0,
+                                sequence_end=s == len(steps) - 1).as_numpy("attn_output"))
+    want = []
+    for s, x in enumerate(steps):
+        t = tg.InferInput("query", list(x.shape), "FP32")
+        t.set_data_from_numpy(x)
+        want.append(grpc_client.infer("mha", [t], sequence_id=78, sequence_start=s == 0,
+                                      sequence_end=s == len(steps) - 1).as_numpy("attn_output"))
+    checks("a sequence over HTTP steps as the same sequence over gRPC",
+           all(np.array_equal(a, b) for a, b in zip(got, want)))
+    counted = [l for l in lib.metrics_lines(server, "attnserve_requests_total") if 'method="http/ModelInfer"' in l]
+    total = sum(float(l.rsplit(" ", 1)[1]) for l in counted)
+    checks("HTTP calls counted under method=\"http/ModelInfer\"", total >= len(CASES) + 3, str(counted))
+    server.stop()
+
+
+def test_json_numbers_round_trip_float32(attnserve, checks):
+    """A JSON request of float32 values (written as Python's repr of each float32) gets the same
+    answer bytes as the binary request, and the JSON answer reads back as the binary answer's
+    float32 values exactly, including values that need 9 digits."""
+    server, _ = serve(attnserve, models={"mha": build(3003)})
+    rng = np.random.default_rng(5)
+    q = (rng.standard_normal((1, 4, E)) * 10.0 ** rng.integers(-6, 6, (1, 4, E))).astype(np.float32)
+    body = {"inputs": [{"name": "query", "datatype": "FP32", "shape": list(q.shape),
+                        "data": [float(repr(x)) for x in q.ravel()]}]}
+    status, data, _ = request(server, "POST", "/v2/models/mha/infer", json.dumps(body),
+                              {"Content-Type": "application/json"})
+    checks("JSON infer answers 200", status == 200, data[:200])
+    out = json.loads(data)["outputs"][0]
+    raw = q.tobytes()
+    header = json.dumps({"inputs": [{"name": "query", "datatype": "FP32", "shape": list(q.shape),
+                                     "parameters": {"binary_data_size": len(raw)}}],
+                         "outputs": [{"name": "attn_output", "parameters": {"binary_data": True}}]}).encode()
+    status, bdata, r = request(server, "POST", "/v2/models/mha/infer", header + raw,
+                               {"Inference-Header-Content-Length": str(len(header))})
+    n = int(r.getheader("Inference-Header-Content-Length"))
+    binary = np.frombuffer(bdata[n:], dtype=np.float32)
+    checks("binary infer answers 200 with the header length", status == 200 and len(bdata) - n == 4 * q.size)
+    checks("JSON answer's numbers are the binary answer's float32 values exactly",
+           np.array_equal(np.asarray(out["data"], dtype=np.float32), binary))
+    checks("JSON answer's shape and datatype", out["shape"] == [1, 4, E] and out["datatype"] == "FP32", str(out)[:200])
+    server.stop()
+
+
+def raw_exchange(port, data, read=True, timeout=10):
+    s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    s.sendall(data)
+    got = b""
+    if read:
+        try:
+            while True:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                got += chunk
+                if b"\r\n\r\n" in got:
+                    head, _, rest = got.partition(b"\r\n\r\n")
+                    m = re.search(rb"content-length: *(\d+)", head, re.I)
+                    if m and len(rest) >= int(m.group(1)):
+                        break
+        except socket.timeout:
+            pass
+    s.close()
+    return got
+
+
+def test_errors_and_bounds(attnserve, checks):
+    server, _ = serve(attnserve, "--max-message-bytes", "1048576", "--tenant-header", "x-tenant",
+                      models={"mha": build(3004)})
+    q = np.zeros((1, 2, E), np.float32)
+    good = {"inputs": [{"name": "query", "datatype": "FP32", "shape": [1, 2, E], "data": q.ravel().tolist()}]}
+
+    def infer(body, headers=None, path="/v2/models/mha/infer"):
+        status, data, _ = request(server, "POST", path, body if isinstance(body, (bytes, str)) else json.dumps(body),
+                                  headers)
+        try:
+            return status, json.loads(data)
+        except ValueError:
+            return status, data
+
+    status, j = infer({"inputs": [dict(good["inputs"][0], name="queries")]})
+    checks("an unknown input: 400 naming it", status == 400 and "'queries'" in j.get("error", ""), str(j))
+    status, j = infer(good, path="/v2/models/nope/infer")
+    checks("an unknown model: 404", status == 404 and "nope" in j.get("error", ""), str(j))
+    status, j = infer(good, path="/v2/nothing")
+    checks("an unknown route: 404 JSON error", status == 404 and "error" in j, str(j))
+    status, j = infer({"inputs": [dict(good["inputs"][0], shape=[1, 3, E])]})
+    checks("data that does not fill the shape: 400 naming inputs[0].data", status == 400 and
+           "inputs[0].data" in j.get("error", ""), str(j))
+    status, j = infer({"inputs": [dict(good["inputs"][0], data=["x"] * (2 * E))]})
+    checks("a string among the numbers: 400 naming its index", status == 400 and
+           "inputs[0].data[0]" in j.get("error", ""), str(j))
+    status, j = infer("[" * 100000 + "]" * 100000)
+    checks("a JSON nesting bomb: 400, no crash", status == 400 and "deeper" in j.get("error", ""), str(j)[:200])
+    status, j = infer("{\"inputs\": [")
+    checks("JSON cut short: 400", status == 400 and "not JSON" in j.get("error", ""), str(j))
+    status, j = infer(good, {"Content-Encoding": "gzip"})
+    checks("an encoded body: 415", status == 415, str(j))
+    status, j = infer(good, {"Inference-Header-Content-Length": "99999999"})
+    checks("a header length past the body: 400", status == 400 and "Inference-Header-Content-Length" in
+           j.get("error", ""), str(j))
+    header = json.dumps({"inputs": [{"name": "query", "datatype": "FP32", "shape": [1, 2, E],
+                                     "parameters": {"binary_data_size": 4 * 2 * E + 4}}]}).encode()
+    status, j = infer(header + q.tobytes(), {"Inference-Header-Content-Length": str(len(header))})
+    checks("binary_data_size past the body: 400", status == 400 and "binary_data_size" in j.get("error", ""), str(j))
+    status, j = infer(good, {"x-tenant": "a b"})
+    checks("a tenant header that names no tenant: 400 naming the header", status == 400 and
+           "x-tenant" in j.get("error", ""), str(j))
+    status, j = infer(good, {"x-tenant": "team-a"})
+    checks("a tenant header: served", status == 200, str(j)[:200])
+
+    # A Content-Length past --max-message-bytes: refused before a byte of the body is sent.
+    got = raw_exchange(server.http_port, b"POST /v2/models/mha/infer HTTP/1.1\r\nHost: x\r\n"
+                       b"Content-Length: 2000000\r\n\r\n")
+    checks("a Content-Length past the bound: 413 before the body", got.startswith(b"HTTP/1.1 413"), got[:200])
+    # A chunked body that passes it: 413 once it does.
+    chunk = b"a" * 65536
+    body = b"".join(b"%x\r\n" % len(chunk) + chunk + b"\r\n" for _ in range(20)) + b"0\r\n\r\n"
+    got = raw_exchange(server.http_port, b"POST /v2/models/mha/infer HTTP/1.1\r\nHost: x\r\n"
+                       b"Transfer-Encoding: chunked\r\n\r\n" + body)
+    checks("a chunked body past the bound: 413", got.startswith(b"HTTP/1.1 413"), got[:200])
+    # Headers past the connection's buffer: refused, the server goes on.
+    got = raw_exchange(server.http_port, b"GET /v2 HTTP/1.1\r\nHost: x\r\n" +
+                       b"".join(b"X-Pad-%d: %s\r\n" % (i, b"p" * 1000) for i in range(200)) + b"\r\n")
+    checks("a header flood: refused (431 or closed)", got == b"" or got.startswith(b"HTTP/1.1 431"), got[:100])
+    status, _, _ = request(server, "GET", "/v2/health/live")
+    checks("the server goes on after all of it", status == 200)
+    server.stop()
+
+
+def test_connections_bounded(attnserve, checks):
+    server, _ = serve(attnserve, "--http-max-connections-per-peer", "4", "--http-idle-timeout", "1",
+                      "--http-body-timeout", "2", models={"mha": build(3005)})
+    held = [socket.create_connection(("127.0.0.1", server.http_port), timeout=10) for _ in range(4)]
+    extra = socket.create_connection(("127.0.0.1", server.http_port), timeout=10)
+    try:
+        extra.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+        refused = extra.recv(100) == b""
+    except OSError:
+        refused = True
+    checks("a fifth connection from one peer is closed at once", refused)
+    start = time.monotonic()
+    closed = all(s.recv(1) == b"" for s in held)  # Idle: each closed by the server (blocks until).
+    checks("idle connections are closed after --http-idle-timeout", closed and time.monotonic() - start < 8,
+           f"{time.monotonic() - start:.1f} s")
+    status, _, _ = request(server, "GET", "/v2/health/ready")
+    checks("a new caller is served once they are gone", status == 200)
+    # A body that trickles a byte every 0.5 s: its connection is closed past --http-body-timeout.
+    s = socket.create_connection(("127.0.0.1", server.http_port), timeout=10)
+    s.sendall(b"POST /v2/models/mha/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
+    start, ended = time.monotonic(), False
+    while time.monotonic() - start < 8:
+        try:
+            s.sendall(b" ")
+            s.settimeout(0.5)
+            if s.recv(100) == b"":
+                ended = True
+                break
+        except socket.timeout:
+            continue
+        except OSError:
+            ended = True
+            break
+    checks("a trickling body's connection is closed", ended, f"{time.monotonic() - start:.1f} s")
+    server.stop()
+
+
+def test_shared_memory_over_http(attnserve, checks):
+    """tritonclient.http's shared-memory calls: register, infer with the query and the output in
+    regions (the same bytes as in the message), status, another tenant sees none of it,
+    unregister."""
+    import tritonclient.utils.shared_memory as shm
+
+    server, _ = serve(attnserve, "--allow-shared-memory", "--tenant-header", "x-tenant",
+                      models={"mha": build(3006)})
+    client = th.InferenceServerClient(f"127.0.0.1:{server.http_port}")
+    q = np.random.default_rng(8).standard_normal((1, 5, E)).astype(np.float32)
+    key = f"/attnserve-http-{os.getpid()}"
+    hq = shm.create_shared_memory_region("q", key + "-q", q.nbytes)
+    ho = shm.create_shared_memory_region("o", key + "-o", q.nbytes)
+    try:
+        shm.set_shared_memory_region(hq, [q])
+        client.register_system_shared_memory("q", key + "-q", q.nbytes)
+        client.register_system_shared_memory("o", key + "-o", q.nbytes)
+        status = client.get_system_shared_memory_status()
+        checks("status lists both regions", sorted(r["name"] for r in status) == ["o", "q"], str(status))
+        other = th.InferenceServerClient(f"127.0.0.1:{server.http_port}")
+        seen = other.get_system_shared_memory_status(headers={"x-tenant": "other"})
+        checks("another tenant sees none of them", seen == [], str(seen))
+        t = th.InferInput("query", list(q.shape), "FP32")
+        t.set_shared_memory("q", q.nbytes)
+        out = th.InferRequestedOutput("attn_output", binary_data=False)
+        out.set_shared_memory("o", q.nbytes)
+        client.infer("mha", [t], outputs=[out])
+        got = shm.get_contents_as_numpy(ho, np.float32, list(q.shape))
+        t2 = th.InferInput("query", list(q.shape), "FP32")
+        t2.set_data_from_numpy(q)
+        want = client.infer("mha", [t2]).as_numpy("attn_output")
+        checks("input and output in regions: the same bytes as in the message", np.array_equal(got, want))
+        try:
+            t3 = th.InferInput("query", list(q.shape), "FP32")
+            t3.set_shared_memory("q", q.nbytes)
+            other.infer("mha", [t3], headers={"x-tenant": "other"})
+            checks("another tenant cannot name the region", False, "served")
+        except InferenceServerException as e:
+            checks("another tenant cannot name the region", "q" in str(e), str(e))
+        client.unregister_system_shared_memory()
+        checks("unregister all", client.get_system_shared_memory_status() == [])
+    finally:
+        shm.destroy_shared_memory_region(hq)
+        shm.destroy_shared_memory_region(ho)
+    server.stop()
+
+
+def test_docs_curl_commands(attnserve, checks):
+    """Every curl command in docs/api.md's HTTP section, run against a server on a free port: each
+    exits 0 with a 2xx answer."""
+    text = open(os.path.join(HERE, "..", "..", "docs", "api.md")).read()
+    section = text.split("## HTTP", 1)[1].split("\n## ", 1)[0]
+    commands = [c.strip() for c in re.findall(r"^(curl [^\n]*(?:\\\n[^\n]*)*)", section, re.M)]
+    checks("docs/api.md's HTTP section has curl commands", len(commands) >= 4, str(len(commands)))
+    server = lib.Server(attnserve)  # The demo model, as the docs' commands name it.
+    for command in commands:
+        line = command.replace("\\\n", " ").replace("localhost:8000", f"127.0.0.1:{server.http_port}")
+        # A command the docs show refused says so in its comment ("# refused: 400").
+        expected = re.search(r"# refused: (\d+)", line)
+        args = shlex.split(line, comments=True)
+        r = subprocess.run(args + ["-sS", "-o", "/dev/null", "-w", "%{http_code}"], capture_output=True, text=True,
+                           timeout=30, cwd=os.path.join(HERE, "..", ".."))
+        ok = r.stdout == expected.group(1) if expected else r.returncode == 0 and r.stdout.startswith("2")
+        checks(f"docs: {line[:80]}", ok, r.stdout + r.stderr)
+    server.stop()
+
+
+def test_request_in_flight_at_stop_is_answered(attnserve, checks):
+    server, _ = serve(attnserve, "--workers", "1", models={"mha": build(3008)})
+    q = np.random.default_rng(9).standard_normal((8, 1024, E)).astype(np.float32)
+    raw = q.tobytes()
+    header = json.dumps({"inputs": [{"name": "query", "datatype": "FP32", "shape": list(q.shape),
+                                     "parameters": {"binary_data_size": len(raw)}}],
+                         "parameters": {"binary_data_output": True}}).encode()
+    results = []
+
+    def call():
+        results.append(request(server, "POST", "/v2/models/mha/infer", header + raw,
+                               {"Inference-Header-Content-Length": str(len(header))})[0])
+
+    threads = [threading.Thread(target=call) for _ in range(4)]
+    for t in threads:
+        t.start()
+    def count(name):
+        return sum(float(l.rsplit(" ", 1)[1]) for l in lib.metrics_lines(server, name)
+                   if 'method="http/ModelInfer"' in l)
+
+    # Every request accepted (in flight or answered), at least one still in flight: then SIGTERM.
+    lib.wait_until(lambda: count("attnserve_requests_in_flight") >= 1 and
+                   count("attnserve_requests_in_flight") + count("attnserve_requests_total") >= 4,
+                   timeout=60, step=0.005)
+    out = server.stop()
+    for t in threads:
+        t.join(timeout=60)
+    checks("every request in flight at SIGTERM answered 200", results == [200] * 4, f"{results} {out[-300:]}")
