@@ -5,7 +5,7 @@
 #   tools/fuzz.sh --seconds N     N s per target
 #   tools/fuzz.sh --runs N        N executions per target (the long run: --runs 10000000)
 #   tools/fuzz.sh --build-only     builds the targets and stops
-#   tools/fuzz.sh ... TARGET...   only these targets (request safetensors config torch_archive kv_store scheduler tenants h2_inspector)
+#   tools/fuzz.sh ... TARGET...   only these targets (request safetensors config torch_archive kv_store scheduler tenants h2_inspector http_infer)
 # New inputs go to a corpus per target outside the clone, ~/.cache/attnserve/fuzz/corpus-<target>
 # (ATTNSERVE_FUZZ_HOME), seeded from tests/fuzz/corpus/<target>: every run on this machine, from any
 # clone, starts where the last one stopped, so the 10 s of each test command add up instead of
@@ -22,10 +22,10 @@ case "${1:-}" in
   --runs) limit=(-runs="$2"); shift 2 ;;
 esac
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(request safetensors config torch_archive kv_store scheduler tenants h2_inspector)
+[ ${#targets[@]} -gt 0 ] || targets=(request safetensors config torch_archive kv_store scheduler tenants h2_inspector http_infer)
 for t in "${targets[@]}"; do
   case "$t" in
-    request|safetensors|config|torch_archive|kv_store|scheduler|tenants|h2_inspector) ;;
+    request|safetensors|config|torch_archive|kv_store|scheduler|tenants|h2_inspector|http_infer) ;;
     *) echo "usage: tools/fuzz.sh [--seconds N | --runs N] [TARGET...]" >&2; exit 2 ;;
   esac
 done
