@@ -35,9 +35,11 @@ struct HttpServer::Pending {
   MHD_Connection* connection = nullptr;
   HttpRequest request;
   SteadyClock::time_point headers_at = SteadyClock::now();
-  bool refused = false;     // Answered before its body was read (413, 415).
-  bool too_large = false;   // A chunked body that passed the bound: 413 once it ends.
-  bool dispatched = false;  // Handed to the handler: counted in flight until completed.
+  bool refused = false;      // Answered before its body was read (413, 415).
+  bool too_large = false;    // A chunked body that passed the bound: 413 once it ends.
+  bool over_budget = false;  // Every body's bytes held passed theirs: 503 once it ends.
+  int64_t counted = 0;       // Its body's room, counted in HttpServer::body_bytes_.
+  bool dispatched = false;   // Handed to the handler: counted in flight until completed.
   std::mutex mu;
   bool suspended = false;
   std::optional<HttpResponse> response;
@@ -135,11 +137,6 @@ struct HttpServerAccess {
           (a->sa_family == AF_INET6 &&
            IN6_IS_ADDR_LOOPBACK(&reinterpret_cast<const sockaddr_in6*>(a)->sin6_addr));
     }
-    if (const std::string* length = p->request.Header("content-length")) {
-      const unsigned long long n = std::strtoull(length->c_str(), nullptr, 10);
-      if (n <= static_cast<unsigned long long>(server->options_.max_body_bytes))
-        p->request.body.reserve(static_cast<size_t>(n) + kBodyPadding);
-    }
     return p;
   }
 
@@ -182,15 +179,41 @@ struct HttpServerAccess {
       p->too_large = true;
       p->request.body = std::string();
     }
-    if (p->too_large) return MHD_YES;
-    if (p->request.body.capacity() < p->request.body.size() + n + kBodyPadding)
-      p->request.body.reserve(
-          std::max(p->request.body.capacity() * 2, p->request.body.size() + n + kBodyPadding));
-    p->request.body.append(upload, n);
+    if (p->too_large || p->over_budget) return MHD_YES;
+    std::string& body = p->request.body;
+    if (body.capacity() < body.size() + n + kBodyPadding) {
+      // The room a body takes is counted against every body's bound before it is taken: the whole
+      // Content-Length once its first bytes arrive, a chunked body's room as it doubles.
+      size_t want = std::max(body.capacity() * 2, body.size() + n + kBodyPadding);
+      if (const std::string* length = p->request.Header("content-length"))
+        want = std::max<size_t>(want, std::strtoull(length->c_str(), nullptr, 10) + kBodyPadding);
+      const int64_t more = static_cast<int64_t>(want) - p->counted;
+      if (server->body_bytes_.fetch_add(more) + more > server->options_.max_body_bytes_held) {
+        server->body_bytes_.fetch_sub(more);
+        p->over_budget = true;  // Dropped as it comes; 503 once it ends.
+        Release(server, p);
+        body = std::string();
+        return MHD_YES;
+      }
+      p->counted += more;
+      body.reserve(want);
+    }
+    body.append(upload, n);
     return MHD_YES;
   }
 
+  // The body's room, given back (dispatched, refused or ended).
+  static void Release(HttpServer* server, Pending* p) {
+    server->body_bytes_.fetch_sub(p->counted);
+    p->counted = 0;
+  }
+
   static MHD_Result Complete(HttpServer* server, Pending* p, MHD_Connection* c) {
+    if (p->over_budget) {
+      return Queue(c, Plain(503, "the server holds its bound of request bodies arriving (" +
+                                     std::to_string(server->options_.max_body_bytes_held) +
+                                     " bytes, --max-inflight-bytes); retry"));
+    }
     if (p->too_large) {
       return Queue(c,
                    Plain(413, "the body passed " + std::to_string(server->options_.max_body_bytes) +
@@ -218,6 +241,7 @@ struct HttpServerAccess {
         }
       };
       server->handler_(std::move(p->request), std::move(reply));
+      Release(server, p);  // The handler has taken the body (and decoded it).
       lock.lock();
     }
     if (p->response) {
@@ -235,6 +259,7 @@ struct HttpServerAccess {
     auto* server = static_cast<HttpServer*>(cls);
     auto* p = static_cast<Pending*>(*state);
     if (p == nullptr) return;
+    Release(server, p);
     if (p->dispatched) {
       std::lock_guard<std::mutex> count(server->mu_);
       if (--server->in_flight_ == 0) server->idle_.notify_all();

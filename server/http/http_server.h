@@ -39,6 +39,10 @@ struct HttpOptions {
   /// Most bytes of a request's body: a larger Content-Length is refused before a byte of the body
   /// is read (413), a chunked body when it passes it (the server's --max-message-bytes).
   int64_t max_body_bytes = int64_t{64} << 20;
+  /// Bytes of request bodies being received, over every connection (each body counted at its
+  /// Content-Length once it starts to arrive): a body that would pass it is dropped and answered
+  /// 503 (the server's --max-inflight-bytes).
+  int64_t max_body_bytes_held = int64_t{1} << 30;
   /// A connection's buffer for a request's line and headers (and its answer's headers): larger
   /// headers are refused (431). libmicrohttpd's default is 32 KiB.
   size_t connection_memory_bytes = 64 << 10;
@@ -103,8 +107,9 @@ class HttpServer {
   int port_ = 0;
   mutable std::mutex mu_;
   std::condition_variable idle_;
-  int64_t in_flight_ = 0;   // Handed to the handler, not yet sent.
-  int64_t unanswered_ = 0;  // Handed to the handler, not yet answered.
+  int64_t in_flight_ = 0;               // Handed to the handler, not yet sent.
+  int64_t unanswered_ = 0;              // Handed to the handler, not yet answered.
+  std::atomic<int64_t> body_bytes_{0};  // Bodies' room, being received (max_body_bytes_held).
   bool stopped_ = false;
 };
 

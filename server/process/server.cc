@@ -534,6 +534,7 @@ Status Server::Impl::StartHttp() {
   oip_http = std::make_unique<OipHttp>(*oip_protocol, ATTNSERVE_VERSION);
   HttpOptions http_options = options.http;
   http_options.max_body_bytes = options.max_message_bytes;
+  http_options.max_body_bytes_held = options.flow.max_inflight_bytes;
   ASSIGN_OR_RETURN(http, HttpServer::Start(http_options, [this](HttpRequest&& r, HttpReply reply) {
                      oip_http->Handle(std::move(r), std::move(reply));
                    }));

@@ -297,6 +297,35 @@ def test_errors_and_bounds(attnserve, checks):
     server.stop()
 
 
+def test_bodies_arriving_bounded(attnserve, checks):
+    """The bytes of bodies being received are bounded in all (--max-inflight-bytes): a body held
+    half-sent counts its whole Content-Length, and another that would pass the bound is answered 503
+    once sent; the first, finished, is served."""
+    server, _ = serve(attnserve, "--max-inflight-bytes", "3000000", "--max-message-bytes", "2000000",
+                      models={"mha": build(3009)})
+    q = np.zeros((1, 2, E), np.float32)
+    body = json.dumps({"inputs": [{"name": "query", "datatype": "FP32", "shape": [1, 2, E],
+                                   "data": q.ravel().tolist()}]}).encode()
+    body += b" " * (1_900_000 - len(body))  # JSON allows trailing spaces.
+    head = b"POST /v2/models/mha/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+    held = socket.create_connection(("127.0.0.1", server.http_port), timeout=30)
+    held.sendall(head + body[:10])
+    # Until the server has taken the held body's first bytes, another body still fits: ask again
+    # until it does not (at most 20 s).
+    deadline = time.monotonic() + 20
+    got = raw_exchange(server.http_port, head + body)
+    while not got.startswith(b"HTTP/1.1 503") and time.monotonic() < deadline:
+        got = raw_exchange(server.http_port, head + body)
+    checks("a body past every body's bound: 503", got.startswith(b"HTTP/1.1 503"), got[:200])
+    held.sendall(body[10:])
+    answer = b""
+    while b"\r\n\r\n" not in answer:
+        answer += held.recv(65536)
+    held.close()
+    checks("the held body, finished, is served", answer.startswith(b"HTTP/1.1 200"), answer[:200])
+    server.stop()
+
+
 def test_connections_bounded(attnserve, checks):
     server, _ = serve(attnserve, "--http-max-connections-per-peer", "4", "--http-idle-timeout", "1",
                       "--http-body-timeout", "2", models={"mha": build(3005)})
