@@ -49,18 +49,18 @@ report() {  # name: once its run has ended
 # One unit-test binary per room (tests/CMakeLists.txt): AddressSanitizer runs them all.
 # ThreadSanitizer runs the tests that run threads against each other: the binaries of the rooms
 # whose tests do (models: reloads under readers; trace: the exporter's thread; kv: four threads and a
-# clock on one store; pipeline: the batcher's workers; grpc: the call counter; oip: the stream
+# clock on one store; pipeline: the batcher's workers; grpc: the call counter; protocol: the OIP codec and sequences; oip: the stream
 # reactors; process: the socket lingering), and the engine's tests with threads (their own binary,
 # attnserve_engine_threads_tests: four threads on one model, helper threads, the host staging).
 # BINARY:FILTER (gtest's filter) runs part of a binary.
 # docs/tests.md, "Which stage runs what".
 unit=(attnserve_engine_tests attnserve_engine_threads_tests attnserve_kv_tests attnserve_models_tests attnserve_pipeline_tests attnserve_process_tests
-  attnserve_weights_tests attnserve_v1_tests attnserve_grpc_tests attnserve_oip_tests attnserve_trace_tests
+  attnserve_weights_tests attnserve_v1_tests attnserve_grpc_tests attnserve_protocol_tests attnserve_http_tests attnserve_trace_tests
   attnserve_core_tests attnserve_tenants_tests attnserve_shm_tests)
 # Longest first (seconds under ThreadSanitizer on 2 cores: engine 39, kv 33, models 22, pipeline 15),
 # so that no long binary starts last and runs alone: the stage took 120 s with the engine's last.
 threaded=(attnserve_engine_threads_tests attnserve_kv_tests attnserve_models_tests
-  attnserve_pipeline_tests attnserve_process_tests attnserve_grpc_tests attnserve_oip_tests attnserve_trace_tests)
+  attnserve_pipeline_tests attnserve_process_tests attnserve_grpc_tests attnserve_protocol_tests attnserve_trace_tests)
 for kind in "${kinds[@]}"; do
   case "$kind" in
     # The integration binary first: the longest, so the others fill the second slot beside it.
