@@ -49,8 +49,8 @@ report() {  # name: once its run has ended
 # One unit-test binary per room (tests/CMakeLists.txt): AddressSanitizer runs them all.
 # ThreadSanitizer runs the tests that run threads against each other: the binaries of the rooms
 # whose tests do (models: reloads under readers; trace: the exporter's thread; kv: four threads and a
-# clock on one store; pipeline: the batcher's workers; grpc: the call counter; protocol: the OIP codec and sequences; oip: the stream
-# reactors; process: the socket lingering), and the engine's tests with threads (their own binary,
+# clock on one store; pipeline: the batcher's workers; grpc: the call counter; protocol: the OIP's
+# sequences; process: the socket lingering), and the engine's tests with threads (their own binary,
 # attnserve_engine_threads_tests: four threads on one model, helper threads, the host staging).
 # BINARY:FILTER (gtest's filter) runs part of a binary.
 # docs/tests.md, "Which stage runs what".
