@@ -112,82 +112,107 @@ StatusOr<std::vector<int64_t>> ShapeOf(const std::string& field, dom::element e)
   return shape;
 }
 
-// The leaves of a nested data array, in row-major order (arrays within arrays, any nesting the
-// parser's depth bound allows).
-void Leaves(dom::element e, std::vector<dom::element>* out) {
-  if (e.is_array()) {
-    for (dom::element c : dom::array(e)) Leaves(c, out);
-  } else {
-    out->push_back(e);
-  }
+// A datatype's JSON form: how many bytes each value takes and how it is read.
+enum class JsonKind { kFloat32, kFloat16, kBFloat16, kBool, kInt64, kNone };
+
+JsonKind KindOfDatatype(const std::string& datatype) {
+  if (datatype == "FP32") return JsonKind::kFloat32;
+  if (datatype == "FP16") return JsonKind::kFloat16;
+  if (datatype == "BF16") return JsonKind::kBFloat16;
+  if (datatype == "BOOL") return JsonKind::kBool;
+  if (datatype == "INT64") return JsonKind::kInt64;
+  return JsonKind::kNone;
 }
 
-// One JSON data leaf as `datatype`'s bytes at `at`.
-Status PutLeaf(const std::string& field, size_t k, const std::string& datatype, dom::element e,
-               char* at) {
+size_t ElementBytes(JsonKind kind) {
+  switch (kind) {
+    case JsonKind::kFloat32:
+      return 4;
+    case JsonKind::kFloat16:
+    case JsonKind::kBFloat16:
+      return 2;
+    case JsonKind::kBool:
+      return 1;
+    case JsonKind::kInt64:
+      return 8;
+    case JsonKind::kNone:
+      return 0;
+  }
+  return 0;
+}
+
+// The leaves of a nested data array (arrays within arrays, any nesting the parser's depth bound
+// allows), counted.
+size_t CountLeaves(dom::element e) {
+  if (!e.is_array()) return 1;
+  size_t n = 0;
+  for (dom::element c : dom::array(e)) n += c.is_array() ? CountLeaves(c) : 1;
+  return n;
+}
+
+// The leaves written in row-major order at `*at` as `kind`'s bytes; `*k` counts them. The first
+// that is not of the kind's JSON type fails, naming its index.
+Status PutLeaves(const std::string& field, const std::string& datatype, JsonKind kind,
+                 dom::element e, char** at, size_t* k) {
+  if (e.is_array()) {
+    for (dom::element c : dom::array(e))
+      RETURN_IF_ERROR(PutLeaves(field, datatype, kind, c, at, k));
+    return Status::Ok();
+  }
   const auto wrong = [&](const char* expected) {
-    return InvalidArgument(field + "[" + std::to_string(k) + "]: " + KindOf(e.type()) +
+    return InvalidArgument(field + "[" + std::to_string(*k) + "]: " + KindOf(e.type()) +
                            "; expected " + expected + " for " + datatype);
   };
-  if (datatype == "BOOL") {
-    bool b = false;
-    if (e.get_bool().get(b) != simdjson::SUCCESS) return wrong("true or false");
-    *at = b ? 1 : 0;
-    return Status::Ok();
+  switch (kind) {
+    case JsonKind::kBool: {
+      bool b = false;
+      if (e.get_bool().get(b) != simdjson::SUCCESS) return wrong("true or false");
+      **at = b ? 1 : 0;
+      break;
+    }
+    case JsonKind::kInt64: {
+      int64_t v = 0;
+      if (e.get_int64().get(v) != simdjson::SUCCESS) return wrong("an integer");
+      std::memcpy(*at, &v, 8);
+      break;
+    }
+    default: {
+      double d = 0;  // simdjson gives integers as doubles too.
+      if (e.get_double().get(d) != simdjson::SUCCESS) return wrong("a number");
+      const float f = static_cast<float>(d);
+      if (kind == JsonKind::kFloat32) {
+        std::memcpy(*at, &f, 4);
+      } else {
+        const uint16_t h = kind == JsonKind::kFloat16 ? FloatToHalf(f) : FloatToBFloat16(f);
+        std::memcpy(*at, &h, 2);
+      }
+    }
   }
-  if (datatype == "INT64") {
-    int64_t v = 0;
-    if (e.get_int64().get(v) != simdjson::SUCCESS) return wrong("an integer");
-    std::memcpy(at, &v, 8);
-    return Status::Ok();
-  }
-  double d = 0;
-  if (e.is_int64()) {
-    d = static_cast<double>(int64_t(e));
-  } else if (e.is_uint64()) {
-    d = static_cast<double>(uint64_t(e));
-  } else if (e.get_double().get(d) != simdjson::SUCCESS) {
-    return wrong("a number");
-  }
-  const float f = static_cast<float>(d);
-  if (datatype == "FP32") {
-    std::memcpy(at, &f, 4);
-  } else {
-    const uint16_t h = datatype == "FP16" ? FloatToHalf(f) : FloatToBFloat16(f);
-    std::memcpy(at, &h, 2);
-  }
+  *at += ElementBytes(kind);
+  ++*k;
   return Status::Ok();
-}
-
-size_t ElementBytes(const std::string& datatype) {
-  if (datatype == "FP32") return 4;
-  if (datatype == "FP16" || datatype == "BF16") return 2;
-  if (datatype == "BOOL") return 1;
-  if (datatype == "INT64") return 8;
-  return 0;
 }
 
 // `data` as the raw bytes of a tensor of `datatype` and `shape`.
 Status DataBytes(const std::string& field, dom::element data, const std::string& datatype,
                  const std::vector<int64_t>& shape, std::string* bytes) {
-  const size_t size = ElementBytes(datatype);
-  if (size == 0) {
+  const JsonKind kind = KindOfDatatype(datatype);
+  if (kind == JsonKind::kNone) {
     return InvalidArgument(field + ": datatype '" + datatype +
                            "' has no JSON form here; allowed: FP32, FP16, BF16, BOOL, INT64");
   }
-  std::vector<dom::element> leaves;
-  Leaves(data, &leaves);
+  const size_t leaves = CountLeaves(data);
   std::optional<int64_t> count = int64_t{1};
   for (int64_t d : shape) count = count ? CheckedMul({*count, d}) : std::nullopt;
-  if (!count || static_cast<uint64_t>(*count) != leaves.size()) {
-    return InvalidArgument(field + ": " + std::to_string(leaves.size()) + " values for shape " +
+  if (!count || static_cast<uint64_t>(*count) != leaves) {
+    return InvalidArgument(field + ": " + std::to_string(leaves) + " values for shape " +
                            ShapeString(shape) + "; expected " +
                            (count ? std::to_string(*count) : std::string("their product")));
   }
-  bytes->resize(leaves.size() * size);
-  for (size_t k = 0; k < leaves.size(); ++k)
-    RETURN_IF_ERROR(PutLeaf(field, k, datatype, leaves[k], bytes->data() + k * size));
-  return Status::Ok();
+  bytes->resize(leaves * ElementBytes(kind));
+  char* at = bytes->data();
+  size_t k = 0;
+  return PutLeaves(field, datatype, kind, data, &at, &k);
 }
 
 // The binary section's next `size` bytes for input `field`.
@@ -424,35 +449,43 @@ Status HttpInferToOip(std::string* body, std::optional<size_t> header_length,
 
 namespace {
 
-void AppendNumber(std::string* s, float f) {
+// Writes `f` at `p` (at least 16 bytes of room); returns the end.
+char* WriteNumber(char* p, float f) {
   if (std::isnan(f)) {
-    s->append("NaN");
-  } else if (std::isinf(f)) {
-    s->append(f > 0 ? "Infinity" : "-Infinity");
-  } else {
-    char buf[32];
-    const auto r = std::to_chars(buf, buf + sizeof(buf), f);
-    s->append(buf, r.ptr);
+    std::memcpy(p, "NaN", 3);
+    return p + 3;
   }
+  if (std::isinf(f)) {
+    const char* text = f > 0 ? "Infinity" : "-Infinity";
+    const size_t n = std::strlen(text);
+    std::memcpy(p, text, n);
+    return p + n;
+  }
+  return std::to_chars(p, p + 16, f).ptr;  // The shortest form: at most 15 characters.
 }
 
-// A tensor's bytes as a flat JSON array of its datatype's numbers.
+// A tensor's bytes as a flat JSON array of its datatype's numbers, written in place.
 void AppendData(std::string* s, const std::string& datatype, const char* p, size_t n) {
-  s->push_back('[');
   const size_t size = datatype == "FP32" ? 4 : 2;
-  for (size_t k = 0; k + size <= n; k += size) {
-    if (k > 0) s->push_back(',');
+  const size_t count = n / size;
+  const size_t start = s->size();
+  s->resize(start + 2 + count * 17);  // '[', each number and its comma, ']'.
+  char* out = s->data() + start;
+  *out++ = '[';
+  for (size_t k = 0; k < count; ++k) {
+    if (k > 0) *out++ = ',';
     float f = 0;
     if (size == 4) {
-      std::memcpy(&f, p + k, 4);
+      std::memcpy(&f, p + k * 4, 4);
     } else {
       uint16_t h = 0;
-      std::memcpy(&h, p + k, 2);
+      std::memcpy(&h, p + k * 2, 2);
       f = datatype == "FP16" ? HalfToFloat(h) : BFloat16ToFloat(h);
     }
-    AppendNumber(s, f);
+    out = WriteNumber(out, f);
   }
-  s->push_back(']');
+  *out++ = ']';
+  s->resize(static_cast<size_t>(out - s->data()));
 }
 
 }  // namespace
