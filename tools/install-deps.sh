@@ -30,7 +30,7 @@ packages=(
   libcli11-dev nlohmann-json3-dev
   # The Open Inference Protocol over HTTP (server/http/): libmicrohttpd serves it, simdjson reads
   # its JSON tensors (docs/benchmarks.md "HTTP library").
-  libmicrohttpd-dev libsimdjson-dev
+  libmicrohttpd-dev libsimdjson-dev libgnutls28-dev
   # Test peers: PyTorch itself (conformance), Python gRPC (client path), a real Prometheus and promtool.
   python3-torch python3-grpcio python3-grpc-tools python3-numpy
   # The Python tests' runner (tests/conftest.py).

@@ -1,6 +1,8 @@
 #include "server/http/http_server.h"
 
 #include <arpa/inet.h>
+#include <gnutls/gnutls.h>
+#include <gnutls/x509.h>
 #include <microhttpd.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -44,6 +46,44 @@ struct HttpServer::Pending {
   bool suspended = false;
   std::optional<HttpResponse> response;
 };
+
+namespace {
+
+// The verified client certificate's names (its common name, then its DNS and email subject
+// alternative names); none when the connection has no certificate its CA signed.
+std::vector<std::string> CertificateNames(MHD_Connection* c) {
+  std::vector<std::string> names;
+  const MHD_ConnectionInfo* info = MHD_get_connection_info(c, MHD_CONNECTION_INFO_GNUTLS_SESSION);
+  if (info == nullptr || info->tls_session == nullptr) return names;
+  auto session = static_cast<gnutls_session_t>(info->tls_session);
+  unsigned int status = 0;
+  if (gnutls_certificate_verify_peers2(session, &status) != GNUTLS_E_SUCCESS || status != 0)
+    return names;
+  unsigned int count = 0;
+  const gnutls_datum_t* chain = gnutls_certificate_get_peers(session, &count);
+  if (chain == nullptr || count == 0) return names;
+  gnutls_x509_crt_t cert;
+  if (gnutls_x509_crt_init(&cert) != GNUTLS_E_SUCCESS) return names;
+  if (gnutls_x509_crt_import(cert, &chain[0], GNUTLS_X509_FMT_DER) == GNUTLS_E_SUCCESS) {
+    char buf[256];
+    size_t size = sizeof(buf);
+    if (gnutls_x509_crt_get_dn_by_oid(cert, GNUTLS_OID_X520_COMMON_NAME, 0, 0, buf, &size) ==
+        GNUTLS_E_SUCCESS)
+      names.emplace_back(buf, size);
+    for (unsigned int i = 0; i < 16; ++i) {
+      size = sizeof(buf);
+      const int kind = gnutls_x509_crt_get_subject_alt_name(cert, i, buf, &size, nullptr);
+      if (kind < 0) break;
+      if (kind == GNUTLS_SAN_DNSNAME || kind == GNUTLS_SAN_RFC822NAME)
+        names.emplace_back(buf, size);
+    }
+  }
+  gnutls_x509_crt_deinit(cert);
+  for (std::string& n : names) n.resize(std::strlen(n.c_str()));  // Any terminating NUL counted.
+  return names;
+}
+
+}  // namespace
 
 // libmicrohttpd's callbacks, with the server's private parts.
 struct HttpServerAccess {
@@ -127,6 +167,8 @@ struct HttpServerAccess {
     p->request.path = target.substr(0, q);
     if (q != std::string::npos) p->request.query = target.substr(q + 1);
     MHD_get_connection_values_n(c, MHD_HEADER_KIND, &AddHeader, &p->request);
+    if (!server->options_.tls_client_ca_pem.empty())
+      p->request.certificate_names = CertificateNames(c);
     if (const MHD_ConnectionInfo* info =
             MHD_get_connection_info(c, MHD_CONNECTION_INFO_CLIENT_ADDRESS)) {
       p->request.peer = PeerOf(info->client_addr);
@@ -150,6 +192,11 @@ struct HttpServerAccess {
       Pending* p = Begin(server, c, url, method);
       *state = p;
       std::optional<HttpResponse> refusal = Refusal(*server, p->request);
+      if (!refusal && !server->options_.tls_client_ca_pem.empty() &&
+          p->request.certificate_names.empty()) {
+        refusal =
+            Plain(401, "a client certificate signed by the server's --tls-client-ca is required");
+      }
       if (refusal) {
         p->refused = true;
         return Queue(c, std::move(*refusal));
@@ -319,16 +366,31 @@ StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const HttpOptions& optio
   server->handler_ = std::move(handler);
   ASSIGN_OR_RETURN(server->listen_fd_, Listen(options.address, &server->port_));
   const auto idle = static_cast<unsigned>(std::max(1.0, options.idle_timeout_seconds));
-  server->daemon_ = MHD_start_daemon(
-      MHD_USE_EPOLL_INTERNAL_THREAD | MHD_ALLOW_SUSPEND_RESUME, 0, nullptr, nullptr,
-      &HttpServerAccess::Access, server.get(), MHD_OPTION_LISTEN_SOCKET, server->listen_fd_,
-      MHD_OPTION_THREAD_POOL_SIZE, static_cast<unsigned>(std::max(1, options.threads)),
-      MHD_OPTION_CONNECTION_LIMIT, static_cast<unsigned>(std::max(1, options.max_connections)),
-      MHD_OPTION_PER_IP_CONNECTION_LIMIT,
-      static_cast<unsigned>(std::max(1, options.max_connections_per_peer)),
-      MHD_OPTION_CONNECTION_TIMEOUT, idle, MHD_OPTION_CONNECTION_MEMORY_LIMIT,
-      options.connection_memory_bytes, MHD_OPTION_NOTIFY_COMPLETED, &HttpServerAccess::Completed,
-      server.get(), MHD_OPTION_END);
+  // The options, those of TLS only when it is on.
+  std::vector<MHD_OptionItem> items = {
+      {MHD_OPTION_LISTEN_SOCKET, server->listen_fd_, nullptr},
+      {MHD_OPTION_THREAD_POOL_SIZE, std::max(1, options.threads), nullptr},
+      {MHD_OPTION_CONNECTION_LIMIT, std::max(1, options.max_connections), nullptr},
+      {MHD_OPTION_PER_IP_CONNECTION_LIMIT, std::max(1, options.max_connections_per_peer), nullptr},
+      {MHD_OPTION_CONNECTION_TIMEOUT, static_cast<intptr_t>(idle), nullptr},
+      {MHD_OPTION_CONNECTION_MEMORY_LIMIT, static_cast<intptr_t>(options.connection_memory_bytes),
+       nullptr},
+      {MHD_OPTION_NOTIFY_COMPLETED, reinterpret_cast<intptr_t>(&HttpServerAccess::Completed),
+       server.get()}};
+  unsigned int flags = MHD_USE_EPOLL_INTERNAL_THREAD | MHD_ALLOW_SUSPEND_RESUME;
+  if (!options.tls_cert_pem.empty()) {
+    flags |= MHD_USE_TLS;
+    items.push_back(
+        {MHD_OPTION_HTTPS_MEM_CERT, 0, const_cast<char*>(options.tls_cert_pem.c_str())});
+    items.push_back({MHD_OPTION_HTTPS_MEM_KEY, 0, const_cast<char*>(options.tls_key_pem.c_str())});
+    if (!options.tls_client_ca_pem.empty()) {
+      items.push_back(
+          {MHD_OPTION_HTTPS_MEM_TRUST, 0, const_cast<char*>(options.tls_client_ca_pem.c_str())});
+    }
+  }
+  items.push_back({MHD_OPTION_END, 0, nullptr});
+  server->daemon_ = MHD_start_daemon(flags, 0, nullptr, nullptr, &HttpServerAccess::Access,
+                                     server.get(), MHD_OPTION_ARRAY, items.data(), MHD_OPTION_END);
   if (server->daemon_ == nullptr) {
     close(server->listen_fd_);
     return Status(StatusCode::kFailedPrecondition,

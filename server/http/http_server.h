@@ -48,6 +48,10 @@ struct HttpOptions {
   size_t connection_memory_bytes = 64 << 10;
   /// Threads that serve the connections (each an epoll loop).
   int threads = 2;
+  /// TLS (the server's --tls-cert and --tls-key, PEM contents; empty: plaintext). With
+  /// `tls_client_ca_pem` (--tls-client-ca), a request must come with a client certificate that CA
+  /// signed (401 otherwise), and its names are the request's `certificate_names`.
+  std::string tls_cert_pem, tls_key_pem, tls_client_ca_pem;
 };
 
 /// A whole request: header names in lower case, in the order they came.
@@ -57,6 +61,9 @@ struct HttpRequest {
   std::string body;
   std::string peer;         ///< The peer's address without its port (PeerOf's form).
   bool local_peer = false;  ///< Loopback.
+  /// Under mutual TLS, the verified client certificate's common name, then its DNS and email
+  /// subject alternative names.
+  std::vector<std::string> certificate_names;
   SteadyClock::time_point received = SteadyClock::now();
   /// The first value of header `name` (lower case), or null.
   const std::string* Header(const std::string& name) const;

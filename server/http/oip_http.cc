@@ -47,10 +47,10 @@ StatusOr<CallContext> CallOf(const HttpRequest& r, const RequestPipeline& pipeli
   std::string header = pipeline.tenant_header();
   std::transform(header.begin(), header.end(), header.begin(),
                  [](unsigned char c) { return std::tolower(c); });
-  ASSIGN_OR_RETURN(
-      call.tenant,
-      TenantOfCall({}, header, header.empty() ? std::vector<std::string>{} : r.Values(header),
-                   "header '" + header + "'"));
+  ASSIGN_OR_RETURN(call.tenant,
+                   TenantOfCall(r.certificate_names, header,
+                                header.empty() ? std::vector<std::string>{} : r.Values(header),
+                                "header '" + header + "'"));
   call.local_peer = r.local_peer;
   call.peer = r.peer;
   const std::vector<std::string> parents = r.Values("traceparent");

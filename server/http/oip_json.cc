@@ -353,6 +353,15 @@ Status RequestOf(dom::element root, const std::string& body, std::optional<size_
         if (b->second.get_bool().get(form->binary_default) != simdjson::SUCCESS)
           return Wrong("parameters['binary_data_output']", b->second, "true or false");
       }
+    } else if (key == "model_name" || key == "model_version") {
+      // KServe's REST client names the model in the body too: it must be the path's.
+      ASSIGN_OR_RETURN(std::string_view named, StringOf(key, kv.value));
+      const std::string& path = key == "model_name" ? out->model_name() : out->model_version();
+      if (named != path && !(key == "model_version" && path.empty())) {
+        return InvalidArgument(key + ": '" + Str(named) + "', but the path names '" + path +
+                               "'; send the same or none");
+      }
+      if (key == "model_version") out->set_model_version(Str(named));
     } else if (key == "inputs") {
       inputs = kv.value;
     } else if (key == "outputs") {
@@ -360,7 +369,7 @@ Status RequestOf(dom::element root, const std::string& body, std::optional<size_
     } else {
       return InvalidArgument("'" + key +
                              "' is not a field of an infer request; allowed: id, parameters, "
-                             "inputs, outputs");
+                             "inputs, outputs, model_name, model_version");
     }
   }
   if (!inputs) return InvalidArgument("inputs: missing; an infer request names its inputs");

@@ -535,6 +535,15 @@ Status Server::Impl::StartHttp() {
   HttpOptions http_options = options.http;
   http_options.max_body_bytes = options.max_message_bytes;
   http_options.max_body_bytes_held = options.flow.max_inflight_bytes;
+  // The same certificates as gRPC's (checked there first: both or neither of cert and key).
+  if (!options.tls_cert_file.empty()) {
+    ASSIGN_OR_RETURN(http_options.tls_cert_pem, ReadPem("--tls-cert", options.tls_cert_file));
+    ASSIGN_OR_RETURN(http_options.tls_key_pem, ReadPem("--tls-key", options.tls_key_file));
+    if (!options.tls_client_ca_file.empty()) {
+      ASSIGN_OR_RETURN(http_options.tls_client_ca_pem,
+                       ReadPem("--tls-client-ca", options.tls_client_ca_file));
+    }
+  }
   ASSIGN_OR_RETURN(http, HttpServer::Start(http_options, [this](HttpRequest&& r, HttpReply reply) {
                      oip_http->Handle(std::move(r), std::move(reply));
                    }));
@@ -564,6 +573,7 @@ std::string Server::Describe() const {
   if (impl_->http) {
     const std::string& h = impl_->options.http.address;
     s += ", HTTP on " + h.substr(0, h.rfind(':')) + ":" + std::to_string(impl_->http_port);
+    if (!impl_->options.tls_cert_file.empty()) s += " (TLS)";
   }
   if (!impl_->options.tls_cert_file.empty()) {
     s += impl_->options.tls_client_ca_file.empty() ? ", TLS"

@@ -430,6 +430,55 @@ def test_docs_curl_commands(attnserve, checks):
     server.stop()
 
 
+def test_tls_and_client_certificates(attnserve, checks, tmp_path):
+    """With --tls-cert/--tls-key the HTTP port speaks TLS with the same certificate as gRPC (a
+    plaintext request gets no answer); with --tls-client-ca a request needs a client certificate
+    that CA signed (401 without one; the TLS handshake itself refuses another CA's), and the
+    certificate's name is the tenant, whatever a trusted header claims (the access log says)."""
+    import ssl
+
+    import pki
+
+    d = str(tmp_path)
+    pki.make_pki(d)
+    log = tmp_path / "access.log"
+    server, _ = serve(attnserve, "--tls-cert", f"{d}/server.pem", "--tls-key", f"{d}/server.key",
+                      "--tls-client-ca", f"{d}/ca.pem", "--tenant-header", "x-tenant", "--access-log", str(log),
+                      models={"mha": build(3010)})
+
+    def call(cert=None, method="GET", path="/v2/health/ready", body=None, headers=None):
+        ctx = ssl.create_default_context(cafile=f"{d}/ca.pem")
+        if cert:
+            ctx.load_cert_chain(f"{d}/{cert}.pem", f"{d}/{cert}.key")
+        c = http.client.HTTPSConnection("127.0.0.1", server.http_port, context=ctx, timeout=20)
+        try:
+            c.request(method, path, body=body, headers=headers or {})
+            r = c.getresponse()
+            return r.status, r.read()
+        except (ssl.SSLError, OSError) as e:
+            return None, str(e).encode()
+        finally:
+            c.close()
+
+    status, data = call("client")
+    checks("HTTPS with the client's certificate: 200", status == 200, data[:200])
+    status, data = call()
+    checks("HTTPS without a client certificate: 401", status == 401 and b"--tls-client-ca" in data, data[:200])
+    status, data = call("stranger")
+    checks("another CA's certificate: refused", status in (None, 401), f"{status} {data[:200]}")
+    plain = raw_exchange(server.http_port, b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n")
+    checks("plaintext HTTP to the TLS port: no HTTP answer", not plain.startswith(b"HTTP/1.1 200"), plain[:100])
+    q = np.zeros((1, 2, E), np.float32)
+    body = json.dumps({"id": "tls", "inputs": [{"name": "query", "datatype": "FP32", "shape": [1, 2, E],
+                                                "data": q.ravel().tolist()}]})
+    status, data = call("client", "POST", "/v2/models/mha/infer", body, {"x-tenant": "admin"})
+    checks("infer over HTTPS: 200", status == 200, data[:200])
+    server.stop()
+    tenants = [l.get("tenant") for l in map(json.loads, log.read_text().splitlines())
+               if l.get("method") == "http/ModelInfer"]
+    checks("the certificate's name is the tenant, not the header's", tenants == ["client"], str(tenants))
+
+
 def test_request_in_flight_at_stop_is_answered(attnserve, checks):
     server, _ = serve(attnserve, "--workers", "1", models={"mha": build(3008)})
     q = np.random.default_rng(9).standard_normal((8, 1024, E)).astype(np.float32)

@@ -414,6 +414,19 @@ def test_a_bad_collector_changes_no_answer_and_no_latency(attnserve, mode, check
     checks(f"collector {mode}: the server still stops promptly ({stop_s:.1f} s)", stop_s < 10)
 
 
+def settled_rss(server):
+    """The server's resident KiB once it settles: the batcher gives freed memory back after 1 s
+    idle (malloc_trim), so a sample taken just after the load may come before or after that; this
+    one waits until VmRSS has not changed for 2.5 s (at most 20 s)."""
+    last, since, deadline = lib.status_kb(server.proc.pid, "VmRSS"), time.monotonic(), time.monotonic() + 20
+    while time.monotonic() - since < 2.5 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = lib.status_kb(server.proc.pid, "VmRSS")
+        if now != last:
+            last, since = now, time.monotonic()
+    return last
+
+
 def test_memory_stays_flat_over_60000_requests_at_rate_1(attnserve, bench, checks):
     """60,000 traced requests (five spans each, and their batches') to a collector that accepts everything: the
     exporter's queue is bounded, so the server's memory after the first 15,000 does not grow.
@@ -430,11 +443,11 @@ def test_memory_stays_flat_over_60000_requests_at_rate_1(attnserve, bench, check
     try:
         while served() < 15000:
             subprocess.run(load + ["--duration", "3"], capture_output=True, timeout=120, check=True)
-        rss_start = lib.status_kb(server.proc.pid, "VmRSS")
+        rss_start = settled_rss(server)
         start = served()
         while served() < start + 45000:
             subprocess.run(load + ["--duration", "5"], capture_output=True, timeout=120, check=True)
-        rss_end = lib.status_kb(server.proc.pid, "VmRSS")
+        rss_end = settled_rss(server)
         total = served()
         spans = lambda: (metric(server, "attnserve_trace_spans_exported_total"),  # noqa: E731
                          metric(server, "attnserve_trace_spans_dropped_total"))

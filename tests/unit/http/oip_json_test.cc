@@ -103,6 +103,11 @@ TEST(OipJsonTest, RefusalsNameTheField) {
             std::string::npos);
   EXPECT_NE(refused(R"({"inputs":[],"extra":1})").find("'extra' is not a field"),
             std::string::npos);
+  // KServe's REST client names the model in the body as well: the path's, or refused.
+  EXPECT_NE(refused(R"({"model_name":"other","inputs":[]})")
+                .find("model_name: 'other', but the path names 'm'"),
+            std::string::npos);
+  EXPECT_EQ(refused(R"({"model_name":"m","model_version":"2","inputs":[]})"), "");
   EXPECT_NE(refused(std::string(1000, '[') + std::string(1000, ']')).find("deeper than 64"),
             std::string::npos);
   EXPECT_NE(refused("{\"inputs\":").find("not JSON"), std::string::npos);
