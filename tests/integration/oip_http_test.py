@@ -479,6 +479,67 @@ def test_tls_and_client_certificates(attnserve, checks, tmp_path):
     checks("the certificate's name is the tenant, not the header's", tenants == ["client"], str(tenants))
 
 
+def test_behind_nginx_on_kept_alive_connections(attnserve, checks):
+    """deploy/nginx/nginx.conf's HTTP server in front of two replicas: 40 infer calls, each on a new
+    client connection, answered as the replicas answer them directly, spread over both, on upstream
+    connections nginx keeps open (HTTP/1.1 keepalive: no connection to a replica closed and left in
+    TIME_WAIT, at most a few open)."""
+    models = {"mha": build(3011)}
+    a, _ = serve(attnserve, models=models)
+    b, _ = serve(attnserve, models=models)
+    prefix = lib.temp_dir("attnserve-http-nginx-")
+    port = raw_free_port()
+    nginx = lib.start_nginx(prefix, [a.port, b.port], raw_free_port(), http_ports=[a.http_port, b.http_port],
+                            http_listen_port=port)
+    try:
+        lib.wait_until(lambda: socket_open(port), timeout=20, step=0.05)
+        q = np.random.default_rng(12).standard_normal((1, 3, E)).astype(np.float32)
+        raw = q.tobytes()
+        header = json.dumps({"inputs": [{"name": "query", "datatype": "FP32", "shape": list(q.shape),
+                                         "parameters": {"binary_data_size": len(raw)}}],
+                             "parameters": {"binary_data_output": True}}).encode()
+        headers = {"Inference-Header-Content-Length": str(len(header))}
+        answers = []
+        for _ in range(40):
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            c.request("POST", "/v2/models/mha/infer", body=header + raw, headers=headers)
+            r = c.getresponse()
+            answers.append((r.status, r.read()))
+            c.close()
+        counted = [sum(float(l.rsplit(" ", 1)[1]) for l in lib.metrics_lines(s, "attnserve_requests_total")
+                       if 'method="http/ModelInfer"' in l) for s in (a, b)]
+        checks("spread over both replicas", all(n >= 5 for n in counted), str(counted))
+        ports = f"( dport = :{a.http_port} or dport = :{b.http_port} )"
+        waiting = subprocess.run(["ss", "-Htan", "state", "time-wait", ports], capture_output=True, text=True).stdout
+        open_now = subprocess.run(["ss", "-Htan", "state", "established", ports], capture_output=True,
+                                  text=True).stdout
+        checks("upstream connections kept alive: none closed into TIME_WAIT", waiting.strip() == "", waiting)
+        checks("a few upstream connections open", 1 <= len(open_now.splitlines()) <= 8, open_now)
+        # Then straight to a replica (its own connection, closed by this client: after the counts).
+        status, direct, _ = request(a, "POST", "/v2/models/mha/infer", header + raw, headers)
+        checks("40 calls through nginx answered as a replica answers directly",
+               status == 200 and all(x == (200, direct) for x in answers), str([x[0] for x in answers][:10]))
+    finally:
+        nginx.terminate()
+        nginx.wait(timeout=30)
+        a.stop()
+        b.stop()
+
+
+def raw_free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def socket_open(port):
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
 def test_request_in_flight_at_stop_is_answered(attnserve, checks):
     server, _ = serve(attnserve, "--workers", "1", models={"mha": build(3008)})
     q = np.random.default_rng(9).standard_normal((8, 1024, E)).astype(np.float32)

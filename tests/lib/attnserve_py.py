@@ -4,6 +4,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import struct
 import subprocess
 import sys
@@ -259,10 +260,22 @@ def wait_until(predicate, timeout=20.0, step=0.1):
     return False
 
 
-def start_nginx(prefix, upstream_ports, listen_port, tls=None):
+def start_nginx(prefix, upstream_ports, listen_port, tls=None, http_ports=(), http_listen_port=None):
     """nginx from deploy/nginx/nginx.conf with these upstreams and this port; its log in prefix/. With
-    `tls` (certificate, key): TLS at nginx (`listen ... ssl http2`)."""
+    `tls` (certificate, key): TLS at nginx (`listen ... ssl http2`). `http_ports`: the replicas'
+    --http-address ports behind its HTTP/1.1 server, listening on `http_listen_port` (a free port
+    picked when not given)."""
     conf = open(os.path.join(ROOT, "deploy", "nginx", "nginx.conf")).read()
+    begin, end = conf.index("  upstream attnserve_http {"), conf.index("  # --- end of the HTTP replicas")
+    pool = "".join(f"    server 127.0.0.1:{p} max_fails=1 fail_timeout=2s;\n" for p in http_ports)
+    if not http_ports:
+        pool = "    server 127.0.0.1:1 down;\n"
+    conf = conf[:begin] + "  upstream attnserve_http {\n" + pool + "    keepalive 32;\n  }\n" + conf[end:]
+    if http_listen_port is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            http_listen_port = s.getsockname()[1]
+    conf = conf.replace("listen 127.0.0.1:8081;", f"listen 127.0.0.1:{http_listen_port};")
     # Its replicas' section, rewritten for these: the pool, an upstream each, the map between.
     begin, end = conf.index("  upstream attnserve {"), conf.index("  # --- end of the replicas")
     pool = "".join(f"    server 127.0.0.1:{p} max_fails=1 fail_timeout=2s;\n" for p in upstream_ports)
