@@ -1,11 +1,12 @@
 """Closed-loop load from Python clients, for bench/run.sh's client rows: the same workloads as
 attnserve-bench (batch 1, E=512 float32 queries of drawn lengths, self-attention on the `demo` model) sent
-through tritonclient's ModelInfer ("oip") or the attnserve package's Client.attend ("pypkg"), one thread and
+through tritonclient's ModelInfer over gRPC ("oip") or over HTTP with binary tensor data ("oip_http", the
+target then an HTTP port) or the attnserve package's Client.attend ("pypkg"), one thread and
 one client per caller. Appends one JSON line in attnserve-bench's format.
 
-usage: python_clients.py --client oip|pypkg --target HOST:PORT --callers N --lengths fixed:L|uniform:A:B
+usage: python_clients.py --client oip|oip_http|pypkg --target HOST:PORT --callers N --lengths fixed:L|uniform:A:B
                          --duration S --warmup S --label LABEL --json FILE
-Run oip with tools/oip-env.sh's python, pypkg with tools/python-env.sh newest's.
+Run oip and oip_http with tools/oip-env.sh's python, pypkg with tools/python-env.sh newest's.
 """
 import argparse
 import json
@@ -19,6 +20,16 @@ E = 512
 
 def caller_fn(kind, target):
     """A function sending one query and returning once answered (raises on an error)."""
+    if kind == "oip_http":  # The Open Inference Protocol over HTTP, binary tensor data both ways.
+        import tritonclient.http as th
+        client = th.InferenceServerClient(target, connection_timeout=120, network_timeout=120)
+
+        def call(q):
+            t = th.InferInput("query", list(q.shape), "FP32")
+            t.set_data_from_numpy(q, binary_data=True)
+            client.infer("demo", [t], outputs=[th.InferRequestedOutput("attn_output", binary_data=True)]) \
+                .as_numpy("attn_output")
+        return call
     if kind == "oip":
         import tritonclient.grpc as tc
         client = tc.InferenceServerClient(target)

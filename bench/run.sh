@@ -20,6 +20,9 @@
 # the attnserve package (client/python); their cost over the C++ client is printed as ratios.
 # kserve and mlserver speak the Open Inference Protocol, not attnserve's .proto: they run W1 and W3 only,
 # driven by that same tritonclient load, and are printed against the `on` server's "oip" rows.
+# HTTP: the `on` server's --http-address through tritonclient.http with binary tensor data ("oip_http")
+# on W1 and on W2's lengths (self-attention), against tritonclient.grpc on the same, and against the
+# kserve and mlserver peers' own REST endpoints under the same HTTP load.
 # Results: bench/out/results.jsonl. Takes ~20 minutes (Ray starts in ~30-90 s a round, MLServer ~15 s).
 # BENCH_CLIENTS_ONLY=1: only the `on` server and the client rows (~2 minutes).
 set -euo pipefail
@@ -31,6 +34,7 @@ rm -rf "$out" && mkdir -p "$out"
 cmake --build "$build" -j"$(nproc)" --target attnserve attnserve_bench >/dev/null
 command -v gnuplot >/dev/null || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends gnuplot-nox >/dev/null; }
 port=50071
+http_port=50072  # attnserve's --http-address, the peers' REST port
 pid=
 clients_only=${BENCH_CLIENTS_ONLY:-0}
 peer_python= kserve_python= mlserver_python=
@@ -57,11 +61,11 @@ start() {  # system
   case $1 in
     floor) return ;;
     off) "$build/attnserve" --address 127.0.0.1:$port --metrics-address "" --http-address "" --no-batching >"$out/server.log" 2>&1 & pid=$! ;;
-    on) "$build/attnserve" --address 127.0.0.1:$port --metrics-address "" --http-address "" >"$out/server.log" 2>&1 & pid=$! ;;
+    on) "$build/attnserve" --address 127.0.0.1:$port --metrics-address "" --http-address 127.0.0.1:$http_port >"$out/server.log" 2>&1 & pid=$! ;;
     python) /usr/bin/python3 bench/baselines/python_server.py --port $port >"$out/server.log" 2>&1 & pid=$! ;;
     ray) "$peer_python" bench/baselines/ray_serve_peer.py --port $port >"$out/server.log" 2>&1 & pid=$! ;;
-    kserve) "$kserve_python" bench/baselines/kserve_peer.py --port $port >"$out/server.log" 2>&1 & pid=$! ;;
-    mlserver) "$mlserver_python" bench/baselines/mlserver_peer.py --port $port >"$out/server.log" 2>&1 & pid=$! ;;
+    kserve) "$kserve_python" bench/baselines/kserve_peer.py --port $port --http-port $http_port >"$out/server.log" 2>&1 & pid=$! ;;
+    mlserver) "$mlserver_python" bench/baselines/mlserver_peer.py --port $port --http-port $http_port >"$out/server.log" 2>&1 & pid=$! ;;
     one-core) taskset -c 0 "$build/attnserve" --address 127.0.0.1:$port --metrics-address "" --http-address "" >"$out/server.log" 2>&1 & pid=$! ;;
   esac
   for _ in $(seq 900); do grep -qE "serving" "$out/server.log" 2>/dev/null && return; sleep 0.2; done
@@ -85,9 +89,12 @@ bench() {  # system workload args...
 
 pybench() {  # client label args...: Python clients against the running server (`on`, kserve, mlserver)
   local client=$1 label=$2; shift 2
-  local python=$pkg_python
+  local python=$pkg_python target=127.0.0.1:$port
   [ "$client" = oip ] && python=$oip_python
-  "$python" bench/python_clients.py --client "$client" --target 127.0.0.1:$port --label "$label" \
+  # The Open Inference Protocol over HTTP: the server's HTTP port (attnserve's --http-address, the
+  # peers' own REST port).
+  [ "$client" = oip_http ] && python=$oip_python target=127.0.0.1:$http_port
+  "$python" bench/python_clients.py --client "$client" --target "$target" --label "$label" \
     --warmup 2 --json "$out/results.jsonl" "$@" >/dev/null
 }
 
@@ -104,6 +111,8 @@ for round in $(seq "$rounds"); do
       kserve|mlserver)
         pybench oip $system/W1/r$round --duration "$duration" --callers 32 --lengths uniform:8:64
         pybench oip $system/W3/r$round --duration "$duration" --callers 1 --lengths fixed:128
+        pybench oip_http http-$system/W1/r$round --duration "$duration" --callers 32 --lengths uniform:8:64
+        pybench oip_http http-$system/W2/r$round --duration "$duration" --callers 32 --lengths uniform:16:512
         continue ;;
     esac
     bench $system W1/r$round --duration "$duration" --callers 32 --lengths uniform:8:64
@@ -111,6 +120,12 @@ for round in $(seq "$rounds"); do
       for client in oip pypkg; do
         pybench $client $client/W1/r$round --duration "$duration" --callers 32 --lengths uniform:8:64
         pybench $client $client/W3/r$round --duration "$duration" --callers 1 --lengths fixed:128
+      done
+      # HTTP against gRPC, both through tritonclient: W1, and W2's lengths (self-attention only:
+      # the Python clients send queries alone).
+      pybench oip oip/W2/r$round --duration "$duration" --callers 32 --lengths uniform:16:512
+      for w in "W1 uniform:8:64" "W2 uniform:16:512"; do
+        pybench oip_http http-on/${w% *}/r$round --duration "$duration" --callers 32 --lengths "${w#* }"
       done
     fi
     [ "$clients_only" = 1 ] && { bench $system W3/r$round --duration "$duration" --callers 1 --lengths fixed:128; continue; }
@@ -172,6 +187,27 @@ if peers:
             div = lambda a, b: a / b if b else float("inf")  # A peer that answered nothing: inf.
             ratios = "" if s == "oip" else f"{div(on_tok, t):14.2f} {div(on_p50, p50):12.2f}"
             print(f"{w:8s} {name:26s} {med(s, w, rps)[0]:8.1f} {t:9.0f} {p50:8.2f} {p99:8.2f} {ratios}".rstrip())
+if any(r["label"].startswith("http-on/") for r in rows):
+    print()
+    print("the Open Inference Protocol over HTTP (tritonclient.http, binary tensor data) against the same over")
+    print("gRPC (tritonclient.grpc), and against the peers' own REST endpoints under the same HTTP load;")
+    print("W2 here: 32 callers, lengths 16-512, self-attention")
+    print(f"{'workload':8s} {'server':30s} {'req/s':>8s} {'tok/s':>9s} {'p50 ms':>8s} {'p99 ms':>8s} {'ratio':>28s}")
+    http_peers = [(s, n) for s, n in (("http-kserve", "KServe 0.21 REST"), ("http-mlserver", "MLServer 1.7.1 REST"))
+                  if any(r["label"].startswith(s + "/") for r in rows)]
+    for w in ["W1", "W2"]:
+        on_tok = med("http-on", w, tok)[0]
+        for s, name in [("oip", "attnserve over gRPC"), ("http-on", "attnserve over HTTP")] + http_peers:
+            t, p50, p99 = med(s, w, tok)[0], med(s, w, pct("p50"))[0], med(s, w, pct("p99"))[0]
+            if s == "oip":
+                ratio = ""
+            elif s == "http-on":
+                ratio = f"HTTP/gRPC {t / t_grpc if t_grpc else float('inf'):.2f} (goal >= 0.8)"
+            else:
+                ratio = f"attnserve/peer {on_tok / t if t else float('inf'):.2f} (goal >= 5)"
+            if s == "oip":
+                t_grpc = t
+            print(f"{w:8s} {name:30s} {med(s, w, rps)[0]:8.1f} {t:9.0f} {p50:8.2f} {p99:8.2f} {ratio:>28s}".rstrip())
 if not any(r["label"].startswith("floor/") for r in rows):
     sys.exit(0)  # BENCH_CLIENTS_ONLY
 print()
