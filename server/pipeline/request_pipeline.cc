@@ -45,11 +45,20 @@ std::string NowUtc() {
 SpanData CallSpan(const Tracer& tracer, const CallTrace& trace, const char* method,
                   SteadyClock::time_point received, SteadyClock::time_point end,
                   const Status& seen) {
-  SpanData span =
-      tracer.ServerSpan(trace, std::string(ServiceOf(method)) + "/" + method, received, end);
-  span.Set("rpc.system", std::string("grpc"));
-  span.Set("rpc.service", std::string(ServiceOf(method)));
-  span.Set("rpc.method", std::string(method));
+  const std::string m = method;
+  SpanData span;
+  if (m.rfind("http/", 0) == 0) {
+    // The Open Inference Protocol over HTTP: OpenTelemetry's HTTP server span, named by its route.
+    const std::string route = "/v2/models/{model_name}/infer";
+    span = tracer.ServerSpan(trace, "POST " + route, received, end);
+    span.Set("http.request.method", std::string("POST"));
+    span.Set("http.route", route);
+  } else {
+    span = tracer.ServerSpan(trace, std::string(ServiceOf(method)) + "/" + method, received, end);
+    span.Set("rpc.system", std::string("grpc"));
+    span.Set("rpc.service", std::string(ServiceOf(method)));
+    span.Set("rpc.method", m);
+  }
   span.Set("attnserve.status", std::string(StatusCodeName(seen.code())));  // the metrics' label
   if (!seen.ok()) {
     span.error = true;

@@ -92,3 +92,37 @@ def test_tritonclient_headers_and_stream_parameters_carry_the_trace(attnserve, c
            and stream[0]["parent_span_id"] == PARENT, stream)
     checks("the stream's request without one made no span (rate 0)",
            len([s for s in all_spans if s["kind"] == "server"]) == 2)
+
+
+def test_http_traceparent_header_carries_the_trace(attnserve, collector, checks):
+    """The HTTP port reads `traceparent` and `tracestate` headers: the call's server span (an HTTP
+    server span named by its route) is under the caller's parent, with its decode, queue, compute
+    and encode."""
+    import http.client
+
+    endpoint, spans = collector
+    server = lib.Server(attnserve, "--trace-endpoint", endpoint)
+    trace = "4bf92f3577b34da6a3ce929d0e0e4736"
+    q = np.random.default_rng(8).standard_normal((1, 3, E)).astype(np.float32)
+    body = json.dumps({"inputs": [{"name": "query", "datatype": "FP32", "shape": [1, 3, E],
+                                   "data": q.ravel().tolist()}]})
+    try:
+        c = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=30)
+        c.request("POST", "/v2/models/demo/infer", body=body,
+                  headers={"traceparent": f"00-{trace}-{PARENT}-01", "tracestate": "http=1"})
+        r = c.getresponse()
+        r.read()
+        checks("HTTP infer answered", r.status == 200, r.status)
+        found = lib.wait_until(lambda: any(s["trace_id"] == trace and s["kind"] == "server" for s in spans()),
+                               timeout=15)
+    finally:
+        server.stop()
+    all_spans = spans()
+    call = [s for s in all_spans if s["trace_id"] == trace and s["kind"] == "server"]
+    checks("the header's trace: the HTTP call's server span under the caller's parent, with its tracestate",
+           found and len(call) == 1 and call[0]["name"] == "POST /v2/models/{model_name}/infer"
+           and call[0]["parent_span_id"] == PARENT and call[0]["trace_state"] == "http=1", call)
+    children = {s["name"] for s in all_spans if call and s["parent_span_id"] == call[0]["span_id"]}
+    checks("with its decode, queue, compute and encode", children == {
+        "attnserve.decode", "attnserve.queue", "attnserve.compute", "attnserve.encode"}, children)
+
