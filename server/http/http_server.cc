@@ -135,6 +135,16 @@ struct HttpServerAccess {
 
   // The headers are in: a body too large, or one encoded, is refused before a byte is read.
   static std::optional<HttpResponse> Refusal(const HttpServer& server, const HttpRequest& r) {
+    // Framing that a proxy in front could read another way (request smuggling) is refused.
+    const size_t lengths = r.Values("content-length").size();
+    if (lengths > 1) {
+      return Plain(400,
+                   "Content-Length: given " + std::to_string(lengths) + " times; allowed: once");
+    }
+    if (lengths == 1 && r.Header("transfer-encoding") != nullptr) {
+      return Plain(400,
+                   "Content-Length and Transfer-Encoding: both given; allowed: one or the other");
+    }
     if (const std::string* length = r.Header("content-length")) {
       char* end = nullptr;
       errno = 0;

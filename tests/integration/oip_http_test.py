@@ -288,6 +288,14 @@ def test_errors_and_bounds(attnserve, checks):
     got = raw_exchange(server.http_port, b"POST /v2/models/mha/infer HTTP/1.1\r\nHost: x\r\n"
                        b"Transfer-Encoding: chunked\r\n\r\n" + body)
     checks("a chunked body past the bound: 413", got.startswith(b"HTTP/1.1 413"), got[:200])
+    # Framing a proxy in front could read otherwise (request smuggling): refused.
+    got = raw_exchange(server.http_port, b"POST /v2/models/mha/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+                       b"Content-Length: 40\r\n\r\n{}" + b" " * 38)
+    checks("two Content-Length headers: 400", got.startswith(b"HTTP/1.1 400") and b"Content-Length" in got, got[:300])
+    got = raw_exchange(server.http_port, b"POST /v2/models/mha/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 7\r\n"
+                       b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n")
+    checks("Content-Length with Transfer-Encoding: 400", got.startswith(b"HTTP/1.1 400") and
+           b"Transfer-Encoding" in got, got[:300])
     # Headers past the connection's buffer: refused, the server goes on.
     got = raw_exchange(server.http_port, b"GET /v2 HTTP/1.1\r\nHost: x\r\n" +
                        b"".join(b"X-Pad-%d: %s\r\n" % (i, b"p" * 1000) for i in range(200)) + b"\r\n")
