@@ -43,7 +43,8 @@ struct HttpServer::Pending {
   int64_t counted = 0;       // Its body's room, counted in HttpServer::body_bytes_.
   bool dispatched = false;   // Handed to the handler: counted in flight until completed.
   std::mutex mu;
-  bool suspended = false;
+  bool suspended = false;      // Suspended now, its answer not yet given.
+  bool was_suspended = false;  // Counted in HttpServer::suspended_ until its answer is queued.
   std::optional<HttpResponse> response;
 };
 
@@ -102,7 +103,8 @@ struct HttpServerAccess {
     return MHD_YES;
   }
 
-  static MHD_Result Queue(MHD_Connection* c, HttpResponse r) {
+  static MHD_Result Queue(const HttpServer* server, MHD_Connection* c, HttpResponse r) {
+    const bool draining = server->draining_.load();
     // The head and the tail's buffers as they are; the holder frees them once sent.
     auto* held = new HttpResponse(std::move(r));
     std::vector<MHD_IoVec> iov;
@@ -119,6 +121,9 @@ struct HttpServerAccess {
       return MHD_NO;
     }
     MHD_add_response_header(response, MHD_HTTP_HEADER_CONTENT_TYPE, held->content_type.c_str());
+    // From the drain on, each answer closes its connection: keep-alive callers reconnect (to
+    // another replica) instead of sending more here.
+    if (draining) MHD_add_response_header(response, MHD_HTTP_HEADER_CONNECTION, "close");
     for (const auto& [k, v] : held->headers)
       MHD_add_response_header(response, k.c_str(), v.c_str());
     const MHD_Result queued = MHD_queue_response(c, static_cast<unsigned>(held->code), response);
@@ -209,7 +214,7 @@ struct HttpServerAccess {
       }
       if (refusal) {
         p->refused = true;
-        return Queue(c, std::move(*refusal));
+        return Queue(server, c, std::move(*refusal));
       }
       return MHD_YES;
     }
@@ -267,20 +272,27 @@ struct HttpServerAccess {
 
   static MHD_Result Complete(HttpServer* server, Pending* p, MHD_Connection* c) {
     if (p->over_budget) {
-      return Queue(c, Plain(503, "the server holds its bound of request bodies arriving (" +
-                                     std::to_string(server->options_.max_body_bytes_held) +
-                                     " bytes, --max-inflight-bytes); retry"));
+      return Queue(server, c,
+                   Plain(503, "the server holds its bound of request bodies arriving (" +
+                                  std::to_string(server->options_.max_body_bytes_held) +
+                                  " bytes, --max-inflight-bytes); retry"));
     }
     if (p->too_large) {
-      return Queue(c,
+      return Queue(server, c,
                    Plain(413, "the body passed " + std::to_string(server->options_.max_body_bytes) +
                                   " bytes; allowed: at most that (--max-message-bytes)"));
     }
     std::unique_lock<std::mutex> lock(p->mu);
     if (!p->dispatched) {
-      p->dispatched = true;
       {
+        // Once the server stops, no request is handed over (and no connection suspended, which
+        // would keep libmicrohttpd from stopping): the caller is told to go elsewhere.
         std::lock_guard<std::mutex> count(server->mu_);
+        if (server->stopped_) {
+          lock.unlock();
+          return Queue(server, c, Plain(503, "the server is stopping; retry on another replica"));
+        }
+        p->dispatched = true;
         ++server->in_flight_;
         ++server->unanswered_;
       }
@@ -304,10 +316,19 @@ struct HttpServerAccess {
     if (p->response) {
       HttpResponse r = std::move(*p->response);
       p->response.reset();
+      if (p->was_suspended) {
+        p->was_suspended = false;
+        std::lock_guard<std::mutex> count(server->mu_);
+        if (--server->suspended_ == 0) server->idle_.notify_all();
+      }
       lock.unlock();
-      return Queue(c, std::move(r));
+      return Queue(server, c, std::move(r));
     }
-    p->suspended = true;
+    {
+      std::lock_guard<std::mutex> count(server->mu_);
+      ++server->suspended_;
+    }
+    p->suspended = p->was_suspended = true;
     MHD_suspend_connection(c);
     return MHD_YES;
   }
@@ -414,24 +435,30 @@ int64_t HttpServer::in_flight() const {
   return in_flight_;
 }
 
-void HttpServer::Stop(SteadyClock::time_point deadline) {
+void HttpServer::BeginDrain() { draining_.store(true); }
+
+int64_t HttpServer::Stop(SteadyClock::time_point deadline) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (stopped_) return;
+    if (stopped_) return 0;
     stopped_ = true;
   }
-  // No new connection from here; the requests handed over are answered and sent first (until
-  // `deadline`). One whose answer has not come yet holds its connection suspended, which
-  // libmicrohttpd cannot close: the wait for those has no deadline (the pipeline answers every
-  // request it took, and the stop drains it first).
+  draining_.store(true);
+  // No new connection, and no new request handed over (each is answered 503), from here; the
+  // requests handed over are answered and sent first (until `deadline`). One whose answer has not
+  // been queued holds its connection suspended, which libmicrohttpd cannot stop with (it aborts):
+  // the wait for those has no deadline (the pipeline answers every request it took, and the stop
+  // drains it first).
   const MHD_socket listener = MHD_quiesce_daemon(daemon_);
   if (listener != MHD_INVALID_SOCKET) close(listener);
   std::unique_lock<std::mutex> lock(mu_);
   idle_.wait_until(lock, deadline, [this] { return in_flight_ == 0; });
-  idle_.wait(lock, [this] { return unanswered_ == 0; });
+  idle_.wait(lock, [this] { return unanswered_ == 0 && suspended_ == 0; });
+  const int64_t cut = in_flight_;  // Answers still being sent: their connections close now.
   lock.unlock();
   MHD_stop_daemon(daemon_);
   daemon_ = nullptr;
+  return cut;
 }
 
 HttpServer::~HttpServer() {

@@ -96,9 +96,14 @@ class HttpServer {
   /// Stop(now) unless stopped.
   ~HttpServer();
   int port() const { return port_; }
-  /// Stops accepting connections, waits until every request already handed to the handler is
-  /// answered and sent (or `deadline`), then closes every connection. Idempotent.
-  void Stop(SteadyClock::time_point deadline);
+  /// The drain began: every answer from now on closes its connection (Connection: close), so
+  /// keep-alive callers reconnect elsewhere; requests are still served.
+  void BeginDrain();
+  /// Stops accepting connections and handing requests over (one arriving on an open connection
+  /// is answered 503), waits until every request already handed to the handler is answered and
+  /// sent (or `deadline`), then closes every connection. Returns the answers still being sent at
+  /// the deadline (cut short). Idempotent (0 after the first).
+  int64_t Stop(SteadyClock::time_point deadline);
   /// Requests handed to the handler and not yet sent.
   int64_t in_flight() const;
 
@@ -114,8 +119,10 @@ class HttpServer {
   int port_ = 0;
   mutable std::mutex mu_;
   std::condition_variable idle_;
-  int64_t in_flight_ = 0;               // Handed to the handler, not yet sent.
-  int64_t unanswered_ = 0;              // Handed to the handler, not yet answered.
+  int64_t in_flight_ = 0;   // Handed to the handler, not yet sent.
+  int64_t unanswered_ = 0;  // Handed to the handler, not yet answered.
+  int64_t suspended_ = 0;   // Connections suspended, their answers not yet queued.
+  std::atomic<bool> draining_{false};
   std::atomic<int64_t> body_bytes_{0};  // Bodies' room, being received (max_body_bytes_held).
   bool stopped_ = false;
 };

@@ -81,12 +81,13 @@ void Server::Shutdown() {
     impl_->calls->sends().SetCap(grace * 4 / 10);
     impl_->health->Shutdown();
     impl_->pipeline->BeginDrain();
+    if (impl_->http) impl_->http->BeginDrain();  // Its answers close their connections from now.
     impl_->models->Stop();  // Reloads waiting are answered UNAVAILABLE; none starts.
     impl_->pipeline->WaitIdle(
         start + std::min<SteadyClock::duration>(kDrainHandOff, grace * 8 / 10), kDrainQuietPeriod);
     // HTTP takes no new connection; its requests accepted are answered and sent (until 90% of
     // the grace period), then its connections close.
-    if (impl_->http) impl_->http->Stop(start + grace * 9 / 10);
+    const int64_t http_cut = impl_->http ? impl_->http->Stop(start + grace * 9 / 10) : 0;
     // 2. Stop gRPC: listener closed, GOAWAY; calls accepted finish; whatever is still open at 90%
     //    of the grace period is cancelled. Then the queue drains (work still computing finishes).
     impl_->StopGrpc(start + grace * 9 / 10, start + grace * 19 / 20);
@@ -105,7 +106,9 @@ void Server::Shutdown() {
       ConnectionGuard::Get().Unguard(impl_->health_port);
     }
     // 3. gRPC has closed its connections; ours close once their clients have everything.
-    impl_->outcome->connections_unread = impl_->linger.CloseWhenRead(start + grace * 19 / 20);
+    // HTTP answers still being sent at 90% of the grace period were cut short too.
+    impl_->outcome->connections_unread =
+        impl_->linger.CloseWhenRead(start + grace * 19 / 20) + http_cut;
     // Every call is answered: its spans are queued. They go to the collector (one last try, within
     // the export timeout) before the process does.
     if (impl_->exporter) impl_->exporter->Shutdown();

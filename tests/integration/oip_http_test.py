@@ -548,6 +548,47 @@ def socket_open(port):
         return False
 
 
+def test_stop_under_keep_alive_callers(attnserve, checks):
+    """SIGTERM while 8 keep-alive callers loop on their connections (the review's crash: the server
+    aborted in libmicrohttpd, a connection suspended as it stopped): exit 0, within seconds; from
+    the drain on, answers close their connections; every answer is 200, or 503 for a request that
+    reached a stopping server. Five rounds."""
+    q = np.zeros((1, 2, E), np.float32)
+    body = json.dumps({"inputs": [{"name": "query", "datatype": "FP32", "shape": [1, 2, E],
+                                   "data": q.ravel().tolist()}]})
+    for round_ in range(5):
+        server, _ = serve(attnserve, "--shutdown-grace", "10", models={"mha": build(3012)})
+        statuses, closes, lock, answered = [], [], threading.Lock(), threading.Event()
+
+        def loop():
+            c = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=30)
+            while True:
+                try:
+                    c.request("POST", "/v2/models/mha/infer", body=body)
+                    r = c.getresponse()
+                    r.read()
+                except (OSError, http.client.HTTPException):
+                    return
+                with lock:
+                    statuses.append(r.status)
+                    closes.append(r.getheader("Connection") == "close")
+                    if len(statuses) >= 200:
+                        answered.set()
+
+        threads = [threading.Thread(target=loop) for _ in range(8)]
+        for t in threads:
+            t.start()
+        answered.wait(timeout=60)
+        start = time.monotonic()
+        out = server.stop()  # Raises unless the exit code is 0.
+        took = time.monotonic() - start
+        for t in threads:
+            t.join(timeout=30)
+        checks(f"round {round_}: exit 0 within 5 s", took < 5 and "stopped" in out, f"{took:.1f} s {out[-300:]}")
+        checks(f"round {round_}: every answer 200 or 503", set(statuses) <= {200, 503}, str(set(statuses)))
+        checks(f"round {round_}: answers from the drain on close their connections", any(closes), str(len(closes)))
+
+
 def test_request_in_flight_at_stop_is_answered(attnserve, checks):
     server, _ = serve(attnserve, "--workers", "1", models={"mha": build(3008)})
     q = np.random.default_rng(9).standard_normal((8, 1024, E)).astype(np.float32)
