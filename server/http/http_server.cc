@@ -162,11 +162,19 @@ struct HttpServerAccess {
                               " (--max-message-bytes)");
       }
     }
-    if (const std::string* encoding = r.Header("content-encoding")) {
-      if (Lower(*encoding) != "identity") {
+    for (const std::string& encoding : r.Values("content-encoding")) {
+      if (Lower(encoding) != "identity") {
         return Plain(415,
                      "Content-Encoding: not taken; allowed: identity (send the body as it is)");
       }
+    }
+    for (const std::string& te : r.Values("transfer-encoding")) {
+      if (Lower(te) != "chunked")
+        return Plain(501, "Transfer-Encoding: not taken; allowed: chunked");
+    }
+    for (const auto& [name, value] : r.headers) {
+      if (name.find_first_of(" \t") != std::string::npos)
+        return Plain(400, "a header name with a space in it; allowed: none (RFC 9112)");
     }
     return std::nullopt;
   }
@@ -199,6 +207,7 @@ struct HttpServerAccess {
 
   // Room past the body's end that readers may touch (the JSON parser reads ahead in blocks).
   static constexpr size_t kBodyPadding = 64;
+  static constexpr size_t kFirstRoom = 64 << 10;
 
   static MHD_Result Access(void* cls, MHD_Connection* c, const char* url, const char* method,
                            const char*, const char* upload, size_t* upload_size, void** state) {
@@ -244,11 +253,14 @@ struct HttpServerAccess {
     if (p->too_large || p->over_budget) return MHD_YES;
     std::string& body = p->request.body;
     if (body.capacity() < body.size() + n + kBodyPadding) {
-      // The room a body takes is counted against every body's bound before it is taken: the whole
-      // Content-Length once its first bytes arrive, a chunked body's room as it doubles.
-      size_t want = std::max(body.capacity() * 2, body.size() + n + kBodyPadding);
-      if (const std::string* length = p->request.Header("content-length"))
-        want = std::max<size_t>(want, std::strtoull(length->c_str(), nullptr, 10) + kBodyPadding);
+      // The room a body takes is counted against every body's bound before it is taken, as its
+      // bytes arrive: 64 KiB at first, then doubled, never past its Content-Length (so a body
+      // trickling in holds little more than what came).
+      size_t want = std::max({body.capacity() * 2, body.size() + n + kBodyPadding, kFirstRoom});
+      if (const std::string* length = p->request.Header("content-length")) {
+        want = std::min<size_t>(want, std::strtoull(length->c_str(), nullptr, 10) + kBodyPadding);
+        want = std::max(want, body.size() + n + kBodyPadding);
+      }
       const int64_t more = static_cast<int64_t>(want) - p->counted;
       if (server->body_bytes_.fetch_add(more) + more > server->options_.max_body_bytes_held) {
         server->body_bytes_.fetch_sub(more);
@@ -349,6 +361,31 @@ struct HttpServerAccess {
 
 namespace {
 
+// The request target's %-escapes decoded in place, except those of '/' and NUL, which stay as they
+// came: a path segment cannot hide a '/' (a route of its own) or end early at a NUL.
+size_t Unescape(void*, MHD_Connection*, char* s) {
+  const auto hex = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  };
+  char* out = s;
+  for (const char* in = s; *in != '\0';) {
+    const int hi = in[0] == '%' && in[1] != '\0' ? hex(in[1]) : -1;
+    const int lo = hi >= 0 && in[2] != '\0' ? hex(in[2]) : -1;
+    const int c = hi >= 0 && lo >= 0 ? hi * 16 + lo : -1;
+    if (c > 0 && c != '/') {
+      *out++ = static_cast<char>(c);
+      in += 3;
+    } else {
+      *out++ = *in++;
+    }
+  }
+  *out = '\0';
+  return static_cast<size_t>(out - s);
+}
+
 // A listening socket on "host:port" (IPv6 hosts in brackets); the port it got.
 StatusOr<int> Listen(const std::string& address, int* port) {
   const auto refuse = [&](const std::string& why) {
@@ -407,7 +444,8 @@ StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const HttpOptions& optio
       {MHD_OPTION_CONNECTION_MEMORY_LIMIT, static_cast<intptr_t>(options.connection_memory_bytes),
        nullptr},
       {MHD_OPTION_NOTIFY_COMPLETED, reinterpret_cast<intptr_t>(&HttpServerAccess::Completed),
-       server.get()}};
+       server.get()},
+      {MHD_OPTION_UNESCAPE_CALLBACK, reinterpret_cast<intptr_t>(&Unescape), nullptr}};
   unsigned int flags = MHD_USE_EPOLL_INTERNAL_THREAD | MHD_ALLOW_SUSPEND_RESUME;
   if (!options.tls_cert_pem.empty()) {
     flags |= MHD_USE_TLS;
@@ -428,6 +466,12 @@ StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const HttpOptions& optio
                   "--http-address '" + options.address + "': the HTTP server did not start");
   }
   return server;
+}
+
+int64_t HttpServer::connections() const {
+  if (daemon_ == nullptr) return 0;
+  const MHD_DaemonInfo* info = MHD_get_daemon_info(daemon_, MHD_DAEMON_INFO_CURRENT_CONNECTIONS);
+  return info == nullptr ? 0 : static_cast<int64_t>(info->num_connections);
 }
 
 int64_t HttpServer::in_flight() const {

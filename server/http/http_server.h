@@ -39,9 +39,9 @@ struct HttpOptions {
   /// Most bytes of a request's body: a larger Content-Length is refused before a byte of the body
   /// is read (413), a chunked body when it passes it (the server's --max-message-bytes).
   int64_t max_body_bytes = int64_t{64} << 20;
-  /// Bytes of request bodies being received, over every connection (each body counted at its
-  /// Content-Length once it starts to arrive): a body that would pass it is dropped and answered
-  /// 503 (the server's --max-inflight-bytes).
+  /// Bytes of request bodies being received, over every connection (each body's room counted as
+  /// its bytes arrive: 64 KiB at first, doubled as it fills, never past its Content-Length): a body
+  /// that would pass it is dropped and answered 503 (the server's --max-inflight-bytes).
   int64_t max_body_bytes_held = int64_t{1} << 30;
   /// A connection's buffer for a request's line and headers (and its answer's headers): larger
   /// headers are refused (431). libmicrohttpd's default is 32 KiB.
@@ -106,6 +106,10 @@ class HttpServer {
   int64_t Stop(SteadyClock::time_point deadline);
   /// Requests handed to the handler and not yet sent.
   int64_t in_flight() const;
+  /// Connections open now, and the room the bodies being received take (counted against
+  /// HttpOptions::max_body_bytes_held): for the metrics.
+  int64_t connections() const;
+  int64_t body_bytes() const { return body_bytes_.load(); }
 
   struct Pending;  // One request on its way: libmicrohttpd's per-request state.
 

@@ -71,7 +71,7 @@ void OipHttp::Handle(HttpRequest&& request, HttpReply reply) {
   const std::vector<std::string> path = Segments(request.path);
   const bool get = request.method == "GET" || request.method == "HEAD";
   const bool post = request.method == "POST";
-  if (path.empty() || path[0] != "v2")
+  if (path.empty() || path[0] != "v2" || request.path.find("//") != std::string::npos)
     return reply(Failure(Status(StatusCode::kNotFound, "'" + request.path +
                                                            "': not a route; the protocol's "
                                                            "routes start with /v2")));

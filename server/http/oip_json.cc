@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "attnserve/half.h"
 #include "server/core/checked_math.h"
@@ -180,10 +181,17 @@ Status PutLeaves(const std::string& field, const std::string& datatype, JsonKind
       double d = 0;  // simdjson gives integers as doubles too.
       if (e.get_double().get(d) != simdjson::SUCCESS) return wrong("a number");
       const float f = static_cast<float>(d);
+      const auto past = [&]() {
+        return InvalidArgument(field + "[" + std::to_string(*k) + "]: " + std::to_string(d) +
+                               " is past " + datatype + "'s range");
+      };
       if (kind == JsonKind::kFloat32) {
+        if (std::isinf(f)) return past();
         std::memcpy(*at, &f, 4);
       } else {
         const uint16_t h = kind == JsonKind::kFloat16 ? FloatToHalf(f) : FloatToBFloat16(f);
+        if (std::isinf(kind == JsonKind::kFloat16 ? HalfToFloat(h) : BFloat16ToFloat(h)))
+          return past();
         std::memcpy(*at, &h, 2);
       }
     }
@@ -240,8 +248,10 @@ Status InputOf(const std::string& field, dom::element e, const std::string& body
   auto* t = out->add_inputs();
   std::optional<dom::element> data;
   std::map<std::string, dom::element> http;
+  std::set<std::string> seen;
   for (dom::key_value_pair kv : o) {
     const std::string key = Str(kv.key), at = field + "." + key;
+    if (!seen.insert(key).second) return InvalidArgument(at + ": given twice");
     if (key == "name") {
       ASSIGN_OR_RETURN(std::string_view s, StringOf(at, kv.value));
       t->set_name(Str(s));
@@ -306,8 +316,10 @@ Status OutputsOf(dom::element e, ModelInferRequest* out, HttpAnswerForm* form) {
     if (item.get_object().get(o) != simdjson::SUCCESS) return Wrong(field, item, "an object");
     auto* t = out->add_outputs();
     std::map<std::string, dom::element> http;
+    std::set<std::string> seen;
     for (dom::key_value_pair kv : o) {
       const std::string key = Str(kv.key);
+      if (!seen.insert(key).second) return InvalidArgument(field + "." + key + ": given twice");
       if (key == "name") {
         ASSIGN_OR_RETURN(std::string_view s, StringOf(field + ".name", kv.value));
         t->set_name(Str(s));
@@ -340,8 +352,10 @@ Status RequestOf(dom::element root, const std::string& body, std::optional<size_
   if (root.get_object().get(o) != simdjson::SUCCESS) return Wrong("the body", root, "an object");
   size_t next_binary = header_length.value_or(body.size());
   std::optional<dom::element> inputs;
+  std::set<std::string> seen;
   for (dom::key_value_pair kv : o) {
     const std::string key = Str(kv.key);
+    if (!seen.insert(key).second) return InvalidArgument(key + ": given twice");
     if (key == "id") {
       ASSIGN_OR_RETURN(std::string_view s, StringOf("id", kv.value));
       out->set_id(Str(s));

@@ -548,6 +548,7 @@ Status Server::Impl::StartHttp() {
                      oip_http->Handle(std::move(r), std::move(reply));
                    }));
   http_port = http->port();
+  if (exposer) exposer->Register(std::make_shared<HttpMetrics>(http.get()));
   return Status::Ok();
 }
 

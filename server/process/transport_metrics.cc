@@ -62,4 +62,14 @@ std::vector<prometheus::MetricFamily> TransportMetrics::Collect() const {
   };
 }
 
+std::vector<prometheus::MetricFamily> HttpMetrics::Collect() const {
+  return {
+      One(prometheus::MetricType::Gauge, "attnserve_http_connections",
+          "Client connections open on the HTTP port", static_cast<double>(http_->connections())),
+      One(prometheus::MetricType::Gauge, "attnserve_http_body_bytes",
+          "Room taken by HTTP request bodies being received (bounded by --max-inflight-bytes)",
+          static_cast<double>(http_->body_bytes())),
+  };
+}
+
 }  // namespace attnserve

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "server/grpc/send_watch.h"
+#include "server/http/http_server.h"
 
 namespace attnserve {
 
@@ -22,6 +23,19 @@ class TransportMetrics final : public prometheus::Collectable {
 
  private:
   const SendWatch* sends_;
+};
+
+/// The HTTP port's own series (docs/metrics.md "Transport"): attnserve_http_connections and
+/// attnserve_http_body_bytes (the room of request bodies being received, bounded by
+/// --max-inflight-bytes). Thread-safe.
+class HttpMetrics final : public prometheus::Collectable {
+ public:
+  /// Borrows `http`, which must outlive the metrics listener.
+  explicit HttpMetrics(const HttpServer* http) : http_(http) {}
+  std::vector<prometheus::MetricFamily> Collect() const override;
+
+ private:
+  const HttpServer* http_;
 };
 
 }  // namespace attnserve

@@ -1,5 +1,6 @@
 #include "server/protocol/oip_codec.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -447,6 +448,8 @@ Status TakeOutputs(const inference::ModelInferRequest& in, v1::AttendRequest* ou
       return InvalidArgument(field + ".name: '" + name +
                              "' is not an output; allowed: attn_output, attn_weights");
     }
+    if (std::find(reply->outputs.begin(), reply->outputs.end(), name) != reply->outputs.end())
+      return InvalidArgument(field + ".name: '" + name + "' given twice");
     ASSIGN_OR_RETURN(std::optional<OipRegion> region,
                      RegionOf(field, in.outputs(i).parameters(), shm));
     reply->outputs.push_back(name);

@@ -296,6 +296,31 @@ def test_errors_and_bounds(attnserve, checks):
                        b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n")
     checks("Content-Length with Transfer-Encoding: 400", got.startswith(b"HTTP/1.1 400") and
            b"Transfer-Encoding" in got, got[:300])
+    for te in (b"gzip, chunked", b"identity", b"xchunked"):
+        got = raw_exchange(server.http_port, b"POST /v2/models/mha/infer HTTP/1.1\r\nHost: x\r\n"
+                           b"Transfer-Encoding: " + te + b"\r\n\r\n2\r\n{}\r\n0\r\n\r\n")
+        checks(f"Transfer-Encoding {te.decode()}: refused at once (501)", got.startswith(b"HTTP/1.1 501"), got[:200])
+    got = raw_exchange(server.http_port, b"POST /v2/models/mha/infer HTTP/1.1\r\nHost: x\r\n"
+                       b"Transfer-Encoding : chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n")
+    checks("a header name with a space before its colon: 400", got.startswith(b"HTTP/1.1 400"), got[:200])
+    got = raw_exchange(server.http_port, b"POST /v2/models/mha/infer HTTP/1.1\r\nHost: x\r\n"
+                       b"Content-Encoding: identity\r\nContent-Encoding: gzip\r\nContent-Length: 2\r\n\r\n{}")
+    checks("a second Content-Encoding: 415", got.startswith(b"HTTP/1.1 415"), got[:200])
+    for path in ("/v2/models/mha%2Finfer", "/v2/models/mha%00/ready", "//v2//models//mha//infer"):
+        status, j = infer(good, path=path)
+        checks(f"{path}: not a route (404)", status == 404, str(j)[:200])
+    data = json.dumps(q.ravel().tolist())
+    status, j = infer('{"inputs": [{"name": "query", "datatype": "FP32", "shape": [1, 2, %d], "shape": [1, 2, %d], '
+                      '"data": %s}]}' % (E, E, data))
+    checks("a key given twice in an input: 400", status == 400 and "twice" in j.get("error", ""), str(j)[:200])
+    status, j = infer({"inputs": [dict(good["inputs"][0], data=[1e39] + [0.0] * (2 * E - 1))]})
+    checks("a number past FP32's range: 400 naming it", status == 400 and "inputs[0].data[0]" in
+           j.get("error", ""), str(j)[:200])
+    status, j = infer({"inputs": [dict(good["inputs"][0], datatype="FP16", data=[70000.0] + [0.0] * (2 * E - 1))]})
+    checks("a number past FP16's range: 400", status == 400 and "inputs[0].data[0]" in j.get("error", ""),
+           str(j)[:200])
+    status, j = infer(dict(good, outputs=[{"name": "attn_output"}, {"name": "attn_output"}]))
+    checks("an output asked twice: 400", status == 400 and "twice" in j.get("error", ""), str(j)[:200])
     # Headers past the connection's buffer: refused, the server goes on.
     got = raw_exchange(server.http_port, b"GET /v2 HTTP/1.1\r\nHost: x\r\n" +
                        b"".join(b"X-Pad-%d: %s\r\n" % (i, b"p" * 1000) for i in range(200)) + b"\r\n")
@@ -306,26 +331,37 @@ def test_errors_and_bounds(attnserve, checks):
 
 
 def test_bodies_arriving_bounded(attnserve, checks):
-    """The bytes of bodies being received are bounded in all (--max-inflight-bytes): a body held
-    half-sent counts its whole Content-Length, and another that would pass the bound is answered 503
-    once sent; the first, finished, is served."""
+    """The room of bodies being received is bounded in all (--max-inflight-bytes) and counted as
+    bytes arrive (attnserve_http_body_bytes): a body that would pass the bound is answered 503,
+    while the one holding the room, finished, is served; bodies that trickle in hold only their
+    first 64 KiB each (the review's starvation: four connections each sending one byte of a 4 MiB
+    body had taken the whole bound, and ordinary calls got 503)."""
     server, _ = serve(attnserve, "--max-inflight-bytes", "3000000", "--max-message-bytes", "2000000",
                       models={"mha": build(3009)})
+    room = lambda: sum(float(l.rsplit(" ", 1)[1]) for l in lib.metrics_lines(server, "attnserve_http_body_bytes"))
     q = np.zeros((1, 2, E), np.float32)
-    body = json.dumps({"inputs": [{"name": "query", "datatype": "FP32", "shape": [1, 2, E],
-                                   "data": q.ravel().tolist()}]}).encode()
-    body += b" " * (1_900_000 - len(body))  # JSON allows trailing spaces.
+    small = json.dumps({"inputs": [{"name": "query", "datatype": "FP32", "shape": [1, 2, E],
+                                    "data": q.ravel().tolist()}]}).encode()
+    body = small + b" " * (1_900_000 - len(small))  # JSON allows trailing spaces.
     head = b"POST /v2/models/mha/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+    # Trickling bodies: a byte each of four 1.9 MB bodies; ordinary calls are still served.
+    tricklers = [socket.create_connection(("127.0.0.1", server.http_port), timeout=30) for _ in range(4)]
+    for t in tricklers:
+        t.sendall(head + body[:1])
+    counted = lib.wait_until(lambda: room() >= 4 * 65536, timeout=20, step=0.02)
+    status, _, _ = request(server, "POST", "/v2/models/mha/infer", small)
+    checks("four trickling bodies hold 64 KiB each; an ordinary call is served", counted and status == 200 and
+           room() <= 4 * (65536 + 64), f"{room()} {status}")
+    for t in tricklers:
+        t.close()
+    lib.wait_until(lambda: room() == 0, timeout=20, step=0.02)
+    # A body held with 1.2 MB of it sent takes its whole room (1.9 MB); another 1.9 MB cannot fit.
     held = socket.create_connection(("127.0.0.1", server.http_port), timeout=30)
-    held.sendall(head + body[:10])
-    # Until the server has taken the held body's first bytes, another body still fits: ask again
-    # until it does not (at most 20 s).
-    deadline = time.monotonic() + 20
+    held.sendall(head + body[:1_200_000])
+    counted = lib.wait_until(lambda: room() >= 1_200_000, timeout=20, step=0.02)
     got = raw_exchange(server.http_port, head + body)
-    while not got.startswith(b"HTTP/1.1 503") and time.monotonic() < deadline:
-        got = raw_exchange(server.http_port, head + body)
-    checks("a body past every body's bound: 503", got.startswith(b"HTTP/1.1 503"), got[:200])
-    held.sendall(body[10:])
+    checks("a body past every body's bound: 503", counted and got.startswith(b"HTTP/1.1 503"), got[:200])
+    held.sendall(body[1_200_000:])
     answer = b""
     while b"\r\n\r\n" not in answer:
         answer += held.recv(65536)
