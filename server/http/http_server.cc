@@ -213,6 +213,7 @@ struct HttpServerAccess {
                            const char*, const char* upload, size_t* upload_size, void** state) {
     auto* server = static_cast<HttpServer*>(cls);
     if (*state == nullptr) {
+      InRequest(server, c, true);
       Pending* p = Begin(server, c, url, method);
       *state = p;
       std::optional<HttpResponse> refusal = Refusal(*server, p->request);
@@ -345,8 +346,32 @@ struct HttpServerAccess {
     return MHD_YES;
   }
 
-  static void Completed(void* cls, MHD_Connection*, void** state, MHD_RequestTerminationCode) {
+  // A connection opened or closed: the reaper's table.
+  static void Notify(void* cls, MHD_Connection* c, void**, MHD_ConnectionNotificationCode code) {
     auto* server = static_cast<HttpServer*>(cls);
+    std::lock_guard<std::mutex> lock(server->conns_mu_);
+    if (code == MHD_CONNECTION_NOTIFY_CLOSED) {
+      server->conns_.erase(c);  // Before libmicrohttpd closes its socket.
+      return;
+    }
+    const MHD_ConnectionInfo* info = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+    HttpServer::Waiting& w = server->conns_[c];
+    w.fd = info == nullptr ? -1 : info->connect_fd;
+    w.since = SteadyClock::now();
+  }
+
+  // Its request head is whole (true), or its answer is done (false): the wait for the next starts.
+  static void InRequest(HttpServer* server, MHD_Connection* c, bool in_request) {
+    std::lock_guard<std::mutex> lock(server->conns_mu_);
+    auto it = server->conns_.find(c);
+    if (it == server->conns_.end()) return;
+    it->second.in_request = in_request;
+    it->second.since = SteadyClock::now();
+  }
+
+  static void Completed(void* cls, MHD_Connection* c, void** state, MHD_RequestTerminationCode) {
+    auto* server = static_cast<HttpServer*>(cls);
+    InRequest(server, c, false);
     auto* p = static_cast<Pending*>(*state);
     if (p == nullptr) return;
     Release(server, p);
@@ -445,7 +470,9 @@ StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const HttpOptions& optio
        nullptr},
       {MHD_OPTION_NOTIFY_COMPLETED, reinterpret_cast<intptr_t>(&HttpServerAccess::Completed),
        server.get()},
-      {MHD_OPTION_UNESCAPE_CALLBACK, reinterpret_cast<intptr_t>(&Unescape), nullptr}};
+      {MHD_OPTION_UNESCAPE_CALLBACK, reinterpret_cast<intptr_t>(&Unescape), nullptr},
+      {MHD_OPTION_NOTIFY_CONNECTION, reinterpret_cast<intptr_t>(&HttpServerAccess::Notify),
+       server.get()}};
   unsigned int flags = MHD_USE_EPOLL_INTERNAL_THREAD | MHD_ALLOW_SUSPEND_RESUME;
   if (!options.tls_cert_pem.empty()) {
     flags |= MHD_USE_TLS;
@@ -465,7 +492,26 @@ StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const HttpOptions& optio
     return Status(StatusCode::kFailedPrecondition,
                   "--http-address '" + options.address + "': the HTTP server did not start");
   }
+  server->reaper_ = std::thread([s = server.get()] { s->Reap(); });
   return server;
+}
+
+void HttpServer::Reap() {
+  const auto timeout = std::chrono::duration_cast<SteadyClock::duration>(
+      std::chrono::duration<double>(options_.idle_timeout_seconds));
+  std::unique_lock<std::mutex> lock(conns_mu_);
+  while (!reaper_stop_) {
+    reaper_cv_.wait_for(lock, std::chrono::milliseconds(250));
+    const SteadyClock::time_point now = SteadyClock::now();
+    for (auto& [c, w] : conns_) {
+      // Its socket is still libmicrohttpd's (the close notification takes this lock first):
+      // shut down, the connection sees its end and libmicrohttpd closes it.
+      if (!w.in_request && !w.reaped && w.fd >= 0 && now - w.since > timeout) {
+        shutdown(w.fd, SHUT_RDWR);
+        w.reaped = true;
+      }
+    }
+  }
 }
 
 int64_t HttpServer::connections() const {
@@ -500,6 +546,12 @@ int64_t HttpServer::Stop(SteadyClock::time_point deadline) {
   idle_.wait(lock, [this] { return unanswered_ == 0 && suspended_ == 0; });
   const int64_t cut = in_flight_;  // Answers still being sent: their connections close now.
   lock.unlock();
+  {
+    std::lock_guard<std::mutex> conns(conns_mu_);
+    reaper_stop_ = true;
+  }
+  reaper_cv_.notify_all();
+  if (reaper_.joinable()) reaper_.join();
   MHD_stop_daemon(daemon_);
   daemon_ = nullptr;
   return cut;

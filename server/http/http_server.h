@@ -9,9 +9,11 @@
 #include <atomic>
 #include <condition_variable>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -31,7 +33,9 @@ struct HttpOptions {
   int max_connections = 256;
   /// Connections from one peer address at once (--http-max-connections-per-peer).
   int max_connections_per_peer = 64;
-  /// A connection that sends nothing this long is closed (--http-idle-timeout, seconds).
+  /// A connection that sends nothing this long is closed (--http-idle-timeout, seconds); and one
+  /// that has not sent a whole request head this long after it opened or after its last answer,
+  /// however steadily its bytes trickle in (a header a byte at a time: slowloris).
   double idle_timeout_seconds = 30;
   /// A request body not whole this long after its headers is refused and its connection closed,
   /// however steadily it trickles in (--http-body-timeout, seconds).
@@ -125,7 +129,21 @@ class HttpServer {
   std::condition_variable idle_;
   int64_t in_flight_ = 0;   // Handed to the handler, not yet sent.
   int64_t unanswered_ = 0;  // Handed to the handler, not yet answered.
-  int64_t suspended_ = 0;   // Connections suspended, their answers not yet queued.
+  int64_t suspended_ = 0;
+  // Each connection's socket and since when it has waited for a request head (none while a
+  // request is being read or answered): the reaper closes those past the idle timeout.
+  struct Waiting {
+    int fd = -1;
+    SteadyClock::time_point since;
+    bool in_request = false;
+    bool reaped = false;
+  };
+  std::mutex conns_mu_;
+  std::map<const void*, Waiting> conns_;
+  std::condition_variable reaper_cv_;
+  bool reaper_stop_ = false;  // Under conns_mu_.
+  std::thread reaper_;
+  void Reap();  // Connections suspended, their answers not yet queued.
   std::atomic<bool> draining_{false};
   std::atomic<int64_t> body_bytes_{0};  // Bodies' room, being received (max_body_bytes_held).
   bool stopped_ = false;

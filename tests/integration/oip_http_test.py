@@ -387,6 +387,26 @@ def test_connections_bounded(attnserve, checks):
            f"{time.monotonic() - start:.1f} s")
     status, _, _ = request(server, "GET", "/v2/health/ready")
     checks("a new caller is served once they are gone", status == 200)
+    # Headers a byte every 0.3 s (slowloris): closed once the idle timeout passes without a whole
+    # request head (the review's: 64 such connections kept the port from every other caller).
+    s = socket.create_connection(("127.0.0.1", server.http_port), timeout=10)
+    head = b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100
+    start, ended = time.monotonic(), False
+    for i in range(len(head)):
+        try:
+            s.sendall(head[i:i + 1])
+            s.settimeout(0.3)
+            if s.recv(100) == b"":
+                ended = True
+                break
+        except socket.timeout:
+            continue
+        except OSError:
+            ended = True
+            break
+    took = time.monotonic() - start
+    s.close()
+    checks("a header trickling in is cut once the idle timeout passes", ended and took < 6, f"{took:.1f} s")
     # A body that trickles a byte every 0.5 s: its connection is closed past --http-body-timeout.
     s = socket.create_connection(("127.0.0.1", server.http_port), timeout=10)
     s.sendall(b"POST /v2/models/mha/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
