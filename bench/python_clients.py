@@ -4,7 +4,7 @@ through tritonclient's ModelInfer over gRPC ("oip") or over HTTP with binary ten
 target then an HTTP port) or the attnserve package's Client.attend ("pypkg"), one thread and
 one client per caller. Appends one JSON line in attnserve-bench's format.
 
-usage: python_clients.py --client oip|oip_http|pypkg --target HOST:PORT --callers N --lengths fixed:L|uniform:A:B
+usage: python_clients.py --client oip|oip_http|oip_http_json|pypkg --target HOST:PORT --callers N --lengths fixed:L|uniform:A:B
                          --duration S --warmup S --label LABEL --json FILE
 Run oip and oip_http with tools/oip-env.sh's python, pypkg with tools/python-env.sh newest's.
 """
@@ -20,14 +20,17 @@ E = 512
 
 def caller_fn(kind, target):
     """A function sending one query and returning once answered (raises on an error)."""
-    if kind == "oip_http":  # The Open Inference Protocol over HTTP, binary tensor data both ways.
+    if kind in ("oip_http", "oip_http_json"):
+        # The Open Inference Protocol over HTTP: binary tensor data both ways, or JSON tensors (what
+        # a server without the binary extension, MLServer's, takes).
         import tritonclient.http as th
         client = th.InferenceServerClient(target, connection_timeout=120, network_timeout=120)
+        binary = kind == "oip_http"
 
         def call(q):
             t = th.InferInput("query", list(q.shape), "FP32")
-            t.set_data_from_numpy(q, binary_data=True)
-            client.infer("demo", [t], outputs=[th.InferRequestedOutput("attn_output", binary_data=True)]) \
+            t.set_data_from_numpy(q, binary_data=binary)
+            client.infer("demo", [t], outputs=[th.InferRequestedOutput("attn_output", binary_data=binary)]) \
                 .as_numpy("attn_output")
         return call
     if kind == "oip":

@@ -24,7 +24,8 @@
 # on W1 and on W2's lengths (self-attention), against tritonclient.grpc on the same, and against the
 # kserve and mlserver peers' own REST endpoints under the same HTTP load.
 # Results: bench/out/results.jsonl. Takes ~20 minutes (Ray starts in ~30-90 s a round, MLServer ~15 s).
-# BENCH_CLIENTS_ONLY=1: only the `on` server and the client rows (~2 minutes).
+# BENCH_CLIENTS_ONLY=1: only the `on` server and the client rows (~3 minutes); with
+# BENCH_PEERS="kserve mlserver" also those peers' rows (~6 minutes more).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${ATTNSERVE_BUILD_DIR:-build}
@@ -38,8 +39,13 @@ http_port=50072  # attnserve's --http-address, the peers' REST port
 pid=
 clients_only=${BENCH_CLIENTS_ONLY:-0}
 peer_python= kserve_python= mlserver_python=
+# BENCH_CLIENTS_ONLY=1 with BENCH_PEERS="kserve mlserver": the client rows and those Open Inference
+# Protocol peers' (gRPC W1/W3 and REST W1/W2), nothing else.
+peers_only=${BENCH_PEERS:-}
 if [ "$clients_only" != 1 ]; then
   peer_python=$(tools/peer-env.sh)/bin/python
+fi
+if [ "$clients_only" != 1 ] || [ -n "$peers_only" ]; then
   kserve_python=$(tools/peer-env.sh kserve)/bin/python
   mlserver_python=$(tools/peer-env.sh mlserver)/bin/python
 fi
@@ -93,7 +99,7 @@ pybench() {  # client label args...: Python clients against the running server (
   [ "$client" = oip ] && python=$oip_python
   # The Open Inference Protocol over HTTP: the server's HTTP port (attnserve's --http-address, the
   # peers' own REST port).
-  [ "$client" = oip_http ] && python=$oip_python target=127.0.0.1:$http_port
+  case $client in oip_http*) python=$oip_python target=127.0.0.1:$http_port ;; esac
   "$python" bench/python_clients.py --client "$client" --target "$target" --label "$label" \
     --warmup 2 --json "$out/results.jsonl" "$@" >/dev/null
 }
@@ -103,7 +109,7 @@ pybench() {  # client label args...: Python clients against the running server (
 rounds=${BENCH_ROUNDS:-3}
 systems="floor off on python ray"
 oip_peers="kserve mlserver"  # Open Inference Protocol only: W1 and W3 through tritonclient (pybench oip).
-[ "$clients_only" = 1 ] && systems=on oip_peers=
+[ "$clients_only" = 1 ] && systems=on oip_peers=$peers_only
 for round in $(seq "$rounds"); do
   for system in $systems $oip_peers; do
     start $system
@@ -113,6 +119,7 @@ for round in $(seq "$rounds"); do
         pybench oip $system/W3/r$round --duration "$duration" --callers 1 --lengths fixed:128
         pybench oip_http http-$system/W1/r$round --duration "$duration" --callers 32 --lengths uniform:8:64
         pybench oip_http http-$system/W2/r$round --duration "$duration" --callers 32 --lengths uniform:16:512
+        pybench oip_http_json http-$system/W1-json/r$round --duration "$duration" --callers 32 --lengths uniform:8:64
         continue ;;
     esac
     bench $system W1/r$round --duration "$duration" --callers 32 --lengths uniform:8:64
@@ -127,6 +134,7 @@ for round in $(seq "$rounds"); do
       for w in "W1 uniform:8:64" "W2 uniform:16:512"; do
         pybench oip_http http-on/${w% *}/r$round --duration "$duration" --callers 32 --lengths "${w#* }"
       done
+      pybench oip_http_json http-on/W1-json/r$round --duration "$duration" --callers 32 --lengths uniform:8:64
     fi
     [ "$clients_only" = 1 ] && { bench $system W3/r$round --duration "$duration" --callers 1 --lengths fixed:128; continue; }
     bench $system W2/r$round --duration "$duration" --callers 32 --lengths uniform:16:512 --cross 0.5 --pool 48
@@ -191,18 +199,23 @@ if any(r["label"].startswith("http-on/") for r in rows):
     print()
     print("the Open Inference Protocol over HTTP (tritonclient.http, binary tensor data) against the same over")
     print("gRPC (tritonclient.grpc), and against the peers' own REST endpoints under the same HTTP load;")
-    print("W2 here: 32 callers, lengths 16-512, self-attention")
+    print("W2 here: 32 callers, lengths 16-512, self-attention; W1-json: W1 with JSON tensors both ways (MLServer's")
+    print("REST takes no binary tensor data: its binary rows fail, its JSON row is the comparison)")
     print(f"{'workload':8s} {'server':30s} {'req/s':>8s} {'tok/s':>9s} {'p50 ms':>8s} {'p99 ms':>8s} {'ratio':>28s}")
     http_peers = [(s, n) for s, n in (("http-kserve", "KServe 0.21 REST"), ("http-mlserver", "MLServer 1.7.1 REST"))
                   if any(r["label"].startswith(s + "/") for r in rows)]
-    for w in ["W1", "W2"]:
+    for w in ["W1", "W2", "W1-json"]:
+        if not any(r["label"].startswith(f"http-on/{w}/") for r in rows):
+            continue
         on_tok = med("http-on", w, tok)[0]
-        for s, name in [("oip", "attnserve over gRPC"), ("http-on", "attnserve over HTTP")] + http_peers:
+        t_grpc = 0
+        for s, name in ([("oip", "attnserve over gRPC")] if w != "W1-json" else []) + \
+                [("http-on", "attnserve over HTTP")] + http_peers:
             t, p50, p99 = med(s, w, tok)[0], med(s, w, pct("p50"))[0], med(s, w, pct("p99"))[0]
             if s == "oip":
                 ratio = ""
             elif s == "http-on":
-                ratio = f"HTTP/gRPC {t / t_grpc if t_grpc else float('inf'):.2f} (goal >= 0.8)"
+                ratio = f"HTTP/gRPC {t / t_grpc:.2f} (goal >= 0.8)" if t_grpc else ""
             else:
                 ratio = f"attnserve/peer {on_tok / t if t else float('inf'):.2f} (goal >= 5)"
             if s == "oip":
