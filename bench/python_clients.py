@@ -4,7 +4,7 @@ through tritonclient's ModelInfer over gRPC ("oip") or over HTTP with binary ten
 target then an HTTP port) or the attnserve package's Client.attend ("pypkg"), one thread and
 one client per caller. Appends one JSON line in attnserve-bench's format.
 
-usage: python_clients.py --client oip|oip_http|oip_http_json|pypkg --target HOST:PORT --callers N --lengths fixed:L|uniform:A:B
+usage: python_clients.py --client oip|oip_http|oip_http_json|http_json_raw|pypkg --target HOST:PORT --callers N --lengths fixed:L|uniform:A:B
                          --duration S --warmup S --label LABEL --json FILE
 Run oip and oip_http with tools/oip-env.sh's python, pypkg with tools/python-env.sh newest's.
 """
@@ -20,6 +20,27 @@ E = 512
 
 def caller_fn(kind, target):
     """A function sending one query and returning once answered (raises on an error)."""
+    if kind == "http_json_raw":
+        # JSON tensors without a client's own JSON work: each query's body made once, sent on a
+        # kept-alive connection, the answer read whole and not parsed (what the servers cost).
+        import http.client
+        import json as _json
+        host, port = target.rsplit(":", 1)
+        conn = [http.client.HTTPConnection(host, int(port), timeout=120)]
+        bodies = {}
+
+        def call(q):
+            key = id(q)
+            if key not in bodies:
+                bodies[key] = _json.dumps({"inputs": [{"name": "query", "datatype": "FP32", "shape": list(q.shape),
+                                                       "data": q.ravel().tolist()}]})
+            conn[0].request("POST", "/v2/models/demo/infer", body=bodies[key],
+                            headers={"Content-Type": "application/json"})
+            r = conn[0].getresponse()
+            data = r.read()
+            if r.status != 200:
+                raise RuntimeError(f"{r.status} {data[:200]!r}")
+        return call
     if kind in ("oip_http", "oip_http_json"):
         # The Open Inference Protocol over HTTP: binary tensor data both ways, or JSON tensors (what
         # a server without the binary extension, MLServer's, takes).

@@ -99,7 +99,7 @@ pybench() {  # client label args...: Python clients against the running server (
   [ "$client" = oip ] && python=$oip_python
   # The Open Inference Protocol over HTTP: the server's HTTP port (attnserve's --http-address, the
   # peers' own REST port).
-  case $client in oip_http*) python=$oip_python target=127.0.0.1:$http_port ;; esac
+  case $client in oip_http* | http_json_raw) python=$oip_python target=127.0.0.1:$http_port ;; esac
   "$python" bench/python_clients.py --client "$client" --target "$target" --label "$label" \
     --warmup 2 --json "$out/results.jsonl" "$@" >/dev/null
 }
@@ -119,7 +119,7 @@ for round in $(seq "$rounds"); do
         pybench oip $system/W3/r$round --duration "$duration" --callers 1 --lengths fixed:128
         pybench oip_http http-$system/W1/r$round --duration "$duration" --callers 32 --lengths uniform:8:64
         pybench oip_http http-$system/W2/r$round --duration "$duration" --callers 32 --lengths uniform:16:512
-        pybench oip_http_json http-$system/W1-json/r$round --duration "$duration" --callers 32 --lengths uniform:8:64
+        pybench http_json_raw http-$system/W1-json/r$round --duration "$duration" --callers 32 --lengths uniform:8:64
         continue ;;
     esac
     bench $system W1/r$round --duration "$duration" --callers 32 --lengths uniform:8:64
@@ -134,7 +134,7 @@ for round in $(seq "$rounds"); do
       for w in "W1 uniform:8:64" "W2 uniform:16:512"; do
         pybench oip_http http-on/${w% *}/r$round --duration "$duration" --callers 32 --lengths "${w#* }"
       done
-      pybench oip_http_json http-on/W1-json/r$round --duration "$duration" --callers 32 --lengths uniform:8:64
+      pybench http_json_raw http-on/W1-json/r$round --duration "$duration" --callers 32 --lengths uniform:8:64
     fi
     [ "$clients_only" = 1 ] && { bench $system W3/r$round --duration "$duration" --callers 1 --lengths fixed:128; continue; }
     bench $system W2/r$round --duration "$duration" --callers 32 --lengths uniform:16:512 --cross 0.5 --pool 48
@@ -199,8 +199,9 @@ if any(r["label"].startswith("http-on/") for r in rows):
     print()
     print("the Open Inference Protocol over HTTP (tritonclient.http, binary tensor data) against the same over")
     print("gRPC (tritonclient.grpc), and against the peers' own REST endpoints under the same HTTP load;")
-    print("W2 here: 32 callers, lengths 16-512, self-attention; W1-json: W1 with JSON tensors both ways (MLServer's")
-    print("REST takes no binary tensor data: its binary rows fail, its JSON row is the comparison)")
+    print("W2 here: 32 callers, lengths 16-512, self-attention; W1-json: W1 with JSON tensors both ways, each")
+    print("body made once and each answer read unparsed (MLServer's REST takes no binary tensor data: its")
+    print("binary rows fail, its JSON row is the comparison)")
     print(f"{'workload':8s} {'server':30s} {'req/s':>8s} {'tok/s':>9s} {'p50 ms':>8s} {'p99 ms':>8s} {'ratio':>28s}")
     http_peers = [(s, n) for s, n in (("http-kserve", "KServe 0.21 REST"), ("http-mlserver", "MLServer 1.7.1 REST"))
                   if any(r["label"].startswith(s + "/") for r in rows)]
