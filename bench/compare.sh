@@ -23,7 +23,9 @@ for round in $(seq "$rounds"); do
   for which in old new; do
     binary=$old; [ "$which" = new ] && binary=$new
     # shellcheck disable=SC2086
-    "$binary" --address 127.0.0.1:$port --metrics-address "" --http-address "" ${SERVER_ARGS:-} >"$out/server.log" 2>&1 & pid=$!
+    # A binary from before the HTTP port has no --http-address.
+    http=(); "$binary" --help 2>/dev/null | grep -q -- --http-address && http=(--http-address "")
+    "$binary" --address 127.0.0.1:$port --metrics-address "" "${http[@]}" ${SERVER_ARGS:-} >"$out/server.log" 2>&1 & pid=$!
     for _ in $(seq 300); do grep -q serving "$out/server.log" 2>/dev/null && break; sleep 0.2; done
     "$build/attnserve-bench" --target 127.0.0.1:$port --label "$which/W1/r$round" --warmup 2 \
       --json "$out/results.jsonl" --duration "$duration" --callers 32 --lengths uniform:8:64 ${BENCH_ARGS:-} >/dev/null
