@@ -183,6 +183,60 @@ def test_tritonclient_http_matches_torch_and_grpc(attnserve, checks):
     server.stop()
 
 
+def test_concurrent_callers_get_their_own_answers(attnserve, checks):
+    """12 callers at once over HTTP (binary and JSON alternating, lengths differing, so the batcher
+    packs them together) beside a gRPC caller: each of 240 answers is the answer its own query gets
+    alone over gRPC, to float32 rounding (lib.same_answer: batched and alone, the engine may cut the
+    query differently); another caller's answer would differ entirely."""
+    server, _ = serve(attnserve, models={"mha": build(3013)})
+    grpc_client = tg.InferenceServerClient(server.target)
+    rng = np.random.default_rng(20261206)
+    queries = [rng.standard_normal((1, 3 + 5 * i, E)).astype(np.float32) for i in range(12)]
+
+    def alone(q):
+        t = tg.InferInput("query", list(q.shape), "FP32")
+        t.set_data_from_numpy(q)
+        return grpc_client.infer("mha", [t]).as_numpy("attn_output")
+
+    want = [alone(q) for q in queries]
+    wrong, errors, lock = [], [], threading.Lock()
+
+    def caller(i):
+        client = th.InferenceServerClient(f"127.0.0.1:{server.http_port}")
+        for k in range(20):
+            binary = (i + k) % 2 == 0
+            t = th.InferInput("query", list(queries[i].shape), "FP32")
+            t.set_data_from_numpy(queries[i], binary_data=binary)
+            try:
+                got = client.infer("mha", [t], outputs=[th.InferRequestedOutput("attn_output", binary_data=binary)])
+                same, _ = lib.same_answer(got.as_numpy("attn_output").tobytes(), want[i].tobytes())
+                if not same:
+                    with lock:
+                        wrong.append((i, k))
+            except InferenceServerException as e:
+                with lock:
+                    errors.append(str(e))
+
+    stop = threading.Event()
+
+    def grpc_load():
+        while not stop.is_set():
+            alone(queries[0])
+
+    side = threading.Thread(target=grpc_load)
+    side.start()
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop.set()
+    side.join()
+    checks("240 concurrent HTTP answers, each its own query's", not wrong and not errors,
+           f"wrong {wrong[:5]} errors {errors[:3]}")
+    server.stop()
+
+
 def test_json_numbers_round_trip_float32(attnserve, checks):
     """A JSON request of float32 values (written as Python's repr of each float32) gets the same
     answer bytes as the binary request, and the JSON answer reads back as the binary answer's
