@@ -95,15 +95,14 @@ void OipHttp::Handle(HttpRequest&& request, HttpReply reply) {
     if (path.size() == rest + 1 && path[rest] == "infer" && post)
       return Infer(std::move(request), *call, path[2], version, std::move(reply));
     if ((path.size() == rest || (path.size() == rest + 1 && path[rest] == "ready")) && get)
-      return Model(request, path, std::move(reply), *call);
+      return Model(path, std::move(reply));
   }
   return reply(Failure(
       Status(StatusCode::kNotFound, request.method + " " + request.path +
                                         ": not a route of the protocol (docs/api.md \"HTTP\")")));
 }
 
-void OipHttp::Model(const HttpRequest& request, const std::vector<std::string>& path,
-                    HttpReply reply, const CallContext&) {
+void OipHttp::Model(const std::vector<std::string>& path, HttpReply reply) {
   const bool versioned = path.size() >= 5 && path[3] == "versions";
   const std::string& name = path[2];
   const std::string version = versioned ? path[4] : "";
@@ -114,7 +113,6 @@ void OipHttp::Model(const HttpRequest& request, const std::vector<std::string>& 
     return reply(
         Json(*ready ? 200 : 503, j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)));
   }
-  (void)request;
   const StatusOr<inference::ModelMetadataResponse> m = oip_.ModelMetadata(name, version);
   if (!m.ok()) return reply(Failure(m.status()));
   reply(Json(200, JsonOfModelMetadata(*m)));

@@ -25,8 +25,7 @@ class OipHttp {
   // Each answers `reply` once.
   void Infer(HttpRequest&& request, const CallContext& call, const std::string& model,
              const std::string& version, HttpReply reply);
-  void Model(const HttpRequest& request, const std::vector<std::string>& path, HttpReply reply,
-             const CallContext& call);
+  void Model(const std::vector<std::string>& path, HttpReply reply);
   void SharedMemory(HttpRequest&& request, const std::vector<std::string>& path,
                     const CallContext& call, HttpReply reply);
   std::string RepositoryIndex() const;

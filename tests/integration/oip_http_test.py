@@ -424,6 +424,28 @@ def test_bodies_arriving_bounded(attnserve, checks):
     server.stop()
 
 
+def trickle(port, first, rest, interval):
+    """Sends `first`, then `rest` a byte each `interval` s, until the server closes the connection
+    (True) or `rest` runs out (False); and the seconds it took."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(first)
+    start, ended = time.monotonic(), False
+    for i in range(len(rest)):
+        try:
+            s.sendall(rest[i:i + 1])
+            s.settimeout(interval)
+            if s.recv(100) == b"":
+                ended = True
+                break
+        except socket.timeout:
+            continue
+        except OSError:
+            ended = True
+            break
+    s.close()
+    return ended, time.monotonic() - start
+
+
 def test_connections_bounded(attnserve, checks):
     server, _ = serve(attnserve, "--http-max-connections-per-peer", "4", "--http-idle-timeout", "1",
                       "--http-body-timeout", "2", models={"mha": build(3005)})
@@ -443,41 +465,13 @@ def test_connections_bounded(attnserve, checks):
     checks("a new caller is served once they are gone", status == 200)
     # Headers a byte every 0.3 s (slowloris): closed once the idle timeout passes without a whole
     # request head (the review's: 64 such connections kept the port from every other caller).
-    s = socket.create_connection(("127.0.0.1", server.http_port), timeout=10)
     head = b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100
-    start, ended = time.monotonic(), False
-    for i in range(len(head)):
-        try:
-            s.sendall(head[i:i + 1])
-            s.settimeout(0.3)
-            if s.recv(100) == b"":
-                ended = True
-                break
-        except socket.timeout:
-            continue
-        except OSError:
-            ended = True
-            break
-    took = time.monotonic() - start
-    s.close()
+    ended, took = trickle(server.http_port, b"", head, 0.3)
     checks("a header trickling in is cut once the idle timeout passes", ended and took < 6, f"{took:.1f} s")
     # A body that trickles a byte every 0.5 s: its connection is closed past --http-body-timeout.
-    s = socket.create_connection(("127.0.0.1", server.http_port), timeout=10)
-    s.sendall(b"POST /v2/models/mha/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
-    start, ended = time.monotonic(), False
-    while time.monotonic() - start < 8:
-        try:
-            s.sendall(b" ")
-            s.settimeout(0.5)
-            if s.recv(100) == b"":
-                ended = True
-                break
-        except socket.timeout:
-            continue
-        except OSError:
-            ended = True
-            break
-    checks("a trickling body's connection is closed", ended, f"{time.monotonic() - start:.1f} s")
+    ended, took = trickle(server.http_port, b"POST /v2/models/mha/infer HTTP/1.1\r\nHost: x\r\n"
+                          b"Content-Length: 1000\r\n\r\n", b" " * 16, 0.5)
+    checks("a trickling body's connection is closed", ended, f"{took:.1f} s")
     server.stop()
 
 
