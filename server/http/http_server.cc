@@ -44,7 +44,10 @@ struct HttpServer::Pending {
   bool dispatched = false;   // Handed to the handler: counted in flight until completed.
   std::mutex mu;
   bool suspended = false;      // Suspended now, its answer not yet given.
-  bool was_suspended = false;  // Counted in HttpServer::suspended_ until its answer is queued.
+  bool was_suspended = false;  // Counted in HttpServer::suspended_ until its answer is queued
+                               // or its connection ends.
+  bool replied = false;        // The handler's answer has come.
+  bool orphaned = false;       // Its connection ended first: the answer, when it comes, frees it.
   std::optional<HttpResponse> response;
 };
 
@@ -315,7 +318,13 @@ struct HttpServerAccess {
           std::lock_guard<std::mutex> count(server->mu_);
           if (--server->unanswered_ == 0) server->idle_.notify_all();
         }
-        std::lock_guard<std::mutex> l(p->mu);
+        std::unique_lock<std::mutex> l(p->mu);
+        if (p->orphaned) {
+          l.unlock();
+          delete p;
+          return;
+        }
+        p->replied = true;
         p->response = std::move(r);
         if (p->suspended) {
           p->suspended = false;
@@ -375,12 +384,23 @@ struct HttpServerAccess {
     auto* p = static_cast<Pending*>(*state);
     if (p == nullptr) return;
     Release(server, p);
+    *state = nullptr;
+    // A connection that ends while suspended (its caller gone) is resumed by the answer, then
+    // closed by libmicrohttpd without asking for that answer: it is uncounted here. The answer's
+    // resume may still hold `p->mu`; one that has not come yet frees `p` when it does.
+    std::unique_lock<std::mutex> lock(p->mu);
     if (p->dispatched) {
       std::lock_guard<std::mutex> count(server->mu_);
       if (--server->in_flight_ == 0) server->idle_.notify_all();
+      if (p->was_suspended && --server->suspended_ == 0) server->idle_.notify_all();
     }
+    p->was_suspended = false;
+    if (p->dispatched && !p->replied) {
+      p->orphaned = true;
+      return;
+    }
+    lock.unlock();
     delete p;
-    *state = nullptr;
   }
 };
 
