@@ -10,6 +10,7 @@
 
 #include "attnserve/half.h"
 #include "server/core/checked_math.h"
+#include "server/http/float_text.h"
 
 namespace attnserve {
 namespace {
@@ -472,27 +473,13 @@ Status HttpInferToOip(std::string* body, std::optional<size_t> header_length,
 
 namespace {
 
-// Writes `f` at `p` (at least 16 bytes of room); returns the end.
-char* WriteNumber(char* p, float f) {
-  if (std::isnan(f)) {
-    std::memcpy(p, "NaN", 3);
-    return p + 3;
-  }
-  if (std::isinf(f)) {
-    const char* text = f > 0 ? "Infinity" : "-Infinity";
-    const size_t n = std::strlen(text);
-    std::memcpy(p, text, n);
-    return p + n;
-  }
-  return std::to_chars(p, p + 16, f).ptr;  // The shortest form: at most 15 characters.
-}
-
 // A tensor's bytes as a flat JSON array of its datatype's numbers, written in place.
 void AppendData(std::string* s, const std::string& datatype, const char* p, size_t n) {
   const size_t size = datatype == "FP32" ? 4 : 2;
   const size_t count = n / size;
   const size_t start = s->size();
-  s->resize(start + 2 + count * 17);  // '[', each number and its comma, ']'.
+  // '[', each number and its comma, ']', and the room the last number may overwrite.
+  s->resize(start + 2 + count * (kFloat32TextMax + 1) + kFloat32Room);
   char* out = s->data() + start;
   *out++ = '[';
   for (size_t k = 0; k < count; ++k) {
@@ -505,7 +492,7 @@ void AppendData(std::string* s, const std::string& datatype, const char* p, size
       std::memcpy(&h, p + k * 2, 2);
       f = datatype == "FP16" ? HalfToFloat(h) : BFloat16ToFloat(h);
     }
-    out = WriteNumber(out, f);
+    out = WriteFloat32(out, f);
   }
   *out++ = ']';
   s->resize(static_cast<size_t>(out - s->data()));
