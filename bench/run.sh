@@ -22,7 +22,9 @@
 # driven by that same tritonclient load, and are printed against the `on` server's "oip" rows.
 # HTTP: the `on` server's --http-address through tritonclient.http with binary tensor data ("oip_http")
 # on W1 and on W2's lengths (self-attention), against tritonclient.grpc on the same, and against the
-# kserve and mlserver peers' own REST endpoints under the same HTTP load.
+# kserve and mlserver peers' own REST endpoints under the same HTTP load; and W1 with JSON tensors
+# from wrk (bench/http_load.py: a C load generator, so the rates are the servers', not a Python
+# client's), the comparison with MLServer, whose REST takes JSON only.
 # Results: bench/out/results.jsonl. Takes ~20 minutes (Ray starts in ~30-90 s a round, MLServer ~15 s).
 # BENCH_CLIENTS_ONLY=1: only the `on` server and the client rows (~3 minutes); with
 # BENCH_PEERS="kserve mlserver" also those peers' rows (~6 minutes more).
@@ -34,6 +36,7 @@ duration=${BENCH_DURATION:-5}
 rm -rf "$out" && mkdir -p "$out"
 cmake --build "$build" -j"$(nproc)" --target attnserve attnserve_bench >/dev/null
 command -v gnuplot >/dev/null || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends gnuplot-nox >/dev/null; }
+command -v wrk >/dev/null || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends wrk >/dev/null; }
 port=50071
 http_port=50072  # attnserve's --http-address, the peers' REST port
 pid=
@@ -99,9 +102,11 @@ pybench() {  # client label args...: Python clients against the running server (
   [ "$client" = oip ] && python=$oip_python
   # The Open Inference Protocol over HTTP: the server's HTTP port (attnserve's --http-address, the
   # peers' own REST port).
-  case $client in oip_http* | http_json_raw) python=$oip_python target=127.0.0.1:$http_port ;; esac
-  "$python" bench/python_clients.py --client "$client" --target "$target" --label "$label" \
-    --warmup 2 --json "$out/results.jsonl" "$@" >/dev/null
+  case $client in oip_http* | http_json_raw | wrk) python=$oip_python target=127.0.0.1:$http_port ;; esac
+  local script=(bench/python_clients.py --client "$client")
+  [ "$client" = wrk ] && script=(bench/http_load.py)  # JSON bodies from wrk.
+  "$python" "${script[@]}" --target "$target" --label "$label" --warmup 2 --json "$out/results.jsonl" \
+    "$@" >/dev/null
 }
 
 # This VM's neighbours make single runs swing by +-20%: the workloads run in rounds that rotate
@@ -120,6 +125,7 @@ for round in $(seq "$rounds"); do
         pybench oip_http http-$system/W1/r$round --duration "$duration" --callers 32 --lengths uniform:8:64
         pybench oip_http http-$system/W2/r$round --duration "$duration" --callers 32 --lengths uniform:16:512
         pybench http_json_raw http-$system/W1-json/r$round --duration "$duration" --callers 32 --lengths uniform:8:64
+        pybench wrk http-$system/W1-json-wrk/r$round --duration "$duration" --callers 32 --lengths uniform:8:64
         continue ;;
     esac
     bench $system W1/r$round --duration "$duration" --callers 32 --lengths uniform:8:64
@@ -135,6 +141,7 @@ for round in $(seq "$rounds"); do
         pybench oip_http http-on/${w% *}/r$round --duration "$duration" --callers 32 --lengths "${w#* }"
       done
       pybench http_json_raw http-on/W1-json/r$round --duration "$duration" --callers 32 --lengths uniform:8:64
+      pybench wrk http-on/W1-json-wrk/r$round --duration "$duration" --callers 32 --lengths uniform:8:64
     fi
     [ "$clients_only" = 1 ] && { bench $system W3/r$round --duration "$duration" --callers 1 --lengths fixed:128; continue; }
     bench $system W2/r$round --duration "$duration" --callers 32 --lengths uniform:16:512 --cross 0.5 --pool 48
@@ -201,16 +208,17 @@ if any(r["label"].startswith("http-on/") for r in rows):
     print("gRPC (tritonclient.grpc), and against the peers' own REST endpoints under the same HTTP load;")
     print("W2 here: 32 callers, lengths 16-512, self-attention; W1-json: W1 with JSON tensors both ways, each")
     print("body made once and each answer read unparsed (MLServer's REST takes no binary tensor data: its")
-    print("binary rows fail, its JSON row is the comparison)")
+    print("binary rows fail, its JSON rows are the comparison); W1-json-wrk: the same bodies from wrk, a C")
+    print("load generator (bench/http_load.py), so that the rates are the servers' and not the Python client's")
     print(f"{'workload':8s} {'server':30s} {'req/s':>8s} {'tok/s':>9s} {'p50 ms':>8s} {'p99 ms':>8s} {'ratio':>28s}")
     http_peers = [(s, n) for s, n in (("http-kserve", "KServe 0.21 REST"), ("http-mlserver", "MLServer 1.7.1 REST"))
                   if any(r["label"].startswith(s + "/") for r in rows)]
-    for w in ["W1", "W2", "W1-json"]:
+    for w in ["W1", "W2", "W1-json", "W1-json-wrk"]:
         if not any(r["label"].startswith(f"http-on/{w}/") for r in rows):
             continue
         on_tok = med("http-on", w, tok)[0]
         t_grpc = 0
-        for s, name in ([("oip", "attnserve over gRPC")] if w != "W1-json" else []) + \
+        for s, name in ([("oip", "attnserve over gRPC")] if not w.startswith("W1-json") else []) + \
                 [("http-on", "attnserve over HTTP")] + http_peers:
             t, p50, p99 = med(s, w, tok)[0], med(s, w, pct("p50"))[0], med(s, w, pct("p99"))[0]
             if s == "oip":
