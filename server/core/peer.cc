@@ -3,8 +3,13 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <set>
+#include <sstream>
 #include <utility>
+#include <vector>
 
 namespace attnserve {
 
@@ -52,6 +57,130 @@ std::string PeerOfUri(const std::string& uri) {
     return PeerOf(reinterpret_cast<const sockaddr*>(&v4));
   }
   return host;
+}
+
+std::string PeerUriOf(const sockaddr* address) {
+  char text[INET6_ADDRSTRLEN] = {};
+  if (address->sa_family == AF_INET) {
+    const auto* a = reinterpret_cast<const sockaddr_in*>(address);
+    inet_ntop(AF_INET, &a->sin_addr, text, sizeof text);
+    return "ipv4:" + std::string(text) + ":" + std::to_string(ntohs(a->sin_port));
+  }
+  if (address->sa_family == AF_INET6) {
+    const auto* a = reinterpret_cast<const sockaddr_in6*>(address);
+    inet_ntop(AF_INET6, &a->sin6_addr, text, sizeof text);
+    return "ipv6:[" + std::string(text) + "]:" + std::to_string(ntohs(a->sin6_port));
+  }
+  return "unix:";
+}
+
+namespace {
+
+// A TCP peer's address (16 bytes: IPv4 mapped into IPv6) and port, from gRPC's form.
+struct TcpEndpoint {
+  in6_addr address{};
+  int port = -1;
+};
+
+std::optional<TcpEndpoint> EndpointOf(const std::string& uri) {
+  std::string peer = uri;
+  for (const auto& [escaped, bracket] : {std::pair{"%5B", "["}, std::pair{"%5D", "]"}}) {
+    for (size_t at; (at = peer.find(escaped)) != std::string::npos;) peer.replace(at, 3, bracket);
+  }
+  std::string host, port;
+  if (peer.rfind("ipv4:", 0) == 0) {
+    const size_t colon = peer.rfind(':');
+    host = peer.substr(5, colon - 5);
+    port = peer.substr(colon + 1);
+  } else if (peer.rfind("ipv6:[", 0) == 0) {
+    const size_t close = peer.find("]:");
+    if (close == std::string::npos) return std::nullopt;
+    host = peer.substr(6, close - 6);
+    port = peer.substr(close + 2);
+  } else {
+    return std::nullopt;
+  }
+  TcpEndpoint e;
+  in_addr v4{};
+  if (inet_pton(AF_INET, host.c_str(), &v4) == 1) {
+    e.address.s6_addr[10] = e.address.s6_addr[11] = 0xff;
+    std::memcpy(e.address.s6_addr + 12, &v4, 4);
+  } else if (inet_pton(AF_INET6, host.c_str(), &e.address) != 1) {
+    return std::nullopt;
+  }
+  char* end = nullptr;
+  const long p = std::strtol(port.c_str(), &end, 10);
+  if (port.empty() || *end != '\0' || p < 0 || p > 65535) return std::nullopt;
+  e.port = static_cast<int>(p);
+  return e;
+}
+
+// "0100007F:1F90" (the kernel's words in host order, then the port) as an endpoint.
+std::optional<TcpEndpoint> EndpointInTable(const std::string& field, bool v6) {
+  const size_t colon = field.find(':');
+  const size_t hex_len = v6 ? 32 : 8;
+  if (colon != hex_len) return std::nullopt;
+  TcpEndpoint e;
+  uint8_t bytes[16] = {};
+  for (size_t w = 0; w < hex_len / 8; ++w) {
+    char* end = nullptr;
+    const std::string word = field.substr(w * 8, 8);
+    const uint32_t v = static_cast<uint32_t>(std::strtoul(word.c_str(), &end, 16));
+    if (*end != '\0') return std::nullopt;
+    std::memcpy(bytes + 4 * w, &v, 4);  // As the kernel holds it in memory.
+  }
+  if (v6) {
+    std::memcpy(e.address.s6_addr, bytes, 16);
+  } else {
+    e.address.s6_addr[10] = e.address.s6_addr[11] = 0xff;
+    std::memcpy(e.address.s6_addr + 12, bytes, 4);
+  }
+  char* end = nullptr;
+  e.port = static_cast<int>(std::strtol(field.c_str() + colon + 1, &end, 16));
+  if (*end != '\0') return std::nullopt;
+  return e;
+}
+
+}  // namespace
+
+std::optional<uint32_t> SocketOwnerIn(const std::string& table, bool v6, const std::string& uri) {
+  const std::optional<TcpEndpoint> want = EndpointOf(uri);
+  if (!want) return std::nullopt;
+  std::set<uint32_t> uids;
+  std::istringstream lines(table);
+  std::string line;
+  std::getline(lines, line);  // The heading.
+  while (std::getline(lines, line)) {
+    // sl local_address rem_address st tx_queue:rx_queue tr:tm->when retrnsmt uid ...
+    std::istringstream fields(line);
+    std::vector<std::string> f(8);
+    for (std::string& x : f) fields >> x;
+    if (f[7].empty() || f[3] != "01") continue;  // 01: established.
+    const std::optional<TcpEndpoint> local = EndpointInTable(f[1], v6);
+    if (!local || local->port != want->port ||
+        std::memcmp(&local->address, &want->address, 16) != 0) {
+      continue;
+    }
+    char* end = nullptr;
+    const unsigned long uid = std::strtoul(f[7].c_str(), &end, 10);
+    if (*end == '\0') uids.insert(static_cast<uint32_t>(uid));
+  }
+  if (uids.size() != 1) return std::nullopt;
+  return *uids.begin();
+}
+
+std::optional<uint32_t> SocketOwnerOf(const std::string& uri) {
+  std::set<uint32_t> found;
+  for (const auto& [path, v6] :
+       {std::pair{"/proc/net/tcp", false}, std::pair{"/proc/net/tcp6", true}}) {
+    std::ifstream in(path);
+    if (!in) continue;
+    std::ostringstream text;
+    text << in.rdbuf();
+    if (std::optional<uint32_t> uid = SocketOwnerIn(text.str(), v6, uri)) found.insert(*uid);
+  }
+  if (found.size() != 1) return std::nullopt;
+  return *found.begin();
 }
 
 }  // namespace attnserve

@@ -29,6 +29,7 @@ StatusOr<CallContext> CallOf(grpc::CallbackServerContext* ctx, const RequestPipe
   ASSIGN_OR_RETURN(call.tenant, TenantOf(ctx, pipeline.tenant_header()));
   call.local_peer = IsLocalPeer(ctx);
   call.peer = PeerAddressOf(ctx);
+  call.peer_uri = ctx->peer();
   call.deadline = SteadyDeadlineOf(ctx);
   call.cancelled = [ctx] { return ctx->IsCancelled(); };
   call.trace = TraceOf(ctx);

@@ -198,6 +198,7 @@ struct HttpServerAccess {
     if (const MHD_ConnectionInfo* info =
             MHD_get_connection_info(c, MHD_CONNECTION_INFO_CLIENT_ADDRESS)) {
       p->request.peer = PeerOf(info->client_addr);
+      p->request.peer_uri = PeerUriOf(info->client_addr);
       const sockaddr* a = info->client_addr;
       p->request.local_peer =
           (a->sa_family == AF_INET &&

@@ -65,6 +65,7 @@ struct HttpRequest {
   std::string body;
   std::string peer;         ///< The peer's address without its port (PeerOf's form).
   bool local_peer = false;  ///< Loopback.
+  std::string peer_uri;     ///< With its port, in gRPC's form (PeerUriOf).
   /// Under mutual TLS, the verified client certificate's common name, then its DNS and email
   /// subject alternative names.
   std::vector<std::string> certificate_names;

@@ -53,6 +53,7 @@ StatusOr<CallContext> CallOf(const HttpRequest& r, const RequestPipeline& pipeli
                                 "header '" + header + "'"));
   call.local_peer = r.local_peer;
   call.peer = r.peer;
+  call.peer_uri = r.peer_uri;
   const std::vector<std::string> parents = r.Values("traceparent");
   if (parents.size() == 1) {
     std::string state;

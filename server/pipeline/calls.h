@@ -60,6 +60,9 @@ struct CallContext {
   /// The peer's address without its port ("" when not known): what tells apart callers that name
   /// no tenant, for fair shares and per-caller bounds.
   std::string peer;
+  /// The peer with its port, in gRPC's form ("ipv4:127.0.0.1:5000", "ipv6:[::1]:5000", "unix:..."):
+  /// what finds the uid of a loopback caller, whose shared-memory objects are its own.
+  std::string peer_uri;
 
   bool IsCancelled() const { return cancelled && cancelled(); }
 };

@@ -40,7 +40,7 @@ TenantRegions RegionsOf(SharedMemoryRegistry& shm, const CallContext& call,
   } else {
     terms.keys_refused = prefix.status();
   }
-  return shm.For(RegionCaller{call.tenant, std::move(terms), call.local_peer});
+  return shm.For(RegionCaller{call.tenant, std::move(terms), call.local_peer, call.peer_uri});
 }
 
 }  // namespace attnserve

@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "server/core/checked_math.h"
+#include "server/core/peer.h"
 
 namespace attnserve {
 namespace {
@@ -73,11 +74,13 @@ class SystemRegion final : public SharedRegion {
 // Opens the POSIX shared memory object `key` (IsSharedMemoryKey) as shm_open would (its file
 // under /dev/shm), in two steps: first only a reference to the file itself (O_PATH, no link
 // followed: nothing is opened for reading or writing, so a FIFO or a device sees no open at all),
-// checked to be a regular object of the server's uid or of one of `uids`; then that same file,
-// through the reference, for reading and writing (read-only where its mode says so). *fd and
-// *st: the open descriptor and what fstat said of it.
-Status OpenObject(const std::string& key, const std::vector<uint32_t>& uids, int* fd,
-                  struct stat* st) {
+// checked to be a regular object of the server's uid or of one of `uids`, and of `caller_uid`
+// where the call's uid is known; then that same file, through the reference, with its owner's
+// rights by its mode (read-only without the owner's write bit, refused without the read bit),
+// whatever rights the server's uid (root) would have. *fd and *st: the open descriptor and what
+// fstat said of it.
+Status OpenObject(const std::string& key, const std::vector<uint32_t>& uids,
+                  std::optional<uint32_t> caller_uid, int* fd, struct stat* st) {
   const std::string file = "/dev/shm" + (key[0] == '/' ? key : "/" + key);
   const int path = ::open(file.c_str(), O_PATH | O_NOFOLLOW | O_CLOEXEC);
   if (path < 0) {
@@ -101,6 +104,18 @@ Status OpenObject(const std::string& key, const std::vector<uint32_t>& uids, int
                          std::to_string(st->st_uid) + ", not to this server's (" +
                          std::to_string(::geteuid()) +
                          ") nor to a uid the server's flag --shared-memory-uids lists");
+  } else if (caller_uid && st->st_uid != *caller_uid) {
+    refused = Status(
+        StatusCode::kPermissionDenied,
+        "key: shared memory object " + Quoted(key) + " belongs to uid " +
+            std::to_string(st->st_uid) + ", and this call came from a process of uid " +
+            std::to_string(*caller_uid) + "; a caller registers only objects of its own uid");
+  } else if ((st->st_mode & S_IRUSR) == 0) {
+    refused =
+        Status(StatusCode::kPermissionDenied,
+               "key: shared memory object " + Quoted(key) + " has mode " +
+                   std::to_string((st->st_mode >> 6) & 7) + std::to_string((st->st_mode >> 3) & 7) +
+                   std::to_string(st->st_mode & 7) + ": its owner may not read it");
   }
   if (!refused.ok()) {
     ::close(path);
@@ -110,8 +125,9 @@ Status OpenObject(const std::string& key, const std::vector<uint32_t>& uids, int
   // key meanwhile changes nothing).
   const std::string self = "/proc/self/fd/" + std::to_string(path);
   constexpr int kFlags = O_NONBLOCK | O_NOCTTY | O_CLOEXEC;
-  *fd = ::open(self.c_str(), O_RDWR | kFlags);
-  if (*fd < 0 && errno == EACCES) *fd = ::open(self.c_str(), O_RDONLY | kFlags);
+  const bool writable = (st->st_mode & S_IWUSR) != 0;
+  *fd = ::open(self.c_str(), (writable ? O_RDWR : O_RDONLY) | kFlags);
+  if (*fd < 0 && errno == EACCES && writable) *fd = ::open(self.c_str(), O_RDONLY | kFlags);
   const int err = errno;
   ::close(path);
   if (*fd < 0) {
@@ -284,9 +300,22 @@ Status TenantRegions::RegisterSystem(const std::string& name, const std::string&
     return Invalid("offset: " + std::to_string(offset) + " plus byte_size " +
                    std::to_string(byte_size) + " overflows int64");
   }
+  // On loopback TCP, the process that made the call is found by its socket: it registers only its
+  // own objects (a unix socket's caller is whoever its file's mode lets connect).
+  std::optional<uint32_t> caller_uid;
+  if (caller_.local &&
+      (caller_.peer_uri.rfind("ipv4:", 0) == 0 || caller_.peer_uri.rfind("ipv6:", 0) == 0)) {
+    caller_uid = SocketOwnerOf(caller_.peer_uri);
+    if (!caller_uid) {
+      return Status(StatusCode::kPermissionDenied,
+                    "shared memory: this call's connection (" + caller_.peer_uri +
+                        ") is not in this host's table of TCP sockets, so the user that made it "
+                        "is not known; a caller registers only objects of its own uid");
+    }
+  }
   int fd = -1;
   struct stat st {};
-  RETURN_IF_ERROR(OpenObject(key, registry_->options_.allowed_uids, &fd, &st));
+  RETURN_IF_ERROR(OpenObject(key, registry_->options_.allowed_uids, caller_uid, &fd, &st));
   if (st.st_size < *end) {
     const int64_t size = static_cast<int64_t>(st.st_size);
     ::close(fd);
@@ -363,6 +392,14 @@ StatusOr<std::shared_ptr<const SharedRegion>> TenantRegions::Find(const std::str
     return Status(StatusCode::kFailedPrecondition,
                   "shared memory is off on this server (--allow-shared-memory); send the "
                   "tensor's bytes in the message");
+  }
+  if (!caller_.local && !registry_->options_.remote_peers) {
+    // The region names an object on this host; its tenant's calls from elsewhere do not reach it.
+    return Status(StatusCode::kPermissionDenied,
+                  "shared memory region " + Quoted(name) +
+                      ": this call did not come from the server's host (loopback or a unix "
+                      "socket), and a region names an object on the server's host; the server "
+                      "flag --shared-memory-remote-peers allows it");
   }
   std::lock_guard<std::mutex> lock(registry_->mu_);
   auto it = registry_->regions_.find({caller_.tenant, name});

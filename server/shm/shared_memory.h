@@ -57,6 +57,9 @@ struct RegionCaller {
   std::string tenant;
   RegionTerms terms;
   bool local = true;
+  /// The call's peer in gRPC's form ("ipv4:127.0.0.1:5000"; "" when not known): on loopback TCP,
+  /// what finds the uid of the process that made the call (SocketOwnerOf).
+  std::string peer_uri;
 };
 
 /// What a region holds, for the Status calls and metrics.

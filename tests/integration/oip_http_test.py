@@ -30,6 +30,7 @@ import time
 
 import ml_dtypes
 import numpy as np
+import pytest
 import torch
 import tritonclient.grpc as tg
 import tritonclient.http as th
@@ -521,6 +522,62 @@ def test_shared_memory_over_http(attnserve, checks):
     finally:
         shm.destroy_shared_memory_region(hq)
         shm.destroy_shared_memory_region(ho)
+    server.stop()
+
+
+NOBODY_REGISTERS = r"""
+import http.client, json, os, sys
+port, own, roots = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+fd = os.open("/dev/shm" + own, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+os.ftruncate(fd, 4096)
+os.close(fd)
+out = {}
+for name, key in (("own", own), ("roots", roots)):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    c.request("POST", f"/v2/systemsharedmemory/region/{name}/register",
+              body=json.dumps({"key": key, "offset": 0, "byte_size": 4096}))
+    r = c.getresponse()
+    out[name] = [r.status, r.read().decode()]
+os.unlink("/dev/shm" + own)
+print(json.dumps(out))
+"""
+
+
+def test_shared_memory_objects_of_the_callers_own_uid(attnserve, checks):
+    """The review of issue 67: a server running as root registered any root-owned object for any
+    caller on its host (and would write answers into it). A caller on loopback registers only
+    objects of its own uid, found by its socket: uid 65534's own object is registered, a root-owned
+    one is refused (403, naming both uids); root's caller is refused 65534's object."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (CI runs as root): to run a caller as uid 65534")
+    server, _ = serve(attnserve, "--allow-shared-memory", "--shared-memory-uids", "65534",
+                      models={"mha": build(3014)})
+    key = f"/attnserve-http-uid-{os.getpid()}"
+    fd = os.open("/dev/shm" + key + "-root", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    os.ftruncate(fd, 4096)
+    os.close(fd)
+    try:
+        ran = subprocess.run(["/usr/bin/python3", "-c", NOBODY_REGISTERS, str(server.http_port), key + "-nobody",
+                              key + "-root"], capture_output=True, text=True, timeout=60,
+                             user=65534, group=65534, cwd="/")
+        got = json.loads(ran.stdout or "{}")
+        checks("uid 65534 registers its own object", got.get("own", [0])[0] == 200, ran.stdout + ran.stderr)
+        roots = got.get("roots", [0, ""])
+        checks("uid 65534 is refused root's object: 403 naming both uids",
+               roots[0] == 403 and "belongs to uid 0, and this call came from a process of uid 65534" in roots[1],
+               str(roots))
+        fd = os.open("/dev/shm" + key + "-65534", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        os.ftruncate(fd, 4096)
+        os.fchown(fd, 65534, 65534)
+        os.close(fd)
+        code, body = request(server, "POST", "/v2/systemsharedmemory/region/theirs/register",
+                             json.dumps({"key": key + "-65534", "offset": 0, "byte_size": 4096}))[:2]
+        checks("root's caller is refused uid 65534's object", code == 403 and "uid 65534" in str(body),
+               f"{code} {body}")
+    finally:
+        for suffix in ("-root", "-65534", "-nobody"):
+            if os.path.exists("/dev/shm" + key + suffix):
+                os.unlink("/dev/shm" + key + suffix)
     server.stop()
 
 

@@ -4,21 +4,27 @@
 // operation changes nothing, a region held by a request outlives its unregistration).
 #include "server/shm/shared_memory.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <csignal>
 #include <functional>
 #include <map>
 #include <random>
 #include <thread>
+
+#include "server/core/peer.h"
 
 namespace attnserve {
 namespace {
@@ -473,6 +479,131 @@ TEST(SharedMemoryTenantsTest, ACallerOffThisHostRegistersOnlyWhenAllowed) {
   o.remote_peers = true;
   SharedMemoryRegistry open(o);
   EXPECT_TRUE(open.For(Tenant("a", 0, "", false)).RegisterSystem("r", obj.key(), 0, 4096).ok());
+}
+
+// The review of issue 67: a tenant's region, registered by its caller on this host, was used by
+// the same tenant's calls from another host (the object is on this one).
+TEST(SharedMemoryTenantsTest, ARegionIsUsedFromThisHostOnlyUnlessAllowed) {
+  Object obj(4096);
+  SharedMemoryRegistry closed(On());
+  ASSERT_TRUE(closed.For(Tenant("a", 0, "")).RegisterSystem("r", obj.key(), 0, 4096).ok());
+  EXPECT_TRUE(closed.For(Tenant("a", 0, "")).Find("r").ok());
+  const auto far = closed.For(Tenant("a", 0, "", /*local=*/false)).Find("r");
+  EXPECT_EQ(far.status().code(), StatusCode::kPermissionDenied);
+  EXPECT_THAT(far.status().message(), HasSubstr("--shared-memory-remote-peers"));
+  SharedMemoryOptions o = On();
+  o.remote_peers = true;
+  SharedMemoryRegistry open(o);
+  ASSERT_TRUE(open.For(Tenant("a", 0, "")).RegisterSystem("r", obj.key(), 0, 4096).ok());
+  EXPECT_TRUE(open.For(Tenant("a", 0, "", false)).Find("r").ok());
+}
+
+// The review of issue 67: a server running as root opened a 0444 object for writing (root passes
+// every mode) and wrote answers into it. The owner's bits decide: no write bit, read-only; no
+// read bit, refused.
+TEST(SharedMemoryTest, TheOwnersModeBitsDecideWhatTheServerMayDo) {
+  Object read_only(64), unreadable(64);
+  ASSERT_EQ(::chmod(("/dev/shm" + read_only.key()).c_str(), 0444), 0);
+  ASSERT_EQ(::chmod(("/dev/shm" + unreadable.key()).c_str(), 0200), 0);
+  SharedMemoryRegistry reg_all(On());
+  const TenantRegions reg = reg_all.For({});
+  ASSERT_TRUE(reg.RegisterSystem("ro", read_only.key(), 0, 64).ok());
+  auto region = reg.Find("ro");
+  ASSERT_TRUE(region.ok());
+  char bytes[8] = {};
+  EXPECT_TRUE((*region)->Read(0, 8, bytes, "in").ok());
+  EXPECT_EQ(bytes[3], 3);
+  const Status written = (*region)->Write(0, "xxxxxxxx", 8, "attn_output");
+  EXPECT_EQ(written.code(), StatusCode::kFailedPrecondition);
+  EXPECT_THAT(written.message(), HasSubstr("attn_output"));
+  EXPECT_TRUE((*region)->Read(0, 8, bytes, "in").ok());
+  EXPECT_EQ(bytes[3], 3);  // Unchanged.
+  const Status st = reg.RegisterSystem("wo", unreadable.key(), 0, 64);
+  EXPECT_EQ(st.code(), StatusCode::kPermissionDenied);
+  EXPECT_THAT(st.message(), HasSubstr("mode 200"));
+}
+
+// A loopback connection to a listener here, made by a child process running as `uid`: its peer
+// name as the server sees it. The child holds it open until the object is destroyed.
+class LoopbackCaller {
+ public:
+  explicit LoopbackCaller(uid_t uid) {
+    listener_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in at{};
+    at.sin_family = AF_INET;
+    at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    EXPECT_EQ(::bind(listener_, reinterpret_cast<sockaddr*>(&at), sizeof at), 0);
+    EXPECT_EQ(::listen(listener_, 1), 0);
+    socklen_t len = sizeof at;
+    ::getsockname(listener_, reinterpret_cast<sockaddr*>(&at), &len);
+    int hold[2];
+    EXPECT_EQ(::pipe(hold), 0);
+    child_ = ::fork();
+    if (child_ == 0) {
+      ::close(hold[1]);
+      if (::setgid(uid) != 0 || ::setuid(uid) != 0) ::_exit(1);
+      const int s = ::socket(AF_INET, SOCK_STREAM, 0);
+      if (::connect(s, reinterpret_cast<sockaddr*>(&at), sizeof at) != 0) ::_exit(2);
+      char c;
+      while (::read(hold[0], &c, 1) < 0 && errno == EINTR) {
+      }
+      ::_exit(0);
+    }
+    ::close(hold[0]);
+    hold_ = hold[1];
+    sockaddr_in peer{};
+    len = sizeof peer;
+    accepted_ = ::accept(listener_, reinterpret_cast<sockaddr*>(&peer), &len);
+    EXPECT_GE(accepted_, 0);
+    uri_ = PeerUriOf(reinterpret_cast<sockaddr*>(&peer));
+  }
+  ~LoopbackCaller() {
+    ::close(hold_);
+    int status = 0;
+    ::waitpid(child_, &status, 0);
+    ::close(accepted_);
+    ::close(listener_);
+  }
+  const std::string& uri() const { return uri_; }
+
+ private:
+  int listener_ = -1, accepted_ = -1, hold_ = -1;
+  pid_t child_ = -1;
+  std::string uri_;
+};
+
+// The review of issue 67: as root, the server registered any root-owned object (say
+// /libpod_lock) for any caller on its host, and wrote answers into it. A loopback caller now
+// registers only objects of its own uid (its socket's owner); the server's and
+// --shared-memory-uids' rule still holds besides.
+TEST(SharedMemoryTest, ALoopbackCallerRegistersOnlyObjectsOfItsOwnUid) {
+  if (::geteuid() != 0)
+    GTEST_SKIP() << "needs root: to run a caller and own an object as uid 65534";
+  Object roots(64), nobodys(64);
+  ASSERT_EQ(::chown(("/dev/shm" + nobodys.key()).c_str(), 65534, 65534), 0);
+  SharedMemoryOptions o = On();
+  o.allowed_uids = {65534};
+  SharedMemoryRegistry registry(o);
+  const LoopbackCaller nobody(65534), root(0);
+  RegionCaller as_nobody, as_root;
+  as_nobody.peer_uri = nobody.uri();
+  as_root.peer_uri = root.uri();
+  const Status stolen = registry.For(as_nobody).RegisterSystem("r", roots.key(), 0, 64);
+  EXPECT_EQ(stolen.code(), StatusCode::kPermissionDenied);
+  EXPECT_THAT(stolen.message(),
+              HasSubstr("belongs to uid 0, and this call came from a process of uid 65534"));
+  const Status theirs = registry.For(as_root).RegisterSystem("r", nobodys.key(), 0, 64);
+  EXPECT_EQ(theirs.code(), StatusCode::kPermissionDenied);
+  EXPECT_THAT(theirs.message(), HasSubstr("uid 65534, and this call came from a process of uid 0"));
+  EXPECT_EQ(registry.regions(), 0u);
+  EXPECT_TRUE(registry.For(as_nobody).RegisterSystem("n", nobodys.key(), 0, 64).ok());
+  EXPECT_TRUE(registry.For(as_root).RegisterSystem("r", roots.key(), 0, 64).ok());
+  // A loopback peer no socket here matches (gone, or never there): not known, refused.
+  RegionCaller unknown;
+  unknown.peer_uri = "ipv4:127.0.0.1:1";
+  const Status st = registry.For(unknown).RegisterSystem("u", roots.key(), 0, 64);
+  EXPECT_EQ(st.code(), StatusCode::kPermissionDenied);
+  EXPECT_THAT(st.message(), HasSubstr("not known"));
 }
 
 // Random registrations, unregistrations (one name or all), finds and reads from three tenants with
