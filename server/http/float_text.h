@@ -4,6 +4,8 @@
 // exactly, written without a formatting library's shortest-form search (about 4x faster here than
 // std::to_chars' shortest form, which was a third of a JSON answer's cost).
 
+#include <cstddef>
+
 namespace attnserve {
 
 // The longest text WriteFloat32 writes, and the bytes at `p` it may overwrite (past the text's
@@ -16,5 +18,9 @@ inline constexpr int kFloat32Room = 24;
 // else "1.5e-05" / "3.40282347e+38". NaN and infinities as Python writes them: "NaN", "Infinity",
 // "-Infinity". Any correctly rounding reader, through double or not, gets `f` back bit for bit.
 char* WriteFloat32(char* p, float f);
+
+// `count` values as WriteFloat32 writes them, separated by commas (kFloat32TextMax + 1 bytes
+// each, and kFloat32Room past the last, of room); returns the end of the text.
+char* WriteFloat32List(char* p, const float* values, size_t count);
 
 }  // namespace attnserve

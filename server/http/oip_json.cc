@@ -2,7 +2,7 @@
 
 #include <simdjson.h>
 
-#include <charconv>
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <nlohmann/json.hpp>
@@ -152,15 +152,10 @@ size_t CountLeaves(dom::element e) {
   return n;
 }
 
-// The leaves written in row-major order at `*at` as `kind`'s bytes; `*k` counts them. The first
-// that is not of the kind's JSON type fails, naming its index.
-Status PutLeaves(const std::string& field, const std::string& datatype, JsonKind kind,
-                 dom::element e, char** at, size_t* k) {
-  if (e.is_array()) {
-    for (dom::element c : dom::array(e))
-      RETURN_IF_ERROR(PutLeaves(field, datatype, kind, c, at, k));
-    return Status::Ok();
-  }
+// One leaf written at `*at` as `kind`'s bytes (`*k`: its index, then counted). One not of the
+// kind's JSON type fails, naming its index.
+Status PutLeaf(const std::string& field, const std::string& datatype, JsonKind kind, dom::element e,
+               char** at, size_t* k) {
   const auto wrong = [&](const char* expected) {
     return InvalidArgument(field + "[" + std::to_string(*k) + "]: " + KindOf(e.type()) +
                            "; expected " + expected + " for " + datatype);
@@ -199,6 +194,29 @@ Status PutLeaves(const std::string& field, const std::string& datatype, JsonKind
   }
   *at += ElementBytes(kind);
   ++*k;
+  return Status::Ok();
+}
+
+// The leaves written in row-major order at `*at` as `kind`'s bytes; `*k` counts them. The first
+// that is not of the kind's JSON type fails, naming its index. A float32 number is written here
+// (the common case: a flat array of them, no call per number); anything else through PutLeaf.
+Status PutLeaves(const std::string& field, const std::string& datatype, JsonKind kind,
+                 dom::element e, char** at, size_t* k) {
+  if (!e.is_array()) return PutLeaf(field, datatype, kind, e, at, k);
+  for (dom::element c : dom::array(e)) {
+    double d = 0;
+    float f = 0;
+    if (kind == JsonKind::kFloat32 && c.get_double().get(d) == simdjson::SUCCESS &&
+        !std::isinf(f = static_cast<float>(d))) {
+      std::memcpy(*at, &f, 4);
+      *at += 4;
+      ++*k;
+    } else if (c.is_array()) {
+      RETURN_IF_ERROR(PutLeaves(field, datatype, kind, c, at, k));
+    } else {
+      RETURN_IF_ERROR(PutLeaf(field, datatype, kind, c, at, k));
+    }
+  }
   return Status::Ok();
 }
 
@@ -482,17 +500,21 @@ void AppendData(std::string* s, const std::string& datatype, const char* p, size
   s->resize(start + 2 + count * (kFloat32TextMax + 1) + kFloat32Room);
   char* out = s->data() + start;
   *out++ = '[';
-  for (size_t k = 0; k < count; ++k) {
-    if (k > 0) *out++ = ',';
-    float f = 0;
+  constexpr size_t kChunk = 256;  // Values as float32, a chunk at a time (aligned, widened).
+  float values[kChunk];
+  for (size_t k = 0; k < count; k += kChunk) {
+    const size_t m = std::min(kChunk, count - k);
     if (size == 4) {
-      std::memcpy(&f, p + k * 4, 4);
+      std::memcpy(values, p + k * 4, m * 4);
     } else {
-      uint16_t h = 0;
-      std::memcpy(&h, p + k * 2, 2);
-      f = datatype == "FP16" ? HalfToFloat(h) : BFloat16ToFloat(h);
+      for (size_t i = 0; i < m; ++i) {
+        uint16_t h = 0;
+        std::memcpy(&h, p + (k + i) * 2, 2);
+        values[i] = datatype == "FP16" ? HalfToFloat(h) : BFloat16ToFloat(h);
+      }
     }
-    out = WriteFloat32(out, f);
+    if (k > 0) *out++ = ',';
+    out = WriteFloat32List(out, values, m);
   }
   *out++ = ']';
   s->resize(static_cast<size_t>(out - s->data()));

@@ -8,6 +8,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <vector>
 
 namespace attnserve {
 namespace {
@@ -101,6 +102,31 @@ TEST(FloatTextTest, RoundValuesStayShortAndPlain) {
   EXPECT_EQ(Text(0.1f), "0.100000001");  // Nine digits: float32's 0.1 is 0.100000001490116...
   EXPECT_EQ(Text(std::numeric_limits<float>::max()), "3.40282347e+38");
   EXPECT_EQ(Text(std::numeric_limits<float>::denorm_min()), "1.40129846e-45");
+}
+
+// The list writer (blocks of digits computed side by side) writes what WriteFloat32 writes, comma
+// separated, across its blocks' edges, with NaN, infinities and zeros among the numbers.
+TEST(FloatTextTest, AListIsEachNumbersTextJoinedByCommas) {
+  std::mt19937 rng(72);
+  std::normal_distribution<float> normal;
+  std::vector<float> values;
+  for (int i = 0; i < 1000; ++i) values.push_back(normal(rng) * std::pow(10.0f, i % 13 - 6));
+  const float specials[] = {0.0f,
+                            -0.0f,
+                            std::numeric_limits<float>::quiet_NaN(),
+                            std::numeric_limits<float>::infinity(),
+                            -std::numeric_limits<float>::infinity(),
+                            std::numeric_limits<float>::denorm_min(),
+                            1e9f};
+  for (size_t i = 0; i < std::size(specials); ++i) values[i * 17 + 3] = specials[i];
+  for (size_t count : {size_t{0}, size_t{1}, size_t{15}, size_t{16}, size_t{17}, values.size()}) {
+    std::string want;
+    for (size_t i = 0; i < count; ++i) want += (i ? "," : "") + Text(values[i]);
+    std::string got(count * (kFloat32TextMax + 1) + kFloat32Room, '\0');
+    char* end = WriteFloat32List(got.data(), values.data(), count);
+    got.resize(static_cast<size_t>(end - got.data()));
+    EXPECT_EQ(got, want) << count;
+  }
 }
 
 TEST(FloatTextTest, NotNumbersAsPythonWritesThem) {
