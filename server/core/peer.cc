@@ -143,24 +143,29 @@ std::optional<TcpEndpoint> EndpointInTable(const std::string& field, bool v6) {
 
 }  // namespace
 
-std::optional<uint32_t> SocketOwnerIn(const std::string& table, bool v6, const std::string& uri) {
-  const std::optional<TcpEndpoint> want = EndpointOf(uri);
-  if (!want) return std::nullopt;
+std::optional<uint32_t> SocketOwnerIn(const std::string& table, bool v6,
+                                      const std::string& client_uri,
+                                      const std::string& server_uri) {
+  const std::optional<TcpEndpoint> client = EndpointOf(client_uri);
+  const std::optional<TcpEndpoint> server = EndpointOf(server_uri);
+  if (!client || !server) return std::nullopt;
+  const auto same = [](const std::optional<TcpEndpoint>& a, const TcpEndpoint& b) {
+    return a && a->port == b.port && std::memcmp(&a->address, &b.address, 16) == 0;
+  };
   std::set<uint32_t> uids;
   std::istringstream lines(table);
   std::string line;
   std::getline(lines, line);  // The heading.
   while (std::getline(lines, line)) {
-    // sl local_address rem_address st tx_queue:rx_queue tr:tm->when retrnsmt uid ...
+    // sl local_address rem_address st tx_queue:rx_queue tr:tm->when retrnsmt uid timeout inode
     std::istringstream fields(line);
-    std::vector<std::string> f(8);
+    std::vector<std::string> f(10);
     for (std::string& x : f) fields >> x;
-    if (f[7].empty() || f[3] != "01") continue;  // 01: established.
-    const std::optional<TcpEndpoint> local = EndpointInTable(f[1], v6);
-    if (!local || local->port != want->port ||
-        std::memcmp(&local->address, &want->address, 16) != 0) {
+    // A socket a process holds (inode not 0), not waiting out its close (TIME_WAIT 06), closed
+    // (07) or listening (0A).
+    if (f[9].empty() || f[9] == "0" || f[3] == "06" || f[3] == "07" || f[3] == "0A") continue;
+    if (!same(EndpointInTable(f[1], v6), *client) || !same(EndpointInTable(f[2], v6), *server))
       continue;
-    }
     char* end = nullptr;
     const unsigned long uid = std::strtoul(f[7].c_str(), &end, 10);
     if (*end == '\0') uids.insert(static_cast<uint32_t>(uid));
@@ -169,7 +174,8 @@ std::optional<uint32_t> SocketOwnerIn(const std::string& table, bool v6, const s
   return *uids.begin();
 }
 
-std::optional<uint32_t> SocketOwnerOf(const std::string& uri) {
+std::optional<uint32_t> SocketOwnerOf(const std::string& client_uri,
+                                      const std::string& server_uri) {
   std::set<uint32_t> found;
   for (const auto& [path, v6] :
        {std::pair{"/proc/net/tcp", false}, std::pair{"/proc/net/tcp6", true}}) {
@@ -177,10 +183,64 @@ std::optional<uint32_t> SocketOwnerOf(const std::string& uri) {
     if (!in) continue;
     std::ostringstream text;
     text << in.rdbuf();
-    if (std::optional<uint32_t> uid = SocketOwnerIn(text.str(), v6, uri)) found.insert(*uid);
+    if (std::optional<uint32_t> uid = SocketOwnerIn(text.str(), v6, client_uri, server_uri))
+      found.insert(*uid);
   }
   if (found.size() != 1) return std::nullopt;
   return *found.begin();
+}
+
+ConnectionEnds& ConnectionEnds::Get() {
+  static ConnectionEnds* ends = new ConnectionEnds;
+  return *ends;
+}
+
+bool ConnectionEnds::Add(int fd) {
+  sockaddr_storage client{}, server{};
+  socklen_t n = sizeof client, m = sizeof server;
+  if (getpeername(fd, reinterpret_cast<sockaddr*>(&client), &n) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&server), &m) != 0 ||
+      (client.ss_family != AF_INET && client.ss_family != AF_INET6)) {
+    return true;
+  }
+  const std::string client_uri = PeerUriOf(reinterpret_cast<const sockaddr*>(&client));
+  const std::string server_uri = PeerUriOf(reinterpret_cast<const sockaddr*>(&server));
+  std::lock_guard<std::mutex> lock(mu_);
+  if (auto old = by_fd_.find(fd); old != by_fd_.end()) {  // A descriptor reused unannounced.
+    for (auto [it, end] = by_client_.equal_range(old->second.first); it != end; ++it) {
+      if (it->second == fd) {
+        by_client_.erase(it);
+        break;
+      }
+    }
+  }
+  const bool alone = by_client_.count(client_uri) == 0;
+  by_fd_[fd] = {client_uri, server_uri};
+  by_client_.emplace(client_uri, fd);
+  return alone;
+}
+
+void ConnectionEnds::Remove(int fd) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto at = by_fd_.find(fd);
+  if (at == by_fd_.end()) return;
+  for (auto [it, end] = by_client_.equal_range(at->second.first); it != end; ++it) {
+    if (it->second == fd) {
+      by_client_.erase(it);
+      break;
+    }
+  }
+  by_fd_.erase(at);
+}
+
+std::optional<std::string> ConnectionEnds::ServerEndOf(const std::string& client_uri) const {
+  std::string uri = client_uri;  // gRPC escapes an IPv6 address's brackets.
+  for (const auto& [escaped, bracket] : {std::pair{"%5B", "["}, std::pair{"%5D", "]"}}) {
+    for (size_t at; (at = uri.find(escaped)) != std::string::npos;) uri.replace(at, 3, bracket);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (by_client_.count(uri) != 1) return std::nullopt;
+  return by_fd_.at(by_client_.find(uri)->second).second;
 }
 
 }  // namespace attnserve

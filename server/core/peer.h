@@ -3,8 +3,11 @@
 #include <sys/socket.h>
 
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 
 namespace attnserve {
 
@@ -20,15 +23,39 @@ std::string PeerOfUri(const std::string& uri);
 /// "ipv6:[::1]:5000"; "unix:" for anything else.
 std::string PeerUriOf(const sockaddr* address);
 
-/// The uid that owns the client's end of a TCP connection on this host: the connection whose
-/// client is `uri` (gRPC's form of a peer, as PeerUriOf writes it) in the kernel's tables of TCP
-/// sockets (/proc/net/tcp and /proc/net/tcp6, this network namespace), found by the client's
-/// address and port among established connections. None when `uri` is not a TCP peer, when no
-/// such socket is there (the client is on another host, or gone), or when sockets of two uids
-/// match.
-std::optional<uint32_t> SocketOwnerOf(const std::string& uri);
+/// The uid that owns the client's end of a TCP connection on this host: the socket whose own
+/// address is `client_uri` and whose peer is `server_uri` (both in gRPC's form of a peer, as
+/// PeerUriOf writes them; the server's end is ConnectionEnds::ServerEndOf's) in the kernel's
+/// tables of TCP sockets (/proc/net/tcp and /proc/net/tcp6, this network namespace), still held
+/// by a process (an orphaned or TIME_WAIT socket is owned by no one and reads as uid 0). None when
+/// either is not a TCP endpoint, or no such socket is there (the client is on another host, or
+/// gone).
+std::optional<uint32_t> SocketOwnerOf(const std::string& client_uri, const std::string& server_uri);
 
 /// SocketOwnerOf's reading of one table (`table`: /proc/net/tcp's text, or tcp6's with `v6`).
-std::optional<uint32_t> SocketOwnerIn(const std::string& table, bool v6, const std::string& uri);
+std::optional<uint32_t> SocketOwnerIn(const std::string& table, bool v6,
+                                      const std::string& client_uri, const std::string& server_uri);
+
+/// The server ends of this process's open TCP connections, by their clients' endpoints: what ties
+/// a call, which knows only its peer (gRPC's form), to the connection it came on. Thread-safe.
+class ConnectionEnds {
+ public:
+  static ConnectionEnds& Get();
+  /// Records accepted connection `fd`'s two ends (nothing for a socket that is not TCP). False when
+  /// another open connection has the same client endpoint (a client bound where another is,
+  /// connected to another of this host's addresses): a listener that can refuses it, since calls
+  /// from either could not be told apart.
+  bool Add(int fd);
+  /// `fd` is closing.
+  void Remove(int fd);
+  /// The server's end of the one open connection from `client_uri`; none when no open connection,
+  /// or more than one, has that client endpoint.
+  std::optional<std::string> ServerEndOf(const std::string& client_uri) const;
+
+ private:
+  mutable std::mutex mu_;
+  std::map<int, std::pair<std::string, std::string>> by_fd_;  // fd: client end, server end
+  std::multimap<std::string, int> by_client_;
+};
 
 }  // namespace attnserve

@@ -200,11 +200,14 @@ struct HttpServerAccess {
       p->request.peer = PeerOf(info->client_addr);
       p->request.peer_uri = PeerUriOf(info->client_addr);
       const sockaddr* a = info->client_addr;
+      // Loopback: 127/8, ::1, or 127/8 mapped into IPv6 (an IPv4 caller of a "[::]" listener).
+      const in6_addr* v6 =
+          a->sa_family == AF_INET6 ? &reinterpret_cast<const sockaddr_in6*>(a)->sin6_addr : nullptr;
       p->request.local_peer =
           (a->sa_family == AF_INET &&
            (ntohl(reinterpret_cast<const sockaddr_in*>(a)->sin_addr.s_addr) >> 24) == 127) ||
-          (a->sa_family == AF_INET6 &&
-           IN6_IS_ADDR_LOOPBACK(&reinterpret_cast<const sockaddr_in6*>(a)->sin6_addr));
+          (v6 != nullptr &&
+           (IN6_IS_ADDR_LOOPBACK(v6) || (IN6_IS_ADDR_V4MAPPED(v6) && v6->s6_addr[12] == 127)));
     }
     return p;
   }
@@ -360,13 +363,18 @@ struct HttpServerAccess {
   static void Notify(void* cls, MHD_Connection* c, void**, MHD_ConnectionNotificationCode code) {
     auto* server = static_cast<HttpServer*>(cls);
     std::lock_guard<std::mutex> lock(server->conns_mu_);
+    const MHD_ConnectionInfo* info = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+    const int fd = info == nullptr ? -1 : info->connect_fd;
     if (code == MHD_CONNECTION_NOTIFY_CLOSED) {
       server->conns_.erase(c);  // Before libmicrohttpd closes its socket.
+      if (fd >= 0) ConnectionEnds::Get().Remove(fd);
       return;
     }
-    const MHD_ConnectionInfo* info = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+    // Its two ends: what finds the process that made its calls (shared memory). Two connections
+    // with one client end make neither's calls known (ConnectionEnds::ServerEndOf).
+    if (fd >= 0) ConnectionEnds::Get().Add(fd);
     HttpServer::Waiting& w = server->conns_[c];
-    w.fd = info == nullptr ? -1 : info->connect_fd;
+    w.fd = fd;
     w.since = SteadyClock::now();
   }
 

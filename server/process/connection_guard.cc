@@ -19,6 +19,8 @@
 #include <thread>
 #include <vector>
 
+#include "server/core/peer.h"
+
 namespace attnserve {
 
 struct ConnectionGuard::Listener {
@@ -406,6 +408,19 @@ int ConnectionGuard::Accept(int listener, sockaddr* addr, socklen_t* len, int fl
     if (!l) return fd;
     l->accepted.fetch_add(1);
     const std::string peer = PeerOf(fd, addr, len != nullptr ? *len : 0);
+    // A client end another open connection has (bound where another client is, connected to
+    // another of this host's addresses): its calls could not be told from the other's (shared
+    // memory knows a caller by it), so it is refused.
+    if (!ConnectionEnds::Get().Add(fd)) {
+      ConnectionEnds::Get().Remove(fd);
+      std::lock_guard<std::mutex> lock(l->mu);
+      ++l->refused["shared_client_end"];
+      l->Log("shared_client_end", peer,
+             "another open connection has its client's address and port (refused as accepted)",
+             "attnserve_connections_refused_total");
+      Refuse(fd);
+      continue;
+    }
     std::shared_ptr<Connection> c;
     {
       std::lock_guard<std::mutex> lock(l->mu);
@@ -423,6 +438,7 @@ int ConnectionGuard::Accept(int listener, sockaddr* addr, socklen_t* len, int fl
                    " (refused as accepted)",
                "attnserve_connections_refused_total");
         l->Forget(peer);
+        ConnectionEnds::Get().Remove(fd);
         Refuse(fd);
         continue;
       }
@@ -502,6 +518,7 @@ void ConnectionGuard::Closing(int fd) {
     conns_.erase(it);
     tracked_.fetch_sub(1);
   }
+  ConnectionEnds::Get().Remove(fd);
   {
     // Before the descriptor closes: no eviction may shut it from now on.
     Listener& l = *gone->listener;

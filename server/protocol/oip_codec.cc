@@ -452,6 +452,7 @@ Status TakeOutputs(const inference::ModelInferRequest& in, v1::AttendRequest* ou
       return InvalidArgument(field + ".name: '" + name + "' given twice");
     ASSIGN_OR_RETURN(std::optional<OipRegion> region,
                      RegionOf(field, in.outputs(i).parameters(), shm));
+    if (region) RETURN_IF_ERROR(region->region->CheckWritable(field));
     reply->outputs.push_back(name);
     reply->output_regions.push_back(std::move(region));
     if (name == oip::kWeights && !in.parameters().count("attn_weights")) {

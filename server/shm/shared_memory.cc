@@ -159,6 +159,14 @@ bool IsSharedMemoryKey(const std::string& key) {
   return true;
 }
 
+Status SharedRegion::CheckWritable(const std::string& what) const {
+  if (info_.writable) return Status::Ok();
+  return Status(StatusCode::kFailedPrecondition,
+                what + ": shared memory region " + Quoted(info_.name) +
+                    " is read-only (its object's mode gives its owner no write permission); name "
+                    "a writable region for an answer, or none");
+}
+
 Status SharedRegion::Check(int64_t offset, int64_t size, const std::string& what) const {
   const std::optional<int64_t> end = CheckedAdd(offset, size);
   if (offset < 0 || size < 0 || !end || static_cast<uint64_t>(*end) > info_.byte_size) {
@@ -300,17 +308,21 @@ Status TenantRegions::RegisterSystem(const std::string& name, const std::string&
     return Invalid("offset: " + std::to_string(offset) + " plus byte_size " +
                    std::to_string(byte_size) + " overflows int64");
   }
-  // On loopback TCP, the process that made the call is found by its socket: it registers only its
-  // own objects (a unix socket's caller is whoever its file's mode lets connect).
+  // On loopback TCP, the process that made the call is found by its socket (its connection's two
+  // ends, then the client's end in the kernel's table): it registers only its own objects. A unix
+  // socket's caller is whoever its file's mode lets connect.
   std::optional<uint32_t> caller_uid;
   if (caller_.local &&
       (caller_.peer_uri.rfind("ipv4:", 0) == 0 || caller_.peer_uri.rfind("ipv6:", 0) == 0)) {
-    caller_uid = SocketOwnerOf(caller_.peer_uri);
+    const std::optional<std::string> server_end =
+        ConnectionEnds::Get().ServerEndOf(caller_.peer_uri);
+    if (server_end) caller_uid = SocketOwnerOf(caller_.peer_uri, *server_end);
     if (!caller_uid) {
       return Status(StatusCode::kPermissionDenied,
-                    "shared memory: this call's connection (" + caller_.peer_uri +
-                        ") is not in this host's table of TCP sockets, so the user that made it "
-                        "is not known; a caller registers only objects of its own uid");
+                    "shared memory: the process that made this call (from " + caller_.peer_uri +
+                        ") is not known: its connection is gone, shares its address with another, "
+                        "or is not in this host's table of TCP sockets; a caller registers only "
+                        "objects of its own uid");
     }
   }
   int fd = -1;
@@ -328,6 +340,7 @@ Status TenantRegions::RegisterSystem(const std::string& name, const std::string&
   info.key = key;
   info.offset = offset;
   info.byte_size = byte_size;
+  info.writable = (::fcntl(fd, F_GETFL) & O_ACCMODE) == O_RDWR;
   return registry_->Add(caller_, std::make_unique<SystemRegion>(std::move(info), fd));
 }
 

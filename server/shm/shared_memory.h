@@ -65,10 +65,11 @@ struct RegionCaller {
 /// What a region holds, for the Status calls and metrics.
 struct RegionInfo {
   std::string name;
-  std::string key;      ///< System regions: the POSIX shared memory key, as registered.
-  bool cuda = false;    ///< A CUDA region (IPC handle) rather than system memory.
-  int64_t device = -1;  ///< CUDA regions: the device.
-  uint64_t offset = 0;  ///< System regions: where the window starts in the object.
+  std::string key;       ///< System regions: the POSIX shared memory key, as registered.
+  bool cuda = false;     ///< A CUDA region (IPC handle) rather than system memory.
+  bool writable = true;  ///< System regions: false when its object's mode lets its owner only read.
+  int64_t device = -1;   ///< CUDA regions: the device.
+  uint64_t offset = 0;   ///< System regions: where the window starts in the object.
   uint64_t byte_size = 0;
 };
 
@@ -85,6 +86,9 @@ class SharedRegion {
   /// Checks that [offset, offset + size) lies in the window (int64 overflow included):
   /// INVALID_ARGUMENT naming `what` (the request's field), the region's name and its size.
   Status Check(int64_t offset, int64_t size, const std::string& what) const;
+  /// FAILED_PRECONDITION naming `what` (an output's field) when answers cannot be written into the
+  /// region (its object is read-only to its owner): said before anything is computed.
+  Status CheckWritable(const std::string& what) const;
   /// Copies `size` bytes at `offset` of the window into `dst` (Check first). A region whose
   /// object is now shorter than the bytes asked: FAILED_PRECONDITION saying so.
   virtual Status Read(int64_t offset, int64_t size, char* dst, const std::string& what) const = 0;

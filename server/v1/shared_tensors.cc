@@ -112,12 +112,14 @@ Status ReadSharedTensors(const TenantRegions& shm, HostStaging* staging, pb::Att
   RETURN_IF_ERROR(ReadInputs(shm, staging, inputs, max_input_bytes, out));
   if (r->has_output_shared_memory()) {
     ASSIGN_OR_RETURN(out->output, Resolve(shm, r->output_shared_memory(), "output_shared_memory"));
+    RETURN_IF_ERROR(out->output->region->CheckWritable("output_shared_memory"));
     limits->output = {out->output->byte_size,
                       "output_shared_memory (region '" + out->output->region->info().name + "')"};
   }
   if (r->has_attn_weights_shared_memory()) {
     ASSIGN_OR_RETURN(out->weights,
                      Resolve(shm, r->attn_weights_shared_memory(), "attn_weights_shared_memory"));
+    RETURN_IF_ERROR(out->weights->region->CheckWritable("attn_weights_shared_memory"));
     limits->weights = {out->weights->byte_size, "attn_weights_shared_memory (region '" +
                                                     out->weights->region->info().name + "')"};
   }

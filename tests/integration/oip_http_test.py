@@ -517,6 +517,18 @@ def test_shared_memory_over_http(attnserve, checks):
             checks("another tenant cannot name the region", False, "served")
         except InferenceServerException as e:
             checks("another tenant cannot name the region", "q" in str(e), str(e))
+        # An answer into a region whose object its owner may only read: refused before compute,
+        # naming the output and why (the review of issue 67: "Bad file descriptor" after compute).
+        os.chmod("/dev/shm" + key + "-o", 0o444)
+        client.register_system_shared_memory("ro", key + "-o", q.nbytes)
+        try:
+            out_ro = th.InferRequestedOutput("attn_output", binary_data=False)
+            out_ro.set_shared_memory("ro", q.nbytes)
+            client.infer("mha", [t2], outputs=[out_ro])
+            checks("an answer into a read-only region is refused", False, "served")
+        except InferenceServerException as e:
+            checks("an answer into a read-only region is refused, naming the output and why",
+                   "outputs[0]" in str(e) and "read-only" in str(e), str(e))
         client.unregister_system_shared_memory()
         checks("unregister all", client.get_system_shared_memory_status() == [])
     finally:

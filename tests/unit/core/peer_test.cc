@@ -41,8 +41,9 @@ TEST(PeerTest, AnAddressAndGrpcsNameOfItAreTheSamePeer) {
 }
 
 // The kernel's table, as /proc/net/tcp writes it: 127.0.0.1:40000 -> 127.0.0.1:8000 (uid 1000)
-// established, the server's end of it (uid 0), a listener, and a socket of uid 7 closing
-// (TIME_WAIT, 06) from the same address and port as another's.
+// established, the server's end of it (uid 0), a listener; the same client address and port
+// connected to 127.0.0.2:8000 by uid 7 (a socket bound where another is), and orphaned (inode 0,
+// uid 0 as the kernel writes a socket no process holds) from 127.0.0.1:40001.
 constexpr char kTcp[] =
     "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout "
     "inode\n"
@@ -52,56 +53,115 @@ constexpr char kTcp[] =
     "1 0 20 4 30 10 -1\n"
     "   2: 0100007F:1F40 0100007F:9C40 01 00000000:00000000 00:00000000 00000000     0        0 3 "
     "1 0 20 4 30 10 -1\n"
-    "   3: 0100007F:9C41 0100007F:1F40 06 00000000:00000000 00:00000000 00000000     7        0 0 "
-    "3 0 0 0 0 0 0\n";
+    "   3: 0100007F:9C40 0200007F:1F40 05 00000000:00000000 00:00000000 00000000     7        0 4 "
+    "1 0 20 4 30 10 -1\n"
+    "   4: 0100007F:9C41 0100007F:1F40 05 00000000:00000000 00:00000000 00000000     0        0 0 "
+    "1 0 20 4 30 10 -1\n";
 
 TEST(PeerTest, TheClientsEndOfALoopbackConnectionNamesItsUid) {
-  EXPECT_EQ(SocketOwnerIn(kTcp, false, "ipv4:127.0.0.1:40000"), 1000u);
+  const std::string server = "ipv4:127.0.0.1:8000";
+  EXPECT_EQ(SocketOwnerIn(kTcp, false, "ipv4:127.0.0.1:40000", server), 1000u);
   // gRPC's name of an IPv4 client on a dual-stack listener: the same socket.
-  EXPECT_EQ(SocketOwnerIn(kTcp, false, "ipv6:%5B::ffff:127.0.0.1%5D:40000"), 1000u);
-  EXPECT_EQ(SocketOwnerIn(kTcp, false, "ipv4:127.0.0.1:8000"), 0u);  // The server's own end.
-  EXPECT_EQ(SocketOwnerIn(kTcp, false, "ipv4:127.0.0.1:40001"), std::nullopt);  // Not established.
-  EXPECT_EQ(SocketOwnerIn(kTcp, false, "ipv4:127.0.0.2:40000"), std::nullopt);
-  EXPECT_EQ(SocketOwnerIn(kTcp, false, "unix:/tmp/s"), std::nullopt);
-  EXPECT_EQ(SocketOwnerIn(kTcp, false, "ipv4:127.0.0.1:x"), std::nullopt);
-  EXPECT_EQ(SocketOwnerIn("", false, "ipv4:127.0.0.1:40000"), std::nullopt);
-  // Two uids' sockets at the same address and port: no answer rather than a guess.
-  const std::string twice = std::string(kTcp) +
-                            "   4: 0100007F:9C40 0100007F:1F41 01 00000000:00000000 00:00000000 "
-                            "00000000  1001        0 5 1 0 20 4 30 10 -1\n";
-  EXPECT_EQ(SocketOwnerIn(twice, false, "ipv4:127.0.0.1:40000"), std::nullopt);
+  EXPECT_EQ(SocketOwnerIn(kTcp, false, "ipv6:%5B::ffff:127.0.0.1%5D:40000",
+                          "ipv6:[::ffff:127.0.0.1]:8000"),
+            1000u);
+  // The same client end connected elsewhere is another socket: by its server end, uid 7's.
+  EXPECT_EQ(SocketOwnerIn(kTcp, false, "ipv4:127.0.0.1:40000", "ipv4:127.0.0.2:8000"), 7u);
+  EXPECT_EQ(SocketOwnerIn(kTcp, false, "ipv4:127.0.0.1:40000", "ipv4:127.0.0.1:8001"),
+            std::nullopt);
+  // Orphaned (its process closed it): uid 0 in the table, owned by no one.
+  EXPECT_EQ(SocketOwnerIn(kTcp, false, "ipv4:127.0.0.1:40001", server), std::nullopt);
+  EXPECT_EQ(SocketOwnerIn(kTcp, false, "ipv4:127.0.0.2:40000", server), std::nullopt);
+  EXPECT_EQ(SocketOwnerIn(kTcp, false, "unix:/tmp/s", server), std::nullopt);
+  EXPECT_EQ(SocketOwnerIn(kTcp, false, "ipv4:127.0.0.1:x", server), std::nullopt);
+  EXPECT_EQ(SocketOwnerIn("", false, "ipv4:127.0.0.1:40000", server), std::nullopt);
   const char tcp6[] =
       "  sl  local_address                         remote_address                        st "
       "tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
       "   0: 00000000000000000000000001000000:9C40 00000000000000000000000001000000:1F40 01 "
       "00000000:00000000 00:00000000 00000000    42        0 9 1 0 20 4 30 10 -1\n";
-  EXPECT_EQ(SocketOwnerIn(tcp6, true, "ipv6:[::1]:40000"), 42u);
+  EXPECT_EQ(SocketOwnerIn(tcp6, true, "ipv6:[::1]:40000", "ipv6:[::1]:8000"), 42u);
 }
 
-// A real connection on loopback: its client's socket is this process's (its uid), and the name
-// PeerUriOf gives the accepted address finds it.
-TEST(PeerTest, ARealLoopbackClientIsFoundByItsAddress) {
-  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
-  ASSERT_GE(listener, 0);
+// Connections on loopback to a listener here: each connection's ends as accept sees them.
+struct Loopback {
+  int listener = -1;
   sockaddr_in at{};
-  at.sin_family = AF_INET;
-  at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&at), sizeof at), 0);
-  ASSERT_EQ(::listen(listener, 1), 0);
-  socklen_t len = sizeof at;
-  ASSERT_EQ(::getsockname(listener, reinterpret_cast<sockaddr*>(&at), &len), 0);
-  const int client = ::socket(AF_INET, SOCK_STREAM, 0);
-  ASSERT_EQ(::connect(client, reinterpret_cast<sockaddr*>(&at), sizeof at), 0);
+  explicit Loopback(const char* address = "127.0.0.1") {
+    listener = ::socket(AF_INET, SOCK_STREAM, 0);
+    at.sin_family = AF_INET;
+    inet_pton(AF_INET, address, &at.sin_addr);
+    EXPECT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&at), sizeof at), 0);
+    EXPECT_EQ(::listen(listener, 4), 0);
+    socklen_t len = sizeof at;
+    ::getsockname(listener, reinterpret_cast<sockaddr*>(&at), &len);
+  }
+  ~Loopback() { ::close(listener); }
+  // A client (bound at `from`'s address and port when given), and the accepted end.
+  std::pair<int, int> Connect(const sockaddr_in* from = nullptr) const {
+    const int client = ::socket(AF_INET, SOCK_STREAM, 0);
+    const int one = 1;
+    ::setsockopt(client, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (from != nullptr)
+      EXPECT_EQ(::bind(client, reinterpret_cast<const sockaddr*>(from), sizeof *from), 0);
+    EXPECT_EQ(::connect(client, reinterpret_cast<const sockaddr*>(&at), sizeof at), 0);
+    return {client, ::accept(listener, nullptr, nullptr)};
+  }
+};
+
+std::string ClientUri(int accepted) {
   sockaddr_in peer{};
-  len = sizeof peer;
-  const int accepted = ::accept(listener, reinterpret_cast<sockaddr*>(&peer), &len);
+  socklen_t len = sizeof peer;
+  ::getpeername(accepted, reinterpret_cast<sockaddr*>(&peer), &len);
+  return PeerUriOf(reinterpret_cast<sockaddr*>(&peer));
+}
+
+// A real connection on loopback: its client's socket is this process's (its uid), found by the
+// ends ConnectionEnds recorded.
+TEST(PeerTest, ARealLoopbackClientIsFoundByItsConnectionsEnds) {
+  const Loopback server;
+  const auto [client, accepted] = server.Connect();
   ASSERT_GE(accepted, 0);
-  const std::string uri = PeerUriOf(reinterpret_cast<sockaddr*>(&peer));
+  const std::string uri = ClientUri(accepted);
   EXPECT_EQ(uri.rfind("ipv4:127.0.0.1:", 0), 0u) << uri;
-  EXPECT_EQ(SocketOwnerOf(uri), ::geteuid()) << uri;
+  EXPECT_EQ(ConnectionEnds::Get().ServerEndOf(uri), std::nullopt);  // Not recorded yet.
+  EXPECT_TRUE(ConnectionEnds::Get().Add(accepted));
+  const std::optional<std::string> end = ConnectionEnds::Get().ServerEndOf(uri);
+  ASSERT_TRUE(end.has_value());
+  EXPECT_EQ(*end, "ipv4:127.0.0.1:" + std::to_string(ntohs(server.at.sin_port)));
+  EXPECT_EQ(SocketOwnerOf(uri, *end), ::geteuid()) << uri;
   ::close(client);
+  ConnectionEnds::Get().Remove(accepted);
   ::close(accepted);
-  ::close(listener);
+  EXPECT_EQ(ConnectionEnds::Get().ServerEndOf(uri), std::nullopt);
+}
+
+// The review of issue 67's bypass: a client bound where another client is (SO_REUSEADDR), connected
+// to another of this host's addresses, then gone from the table before its call was looked up, was
+// taken for the other's owner. Two open connections with one client end: ServerEndOf knows
+// neither; a client end whose socket its process no longer holds: no owner.
+TEST(PeerTest, TwoConnectionsFromOneClientEndAreNotTakenForEachOther) {
+  const Loopback first("127.0.0.1"), second("127.0.0.2");
+  const auto [a, a_accepted] = first.Connect();
+  sockaddr_in where{};
+  socklen_t len = sizeof where;
+  ::getsockname(a, reinterpret_cast<sockaddr*>(&where), &len);
+  const auto [b, b_accepted] = second.Connect(&where);  // The same client end.
+  ASSERT_GE(b_accepted, 0);
+  const std::string uri = ClientUri(b_accepted);
+  EXPECT_EQ(uri, ClientUri(a_accepted));
+  EXPECT_TRUE(ConnectionEnds::Get().Add(a_accepted));
+  EXPECT_FALSE(ConnectionEnds::Get().Add(b_accepted));  // A listener that can refuses it.
+  EXPECT_EQ(ConnectionEnds::Get().ServerEndOf(uri), std::nullopt);
+  ConnectionEnds::Get().Remove(a_accepted);
+  const std::optional<std::string> end = ConnectionEnds::Get().ServerEndOf(uri);
+  ASSERT_TRUE(end.has_value());
+  EXPECT_EQ(end->rfind("ipv4:127.0.0.2:", 0), 0u) << *end;
+  EXPECT_EQ(SocketOwnerOf(uri, *end), ::geteuid());
+  ::close(b);  // Orphaned (FIN_WAIT): no process holds it now.
+  EXPECT_EQ(SocketOwnerOf(uri, *end), std::nullopt);
+  ConnectionEnds::Get().Remove(b_accepted);
+  for (int fd : {a, a_accepted, b_accepted}) ::close(fd);
 }
 
 }  // namespace

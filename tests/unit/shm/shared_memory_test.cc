@@ -513,6 +513,10 @@ TEST(SharedMemoryTest, TheOwnersModeBitsDecideWhatTheServerMayDo) {
   char bytes[8] = {};
   EXPECT_TRUE((*region)->Read(0, 8, bytes, "in").ok());
   EXPECT_EQ(bytes[3], 3);
+  EXPECT_FALSE((*region)->info().writable);
+  const Status refused = (*region)->CheckWritable("outputs[0]");
+  EXPECT_EQ(refused.code(), StatusCode::kFailedPrecondition);
+  EXPECT_THAT(refused.message(), HasSubstr("outputs[0]: shared memory region 'ro' is read-only"));
   const Status written = (*region)->Write(0, "xxxxxxxx", 8, "attn_output");
   EXPECT_EQ(written.code(), StatusCode::kFailedPrecondition);
   EXPECT_THAT(written.message(), HasSubstr("attn_output"));
@@ -555,9 +559,11 @@ class LoopbackCaller {
     len = sizeof peer;
     accepted_ = ::accept(listener_, reinterpret_cast<sockaddr*>(&peer), &len);
     EXPECT_GE(accepted_, 0);
+    EXPECT_TRUE(ConnectionEnds::Get().Add(accepted_));  // As the server's listeners record it.
     uri_ = PeerUriOf(reinterpret_cast<sockaddr*>(&peer));
   }
   ~LoopbackCaller() {
+    ConnectionEnds::Get().Remove(accepted_);
     ::close(hold_);
     int status = 0;
     ::waitpid(child_, &status, 0);
