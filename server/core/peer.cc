@@ -141,6 +141,15 @@ std::optional<TcpEndpoint> EndpointInTable(const std::string& field, bool v6) {
   return e;
 }
 
+// One key per TCP endpoint whichever way it is written: gRPC writes an IPv4 client of a dual-stack
+// listener as "ipv4:127.0.0.1:5000", the socket's own address reads "::ffff:127.0.0.1".
+std::string EndpointKey(const std::string& uri) {
+  const std::optional<TcpEndpoint> e = EndpointOf(uri);
+  if (!e) return uri;
+  std::string key(e->address.s6_addr, e->address.s6_addr + 16);
+  return key + ":" + std::to_string(e->port);
+}
+
 }  // namespace
 
 std::optional<uint32_t> SocketOwnerIn(const std::string& table, bool v6,
@@ -214,9 +223,10 @@ bool ConnectionEnds::Add(int fd) {
       }
     }
   }
-  const bool alone = by_client_.count(client_uri) == 0;
-  by_fd_[fd] = {client_uri, server_uri};
-  by_client_.emplace(client_uri, fd);
+  const std::string key = EndpointKey(client_uri);
+  const bool alone = by_client_.count(key) == 0;
+  by_fd_[fd] = {key, server_uri};
+  by_client_.emplace(key, fd);
   return alone;
 }
 
@@ -234,10 +244,7 @@ void ConnectionEnds::Remove(int fd) {
 }
 
 std::optional<std::string> ConnectionEnds::ServerEndOf(const std::string& client_uri) const {
-  std::string uri = client_uri;  // gRPC escapes an IPv6 address's brackets.
-  for (const auto& [escaped, bracket] : {std::pair{"%5B", "["}, std::pair{"%5D", "]"}}) {
-    for (size_t at; (at = uri.find(escaped)) != std::string::npos;) uri.replace(at, 3, bracket);
-  }
+  const std::string uri = EndpointKey(client_uri);
   std::lock_guard<std::mutex> lock(mu_);
   if (by_client_.count(uri) != 1) return std::nullopt;
   return by_fd_.at(by_client_.find(uri)->second).second;

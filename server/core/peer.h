@@ -54,7 +54,7 @@ class ConnectionEnds {
 
  private:
   mutable std::mutex mu_;
-  std::map<int, std::pair<std::string, std::string>> by_fd_;  // fd: client end, server end
+  std::map<int, std::pair<std::string, std::string>> by_fd_;  // fd: client end's key, server end
   std::multimap<std::string, int> by_client_;
 };
 

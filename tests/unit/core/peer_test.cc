@@ -128,6 +128,11 @@ TEST(PeerTest, ARealLoopbackClientIsFoundByItsConnectionsEnds) {
   EXPECT_TRUE(ConnectionEnds::Get().Add(accepted));
   const std::optional<std::string> end = ConnectionEnds::Get().ServerEndOf(uri);
   ASSERT_TRUE(end.has_value());
+  // gRPC's name of the same client on a dual-stack listener finds the same connection.
+  EXPECT_EQ(
+      ConnectionEnds::Get().ServerEndOf("ipv6:%5B::ffff:" + uri.substr(5, uri.rfind(':') - 5) +
+                                        "%5D" + uri.substr(uri.rfind(':'))),
+      end);
   EXPECT_EQ(*end, "ipv4:127.0.0.1:" + std::to_string(ntohs(server.at.sin_port)));
   EXPECT_EQ(SocketOwnerOf(uri, *end), ::geteuid()) << uri;
   ::close(client);
