@@ -197,9 +197,9 @@ class Machine {
       case 1:
         return Unregister(in, t, view, name);
       case 2:
-        return Read(in, t, view, name);
+        return Read(in, t, view, name, local);
       case 3:
-        return CreateMemory(in, t, view, name);
+        return CreateMemory(in, t, view, name, local);
       case 4:
         return objects_.Cut(!objects_.cut);
       default:
@@ -298,8 +298,14 @@ class Machine {
     }
   }
 
-  void Read(Input& in, Tenant& t, const TenantRegions& view, const std::string& name) {
+  // A call from off the host reaches no region (the server does not let remote peers use them).
+  void Read(Input& in, Tenant& t, const TenantRegions& view, const std::string& name, bool local) {
     const auto found = view.Find(name);
+    if (!local) {
+      if (found.status().code() != StatusCode::kPermissionDenied)
+        Broken("Find from off the host was not PERMISSION_DENIED", step_);
+      return;
+    }
     if (found.ok() != (t.model.count(name) > 0)) Broken("Find disagrees with the model", step_);
     if (!found.ok()) return ExpectUnknown(view, found.status(), name);
     const Held& h = t.model[name];
@@ -317,7 +323,8 @@ class Machine {
     }
   }
 
-  void CreateMemory(Input& in, Tenant& t, const TenantRegions& view, const std::string& name) {
+  void CreateMemory(Input& in, Tenant& t, const TenantRegions& view, const std::string& name,
+                    bool local) {
     v1::CreateMemoryRequest r;
     const int64_t rows = 1 + in.Byte() % 4, offset = 16 * (in.Byte() % 4);
     for (v1::Tensor* x : {r.mutable_key(), r.mutable_value()}) {
@@ -333,6 +340,11 @@ class Machine {
     SharedTensors shared;
     const Status st = ReadSharedTensors(view, &r, &shared, /*max_input_bytes=*/100);
     const auto it = t.model.find(name);
+    if (!local) {  // Off the host: no region, its tenant's or not.
+      if (st.code() != StatusCode::kPermissionDenied)
+        Broken("a request from off the host was not PERMISSION_DENIED: " + st.message(), step_);
+      return;
+    }
     if (it == t.model.end()) {
       if (st.ok()) Broken("a request read another tenant's (or no) region", step_);
       if (st.code() == StatusCode::kNotFound) ExpectUnknown(view, st, name);
