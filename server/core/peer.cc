@@ -30,11 +30,22 @@ std::string PeerOf(const sockaddr* address) {
   return std::string(text) + "/64";
 }
 
-std::string PeerOfUri(const std::string& uri) {
+namespace {
+
+// gRPC's name of a peer with an IPv6 address's brackets unescaped: "ipv6:%5B::1%5D:5000" reads
+// "ipv6:[::1]:5000".
+std::string Unbracketed(const std::string& uri) {
   std::string peer = uri;
   for (const auto& [escaped, bracket] : {std::pair{"%5B", "["}, std::pair{"%5D", "]"}}) {
     for (size_t at; (at = peer.find(escaped)) != std::string::npos;) peer.replace(at, 3, bracket);
   }
+  return peer;
+}
+
+}  // namespace
+
+std::string PeerOfUri(const std::string& uri) {
+  std::string peer = Unbracketed(uri);
   if (peer.rfind("unix", 0) == 0) return "unix";
   for (const char* scheme : {"ipv4:", "ipv6:"}) {
     if (peer.rfind(scheme, 0) == 0) peer = peer.substr(5);
@@ -83,10 +94,7 @@ struct TcpEndpoint {
 };
 
 std::optional<TcpEndpoint> EndpointOf(const std::string& uri) {
-  std::string peer = uri;
-  for (const auto& [escaped, bracket] : {std::pair{"%5B", "["}, std::pair{"%5D", "]"}}) {
-    for (size_t at; (at = peer.find(escaped)) != std::string::npos;) peer.replace(at, 3, bracket);
-  }
+  const std::string peer = Unbracketed(uri);
   std::string host, port;
   if (peer.rfind("ipv4:", 0) == 0) {
     const size_t colon = peer.rfind(':');
@@ -215,14 +223,7 @@ bool ConnectionEnds::Add(int fd) {
   const std::string client_uri = PeerUriOf(reinterpret_cast<const sockaddr*>(&client));
   const std::string server_uri = PeerUriOf(reinterpret_cast<const sockaddr*>(&server));
   std::lock_guard<std::mutex> lock(mu_);
-  if (auto old = by_fd_.find(fd); old != by_fd_.end()) {  // A descriptor reused unannounced.
-    for (auto [it, end] = by_client_.equal_range(old->second.first); it != end; ++it) {
-      if (it->second == fd) {
-        by_client_.erase(it);
-        break;
-      }
-    }
-  }
+  Forget(fd);  // A descriptor reused unannounced.
   const std::string key = EndpointKey(client_uri);
   const bool alone = by_client_.count(key) == 0;
   by_fd_[fd] = {key, server_uri};
@@ -232,6 +233,10 @@ bool ConnectionEnds::Add(int fd) {
 
 void ConnectionEnds::Remove(int fd) {
   std::lock_guard<std::mutex> lock(mu_);
+  Forget(fd);
+}
+
+void ConnectionEnds::Forget(int fd) {
   const auto at = by_fd_.find(fd);
   if (at == by_fd_.end()) return;
   for (auto [it, end] = by_client_.equal_range(at->second.first); it != end; ++it) {

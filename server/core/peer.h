@@ -53,6 +53,8 @@ class ConnectionEnds {
   std::optional<std::string> ServerEndOf(const std::string& client_uri) const;
 
  private:
+  void Forget(int fd);  // Under mu_.
+
   mutable std::mutex mu_;
   std::map<int, std::pair<std::string, std::string>> by_fd_;  // fd: client end's key, server end
   std::multimap<std::string, int> by_client_;

@@ -5,7 +5,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <string>
 
 namespace attnserve {
 namespace {
@@ -36,10 +35,6 @@ char* Copy(char* p, const char* text) {
   return p + n;
 }
 
-}  // namespace
-
-namespace {
-
 // A finite, nonzero float's nine significant digits as an integer (10^8 <= n < 10^9) and its
 // decimal exponent e (10^e <= |f| < 10^(e+1), as rounded to nine digits).
 // The exponent comes from the binary one, the digits as the integer nearest |f| * 10^(8 - e).
@@ -68,10 +63,9 @@ inline Digits DigitsOf(float f) {
 }
 
 // Writes the text of a finite, nonzero float with sign bit `s` and digits `g`.
-inline char* Format(char* p, int s, Digits g) {
+inline char* Format(char* t, int s, Digits g) {
   // Fixed-size copies (no branch on the sign, few on the form), which may pass the text's end
-  // (never p + kFloat32Room).
-  char* t = p;
+  // (never t + kFloat32Room).
   t[0] = '-';
   const uint32_t n = g.n;
   const int e = g.e;
@@ -113,7 +107,7 @@ inline char* Format(char* p, int s, Digits g) {
     std::memcpy(t + end + 2, kPairs + 2 * std::abs(e), 2);
     end += 4;
   }
-  return p + end;
+  return t + end;
 }
 
 char* Special(char* p, float f) {
@@ -131,19 +125,24 @@ char* WriteFloat32(char* p, float f) {
   return Format(p, std::signbit(f) ? 1 : 0, DigitsOf(f));
 }
 
-char* WriteFloat32List(char* p, const float* values, size_t count) {
+char* WriteFloat32List(char* p, const void* values, size_t count) {
+  const auto* bytes = static_cast<const char*>(values);
+  const auto value = [bytes](size_t k) {  // Read where it lies, aligned or not.
+    float f = 0;
+    std::memcpy(&f, bytes + 4 * k, 4);
+    return f;
+  };
   // In blocks: the digits of a block first (each independent of the others, so computed side by
   // side), then its text.
   constexpr size_t kBlock = 16;
   Digits g[kBlock];
   for (size_t at = 0; at < count; at += kBlock) {
     const size_t m = std::min(kBlock, count - at);
-    for (size_t k = 0; k < m; ++k)
-      g[k] = DigitsOf(Ordinary(values[at + k]) ? values[at + k] : 1.0f);
+    for (size_t k = 0; k < m; ++k) g[k] = DigitsOf(Ordinary(value(at + k)) ? value(at + k) : 1.0f);
     for (size_t k = 0; k < m; ++k) {
       *p = ',';
       p += at + k > 0 ? 1 : 0;
-      const float f = values[at + k];
+      const float f = value(at + k);
       p = Ordinary(f) ? Format(p, std::signbit(f) ? 1 : 0, g[k]) : Special(p, f);
     }
   }

@@ -1,8 +1,8 @@
 #pragma once
 
 // float32 numbers as JSON text: nine significant digits, which every float32 reads back from
-// exactly, written without a formatting library's shortest-form search (about 4x faster here than
-// std::to_chars' shortest form, which was a third of a JSON answer's cost).
+// exactly, written without a formatting library's shortest-form search (3.6x faster here than
+// std::to_chars' shortest form, which was a third of a JSON answer's cost: bench/json_bench.cc).
 
 #include <cstddef>
 
@@ -19,8 +19,9 @@ inline constexpr int kFloat32Room = 24;
 // "-Infinity". Any correctly rounding reader, through double or not, gets `f` back bit for bit.
 char* WriteFloat32(char* p, float f);
 
-// `count` values as WriteFloat32 writes them, separated by commas (kFloat32TextMax + 1 bytes
-// each, and kFloat32Room past the last, of room); returns the end of the text.
-char* WriteFloat32List(char* p, const float* values, size_t count);
+// `count` float32 values (at `values`, aligned or not) as WriteFloat32 writes them, separated by
+// commas (kFloat32TextMax + 1 bytes each, and kFloat32Room past the last, of room); returns the
+// end of the text.
+char* WriteFloat32List(char* p, const void* values, size_t count);
 
 }  // namespace attnserve

@@ -130,7 +130,7 @@ class HttpServer {
   std::condition_variable idle_;
   int64_t in_flight_ = 0;   // Handed to the handler, not yet sent.
   int64_t unanswered_ = 0;  // Handed to the handler, not yet answered.
-  int64_t suspended_ = 0;
+  int64_t suspended_ = 0;   // Connections suspended, their answers not yet queued.
   // Each connection's socket and since when it has waited for a request head (none while a
   // request is being read or answered): the reaper closes those past the idle timeout.
   struct Waiting {
@@ -144,7 +144,7 @@ class HttpServer {
   std::condition_variable reaper_cv_;
   bool reaper_stop_ = false;  // Under conns_mu_.
   std::thread reaper_;
-  void Reap();  // Connections suspended, their answers not yet queued.
+  void Reap();  // The reaper's loop (on reaper_).
   std::atomic<bool> draining_{false};
   std::atomic<int64_t> body_bytes_{0};  // Bodies' room, being received (max_body_bytes_held).
   bool stopped_ = false;

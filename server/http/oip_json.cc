@@ -500,21 +500,21 @@ void AppendData(std::string* s, const std::string& datatype, const char* p, size
   s->resize(start + 2 + count * (kFloat32TextMax + 1) + kFloat32Room);
   char* out = s->data() + start;
   *out++ = '[';
-  constexpr size_t kChunk = 256;  // Values as float32, a chunk at a time (aligned, widened).
-  float values[kChunk];
-  for (size_t k = 0; k < count; k += kChunk) {
-    const size_t m = std::min(kChunk, count - k);
-    if (size == 4) {
-      std::memcpy(values, p + k * 4, m * 4);
-    } else {
+  if (size == 4) {
+    out = WriteFloat32List(out, p, count);  // Read where the answer lies.
+  } else {
+    constexpr size_t kChunk = 256;  // FP16 and BF16 widened to float32, a chunk at a time.
+    float values[kChunk];
+    for (size_t k = 0; k < count; k += kChunk) {
+      const size_t m = std::min(kChunk, count - k);
       for (size_t i = 0; i < m; ++i) {
         uint16_t h = 0;
         std::memcpy(&h, p + (k + i) * 2, 2);
         values[i] = datatype == "FP16" ? HalfToFloat(h) : BFloat16ToFloat(h);
       }
+      if (k > 0) *out++ = ',';
+      out = WriteFloat32List(out, values, m);
     }
-    if (k > 0) *out++ = ',';
-    out = WriteFloat32List(out, values, m);
   }
   *out++ = ']';
   s->resize(static_cast<size_t>(out - s->data()));

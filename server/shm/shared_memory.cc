@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 
 #include "server/core/checked_math.h"
@@ -111,11 +112,11 @@ Status OpenObject(const std::string& key, const std::vector<uint32_t>& uids,
             std::to_string(st->st_uid) + ", and this call came from a process of uid " +
             std::to_string(*caller_uid) + "; a caller registers only objects of its own uid");
   } else if ((st->st_mode & S_IRUSR) == 0) {
-    refused =
-        Status(StatusCode::kPermissionDenied,
-               "key: shared memory object " + Quoted(key) + " has mode " +
-                   std::to_string((st->st_mode >> 6) & 7) + std::to_string((st->st_mode >> 3) & 7) +
-                   std::to_string(st->st_mode & 7) + ": its owner may not read it");
+    char mode[8];
+    std::snprintf(mode, sizeof mode, "%03o", static_cast<unsigned>(st->st_mode & 0777));
+    refused = Status(StatusCode::kPermissionDenied, "key: shared memory object " + Quoted(key) +
+                                                        " has mode " + mode +
+                                                        ": its owner may not read it");
   }
   if (!refused.ok()) {
     ::close(path);

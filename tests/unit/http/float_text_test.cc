@@ -126,6 +126,13 @@ TEST(FloatTextTest, AListIsEachNumbersTextJoinedByCommas) {
     char* end = WriteFloat32List(got.data(), values.data(), count);
     got.resize(static_cast<size_t>(end - got.data()));
     EXPECT_EQ(got, want) << count;
+    // The same values where an answer's bytes may lie: not aligned to a float.
+    std::string shifted(1 + count * 4, '\0');
+    std::memcpy(shifted.data() + 1, values.data(), count * 4);
+    std::string unaligned(got.size() + kFloat32Room, '\0');
+    end = WriteFloat32List(unaligned.data(), shifted.data() + 1, count);
+    unaligned.resize(static_cast<size_t>(end - unaligned.data()));
+    EXPECT_EQ(unaligned, want) << count;
   }
 }
 
