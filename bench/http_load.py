@@ -20,7 +20,8 @@ import tempfile
 
 import numpy as np
 
-E = 512
+from python_clients import query_pool, report
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -42,11 +43,8 @@ def main():
         ap.add_argument(name, default=default, type=type(default))
     a = ap.parse_args()
     if shutil.which("wrk") is None:
-        raise SystemExit("http_load.py: needs wrk (apt-get install wrk; tools/install-deps.sh --bench)")
-    kind, *bounds = a.lengths.split(":")
-    rng = np.random.default_rng(7)  # The same pool as python_clients.py's.
-    lengths = [int(bounds[0])] * 64 if kind == "fixed" else rng.integers(int(bounds[0]), int(bounds[1]) + 1, 64)
-    pool = [rng.standard_normal((1, int(n), E)).astype(np.float32) for n in lengths]
+        raise SystemExit("http_load.py: needs wrk (apt-get install wrk; bench/run.sh installs it)")
+    pool = query_pool(a.lengths)  # python_clients.py's queries.
     with tempfile.TemporaryDirectory(prefix="attnserve-wrk-") as tmp:
         paths = []
         for i, q in enumerate(pool):
@@ -62,17 +60,9 @@ def main():
         r = wrk(a.target, a.callers, max(1, round(a.duration)), listing)
     seconds = r["duration_us"] / 1e6
     errors = {k: r[k] for k in ("connect", "read", "write", "status", "timeout") if r[k]}
-    rps = r["requests"] / seconds
-    row = {"label": a.label, "target": a.target, "client": "wrk", "mode": "closed", "callers": a.callers,
-           "lengths": a.lengths, "cross": 0.0, "rate": 0.0, "duration_s": seconds, "ok": r["requests"],
-           "errors": errors, "requests_per_s": rps, "tokens_per_s": rps * float(np.mean(lengths)),
-           "latency_ms": {"p50": r["p50_us"] / 1e3, "p90": r["p90_us"] / 1e3, "p99": r["p99_us"] / 1e3,
-                          "max": r["max_us"] / 1e3}}
-    print(f"{a.label}: {rps:.1f} req/s, {row['tokens_per_s']:.0f} tok/s, p50 {row['latency_ms']['p50']:.2f} ms, "
-          f"p99 {row['latency_ms']['p99']:.2f} ms, errors {errors}")
-    if a.json:
-        with open(a.json, "a") as f:
-            f.write(json.dumps(row) + "\n")
+    mean_length = float(np.mean([q.shape[1] for q in pool]))
+    report(a, "wrk", seconds, r["requests"], errors, r["requests"] / seconds * mean_length,
+           {q: r[f"{q}_us"] / 1e3 for q in ("p50", "p90", "p99", "max")})
 
 
 if __name__ == "__main__":

@@ -68,6 +68,27 @@ def caller_fn(kind, target):
     return lambda q: client.attend(q, model="demo").output
 
 
+def query_pool(spec):
+    """The 64 queries a client row sends in turn (batch 1, E=512 float32), their lengths drawn by `spec`
+    ("fixed:L" or "uniform:A:B") with a fixed seed: the same for every client of bench/run.sh."""
+    kind, *bounds = spec.split(":")
+    rng = np.random.default_rng(7)
+    lengths = [int(bounds[0])] * 64 if kind == "fixed" else rng.integers(int(bounds[0]), int(bounds[1]) + 1, 64)
+    return [rng.standard_normal((1, int(n), E)).astype(np.float32) for n in lengths]
+
+
+def report(a, client, duration, ok, errors, tokens_per_s, latency_ms):
+    """One row in attnserve-bench's format: printed, and appended to `a.json` when given."""
+    row = {"label": a.label, "target": a.target, "client": client, "mode": "closed", "callers": a.callers,
+           "lengths": a.lengths, "cross": 0.0, "rate": 0.0, "duration_s": duration, "ok": ok, "errors": errors,
+           "requests_per_s": ok / duration, "tokens_per_s": tokens_per_s, "latency_ms": latency_ms}
+    print(f"{a.label}: {row['requests_per_s']:.1f} req/s, {tokens_per_s:.0f} tok/s, p50 {latency_ms['p50']:.2f} ms, "
+          f"p99 {latency_ms['p99']:.2f} ms, errors {errors}")
+    if a.json:
+        with open(a.json, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
 def main():
     ap = argparse.ArgumentParser()
     for name, default in (("--client", "pypkg"), ("--target", "127.0.0.1:50071"), ("--callers", 1),
@@ -75,10 +96,7 @@ def main():
                           ("--json", "")):
         ap.add_argument(name, default=default, type=type(default))
     a = ap.parse_args()
-    kind, *bounds = a.lengths.split(":")
-    rng = np.random.default_rng(7)
-    lengths = [int(bounds[0])] * 64 if kind == "fixed" else rng.integers(int(bounds[0]), int(bounds[1]) + 1, 64)
-    pool = [rng.standard_normal((1, int(n), E)).astype(np.float32) for n in lengths]
+    pool = query_pool(a.lengths)
 
     start = time.monotonic()
     measure_from, stop_at = start + a.warmup, start + a.warmup + a.duration
@@ -112,17 +130,9 @@ def main():
     for t in threads:
         t.join()
     lat = np.array([s[0] for s in samples]) if samples else np.zeros(1)
-    row = {"label": a.label, "target": a.target, "client": a.client, "mode": "closed", "callers": a.callers,
-           "lengths": a.lengths, "cross": 0.0, "rate": 0.0, "duration_s": a.duration, "ok": len(samples),
-           "errors": errors, "requests_per_s": len(samples) / a.duration,
-           "tokens_per_s": sum(s[1] for s in samples) / a.duration,
-           "latency_ms": {q: float(np.percentile(lat, v)) for q, v in (("p50", 50), ("p90", 90), ("p99", 99))} |
-           {"max": float(lat.max())}}
-    print(f"{a.label}: {row['requests_per_s']:.1f} req/s, {row['tokens_per_s']:.0f} tok/s, "
-          f"p50 {row['latency_ms']['p50']:.2f} ms, p99 {row['latency_ms']['p99']:.2f} ms, errors {errors}")
-    if a.json:
-        with open(a.json, "a") as f:
-            f.write(json.dumps(row) + "\n")
+    report(a, a.client, a.duration, len(samples), errors, sum(s[1] for s in samples) / a.duration,
+           {q: float(np.percentile(lat, v)) for q, v in (("p50", 50), ("p90", 90), ("p99", 99))} |
+           {"max": float(lat.max())})
 
 
 if __name__ == "__main__":

@@ -671,11 +671,11 @@ def test_behind_nginx_on_kept_alive_connections(attnserve, checks):
     a, _ = serve(attnserve, models=models)
     b, _ = serve(attnserve, models=models)
     prefix = lib.temp_dir("attnserve-http-nginx-")
-    port = raw_free_port()
-    nginx = lib.start_nginx(prefix, [a.port, b.port], raw_free_port(), http_ports=[a.http_port, b.http_port],
+    port = lib.free_port()
+    nginx = lib.start_nginx(prefix, [a.port, b.port], lib.free_port(), http_ports=[a.http_port, b.http_port],
                             http_listen_port=port)
     try:
-        lib.wait_until(lambda: socket_open(port), timeout=20, step=0.05)
+        lib.wait_until(lambda: lib.port_open(port), timeout=20, step=0.05)
         q = np.random.default_rng(12).standard_normal((1, 3, E)).astype(np.float32)
         raw = q.tobytes()
         header = json.dumps({"inputs": [{"name": "query", "datatype": "FP32", "shape": list(q.shape),
@@ -707,20 +707,6 @@ def test_behind_nginx_on_kept_alive_connections(attnserve, checks):
         nginx.wait(timeout=30)
         a.stop()
         b.stop()
-
-
-def raw_free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def socket_open(port):
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-        return True
-    except OSError:
-        return False
 
 
 def test_stop_under_keep_alive_callers(attnserve, checks):
@@ -764,6 +750,12 @@ def test_stop_under_keep_alive_callers(attnserve, checks):
         checks(f"round {round_}: answers from the drain on close their connections", any(closes), str(len(closes)))
 
 
+def http_calls(server, name):
+    """The sum of series `name` over the HTTP calls (method="http/ModelInfer")."""
+    return sum(float(l.rsplit(" ", 1)[1]) for l in lib.metrics_lines(server, name)
+               if 'method="http/ModelInfer"' in l)
+
+
 def test_request_in_flight_at_stop_is_answered(attnserve, checks):
     server, _ = serve(attnserve, "--workers", "1", models={"mha": build(3008)})
     q = np.random.default_rng(9).standard_normal((8, 1024, E)).astype(np.float32)
@@ -780,13 +772,10 @@ def test_request_in_flight_at_stop_is_answered(attnserve, checks):
     threads = [threading.Thread(target=call) for _ in range(4)]
     for t in threads:
         t.start()
-    def count(name):
-        return sum(float(l.rsplit(" ", 1)[1]) for l in lib.metrics_lines(server, name)
-                   if 'method="http/ModelInfer"' in l)
-
     # Every request accepted (in flight or answered), at least one still in flight: then SIGTERM.
-    lib.wait_until(lambda: count("attnserve_requests_in_flight") >= 1 and
-                   count("attnserve_requests_in_flight") + count("attnserve_requests_total") >= 4,
+    lib.wait_until(lambda: http_calls(server, "attnserve_requests_in_flight") >= 1 and
+                   http_calls(server, "attnserve_requests_in_flight") +
+                   http_calls(server, "attnserve_requests_total") >= 4,
                    timeout=60, step=0.005)
     out = server.stop()
     for t in threads:
@@ -810,10 +799,6 @@ def test_callers_that_leave_mid_request_do_not_hold_the_stop(attnserve, checks):
     for round_ in range(3):
         server, _ = serve(attnserve, "--shutdown-grace", "20", models={"mha": build(3013)})
 
-        def count(name):
-            return sum(float(l.rsplit(" ", 1)[1]) for l in lib.metrics_lines(server, name)
-                       if 'method="http/ModelInfer"' in l)
-
         sel = selectors.DefaultSelector()
         for i in range(32):
             s = socket.create_connection(("127.0.0.1", server.http_port), timeout=10)
@@ -834,7 +819,7 @@ def test_callers_that_leave_mid_request_do_not_hold_the_stop(attnserve, checks):
                     key.fileobj.sendall(data)
         for key in list(sel.get_map().values()):
             key.fileobj.close()
-        lib.wait_until(lambda: count("attnserve_requests_in_flight") == 0, timeout=60, step=0.01)
+        lib.wait_until(lambda: http_calls(server, "attnserve_requests_in_flight") == 0, timeout=60, step=0.01)
         start = time.monotonic()
         out = server.stop()  # Raises unless the exit code is 0.
         took = time.monotonic() - start

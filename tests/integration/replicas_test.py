@@ -54,18 +54,12 @@ PHASES = ("steady", "sigterm", "sigkill", "after")
 NGINX_UNAVAILABLE = "nginx: the replica did not answer this call (connection refused, lost or timed out); retry"
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Replica:
     """One attnserve on fixed ports, so a restart comes back where clients and nginx expect it."""
 
     def __init__(self, binary, index, tmp):
         self.binary, self.index = binary, index
-        self.port, self.metrics_port = free_port(), free_port()
+        self.port, self.metrics_port = lib.free_port(), lib.free_port()
         self.log = open(os.path.join(tmp, f"replica{index}.log"), "a")
         self.proc = None
 
@@ -150,14 +144,6 @@ class Load:
                 "answered after a retry": retried}
 
 
-def port_open(port):
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-        return True
-    except OSError:
-        return False
-
-
 class DyingReplica:
     """A TCP listener that takes each connection, reads what nginx sends (preface, headers, request)
     and resets it before answering: to nginx, a replica killed while a call is on it. Counts the
@@ -202,12 +188,12 @@ def check_replica_lost_mid_call(checks, pb, rpc, service_config, tmp, callers=8,
     calls in flight together, grpcio made 159 to 182 of the 200 attempts, and a replica
     SIGKILLed under load cost calls that the retry policy should have saved."""
     dying = DyingReplica()
-    port = free_port()
+    port = lib.free_port()
     nginx = lib.start_nginx(os.path.join(tmp, "nginx-dying"), [dying.port], port)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.service_config", service_config)])
     try:
         checks("nginx in front of a replica that resets every call is up",
-               lib.wait_until(lambda: port_open(port), timeout=30, step=0.2))
+               lib.wait_until(lambda: lib.port_open(port), timeout=30, step=0.2))
         stub = rpc.AttentionServiceStub(channel)
         q = np.random.default_rng(5).standard_normal((1, 8, 512)).astype(np.float32)
         request = pb.AttendRequest(model="demo", query=lib.to_wire(pb, q))
@@ -357,14 +343,14 @@ def test_three_replicas_behind_nginx_and_client_side_balancing(attnserve, bench,
 
         check_replica_lost_mid_call(checks, pb, rpc, configs["service-config-proxy.json"], tmp)
 
-        proxy_port = free_port()
+        proxy_port = lib.free_port()
         nginx = lib.start_nginx(os.path.join(tmp, "nginx"), [r.port for r in replicas], proxy_port)
         checks("nginx proxies grpc.health.v1 to the replicas",
                lib.wait_until(lambda: lib.health_serving(f"127.0.0.1:{proxy_port}"), timeout=30, step=0.2))
         check_nginx_body_limit(checks, pb, proxy_port)
 
         # Prometheus with file-based targets: every replica's /metrics.
-        prom_port = free_port()
+        prom_port = lib.free_port()
         with open(os.path.join(tmp, "targets.json"), "w") as f:
             json.dump([{"targets": [f"127.0.0.1:{r.metrics_port}" for r in replicas],
                         "labels": {"job": "attnserve"}}], f)

@@ -113,6 +113,22 @@ class Server:
         return out
 
 
+def free_port():
+    """A TCP port on 127.0.0.1 free now (for a server started next)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_open(port):
+    """Whether something accepts connections on 127.0.0.1:`port` now."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
 def metrics_lines(server, name):
     """The server's /metrics lines of the series `name` (with or without labels)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
