@@ -97,13 +97,19 @@ struct Loopback {
     ::getsockname(listener, reinterpret_cast<sockaddr*>(&at), &len);
   }
   ~Loopback() { ::close(listener); }
-  // A client (bound at `from`'s address and port when given), and the accepted end.
+  // A client (bound at `from`'s address and port when given), and the accepted end. Bound first
+  // either way: a port connect() picks may be shared with other processes' connections elsewhere
+  // (tests run side by side), and a second client could not bind where the first is; one bind()
+  // picks is its own.
   std::pair<int, int> Connect(const sockaddr_in* from = nullptr) const {
     const int client = ::socket(AF_INET, SOCK_STREAM, 0);
     const int one = 1;
     ::setsockopt(client, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    if (from != nullptr)
-      EXPECT_EQ(::bind(client, reinterpret_cast<const sockaddr*>(from), sizeof *from), 0);
+    sockaddr_in any{};
+    any.sin_family = AF_INET;
+    any.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    const sockaddr_in* at_client = from != nullptr ? from : &any;
+    EXPECT_EQ(::bind(client, reinterpret_cast<const sockaddr*>(at_client), sizeof *at_client), 0);
     EXPECT_EQ(::connect(client, reinterpret_cast<const sockaddr*>(&at), sizeof at), 0);
     return {client, ::accept(listener, nullptr, nullptr)};
   }
