@@ -5,6 +5,10 @@
 # the first.
 #   tests/tracing/tracing_test.sh ATTNSERVE ATTNSERVE_CLI ATTNSERVE_BENCH JUNIT_DIR [pytest args]
 set -euo pipefail
+if [ $# -lt 4 ] || [ ! -d "$4" ]; then  # JUNIT_DIR: a folder that exists, not a pytest flag.
+  echo "usage: $0 ATTNSERVE ATTNSERVE_CLI ATTNSERVE_BENCH JUNIT_DIR [pytest args]" >&2
+  exit 2
+fi
 here=$(cd "$(dirname "$0")" && pwd)
 tools="$here/../../tools"
 venv=$("$tools/python-env.sh" tracing)
