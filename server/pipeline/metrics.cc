@@ -92,6 +92,10 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
                         "Requests answered, by model, method and gRPC status code.")),
       in_flight_(Gauge(registry, "attnserve_requests_in_flight",
                        "Requests received and not yet answered.")),
+      inflight_bytes_(Gauge(registry, "attnserve_inflight_bytes",
+                            "Bytes held against --max-inflight-bytes: requests admitted, and "
+                            "answers until the transport has sent them.")
+                          .Add({})),
       queue_(Histogram(registry, "attnserve_queue_wait_seconds",
                        "Time a request waited between acceptance and the start of compute.")),
       compute_(Histogram(registry, "attnserve_compute_seconds", "Engine time of one batch.")),
@@ -181,6 +185,10 @@ void ServerMetrics::RecordRequest(const std::string& model, const std::string& m
 
 void ServerMetrics::AddInFlight(const std::string& method, double delta) {
   in_flight_.Add({{"method", method}}).Increment(delta);
+}
+
+void ServerMetrics::SetInflightBytes(int64_t bytes) {
+  inflight_bytes_.Set(static_cast<double>(bytes));
 }
 
 void ServerMetrics::RecordBatch(const std::string& model, const std::vector<WorkItem*>& batch,

@@ -30,6 +30,9 @@ class ServerMetrics {
                      double seconds);
   /// Requests accepted and not yet answered, by method.
   void AddInFlight(const std::string& method, double delta);
+  /// The bytes held against --max-inflight-bytes now (requests admitted, and answers until the
+  /// transport has sent them).
+  void SetInflightBytes(int64_t bytes);
   /// One computed batch: its size in requests and tokens, compute time and FLOPs, and each
   /// request's queue wait. (No padding metric: the engine packs rows and never pads.)
   void RecordBatch(const std::string& model, const std::vector<WorkItem*>& batch, double seconds);
@@ -88,6 +91,7 @@ class ServerMetrics {
   prometheus::Family<prometheus::Histogram>& latency_;
   prometheus::Family<prometheus::Counter>& requests_;
   prometheus::Family<prometheus::Gauge>& in_flight_;
+  prometheus::Gauge& inflight_bytes_;
   prometheus::Family<prometheus::Histogram>& queue_;
   prometheus::Family<prometheus::Histogram>& compute_;
   prometheus::Family<prometheus::Histogram>& batch_size_;

@@ -385,6 +385,7 @@ Status RequestPipeline::Reserve(const std::string& model, int64_t bytes,
     if (whole_fits && mine_fits) {
       held_bytes_ += bytes;
       mine += bytes;
+      metrics_.SetInflightBytes(held_bytes_);
       return Status::Ok();
     }
     refusal = whole_fits
@@ -410,6 +411,7 @@ void RequestPipeline::Unreserve(int64_t bytes, const std::string& caller) {
 void RequestPipeline::UnreserveLocked(int64_t bytes, const std::string& caller) {
   if (bytes == 0) return;
   held_bytes_ -= bytes;
+  metrics_.SetInflightBytes(held_bytes_);
   const auto it = held_by_caller_.find(caller);
   if (it != held_by_caller_.end() && (it->second -= bytes) <= 0) held_by_caller_.erase(it);
 }

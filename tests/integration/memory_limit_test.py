@@ -221,10 +221,10 @@ def run_at(binary, limit_mib, check):
               f"{code} {details!r}")
         # Each of these needs the whole in-flight budget: wait until the calls before it are done
         # with theirs (a call's bytes are let go of once its answer has gone out, which a client
-        # may see a moment before the server does).
+        # may see a moment before the server does: attnserve_inflight_bytes, not the calls' count).
         def settle():
             return lib.wait_until(lambda: sum(float(l.split()[-1]) for l in
-                                              lib.metrics_lines(server, "attnserve_requests_in_flight")) == 0,
+                                              lib.metrics_lines(server, "attnserve_inflight_bytes")) == 0,
                                   timeout=30)
 
         settle()

@@ -7,6 +7,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <functional>
 #include <future>
@@ -97,6 +98,16 @@ class RequestPipelineTest : public ::testing::Test {
   }
 
   bool Idle() { return pipeline_->WaitIdle(SteadyClock::now() + std::chrono::seconds(2), {}); }
+
+  // The sum of a metric's samples (its gauges' values) in the registry; -1 when it has none.
+  double Gauge(const std::string& name) {
+    double sum = -1;
+    for (const prometheus::MetricFamily& f : registry_.Collect()) {
+      if (f.name != name) continue;
+      for (const prometheus::ClientMetric& m : f.metric) sum = std::max(sum, 0.0) + m.gauge.value;
+    }
+    return sum;
+  }
 
   std::mt19937 rng_{20261124};
   prometheus::Registry registry_;
@@ -240,6 +251,31 @@ TEST_F(RequestPipelineTest, EachCallerHoldsAtMostItsShareAndAHandedAnswerStaysCo
   EXPECT_TRUE(after.status().ok()) << after.status().ToString();
   after.Deliver(after.status());
   EXPECT_TRUE(Idle());
+}
+
+TEST_F(RequestPipelineTest, TheInFlightBytesGaugeHoldsAnAnswersBytesUntilTheTransportLetsThemGo) {
+  // What a test (or an operator) waits on for the budget to be free: requests_in_flight reads 0 as
+  // soon as an answer is handed to the transport, while its bytes stay held until it is sent.
+  EXPECT_EQ(Gauge("attnserve_inflight_bytes"), 0);
+  Answered first = Attend(Decoded(Request(4)));
+  ASSERT_TRUE(first.status().ok());
+  const double held = Gauge("attnserve_inflight_bytes");
+  EXPECT_GT(held, 2 * 4 * 512 * 4);  // The query and the answer, at least.
+  HeldBytes sending = first.Hand(Status::Ok());
+  EXPECT_EQ(Gauge("attnserve_requests_in_flight"), 0);
+  EXPECT_EQ(Gauge("attnserve_inflight_bytes"), held);
+  sending = HeldBytes();
+  EXPECT_EQ(Gauge("attnserve_inflight_bytes"), 0);
+  // A refused request holds nothing.
+  FlowLimits flow;
+  flow.max_inflight_bytes = 20'000;
+  Build(flow);
+  Answered again = Attend(Decoded(Request(4)));
+  ASSERT_TRUE(again.status().ok());
+  EXPECT_EQ(Told(Request(4)).code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(Gauge("attnserve_inflight_bytes"), held);
+  again.Deliver(Status::Ok());
+  EXPECT_EQ(Gauge("attnserve_inflight_bytes"), 0);
 }
 
 TEST_F(RequestPipelineTest, CallersAreTheirTenantOrTheirPeerAddress) {
