@@ -93,8 +93,7 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
       in_flight_(Gauge(registry, "attnserve_requests_in_flight",
                        "Requests received and not yet answered.")),
       inflight_bytes_(Gauge(registry, "attnserve_inflight_bytes",
-                            "Bytes held against --max-inflight-bytes: requests admitted, and "
-                            "answers until the transport has sent them.")
+                            "Bytes held against --max-inflight-bytes (answers: until sent).")
                           .Add({})),
       queue_(Histogram(registry, "attnserve_queue_wait_seconds",
                        "Time a request waited between acceptance and the start of compute.")),
