@@ -28,13 +28,15 @@ std::vector<float> Values(size_t n) {
   return v;
 }
 
-void BM_Float32Text_ToCharsShortest(benchmark::State& state) {
+// `write(p, f)` for every number of a W1 answer, each followed by a comma.
+template <typename Write>
+void OneNumberAtATime(benchmark::State& state, Write write) {
   const std::vector<float> v = Values(kLength * kE);
   std::string out(v.size() * (kFloat32TextMax + 1) + kFloat32Room, '\0');
   for (auto _ : state) {
     char* p = out.data();
     for (float f : v) {
-      p = std::to_chars(p, p + kFloat32TextMax, f).ptr;
+      p = write(p, f);
       *p++ = ',';
     }
     benchmark::DoNotOptimize(p);
@@ -42,19 +44,12 @@ void BM_Float32Text_ToCharsShortest(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations() * static_cast<int64_t>(v.size()));
 }
 
-void BM_Float32Text_WriteFloat32(benchmark::State& state) {
-  const std::vector<float> v = Values(kLength * kE);
-  std::string out(v.size() * (kFloat32TextMax + 1) + kFloat32Room, '\0');
-  for (auto _ : state) {
-    char* p = out.data();
-    for (float f : v) {
-      p = WriteFloat32(p, f);
-      *p++ = ',';
-    }
-    benchmark::DoNotOptimize(p);
-  }
-  state.SetItemsProcessed(state.iterations() * static_cast<int64_t>(v.size()));
+void BM_Float32Text_ToCharsShortest(benchmark::State& state) {
+  OneNumberAtATime(state,
+                   [](char* p, float f) { return std::to_chars(p, p + kFloat32TextMax, f).ptr; });
 }
+
+void BM_Float32Text_WriteFloat32(benchmark::State& state) { OneNumberAtATime(state, WriteFloat32); }
 
 void BM_Float32Text_WriteFloat32List(benchmark::State& state) {
   const std::vector<float> v = Values(kLength * kE);

@@ -495,9 +495,7 @@ def test_behind_nginx_with_tls_the_header_attack_is_cut(attnserve, checks):
     tmp = lib.temp_dir("attnserve-nginx-attack-")
     pki.make_pki(tmp)
     server = start(attnserve)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = lib.free_port()
     nginx = lib.start_nginx(os.path.join(tmp, "nginx"), [server.port], port,
                             tls=(os.path.join(tmp, "server.pem"), os.path.join(tmp, "server.key")))
     try:

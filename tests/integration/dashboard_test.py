@@ -31,12 +31,6 @@ import attnserve_py as lib  # noqa: E402
 ROOT = lib.ROOT
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_every_dashboard_panel_returns_data_from_a_real_prometheus(attnserve, checks):
     binary = attnserve
     pb, rpc = lib.load_stubs()
@@ -44,12 +38,12 @@ def test_every_dashboard_panel_returns_data_from_a_real_prometheus(attnserve, ch
     tmp = lib.temp_dir("attnserve-dashboard-")
     # Tracing every call to a collector that is down (a port nobody listens on): the spans panel's
     # export_failed drops.
-    dead_collector = free_port()
+    dead_collector = lib.free_port()
     server = lib.Server(binary, "--workers", "1", "--max-queue-size", "4", "--metrics-address", "127.0.0.1:0",
                         "--trace-endpoint", f"127.0.0.1:{dead_collector}", "--trace-rate", "1")
     prom = None
     try:
-        prom_port = free_port()
+        prom_port = lib.free_port()
         shutil.copy(os.path.join(ROOT, "deploy", "prometheus", "rules.yml"), tmp)
         config = open(os.path.join(ROOT, "deploy", "prometheus", "prometheus.yml")).read()
         config = config.replace("scrape_interval: 15s", "scrape_interval: 1s").replace(

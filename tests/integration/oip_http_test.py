@@ -683,11 +683,11 @@ def test_behind_nginx_on_kept_alive_connections(attnserve, checks):
                              "parameters": {"binary_data_output": True}}).encode()
         headers = {"Inference-Header-Content-Length": str(len(header))}
         ports = f"( dport = :{a.http_port} or dport = :{b.http_port} )"
-        time_wait = lambda: set(subprocess.run(["ss", "-Htan", "state", "time-wait", ports], capture_output=True,
-                                               text=True).stdout.split("\n")) - {""}
+        sockets = lambda state: set(subprocess.run(["ss", "-Htan", "state", state, ports], capture_output=True,
+                                                   text=True).stdout.splitlines())
         # Connections of earlier tests to a port now a replica's may still wait out their 60 s: only
         # those closed from here on count.
-        waited_before = time_wait()
+        waited_before = sockets("time-wait")
         answers = []
         for _ in range(40):
             c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
@@ -698,11 +698,10 @@ def test_behind_nginx_on_kept_alive_connections(attnserve, checks):
         counted = [sum(float(l.rsplit(" ", 1)[1]) for l in lib.metrics_lines(s, "attnserve_requests_total")
                        if 'method="http/ModelInfer"' in l) for s in (a, b)]
         checks("spread over both replicas", all(n >= 5 for n in counted), str(counted))
-        waiting = "\n".join(sorted(time_wait() - waited_before))
-        open_now = subprocess.run(["ss", "-Htan", "state", "established", ports], capture_output=True,
-                                  text=True).stdout
-        checks("upstream connections kept alive: none closed into TIME_WAIT", waiting.strip() == "", waiting)
-        checks("a few upstream connections open", 1 <= len(open_now.splitlines()) <= 8, open_now)
+        waiting = sockets("time-wait") - waited_before
+        open_now = sockets("established")
+        checks("upstream connections kept alive: none closed into TIME_WAIT", not waiting, "\n".join(sorted(waiting)))
+        checks("a few upstream connections open", 1 <= len(open_now) <= 8, "\n".join(sorted(open_now)))
         # Then straight to a replica (its own connection, closed by this client: after the counts).
         status, direct, _ = request(a, "POST", "/v2/models/mha/infer", header + raw, headers)
         checks("40 calls through nginx answered as a replica answers directly",

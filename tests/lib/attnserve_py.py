@@ -288,9 +288,7 @@ def start_nginx(prefix, upstream_ports, listen_port, tls=None, http_ports=(), ht
         pool = "    server 127.0.0.1:1 down;\n"
     conf = conf[:begin] + "  upstream attnserve_http {\n" + pool + "    keepalive 32;\n  }\n" + conf[end:]
     if http_listen_port is None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            http_listen_port = s.getsockname()[1]
+        http_listen_port = free_port()
     conf = conf.replace("listen 127.0.0.1:8081;", f"listen 127.0.0.1:{http_listen_port};")
     # Its replicas' section, rewritten for these: the pool, an upstream each, the map between.
     begin, end = conf.index("  upstream attnserve {"), conf.index("  # --- end of the replicas")
