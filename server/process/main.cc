@@ -513,11 +513,8 @@ int Serve(attnserve::ServerOptions o) {
   o.models_loaded = [] { g_loading = false; };
   auto server = attnserve::Server::Start(o);
   if (!server.ok()) {
-    std::cerr << "attnserve: error: " << server.status().message() << std::endl;
-    // Out at once, as a stop while loading is: gRPC's pollers may still run, and the static
-    // destructors raced them (epoll_wait on a closed descriptor, an abort instead of exit 2).
-    std::cout.flush();
-    std::_Exit(2);
+    std::cerr << "attnserve: error: " << server.status().message() << "\n";
+    return 2;
   }
   std::cout << (*server)->Describe() << std::endl;
   if (const std::string warning = (*server)->MemoryWarning(); !warning.empty())
