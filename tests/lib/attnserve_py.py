@@ -98,6 +98,12 @@ class Server:
         self._output = []
         self._drain = threading.Thread(target=lambda: self._output.extend(self.proc.stdout), daemon=True)
         self._drain.start()
+        atexit.register(self._end)  # A test that fails before stop() leaves no server behind.
+
+    def _end(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=60)
 
     def output(self):
         """What the server printed after its start-up line, so far."""
