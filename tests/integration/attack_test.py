@@ -70,8 +70,8 @@ class Rss:
         return self.peak
 
 
-def start(attnserve, *args, preexec_fn=None):
-    return lib.Server(attnserve, "--no-warmup", *args, preexec_fn=preexec_fn)
+def start(attnserve, *args, limits=None):
+    return lib.Server(attnserve, "--no-warmup", *args, limits=limits)
 
 
 def metric(server, name, **labels):
@@ -113,7 +113,7 @@ def test_fd_flood_leaves_the_listener_accepting(attnserve, checks):
     accepted again (CVE-2023-4785). Now connections past --max-connections (lowered to half the descriptors the
     process may open) are closed as they arrive, and the listener accepts again within 1 s of the flood's end."""
     limit = 256
-    server = start(attnserve, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit)))
+    server = start(attnserve, limits={"nofile": limit})
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
     request = attend_bytes(4)

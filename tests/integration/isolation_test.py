@@ -354,14 +354,9 @@ def test_a_fifo_never_stalls_the_server(attnserve, stubs, checks):
     fifo = f"/dev/shm/attnserve-iso-fifo-{os.getpid()}"
     os.mkfifo(fifo, 0o666)
     os.chmod(fifo, 0o666)
-
-    def as_nobody():
-        os.setgroups([])
-        os.setgid(65534)
-        os.setuid(65534)
     proc = subprocess.Popen([os.path.abspath(attnserve), "--address", "127.0.0.1:0", "--metrics-address", "", "--http-address", "",
                              "--allow-shared-memory"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            preexec_fn=as_nobody, cwd="/")
+                            user=65534, group=65534, extra_groups=[], cwd="/")
     try:
         banner = proc.stdout.readline()
         m = re.search(r" on [\d.]+:(\d+)", banner)

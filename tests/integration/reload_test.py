@@ -22,7 +22,6 @@ import os
 import queue
 import random
 import re
-import resource
 import shutil
 import signal
 import subprocess
@@ -399,13 +398,9 @@ def test_a_version_too_big_for_memory_fails_and_the_others_serve(attnserve, chec
     token_file = os.path.join(root, "token")
     with open(token_file, "w") as f:
         f.write(TOKEN + "\n")
-    limit = 8 << 30
-
-    def limited():
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-
+    limits = {"as": 8 << 30}
     server = lib.Server(attnserve, "--models", repo, "--admin-token-file", token_file, "--workers", "1",
-                        preexec_fn=limited)
+                        limits=limits)
     try:
         channel = grpc.insecure_channel(server.target)
         stub, admin = rpc.AttentionServiceStub(channel), rpc.AdminServiceStub(channel)
@@ -435,7 +430,8 @@ def test_a_version_too_big_for_memory_fails_and_the_others_serve(attnserve, chec
         if server.proc.poll() is None:
             server.stop()
     # At start-up: exit 2 with the message, not an abort.
-    proc = subprocess.run([attnserve, "--address", "127.0.0.1:0", "--metrics-address", "", "--http-address", "", "--models", repo],
-                          capture_output=True, text=True, timeout=120, preexec_fn=limited)
+    proc = subprocess.run(lib.with_limits(limits, [attnserve, "--address", "127.0.0.1:0", "--metrics-address", "",
+                                                   "--http-address", "", "--models", repo]),
+                          capture_output=True, text=True, timeout=120)
     checks(f"a start-up with it exits 2 naming it: {proc.returncode} {proc.stderr.strip()[-300:]}",
            proc.returncode == 2 and "out of memory loading its weights" in proc.stderr)

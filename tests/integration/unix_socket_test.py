@@ -160,7 +160,7 @@ def test_what_a_hostile_review_found(attnserve, checks):
     proc = subprocess.Popen([attnserve, "--address", "127.0.0.1:0", "--address", f"unix:{path}",
                              "--metrics-address", "", "--http-address", "", "--unix-socket-mode", "0600"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            preexec_fn=lambda: os.umask(0))
+                            umask=0)
     end = time.time() + 60
     while time.time() < end and observed < 50:  # Until it has been seen there 50 times.
         try:

@@ -75,13 +75,16 @@ def load_stubs(proto="attnserve/v1/attention.proto"):
 class Server:
     """Starts `attnserve` on free ports and stops it with SIGTERM, checking the exit code."""
 
-    def __init__(self, binary, *args, preexec_fn=None):
+    def __init__(self, binary, *args, limits=None):
+        """`limits`: resource limits the server starts under, as prlimit(1)'s options ({"as": bytes,
+        "nofile": n}). Never a preexec_fn: that runs Python in the forked child, where grpcio's fork
+        handlers restart its poller on a descriptor the child then closes (an abort before exec)."""
         if "--metrics-address" not in args:
             args = ("--metrics-address", "127.0.0.1:0") + tuple(args)
         if "--http-address" not in args:
             args = ("--http-address", "127.0.0.1:0") + tuple(args)
-        self.proc = subprocess.Popen([binary, "--address", "127.0.0.1:0", *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, preexec_fn=preexec_fn)
+        self.proc = subprocess.Popen(with_limits(limits, [binary, "--address", "127.0.0.1:0", *args]),
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.banner = self.proc.stdout.readline()
         m = re.search(r" on [\d.]+:(\d+), (?:metrics on http://[\d.]+:(\d+)/metrics|metrics off)",
                       self.banner)
@@ -117,6 +120,13 @@ class Server:
         if self.proc.returncode != 0:
             raise RuntimeError(f"attnserve exited {self.proc.returncode}: {out}")
         return out
+
+
+def with_limits(limits, command):
+    """`command` run under these resource limits (prlimit(1)'s options: {"as": bytes, "nofile": n})."""
+    if not limits:
+        return list(command)
+    return ["prlimit", *(f"--{name}={value}" for name, value in limits.items()), "--", *command]
 
 
 def free_port():
