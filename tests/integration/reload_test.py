@@ -414,6 +414,10 @@ def test_a_version_too_big_for_memory_fails_and_the_others_serve(attnserve, chec
             checks(f"the reload reports big FAILED, out of memory: {big and big.message}",
                    big is not None and big.action == pb.ModelChange.ACTION_FAILED
                    and "out of memory loading its weights" in big.message and "big" in big.message)
+            fd_dir = f"/proc/{server.proc.pid}/fd"
+            open_files = [os.readlink(os.path.join(fd_dir, fd)) for fd in os.listdir(fd_dir)]
+            left = [f for f in open_files if f.endswith("model.safetensors")]
+            checks(f"no descriptor of big's weights is left open: {left}", not left)
         except grpc.RpcError as e:
             checks(f"ReloadModels answered: {e.code()} {e.details()}", False)
         try:
