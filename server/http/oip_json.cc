@@ -198,48 +198,60 @@ Status PutLeaf(const std::string& field, const std::string& datatype, JsonKind k
 }
 
 // The leaves written in row-major order at `*at` as `kind`'s bytes; `*k` counts them. The first
-// that is not of the kind's JSON type fails, naming its index. A float32 number is written here
+// that is not of the kind's JSON type fails, naming its index; one past `limit` ends the walk with
+// `*k` at limit + 1 (the caller counts them all for its message). A float32 number is written here
 // (the common case: a flat array of them, no call per number); anything else through PutLeaf.
 Status PutLeaves(const std::string& field, const std::string& datatype, JsonKind kind,
-                 dom::element e, char** at, size_t* k) {
-  if (!e.is_array()) return PutLeaf(field, datatype, kind, e, at, k);
+                 dom::element e, size_t limit, char** at, size_t* k) {
+  if (!e.is_array()) {
+    if (*k < limit) return PutLeaf(field, datatype, kind, e, at, k);
+    *k = limit + 1;
+    return Status::Ok();
+  }
   for (dom::element c : dom::array(e)) {
     double d = 0;
     float f = 0;
     if (kind == JsonKind::kFloat32 && c.get_double().get(d) == simdjson::SUCCESS &&
         !std::isinf(f = static_cast<float>(d))) {
+      if (*k >= limit) {
+        *k = limit + 1;
+        return Status::Ok();
+      }
       std::memcpy(*at, &f, 4);
       *at += 4;
       ++*k;
-    } else if (c.is_array()) {
-      RETURN_IF_ERROR(PutLeaves(field, datatype, kind, c, at, k));
     } else {
-      RETURN_IF_ERROR(PutLeaf(field, datatype, kind, c, at, k));
+      RETURN_IF_ERROR(PutLeaves(field, datatype, kind, c, limit, at, k));
+      if (*k > limit) return Status::Ok();
     }
   }
   return Status::Ok();
 }
 
-// `data` as the raw bytes of a tensor of `datatype` and `shape`.
+// `data` as the raw bytes of a tensor of `datatype` and `shape`, in one walk: the room for the
+// shape's values is taken first (never more than a body of `body_bytes` could hold: each value
+// takes a character and a separator) and the values are counted as they are written.
 Status DataBytes(const std::string& field, dom::element data, const std::string& datatype,
-                 const std::vector<int64_t>& shape, std::string* bytes) {
+                 const std::vector<int64_t>& shape, size_t body_bytes, std::string* bytes) {
   const JsonKind kind = KindOfDatatype(datatype);
   if (kind == JsonKind::kNone) {
     return InvalidArgument(field + ": datatype '" + datatype +
                            "' has no JSON form here; allowed: FP32, FP16, BF16, BOOL, INT64");
   }
-  const size_t leaves = CountLeaves(data);
   std::optional<int64_t> count = int64_t{1};
   for (int64_t d : shape) count = count ? CheckedMul({*count, d}) : std::nullopt;
-  if (!count || static_cast<uint64_t>(*count) != leaves) {
-    return InvalidArgument(field + ": " + std::to_string(leaves) + " values for shape " +
+  const auto mismatch = [&] {
+    return InvalidArgument(field + ": " + std::to_string(CountLeaves(data)) + " values for shape " +
                            ShapeString(shape) + "; expected " +
                            (count ? std::to_string(*count) : std::string("their product")));
-  }
-  bytes->resize(leaves * ElementBytes(kind));
+  };
+  if (!count || static_cast<uint64_t>(*count) > body_bytes / 2 + 1) return mismatch();
+  const size_t expected = static_cast<size_t>(*count);
+  bytes->resize(expected * ElementBytes(kind));
   char* at = bytes->data();
   size_t k = 0;
-  return PutLeaves(field, datatype, kind, data, &at, &k);
+  RETURN_IF_ERROR(PutLeaves(field, datatype, kind, data, expected, &at, &k));
+  return k == expected ? Status::Ok() : mismatch();
 }
 
 // The binary section's next `size` bytes for input `field`.
@@ -322,7 +334,7 @@ Status InputOf(const std::string& field, dom::element e, const std::string& body
                            "shared-memory region");
   }
   const std::vector<int64_t> shape(t->shape().begin(), t->shape().end());
-  return DataBytes(field + ".data", *data, t->datatype(), shape, bytes);
+  return DataBytes(field + ".data", *data, t->datatype(), shape, body.size(), bytes);
 }
 
 Status OutputsOf(dom::element e, ModelInferRequest* out, HttpAnswerForm* form) {

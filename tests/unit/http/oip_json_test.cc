@@ -117,6 +117,39 @@ TEST(OipJsonTest, RefusalsNameTheField) {
             std::string::npos);
 }
 
+TEST(OipJsonTest, ValuesAreCountedAgainstTheShapeWhateverTheirNesting) {
+  const auto refused = [](const std::string& shape, const std::string& data,
+                          const char* datatype = "FP32") {
+    inference::ModelInferRequest req;
+    HttpAnswerForm form;
+    return Decode(std::string(R"({"inputs":[{"name":"query","datatype":")") + datatype +
+                      R"(","shape":)" + shape + R"(,"data":)" + data + "}]}",
+                  std::nullopt, &req, &form)
+        .message();
+  };
+  // More values than the shape holds, flat, nested, or past it only in a later row.
+  EXPECT_NE(refused("[2]", "[1,2,3]").find("inputs[0].data: 3 values for shape [2]; expected 2"),
+            std::string::npos);
+  EXPECT_NE(refused("[2,2]", "[[1,2],[3,4,5]]").find("5 values for shape [2, 2]; expected 4"),
+            std::string::npos);
+  EXPECT_NE(refused("[4]", "[[1,2],[3,[4,[5]]]]").find("5 values for shape [4]; expected 4"),
+            std::string::npos);
+  EXPECT_NE(refused("[3]", "[[1],[]]").find("1 values for shape [3]; expected 3"),
+            std::string::npos);
+  EXPECT_NE(refused("[2]", "[true,false,true]", "BOOL").find("3 values for shape [2]"),
+            std::string::npos);
+  // A shape whose product no body of this size could hold is refused before any room is taken
+  // for it (2^40 float32 would be 4 TiB), and an int64-overflowing one names its product.
+  EXPECT_NE(refused("[1048576,1048576]", "[1,2]")
+                .find("2 values for shape [1048576, 1048576]; expected 1099511627776"),
+            std::string::npos);
+  EXPECT_NE(refused("[4294967296,4294967296]", "[1]").find("expected their product"),
+            std::string::npos);
+  // A single value, not in an array, for a shape of one.
+  EXPECT_EQ(refused("[1]", "7"), "");
+  EXPECT_EQ(refused("[2,1]", "[[1],[2]]"), "");
+}
+
 TEST(OipJsonTest, AnswerNumbersReadBackAsTheSameFloat32) {
   std::mt19937 rng(68);
   std::vector<float> values(4096);
