@@ -41,8 +41,9 @@ bool TimesValues(const float* p, int64_t ldp, int64_t m, const float* v, int64_t
 
 /// Rows i < m of s (n scores each, rows at stride lds) replaced by their softmax, as LibTorch's
 /// (a row with a NaN, or whose largest score is ±inf, all NaN; a score of -inf weighs exactly 0):
-/// exp to within 2 ulp of float32's, the sum in float32. AVX-512 only; false (nothing done)
-/// elsewhere, for kAvx2, or when n is 0.
+/// exp to within 2 ulp of float32's, the sum in float32. `isa` picks the kernel (AVX2's eight lanes
+/// or AVX-512's sixteen; tests run each the CPU has); false (nothing done) for kNone, an `isa` this
+/// CPU lacks, or when n is 0.
 bool Softmax(float* s, int64_t lds, int64_t m, int64_t n, Isa isa = Best());
 
 /// The same softmax, each row's probabilities rounded to bfloat16 as LibTorch rounds a float32

@@ -194,10 +194,10 @@ class TorchModel final : public AttentionModel {
                       (dtype_ == at::kFloat || widen_) && kernels_ != small_attention::Isa::kNone;
     heads.small_products = small_products_;
     const bool cpu_bfloat16 = device_.is_cpu() && dtype_ == at::kBFloat16 && !widen_;
-    // The softmax on the AVX-512 kernel for a grouped layer's float32 decoding steps (small
-    // products) and CPU bfloat16 (its float32 scores, bfloat16 probabilities): W2 bfloat16 on the
-    // AMX Xeon's engine bench 13.9 -> 10.8 ms a batch. Plain float32 models keep LibTorch's softmax
-    // (their answers bit for bit what they were).
+    // The softmax on the engine's own kernel (AVX-512, or AVX2's eight lanes) for a grouped
+    // layer's float32 decoding steps (small products) and CPU bfloat16 (its float32 scores,
+    // bfloat16 probabilities): W2 bfloat16 on the AMX Xeon's engine bench 13.9 -> 10.8 ms a batch.
+    // Plain float32 models keep LibTorch's softmax (their answers bit for bit what they were).
     heads.own_softmax = small_products_ || cpu_bfloat16;
     // CPU bfloat16 attention on dense copies of its operands where oneDNN's kernels take no other
     // (AMX; onednn::WantsDenseOperands).

@@ -141,42 +141,45 @@ TEST(SmallAttentionTest, NoKeysGiveZeroValuesAndOtherShapesAreRefusedUntouched) 
 // The softmax against LibTorch's in float64: rows at a stride, lengths around the 16-lane vector,
 // scores spread over ±30 (exps down to e^-60), a few keys masked with -inf (exactly 0), and the
 // rows LibTorch makes NaN (a NaN score, a largest score of +inf, every score -inf). Tolerance
-// 5e-7 of the row's largest probability (float32's exp and sum; 1.6e-7 measured). Elsewhere than
-// AVX-512: refused, untouched.
+// 5e-7 of the row's largest probability (float32's exp and sum; 1.6e-7 measured). Each kernel this
+// CPU runs (AVX2's eight lanes, AVX-512's sixteen: lengths around both); one it lacks, or kNone:
+// refused, untouched.
 TEST(SmallAttentionTest, SoftmaxEqualsLibTorchsNaNRowsAndMaskedKeysIncluded) {
   const float inf = std::numeric_limits<float>::infinity();
-  for (const int64_t n : {1, 2, 15, 16, 17, 33, 1121}) {
-    const int64_t m = 7, lds = n + 5;
-    at::Tensor wide = Random({m, lds}, 200 + n) * 10.0;
-    at::Tensor s = wide.narrow(1, 0, n);
-    if (n > 2) {
-      s[0][n / 2] = -inf;
-      s[1][0] = -inf;
+  for (const small_attention::Isa isa :
+       {small_attention::Isa::kAvx2, small_attention::Isa::kAvx512})
+    for (const int64_t n : {1, 2, 7, 8, 9, 15, 16, 17, 31, 32, 33, 1121}) {
+      const int64_t m = 7, lds = n + 5;
+      at::Tensor wide = Random({m, lds}, 200 + n) * 10.0;
+      at::Tensor s = wide.narrow(1, 0, n);
+      if (n > 2) {
+        s[0][n / 2] = -inf;
+        s[1][0] = -inf;
+      }
+      s[4][n - 1] = std::numeric_limits<float>::quiet_NaN();
+      s[5][0] = inf;
+      s[6].fill_(-inf);
+      const at::Tensor want = at::softmax(s.to(at::kDouble), -1);
+      const at::Tensor pad = wide.narrow(1, n, 5).clone();
+      const bool ran = small_attention::Softmax(s.data_ptr<float>(), lds, m, n, isa);
+      ASSERT_EQ(ran, static_cast<int>(isa) <= static_cast<int>(small_attention::Best()));
+      EXPECT_TRUE(wide.narrow(1, n, 5).equal(pad)) << "n " << n << ": wrote past a row";
+      if (!ran) continue;
+      for (int64_t i = 0; i < 4; ++i) {  // The finite rows.
+        EXPECT_LE(RelativeError(s[i], want[i]), 5e-7) << "n " << n << " row " << i;
+        EXPECT_EQ(s[i].isnan().sum().item<int64_t>(), 0);
+      }
+      if (n > 2) {
+        EXPECT_EQ(s[0][n / 2].item<float>(), 0.0f);
+        EXPECT_EQ(s[1][0].item<float>(), 0.0f);
+      }
+      for (int64_t i = 4; i < m; ++i) {  // LibTorch's NaN rows.
+        EXPECT_EQ(want[i].isnan().sum().item<int64_t>(), n) << "row " << i;
+        EXPECT_EQ(s[i].isnan().sum().item<int64_t>(), n) << "n " << n << " row " << i;
+      }
     }
-    s[4][n - 1] = std::numeric_limits<float>::quiet_NaN();
-    s[5][0] = inf;
-    s[6].fill_(-inf);
-    const at::Tensor want = at::softmax(s.to(at::kDouble), -1);
-    const at::Tensor pad = wide.narrow(1, n, 5).clone();
-    const bool ran = small_attention::Softmax(s.data_ptr<float>(), lds, m, n);
-    ASSERT_EQ(ran, small_attention::Best() == small_attention::Isa::kAvx512);
-    EXPECT_TRUE(wide.narrow(1, n, 5).equal(pad)) << "n " << n << ": wrote past a row";
-    if (!ran) continue;
-    for (int64_t i = 0; i < 4; ++i) {  // The finite rows.
-      EXPECT_LE(RelativeError(s[i], want[i]), 5e-7) << "n " << n << " row " << i;
-      EXPECT_EQ(s[i].isnan().sum().item<int64_t>(), 0);
-    }
-    if (n > 2) {
-      EXPECT_EQ(s[0][n / 2].item<float>(), 0.0f);
-      EXPECT_EQ(s[1][0].item<float>(), 0.0f);
-    }
-    for (int64_t i = 4; i < m; ++i) {  // LibTorch's NaN rows.
-      EXPECT_EQ(want[i].isnan().sum().item<int64_t>(), n) << "row " << i;
-      EXPECT_EQ(s[i].isnan().sum().item<int64_t>(), n) << "n " << n << " row " << i;
-    }
-  }
   at::Tensor s = at::full({2, 4}, 7.0f);
-  EXPECT_FALSE(small_attention::Softmax(s.data_ptr<float>(), 4, 2, 4, small_attention::Isa::kAvx2));
+  EXPECT_FALSE(small_attention::Softmax(s.data_ptr<float>(), 4, 2, 4, small_attention::Isa::kNone));
   EXPECT_FALSE(small_attention::Softmax(s.data_ptr<float>(), 4, 2, 0));
   EXPECT_EQ(s.ne(7.0f).sum().item<int64_t>(), 0);
 }
@@ -232,7 +235,8 @@ TEST(SmallAttentionTest, RoundingToBfloat16IsLibTorchsBitForBit) {
     s[3][n - 1] = std::numeric_limits<float>::quiet_NaN();
     s[4].fill_(-inf);
     at::Tensor want = s.clone();
-    const bool plain = small_attention::Softmax(want.data_ptr<float>(), lds, m, n);
+    const bool plain =
+        small_attention::Softmax(want.data_ptr<float>(), lds, m, n, small_attention::Isa::kAvx512);
     at::Tensor out = at::full({m, ldo}, 1.5).to(at::kBFloat16);
     ASSERT_EQ(small_attention::SoftmaxToBfloat16(s.data_ptr<float>(), lds, m, n,
                                                  reinterpret_cast<uint16_t*>(out.data_ptr()), ldo),
