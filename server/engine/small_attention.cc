@@ -544,12 +544,6 @@ ATTNSERVE_AVX2 inline float LargestLane(__m256 x) {
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
 }
 
-ATTNSERVE_AVX2 inline float SumOfLanes(__m256 x) {
-  __m128 t = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
-
 // SoftmaxRowAvx512's float32 form on eight lanes. On a Zen 3 LibTorch 1.13's softmax took a grouped
 // layer's [8, 2680] scores in 21-27 us, this 14 (its exp alone was 5% of a batched decoding step).
 ATTNSERVE_AVX2 void SoftmaxRowAvx2(float* s, int64_t n) {
@@ -603,7 +597,7 @@ ATTNSERVE_AVX2 void SoftmaxRowAvx2(float* s, int64_t n) {
     _mm256_maskstore_ps(s + whole, tail, e);
     sum = _mm256_add_ps(sum, e);
   }
-  const __m256 scale = _mm256_set1_ps(1.0f / SumOfLanes(_mm256_add_ps(sum, sum1)));
+  const __m256 scale = _mm256_set1_ps(1.0f / Sum(_mm256_add_ps(sum, sum1)));
   for (j = 0; j < whole; j += 8)
     _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), scale));
   if (whole < n) {
