@@ -13,14 +13,6 @@ namespace {
 #define ATTNSERVE_AVX2 __attribute__((target("avx2,fma")))
 #define ATTNSERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
 
-// [Σ a0, ..., Σ a7]: the lane sums of eight vectors as one.
-ATTNSERVE_AVX2 inline __m256 Sums8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
-                                   __m256 a6, __m256 a7) {
-  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
 // The lane sum of one vector.
 ATTNSERVE_AVX2 inline float Sum(__m256 a) {
   const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -35,6 +27,9 @@ ATTNSERVE_AVX2 inline float Sum(__m256 a) {
 // interleaved in one process: AVX-512 scores 38-41 µs against 56-61, values 64-66 against 76-79;
 // AVX2 scores 81 against 137, values 87 against 99 (bench/RESULTS.md, seventh measure).
 constexpr int64_t kAheadBytes = 4096;
+
+// The AVX2 values kernel's tile of value rows.
+constexpr int64_t kValueTileBytes = 16384;
 
 // Rows [from, to) of x (rows at stride ld, d floats each) asked into the caches, clipped to n.
 // Always inlined: a call of its own, which writes nothing, GCC drops as pure.
@@ -55,36 +50,66 @@ inline int64_t RowsAhead(int64_t d, int64_t least) {
 // row n - 1 (0: none left).
 inline int64_t Ahead(int64_t j1, int64_t n, int64_t d) { return std::min(RowsAhead(d, 8), n - j1); }
 
-// Eight keys at a time: each query row against the eight key rows (eight independent sums over
-// d, reduced into one vector of eight scores), the keys' 8 rows staying in L1 across the query
-// rows; then the remaining keys one by one.
+// [Σ a0, Σ a1, Σ a2, Σ a3]: the lane sums of four vectors as one.
+ATTNSERVE_AVX2 inline __m128 Sums4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// R query rows against four keys: R·4 independent sums over d (twelve accumulators for three
+// rows, with the rows' vectors and a key's: every ymm register), each key vector loaded once for
+// the R rows: 7 loads to 12 FMAs, where a row against eight keys took 9 to 8 and was bound by its
+// loads from L1 (Zen 3). Each sum reduced across its lanes at the end.
+template <int R>
+ATTNSERVE_AVX2 inline void RowsTimesKeys(const float* const* q, const float* k, int64_t ldk,
+                                         int64_t d, __m256 scale, float* const* s) {
+  __m256 a[R][4];
+#pragma GCC unroll 3
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int t = 0; t < 4; ++t) a[r][t] = _mm256_setzero_ps();
+  }
+  for (int64_t c = 0; c < d; c += 8) {
+    __m256 x[R];
+#pragma GCC unroll 3
+    for (int r = 0; r < R; ++r) x[r] = _mm256_loadu_ps(q[r] + c);
+#pragma GCC unroll 4
+    for (int t = 0; t < 4; ++t) {
+      const __m256 kt = _mm256_loadu_ps(k + t * ldk + c);
+#pragma GCC unroll 3
+      for (int r = 0; r < R; ++r) a[r][t] = _mm256_fmadd_ps(x[r], kt, a[r][t]);
+    }
+  }
+#pragma GCC unroll 3
+  for (int r = 0; r < R; ++r) {
+    _mm_storeu_ps(
+        s[r], _mm_mul_ps(Sums4(a[r][0], a[r][1], a[r][2], a[r][3]), _mm256_castps256_ps128(scale)));
+  }
+}
+
+// Four keys at a time, the query rows three at a time against them (the keys' rows staying in L1
+// across the passes); then the remaining keys one by one.
 ATTNSERVE_AVX2 void ScoresAvx2(const float* q, int64_t ldq, int64_t m, const float* k, int64_t ldk,
                                int64_t n, int64_t d, float scale, float* s, int64_t lds) {
   const __m256 vscale = _mm256_set1_ps(scale);
   const int64_t ahead = RowsAhead(d, 8);
   int64_t j0 = 0;
-  for (; j0 + 8 <= n; j0 += 8) {
-    Prefetch(k, ldk, d, j0 + ahead, j0 + ahead + 8, n);
+  for (; j0 + 4 <= n; j0 += 4) {
+    Prefetch(k, ldk, d, j0 + ahead, j0 + ahead + 4, n);
     const float* kt = k + j0 * ldk;
-    for (int64_t i = 0; i < m; ++i) {
-      const float* qi = q + i * ldq;
-      // Named accumulators (an array of them the compiler kept on the stack, stored every step).
-      __m256 a0, a1, a2, a3, a4, a5, a6, a7;
-      a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = _mm256_setzero_ps();
-      for (int64_t c = 0; c < d; c += 8) {
-        const __m256 qv = _mm256_loadu_ps(qi + c);
-        const float* kc = kt + c;
-        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kc), a0);
-        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kc + ldk), a1);
-        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kc + 2 * ldk), a2);
-        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kc + 3 * ldk), a3);
-        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kc + 4 * ldk), a4);
-        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kc + 5 * ldk), a5);
-        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kc + 6 * ldk), a6);
-        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kc + 7 * ldk), a7);
+    for (int64_t i = 0; i < m; i += 3) {
+      const float* rows[3] = {q + i * ldq, q + (i + 1) * ldq, q + (i + 2) * ldq};
+      float* outs[3] = {s + i * lds + j0, s + (i + 1) * lds + j0, s + (i + 2) * lds + j0};
+      switch (std::min<int64_t>(3, m - i)) {
+        case 3:
+          RowsTimesKeys<3>(rows, kt, ldk, d, vscale, outs);
+          break;
+        case 2:
+          RowsTimesKeys<2>(rows, kt, ldk, d, vscale, outs);
+          break;
+        default:
+          RowsTimesKeys<1>(rows, kt, ldk, d, vscale, outs);
       }
-      _mm256_storeu_ps(s + i * lds + j0,
-                       _mm256_mul_ps(Sums8(a0, a1, a2, a3, a4, a5, a6, a7), vscale));
     }
   }
   for (; j0 < n; ++j0) {
@@ -208,66 +233,108 @@ ATTNSERVE_AVX512 void ScoresAvx512(const float* q, int64_t ldq, int64_t m, const
   }
 }
 
-// One query row's 64 outputs from c0 over keys [j0, j1), in eight accumulators held in registers
-// (named: an array of them the compiler kept on the stack, stored at every key).
-ATTNSERVE_AVX2 inline void RowTimesValues64(const float* pi, const float* v, int64_t ldv,
-                                            int64_t j0, int64_t j1, float* oi, bool first,
-                                            int64_t ahead) {
-  __m256 a0, a1, a2, a3, a4, a5, a6, a7;
-  if (first) {
-    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = _mm256_setzero_ps();
-  } else {
-    a0 = _mm256_loadu_ps(oi), a1 = _mm256_loadu_ps(oi + 8), a2 = _mm256_loadu_ps(oi + 16);
-    a3 = _mm256_loadu_ps(oi + 24), a4 = _mm256_loadu_ps(oi + 32), a5 = _mm256_loadu_ps(oi + 40);
-    a6 = _mm256_loadu_ps(oi + 48), a7 = _mm256_loadu_ps(oi + 56);
+// The AVX2 values kernel's next tile of value rows, asked into the caches while this tile's rows
+// are multiplied: `left` lines from `line` of `row` on (rows at `ld` bytes), `per` at each key
+// step. Each pass over the tile asks for its share: when the first row's pass alone asked (16 rows
+// ahead), it waited on memory and the other passes computed with no read in flight.
+struct NextTile {
+  const char* row = nullptr;  // The next line's row, and the line within it.
+  int64_t ld = 0, line = 0, row_lines = 0, left = 0, per = 0;
+  [[gnu::always_inline]] void Step() {
+    for (int64_t u = 0; u < per && left > 0; ++u, --left) {
+      _mm_prefetch(row + 64 * line, _MM_HINT_T0);
+      if (++line == row_lines) line = 0, row += ld;
+    }
+  }
+};
+
+// R query rows' W·8 outputs (from the pointers given) over keys [j0, j1): R·W accumulators, each
+// value vector loaded once for the R rows. Three rows of 32 outputs take twelve accumulators, the
+// three rows' weights and the value vector: every ymm register. Against one row of 64 outputs (a
+// value load and an FMA each, plus the weight's broadcast), 7 loads to 12 FMAs in place of 9 to 8:
+// on Zen 3 the kernel was bound by its loads from L1, not its FMAs.
+template <int R, int W>
+ATTNSERVE_AVX2 inline void RowsTimesValues(const float* const* p, const float* v, int64_t ldv,
+                                           int64_t j0, int64_t j1, float* const* o, bool first,
+                                           NextTile* ahead) {
+  __m256 a[R][W];
+#pragma GCC unroll 3
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int w = 0; w < W; ++w)
+      a[r][w] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(o[r] + 8 * w);
   }
   for (int64_t j = j0; j < j1; ++j) {
-    const __m256 b = _mm256_broadcast_ss(pi + j);
     const float* vj = v + j * ldv;
-    if (ahead > 0) {
-      for (int c = 0; c < 64; c += 16)
-        _mm_prefetch(reinterpret_cast<const char*>(vj + ahead * ldv + c), _MM_HINT_T0);
+    ahead->Step();
+    __m256 x[R];
+#pragma GCC unroll 3
+    for (int r = 0; r < R; ++r) x[r] = _mm256_broadcast_ss(p[r] + j);
+#pragma GCC unroll 4
+    for (int w = 0; w < W; ++w) {
+      const __m256 vw = _mm256_loadu_ps(vj + 8 * w);
+#pragma GCC unroll 3
+      for (int r = 0; r < R; ++r) a[r][w] = _mm256_fmadd_ps(x[r], vw, a[r][w]);
     }
-    a0 = _mm256_fmadd_ps(b, _mm256_loadu_ps(vj), a0);
-    a1 = _mm256_fmadd_ps(b, _mm256_loadu_ps(vj + 8), a1);
-    a2 = _mm256_fmadd_ps(b, _mm256_loadu_ps(vj + 16), a2);
-    a3 = _mm256_fmadd_ps(b, _mm256_loadu_ps(vj + 24), a3);
-    a4 = _mm256_fmadd_ps(b, _mm256_loadu_ps(vj + 32), a4);
-    a5 = _mm256_fmadd_ps(b, _mm256_loadu_ps(vj + 40), a5);
-    a6 = _mm256_fmadd_ps(b, _mm256_loadu_ps(vj + 48), a6);
-    a7 = _mm256_fmadd_ps(b, _mm256_loadu_ps(vj + 56), a7);
   }
-  _mm256_storeu_ps(oi, a0), _mm256_storeu_ps(oi + 8, a1), _mm256_storeu_ps(oi + 16, a2);
-  _mm256_storeu_ps(oi + 24, a3), _mm256_storeu_ps(oi + 32, a4), _mm256_storeu_ps(oi + 40, a5);
-  _mm256_storeu_ps(oi + 48, a6), _mm256_storeu_ps(oi + 56, a7);
+#pragma GCC unroll 3
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int w = 0; w < W; ++w) _mm256_storeu_ps(o[r] + 8 * w, a[r][w]);
+  }
 }
 
-// The same for 8 outputs.
-ATTNSERVE_AVX2 inline void RowTimesValues8(const float* pi, const float* v, int64_t ldv, int64_t j0,
-                                           int64_t j1, float* oi, bool first) {
-  __m256 a = first ? _mm256_setzero_ps() : _mm256_loadu_ps(oi);
-  for (int64_t j = j0; j < j1; ++j)
-    a = _mm256_fmadd_ps(_mm256_broadcast_ss(pi + j), _mm256_loadu_ps(v + j * ldv), a);
-  _mm256_storeu_ps(oi, a);
+// R rows' outputs: in chunks of 32, then the tail's 8, 16 or 24.
+template <int R>
+ATTNSERVE_AVX2 inline void RowsTimesValues(const float* const* p, const float* v, int64_t ldv,
+                                           int64_t j0, int64_t j1, int64_t d, float* const* o,
+                                           bool first, NextTile* ahead) {
+  float* oc[R];
+  const auto at = [&](int64_t c) {
+    for (int r = 0; r < R; ++r) oc[r] = o[r] + c;
+  };
+  int64_t c = 0;
+  for (; c + 32 <= d; c += 32)
+    at(c), RowsTimesValues<R, 4>(p, v + c, ldv, j0, j1, oc, first, ahead);
+  if (d - c == 24) at(c), RowsTimesValues<R, 3>(p, v + c, ldv, j0, j1, oc, first, ahead);
+  if (d - c == 16) at(c), RowsTimesValues<R, 2>(p, v + c, ldv, j0, j1, oc, first, ahead);
+  if (d - c == 8) at(c), RowsTimesValues<R, 1>(p, v + c, ldv, j0, j1, oc, first, ahead);
 }
 
-// Tiles of keys whose value rows stay in L1 (16 KiB) while every query row takes them; each row's
-// outputs in chunks of 64 (eight accumulators), carried in o from tile to tile.
+// Tiles of keys whose value rows stay in L1 while every query row takes them, the rows three at
+// a time (then a last one or two), their outputs carried in o from tile to tile. The next tile's
+// rows are asked for during this one's passes, each pass a share of them.
 ATTNSERVE_AVX2 void TimesValuesAvx2(const float* p, int64_t ldp, int64_t m, const float* v,
                                     int64_t ldv, int64_t n, int64_t d, float* o, int64_t ldo,
                                     bool accumulate) {
-  const int64_t tile = std::max<int64_t>(8, 4096 / d);
+  const int64_t tile = std::max<int64_t>(8, kValueTileBytes / (d * 4));
+  const int64_t row_lines = (d * 4 + 63) / 64, calls = (d + 31) / 32, passes = (m + 2) / 3;
   int64_t j0 = 0;
   do {
-    const int64_t j1 = std::min(n, j0 + tile);
+    const int64_t j1 = std::min(n, j0 + tile), j2 = std::min(n, j1 + tile);
     const bool first = j0 == 0 && !accumulate;
-    for (int64_t i = 0; i < m; ++i) {
-      const float* pi = p + i * ldp;
-      float* oi = o + i * ldo;
-      int64_t c0 = 0;
-      for (; c0 + 64 <= d; c0 += 64)
-        RowTimesValues64(pi, v + c0, ldv, j0, j1, oi + c0, first, i == 0 ? Ahead(j1, n, d) : 0);
-      for (; c0 < d; c0 += 8) RowTimesValues8(pi, v + c0, ldv, j0, j1, oi + c0, first);
+    // The next tile's lines, each pass (three rows) a share of them.
+    const int64_t lines = (j2 - j1) * row_lines, share = (lines + passes - 1) / passes;
+    const int64_t steps = std::max<int64_t>(1, (j1 - j0) * calls);  // (No keys: none.)
+    for (int64_t i = 0, pass = 0; i < m; i += 3, ++pass) {
+      const int64_t from = std::min(lines, pass * share);
+      NextTile ahead;
+      ahead.row = reinterpret_cast<const char*>(v + (j1 + from / row_lines) * ldv);
+      ahead.ld = ldv * 4, ahead.line = from % row_lines, ahead.row_lines = row_lines;
+      ahead.left = std::min(lines, (pass + 1) * share) - from;
+      ahead.per = (share + steps - 1) / steps;
+      const float* rows[3] = {p + i * ldp, p + (i + 1) * ldp, p + (i + 2) * ldp};
+      float* outs[3] = {o + i * ldo, o + (i + 1) * ldo, o + (i + 2) * ldo};
+      switch (std::min<int64_t>(3, m - i)) {
+        case 3:
+          RowsTimesValues<3>(rows, v, ldv, j0, j1, d, outs, first, &ahead);
+          break;
+        case 2:
+          RowsTimesValues<2>(rows, v, ldv, j0, j1, d, outs, first, &ahead);
+          break;
+        default:
+          RowsTimesValues<1>(rows, v, ldv, j0, j1, d, outs, first, &ahead);
+      }
     }
     j0 = j1;
   } while (j0 < n);

@@ -264,9 +264,10 @@ TEST(SmallAttentionTest, RoundingToBfloat16IsLibTorchsBitForBit) {
 namespace attnserve {
 namespace {
 
-// The AVX-512 values kernel takes rows four, then two, then one at a time: whatever the grouping,
-// every output row is the one it gets in a pair of rows (each output summed over the keys in one
-// order), so a session's answer does not depend on how many query rows share its call.
+// The values kernels take rows in groups (AVX2: three, then the last one or two; AVX-512: four,
+// then two, then one): whatever the grouping, every output row is the one it gets in a pair of
+// rows (each output summed over the keys in one order), so a session's answer does not depend on
+// how many query rows share its call.
 TEST(SmallAttentionTest, ValuesOfManyRowsEqualThemInPairsToTheBit) {
   if (!small_attention::Available()) GTEST_SKIP() << "no AVX2 kernels on this CPU";
   for (const small_attention::Isa isa : IsasHere()) {
@@ -292,6 +293,35 @@ TEST(SmallAttentionTest, ValuesOfManyRowsEqualThemInPairsToTheBit) {
                   << "isa " << static_cast<int>(isa) << " m " << m << " row " << i << " d " << d
                   << " n " << n;
             }
+          }
+        }
+      }
+    }
+  }
+}
+
+// The same for the scores (AVX2 takes the rows three at a time against four keys, the keys past
+// the last four one by one): a row's scores are those it gets in a pair of rows, to the bit.
+TEST(SmallAttentionTest, ScoresOfManyRowsEqualThemInPairsToTheBit) {
+  if (!small_attention::Available()) GTEST_SKIP() << "no AVX2 kernels on this CPU";
+  for (const small_attention::Isa isa : IsasHere()) {
+    uint64_t seed = 1900;
+    for (const int64_t m : {2, 3, 4, 5, 7, 8, 9, 16}) {
+      for (const int64_t d : {8, 64, 72}) {
+        for (const int64_t n : {3, 5, 67, 300}) {
+          const at::Tensor q = Random({m, d}, seed++), k = Random({n, d}, seed++);
+          at::Tensor all = at::empty({m, n});
+          ASSERT_TRUE(small_attention::Scores(q.data_ptr<float>(), d, m, k.data_ptr<float>(), d, n,
+                                              d, 0.125f, all.data_ptr<float>(), n, isa));
+          for (int64_t i = 0; i < m; ++i) {
+            const int64_t first = i + 1 < m ? i : i - 1;
+            at::Tensor pair = at::empty({2, n});
+            ASSERT_TRUE(small_attention::Scores(q[first].data_ptr<float>(), d, 2,
+                                                k.data_ptr<float>(), d, n, d, 0.125f,
+                                                pair.data_ptr<float>(), n, isa));
+            EXPECT_TRUE(at::equal(all[i], pair[i - first]))
+                << "isa " << static_cast<int>(isa) << " m " << m << " row " << i << " d " << d
+                << " n " << n;
           }
         }
       }
