@@ -28,9 +28,11 @@ bool Products::PackedTakes(const at::Tensor& x, const Proj& proj) const {
 bool Products::UseGemv(const at::Tensor& x, const Proj& proj) const {
   // Packed weights, read once for every row, take a few rows too (products_test.cc's figures):
   // any number where they are not limited (AVX-512), from 2 rows under a limit (AVX2).
+  // Panels take every float32 row count up to theirs.
   const bool packed = PackedTakes(x, proj) && (packed_max_rows_ == 0 || x.size(0) > 1);
+  const bool panels = proj.panels && x.stride(1) == 1;
   return device_.is_cpu() && x.size(0) <= kGemvRows && x.scalar_type() == at::kFloat &&
-         proj.w.scalar_type() == at::kFloat && !packed;
+         proj.w.scalar_type() == at::kFloat && !packed && !panels;
 }
 
 void Products::GemvInto(const at::Tensor& y, const at::Tensor& x, const at::Tensor& wt,
@@ -48,6 +50,7 @@ void Products::GemvInto(const at::Tensor& y, const at::Tensor& x, const at::Tens
 
 void Products::GemmInto(const at::Tensor& y, const at::Tensor& x, const Proj& proj,
                         const Parallel& parallel) const {
+  if (PanelsInto(y, x, proj, parallel)) return;
   const at::Tensor wt = proj.w.t();
   const at::Tensor& b = proj.b;
   if (UseGemv(x, proj) && y.scalar_type() == at::kFloat) {
@@ -107,6 +110,29 @@ bool Products::ColumnsInto(const at::Tensor& y, const at::Tensor& x, const Proj&
   return !refused;  // (Refused: the caller computes every column again its own way.)
 }
 
+bool Products::PanelsInto(const at::Tensor& y, const at::Tensor& x, const Proj& proj,
+                          const Parallel& parallel) const {
+  if (!proj.panels || x.size(0) > kPanelRows || x.size(0) == 0 || x.scalar_type() != at::kFloat ||
+      y.scalar_type() != at::kFloat || x.stride(1) != 1 || y.stride(1) != 1)
+    return false;
+  const small_gemm::Panels& w = *proj.panels;
+  constexpr int64_t kColumns = small_gemm::Panels::kColumns;
+  const int64_t n = w.out_features(), count = (n + kColumns - 1) / kColumns;
+  const double flops = 2.0 * static_cast<double>(x.size(0) * n * w.in_features());
+  const int64_t pieces = std::max<int64_t>(
+      1, std::min({Width(parallel), count,
+                   static_cast<int64_t>(flops / std::max(min_piece_flops_, 1.0))}));
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  Pieces(parallel, pieces, [&](int64_t i) {
+    const auto [p0, panels] = Block(count, pieces, i);
+    const int64_t c0 = p0 * kColumns;
+    w.Run(xp, x.size(0), x.stride(0), yp, y.stride(0), c0,
+          std::min(n, (p0 + panels) * kColumns) - c0);
+  });
+  return true;
+}
+
 bool Products::RunPacked(const Proj& proj, const at::Tensor& x, const at::Tensor& y) const {
   onednn::Type y_type;
   return PackedWrites(proj, x, y, &y_type) &&
@@ -121,7 +147,7 @@ at::Tensor Products::Linear(const at::Tensor& x, const Proj& proj, const Paralle
     GemvInto(y, x, w.t(), b);
     return y;
   }
-  if (proj.packed) {
+  if (proj.packed || proj.panels) {
     at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
     GemmInto(y, x, proj, parallel);
     return y;

@@ -30,6 +30,7 @@
 #include "server/engine/products.h"
 #include "server/engine/rotary.h"
 #include "server/engine/small_attention.h"
+#include "server/engine/small_gemm.h"
 #include "server/engine/torch_compat.h"
 #include "server/engine/torch_kv.h"
 #include "server/engine/torch_tensors.h"
@@ -232,7 +233,11 @@ class TorchModel final : public AttentionModel {
   std::string Kernels() const {
     if (device_.is_cuda()) return "LibTorch CUDA";
     std::string s;
-    if (proj_out_.packed && small_packed_) {
+    if (proj_out_.panels) {
+      s = "LibTorch float32 products (BLAS); up to " + std::to_string(Products::kPanelRows) +
+          " rows AVX2 kernels on weights in panels of " +
+          std::to_string(small_gemm::Panels::kColumns) + " columns";
+    } else if (proj_out_.packed && small_packed_) {
       s = "LibTorch float32 products (BLAS); up to " + std::to_string(Products::kSmallPackedRows) +
           " rows oneDNN float32 on packed weights (" + proj_out_.packed->Layout() + ")";
     } else if (proj_out_.packed) {
@@ -256,33 +261,40 @@ class TorchModel final : public AttentionModel {
   // The projections' weights packed once for oneDNN's kernels (onednn.h): bfloat16 on every CPU
   // that multiplies it (the products' own kernels), float32 where oneDNN's AVX-512 kernels beat
   // the BLAS, and elsewhere for small batches only (small_packed_: the input projection, or q, k
-  // and v when there is none, and the output projection, the ones a decoding step's batch runs).
-  // A projection oneDNN does not pack here keeps LibTorch's products.
+  // and v when there is none, and the output projection, the ones a decoding step's batch runs),
+  // there in small_gemm's panels where the CPU runs them (AVX2), else oneDNN's layout.
+  // A projection packed neither way keeps LibTorch's products.
   void PackWeights(const ModelWeights& w) {
     const bool all =
         (dtype_ == at::kBFloat16 && !widen_) || (dtype_ == at::kFloat && onednn_float32_);
     if (!all && !small_packed_) return;
     const onednn::Type type =
         dtype_ == at::kBFloat16 ? onednn::Type::kBFloat16 : onednn::Type::kFloat32;
-    const auto pack = [type](const HostTensor& weight, const std::optional<HostTensor>& bias,
-                             int64_t bias_offset) -> std::shared_ptr<const onednn::PackedLinear> {
-      return onednn::PackedLinear::Make(weight.values.data(),
-                                        bias ? bias->values.data() + bias_offset : nullptr,
-                                        weight.shape[0], weight.shape[1], type);
+    const bool panels = !all && small_gemm::Available();
+    const auto pack = [type, panels](Proj* proj, const HostTensor& weight,
+                                     const std::optional<HostTensor>& bias, int64_t bias_offset) {
+      const float* b = bias ? bias->values.data() + bias_offset : nullptr;
+      if (panels) {
+        proj->panels =
+            small_gemm::Panels::Make(weight.values.data(), b, weight.shape[0], weight.shape[1]);
+      } else {
+        proj->packed = onednn::PackedLinear::Make(weight.values.data(), b, weight.shape[0],
+                                                  weight.shape[1], type);
+      }
     };
     const int64_t e = spec_.embed_dim, wq = spec_.q_width(), wkv = spec_.kv_width();
     if (all || !packed_) {
-      proj_q_.packed = pack(w.q_proj, w.in_proj_bias, 0);
-      proj_k_.packed = pack(w.k_proj, w.in_proj_bias, wq);
-      proj_v_.packed = pack(w.v_proj, w.in_proj_bias, wq + wkv);
+      pack(&proj_q_, w.q_proj, w.in_proj_bias, 0);
+      pack(&proj_k_, w.k_proj, w.in_proj_bias, wq);
+      pack(&proj_v_, w.v_proj, w.in_proj_bias, wq + wkv);
     }
-    proj_out_.packed = pack(w.out_proj, w.out_proj_bias, 0);
+    pack(&proj_out_, w.out_proj, w.out_proj_bias, 0);
     if (packed_) {
       HostTensor in;
       in.shape = {wq + 2 * wkv, e};
       for (const HostTensor* part : {&w.q_proj, &w.k_proj, &w.v_proj})
         in.values.insert(in.values.end(), part->values.begin(), part->values.end());
-      proj_in_.packed = pack(in, w.in_proj_bias, 0);
+      pack(&proj_in_, in, w.in_proj_bias, 0);
     }
   }
 
@@ -1013,9 +1025,10 @@ class TorchModel final : public AttentionModel {
       std::min(small_attention::Best(), onednn::HasAvx512Kernels() ? small_attention::Isa::kAvx512
                                                                    : small_attention::Isa::kAvx2);
   // Float32 on a CPU whose oneDNN kernels are not AVX-512, under OpenBLAS (measured against it;
-  // MKL's small products were not): products of up to Products::kSmallPackedRows rows (a decoding
-  // batch) on packed weights, the BLAS for the rest; only the input and output projections are
-  // packed (a second copy of the weights). Attention's products go to oneDNN too.
+  // MKL's small products were not): products of up to Products::kPanelRows rows (a decoding
+  // batch) on small_gemm's panels (AVX2; elsewhere up to Products::kSmallPackedRows on oneDNN's
+  // packed weights), the BLAS for the rest; only the input and output projections are packed (a
+  // second copy of the weights). Attention's products go to oneDNN.
   bool small_packed_ =
       device_.is_cpu() && dtype_ == at::kFloat && !onednn_float32_ && ConfigureBlas().openblas;
   // A grouped layer's decoding steps attend on small_attention's kernels (HeadAttentionOptions).

@@ -1,0 +1,121 @@
+#include "server/engine/small_gemm.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+
+namespace attnserve::small_gemm {
+namespace {
+
+#define ATTNSERVE_AVX2 __attribute__((target("avx2,fma")))
+
+constexpr int64_t kColumns = Panels::kColumns;
+constexpr int kMaxRows = 6;  // Twelve accumulators, two panel vectors and a broadcast: 15 ymm.
+
+// The last columns of a panel past n: a store mask of the first `count` lanes.
+ATTNSERVE_AVX2 inline __m256i FirstLanes(int64_t count) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// R rows of x against one panel (16 columns, `width` of them kept): each output starts at its bias
+// and adds x[i][j] · W[c][j] for j ascending, in registers for the whole of k.
+template <int R>
+ATTNSERVE_AVX2 void RowsTimesPanel(const float* x, int64_t ldx, const float* panel,
+                                   const float* bias, int64_t k, float* y, int64_t ldy,
+                                   int64_t width) {
+  __m256 a[R][2];
+  const __m256 b0 = _mm256_loadu_ps(bias), b1 = _mm256_loadu_ps(bias + 8);
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) a[r][0] = b0, a[r][1] = b1;
+  for (int64_t j = 0; j < k; ++j) {
+    const __m256 w0 = _mm256_loadu_ps(panel + j * kColumns);
+    const __m256 w1 = _mm256_loadu_ps(panel + j * kColumns + 8);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m256 xr = _mm256_broadcast_ss(x + r * ldx + j);
+      a[r][0] = _mm256_fmadd_ps(xr, w0, a[r][0]);
+      a[r][1] = _mm256_fmadd_ps(xr, w1, a[r][1]);
+    }
+  }
+  if (width == kColumns) {
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(y + r * ldy, a[r][0]);
+      _mm256_storeu_ps(y + r * ldy + 8, a[r][1]);
+    }
+    return;
+  }
+  const __m256i m0 = FirstLanes(width), m1 = FirstLanes(width - 8);
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    _mm256_maskstore_ps(y + r * ldy, m0, a[r][0]);
+    _mm256_maskstore_ps(y + r * ldy + 8, m1, a[r][1]);
+  }
+}
+
+ATTNSERVE_AVX2 void Run(const float* x, int64_t m, int64_t ldx, const float* panels,
+                        const float* bias, int64_t n, int64_t k, float* y, int64_t ldy, int64_t c0,
+                        int64_t nc) {
+  for (int64_t c = c0; c < c0 + nc; c += kColumns) {
+    const float* panel = panels + (c / kColumns) * k * kColumns;
+    const int64_t width = std::min(kColumns, n - c);
+    // The rows in as few blocks as six-row blocks take, their sizes even (32 rows: 6, 6, 5, 5, 5,
+    // 5): a block of one or two rows has too few accumulators to keep both FMA units busy (each
+    // waits on its own last sum).
+    const int64_t blocks = (m + kMaxRows - 1) / kMaxRows;
+    for (int64_t bi = 0, i = 0; bi < blocks; ++bi) {
+      const int64_t rows = m / blocks + (bi < m % blocks ? 1 : 0);
+      const float* xi = x + i * ldx;
+      float* yi = y + i * ldy + c;
+      switch (rows) {
+        case 6:
+          RowsTimesPanel<6>(xi, ldx, panel, bias + c, k, yi, ldy, width);
+          break;
+        case 5:
+          RowsTimesPanel<5>(xi, ldx, panel, bias + c, k, yi, ldy, width);
+          break;
+        case 4:
+          RowsTimesPanel<4>(xi, ldx, panel, bias + c, k, yi, ldy, width);
+          break;
+        case 3:
+          RowsTimesPanel<3>(xi, ldx, panel, bias + c, k, yi, ldy, width);
+          break;
+        case 2:
+          RowsTimesPanel<2>(xi, ldx, panel, bias + c, k, yi, ldy, width);
+          break;
+        default:
+          RowsTimesPanel<1>(xi, ldx, panel, bias + c, k, yi, ldy, width);
+      }
+      i += rows;
+    }
+  }
+}
+
+}  // namespace
+
+bool Available() {
+  static const bool available = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return available;
+}
+
+std::unique_ptr<Panels> Panels::Make(const float* w, const float* bias, int64_t n, int64_t k) {
+  if (!Available() || n <= 0 || k <= 0) return nullptr;
+  std::unique_ptr<Panels> p(new Panels(n, k));
+  const int64_t count = (n + kColumns - 1) / kColumns;
+  p->panels_.assign(static_cast<size_t>(count * k * kColumns), 0.0f);
+  p->bias_.assign(static_cast<size_t>(count * kColumns), 0.0f);
+  for (int64_t c = 0; c < n; ++c) {
+    float* panel = p->panels_.data() + (c / kColumns) * k * kColumns + c % kColumns;
+    for (int64_t j = 0; j < k; ++j) panel[j * kColumns] = w[c * k + j];
+    if (bias != nullptr) p->bias_[static_cast<size_t>(c)] = bias[c];
+  }
+  return p;
+}
+
+void Panels::Run(const float* x, int64_t m, int64_t ldx, float* y, int64_t ldy, int64_t c0,
+                 int64_t nc) const {
+  small_gemm::Run(x, m, ldx, panels_.data(), bias_.data(), n_, k_, y, ldy, c0, nc);
+}
+
+}  // namespace attnserve::small_gemm
