@@ -18,45 +18,79 @@ ATTNSERVE_AVX2 inline __m256i FirstLanes(int64_t count) {
                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-// R rows of x against one panel (16 columns, `width` of them kept): each output starts at its bias
-// and adds x[i][j] · W[c][j] for j ascending, in registers for the whole of k.
-template <int R>
-ATTNSERVE_AVX2 void RowsTimesPanel(const float* x, int64_t ldx, const float* panel,
-                                   const float* bias, int64_t k, float* y, int64_t ldy,
-                                   int64_t width) {
-  __m256 a[R][2];
-  const __m256 b0 = _mm256_loadu_ps(bias), b1 = _mm256_loadu_ps(bias + 8);
+// R rows of x against P consecutive panels (16 columns each, `width` of the last one kept): each
+// output starts at its bias and adds x[i][j] · W[c][j] for j ascending, in registers for the whole
+// of k. One or two rows take several panels at once: each sum waits on its own last FMA (4 cycles
+// here), so a pass needs eight or more of them to keep both FMA units busy; the sums' order is
+// the same whatever P.
+template <int R, int P>
+ATTNSERVE_AVX2 void RowsTimesPanels(const float* x, int64_t ldx, const float* panel,
+                                    const float* bias, int64_t k, float* y, int64_t ldy,
+                                    int64_t width) {
+  static_assert(R * P <= kMaxRows, "twelve accumulators at most");
+  __m256 a[R][P][2];
 #pragma GCC unroll 6
-  for (int r = 0; r < R; ++r) a[r][0] = b0, a[r][1] = b1;
-  for (int64_t j = 0; j < k; ++j) {
-    const __m256 w0 = _mm256_loadu_ps(panel + j * kColumns);
-    const __m256 w1 = _mm256_loadu_ps(panel + j * kColumns + 8);
+  for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 6
-    for (int r = 0; r < R; ++r) {
-      const __m256 xr = _mm256_broadcast_ss(x + r * ldx + j);
-      a[r][0] = _mm256_fmadd_ps(xr, w0, a[r][0]);
-      a[r][1] = _mm256_fmadd_ps(xr, w1, a[r][1]);
+    for (int q = 0; q < P; ++q) {
+      a[r][q][0] = _mm256_loadu_ps(bias + q * kColumns);
+      a[r][q][1] = _mm256_loadu_ps(bias + q * kColumns + 8);
     }
   }
-  if (width == kColumns) {
+  for (int64_t j = 0; j < k; ++j) {
+    __m256 xr[R];
 #pragma GCC unroll 6
-    for (int r = 0; r < R; ++r) {
-      _mm256_storeu_ps(y + r * ldy, a[r][0]);
-      _mm256_storeu_ps(y + r * ldy + 8, a[r][1]);
+    for (int r = 0; r < R; ++r) xr[r] = _mm256_broadcast_ss(x + r * ldx + j);
+#pragma GCC unroll 6
+    for (int q = 0; q < P; ++q) {
+      const float* w = panel + (q * k + j) * kColumns;
+      const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+#pragma GCC unroll 6
+      for (int r = 0; r < R; ++r) {
+        a[r][q][0] = _mm256_fmadd_ps(xr[r], w0, a[r][q][0]);
+        a[r][q][1] = _mm256_fmadd_ps(xr[r], w1, a[r][q][1]);
+      }
     }
-    return;
   }
   const __m256i m0 = FirstLanes(width), m1 = FirstLanes(width - 8);
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) {
-    _mm256_maskstore_ps(y + r * ldy, m0, a[r][0]);
-    _mm256_maskstore_ps(y + r * ldy + 8, m1, a[r][1]);
+#pragma GCC unroll 6
+    for (int q = 0; q < P; ++q) {
+      float* yq = y + r * ldy + q * kColumns;
+      if (q < P - 1 || width == kColumns) {
+        _mm256_storeu_ps(yq, a[r][q][0]);
+        _mm256_storeu_ps(yq + 8, a[r][q][1]);
+      } else {
+        _mm256_maskstore_ps(yq, m0, a[r][q][0]);
+        _mm256_maskstore_ps(yq + 8, m1, a[r][q][1]);
+      }
+    }
+  }
+}
+
+// One or two rows (m <= 2) over panels [c0, c0 + nc): as many panels at a time as keep twelve
+// accumulators (one row: six, two rows: three), the rest one by one.
+template <int R>
+ATTNSERVE_AVX2 void FewRows(const float* x, int64_t ldx, const float* panels, const float* bias,
+                            int64_t n, int64_t k, float* y, int64_t ldy, int64_t c0, int64_t nc) {
+  constexpr int kPanels = kMaxRows / R;
+  int64_t c = c0;
+  for (; c + kPanels * kColumns <= std::min(n, c0 + nc); c += kPanels * kColumns) {
+    RowsTimesPanels<R, kPanels>(x, ldx, panels + (c / kColumns) * k * kColumns, bias + c, k, y + c,
+                                ldy, kColumns);
+  }
+  for (; c < c0 + nc; c += kColumns) {
+    RowsTimesPanels<R, 1>(x, ldx, panels + (c / kColumns) * k * kColumns, bias + c, k, y + c, ldy,
+                          std::min(kColumns, n - c));
   }
 }
 
 ATTNSERVE_AVX2 void Run(const float* x, int64_t m, int64_t ldx, const float* panels,
                         const float* bias, int64_t n, int64_t k, float* y, int64_t ldy, int64_t c0,
                         int64_t nc) {
+  if (m == 1) return FewRows<1>(x, ldx, panels, bias, n, k, y, ldy, c0, nc);
+  if (m == 2) return FewRows<2>(x, ldx, panels, bias, n, k, y, ldy, c0, nc);
   for (int64_t c = c0; c < c0 + nc; c += kColumns) {
     const float* panel = panels + (c / kColumns) * k * kColumns;
     const int64_t width = std::min(kColumns, n - c);
@@ -70,22 +104,22 @@ ATTNSERVE_AVX2 void Run(const float* x, int64_t m, int64_t ldx, const float* pan
       float* yi = y + i * ldy + c;
       switch (rows) {
         case 6:
-          RowsTimesPanel<6>(xi, ldx, panel, bias + c, k, yi, ldy, width);
+          RowsTimesPanels<6, 1>(xi, ldx, panel, bias + c, k, yi, ldy, width);
           break;
         case 5:
-          RowsTimesPanel<5>(xi, ldx, panel, bias + c, k, yi, ldy, width);
+          RowsTimesPanels<5, 1>(xi, ldx, panel, bias + c, k, yi, ldy, width);
           break;
         case 4:
-          RowsTimesPanel<4>(xi, ldx, panel, bias + c, k, yi, ldy, width);
+          RowsTimesPanels<4, 1>(xi, ldx, panel, bias + c, k, yi, ldy, width);
           break;
         case 3:
-          RowsTimesPanel<3>(xi, ldx, panel, bias + c, k, yi, ldy, width);
+          RowsTimesPanels<3, 1>(xi, ldx, panel, bias + c, k, yi, ldy, width);
           break;
         case 2:
-          RowsTimesPanel<2>(xi, ldx, panel, bias + c, k, yi, ldy, width);
+          RowsTimesPanels<2, 1>(xi, ldx, panel, bias + c, k, yi, ldy, width);
           break;
         default:
-          RowsTimesPanel<1>(xi, ldx, panel, bias + c, k, yi, ldy, width);
+          RowsTimesPanels<1, 1>(xi, ldx, panel, bias + c, k, yi, ldy, width);
       }
       i += rows;
     }
