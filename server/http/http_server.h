@@ -44,8 +44,9 @@ struct HttpOptions {
   /// is read (413), a chunked body when it passes it (the server's --max-message-bytes).
   int64_t max_body_bytes = int64_t{64} << 20;
   /// Bytes of request bodies being received, over every connection (each body's room counted as
-  /// its bytes arrive: 64 KiB at first, doubled as it fills, never past its Content-Length): a body
-  /// that would pass it is dropped and answered 503 (the server's --max-inflight-bytes).
+  /// its bytes arrive: at first its share, half of this over max_connections but at least 64 KiB,
+  /// doubled as it fills, never past its Content-Length): a body that would pass it is dropped and
+  /// answered 503 (the server's --max-inflight-bytes).
   int64_t max_body_bytes_held = int64_t{1} << 30;
   /// A connection's buffer for a request's line and headers (and its answer's headers): larger
   /// headers are refused (431). libmicrohttpd's default is 32 KiB.

@@ -427,6 +427,41 @@ def test_bodies_arriving_bounded(attnserve, checks):
     server.stop()
 
 
+def test_a_body_takes_its_whole_room_at_once_within_its_share(attnserve, checks):
+    """A body's first room is its whole Content-Length, up to its share of the bound (half of
+    --max-inflight-bytes over --http-max-connections; never under 64 KiB): a 700 KB JSON request is
+    not copied as its room doubles, and every connection's first room together holds at most half
+    the bound, so trickling bodies still cannot starve ordinary calls."""
+    server, _ = serve(attnserve, "--max-inflight-bytes", "16000000", "--http-max-connections", "8",
+                      models={"mha": build(3010)})
+    room = lambda: sum(float(l.rsplit(" ", 1)[1]) for l in lib.metrics_lines(server, "attnserve_http_body_bytes"))
+    q = np.zeros((1, 2, E), np.float32)
+    small = json.dumps({"inputs": [{"name": "query", "datatype": "FP32", "shape": [1, 2, E],
+                                    "data": q.ravel().tolist()}]}).encode()
+    share = 16_000_000 // (2 * 8)
+    for length in (700_000, 1_900_000):  # Within the share, and past it.
+        body = small + b" " * (length - len(small))
+        head = b"POST /v2/models/mha/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+        tricklers = [socket.create_connection(("127.0.0.1", server.http_port), timeout=30) for _ in range(4)]
+        for t in tricklers:
+            t.sendall(head + body[:1])
+        want = 4 * min(length + 64, share)  # (64: the room past a body's end its parser reads.)
+        counted = lib.wait_until(lambda: room() >= want, timeout=20, step=0.02)
+        status, _, _ = request(server, "POST", "/v2/models/mha/infer", small)
+        checks(f"four bodies of {length} bytes, one byte each sent, hold {want} in all; an ordinary "
+               "call is served", counted and room() == want and status == 200, f"{room()} {status}")
+        for t in tricklers:
+            t.sendall(body[1:])
+        for t in tricklers:
+            answer = b""
+            while b"\r\n\r\n" not in answer:
+                answer += t.recv(65536)
+            checks(f"the {length}-byte body, finished, is served", answer.startswith(b"HTTP/1.1 200"), answer[:200])
+            t.close()
+        checks("their room given back", lib.wait_until(lambda: room() == 0, timeout=20, step=0.02), room())
+    server.stop()
+
+
 def trickle(port, first, rest, interval):
     """Sends `first`, then `rest` a byte each `interval` s, until the server closes the connection
     (True) or `rest` runs out (False); and the seconds it took."""
