@@ -112,24 +112,26 @@ bool Products::ColumnsInto(const at::Tensor& y, const at::Tensor& x, const Proj&
 
 bool Products::PanelsInto(const at::Tensor& y, const at::Tensor& x, const Proj& proj,
                           const Parallel& parallel) const {
-  if (!proj.panels || x.size(0) > kPanelRows || x.size(0) == 0 || x.scalar_type() != at::kFloat ||
+  if (!proj.panels || x.size(0) == 0 || x.scalar_type() != at::kFloat ||
       y.scalar_type() != at::kFloat || x.stride(1) != 1 || y.stride(1) != 1)
     return false;
-  const small_gemm::Panels& w = *proj.panels;
-  constexpr int64_t kColumns = small_gemm::Panels::kColumns;
+  const panel_gemm::Panels& w = *proj.panels;
+  constexpr int64_t kColumns = panel_gemm::Panels::kColumns;
   const int64_t n = w.out_features(), count = (n + kColumns - 1) / kColumns;
-  const double flops = 2.0 * static_cast<double>(x.size(0) * n * w.in_features());
-  const int64_t pieces = std::max<int64_t>(
-      1, std::min({Width(parallel), count,
-                   static_cast<int64_t>(flops / std::max(min_piece_flops_, 1.0))}));
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  Pieces(parallel, pieces, [&](int64_t i) {
-    const auto [p0, panels] = Block(count, pieces, i);
-    const int64_t c0 = p0 * kColumns;
-    w.Run(xp, x.size(0), x.stride(0), yp, y.stride(0), c0,
-          std::min(n, (p0 + panels) * kColumns) - c0);
-  });
+  for (int64_t r0 = 0; r0 < x.size(0); r0 += kPanelRows) {
+    const int64_t rows = std::min(kPanelRows, x.size(0) - r0);
+    const double flops = 2.0 * static_cast<double>(rows * n * w.in_features());
+    const int64_t pieces = std::max<int64_t>(
+        1, std::min({Width(parallel), count,
+                     static_cast<int64_t>(flops / std::max(min_piece_flops_, 1.0))}));
+    const float* xp = x.data_ptr<float>() + r0 * x.stride(0);
+    float* yp = y.data_ptr<float>() + r0 * y.stride(0);
+    Pieces(parallel, pieces, [&](int64_t i) {
+      const auto [p0, panels] = Block(count, pieces, i);
+      const int64_t c0 = p0 * kColumns;
+      w.Run(xp, rows, x.stride(0), yp, y.stride(0), c0, std::min(n, (p0 + panels) * kColumns) - c0);
+    });
+  }
   return true;
 }
 

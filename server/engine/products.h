@@ -12,19 +12,19 @@
 #include <utility>
 
 #include "server/engine/onednn.h"
+#include "server/engine/panel_gemm.h"
 #include "server/engine/parallel.h"
-#include "server/engine/small_gemm.h"
 
 namespace attnserve {
 
 /// One projection: y = x · wᵀ + b. w [out, in] and b [out] (undefined: no bias) as LibTorch
 /// tensors; `packed` (CPU): the same weights reordered once into the layout oneDNN's kernels read,
 /// which the products use where it runs; `panels` (AVX2 CPUs, float32): the same weights in
-/// small_gemm's panels, which a product of up to Products::kPanelRows rows runs on.
+/// panel_gemm's panels, which every product of the projection runs on.
 struct Proj {
   at::Tensor w, b;
   std::shared_ptr<const onednn::PackedLinear> packed;
-  std::shared_ptr<const small_gemm::Panels> panels;
+  std::shared_ptr<const panel_gemm::Panels> panels;
 };
 
 /// How one model's products run: its device, its compute dtype, the least work worth a piece of
@@ -53,12 +53,14 @@ class Products {
   /// 1.04-1.26x, at 24 about even, past 32 the BLAS wins.
   static constexpr int64_t kSmallPackedRows = 16;
 
-  /// Float32 products of up to this many rows run on small_gemm's panels where a projection has
-  /// them (AVX2 CPUs under OpenBLAS), the output columns cut across the idle cores. Measured here
-  /// (2-core AVX2 EPYC, Zen 3, both cores; bench/RESULTS.md) against the BLAS and oneDNN's packed
-  /// weights: [2560, 2048] at 8 rows 1.0 ms against 1.9-2.9, 32 rows 2.3 against 2.7-4.2, 64 rows
-  /// 4.0 against 7.6-10.8.
-  static constexpr int64_t kPanelRows = 64;
+  /// Float32 products run on panel_gemm's panels where a projection has them (AVX2 CPUs under
+  /// OpenBLAS), at every height: the output columns cut across the idle cores, the rows in passes
+  /// of up to this many (each pass reads the weights once; its rows stay in the caches across the
+  /// panels). Measured here (2-core AVX2 EPYC, Zen 3; bench/RESULTS.md) against the BLAS and
+  /// oneDNN's packed weights, both cores: [2560, 2048] at 8 rows 1.0 ms against 1.9-2.9, 32 rows
+  /// 1.6-2.2 against 2.7-4.2; [2048, 2048] at 512 rows 24 ms against 31; [1536, 512] at 256 rows
+  /// 2.1 ms against 3.2 (~190 GFLOP/s, 95% of the FMA peak, against 127).
+  static constexpr int64_t kPanelRows = 512;
 
   /// `packed_max_rows`: the most rows a product runs on packed weights (0: any; a projection
   /// without packed weights never does).
@@ -135,8 +137,9 @@ class Products {
   // whole product computes it). False when that does not run here (nothing or only part written).
   bool ColumnsInto(const at::Tensor& y, const at::Tensor& x, const Proj& proj,
                    const Parallel& parallel) const;
-  // x · projᵀ + b into y on proj's panels, the panels cut across `parallel`'s idle threads: float32
-  // x and y with unit column strides, up to kPanelRows rows. False (nothing written) otherwise.
+  // x · projᵀ + b into y on proj's panels, the panels cut across `parallel`'s idle threads, the
+  // rows kPanelRows at a time: float32 x and y with unit column strides. False (nothing written)
+  // otherwise.
   bool PanelsInto(const at::Tensor& y, const at::Tensor& x, const Proj& proj,
                   const Parallel& parallel) const;
 

@@ -27,10 +27,10 @@
 #include "server/engine/head_attention.h"
 #include "server/engine/kept_attention.h"
 #include "server/engine/onednn.h"
+#include "server/engine/panel_gemm.h"
 #include "server/engine/products.h"
 #include "server/engine/rotary.h"
 #include "server/engine/small_attention.h"
-#include "server/engine/small_gemm.h"
 #include "server/engine/torch_compat.h"
 #include "server/engine/torch_kv.h"
 #include "server/engine/torch_tensors.h"
@@ -234,9 +234,8 @@ class TorchModel final : public AttentionModel {
     if (device_.is_cuda()) return "LibTorch CUDA";
     std::string s;
     if (proj_out_.panels) {
-      s = "LibTorch float32 products (BLAS); up to " + std::to_string(Products::kPanelRows) +
-          " rows AVX2 kernels on weights in panels of " +
-          std::to_string(small_gemm::Panels::kColumns) + " columns";
+      s = "float32 projections on AVX2 kernels over weights in panels of " +
+          std::to_string(panel_gemm::Panels::kColumns) + " columns, LibTorch's other products";
     } else if (proj_out_.packed && small_packed_) {
       s = "LibTorch float32 products (BLAS); up to " + std::to_string(Products::kSmallPackedRows) +
           " rows oneDNN float32 on packed weights (" + proj_out_.packed->Layout() + ")";
@@ -260,9 +259,9 @@ class TorchModel final : public AttentionModel {
 
   // The projections' weights packed once for oneDNN's kernels (onednn.h): bfloat16 on every CPU
   // that multiplies it (the products' own kernels), float32 where oneDNN's AVX-512 kernels beat
-  // the BLAS, and elsewhere for small batches only (small_packed_: the input projection, or q, k
-  // and v when there is none, and the output projection, the ones a decoding step's batch runs),
-  // there in small_gemm's panels where the CPU runs them (AVX2), else oneDNN's layout.
+  // the BLAS, and elsewhere (small_packed_: the input projection, or q, k and v when there is
+  // none, and the output projection) in panel_gemm's panels where the CPU runs them (AVX2: every
+  // product), else in oneDNN's layout for small batches only.
   // A projection packed neither way keeps LibTorch's products.
   void PackWeights(const ModelWeights& w) {
     const bool all =
@@ -270,13 +269,13 @@ class TorchModel final : public AttentionModel {
     if (!all && !small_packed_) return;
     const onednn::Type type =
         dtype_ == at::kBFloat16 ? onednn::Type::kBFloat16 : onednn::Type::kFloat32;
-    const bool panels = !all && small_gemm::Available();
+    const bool panels = !all && panel_gemm::Available();
     const auto pack = [type, panels](Proj* proj, const HostTensor& weight,
                                      const std::optional<HostTensor>& bias, int64_t bias_offset) {
       const float* b = bias ? bias->values.data() + bias_offset : nullptr;
       if (panels) {
         proj->panels =
-            small_gemm::Panels::Make(weight.values.data(), b, weight.shape[0], weight.shape[1]);
+            panel_gemm::Panels::Make(weight.values.data(), b, weight.shape[0], weight.shape[1]);
       } else {
         proj->packed = onednn::PackedLinear::Make(weight.values.data(), b, weight.shape[0],
                                                   weight.shape[1], type);
@@ -1025,10 +1024,10 @@ class TorchModel final : public AttentionModel {
       std::min(small_attention::Best(), onednn::HasAvx512Kernels() ? small_attention::Isa::kAvx512
                                                                    : small_attention::Isa::kAvx2);
   // Float32 on a CPU whose oneDNN kernels are not AVX-512, under OpenBLAS (measured against it;
-  // MKL's small products were not): products of up to Products::kPanelRows rows (a decoding
-  // batch) on small_gemm's panels (AVX2; elsewhere up to Products::kSmallPackedRows on oneDNN's
-  // packed weights), the BLAS for the rest; only the input and output projections are packed (a
-  // second copy of the weights). Attention's products go to oneDNN.
+  // MKL's small products were not): the projections on panel_gemm's panels at every height
+  // (AVX2), or elsewhere up to Products::kSmallPackedRows rows on oneDNN's packed weights and the
+  // BLAS for the rest; the projections' weights are packed (a second copy of them). Attention's
+  // products go to oneDNN.
   bool small_packed_ =
       device_.is_cpu() && dtype_ == at::kFloat && !onednn_float32_ && ConfigureBlas().openblas;
   // A grouped layer's decoding steps attend on small_attention's kernels (HeadAttentionOptions).

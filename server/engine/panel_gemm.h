@@ -1,17 +1,17 @@
 #pragma once
-// Float32 projections of a few rows on AVX2 CPUs: y = x · Wᵀ + b with W reordered once into
-// panels of 16 output columns (each panel's rows of k, column-major within: what one step of the
-// kernel reads). For the rows of a decoding batch (up to Products::kPanelRows) the BLAS and
-// oneDNN's AVX2 kernels ran at a third to a half of the cores' float32 peak (they pack or block
-// for tall products; bench/RESULTS.md, issue 65's AVX2 class); here six rows at a time take
-// twelve accumulators and each panel's vectors are loaded once for them. Detected at run time
-// (AVX2 and FMA); no LibTorch here: plain pointers and strides in elements.
+// Float32 projections on AVX2 CPUs: y = x · Wᵀ + b with W reordered once into panels of 16 output
+// columns (each panel's rows of k, column-major within: what one step of the kernel reads). The
+// BLAS (OpenBLAS, which packs the whole weight matrix on every call) and oneDNN's AVX2 kernels ran
+// a decoding batch's products at a third to a half of the cores' float32 peak, and taller ones at
+// ~65-90% (bench/RESULTS.md, issue 65's AVX2 class); here six rows at a time take twelve
+// accumulators, each panel's vectors loaded once for them: ~95% at 16 rows and more. Detected at
+// run time (AVX2 and FMA); no LibTorch here: plain pointers and strides in elements.
 
 #include <cstdint>
 #include <memory>
 #include <vector>
 
-namespace attnserve::small_gemm {
+namespace attnserve::panel_gemm {
 
 /// Whether this CPU runs the kernel (AVX2 and FMA).
 bool Available();
@@ -42,4 +42,4 @@ class Panels {
   std::vector<float> bias_;    // Padded to whole panels (zeros: no bias).
 };
 
-}  // namespace attnserve::small_gemm
+}  // namespace attnserve::panel_gemm

@@ -1,10 +1,10 @@
-#include "server/engine/small_gemm.h"
+#include "server/engine/panel_gemm.h"
 
 #include <immintrin.h>
 
 #include <algorithm>
 
-namespace attnserve::small_gemm {
+namespace attnserve::panel_gemm {
 namespace {
 
 #define ATTNSERVE_AVX2 __attribute__((target("avx2,fma")))
@@ -38,17 +38,28 @@ ATTNSERVE_AVX2 void RowsTimesPanels(const float* x, int64_t ldx, const float* pa
     }
   }
   for (int64_t j = 0; j < k; ++j) {
-    __m256 xr[R];
-#pragma GCC unroll 6
-    for (int r = 0; r < R; ++r) xr[r] = _mm256_broadcast_ss(x + r * ldx + j);
-#pragma GCC unroll 6
-    for (int q = 0; q < P; ++q) {
-      const float* w = panel + (q * k + j) * kColumns;
-      const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+    if constexpr (P == 1) {  // Each row's broadcast used at once: 12 accumulators + 3 in 16 ymm.
+      const __m256 w0 = _mm256_loadu_ps(panel + j * kColumns);
+      const __m256 w1 = _mm256_loadu_ps(panel + j * kColumns + 8);
 #pragma GCC unroll 6
       for (int r = 0; r < R; ++r) {
-        a[r][q][0] = _mm256_fmadd_ps(xr[r], w0, a[r][q][0]);
-        a[r][q][1] = _mm256_fmadd_ps(xr[r], w1, a[r][q][1]);
+        const __m256 xr = _mm256_broadcast_ss(x + r * ldx + j);
+        a[r][0][0] = _mm256_fmadd_ps(xr, w0, a[r][0][0]);
+        a[r][0][1] = _mm256_fmadd_ps(xr, w1, a[r][0][1]);
+      }
+    } else {  // One or two rows' broadcasts held across the panels.
+      __m256 xr[R];
+#pragma GCC unroll 2
+      for (int r = 0; r < R; ++r) xr[r] = _mm256_broadcast_ss(x + r * ldx + j);
+#pragma GCC unroll 6
+      for (int q = 0; q < P; ++q) {
+        const float* w = panel + (q * k + j) * kColumns;
+        const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+#pragma GCC unroll 2
+        for (int r = 0; r < R; ++r) {
+          a[r][q][0] = _mm256_fmadd_ps(xr[r], w0, a[r][q][0]);
+          a[r][q][1] = _mm256_fmadd_ps(xr[r], w1, a[r][q][1]);
+        }
       }
     }
   }
@@ -149,7 +160,7 @@ std::unique_ptr<Panels> Panels::Make(const float* w, const float* bias, int64_t 
 
 void Panels::Run(const float* x, int64_t m, int64_t ldx, float* y, int64_t ldy, int64_t c0,
                  int64_t nc) const {
-  small_gemm::Run(x, m, ldx, panels_.data(), bias_.data(), n_, k_, y, ldy, c0, nc);
+  panel_gemm::Run(x, m, ldx, panels_.data(), bias_.data(), n_, k_, y, ldy, c0, nc);
 }
 
-}  // namespace attnserve::small_gemm
+}  // namespace attnserve::panel_gemm

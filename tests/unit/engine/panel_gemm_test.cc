@@ -1,10 +1,10 @@
-// small_gemm's panels on their own (server/engine/small_gemm.h) and through Products: x · Wᵀ + b
-// for 1 to 64 rows, output widths that are and are not multiples of the panel's 16 columns, with
+// panel_gemm's panels on their own (server/engine/panel_gemm.h) and through Products: x · Wᵀ + b
+// for 1 to 513 rows, output widths that are and are not multiples of the panel's 16 columns, with
 // and without a bias, strided rows, against float64 with fresh random inputs of fixed seeds
 // (tolerance 1e-5 of the result's scale); any range of whole panels bit for bit the whole
 // product's, and a row's outputs the same whatever rows share its call (what lets a session's
 // step give the same answer alone and in a batch).
-#include "server/engine/small_gemm.h"
+#include "server/engine/panel_gemm.h"
 
 #include <gtest/gtest.h>
 
@@ -23,10 +23,10 @@ at::Tensor Reference(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   return b.defined() ? want + b.to(at::kDouble) : want;
 }
 
-TEST(SmallGemmTest, PanelsEqualFloat64ForEveryRowCountWidthAndBias) {
-  if (!small_gemm::Available()) {
+TEST(PanelGemmTest, PanelsEqualFloat64ForEveryRowCountWidthAndBias) {
+  if (!panel_gemm::Available()) {
     const at::Tensor w = Random({16, 8}, 1);
-    EXPECT_EQ(small_gemm::Panels::Make(w.data_ptr<float>(), nullptr, 16, 8), nullptr);
+    EXPECT_EQ(panel_gemm::Panels::Make(w.data_ptr<float>(), nullptr, 16, 8), nullptr);
     GTEST_SKIP() << "no AVX2 and FMA on this CPU: no panels (checked)";
   }
   uint64_t seed = 10;
@@ -34,7 +34,7 @@ TEST(SmallGemmTest, PanelsEqualFloat64ForEveryRowCountWidthAndBias) {
     for (const int64_t k : {1, 7, 64, 517}) {
       for (const bool bias : {true, false}) {
         const at::Tensor w = Random({n, k}, seed++), b = bias ? Random({n}, seed++) : at::Tensor();
-        const auto panels = small_gemm::Panels::Make(w.data_ptr<float>(),
+        const auto panels = panel_gemm::Panels::Make(w.data_ptr<float>(),
                                                      bias ? b.data_ptr<float>() : nullptr, n, k);
         ASSERT_NE(panels, nullptr);
         EXPECT_EQ(panels->out_features(), n);
@@ -54,11 +54,11 @@ TEST(SmallGemmTest, PanelsEqualFloat64ForEveryRowCountWidthAndBias) {
   }
 }
 
-TEST(SmallGemmTest, PanelRangesAndRowGroupsGiveTheWholeProductBitForBit) {
-  if (!small_gemm::Available()) GTEST_SKIP() << "no AVX2 and FMA on this CPU";
+TEST(PanelGemmTest, PanelRangesAndRowGroupsGiveTheWholeProductBitForBit) {
+  if (!panel_gemm::Available()) GTEST_SKIP() << "no AVX2 and FMA on this CPU";
   const int64_t n = 72, k = 300, m = 13;
   const at::Tensor w = Random({n, k}, 20), b = Random({n}, 21), x = Random({m, k}, 22);
-  const auto panels = small_gemm::Panels::Make(w.data_ptr<float>(), b.data_ptr<float>(), n, k);
+  const auto panels = panel_gemm::Panels::Make(w.data_ptr<float>(), b.data_ptr<float>(), n, k);
   at::Tensor whole = at::empty({m, n});
   panels->Run(x.data_ptr<float>(), m, k, whole.data_ptr<float>(), n, 0, n);
   // Column ranges of whole panels, the last ending at n (not a multiple of 16).
@@ -76,26 +76,25 @@ TEST(SmallGemmTest, PanelRangesAndRowGroupsGiveTheWholeProductBitForBit) {
   }
 }
 
-TEST(SmallGemmTest, ProductsCutThePanelsAcrossIdleCoresAsTheSerialProduct) {
-  if (!small_gemm::Available()) GTEST_SKIP() << "no AVX2 and FMA on this CPU";
+TEST(PanelGemmTest, ProductsCutThePanelsAcrossIdleCoresAsTheSerialProduct) {
+  if (!panel_gemm::Available()) GTEST_SKIP() << "no AVX2 and FMA on this CPU";
   const Products products(at::kCPU, at::kFloat, /*min_piece_flops=*/0, /*widen=*/false);
   const HelperPool pool(2);
   const at::Tensor w = Random({200, 96}, 30), b = Random({200}, 31);
   Proj proj{w, b, nullptr,
-            small_gemm::Panels::Make(w.data_ptr<float>(), b.data_ptr<float>(), 200, 96)};
+            panel_gemm::Panels::Make(w.data_ptr<float>(), b.data_ptr<float>(), 200, 96)};
   for (const int64_t rows : {int64_t{1}, Products::kGemvRows, int64_t{32}, Products::kPanelRows,
                              Products::kPanelRows + 1}) {
     const at::Tensor x = Random({rows, 96}, 32 + rows);
     const at::Tensor serial = products.Linear(x, proj, SerialParallel());
     const at::Tensor cut = products.Linear(x, proj, pool);
     EXPECT_LE(RelativeError(cut, Reference(x, w, b)), 1e-5) << rows;
-    if (rows <= Products::kPanelRows) {
-      EXPECT_TRUE(at::equal(cut, serial)) << "rows " << rows;
-      // On the panels, not the GEMV or the BLAS: the answer is the panels' own, to the bit.
-      at::Tensor own = at::empty({rows, 200});
-      proj.panels->Run(x.data_ptr<float>(), rows, 96, own.data_ptr<float>(), 200, 0, 200);
-      EXPECT_TRUE(at::equal(cut, own)) << "rows " << rows;
-    }
+    EXPECT_TRUE(at::equal(cut, serial)) << "rows " << rows;
+    // On the panels at every height (past kPanelRows in passes), not the GEMV or the BLAS: the
+    // answer is the panels' own in one pass, to the bit.
+    at::Tensor own = at::empty({rows, 200});
+    proj.panels->Run(x.data_ptr<float>(), rows, 96, own.data_ptr<float>(), 200, 0, 200);
+    EXPECT_TRUE(at::equal(cut, own)) << "rows " << rows;
   }
 }
 
