@@ -80,6 +80,17 @@ ATTNSERVE_AVX2 void RowsTimesPanels(const float* x, int64_t ldx, const float* pa
   }
 }
 
+// The kernel of R rows against one panel, by R (1 to kMaxRows).
+using Kernel = void (*)(const float*, int64_t, const float*, const float*, int64_t, float*, int64_t,
+                        int64_t);
+constexpr Kernel kKernels[kMaxRows + 1] = {nullptr,
+                                           RowsTimesPanels<1, 1>,
+                                           RowsTimesPanels<2, 1>,
+                                           RowsTimesPanels<3, 1>,
+                                           RowsTimesPanels<4, 1>,
+                                           RowsTimesPanels<5, 1>,
+                                           RowsTimesPanels<6, 1>};
+
 // One or two rows (m <= 2) over panels [c0, c0 + nc): as many panels at a time as keep twelve
 // accumulators (one row: six, two rows: three), the rest one by one.
 template <int R>
@@ -113,25 +124,7 @@ ATTNSERVE_AVX2 void Run(const float* x, int64_t m, int64_t ldx, const float* pan
       const int64_t rows = m / blocks + (bi < m % blocks ? 1 : 0);
       const float* xi = x + i * ldx;
       float* yi = y + i * ldy + c;
-      switch (rows) {
-        case 6:
-          RowsTimesPanels<6, 1>(xi, ldx, panel, bias + c, k, yi, ldy, width);
-          break;
-        case 5:
-          RowsTimesPanels<5, 1>(xi, ldx, panel, bias + c, k, yi, ldy, width);
-          break;
-        case 4:
-          RowsTimesPanels<4, 1>(xi, ldx, panel, bias + c, k, yi, ldy, width);
-          break;
-        case 3:
-          RowsTimesPanels<3, 1>(xi, ldx, panel, bias + c, k, yi, ldy, width);
-          break;
-        case 2:
-          RowsTimesPanels<2, 1>(xi, ldx, panel, bias + c, k, yi, ldy, width);
-          break;
-        default:
-          RowsTimesPanels<1, 1>(xi, ldx, panel, bias + c, k, yi, ldy, width);
-      }
+      kKernels[rows](xi, ldx, panel, bias + c, k, yi, ldy, width);
       i += rows;
     }
   }

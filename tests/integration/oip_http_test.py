@@ -387,18 +387,28 @@ def test_errors_and_bounds(attnserve, checks):
     server.stop()
 
 
+def body_room(server):
+    """The room of request bodies being received, as /metrics counts it."""
+    return sum(float(l.rsplit(" ", 1)[1]) for l in lib.metrics_lines(server, "attnserve_http_body_bytes"))
+
+
+def small_json_request():
+    """A two-token JSON infer request's body."""
+    q = np.zeros((1, 2, E), np.float32)
+    return json.dumps({"inputs": [{"name": "query", "datatype": "FP32", "shape": [1, 2, E],
+                                   "data": q.ravel().tolist()}]}).encode()
+
+
 def test_bodies_arriving_bounded(attnserve, checks):
     """The room of bodies being received is bounded in all (--max-inflight-bytes) and counted as
     bytes arrive (attnserve_http_body_bytes): a body that would pass the bound is answered 503,
     while the one holding the room, finished, is served; bodies that trickle in hold only their
-    first 64 KiB each (the review's starvation: four connections each sending one byte of a 4 MiB
+    first 64 KiB each (their share of so small a bound; the review's starvation: four connections each sending one byte of a 4 MiB
     body had taken the whole bound, and ordinary calls got 503)."""
     server, _ = serve(attnserve, "--max-inflight-bytes", "3000000", "--max-message-bytes", "2000000",
                       models={"mha": build(3009)})
-    room = lambda: sum(float(l.rsplit(" ", 1)[1]) for l in lib.metrics_lines(server, "attnserve_http_body_bytes"))
-    q = np.zeros((1, 2, E), np.float32)
-    small = json.dumps({"inputs": [{"name": "query", "datatype": "FP32", "shape": [1, 2, E],
-                                    "data": q.ravel().tolist()}]}).encode()
+    room = lambda: body_room(server)
+    small = small_json_request()
     body = small + b" " * (1_900_000 - len(small))  # JSON allows trailing spaces.
     head = b"POST /v2/models/mha/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
     # Trickling bodies: a byte each of four 1.9 MB bodies; ordinary calls are still served.
@@ -434,10 +444,8 @@ def test_a_body_takes_its_whole_room_at_once_within_its_share(attnserve, checks)
     the bound, so trickling bodies still cannot starve ordinary calls."""
     server, _ = serve(attnserve, "--max-inflight-bytes", "16000000", "--http-max-connections", "8",
                       models={"mha": build(3010)})
-    room = lambda: sum(float(l.rsplit(" ", 1)[1]) for l in lib.metrics_lines(server, "attnserve_http_body_bytes"))
-    q = np.zeros((1, 2, E), np.float32)
-    small = json.dumps({"inputs": [{"name": "query", "datatype": "FP32", "shape": [1, 2, E],
-                                    "data": q.ravel().tolist()}]}).encode()
+    room = lambda: body_room(server)
+    small = small_json_request()
     share = 16_000_000 // (2 * 8)
     for length in (700_000, 1_900_000):  # Within the share, and past it.
         body = small + b" " * (length - len(small))
