@@ -3,7 +3,7 @@
 // columns (each panel's rows of k, column-major within: what one step of the kernel reads). The
 // BLAS (OpenBLAS, which packs the whole weight matrix on every call) and oneDNN's AVX2 kernels ran
 // a decoding batch's products at a third to a half of the cores' float32 peak, and taller ones at
-// ~65-90% (bench/RESULTS.md, issue 65's AVX2 class); here six rows at a time take twelve
+// ~65-85% (bench/RESULTS.md, issue 65's AVX2 class); here six rows at a time take twelve
 // accumulators, each panel's vectors loaded once for them: ~95% at 16 rows and more. Detected at
 // run time (AVX2 and FMA); no LibTorch here: plain pointers and strides in elements.
 
