@@ -28,11 +28,9 @@ bool Products::PackedTakes(const at::Tensor& x, const Proj& proj) const {
 bool Products::UseGemv(const at::Tensor& x, const Proj& proj) const {
   // Packed weights, read once for every row, take a few rows too (products_test.cc's figures):
   // any number where they are not limited (AVX-512), from 2 rows under a limit (AVX2).
-  // Panels take every float32 row count up to theirs.
   const bool packed = PackedTakes(x, proj) && (packed_max_rows_ == 0 || x.size(0) > 1);
-  const bool panels = proj.panels && x.stride(1) == 1;
   return device_.is_cpu() && x.size(0) <= kGemvRows && x.scalar_type() == at::kFloat &&
-         proj.w.scalar_type() == at::kFloat && !packed && !panels;
+         proj.w.scalar_type() == at::kFloat && !packed;
 }
 
 void Products::GemvInto(const at::Tensor& y, const at::Tensor& x, const at::Tensor& wt,
@@ -88,6 +86,14 @@ bool Products::PackedWrites(const Proj& proj, const at::Tensor& x, const at::Ten
   return true;
 }
 
+int64_t Products::ColumnPieces(const Parallel& parallel, int64_t column_blocks,
+                               int64_t multiply_adds) const {
+  const double flops = 2.0 * static_cast<double>(multiply_adds);
+  return std::max<int64_t>(
+      1, std::min({Width(parallel), column_blocks,
+                   static_cast<int64_t>(flops / std::max(min_piece_flops_, 1.0))}));
+}
+
 bool Products::ColumnsInto(const at::Tensor& y, const at::Tensor& x, const Proj& proj,
                            const Parallel& parallel) const {
   const int64_t width = Width(parallel);
@@ -95,9 +101,7 @@ bool Products::ColumnsInto(const at::Tensor& y, const at::Tensor& x, const Proj&
   if (width <= 1 || !PackedWrites(proj, x, y, &y_type)) return false;
   const onednn::PackedLinear& w = *proj.packed;
   const int64_t n = w.out_features(), block = w.ColumnBlock();
-  const double flops = 2.0 * static_cast<double>(x.size(0) * n * w.in_features());
-  const int64_t pieces =
-      std::min({width, n / block, static_cast<int64_t>(flops / std::max(min_piece_flops_, 1.0))});
+  const int64_t pieces = ColumnPieces(parallel, n / block, x.size(0) * n * w.in_features());
   if (pieces <= 1) return false;
   std::atomic<bool> refused{false};
   Pieces(parallel, pieces, [&](int64_t i) {
@@ -120,10 +124,7 @@ bool Products::PanelsInto(const at::Tensor& y, const at::Tensor& x, const Proj& 
   const int64_t n = w.out_features(), count = (n + kColumns - 1) / kColumns;
   for (int64_t r0 = 0; r0 < x.size(0); r0 += kPanelRows) {
     const int64_t rows = std::min(kPanelRows, x.size(0) - r0);
-    const double flops = 2.0 * static_cast<double>(rows * n * w.in_features());
-    const int64_t pieces = std::max<int64_t>(
-        1, std::min({Width(parallel), count,
-                     static_cast<int64_t>(flops / std::max(min_piece_flops_, 1.0))}));
+    const int64_t pieces = ColumnPieces(parallel, count, rows * n * w.in_features());
     const float* xp = x.data_ptr<float>() + r0 * x.stride(0);
     float* yp = y.data_ptr<float>() + r0 * y.stride(0);
     Pieces(parallel, pieces, [&](int64_t i) {
@@ -144,12 +145,17 @@ bool Products::RunPacked(const Proj& proj, const at::Tensor& x, const at::Tensor
 at::Tensor Products::Linear(const at::Tensor& x, const Proj& proj, const Parallel& parallel) const {
   const at::Tensor& w = proj.w;
   const at::Tensor& b = proj.b;
+  if (proj.panels) {  // Every height (GemmInto takes another way for rows they refuse).
+    at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
+    GemmInto(y, x, proj, parallel);
+    return y;
+  }
   if (UseGemv(x, proj)) {
     at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
     GemvInto(y, x, w.t(), b);
     return y;
   }
-  if (proj.packed || proj.panels) {
+  if (proj.packed) {
     at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
     GemmInto(y, x, proj, parallel);
     return y;

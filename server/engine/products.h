@@ -137,6 +137,10 @@ class Products {
   // whole product computes it). False when that does not run here (nothing or only part written).
   bool ColumnsInto(const at::Tensor& y, const at::Tensor& x, const Proj& proj,
                    const Parallel& parallel) const;
+  // How many pieces to cut a product of `multiply_adds` into by its `column_blocks` blocks of
+  // output columns: one a thread idle now, each at least min_piece_flops_ (at least one piece).
+  int64_t ColumnPieces(const Parallel& parallel, int64_t column_blocks,
+                       int64_t multiply_adds) const;
   // x · projᵀ + b into y on proj's panels, the panels cut across `parallel`'s idle threads, the
   // rows kPanelRows at a time: float32 x and y with unit column strides. False (nothing written)
   // otherwise.
