@@ -371,9 +371,11 @@ ATTNSERVE_AVX2 inline void RowsTimesValues(const float* const* p, const float* v
     for (int w = 0; w < W; ++w)
       a[r][w] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(o[r] + 8 * w);
   }
+  NextTile next = *ahead;  // (In registers across the loop.)
+#pragma GCC unroll 2
   for (int64_t j = j0; j < j1; ++j) {
     const float* vj = v + j * ldv;
-    ahead->Step();
+    next.Step();
     __m256 x[R];
 #pragma GCC unroll 3
     for (int r = 0; r < R; ++r) x[r] = _mm256_broadcast_ss(p[r] + j);
@@ -384,6 +386,7 @@ ATTNSERVE_AVX2 inline void RowsTimesValues(const float* const* p, const float* v
       for (int r = 0; r < R; ++r) a[r][w] = _mm256_fmadd_ps(x[r], vw, a[r][w]);
     }
   }
+  *ahead = next;
 #pragma GCC unroll 3
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 4
