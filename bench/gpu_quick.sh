@@ -81,7 +81,7 @@ rm -f "$out/batched.jsonl"  # attnserve-kv-bench appends: this run's rows only
 # Sizes: the GPU's workload, or the rehearsal's (every row must answer on 2 cores).
 if [ -n "$rehearsal" ]; then
   embed=256 heads=4 dtype=float32 wire=float32 callers=8 lengths=uniform:16:128 small=uniform:8:32
-  duration=1 warmup=0.5 dtypes=(float32) tolerance=1e-4 rounds=1
+  duration=1 warmup=0.5 dtypes=(float32) tolerance=1e-4 rounds=1 lone=(--duration 1 --warmup 0.2)
   decode=(--callers 4 --prompt 32 --prompt-max 128 --steps 4)
   # Batched steps of a Llama-3-8B-shaped layer (here scaled down): 64 and 256 sessions, and 128 for
   # the layer's round trip.
@@ -93,6 +93,7 @@ if [ -n "$rehearsal" ]; then
 else
   embed=1024 heads=16 dtype=bfloat16 wire=bfloat16 callers=64 lengths=uniform:64:2048
   small=uniform:8:128 duration=6 warmup=2 dtypes=(bfloat16 float16 float32) tolerance=1e-2 rounds=2
+  lone=(--duration 5 --warmup 1)
   decode=(--callers 64 --prompt 1024 --prompt-max 4096 --steps 64)
   l8=(4096 32 8) batched=(--callers 64 --prompt 1024 --prompt-max 4096 --steps 32 --repeats 2)
   batched_wide=(--callers 256 --prompt 1024 --prompt-max 4096 --steps 16 --repeats 2)
@@ -294,7 +295,7 @@ if serve $build/attnserve-echo --address 127.0.0.1:$port; then
   # against a plain socket's.
   for len in 128 1024; do
     sampled echo-lone-$len timeout 25 $bench --target 127.0.0.1:$port --callers 1 --lengths fixed:$len \
-      --embed-dim 512 --pool 8 --wire-dtype float32 --duration 5 --warmup 1 --label echo-lone-$len \
+      --embed-dim 512 --pool 8 --wire-dtype float32 "${lone[@]}" --label echo-lone-$len \
       --json "$jsonl" 2>/dev/null
   done
   if [ -x $build/attnserve-wire-floor ]; then
