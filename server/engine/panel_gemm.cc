@@ -10,7 +10,10 @@ namespace {
 #define ATTNSERVE_AVX2 __attribute__((target("avx2,fma")))
 
 constexpr int64_t kColumns = Panels::kColumns;
-constexpr int kMaxRows = 6;  // Twelve accumulators, two panel vectors and a broadcast: 15 ymm.
+constexpr int kMaxRows = 6;
+constexpr int64_t kPrefetchMinK =
+    512;  // Panels of more rows ask for the next one (Run).  // Twelve accumulators, two panel
+          // vectors and a broadcast: 15 ymm.
 
 // The last columns of a panel past n: a store mask of the first `count` lanes.
 ATTNSERVE_AVX2 inline __m256i FirstLanes(int64_t count) {
@@ -135,9 +138,10 @@ ATTNSERVE_AVX2 void Run(const float* x, int64_t m, int64_t ldx, const float* pan
     // decoding batch's weights come from memory (the keys and values read between two calls pass
     // the caches), and the hardware's prefetcher starts on a panel only when its first block
     // does, which then waited on memory (one thread, 32 rows, cold weights: 7.6-7.9 ms against
-    // 9.3-10.0 for [2560, 2048] and [2048, 2048]; hot, the same).
+    // 9.3-10.0 for [2560, 2048] and [2048, 2048]; hot, the same). Not where a panel fits L1 (k up
+    // to 512: 32 KiB), which the next one's lines would then push out.
     const int64_t blocks = (m + kMaxRows - 1) / kMaxRows;
-    const bool more = c + kColumns < c0 + nc;
+    const bool more = c + kColumns < c0 + nc && k > kPrefetchMinK;
     for (int64_t bi = 0, i = 0; bi < blocks; ++bi) {
       const int64_t rows = m / blocks + (bi < m % blocks ? 1 : 0);
       const float* xi = x + i * ldx;

@@ -150,7 +150,7 @@ ATTNSERVE_AVX2 inline void KeysIntoRows(const float* qt2, const float* k, int64_
 // of a block, where rows against keys (ScoresAvx2 up to four rows) sum every accumulator across
 // its lanes, a quarter of their time at d = 64. Zen 3, one thread, a grouped layer's [8, 2680, 64]:
 // 72-78 GFLOP/s with the keys in L2 against 53-57, 57-70 over 64 cold heads against 49-52.
-constexpr int64_t kPairRows = 8, kPairMaxDims = 256;
+constexpr int64_t kPairRows = 8, kPairMaxDims = 256, kPairMinKeys = 64;
 ATTNSERVE_AVX2 void ScoresInPairsAvx2(const float* q, int64_t ldq, int64_t m, const float* k,
                                       int64_t ldk, int64_t n, int64_t d, float scale, float* s,
                                       int64_t lds) {
@@ -190,7 +190,10 @@ ATTNSERVE_AVX2 void ScoresInPairsAvx2(const float* q, int64_t ldq, int64_t m, co
 // across the passes); then the remaining keys one by one.
 ATTNSERVE_AVX2 void ScoresAvx2(const float* q, int64_t ldq, int64_t m, const float* k, int64_t ldk,
                                int64_t n, int64_t d, float scale, float* s, int64_t lds) {
-  if (m > 4 && d <= kPairMaxDims) return ScoresInPairsAvx2(q, ldq, m, k, ldk, n, d, scale, s, lds);
+  // (Under 64 keys, setting out the rows' pairs costs more than the pairs save: half the rate at
+  // 8 keys, a self-attention prefill's few rows.)
+  if (m > 4 && d <= kPairMaxDims && n >= kPairMinKeys)
+    return ScoresInPairsAvx2(q, ldq, m, k, ldk, n, d, scale, s, lds);
   const __m256 vscale = _mm256_set1_ps(scale);
   const int64_t ahead = RowsAhead(d, 8);
   int64_t j0 = 0;
