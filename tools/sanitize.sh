@@ -82,6 +82,9 @@ for kind in "${kinds[@]}"; do
     *) echo "usage: tools/sanitize.sh [asan|tsan]..." >&2; exit 2 ;;
   esac
   build=build-$kind
+  # CMakePresets.json's asan and tsan presets (ATTNSERVE_SANITIZE, no benchmarks). Always
+  # configured (a second time costs seconds): building named targets in a tree configured before
+  # they existed would stop at "No rule to make target".
   cmake --preset "$kind" >/dev/null
   cmake --build --preset "$kind" -j"${ATTNSERVE_BUILD_JOBS:-$(nproc)}" --target "${targets[@]%%:*}" >/dev/null
   mkdir -p "$build/logs"

@@ -10,10 +10,8 @@ namespace {
 #define ATTNSERVE_AVX2 __attribute__((target("avx2,fma")))
 
 constexpr int64_t kColumns = Panels::kColumns;
-constexpr int kMaxRows = 6;
-constexpr int64_t kPrefetchMinK =
-    512;  // Panels of more rows ask for the next one (Run).  // Twelve accumulators, two panel
-          // vectors and a broadcast: 15 ymm.
+constexpr int kMaxRows = 6;  // Twelve accumulators, two panel vectors and a broadcast: 15 ymm.
+constexpr int64_t kPrefetchMinK = 512;  // Panels of more rows of k ask for the next one (Run).
 
 // The last columns of a panel past n: a store mask of the first `count` lanes.
 ATTNSERVE_AVX2 inline __m256i FirstLanes(int64_t count) {

@@ -87,18 +87,29 @@ ATTNSERVE_AVX2 inline void RowsTimesKeys(const float* const* q, const float* k, 
   }
 }
 
+// Up to eight query rows (`rows` of them; the others zero) as pairs of dims, the layout both
+// pairs kernels read: pair c / 2 (dims c and c + 1) is 16 floats, lane 2r + p row r's dim c + p.
+inline void QueryPairs(const float* q, int64_t ldq, int64_t rows, int64_t d, float* qt2) {
+  for (int64_t c = 0; c < d; c += 2) {
+    for (int64_t r = 0; r < 8; ++r) {
+      qt2[c * 8 + 2 * r] = r < rows ? q[r * ldq + c] : 0.0f;
+      qt2[c * 8 + 2 * r + 1] = r < rows ? q[r * ldq + c + 1] : 0.0f;
+    }
+  }
+}
+
 // Eight query rows against T keys, as pairs of dims: lanes (2r, 2r + 1) of acc[t][g] sum row
-// 4g + r's even and odd dims against key t's (qt2: d / 2 vectors a row group, lane 2r + p row
-// 4g + r's dim 2c + p), each key's dims 2c and 2c + 1 broadcast as one 64-bit pair for both
-// groups. Each lane sums in c order from zero: the same whatever T or the other rows.
+// 4g + r's even and odd dims against key t's (qt2 as QueryPairs lays it out: each pair's first
+// eight floats rows 0-3, its last eight rows 4-7), each key's dims 2c and 2c + 1 broadcast as one
+// 64-bit pair for both groups. Each lane sums in c order from zero: the same whatever T or the
+// other rows.
 template <int T>
 ATTNSERVE_AVX2 inline void KeysAgainstPairs(const float* qt2, const float* k, int64_t ldk,
                                             int64_t d, __m256 acc[T][2]) {
 #pragma GCC unroll 4
   for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
-  const float* qt2b = qt2 + 4 * d;  // The second row group's.
   for (int64_t c = 0; c < d; c += 2) {
-    const __m256 q0 = _mm256_load_ps(qt2 + 4 * c), q1 = _mm256_load_ps(qt2b + 4 * c);
+    const __m256 q0 = _mm256_load_ps(qt2 + 8 * c), q1 = _mm256_load_ps(qt2 + 8 * c + 8);
 #pragma GCC unroll 4
     for (int t = 0; t < T; ++t) {
       const __m256 kc =
@@ -157,16 +168,8 @@ ATTNSERVE_AVX2 void ScoresInPairsAvx2(const float* q, int64_t ldq, int64_t m, co
   alignas(32) float qt2[2 * kPairMaxDims * kPairRows];  // kMaxRows (16) rows: two blocks
   const int64_t blocks = (m + kPairRows - 1) / kPairRows;
   for (int64_t b = 0; b < blocks; ++b) {
-    for (int64_t g = 0; g < 2; ++g) {
-      float* to = qt2 + b * d * kPairRows + g * 4 * d;
-      for (int64_t c = 0; c < d; c += 2) {
-        for (int64_t r = 0; r < 4; ++r) {
-          const int64_t i = b * kPairRows + g * 4 + r;
-          to[4 * c + 2 * r] = i < m ? q[i * ldq + c] : 0.0f;
-          to[4 * c + 2 * r + 1] = i < m ? q[i * ldq + c + 1] : 0.0f;
-        }
-      }
-    }
+    QueryPairs(q + b * kPairRows * ldq, ldq, std::min(kPairRows, m - b * kPairRows), d,
+               qt2 + b * d * kPairRows);
   }
   const __m256 vscale = _mm256_set1_ps(scale);
   const int64_t ahead = RowsAhead(d, 8);
@@ -186,11 +189,12 @@ ATTNSERVE_AVX2 void ScoresInPairsAvx2(const float* q, int64_t ldq, int64_t m, co
   }
 }
 
-// Four keys at a time, the query rows three at a time against them (the keys' rows staying in L1
-// across the passes); then the remaining keys one by one.
+// Five rows or more over 64 keys or more: ScoresInPairsAvx2. Else four keys at a time, the query
+// rows three at a time against them (the keys' rows staying in L1 across the passes); then the
+// remaining keys one by one.
 ATTNSERVE_AVX2 void ScoresAvx2(const float* q, int64_t ldq, int64_t m, const float* k, int64_t ldk,
                                int64_t n, int64_t d, float scale, float* s, int64_t lds) {
-  // (Under 64 keys, setting out the rows' pairs costs more than the pairs save: half the rate at
+  // (Under 64 keys, laying out the rows' pairs costs more than the pairs save: half the rate at
   // 8 keys, a self-attention prefill's few rows.)
   if (m > 4 && d <= kPairMaxDims && n >= kPairMinKeys)
     return ScoresInPairsAvx2(q, ldq, m, k, ldk, n, d, scale, s, lds);
@@ -312,12 +316,7 @@ ATTNSERVE_AVX512 void ScoresAvx512(const float* q, int64_t ldq, int64_t m, const
   const int64_t whole = n / kBlockKeys * kBlockKeys;
   for (int64_t r0 = 0; r0 < m; r0 += kPassRows) {
     const int64_t rows = std::min<int64_t>(kPassRows, m - r0);
-    for (int64_t c = 0; c < d; c += 2) {  // Rows past m: zeros.
-      for (int64_t r = 0; r < kPassRows; ++r) {
-        qt2[c * 8 + 2 * r] = r < rows ? q[(r0 + r) * ldq + c] : 0.0f;
-        qt2[c * 8 + 2 * r + 1] = r < rows ? q[(r0 + r) * ldq + c + 1] : 0.0f;
-      }
-    }
+    QueryPairs(q + r0 * ldq, ldq, rows, d, qt2);  // Rows past m: zeros.
     float* sr = s + r0 * lds;
     const int64_t ahead = RowsAhead(d, kBlockKeys);
     for (int64_t j0 = 0; j0 < whole; j0 += kBlockKeys) {
