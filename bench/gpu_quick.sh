@@ -81,7 +81,7 @@ rm -f "$out/batched.jsonl"  # attnserve-kv-bench appends: this run's rows only
 # Sizes: the GPU's workload, or the rehearsal's (every row must answer on 2 cores).
 if [ -n "$rehearsal" ]; then
   embed=256 heads=4 dtype=float32 wire=float32 callers=8 lengths=uniform:16:128 small=uniform:8:32
-  duration=1 warmup=0.5 dtypes=(float32) tolerance=1e-4 rounds=1 lone=(--duration 1 --warmup 0.2)
+  duration=0.5 warmup=0.2 dtypes=(float32) tolerance=1e-4 rounds=1 lone=(--duration 0.5 --warmup 0.1)
   decode=(--callers 4 --prompt 32 --prompt-max 128 --steps 4)
   # Batched steps of a Llama-3-8B-shaped layer (here scaled down): 64 and 256 sessions, and 128 for
   # the layer's round trip.
