@@ -190,19 +190,29 @@ format_check() {
 # The 2.x flavour runs the tests whose outcome depends on LibTorch (ctest label torch); run alone
 # (ATTNSERVE_FLAVOUR=torch2) it runs them all. docs/tests.md says which stage runs what.
 torch2_stage() { stage torch2 ctest --preset "$1" "${@:2}"; }
-# The whole suite's first ctest stage: the bounded fuzz run (one target at a time) beside it, then
-# the attack test alone, as that test needs (tests/CMakeLists.txt). ctest's tests wait on servers,
-# peers and stops for part of their time (1.6 of 2 cores busy over the stage), and the fuzz targets,
-# bounded by time, not by work, take those cycles: their stage of its own took ~50 s.
-ctest_beside_fuzz() {
-  local log start; log=$(mktemp) start=$(date +%s)
-  (ATTNSERVE_FUZZ_JOBS=1 TMPDIR=$tests_tmp tools/fuzz.sh
-   echo "fuzz: ran beside ctest's tests in $(( $(date +%s) - start )) s") >"$log" 2>&1 &
+# The whole suite's first ctest stage, with work that does not depend on time beside it: ctest's
+# tests wait on servers, peers and stops for part of their time (1.6 of 2 cores busy over the
+# stage). First the bounded fuzz run, one target at a time (bounded by time, not work: its stage of
+# its own took ~50 s), then the sanitizers' unit binaries, one at a time (~190 s of CPU: the
+# sanitizer stage then runs the two integration binaries only). Then the attack test alone, as it
+# needs (tests/CMakeLists.txt).
+ctest_beside_others() {
+  local fuzz_log units_log jobs_file start
+  fuzz_log=$(mktemp) units_log=$(mktemp) jobs_file=$(mktemp) start=$(date +%s)
+  echo 1 >"$jobs_file"
+  (ATTNSERVE_FUZZ_JOBS=1 TMPDIR=$tests_tmp tools/fuzz.sh >"$fuzz_log" 2>&1 || true
+   echo "fuzz: ended $(( $(date +%s) - start )) s into ctest's stage" >>"$fuzz_log"
+   ATTNSERVE_SANITIZE_JOBS_FILE=$jobs_file TMPDIR=$tests_tmp tools/sanitize.sh --part units \
+     >"$units_log" 2>&1 || true
+   echo "sanitizers: the unit binaries ended $(( $(date +%s) - start )) s into ctest's stage" \
+     >>"$units_log") &
   local pid=$!
   stage ctest ctest --test-dir build --output-on-failure -j2 -E '^attack$'
+  echo 2 >"$jobs_file"  # What is left of the unit binaries then runs two at a time.
   wait "$pid" || true
-  stage fuzz cat "$log"
-  rm -f "$log"
+  stage fuzz cat "$fuzz_log"
+  stage sanitizer-units cat "$units_log"
+  rm -f "$fuzz_log" "$units_log" "$jobs_file"
   stage attack ctest --test-dir build --output-on-failure -R '^attack$'
 }
 if [ "$flavour" = torch2 ]; then
@@ -210,12 +220,13 @@ if [ "$flavour" = torch2 ]; then
 else
   stage format format_check
   if [ -z "${ATTNSERVE_QUICK:-}" ] && [ $# = 0 ]; then
-    ctest_beside_fuzz
+    ctest_beside_others
+    stage sanitizers tools/sanitize.sh --part integration
   else
     stage ctest ctest --test-dir build --output-on-failure -j2 "$@"
+    [ -n "${ATTNSERVE_QUICK:-}" ] || stage sanitizers tools/sanitize.sh
   fi
   if [ -z "${ATTNSERVE_QUICK:-}" ]; then
-    stage sanitizers tools/sanitize.sh
     [ $# = 0 ] || stage fuzz tools/fuzz.sh
     configure torch2
     torch2_stage torch2-torch "$@"

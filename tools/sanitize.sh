@@ -15,22 +15,38 @@
 #   tools/sanitize.sh [asan|tsan]...     (default: both)
 #   tools/sanitize.sh --build-only KIND  builds the tree's test binaries and stops (tools/build.sh
 #                                        test builds every tree side by side before the stages)
+#   tools/sanitize.sh --part units|integration [KIND]...
+#                                        only the unit binaries, or only the two integration
+#                                        binaries (tools/build.sh test runs the units beside ctest)
 # Suppressions (tests/sanitizers/*.supp) cover third-party code only; each entry says why. Ends with
 # "sanitizers: N passed, N failed".
 set -euo pipefail
 cd "$(dirname "$0")/.."
-build_only=
+build_only= part=
 [ "${1:-}" = --build-only ] && { build_only=1; shift; }
+if [ "${1:-}" = --part ]; then
+  part=${2:-}
+  case "$part" in units|integration) ;; *) echo "tools/sanitize.sh: --part units|integration" >&2; exit 2 ;; esac
+  shift 2
+fi
 kinds=("$@")
 [ ${#kinds[@]} -gt 0 ] || kinds=(asan tsan)
 supp="$PWD/tests/sanitizers"
 passed=0 failed=0
 jobs=${ATTNSERVE_SANITIZE_JOBS:-2}  # Binaries run at once (most run on one thread at a time).
+# ATTNSERVE_SANITIZE_JOBS_FILE: a file whose number, when there is one, is that count, read before
+# each binary starts (tools/build.sh raises it when the stage the pool runs beside has ended).
+pool_jobs() {
+  local f=${ATTNSERVE_SANITIZE_JOBS_FILE:-}
+  if [ -n "$f" ] && [ -s "$f" ]; then cat "$f"; else echo "$jobs"; fi
+}
 run() {  # name, command...: in the background; its outcome is read by report
   local name=$1; shift
   # gtest's own report, for the run's slowest tests (tools/build.sh test).
   [ -z "${ATTNSERVE_TIMING_DIR:-}" ] || set -- "$@" --gtest_output="xml:$ATTNSERVE_TIMING_DIR/$name.xml"
-  while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n || true; done
+  while [ "$(jobs -rp | wc -l)" -ge "$(pool_jobs)" ]; do
+    if [ -n "${ATTNSERVE_SANITIZE_JOBS_FILE:-}" ]; then sleep 1; else wait -n || true; fi
+  done
   # A temporary folder of its own (gtest's TempDir): the two kinds' integration suites run at once
   # and their tests' fixed folder names would meet. Removed when empty; a leftover stays for
   # tools/build.sh's tempfiles stage to name.
@@ -89,12 +105,16 @@ for kind in "${kinds[@]}"; do
   cmake --build --preset "$kind" -j"${ATTNSERVE_BUILD_JOBS:-$(nproc)}" --target "${targets[@]%%:*}" >/dev/null
   mkdir -p "$build/logs"
   for t in "${targets[@]}"; do
-    if [ "${t%%:*}" = attnserve_integration_tests ]; then first+=("$kind:$t"); else rest+=("$kind:$t"); fi
+    if [ "${t%%:*}" = attnserve_integration_tests ]; then
+      [ "$part" = units ] || first+=("$kind:$t")
+    else
+      [ "$part" = integration ] || rest+=("$kind:$t")
+    fi
   done
 done
 [ -z "$build_only" ] || exit 0
 names=()
-for kt in "${first[@]}" "${rest[@]}"; do
+for kt in ${first[@]+"${first[@]}"} ${rest[@]+"${rest[@]}"}; do
   kind=${kt%%:*} t=${kt#*:}
   log_dir=build-$kind/logs
   bin=${t%%:*} filter=()
