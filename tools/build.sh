@@ -2,10 +2,13 @@
 # The two README commands:
 #   tools/build.sh run    install dependencies, build, serve the demo model on 127.0.0.1:50051
 #                         (metrics on 127.0.0.1:9464); extra arguments go to attnserve
-#   tools/build.sh test   install dependencies, build, run every test: ctest, the sanitizer runs
-#                         (tools/sanitize.sh), a bounded fuzz run (tools/fuzz.sh, 30 s a target), then
-#                         the whole ctest suite again on the LibTorch 2.x flavour (stage torch2);
-#                         extra arguments go to ctest. ATTNSERVE_QUICK=1 runs the first ctest only.
+#   tools/build.sh test   install dependencies, build, run every test: ctest with a bounded fuzz run
+#                         (tools/fuzz.sh, 8 s a target) and the sanitizers' unit binaries
+#                         (tools/sanitize.sh --part units) beside it, the attack test alone, the
+#                         sanitizers' integration binaries, then the tests labelled torch again on the
+#                         LibTorch 2.x flavour (stage torch2); extra arguments go to ctest (then the
+#                         stages run one after another, the attack test within ctest's).
+#                         ATTNSERVE_QUICK=1 runs the first ctest only.
 # Configuration, builds and test selections are CMakePresets.json's (cmake --list-presets, ctest
 # --list-presets: e.g. `ctest --preset unit` after a build); this script installs what they need,
 # runs them in stages, and sums the stages up.
