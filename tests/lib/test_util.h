@@ -12,6 +12,13 @@
 
 namespace attnserve::testing {
 
+/// Whether this build runs under AddressSanitizer or ThreadSanitizer (tools/sanitize.sh).
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+constexpr bool kSanitized = true;
+#else
+constexpr bool kSanitized = false;
+#endif
+
 /// How many of a test's `n` repetitions to run: all of them in a plain build; under
 /// AddressSanitizer or ThreadSanitizer (tools/sanitize.sh), whose instrumentation makes each 5 to
 /// 20 times slower, `n / divisor` (at least 1). For tests whose length is their repetitions: the
