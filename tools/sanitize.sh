@@ -95,7 +95,7 @@ for kind in "${kinds[@]}"; do
   case "$kind" in
     asan) targets=(attnserve_integration_tests "${unit[@]}") ;;
     tsan) targets=(attnserve_integration_tests "${threaded[@]}") ;;
-    *) echo "usage: tools/sanitize.sh [asan|tsan]..." >&2; exit 2 ;;
+    *) echo "usage: tools/sanitize.sh [--build-only | --part units|integration] [asan|tsan]..." >&2; exit 2 ;;
   esac
   build=build-$kind
   # CMakePresets.json's asan and tsan presets (ATTNSERVE_SANITIZE, no benchmarks). Always
