@@ -22,9 +22,10 @@
 # driven by that same tritonclient load, and are printed against the `on` server's "oip" rows.
 # HTTP: the `on` server's --http-address through tritonclient.http with binary tensor data ("oip_http")
 # on W1 and on W2's lengths (self-attention), against tritonclient.grpc on the same, and against the
-# kserve and mlserver peers' own REST endpoints under the same HTTP load; and W1 with JSON tensors
-# from wrk (bench/http_load.py: a C load generator, so the rates are the servers', not a Python
-# client's), the comparison with MLServer, whose REST takes JSON only.
+# kserve and mlserver peers' own REST endpoints under the same HTTP load, each in the form it takes
+# (MLServer's: JSON only, from wrk); and JSON tensors for every server (like for like): W1 through
+# http.client, W1 and W2 from wrk (bench/http_load.py: a C load generator, so the rates are the
+# servers', not a Python client's).
 # Results: bench/out/results.jsonl. Takes ~20 minutes (Ray starts in ~30-90 s a round, MLServer ~15 s).
 # BENCH_CLIENTS_ONLY=1: only the `on` server and the client rows (~3 minutes); with
 # BENCH_PEERS="kserve mlserver" also those peers' rows (~6 minutes more).
@@ -122,10 +123,17 @@ for round in $(seq "$rounds"); do
       kserve|mlserver)
         pybench oip $system/W1/r$round --duration "$duration" --callers 32 --lengths uniform:8:64
         pybench oip $system/W3/r$round --duration "$duration" --callers 1 --lengths fixed:128
-        pybench oip_http http-$system/W1/r$round --duration "$duration" --callers 32 --lengths uniform:8:64
-        pybench oip_http http-$system/W2/r$round --duration "$duration" --callers 32 --lengths uniform:16:512
+        # W1 and W2 through each peer's REST in the form it takes: KServe's takes binary tensor data
+        # (tritonclient.http); MLServer's JSON only, so its W1 and W2 are the wrk rows below (bodies
+        # made beforehand: the cheapest JSON caller; a Python client making W2's 3 MB bodies sets
+        # the pace itself).
+        if [ "$system" = kserve ]; then
+          pybench oip_http http-$system/W1/r$round --duration "$duration" --callers 32 --lengths uniform:8:64
+          pybench oip_http http-$system/W2/r$round --duration "$duration" --callers 32 --lengths uniform:16:512
+        fi
         pybench http_json_raw http-$system/W1-json/r$round --duration "$duration" --callers 32 --lengths uniform:8:64
         pybench wrk http-$system/W1-json-wrk/r$round --duration "$duration" --callers 32 --lengths uniform:8:64
+        pybench wrk http-$system/W2-json-wrk/r$round --duration "$duration" --callers 32 --lengths uniform:16:512
         continue ;;
     esac
     bench $system W1/r$round --duration "$duration" --callers 32 --lengths uniform:8:64
@@ -142,6 +150,7 @@ for round in $(seq "$rounds"); do
       done
       pybench http_json_raw http-on/W1-json/r$round --duration "$duration" --callers 32 --lengths uniform:8:64
       pybench wrk http-on/W1-json-wrk/r$round --duration "$duration" --callers 32 --lengths uniform:8:64
+      pybench wrk http-on/W2-json-wrk/r$round --duration "$duration" --callers 32 --lengths uniform:16:512
     fi
     [ "$clients_only" = 1 ] && { bench $system W3/r$round --duration "$duration" --callers 1 --lengths fixed:128; continue; }
     bench $system W2/r$round --duration "$duration" --callers 32 --lengths uniform:16:512 --cross 0.5 --pool 48
@@ -206,30 +215,38 @@ if any(r["label"].startswith("http-on/") for r in rows):
     print()
     print("the Open Inference Protocol over HTTP (tritonclient.http, binary tensor data) against the same over")
     print("gRPC (tritonclient.grpc), and against the peers' own REST endpoints under the same HTTP load;")
-    print("W2 here: 32 callers, lengths 16-512, self-attention; W1-json: W1 with JSON tensors both ways, each")
-    print("body made once and each answer read unparsed (MLServer's REST takes no binary tensor data: its")
-    print("binary rows fail, its JSON rows are the comparison); W1-json-wrk: the same bodies from wrk, a C")
-    print("load generator (bench/http_load.py), so that the rates are the servers' and not the Python client's")
-    print(f"{'workload':8s} {'server':30s} {'req/s':>8s} {'tok/s':>9s} {'p50 ms':>8s} {'p99 ms':>8s} {'ratio':>28s}")
+    print("W2 here: 32 callers, lengths 16-512, self-attention. W1 and W2: attnserve with binary tensor data")
+    print("against each peer's REST in the form it takes (KServe's: binary; MLServer's: JSON only, from wrk,")
+    print("the cheapest JSON caller). Then JSON tensors both ways for every server, like for like: W1-json,")
+    print("each body made once and each answer read unparsed by Python's http.client; W1-json-wrk and")
+    print("W2-json-wrk, the same bodies from wrk, a C load generator (bench/http_load.py), so that the rates")
+    print("are the servers' and not a Python client's")
+    print(f"{'workload':11s} {'server':30s} {'req/s':>8s} {'tok/s':>9s} {'p50 ms':>8s} {'p99 ms':>8s} {'ratio':>28s}")
     http_peers = [(s, n) for s, n in (("http-kserve", "KServe 0.21 REST"), ("http-mlserver", "MLServer 1.7.1 REST"))
                   if any(r["label"].startswith(s + "/") for r in rows)]
-    for w in ["W1", "W2", "W1-json", "W1-json-wrk"]:
+    for w in ["W1", "W2", "W1-json", "W1-json-wrk", "W2-json-wrk"]:
         if not any(r["label"].startswith(f"http-on/{w}/") for r in rows):
             continue
         on_tok = med("http-on", w, tok)[0]
         t_grpc = 0
-        for s, name in ([("oip", "attnserve over gRPC")] if not w.startswith("W1-json") else []) + \
+        for s, name in ([("oip", "attnserve over gRPC")] if "-json" not in w else []) + \
                 [("http-on", "attnserve over HTTP")] + http_peers:
-            t, p50, p99 = med(s, w, tok)[0], med(s, w, pct("p50"))[0], med(s, w, pct("p99"))[0]
+            src = w
+            if not any(r["label"].startswith(f"{s}/{w}/r") for r in rows):
+                if "-json" in w:
+                    continue
+                src, name = w + "-json-wrk", name + " (JSON, wrk)"  # A REST that takes JSON only.
+            t, p50, p99 = med(s, src, tok)[0], med(s, src, pct("p50"))[0], med(s, src, pct("p99"))[0]
             if s == "oip":
                 ratio = ""
             elif s == "http-on":
                 ratio = f"HTTP/gRPC {t / t_grpc:.2f} (goal >= 0.8)" if t_grpc else ""
             else:
-                ratio = f"attnserve/peer {on_tok / t if t else float('inf'):.2f} (goal >= 5)"
+                ratio = f"attnserve/peer {on_tok / t if t else float('inf'):.2f} " + \
+                    ("(like for like)" if "-json" in w else "(goal >= 5)")
             if s == "oip":
                 t_grpc = t
-            print(f"{w:8s} {name:30s} {med(s, w, rps)[0]:8.1f} {t:9.0f} {p50:8.2f} {p99:8.2f} {ratio:>28s}".rstrip())
+            print(f"{w:11s} {name:30s} {med(s, src, rps)[0]:8.1f} {t:9.0f} {p50:8.2f} {p99:8.2f} {ratio:>28s}".rstrip())
 if not any(r["label"].startswith("floor/") for r in rows):
     sys.exit(0)  # BENCH_CLIENTS_ONLY
 print()
