@@ -155,15 +155,29 @@ def long_call_seconds(pb, stub):
     return time.monotonic() - start
 
 
-def long_queue(pb, stub, seconds, each):
+def reached(server, futures):
+    """Waits until every call of `futures` has reached `server`: answered, or held (computing or
+    queued) as its attnserve_requests_in_flight gauge says. The answered are counted first, so a
+    call that ends between the two reads is counted in neither (a wait one poll longer), never in
+    both."""
+    def count():
+        done = sum(f.done() for f in futures)
+        return done + sum(float(l.split()[-1]) for l in lib.metrics_lines(server, "attnserve_requests_in_flight")
+                          if 'method="Attend"' in l)
+    assert lib.wait_until(lambda: count() >= len(futures), timeout=60, step=0.02), \
+        f"{len(futures)} calls sent, {count()} reached the server in 60 s"
+
+
+def long_queue(pb, stub, server, seconds, each):
     """Long calls that keep one worker busy for at least `seconds` (each takes `each` s), sent now
-    on their own channel; returns their futures (cancel them to drop what is still queued). Sized
-    to this machine rather than a fixed count, so a fast one is not left with too short a queue nor
-    a slow one with minutes of work (48 calls of 10 MB took ~40 s here)."""
+    on their own channel, returned once they reached `server`: their futures (cancel them to drop
+    what is still queued). Sized to this machine rather than a fixed count, so a fast one is not
+    left with too short a queue nor a slow one with minutes of work (48 calls of 10 MB took ~40 s
+    here)."""
     n = max(2, int(seconds / each) + 2)
     q = lib.to_wire(pb, np.random.default_rng(3).standard_normal((1, LONG_L, 512)).astype(np.float32))
     futures = [stub.Attend.future(pb.AttendRequest(model="demo", query=q), timeout=300) for _ in range(n)]
-    time.sleep(0.5)  # They reach the queue before what follows.
+    reached(server, futures)  # They reach the queue before what follows.
     return futures
 
 
@@ -191,7 +205,7 @@ def expiry_races(binary, pb, rpc, checks):
     stub = rpc.AttentionServiceStub(channel(server))
     fillers = filler_stub(rpc, server)
     each = long_call_seconds(pb, fillers)
-    queued = long_queue(pb, fillers, 1.5, each)
+    queued = long_queue(pb, fillers, server, 1.5, each)
     k = lib.to_wire(pb, np.random.default_rng(4).standard_normal((1, 8, 512)).astype(np.float32))
     sent = time.monotonic()
     try:
@@ -214,11 +228,11 @@ def expiry_races(binary, pb, rpc, checks):
     # A queue that outlasts the 2.9 s below (6 s of work), cancelled once the check is done (dropped
     # from the queue, so the busy step then runs).
     fillers = filler_stub(rpc, server)
-    queued = long_queue(pb, fillers, 6.0, long_call_seconds(pb, fillers))
+    queued = long_queue(pb, fillers, server, 6.0, long_call_seconds(pb, fillers))
     a = stub.OpenSession(pb.OpenSessionRequest(model="demo", batch=1), timeout=30).handle
     x = lib.to_wire(pb, np.random.default_rng(6).standard_normal((1, 1, 512)).astype(np.float32))
     step = stub.Attend.future(pb.AttendRequest(session=a, query=x), timeout=300)
-    time.sleep(0.3)
+    reached(server, queued + [step])  # a is busy before b opens.
     b = stub.OpenSession(pb.OpenSessionRequest(model="demo", batch=1), timeout=30).handle
     time.sleep(2.6)  # Past b's TTL and the next sweep.
     busy = not step.done()

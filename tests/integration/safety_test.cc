@@ -14,6 +14,7 @@
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "server/grpc/stream_reactor.h"
 #include "tests/integration/test_support.h"
+#include "tests/lib/test_util.h"
 
 namespace attnserve {
 namespace {
@@ -142,11 +143,18 @@ TEST(StreamSafetyTest, ShutdownAnswersAcceptedRefusesNewAndFinishesEveryStream) 
     busy->WritesDone();
   });
   std::map<int, int> codes;  // Per-request outcome: 0 answered, else the error code.
+  std::atomic<int> answered{0};
   std::thread reader([&] {
     v1::AttendResponse r;
-    while (busy->Read(&r)) ++codes[r.has_error() ? r.error().code() : 0];
+    while (busy->Read(&r)) {
+      ++codes[r.has_error() ? r.error().code() : 0];
+      answered += r.has_error() ? 0 : 1;
+    }
   });
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  // The stream is being served before the shutdown: some answers read (not a fixed time, which a
+  // loaded machine may spend before the first answer).
+  for (int polls = 0; polls < 3000 && answered <= 10; ++polls)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
   const double took = TimedShutdown(*server, std::chrono::seconds(30));
   stop = true;
   writer.join();
@@ -214,7 +222,9 @@ TEST(StreamSafetyTest, UnreadStreamIsHeldBackByFlowControl) {
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
   auto stream = stub->AttendStream(&ctx);
-  constexpr int kRequests = 400;  // 128 KiB each: 50 MiB if the server took them all.
+  // 128 KiB each: 50 MiB if the server took them all; the writer settles at 66-77 (8-10 MiB in the
+  // transport's windows). Under the sanitizers, computing the answers is most of the test's time.
+  constexpr int kRequests = testing::Repetitions(400, 2);
   std::atomic<int> written{0};
   std::thread writer([&] {
     std::mt19937 rng(13);
@@ -227,10 +237,20 @@ TEST(StreamSafetyTest, UnreadStreamIsHeldBackByFlowControl) {
     }
     stream->WritesDone();
   });
-  std::this_thread::sleep_for(std::chrono::seconds(2));
+  // Held back once the server holds its 4 requests and the transport's windows are full: the
+  // writer's count settles (unchanged over 20 polls of 50 ms); if the server kept reading, it
+  // settles at kRequests.
+  int last = -1;
+  for (int polls = 0, still = 0; polls < 1200 && still < 20; ++polls) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    const int now = written.load();
+    still = now == last ? still + 1 : 0;
+    last = now;
+  }
   const std::string m = Metrics(*server);
   EXPECT_LE(testing::Sample(m, "attnserve_requests_in_flight{method=\"AttendStream\"}"), 4);
-  EXPECT_LT(written.load(), kRequests) << "the server kept reading without answers being taken";
+  EXPECT_LT(written.load(), kRequests)
+      << "the server kept reading without answers being taken (settled at " << last << ")";
   int answered = 0;
   v1::AttendResponse r;
   while (stream->Read(&r)) answered += r.has_error() ? 0 : 1;
@@ -393,7 +413,13 @@ TEST(DeadlineTest, UnaryCallsDuringTheDrainHandOffAreServedAndDoNotHoldTheDrain)
       }
     });
   }
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  // Served before the drain: every client has had an answer.
+  const auto served = [&] {
+    std::lock_guard<std::mutex> lock(mu);
+    return before[grpc::StatusCode::OK] >= 3;
+  };
+  for (int polls = 0; polls < 3000 && !served(); ++polls)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
   draining = true;
   const double took = TimedShutdown(*server, std::chrono::seconds(20));
   stop = true;
@@ -436,7 +462,13 @@ TEST(DeadlineTest, UnaryCallsRacingShutdownGetOkOrUnavailable) {
         }
       });
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    // Calls are being answered when the shutdown comes.
+    const auto answering = [&] {
+      std::lock_guard<std::mutex> lock(mu);
+      return codes[0] >= 6;
+    };
+    for (int polls = 0; polls < 3000 && !answering(); ++polls)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
     server->Shutdown();
     for (auto& t : threads) t.join();
     EXPECT_GT(codes[0], 0);

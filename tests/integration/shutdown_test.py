@@ -90,6 +90,15 @@ def stop(server):
     return took, code, server.output()
 
 
+def held(server, n):
+    """Waits until `server` holds `n` Attend calls (admitted: computing or queued), as its
+    attnserve_requests_in_flight gauge says; False after 30 s."""
+    def count():
+        return sum(float(l.split()[-1]) for l in lib.metrics_lines(server, "attnserve_requests_in_flight")
+                   if 'method="Attend"' in l)
+    return lib.wait_until(lambda: count() >= n, timeout=30, step=0.02)
+
+
 def idle_stop(binary, name, connect, grace="2"):
     """Starts a server, lets `connect(target)` make its calls and keep its channel (returns a closer),
     waits past the drain's quiet period, then SIGTERM: exit 0 in under IDLE_LIMIT_S."""
@@ -202,7 +211,7 @@ def test_sigterm_with_clients_connected(attnserve, request):
         future = channel.unary_unary("/attnserve.v1.AttentionService/Attend").future(slow.SerializeToString(),
                                                                                     timeout=60)
         future.add_done_callback(lambda f: answered.append(time.monotonic()))
-        time.sleep(0.2)  # Accepted and computing.
+        check("busy: the request is in flight before SIGTERM", held(server, 1))
         sigterm = time.monotonic()
         took, code, out = stop(server)
         gone = sigterm + took
@@ -227,7 +236,7 @@ def test_sigterm_with_clients_connected(attnserve, request):
     channel = grpc.insecure_channel(f"127.0.0.1:{link.port}", options=big)
     future = channel.unary_unary("/attnserve.v1.AttentionService/Attend").future(slow.SerializeToString(),
                                                                                 timeout=60)
-    time.sleep(0.5)  # Accepted and computing.
+    check("slow link: the request is in flight before SIGTERM", held(server, 1))
     took, code, out = stop(server)
     try:
         answer = pb.AttendResponse.FromString(future.result(timeout=30))
@@ -248,7 +257,7 @@ def test_sigterm_with_clients_connected(attnserve, request):
     futures = [channel.unary_unary("/attnserve.v1.AttentionService/Attend").future(slow.SerializeToString(),
                                                                                   timeout=60)
                for _ in range(3)]
-    time.sleep(0.3)  # All three accepted: one computing, two queued.
+    check("cut: all three in flight before SIGTERM (one computing, two queued)", held(server, 3))
     took, code, out = stop(server)
     codes = []
     for f in futures:
