@@ -27,8 +27,9 @@
 # http.client, W1 and W2 from wrk (bench/http_load.py: a C load generator, so the rates are the
 # servers', not a Python client's).
 # Results: bench/out/results.jsonl. Takes ~20 minutes (Ray starts in ~30-90 s a round, MLServer ~15 s).
-# BENCH_CLIENTS_ONLY=1: only the `on` server and the client rows (~3 minutes); with
-# BENCH_PEERS="kserve mlserver" also those peers' rows (~6 minutes more).
+# BENCH_CLIENTS_ONLY=1: only the `on` server and the client rows; with BENCH_PEERS="kserve
+# mlserver" also those peers' rows (BENCH_ROUNDS=3 BENCH_DURATION=8 BENCH_PEERS=mlserver: 13 minutes
+# on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${ATTNSERVE_BUILD_DIR:-build}
