@@ -133,6 +133,14 @@ class Load:
             t.join(timeout=60)
         self.channel.close()
 
+    def reach(self, phase, n=20, timeout=60):
+        """Waits until `n` calls that started in `phase` have ended (answered or failed): on a slow
+        machine a phase lasts until it has carried load, not only its planned time."""
+        def ended():
+            with self.lock:
+                return sum(1 for r in self.results if r[0] == phase) >= n
+        lib.wait_until(ended, timeout=timeout, step=0.05)
+
     def summary(self, phase=None):
         rows = [r for r in self.results if phase is None or r[0] == phase]
         failed = {}
@@ -251,7 +259,8 @@ def scenario(replicas, load, bench_cmd, sessions_cmd):
     SIGTERMed replica's exit code, how long it took, and when (time.time) each was signalled."""
     bench = subprocess.Popen(bench_cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     sessions = subprocess.Popen(sessions_cmd)
-    time.sleep(2)
+    time.sleep(2)  # The sessions' client starts and opens its sessions.
+    load.reach("steady")
     load.phase = "sigterm"
     t0, signalled = time.monotonic(), {}
     signalled[0] = time.time()
@@ -260,14 +269,17 @@ def scenario(replicas, load, bench_cmd, sessions_cmd):
     print(f"SIGTERM to exit {rc}: {took:.1f} s (--shutdown-grace 30)")
     replicas[0].start()
     time.sleep(1.5)
+    load.reach("sigterm")
     load.phase = "sigkill"
     signalled[1] = time.time()
     replicas[1].stop(signal.SIGKILL)
     time.sleep(0.5)
     replicas[1].start()
     time.sleep(1.5)
+    load.reach("sigkill")
     load.phase = "after"
     time.sleep(1)
+    load.reach("after")
     bench.communicate(timeout=120)
     sessions.wait(timeout=120)
     return rc, took, signalled
