@@ -162,8 +162,7 @@ def reached(server, futures):
     both."""
     def count():
         done = sum(f.done() for f in futures)
-        return done + sum(float(l.split()[-1]) for l in lib.metrics_lines(server, "attnserve_requests_in_flight")
-                          if 'method="Attend"' in l)
+        return done + lib.in_flight(server)
     assert lib.wait_until(lambda: count() >= len(futures), timeout=60, step=0.02), \
         f"{len(futures)} calls sent, {count()} reached the server in 60 s"
 

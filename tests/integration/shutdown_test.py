@@ -93,10 +93,7 @@ def stop(server):
 def held(server, n):
     """Waits until `server` holds `n` Attend calls (admitted: computing or queued), as its
     attnserve_requests_in_flight gauge says; False after 30 s."""
-    def count():
-        return sum(float(l.split()[-1]) for l in lib.metrics_lines(server, "attnserve_requests_in_flight")
-                   if 'method="Attend"' in l)
-    return lib.wait_until(lambda: count() >= n, timeout=30, step=0.02)
+    return lib.wait_until(lambda: lib.in_flight(server) >= n, timeout=30, step=0.02)
 
 
 def idle_stop(binary, name, connect, grace="2"):

@@ -389,15 +389,10 @@ def run(traffic, method):
     return getattr(traffic, method)()
 
 
-def in_flight(server):
-    """The requests attnserve counts in flight, over every method."""
-    return sum(float(l.split()[-1]) for l in lib.metrics_lines(server, "attnserve_requests_in_flight"))
-
-
 def settle(server):
     """Waits until attnserve has nothing in flight (compute of abandoned calls done) and a moment more
     (CreateMemory is not in the gauge; the hand-off's quiet period is 250 ms)."""
-    lib.wait_until(lambda: in_flight(server) == 0, timeout=30, step=0.05)
+    lib.wait_until(lambda: lib.in_flight(server, None) == 0, timeout=30, step=0.05)
     time.sleep(0.5)
 
 
@@ -466,7 +461,7 @@ class InFlight:
 
     def accepted(self):
         """Waits until attnserve counts in flight every call not already answered (a refusal)."""
-        return lib.wait_until(lambda: in_flight(self.traffic.server) + self.done() >= len(self.calls),
+        return lib.wait_until(lambda: lib.in_flight(self.traffic.server, None) + self.done() >= len(self.calls),
                               timeout=20, step=0.02)
 
     def outcomes(self):
@@ -490,7 +485,7 @@ def cut_after_traffic(binary):
             run(traffic, method)
     settle(server)
     calls = InFlight(traffic, ["attend", "attend", "stream", "oip"], 16)
-    check("cut: the four calls are accepted", calls.accepted(), f"in flight {in_flight(server)}")
+    check("cut: the four calls are accepted", calls.accepted(), f"in flight {lib.in_flight(server, None)}")
     took, code, out = stop(server)
     seen = calls.outcomes()
     traffic.close()

@@ -151,6 +151,13 @@ def metrics_lines(server, name):
     return [l for l in text.splitlines() if l.startswith(name + " ") or l.startswith(name + "{")]
 
 
+def in_flight(server, method="Attend"):
+    """The server's attnserve_requests_in_flight for `method` (None: every method): its calls
+    admitted and not yet answered (computing or queued)."""
+    return sum(float(l.split()[-1]) for l in metrics_lines(server, "attnserve_requests_in_flight")
+               if method is None or f'method="{method}"' in l)
+
+
 class Checks:
     """Named checks that print ok/FAIL as they go and a closing "N passed, N failed" line; under
     pytest, the `checks` fixture (tests/conftest.py) fails the test with the ones that did not hold."""
