@@ -156,15 +156,9 @@ def long_call_seconds(pb, stub):
 
 
 def reached(server, futures):
-    """Waits until every call of `futures` has reached `server`: answered, or held (computing or
-    queued) as its attnserve_requests_in_flight gauge says. The answered are counted first, so a
-    call that ends between the two reads is counted in neither (a wait one poll longer), never in
-    both."""
-    def count():
-        done = sum(f.done() for f in futures)
-        return done + lib.in_flight(server)
-    assert lib.wait_until(lambda: count() >= len(futures), timeout=60, step=0.02), \
-        f"{len(futures)} calls sent, {count()} reached the server in 60 s"
+    """Waits until every call of `futures` has reached `server` (answered, or in flight)."""
+    assert lib.all_reached(server, len(futures), lambda: sum(f.done() for f in futures)), \
+        f"{len(futures)} calls sent, not all reached the server in 60 s"
 
 
 def long_queue(pb, stub, server, seconds, each):

@@ -461,8 +461,7 @@ class InFlight:
 
     def accepted(self):
         """Waits until attnserve counts in flight every call not already answered (a refusal)."""
-        return lib.wait_until(lambda: lib.in_flight(self.traffic.server, None) + self.done() >= len(self.calls),
-                              timeout=20, step=0.02)
+        return lib.all_reached(self.traffic.server, len(self.calls), self.done, method=None, timeout=20)
 
     def outcomes(self):
         seen = []

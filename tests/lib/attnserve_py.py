@@ -158,6 +158,13 @@ def in_flight(server, method="Attend"):
                if method is None or f'method="{method}"' in l)
 
 
+def all_reached(server, n, done, method="Attend", timeout=60):
+    """Waits until `n` calls have reached `server`: `done()` of them answered, the rest held
+    (computing or queued) as in_flight says. The answered are counted first, so a call that ends
+    between the two reads is counted in neither (a wait one poll longer), never in both."""
+    return wait_until(lambda: done() + in_flight(server, method) >= n, timeout=timeout, step=0.02)
+
+
 class Checks:
     """Named checks that print ok/FAIL as they go and a closing "N passed, N failed" line; under
     pytest, the `checks` fixture (tests/conftest.py) fails the test with the ones that did not hold."""
