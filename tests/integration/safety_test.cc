@@ -153,8 +153,7 @@ TEST(StreamSafetyTest, ShutdownAnswersAcceptedRefusesNewAndFinishesEveryStream) 
   });
   // The stream is being served before the shutdown: some answers read (not a fixed time, which a
   // loaded machine may spend before the first answer).
-  for (int polls = 0; polls < 3000 && answered <= 10; ++polls)
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  testing::WaitUntil([&] { return answered > 10; }, std::chrono::seconds(30));
   const double took = TimedShutdown(*server, std::chrono::seconds(30));
   stop = true;
   writer.join();
@@ -418,8 +417,7 @@ TEST(DeadlineTest, UnaryCallsDuringTheDrainHandOffAreServedAndDoNotHoldTheDrain)
     std::lock_guard<std::mutex> lock(mu);
     return before[grpc::StatusCode::OK] >= 3;
   };
-  for (int polls = 0; polls < 3000 && !served(); ++polls)
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  testing::WaitUntil(served, std::chrono::seconds(30));
   draining = true;
   const double took = TimedShutdown(*server, std::chrono::seconds(20));
   stop = true;
@@ -467,8 +465,7 @@ TEST(DeadlineTest, UnaryCallsRacingShutdownGetOkOrUnavailable) {
       std::lock_guard<std::mutex> lock(mu);
       return codes[0] >= 6;
     };
-    for (int polls = 0; polls < 3000 && !answering(); ++polls)
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    testing::WaitUntil(answering, std::chrono::seconds(30));
     server->Shutdown();
     for (auto& t : threads) t.join();
     EXPECT_GT(codes[0], 0);

@@ -43,6 +43,7 @@ using testing::HttpGet;
 using testing::RandomTensor;
 using testing::Sample;
 using testing::TargetOf;
+using testing::WaitUntil;
 
 class ServerTest : public ::testing::Test {
  protected:
@@ -845,10 +846,8 @@ TEST(ServerLoadTest, OverloadIsRefusedQuicklyAndExpiredRequestsAreDropped) {
   // The dropped request is counted when the worker takes it from the queue, which may be after the
   // long one's answer has arrived: wait for the count (not a fixed time).
   const std::string dropped = "attnserve_rejections_total{model=\"demo\",reason=\"deadline\"}";
-  for (int i = 0; i < 2000 && Sample(HttpGet((*server)->metrics_port(), "/metrics"), dropped) < 1;
-       ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
+  WaitUntil([&] { return Sample(HttpGet((*server)->metrics_port(), "/metrics"), dropped) >= 1; },
+            std::chrono::seconds(10), std::chrono::milliseconds(5));
   const std::string m = HttpGet((*server)->metrics_port(), "/metrics");
   EXPECT_EQ(
       Sample(
@@ -895,8 +894,7 @@ TEST(ServerShutdownTest, InFlightRequestsFinishOnShutdown) {
     return Counter(m, "attnserve_requests_in_flight{method=\"Attend\"}") +
            Counter(m, "attnserve_requests_total{code=\"OK\",method=\"Attend\",model=\"demo\"}");
   };
-  for (int i = 0; i < 2000 && taken() < 5; ++i)
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  WaitUntil([&] { return taken() >= 5; }, std::chrono::seconds(10), std::chrono::milliseconds(5));
   EXPECT_GE(taken(), 5) << "the warm-up call and the four";
   (*server)->Shutdown();
   while (done < 4) std::this_thread::sleep_for(std::chrono::milliseconds(5));

@@ -5,10 +5,12 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <functional>
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "attnserve/client.h"
@@ -62,6 +64,19 @@ inline ClientOptions TargetOf(const Server& server) {
 /// Sample() that counts a missing series as 0.
 inline double Counter(const std::string& text, const std::string& prefix) {
   return std::max(0.0, Sample(text, prefix));
+}
+
+/// Polls `done` every `step` until it holds or `timeout` has passed; whether it held. What a test
+/// waits for in place of a fixed time (tests/lib/attnserve_py.py's wait_until, for C++).
+template <typename F>
+bool WaitUntil(F&& done, std::chrono::milliseconds timeout,
+               std::chrono::milliseconds step = std::chrono::milliseconds(10)) {
+  const auto end = std::chrono::steady_clock::now() + timeout;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() >= end) return false;
+    std::this_thread::sleep_for(step);
+  }
+  return true;
 }
 
 }  // namespace attnserve::testing
