@@ -30,6 +30,8 @@
 #     key/value heads), 64 and 256 sessions over 1,024-4,096 kept tokens: >= 0.5x the device-memory
 #     bound over the bytes a step reads (weights once a call, plus its keys and values), the
 #     engine's own batched step >= 0.7x; a layer's round trip for 128 sessions <= 1 ms at the median;
+#     the same sessions as two micro-batches in flight on one AttendStream (printed: what a runner
+#     that pipelines micro-batches gets);
 #   attnserve-echo over 1, 4 and 16 connections (printed: what bounds the gRPC rows); the wire's
 #     floor on this host (issue 66): 256 KB and 2 MB each way over a plain loopback TCP socket
 #     (attnserve-wire-floor) beside attnserve-echo's lone round trip of the same bytes (printed);
@@ -85,8 +87,8 @@ if [ -n "$rehearsal" ]; then
   decode=(--callers 4 --prompt 32 --prompt-max 128 --steps 4)
   # Batched steps of a Llama-3-8B-shaped layer (here scaled down): 64 and 256 sessions, and 128 for
   # the layer's round trip.
-  l8=(256 4 1) batched=(--callers 8 --prompt 32 --prompt-max 128 --steps 4 --repeats 1)
-  batched_wide=(--callers 16 --prompt 32 --prompt-max 128 --steps 4 --repeats 1)
+  l8=(256 4 1) batched=(--callers 8 --prompt 32 --prompt-max 128 --steps 4 --repeats 1 --micro-batches 2)
+  batched_wide=(--callers 16 --prompt 32 --prompt-max 128 --steps 4 --repeats 1 --micro-batches 2)
   batched_rt=(--callers 8 --prompt 32 --prompt-max 128 --steps 8 --repeats 1)
   varlen=(--server-args "--device cpu --dtype float32 --varlen-attention emulate" --callers 8
           --requests 200 --tolerance 1e-4)
@@ -95,8 +97,8 @@ else
   small=uniform:8:128 duration=6 warmup=2 dtypes=(bfloat16 float16 float32) tolerance=1e-2 rounds=2
   lone=(--duration 5 --warmup 1)
   decode=(--callers 64 --prompt 1024 --prompt-max 4096 --steps 64)
-  l8=(4096 32 8) batched=(--callers 64 --prompt 1024 --prompt-max 4096 --steps 32 --repeats 2)
-  batched_wide=(--callers 256 --prompt 1024 --prompt-max 4096 --steps 16 --repeats 2)
+  l8=(4096 32 8) batched=(--callers 64 --prompt 1024 --prompt-max 4096 --steps 32 --repeats 2 --micro-batches 2)
+  batched_wide=(--callers 256 --prompt 1024 --prompt-max 4096 --steps 16 --repeats 2 --micro-batches 2)
   batched_rt=(--callers 128 --prompt 1024 --prompt-max 4096 --steps 64 --repeats 1)
   varlen=(--server-args "--device $device --dtype bfloat16" --callers 64 --tolerance 1e-2
           --expect-backend flash_varlen)
@@ -411,6 +413,9 @@ for b in batched:
             f"calls; device-memory bound {bound:.0f} steps/s")
     if "in_process" in b:
         line += f"; the engine's own {b['in_process']['steps_per_s']:.0f}"
+    if "pipelined" in b:
+        line += (f"; {b['pipelined']['micro_batches']} micro-batches pipelined on a stream "
+                 f"{b['pipelined']['steps_per_s']:.0f}")
     print(line)
     if "in_process" in b:
         goals.append((f"batched steps ({b['sessions']}) / device-memory bound", b["batched"]["steps_per_s"] / bound, 0.5))

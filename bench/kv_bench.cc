@@ -145,6 +145,7 @@ struct Options {
   bool stream = false;  // concurrent: each caller's steps over one AttendStream
   bool async = false;   // concurrent: every caller's steps from one thread, asynchronous calls
   int memories = 64;
+  int micro_batches = 0;   // batched: micro-batches pipelined on one AttendStream (0: none)
   int threads = 0;         // batched: threads of the bandwidth read and the in-process engine
   std::string in_process;  // batched: the model directory the in-process engine loads
   std::string device = "cpu", dtype = "float32";  // batched: the in-process engine's
@@ -997,32 +998,39 @@ int Batched(const Options& o) {
   std::vector<std::string> sessions;
   std::vector<std::vector<float>> tokens;
   const int rounds = o.steps;
+  const int forms = o.micro_batches > 0 ? 3 : 2;  // unary batched, separate, [pipelined]
   for (int c = 0; c < s_count; ++c) {
     sessions.push_back(OpenSession(stub.get(), o));
-    // Every form's steps of this session, after its prompt: 2 forms x repeats x rounds.
-    tokens.push_back(
-        Tokens(prompts[c] + 2 * o.repeats * rounds + 1, o.embed, 300 + static_cast<uint32_t>(c)));
+    // Every form's steps of this session, after its prompt: forms x repeats x rounds.
+    tokens.push_back(Tokens(prompts[c] + forms * o.repeats * rounds + 1, o.embed,
+                            300 + static_cast<uint32_t>(c)));
   }
   std::vector<int64_t> length(static_cast<size_t>(s_count), 0);
-  // One batched call of up to `rows` tokens for every session with tokens of `upto` left.
-  const auto batched_step = [&](const std::vector<int64_t>& upto, int64_t rows,
-                                pb::AttendResponse* r) {
+  // One batched step of up to `rows` tokens for every session of [from, to) with tokens of `upto`
+  // left; `in` gets the sessions it carries.
+  const auto make_step = [&](int from, int to, const std::vector<int64_t>& upto, int64_t rows,
+                             std::vector<int>* in) {
     pb::AttendRequest request;
-    std::vector<int> in;
-    for (int c = 0; c < s_count; ++c) {
+    in->clear();
+    for (int c = from; c < to; ++c) {
       const int64_t n = std::min<int64_t>(rows, upto[c] - length[c]);
       if (n <= 0) continue;
       pb::Step* step = request.add_steps();
       step->set_session(sessions[c]);
       step->set_session_length(length[c]);
       SetTensor(tokens[c], length[c], n, o.embed, step->mutable_query());
-      in.push_back(c);
+      in->push_back(c);
     }
-    if (in.empty()) return Call{};
-    const Call call = Timed(stub.get(), &Stub::Attend, request, r);
-    if (!call.status.ok()) Fail("batched step", call.status);
+    return request;
+  };
+  // A batched step's answer: every entry's, its sessions' new lengths taken.
+  const auto take_step = [&](const std::vector<int>& in, const pb::AttendResponse& r) {
+    if (r.has_error()) {
+      Fail("batched step",
+           grpc::Status(static_cast<grpc::StatusCode>(r.error().code()), r.error().message()));
+    }
     for (size_t i = 0; i < in.size(); ++i) {
-      const pb::StepResult& res = r->steps(static_cast<int>(i));
+      const pb::StepResult& res = r.steps(static_cast<int>(i));
       if (res.has_error()) {
         Fail(
             "batched step entry " + std::to_string(i),
@@ -1030,7 +1038,58 @@ int Batched(const Options& o) {
       }
       length[in[i]] = res.session_length();
     }
+  };
+  // One unary batched call of every session.
+  const auto batched_step = [&](const std::vector<int64_t>& upto, int64_t rows,
+                                pb::AttendResponse* r) {
+    std::vector<int> in;
+    const pb::AttendRequest request = make_step(0, s_count, upto, rows, &in);
+    if (in.empty()) return Call{};
+    const Call call = Timed(stub.get(), &Stub::Attend, request, r);
+    if (!call.status.ok()) Fail("batched step", call.status);
+    take_step(in, *r);
     return call;
+  };
+  // `rounds` steps of every session as o.micro_batches micro-batches (sessions split evenly), each
+  // a batched step, all in flight on one AttendStream: a micro-batch's next step is sent as soon
+  // as its answer arrives (what a runner pipelining micro-batches does); the steps a second.
+  const auto pipelined_rounds = [&](std::vector<double>* ms) {
+    const int m_count = std::clamp(o.micro_batches, 1, s_count);
+    grpc::ClientContext context;
+    auto stream = stub->AttendStream(&context);
+    std::vector<std::vector<int>> in(static_cast<size_t>(m_count));
+    std::vector<int> left(static_cast<size_t>(m_count), rounds);
+    std::vector<Clock::time_point> sent(static_cast<size_t>(m_count));
+    const auto send = [&](int m) {
+      std::vector<int64_t> upto(length.begin(), length.end());
+      for (int64_t& u : upto) ++u;
+      pb::AttendRequest request = make_step(s_count * m / m_count, s_count * (m + 1) / m_count,
+                                            upto, 1, &in[static_cast<size_t>(m)]);
+      request.set_request_id(static_cast<uint64_t>(m));
+      sent[static_cast<size_t>(m)] = Clock::now();
+      if (!stream->Write(request)) Fail("pipelined step", stream->Finish());
+      --left[static_cast<size_t>(m)];
+    };
+    const auto start = Clock::now();
+    for (int m = 0; m < m_count; ++m) send(m);
+    for (int pending = m_count; pending > 0;) {
+      pb::AttendResponse r;
+      if (!stream->Read(&r)) Fail("pipelined step", stream->Finish());
+      const int m = static_cast<int>(r.request_id());
+      if (m < 0 || m >= m_count) Fail("pipelined step", grpc::Status(grpc::INTERNAL, "request_id"));
+      ms->push_back(Ms(Clock::now() - sent[static_cast<size_t>(m)]));
+      take_step(in[static_cast<size_t>(m)], r);
+      if (left[static_cast<size_t>(m)] > 0) {
+        send(m);
+      } else {
+        --pending;
+      }
+    }
+    const double s = Ms(Clock::now() - start) / 1000;
+    stream->WritesDone();
+    const grpc::Status st = stream->Finish();
+    if (!st.ok()) Fail("pipelined stream", st);
+    return rounds * s_count / s;
   };
   // Prefill: every session's prompt in chunks, all sessions in each call, each call's query
   // within 16 MiB (the server's messages are 64 MiB at most).
@@ -1044,7 +1103,7 @@ int Batched(const Options& o) {
   }
   const double prefill_s = Ms(Clock::now() - prefill_start) / 1000;
   double kept = 0;  // Kept tokens a step attends over, on average.
-  for (int p : prompts) kept += p + o.repeats * rounds;
+  for (int p : prompts) kept += p + forms * o.repeats * rounds / 2.0;
   kept /= std::max(s_count, 1);
   const double kv_step = layer.kv_per_token * kept;
   // The memory bound: a batched call reads the weights once for its S steps.
@@ -1073,6 +1132,7 @@ int Batched(const Options& o) {
   std::vector<double> to_separate, to_engine;              // Each repeat's ratios.
   double batch_sum = 0, batch_n = 0;
   std::vector<double> read_gbs, to_bound;  // Each repeat's read bandwidth, and its batched ratio.
+  std::vector<double> pipelined_rate, pipelined_ms, pipelined_to_bound, pipelined_to_separate;
   for (int rep = 0; rep < o.repeats; ++rep) {
     read_gbs.push_back(ReadBandwidthGBs(threads));  // This repeat's, right before its rounds.
     // All S sessions in one call, `rounds` times.
@@ -1094,6 +1154,10 @@ int Batched(const Options& o) {
         return 1;
       }
       to_engine.push_back(batched_rate.back() / engine_rate.back());
+    }
+    if (o.micro_batches > 0) {  // The same sessions as micro-batches pipelined on a stream.
+      pipelined_rate.push_back(pipelined_rounds(&pipelined_ms));
+      pipelined_to_bound.push_back(pipelined_rate.back() / (read_gbs.back() * 1e9 / bytes_batched));
     }
     // The same sessions, each stepped by a thread of its own in separate unary calls.
     std::vector<std::thread> ts;
@@ -1126,6 +1190,8 @@ int Batched(const Options& o) {
     separate_rate.push_back(rounds * s_count / (Ms(Clock::now() - start) / 1000));
     for (auto& l : lat) separate_ms.insert(separate_ms.end(), l.begin(), l.end());
     to_separate.push_back(batched_rate.back() / separate_rate.back());
+    if (o.micro_batches > 0)
+      pipelined_to_separate.push_back(pipelined_rate.back() / separate_rate.back());
   }
   for (const std::string& h : sessions) Release(stub.get(), h, true);
   const double batched = Percentile(batched_rate, 0.5), separate = Percentile(separate_rate, 0.5);
@@ -1144,6 +1210,14 @@ int Batched(const Options& o) {
       "batched call (all sessions)", batched, Percentile(batched_ms, 0.5),
       Percentile(batched_ms, 0.9), batched / bound, Percentile(server_queue_ms, 0.5),
       Percentile(server_compute_ms, 0.5), Percentile(server_compute_ms, 0.9));
+  if (o.micro_batches > 0) {
+    const double rate = Percentile(pipelined_rate, 0.5);
+    const std::string form =
+        "batched, " + std::to_string(std::clamp(o.micro_batches, 1, s_count)) + " on a stream";
+    std::printf("%-34s %12.0f %10.2f %10.2f %10.2f   micro-batches in flight together\n",
+                form.c_str(), rate, Percentile(pipelined_ms, 0.5), Percentile(pipelined_ms, 0.9),
+                rate / bound);
+  }
   std::printf("%-34s %12.0f %10.2f %10.2f %10.2f   mean batch %.1f\n", "separate unary calls",
               separate, Percentile(separate_ms, 0.5), Percentile(separate_ms, 0.9),
               separate / bound, batch_sum / std::max(batch_n, 1.0));
@@ -1183,6 +1257,17 @@ int Batched(const Options& o) {
   }
   out["separate"]["batched_ratio"] = Percentile(to_separate, 0.5);
   out["batched"]["bound_ratio"] = Percentile(to_bound, 0.5);
+  if (o.micro_batches > 0) {
+    out["pipelined"] = {{"micro_batches", std::clamp(o.micro_batches, 1, s_count)},
+                        {"steps_per_s", Percentile(pipelined_rate, 0.5)},
+                        {"p50_ms", Percentile(pipelined_ms, 0.5)},
+                        {"bound_ratio", Percentile(pipelined_to_bound, 0.5)},
+                        {"separate_ratio", Percentile(pipelined_to_separate, 0.5)}};
+    std::printf(
+        "micro-batches on a stream / separate: %.2f   / memory bound: %.2f (each the median "
+        "repeat's)\n",
+        Percentile(pipelined_to_separate, 0.5), Percentile(pipelined_to_bound, 0.5));
+  }
   std::printf(
       "batched / separate: %.2f   batched / memory bound: %.2f (each the median repeat's)\n",
       Percentile(to_separate, 0.5), Percentile(to_bound, 0.5));
@@ -1284,6 +1369,11 @@ int main(int argc, char** argv) {
   app.add_option("--memory-length", o.memory_length, "memory, eviction: encoder tokens")
       ->capture_default_str();
   app.add_option("--callers", o.callers, "concurrent: callers; batched: sessions")
+      ->capture_default_str();
+  app.add_option("--micro-batches", o.micro_batches,
+                 "batched: also step the sessions as this many micro-batches (split evenly), each "
+                 "a batched step, all in flight on one AttendStream (0: not)")
+      ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app.add_option("--threads", o.threads,
                  "batched: threads of the read-bandwidth measurement and of the in-process engine "
