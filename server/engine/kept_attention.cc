@@ -1,8 +1,11 @@
 #include "server/engine/kept_attention.h"
 
+#include <cmath>
 #include <limits>
+#include <optional>
 
 #include "server/engine/torch_compat.h"
+#include "server/engine/torch_tensors.h"
 
 namespace attnserve {
 
@@ -61,6 +64,117 @@ KeptAttended AttendKept(const at::Tensor& q, const KvPool::Chunk& chunk, const K
       q, chunk.k, chunk.v, all.narrow(0, 0, n + 1), all.narrow(0, n + 1, n + 1),
       all.narrow(0, 2 * n + 2, n), seqs.max_q, seqs.max_k, scale, window);
   return {r.out, r.backend};
+}
+
+namespace {
+
+// Whether a call's step can attend in a kept run: a session step asking for no weights, with no
+// mask of its own (its session never had key padding: TorchKv::Placed), each sequence's tokens
+// consecutive in its rows.
+bool KeptRunTakes(const AttendCall& c) {
+  return c.kv_use == AttendCall::Kv::kSession && c.is_causal && !c.key_padding_mask &&
+         !c.attn_mask && c.weights == WeightsMode::kNone &&
+         (c.batch_first() || c.batch == 1 || c.query_len == 1);
+}
+
+constexpr int64_t kCudaPoolChunkBytes = int64_t{1} << 30;
+constexpr int64_t kCpuPoolChunkBytes = int64_t{16} << 20;
+
+}  // namespace
+
+std::unique_ptr<KeptRuns> KeptRuns::Make(const Shape& shape, DecoderHeads decoder, bool kernels,
+                                         bool emulate, int64_t chunk_bytes, int64_t max_bytes) {
+  const int64_t kvh = shape.kv_heads, d = shape.head_dim;
+  const bool half = shape.dtype == at::kHalf || shape.dtype == at::kBFloat16;
+  const bool kernel =
+      kernels && ((half && d % 8 == 0 && d <= 256) || (kvh == shape.heads && !shape.window));
+  if (shape.extra_keys || !(kernel || emulate)) return nullptr;
+  if (chunk_bytes <= 0)
+    chunk_bytes = shape.device.is_cuda() ? kCudaPoolChunkBytes : kCpuPoolChunkBytes;
+  const int64_t row = 2 * kvh * d * static_cast<int64_t>(c10::elementSize(shape.dtype));
+  auto pool =
+      std::make_shared<KvPool>(kvh, d, at::TensorOptions().device(shape.device).dtype(shape.dtype),
+                               std::max<int64_t>(1, chunk_bytes / row),
+                               max_bytes > 0 ? std::max<int64_t>(1, max_bytes / row) : 0);
+  Shape s = shape;
+  if (s.scale <= 0) s.scale = 1.0 / std::sqrt(static_cast<double>(d));
+  return std::unique_ptr<KeptRuns>(new KeptRuns(s, std::move(decoder), emulate, std::move(pool)));
+}
+
+void KeptRuns::Attend(const std::vector<const AttendCall*>& calls,
+                      const std::vector<at::Tensor>& qkv, const at::Tensor& merged,
+                      const std::vector<int64_t>& q_off, std::vector<Attended>* attended,
+                      std::vector<bool>* done) const {
+  std::map<const KvPool::Chunk*, Run> runs;
+  for (size_t i = 0; i < calls.size(); ++i) {
+    const AttendCall& c = *calls[i];
+    if ((*done)[i] || !KeptRunTakes(c)) continue;
+    auto& kv = static_cast<TorchKv&>(*c.kv);
+    kv.Prepare(c.kv_length, c.kv_capacity, c.batch, shape_.kv_heads, c.query_len, shape_.head_dim,
+               /*padded_step=*/false, qkv[1].options());
+    if (std::optional<TorchKv::Placement> at = kv.Placed()) {
+      Run& run = runs[at->chunk.get()];
+      run.chunk = at->chunk;
+      run.steps.emplace_back(i, *at);
+    }
+  }
+  for (const auto& [chunk, run] : runs) {
+    if (const char* backend = AttendRun(calls, run, qkv, merged, q_off)) {
+      for (const auto& [i, at] : run.steps) {
+        (*attended)[i].backend = backend;
+        (*done)[i] = true;
+      }
+    }
+  }
+}
+
+// A kept run: its rows gathered from the batch's projections, normed and rotated at once, the new
+// keys and values written to their rows of the chunk, the attention merged back into the batch's
+// rows. Null (nothing written to `merged`; the calls then attend one by one, their rows rewritten
+// in place) when no kernel takes it.
+const char* KeptRuns::AttendRun(const std::vector<const AttendCall*>& calls, const Run& run,
+                                const std::vector<at::Tensor>& qkv, const at::Tensor& merged,
+                                const std::vector<int64_t>& q_off) const {
+  const int64_t h = shape_.heads, kvh = shape_.kv_heads, d = shape_.head_dim;
+  KeptSequences seqs;
+  std::vector<int64_t> rows, to, pos;  // Per new token: its batch row, its chunk row, position.
+  for (const auto& [i, at] : run.steps) {
+    const AttendCall& c = *calls[i];
+    const int64_t t = c.query_len, held = c.kv_length, first = c.query_position.value_or(held);
+    for (int64_t b = 0; b < c.batch; ++b) {
+      seqs.Add(t, at.start + b * at.stride, held + t);
+      for (int64_t j = 0; j < t; ++j) {
+        rows.push_back(q_off[i] + b * t + j);
+        to.push_back(at.start + b * at.stride + held + j);
+        pos.push_back(c.positions.empty() ? first + j : c.positions[b * t + j]);
+      }
+    }
+  }
+  const int64_t n = static_cast<int64_t>(rows.size());
+  rows.insert(rows.end(), to.begin(), to.end());
+  rows.insert(rows.end(), pos.begin(), pos.end());
+  const at::Tensor index = LongsOnDevice(rows, shape_.device);
+  const at::Tensor in = index.narrow(0, 0, n);
+  at::Tensor q = qkv[0].index_select(0, in).view({n, h, d});
+  const at::Tensor k = qkv[1].index_select(0, in).view({n, kvh, d});
+  const at::Tensor v = qkv[2].index_select(0, in).view({n, kvh, d});
+  if (decoder_.q_norm.defined()) RmsNormHeadsInPlace(q, decoder_.q_norm, decoder_.eps);
+  if (decoder_.k_norm.defined()) RmsNormHeadsInPlace(k, decoder_.k_norm, decoder_.eps);
+  if (decoder_.inv_freq.defined()) {
+    const Rotation rot = RotationAt(index.narrow(0, 2 * n, n), decoder_.inv_freq, q.scalar_type());
+    RotateInPlace(q, rot);
+    RotateInPlace(k, rot);
+  }
+  run.chunk->k.index_copy_(0, index.narrow(0, n, n), k);
+  run.chunk->v.index_copy_(0, index.narrow(0, n, n), v);
+  try {
+    const KeptAttended a = AttendKept(q, *run.chunk, seqs, shape_.scale, shape_.window, emulate_);
+    merged.index_copy_(0, in, a.out.reshape({n, h * d}).to(merged.scalar_type()));
+    return a.backend;
+  } catch (const c10::Error& e) {
+    if (compat::IsOutOfMemory(e)) throw;
+    return nullptr;
+  }
 }
 
 }  // namespace attnserve

@@ -10,6 +10,14 @@
 
 namespace attnserve {
 
+/// A decoder's per-head transforms: its q/k RMSNorm weights ([D], the compute dtype) and RoPE's
+/// inverse frequencies ([rotary_dim / 2], float32), each undefined where it has none (all three
+/// for a model that is not a decoder), and the norms' epsilon.
+struct DecoderHeads {
+  at::Tensor q_norm, k_norm, inv_freq;
+  double eps = 0;
+};
+
 /// RoPE's inverse frequencies [rotary_dim / 2], float32 on the CPU: theta^(-2j/rotary_dim), then
 /// Llama 3's scaling when `r.type` is "llama3".
 at::Tensor RotaryInverseFrequencies(const RotarySpec& r);

@@ -6,6 +6,15 @@
 
 namespace attnserve {
 
+at::Tensor LongsOnDevice(const std::vector<int64_t>& values, at::Device device) {
+  const at::Tensor host = at::from_blob(const_cast<int64_t*>(values.data()),
+                                        {static_cast<int64_t>(values.size())}, at::kLong);
+  if (!device.is_cuda()) return host.clone();
+  at::Tensor pinned = at::empty(host.sizes(), host.options().pinned_memory(true));
+  pinned.copy_(host);
+  return pinned.to(device, at::kLong, /*non_blocking=*/true);
+}
+
 at::ScalarType ToScalarType(DType d) {
   switch (d) {
     case DType::kFloat32:

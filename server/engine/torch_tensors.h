@@ -5,6 +5,9 @@
 #include <ATen/ATen.h>
 #include <c10/core/StreamGuard.h>
 
+#include <cstdint>
+#include <vector>
+
 #include "server/core/types.h"
 #include "server/engine/onednn.h"
 #include "server/weights/model_weights.h"
@@ -22,6 +25,9 @@ onednn::View ViewOf(const at::Tensor& t);
 
 /// A weight's values copied to `opts` (device and dtype).
 at::Tensor FromHost(const HostTensor& h, const at::TensorOptions& opts);
+
+/// Host int64s on `device` (CUDA: through pinned memory, without waiting).
+at::Tensor LongsOnDevice(const std::vector<int64_t>& values, at::Device device);
 
 /// A float mask (0 = attend, -inf = masked, else added) in `dtype` on `device`, from a bool or
 /// float mask.
