@@ -578,8 +578,8 @@ StatusOr<std::shared_ptr<KvEntry>> KvStore::Fork(const std::string& handle,
   return child;
 }
 
-Status KvStore::Truncate(const std::string& handle, int64_t length, std::shared_ptr<KvEntry>* entry,
-                         const std::string& tenant) {
+Status KvStore::Truncate(const std::string& handle, int64_t length, const std::string& tenant,
+                         std::shared_ptr<KvEntry>* entry) {
   ASSIGN_OR_RETURN(std::shared_ptr<KvEntry> e, Lookup(handle, KvKind::kSession, tenant));
   if (entry != nullptr) *entry = e;
   std::lock_guard<std::mutex> lock(mu_);

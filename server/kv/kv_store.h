@@ -149,7 +149,8 @@ class KvStep {
   bool ended_ = false;
 };
 
-/// The index of memories and sessions. Thread-safe.
+/// The index of memories and sessions. Thread-safe. Every call that reaches an entry names the
+/// caller's tenant, with no default: a caller that forgot it would otherwise act as `default`.
 class KvStore {
  public:
   /// The store's clock. By default steady_clock and a thread of the store's own that expires idle
@@ -174,8 +175,7 @@ class KvStore {
   StatusOr<std::shared_ptr<KvEntry>> Create(KvKind kind,
                                             std::shared_ptr<const AttentionModel> model,
                                             std::shared_ptr<KvCache> cache, int64_t batch,
-                                            int64_t capacity,
-                                            const std::string& tenant = kDefaultTenant);
+                                            int64_t capacity, const std::string& tenant);
   /// A memory's keys and values are in place: its handle now works. ABORTED, saying why, when the
   /// entry ended while it was computed (a reload unloaded its model, the server stopped).
   Status MarkReady(const std::shared_ptr<KvEntry>& entry, int64_t length);
@@ -187,14 +187,14 @@ class KvStore {
   /// Another tenant's entry, held or ended, is NOT_FOUND with the code and message a handle never
   /// made gets: nothing tells a tenant that another's handle exists or existed.
   StatusOr<std::shared_ptr<KvEntry>> Lookup(const std::string& handle, KvKind kind,
-                                            const std::string& tenant = kDefaultTenant);
+                                            const std::string& tenant);
 
   /// Admits one step on a session and marks it busy: ABORTED when a step is in flight or when
   /// `expected_length` differs from its length; INVALID_ARGUMENT when `expected_length` < 0.
   /// Nothing is reserved yet: the step is validated against its length, then KvStep::Reserve.
   StatusOr<std::unique_ptr<KvStep>> BeginStep(const std::string& handle,
                                               std::optional<int64_t> expected_length,
-                                              const std::string& tenant = kDefaultTenant);
+                                              const std::string& tenant);
 
   /// A batched step's sessions (AttendRequest.steps), each admitted as BeginStep admits one, all
   /// under one lock: every session admitted is busy before any reserves room, so reserving for one
@@ -215,24 +215,22 @@ class KvStore {
   /// its own, and joins the parent's family (whose tenant pays for blocks its members share once
   /// their session let go of them). Refusals as Create's (--kv-max-entries) and BeginStep's.
   StatusOr<std::shared_ptr<KvEntry>> Fork(const std::string& handle, std::shared_ptr<KvCache> cache,
-                                          const std::string& tenant = kDefaultTenant);
+                                          const std::string& tenant);
   /// The same, the empty cache made by `new_cache` for the parent's model once it is held (the
   /// session is looked up once: attnserve_kv_lookups counts the call once).
   using CacheFactory =
       std::function<StatusOr<std::shared_ptr<KvCache>>(const AttentionModel& parent_model)>;
   StatusOr<std::shared_ptr<KvEntry>> Fork(const std::string& handle, const CacheFactory& new_cache,
-                                          const std::string& tenant = kDefaultTenant);
+                                          const std::string& tenant);
   /// Takes a session back to its first `length` tokens (TruncateSession), renewing its expiry; its
   /// allocation stays. INVALID_ARGUMENT for a length outside 0 to its length, ABORTED while a step
   /// is in flight, NOT_FOUND saying why when it is not held. `entry`, when given, gets the session.
-  Status Truncate(const std::string& handle, int64_t length,
-                  std::shared_ptr<KvEntry>* entry = nullptr,
-                  const std::string& tenant = kDefaultTenant);
+  Status Truncate(const std::string& handle, int64_t length, const std::string& tenant,
+                  std::shared_ptr<KvEntry>* entry = nullptr);
   /// Removes an entry at once (DeleteMemory, CloseSession): the bytes it frees, or NOT_FOUND.
   /// Afterwards its maker is told why the handle is gone; any other tenant gets what a handle never
   /// made gets (Lookup).
-  StatusOr<int64_t> Release(const std::string& handle, KvKind kind,
-                            const std::string& tenant = kDefaultTenant);
+  StatusOr<int64_t> Release(const std::string& handle, KvKind kind, const std::string& tenant);
   /// Ends every entry whose model is `spec` (name, version and weights): a reload removed that
   /// version. (A reload that replaces a version's weights ends nothing: entries keep theirs.)
   void EndModel(const ModelSpec& spec);

@@ -699,7 +699,7 @@ Status RequestPipeline::TruncateSession(const v1::TruncateSessionRequest& req, v
   std::string model;
   const Status st = [&]() -> Status {
     std::shared_ptr<KvEntry> entry;
-    RETURN_IF_ERROR(kv_.Truncate(req.handle(), req.length(), &entry, caller.tenant));
+    RETURN_IF_ERROR(kv_.Truncate(req.handle(), req.length(), caller.tenant, &entry));
     model = entry->model->spec().name;
     FillHandle(*entry, req.length(), kv_, advertised_address(), resp);
     return Status::Ok();

@@ -612,7 +612,7 @@ class ModelCheck {
     const StatusCode want = PredictCreate(r, capacity, &bytes);
     std::shared_ptr<KvCache> cache = std::move(r.made);
     r.cache = cache;
-    auto got = store_->Create(r.kind, models_[r.model], cache, r.batch, capacity);
+    auto got = store_->Create(r.kind, models_[r.model], cache, r.batch, capacity, kDefaultTenant);
     ExpectCode(got.status(), want, op);
     if (!got.ok() || want != StatusCode::kOk) return nullptr;
     Room(bytes, nullptr, true);
@@ -1036,7 +1036,7 @@ class ModelCheck {
     const size_t i = PickRef(KvKind::kMemory, &handle);
     const bool hold = c_.OneIn(4);
     Note([&] { return std::string("QueryMemory " + Short(handle) + (hold ? " (held)" : "")); });
-    auto got = store_->Lookup(handle, KvKind::kMemory);
+    auto got = store_->Lookup(handle, KvKind::kMemory, kDefaultTenant);
     const std::string missing = Lookup(i, KvKind::kMemory);
     if (!missing.empty()) return ExpectNotFound(got.status(), missing, "Lookup");
     ExpectCode(got.status(), StatusCode::kOk, "Lookup");
@@ -1108,7 +1108,7 @@ class ModelCheck {
     Note([&] {
       return std::string(std::string("Release ") + KvKindName(kind) + " " + Short(handle));
     });
-    auto got = store_->Release(handle, kind);
+    auto got = store_->Release(handle, kind, kDefaultTenant);
     const std::string missing = Lookup(i, kind);
     if (!missing.empty()) return ExpectNotFound(got.status(), missing, "Release");
     ExpectCode(got.status(), StatusCode::kOk, "Release");
@@ -1130,7 +1130,7 @@ class ModelCheck {
     const size_t i = PickRef(KvKind::kSession, &handle);
     Note([&] { return std::string("Fork " + Short(handle)); });
     std::shared_ptr<KvCache> cache = models_[i == SIZE_MAX ? 0 : refs_[i].model]->NewKvCache();
-    auto got = store_->Fork(handle, cache);
+    auto got = store_->Fork(handle, cache, kDefaultTenant);
     const std::string missing = Lookup(i, KvKind::kSession);
     if (!missing.empty()) return ExpectNotFound(got.status(), missing, "Fork");
     if (refs_[i].busy)
@@ -1193,7 +1193,7 @@ class ModelCheck {
     }
     Note(
         [&] { return std::string("Truncate " + Short(handle) + " to " + std::to_string(length)); });
-    const Status got = store_->Truncate(handle, length);
+    const Status got = store_->Truncate(handle, length, kDefaultTenant);
     const std::string missing = Lookup(i, KvKind::kSession);
     if (!missing.empty()) return ExpectNotFound(got, missing, "Truncate");
     Ref& r = refs_[i];
@@ -1326,7 +1326,8 @@ class ModelCheck {
            [] { return std::string("attnserve_kv_ends_total differs from the reference's ends"); });
     for (size_t i : removed_now_) {  // What just ended says why.
       const Ref& r = refs_[i];
-      ExpectNotFound(store_->Lookup(r.handle, r.kind).status(), r.gone, "a removed entry's lookup");
+      ExpectNotFound(store_->Lookup(r.handle, r.kind, kDefaultTenant).status(), r.gone,
+                     "a removed entry's lookup");
     }
   }
 

@@ -254,7 +254,7 @@ struct KvTenantMachine::State {
                      : static_cast<int64_t>(c.Below(static_cast<uint64_t>(s->length + 2)));
       what = "truncate " + std::to_string(s->length) + " to " + std::to_string(length);
       want = length >= 0 && length <= s->length ? StatusCode::kOk : StatusCode::kInvalidArgument;
-      st = store->Truncate(s->handle, length, nullptr, t);
+      st = store->Truncate(s->handle, length, t);
       if (st.ok()) s->length = length;
     } else if (kind < 10) {
       Made* m = c.Below(2) ? s : Pick(c, t, KvKind::kMemory);
@@ -291,7 +291,7 @@ struct KvTenantMachine::State {
           case 2:
             return store->Fork(h, Model()->NewKvCache(), t).status();
           case 3:
-            return store->Truncate(h, 0, nullptr, t);
+            return store->Truncate(h, 0, t);
           case 4:
             return store->Release(h, m.kind, t).status();
           default:

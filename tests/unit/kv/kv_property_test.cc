@@ -181,7 +181,8 @@ TEST(KvPropertyTest, ThreadsSharingOneStoreKeepItsAccountsAndAnswers) {
   };
   KvStore store(o, hooks,
                 [&] { return KvClock::time_point(std::chrono::nanoseconds(now_ns.load())); });
-  auto shared = store.Create(KvKind::kSession, models[0], models[0]->NewKvCache(), 1, 0);
+  auto shared =
+      store.Create(KvKind::kSession, models[0], models[0]->NewKvCache(), 1, 0, kDefaultTenant);
   ASSERT_TRUE(shared.ok());
   const std::string shared_handle = (*shared)->handle;
   shared->reset();
@@ -224,7 +225,7 @@ TEST(KvPropertyTest, ThreadsSharingOneStoreKeepItsAccountsAndAnswers) {
           m.model = static_cast<int>(rng() % 2);
           m.batch = 1 + static_cast<int64_t>(rng() % 2);
           auto e = store.Create(KvKind::kSession, models[m.model], models[m.model]->NewKvCache(),
-                                m.batch, 0);
+                                m.batch, 0, kDefaultTenant);
           if (e.ok()) {
             m.handle = (*e)->handle;
             mine = m;
@@ -263,7 +264,7 @@ TEST(KvPropertyTest, ThreadsSharingOneStoreKeepItsAccountsAndAnswers) {
             if (err > 1e-5)
               fail("a step's answer differs from one causal call by " + std::to_string(err));
             if (mine->tokens.size() >= static_cast<size_t>(24 * mine->batch * kE)) {
-              store.Release(mine->handle, KvKind::kSession);
+              store.Release(mine->handle, KvKind::kSession, kDefaultTenant);
               mine.reset();
             }
           }
@@ -288,7 +289,8 @@ TEST(KvPropertyTest, ThreadsSharingOneStoreKeepItsAccountsAndAnswers) {
           create.value = kv.view();
           if (!ValidateCreateMemory(models[m]->spec(), {}, &create).ok())
             fail("memory does not validate");
-          auto e = store.Create(KvKind::kMemory, models[m], models[m]->NewKvCache(), 1, lk);
+          auto e = store.Create(KvKind::kMemory, models[m], models[m]->NewKvCache(), 1, lk,
+                                kDefaultTenant);
           if (!e.ok()) {
             if (e.status().code() != StatusCode::kResourceExhausted)
               fail("CreateMemory: " + e.status().message());
@@ -307,14 +309,15 @@ TEST(KvPropertyTest, ThreadsSharingOneStoreKeepItsAccountsAndAnswers) {
           }
           if (rng() % 3 == 0) holds.push_back(*e);  // A request still using it...
           if (rng() % 8 != 0)
-            store.Release((*e)->handle, KvKind::kMemory);  // ... when it is deleted.
+            store.Release((*e)->handle, KvKind::kMemory,
+                          kDefaultTenant);  // ... when it is deleted.
         } else if (op == 5 && !holds.empty()) {
           holds.erase(holds.begin());
         } else if (op == 7 && rng() % 2 == 0) {
           // A fork of the session every thread steps: it shares what the session holds at that
           // moment (ABORTED while a step is in flight), and its own step must see exactly that,
           // whatever the session's later steps write.
-          auto fork = store.Fork(shared_handle, models[0]->NewKvCache());
+          auto fork = store.Fork(shared_handle, models[0]->NewKvCache(), kDefaultTenant);
           if (fork.ok()) {
             ++forks;
             const std::string handle = (*fork)->handle;
@@ -329,7 +332,7 @@ TEST(KvPropertyTest, ThreadsSharingOneStoreKeepItsAccountsAndAnswers) {
                        r.code != StatusCode::kResourceExhausted) {
               fail("a fork's step: " + r.message);
             }
-            store.Release(handle, KvKind::kSession);
+            store.Release(handle, KvKind::kSession, kDefaultTenant);
           } else if (fork.status().code() == StatusCode::kAborted) {
             ++aborted;
           } else if (fork.status().code() != StatusCode::kNotFound &&
@@ -337,7 +340,7 @@ TEST(KvPropertyTest, ThreadsSharingOneStoreKeepItsAccountsAndAnswers) {
             fail("fork: " + fork.status().message());
           }
         } else if (op == 6 && mine && rng() % 4 == 0) {
-          store.Release(mine->handle, KvKind::kSession);
+          store.Release(mine->handle, KvKind::kSession, kDefaultTenant);
           mine.reset();
         }
       }

@@ -39,7 +39,7 @@ class FakeCache : public KvCache {
 
 std::unique_ptr<KvStep> Begin(KvStore& store, const std::string& handle,
                               std::optional<int64_t> expected) {
-  auto step = store.BeginStep(handle, expected);
+  auto step = store.BeginStep(handle, expected, kDefaultTenant);
   EXPECT_TRUE(step.ok()) << step.status().message();
   return step.ok() ? std::move(*step) : nullptr;
 }
@@ -84,7 +84,8 @@ KvMetricsHooks HooksInto(Counts* c) {
 
 std::shared_ptr<KvEntry> NewMemory(KvStore& store, const std::shared_ptr<FakeModel>& model,
                                    int64_t len) {
-  auto e = store.Create(KvKind::kMemory, model, std::make_shared<FakeCache>(), 1, len);
+  auto e =
+      store.Create(KvKind::kMemory, model, std::make_shared<FakeCache>(), 1, len, kDefaultTenant);
   EXPECT_TRUE(e.ok()) << e.status().message();
   if (!e.ok()) return nullptr;
   static_cast<FakeCache&>(*(*e)->cache).allocated = len;
@@ -106,14 +107,16 @@ TEST(KvStoreTest, HandlesAreRandom128BitHexAndUnknownOnesSaySo) {
   // Each starts with the replica's ID, 8 hex digits; the rest is 96 random bits.
   ASSERT_EQ(store.replica_id().size(), 8u);
   for (const std::string& h : seen) EXPECT_EQ(h.substr(0, 8), store.replica_id()) << h;
-  auto miss = store.Lookup(store.replica_id() + "000000000000000000000000", KvKind::kMemory);
+  auto miss = store.Lookup(store.replica_id() + "000000000000000000000000", KvKind::kMemory,
+                           kDefaultTenant);
   ASSERT_FALSE(miss.ok());
   EXPECT_EQ(miss.status().code(), StatusCode::kNotFound);
   EXPECT_THAT(miss.status().message(), HasSubstr("unknown"));
   // A session's handle is not a memory's.
-  auto s = store.Create(KvKind::kSession, model, std::make_shared<FakeCache>(), 1, 0);
+  auto s =
+      store.Create(KvKind::kSession, model, std::make_shared<FakeCache>(), 1, 0, kDefaultTenant);
   ASSERT_TRUE(s.ok());
-  auto wrong = store.Lookup((*s)->handle, KvKind::kMemory);
+  auto wrong = store.Lookup((*s)->handle, KvKind::kMemory, kDefaultTenant);
   ASSERT_FALSE(wrong.ok());
   EXPECT_THAT(wrong.status().message(), HasSubstr("is a session, not a memory"));
 }
@@ -122,9 +125,10 @@ TEST(KvStoreTest, AHandleOfAnotherReplicaNamesBothReplicas) {
   KvStore here(KvOptions{}), there(KvOptions{});
   ASSERT_NE(here.replica_id(), there.replica_id());  // 1 in 2^32 to fail by chance
   auto model = std::make_shared<FakeModel>();
-  auto s = there.Create(KvKind::kSession, model, std::make_shared<FakeCache>(), 1, 0);
+  auto s =
+      there.Create(KvKind::kSession, model, std::make_shared<FakeCache>(), 1, 0, kDefaultTenant);
   ASSERT_TRUE(s.ok());
-  auto miss = here.Lookup((*s)->handle, KvKind::kSession);
+  auto miss = here.Lookup((*s)->handle, KvKind::kSession, kDefaultTenant);
   ASSERT_FALSE(miss.ok());
   EXPECT_EQ(miss.status().code(), StatusCode::kNotFound);
   const std::string& m = miss.status().message();
@@ -146,7 +150,8 @@ TEST(KvStoreTest, BudgetEvictsLeastRecentlyUsedButNeverWhatIsInUse) {
   auto c = NewMemory(store, model, 3);
   EXPECT_EQ(counts.bytes, 900);
   EXPECT_EQ(counts.memories, 3);
-  ASSERT_TRUE(store.Lookup(a->handle, KvKind::kMemory).ok());  // a is now the most recent
+  ASSERT_TRUE(
+      store.Lookup(a->handle, KvKind::kMemory, kDefaultTenant).ok());  // a is now the most recent
   const std::string a_handle = a->handle, b_handle = b->handle, c_handle = c->handle;
   std::shared_ptr<KvEntry> in_use = c;  // A running request holds c.
   a.reset();
@@ -155,33 +160,36 @@ TEST(KvStoreTest, BudgetEvictsLeastRecentlyUsedButNeverWhatIsInUse) {
   auto d = NewMemory(store, model, 3);  // Needs 300: b (least recent, not in use) goes.
   ASSERT_TRUE(d);
   EXPECT_EQ(counts.ended("memory evicted"), 1);
-  auto gone = store.Lookup(b_handle, KvKind::kMemory);
+  auto gone = store.Lookup(b_handle, KvKind::kMemory, kDefaultTenant);
   ASSERT_FALSE(gone.ok());
   EXPECT_THAT(gone.status().message(), HasSubstr("evicted"));
-  EXPECT_TRUE(store.Lookup(a_handle, KvKind::kMemory).ok());
-  EXPECT_TRUE(store.Lookup(c_handle, KvKind::kMemory).ok());
+  EXPECT_TRUE(store.Lookup(a_handle, KvKind::kMemory, kDefaultTenant).ok());
+  EXPECT_TRUE(store.Lookup(c_handle, KvKind::kMemory, kDefaultTenant).ok());
   // a and c are in use: even evicting d would not make room for 600, so nothing is evicted and the
   // request is refused.
-  std::shared_ptr<KvEntry> a_held = *store.Lookup(a_handle, KvKind::kMemory);
+  std::shared_ptr<KvEntry> a_held = *store.Lookup(a_handle, KvKind::kMemory, kDefaultTenant);
   d.reset();
-  auto big = store.Create(KvKind::kMemory, model, std::make_shared<FakeCache>(), 1, 6);  // 600
+  auto big = store.Create(KvKind::kMemory, model, std::make_shared<FakeCache>(), 1, 6,
+                          kDefaultTenant);  // 600
   ASSERT_FALSE(big.ok());
   EXPECT_EQ(big.status().code(), StatusCode::kResourceExhausted);
   EXPECT_THAT(big.status().message(), HasSubstr("--kv-budget-bytes"));
-  EXPECT_TRUE(store.Lookup(c_handle, KvKind::kMemory).ok());
+  EXPECT_TRUE(store.Lookup(c_handle, KvKind::kMemory, kDefaultTenant).ok());
   // Over the per-entry limit: INVALID_ARGUMENT naming the flag.
-  auto huge = store.Create(KvKind::kMemory, model, std::make_shared<FakeCache>(), 1, 7);
+  auto huge =
+      store.Create(KvKind::kMemory, model, std::make_shared<FakeCache>(), 1, 7, kDefaultTenant);
   ASSERT_FALSE(huge.ok());
   EXPECT_EQ(huge.status().code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(huge.status().message(), HasSubstr("--kv-max-entry-bytes"));
   // A deleted entry still in use keeps its bytes counted until its holder lets go.
-  ASSERT_TRUE(store.Release(c_handle, KvKind::kMemory).ok());
+  ASSERT_TRUE(store.Release(c_handle, KvKind::kMemory, kDefaultTenant).ok());
   EXPECT_GE(store.bytes(), 600);
   in_use.reset();
   a_held.reset();
   EXPECT_EQ(store.bytes(), 600);  // a and d
   EXPECT_EQ(counts.ended("memory evicted"), 1);
-  EXPECT_THAT(store.Lookup(c_handle, KvKind::kMemory).status().message(), HasSubstr("deleted"));
+  EXPECT_THAT(store.Lookup(c_handle, KvKind::kMemory, kDefaultTenant).status().message(),
+              HasSubstr("deleted"));
   EXPECT_EQ(counts.ended("memory released"), 1);
   EXPECT_EQ(counts.ends.size(), 2u);
 }
@@ -189,24 +197,25 @@ TEST(KvStoreTest, BudgetEvictsLeastRecentlyUsedButNeverWhatIsInUse) {
 TEST(KvStoreTest, SessionStepsAreOneAtATimeAndGrowByDoubling) {
   KvStore store(KvOptions{});
   auto model = std::make_shared<FakeModel>();
-  auto s = store.Create(KvKind::kSession, model, std::make_shared<FakeCache>(), 2, 0);
+  auto s =
+      store.Create(KvKind::kSession, model, std::make_shared<FakeCache>(), 2, 0, kDefaultTenant);
   ASSERT_TRUE(s.ok());
   const std::string h = (*s)->handle;
-  auto first = store.BeginStep(h, std::nullopt);
+  auto first = store.BeginStep(h, std::nullopt, kDefaultTenant);
   ASSERT_TRUE(first.ok());
   EXPECT_EQ((*first)->length(), 0);
   ASSERT_TRUE((*first)->Reserve(5).ok());
   EXPECT_EQ((*first)->capacity(), 16);
-  auto second = store.BeginStep(h, std::nullopt);
+  auto second = store.BeginStep(h, std::nullopt, kDefaultTenant);
   ASSERT_FALSE(second.ok());
   EXPECT_EQ(second.status().code(), StatusCode::kAborted);
   Compute(**first);
   (*first)->End(true);
-  auto wrong_length = store.BeginStep(h, 4);
+  auto wrong_length = store.BeginStep(h, 4, kDefaultTenant);
   ASSERT_FALSE(wrong_length.ok());
   EXPECT_EQ(wrong_length.status().code(), StatusCode::kAborted);
   EXPECT_THAT(wrong_length.status().message(), HasSubstr("holds 5 tokens"));
-  auto grow = store.BeginStep(h, 5);
+  auto grow = store.BeginStep(h, 5, kDefaultTenant);
   ASSERT_TRUE(grow.ok());
   ASSERT_TRUE((*grow)->Reserve(12).ok());
   EXPECT_EQ((*grow)->capacity(), 32);  // 17 needed: doubled
@@ -216,15 +225,16 @@ TEST(KvStoreTest, SessionStepsAreOneAtATimeAndGrowByDoubling) {
       false);  // Failed after its cache grew: the length is as it was, the growth stays counted.
   EXPECT_EQ((*s)->length, 5);
   EXPECT_EQ(store.bytes(), 2 * 32 * 100);
-  auto again = store.BeginStep(h, 5);
+  auto again = store.BeginStep(h, 5, kDefaultTenant);
   ASSERT_TRUE(again.ok());
   ASSERT_TRUE((*again)->Reserve(1).ok());
   (*again)->End(true);
   EXPECT_EQ((*s)->length, 6);
-  auto closed = store.Release(h, KvKind::kSession);
+  auto closed = store.Release(h, KvKind::kSession, kDefaultTenant);
   ASSERT_TRUE(closed.ok());
   EXPECT_EQ(*closed, 2 * 32 * 100);
-  EXPECT_THAT(store.BeginStep(h, std::nullopt).status().message(), HasSubstr("closed"));
+  EXPECT_THAT(store.BeginStep(h, std::nullopt, kDefaultTenant).status().message(),
+              HasSubstr("closed"));
 }
 
 // TruncateSession: back to any length it holds, never while a step is in flight, never beyond its
@@ -232,37 +242,40 @@ TEST(KvStoreTest, SessionStepsAreOneAtATimeAndGrowByDoubling) {
 TEST(KvStoreTest, TruncateTakesBackTokensBetweenSteps) {
   KvStore store(KvOptions{});
   auto model = std::make_shared<FakeModel>();
-  auto s = store.Create(KvKind::kSession, model, std::make_shared<FakeCache>(), 1, 0);
+  auto s =
+      store.Create(KvKind::kSession, model, std::make_shared<FakeCache>(), 1, 0, kDefaultTenant);
   ASSERT_TRUE(s.ok());
   const std::string h = (*s)->handle;
   auto step = Begin(store, h, 0);
   ASSERT_TRUE(step->Reserve(9).ok());
   Compute(*step);
-  EXPECT_EQ(store.Truncate(h, 4).code(), StatusCode::kAborted);  // In flight.
+  EXPECT_EQ(store.Truncate(h, 4, kDefaultTenant).code(), StatusCode::kAborted);  // In flight.
   step->End(true);
   EXPECT_EQ((*s)->length, 9);
   for (const int64_t bad : {int64_t{-1}, int64_t{10}, std::numeric_limits<int64_t>::max(),
                             std::numeric_limits<int64_t>::min()}) {
-    const Status st = store.Truncate(h, bad);
+    const Status st = store.Truncate(h, bad, kDefaultTenant);
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << bad;
     EXPECT_THAT(st.message(), HasSubstr("allowed: 0 to 9")) << bad;
   }
   const int64_t bytes = store.bytes();
-  ASSERT_TRUE(store.Truncate(h, 4).ok());
+  ASSERT_TRUE(store.Truncate(h, 4, kDefaultTenant).ok());
   EXPECT_EQ((*s)->length, 4);
-  EXPECT_EQ(store.bytes(), bytes);         // The allocation stays for the steps to come.
-  ASSERT_TRUE(store.Truncate(h, 4).ok());  // Idempotent: a retried truncation is harmless.
-  EXPECT_EQ(store.BeginStep(h, 9).status().code(), StatusCode::kAborted);
+  EXPECT_EQ(store.bytes(), bytes);  // The allocation stays for the steps to come.
+  ASSERT_TRUE(
+      store.Truncate(h, 4, kDefaultTenant).ok());  // Idempotent: a retried truncation is harmless.
+  EXPECT_EQ(store.BeginStep(h, 9, kDefaultTenant).status().code(), StatusCode::kAborted);
   auto next = Begin(store, h, 4);
   ASSERT_TRUE(next->Reserve(2).ok());
   next->End(true);
   EXPECT_EQ((*s)->length, 6);
-  ASSERT_TRUE(store.Truncate(h, 0).ok());
+  ASSERT_TRUE(store.Truncate(h, 0, kDefaultTenant).ok());
   EXPECT_EQ((*s)->length, 0);
   auto memory = NewMemory(store, model, 3);
-  EXPECT_THAT(store.Truncate(memory->handle, 0).message(), HasSubstr("is a memory, not a session"));
-  ASSERT_TRUE(store.Release(h, KvKind::kSession).ok());
-  EXPECT_THAT(store.Truncate(h, 0).message(), HasSubstr("closed"));
+  EXPECT_THAT(store.Truncate(memory->handle, 0, kDefaultTenant).message(),
+              HasSubstr("is a memory, not a session"));
+  ASSERT_TRUE(store.Release(h, KvKind::kSession, kDefaultTenant).ok());
+  EXPECT_THAT(store.Truncate(h, 0, kDefaultTenant).message(), HasSubstr("closed"));
 }
 
 // ForkSession: the parent's tokens shared, not copied (the fork counts 0 bytes until it writes its
@@ -271,16 +284,18 @@ TEST(KvStoreTest, TruncateTakesBackTokensBetweenSteps) {
 TEST(KvStoreTest, ForkSharesTheSessionAsItIs) {
   KvStore store(KvOptions{});
   auto model = std::make_shared<FakeModel>();
-  auto s = store.Create(KvKind::kSession, model, std::make_shared<FakeCache>(), 2, 0);
+  auto s =
+      store.Create(KvKind::kSession, model, std::make_shared<FakeCache>(), 2, 0, kDefaultTenant);
   ASSERT_TRUE(s.ok());
   const std::string h = (*s)->handle;
   auto step = Begin(store, h, 0);
   ASSERT_TRUE(step->Reserve(5).ok());
   Compute(*step);
-  EXPECT_EQ(store.Fork(h, std::make_shared<FakeCache>()).status().code(), StatusCode::kAborted);
+  EXPECT_EQ(store.Fork(h, std::make_shared<FakeCache>(), kDefaultTenant).status().code(),
+            StatusCode::kAborted);
   step->End(true);
   const int64_t one = store.bytes();
-  auto fork = store.Fork(h, std::make_shared<FakeCache>());
+  auto fork = store.Fork(h, std::make_shared<FakeCache>(), kDefaultTenant);
   ASSERT_TRUE(fork.ok()) << fork.status().message();
   EXPECT_NE((*fork)->handle, h);
   EXPECT_EQ((*fork)->length, 5);
@@ -299,7 +314,9 @@ TEST(KvStoreTest, ForkSharesTheSessionAsItIs) {
   EXPECT_EQ((*fork)->bytes, 2 * 16 * 100);
   EXPECT_EQ(store.bytes(), one + 2 * 16 * 100);
   a->End(false);
-  EXPECT_THAT(store.Fork(store.replica_id() + std::string(24, '0'), std::make_shared<FakeCache>())
+  EXPECT_THAT(store
+                  .Fork(store.replica_id() + std::string(24, '0'), std::make_shared<FakeCache>(),
+                        kDefaultTenant)
                   .status()
                   .message(),
               HasSubstr("unknown"));
@@ -307,13 +324,14 @@ TEST(KvStoreTest, ForkSharesTheSessionAsItIs) {
   KvOptions small;
   small.budget_bytes = small.max_entry_bytes = 2 * 16 * 100;
   KvStore tight(small);
-  auto t = tight.Create(KvKind::kSession, model, std::make_shared<FakeCache>(), 2, 0);
+  auto t =
+      tight.Create(KvKind::kSession, model, std::make_shared<FakeCache>(), 2, 0, kDefaultTenant);
   ASSERT_TRUE(t.ok());
   auto ts = Begin(tight, (*t)->handle, 0);
   ASSERT_TRUE(ts->Reserve(3).ok());
   Compute(*ts);
   ts->End(true);
-  auto tf = tight.Fork((*t)->handle, std::make_shared<FakeCache>());
+  auto tf = tight.Fork((*t)->handle, std::make_shared<FakeCache>(), kDefaultTenant);
   ASSERT_TRUE(tf.ok()) << tf.status().message();
   EXPECT_EQ(tight.size(), 2u);
   EXPECT_EQ(tight.bytes(), 2 * 16 * 100);
@@ -334,7 +352,8 @@ TEST(KvStoreTest, StepsThatOverflowOrFailBeforeComputingChangeNothing) {
   o.max_entry_bytes = 50000;
   KvStore store(o, HooksInto(&counts));
   auto model = std::make_shared<FakeModel>();
-  auto s = store.Create(KvKind::kSession, model, std::make_shared<FakeCache>(), 2, 0);
+  auto s =
+      store.Create(KvKind::kSession, model, std::make_shared<FakeCache>(), 2, 0, kDefaultTenant);
   ASSERT_TRUE(s.ok());
   const std::string h = (*s)->handle;
   {
@@ -375,7 +394,7 @@ TEST(KvStoreTest, StepsThatOverflowOrFailBeforeComputingChangeNothing) {
   // Negative session_length: INVALID_ARGUMENT naming the field (the step in flight is untouched).
   for (int64_t bad :
        {int64_t{-1}, int64_t{-(int64_t{1} << 62)}, std::numeric_limits<int64_t>::min()}) {
-    auto refused = store.BeginStep(h, bad);
+    auto refused = store.BeginStep(h, bad, kDefaultTenant);
     ASSERT_FALSE(refused.ok());
     EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
     EXPECT_THAT(refused.status().message(), HasSubstr("session_length: " + std::to_string(bad)));
@@ -389,7 +408,8 @@ TEST(KvStoreTest, CreateRefusesSizesOutOfRangeAndCountsNothing) {
   const int64_t max = std::numeric_limits<int64_t>::max();
   for (auto [batch, capacity] : std::vector<std::pair<int64_t, int64_t>>{
            {0, 1}, {-1, 1}, {1, -1}, {max, max}, {1 << 20, int64_t{1} << 50}, {max, 1}, {1, max}}) {
-    auto e = store.Create(KvKind::kMemory, model, std::make_shared<FakeCache>(), batch, capacity);
+    auto e = store.Create(KvKind::kMemory, model, std::make_shared<FakeCache>(), batch, capacity,
+                          kDefaultTenant);
     ASSERT_FALSE(e.ok()) << batch << " x " << capacity;
     EXPECT_EQ(e.status().code(), StatusCode::kInvalidArgument);
   }
@@ -404,16 +424,19 @@ TEST(KvStoreTest, EntriesAreBoundedByMaxEntries) {
   auto model = std::make_shared<FakeModel>();
   std::vector<std::string> handles;
   for (int i = 0; i < 3; ++i)
-    handles.push_back(
-        (*store.Create(KvKind::kSession, model, std::make_shared<FakeCache>(), 1, 0))->handle);
+    handles.push_back((*store.Create(KvKind::kSession, model, std::make_shared<FakeCache>(), 1, 0,
+                                     kDefaultTenant))
+                          ->handle);
   for (KvKind kind : {KvKind::kSession, KvKind::kMemory}) {
-    auto refused = store.Create(kind, model, std::make_shared<FakeCache>(), 1, 0);
+    auto refused = store.Create(kind, model, std::make_shared<FakeCache>(), 1, 0, kDefaultTenant);
     ASSERT_FALSE(refused.ok());
     EXPECT_EQ(refused.status().code(), StatusCode::kResourceExhausted);
     EXPECT_THAT(refused.status().message(), HasSubstr("--kv-max-entries"));
   }
-  ASSERT_TRUE(store.Release(handles[0], KvKind::kSession).ok());
-  EXPECT_TRUE(store.Create(KvKind::kSession, model, std::make_shared<FakeCache>(), 1, 0).ok());
+  ASSERT_TRUE(store.Release(handles[0], KvKind::kSession, kDefaultTenant).ok());
+  EXPECT_TRUE(
+      store.Create(KvKind::kSession, model, std::make_shared<FakeCache>(), 1, 0, kDefaultTenant)
+          .ok());
   EXPECT_EQ(store.size(), 3u);
 }
 
@@ -427,12 +450,15 @@ TEST(KvStoreTest, ExpirySkipsEntriesInUseAndIsNotHeldUpByThem) {
   auto now = KvClock::time_point{} + std::chrono::hours(1);
   KvStore store(o, HooksInto(&counts), [&now] { return now; });
   auto model = std::make_shared<FakeModel>();
-  auto busy = *store.Create(KvKind::kSession, model, std::make_shared<FakeCache>(), 1, 0);
+  auto busy =
+      *store.Create(KvKind::kSession, model, std::make_shared<FakeCache>(), 1, 0, kDefaultTenant);
   auto step = Begin(store, busy->handle, std::nullopt);
   now += std::chrono::seconds(1);
-  auto creating = *store.Create(KvKind::kMemory, model, std::make_shared<FakeCache>(), 1, 4);
+  auto creating =
+      *store.Create(KvKind::kMemory, model, std::make_shared<FakeCache>(), 1, 4, kDefaultTenant);
   now += std::chrono::seconds(1);
-  auto idle = *store.Create(KvKind::kSession, model, std::make_shared<FakeCache>(), 1, 0);
+  auto idle =
+      *store.Create(KvKind::kSession, model, std::make_shared<FakeCache>(), 1, 0, kDefaultTenant);
   const std::string idle_handle = idle->handle;
   idle.reset();
   std::shared_ptr<KvEntry> held = NewMemory(store, model, 2);  // A request holds it.
@@ -441,11 +467,11 @@ TEST(KvStoreTest, ExpirySkipsEntriesInUseAndIsNotHeldUpByThem) {
   // Only `idle` went: the busy session, the memory being computed and the held one stay.
   EXPECT_EQ(store.size(), 3u);
   EXPECT_EQ(counts.ended("session expired"), 1);
-  EXPECT_THAT(store.Lookup(idle_handle, KvKind::kSession).status().message(),
+  EXPECT_THAT(store.Lookup(idle_handle, KvKind::kSession, kDefaultTenant).status().message(),
               HasSubstr("expired (unused for 10 s"));
   static_cast<FakeCache&>(*creating->cache).allocated = 4;
   ASSERT_TRUE(store.MarkReady(creating, 4).ok());  // Renewed: computed now.
-  EXPECT_TRUE(store.Lookup(creating->handle, KvKind::kMemory).ok());
+  EXPECT_TRUE(store.Lookup(creating->handle, KvKind::kMemory, kDefaultTenant).ok());
   step->End(true);
   step.reset();
   now += std::chrono::seconds(11);
@@ -462,7 +488,8 @@ TEST(KvStoreTest, ExpirySkipsEntriesInUseAndIsNotHeldUpByThem) {
 TEST(KvStoreTest, AMemoryEndedWhileBeingComputedIsAbortedNotMadeReady) {
   KvStore store(KvOptions{});
   auto model = std::make_shared<FakeModel>();
-  auto creating = *store.Create(KvKind::kMemory, model, std::make_shared<FakeCache>(), 1, 4);
+  auto creating =
+      *store.Create(KvKind::kMemory, model, std::make_shared<FakeCache>(), 1, 4, kDefaultTenant);
   store.EndModel(model->spec());
   const Status st = store.MarkReady(creating, 4);
   EXPECT_EQ(st.code(), StatusCode::kAborted);
@@ -487,14 +514,15 @@ TEST(KvStoreTest, EntriesAreCountedByTheWeightsTheyHold) {
   auto new_weights = std::make_shared<FakeModel>();
   new_weights->spec_.weights_hash = "sha256:bb";
   auto a = NewMemory(store, old_weights, 1);
-  auto s = store.Create(KvKind::kSession, old_weights, std::make_shared<FakeCache>(), 1, 0);
+  auto s = store.Create(KvKind::kSession, old_weights, std::make_shared<FakeCache>(), 1, 0,
+                        kDefaultTenant);
   ASSERT_TRUE(s.ok());
   auto b = NewMemory(store, new_weights, 1);
   using R = std::vector<std::pair<std::string, int64_t>>;
   EXPECT_EQ(reports, (R{{"sha256:aa", 1}, {"sha256:aa", 2}, {"sha256:bb", 1}}));
   reports.clear();
-  ASSERT_TRUE(store.Release(a->handle, KvKind::kMemory).ok());
-  ASSERT_TRUE(store.Release((*s)->handle, KvKind::kSession).ok());
+  ASSERT_TRUE(store.Release(a->handle, KvKind::kMemory, kDefaultTenant).ok());
+  ASSERT_TRUE(store.Release((*s)->handle, KvKind::kSession, kDefaultTenant).ok());
   EXPECT_EQ(reports, (R{{"sha256:aa", 1}, {"sha256:aa", 0}}));
   reports.clear();
   store.EndModel(new_weights->spec());
@@ -514,25 +542,27 @@ TEST(KvStoreTest, UnusedEntriesExpireAndReloadEndsItsModelsEntries) {
   fresh.reset();
   store.ExpireIdle(KvClock::now() + std::chrono::seconds(30));
   EXPECT_EQ(store.size(), 2u);
-  ASSERT_TRUE(store.Lookup(fresh_handle, KvKind::kMemory).ok());  // renewed now
+  ASSERT_TRUE(store.Lookup(fresh_handle, KvKind::kMemory, kDefaultTenant).ok());  // renewed now
   // 61 s on, both were last used more than 60 s before: both expire.
   store.ExpireIdle(KvClock::now() + std::chrono::seconds(61));
   EXPECT_EQ(store.size(), 0u);
   EXPECT_EQ(counts.ended("memory expired"), 2);
-  EXPECT_THAT(store.Lookup(old_handle, KvKind::kMemory).status().message(), HasSubstr("expired"));
+  EXPECT_THAT(store.Lookup(old_handle, KvKind::kMemory, kDefaultTenant).status().message(),
+              HasSubstr("expired"));
   // A reload that unloads the model version ends its entries, saying so.
   auto kept = NewMemory(store, model, 1);
   const std::string kept_handle = kept->handle;
   kept.reset();
   store.EndModel(model->spec());
-  auto ended = store.Lookup(kept_handle, KvKind::kMemory);
+  auto ended = store.Lookup(kept_handle, KvKind::kMemory, kDefaultTenant);
   ASSERT_FALSE(ended.ok());
   EXPECT_THAT(ended.status().message(), HasSubstr("unloaded by a reload"));
   EXPECT_EQ(counts.memories, 0);
   EXPECT_EQ(counts.bytes, 0);
   EXPECT_EQ(counts.ended("memory unloaded"), 1);
   // Shutdown ends what is left, counted as such.
-  auto s = store.Create(KvKind::kSession, model, std::make_shared<FakeCache>(), 1, 0);
+  auto s =
+      store.Create(KvKind::kSession, model, std::make_shared<FakeCache>(), 1, 0, kDefaultTenant);
   ASSERT_TRUE(s.ok());
   s->reset();
   store.Clear("the server is shutting down");

@@ -88,8 +88,8 @@ TEST_F(KvTenantsTest, OnlyTheMakerFindsItsEntriesAndOthersSeeNothingThere) {
   for (const Status& st :
        {store_.Lookup(*mine, KvKind::kMemory, "b").status(),
         store_.BeginStep(s, std::nullopt, "b").status(),
-        store_.Fork(s, std::make_shared<Cache>(), "b").status(),
-        store_.Truncate(s, 0, nullptr, "b"), store_.Release(*mine, KvKind::kMemory, "b").status(),
+        store_.Fork(s, std::make_shared<Cache>(), "b").status(), store_.Truncate(s, 0, "b"),
+        store_.Release(*mine, KvKind::kMemory, "b").status(),
         store_.Release(s, KvKind::kSession, "default").status()}) {
     EXPECT_EQ(st.code(), StatusCode::kNotFound) << st.message();
     EXPECT_THAT(st.message(), HasSubstr("unknown: this server holds no"));
@@ -126,7 +126,7 @@ TEST_F(KvTenantsTest, AnotherTenantsHandleOpenOrClosedAnswersAsOneNeverMade) {
                                store_.Lookup(h, KvKind::kSession, "a").status(),
                                store_.BeginStep(h, std::nullopt, "a").status(),
                                store_.Fork(h, std::make_shared<Cache>(), "a").status(),
-                               store_.Truncate(h, 0, nullptr, "a"),
+                               store_.Truncate(h, 0, "a"),
                                store_.Release(h, KvKind::kMemory, "a").status(),
                                store_.Release(h, KvKind::kSession, "a").status()};
   };

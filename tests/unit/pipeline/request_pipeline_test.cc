@@ -346,12 +346,13 @@ TEST_F(RequestPipelineTest, AnAnsweredRequestNoLongerHoldsItsMemoryOrSession) {
   auto model = models_->Snapshot()->Lookup("demo", 0);
   ASSERT_TRUE(model.ok());
   const auto evicts_the_rest = [&]() -> Status {
-    auto probe = kv_->Create(KvKind::kMemory, *model, (*model)->NewKvCache(), 1, 10);
+    auto probe =
+        kv_->Create(KvKind::kMemory, *model, (*model)->NewKvCache(), 1, 10, kDefaultTenant);
     if (!probe.ok()) return probe.status();
     RETURN_IF_ERROR(kv_->MarkReady(*probe, 10));
     const std::string handle = (*probe)->handle;
     probe->reset();
-    return kv_->Release(handle, KvKind::kMemory).status();
+    return kv_->Release(handle, KvKind::kMemory, kDefaultTenant).status();
   };
   const auto create_memory = [&](v1::KvHandle* handle, bool probe) {
     v1::CreateMemoryRequest req;
