@@ -179,29 +179,53 @@ struct KvTenantMachine::State {
   Status RunStep(Made& s, int64_t tokens, bool apply, const std::string& t) {
     auto begun = store->BeginStep(s.handle, s.length, t);
     if (!begun.ok()) return begun.status();
-    std::unique_ptr<KvStep> step = std::move(*begun);
-    const Buffer q = Floats({tokens, s.batch, kE},
-                            RandomFloats(values, static_cast<size_t>(tokens * s.batch * kE)));
+    return Compute(std::move(*begun), s, tokens, apply);
+  }
+
+  // An admitted step of `tokens` new tokens on session `s`: its query validated against the
+  // session's length and room reserved (Reserve), then computed and ended (Finish).
+  struct Pending {
+    std::unique_ptr<KvStep> step;
+    Made* session = nullptr;
+    int64_t tokens = 0;
+    Buffer q;
     AttendCall call;
-    call.query = q.view();
+    Status status;
+  };
+  void Reserve(Pending* p) {
+    const int64_t n = p->tokens * p->session->batch * kE;
+    p->q = Floats({p->tokens, p->session->batch, kE}, RandomFloats(values, static_cast<size_t>(n)));
+    AttendCall& call = p->call;
+    call.query = p->q.view();
     call.layout = TensorLayout::kSequenceFirst;
     call.is_causal = true;
     call.kv_use = AttendCall::Kv::kSession;
-    call.kv = step->entry()->cache;
-    call.kv_batch = step->entry()->batch;
-    call.kv_length = step->length();
-    Status st = Validate(Model()->spec(), {}, &call);
-    if (st.ok()) st = step->Reserve(call.query_len);
-    if (st.ok()) {
-      call.kv_capacity = step->capacity();
+    call.kv = p->step->entry()->cache;
+    call.kv_batch = p->step->entry()->batch;
+    call.kv_length = p->step->length();
+    p->status = Validate(Model()->spec(), {}, &call);
+    if (p->status.ok()) p->status = p->step->Reserve(call.query_len);
+  }
+  // Applied when `apply`; the step's status.
+  Status Finish(Pending* p, bool apply) {
+    if (p->status.ok()) {
+      p->call.kv_capacity = p->step->capacity();
       std::string out;
       AttendOutputs o;
       o.output = &out;
-      st = Model()->Forward(call, &o);
+      p->status = Model()->Forward(p->call, &o);
     }
-    step->End(st.ok() && apply);
-    if (st.ok() && apply) s.length += tokens;
-    return st;
+    p->step->End(p->status.ok() && apply);
+    if (p->status.ok() && apply) p->session->length += p->tokens;
+    return p->status;
+  }
+  Status Compute(std::unique_ptr<KvStep> step, Made& s, int64_t tokens, bool apply) {
+    Pending p;
+    p.step = std::move(step);
+    p.session = &s;
+    p.tokens = tokens;
+    Reserve(&p);
+    return Finish(&p, apply);
   }
 
   std::string Step(Choices& c) {
@@ -218,7 +242,7 @@ struct KvTenantMachine::State {
     Status st;
     std::optional<StatusCode> want;  // When the call's answer is known in advance.
     bool ticked = false;
-    const uint64_t kind = c.Below(18);
+    const uint64_t kind = c.Below(20);
     Made* s = Pick(c, t, KvKind::kSession);
     if (kind < 2 || (kind < 9 && s == nullptr)) {
       const int64_t batch = c.OneIn(8) ? Extreme(c) : 1 + static_cast<int64_t>(c.Below(3));
@@ -327,6 +351,9 @@ struct KvTenantMachine::State {
         holds.erase(holds.begin() + static_cast<long>(c.Below(holds.size())));
       }
       ++seen["holds let go"];
+    } else if (kind == 17 || kind == 18) {
+      what = "batched steps";
+      out += BatchedSteps(c, t, &what);
     } else {
       now += std::chrono::seconds(c.Below(8));
       what = "tick";
@@ -402,6 +429,119 @@ struct KvTenantMachine::State {
     out += Books();
     if (out.empty()) return "";
     return "op " + std::to_string(at_op) + " (" + t + ": " + what + "): " + out;
+  }
+
+  // A batched step's sessions (KvStore::BeginSteps) named by tenant t: 1 to 5 entries, each one of
+  // its open sessions at its length (or one past it), a handle of another tenant (open or ended)
+  // or one never made, or an entry named again. Each entry answers on its own: another tenant's
+  // handle exactly as one never made, a wrong length ABORTED, a handle named after an entry of it
+  // was admitted ABORTED (a step in flight), t's own OK. The
+  // admitted steps then reserve, compute and end one by one, as the service runs them; reserving
+  // for one never evicts another of the same call. What broke, or "".
+  // One entry of a batched step by tenant t.
+  struct BatchEntry {
+    Made* own = nullptr;          // t's session, or
+    const Made* other = nullptr;  // another tenant's entry, or neither: the handle never made.
+    std::optional<int64_t> length;
+    std::string handle;
+  };
+  std::vector<BatchEntry> BatchEntries(Choices& c, const std::string& t) {
+    std::vector<BatchEntry> entries(1 + c.Below(5));
+    for (size_t i = 0; i < entries.size(); ++i) {
+      BatchEntry& e = entries[i];
+      const uint64_t pick = c.Below(8);
+      if (pick == 0 && i > 0) {
+        e = entries[c.Below(i)];  // Named again.
+        continue;
+      }
+      if (pick < 5 && (e.own = Pick(c, t, KvKind::kSession)) != nullptr) {
+        e.length = c.OneIn(6) ? e.own->length + 1 : e.own->length;
+      } else {
+        std::vector<const Made*> theirs;
+        for (const Made& m : made) {
+          if (m.tenant != t) theirs.push_back(&m);
+        }
+        if (!theirs.empty() && c.Below(3) != 0) e.other = theirs[c.Below(theirs.size())];
+      }
+      e.handle = e.own ? e.own->handle : e.other ? e.other->handle : never;
+    }
+    return entries;
+  }
+
+  std::string BatchedSteps(Choices& c, const std::string& t, std::string* what) {
+    const std::vector<BatchEntry> entries = BatchEntries(c, t);
+    std::vector<KvStore::StepBegin> begins;
+    for (const BatchEntry& e : entries) begins.push_back({e.handle, e.length});
+    *what = "batched steps of " + std::to_string(entries.size());
+    auto got = store->BeginSteps(begins, t);
+    if (got.size() != entries.size()) {
+      return "BeginSteps answered " + std::to_string(got.size()) + " of " +
+             std::to_string(entries.size()) + " entries; ";
+    }
+    std::string out;
+    const auto expect = [&](size_t i, const Status& st, StatusCode want, const std::string& why) {
+      if (st.code() != want) {
+        out += "batched entry " + std::to_string(i) + " (" + why + ") answered " +
+               CodeName(st.code()) + " '" + st.message() + "', expected " + CodeName(want) + "; ";
+      }
+    };
+    std::set<std::string> busy;  // Handles an earlier entry got admitted: a step in flight.
+    for (size_t i = 0; i < entries.size(); ++i) {
+      const BatchEntry& e = entries[i];
+      const Status st = got[i].status();
+      if (busy.count(begins[i].handle)) {
+        expect(i, st, StatusCode::kAborted, "named again after an admitted entry");
+        ++seen["batched: named again"];
+      } else if (e.own != nullptr) {
+        const bool right = *e.length == e.own->length;
+        expect(i, st, right ? StatusCode::kOk : StatusCode::kAborted,
+               right ? "its own session" : "a wrong length");
+      } else {  // Another tenant's handle, or one never made: as one never made answers.
+        const Status unknown = store->BeginStep(never, std::nullopt, t).status();
+        const std::string& h = begins[i].handle;
+        if (st.code() != unknown.code() || Renamed(st.message(), h, never) != unknown.message()) {
+          out += "batched entry " + std::to_string(i) +
+                 " (another tenant's or no handle) answered " + CodeName(st.code()) + " '" +
+                 st.message() + "', one never made " + CodeName(unknown.code()) + " '" +
+                 unknown.message() + "'; ";
+        }
+        ++seen[e.other ? "batched: another tenant's handle" : "batched: a handle never made"];
+      }
+      if (st.ok()) busy.insert(begins[i].handle);
+    }
+    // The admitted steps as the service runs a batched call: each reserves room in turn, every one
+    // still in flight, so none may evict another's session; then each computes and ends.
+    std::vector<Pending> pending(entries.size());
+    std::vector<size_t> admitted;
+    for (size_t i = 0; i < entries.size(); ++i) {
+      if (got[i].ok() && entries[i].own && entries[i].own->batch <= 3) admitted.push_back(i);
+    }
+    for (size_t i : admitted) {
+      Pending& p = pending[i];
+      p.step = std::move(got[i]).value();
+      p.session = entries[i].own;
+      p.tokens = 1 + static_cast<int64_t>(c.Below(6));
+      Reserve(&p);
+      std::set<std::string> indexed;
+      for (const KvEntryInfo& info : store->Snapshot()) indexed.insert(info.handle);
+      for (size_t j : admitted) {
+        if (!indexed.count(entries[j].own->handle)) {
+          out += "batched entry " + std::to_string(j) + "'s session was evicted by entry " +
+                 std::to_string(i) + "'s reservation; ";
+        }
+      }
+    }
+    for (size_t i : admitted) {
+      const Status st = Finish(&pending[i], !c.OneIn(5));
+      if (!st.ok() && st.code() != StatusCode::kResourceExhausted &&
+          st.code() != StatusCode::kInvalidArgument) {
+        out += "batched entry " + std::to_string(i) + "'s step answered " + CodeName(st.code()) +
+               " '" + st.message() + "'; ";
+      }
+      if (st.code() == StatusCode::kResourceExhausted) ++seen["batched: refused room"];
+      if (st.ok()) ++seen["batched: steps"];
+    }
+    return out;
   }
 
   // Returns "" (so a skipped call can return it).

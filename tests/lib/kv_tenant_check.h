@@ -1,14 +1,16 @@
 #pragma once
 // Several tenants' calls on one store of the keys and values kept between requests, as a state
 // machine over a KvStore and the LibTorch engine: sessions opened, stepped, forked, truncated and
-// closed; memories created and deleted; sizes from the whole int64 range, refused with
-// INVALID_ARGUMENT and never wrapped; big memories for pressure; requests holding entries; the
-// clock ticked (expiry); each other's handles probed. After every call: every byte charged to
-// exactly one tenant (their bytes, and their attnserve_tenant_kv_bytes labels, add up to the
-// store's and its gauge's), none over its cap, the store within its budget; a tenant that lost an
-// entry to another's need keeps at least its guarantee; room refused only when what other tenants
-// keep could not be evicted (their guarantees, what is in use); another tenant's handle, open or
-// ended, answers exactly as one never made. Every choice comes from a byte source: a seeded
+// closed; batched steps (KvStore::BeginSteps) whose entries mix the caller's sessions, other
+// tenants' handles and names given twice, each answering on its own, none of a call's sessions
+// evicted by another's reservation; memories created and deleted; sizes from the whole int64 range,
+// refused with INVALID_ARGUMENT and never wrapped; big memories for pressure; requests holding
+// entries; the clock ticked (expiry); each other's handles probed. After every call: every byte
+// charged to exactly one tenant (their bytes, and their attnserve_tenant_kv_bytes labels, add up to
+// the store's and its gauge's), none over its cap, the store within its budget; a tenant that lost
+// an entry to another's need keeps at least its guarantee; room refused only when what other
+// tenants keep could not be evicted (their guarantees, what is in use); another tenant's handle,
+// open or ended, answers exactly as one never made. Every choice comes from a byte source: a seeded
 // generator in tests/unit/kv/kv_property_test.cc, a fuzzer's input in tests/fuzz/fuzz_tenants.cc.
 
 #include <cstdint>

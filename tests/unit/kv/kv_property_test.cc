@@ -583,7 +583,9 @@ TEST(KvTenantPropertyTest, ClosingAForkedSessionNeverReportsItsSharedBlockAsFree
 }
 
 // Random calls by four tenants on one store over the LibTorch engine (two capped, three with
-// guarantees, one the tenants file does not name), every invariant checked after every call
+// guarantees, one the tenants file does not name), batched steps among them (their entries mixing
+// the caller's sessions, other tenants' handles and names given twice), every invariant checked
+// after every call
 // (tests/lib/kv_tenant_check.h): eight seeds of 1,500 calls.
 TEST(KvTenantPropertyTest, RandomCallsChargeEveryByteToExactlyOneTenant) {
   std::map<std::string, int64_t> seen;  // What happened, so the test is not vacuous.
@@ -613,7 +615,9 @@ TEST(KvTenantPropertyTest, RandomCallsChargeEveryByteToExactlyOneTenant) {
   for (const char* what :
        {"forks", "invalid", "refused room", "refused room, nothing held", "capped",
         "evicted for another tenant", "holds let go", "blocks kept by forks alone",
-        "probes of open handles", "probes of ended handles"}) {
+        "probes of open handles", "probes of ended handles", "batched: steps",
+        "batched: another tenant's handle", "batched: a handle never made",
+        "batched: named again"}) {
     EXPECT_GE(seen[what], 10) << what << "; " << summary;
   }
 }
