@@ -174,14 +174,6 @@ struct KvTenantMachine::State {
     return Status::Ok();
   }
 
-  // A step the way the service runs one: BeginStep, validation against the session's length,
-  // Reserve, compute, End (applied when `apply`).
-  Status RunStep(Made& s, int64_t tokens, bool apply, const std::string& t) {
-    auto begun = store->BeginStep(s.handle, s.length, t);
-    if (!begun.ok()) return begun.status();
-    return Compute(std::move(*begun), s, tokens, apply);
-  }
-
   // An admitted step of `tokens` new tokens on session `s`: its query validated against the
   // session's length and room reserved (Reserve), then computed and ended (Finish).
   struct Pending {
@@ -219,9 +211,14 @@ struct KvTenantMachine::State {
     if (p->status.ok() && apply) p->session->length += p->tokens;
     return p->status;
   }
-  Status Compute(std::unique_ptr<KvStep> step, Made& s, int64_t tokens, bool apply) {
+
+  // A step the way the service runs one: BeginStep, validation against the session's length,
+  // Reserve, compute, End (applied when `apply`).
+  Status RunStep(Made& s, int64_t tokens, bool apply, const std::string& t) {
+    auto begun = store->BeginStep(s.handle, s.length, t);
+    if (!begun.ok()) return begun.status();
     Pending p;
-    p.step = std::move(step);
+    p.step = std::move(*begun);
     p.session = &s;
     p.tokens = tokens;
     Reserve(&p);
