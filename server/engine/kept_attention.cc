@@ -158,13 +158,11 @@ const char* KeptRuns::AttendRun(const std::vector<const AttendCall*>& calls, con
   at::Tensor q = qkv[0].index_select(0, in).view({n, h, d});
   const at::Tensor k = qkv[1].index_select(0, in).view({n, kvh, d});
   const at::Tensor v = qkv[2].index_select(0, in).view({n, kvh, d});
-  if (decoder_.q_norm.defined()) RmsNormHeadsInPlace(q, decoder_.q_norm, decoder_.eps);
-  if (decoder_.k_norm.defined()) RmsNormHeadsInPlace(k, decoder_.k_norm, decoder_.eps);
-  if (decoder_.inv_freq.defined()) {
-    const Rotation rot = RotationAt(index.narrow(0, 2 * n, n), decoder_.inv_freq, q.scalar_type());
-    RotateInPlace(q, rot);
-    RotateInPlace(k, rot);
-  }
+  Rotation rot;  // The new tokens' queries and keys, at their positions.
+  if (decoder_.inv_freq.defined())
+    rot = RotationAt(index.narrow(0, 2 * n, n), decoder_.inv_freq, q.scalar_type());
+  NormRotateInPlace(q, decoder_.q_norm, decoder_.eps, rot);
+  NormRotateInPlace(k, decoder_.k_norm, decoder_.eps, rot);
   run.chunk->k.index_copy_(0, index.narrow(0, n, n), k);
   run.chunk->v.index_copy_(0, index.narrow(0, n, n), v);
   try {

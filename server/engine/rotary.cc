@@ -104,4 +104,10 @@ void RmsNormHeadsInPlace(const at::Tensor& heads, const at::Tensor& weight, doub
   heads.copy_(weight.to(heads.scalar_type()) * normed.to(heads.scalar_type()));
 }
 
+void NormRotateInPlace(const at::Tensor& heads, const at::Tensor& norm, double eps,
+                       const Rotation& rotation) {
+  if (norm.defined()) RmsNormHeadsInPlace(heads, norm, eps);
+  if (rotation.cos.defined()) RotateInPlace(heads, rotation);
+}
+
 }  // namespace attnserve

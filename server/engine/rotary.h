@@ -38,4 +38,9 @@ void RotateInPlace(const at::Tensor& heads, const Rotation& rotation);
 /// eps) in float32, rounded to the heads' dtype, times `weight` ([D]).
 void RmsNormHeadsInPlace(const at::Tensor& heads, const at::Tensor& weight, double eps);
 
+/// `heads` ([rows, heads, D]) in place as a decoder's attention takes them: RMS-normed by `norm`
+/// when it is defined, then rotated when `rotation` has a table.
+void NormRotateInPlace(const at::Tensor& heads, const at::Tensor& norm, double eps,
+                       const Rotation& rotation);
+
 }  // namespace attnserve

@@ -293,13 +293,9 @@ class TorchModel final : public AttentionModel {
                                  decoder_.inv_freq, dt);
       }
     }
-    const auto transform = [&](at::Tensor& x, const at::Tensor& norm, const Rotation& rot) {
-      at::Tensor heads = x.view({x.size(0), -1, d});
-      if (norm.defined()) RmsNormHeadsInPlace(heads, norm, eps);
-      if (rot.cos.defined()) RotateInPlace(heads, rot);
-    };
-    transform(r.q, decoder_.q_norm, q_rot);
-    if (r.k.defined()) transform(r.k, decoder_.k_norm, k_rot);
+    NormRotateInPlace(r.q.view({r.q.size(0), -1, d}), decoder_.q_norm, eps, q_rot);
+    if (r.k.defined())
+      NormRotateInPlace(r.k.view({r.k.size(0), -1, d}), decoder_.k_norm, eps, k_rot);
     return r;
   }
 
@@ -447,11 +443,12 @@ class TorchModel final : public AttentionModel {
     at::Tensor keys = products_.Linear(transfer_.InputRows(*call.key), proj_.k, parallel);
     if (spec_.decoder) {  // Kept normed and rotated, at key_position onwards.
       const int64_t d = spec_.head_dim();
-      at::Tensor heads = keys.view({keys.size(0), -1, d});
-      if (decoder_.k_norm.defined()) RmsNormHeadsInPlace(heads, decoder_.k_norm, decoder_.eps);
+      const at::Tensor heads = keys.view({keys.size(0), -1, d});
+      Rotation rot;
       if (decoder_.inv_freq.defined())
-        RotateInPlace(heads, RotationAt(RowPositions(call, lk, call.key_position, false),
-                                        decoder_.inv_freq, heads.scalar_type()));
+        rot = RotationAt(RowPositions(call, lk, call.key_position, false), decoder_.inv_freq,
+                         heads.scalar_type());
+      NormRotateInPlace(heads, decoder_.k_norm, decoder_.eps, rot);
     }
     m.KeepKeys(SplitHeads(keys, batch_first, b, lk));
     m.KeepValues(SplitHeads(products_.Linear(transfer_.InputRows(*call.value), proj_.v, parallel),
