@@ -82,22 +82,27 @@ constexpr int64_t kCpuPoolChunkBytes = int64_t{16} << 20;
 
 }  // namespace
 
-std::unique_ptr<KeptRuns> KeptRuns::Make(const Shape& shape, DecoderHeads decoder, bool kernels,
-                                         bool emulate, int64_t chunk_bytes, int64_t max_bytes) {
-  const int64_t kvh = shape.kv_heads, d = shape.head_dim;
-  const bool half = shape.dtype == at::kHalf || shape.dtype == at::kBFloat16;
+std::unique_ptr<KeptRuns> KeptRuns::Make(const HeadAttentionOptions& heads, at::ScalarType dtype,
+                                         DecoderHeads decoder, bool kernels, bool emulate,
+                                         int64_t chunk_bytes, int64_t max_bytes) {
+  Shape s;
+  s.heads = heads.num_heads;
+  s.kv_heads = heads.num_kv_heads > 0 ? heads.num_kv_heads : heads.num_heads;
+  s.head_dim = heads.head_dim;
+  s.scale = heads.scale > 0 ? heads.scale : 1.0 / std::sqrt(static_cast<double>(heads.head_dim));
+  s.window = heads.window;
+  s.device = heads.device;
+  const int64_t kvh = s.kv_heads, d = s.head_dim;
+  const bool half = dtype == at::kHalf || dtype == at::kBFloat16;
   const bool kernel =
-      kernels && ((half && d % 8 == 0 && d <= 256) || (kvh == shape.heads && !shape.window));
-  if (shape.extra_keys || !(kernel || emulate)) return nullptr;
-  if (chunk_bytes <= 0)
-    chunk_bytes = shape.device.is_cuda() ? kCudaPoolChunkBytes : kCpuPoolChunkBytes;
-  const int64_t row = 2 * kvh * d * static_cast<int64_t>(c10::elementSize(shape.dtype));
-  auto pool =
-      std::make_shared<KvPool>(kvh, d, at::TensorOptions().device(shape.device).dtype(shape.dtype),
-                               std::max<int64_t>(1, chunk_bytes / row),
-                               max_bytes > 0 ? std::max<int64_t>(1, max_bytes / row) : 0);
-  Shape s = shape;
-  if (s.scale <= 0) s.scale = 1.0 / std::sqrt(static_cast<double>(d));
+      kernels && ((half && d % 8 == 0 && d <= 256) || (kvh == s.heads && !s.window));
+  const bool extra_keys = heads.bias_k.defined() || heads.add_zero_attn;
+  if (extra_keys || !(kernel || emulate)) return nullptr;
+  if (chunk_bytes <= 0) chunk_bytes = s.device.is_cuda() ? kCudaPoolChunkBytes : kCpuPoolChunkBytes;
+  const int64_t row = 2 * kvh * d * static_cast<int64_t>(c10::elementSize(dtype));
+  auto pool = std::make_shared<KvPool>(kvh, d, at::TensorOptions().device(s.device).dtype(dtype),
+                                       std::max<int64_t>(1, chunk_bytes / row),
+                                       max_bytes > 0 ? std::max<int64_t>(1, max_bytes / row) : 0);
   return std::unique_ptr<KeptRuns>(new KeptRuns(s, std::move(decoder), emulate, std::move(pool)));
 }
 

@@ -46,24 +46,15 @@ KeptAttended AttendKept(const at::Tensor& q, const KvPool::Chunk& chunk, const K
 /// packed batch attending in runs, one launch per pool chunk. Thread-safe.
 class KeptRuns {
  public:
-  /// The model's shape and attention: heads, key/value heads of head_dim, the heads' scale (0:
-  /// 1/sqrt(head_dim)) and window, keys of its own beside the kept ones (bias_k/bias_v,
-  /// add_zero_attn), its compute dtype and device.
-  struct Shape {
-    int64_t heads = 1, kv_heads = 1, head_dim = 1;
-    double scale = 0;
-    int64_t window = 0;
-    bool extra_keys = false;
-    at::ScalarType dtype = at::kFloat;
-    at::Device device = at::kCPU;
-  };
-  /// Where a kernel takes the model's attention (`kernels`: LibTorch's varlen kernels run here):
-  /// flash attention's (half precision, head_dim a multiple of 8 up to 256) or the memory-efficient
-  /// kernel's (ungrouped, no window); every model under `emulate`. Null otherwise, and with keys of
-  /// its own. Chunks of `chunk_bytes` (0: 1 GiB on CUDA, 16 MiB elsewhere), `max_bytes` in all (0:
-  /// no bound).
-  static std::unique_ptr<KeptRuns> Make(const Shape& shape, DecoderHeads decoder, bool kernels,
-                                        bool emulate, int64_t chunk_bytes, int64_t max_bytes);
+  /// For a model whose attention over heads is `heads` (its shape, scale, window, device and own
+  /// keys), computing in `dtype`. Where a kernel takes its attention (`kernels`: LibTorch's varlen
+  /// kernels run here): flash attention's (half precision, head_dim a multiple of 8 up to 256) or
+  /// the memory-efficient kernel's (ungrouped, no window); every model under `emulate`. Null
+  /// otherwise, and with keys of its own (bias_k/bias_v, add_zero_attn). Chunks of `chunk_bytes`
+  /// (0: 1 GiB on CUDA, 16 MiB elsewhere), `max_bytes` in all (0: no bound).
+  static std::unique_ptr<KeptRuns> Make(const HeadAttentionOptions& heads, at::ScalarType dtype,
+                                        DecoderHeads decoder, bool kernels, bool emulate,
+                                        int64_t chunk_bytes, int64_t max_bytes);
 
   /// The pool sessions' blocks are allocated from (TorchKv).
   const std::shared_ptr<KvPool>& pool() const { return pool_; }
@@ -79,6 +70,13 @@ class KeptRuns {
               std::vector<Attended>* attended, std::vector<bool>* done) const;
 
  private:
+  // What the runs need of the model's attention (scale 1/sqrt(head_dim) when it sets none).
+  struct Shape {
+    int64_t heads = 1, kv_heads = 1, head_dim = 1;
+    double scale = 0;
+    int64_t window = 0;
+    at::Device device = at::kCPU;
+  };
   KeptRuns(const Shape& shape, DecoderHeads decoder, bool emulate, std::shared_ptr<KvPool> pool)
       : shape_(shape), decoder_(std::move(decoder)), emulate_(emulate), pool_(std::move(pool)) {}
   // One chunk's steps: calls[i] with its placement.

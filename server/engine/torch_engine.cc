@@ -91,16 +91,7 @@ class TorchModel final : public AttentionModel {
     const HeadAttentionOptions heads = HeadOptions(w, opts);
     heads_ = std::make_unique<HeadAttention>(heads, products_);
     spec_.kernels = DescribeKernels(choice_, proj_, heads_->Fused(false), device_, dtype_);
-    KeptRuns::Shape shape;
-    shape.heads = spec_.num_heads;
-    shape.kv_heads = spec_.kv_heads();
-    shape.head_dim = spec_.head_dim();
-    shape.scale = heads.scale;
-    shape.window = heads.window;
-    shape.extra_keys = spec_.extra_keys() > 0;
-    shape.dtype = dtype_;
-    shape.device = device_;
-    kept_ = KeptRuns::Make(shape, decoder_, varlen_ == VarlenMode::kKernel,
+    kept_ = KeptRuns::Make(heads, dtype_, decoder_, varlen_ == VarlenMode::kKernel,
                            varlen_ == VarlenMode::kEmulate, kv_pool_chunk_bytes, kv_pool_max_bytes);
   }
 
