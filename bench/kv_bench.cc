@@ -1135,6 +1135,7 @@ int Batched(const Options& o) {
   std::vector<double> pipelined_rate, pipelined_ms, pipelined_to_bound, pipelined_to_separate;
   for (int rep = 0; rep < o.repeats; ++rep) {
     read_gbs.push_back(ReadBandwidthGBs(threads));  // This repeat's, right before its rounds.
+    const double bound_now = read_gbs.back() * 1e9 / bytes_batched;  // Steps/s at the bound.
     // All S sessions in one call, `rounds` times.
     auto start = Clock::now();
     for (int round = 0; round < rounds; ++round) {
@@ -1146,7 +1147,7 @@ int Batched(const Options& o) {
       server_compute_ms.push_back(r.timing().compute_seconds() * 1e3);
     }
     batched_rate.push_back(rounds * s_count / (Ms(Clock::now() - start) / 1000));
-    to_bound.push_back(batched_rate.back() / (read_gbs.back() * 1e9 / bytes_batched));
+    to_bound.push_back(batched_rate.back() / bound_now);
     if (engine) {  // The engine's own, right after.
       engine_rate.push_back(engine->Rounds(rounds, &engine_ms));
       if (!engine->error().empty()) {
@@ -1157,7 +1158,7 @@ int Batched(const Options& o) {
     }
     if (o.micro_batches > 0) {  // The same sessions as micro-batches pipelined on a stream.
       pipelined_rate.push_back(pipelined_rounds(&pipelined_ms));
-      pipelined_to_bound.push_back(pipelined_rate.back() / (read_gbs.back() * 1e9 / bytes_batched));
+      pipelined_to_bound.push_back(pipelined_rate.back() / bound_now);
     }
     // The same sessions, each stepped by a thread of its own in separate unary calls.
     std::vector<std::thread> ts;

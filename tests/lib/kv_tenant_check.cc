@@ -482,6 +482,7 @@ struct KvTenantMachine::State {
                CodeName(st.code()) + " '" + st.message() + "', expected " + CodeName(want) + "; ";
       }
     };
+    const Status unknown = store->BeginStep(never, std::nullopt, t).status();
     std::set<std::string> busy;  // Handles an earlier entry got admitted: a step in flight.
     for (size_t i = 0; i < entries.size(); ++i) {
       const BatchEntry& e = entries[i];
@@ -494,7 +495,6 @@ struct KvTenantMachine::State {
         expect(i, st, right ? StatusCode::kOk : StatusCode::kAborted,
                right ? "its own session" : "a wrong length");
       } else {  // Another tenant's handle, or one never made: as one never made answers.
-        const Status unknown = store->BeginStep(never, std::nullopt, t).status();
         const std::string& h = begins[i].handle;
         if (st.code() != unknown.code() || Renamed(st.message(), h, never) != unknown.message()) {
           out += "batched entry " + std::to_string(i) +
